@@ -1,0 +1,113 @@
+"""Differentiable collectives: TP copy/reduce, CP sequence all-gather.
+
+Each is an autograd function whose backward is the adjoint of its forward, so gradients are exact
+without any post-hoc correction. All take a :class:`~gtp_runtime.groups.Group` and are no-ops on a
+group of one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gtp_runtime.groups import Group
+
+# torch 2.13 renamed the tensor collectives (the old names warn); torch 2.11 on the GPU hosts
+# only has the old ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Concatenate ``x`` of every member along dim 0, in group-rank order."""
+    if group.size == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather(out, x, group=group.handle)
+    return out
+
+
+def reduce_scatter_dim0(x: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
+    """Reduce ``x`` over the group and keep this rank's dim-0 slice."""
+    if group.size == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // group.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _reduce_scatter(out, x, op=op, group=group.handle)
+    return out
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward, all-reduce (sum) backward: input of a column-parallel layer."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group.handle)
+        return grad, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """All-reduce (sum) forward, identity backward: output of a row-parallel layer."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group.handle)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dim forward, take own slice backward (vocab-parallel logits)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        parts = all_gather_dim0(x.movedim(-1, 0), group)
+        return parts.movedim(0, -1).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        n = grad.shape[-1] // ctx.group.size
+        return grad[..., ctx.group.rank * n : (ctx.group.rank + 1) * n].contiguous(), None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along dim 0 forward, reduce-scatter (sum) backward: K/V over the CP group."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return all_gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return reduce_scatter_dim0(grad, ctx.group, dist.ReduceOp.SUM), None
+
+
+def copy_to_group(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _ReduceFromGroup.apply(x, group)
+
+
+def gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _GatherLastDim.apply(x, group)
+
+
+def gather_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _GatherSeq.apply(x, group)

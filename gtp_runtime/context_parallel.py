@@ -1,0 +1,51 @@
+"""Context parallelism: causal load-balanced sequence split and exact attention across CP ranks.
+
+A causal mask makes late tokens cost more than early ones, so each sequence is cut into
+``2*CP`` chunks and CP rank ``c`` takes chunks ``c`` and ``2*CP-1-c``: every rank gets one cheap
+and one expensive chunk. Attention gathers K and V from all CP ranks (with their global positions)
+and masks by ``q_pos >= k_pos``; the gather's backward reduce-scatters dK/dV back to their owners.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gtp_runtime.collectives import gather_seq
+from gtp_runtime.groups import Group
+
+
+def cp_positions(seq_len: int, cp_size: int, cp_rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """Global token positions held by ``cp_rank``: chunks ``c`` and ``2*CP-1-c``."""
+    chunk = seq_len // (2 * cp_size)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    j = 2 * cp_size - 1 - cp_rank
+    second = torch.arange(j * chunk, (j + 1) * chunk, device=device)
+    return torch.cat([first, second]) if cp_size > 1 else torch.arange(seq_len, device=device)
+
+
+def split_for_cp(x: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """The tokens of ``x`` [b, s, ...] that ``cp_rank`` holds, in :func:`cp_positions` order."""
+    return x[:, cp_positions(x.shape[1], cp_size, cp_rank, x.device)]
+
+
+def cp_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cp: Group
+) -> torch.Tensor:
+    """Causal attention of local queries against the keys/values of the whole sequence.
+
+    ``q, k, v``: [b, s_local, heads, d]; ``positions``: [s_local] global positions.
+    """
+    if cp.size == 1:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True)
+        return out.transpose(1, 2)
+    # Gather along the sequence: put seq first so the collective concatenates dim 0.
+    k_all = gather_seq(k.transpose(0, 1).contiguous(), cp).transpose(0, 1)
+    v_all = gather_seq(v.transpose(0, 1).contiguous(), cp).transpose(0, 1)
+    pos_all = gather_seq(positions.contiguous(), cp)
+    mask = positions[:, None] >= pos_all[None, :]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=mask
+    )
+    return out.transpose(1, 2)

@@ -1,0 +1,120 @@
+"""Leaf layers: GTP-sharded linears (column/row TP), vocab-parallel embedding, RMSNorm, RoPE.
+
+Every parameter carries a :class:`~gtp_runtime.sharding.ShardSpec` as ``param.spec`` and a
+``param.is_expert`` flag. The buffers, the optimizer and the checkpoint read those two attributes
+and nothing else about the model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from gtp_runtime import topology as topo
+from gtp_runtime.collectives import copy_to_group, reduce_from_group
+from gtp_runtime.groups import Groups
+from gtp_runtime.sharding import ShardSpec, gtp_linear
+
+
+def make_spec(
+    groups: Groups, full_shape: tuple[int, ...], tp_mode: str | None, shard_kind: str | None, align: int
+) -> ShardSpec:
+    tp = groups[topo.TP]
+    shard = groups[shard_kind] if shard_kind else None
+    return ShardSpec(
+        full_shape=tuple(full_shape),
+        tp_mode=tp_mode,
+        tp_size=tp.size,
+        tp_rank=tp.rank,
+        shard_kind=shard_kind,
+        shard_size=shard.size if shard else 1,
+        shard_rank=shard.rank if shard else 0,
+        align=align,
+    )
+
+
+def _param(spec: ShardSpec, dtype: torch.dtype, is_expert: bool, device: torch.device | None) -> nn.Parameter:
+    p = nn.Parameter(torch.zeros(spec.local_shape, dtype=dtype, device=device))
+    p.spec = spec  # type: ignore[attr-defined]
+    p.is_expert = is_expert  # type: ignore[attr-defined]
+    return p
+
+
+class GTPLinear(nn.Module):
+    """A bias-free linear whose TP-local weight is sharded over a GTP weight group.
+
+    ``tp_mode="column"``: weight rows split over TP, input replicated, output split.
+    ``tp_mode="row"``: weight columns split over TP, input split, output summed over TP.
+    """
+
+    def __init__(
+        self,
+        groups: Groups,
+        in_features: int,
+        out_features: int,
+        tp_mode: str,
+        expert: bool = False,
+        align: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        kind = topo.EXPERT_GTP if expert else topo.WEIGHT
+        self.groups, self.tp_mode = groups, tp_mode
+        self.shard_group = groups[kind]
+        spec = make_spec(groups, (out_features, in_features), tp_mode, kind, align)
+        self.weight = _param(spec, dtype, expert, device)
+        self.rows = spec.tp_local_shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp = self.groups[topo.TP]
+        if self.tp_mode == "column":
+            x = copy_to_group(x, tp)
+        y = gtp_linear(x, self.weight, self.shard_group, self.rows)
+        if self.tp_mode == "row":
+            y = reduce_from_group(y, tp)
+        return y
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, groups: Groups, hidden: int, eps: float, dtype: torch.dtype,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(make_spec(groups, (hidden,), None, None, 1), dtype, False, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split over TP; each rank looks up its own rows and TP sums the results."""
+
+    def __init__(self, groups: Groups, vocab: int, hidden: int, dtype: torch.dtype,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.groups = groups
+        spec = make_spec(groups, (vocab, hidden), "vocab", None, 1)
+        self.weight = _param(spec, dtype, False, device)
+        self.lo = spec.tp_rank * spec.tp_local_shape[0]
+        self.hi = self.lo + spec.tp_local_shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        inside = (tokens >= self.lo) & (tokens < self.hi)
+        idx = torch.where(inside, tokens - self.lo, torch.zeros_like(tokens))
+        out = self.weight[idx] * inside.unsqueeze(-1).to(self.weight.dtype)
+        return reduce_from_group(out, self.groups[topo.TP])
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding of ``x`` [b, s, h, d] at absolute ``positions`` [s] (rotate-half form)."""
+    d = x.shape[-1]
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    ang = positions.to(torch.float32)[:, None] * inv[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[None, :, None, :]
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[None, :, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)

@@ -1,0 +1,154 @@
+"""A small Megatron-style GPT built from GTP-sharded layers.
+
+Module names reproduce Megatron's parameter names (``embedding.word_embeddings.weight``,
+``decoder.layers.0.self_attention.linear_qkv.weight``, ``decoder.layers.1.mlp.router.weight``,
+``decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight``, ...) so checkpoints read
+like Megatron's. Dense linears and the output layer are GTP-managed (sharded over the weight
+group); expert linears shard over the expert GTP group and never fold; embeddings, norms and the
+router are replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gtp_runtime import topology as topo
+from gtp_runtime.collectives import gather_last_dim
+from gtp_runtime.config import ModelConfig, ParallelConfig
+from gtp_runtime.context_parallel import cp_attention
+from gtp_runtime.groups import Groups
+from gtp_runtime.init import full_init
+from gtp_runtime.layers import GTPLinear, RMSNorm, VocabParallelEmbedding, _param, make_spec, rope
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: torch.device | None) -> None:
+        super().__init__()
+        h = cfg.hidden
+        self.groups = groups
+        self.head_dim = h // cfg.num_heads
+        self.local_heads = cfg.num_heads // groups[topo.TP].size
+        # Rows of linear_qkv are grouped per head as [q_h; k_h; v_h], so a TP split of the rows
+        # hands each TP rank whole heads (Megatron's interleaved layout).
+        self.linear_qkv = GTPLinear(groups, h, 3 * h, "column", align=cfg.gtp_align, dtype=dtype, device=device)
+        self.linear_proj = GTPLinear(groups, h, h, "row", align=cfg.gtp_align, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.linear_qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
+        q, k, v = qkv.unbind(dim=3)
+        q, k = rope(q, positions), rope(k, positions)
+        out = cp_attention(q, k, v, positions, self.groups[topo.CP])
+        return self.linear_proj(out.reshape(b, s, self.local_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: torch.device | None,
+                 expert: bool = False) -> None:
+        super().__init__()
+        kw = dict(expert=expert, align=cfg.gtp_align, dtype=dtype, device=device)
+        self.linear_fc1 = GTPLinear(groups, cfg.hidden, cfg.ffn_hidden, "column", **kw)
+        self.linear_fc2 = GTPLinear(groups, cfg.ffn_hidden, cfg.hidden, "row", **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: torch.device | None) -> None:
+        super().__init__()
+        self.local_experts = nn.ModuleList(
+            [MLP(cfg, groups, dtype, device, expert=True) for _ in range(cfg.num_experts)]
+        )
+
+
+class MoE(nn.Module):
+    """Top-k routed experts, EP=1: every rank runs every expert on its own tokens.
+
+    Each expert runs on all local tokens and is weighted by a gate that is zero for tokens not
+    routed to it. That costs FLOPs but keeps every rank's collectives identical (an expert that
+    got no tokens on one rank would otherwise skip its all-gather and hang the group).
+    """
+
+    def __init__(self, cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: torch.device | None) -> None:
+        super().__init__()
+        self.topk = cfg.moe_topk
+        self.router = nn.Module()
+        spec = make_spec(groups, (cfg.num_experts, cfg.hidden), None, None, 1)
+        self.router.weight = _param(spec, dtype, False, device)
+        self.experts = Experts(cfg, groups, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.router.weight.float())
+        top_val, top_idx = logits.topk(self.topk, dim=-1)
+        gates = torch.zeros_like(logits).scatter(-1, top_idx, torch.softmax(top_val, dim=-1))
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e, expert in enumerate(self.experts.local_experts):
+            out = out + gates[..., e : e + 1] * expert(x).float()
+        return out.to(x.dtype)
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, groups: Groups, layer: int, dtype: torch.dtype,
+                 device: torch.device | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(groups, cfg.hidden, cfg.norm_eps, dtype, device)
+        self.self_attention = SelfAttention(cfg, groups, dtype, device)
+        self.pre_mlp_layernorm = RMSNorm(groups, cfg.hidden, cfg.norm_eps, dtype, device)
+        moe = cfg.is_moe_layer(layer)
+        self.mlp = MoE(cfg, groups, dtype, device) if moe else MLP(cfg, groups, dtype, device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attention(self.input_layernorm(x), positions)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: torch.device | None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([TransformerLayer(cfg, groups, i, dtype, device) for i in range(cfg.num_layers)])
+        self.final_layernorm = RMSNorm(groups, cfg.hidden, cfg.norm_eps, dtype, device)
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: torch.device | None) -> None:
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(groups, cfg.vocab_size, cfg.hidden, dtype, device)
+
+
+class GPTModel(nn.Module):
+    """The sharded model of one rank. ``forward`` returns this rank's mean token loss."""
+
+    def __init__(self, cfg: ModelConfig, par: ParallelConfig, groups: Groups,
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.cfg, self.par, self.groups = cfg, par, groups
+        self.embedding = Embedding(cfg, groups, dtype, device)
+        self.decoder = Decoder(cfg, groups, dtype, device)
+        self.output_layer = GTPLinear(groups, cfg.hidden, cfg.vocab_size, "column", align=cfg.gtp_align,
+                                      dtype=dtype, device=device)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        for name, p in self.named_parameters():
+            full = full_init(name, p.spec.full_shape, self.cfg.seed, self.cfg.num_layers)
+            p.copy_(p.spec.take(full).to(p.device, p.dtype))
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embedding.word_embeddings(tokens)
+        for layer in self.decoder.layers:
+            x = layer(x, positions)
+        x = self.decoder.final_layernorm(x)
+        logits = gather_last_dim(self.output_layer(x), self.groups[topo.TP])
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+    def full_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: p.spec.full_shape for n, p in self.named_parameters()}
+
+
+def is_gtp_dense(p: nn.Parameter) -> bool:
+    """A dense weight sharded over the (possibly folded) weight group."""
+    return p.spec.shard_kind == topo.WEIGHT and not p.is_expert

@@ -1,0 +1,203 @@
+"""Launcher: ``python -m gtp_runtime.train --nproc-per-node N --tp .. --cp .. --gtp-remat .. [--fold-cp]``.
+
+Spawns N local ranks itself (gloo on CPU, NCCL when CUDA is there) or, when started by
+``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment), runs as that one rank. Trains on the
+embedded corpus and prints one line per step. ``--check-reference`` also runs the single-process
+fp32 reference on the same global batches and exits 1, naming the worst parameter, if any
+gradient, loss or parameter differs beyond tolerance.
+
+Every flag is parsed here and nowhere else, and every flag is exercised by a test through this
+command line (upstream once read a flag that was never registered with its parser).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from gtp_runtime.config import ConfigError, ModelConfig, ParallelConfig
+from gtp_runtime.optimizer import AdamConfig
+from gtp_runtime.training import TrainConfig, Trainer
+
+EXAMPLES = """examples:
+  python -m gtp_runtime.train --nproc-per-node 8 --cp 2 --gtp-remat 2 --dp 2 --fold-cp --steps 5
+  python -m gtp_runtime.train --nproc-per-node 4 --tp 2 --cp 2 --fold-cp --check-reference
+  torchrun --nproc-per-node 2 -m gtp_runtime.train --cp 2 --fold-cp --steps 10
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m gtp_runtime.train", description=__doc__.split("\n\n")[1],
+                                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_argument_group("parallelism")
+    g.add_argument("--nproc-per-node", type=int, default=None, help="ranks to spawn (default: tp*cp*gtp_remat*dp)")
+    g.add_argument("--tp", type=int, default=1)
+    g.add_argument("--cp", type=int, default=1)
+    g.add_argument("--gtp-remat", type=int, default=1)
+    g.add_argument("--dp", type=int, default=None, help="replicate degree (default: world / (tp*cp*gtp_remat))")
+    g.add_argument("--fold-cp", action="store_true", help="shard dense weights over cp x gtp_remat (opt-in)")
+    g.add_argument("--expert-gtp-remat", type=int, default=1)
+    g.add_argument("--average-in-collective", action="store_true",
+                   help="average inside the collective (refused with GTP_remat active)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    m = ap.add_argument_group("model")
+    m.add_argument("--vocab-size", type=int, default=256)
+    m.add_argument("--hidden", type=int, default=64)
+    m.add_argument("--num-layers", type=int, default=2)
+    m.add_argument("--num-heads", type=int, default=4)
+    m.add_argument("--ffn-hidden", type=int, default=128)
+    m.add_argument("--seq-length", type=int, default=32)
+    m.add_argument("--num-experts", type=int, default=0)
+    m.add_argument("--moe-topk", type=int, default=1)
+    m.add_argument("--gtp-align", type=int, default=16)
+    m.add_argument("--seed", type=int, default=1234)
+    m.add_argument("--bf16", action="store_true", help="bf16 params, fp32 grads and optimizer state")
+    t = ap.add_argument_group("training")
+    t.add_argument("--steps", type=int, default=5)
+    t.add_argument("--micro-batch", type=int, default=2)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--clip-grad", type=float, default=1.0)
+    t.add_argument("--bucket-size", type=int, default=40_000_000, help="elements per gradient bucket")
+    t.add_argument("--check-reference", action="store_true", help="compare against the fp32 reference")
+    t.add_argument("--reference-tol", type=float, default=1e-5,
+                   help="max relative error of losses, grad norms and gradients vs the reference")
+    t.add_argument("--reference-param-tol", type=float, default=1e-3,
+                   help="max relative error of params after Adam steps vs the reference")
+    t.add_argument("--log-json", default=None, help="write per-step rows and a summary to this file (rank 0)")
+    return ap
+
+
+def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, int]:
+    """Turn parsed flags into a validated config and the world size."""
+    base = args.tp * args.cp * args.gtp_remat
+    if args.dp is None:
+        n = world or args.nproc_per_node or base
+        if n % base:
+            raise ConfigError(f"world size {n} is not a multiple of tp*cp*gtp_remat = {base}; pass --dp")
+        args.dp = n // base
+    par = ParallelConfig(tp=args.tp, cp=args.cp, gtp_remat=args.gtp_remat, dp=args.dp, fold_cp=args.fold_cp,
+                         expert_gtp_remat=args.expert_gtp_remat, average_in_collective=args.average_in_collective)
+    world = world or args.nproc_per_node or par.world_size
+    par.validate(world, args.num_experts)
+    model = ModelConfig(vocab_size=args.vocab_size, hidden=args.hidden, num_layers=args.num_layers,
+                        num_heads=args.num_heads, ffn_hidden=args.ffn_hidden, seq_length=args.seq_length,
+                        num_experts=args.num_experts, moe_topk=args.moe_topk, gtp_align=args.gtp_align,
+                        seed=args.seed)
+    model.validate(par)
+    adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad)
+    cfg = TrainConfig(par=par, model=model, adam=adam, micro_batch=args.micro_batch, bucket_size=args.bucket_size,
+                      param_dtype=torch.bfloat16 if args.bf16 else torch.float32)
+    return cfg, world
+
+
+def _device(args: argparse.Namespace, local_rank: int) -> torch.device:
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
+    """Body of one rank once the default process group exists. Returns the exit code."""
+    from gtp_runtime.parity import check_against_reference
+
+    rank = dist.get_rank()
+    device = _device(args, int(os.environ.get("LOCAL_RANK", rank)))
+    trainer = Trainer(cfg, device=device)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"gtp_runtime: {cfg.par.describe()} world={cfg.par.world_size} device={device.type} "
+        f"dense weight+grad bytes/rank={trainer.dense_weight_grad_bytes()}", flush=True)
+    rows: list[dict[str, Any]] = []
+    code = 0
+    if args.check_reference:
+        ref_rows, worst = check_against_reference(trainer, args.steps, args.reference_tol,
+                                                   args.reference_param_tol)
+        for r in ref_rows:
+            say(f"step {r['step']:4d} | loss {r['loss']:.6f} (ref {r['ref_loss']:.6f}) | grad_norm "
+                f"{r['grad_norm']:.6f} (ref {r['ref_grad_norm']:.6f}) | zeros {r['zeros']} (ref {r['ref_zeros']}) "
+                f"| worst {r['worst'].what} {r['worst'].name} {r['worst'].error:.2f}x tol", flush=True)
+            rows.append({k: (vars(v) if k == "worst" else v) for k, v in r.items()})
+        ok = worst.error <= 1.0
+        say(f"reference check {'PASSED' if ok else 'FAILED'}: worst error {worst.error:.3f}x its tolerance "
+            f"({worst.what}, {worst.name or '-'})", flush=True)
+        code = 0 if ok else 1
+    else:
+        for _ in range(args.steps):
+            r = trainer.train_step()
+            say(f"step {r.step:4d} | loss {r.loss:.6f} | grad_norm {r.grad_norm:.6f} | zeros {r.num_zeros} "
+                f"| {r.seconds * 1e3:.1f} ms", flush=True)
+            rows.append(vars(r))
+    if args.log_json and rank == 0:
+        with open(args.log_json, "w") as f:
+            json.dump({"config": cfg.par.to_dict(), "rows": rows, "exit_code": code,
+                       "dense_weight_grad_bytes": trainer.dense_weight_grad_bytes()}, f, indent=1)
+    return code
+
+
+def _worker(rank: int, world: int, port: int, argv: list[str], codes: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    codes[rank] = _run_initialised(argv)
+
+
+def _run_initialised(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    world = int(os.environ["WORLD_SIZE"])
+    cfg, _ = resolve(args, world)
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    torch.set_num_threads(1) if not use_cuda else None
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    try:
+        return run_rank(args, cfg)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(argv: list[str], world: int) -> int:
+    """Run ``world`` local ranks of this launcher and return the worst exit code."""
+    ctx = mp.get_context("spawn")
+    codes = ctx.Array("i", [1] * world)
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, argv, codes)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    return max(max(codes[:]), max(abs(p.exitcode or 0) for p in procs))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            return _run_initialised(argv)
+        _, world = resolve(args, None)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return spawn(argv, world)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

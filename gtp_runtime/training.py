@@ -1,0 +1,98 @@
+"""One rank's training state and step: model, optimizer, the batch it sees, the step itself."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from gtp_runtime import topology as topo
+from gtp_runtime.config import ModelConfig, ParallelConfig
+from gtp_runtime.context_parallel import cp_positions, split_for_cp
+from gtp_runtime.data import global_batch, lane_slice
+from gtp_runtime.groups import Groups, build_groups
+from gtp_runtime.model import GPTModel, is_gtp_dense
+from gtp_runtime.optimizer import AdamConfig, DistributedAdam, StepStats
+
+
+@dataclass
+class TrainConfig:
+    par: ParallelConfig
+    model: ModelConfig
+    adam: AdamConfig = field(default_factory=AdamConfig)
+    micro_batch: int = 2
+    bucket_size: int = 40_000_000
+    param_dtype: torch.dtype = torch.float32
+
+    @property
+    def lanes(self) -> int:
+        """Data lanes: every (gtp_remat, dp) pair sees distinct sequences."""
+        return self.par.gtp_remat * self.par.dp
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.lanes * self.micro_batch
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float
+    num_zeros: int
+    seconds: float
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, groups: Groups | None = None, device: torch.device | None = None) -> None:
+        cfg.par.validate(dist.get_world_size(), cfg.model.num_experts)
+        cfg.model.validate(cfg.par)
+        self.cfg = cfg
+        self.device = device or torch.device("cpu")
+        self.groups = groups or build_groups(cfg.par)
+        self.model = GPTModel(cfg.model, cfg.par, self.groups, dtype=cfg.param_dtype, device=self.device)
+        self.optimizer = DistributedAdam(self.model, self.groups, cfg.adam, cfg.bucket_size)
+        self.iteration = 0
+
+    @property
+    def lane(self) -> int:
+        c = self.groups.coords
+        return c.gtp + self.cfg.par.gtp_remat * c.dp
+
+    def local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's tokens, labels and global positions for ``step`` (1-based)."""
+        m = self.cfg.model
+        tokens, labels = global_batch(step, self.cfg.global_batch_size, m.seq_length, m.vocab_size)
+        sl = lane_slice(self.lane, self.cfg.micro_batch)
+        cp = self.groups[topo.CP]
+        tokens, labels = split_for_cp(tokens[sl], cp.size, cp.rank), split_for_cp(labels[sl], cp.size, cp.rank)
+        pos = cp_positions(m.seq_length, cp.size, cp.rank)
+        return tokens.to(self.device), labels.to(self.device), pos.to(self.device)
+
+    def forward_backward(self, step: int) -> float:
+        """Forward and backward of one step; returns the global mean loss."""
+        self.optimizer.zero_grad()
+        tokens, labels, pos = self.local_batch(step)
+        loss = self.model(tokens, labels, pos)
+        loss.backward()
+        reported = loss.detach().float().clone()
+        dist.all_reduce(reported, op=dist.ReduceOp.AVG, group=self.groups[topo.REPLICATED].handle)
+        return reported.item()
+
+    def train_step(self) -> StepResult:
+        t0 = time.perf_counter()
+        step = self.iteration + 1
+        loss = self.forward_backward(step)
+        stats: StepStats = self.optimizer.step()
+        self.iteration = step
+        return StepResult(step, loss, stats.grad_norm, stats.num_zeros, time.perf_counter() - t0)
+
+    def dense_weight_grad_bytes(self) -> int:
+        """Bytes this rank holds for dense GTP weights and their gradients (the folding target)."""
+        total = 0
+        for p in self.model.parameters():
+            if is_gtp_dense(p):
+                total += p.numel() * p.element_size() + p.main_grad.numel() * p.main_grad.element_size()
+        return total
