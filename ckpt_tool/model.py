@@ -1,0 +1,112 @@
+"""The checkpoint model every command works on, whatever the on-disk layout.
+
+Both readers (DCP ``.metadata`` pickles and DCP's safetensors layout) produce this model, so the
+checks in :mod:`ckpt_tool.verify_core` and the commands never look at a layout again. It holds
+metadata only: building it never opens a data file, which is what lets ``inspect`` promise not to
+touch ``.distcp`` files.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TENSOR = "tensor"
+BYTES = "bytes"
+
+# How a chunk's stored bytes decode: a complete torch.save blob (DCP's default) or raw
+# little-endian elements in row-major order (safetensors).
+ENC_TORCH_SAVE = "torch_save"
+ENC_RAW = "raw"
+
+SEVERITIES = ("error", "warning", "info")
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    """Where one chunk's bytes are, exactly as the metadata recorded it (not yet validated)."""
+
+    file: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored box of a tensor (or the single blob of a byte object: empty offsets/sizes)."""
+
+    index: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    storage: StorageRef | None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One key of the checkpoint."""
+
+    key: str
+    kind: str  # TENSOR or BYTES
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape) if self.shape is not None else 0
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize if self.dtype is not None else 1
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(c.storage.length for c in self.chunks if c.storage is not None)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding. ``check`` is a stable short code that scripts can match on."""
+
+    severity: str
+    check: str
+    message: str
+    key: str | None = None
+    chunk: int | None = None
+    file: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint folder, read as metadata only."""
+
+    root: Path
+    layout: str  # one of gtp_runtime.checkpoint.format.LAYOUTS
+    backend: str  # human description: "megatron torch_dist", "dcp", "dcp safetensors"
+    encoding: str  # ENC_TORCH_SAVE or ENC_RAW
+    entries: dict[str, Entry]
+    data_files: dict[str, int]  # data files present in the folder -> size (from stat)
+    metadata_file: str | None = None
+    dcp_version: str | None = None
+    megatron_metadata: dict[str, Any] | None = None
+    manifest: dict[str, Any] | None = None
+    iteration: int | None = None
+    notes: list[Problem] = field(default_factory=list)
+
+    def chunk_count(self) -> int:
+        return sum(len(e.chunks) for e in self.entries.values())
+
+    def referenced_files(self) -> set[str]:
+        return {c.storage.file for e in self.entries.values() for c in e.chunks if c.storage is not None}

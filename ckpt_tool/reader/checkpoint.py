@@ -1,0 +1,76 @@
+"""Open a checkpoint PATH as a :class:`ckpt_tool.model.Checkpoint`: locate, detect, read metadata.
+
+This is the only entry point the commands use, so every command accepts the same PATH forms and
+refuses the same bad input with the same words.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ckpt_tool.errors import ChunkError
+from ckpt_tool.model import ENC_RAW, ENC_TORCH_SAVE, Checkpoint, Problem
+from ckpt_tool.reader.dcp_reader import data_file_sizes, read_dcp_metadata
+from ckpt_tool.reader.locate import (
+    LAYOUT_SAFETENSORS,
+    iteration_from_name,
+    load_side_files,
+    locate,
+)
+from ckpt_tool.reader.safetensors_reader import read_safetensors_metadata, safetensors_files
+from ckpt_tool.reader.storage import file_size
+from gtp_runtime.checkpoint.format import DCP_METADATA_FILE
+
+TORCH_DIST_BACKEND = "torch_dist"
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Read a checkpoint's metadata; never opens a data file except safetensors headers."""
+    loc = locate(path)
+    megatron, manifest = load_side_files(loc)
+    notes: list[Problem] = []
+    if loc.layout == LAYOUT_SAFETENSORS:
+        files = safetensors_files(loc)
+        entries, notes = read_safetensors_metadata(loc, files)
+        backend, encoding, metadata_file, version = "dcp safetensors", ENC_RAW, None, None
+    else:
+        files = data_file_sizes(loc.folder, loc.names)
+        entries, notes, version = read_dcp_metadata(loc, files)
+        is_megatron = megatron is not None and megatron.get("sharded_backend") == TORCH_DIST_BACKEND
+        backend = "megatron torch_dist" if is_megatron else "dcp"
+        encoding, metadata_file = ENC_TORCH_SAVE, DCP_METADATA_FILE
+        if megatron is not None and not is_megatron:
+            notes.append(Problem("warning", "backend",
+                                 f"metadata.json names sharded_backend {megatron.get('sharded_backend')!r}, "
+                                 "not 'torch_dist', yet the folder holds DCP files"))
+        # Referenced files with other names (older writers, renamed copies) are data files too.
+        referenced = {c.storage.file for e in entries.values() for c in e.chunks if c.storage}
+        files.update(_referenced_sizes(loc.folder, referenced - files.keys()))
+    iteration = iteration_from_name(loc.folder)
+    if manifest is not None and "iteration" in manifest:
+        claimed = manifest["iteration"]
+        if type(claimed) is not int:
+            notes.append(Problem("warning", "manifest", f"manifest iteration {claimed!r} is not an int"))
+        else:
+            if iteration is not None and claimed != iteration:
+                notes.append(Problem("warning", "manifest", f"manifest says iteration {claimed} but the folder "
+                                     f"is {loc.folder.name}"))
+            iteration = claimed
+    return Checkpoint(
+        root=loc.folder, layout=loc.layout, backend=backend, encoding=encoding, entries=entries,
+        data_files=dict(sorted(files.items())), metadata_file=metadata_file, dcp_version=version,
+        megatron_metadata=megatron, manifest=manifest, iteration=iteration, notes=notes,
+    )
+
+
+
+def _referenced_sizes(folder: Path, rels: set[str]) -> dict[str, int]:
+    """Sizes of referenced data files with non-DCP names that are usable files inside the folder."""
+    sizes = {}
+    for rel in rels:
+        try:
+            sizes[rel] = file_size(folder, rel)
+        except ChunkError:
+            pass  # verify reports unusable storage paths, with the reason
+    return sizes

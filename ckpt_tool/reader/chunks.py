@@ -1,0 +1,95 @@
+"""Read and decode one stored chunk, checking it against its metadata on the way.
+
+The declared size is checked before any byte is read (a chunk declaring 10**15 elements is an
+error message, not an allocation); the byte range is checked against the real file size before
+it is read; only that range is read; the decoded tensor's dtype and shape must equal the
+declared ones. ``torch.load`` always runs with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+
+from ckpt_tool.errors import ChunkError
+from ckpt_tool.model import BYTES, ENC_RAW, Checkpoint, Chunk, Entry
+from ckpt_tool.reader.storage import read_range
+
+
+def declared_size_problem(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> str | None:
+    """Why a chunk's declared element count cannot fit its stored byte length, or ``None``.
+
+    A ``torch.save`` blob holds the raw elements plus a zip wrapper, so it is at least as long as
+    the elements; a raw (safetensors) chunk is exactly as long.
+    """
+    if entry.kind == BYTES or chunk.storage is None:
+        return None
+    need = chunk.numel * entry.itemsize
+    have = chunk.storage.length
+    if ckpt.encoding == ENC_RAW and need != have:
+        return f"declares {chunk.numel} elements ({need} bytes) but stores {have} bytes"
+    if need > have:
+        return f"declares {chunk.numel} elements ({need} bytes) but its stored blob is only {have} bytes"
+    return None
+
+
+def chunk_bytes(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> bytes:
+    """The stored bytes of one chunk, after the metadata-level checks."""
+    where = f"{entry.key} chunk {chunk.index}"
+    if chunk.storage is None:
+        raise ChunkError(f"{where} has no storage entry in the metadata: its data was never written",
+                         key=entry.key, chunk=chunk.index)
+    ref = chunk.storage
+    if ref.transforms:
+        raise ChunkError(f"{where} in {ref.file} uses storage transforms {list(ref.transforms)}, which ckpt "
+                         "cannot decode", key=entry.key, chunk=chunk.index, file=ref.file)
+    problem = declared_size_problem(ckpt, entry, chunk)
+    if problem is not None:
+        raise ChunkError(f"{where} in {ref.file} {problem}", key=entry.key, chunk=chunk.index, file=ref.file)
+    try:
+        return read_range(ckpt.root, ref.file, ref.offset, ref.length)
+    except ChunkError as e:
+        raise ChunkError(f"{where}: {e.message}", key=entry.key, chunk=chunk.index, file=ref.file) from None
+
+
+def decode_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytes) -> torch.Tensor:
+    """Decode a tensor chunk's bytes and check dtype and shape against the metadata."""
+    where = f"{entry.key} chunk {chunk.index} in {chunk.storage.file if chunk.storage else '?'}"
+    file = chunk.storage.file if chunk.storage else None
+    if ckpt.encoding == ENC_RAW:
+        t = (torch.frombuffer(bytearray(buf), dtype=entry.dtype) if buf else torch.empty(0, dtype=entry.dtype))
+        return t.reshape(chunk.sizes)
+    try:
+        t = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged blob raises anything from zip errors to unpickling errors
+        raise ChunkError(f"{where} does not decode as a torch.save blob ({type(e).__name__}: "
+                         f"{str(e)[:200]})", key=entry.key, chunk=chunk.index, file=file) from None
+    if not isinstance(t, torch.Tensor):
+        raise ChunkError(f"{where} decodes to a {type(t).__name__}, not a tensor",
+                         key=entry.key, chunk=chunk.index, file=file)
+    if t.dtype != entry.dtype or tuple(t.shape) != chunk.sizes:
+        raise ChunkError(f"{where} decodes to {t.dtype} {tuple(t.shape)} but the metadata declares "
+                         f"{entry.dtype} {chunk.sizes}", key=entry.key, chunk=chunk.index, file=file)
+    return t
+
+
+def load_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> torch.Tensor:
+    """Read, decode and check one tensor chunk."""
+    return decode_chunk(ckpt, entry, chunk, chunk_bytes(ckpt, entry, chunk))
+
+
+def load_object(ckpt: Checkpoint, entry: Entry) -> Any:
+    """A byte object decoded with ``torch.load(weights_only=True)`` (Megatron's ShardedObjects).
+
+    Objects that need more than tensors and plain containers (numpy RNG state, for instance) are
+    refused by weights_only; the caller decides whether that matters.
+    """
+    buf = chunk_bytes(ckpt, entry, entry.chunks[0])
+    try:
+        return torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ChunkError(f"byte object {entry.key} does not load with weights_only=True ({type(e).__name__}: "
+                         f"{str(e)[:200]})", key=entry.key, chunk=0,
+                         file=entry.chunks[0].storage.file if entry.chunks[0].storage else None) from None

@@ -1,0 +1,125 @@
+"""Find the checkpoint folder behind a user's PATH and tell which layout it uses.
+
+Users pass either an ``iter_XXXXXXX`` folder or the run's checkpoint directory holding
+``latest_checkpointed_iteration.txt``, the way Megatron resumes. The marker file is input like
+any other: its content must be an iteration number (or Megatron's ``release``) and the folder it
+names must exist, or the user gets one line saying which.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpt_tool.errors import CkptError
+from ckpt_tool.reader.storage import list_dir, read_small_file
+from gtp_runtime.checkpoint.format import (
+    DCP_METADATA_FILE,
+    DISTCP_RE,
+    ITER_DIR_RE,
+    LATEST_FILE,
+    LAYOUTS,
+    MANIFEST_FILE,
+    MEGATRON_METADATA_FILE,
+    iter_dir_name,
+)
+
+LAYOUT_TORCH_DIST, LAYOUT_SAFETENSORS = LAYOUTS
+SAFETENSORS_SUFFIX = ".safetensors"
+SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
+RELEASE_DIR = "release"
+
+JSON_LIMIT = 64 << 20  # metadata.json and the manifest are small; this only stops runaway files
+
+
+@dataclass(frozen=True)
+class Located:
+    """A checkpoint folder and what was found in it."""
+
+    folder: Path
+    layout: str
+    names: tuple[str, ...]  # entries of the folder, sorted
+
+
+def _read_latest(parent: Path) -> Path:
+    marker = parent / LATEST_FILE
+    fix = f"write the iteration number into {LATEST_FILE} or pass the iter_XXXXXXX folder itself"
+    raw = read_small_file(marker, 64, "an iteration marker", fix)
+    text = raw.decode("utf-8", errors="replace").strip()
+    if text == RELEASE_DIR:
+        folder = parent / RELEASE_DIR
+    elif re.fullmatch(r"\d{1,12}", text):
+        folder = parent / iter_dir_name(int(text))
+    else:
+        raise CkptError(f"{marker} holds {text[:40]!r}, not an iteration number; {fix}")
+    if not folder.is_dir():
+        what = "a file" if folder.exists() else "missing"
+        raise CkptError(f"{marker} names iteration {text} but {folder} is {what}; {fix}")
+    return folder
+
+
+def _layout_of(names: list[str]) -> str | None:
+    if DCP_METADATA_FILE in names:
+        return LAYOUT_TORCH_DIST
+    if any(n.endswith(SAFETENSORS_SUFFIX) for n in names):
+        return LAYOUT_SAFETENSORS
+    return None
+
+
+def locate(path: str | os.PathLike[str]) -> Located:
+    """Resolve PATH to a checkpoint folder, following ``latest_checkpointed_iteration.txt``."""
+    p = Path(path)
+    if not p.exists():
+        raise CkptError(f"{p} does not exist; pass a checkpoint folder (iter_XXXXXXX) or its parent")
+    if not p.is_dir():
+        raise CkptError(f"{p} is a file, expected a checkpoint folder; pass the iter_XXXXXXX folder or its parent")
+    names = list_dir(p)
+    layout = _layout_of(names)
+    if layout is None and LATEST_FILE in names:
+        p = _read_latest(p)
+        names = list_dir(p)
+        layout = _layout_of(names)
+    if layout is None:
+        if any(DISTCP_RE.match(n) for n in names) or MEGATRON_METADATA_FILE in names:
+            raise CkptError(
+                f"{p / DCP_METADATA_FILE} is missing: the folder has data files but no DCP metadata "
+                "(an interrupted save?); restore .metadata or use another iteration"
+            )
+        iters = [n for n in names if ITER_DIR_RE.match(n)]
+        if iters:
+            raise CkptError(f"{p} holds {len(iters)} iter_* folders but no {LATEST_FILE}; pass one of them, "
+                            f"e.g. {p / iters[-1]}")
+        what = "is empty" if not names else "has no .metadata, *.safetensors or " + LATEST_FILE
+        raise CkptError(f"{p} {what}: not a checkpoint folder; pass an iter_XXXXXXX folder or its parent")
+    return Located(folder=p, layout=layout, names=tuple(names))
+
+
+def load_json_object(path: Path, what: str) -> dict[str, Any]:
+    """A small JSON file that must hold an object (metadata.json, the manifest, an index)."""
+    fix = f"fix or remove {path.name}"
+    raw = read_small_file(path, JSON_LIMIT, what, fix)
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CkptError(f"{path} is not valid JSON ({e}); {fix}") from None
+    if not isinstance(obj, dict):
+        raise CkptError(f"{path} holds a JSON {type(obj).__name__}, expected an object; {fix}")
+    return obj
+
+
+def load_side_files(loc: Located) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """Megatron's ``metadata.json`` and our ``gtp_manifest.json``, when present."""
+    megatron = (load_json_object(loc.folder / MEGATRON_METADATA_FILE, "Megatron metadata")
+                if MEGATRON_METADATA_FILE in loc.names else None)
+    manifest = load_json_object(loc.folder / MANIFEST_FILE, "the manifest") if MANIFEST_FILE in loc.names else None
+    return megatron, manifest
+
+
+def iteration_from_name(folder: Path) -> int | None:
+    """The iteration an ``iter_XXXXXXX`` folder name encodes."""
+    m = ITER_DIR_RE.match(folder.name)
+    return int(m.group(1)) if m else None
