@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=1234)
     m.add_argument("--bf16", action="store_true", help="bf16 params, fp32 grads and optimizer state")
     t = ap.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=5)
+    t.add_argument("--steps", type=int, default=5,
+                   help="train until this iteration (Megatron's --train-iters; counts loaded iterations)")
     t.add_argument("--micro-batch", type=int, default=2)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--weight-decay", type=float, default=0.01)
@@ -73,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max relative error of losses, grad norms and gradients vs the reference")
     t.add_argument("--reference-param-tol", type=float, default=1e-3,
                    help="max relative error of params after Adam steps vs the reference")
+    c = ap.add_argument_group("checkpointing")
+    c.add_argument("--save", default=None, help="folder to save checkpoints under (iter_XXXXXXX/)")
+    c.add_argument("--save-interval", type=int, default=None, help="save every K iterations (and at the end)")
+    c.add_argument("--load", default=None, help="checkpoint folder, or its parent (follows latest)")
+    c.add_argument("--ckpt-layout", choices=("torch_dist", "safetensors"), default="torch_dist")
+    c.add_argument("--optimizer-sharding", default="dp_reshardable",
+                   choices=("dp_reshardable", "fully_reshardable", "dp_zero_gather_scatter"))
     t.add_argument("--log-json", default=None, help="write per-step rows and a summary to this file (rank 0)")
     return ap
 
@@ -82,7 +90,9 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
     base = args.tp * args.cp * args.gtp_remat
     if args.dp is None:
         n = world or args.nproc_per_node or base
-        if n % base:
+        if base == 0:
+            args.dp = 1  # a zero size: par.validate below names it (``n % 0`` would crash here)
+        elif n % base:
             raise ConfigError(f"world size {n} is not a multiple of tp*cp*gtp_remat = {base}; pass --dp")
         args.dp = n // base
     par = ParallelConfig(tp=args.tp, cp=args.cp, gtp_remat=args.gtp_remat, dp=args.dp, fold_cp=args.fold_cp,
@@ -110,6 +120,7 @@ def _device(args: argparse.Namespace, local_rank: int) -> torch.device:
 
 def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
     """Body of one rank once the default process group exists. Returns the exit code."""
+    from gtp_runtime.checkpoint.io import check_sharding, load_checkpoint, save_checkpoint
     from gtp_runtime.parity import check_against_reference
 
     rank = dist.get_rank()
@@ -120,6 +131,11 @@ def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
         f"dense weight+grad bytes/rank={trainer.dense_weight_grad_bytes()}", flush=True)
     rows: list[dict[str, Any]] = []
     code = 0
+    if args.load:
+        folder = load_checkpoint(trainer, args.load, args.optimizer_sharding)
+        say(f"loaded {folder} at iteration {trainer.iteration}", flush=True)
+    elif args.save or args.optimizer_sharding != "dp_reshardable":
+        check_sharding(trainer, args.optimizer_sharding, "save")
     if args.check_reference:
         ref_rows, worst = check_against_reference(trainer, args.steps, args.reference_tol,
                                                    args.reference_param_tol)
@@ -133,11 +149,15 @@ def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
             f"({worst.what}, {worst.name or '-'})", flush=True)
         code = 0 if ok else 1
     else:
-        for _ in range(args.steps):
+        while trainer.iteration < args.steps:
             r = trainer.train_step()
             say(f"step {r.step:4d} | loss {r.loss:.6f} | grad_norm {r.grad_norm:.6f} | zeros {r.num_zeros} "
                 f"| {r.seconds * 1e3:.1f} ms", flush=True)
             rows.append(vars(r))
+            last = trainer.iteration == args.steps
+            if args.save and (last or (args.save_interval and trainer.iteration % args.save_interval == 0)):
+                folder = save_checkpoint(trainer, args.save, args.ckpt_layout, args.optimizer_sharding)
+                say(f"saved {folder}", flush=True)
     if args.log_json and rank == 0:
         with open(args.log_json, "w") as f:
             json.dump({"config": cfg.par.to_dict(), "rows": rows, "exit_code": code,
@@ -158,8 +178,14 @@ def _run_initialised(argv: list[str]) -> int:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     torch.set_num_threads(1) if not use_cuda else None
     dist.init_process_group("nccl" if use_cuda else "gloo")
+    from gtp_runtime.checkpoint.io import CheckpointError
+
     try:
         return run_rank(args, cfg)
+    except (CheckpointError, ConfigError) as e:
+        if dist.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     except Exception:
         traceback.print_exc()
         return 1
