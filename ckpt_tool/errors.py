@@ -7,7 +7,6 @@ stderr, so a traceback or a multi-line dump is the wrong answer to bad input.
 
 from __future__ import annotations
 
-EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
 EXIT_BAD_INPUT = 2
 

@@ -23,8 +23,6 @@ BYTES = "bytes"
 ENC_TORCH_SAVE = "torch_save"
 ENC_RAW = "raw"
 
-SEVERITIES = ("error", "warning", "info")
-
 
 @dataclass(frozen=True)
 class StorageRef:
@@ -77,7 +75,7 @@ class Entry:
 class Problem:
     """One finding. ``check`` is a stable short code that scripts can match on."""
 
-    severity: str
+    severity: str  # "error" fails verify; "warning" and "info" do not
     check: str
     message: str
     key: str | None = None
@@ -107,6 +105,3 @@ class Checkpoint:
 
     def chunk_count(self) -> int:
         return sum(len(e.chunks) for e in self.entries.values())
-
-    def referenced_files(self) -> set[str]:
-        return {c.storage.file for e in self.entries.values() for c in e.chunks if c.storage is not None}

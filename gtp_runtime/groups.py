@@ -61,3 +61,18 @@ def build_groups(par: ParallelConfig, rank: int | None = None) -> Groups:
                 out.by_kind[kind] = Group(kind, members, handle, members.index(rank))
     out.by_kind[topo.WEIGHT] = out.by_kind[topo.FOLDED if par.fold_cp else topo.GTP]
     return out
+
+
+def offline_groups(par: ParallelConfig, rank: int) -> Groups:
+    """The groups of ``rank`` without communicators, for layout questions asked offline.
+
+    Building a model and its buffers needs only group sizes and ranks; the ``ckpt`` CLI and the
+    writer-election tests use this to lay out any rank of any topology in one process.
+    """
+    t = topo.Topology(par)
+    out = Groups(par=par, rank=rank, topology=t)
+    for kind in (*topo.ALL_GROUP_KINDS, topo.WORLD):
+        members = t.group_of(kind, rank)
+        out.by_kind[kind] = Group(kind, members, None, members.index(rank))
+    out.by_kind[topo.WEIGHT] = out.by_kind[topo.FOLDED if par.fold_cp else topo.GTP]
+    return out

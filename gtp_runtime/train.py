@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import sys
 import traceback
@@ -94,7 +95,8 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
             args.dp = 1  # a zero size: par.validate below names it (``n % 0`` would crash here)
         elif n % base:
             raise ConfigError(f"world size {n} is not a multiple of tp*cp*gtp_remat = {base}; pass --dp")
-        args.dp = n // base
+        else:
+            args.dp = n // base
     par = ParallelConfig(tp=args.tp, cp=args.cp, gtp_remat=args.gtp_remat, dp=args.dp, fold_cp=args.fold_cp,
                          expert_gtp_remat=args.expert_gtp_remat, average_in_collective=args.average_in_collective)
     world = world or args.nproc_per_node or par.world_size
@@ -124,6 +126,7 @@ def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
     from gtp_runtime.parity import check_against_reference
 
     rank = dist.get_rank()
+    rss_start_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # peak before the model exists
     device = _device(args, int(os.environ.get("LOCAL_RANK", rank)))
     trainer = Trainer(cfg, device=device)
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -158,10 +161,15 @@ def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
             if args.save and (last or (args.save_interval and trainer.iteration % args.save_interval == 0)):
                 folder = save_checkpoint(trainer, args.save, args.ckpt_layout, args.optimizer_sharding)
                 say(f"saved {folder}", flush=True)
+    if args.log_json:
+        # Per-rank peak RSS (KiB on Linux), gathered so rank 0 can log every rank's.
+        rss: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(rss, (rss_start_kb, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
     if args.log_json and rank == 0:
         with open(args.log_json, "w") as f:
             json.dump({"config": cfg.par.to_dict(), "rows": rows, "exit_code": code,
-                       "dense_weight_grad_bytes": trainer.dense_weight_grad_bytes()}, f, indent=1)
+                       "dense_weight_grad_bytes": trainer.dense_weight_grad_bytes(),
+                       "max_rss_kb": [r[1] for r in rss], "start_rss_kb": [r[0] for r in rss]}, f, indent=1)
     return code
 
 

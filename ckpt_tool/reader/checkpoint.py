@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ckpt_tool.errors import ChunkError
+from ckpt_tool.errors import ChunkError, CkptError
 from ckpt_tool.model import ENC_RAW, ENC_TORCH_SAVE, Checkpoint, Problem
 from ckpt_tool.reader.dcp_reader import data_file_sizes, read_dcp_metadata
 from ckpt_tool.reader.locate import (
@@ -18,11 +18,12 @@ from ckpt_tool.reader.locate import (
     load_side_files,
     locate,
 )
-from ckpt_tool.reader.safetensors_reader import read_safetensors_metadata, safetensors_files
+from ckpt_tool.reader.safetensors_reader import read_gtp_index, read_safetensors_metadata, safetensors_files
 from ckpt_tool.reader.storage import file_size
 from gtp_runtime.checkpoint.format import DCP_METADATA_FILE
 
 TORCH_DIST_BACKEND = "torch_dist"
+GTP_SAFETENSORS_BACKEND = "gtp_safetensors"  # metadata.json of gtp_runtime's safetensors layout
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
@@ -31,9 +32,19 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     megatron, manifest = load_side_files(loc)
     notes: list[Problem] = []
     if loc.layout == LAYOUT_SAFETENSORS:
+        from gtp_runtime.checkpoint.format import GTP_INDEX_FILE as INDEX_FILE  # this project's layout
+
         files = safetensors_files(loc)
-        entries, notes = read_safetensors_metadata(loc, files)
-        backend, encoding, metadata_file, version = "dcp safetensors", ENC_RAW, None, None
+        encoding, version = ENC_RAW, None
+        if INDEX_FILE in loc.names:
+            entries, notes = read_gtp_index(loc, files, INDEX_FILE)
+            backend, metadata_file = "gtp safetensors", INDEX_FILE
+        elif megatron is not None and megatron.get("sharded_backend") == GTP_SAFETENSORS_BACKEND:
+            raise CkptError(f"{loc.folder / INDEX_FILE} is missing: metadata.json names the gtp safetensors layout "
+                            f"but its index was never written (an interrupted save?); use another iteration")
+        else:
+            entries, notes = read_safetensors_metadata(loc, files)
+            backend, metadata_file = "dcp safetensors (HuggingFaceStorageWriter)", None
     else:
         files = data_file_sizes(loc.folder, loc.names)
         entries, notes, version = read_dcp_metadata(loc, files)

@@ -3,12 +3,15 @@
 The declared size is checked before any byte is read (a chunk declaring 10**15 elements is an
 error message, not an allocation); the byte range is checked against the real file size before
 it is read; only that range is read; the decoded tensor's dtype and shape must equal the
-declared ones. ``torch.load`` always runs with ``weights_only=True``.
+declared ones. ``torch.load`` always runs with ``weights_only=True``, and only on zip archives
+whose records are all stored uncompressed: torch inflates a deflated record into a buffer sized by
+the pickle's claim, so a 100 KB blob could otherwise ask for gigabytes.
 """
 
 from __future__ import annotations
 
 import io
+import zipfile
 from typing import Any
 
 import torch
@@ -35,11 +38,25 @@ def declared_size_problem(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> str |
     return None
 
 
+def _require_stored_zip(buf: bytes, where: str, key: str, chunk: int, file: str | None) -> None:
+    """Refuse a torch.save blob with compressed records or records larger than the blob itself."""
+    try:
+        infos = zipfile.ZipFile(io.BytesIO(buf)).infolist()
+    except (zipfile.BadZipFile, ValueError, OSError) as e:
+        raise ChunkError(f"{where} does not decode as a torch.save blob (not a zip archive: {e})",
+                         key=key, chunk=chunk, file=file) from None
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size > len(buf):
+            raise ChunkError(f"{where}: record {info.filename} is compressed or larger than the blob "
+                             f"({info.file_size} bytes); torch.save never writes that, refusing to inflate it",
+                             key=key, chunk=chunk, file=file)
+
+
 def chunk_bytes(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> bytes:
     """The stored bytes of one chunk, after the metadata-level checks."""
     where = f"{entry.key} chunk {chunk.index}"
     if chunk.storage is None:
-        raise ChunkError(f"{where} has no storage entry in the metadata: its data was never written",
+        raise ChunkError(f"{where} has no storage entry: its data was never written or cannot be located",
                          key=entry.key, chunk=chunk.index)
     ref = chunk.storage
     if ref.transforms:
@@ -61,6 +78,7 @@ def decode_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytes) -> to
     if ckpt.encoding == ENC_RAW:
         t = (torch.frombuffer(bytearray(buf), dtype=entry.dtype) if buf else torch.empty(0, dtype=entry.dtype))
         return t.reshape(chunk.sizes)
+    _require_stored_zip(buf, where, entry.key, chunk.index, file)
     try:
         t = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
     except Exception as e:  # a damaged blob raises anything from zip errors to unpickling errors
@@ -83,13 +101,25 @@ def load_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> torch.Tensor:
 def load_object(ckpt: Checkpoint, entry: Entry) -> Any:
     """A byte object decoded with ``torch.load(weights_only=True)`` (Megatron's ShardedObjects).
 
-    Objects that need more than tensors and plain containers (numpy RNG state, for instance) are
-    refused by weights_only; the caller decides whether that matters.
+    Megatron's planner stores the ``torch.save`` blob it was given; DCP's default planner
+    ``torch.save``-s the ``io.BytesIO`` holding it once more. ``io.BytesIO`` is therefore allowed
+    (it only carries bytes) and one level of such wrapping is undone. Objects needing more than
+    tensors and plain containers (numpy RNG state, for instance) are refused by weights_only.
     """
-    buf = chunk_bytes(ckpt, entry, entry.chunks[0])
+    first = entry.chunks[0]
+    file = first.storage.file if first.storage else None
+    buf = chunk_bytes(ckpt, entry, first)
     try:
-        return torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+        _require_stored_zip(buf, f"byte object {entry.key}", entry.key, 0, file)
+        with torch.serialization.safe_globals([io.BytesIO]):
+            obj = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+            if isinstance(obj, io.BytesIO):
+                buf = obj.getvalue()
+                _require_stored_zip(buf, f"byte object {entry.key}", entry.key, 0, file)
+                obj = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+        return obj
+    except ChunkError:
+        raise
     except Exception as e:
         raise ChunkError(f"byte object {entry.key} does not load with weights_only=True ({type(e).__name__}: "
-                         f"{str(e)[:200]})", key=entry.key, chunk=0,
-                         file=entry.chunks[0].storage.file if entry.chunks[0].storage else None) from None
+                         f"{str(e)[:200]})", key=entry.key, chunk=0, file=file) from None

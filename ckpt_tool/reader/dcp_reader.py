@@ -22,7 +22,7 @@ import torch
 
 from ckpt_tool.errors import CkptError
 from ckpt_tool.model import BYTES, TENSOR, Chunk, Entry, Problem, StorageRef
-from ckpt_tool.reader.locate import Located
+from ckpt_tool.reader.locate import METADATA_LIMIT_ENV, Located, metadata_limit
 from ckpt_tool.reader.safe_pickle import (
     BytesStorageRecord,
     ChunkRecord,
@@ -35,27 +35,6 @@ from ckpt_tool.reader.safe_pickle import (
 )
 from ckpt_tool.reader.storage import read_small_file
 from gtp_runtime.checkpoint.format import DCP_METADATA_FILE, DISTCP_RE
-
-METADATA_LIMIT_ENV = "CKPT_MAX_METADATA_BYTES"
-METADATA_FLOOR = 64 << 20
-METADATA_CEILING = 4 << 30
-
-
-def metadata_limit(data_bytes: int) -> int:
-    """Largest ``.metadata`` we agree to parse.
-
-    A DCP metadata entry is a few hundred bytes per chunk while every chunk's blob is at least
-    about a kilobyte, so a ``.metadata`` larger than all the data it describes is not a real one.
-    The floor keeps partial copies (data files missing) readable; the environment variable is the
-    escape hatch the error message names.
-    """
-    override = os.environ.get(METADATA_LIMIT_ENV)
-    if override is not None:
-        try:
-            return max(0, int(override))
-        except ValueError:
-            raise CkptError(f"{METADATA_LIMIT_ENV}={override!r} is not a byte count; set it to an integer") from None
-    return min(METADATA_CEILING, max(METADATA_FLOOR, data_bytes))
 
 
 def data_file_sizes(folder: Path, names: Sequence[str]) -> dict[str, int]:

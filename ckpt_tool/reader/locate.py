@@ -35,6 +35,27 @@ RELEASE_DIR = "release"
 
 JSON_LIMIT = 64 << 20  # metadata.json and the manifest are small; this only stops runaway files
 
+METADATA_LIMIT_ENV = "CKPT_MAX_METADATA_BYTES"
+METADATA_FLOOR = 64 << 20
+METADATA_CEILING = 4 << 30
+
+
+def metadata_limit(data_bytes: int) -> int:
+    """Largest checkpoint metadata file (DCP ``.metadata``, a safetensors index) we agree to parse.
+
+    A metadata entry is a few hundred bytes per chunk while every chunk's blob is at least about a
+    kilobyte, so metadata larger than all the data it describes is not real.
+    The floor keeps partial copies (data files missing) readable; the environment variable is the
+    escape hatch the error message names.
+    """
+    override = os.environ.get(METADATA_LIMIT_ENV)
+    if override is not None:
+        try:
+            return max(0, int(override))
+        except ValueError:
+            raise CkptError(f"{METADATA_LIMIT_ENV}={override!r} is not a byte count; set it to an integer") from None
+    return min(METADATA_CEILING, max(METADATA_FLOOR, data_bytes))
+
 
 @dataclass(frozen=True)
 class Located:
@@ -98,10 +119,10 @@ def locate(path: str | os.PathLike[str]) -> Located:
     return Located(folder=p, layout=layout, names=tuple(names))
 
 
-def load_json_object(path: Path, what: str) -> dict[str, Any]:
-    """A small JSON file that must hold an object (metadata.json, the manifest, an index)."""
+def load_json_object(path: Path, what: str, limit: int = JSON_LIMIT) -> dict[str, Any]:
+    """A JSON file that must hold an object (metadata.json, the manifest, an index)."""
     fix = f"fix or remove {path.name}"
-    raw = read_small_file(path, JSON_LIMIT, what, fix)
+    raw = read_small_file(path, limit, what, fix)
     try:
         obj = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

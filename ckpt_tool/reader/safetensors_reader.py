@@ -24,6 +24,12 @@ saving 2-rank ShardedTensors and reading the headers back):
   every tensor is one chunk at offset 0. ``enable_consolidation`` puts shards under ``sharded/``
   and full tensors in the folder; the folder's own files are read.
 
+This project's own layout (``gtp_runtime.checkpoint.safetensors_storage``) avoids the two
+losses above: ``__{rank}_0.safetensors`` files whose tensors are named ``{key}@{offsets}`` plus an
+``index.json`` (written last) with every key's dtype, global shape and chunks (offsets, sizes,
+file, tensor name). When ``index.json`` is present it is the source of truth and the headers only
+locate each chunk's bytes.
+
 Chunk bytes are raw little-endian elements in row-major order (``ENC_RAW``).
 """
 
@@ -40,8 +46,15 @@ import torch
 
 from ckpt_tool.errors import CkptError
 from ckpt_tool.model import TENSOR, Chunk, Entry, Problem, StorageRef
-from ckpt_tool.reader.locate import SAFETENSORS_INDEX_FILE, SAFETENSORS_SUFFIX, Located, load_json_object
-from ckpt_tool.reader.storage import read_range
+from ckpt_tool.reader.locate import (
+    SAFETENSORS_INDEX_FILE,
+    SAFETENSORS_SUFFIX,
+    Located,
+    load_json_object,
+    metadata_limit,
+)
+from ckpt_tool.reader.storage import read_range, unsafe_reason
+from gtp_runtime.checkpoint.format import GTP_INDEX_VERSION
 
 HEADER_LEN_BYTES = 8
 HEADER_LIMIT = 100 << 20  # the safetensors library's own cap on header size
@@ -119,14 +132,84 @@ def _sharding_info(header: dict[str, Any], where: str) -> dict[str, Any]:
     return info
 
 
+def _dtype_from_str(name: Any) -> torch.dtype | None:
+    """``"torch.float32"`` -> ``torch.float32``; only real dtype attributes are accepted."""
+    if not isinstance(name, str) or not name.startswith("torch."):
+        return None
+    value = getattr(torch, name.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) else None
+
+
 def _ints(value: Any) -> tuple[int, ...] | None:
     if isinstance(value, list) and all(type(v) is int and v >= 0 for v in value):
         return tuple(value)
     return None
 
 
+def read_gtp_index(loc: Located, files: dict[str, int], index_file: str,
+                   ) -> tuple[dict[str, Entry], list[Problem]]:
+    """Entries and notes of this project's safetensors layout: ``index.json`` plus chunk headers."""
+    path = loc.folder / index_file
+    index = load_json_object(path, "the safetensors index", metadata_limit(sum(files.values())))
+    fix = f"restore {index_file} from a good copy"
+    if type(index.get("version")) is not int or index["version"] > GTP_INDEX_VERSION:
+        raise CkptError(f"{path} has version {index.get('version')!r}; this ckpt reads version "
+                        f"{GTP_INDEX_VERSION}: upgrade ckpt or {fix}")
+    keys = index.get("keys")
+    if not isinstance(keys, dict):
+        raise CkptError(f"{path} has no 'keys' object; {fix}")
+    headers: dict[str, tuple[dict[str, Any], int] | str] = {}
+    notes: list[Problem] = []
+    entries: dict[str, Entry] = {}
+    for key, spec in keys.items():
+        dtype = _dtype_from_str(spec.get("dtype")) if isinstance(spec, dict) else None
+        shape = _ints(spec.get("shape")) if isinstance(spec, dict) else None
+        raw_chunks = spec.get("chunks") if isinstance(spec, dict) else None
+        if dtype is None or shape is None or not isinstance(raw_chunks, list):
+            raise CkptError(f"{path}: key {key!r} has no valid dtype, shape and chunks; {fix}")
+        chunks = []
+        for i, c in enumerate(raw_chunks):
+            offsets = _ints(c.get("offsets")) if isinstance(c, dict) else None
+            sizes = _ints(c.get("sizes")) if isinstance(c, dict) else None
+            named = isinstance(c, dict) and isinstance(c.get("file"), str) and isinstance(c.get("name"), str)
+            if offsets is None or sizes is None or not named:
+                raise CkptError(f"{path}: key {key!r} chunk {i} lacks offsets, sizes, file or name; {fix}")
+            ref, problem = _locate_named(loc, files, headers, c["file"], c["name"], dtype, sizes)
+            if problem is not None:
+                notes.append(Problem("error", "index", problem, key=key, chunk=i, file=c["file"]))
+            chunks.append(Chunk(index=i, offsets=offsets, sizes=sizes, storage=ref))
+        entries[key] = Entry(key=key, kind=TENSOR, shape=shape, dtype=dtype, chunks=tuple(chunks))
+    return entries, notes
+
+
+def _locate_named(loc: Located, files: dict[str, int], headers: dict[str, tuple[dict[str, Any], int] | str],
+                  file: str, name: str, dtype: torch.dtype, sizes: tuple[int, ...]
+                  ) -> tuple[StorageRef | None, str | None]:
+    """Byte range of tensor ``name`` in ``file`` (headers parsed once per file), or why not."""
+    if file not in headers:
+        if unsafe_reason(file) is not None or file not in files:
+            headers[file] = unsafe_reason(file) or f"data file {file} is missing or not a regular file"
+        else:
+            try:
+                headers[file] = read_header(loc.folder, file, files[file])
+            except CkptError as e:
+                headers[file] = e.message
+    got = headers[file]
+    if isinstance(got, str):
+        return None, f"chunk cannot be located: {got}"
+    header, data_start = got
+    spec = header.get(name)
+    span = _ints(spec.get("data_offsets")) if isinstance(spec, dict) else None
+    if span is None or len(span) != 2 or span[0] > span[1]:
+        return None, f"{file} has no tensor named {name!r}"
+    if spec.get("dtype") not in DTYPES or DTYPES[spec["dtype"]] != dtype or _ints(spec.get("shape")) != sizes:
+        return None, (f"{file}:{name} is {spec.get('dtype')} {spec.get('shape')} but the index says {dtype} "
+                      f"{list(sizes)}")
+    return StorageRef(file=file, offset=data_start + span[0], length=span[1] - span[0]), None
+
+
 def read_safetensors_metadata(loc: Located, files: dict[str, int]) -> tuple[dict[str, Entry], list[Problem]]:
-    """Entries and notes of a safetensors-layout folder, from the headers alone."""
+    """Entries and notes of a DCP HuggingFaceStorageWriter folder, from the headers alone."""
     chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], StorageRef]]] = {}
     dtypes: dict[str, torch.dtype] = {}
     notes: list[Problem] = []

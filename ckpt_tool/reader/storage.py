@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
 from ckpt_tool.errors import ChunkError, CkptError
 
@@ -43,8 +44,8 @@ def resolve_inside(root: Path, rel: str) -> Path:
     root_real = os.path.realpath(root)
     real = os.path.realpath(os.path.join(root_real, rel))
     if os.path.commonpath([real, root_real]) != root_real:
-        raise ChunkError(f"storage path {rel!r} resolves to {real} (a symlink out of {root}); refusing to read it",
-                         file=rel)
+        raise ChunkError(f"storage path {rel!r} resolves to {real}, a symlink out of {root}; refusing to "
+                         "read it", file=rel)
     return Path(real)
 
 
@@ -62,34 +63,38 @@ def file_size(root: Path, rel: str) -> int:
     return st.st_size
 
 
+def open_regular(root: Path, rel: str) -> BinaryIO:
+    """Open a data file inside ``root`` for reading; only regular files are accepted."""
+    path = resolve_inside(root, rel)
+    try:
+        fd = _open_readonly(path)
+    except FileNotFoundError:
+        raise ChunkError(f"data file {rel} is missing from {root}", file=rel) from None
+    except OSError as e:
+        raise ChunkError(f"cannot open data file {rel} in {root}: {e.strerror}", file=rel) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ChunkError(f"data file {rel} in {root} is not a regular file", file=rel)
+    return os.fdopen(fd, "rb")
+
+
 def read_range(root: Path, rel: str, offset: int, length: int) -> bytes:
     """Exactly ``length`` bytes at ``offset`` of a data file, after checking the range fits."""
     if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or length < 0:
         raise ChunkError(f"byte range offset={offset!r} length={length!r} in {rel} is invalid", file=rel)
-    size = file_size(root, rel)
-    if offset + length > size:
-        raise ChunkError(
-            f"byte range [{offset}, {offset + length}) of {rel} runs past its end ({size} bytes): "
-            "the file is truncated or the metadata is wrong",
-            file=rel,
-        )
-    path = resolve_inside(root, rel)
-    try:
-        fd = _open_readonly(path)
-    except OSError as e:
-        raise ChunkError(f"cannot open data file {rel} in {root}: {e.strerror}", file=rel) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ChunkError(f"data file {rel} in {root} is not a regular file", file=rel)
-        buf = os.pread(fd, length, offset) if length else b""
-        while len(buf) < length:  # pread may return short on some filesystems
-            more = os.pread(fd, length - len(buf), offset + len(buf))
-            if not more:
-                raise ChunkError(f"data file {rel} shrank while reading [{offset}, {offset + length})", file=rel)
-            buf += more
-        return buf
-    finally:
-        os.close(fd)
+    with open_regular(root, rel) as f:
+        size = os.fstat(f.fileno()).st_size
+        if offset + length > size:
+            raise ChunkError(
+                f"byte range [{offset}, {offset + length}) of {rel} runs past its end ({size} bytes): "
+                "the file is truncated or the metadata is wrong",
+                file=rel,
+            )
+        f.seek(offset)
+        buf = f.read(length)
+    if len(buf) != length:
+        raise ChunkError(f"data file {rel} shrank while reading [{offset}, {offset + length})", file=rel)
+    return buf
 
 
 def read_small_file(path: Path, limit: int, what: str, fix: str) -> bytes:

@@ -34,6 +34,10 @@ MANIFEST_FILE = "gtp_manifest.json"
 COMMON_FILE = "common.pt"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+# The pickle-free safetensors layout (gtp_runtime.checkpoint.safetensors_storage).
+GTP_INDEX_FILE = "index.json"
+GTP_INDEX_VERSION = 1
+GTP_SAFETENSORS_RE = re.compile(r"^__(\d+)_(\d+)\.safetensors$")
 ITER_DIR_RE = re.compile(r"^iter_(\d{7})$")
 
 # Byte objects: Megatron names a ShardedObject ``{key}/shard_{offset}_{shape}`` in DCP.
@@ -134,9 +138,14 @@ def parse_per_bucket_numel_key(key: str) -> tuple[str, int, bool] | None:
 
 
 def distcp_writer_rank(file_name: str) -> int | None:
-    """The global rank that wrote ``__{rank}_{k}.distcp``, or ``None`` for other names."""
-    m = DISTCP_RE.match(file_name)
+    """The global rank that wrote ``__{rank}_{k}.distcp`` or ``__{rank}_{k}.safetensors``."""
+    m = DISTCP_RE.match(file_name) or GTP_SAFETENSORS_RE.match(file_name)
     return int(m.group(1)) if m else None
+
+
+def chunk_tensor_name(fqn: str, offsets: tuple[int, ...]) -> str:
+    """Name of one chunk inside a safetensors data file of our layout: ``{key}@{offsets}``."""
+    return f"{fqn}@{','.join(map(str, offsets))}"
 
 
 def folded_refusal(sharding: str) -> str:

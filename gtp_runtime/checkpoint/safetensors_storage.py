@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -39,19 +38,17 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-INDEX_FILE = "index.json"
-INDEX_VERSION = 1
+from gtp_runtime.checkpoint.format import GTP_INDEX_FILE as INDEX_FILE  # noqa: E402
+from gtp_runtime.checkpoint.format import GTP_INDEX_VERSION as INDEX_VERSION  # noqa: E402
+from gtp_runtime.checkpoint.format import chunk_tensor_name as tensor_name  # noqa: E402
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
 
 
-def tensor_name(fqn: str, offsets: tuple[int, ...]) -> str:
-    return f"{fqn}@{','.join(map(str, offsets))}"
-
-
-def _done(value: Any) -> Future:
-    f: Future = Future()
+def _done(value: Any) -> torch.futures.Future:
+    """DCP waits on a ``torch.futures.Future``; our writes are synchronous, so it is ready."""
+    f: torch.futures.Future = torch.futures.Future()
     f.set_result(value)
     return f
 
@@ -83,7 +80,7 @@ class SafetensorsWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return plans
 
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         file = f"__{self.rank}_0.safetensors"
         tensors: dict[str, torch.Tensor] = {}
         results = []
@@ -164,7 +161,7 @@ class SafetensorsReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index]["file"], []).append(item)

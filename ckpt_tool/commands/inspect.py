@@ -1,0 +1,162 @@
+"""``ckpt inspect``: what a checkpoint holds, from its metadata alone.
+
+Inspecting is what people do first with a checkpoint they do not trust, so it must be cheap and
+safe: it parses ``.metadata`` through the allow-list and never opens a ``.distcp`` data file
+(only ``stat``), which keeps it fast on multi-TB checkpoints too.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ckpt_tool.output import (
+    FormatOption,
+    OutputFormat,
+    fmt_bytes,
+    fmt_shape,
+    handle_errors,
+    print_blocks,
+    print_json,
+    table,
+)
+
+EPILOG = """Examples:
+
+  ckpt inspect runs/gpt/checkpoints   (follows latest_checkpointed_iteration.txt)
+
+  ckpt inspect runs/gpt/checkpoints/iter_0000100 --keys 'optimizer.*exp_avg*'
+
+  ckpt inspect CKPT --chunks --format json
+
+Exit codes: 0 ok, 2 unreadable input."""
+
+
+def _dtype(d: Any) -> str:
+    return str(d).removeprefix("torch.") if d is not None else "-"
+
+
+@handle_errors
+def inspect_command(
+    path: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
+    keys: Annotated[str | None, typer.Option("--keys", help="Only keys matching this glob (fnmatch).")] = None,
+    chunks: Annotated[bool, typer.Option("--chunks", help="List every chunk: offsets, sizes, file, bytes.")] = False,
+    cp_size: Annotated[
+        int | None, typer.Option("--cp-size", min=1, help="CP degree of folded buffers, when no manifest says.")
+    ] = None,
+    fmt: FormatOption = OutputFormat.table,
+) -> None:
+    """Show format, topology, keys and aliasing status of a checkpoint (metadata only)."""
+    from ckpt_tool.analysis import BUCKET_NUMEL, MODEL, OPTIMIZER, aliasing, classify_all, topology_view
+    from ckpt_tool.model import BYTES, TENSOR
+    from ckpt_tool.reader.checkpoint import open_checkpoint
+    from gtp_runtime.checkpoint.format import STATES
+
+    ckpt = open_checkpoint(path)
+    classes = classify_all(ckpt)
+    topo = topology_view(ckpt.manifest, cp_size)
+    alias = aliasing(ckpt, classes, topo)
+    alias_state = {a.key: ("ALIASED" if a.severity == "error" else "aliased?") for a in alias.aliased}
+    selected = [k for k in ckpt.entries if keys is None or fnmatch.fnmatchcase(k, keys)]
+
+    weights, optimizer, objects, chunk_rows = [], [], [], []
+    for key in selected:
+        e, cls = ckpt.entries[key], classes[key]
+        if cls.category == MODEL:
+            weights.append({"key": key, "shape": e.shape, "dtype": str(e.dtype), "chunks": len(e.chunks)})
+        elif cls.category == OPTIMIZER and cls.opt is not None:
+            o = cls.opt
+            optimizer.append({
+                "key": key, "dp_group_idx": o.dp_group_idx, "gbuf_idx": o.gbuf_idx, "dtype": o.dtype,
+                "bucket_idx": o.bucket_idx, "state": o.state, "cp_rank": o.cp_rank, "cp_form": o.cp_form,
+                "folded": o.cp_rank is not None,
+                "aliasing": alias_state.get(key, "ok" if o.cp_rank is not None else "-"),
+                "shape": e.shape, "tensor_dtype": str(e.dtype), "chunks": len(e.chunks),
+            })
+        else:
+            objects.append({"key": key, "kind": e.kind, "category": cls.category,
+                            "shape": e.shape, "dtype": str(e.dtype) if e.dtype else None, "bytes": e.stored_bytes})
+        if chunks:
+            for c in e.chunks:
+                ref = c.storage
+                chunk_rows.append({"key": key, "chunk": c.index, "offsets": c.offsets, "sizes": c.sizes,
+                                   "file": ref.file if ref else None, "byte_offset": ref.offset if ref else None,
+                                   "length": ref.length if ref else None})
+    state_order = {s: i for i, s in enumerate(STATES)}
+    optimizer.sort(key=lambda r: (r["dp_group_idx"], r["gbuf_idx"], r["dtype"], r["bucket_idx"],
+                                  state_order.get(r["state"], len(STATES)), r["state"], r["cp_rank"] or -1))
+    counts = {
+        "keys": len(ckpt.entries),
+        "tensors": sum(e.kind == TENSOR for e in ckpt.entries.values()),
+        "byte_objects": sum(e.kind == BYTES for e in ckpt.entries.values()),
+        "chunks": ckpt.chunk_count(),
+        "stored_bytes": sum(e.stored_bytes for e in ckpt.entries.values()),
+        "data_files": len(ckpt.data_files),
+        "data_file_bytes": sum(ckpt.data_files.values()),
+        "per_bucket_numel_objects": sum(c.category == BUCKET_NUMEL for c in classes.values()),
+    }
+    if keys is not None:
+        counts["matching_keys"] = len(selected)
+    doc = {
+        "path": str(ckpt.root), "layout": ckpt.layout, "backend": ckpt.backend, "dcp_version": ckpt.dcp_version,
+        "iteration": ckpt.iteration, "topology": topo.describe(),
+        "parallel_config": topo.par.to_dict() if topo.par else None,
+        "manifest": ckpt.manifest is not None, "megatron_metadata": ckpt.megatron_metadata,
+        "counts": counts,
+        "aliasing": {"status": alias.status, "message": alias.message,
+                     "keys": [{"key": a.key, "severity": a.severity, "reason": a.reason, "kept": a.kept_summary(),
+                               "survivors": [asdict(s) for s in a.survivors]} for a in alias.aliased]},
+        "weights": weights, "optimizer": optimizer, "objects": objects,
+        "notes": [p.to_dict() for p in ckpt.notes + topo.notes],
+    }
+    if chunks:
+        doc["chunks"] = chunk_rows
+    if fmt == OutputFormat.json:
+        print_json(doc)
+        return
+    print_blocks(*_tables(doc))
+
+
+def _tables(doc: dict[str, Any]) -> list[str]:
+    c = doc["counts"]
+    summary = [
+        ("path", doc["path"]), ("layout", f"{doc['layout']} ({doc['backend']})"),
+        ("iteration", doc["iteration"] if doc["iteration"] is not None else "-"),
+        ("topology", doc["topology"]), ("manifest", "yes" if doc["manifest"] else "no"),
+        ("keys", f"{c['keys']} ({c['tensors']} tensors, {c['byte_objects']} byte objects)"
+                 + (f", {c['matching_keys']} matching" if "matching_keys" in c else "")),
+        ("chunks", c["chunks"]), ("stored", fmt_bytes(c["stored_bytes"])),
+        ("data files", f"{c['data_files']} ({fmt_bytes(c['data_file_bytes'])})"),
+        ("aliasing", f"{doc['aliasing']['status']}: {doc['aliasing']['message']}"),
+    ]
+    blocks = [table(summary, ("checkpoint", ""))]
+    blocks.append(table([(w["key"], fmt_shape(w["shape"]), _dtype(w["dtype"]), w["chunks"]) for w in doc["weights"]],
+                        ("key", "global shape", "dtype", "chunks"), "Model weights"))
+    blocks.append(table(
+        [(o["dp_group_idx"], o["gbuf_idx"], o["dtype"], o["bucket_idx"], o["state"],
+          "-" if o["cp_rank"] is None else o["cp_rank"], "yes" if o["folded"] else "no", o["aliasing"],
+          fmt_shape(o["shape"]), _dtype(o["tensor_dtype"]), o["chunks"]) for o in doc["optimizer"]],
+        ("dp_group", "gbuf", "dtype", "bucket", "state", "cp_rank", "folded", "aliasing", "shape", "stored as",
+         "chunks"),
+        "Optimizer (dp_reshardable)"))
+    blocks.append(table([(o["key"], o["category"], fmt_shape(o["shape"]), fmt_bytes(o["bytes"]))
+                         for o in doc["objects"]], ("key", "category", "shape", "stored"), "Other objects"))
+    for a in doc["aliasing"]["keys"]:
+        blocks.append(f"{a['severity']}: {a['key']}: {a['reason']}; {a['kept']}")
+    if "chunks" in doc:
+        blocks.append(table(
+            [(r["key"], r["chunk"], list(r["offsets"]), list(r["sizes"]), r["file"] or "-",
+              "-" if r["byte_offset"] is None else f"[{r['byte_offset']}, {r['byte_offset'] + r['length']})")
+             for r in doc["chunks"]],
+            ("key", "chunk", "offsets", "sizes", "file", "bytes"), "Chunks"))
+    for n in doc["notes"]:
+        blocks.append(f"{n['severity']}: {n['message']}")
+    return blocks
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="inspect", epilog=EPILOG)(inspect_command)

@@ -1,0 +1,142 @@
+"""``ckpt show``: one tensor (or rows of it) assembled from its chunks, with statistics.
+
+Only the chunks that intersect the requested rows are read, and the size of what will be
+assembled is checked against ``--max-bytes`` before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from ckpt_tool.errors import EXIT_CHECK_FAILED, CkptError
+from ckpt_tool.output import (
+    DEFAULT_MAX_BYTES,
+    FormatOption,
+    MaxBytesOption,
+    OutputFormat,
+    fail,
+    fmt_shape,
+    handle_errors,
+    print_blocks,
+    print_json,
+    table,
+)
+
+MAX_VALUES = 10_000
+
+if TYPE_CHECKING:
+    from ckpt_tool.model import Checkpoint, Entry
+
+EPILOG = """Examples:
+
+  ckpt show CKPT decoder.layers.0.mlp.linear_fc1.weight --slice 0:4 --values
+
+  ckpt show CKPT --cp-rank 1 \\
+    'optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32).bucket_idx_0.exp_avg'
+
+  ckpt show CKPT optimizer.distributed.dp_group_idx_0.per_bucket_numel/shard_0_1
+
+Exit codes: 0 ok, 1 part of the region is covered by no chunk, 2 unreadable input or bad key."""
+
+
+def resolve_entry(ckpt: Checkpoint, key: str, cp_rank: int | None) -> Entry:
+    """The entry for KEY; with ``--cp-rank`` the same bucket state at that CP rank (either key form)."""
+    from gtp_runtime.checkpoint.format import parse_optimizer_key
+
+    if cp_rank is None:
+        if key in ckpt.entries:
+            return ckpt.entries[key]
+        close = difflib.get_close_matches(key, list(ckpt.entries), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise CkptError(f"key {key!r} is not in {ckpt.root}; {hint}list the keys with 'ckpt inspect'")
+    opt = parse_optimizer_key(key)
+    if opt is None:
+        raise CkptError(f"--cp-rank needs an optimizer bucket key; {key!r} is not one")
+    wanted = replace(opt, cp_rank=cp_rank, cp_form=None)
+    present = []
+    for k in ckpt.entries:
+        other = parse_optimizer_key(k)
+        if other is not None and other.bucket_id == opt.bucket_id and other.state == opt.state:
+            present.append(other.cp_rank)
+            if replace(other, cp_form=None) == wanted:
+                return ckpt.entries[k]
+    ranks = sorted(r for r in present if r is not None)
+    raise CkptError(f"no cp_rank {cp_rank} copy of {key!r} in {ckpt.root}; cp ranks present: {ranks or 'none'}")
+
+
+@handle_errors
+def show_command(
+    path: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
+    key: Annotated[str, typer.Argument(help="Key to show (quote it: keys contain parentheses).", show_default=False)],
+    cp_rank: Annotated[
+        int | None, typer.Option("--cp-rank", min=0, help="For a folded optimizer key: which CP rank's copy.")
+    ] = None,
+    slice_: Annotated[
+        str | None, typer.Option("--slice", help="Rows a:b of dim 0 (only those chunks are read).")
+    ] = None,
+    values: Annotated[bool, typer.Option("--values", help=f"Print the values too (at most {MAX_VALUES}).")] = False,
+    max_bytes: MaxBytesOption = DEFAULT_MAX_BYTES,
+    fmt: FormatOption = OutputFormat.table,
+) -> None:
+    """Assemble one tensor from its chunks and print shape, dtype and statistics."""
+    from ckpt_tool.model import BYTES
+    from ckpt_tool.reader.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(path)
+    entry = resolve_entry(ckpt, key, cp_rank)
+    if entry.kind == BYTES:
+        _show_object(ckpt, entry, fmt)
+        return
+    from ckpt_tool.tensors import assemble, parse_slice, summary
+
+    if not entry.shape and slice_ is not None:
+        raise CkptError(f"{entry.key} is 0-dimensional; drop --slice")
+    start, stop = parse_slice(slice_, entry.shape[0]) if entry.shape else (0, 0)
+    got = assemble(ckpt, entry, start, stop, max_bytes)
+    info = summary(got.tensor)
+    doc: dict[str, Any] = {"key": entry.key, "global_shape": list(entry.shape or ()), "dtype": str(entry.dtype),
+                           "slice": [start, stop] if entry.shape else None, "chunks": len(entry.chunks),
+                           "chunks_read": got.chunks_read, "uncovered": got.missing, **info}
+    if values:
+        if got.tensor.numel() > MAX_VALUES:
+            raise CkptError(f"{entry.key}: {got.tensor.numel()} values is over {MAX_VALUES}; pass --slice a:b")
+        doc["values"] = got.tensor.tolist()
+    if fmt == OutputFormat.json:
+        print_json(doc)
+    else:
+        rows = [("key", entry.key), ("global shape", fmt_shape(entry.shape)),
+                ("rows", f"[{start}, {stop})" if entry.shape else "-"), ("shape", fmt_shape(info["shape"])),
+                ("dtype", str(entry.dtype).removeprefix("torch.")),
+                ("chunks read", f"{got.chunks_read} of {len(entry.chunks)}"),
+                *[(k, "-" if info[k] is None else info[k]) for k in ("min", "max", "mean", "std", "nan", "inf")],
+                ("uncovered", got.missing)]
+        blocks = [table(rows, ("tensor", ""))]
+        if values:
+            blocks.append(str(got.tensor))
+        print_blocks(*blocks)
+    if got.missing:
+        fail(f"{entry.key}: {got.missing} elements of rows [{start}, {stop}) are in no chunk (shown as 0); "
+             "run 'ckpt verify' for the holes", EXIT_CHECK_FAILED)
+
+
+def _show_object(ckpt: Checkpoint, entry: Entry, fmt: OutputFormat) -> None:
+    from ckpt_tool.reader.chunks import load_object
+
+    obj = load_object(ckpt, entry)
+    text = repr(obj)
+    doc = {"key": entry.key, "kind": "bytes", "stored_bytes": entry.stored_bytes, "type": type(obj).__name__,
+           "repr": text[:10_000]}
+    if fmt == OutputFormat.json:
+        print_json(doc)
+    else:
+        print_blocks(table([("key", entry.key), ("stored bytes", entry.stored_bytes), ("type", type(obj).__name__)],
+                           ("object", "")), text[:10_000])
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="show", epilog=EPILOG)(show_command)

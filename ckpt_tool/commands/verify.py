@@ -1,0 +1,82 @@
+"""``ckpt verify``: structural checks, and with ``--data`` a full read of every chunk.
+
+Exit 1 when any check finds an error (warnings and infos do not fail it), with a one-line
+summary on stderr so a script sees why without parsing the report.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ckpt_tool.errors import EXIT_CHECK_FAILED
+from ckpt_tool.output import (
+    FormatOption,
+    OutputFormat,
+    fail,
+    handle_errors,
+    print_blocks,
+    print_json,
+    progress,
+    progress_enabled,
+    table,
+)
+
+EPILOG = """Examples:
+
+  ckpt verify runs/gpt/checkpoints
+
+  ckpt verify runs/gpt/checkpoints/iter_0000100 --data
+
+  ckpt verify CKPT --cp-size 2 --format json   (declares folded buffers saved with CP=2)
+
+Checks: chunks in bounds and tiling each tensor (no overlap, no hole); storage present, inside
+the folder and within its file; per_bucket_numel against the bucket keys; folded buffers have
+every cp_rank; aliasing (cp-less optimizer keys in a folded checkpoint); manifest file sizes.
+--data adds: every chunk decodes to its declared dtype and shape, NaN/Inf counts, checksums.
+
+Exit codes: 0 no errors, 1 errors found, 2 unreadable input."""
+
+
+@handle_errors
+def verify_command(
+    path: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
+    data: Annotated[bool, typer.Option("--data", help="Also decode every chunk and check file checksums.")] = False,
+    cp_size: Annotated[
+        int | None,
+        typer.Option("--cp-size", min=1, help="CP degree the folded buffers were saved with; >1 declares folding."),
+    ] = None,
+    fmt: FormatOption = OutputFormat.table,
+) -> None:
+    """Check a checkpoint's structure (and with --data its contents); exit 1 on errors."""
+    from ckpt_tool.reader.checkpoint import open_checkpoint
+    from ckpt_tool.verify_core import verify
+
+    ckpt = open_checkpoint(path)
+    with progress(ckpt.chunk_count() if data else 0, "reading chunks", progress_enabled(fmt)) as advance:
+        result = verify(ckpt, data=data, cp_size=cp_size, progress=advance)
+    errors = [p for p in result.problems if p.severity == "error"]
+    warnings = [p for p in result.problems if p.severity == "warning"]
+    if fmt == OutputFormat.json:
+        print_json({"path": str(ckpt.root), "ok": result.ok, "data": data, "checks": result.checks,
+                    "stats": result.stats, "errors": len(errors), "warnings": len(warnings),
+                    "problems": [p.to_dict() for p in result.problems]})
+    else:
+        rows = [(p.severity, p.check, p.key or "-", "-" if p.chunk is None else p.chunk, p.file or "-", p.message)
+                for p in result.problems]
+        status = "OK" if result.ok else "FAILED"
+        print_blocks(
+            table(rows, ("severity", "check", "key", "chunk", "file", "message"), "Problems"),
+            f"{status}: {len(errors)} errors, {len(warnings)} warnings in {ckpt.root} "
+            f"({result.stats['keys']} keys, {result.stats['chunks']} chunks; checks: {', '.join(result.checks)})",
+        )
+    if errors:
+        first = errors[0]
+        where = first.key or first.file or str(ckpt.root)
+        fail(f"verify failed: {len(errors)} errors in {ckpt.root}; first: {where}: {first.message}", EXIT_CHECK_FAILED)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="verify", epilog=EPILOG)(verify_command)

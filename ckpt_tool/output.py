@@ -1,0 +1,123 @@
+"""Output conventions shared by every command (modelled on the ``hf`` CLI).
+
+* ``--format table|json``: tables (tabulate) for people, one JSON document for scripts;
+* exit codes: 0 ok, 1 a check failed, 2 usage error or unreadable input;
+* bad input: one line on stderr, ``ckpt: error: ...``, naming the file or key and the fix;
+* progress bars (rich) only when stdout is a terminal and never in JSON mode, on stderr, so
+  piping or capturing the output never carries escape codes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from enum import Enum
+from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
+
+import typer
+from tabulate import tabulate
+
+from ckpt_tool.errors import EXIT_BAD_INPUT, CkptError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class OutputFormat(str, Enum):
+    table = "table"
+    json = "json"
+
+
+FormatOption = Annotated[
+    OutputFormat, typer.Option("--format", help="table for people, json for scripts (one document on stdout).")
+]
+
+
+DEFAULT_MAX_BYTES = 2 << 30
+MaxBytesOption = Annotated[
+    int, typer.Option("--max-bytes", min=1, help="Refuse to assemble a tensor region larger than this many bytes.")
+]
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
+    """Print the one-line error and exit with ``code``."""
+    typer.echo(f"ckpt: error: {' '.join(message.splitlines())}", err=True)
+    raise typer.Exit(code)
+
+
+def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
+    """Turn :class:`CkptError` and OS errors into the one-line message and the right exit code."""
+
+    @functools.wraps(func)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return func(*args, **kwargs)
+        except CkptError as e:
+            fail(e.message, e.exit_code)
+        except OSError as e:
+            where = f" {e.filename}" if e.filename else ""
+            fail(f"cannot read{where}: {e.strerror or e}", EXIT_BAD_INPUT)
+
+    return wrapper
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/Inf
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+def print_json(doc: Any) -> None:
+    typer.echo(json.dumps(_jsonable(doc), indent=2, allow_nan=False))
+
+
+def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], title: str | None = None) -> str:
+    body = tabulate(rows, headers=list(headers), tablefmt="simple", disable_numparse=True) if rows else "(none)"
+    return f"{title}\n{body}" if title else body
+
+
+def print_blocks(*blocks: str) -> None:
+    typer.echo("\n\n".join(b for b in blocks if b))
+
+
+def fmt_shape(shape: Sequence[int] | None) -> str:
+    return "-" if shape is None else "(" + ", ".join(map(str, shape)) + ")"
+
+
+def fmt_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def progress_enabled(fmt: OutputFormat) -> bool:
+    return fmt == OutputFormat.table and sys.stdout.isatty()
+
+
+@contextmanager
+def progress(total: int, description: str, enabled: bool) -> Iterator[Callable[[int], None]]:
+    """Yield an ``advance(n)`` callback; a transient rich bar on stderr when enabled."""
+    if not enabled or total <= 0:
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   console=Console(stderr=True), transient=True)
+    with bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)

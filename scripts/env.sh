@@ -1,0 +1,12 @@
+# Shared by demo.sh and test.sh: a project-local virtualenv with the pinned dependencies.
+# torch==2.13.0 (pinned in pyproject.toml) is the CPU build; a looser spec pulls a multi-GB CUDA one.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import gtp_runtime, ckpt_tool, torch, typer, pytest, hypothesis" 2>/dev/null; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+fi
+export PATH="$PWD/.venv/bin:$PATH"
