@@ -16,8 +16,8 @@ from gtp_runtime.groups import Group
 
 # torch 2.13 renamed the tensor collectives (the old names warn); torch 2.11 on the GPU hosts
 # only has the old ones.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_raw = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_raw = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -26,7 +26,7 @@ def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather(out, x, group=group.handle)
+    all_gather_raw(out, x, group=group.handle)
     return out
 
 
@@ -36,7 +36,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpTy
         return x
     x = x.contiguous()
     out = torch.empty((x.shape[0] // group.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter(out, x, op=op, group=group.handle)
+    reduce_scatter_raw(out, x, op=op, group=group.handle)
     return out
 
 

@@ -7,13 +7,27 @@ and nothing else about the model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
 from gtp_runtime import topology as topo
 from gtp_runtime.collectives import copy_to_group, reduce_from_group
 from gtp_runtime.groups import Groups
-from gtp_runtime.sharding import ShardSpec, gtp_linear
+from gtp_runtime.sharding import GTPComm, ShardSpec, gtp_linear
+
+
+@dataclass
+class Build:
+    """What every layer needs at construction: the rank's groups, dtype, device, and the
+    model's collective scheduler for GTP weights."""
+
+    groups: Groups
+    dtype: torch.dtype
+    device: torch.device | None
+    comm: GTPComm
+    align: int = 16
 
 
 def make_spec(
@@ -47,41 +61,30 @@ class GTPLinear(nn.Module):
     ``tp_mode="row"``: weight columns split over TP, input split, output summed over TP.
     """
 
-    def __init__(
-        self,
-        groups: Groups,
-        in_features: int,
-        out_features: int,
-        tp_mode: str,
-        expert: bool = False,
-        align: int = 16,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | None = None,
-    ) -> None:
+    def __init__(self, b: Build, in_features: int, out_features: int, tp_mode: str, expert: bool = False) -> None:
         super().__init__()
         kind = topo.EXPERT_GTP if expert else topo.WEIGHT
-        self.groups, self.tp_mode = groups, tp_mode
-        self.shard_group = groups[kind]
-        spec = make_spec(groups, (out_features, in_features), tp_mode, kind, align)
-        self.weight = _param(spec, dtype, expert, device)
+        self.groups, self.tp_mode, self.comm = b.groups, tp_mode, b.comm
+        spec = make_spec(b.groups, (out_features, in_features), tp_mode, kind, b.align)
+        self.weight = _param(spec, b.dtype, expert, b.device)
         self.rows = spec.tp_local_shape[0]
+        b.comm.register(self.weight, b.groups[kind])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.groups[topo.TP]
         if self.tp_mode == "column":
             x = copy_to_group(x, tp)
-        y = gtp_linear(x, self.weight, self.shard_group, self.rows)
+        y = gtp_linear(x, self.weight, self.comm, self.rows)
         if self.tp_mode == "row":
             y = reduce_from_group(y, tp)
         return y
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, groups: Groups, hidden: int, eps: float, dtype: torch.dtype,
-                 device: torch.device | None = None) -> None:
+    def __init__(self, b: Build, hidden: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = _param(make_spec(groups, (hidden,), None, None, 1), dtype, False, device)
+        self.weight = _param(make_spec(b.groups, (hidden,), None, None, 1), b.dtype, False, b.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -92,12 +95,11 @@ class RMSNorm(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split over TP; each rank looks up its own rows and TP sums the results."""
 
-    def __init__(self, groups: Groups, vocab: int, hidden: int, dtype: torch.dtype,
-                 device: torch.device | None = None) -> None:
+    def __init__(self, b: Build, vocab: int, hidden: int) -> None:
         super().__init__()
-        self.groups = groups
-        spec = make_spec(groups, (vocab, hidden), "vocab", None, 1)
-        self.weight = _param(spec, dtype, False, device)
+        self.groups = b.groups
+        spec = make_spec(b.groups, (vocab, hidden), "vocab", None, 1)
+        self.weight = _param(spec, b.dtype, False, b.device)
         self.lo = spec.tp_rank * spec.tp_local_shape[0]
         self.hi = self.lo + spec.tp_local_shape[0]
 

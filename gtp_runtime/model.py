@@ -20,20 +20,21 @@ from gtp_runtime.config import ModelConfig, ParallelConfig
 from gtp_runtime.context_parallel import cp_attention
 from gtp_runtime.groups import Groups
 from gtp_runtime.init import full_init
-from gtp_runtime.layers import GTPLinear, RMSNorm, VocabParallelEmbedding, _param, make_spec, rope
+from gtp_runtime.layers import Build, GTPLinear, RMSNorm, VocabParallelEmbedding, _param, make_spec, rope
+from gtp_runtime.sharding import GTPComm
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: torch.device | None) -> None:
+    def __init__(self, cfg: ModelConfig, b: Build) -> None:
         super().__init__()
         h = cfg.hidden
-        self.groups = groups
+        self.groups = b.groups
         self.head_dim = h // cfg.num_heads
-        self.local_heads = cfg.num_heads // groups[topo.TP].size
+        self.local_heads = cfg.num_heads // b.groups[topo.TP].size
         # Rows of linear_qkv are grouped per head as [q_h; k_h; v_h], so a TP split of the rows
         # hands each TP rank whole heads (Megatron's interleaved layout).
-        self.linear_qkv = GTPLinear(groups, h, 3 * h, "column", align=cfg.gtp_align, dtype=dtype, device=device)
-        self.linear_proj = GTPLinear(groups, h, h, "row", align=cfg.gtp_align, dtype=dtype, device=device)
+        self.linear_qkv = GTPLinear(b, h, 3 * h, "column")
+        self.linear_proj = GTPLinear(b, h, h, "row")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -45,22 +46,20 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: torch.device | None,
-                 expert: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, b: Build, expert: bool = False) -> None:
         super().__init__()
-        kw = dict(expert=expert, align=cfg.gtp_align, dtype=dtype, device=device)
-        self.linear_fc1 = GTPLinear(groups, cfg.hidden, cfg.ffn_hidden, "column", **kw)
-        self.linear_fc2 = GTPLinear(groups, cfg.ffn_hidden, cfg.hidden, "row", **kw)
+        self.linear_fc1 = GTPLinear(b, cfg.hidden, cfg.ffn_hidden, "column", expert=expert)
+        self.linear_fc2 = GTPLinear(b, cfg.ffn_hidden, cfg.hidden, "row", expert=expert)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
 class Experts(nn.Module):
-    def __init__(self, cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: torch.device | None) -> None:
+    def __init__(self, cfg: ModelConfig, b: Build) -> None:
         super().__init__()
         self.local_experts = nn.ModuleList(
-            [MLP(cfg, groups, dtype, device, expert=True) for _ in range(cfg.num_experts)]
+            [MLP(cfg, b, expert=True) for _ in range(cfg.num_experts)]
         )
 
 
@@ -72,13 +71,13 @@ class MoE(nn.Module):
     got no tokens on one rank would otherwise skip its all-gather and hang the group).
     """
 
-    def __init__(self, cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: torch.device | None) -> None:
+    def __init__(self, cfg: ModelConfig, b: Build) -> None:
         super().__init__()
         self.topk = cfg.moe_topk
         self.router = nn.Module()
-        spec = make_spec(groups, (cfg.num_experts, cfg.hidden), None, None, 1)
-        self.router.weight = _param(spec, dtype, False, device)
-        self.experts = Experts(cfg, groups, dtype, device)
+        spec = make_spec(b.groups, (cfg.num_experts, cfg.hidden), None, None, 1)
+        self.router.weight = _param(spec, b.dtype, False, b.device)
+        self.experts = Experts(cfg, b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.router.weight.float())
@@ -91,14 +90,12 @@ class MoE(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, groups: Groups, layer: int, dtype: torch.dtype,
-                 device: torch.device | None) -> None:
+    def __init__(self, cfg: ModelConfig, b: Build, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(groups, cfg.hidden, cfg.norm_eps, dtype, device)
-        self.self_attention = SelfAttention(cfg, groups, dtype, device)
-        self.pre_mlp_layernorm = RMSNorm(groups, cfg.hidden, cfg.norm_eps, dtype, device)
-        moe = cfg.is_moe_layer(layer)
-        self.mlp = MoE(cfg, groups, dtype, device) if moe else MLP(cfg, groups, dtype, device)
+        self.input_layernorm = RMSNorm(b, cfg.hidden, cfg.norm_eps)
+        self.self_attention = SelfAttention(cfg, b)
+        self.pre_mlp_layernorm = RMSNorm(b, cfg.hidden, cfg.norm_eps)
+        self.mlp = MoE(cfg, b) if cfg.is_moe_layer(layer) else MLP(cfg, b)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attention(self.input_layernorm(x), positions)
@@ -106,29 +103,31 @@ class TransformerLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: torch.device | None) -> None:
+    def __init__(self, cfg: ModelConfig, b: Build) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([TransformerLayer(cfg, groups, i, dtype, device) for i in range(cfg.num_layers)])
-        self.final_layernorm = RMSNorm(groups, cfg.hidden, cfg.norm_eps, dtype, device)
+        self.layers = nn.ModuleList([TransformerLayer(cfg, b, i) for i in range(cfg.num_layers)])
+        self.final_layernorm = RMSNorm(b, cfg.hidden, cfg.norm_eps)
 
 
 class Embedding(nn.Module):
-    def __init__(self, cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: torch.device | None) -> None:
+    def __init__(self, cfg: ModelConfig, b: Build) -> None:
         super().__init__()
-        self.word_embeddings = VocabParallelEmbedding(groups, cfg.vocab_size, cfg.hidden, dtype, device)
+        self.word_embeddings = VocabParallelEmbedding(b, cfg.vocab_size, cfg.hidden)
 
 
 class GPTModel(nn.Module):
     """The sharded model of one rank. ``forward`` returns this rank's mean token loss."""
 
     def __init__(self, cfg: ModelConfig, par: ParallelConfig, groups: Groups,
-                 dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                 prefetch: bool = True, overlap_grad_reduce: bool = True) -> None:
         super().__init__()
         self.cfg, self.par, self.groups = cfg, par, groups
-        self.embedding = Embedding(cfg, groups, dtype, device)
-        self.decoder = Decoder(cfg, groups, dtype, device)
-        self.output_layer = GTPLinear(groups, cfg.hidden, cfg.vocab_size, "column", align=cfg.gtp_align,
-                                      dtype=dtype, device=device)
+        self.gtp_comm = GTPComm(prefetch, overlap_grad_reduce)
+        b = Build(groups, dtype, device, self.gtp_comm, cfg.gtp_align)
+        self.embedding = Embedding(cfg, b)
+        self.decoder = Decoder(cfg, b)
+        self.output_layer = GTPLinear(b, cfg.hidden, cfg.vocab_size, "column")
         self.init_weights()
 
     @torch.no_grad()

@@ -74,6 +74,9 @@ class DistributedAdam:
             buf.zero_grad()
 
     def reduce_grads(self) -> None:
+        comm = getattr(self.model, "gtp_comm", None)
+        if comm is not None:
+            comm.finish_grad_reduce()  # weight-gradient reduce-scatters still in flight
         gtp = self.groups[topo.GTP]
         if gtp.size > 1:
             for p in self._lane_replicated:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from gtp_runtime.collectives import all_gather_dim0, reduce_scatter_dim0
+from gtp_runtime.collectives import all_gather_raw, reduce_scatter_raw
 from gtp_runtime.groups import Group
 
 
@@ -111,41 +111,130 @@ class ShardSpec:
         return gathered[: self.tp_local_shape[0]]
 
 
+def wgrad_fp32(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad_out^T @ x`` accumulated and returned in fp32 (bf16 inputs on CUDA stay bf16 GEMMs)."""
+    g2 = grad_out.reshape(-1, grad_out.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
+    if g2.is_cuda and g2.dtype != torch.float32:
+        try:
+            return torch.mm(g2.t(), x2, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            return (g2.t() @ x2).float()
+    return g2.t().float() @ x2.float()
+
+
+class GTPComm:
+    """Schedules the collectives of every GTP weight of one model.
+
+    * Prefetch: forward uses the weights in registration order and backward in reverse, so when
+      weight ``i`` is gathered the gather of its neighbour (``i+1`` forward, ``i-1`` backward) is
+      started asynchronously; on NCCL it runs on the communicator's stream while this GEMM runs.
+    * Overlapped reduce-scatter: the weight-gradient reduce-scatter is started asynchronously and
+      completed (and added into ``main_grad``) by :meth:`finish_grad_reduce`, which the optimizer
+      calls before it touches the gradients.
+    Every rank runs the same program, so every rank issues the same collectives in the same order.
+    """
+
+    def __init__(self, prefetch: bool = True, overlap_grad_reduce: bool = True) -> None:
+        self.prefetch, self.overlap = prefetch, overlap_grad_reduce
+        self.order: list[torch.Tensor] = []
+        self._gathers: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._reduces: list[tuple[torch.Tensor, Any, torch.Tensor]] = []
+
+    def register(self, shard: torch.Tensor, group: Group) -> None:
+        shard.gtp_index = len(self.order)  # type: ignore[attr-defined]
+        shard.gtp_group = group  # type: ignore[attr-defined]
+        self.order.append(shard)
+
+    def _start_gather(self, shard: torch.Tensor, async_op: bool) -> tuple[torch.Tensor, Any]:
+        group: Group = shard.gtp_group  # type: ignore[attr-defined]
+        if group.size == 1:
+            return shard, None
+        out = torch.empty((group.size * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
+        work = all_gather_raw(out, shard.detach().contiguous(), group=group.handle, async_op=async_op)
+        return out, work
+
+    def gather(self, shard: torch.Tensor, step: int) -> torch.Tensor:
+        """The full (padded) weight of ``shard``; prefetches the neighbour ``step`` (+1 or -1) away."""
+        idx = shard.gtp_index  # type: ignore[attr-defined]
+        out, work = self._gathers.pop(idx, None) or self._start_gather(shard, async_op=False)
+        if work is not None:
+            work.wait()
+        nxt = idx + step
+        if self.prefetch and 0 <= nxt < len(self.order) and nxt not in self._gathers:
+            self._gathers[nxt] = self._start_gather(self.order[nxt], async_op=True)
+        return out
+
+    def reduce_scatter(self, shard: torch.Tensor, grad_full: torch.Tensor) -> torch.Tensor | None:
+        """Average ``grad_full`` over the weight group into this rank's shard gradient.
+
+        With overlap the result is added to ``main_grad`` later and ``None`` is returned.
+        """
+        group: Group = shard.gtp_group  # type: ignore[attr-defined]
+        main_grad = getattr(shard, "main_grad", None)
+        if group.size == 1:
+            out, work = grad_full, None
+        else:
+            out = torch.empty((grad_full.shape[0] // group.size, *grad_full.shape[1:]), dtype=grad_full.dtype,
+                              device=grad_full.device)
+            work = reduce_scatter_raw(out, grad_full, op=dist.ReduceOp.AVG, group=group.handle,
+                                   async_op=self.overlap and main_grad is not None)
+        if main_grad is None:
+            return out
+        if work is not None and self.overlap:
+            self._reduces.append((out, work, main_grad))
+        else:
+            main_grad.add_(out)
+        return None
+
+    def finish_grad_reduce(self) -> None:
+        for out, work, main_grad in self._reduces:
+            work.wait()
+            main_grad.add_(out)
+        self._reduces.clear()
+
+    def drop_prefetched(self) -> None:
+        """Forget gathers started for a backward that will not come (e.g. a forward-only pass)."""
+        for _, work in self._gathers.values():
+            if work is not None:
+                work.wait()
+        self._gathers.clear()
+
+
 class GTPLinearFn(torch.autograd.Function):
-    """``y = x @ W.T`` where ``W`` is gathered from its shards in forward and again in backward."""
+    """``y = x @ W.T`` where ``W`` is gathered from its shards in forward and again in backward.
+
+    Only the shard is saved for backward: the full weight exists only inside each GEMM, which is
+    the ZeRO-3 memory saving. The weight gradient is reduce-scattered (averaged: the bucket divisor
+    then only covers the buffer's DP group, domain.md 3) and accumulated in fp32 into
+    ``main_grad``, so a bf16 param never rounds its gradient to bf16 on the way.
+    """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, shard: torch.Tensor, group: Group, rows: int) -> torch.Tensor:
-        full = all_gather_dim0(shard, group)[:rows]
+    def forward(ctx: Any, x: torch.Tensor, shard: torch.Tensor, comm: GTPComm, rows: int) -> torch.Tensor:
+        full = comm.gather(shard, +1)[:rows]
         ctx.save_for_backward(x, shard)
-        ctx.group, ctx.rows = group, rows
+        ctx.comm, ctx.rows = comm, rows
         return F.linear(x, full)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, shard = ctx.saved_tensors
-        group, rows = ctx.group, ctx.rows
+        comm, rows = ctx.comm, ctx.rows
         grad_x = None
+        full = comm.gather(shard, -1)[:rows]
         if ctx.needs_input_grad[0]:
-            full = all_gather_dim0(shard, group)[:rows]
             grad_x = grad_out @ full
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        grad_full = torch.zeros((shard.shape[0] * group.size, shard.shape[1]), dtype=torch.float32,
-                                device=shard.device)
-        grad_full[:rows] = (g2.t().float() @ x2.float())
-        # AVG: the bucket divisor then only has to cover the buffer's DP group (domain.md 3).
-        grad_shard = reduce_scatter_dim0(grad_full, group, dist.ReduceOp.AVG)
-        main_grad = getattr(shard, "main_grad", None)
-        if main_grad is not None:
-            # Accumulate in fp32 straight into the grad buffer: a bf16 param must not round its
-            # gradient to bf16 on the way (Megatron's gradient-accumulation fusion does the same).
-            main_grad.add_(grad_shard)
-            return grad_x, None, None, None
-        return grad_x, grad_shard.to(shard.dtype), None, None
+        del full
+        padded = shard.shape[0] * shard.gtp_group.size
+        grad_full = torch.empty((padded, shard.shape[1]), dtype=torch.float32, device=shard.device)
+        grad_full[:rows] = wgrad_fp32(grad_out, x)
+        grad_full[rows:].zero_()
+        grad_shard = comm.reduce_scatter(shard, grad_full)
+        return grad_x, None if grad_shard is None else grad_shard.to(shard.dtype), None, None
 
 
-def gtp_linear(x: torch.Tensor, shard: torch.Tensor, group: Group, rows: int) -> torch.Tensor:
+def gtp_linear(x: torch.Tensor, shard: torch.Tensor, comm: GTPComm, rows: int) -> torch.Tensor:
     """Linear with a GTP-sharded weight; also used at group size 1 so that the fp32 gradient path
     is the same for every topology."""
-    return GTPLinearFn.apply(x, shard, group, rows)
+    return GTPLinearFn.apply(x, shard, comm, rows)

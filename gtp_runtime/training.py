@@ -25,6 +25,10 @@ class TrainConfig:
     micro_batch: int = 2
     bucket_size: int = 40_000_000
     param_dtype: torch.dtype = torch.float32
+    prefetch: bool = True
+    """Start the next GTP weight's all-gather while the current GEMM runs."""
+    overlap_grad_reduce: bool = True
+    """Finish weight-gradient reduce-scatters at the optimizer step instead of inside backward."""
 
     @property
     def lanes(self) -> int:
@@ -52,7 +56,8 @@ class Trainer:
         self.cfg = cfg
         self.device = device or torch.device("cpu")
         self.groups = groups or build_groups(cfg.par)
-        self.model = GPTModel(cfg.model, cfg.par, self.groups, dtype=cfg.param_dtype, device=self.device)
+        self.model = GPTModel(cfg.model, cfg.par, self.groups, dtype=cfg.param_dtype, device=self.device,
+                              prefetch=cfg.prefetch, overlap_grad_reduce=cfg.overlap_grad_reduce)
         self.optimizer = DistributedAdam(self.model, self.groups, cfg.adam, cfg.bucket_size)
         self.iteration = 0
 
