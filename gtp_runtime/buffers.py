@@ -144,17 +144,21 @@ class GradBuffer:
         lo = bucket.start + self.dp_group.rank * n
         return lo, lo + n
 
-    def count_mask(self, bucket: Bucket) -> torch.Tensor:
-        """Bool mask over the owned slice: elements this rank counts in norm and zero count."""
+    def count_ranges(self, bucket: Bucket) -> list[tuple[int, int]]:
+        """Ranges of the owned slice (relative to it) that this rank counts in norm and zero count.
+
+        Ranges, not a mask: the counted elements are a few contiguous runs (one per param piece),
+        and slicing them avoids a boolean gather that would force a device-to-host sync.
+        """
         lo, hi = self.owned_range(bucket)
-        mask = torch.zeros(hi - lo, dtype=torch.bool, device=self.grad_data.device)
+        out = []
         for s in bucket.slots:
             if not s.counts_here:
                 continue
             a, b = max(lo, s.start), min(hi, s.start + s.valid_numel)
             if a < b:
-                mask[a - lo : b - lo] = True
-        return mask
+                out.append((a - lo, b - lo))
+        return out
 
     # -- reduction ------------------------------------------------------------------------------
     def reduce_grads(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from gtp_runtime.collectives import gather_seq
 from gtp_runtime.groups import Group
@@ -44,8 +45,20 @@ def cp_attention(
     k_all = gather_seq(k.transpose(0, 1).contiguous(), cp).transpose(0, 1)
     v_all = gather_seq(v.transpose(0, 1).contiguous(), cp).transpose(0, 1)
     pos_all = gather_seq(positions.contiguous(), cp)
-    mask = positions[:, None] >= pos_all[None, :]
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=mask
-    )
-    return out.transpose(1, 2)
+    order = torch.argsort(pos_all)  # keys/values in global sequence order
+    k_all, v_all = k_all[:, order], v_all[:, order]
+    # Each local half is one contiguous chunk j of the sequence: its queries see keys
+    # [0, (j+1)*L) with a causal mask aligned to the bottom-right corner. Two such calls keep
+    # SDPA on its fused (flash / efficient) kernels; one call with an explicit boolean mask
+    # would fall back to a slower masked kernel.
+    # The chunk indices follow from the CP rank (no device-to-host read of ``positions``).
+    half = q.shape[1] // 2
+    outs = []
+    for i, j in enumerate((cp.rank, 2 * cp.size - 1 - cp.rank)):
+        qi = q[:, i * half : (i + 1) * half]
+        end = (j + 1) * half
+        outs.append(F.scaled_dot_product_attention(
+            qi.transpose(1, 2), k_all[:, :end].transpose(1, 2), v_all[:, :end].transpose(1, 2),
+            attn_mask=causal_lower_right(half, end),
+        ).transpose(1, 2))
+    return torch.cat(outs, dim=1)

@@ -20,12 +20,19 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def full_init(name: str, shape: tuple[int, ...], seed: int, num_layers: int) -> torch.Tensor:
-    """The full fp32 value of parameter ``name`` at initialisation."""
+def full_init(name: str, shape: tuple[int, ...], seed: int, num_layers: int,
+              device: torch.device | str | None = None) -> torch.Tensor:
+    """The full fp32 value of parameter ``name`` at initialisation.
+
+    The generator lives on ``device`` (a GPU run initialises billions of elements in
+    milliseconds instead of on the CPU); values are identical for every topology on one device
+    type, which is what parity needs: the reference is built on the same device.
+    """
+    device = torch.device(device or "cpu")
     if name.endswith("layernorm.weight"):
-        return torch.ones(shape)
-    gen = torch.Generator().manual_seed(name_seed(seed, name))
+        return torch.ones(shape, device=device)
+    gen = torch.Generator(device=device).manual_seed(name_seed(seed, name))
     std = 0.02
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         std = 0.02 / math.sqrt(2.0 * num_layers)  # scaled init of output projections (GPT-2)
-    return torch.randn(shape, generator=gen) * std
+    return torch.randn(shape, generator=gen, device=device) * std

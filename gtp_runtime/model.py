@@ -133,8 +133,8 @@ class GPTModel(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         for name, p in self.named_parameters():
-            full = full_init(name, p.spec.full_shape, self.cfg.seed, self.cfg.num_layers)
-            p.copy_(p.spec.take(full).to(p.device, p.dtype))
+            full = full_init(name, p.spec.full_shape, self.cfg.seed, self.cfg.num_layers, device=p.device)
+            p.copy_(p.spec.take(full).to(p.dtype))
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embedding.word_embeddings(tokens)

@@ -46,7 +46,7 @@ class BucketState:
         self.param = buf.param_data[lo:hi].detach().float().clone()
         self.exp_avg = torch.zeros_like(self.param)
         self.exp_avg_sq = torch.zeros_like(self.param)
-        self.mask = buf.count_mask(bucket)
+        self.count_ranges = buf.count_ranges(bucket)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"param": self.param, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
@@ -86,14 +86,17 @@ class DistributedAdam:
 
     def grad_stats(self) -> StepStats:
         """Global L2 norm and zero count over every gradient element exactly once, padding never."""
-        sumsq = torch.zeros((), dtype=torch.float64)
-        zeros = torch.zeros((), dtype=torch.float64)
+        device = self.buffers[0].grad_data.device
+        sumsq = torch.zeros((), dtype=torch.float64, device=device)
+        zeros = torch.zeros((), dtype=torch.float64, device=device)
         for buf, states in zip(self.buffers, self.state):
             for st in states:
-                g = buf.grad_data[st.lo : st.hi][st.mask]
-                sumsq += g.double().pow(2).sum().cpu()
-                zeros += (g == 0).sum().cpu()
-        stats = torch.stack([sumsq, zeros]).to(self.buffers[0].grad_data.device)
+                owned = buf.grad_data[st.lo : st.hi]
+                for a, b in st.count_ranges:
+                    g = owned[a:b]
+                    sumsq += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+                    zeros += (g == 0).sum()
+        stats = torch.stack([sumsq, zeros])
         dist.all_reduce(stats, group=self.groups[topo.WORLD].handle)
         return StepStats(math.sqrt(stats[0].item()), int(stats[1].item()))
 
@@ -114,13 +117,28 @@ class DistributedAdam:
         bc1, bc2 = 1 - c.beta1**t, 1 - c.beta2**t
         for buf, states in zip(self.buffers, self.state):
             for b, st in zip(buf.buckets, states):
-                g = buf.grad_data[st.lo : st.hi] * clip
-                st.param.mul_(1 - c.lr * c.weight_decay)
-                st.exp_avg.lerp_(g, 1 - c.beta1)
-                st.exp_avg_sq.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
-                denom = (st.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(c.eps)
-                st.param.addcdiv_(st.exp_avg, denom, value=-c.lr / bc1)
+                g = buf.grad_data[st.lo : st.hi]
+                if st.param.is_cuda:
+                    self._fused_update(st, g.mul_(clip), t)
+                else:
+                    g = g * clip
+                    st.param.mul_(1 - c.lr * c.weight_decay)
+                    st.exp_avg.lerp_(g, 1 - c.beta1)
+                    st.exp_avg_sq.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
+                    denom = (st.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(c.eps)
+                    st.param.addcdiv_(st.exp_avg, denom, value=-c.lr / bc1)
                 self._publish(buf, b, st)
+
+    def _fused_update(self, st: BucketState, g: torch.Tensor, t: int) -> None:
+        """The same AdamW update in PyTorch's fused CUDA kernel (one pass instead of about ten).
+
+        The CPU path above stays op-by-op: it is the one the fp32 reference is compared against
+        and the one CI runs; on GPUs the fused kernel is what makes the optimizer step cheap.
+        """
+        c = self.cfg
+        step = torch.tensor(float(t), device=g.device)
+        torch._fused_adamw_([st.param], [g], [st.exp_avg], [st.exp_avg_sq], [], [step], lr=c.lr, beta1=c.beta1,
+                            beta2=c.beta2, weight_decay=c.weight_decay, eps=c.eps, amsgrad=False, maximize=False)
 
     def _publish(self, buf: GradBuffer, b: Bucket, st: BucketState) -> None:
         """Write the owned master slice into the param buffer and all-gather the bucket."""

@@ -48,10 +48,11 @@ def param_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
 class ReferenceGPT:
     """Full fp32 weights in a dict, a functional forward, AdamW from torch."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device | None = None) -> None:
         self.cfg = cfg
+        self.device = device or torch.device("cpu")
         self.params = {
-            n: full_init(n, param_shape(cfg, n), cfg.seed, cfg.num_layers).requires_grad_(True)
+            n: full_init(n, param_shape(cfg, n), cfg.seed, cfg.num_layers, self.device).requires_grad_(True)
             for n in param_names(cfg)
         }
 
@@ -60,8 +61,8 @@ class ReferenceGPT:
 
     def _rope(self, x: torch.Tensor) -> torch.Tensor:
         s, d = x.shape[1], x.shape[-1]
-        inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        ang = torch.outer(torch.arange(s, dtype=torch.float32), inv)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+        ang = torch.outer(torch.arange(s, dtype=torch.float32, device=x.device), inv)
         cos, sin = ang.cos().repeat(1, 2)[None, :, None], ang.sin().repeat(1, 2)[None, :, None]
         half = d // 2
         rot = torch.cat([-x[..., half:], x[..., :half]], -1)
@@ -82,7 +83,7 @@ class ReferenceGPT:
             qkv = (h @ P[p + "self_attention.linear_qkv.weight"].t()).view(b, s, nh, 3, hd)
             q, k, v = self._rope(qkv[..., 0, :]), self._rope(qkv[..., 1, :]), qkv[..., 2, :]
             scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
-            causal = torch.ones(s, s, dtype=torch.bool).tril()
+            causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
             att = scores.masked_fill(~causal, float("-inf")).softmax(-1)
             o = torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, cfg.hidden)
             x = x + o @ P[p + "self_attention.linear_proj.weight"].t()
@@ -103,6 +104,6 @@ class ReferenceGPT:
     def grads(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
         for p in self.params.values():
             p.grad = None
-        loss = self.loss(tokens, labels)
+        loss = self.loss(tokens.to(self.device), labels.to(self.device))
         loss.backward()
         return loss.item(), {n: p.grad.detach().clone() for n, p in self.params.items()}

@@ -101,7 +101,7 @@ class ShardSpec:
             full = full[self.tp_rank * tl[0] : (self.tp_rank + 1) * tl[0]]
         elif self.tp_mode == "row":
             full = full[:, self.tp_rank * tl[1] : (self.tp_rank + 1) * tl[1]]
-        out = torch.zeros(self.local_shape, dtype=full.dtype)
+        out = torch.zeros(self.local_shape, dtype=full.dtype, device=full.device)
         start = self.shard_rank * self.shard_rows if self.shard_kind else 0
         out[: self.valid_rows] = full[start : start + self.valid_rows]
         return out
