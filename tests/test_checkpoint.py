@@ -232,3 +232,29 @@ def test_refused_sharding_unfolded_is_clear(tmp_path: Path) -> None:
     r = _train(["--nproc-per-node", "2", "--dp", "2", *SMALL, "--steps", "1", "--save", str(tmp_path),
                 "--optimizer-sharding", "fully_reshardable"])
     assert r.returncode == 2 and "use 'dp_reshardable'" in r.stderr
+
+
+def test_runtime_load_refuses_code_in_metadata(tmp_path: Path) -> None:
+    """--load of a crafted .metadata: refused before anything in it runs."""
+    import pickle
+
+    from gtp_runtime.checkpoint.safe_metadata import UnsafeMetadataError, safe_load_metadata
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (exec, (f"open({str(marker)!r}, 'w').write('x')",))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(UnsafeMetadataError, match="builtins.exec"):
+        safe_load_metadata(tmp_path / ".metadata")
+    assert not marker.exists()
+
+
+def test_runtime_reads_its_own_metadata_safely() -> None:
+    from gtp_runtime.checkpoint.safe_metadata import safe_load_metadata
+
+    folder = Path(__file__).parent.parent / "fixtures" / "gtp" / "fold_cp2_g2_dp2" / "iter_0000002"
+    md = safe_load_metadata(folder / ".metadata")
+    assert any(".cp_rank_1" in k for k in md.state_dict_metadata)

@@ -33,6 +33,7 @@ from gtp_runtime.checkpoint.manifest import (
     read_manifest,
     write_manifest,
 )
+from gtp_runtime.checkpoint.safe_metadata import SafeFileSystemReader, UnsafeMetadataError
 from gtp_runtime.checkpoint.safetensors_storage import INDEX_FILE, SafetensorsReader, SafetensorsWriter
 from gtp_runtime.checkpoint.state import bucket_numel_state, model_state, optimizer_state
 from gtp_runtime.training import Trainer
@@ -128,7 +129,7 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
         manifest = build_manifest(
             layout=layout, sharding=sharding, iteration=it, par=cfg.par, model=cfg.model, adam=cfg.adam,
             step=trainer.optimizer.step_count, buffers=buffer_layout(trainer.optimizer, trainer.groups),
-            files=files, param_dtype=str(cfg.param_dtype))
+            files=files, param_dtype=str(cfg.param_dtype), bucket_size=cfg.bucket_size)
         if aliased:
             manifest["notes"].append("written by the pre-fix (aliased) writer: folded keys lack .cp_rank_{i}")
         write_manifest(tmp, manifest)
@@ -218,8 +219,11 @@ def load_checkpoint(trainer: Trainer, path: str | os.PathLike, sharding: str = f
     manifest = read_manifest(folder)
     _check_manifest(trainer, manifest, folder)
     layout = manifest["layout"]
-    reader = dcp.FileSystemReader(folder) if layout == "torch_dist" else SafetensorsReader(folder)
-    metadata = reader.read_metadata()
+    reader = SafeFileSystemReader(folder) if layout == "torch_dist" else SafetensorsReader(folder)
+    try:
+        metadata = reader.read_metadata()
+    except UnsafeMetadataError as e:
+        raise CheckpointError(str(e)) from e
     sd: dict[str, Any] = {}
     sd.update(model_state(trainer.model, trainer.groups, for_load=True))
     sd.update(optimizer_state(trainer.optimizer, trainer.groups))

@@ -1,0 +1,78 @@
+"""Read DCP ``.metadata`` for ``--load`` without trusting the file.
+
+PyTorch's ``FileSystemReader.read_metadata`` is a plain ``pickle.load``: a checkpoint someone else
+wrote can run code on the training cluster at load time. :class:`SafeFileSystemReader` reads the
+same file through an unpickler that resolves only the globals a DCP metadata pickle needs (the
+list was established on torch 2.13 files and Megatron's) to the real classes, and refuses
+anything else before it is called. It uses the pure-Python unpickler, whose memo is a dict (the C
+one sizes its memo from an index in the file), and refuses a metadata file larger than the data
+it describes could justify.
+
+The ``ckpt`` CLI goes further (inert stand-ins, never the real classes) because it only reads;
+the runtime needs real ``Metadata`` objects to hand to ``dcp.load``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+_DCP = "torch.distributed.checkpoint"
+ALLOWED: dict[str, frozenset[str]] = {
+    f"{_DCP}.metadata": frozenset({
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    }),
+    f"{_DCP}.filesystem": frozenset({"_StorageInfo", "_StoragePrefix"}),
+    f"{_DCP}.planner": frozenset({"SavePlan", "WriteItem", "TensorWriteData", "WriteItemType"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "torch": frozenset({"Size", "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8",
+                        "uint8", "bool", "float8_e4m3fn", "float8_e5m2"}),
+    "pathlib": frozenset({"PosixPath", "PurePosixPath"}),
+    "collections": frozenset({"OrderedDict"}),
+}
+MIN_LIMIT = 64 << 20
+
+
+class UnsafeMetadataError(ValueError):
+    """A ``.metadata`` that references something outside the allow-list; nothing in it ran."""
+
+
+class _Restricted(pickle._Unpickler):  # type: ignore[misc, name-defined]
+    def __init__(self, file: Any, path: Path) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in ALLOWED.get(module, frozenset()):
+            return getattr(importlib.import_module(module), name)
+        raise UnsafeMetadataError(f"{self.path}: refuses to load global {module}.{name} (not DCP metadata); "
+                                  "the file is corrupt or was crafted; do not load this checkpoint")
+
+
+def safe_load_metadata(path: Path) -> Metadata:
+    size = path.stat().st_size
+    data_bytes = sum(p.stat().st_size for p in path.parent.iterdir() if p.is_file() and p != path)
+    if size > max(MIN_LIMIT, data_bytes):
+        raise UnsafeMetadataError(f"{path}: {size} bytes of metadata for {data_bytes} bytes of data; refusing")
+    with open(path, "rb") as f:
+        md = _Restricted(f, path).load()
+    if not isinstance(md, Metadata):
+        raise UnsafeMetadataError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
+    return md
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` goes through :func:`safe_load_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md = safe_load_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
