@@ -77,7 +77,7 @@ def buffer_layout(opt: Any, groups: Any) -> list[dict[str, Any]]:
 
 def build_manifest(*, layout: str, sharding: str, iteration: int, par: ParallelConfig, model: ModelConfig,
                    adam: Any, step: int, buffers: list[dict[str, Any]], files: dict[str, dict[str, Any]],
-                   param_dtype: str) -> dict[str, Any]:
+                   param_dtype: str, bucket_size: int | None = None) -> dict[str, Any]:
     return {
         "format": "gtp-ckpt",
         "format_version": MANIFEST_VERSION,
@@ -88,6 +88,7 @@ def build_manifest(*, layout: str, sharding: str, iteration: int, par: ParallelC
         "model": model.to_dict(),
         "param_dtype": param_dtype,
         "optimizer": {"type": "adamw", **dataclasses.asdict(adam), "step": step},
+        "bucket_size": bucket_size,
         "buffers": buffers,
         "hash_algorithm": HASH_ALGORITHM,
         "files": files,

@@ -1,0 +1,93 @@
+"""gtp_runtime.roundtrip without processes: bitwise comparison, bucket size recovery, manifest configs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fake_groups import fake_groups
+
+from gtp_runtime.buffers import build_buffers
+from gtp_runtime.checkpoint.manifest import buffer_layout
+from gtp_runtime.config import ConfigError, ModelConfig, ParallelConfig
+from gtp_runtime.model import GPTModel
+from gtp_runtime.roundtrip import (
+    bitwise_diff,
+    bucket_size_from_manifest,
+    compare_snapshots,
+    config_from_manifest,
+    is_model_key,
+)
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "gtp" / "fold_cp2_g2_dp2" / "iter_0000002"
+MODEL = ModelConfig(hidden=32, num_layers=2, num_heads=4, ffn_hidden=64, seq_length=16)
+
+
+def test_bitwise_diff_compares_bits_not_values():
+    a = torch.tensor([0.0, float("nan"), 1.0, 2.0])
+    assert bitwise_diff(a, a.clone()) == (0, None, None)  # the same NaN is equal
+    b = torch.tensor([-0.0, float("nan"), 1.0, 2.5])
+    count, max_abs, first = bitwise_diff(a, b)
+    assert (count, max_abs, first) == (2, 0.5, 0)  # -0.0 differs from 0.0 (by 0.0)
+    assert bitwise_diff(torch.tensor([1, 2], dtype=torch.int64), torch.tensor([1, 3]))[0] == 1
+    assert bitwise_diff(torch.ones(3, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16))[0] == 0
+
+
+def test_compare_snapshots_reports_missing_shape_and_values():
+    want = {"model.a": torch.zeros(4), "model.b": torch.zeros(2), "model.c": torch.zeros(3),
+            "optimizer.x": torch.ones(1)}
+    got = {"model.a": torch.zeros(4), "model.b": torch.zeros(3), "model.d": torch.zeros(1),
+           "optimizer.x": torch.full((1,), 2.0)}
+    s = compare_snapshots(want, got, is_model_key)
+    assert not s.ok and s.keys == 4
+    assert [(d.key, d.problem) for d in s.diffs] == [("model.b", "shape"), ("model.c", "missing"),
+                                                     ("model.d", "unexpected")]
+    s = compare_snapshots(want, got, lambda k: k.startswith("optimizer."))
+    assert (s.differing, s.max_abs_diff, s.diffs[0].key) == (1, 1.0, "optimizer.x")
+
+
+def _layout(par: ParallelConfig, bucket_size: int) -> list:
+    groups = fake_groups(par, 0)
+    bufs = build_buffers(GPTModel(MODEL, par, groups), groups, bucket_size)
+    return buffer_layout(SimpleNamespace(buffers=bufs), groups)
+
+
+@pytest.mark.parametrize("bucket_size", [1, 700, 3000, 5000, 10**8])
+@pytest.mark.parametrize("par", [ParallelConfig(cp=2, gtp_remat=2, dp=2, fold_cp=True), ParallelConfig(tp=2, dp=2)])
+def test_bucket_size_recovered_from_layout(par: ParallelConfig, bucket_size: int):
+    """Old manifests lack bucket_size: the derived one must rebuild exactly the same buckets."""
+    layout = _layout(par, bucket_size)
+    derived = bucket_size_from_manifest({"buffers": layout})
+    assert _layout(par, derived) == layout
+    assert bucket_size_from_manifest({"buffers": layout, "bucket_size": bucket_size}) == bucket_size
+
+
+def test_config_from_fixture_manifest_and_refusals():
+    if not FIXTURE.exists():
+        pytest.skip("run python fixtures/make_fixtures.py")
+    manifest = json.loads((FIXTURE / "gtp_manifest.json").read_text())
+    cfg = config_from_manifest(manifest)
+    assert cfg.par == ParallelConfig(cp=2, gtp_remat=2, dp=2, fold_cp=True)
+    assert cfg.model.vocab_size == 128 and cfg.param_dtype == torch.float32
+    groups = fake_groups(cfg.par, 0)
+    bufs = build_buffers(GPTModel(cfg.model, cfg.par, groups), groups, cfg.bucket_size)
+    assert buffer_layout(SimpleNamespace(buffers=bufs), groups) == manifest["buffers"]
+    assert config_from_manifest(manifest, dp=1).par.dp == 1
+    bad = json.loads(json.dumps(manifest))
+    bad["topology"]["world_size"] = 6
+    with pytest.raises(ConfigError, match="world size 6 !="):
+        config_from_manifest(bad)
+    del bad["model"]
+    with pytest.raises(ConfigError, match="lacks 'model'"):
+        config_from_manifest(bad)
+    for edit, message in [(("model", "new_field", 1), "unknown to this version"),
+                          (("model", "hidden", "32"), r"model.hidden is '32', expected int"),
+                          (("topology", "fold_cp", 1), "topology.fold_cp is 1, expected bool"),
+                          (("optimizer", "lr", None), "optimizer.lr is None")]:
+        bad = json.loads(json.dumps(manifest))
+        bad[edit[0]][edit[1]] = edit[2]
+        with pytest.raises(ConfigError, match=message):
+            config_from_manifest(bad)
