@@ -13,7 +13,7 @@ import importlib
 
 import typer
 
-COMMAND_MODULES: tuple[str, ...] = ("inspect", "verify", "show", "diff")
+COMMAND_MODULES: tuple[str, ...] = ("inspect", "verify", "show", "diff", "roundtrip", "migrate")
 
 app = typer.Typer(
     name="ckpt",
