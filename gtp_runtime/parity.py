@@ -70,7 +70,7 @@ def worst_over_world(m: Mismatch) -> Mismatch:
 
 
 def reference_for(trainer: Trainer) -> tuple[ReferenceGPT, torch.optim.AdamW]:
-    ref = ReferenceGPT(trainer.cfg.model)
+    ref = ReferenceGPT(trainer.cfg.model, trainer.device)
     a = trainer.cfg.adam
     opt = torch.optim.AdamW(list(ref.params.values()), lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps,
                             weight_decay=a.weight_decay, foreach=False)
@@ -111,13 +111,18 @@ def check_against_reference(trainer: Trainer, steps: int, tol: float,
         grads = reduced_grads(trainer.optimizer)
         stats = trainer.optimizer.grad_stats()
         ref_loss, ref_grads, ref_norm, ref_zeros = reference_step(trainer, ref, ref_opt, step)
+        # Reduction order may turn a reference element within tol of zero into an exact zero here
+        # (a near-cancellation: -5e-12 among gradients of 1e-2 in a MoE run); only a difference
+        # beyond those elements is a counting error (the exactly-once rule broken).
+        ref_near = sum(int(((g != 0) & (g.abs() <= tol * g.abs().max())).sum()) for g in ref_grads.values())
+        zero_diff = abs(stats.num_zeros - ref_zeros)
         cands = [
             _scaled(compare_shards(trainer.model, grads, ref_grads, f"grad@{step}"), tol if i == 0 else float("inf")),
             Mismatch(f"loss@{step}", "loss", abs(loss - ref_loss) / abs(ref_loss) / tol),
             Mismatch(f"grad_norm@{step}", "grad_norm", abs(stats.grad_norm - ref_norm) / ref_norm / tol),
-            # Relative, like the other statistics: a flat ``float(a != b)`` is exactly 1.0x tol,
-            # which the ``<= 1`` verdict let pass, so no zero-count mismatch could ever fail.
-            Mismatch(f"zeros@{step}", "num_zeros", abs(stats.num_zeros - ref_zeros) / max(ref_zeros, 1) / tol),
+            # Above 1 (a failure) exactly when the difference exceeds ref_near. (A flat
+            # ``float(a != b)`` scored 1.0x tol, which the ``<= 1`` verdict let pass.)
+            Mismatch(f"zeros@{step}", "num_zeros", 0.0 if zero_diff <= ref_near else zero_diff / max(ref_near, 0.5)),
         ]
         trainer.optimizer.step_after_reduce(stats)
         trainer.iteration = step
@@ -126,7 +131,7 @@ def check_against_reference(trainer: Trainer, steps: int, tol: float,
         cands.append(_scaled(compare_shards(trainer.model, params, ref_params, f"param@{step}"), param_tol))
         step_worst = worst_over_world(max(cands, key=lambda c: c.error))
         rows.append(dict(step=step, loss=loss, ref_loss=ref_loss, grad_norm=stats.grad_norm, ref_grad_norm=ref_norm,
-                         zeros=stats.num_zeros, ref_zeros=ref_zeros, worst=step_worst))
+                         zeros=stats.num_zeros, ref_zeros=ref_zeros, ref_near_zeros=ref_near, worst=step_worst))
         if step_worst.error > worst.error:
             worst = step_worst
     return rows, worst
