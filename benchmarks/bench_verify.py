@@ -1,0 +1,239 @@
+"""Benchmark: ``ckpt verify --data`` throughput and peak memory against ``cat`` of the same files.
+
+For each model size it writes a real checkpoint with gtp_runtime (``python -m gtp_runtime.train
+--nproc-per-node 2 --cp 2 --fold-cp ... --steps 1 --save``, dp_reshardable torch_dist, with the
+manifest's CRC-32s) under ``--workdir`` (/tmp by default, never the repository; an existing one
+is reused), then in the same run, cold (page cache dropped with ``echo 3 >
+/proc/sys/vm/drop_caches`` before each measurement, when permitted) and warm (after one untimed
+read):
+
+* ``cat``: ``cat`` of every file of the checkpoint folder to /dev/null;
+* ``verify CLI``: ``python -m ckpt_tool.cli verify PATH --data --format json`` as a user runs it
+  (Python and torch start-up included), with its ``ru_maxrss`` (``os.wait4``);
+* ``verify lib``: the same ``open_checkpoint`` + ``verify(data=True)`` in a fresh subprocess,
+  timed after the imports.
+
+Throughput is checkpoint bytes / seconds; the ratio is against ``cat`` in the same cache state.
+``--write-docs`` replaces the section "ckpt verify --data" of docs/performance.md.
+
+    python benchmarks/bench_verify.py --write-docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tabulate import tabulate
+
+REPO = Path(__file__).resolve().parents[1]
+TITLE = "ckpt verify --data"
+MEMORY_LIMIT_MIB = 512
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", default="2,8", help="comma list of layer counts, one checkpoint each")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--ffn-hidden", type=int, default=4096)
+    ap.add_argument("--num-heads", type=int, default=8)
+    ap.add_argument("--workdir", default="/tmp/bench_verify", help="generated checkpoints go here (reused)")
+    ap.add_argument("--clean", action="store_true", help="remove the generated checkpoints at the end")
+    ap.add_argument("--write-docs", action="store_true", help="update docs/performance.md")
+    ap.add_argument("--child", metavar="PATH", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def generate(args: argparse.Namespace, layers: int, out: Path) -> Path:
+    """The committed iter_* folder of a one-step checkpoint, written unless already there."""
+    iters = sorted(out.glob("iter_*")) if out.exists() else []
+    if not iters:
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [sys.executable, "-m", "gtp_runtime.train", "--nproc-per-node", "2", "--cp", "2", "--fold-cp",
+               "--hidden", str(args.hidden), "--ffn-hidden", str(args.ffn_hidden), "--num-heads",
+               str(args.num_heads), "--num-layers", str(layers), "--seq-length", "16", "--vocab-size", "128",
+               "--steps", "1", "--save", str(out)]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"{shlex.join(cmd)} failed:\n{p.stderr[-3000:]}")
+        iters = sorted(out.glob("iter_*"))
+    return iters[-1]
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def run_measured(cmd: list[str], discard: bool = False) -> tuple[float, int, str]:
+    """Wall seconds, ``ru_maxrss`` (KiB, from ``os.wait4``) and stdout of one subprocess."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    t = time.perf_counter()
+    with open(os.devnull, "wb") as devnull:
+        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                             stdout=devnull if discard else subprocess.PIPE, stderr=devnull)
+        out = b"" if discard else p.stdout.read()
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t
+    if p.returncode != 0:
+        raise SystemExit(f"{shlex.join(cmd)} failed ({p.returncode})")
+    return wall, usage.ru_maxrss, out.decode()
+
+
+def child(path: str) -> None:
+    import resource
+
+    import torch  # noqa: F401 - imported before the clock starts, as the CLI does
+
+    from ckpt_tool.reader.checkpoint import open_checkpoint
+    from ckpt_tool.verify_core import verify
+
+    t = time.perf_counter()
+    result = verify(open_checkpoint(path), data=True)
+    seconds = time.perf_counter() - t
+    print(json.dumps({"seconds": seconds, "ok": result.ok, "checks": result.checks,
+                      "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+
+
+def measure(folder: Path, cold: bool) -> dict[str, float]:
+    files = sorted(str(p) for p in folder.iterdir() if p.is_file())
+
+    def prepare() -> None:
+        if cold:
+            drop_caches()
+        else:
+            subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)  # untimed warm-up read
+
+    res: dict[str, float] = {}
+    prepare()
+    res["cat"], _, _ = run_measured(["cat", *files], discard=True)
+    prepare()
+    res["cli"], res["cli_kib"], out = run_measured(
+        [sys.executable, "-m", "ckpt_tool.cli", "verify", str(folder), "--data", "--format", "json"])
+    doc = json.loads(out)
+    if not doc["ok"] or "data" not in doc["checks"]:
+        raise SystemExit(f"verify --data did not pass on {folder}: {out[-2000:]}")
+    prepare()
+    _, res["lib_kib"], out = run_measured([sys.executable, __file__, "--child", str(folder)])
+    lib = json.loads(out.strip().splitlines()[-1])
+    res["lib"] = lib["seconds"]
+    return res
+
+
+def run(args: argparse.Namespace) -> tuple[list[list], bool]:
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    can_drop = drop_caches()
+    rows = []
+    for layers in [int(x) for x in args.layers.split(",")]:
+        folder = generate(args, layers, work / f"L{layers}")
+        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        gb = size / 1e9
+        print(f"checkpoint {folder}: {gb:.2f} GB", flush=True)
+        for cold in ([True, False] if can_drop else [False]):
+            r = measure(folder, cold)
+            print(f"  {'cold' if cold else 'warm'}: {r}", flush=True)
+            rows.append([f"{gb:.2f}", layers, "cold" if cold else "warm",
+                         f"{r['cat']:.2f}", f"{gb / r['cat']:.2f}",
+                         f"{r['cli']:.2f}", f"{gb / r['cli']:.2f}", f"{r['cat'] / r['cli']:.2f}x",
+                         f"{r['lib']:.2f}", f"{gb / r['lib']:.2f}", f"{r['cat'] / r['lib']:.2f}x",
+                         f"{r['cli_kib'] / 1024:.0f}", f"{r['lib_kib'] / 1024:.0f}"])
+    if args.clean:
+        shutil.rmtree(work, ignore_errors=True)
+    return rows, can_drop
+
+
+HEADERS = ["ckpt GB", "layers", "cache", "cat s", "cat GB/s", "verify CLI s", "verify CLI GB/s", "CLI vs cat",
+           "verify lib s", "verify lib GB/s", "lib vs cat", "CLI peak RSS MiB", "lib peak RSS MiB"]
+
+
+def write_docs(table: str, command: str, args: argparse.Namespace, can_drop: bool, notes: list[str]) -> None:
+    import torch
+    from docs_section import write_section
+
+    cache = ("*cold*: page cache dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`) before every measurement; "
+             "*warm*: after one untimed `cat` of the files" if can_drop else
+             "dropping the page cache is not permitted here, so both are measured warm, after one untimed read")
+    body = "\n".join([
+        f"Checkpoints written by gtp_runtime (2 gloo ranks, tp1-cp2-g1-dp1 folded, hidden {args.hidden}, ffn "
+        f"{args.ffn_hidden}, fp32, one training step, dp_reshardable torch_dist with the manifest's CRC-32s), "
+        f"verified with `ckpt verify --data` against `cat` of the same files to /dev/null in the same run; {cache}. "
+        "Throughput is checkpoint bytes over wall time. *verify CLI* is the subprocess a user runs (Python and "
+        "torch start-up included); *verify lib* is `open_checkpoint` + `verify(data=True)` in a fresh "
+        "subprocess, timed after the imports. Peak RSS is each subprocess's `ru_maxrss`. "
+        f"Machine: {os.cpu_count()} CPU cores shared with other jobs, {platform.machine()}, "
+        f"torch {torch.__version__}.",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        table,
+        "",
+        *notes,
+        "",
+    ])
+    write_section(TITLE, body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        child(args.child)
+        return 0
+    command = shlex.join(["python", "benchmarks/bench_verify.py", *(sys.argv[1:] if argv is None else argv)])
+    rows, can_drop = run(args)
+    table = tabulate(rows, headers=HEADERS, tablefmt="github")
+    print(table)
+    print(json.dumps({"rows": rows, "dropped_caches": can_drop}))
+    peak = max(max(float(r[11]), float(r[12])) for r in rows)
+    print(f"peak RSS {peak:.0f} MiB ({'within' if peak < MEMORY_LIMIT_MIB else 'OVER'} {MEMORY_LIMIT_MIB} MiB)")
+    if args.write_docs:
+        write_docs(table, command, args, can_drop, notes(rows))
+        print("updated docs/performance.md")
+    return 0
+
+
+def notes(rows: list[list]) -> list[str]:
+    peak = max(max(float(r[11]), float(r[12])) for r in rows)
+    small, large = rows[0], rows[-1]
+    ratios = [float(r[i].rstrip("x")) for r in rows for i in (7, 10)]
+    met = all(x >= 0.8 for x in ratios)
+    return [
+        f"- Target (verify --data at least 0.8x the throughput of `cat`): {'met' if met else 'missed'}; "
+        + "; ".join(f"{r[0]} GB {r[2]}: CLI {r[7]}, lib {r[10]}" for r in rows) + ". `cat` only moves bytes; "
+        "verify --data reads every byte twice (each chunk's byte range to decode it, then each whole file for "
+        "the manifest's CRC-32), copies each chunk out of its `torch.save` zip (`torch.load`, "
+        "weights_only), scans it for NaN/Inf and computes CRC-32 (about 3 GB/s on one core), all on one "
+        "core. Warm, `cat` runs at memory speed and nothing that decodes can keep up; cold, both wait on the "
+        "disk and the gap narrows. The CLI figure also carries several seconds of Python and torch start-up "
+        "on this shared machine, and cold it first reads Python and torch themselves back from disk (the "
+        "dropped cache held them too).",
+        "- Fixed while measuring: the NaN/Inf count made four passes over every chunk (`isnan`, `sum`, "
+        "`isinf`, `sum`, two temporary bool tensors), the largest CPU cost of verify --data in a profile "
+        "(1.2 s of 3.1 s at 0.41 GB warm). It now makes one `isfinite(...).all()` pass and counts only "
+        "chunks that hold a non-finite value (same results).",
+        f"- Peak memory: at most {peak:.0f} MiB over all runs ({small[0]} GB: {small[11]} MiB, {large[0]} GB: "
+        f"{large[11]} MiB), {'under' if peak < MEMORY_LIMIT_MIB else 'over'} the {MEMORY_LIMIT_MIB} MiB bound; "
+        "chunks are read and decoded one at a time and files hashed in 8 MiB blocks, so it tracks the largest "
+        "chunk (plus the interpreter and torch, about 300 MiB), not the checkpoint size.",
+    ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
