@@ -112,7 +112,11 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
     sd.update(optimizer_state(trainer.optimizer, trainer.groups, aliased=aliased))
     sd.update(bucket_numel_state(trainer.optimizer, trainer.groups, for_load=False))
     _fault("before_write")
-    writer = dcp.FileSystemWriter(tmp, sync_files=True) if layout == "torch_dist" else SafetensorsWriter(tmp)
+    # Several writer threads per rank (files __{rank}_0.., __{rank}_1..): torch.save releases the
+    # GIL while it copies and writes, and measured on 2 cores this doubles DCP's save rate.
+    threads = max(1, min(4, os.cpu_count() or 1))
+    writer = (dcp.FileSystemWriter(tmp, sync_files=True, thread_count=threads) if layout == "torch_dist"
+              else SafetensorsWriter(tmp))
     dcp.save(sd, storage_writer=writer, planner=ChunkSavePlanner())
     _fault("after_write")
 
