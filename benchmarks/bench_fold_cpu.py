@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from docs_section import write_section
 from tabulate import tabulate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,16 +141,7 @@ def write_docs(markdown: str, command: str, args: argparse.Namespace) -> None:
         "from one invocation, not absolute numbers across runs.",
         "",
     ])
-    text = DOC.read_text() if DOC.exists() else "# Performance\n\n"
-    if SECTION in text:
-        head, rest = text.split(SECTION, 1)
-        nxt = rest.find("\n## ")
-        tail = rest[nxt + 1 :] if nxt >= 0 else ""
-        text = head + body + ("\n" + tail if tail else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + body
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text)
+    write_section(SECTION.removeprefix("## "), body.split("\n", 1)[1])
 
 
 def main(argv: list[str] | None = None) -> int:

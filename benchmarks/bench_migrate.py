@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from docs_section import write_section
 from tabulate import tabulate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -257,16 +258,7 @@ def write_docs(main: str, phases: str, command: str, args: argparse.Namespace, r
         verdict(rows),
         "",
     ])
-    text = DOC.read_text() if DOC.exists() else "# Performance\n\n"
-    if SECTION in text:
-        head, rest = text.split(SECTION, 1)
-        nxt = rest.find("\n## ")
-        tail = rest[nxt + 1:] if nxt >= 0 else ""
-        text = head + body + ("\n" + tail if tail else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + body
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text)
+    write_section(SECTION.removeprefix("## "), body.split("\n", 1)[1])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,6 +77,7 @@ from gtp_runtime.checkpoint.format import (
     distcp_writer_rank,
     parse_optimizer_key,
 )
+from gtp_runtime.checkpoint.io import fsync_dir
 from gtp_runtime.checkpoint.manifest import HASH_ALGORITHM, file_checksum, write_manifest
 from gtp_runtime.config import ParallelConfig
 from gtp_runtime.sharding import ShardSpec
@@ -783,14 +784,6 @@ class _CountingWriter:
         os.fsync(self.f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _new_data_file(names: set[str], world: int) -> str:
     k = 0
     while f"__{world}_{k}.distcp" in names:
@@ -902,7 +895,7 @@ def build_migrated(plan: Plan, out: Path, checkpoint_id: Path, progress: Progres
     manifest = _migrated_manifest(plan, out, outcome, crc)
     write_manifest(out, manifest)
     outcome.notes = list(manifest["notes"][-1:])
-    _fsync_dir(out)
+    fsync_dir(out)
     lap("metadata")
     return outcome
 
@@ -1048,9 +1041,9 @@ def migrate_to(plan: Plan, dst: Path, progress: Progress) -> Outcome:
                 f.write(f"{src.latest_text}\n")
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
         os.rename(tmp, dst)
-    _fsync_dir(dst.parent)
+    fsync_dir(dst.parent)
     outcome.destination = final_iter
     return outcome
 
@@ -1080,7 +1073,7 @@ def migrate_in_place(plan: Plan, progress: Progress) -> Outcome:
             except OSError:
                 os.rename(backup, folder)
                 raise
-    _fsync_dir(folder.parent)
+    fsync_dir(folder.parent)
     outcome.destination, outcome.backup = folder, backup
     return outcome
 

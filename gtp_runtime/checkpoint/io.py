@@ -65,7 +65,8 @@ def check_sharding(trainer: Trainer, sharding: str, action: str) -> None:
                           "(it would gather buffers over DP x CP); use 'dp_reshardable'")
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in ``path`` durable (POSIX needs the directory fsynced)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -80,7 +81,7 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _own_files(folder: Path, layout: str, rank: int) -> list[Path]:
@@ -143,14 +144,14 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
             json.dump(MEGATRON_METADATA if layout == "torch_dist" else {"sharded_backend": "gtp_safetensors"}, f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         _fault("before_rename")
         old = None
         if final.exists():
             old = root / f".old.{final.name}.{uuid.uuid4().hex[:8]}"
             os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         _fault("before_latest")
         _write_atomic(root / fmt.LATEST_FILE, f"{it}\n")
         if old is not None:
