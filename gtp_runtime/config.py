@@ -111,6 +111,12 @@ class ModelConfig:
     norm_eps: float = 1e-5
 
     def validate(self, par: ParallelConfig) -> None:
+        for name in ("vocab_size", "hidden", "num_layers", "num_heads", "ffn_hidden", "seq_length", "gtp_align"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.num_experts < 0:
+            raise ConfigError(f"--num-experts must be 0 (dense) or positive, got {self.num_experts}")
         if self.hidden % self.num_heads:
             raise ConfigError(f"--hidden {self.hidden} must be a multiple of --num-heads {self.num_heads}")
         if self.num_heads % par.tp:

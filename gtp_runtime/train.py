@@ -110,6 +110,9 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
                         num_experts=args.num_experts, moe_topk=args.moe_topk, gtp_align=args.gtp_align,
                         seed=args.seed)
     model.validate(par)
+    if args.micro_batch < 1 or args.steps < 0:
+        raise ConfigError(f"--micro-batch must be positive and --steps non-negative, got {args.micro_batch} and "
+                          f"{args.steps}")
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad)
     cfg = TrainConfig(par=par, model=model, adam=adam, micro_batch=args.micro_batch, bucket_size=args.bucket_size,
                       param_dtype=torch.bfloat16 if args.bf16 else torch.float32,

@@ -145,6 +145,8 @@ def test_launcher_help():
         (["--nproc-per-node", "3", "--cp", "2"], "world size 3 is not a multiple of tp*cp*gtp_remat = 2; pass --dp"),
         (["--dp", "2", "--expert-gtp-remat", "3", "--num-experts", "2"], "--expert-gtp-remat 3 must divide"),
         (["--num-experts", "2", "--moe-topk", "3"], "--moe-topk 3 must be in 1..2"),
+        (["--num-heads", "0"], "--num-heads must be a positive integer, got 0"),  # used to divide by zero
+        (["--micro-batch", "0"], "--micro-batch must be positive"),  # used to crash inside the ranks
     ],
 )
 def test_main_returns_2_in_process(argv, words, capsys):
