@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -13,11 +12,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gtp_runtime.train import free_port
 
 
 def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
@@ -40,7 +35,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
     with tempfile.TemporaryDirectory() as out:
         # A fork server that imported torch once: each rank is a fresh process, without 8 torch imports.
         mp.set_forkserver_preload(["torch", "torch.distributed", "gtp_runtime.training"])
-        mp.start_processes(_entry, args=(world, _port(), out, fn, args), nprocs=world, start_method="forkserver")
+        mp.start_processes(_entry, args=(world, free_port(), out, fn, args), nprocs=world, start_method="forkserver")
         results = []
         for r in range(world):
             with open(os.path.join(out, f"{r}.pkl"), "rb") as f:
