@@ -144,8 +144,6 @@ class GPTModel(nn.Module):
         logits = gather_last_dim(self.output_layer(x), self.groups[topo.TP])
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
-    def full_param_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {n: p.spec.full_shape for n, p in self.named_parameters()}
 
 
 def is_gtp_dense(p: nn.Parameter) -> bool:

@@ -146,13 +146,6 @@ class DistributedAdam:
         gathered = all_gather_dim0(local, buf.dp_group)
         buf.param_data[b.start : b.end].copy_(gathered)
 
-    @torch.no_grad()
-    def republish(self) -> None:
-        """Rebuild the model params from the master slices (after a checkpoint load)."""
-        for buf, states in zip(self.buffers, self.state):
-            for b, st in zip(buf.buckets, states):
-                self._publish(buf, b, st)
-
 
 def _move_grad_to_main(p: torch.Tensor) -> None:
     p.main_grad.add_(p.grad.float())

@@ -193,13 +193,6 @@ class GTPComm:
             main_grad.add_(out)
         self._reduces.clear()
 
-    def drop_prefetched(self) -> None:
-        """Forget gathers started for a backward that will not come (e.g. a forward-only pass)."""
-        for _, work in self._gathers.values():
-            if work is not None:
-                work.wait()
-        self._gathers.clear()
-
 
 class GTPLinearFn(torch.autograd.Function):
     """``y = x @ W.T`` where ``W`` is gathered from its shards in forward and again in backward.

@@ -14,6 +14,7 @@ metadata, then DCP reads exactly the boxes this rank needs.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
@@ -35,7 +36,12 @@ from gtp_runtime.checkpoint.manifest import (
 )
 from gtp_runtime.checkpoint.safe_metadata import SafeFileSystemReader, UnsafeMetadataError
 from gtp_runtime.checkpoint.safetensors_storage import INDEX_FILE, SafetensorsReader, SafetensorsWriter
-from gtp_runtime.checkpoint.state import bucket_numel_state, model_state, optimizer_state
+from gtp_runtime.checkpoint.state import (
+    bucket_numel_state,
+    expected_bucket_numels,
+    model_state,
+    optimizer_state,
+)
 from gtp_runtime.training import Trainer
 
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -138,8 +144,6 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
         if aliased:
             manifest["notes"].append("written by the pre-fix (aliased) writer: folded keys lack .cp_rank_{i}")
         write_manifest(tmp, manifest)
-        import json
-
         with open(tmp / fmt.MEGATRON_METADATA_FILE, "w") as f:
             json.dump(MEGATRON_METADATA if layout == "torch_dist" else {"sharded_backend": "gtp_safetensors"}, f)
             f.flush()
@@ -237,10 +241,9 @@ def load_checkpoint(trainer: Trainer, path: str | os.PathLike, sharding: str = f
     _check_keys(sd, metadata.state_dict_metadata, folder)
     with torch.no_grad():
         dcp.load(sd, storage_reader=reader, planner=ChunkLoadPlanner())
+    expected = expected_bucket_numels(trainer.optimizer, trainer.groups)
     for key, ch in numels.items():
-        got = next(iter(ch.chunks.values())).tolist()
-        want = [b.numel_unpadded for buf in trainer.optimizer.buffers for b in buf.buckets
-                if fmt.per_bucket_numel_key(_n(trainer, buf), True) == key]
+        got, want = next(iter(ch.chunks.values())).tolist(), expected[key]
         if got != want:
             raise CheckpointError(f"{folder}: {key} is {got}, the running model's buckets are {want}; "
                                   "bucket layout differs (same --bucket-size and model?)")
@@ -248,9 +251,3 @@ def load_checkpoint(trainer: Trainer, path: str | os.PathLike, sharding: str = f
     trainer.iteration = int(manifest["iteration"])
     trainer.optimizer.zero_grad()
     return folder
-
-
-def _n(trainer: Trainer, buf: Any) -> int:
-    from gtp_runtime.checkpoint.state import dp_group_idx
-
-    return dp_group_idx(buf, trainer.groups)

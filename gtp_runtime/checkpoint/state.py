@@ -119,6 +119,7 @@ def bucket_numel_state(opt: DistributedAdam, groups: Groups, for_load: bool) -> 
 
 
 def expected_bucket_numels(opt: DistributedAdam, groups: Groups) -> dict[str, list[int]]:
+    """``per_bucket_numel_unpadded`` key -> the running model's unpadded bucket sizes (checked on load)."""
     res: dict[str, list[int]] = {}
     for buf in opt.buffers:
         key = per_bucket_numel_key(dp_group_idx(buf, groups), True)
