@@ -542,17 +542,26 @@ def rebuild_master(plan: Plan, lost: LostChunk, shards: _ShardCache) -> torch.Te
 # DCP metadata: safe records -> real objects, with the renames
 # --------------------------------------------------------------------------------------------
 
+_PLAIN_NODES_PER_KEY = 64  # DCP's planner_data holds a key path (a few strings) per key
 _MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.preserve_format}
 
 
-def _plain(value: Any, where: str) -> Any:
-    """A copy of plain data (planner_data); anything else is refused rather than re-pickled."""
+def _plain(value: Any, where: str, budget: list[int]) -> Any:
+    """A copy of plain data (planner_data); anything else is refused rather than re-pickled.
+
+    ``budget`` (one mutable count) caps the values visited: a pickle can put one list in both
+    slots of another, and so on, so that a few hundred bytes of file make a walk of 2**100 values.
+    """
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise CkptError(f"{where} holds more values than its keys can use (shared sub-lists?); migrate-aliased only "
+                        "rewrites plain planner_data (DCP's default planner writes a dict of key paths)")
     if value is None or type(value) in (str, int, float, bool):
         return value
     if type(value) in (list, tuple):
-        return type(value)(_plain(v, where) for v in value)
+        return type(value)(_plain(v, where, budget) for v in value)
     if type(value) is dict:
-        return {_plain(k, where): _plain(v, where) for k, v in value.items()}
+        return {_plain(k, where, budget): _plain(v, where, budget) for k, v in value.items()}
     raise CkptError(f"{where} holds a {type(value).__name__}; migrate-aliased only rewrites plain planner_data "
                     "(DCP's default planner writes a dict of key paths)")
 
@@ -636,7 +645,11 @@ def build_metadata(plan: Plan, md: Any, new_file: str, lost_storage: dict[tuple[
                 start, length = lost_storage[(new, offsets)]
                 storage[MetadataIndex(new, offset, hint)] = _StorageInfo(new_file, start, length)
 
-    planner = _plain(md.get("planner_data"), f"{path}: planner_data")
+    try:
+        planner = _plain(md.get("planner_data"), f"{path}: planner_data", [_PLAIN_NODES_PER_KEY * (len(sdm) + 16)])
+    except RecursionError:
+        raise CkptError(f"{path}: planner_data is nested too deeply for DCP's key paths; restore the file from a "
+                        "good copy") from None
     if isinstance(planner, dict):
         for old, ak in by_key.items():
             if old not in planner:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,16 @@ from ckpt_tool.reader.safe_pickle import (
     ChunkRecord,
     MetadataIndexRecord,
     MetadataRecord,
+    Record,
     StorageInfoRecord,
     TensorPropertiesRecord,
     TensorStorageRecord,
+    brief,
     load_metadata_pickle,
 )
 from ckpt_tool.reader.storage import read_small_file
 from gtp_runtime.checkpoint.format import DCP_METADATA_FILE, DISTCP_RE
+from gtp_runtime.checkpoint.pickle_scan import gc_paused
 
 
 def data_file_sizes(folder: Path, names: Sequence[str]) -> dict[str, int]:
@@ -56,69 +60,98 @@ class _Malformed(Exception):
     pass
 
 
+# Every field of every record is checked, but in bulk: a type census (``set(map(type, ...))``)
+# over a whole column, and one ``min`` over all dims, run in C. Only when a column fails is it
+# walked element by element, to name the first offender. This is what keeps ``inspect`` within
+# a few percent of PyTorch's own metadata read on millions of chunks.
+
+_NONE = type(None)
+
+
 def _dims(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not all(type(d) is int and d >= 0 for d in value):
-        raise _Malformed(f"{what} is {value!r}, not a tuple of non-negative ints")
+        raise _Malformed(f"{what} is {brief(value)}, not a tuple of non-negative ints")
     return tuple(value)
 
 
 def _int(value: Any, what: str) -> int:
     if type(value) is not int or value < 0:
-        raise _Malformed(f"{what} is {value!r}, not a non-negative int")
+        raise _Malformed(f"{what} is {brief(value)}, not a non-negative int")
     return value
+
+
+def _dims_column(values: list[Any], what: Callable[[int], str], none_ok: bool = False) -> list[Any]:
+    """``values`` as tuples of non-negative ints (or ``None`` where allowed), checked in bulk."""
+    allowed = {tuple, _NONE} if none_ok else {tuple}
+    if set(map(type, values)) <= allowed:
+        flat = list(chain.from_iterable(filter(None, values)))
+        if set(map(type, flat)) <= {int} and (not flat or min(flat) >= 0):
+            return values
+    return [None if v is None and none_ok else _dims(v, what(i)) for i, v in enumerate(values)]
+
+
+def _int_column(values: list[Any], what: Callable[[int], str]) -> None:
+    if not (set(map(type, values)) <= {int} and (not values or min(values) >= 0)):
+        for i, v in enumerate(values):
+            _int(v, what(i))
+
+
+def _type_column(values: list[Any], cls: type, what: Callable[[int], str]) -> None:
+    if not set(map(type, values)) <= {cls}:
+        i = next(i for i, v in enumerate(values) if type(v) is not cls)
+        name = cls.kind if issubclass(cls, Record) else cls.__name__
+        raise _Malformed(f"{what(i)} is {brief(values[i])}, not a {name}")
+
+
+def _field(records: list[Any], name: str) -> list[Any]:
+    return [d.get(name) for d in map(vars, records)]
 
 
 def _storage_index(storage_data: Any) -> tuple[dict[tuple[str, tuple[int, ...] | None], StorageRef], int]:
     """``(key, chunk offsets or None) -> StorageRef`` and how many duplicate indices were seen."""
     if storage_data is None:
         return {}, 0
-    if not isinstance(storage_data, dict):
+    if type(storage_data) is not dict:
         raise _Malformed(f"storage_data is a {type(storage_data).__name__}, not a dict")
-    index: dict[tuple[str, tuple[int, ...] | None], StorageRef] = {}
-    duplicates = 0
-    for k, v in storage_data.items():
-        if not isinstance(k, MetadataIndexRecord) or not isinstance(k.get("fqn"), str):
-            raise _Malformed(f"storage_data key {k!r} is not a MetadataIndex")
-        fqn = k.get("fqn")
-        offset = k.get("offset")
-        offsets = None if offset is None else _dims(offset, f"storage_data[{fqn!r}].offset")
-        if not isinstance(v, StorageInfoRecord):
-            raise _Malformed(f"storage_data[{fqn!r}] is not a _StorageInfo")
-        rel = v.get("relative_path")
-        if not isinstance(rel, str):
-            raise _Malformed(f"storage_data[{fqn!r}].relative_path is {rel!r}, not a string")
-        transforms = v.get("transform_descriptors") or ()
-        if not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) for t in transforms):
-            raise _Malformed(f"storage_data[{fqn!r}].transform_descriptors is {transforms!r}")
-        ref = StorageRef(
-            file=rel,
-            offset=_int(v.get("offset"), f"storage_data[{fqn!r}].offset"),
-            length=_int(v.get("length"), f"storage_data[{fqn!r}].length"),
-            transforms=tuple(transforms),
-        )
-        if (fqn, offsets) in index:
-            duplicates += 1
-        index[(fqn, offsets)] = ref
-    return index, duplicates
+    keys, infos = list(storage_data), list(storage_data.values())
+    _type_column(keys, MetadataIndexRecord, lambda i: "a storage_data key")
+    fqns = _field(keys, "fqn")
+    _type_column(fqns, str, lambda i: "a storage_data key's fqn")
+    offsets = _dims_column(_field(keys, "offset"), lambda i: f"storage_data[{fqns[i]!r}].offset", none_ok=True)
+    _type_column(infos, StorageInfoRecord, lambda i: f"storage_data[{fqns[i]!r}]")
+    rels = _field(infos, "relative_path")
+    _type_column(rels, str, lambda i: f"storage_data[{fqns[i]!r}].relative_path")
+    starts, lengths = _field(infos, "offset"), _field(infos, "length")
+    _int_column(starts, lambda i: f"storage_data[{fqns[i]!r}].offset")
+    _int_column(lengths, lambda i: f"storage_data[{fqns[i]!r}].length")
+    transforms = _field(infos, "transform_descriptors")
+    if any(transforms):
+        for i, t in enumerate(transforms):
+            if not isinstance(t, (list, tuple, _NONE)) or not all(type(x) is str for x in t or ()):
+                raise _Malformed(f"storage_data[{fqns[i]!r}].transform_descriptors is {brief(t)}")
+        refs = list(map(StorageRef, rels, starts, lengths, (tuple(t or ()) for t in transforms)))
+    else:
+        refs = list(map(StorageRef, rels, starts, lengths))
+    index = dict(zip(zip(fqns, offsets), refs))
+    return index, len(keys) - len(index)
 
 
 def _tensor_entry(key: str, md: TensorStorageRecord,
                   storage: dict[tuple[str, tuple[int, ...] | None], StorageRef]) -> Entry:
-    props = md.get("properties")
-    if not isinstance(props, TensorPropertiesRecord) or not isinstance(props.get("dtype"), torch.dtype):
+    fields = vars(md)
+    props = fields.get("properties")
+    if type(props) is not TensorPropertiesRecord or not isinstance(props.get("dtype"), torch.dtype):
         raise _Malformed("properties.dtype is missing or not a torch dtype")
-    shape = _dims(md.get("size"), "size")
-    raw_chunks = md.get("chunks")
-    if not isinstance(raw_chunks, list):
+    shape = _dims(fields.get("size"), "size")
+    raw_chunks = fields.get("chunks")
+    if type(raw_chunks) is not list:
         raise _Malformed("chunks is not a list")
-    chunks = []
-    for i, c in enumerate(raw_chunks):
-        if not isinstance(c, ChunkRecord):
-            raise _Malformed(f"chunk {i} is not a ChunkStorageMetadata")
-        offsets = _dims(c.get("offsets"), f"chunk {i} offsets")
-        sizes = _dims(c.get("sizes"), f"chunk {i} sizes")
-        chunks.append(Chunk(index=i, offsets=offsets, sizes=sizes, storage=storage.get((key, offsets))))
-    return Entry(key=key, kind=TENSOR, shape=shape, dtype=props.get("dtype"), chunks=tuple(chunks))
+    _type_column(raw_chunks, ChunkRecord, lambda i: f"chunk {i}")
+    offsets = _dims_column(_field(raw_chunks, "offsets"), lambda i: f"chunk {i} offsets")
+    sizes = _dims_column(_field(raw_chunks, "sizes"), lambda i: f"chunk {i} sizes")
+    refs = list(map(storage.get, zip(repeat(key), offsets)))
+    chunks = tuple(map(Chunk, range(len(offsets)), offsets, sizes, refs))
+    return Entry(key=key, kind=TENSOR, shape=shape, dtype=props.get("dtype"), chunks=chunks)
 
 
 def read_dcp_metadata(loc: Located, data_files: dict[str, int]) -> tuple[dict[str, Entry], list[Problem], str | None]:
@@ -126,7 +159,11 @@ def read_dcp_metadata(loc: Located, data_files: dict[str, int]) -> tuple[dict[st
     path = loc.folder / DCP_METADATA_FILE
     fix = f"restore {DCP_METADATA_FILE} from a good copy, or raise {METADATA_LIMIT_ENV} if it is genuine"
     raw = read_small_file(path, metadata_limit(sum(data_files.values())), "DCP metadata", fix)
-    md = load_metadata_pickle(raw, str(path))
+    with gc_paused():  # millions of small objects, none of them garbage: see gc_paused
+        return _entries(path, raw, load_metadata_pickle(raw, str(path)))
+
+
+def _entries(path: Path, raw: bytes, md: Any) -> tuple[dict[str, Entry], list[Problem], str | None]:
     if not isinstance(md, MetadataRecord):
         raise CkptError(f"{path} holds a {type(md).__name__}, not DCP Metadata; restore it from a good copy")
     key = None
@@ -136,19 +173,25 @@ def read_dcp_metadata(loc: Located, data_files: dict[str, int]) -> tuple[dict[st
         if not isinstance(sdm, dict):
             raise _Malformed("state_dict_metadata is not a dict")
         entries: dict[str, Entry] = {}
+        declared = 0
         for key, item in sdm.items():
-            if not isinstance(key, str):
-                raise _Malformed(f"key {key!r} is not a string")
-            if isinstance(item, TensorStorageRecord):
+            if type(key) is not str:
+                raise _Malformed(f"key {brief(key)} is not a string")
+            if type(item) is TensorStorageRecord:
+                chunk_list = vars(item).get("chunks")
+                declared += len(chunk_list) if type(chunk_list) is list else 0
+                if declared > len(raw):  # each chunk costs pickle bytes, unless lists are shared
+                    raise _Malformed(f"the keys declare more chunks than a {len(raw)}-byte file can describe "
+                                     "(chunk lists are shared between keys)")
                 entries[key] = _tensor_entry(key, item, storage)
-            elif isinstance(item, BytesStorageRecord):
+            elif type(item) is BytesStorageRecord:
                 entries[key] = Entry(key=key, kind=BYTES, shape=None, dtype=None,
                                      chunks=(Chunk(index=0, offsets=(), sizes=(), storage=storage.get((key, None))),))
             else:
                 raise _Malformed(f"metadata is a {type(item).__name__}, not Tensor/BytesStorageMetadata")
         key = None
     except _Malformed as e:
-        where = f"key {key!r}: " if key is not None else ""
+        where = f"key {brief(key)}: " if key is not None else ""
         raise CkptError(f"malformed {path}: {where}{e}; restore it from a good copy") from None
     notes = _orphan_notes(entries, storage, duplicates)
     version = md.get("version")
@@ -158,12 +201,14 @@ def read_dcp_metadata(loc: Located, data_files: dict[str, int]) -> tuple[dict[st
 def _orphan_notes(entries: dict[str, Entry], storage: dict[tuple[str, tuple[int, ...] | None], StorageRef],
                   duplicates: int) -> list[Problem]:
     notes = []
-    used = {(e.key, c.offsets if e.kind == TENSOR else None) for e in entries.values() for c in e.chunks}
-    for (fqn, offsets), ref in storage.items():
-        if (fqn, offsets) not in used:
-            notes.append(Problem("warning", "orphan_storage",
-                                 f"storage_data names {fqn!r} at offsets {offsets} but no such chunk exists",
-                                 key=fqn, file=ref.file))
+    used: set[tuple[str, tuple[int, ...] | None]] = set()
+    for e in entries.values():
+        used.update(zip(repeat(e.key), (c.offsets for c in e.chunks)) if e.kind == TENSOR else ((e.key, None),))
+    for fqn, offsets in storage.keys() - used:
+        notes.append(Problem("warning", "orphan_storage",
+                             f"storage_data names {fqn!r} at offsets {offsets} but no such chunk exists",
+                             key=fqn, file=storage[(fqn, offsets)].file))
+    notes.sort(key=lambda p: (p.key or "", p.message))
     if duplicates:
         notes.append(Problem("error", "duplicate_storage",
                              f"{duplicates} storage_data entries repeat a (key, offset) index"))

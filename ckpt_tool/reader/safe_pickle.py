@@ -25,28 +25,38 @@ Nothing from torch.distributed is imported or constructed: every allowed class m
 :class:`Record` that only stores the state the pickle hands it, so no ``__setstate__`` or
 ``__init__`` of a third-party class ever runs. The readers then validate the records' contents.
 
-Two resource guards live here as well:
+Resource guards, because a small hostile file can still ask for a lot of memory or time:
 
-* the pure-Python unpickler is used, not the C one: the C unpickler grows its memo table to
-  twice the largest ``LONG_BINPUT`` index it sees, so an 11-byte pickle can ask for tens of GiB
-  (measured: index 2**25 costs 512 MiB). The Python one keeps the memo in a dict.
-* ``torch.Size`` arguments must be short tuples of non-negative ints; a size is only ever a
-  number here, so a tensor declaring 10**15 elements is a value to report, never an allocation.
+* the stream is walked first by :func:`gtp_runtime.checkpoint.pickle_scan.check_pickle`, which
+  refuses memo indices no pickler could have written (the C unpickler sizes its memo array from
+  them) and then the fast C unpickler runs, with the cyclic GC paused;
+* no allowed callable copies an argument of unbounded size: ``torch.Size`` takes at most
+  ``MAX_DIMS`` ints, a path at most ``MAX_PATH`` characters, and ``set``/``frozenset``/
+  ``OrderedDict`` draw on a per-file element budget (the file's byte count). Otherwise one large
+  list in the memo, passed to them a million times, would be copied a million times;
+* ``BUILD`` hands a record its state dict, which the record keeps by reference rather than copying
+  for the same reason. The records are read-only, so sharing is harmless;
+* a size is only ever a number here, so a tensor declaring 10**15 elements is a value to report,
+  never an allocation.
 """
 
 from __future__ import annotations
 
 import collections
-import io
 import pickle
+import reprlib
+from collections.abc import Callable
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any, ClassVar
 
 import torch
 
 from ckpt_tool.errors import CkptError
+from gtp_runtime.checkpoint.pickle_scan import PickleScanError, ScannedUnpickler
 
 MAX_DIMS = 64
+MAX_PATH = 4096
+MAX_FIELDS = 64  # a record with (dict, slots) state: DCP classes have fewer than 10 fields
 
 _DCP_META = "torch.distributed.checkpoint.metadata"
 _DCP_FS = "torch.distributed.checkpoint.filesystem"
@@ -59,37 +69,46 @@ class UnsafePickle(CkptError):
 
 
 class Record:
-    """Inert stand-in for an allow-listed class: it stores what the pickle gives it, nothing else.
+    """Inert stand-in for an allow-listed class: it holds what the pickle gives it, nothing else.
 
-    ``NEWOBJ`` calls ``__new__`` with the class's args, ``REDUCE`` calls the class, ``BUILD``
-    calls ``__setstate__``; all three just record data.
+    ``NEWOBJ`` creates it with ``object.__new__`` (it defines no ``__new__``/``__init__``, so
+    arguments are refused), and ``BUILD`` calls :meth:`__setstate__`, which adopts the state dict
+    as the instance's ``__dict__`` without copying it. Fields are read with :meth:`get` (a
+    property, so a field named ``get`` cannot shadow it) or ``vars(record)``.
     """
 
     kind: ClassVar[str] = "record"
-    args: tuple[Any, ...]
-    state: dict[str, Any]
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Record:
-        self = object.__new__(cls)
-        self.args = args
-        self.state = dict(kwargs)
-        return self
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # state was taken in __new__
-        pass
 
     def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and all(s is None or isinstance(s, dict) for s in state):
-            state = {**(state[0] or {}), **(state[1] or {})}  # (dict state, slot state)
-        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
-            raise pickle.UnpicklingError(f"unexpected pickled state for {self.kind}: {type(state).__name__}")
-        self.state.update(state)
+        if type(state) is dict:
+            self.__dict__ = state
+            return
+        if type(state) is tuple and len(state) == 2 and all(s is None or type(s) is dict for s in state):
+            merged = {**(state[0] or {}), **(state[1] or {})}  # (dict state, slot state)
+            if len(merged) <= MAX_FIELDS:
+                self.__dict__ = merged
+                return
+        raise pickle.UnpicklingError(f"unexpected pickled state for {self.kind}: {brief(state)}")
 
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.state.get(name, default)
+    @property
+    def get(self) -> Callable[..., Any]:
+        return self.__dict__.get
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return self.__dict__
 
     def __repr__(self) -> str:
-        return f"<{self.kind} {self.state!r}>"
+        return f"<{self.kind} {brief(self.__dict__)}>"
+
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxdict, _BRIEF.maxlist, _BRIEF.maxtuple, _BRIEF.maxstring, _BRIEF.maxother = 2, 4, 4, 6, 60, 60
+
+
+def brief(value: Any) -> str:
+    """A short repr for error messages: bounded in depth and length, whatever the file built."""
+    return _BRIEF.repr(value)
 
 
 class MetadataRecord(Record):
@@ -115,8 +134,8 @@ class TensorPropertiesRecord(Record):
     _FIELDS = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
 
     def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == len(self._FIELDS):
-            self.state.update(zip(self._FIELDS, state, strict=True))
+        if type(state) is tuple and len(state) == len(self._FIELDS):
+            self.__dict__ = dict(zip(self._FIELDS, state, strict=True))
         else:
             super().__setstate__(state)
 
@@ -154,9 +173,18 @@ class BytesIOWriteDataRecord(Record):
 
 
 class EnumRecord(Record):
-    """An Enum member, pickled as ``EnumClass(value)``."""
+    """An Enum member, pickled as ``EnumClass(value)`` (a ``REDUCE``, so it takes arguments)."""
 
     kind = "enum"
+    args: tuple[Any, ...]
+
+    def __new__(cls, *args: Any) -> EnumRecord:
+        self = object.__new__(cls)
+        self.args = args  # the tuple the pickle built: kept, not copied
+        return self
+
+    def __init__(self, *args: Any) -> None:  # taken in __new__
+        pass
 
     @property
     def value(self) -> Any:
@@ -173,24 +201,30 @@ class WriteItemTypeRecord(EnumRecord):
 
 def _torch_size(dims: Any = ()) -> tuple[int, ...]:
     """``torch.Size(dims)`` as a plain tuple, refusing anything but a short tuple of ints >= 0."""
-    if not isinstance(dims, (tuple, list)) or len(dims) > MAX_DIMS:
+    if type(dims) is not tuple:
+        if type(dims) is not list or len(dims) > MAX_DIMS:
+            raise pickle.UnpicklingError(f"torch.Size argument is not a tuple of at most {MAX_DIMS} ints")
+        dims = tuple(dims)
+    if len(dims) > MAX_DIMS:
         raise pickle.UnpicklingError(f"torch.Size argument is not a tuple of at most {MAX_DIMS} ints")
     for d in dims:
         if type(d) is not int or d < 0:
-            raise pickle.UnpicklingError(f"torch.Size holds {d!r}, not a non-negative int")
-    return tuple(dims)
+            raise pickle.UnpicklingError(f"torch.Size holds {brief(d)}, not a non-negative int")
+    return dims  # the tuple itself: immutable, so no copy is needed
+
+
+def _path_parts(parts: tuple[Any, ...]) -> tuple[str, ...]:
+    if len(parts) > MAX_PATH or not all(type(p) is str for p in parts) or sum(map(len, parts)) > MAX_PATH:
+        raise pickle.UnpicklingError(f"pathlib path parts are not at most {MAX_PATH} characters of strings")
+    return parts
 
 
 def _posix_path(*parts: Any) -> str:
-    if not all(isinstance(p, str) for p in parts):
-        raise pickle.UnpicklingError("pathlib path parts are not strings")
-    return str(PurePosixPath(*parts))
+    return str(PurePosixPath(*_path_parts(parts)))
 
 
 def _windows_path(*parts: Any) -> str:
-    if not all(isinstance(p, str) for p in parts):
-        raise pickle.UnpicklingError("pathlib path parts are not strings")
-    return str(PureWindowsPath(*parts))
+    return str(PureWindowsPath(*_path_parts(parts)))
 
 
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
@@ -224,7 +258,7 @@ def _build_allow_list() -> dict[tuple[str, str], Any]:
         (_MCORE_TORCH, "MCoreSavePlan"): SavePlanRecord,
         ("torch", "Size"): _torch_size,
         ("torch.serialization", "_get_layout"): _get_layout,
-        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("collections", "OrderedDict"): collections.OrderedDict,  # resolved per file: _Budget
         ("builtins", "set"): set,
         ("builtins", "frozenset"): frozenset,
     }
@@ -244,23 +278,53 @@ def _build_allow_list() -> dict[tuple[str, str], Any]:
 ALLOWED_GLOBALS: dict[tuple[str, str], Any] = _build_allow_list()
 
 
-class _AllowListUnpickler(pickle._Unpickler):  # the pure-Python one: see the module docstring
+class _Budget:
+    """Container constructors that copy their argument, charged against the file's size.
+
+    A pickle can pass the same large list to ``set`` once per few bytes; each call copies it.
+    The total number of elements copied is capped at the number of bytes in the file, which no
+    genuine file comes near (each element it holds costs at least one opcode byte).
+    """
+
+    def __init__(self, limit: int, source: str) -> None:
+        self.left, self.source = limit, source
+
+    def _charge(self, name: str, items: Any) -> Any:
+        n = len(items) if hasattr(type(items), "__len__") else None
+        if n is None or n > self.left:
+            raise pickle.UnpicklingError(f"{name}() is given more elements than {self.source} can hold")
+        self.left -= n
+        return items
+
+    def set(self, items: Any = ()) -> set[Any]:
+        return set(self._charge("set", items))
+
+    def frozenset(self, items: Any = ()) -> frozenset[Any]:
+        return frozenset(self._charge("frozenset", items))
+
+    def ordered_dict(self, items: Any = ()) -> collections.OrderedDict[Any, Any]:
+        return collections.OrderedDict(self._charge("OrderedDict", items))
+
+
+class _AllowListUnpickler(ScannedUnpickler):  # the C unpickler, after the opcode walk
     def __init__(self, data: bytes, source: str) -> None:
-        super().__init__(io.BytesIO(data))
-        self._source = source
+        super().__init__(data, source)
+        budget = _Budget(len(data), source)
+        self._per_file = {("builtins", "set"): budget.set, ("builtins", "frozenset"): budget.frozenset,
+                          ("collections", "OrderedDict"): budget.ordered_dict}
 
     def find_class(self, module: str, name: str) -> Any:
         try:
-            return ALLOWED_GLOBALS[(module, name)]
+            return self._per_file.get((module, name)) or ALLOWED_GLOBALS[(module, name)]
         except KeyError:
             raise UnsafePickle(
-                f"refusing to load {self._source}: it references the global {module}.{name}, which is not "
+                f"refusing to load {self.source}: it references the global {module}.{name}, which is not "
                 "a DCP metadata type; nothing in the file was executed (do not open it with torch.load or "
                 "torch.distributed.checkpoint)"
             ) from None
 
     def persistent_load(self, pid: Any) -> Any:
-        raise UnsafePickle(f"refusing to load {self._source}: it uses pickle persistent ids, which DCP "
+        raise UnsafePickle(f"refusing to load {self.source}: it uses pickle persistent ids, which DCP "
                            "metadata never does; nothing in the file was executed")
 
 
@@ -270,6 +334,9 @@ def load_metadata_pickle(data: bytes, source: str) -> Any:
         return _AllowListUnpickler(data, source).load()
     except CkptError:
         raise
+    except PickleScanError as e:
+        raise CkptError(f"cannot parse {source} as DCP metadata ({e}); nothing in it was executed; the file is "
+                        "damaged or crafted: restore it from a good copy") from None
     except RecursionError:
         raise CkptError(f"cannot parse {source}: objects nested too deeply for DCP metadata") from None
     except Exception as e:  # a damaged pickle raises anything from EOFError to TypeError

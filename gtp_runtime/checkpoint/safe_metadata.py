@@ -4,9 +4,12 @@ PyTorch's ``FileSystemReader.read_metadata`` is a plain ``pickle.load``: a check
 wrote can run code on the training cluster at load time. :class:`SafeFileSystemReader` reads the
 same file through an unpickler that resolves only the globals a DCP metadata pickle needs (the
 list was established on torch 2.13 files and Megatron's) to the real classes, and refuses
-anything else before it is called. It uses the pure-Python unpickler, whose memo is a dict (the C
-one sizes its memo from an index in the file), and refuses a metadata file larger than the data
-it describes could justify.
+anything else before it is called. It runs the C unpickler only after
+:func:`~gtp_runtime.checkpoint.pickle_scan.check_pickle` has walked the stream (the C unpickler
+sizes its memo from an index in the file), and refuses a metadata file larger than the data it
+describes could justify. What it cannot bound, because ``dcp.load`` needs the real classes: a
+crafted file that passes one large state dict to many ``BUILD`` opcodes gets it copied each time,
+as under PyTorch's own reader; ``ckpt inspect`` reads such files with inert, sharing records.
 
 The ``ckpt`` CLI goes further (inert stand-ins, never the real classes) because it only reads;
 the runtime needs real ``Metadata`` objects to hand to ``dcp.load``.
@@ -15,12 +18,13 @@ the runtime needs real ``Metadata`` objects to hand to ``dcp.load``.
 from __future__ import annotations
 
 import importlib
-import pickle
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from gtp_runtime.checkpoint.pickle_scan import PickleScanError, ScannedUnpickler
 
 _DCP = "torch.distributed.checkpoint"
 ALLOWED: dict[str, frozenset[str]] = {
@@ -43,15 +47,11 @@ class UnsafeMetadataError(ValueError):
     """A ``.metadata`` that references something outside the allow-list; nothing in it ran."""
 
 
-class _Restricted(pickle._Unpickler):  # type: ignore[misc, name-defined]
-    def __init__(self, file: Any, path: Path) -> None:
-        super().__init__(file)
-        self.path = path
-
+class _Restricted(ScannedUnpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in ALLOWED.get(module, frozenset()):
             return getattr(importlib.import_module(module), name)
-        raise UnsafeMetadataError(f"{self.path}: refuses to load global {module}.{name} (not DCP metadata); "
+        raise UnsafeMetadataError(f"{self.source}: refuses to load global {module}.{name} (not DCP metadata); "
                                   "the file is corrupt or was crafted; do not load this checkpoint")
 
 
@@ -60,8 +60,11 @@ def safe_load_metadata(path: Path) -> Metadata:
     data_bytes = sum(p.stat().st_size for p in path.parent.iterdir() if p.is_file() and p != path)
     if size > max(MIN_LIMIT, data_bytes):
         raise UnsafeMetadataError(f"{path}: {size} bytes of metadata for {data_bytes} bytes of data; refusing")
-    with open(path, "rb") as f:
-        md = _Restricted(f, path).load()
+    try:
+        md = _Restricted(path.read_bytes(), str(path)).load()
+    except PickleScanError as e:
+        raise UnsafeMetadataError(f"{path}: {e}; the file is corrupt or was crafted; do not load this checkpoint") \
+            from None
     if not isinstance(md, Metadata):
         raise UnsafeMetadataError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
     return md
