@@ -23,11 +23,12 @@ from ckpt_tool.analysis import (
     classify_all,
     topology_view,
 )
+from ckpt_tool.data_check import check_data
 from ckpt_tool.errors import ChunkError, CkptError
 from ckpt_tool.geometry import check_coverage
 from ckpt_tool.hashing import HASHERS, file_digests
-from ckpt_tool.model import BYTES, ENC_TORCH_SAVE, TENSOR, Checkpoint, Entry, Problem
-from ckpt_tool.reader.chunks import chunk_bytes, declared_size_problem, load_chunk, load_object
+from ckpt_tool.model import ENC_TORCH_SAVE, TENSOR, Checkpoint, Entry, Problem
+from ckpt_tool.reader.chunks import declared_size_problem, load_object
 from ckpt_tool.reader.storage import file_size, open_regular, unsafe_reason
 from ckpt_tool.tensors import assemble
 from gtp_runtime.checkpoint.format import OPT_PREFIX, OptimizerKey, dtype_tag, per_bucket_numel_key
@@ -322,8 +323,22 @@ def _compare_buckets(ckpt: Checkpoint, classes: dict[str, KeyClass], prefix: str
     return out
 
 
-def check_manifest_files(ckpt: Checkpoint, data: bool) -> list[Problem]:
-    """Sizes (always) and checksums (with --data) of the files the manifest lists."""
+def manifest_algorithms(ckpt: Checkpoint) -> dict[str, list[str]]:
+    """Data file -> the known checksum algorithms the manifest lists for it (hashed by the data pass)."""
+    files = (ckpt.manifest or {}).get("files")
+    if not isinstance(files, dict):
+        return {}
+    return {rel: [a for a in spec if a != "size" and a in HASHERS] for rel, spec in files.items()
+            if rel in ckpt.data_files and isinstance(spec, dict) and unsafe_reason(rel) is None}
+
+
+def check_manifest_files(ckpt: Checkpoint, data: bool,
+                         digests: dict[str, dict[str, str]] | None = None) -> list[Problem]:
+    """Sizes (always) and checksums (with --data) of the files the manifest lists.
+
+    ``digests`` holds what the data pass already computed while reading the data files; the
+    other listed files (``.metadata``, side files) are hashed here.
+    """
     files = (ckpt.manifest or {}).get("files")
     if files is None:
         return []
@@ -352,45 +367,21 @@ def check_manifest_files(ckpt: Checkpoint, data: bool) -> list[Problem]:
         known = [a for a in algos if a in HASHERS]
         if not known:
             continue
-        try:
-            with open_regular(ckpt.root, rel) as f:
-                digests = file_digests(f, known)
-        except ChunkError as err:
-            out.append(Problem("error", "checksum", err.message, file=rel))
-            continue
+        have = (digests or {}).get(rel, {})
+        if not all(a in have for a in known):
+            try:
+                with open_regular(ckpt.root, rel) as f:
+                    have = file_digests(f, known)
+            except ChunkError as err:
+                out.append(Problem("error", "checksum", err.message, file=rel))
+                continue
         for a in known:
             want = str(spec[a]).lower()
-            if digests[a] != want:
-                out.append(Problem("error", "checksum", f"{a} is {digests[a]} but the manifest says {want}", file=rel))
+            if have[a] != want:
+                out.append(Problem("error", "checksum", f"{a} is {have[a]} but the manifest says {want}", file=rel))
     for name in sorted(ckpt.data_files.keys() - files.keys()):
         out.append(Problem("warning", "manifest", "data file is not listed in the manifest", file=name))
     return out
-
-
-def check_data(ckpt: Checkpoint, progress: Progress | None = None) -> tuple[list[Problem], dict[str, dict[str, int]]]:
-    """Decode every chunk (one at a time) and count NaN/Inf per key."""
-    out: list[Problem] = []
-    nonfinite: dict[str, dict[str, int]] = {}
-    for e in ckpt.entries.values():
-        nan = inf = 0
-        for c in e.chunks:
-            try:
-                if e.kind == BYTES:
-                    chunk_bytes(ckpt, e, c)
-                else:
-                    t = load_chunk(ckpt, e, c)
-                    # one pass for the usual all-finite chunk; count NaN/Inf only when there are some
-                    if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
-                        nan += int(torch.isnan(t).sum())
-                        inf += int(torch.isinf(t).sum())
-            except ChunkError as err:
-                out.append(Problem("error", "decode", err.message, key=e.key, chunk=c.index, file=err.file))
-            if progress is not None:
-                progress(1)
-        if nan or inf:
-            nonfinite[e.key] = {"nan": nan, "inf": inf}
-            out.append(Problem("warning", "nonfinite", f"{nan} NaN and {inf} Inf values", key=e.key))
-    return out, nonfinite
 
 
 def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
@@ -405,7 +396,6 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
         ("storage", lambda: check_storage(ckpt)),
         ("optimizer", lambda: check_optimizer(ckpt, classes, topo)),
         ("bucket_numel", lambda: check_bucket_numel(ckpt, classes, data)),
-        ("manifest_files", lambda: check_manifest_files(ckpt, data)),
     ]
     for name, step in steps:
         result.checks.append(name)
@@ -416,11 +406,17 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
         "data_files": len(ckpt.data_files),
         "topology": topo.describe(),
     }
+    digests = None
+    if data:
+        report = check_data(ckpt, manifest_algorithms(ckpt), progress)
+        result.problems += report.problems
+        result.stats["nonfinite"] = report.nonfinite
+        result.stats["bytes_read"] = report.bytes_read
+        digests = report.digests
+    result.checks.append("manifest_files")
+    result.problems += check_manifest_files(ckpt, data, digests)
     if data:
         result.checks.append("data")
-        problems, nonfinite = check_data(ckpt, progress)
-        result.problems += problems
-        result.stats["nonfinite"] = nonfinite
     order = {s: i for i, s in enumerate(("error", "warning", "info"))}
     result.problems.sort(key=lambda p: order.get(p.severity, 3))
     return result

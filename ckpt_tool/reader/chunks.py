@@ -3,8 +3,9 @@
 The declared size is checked before any byte is read (a chunk declaring 10**15 elements is an
 error message, not an allocation); the byte range is checked against the real file size before
 it is read; only that range is read; the decoded tensor's dtype and shape must equal the
-declared ones. ``torch.load`` always runs with ``weights_only=True``, and only on zip archives
-whose records are all stored uncompressed: torch inflates a deflated record into a buffer sized by
+declared ones. Tensor blobs are decoded by :mod:`ckpt_tool.reader.blob` (no ``torch.load``, no
+copy of the elements). Byte objects go through ``torch.load(weights_only=True)``, and only when
+all zip records are stored uncompressed: torch inflates a deflated record into a buffer sized by
 the pickle's claim, so a 100 KB blob could otherwise ask for gigabytes.
 """
 
@@ -17,7 +18,8 @@ from typing import Any
 import torch
 
 from ckpt_tool.errors import ChunkError
-from ckpt_tool.model import BYTES, ENC_RAW, Checkpoint, Chunk, Entry
+from ckpt_tool.model import BYTES, ENC_RAW, Checkpoint, Chunk, Entry, StorageRef
+from ckpt_tool.reader.blob import BlobError, BlobLayout, ViewReader, parse_blob, tensor_view
 from ckpt_tool.reader.storage import read_range
 
 
@@ -52,8 +54,8 @@ def _require_stored_zip(buf: bytes, where: str, key: str, chunk: int, file: str 
                              key=key, chunk=chunk, file=file)
 
 
-def chunk_bytes(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> bytes:
-    """The stored bytes of one chunk, after the metadata-level checks."""
+def checked_ref(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> StorageRef:
+    """A chunk's storage after the metadata-level checks (present, no transforms, size plausible)."""
     where = f"{entry.key} chunk {chunk.index}"
     if chunk.storage is None:
         raise ChunkError(f"{where} has no storage entry: its data was never written or cannot be located",
@@ -65,32 +67,40 @@ def chunk_bytes(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> bytes:
     problem = declared_size_problem(ckpt, entry, chunk)
     if problem is not None:
         raise ChunkError(f"{where} in {ref.file} {problem}", key=entry.key, chunk=chunk.index, file=ref.file)
+    return ref
+
+
+def chunk_bytes(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> bytearray:
+    """The stored bytes of one chunk, after the metadata-level checks."""
+    ref = checked_ref(ckpt, entry, chunk)
     try:
         return read_range(ckpt.root, ref.file, ref.offset, ref.length)
     except ChunkError as e:
-        raise ChunkError(f"{where}: {e.message}", key=entry.key, chunk=chunk.index, file=ref.file) from None
+        raise ChunkError(f"{entry.key} chunk {chunk.index}: {e.message}", key=entry.key, chunk=chunk.index,
+                         file=ref.file) from None
 
 
-def decode_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytes) -> torch.Tensor:
-    """Decode a tensor chunk's bytes and check dtype and shape against the metadata."""
+def decode_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytearray | memoryview) -> torch.Tensor:
+    """View a tensor chunk's bytes as a tensor (no copy) and check dtype and shape against the metadata."""
     where = f"{entry.key} chunk {chunk.index} in {chunk.storage.file if chunk.storage else '?'}"
     file = chunk.storage.file if chunk.storage else None
+    view = memoryview(buf)
     if ckpt.encoding == ENC_RAW:
-        t = (torch.frombuffer(bytearray(buf), dtype=entry.dtype) if buf else torch.empty(0, dtype=entry.dtype))
+        t = torch.frombuffer(view, dtype=entry.dtype) if len(view) else torch.empty(0, dtype=entry.dtype)
         return t.reshape(chunk.sizes)
-    _require_stored_zip(buf, where, entry.key, chunk.index, file)
     try:
-        t = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
-    except Exception as e:  # a damaged blob raises anything from zip errors to unpickling errors
-        raise ChunkError(f"{where} does not decode as a torch.save blob ({type(e).__name__}: "
-                         f"{str(e)[:200]})", key=entry.key, chunk=chunk.index, file=file) from None
-    if not isinstance(t, torch.Tensor):
-        raise ChunkError(f"{where} decodes to a {type(t).__name__}, not a tensor",
-                         key=entry.key, chunk=chunk.index, file=file)
-    if t.dtype != entry.dtype or tuple(t.shape) != chunk.sizes:
-        raise ChunkError(f"{where} decodes to {t.dtype} {tuple(t.shape)} but the metadata declares "
-                         f"{entry.dtype} {chunk.sizes}", key=entry.key, chunk=chunk.index, file=file)
-    return t
+        layout = parse_blob(ViewReader(view), len(view))
+        check_layout(layout, entry, chunk)
+        return tensor_view(layout, view[layout.payload_offset:layout.payload_offset + layout.payload_bytes])
+    except BlobError as e:
+        raise ChunkError(f"{where} does not decode as a torch.save blob of the declared tensor: {e}",
+                         key=entry.key, chunk=chunk.index, file=file) from None
+
+
+def check_layout(layout: BlobLayout, entry: Entry, chunk: Chunk) -> None:
+    """The blob holds the declared dtype and shape."""
+    if layout.dtype != entry.dtype or layout.size != chunk.sizes:
+        raise BlobError(f"it holds {layout.dtype} {layout.size} but the metadata declares {entry.dtype} {chunk.sizes}")
 
 
 def load_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> torch.Tensor:

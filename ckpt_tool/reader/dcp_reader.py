@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain, repeat
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +104,20 @@ def _type_column(values: list[Any], cls: type, what: Callable[[int], str]) -> No
         raise _Malformed(f"{what(i)} is {brief(values[i])}, not a {name}")
 
 
-def _field(records: list[Any], name: str) -> list[Any]:
-    return [d.get(name) for d in map(vars, records)]
+def _fields(records: list[Any], *names: str) -> list[list[Any]]:
+    """Columns of the named fields over a list of records (``None`` where a record lacks one)."""
+    if not records:
+        return [[] for _ in names]
+    try:
+        rows = list(map(attrgetter(*names), records))  # one C-level pass; fails on a missing field
+        return [list(col) for col in zip(*rows)] if len(names) > 1 else [rows]
+    except AttributeError:
+        return [[vars(r).get(name) for r in records] for name in names]
+
+
+def _new(cls: type, rows: Iterable[tuple[Any, ...]]) -> list[Any]:
+    """Named tuples built by ``tuple.__new__`` in C, not by their Python ``__new__`` (millions of them)."""
+    return list(map(tuple.__new__, repeat(cls), rows))
 
 
 def _storage_index(storage_data: Any) -> tuple[dict[tuple[str, tuple[int, ...] | None], StorageRef], int]:
@@ -115,29 +128,29 @@ def _storage_index(storage_data: Any) -> tuple[dict[tuple[str, tuple[int, ...] |
         raise _Malformed(f"storage_data is a {type(storage_data).__name__}, not a dict")
     keys, infos = list(storage_data), list(storage_data.values())
     _type_column(keys, MetadataIndexRecord, lambda i: "a storage_data key")
-    fqns = _field(keys, "fqn")
+    fqns, raw_offsets = _fields(keys, "fqn", "offset")
     _type_column(fqns, str, lambda i: "a storage_data key's fqn")
-    offsets = _dims_column(_field(keys, "offset"), lambda i: f"storage_data[{fqns[i]!r}].offset", none_ok=True)
+    offsets = _dims_column(raw_offsets, lambda i: f"storage_data[{fqns[i]!r}].offset", none_ok=True)
     _type_column(infos, StorageInfoRecord, lambda i: f"storage_data[{fqns[i]!r}]")
-    rels = _field(infos, "relative_path")
+    rels, starts, lengths = _fields(infos, "relative_path", "offset", "length")
+    transforms = [vars(r).get("transform_descriptors") for r in infos]  # absent before torch 2.6
     _type_column(rels, str, lambda i: f"storage_data[{fqns[i]!r}].relative_path")
-    starts, lengths = _field(infos, "offset"), _field(infos, "length")
     _int_column(starts, lambda i: f"storage_data[{fqns[i]!r}].offset")
     _int_column(lengths, lambda i: f"storage_data[{fqns[i]!r}].length")
-    transforms = _field(infos, "transform_descriptors")
     if any(transforms):
         for i, t in enumerate(transforms):
             if not isinstance(t, (list, tuple, _NONE)) or not all(type(x) is str for x in t or ()):
                 raise _Malformed(f"storage_data[{fqns[i]!r}].transform_descriptors is {brief(t)}")
-        refs = list(map(StorageRef, rels, starts, lengths, (tuple(t or ()) for t in transforms)))
+        refs = _new(StorageRef, zip(rels, starts, lengths, (tuple(t or ()) for t in transforms)))
     else:
-        refs = list(map(StorageRef, rels, starts, lengths))
+        refs = _new(StorageRef, zip(rels, starts, lengths, repeat(())))
     index = dict(zip(zip(fqns, offsets), refs))
     return index, len(keys) - len(index)
 
 
-def _tensor_entry(key: str, md: TensorStorageRecord,
-                  storage: dict[tuple[str, tuple[int, ...] | None], StorageRef]) -> Entry:
+def _tensor_entry(key: str, md: TensorStorageRecord, storage: dict[tuple[str, tuple[int, ...] | None], StorageRef],
+                  unclaimed: dict[tuple[str, tuple[int, ...] | None], StorageRef]) -> Entry:
+    """One tensor key; each chunk's storage is popped from ``unclaimed``, so what is left there is orphaned."""
     fields = vars(md)
     props = fields.get("properties")
     if type(props) is not TensorPropertiesRecord or not isinstance(props.get("dtype"), torch.dtype):
@@ -147,10 +160,13 @@ def _tensor_entry(key: str, md: TensorStorageRecord,
     if type(raw_chunks) is not list:
         raise _Malformed("chunks is not a list")
     _type_column(raw_chunks, ChunkRecord, lambda i: f"chunk {i}")
-    offsets = _dims_column(_field(raw_chunks, "offsets"), lambda i: f"chunk {i} offsets")
-    sizes = _dims_column(_field(raw_chunks, "sizes"), lambda i: f"chunk {i} sizes")
-    refs = list(map(storage.get, zip(repeat(key), offsets)))
-    chunks = tuple(map(Chunk, range(len(offsets)), offsets, sizes, refs))
+    raw_offsets, raw_sizes = _fields(raw_chunks, "offsets", "sizes")
+    offsets = _dims_column(raw_offsets, lambda i: f"chunk {i} offsets")
+    sizes = _dims_column(raw_sizes, lambda i: f"chunk {i} sizes")
+    refs = list(map(unclaimed.pop, zip(repeat(key), offsets), repeat(None)))
+    if None in refs:  # no storage, or a second chunk at the same offsets (already popped)
+        refs = [r if r is not None else storage.get((key, o)) for r, o in zip(refs, offsets)]
+    chunks = tuple(_new(Chunk, zip(range(len(offsets)), offsets, sizes, refs)))
     return Entry(key=key, kind=TENSOR, shape=shape, dtype=props.get("dtype"), chunks=chunks)
 
 
@@ -173,6 +189,7 @@ def _entries(path: Path, raw: bytes, md: Any) -> tuple[dict[str, Entry], list[Pr
         if not isinstance(sdm, dict):
             raise _Malformed("state_dict_metadata is not a dict")
         entries: dict[str, Entry] = {}
+        unclaimed = dict(storage)
         declared = 0
         for key, item in sdm.items():
             if type(key) is not str:
@@ -183,8 +200,9 @@ def _entries(path: Path, raw: bytes, md: Any) -> tuple[dict[str, Entry], list[Pr
                 if declared > len(raw):  # each chunk costs pickle bytes, unless lists are shared
                     raise _Malformed(f"the keys declare more chunks than a {len(raw)}-byte file can describe "
                                      "(chunk lists are shared between keys)")
-                entries[key] = _tensor_entry(key, item, storage)
+                entries[key] = _tensor_entry(key, item, storage, unclaimed)
             elif type(item) is BytesStorageRecord:
+                unclaimed.pop((key, None), None)
                 entries[key] = Entry(key=key, kind=BYTES, shape=None, dtype=None,
                                      chunks=(Chunk(index=0, offsets=(), sizes=(), storage=storage.get((key, None))),))
             else:
@@ -193,21 +211,16 @@ def _entries(path: Path, raw: bytes, md: Any) -> tuple[dict[str, Entry], list[Pr
     except _Malformed as e:
         where = f"key {brief(key)}: " if key is not None else ""
         raise CkptError(f"malformed {path}: {where}{e}; restore it from a good copy") from None
-    notes = _orphan_notes(entries, storage, duplicates)
+    notes = _orphan_notes(unclaimed, duplicates)
     version = md.get("version")
     return entries, notes, version if isinstance(version, str) else None
 
 
-def _orphan_notes(entries: dict[str, Entry], storage: dict[tuple[str, tuple[int, ...] | None], StorageRef],
-                  duplicates: int) -> list[Problem]:
-    notes = []
-    used: set[tuple[str, tuple[int, ...] | None]] = set()
-    for e in entries.values():
-        used.update(zip(repeat(e.key), (c.offsets for c in e.chunks)) if e.kind == TENSOR else ((e.key, None),))
-    for fqn, offsets in storage.keys() - used:
-        notes.append(Problem("warning", "orphan_storage",
-                             f"storage_data names {fqn!r} at offsets {offsets} but no such chunk exists",
-                             key=fqn, file=storage[(fqn, offsets)].file))
+def _orphan_notes(unclaimed: dict[tuple[str, tuple[int, ...] | None], StorageRef], duplicates: int) -> list[Problem]:
+    notes = [Problem("warning", "orphan_storage",
+                     f"storage_data names {fqn!r} at offsets {offsets} but no such chunk exists", key=fqn,
+                     file=ref.file)
+             for (fqn, offsets), ref in unclaimed.items()]
     notes.sort(key=lambda p: (p.key or "", p.message))
     if duplicates:
         notes.append(Problem("error", "duplicate_storage",

@@ -78,23 +78,28 @@ def open_regular(root: Path, rel: str) -> BinaryIO:
     return os.fdopen(fd, "rb")
 
 
-def read_range(root: Path, rel: str, offset: int, length: int) -> bytes:
-    """Exactly ``length`` bytes at ``offset`` of a data file, after checking the range fits."""
+def read_range(root: Path, rel: str, offset: int, length: int) -> bytearray:
+    """Exactly ``length`` bytes at ``offset`` of a data file, after checking the range fits.
+
+    A ``bytearray``: writable, so tensors can be viewed over it without a copy.
+    """
     if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or length < 0:
         raise ChunkError(f"byte range offset={offset!r} length={length!r} in {rel} is invalid", file=rel)
     with open_regular(root, rel) as f:
         size = os.fstat(f.fileno()).st_size
         if offset + length > size:
-            raise ChunkError(
-                f"byte range [{offset}, {offset + length}) of {rel} runs past its end ({size} bytes): "
-                "the file is truncated or the metadata is wrong",
-                file=rel,
-            )
+            raise ChunkError(past_end_message(rel, offset, length, size), file=rel)
         f.seek(offset)
-        buf = f.read(length)
-    if len(buf) != length:
+        buf = bytearray(length)
+        got = f.readinto(buf)
+    if got != length:
         raise ChunkError(f"data file {rel} shrank while reading [{offset}, {offset + length})", file=rel)
     return buf
+
+
+def past_end_message(rel: str, offset: int, length: int, size: int) -> str:
+    return (f"byte range [{offset}, {offset + length}) of {rel} runs past its end ({size} bytes): "
+            "the file is truncated or the metadata is wrong")
 
 
 def read_small_file(path: Path, limit: int, what: str, fix: str) -> bytes:
