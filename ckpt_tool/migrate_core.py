@@ -51,6 +51,7 @@ import torch
 
 from ckpt_tool.analysis import OPTIMIZER, classify_all, topology_view
 from ckpt_tool.errors import EXIT_CHECK_FAILED, CkptError
+from ckpt_tool.hashing import crc32_shift, gf2_times
 from ckpt_tool.model import TENSOR, Checkpoint, Entry
 from ckpt_tool.reader.checkpoint import open_checkpoint
 from ckpt_tool.reader.chunks import load_chunk
@@ -681,45 +682,6 @@ def _rename_path(value: Any, old: str, new: str, path: Path) -> Any:
 # Writing
 # --------------------------------------------------------------------------------------------
 
-def _gf2_times(mat: list[int], vec: int) -> int:
-    out, i = 0, 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-def _gf2_square(mat: list[int]) -> list[int]:
-    return [_gf2_times(mat, mat[n]) for n in range(32)]
-
-
-def crc32_shift(nbytes: int) -> list[int]:
-    """GF(2) operator taking a CRC-32 over ``A`` to the register after ``nbytes`` more bytes.
-
-    ``crc32(A + B) == _gf2_times(crc32_shift(len(B)), crc32(A)) ^ crc32(B)``: zlib's
-    ``crc32_combine``, with the operator kept so that appending the same blob again costs 32 XORs.
-    """
-    odd = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
-    even = _gf2_square(odd)
-    odd = _gf2_square(even)
-    op = [1 << n for n in range(32)]
-    n = nbytes
-    while n:
-        even = _gf2_square(odd)
-        if n & 1:
-            op = [_gf2_times(even, c) for c in op]
-        n >>= 1
-        if not n:
-            break
-        odd = _gf2_square(even)
-        if n & 1:
-            op = [_gf2_times(odd, c) for c in op]
-        n >>= 1
-    return op
-
-
 @dataclass(frozen=True)
 class _Blob:
     data: bytes
@@ -783,7 +745,7 @@ class _CountingWriter:
             self.f.write(blob.data[z:])
         else:
             self.f.write(blob.data)
-        self.crc = _gf2_times(blob.shift, self.crc) ^ blob.crc
+        self.crc = gf2_times(blob.shift, self.crc) ^ blob.crc
         self.pos += len(blob.data)
 
     def flush(self) -> None:

@@ -273,10 +273,14 @@ def test_zero_blobs_are_sparse_and_checksummed(tmp_path: Path):
     import io
     import zlib
 
-    from ckpt_tool.migrate_core import HOLE_MIN, _CountingWriter, _gf2_times, _ZeroBlobs, crc32_shift
+    from ckpt_tool.hashing import crc32_combine, crc32_shift, gf2_times
+    from ckpt_tool.migrate_core import HOLE_MIN, _CountingWriter, _ZeroBlobs
 
     a, b = os.urandom(1000), os.urandom(70_000)
-    assert _gf2_times(crc32_shift(len(b)), zlib.crc32(a)) ^ zlib.crc32(b) == zlib.crc32(a + b)
+    assert gf2_times(crc32_shift(len(b)), zlib.crc32(a)) ^ zlib.crc32(b) == zlib.crc32(a + b)
+    for n in (0, 1, 3, 4096, 70_001):
+        c = os.urandom(n)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(c), n) == zlib.crc32(a + c)
     zeros, path, spans = _ZeroBlobs(), tmp_path / "__2_0.distcp", []
     with open(path, "wb") as f:
         w = _CountingWriter(f)
