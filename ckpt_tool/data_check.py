@@ -3,8 +3,8 @@
 A checkpoint of hundreds of GB does not fit in the page cache, so what matters is touching every
 byte once, in order, and keeping the CPU work off the disk's critical path:
 
-* each data file is read sequentially, two windows ahead on a reader thread, into four reused
-  window buffers (no per-chunk allocation, no page-fault churn, memory fixed at four windows),
+* each data file is read sequentially, two windows ahead on a reader thread, into five reused
+  window buffers (no per-chunk allocation, no page-fault churn, memory fixed at five windows),
   so the disk is busy while the CPU decodes;
 * the file's manifest checksums are computed from the same windows on worker threads (``zlib``
   and ``hashlib`` release the GIL): a CRC-32 of each window on its own, two windows at a time,
@@ -38,7 +38,7 @@ from ckpt_tool.errors import ChunkError
 from ckpt_tool.hashing import HASHERS, Hasher, crc32_combine
 from ckpt_tool.model import BYTES, ENC_TORCH_SAVE, Checkpoint, Chunk, Entry, Problem
 from ckpt_tool.reader.blob import BlobError, RangeReader, parse_blob
-from ckpt_tool.reader.chunks import check_layout, checked_ref, decode_chunk, load_chunk
+from ckpt_tool.reader.chunks import blob_error, check_layout, checked_ref, chunk_bytes, decode_chunk, load_chunk
 from ckpt_tool.reader.storage import open_regular, past_end_message
 
 WINDOW = 16 << 20
@@ -131,8 +131,6 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
 
 
 def _random_access(ckpt: Checkpoint, entry: Entry, chunk: Chunk, counts: _Counts) -> None:
-    from ckpt_tool.reader.chunks import chunk_bytes
-
     try:
         if entry.kind == BYTES:
             chunk_bytes(ckpt, entry, chunk)
@@ -152,11 +150,11 @@ class _Step:
 
 
 class _FilePass:
-    """One data file: a plan of window reads, run with reads ahead on one thread and hashing on another.
+    """One data file: a plan of window reads, run with reads ahead on one thread and hashing on others.
 
     The plan depends on the metadata only, so reads can be issued ahead: while the main thread
-    decodes window k, the reader fills window k+1 (or k+2) and the hasher digests window k-1.
-    Window k reuses buffer ``k % BUFFERS`` once the hasher is done with it.
+    decodes window k, the reader fills windows k+1 and k+2 and the hashers digest k and k-1.
+    Window k reuses buffer ``k % BUFFERS`` once the hashers are done with it.
     """
 
     def __init__(self, ckpt: Checkpoint, rel: str, items: list[_Item], algorithms: list[str],
@@ -318,9 +316,7 @@ class _FilePass:
             layout = parse_blob(RangeReader(self.fd, it.start, it.stop - it.start), it.stop - it.start)
             check_layout(layout, it.entry, it.chunk)
         except BlobError as e:
-            self.counts.error(ChunkError(f"{it.entry.key} chunk {it.chunk.index} in {self.rel} does not decode as a "
-                                         f"torch.save blob of the declared tensor: {e}", file=self.rel),
-                              it.entry, it.chunk)
+            self.counts.error(blob_error(it.entry, it.chunk, e), it.entry, it.chunk)
             layout = None
         steps = []
         if layout is not None and not layout.contiguous_whole:

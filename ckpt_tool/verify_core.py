@@ -328,8 +328,13 @@ def manifest_algorithms(ckpt: Checkpoint) -> dict[str, list[str]]:
     files = (ckpt.manifest or {}).get("files")
     if not isinstance(files, dict):
         return {}
-    return {rel: [a for a in spec if a != "size" and a in HASHERS] for rel, spec in files.items()
+    return {rel: [a for a in _listed_algorithms(spec) if a in HASHERS] for rel, spec in files.items()
             if rel in ckpt.data_files and isinstance(spec, dict) and unsafe_reason(rel) is None}
+
+
+def _listed_algorithms(spec: dict[str, Any]) -> list[str]:
+    """The checksum names of one manifest ``files`` entry (every field but ``size``)."""
+    return [a for a in spec if a != "size"]
 
 
 def check_manifest_files(ckpt: Checkpoint, data: bool,
@@ -360,7 +365,7 @@ def check_manifest_files(ckpt: Checkpoint, data: bool,
                                file=rel))
         if not data:
             continue
-        algos = [a for a in spec if a != "size"]
+        algos = _listed_algorithms(spec)
         for a in algos:
             if a not in HASHERS:
                 out.append(Problem("info", "checksum", f"hash algorithm {a!r} is not supported; skipped", file=rel))

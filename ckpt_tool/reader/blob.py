@@ -71,11 +71,11 @@ def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-class ViewReader(io.RawIOBase):
-    """A read-only file over a buffer, handing out slices without copying the whole."""
+class BlobReader(io.RawIOBase):
+    """A read-only, seekable file over one blob of ``length`` bytes; subclasses say where the bytes are."""
 
-    def __init__(self, view: memoryview) -> None:
-        self._view, self._pos = view, 0
+    def __init__(self, length: int) -> None:
+        self._len, self._pos = length, 0
 
     def readable(self) -> bool:
         return True
@@ -87,35 +87,42 @@ class ViewReader(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def read(self, n: int = -1) -> bytes:
-        end = len(self._view) if n is None or n < 0 else min(len(self._view), self._pos + n)
-        out = bytes(self._view[self._pos:end])
-        self._pos = max(self._pos, end)
-        return out
-
-
-class RangeReader(ViewReader):
-    """The same over ``[start, start + length)`` of an open file, by ``os.pread`` (for big blobs)."""
-
-    def __init__(self, fd: int, start: int, length: int) -> None:
-        self._fd, self._start, self._len, self._pos = fd, start, length, 0
-
-    def seek(self, offset: int, whence: int = 0) -> int:
         base = {0: 0, 1: self._pos, 2: self._len}[whence]
         self._pos = max(0, base + offset)
         return self._pos
 
     def read(self, n: int = -1) -> bytes:
         end = self._len if n is None or n < 0 else min(self._len, self._pos + n)
-        if end - self._pos > MAX_PICKLE:
-            raise BlobError(f"a {end - self._pos}-byte structural read; torch.save writes no such record")
-        out = os.pread(self._fd, max(0, end - self._pos), self._start + self._pos)
+        out = self._bytes(self._pos, end) if end > self._pos else b""
         self._pos += len(out)
         return out
+
+    def _bytes(self, start: int, stop: int) -> bytes:
+        raise NotImplementedError
+
+
+class ViewReader(BlobReader):
+    """A blob in memory, handing out slices without copying the whole."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__(len(view))
+        self._view = view
+
+    def _bytes(self, start: int, stop: int) -> bytes:
+        return bytes(self._view[start:stop])
+
+
+class RangeReader(BlobReader):
+    """``[start, start + length)`` of an open file, by ``os.pread`` (for blobs too big to hold)."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        super().__init__(length)
+        self._fd, self._start = fd, start
+
+    def _bytes(self, start: int, stop: int) -> bytes:
+        if stop - start > MAX_PICKLE:
+            raise BlobError(f"a {stop - start}-byte structural read; torch.save writes no such record")
+        return os.pread(self._fd, stop - start, self._start + start)
 
 
 @dataclass(frozen=True)
@@ -173,7 +180,7 @@ class _TensorPickle(ScannedUnpickler):
         return _StorageId(pid[1].dtype, pid[2], pid[4])
 
 
-def parse_blob(reader: ViewReader, length: int) -> BlobLayout:
+def parse_blob(reader: BlobReader, length: int) -> BlobLayout:
     """Read a blob's structure (a few hundred bytes at its start and end) into a :class:`BlobLayout`."""
     try:
         archive = zipfile.ZipFile(reader)

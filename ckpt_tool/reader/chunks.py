@@ -82,8 +82,6 @@ def chunk_bytes(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> bytearray:
 
 def decode_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytearray | memoryview) -> torch.Tensor:
     """View a tensor chunk's bytes as a tensor (no copy) and check dtype and shape against the metadata."""
-    where = f"{entry.key} chunk {chunk.index} in {chunk.storage.file if chunk.storage else '?'}"
-    file = chunk.storage.file if chunk.storage else None
     view = memoryview(buf)
     if ckpt.encoding == ENC_RAW:
         t = torch.frombuffer(view, dtype=entry.dtype) if len(view) else torch.empty(0, dtype=entry.dtype)
@@ -93,8 +91,14 @@ def decode_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytearray | 
         check_layout(layout, entry, chunk)
         return tensor_view(layout, view[layout.payload_offset:layout.payload_offset + layout.payload_bytes])
     except BlobError as e:
-        raise ChunkError(f"{where} does not decode as a torch.save blob of the declared tensor: {e}",
-                         key=entry.key, chunk=chunk.index, file=file) from None
+        raise blob_error(entry, chunk, e) from None
+
+
+def blob_error(entry: Entry, chunk: Chunk, e: BlobError) -> ChunkError:
+    """The one-line error for a chunk whose blob does not decode to the declared tensor."""
+    file = chunk.storage.file if chunk.storage else None
+    return ChunkError(f"{entry.key} chunk {chunk.index} in {file or '?'} does not decode as a torch.save blob of "
+                      f"the declared tensor: {e}", key=entry.key, chunk=chunk.index, file=file)
 
 
 def check_layout(layout: BlobLayout, entry: Entry, chunk: Chunk) -> None:

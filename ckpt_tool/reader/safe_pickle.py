@@ -201,16 +201,13 @@ class WriteItemTypeRecord(EnumRecord):
 
 def _torch_size(dims: Any = ()) -> tuple[int, ...]:
     """``torch.Size(dims)`` as a plain tuple, refusing anything but a short tuple of ints >= 0."""
-    if type(dims) is not tuple:
-        if type(dims) is not list or len(dims) > MAX_DIMS:
-            raise pickle.UnpicklingError(f"torch.Size argument is not a tuple of at most {MAX_DIMS} ints")
-        dims = tuple(dims)
-    if len(dims) > MAX_DIMS:
+    if type(dims) not in (tuple, list) or len(dims) > MAX_DIMS:
         raise pickle.UnpicklingError(f"torch.Size argument is not a tuple of at most {MAX_DIMS} ints")
+    dims = tuple(dims)  # a tuple is returned as is; a list (at most MAX_DIMS long) is copied
     for d in dims:
         if type(d) is not int or d < 0:
             raise pickle.UnpicklingError(f"torch.Size holds {brief(d)}, not a non-negative int")
-    return dims  # the tuple itself: immutable, so no copy is needed
+    return dims
 
 
 def _path_parts(parts: tuple[Any, ...]) -> tuple[str, ...]:
