@@ -1,4 +1,4 @@
-"""File checksums keyed by algorithm name, computed in 8 MiB blocks; CRC-32 arithmetic.
+"""File checksums keyed by algorithm name, computed in 8 MiB blocks; CRC arithmetic (shift, combine).
 
 The manifest records ``files: {relative_path: {"size": n, "<algorithm>": "<hex>"}}``. Which
 algorithm the writer picks is its business, so the verifier looks algorithms up by name here and
@@ -10,7 +10,10 @@ from __future__ import annotations
 import hashlib
 import zlib
 from collections.abc import Callable
-from typing import BinaryIO, Protocol
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Protocol
+
+import google_crc32c
 
 BLOCK = 8 << 20
 
@@ -21,14 +24,14 @@ class Hasher(Protocol):
     def hexdigest(self) -> str: ...
 
 
-class _Crc32:
-    """zlib's CRC-32 behind the hashlib interface; hex is 8 lowercase digits."""
+class _CrcHasher:
+    """A :class:`Crc` behind the hashlib interface; hex is 8 lowercase digits."""
 
-    def __init__(self) -> None:
-        self._crc = 0
+    def __init__(self, crc: Crc) -> None:
+        self._update, self._crc = crc.update, 0
 
     def update(self, data: bytes, /) -> None:
-        self._crc = zlib.crc32(data, self._crc)
+        self._crc = self._update(data, self._crc)
 
     def hexdigest(self) -> str:
         return f"{self._crc:08x}"
@@ -36,7 +39,8 @@ class _Crc32:
 
 HASHERS: dict[str, Callable[[], Hasher]] = {
     "sha256": hashlib.sha256,
-    "crc32": _Crc32,
+    "crc32": lambda: _CrcHasher(CRCS["crc32"]),
+    "crc32c": lambda: _CrcHasher(CRCS["crc32c"]),
 }
 
 
@@ -63,49 +67,68 @@ def gf2_square(mat: list[int]) -> list[int]:
     return [gf2_times(mat, mat[n]) for n in range(32)]
 
 
-def crc32_shift(nbytes: int) -> list[int]:
-    """GF(2) operator taking a CRC-32 over ``A`` to the register after ``nbytes`` more bytes.
+@dataclass(frozen=True)
+class Crc:
+    """A reflected 32-bit CRC with all-ones init and final XOR (CRC-32 and CRC-32C are both).
 
-    ``crc32(A + B) == gf2_times(crc32_shift(len(B)), crc32(A)) ^ crc32(B)``: zlib's
-    ``crc32_combine``, with the operator kept so that appending the same blob again costs 32 XORs.
+    ``update(data, crc)`` continues a running value; :meth:`shift` and :meth:`combine` are the
+    GF(2) arithmetic that joins CRCs of pieces hashed separately (zlib's ``crc32_combine``,
+    generalised to the polynomial), which is what lets the windows of one file be hashed on
+    several threads at once.
     """
-    odd = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
-    even = gf2_square(odd)
-    odd = gf2_square(even)
-    op = [1 << n for n in range(32)]
-    n = nbytes
-    while n:
-        even = gf2_square(odd)
-        if n & 1:
-            op = [gf2_times(even, c) for c in op]
-        n >>= 1
-        if not n:
-            break
-        odd = gf2_square(even)
-        if n & 1:
-            op = [gf2_times(odd, c) for c in op]
-        n >>= 1
-    return op
+
+    name: str
+    poly: int  # reflected polynomial
+    update: Callable[[Any, int], int]
+
+    def shift(self, nbytes: int) -> list[int]:
+        """GF(2) operator taking the CRC of ``A`` to the register after ``nbytes`` more bytes.
+
+        ``crc(A + B) == gf2_times(shift(len(B)), crc(A)) ^ crc(B)``; the operator is kept so that
+        appending the same blob again costs 32 XORs.
+        """
+        op = [1 << n for n in range(32)]
+        k = 0
+        while nbytes:
+            if nbytes & 1:
+                op = [gf2_times(self._pow2(k), c) for c in op]
+            nbytes >>= 1
+            k += 1
+        return op
+
+    def combine(self, crc_a: int, crc_b: int, len_b: int) -> int:
+        """CRC of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)``: one operator per set bit (microseconds)."""
+        k = 0
+        while len_b:
+            if len_b & 1:
+                crc_a = gf2_times(self._pow2(k), crc_a)
+            len_b >>= 1
+            k += 1
+        return crc_a ^ crc_b
+
+    def _pow2(self, k: int) -> list[int]:
+        """The operator for ``2**k`` zero bytes, built once per polynomial."""
+        table = _POW2_SHIFTS.setdefault(self.poly, [])
+        if not table:
+            one_bit = [self.poly] + [1 << n for n in range(31)]
+            op = one_bit
+            for _ in range(3):  # 8 zero bits
+                op = gf2_square(op)
+            for _ in range(64):
+                table.append(op)
+                op = gf2_square(op)
+        return table[k]
 
 
-_POW2_SHIFTS: list[list[int]] = []  # operator for 2**k zero bytes, k = 0, 1, ...
+_POW2_SHIFTS: dict[int, list[list[int]]] = {}
 
 
-def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
-    """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``, as zlib's ``crc32_combine``.
+def _crc32c_update(data: Any, crc: int = 0) -> int:
+    # google_crc32c takes only immutable bytes (and releases the GIL only for those, from 1 MiB)
+    return google_crc32c.extend(crc, data if type(data) is bytes else bytes(data))
 
-    It lets windows of one file be hashed on several threads at once. The operators for 2**k
-    zero bytes are built once; shifting by ``len_b`` applies one per set bit (microseconds).
-    """
-    if not _POW2_SHIFTS:
-        op = crc32_shift(1)
-        for _ in range(64):
-            _POW2_SHIFTS.append(op)
-            op = gf2_square(op)
-    k = 0
-    while len_b:
-        if len_b & 1:
-            crc_a = gf2_times(_POW2_SHIFTS[k], crc_a)
-        len_b >>= 1
-        k += 1
-    return crc_a ^ crc_b
+
+CRCS: dict[str, Crc] = {
+    "crc32": Crc("crc32", 0xEDB88320, zlib.crc32),
+    "crc32c": Crc("crc32c", 0x82F63B78, _crc32c_update),
+}

@@ -40,7 +40,6 @@ import shutil
 import sys
 import time
 import uuid
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -51,7 +50,7 @@ import torch
 
 from ckpt_tool.analysis import OPTIMIZER, classify_all, topology_view
 from ckpt_tool.errors import EXIT_CHECK_FAILED, CkptError
-from ckpt_tool.hashing import crc32_shift, gf2_times
+from ckpt_tool.hashing import CRCS, HASHERS, Crc, file_digests, gf2_times
 from ckpt_tool.model import TENSOR, Checkpoint, Entry
 from ckpt_tool.reader.checkpoint import open_checkpoint
 from ckpt_tool.reader.chunks import load_chunk
@@ -79,7 +78,7 @@ from gtp_runtime.checkpoint.format import (
     parse_optimizer_key,
 )
 from gtp_runtime.checkpoint.io import fsync_dir
-from gtp_runtime.checkpoint.manifest import HASH_ALGORITHM, file_checksum, write_manifest
+from gtp_runtime.checkpoint.manifest import HASH_ALGORITHM, write_manifest
 from gtp_runtime.config import ParallelConfig
 from gtp_runtime.sharding import ShardSpec
 from gtp_runtime.topology import Topology
@@ -693,8 +692,8 @@ class _Blob:
 class _ZeroBlobs:
     """``torch.save`` blobs of fp32 zero tensors, one per shape (they are byte-identical), bounded."""
 
-    def __init__(self, budget: int = 512 << 20) -> None:
-        self.budget = budget
+    def __init__(self, crc: Crc, budget: int = 512 << 20) -> None:
+        self.crc, self.budget = crc, budget
         self.items: OrderedDict[tuple[int, ...], _Blob] = OrderedDict()
 
     def get(self, sizes: tuple[int, ...]) -> _Blob:
@@ -712,7 +711,7 @@ class _ZeroBlobs:
             if len(nz) > 1:
                 i = int(np.argmax(np.diff(nz)))
                 zeros = (int(nz[i]) + 1, int(nz[i + 1]))
-            blob = _Blob(data, zlib.crc32(data), crc32_shift(len(data)), zeros)
+            blob = _Blob(data, self.crc.update(data, 0), self.crc.shift(len(data)), zeros)
             self.items[sizes] = blob
             while sum(len(b.data) for b in self.items.values()) > self.budget and len(self.items) > 1:
                 self.items.popitem(last=False)
@@ -724,15 +723,15 @@ HOLE_MIN = 64 << 10  # zero runs at least this long are left as holes (sparse fi
 
 
 class _CountingWriter:
-    """A write-only stream for ``torch.save`` that tracks the position and the CRC-32 of its bytes."""
+    """A write-only stream for ``torch.save`` that tracks the position and the CRC of its bytes."""
 
-    def __init__(self, f: Any) -> None:
-        self.f, self.pos, self.crc = f, 0, 0
+    def __init__(self, f: Any, crc: Crc) -> None:
+        self.f, self.pos, self.crc, self._update = f, 0, 0, crc.update
 
     def write(self, b: Any) -> int:
         mv = memoryview(b)
         self.f.write(mv)
-        self.crc = zlib.crc32(mv, self.crc)
+        self.crc = self._update(mv, self.crc)
         self.pos += mv.nbytes
         return mv.nbytes
 
@@ -792,14 +791,13 @@ def _link_or_copy(src: Path, dst: Path) -> bool:
     return False
 
 
-def _checksums(path: Path, algorithms: list[str], streamed_crc: int | None = None) -> dict[str, str]:
-    from ckpt_tool.hashing import HASHERS, file_digests
-
+def _checksums(path: Path, algorithms: list[str], streamed: tuple[str, int] | None = None) -> dict[str, str]:
+    """The file's digests under ``algorithms``; ``streamed`` is a CRC already computed while writing it."""
     out = {}
     rest = []
     for a in algorithms:
-        if a == HASH_ALGORITHM:
-            out[a] = f"{streamed_crc:08x}" if streamed_crc is not None else file_checksum(path)
+        if streamed is not None and a == streamed[0]:
+            out[a] = f"{streamed[1]:08x}"
         elif a in HASHERS:
             rest.append(a)
     if rest:
@@ -842,12 +840,13 @@ def build_migrated(plan: Plan, out: Path, checkpoint_id: Path, progress: Progres
     lost_storage: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}
     written = [c for c in plan.lost if c.action in (REBUILD, RESET)]
     crc = None
+    stream = CRCS.get(_hash_algorithm(plan.ckpt.manifest), CRCS[HASH_ALGORITHM])  # the new file's CRC, as written
     if written:
-        shards, zeros = _ShardCache(plan.ckpt), _ZeroBlobs()
+        shards, zeros = _ShardCache(plan.ckpt), _ZeroBlobs(stream)
         order = {k: i for i, k in enumerate(md.get("state_dict_metadata"))}
         written.sort(key=lambda c: (order[c.source_key], c.cp_rank, c.offsets))
         with open(out / new_file, "wb") as f:
-            w = _CountingWriter(f)
+            w = _CountingWriter(f, stream)
             for c in written:
                 start = w.pos
                 if c.action == REBUILD:
@@ -857,7 +856,7 @@ def build_migrated(plan: Plan, out: Path, checkpoint_id: Path, progress: Progres
                 lost_storage[(c.new_key, c.offsets)] = (start, w.pos - start)
                 progress(1)
             w.close_out()
-        crc = w.crc
+        crc = (stream.name, w.crc)
         outcome.new_data_file, outcome.new_bytes = new_file, w.pos
     lap("lost_state")
 
@@ -875,10 +874,16 @@ def build_migrated(plan: Plan, out: Path, checkpoint_id: Path, progress: Progres
     return outcome
 
 
-def _migrated_manifest(plan: Plan, out: Path, outcome: Outcome, new_crc: int | None) -> dict[str, Any]:
+def _hash_algorithm(manifest: dict[str, Any]) -> str:
+    """The algorithm the source's manifest checksums its files with (older ones name none: CRC-32)."""
+    return str(manifest.get("hash_algorithm") or "crc32")
+
+
+def _migrated_manifest(plan: Plan, out: Path, outcome: Outcome,
+                       new_crc: tuple[str, int] | None) -> dict[str, Any]:
     manifest = _json_copy(plan.ckpt.manifest)
     files = manifest.setdefault("files", {})
-    algorithms = [str(manifest.get("hash_algorithm") or HASH_ALGORITHM)]
+    algorithms = [_hash_algorithm(manifest)]
     for name in [DCP_METADATA_FILE] + ([outcome.new_data_file] if outcome.new_data_file else []):
         path = out / name
         crc = new_crc if name == outcome.new_data_file else None

@@ -390,8 +390,8 @@ def check_manifest_files(ckpt: Checkpoint, data: bool,
 
 
 def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
-           progress: Progress | None = None) -> VerifyResult:
-    """Run every check that applies; with ``data`` also decode all chunks and hash files."""
+           progress: Progress | None = None, workers: int | None = None) -> VerifyResult:
+    """Run every check that applies; with ``data`` also decode all chunks and hash files (on ``workers`` threads)."""
     result = VerifyResult()
     classes = classify_all(ckpt)
     topo = topology_view(ckpt.manifest, cp_size)
@@ -413,7 +413,7 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
     }
     digests = None
     if data:
-        report = check_data(ckpt, manifest_algorithms(ckpt), progress)
+        report = check_data(ckpt, manifest_algorithms(ckpt), progress, workers)
         result.problems += report.problems
         result.stats["nonfinite"] = report.nonfinite
         result.stats["bytes_read"] = report.bytes_read

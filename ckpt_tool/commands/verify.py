@@ -32,6 +32,8 @@ EPILOG = """Examples:
 
   ckpt verify CKPT --cp-size 2 --format json   (declares folded buffers saved with CP=2)
 
+  ckpt verify CKPT --data --workers 2   (leave cores to a training job on the same node)
+
 Checks: chunks in bounds and tiling each tensor (no overlap, no hole); storage present, inside
 the folder and within its file; per_bucket_numel against the bucket keys; folded buffers have
 every cp_rank; aliasing (cp-less optimizer keys in a folded checkpoint); manifest file sizes.
@@ -48,6 +50,11 @@ def verify_command(
         int | None,
         typer.Option("--cp-size", min=1, help="CP degree the folded buffers were saved with; >1 declares folding."),
     ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option("--workers", min=1, max=64, show_default="one per core, at most 8",
+                     help="Threads that read, hash and scan with --data."),
+    ] = None,
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Check a checkpoint's structure (and with --data its contents); exit 1 on errors."""
@@ -56,7 +63,7 @@ def verify_command(
 
     ckpt = open_checkpoint(path)
     with progress(ckpt.chunk_count() if data else 0, "reading chunks", progress_enabled(fmt)) as advance:
-        result = verify(ckpt, data=data, cp_size=cp_size, progress=advance)
+        result = verify(ckpt, data=data, cp_size=cp_size, progress=advance, workers=workers)
     errors = [p for p in result.problems if p.severity == "error"]
     warnings = [p for p in result.problems if p.severity == "warning"]
     if fmt == OutputFormat.json:

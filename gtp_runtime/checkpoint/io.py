@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from gtp_runtime.checkpoint import format as fmt
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
 from gtp_runtime.checkpoint.manifest import (
+    HASH_ALGORITHM,
     buffer_layout,
     build_manifest,
     file_checksum,
@@ -96,10 +97,12 @@ def _own_files(folder: Path, layout: str, rank: int) -> list[Path]:
 
 
 def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "torch_dist",
-                    sharding: str = fmt.FORMAT_NAME, aliased: bool = False) -> Path:
+                    sharding: str = fmt.FORMAT_NAME, aliased: bool = False, writer_threads: int | None = None) -> Path:
     """Save ``trainer`` at its current iteration under ``root``; return the committed folder.
 
     ``aliased=True`` is the pre-fix writer (see :func:`state.optimizer_state`), for fixtures only.
+    ``writer_threads`` (torch_dist): files per rank, written in parallel; by default one per core, at
+    most 4. Fixtures pin it so that their file list does not depend on the machine.
     """
     check_sharding(trainer, sharding, "save")
     if layout not in fmt.LAYOUTS:
@@ -121,13 +124,14 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
     _fault("before_write")
     # Several writer threads per rank (files __{rank}_0.., __{rank}_1..): torch.save releases the
     # GIL while it copies and writes, and measured on 2 cores this doubles DCP's save rate.
-    threads = max(1, min(4, os.cpu_count() or 1))
+    threads = writer_threads or max(1, min(4, os.cpu_count() or 1))
     writer = (dcp.FileSystemWriter(tmp, sync_files=True, thread_count=threads) if layout == "torch_dist"
               else SafetensorsWriter(tmp))
     dcp.save(sd, storage_writer=writer, planner=ChunkSavePlanner())
     _fault("after_write")
 
-    mine = {p.name: {"size": p.stat().st_size, "crc32": file_checksum(p)} for p in _own_files(tmp, layout, rank)}
+    mine = {p.name: {"size": p.stat().st_size, HASH_ALGORITHM: file_checksum(p)}
+            for p in _own_files(tmp, layout, rank)}
     everything: list[dict[str, Any] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everything, mine)
     if rank == 0:
@@ -135,7 +139,7 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
         for part in everything:
             files.update(part or {})
         meta = tmp / (fmt.DCP_METADATA_FILE if layout == "torch_dist" else INDEX_FILE)
-        files[meta.name] = {"size": meta.stat().st_size, "crc32": file_checksum(meta)}
+        files[meta.name] = {"size": meta.stat().st_size, HASH_ALGORITHM: file_checksum(meta)}
         cfg = trainer.cfg
         manifest = build_manifest(
             layout=layout, sharding=sharding, iteration=it, par=cfg.par, model=cfg.model, adam=cfg.adam,

@@ -7,23 +7,29 @@ has the same param shapes, so one layout per buffer plus the shard spec rules of
 :mod:`gtp_runtime.sharding` give any rank's global offsets. That is what lets ``ckpt`` verify
 data and rebuild per-parameter state offline.
 
-Checksums: zlib CRC-32, chosen by measured speed (``benchmarks/bench_hash.py``): about 3.2 GB/s
-here against 1.5 GB/s for SHA-256; the goal is to catch corruption, not an adversary.
+Checksums: CRC-32C (Castagnoli), one per file, named in ``hash_algorithm`` and in each file's
+entry. It is the checksum cloud object stores keep (GCS, and S3 on request), so a checkpoint
+copied there can be compared without reading it back. It is also the fast one: ``google-crc32c``
+uses the CPU's CRC32 instruction, about 20 GB/s per core on this machine against about 2-3.5 GB/s
+for zlib's CRC-32 and 1.5 GB/s for SHA-256. That matters twice: the save hashes every byte it
+writes, and ``ckpt verify --data`` hashes every byte it reads. The goal is to catch corruption, not
+an adversary. Manifests written before this change name ``crc32`` (zlib); ``ckpt`` verifies both.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import zlib
 from pathlib import Path
 from typing import Any
+
+import google_crc32c
 
 from gtp_runtime.checkpoint.format import MANIFEST_FILE, dtype_tag
 from gtp_runtime.config import ModelConfig, ParallelConfig
 
 MANIFEST_VERSION = 1
-HASH_ALGORITHM = "crc32"
+HASH_ALGORITHM = "crc32c"
 _BLOCK = 8 << 20
 
 
@@ -31,7 +37,7 @@ def file_checksum(path: Path) -> str:
     crc = 0
     with open(path, "rb") as f:
         while block := f.read(_BLOCK):
-            crc = zlib.crc32(block, crc)
+            crc = google_crc32c.extend(crc, block)
     return f"{crc:08x}"
 
 

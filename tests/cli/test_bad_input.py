@@ -254,8 +254,33 @@ def test_per_bucket_numel_mismatch(copy_ckpt):
         assert_error_line(cli("verify", run), 1, "per_bucket_numel_unpadded says [21]")
 
 
-def test_checksum_mismatch_needs_data(copy_ckpt):
+def _rehash_manifest(folder: Path, algorithms: tuple[str, ...]) -> None:
+    """Give every file entry of the manifest these algorithms' digests, computed independently."""
+    import hashlib
+    import zlib
+
+    import google_crc32c
+
+    def digest(a: str, data: bytes) -> str:
+        if a == "sha256":
+            return hashlib.sha256(data).hexdigest()
+        return f"{zlib.crc32(data) if a == 'crc32' else google_crc32c.value(data):08x}"
+
+    path = folder / F.MANIFEST_FILE
+    doc = json.loads(path.read_text())
+    for name, spec in doc["files"].items():
+        data = (folder / name).read_bytes()
+        doc["files"][name] = {"size": spec["size"], **{a: digest(a, data) for a in algorithms}}
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("algorithms", [("crc32c",), ("crc32",), ("sha256",), ("crc32c", "sha256")],
+                         ids=lambda a: "+".join(a))
+def test_checksum_mismatch_needs_data(copy_ckpt, algorithms: tuple[str, ...]):
+    """Each algorithm a manifest may name (CRC-32C now, CRC-32 in older checkpoints) catches a flipped byte."""
     run = copy_ckpt("good")
+    _rehash_manifest(run / ITER, algorithms)
+    assert cli("verify", run, "--data").exit_code == 0
     victim = run / ITER / "__3_0.distcp"
     raw = bytearray(victim.read_bytes())
     raw[-30] ^= 0xFF  # same size: only the checksum can tell
