@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         command = shlex.join(["python", "benchmarks/bench_hash.py", *(sys.argv[1:] if argv is None else argv)])
         body = "\n".join([
             f"Random {BUFFER >> 20} MiB `bytes` buffers (the `verify --data` window), about {args.seconds:g} s per "
-            f"measurement, on one thread and on {cores} threads (one per core). Machine: {cores} CPU cores shared "
-            f"with other jobs, {platform.machine()}, google-crc32c implementation `{google_crc32c.implementation}`.",
+            f"measurement, on one thread and on {cores} threads (one per core). Machine: {cores} CPU cores, "
+            f"{platform.machine()}, google-crc32c implementation `{google_crc32c.implementation}`.",
             "",
             "```",
             command,
