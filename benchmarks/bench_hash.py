@@ -74,29 +74,23 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.write_docs:
         sys.path.insert(0, os.path.dirname(__file__))
-        from docs_section import write_section
+        from docs_section import write_report
 
         command = shlex.join(["python", "benchmarks/bench_hash.py", *(sys.argv[1:] if argv is None else argv)])
-        body = "\n".join([
+        intro = (
             f"Random {BUFFER >> 20} MiB `bytes` buffers (the `verify --data` window), about {args.seconds:g} s per "
             f"measurement, on one thread and on {cores} threads (one per core). Machine: {cores} CPU cores, "
-            f"{platform.machine()}, google-crc32c implementation `{google_crc32c.implementation}`.",
-            "",
-            "```",
-            command,
-            "```",
-            "",
-            table,
-            "",
+            f"{platform.machine()}, google-crc32c implementation `{google_crc32c.implementation}`."
+        )
+        notes = [
             "- The manifest's checksum is CRC-32C since this measurement (gtp_runtime/checkpoint/manifest.py): "
             "the save hashes every byte it writes and `ckpt verify --data` every byte it reads, and CRC-32C with "
             "the CPU's CRC32 instruction is the fastest of these by a wide margin. It is also the checksum cloud "
             "object stores keep (GCS; S3 on request). Older manifests name `crc32`; `ckpt` verifies both.",
             "- adler32 is listed because it is zlib's other fast checksum; it was not chosen: it is weak on short "
             "or low-entropy data and no storage system compares against it.",
-            "",
-        ])
-        write_section(args.section, body)
+        ]
+        write_report(args.section, intro, command, table, notes)
         print("updated docs/performance.md")
     return 0
 

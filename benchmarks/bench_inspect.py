@@ -252,9 +252,9 @@ HEADERS = ["chunks", "keys", ".metadata MiB", "torch s", "safe unpickle s", "ope
 
 def write_docs(table: str, command: str, args: argparse.Namespace, rows: list[list], notes: str) -> None:
     import torch  # only now: see run()
-    from docs_section import write_section
+    from docs_section import write_report
 
-    body = "\n".join([
+    intro = (
         f"Synthetic DCP `.metadata` files built from `torch.distributed.checkpoint.metadata` objects and written "
         f"with `pickle.dump` as DCP does: dp_reshardable optimizer keys, {args.chunks_per_key} 1-D fp32 chunks "
         f"per key ({args.chunk_numel} elements each), `_StorageInfo` ranges into {args.files} sparse data files "
@@ -264,17 +264,9 @@ def write_docs(table: str, command: str, args: argparse.Namespace, rows: list[li
         "subprocess's `ru_maxrss`; *growth* is the peak minus the peak right after the imports. "
         + (f"Best of {args.repeats} runs below 1M chunks; " if args.repeats > 1 else "One run per measurement; ")
         + f"one run from {BIG:,} chunks on. Machine: {os.cpu_count()} CPU cores shared "
-        f"with other jobs, {platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}.",
-        "",
-        "```",
-        command,
-        "```",
-        "",
-        table,
-        "",
-        notes,
-    ])
-    write_section(TITLE, body)
+        f"with other jobs, {platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}."
+    )
+    write_report(TITLE, intro, command, table, [notes])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -212,12 +212,12 @@ HEADERS = ["ckpt GB", "layers", "cache", "cat s", "cat GB/s", "verify CLI s", "v
 
 def write_docs(table: str, command: str, args: argparse.Namespace, can_drop: bool, notes: list[str]) -> None:
     import torch
-    from docs_section import write_section
+    from docs_section import write_report
 
     cache = ("*cold*: page cache dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`) before every measurement; "
              "*warm*: after one untimed `cat` of the files" if can_drop else
              "dropping the page cache is not permitted here, so both are measured warm, after one untimed read")
-    body = "\n".join([
+    intro = (
         f"Checkpoints written by gtp_runtime (2 gloo ranks, tp1-cp2-g1-dp1 folded, hidden {args.hidden}, ffn "
         f"{args.ffn_hidden}, fp32, one training step, dp_reshardable torch_dist with a CRC-32C per file in the "
         "manifest), "
@@ -226,18 +226,9 @@ def write_docs(table: str, command: str, args: argparse.Namespace, can_drop: boo
         "torch start-up included); *verify lib* is `open_checkpoint` + `verify(data=True)` in a fresh "
         "subprocess, timed after the imports. Peak RSS is each subprocess's `ru_maxrss`. "
         f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, "
-        f"torch {torch.__version__}.",
-        "",
-        "```",
-        command,
-        "```",
-        "",
-        table,
-        "",
-        *notes,
-        "",
-    ])
-    write_section(args.section, body)
+        f"torch {torch.__version__}."
+    )
+    write_report(args.section, intro, command, table, notes)
 
 
 def main(argv: list[str] | None = None) -> int:

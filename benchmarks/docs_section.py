@@ -26,3 +26,8 @@ def write_section(title: str, body: str, doc: Path = DOC) -> None:
         text = "".join(lines[:start]) + section + ("\n" + tail if tail else "")
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
+
+
+def write_report(title: str, intro: str, command: str, table: str, notes: list[str], doc: Path = DOC) -> None:
+    """The benchmarks' section layout: what was measured and where, the command, the table, the notes."""
+    write_section(title, "\n".join([intro, "", "```", command, "```", "", table, "", *notes, ""]), doc)

@@ -152,3 +152,29 @@ def test_migrate_planner_copy_is_bounded_on_shared_lists():
     assert time.perf_counter() - start < 5
     assert _plain({"a": ("a",)}, "ok", [100]) == {"a": ("a",)}
 
+
+
+def test_gc_paused_freezes_only_when_asked(monkeypatch: pytest.MonkeyPatch):
+    """The CLI sets FREEZE_AFTER_LOAD (its metadata is never garbage); a library caller does not get it by default."""
+    import gc
+    import subprocess
+    import sys
+
+    from gtp_runtime.checkpoint import pickle_scan
+
+    code = ("import gtp_runtime.checkpoint.pickle_scan as p; a = p.FREEZE_AFTER_LOAD; import ckpt_tool.cli; "
+            "print(a, p.FREEZE_AFTER_LOAD)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True"]
+    monkeypatch.setattr(pickle_scan, "FREEZE_AFTER_LOAD", False)
+    try:
+        before = gc.get_freeze_count()
+        with pickle_scan.gc_paused():
+            kept = [[i] for i in range(1000)]
+        assert gc.get_freeze_count() == before and gc.isenabled()
+        monkeypatch.setattr(pickle_scan, "FREEZE_AFTER_LOAD", True)
+        with pickle_scan.gc_paused():
+            kept += [[i] for i in range(1000)]
+        assert gc.get_freeze_count() >= before + 1000 and gc.isenabled()
+    finally:
+        gc.unfreeze()

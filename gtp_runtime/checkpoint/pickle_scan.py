@@ -131,6 +131,10 @@ def _check_memo_index(index: int, pos: int) -> None:
                               "assigned by then (a memo bomb: the C unpickler would allocate for it)")
 
 
+FREEZE_AFTER_LOAD = False
+"""Set by short-lived command-line processes (``ckpt``); see :func:`gc_paused`."""
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while a large object graph is built.
@@ -139,12 +143,21 @@ def gc_paused() -> Iterator[None]:
     garbage yet, but every 700 allocations the collector walks the young generation and now and
     then all of them: measured on a 100,000-chunk file, the C unpickle takes 0.4 s with it paused
     and 1.7 s with it running. Re-enabled on exit only if it was enabled on entry.
+
+    Once re-enabled, the collector would still walk every one of those objects a few times as
+    they age through its generations: about 5 s at a million chunks. With
+    :data:`FREEZE_AFTER_LOAD` set (the ``ckpt`` CLI does; a library caller decides for its own
+    process) the objects are moved to the permanent generation (``gc.freeze``) first, so it never
+    walks them; they are still freed by reference counting when dropped (the metadata holds no
+    reference cycles), only cycles among them would never be collected.
     """
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        if FREEZE_AFTER_LOAD:
+            gc.freeze()
         if was_enabled:
             gc.enable()
 
