@@ -247,6 +247,40 @@ def test_streaming_pass_gives_the_same_results_with_tiny_windows(run: Path, monk
     assert default[1] == want
 
 
+@pytest.mark.parametrize("run", FIXTURES, ids=[f"{p.parent.parent.name}/{p.parent.name}" for p in FIXTURES])
+def test_report_does_not_depend_on_the_worker_count(run: Path, monkeypatch: pytest.MonkeyPatch):
+    """Results are merged in file order: the same problems in the same order, the same digests and counts."""
+    monkeypatch.setattr(data_check, "WINDOW", 4096)  # many windows in flight at once
+    one = verify(open_checkpoint(run), data=True, workers=1)
+    many = verify(open_checkpoint(run), data=True, workers=4)
+    assert [p.to_dict() for p in one.problems] == [p.to_dict() for p in many.problems]
+    assert one.stats == many.stats and one.ok == many.ok
+
+
+def test_a_file_that_shrinks_during_the_pass_is_one_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Reads are preads, not a mapping: a file cut short under verify is reported, not a crash (SIGBUS)."""
+    import shutil
+
+    src = next(p for p in FIXTURES if p.parent.name == "fold_cp2_g2_dp2")
+    run = tmp_path / src.name
+    shutil.copytree(src, run)
+    victim = "__3_0.distcp"
+    monkeypatch.setattr(data_check, "WINDOW", 4096)
+    plan = data_check._FilePass.open_and_plan
+
+    def plan_then_truncate(self: data_check._FilePass) -> list:
+        steps = plan(self)
+        if self.rel == victim:
+            os.truncate(run / victim, (run / victim).stat().st_size // 2)
+        return steps
+
+    monkeypatch.setattr(data_check._FilePass, "open_and_plan", plan_then_truncate)
+    res = verify(open_checkpoint(run), data=True, workers=2)
+    cut = [p for p in res.problems if p.check == "data_file"]
+    assert len(cut) == 1 and cut[0].file == victim and "shrank while reading" in cut[0].message
+    assert not res.ok
+
+
 def test_nonfinite_counts_are_exact():
     t = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 3.0e38, 3.0e38])
     assert data_check.count_nonfinite(t) == (1, 2)

@@ -84,15 +84,21 @@ def test_inspect_reports_aliasing(ckpts: Path):
     assert {a["key"] for a in doc["aliasing"]["keys"]} == {F.opt_key(s, None) for s in F.STATES}
 
 
-def test_verify_good_data(ckpts: Path):
+@pytest.mark.parametrize("workers", [[], ["--workers", "1"], ["--workers", "3"]], ids=["default", "w1", "w3"])
+def test_verify_good_data(ckpts: Path, workers: list[str]):
     before = snapshot(ckpts / "good")
-    result = cli("verify", ckpts / "good", "--data", "--format", "json")
+    result = cli("verify", ckpts / "good", "--data", *workers, "--format", "json")
     assert result.exit_code == 0, result.stdout
     doc = json.loads(result.stdout)
     assert doc["ok"] and doc["errors"] == 0 and doc["warnings"] == 0
     assert "data" in doc["checks"] and doc["stats"]["nonfinite"] == {}
     assert result.stderr == ""
     assert snapshot(ckpts / "good") == before
+
+
+def test_verify_workers_must_be_positive(ckpts: Path):
+    result = cli("verify", ckpts / "good", "--data", "--workers", "0")
+    assert result.exit_code == 2 and "--workers" in result.stderr
 
 
 def test_verify_reports_nan(ckpts: Path):
