@@ -28,6 +28,7 @@ are the same as decoding each chunk on its own; only the speed differs.
 
 from __future__ import annotations
 
+import cmath
 import os
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
@@ -78,7 +79,7 @@ def count_nonfinite(t: torch.Tensor) -> tuple[int, int]:
         return 0, 0
     try:
         total = t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum()
-        if bool(torch.isfinite(total).all()):  # NaN and Inf propagate through every addition
+        if cmath.isfinite(total.item()):  # NaN and Inf propagate through every addition
             return 0, 0
         return int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
     except (RuntimeError, TypeError):  # dtypes without these kernels (float8): count in float32
