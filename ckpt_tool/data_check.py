@@ -41,9 +41,10 @@ import torch
 from ckpt_tool.errors import ChunkError
 from ckpt_tool.hashing import CRCS, HASHERS, Crc, Hasher
 from ckpt_tool.model import BYTES, ENC_TORCH_SAVE, Checkpoint, Chunk, Entry, Problem
-from ckpt_tool.reader.blob import BlobError, RangeReader, parse_blob
+from ckpt_tool.reader.blob import parse_blob
 from ckpt_tool.reader.chunks import blob_error, check_layout, checked_ref, chunk_bytes, decode_chunk, load_chunk
 from ckpt_tool.reader.storage import open_regular, past_end_message
+from ckpt_tool.reader.zip_blob import BlobError, RangeReader
 
 WINDOW = 2 << 20
 MAX_WORKERS = 8

@@ -19,8 +19,9 @@ import torch
 
 from ckpt_tool.errors import ChunkError
 from ckpt_tool.model import BYTES, ENC_RAW, Checkpoint, Chunk, Entry, StorageRef
-from ckpt_tool.reader.blob import BlobError, BlobLayout, ViewReader, parse_blob, tensor_view
+from ckpt_tool.reader.blob import BlobLayout, parse_blob, tensor_view
 from ckpt_tool.reader.storage import read_range
+from ckpt_tool.reader.zip_blob import BlobError, ViewReader
 
 
 def declared_size_problem(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> str | None:

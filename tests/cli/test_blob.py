@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 from ckpt_tool import data_check
 from ckpt_tool.errors import ChunkError
 from ckpt_tool.model import TENSOR
-from ckpt_tool.reader.blob import BlobError, ViewReader, parse_blob, tensor_view
+from ckpt_tool.reader.blob import parse_blob, tensor_view
 from ckpt_tool.reader.checkpoint import open_checkpoint
 from ckpt_tool.reader.chunks import chunk_bytes, load_chunk
+from ckpt_tool.reader.zip_blob import BlobError, ViewReader
 from ckpt_tool.verify_core import verify
 
 REPO = Path(__file__).parents[2]
