@@ -300,7 +300,8 @@ def notes(rows: list[list]) -> str:
         f"- Target (inspect at most 1.1x PyTorch's metadata read): {'met' if ok else 'missed'}; inspect/torch is "
         f"{', '.join(r[9] for r in rows)} for {', '.join(r[0] for r in rows)} chunks. *safe unpickle* is "
         "ckpt's whole parse (the opcode walk of `gtp_runtime/checkpoint/pickle_scan.py`, then CPython's C "
-        "unpickler with the allow-list `find_class` and inert records, the cyclic GC paused): "
+        "unpickler with the allow-list `find_class` and inert records, the cyclic GC paused, and in the CLI "
+        "the new objects frozen out of the collector afterwards, `gc.freeze`, so it never walks them): "
         f"{mid[7]} of torch's `pickle.load` at {mid[0]} chunks. PyTorch's read runs with the GC on, which "
         "costs it more than the walk costs us; the column checks on every chunk (types, non-negative dims, "
         "storage ranges), building the entries and the report make up the rest of *inspect*.",
