@@ -218,11 +218,9 @@ def _run(passes: list[_FilePass], pool: ThreadPoolExecutor, in_flight: int, tota
                 pending.append((fp, step, fut))
         while pending:
             finish()
-    finally:
-        for _, _, fut in pending:
-            fut.cancel()
-        for plan in plans:
-            plan.cancel() or plan.exception()  # none may still be opening a file when we close them
+    finally:  # on an error: no worker may still be reading (or opening) a file when its descriptor closes
+        for fut in [f for _, _, f in pending] + plans:
+            fut.cancel() or fut.exception()
         for fp in passes:
             fp.close(None)
 

@@ -282,6 +282,32 @@ def test_a_file_that_shrinks_during_the_pass_is_one_error(tmp_path: Path, monkey
     assert not res.ok
 
 
+def test_an_unexpected_worker_error_propagates_after_every_read_ends(monkeypatch: pytest.MonkeyPatch):
+    """Not a ChunkError (say EIO): verify raises it, and only once no worker reads a descriptor it closes."""
+    import threading
+    import time
+
+    run = next(p for p in FIXTURES if p.parent.name == "fold_cp2_g2_dp2")
+    monkeypatch.setattr(data_check, "WINDOW", 4096)
+    work, calls, lock, busy = data_check._FilePass.work, [0], threading.Lock(), []
+
+    def failing_work(self: data_check._FilePass, step) -> data_check._Found:
+        with lock:
+            calls[0] += 1
+            n = calls[0]
+        if n == 5:
+            raise OSError(5, "Input/output error")
+        time.sleep(0.01)
+        busy.append(self.fd is not None)  # still open while a worker is on it
+        return work(self, step)
+
+    monkeypatch.setattr(data_check._FilePass, "work", failing_work)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="Input/output error"):
+        verify(open_checkpoint(run), data=True, workers=4)
+    assert all(busy) and len(os.listdir("/proc/self/fd")) == fds
+
+
 def test_nonfinite_counts_are_exact():
     t = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 3.0e38, 3.0e38])
     assert data_check.count_nonfinite(t) == (1, 2)
