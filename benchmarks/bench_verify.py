@@ -283,8 +283,9 @@ def notes(rows: list[list], floor: tuple[float, float]) -> list[str]:
         f"- How it reads (ckpt_tool/data_check.py): each data file once, front to back, in {WINDOW >> 20} MiB "
         f"windows handed in file order to {workers} worker threads (one per core here, at most 8). Each worker "
         "reads its window with `os.pread`, takes its CRC-32C (google-crc32c, the CPU's CRC32 instruction), "
-        "decodes the chunks in it in place (ckpt_tool/reader/blob.py parses the zip structure and the "
-        "allow-listed data.pkl directly; `torch.frombuffer` views the elements, no copy) and checks NaN/Inf with "
+        "decodes the chunks in it in place (ckpt_tool/reader/zip_blob.py parses the zip structure and "
+        "ckpt_tool/reader/blob.py the allow-listed data.pkl, directly; `torch.frombuffer` views the elements, "
+        "no copy) and checks NaN/Inf with "
         "one `sum` per chunk; all of these release the GIL. The main thread joins the windows' CRCs in order "
         "with `Crc.combine` and adds up the results, so the report does not depend on the worker count.",
         "- What bounds it: `cat` is one `read` per 128 KiB into a buffer that stays in cache; verify does the "
