@@ -249,10 +249,10 @@ def write_docs(main: str, phases: str, command: str, args: argparse.Namespace, r
         "What cannot be flat is the lost state: with CP=2 every chunk of a folded key survives for one CP rank "
         "only, so the other rank's chunks must be materialised, (CP-1)/CP of the folded optimizer state. Lost "
         "Adam moments are zeros: one `torch.save` blob per distinct chunk shape is reused, its zero run is "
-        "left as a hole in the sparse new file (it reads back as the same zeros) and the file's CRC-32 is "
-        "advanced with a precomputed shift operator, so they cost almost nothing. Lost fp32 masters are real "
-        "data rebuilt from the weights (a third of the lost bytes): that write, *new file GB (on disk)*, is "
-        "what grows with the checkpoint and dominates the full migration.",
+        "left as a hole in the sparse new file (it reads back as the same zeros) and the file's CRC (the "
+        "manifest's algorithm) is advanced with a precomputed shift operator, so they cost almost nothing. "
+        "Lost fp32 masters are real data rebuilt from the weights (a third of the lost bytes): that write, "
+        "*new file GB (on disk)*, is what grows with the checkpoint and dominates the full migration.",
         "- The naive way rewrites every byte of the checkpoint plus the same lost state, and needs the whole "
         "checkpoint in memory.",
         verdict(rows),
