@@ -266,7 +266,7 @@ class _FilePass:
         self.remaining = 0
         self.failed = False
 
-    # -- main thread -----------------------------------------------------------------------------
+    # -- planning a file: on a worker, one file ahead of the main thread ---------------------------
 
     def open_and_plan(self) -> list[_Step]:
         try:
@@ -287,6 +287,8 @@ class _FilePass:
         steps = self._plan()
         self.remaining = max(1, len(steps))
         return steps
+
+    # -- main thread, in file order ---------------------------------------------------------------
 
     def absorb(self, step: _Step | None, found: _Found) -> _Found | None:
         """Fold one finished step into the file's digest; returns what planning found, the first time."""
@@ -341,7 +343,7 @@ class _FilePass:
             data += more
         return data
 
-    # -- planning --------------------------------------------------------------------------------
+    # -- planning (helpers of open_and_plan) -------------------------------------------------------
 
     def _plan(self) -> list[_Step]:
         items = [it for it in self.items if self._in_file(it)]
@@ -385,7 +387,7 @@ class _FilePass:
         assert self.fd is not None
         layout = None
         try:
-            layout = parse_blob(RangeReader(self.fd, it.start, it.stop - it.start), it.stop - it.start)
+            layout = parse_blob(RangeReader(self.fd, it.start, it.stop - it.start))
             check_layout(layout, it.entry, it.chunk)
         except BlobError as e:
             self.planned.error(blob_error(it.entry, it.chunk, e), it.entry, it.chunk)

@@ -136,10 +136,8 @@ class _TensorPickle(ScannedUnpickler):
         return _StorageId(pid[1].dtype, pid[2], pid[4])
 
 
-def parse_blob(reader: BlobReader, length: int) -> BlobLayout:
+def parse_blob(reader: BlobReader) -> BlobLayout:
     """Read a blob's structure (a few hundred bytes at its start and end) into a :class:`BlobLayout`."""
-    if length != reader.length:
-        raise ValueError(f"parse_blob: length {length} != the reader's {reader.length}")
     infos = zip_records(reader)
     pkl = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkl) != 1 or infos[pkl[0]].size > MAX_PICKLE:

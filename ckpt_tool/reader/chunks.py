@@ -88,7 +88,7 @@ def decode_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytearray | 
         t = torch.frombuffer(view, dtype=entry.dtype) if len(view) else torch.empty(0, dtype=entry.dtype)
         return t.reshape(chunk.sizes)
     try:
-        layout = parse_blob(ViewReader(view), len(view))
+        layout = parse_blob(ViewReader(view))
         check_layout(layout, entry, chunk)
         return tensor_view(layout, view[layout.payload_offset:layout.payload_offset + layout.payload_bytes])
     except BlobError as e:

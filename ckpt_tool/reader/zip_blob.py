@@ -87,8 +87,9 @@ MAX_RECORDS = 64  # torch.save of one tensor writes 5-7
 
 @dataclass(frozen=True)
 class ZipRecord:
+    """One stored (uncompressed) record: its name, CRC-32, size and local header offset."""
+
     name: str
-    method: int
     crc: int
     size: int
     header_offset: int
@@ -140,7 +141,7 @@ def zip_records(r: BlobReader) -> dict[str, ZipRecord]:
                             "torch.save never writes that, refusing to inflate it")
         if name in records:
             raise BlobError(f"record {name} appears twice in the archive")
-        records[name] = ZipRecord(name, method, crc, size, offset)
+        records[name] = ZipRecord(name, crc, size, offset)
         pos = stop
     return records
 

@@ -34,7 +34,7 @@ def _saved(t: torch.Tensor) -> bytearray:
 
 def _decode(blob: bytearray) -> torch.Tensor:
     view = memoryview(blob)
-    layout = parse_blob(ViewReader(view), len(view))
+    layout = parse_blob(ViewReader(view))
     return tensor_view(layout, view[layout.payload_offset:layout.payload_offset + layout.payload_bytes])
 
 
