@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import Any
 
 FORMAT_NAME = "dp_reshardable"
 OPTIMIZER_SHARDINGS = ("dp_reshardable", "fully_reshardable", "dp_zero_gather_scatter")
@@ -48,8 +47,12 @@ def iter_dir_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def dtype_tag(param_dtype: torch.dtype, grad_dtype: torch.dtype) -> str:
-    """The ``D`` of a key: the repr of the (param_dtype, grad_dtype) tuple, as Megatron writes it."""
+def dtype_tag(param_dtype: Any, grad_dtype: Any) -> str:
+    """The ``D`` of a key: the repr of the (param_dtype, grad_dtype) tuple, as Megatron writes it.
+
+    Takes ``torch.dtype`` (the runtime) or :class:`~gtp_runtime.checkpoint.dtypes.DType` (the CLI):
+    both print as ``torch.bfloat16``.
+    """
     return repr((param_dtype, grad_dtype))
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from gtp_runtime.checkpoint.dtypes import DTYPES, LAYOUTS, MEMORY_FORMATS
 from gtp_runtime.checkpoint.pickle_scan import PickleScanError, ScannedUnpickler
 
 _DCP = "torch.distributed.checkpoint"
@@ -35,8 +36,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     f"{_DCP}.filesystem": frozenset({"_StorageInfo", "_StoragePrefix"}),
     f"{_DCP}.planner": frozenset({"SavePlan", "WriteItem", "TensorWriteData", "WriteItemType"}),
     "torch.serialization": frozenset({"_get_layout"}),
-    "torch": frozenset({"Size", "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8",
-                        "uint8", "bool", "float8_e4m3fn", "float8_e5m2"}),
+    "torch": frozenset({"Size", *DTYPES, *LAYOUTS, *MEMORY_FORMATS}),  # dtypes etc.: inert values
     "pathlib": frozenset({"PosixPath", "PurePosixPath"}),
     "collections": frozenset({"OrderedDict"}),
 }
