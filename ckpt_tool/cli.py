@@ -4,7 +4,8 @@ Each command lives in its own module under :mod:`ckpt_tool.commands` and registe
 ``register(app)`` function, so commands written later (``migrate-aliased``, ``verify-roundtrip``)
 plug in by adding their module name to :data:`COMMAND_MODULES` (a command group can call
 ``app.add_typer`` from its ``register``). Command modules import torch lazily, inside the
-command, so ``ckpt --help`` stays fast.
+command, so ``ckpt --help`` stays fast; ``inspect`` and ``verify`` never import it (numpy and the
+format's own dtype table, :mod:`gtp_runtime.checkpoint.dtypes`), which saves them 2-4 s per run.
 """
 
 from __future__ import annotations

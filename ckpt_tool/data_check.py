@@ -8,10 +8,10 @@ byte once, in order, and spreading the CPU work over the cores without leaving t
   and scanned; measured here, reading into 16 MiB windows made the kernel's copy alone 3x slower;
 * a pool of worker threads takes the windows in file order. Each worker reads its window
   (``os.pread``), hashes it on its own, decodes the chunks in it in place
-  (:mod:`ckpt_tool.reader.blob`: the tensor is a view of the window, never a copy) and scans
-  them for NaN/Inf with one ``sum`` each (a sum is finite only if every element is, so exact
-  counts are taken only for chunks whose sum is not). ``os.pread``, the CRC and torch's ``sum``
-  release the GIL, so the workers run in parallel;
+  (:mod:`ckpt_tool.reader.blob`: the elements are a numpy view of the window, never a copy) and
+  scans them for NaN/Inf (:mod:`ckpt_tool.scan`: one pass per chunk when there are none).
+  ``os.pread``, the CRC and numpy's loops release the GIL, so the workers run in parallel. No
+  torch: importing it would cost a short ``verify`` more than its whole pass;
 * the main thread takes the results back in file order: it joins the windows' CRCs with
   :meth:`~ckpt_tool.hashing.Crc.combine` (CRC-32C or CRC-32), feeds order-dependent digests
   (SHA-256) window after window, and adds up counts and problems, so the report is the same
@@ -28,23 +28,30 @@ are the same as decoding each chunk on its own; only the speed differs.
 
 from __future__ import annotations
 
-import cmath
 import os
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from ckpt_tool.errors import ChunkError
 from ckpt_tool.hashing import CRCS, HASHERS, Crc, Hasher
 from ckpt_tool.model import BYTES, ENC_TORCH_SAVE, Checkpoint, Chunk, Entry, Problem
 from ckpt_tool.reader.blob import parse_blob
-from ckpt_tool.reader.chunks import blob_error, check_layout, checked_ref, chunk_bytes, decode_chunk, load_chunk
+from ckpt_tool.reader.chunks import (
+    blob_error,
+    check_layout,
+    checked_ref,
+    chunk_bytes,
+    decode_elements,
+    load_elements,
+)
 from ckpt_tool.reader.storage import open_regular, past_end_message
 from ckpt_tool.reader.zip_blob import BlobError, RangeReader
+from ckpt_tool.scan import can_hold_nonfinite, carrier, count_nonfinite
+from gtp_runtime.checkpoint.dtypes import DType
 
 WINDOW = 2 << 20
 MAX_WORKERS = 8
@@ -74,21 +81,6 @@ class _Item:
     stop: int
 
 
-def count_nonfinite(t: torch.Tensor) -> tuple[int, int]:
-    """``(NaN count, Inf count)``; one summing pass when there are none, which is the usual case."""
-    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
-        return 0, 0
-    try:
-        total = t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum()
-        if cmath.isfinite(total.item()):  # NaN and Inf propagate through every addition
-            return 0, 0
-        return int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
-    except (RuntimeError, TypeError):  # dtypes without these kernels (float8): count in float32
-        f = t.float()
-        return int(torch.isnan(f).sum()), int(torch.isinf(f).sum())
-
-
-
 class _Found:
     """What one step found: NaN/Inf counts, problems, chunks done, and the window's bytes and CRC.
 
@@ -104,8 +96,8 @@ class _Found:
         self.crc = 0
         self.data: bytes = b""  # kept only for order-dependent digests
 
-    def add(self, key: str, t: torch.Tensor) -> None:
-        nan, inf = count_nonfinite(t)
+    def add(self, key: str, elements: np.ndarray, dtype: DType) -> None:
+        nan, inf = count_nonfinite(elements, dtype)
         if nan:
             self.nan[key] += nan
         if inf:
@@ -121,17 +113,6 @@ class _Found:
             self.inf[key] += n
         self.problems += other.problems
         self.ticks += other.ticks
-
-
-@contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
-    """Intra-op threads for the pass: the workers are the parallelism, one OpenMP team each would oversubscribe."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Progress | None = None,
@@ -165,7 +146,7 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
     passes = [_FilePass(ckpt, rel, sorted(by_file.get(rel, []), key=lambda i: (i.start, i.stop)),
                         hash_files.get(rel, [])) for rel in sorted(by_file.keys() | hash_files.keys())]
     n = workers or default_workers()
-    with _torch_threads(1), ThreadPoolExecutor(n, "ckpt-data") as pool:
+    with ThreadPoolExecutor(n, "ckpt-data") as pool:
         _run(passes, pool, IN_FLIGHT * n, total, report, tick)
     for key in sorted(total.nan.keys() | total.inf.keys()):
         nan, inf = total.nan[key], total.inf[key]
@@ -230,7 +211,7 @@ def _random_access(ckpt: Checkpoint, entry: Entry, chunk: Chunk, found: _Found) 
         if entry.kind == BYTES:
             chunk_bytes(ckpt, entry, chunk)
         else:
-            found.add(entry.key, load_chunk(ckpt, entry, chunk))
+            found.add(entry.key, load_elements(ckpt, entry, chunk), entry.dtype)
     except ChunkError as err:
         found.error(err, entry, chunk)
 
@@ -404,7 +385,7 @@ class _FilePass:
         for a, b in zip(cuts, cuts[1:]):
             for lo in range(a, b, WINDOW):
                 hi = min(b, lo + WINDOW)
-                scan = layout is not None and lo_payload <= lo and hi <= hi_payload
+                scan = layout is not None and lo_payload <= lo and hi <= hi_payload and can_hold_nonfinite(layout.dtype)
                 steps.append(_Step(lo, hi, _scan_action(it.entry.key, layout.dtype) if scan else _ignore))
         return steps
 
@@ -416,9 +397,9 @@ def _window_action(ckpt: Checkpoint, start: int, stop: int, items: list[_Item]) 
                 _random_access(ckpt, it.entry, it.chunk, found)
             else:
                 try:
-                    t = decode_chunk(ckpt, it.entry, it.chunk, window[it.start - start: it.stop - start])
-                    found.add(it.entry.key, t)
-                    del t
+                    elements = decode_elements(ckpt, it.entry, it.chunk, window[it.start - start: it.stop - start])
+                    found.add(it.entry.key, elements, it.entry.dtype)
+                    del elements
                 except ChunkError as err:
                     found.error(err, it.entry, it.chunk)
             found.ticks += 1
@@ -435,9 +416,11 @@ def _fallback_action(ckpt: Checkpoint, items: list[_Item]) -> Action:
     return action
 
 
-def _scan_action(key: str, dtype: torch.dtype) -> Action:
-    def action(view: memoryview, found: _Found) -> None:
-        found.add(key, torch.frombuffer(view, dtype=dtype))
+def _scan_action(key: str, dtype: DType) -> Action:
+    kind = carrier(dtype)
+
+    def action(view: memoryview, found: _Found) -> None:  # windows of a payload hold whole elements
+        found.add(key, np.frombuffer(view, dtype=kind), dtype)
 
     return action
 

@@ -64,10 +64,12 @@ from ckpt_tool.reader.safe_pickle import (
     StorageMetaRecord,
     TensorPropertiesRecord,
     TensorStorageRecord,
+    TorchConstant,
     load_metadata_pickle,
 )
 from ckpt_tool.reader.storage import read_small_file
 from gtp_runtime import topology as topo
+from gtp_runtime.checkpoint.dtypes import DTYPES, LAYOUTS, DType
 from gtp_runtime.checkpoint.format import (
     DCP_METADATA_FILE,
     LATEST_FILE,
@@ -401,7 +403,7 @@ def _plan_key(ckpt: Checkpoint, key: str, opt: OptimizerKey, buffers: dict[int, 
         raise CkptError(f"{folder / MANIFEST_FILE}: folded gbuf_idx_{opt.gbuf_idx} reduces over "
                         f"{buf.dp_group_kind} of size {buf.dp_size}, expected the dp group of size {par.dp}")
     bucket = buf.buckets.get(opt.bucket_idx)
-    if bucket is None or entry.shape != (bucket.numel_unpadded,) or entry.dtype != torch.float32:
+    if bucket is None or entry.shape != (bucket.numel_unpadded,) or entry.dtype is not DTYPES["float32"]:
         want = "missing" if bucket is None else f"(numel_unpadded {bucket.numel_unpadded},) float32"
         raise CkptError(f"{key}: shape {list(entry.shape or ())} {entry.dtype}, but {MANIFEST_FILE} has bucket "
                         f"{opt.bucket_idx} of gbuf_idx_{opt.gbuf_idx} {want}")
@@ -485,7 +487,7 @@ def read_box(ckpt: Checkpoint, entry: Entry, offsets: tuple[int, ...], sizes: tu
     for c in entry.chunks:  # the usual case: the writer's chunk is exactly the shard
         if c.offsets == tuple(offsets) and c.sizes == tuple(sizes):
             return load_chunk(ckpt, entry, c)
-    out = torch.zeros(sizes, dtype=entry.dtype)
+    out = torch.zeros(sizes, dtype=entry.dtype.torch)
     covered = 0
     for c in entry.chunks:
         lo = [max(o, co) for o, co in zip(offsets, c.offsets)]
@@ -574,9 +576,9 @@ def _properties(rec: Any, where: str) -> Any:
     enc = rec.get("memory_format")
     fmt = _MEMORY_FORMATS.get(enc.value) if isinstance(enc, MemFormatEncodingRecord) else None
     layout, dtype = rec.get("layout"), rec.get("dtype")
-    if fmt is None or not isinstance(layout, torch.layout) or not isinstance(dtype, torch.dtype):
+    if fmt is None or type(layout) is not TorchConstant or layout.name not in LAYOUTS or type(dtype) is not DType:
         raise CkptError(f"{where}: properties have an unknown memory format, layout or dtype")
-    return TensorProperties(dtype=dtype, layout=layout, requires_grad=bool(rec.get("requires_grad", False)),
+    return TensorProperties(dtype=dtype.torch, layout=layout.torch, requires_grad=bool(rec.get("requires_grad", False)),
                             memory_format=fmt, pin_memory=bool(rec.get("pin_memory", False)))
 
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
+from gtp_runtime.checkpoint.dtypes import DType
 
 TENSOR = "tensor"
 BYTES = "bytes"
@@ -57,7 +57,7 @@ class Entry:
     key: str
     kind: str  # TENSOR or BYTES
     shape: tuple[int, ...] | None
-    dtype: torch.dtype | None
+    dtype: DType | None  # a torch-free description; .torch gives the torch.dtype
     chunks: tuple[Chunk, ...]
 
     @property

@@ -59,7 +59,7 @@ def assemble(ckpt: Checkpoint, entry: Entry, start: int, stop: int, max_bytes: i
         raise CkptError(f"{entry.key}: the requested region is {math.prod(shape)} elements ({nbytes} bytes), over "
                         f"the {max_bytes}-byte limit; pass --slice a:b for fewer rows or raise --max-bytes",
                         EXIT_BAD_INPUT)
-    out = torch.zeros(shape, dtype=entry.dtype)
+    out = torch.zeros(shape, dtype=entry.dtype.torch)
     boxes = []
     read = 0
     for c in entry.chunks:

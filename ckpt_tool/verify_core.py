@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
+import numpy as np
 
 from ckpt_tool.analysis import (
     BUCKET_NUMEL,
@@ -28,9 +28,9 @@ from ckpt_tool.errors import ChunkError, CkptError
 from ckpt_tool.geometry import check_coverage
 from ckpt_tool.hashing import HASHERS, file_digests
 from ckpt_tool.model import ENC_TORCH_SAVE, TENSOR, Checkpoint, Entry, Problem
-from ckpt_tool.reader.chunks import declared_size_problem, load_object
+from ckpt_tool.reader.chunks import declared_size_problem, load_elements, load_plain
 from ckpt_tool.reader.storage import file_size, open_regular, unsafe_reason
-from ckpt_tool.tensors import assemble
+from gtp_runtime.checkpoint.dtypes import DType
 from gtp_runtime.checkpoint.format import OPT_PREFIX, OptimizerKey, dtype_tag, per_bucket_numel_key
 
 CHEAP_OBJECT_BYTES = 1 << 20  # per_bucket_numel objects below this are decoded even without --data
@@ -223,7 +223,7 @@ def _bucket_numel_table(obj: Any) -> dict[tuple[int, str, int], int] | None:
         if not isinstance(per_dtype, dict):
             return None
         for dtypes, numels in per_dtype.items():
-            if not (isinstance(dtypes, tuple) and len(dtypes) == 2 and all(isinstance(d, torch.dtype) for d in dtypes)):
+            if not (isinstance(dtypes, tuple) and len(dtypes) == 2 and all(type(d) is DType for d in dtypes)):
                 return None
             if not isinstance(numels, list) or not all(type(n) is int for n in numels):
                 return None
@@ -244,14 +244,31 @@ def _bucket_numel_from_tensor(ckpt: Checkpoint, entry: Entry, classes: dict[str,
     """gtp_runtime's form: an int64 tensor of numels over (gbuf_idx, bucket_idx) in order."""
     if entry.dtype is None or entry.dtype.is_floating_point or entry.dtype.is_complex or len(entry.shape or ()) != 1:
         return f"is a {entry.dtype} tensor of shape {list(entry.shape or ())}, not a 1-D integer tensor"
-    got = assemble(ckpt, entry, 0, entry.shape[0], CHEAP_OBJECT_BYTES)
-    if got.missing:
-        return f"{got.missing} of its values are in no chunk"
+    values = _int_vector(ckpt, entry)
+    if isinstance(values, str):
+        return values
     order = _bucket_order(classes, pbn[0], pbn[1])
-    values = [int(v) for v in got.tensor.tolist()]
     if len(values) != len(order):
         return f"holds {len(values)} values but the keys name {len(order)} buckets for dp_group_idx_{pbn[1]}"
     return dict(zip(order, values))
+
+
+def _int_vector(ckpt: Checkpoint, entry: Entry) -> list[int] | str:
+    """A small 1-D integer tensor's values assembled from its chunks (numpy, no torch), or why not."""
+    assert entry.shape is not None and entry.dtype is not None
+    n = entry.shape[0]
+    if n * entry.itemsize > CHEAP_OBJECT_BYTES:
+        return f"holds {n} values, more than a bucket table could ({CHEAP_OBJECT_BYTES} bytes)"
+    values = np.zeros(n, dtype=np.int64)
+    covered = np.zeros(n, dtype=bool)
+    for c in entry.chunks:
+        if len(c.offsets) != 1 or len(c.sizes) != 1 or c.offsets[0] + c.sizes[0] > n:
+            return f"chunk {c.index} (offsets {list(c.offsets)}, sizes {list(c.sizes)}) leaves the shape [{n}]"
+        lo, hi = c.offsets[0], c.offsets[0] + c.sizes[0]
+        values[lo:hi] = load_elements(ckpt, entry, c)
+        covered[lo:hi] = True
+    missing = n - int(np.count_nonzero(covered))
+    return f"{missing} of its values are in no chunk" if missing else values.tolist()
 
 
 def check_bucket_numel(ckpt: Checkpoint, classes: dict[str, KeyClass], data: bool) -> list[Problem]:
@@ -276,7 +293,7 @@ def check_bucket_numel(ckpt: Checkpoint, classes: dict[str, KeyClass], data: boo
                 table: dict[tuple[int, str, int], int] | str | None = _bucket_numel_from_tensor(
                     ckpt, entry, classes, cls.pbn)
             else:
-                table = _bucket_numel_table(load_object(ckpt, entry)) or (
+                table = _bucket_numel_table(load_plain(ckpt, entry)) or (
                     "object is not a list of {(param_dtype, grad_dtype): [numel, ...]} per gbuf")
         except CkptError as err:
             out.append(Problem("error", "bucket_numel", err.message, key=key,

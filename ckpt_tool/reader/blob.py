@@ -5,57 +5,46 @@ DCP stores every chunk as a complete ``torch.save`` zip archive inside a ``.dist
 storage; verifying hundreds of GB that way is bound by memory copies and page faults. Here
 :mod:`ckpt_tool.reader.zip_blob` reads the archive's structure (end records, central directory,
 local headers, and the small ``data.pkl`` record, CRC-checked; only what torch.save writes is
-accepted), ``data.pkl``
-goes through an allow-listing unpickler whose only callables record their arguments, and the
-tensor is a view made by ``torch.frombuffer`` over the caller's buffer, so the elements are
-never copied. Torch itself checks the view's sizes, strides and offset against the storage
-(``as_strided``).
+accepted), ``data.pkl`` goes through an allow-listing unpickler whose only callables record their
+arguments, and the elements are a view over the caller's buffer, never copied. The view's sizes,
+strides and offset are checked against the storage before it is made.
 
 What the pickle may reference is what ``torch.save`` writes for a plain tensor:
-``torch._utils._rebuild_tensor_v2``, ``collections.OrderedDict`` (empty backward hooks) and one
-``torch.<Type>Storage`` class per dtype, with a persistent id naming the storage record.
-``tests/cli/test_blob.py`` checks the result against ``torch.load`` on every fixture chunk.
+``torch._utils._rebuild_tensor_v2`` with one ``torch.<Type>Storage`` class for the classic dtypes,
+or ``_rebuild_tensor_v3`` with ``torch.storage.UntypedStorage`` and the dtype itself for those
+without a storage class (float8, uint16...), ``collections.OrderedDict`` (empty backward hooks),
+and a persistent id naming the storage record. Nothing here imports torch: dtypes come from
+:mod:`gtp_runtime.checkpoint.dtypes`, :func:`element_view` gives the elements as a numpy array
+(what ``verify --data`` scans), and only :func:`tensor_view` (``show``, ``diff``, ``migrate``)
+builds a torch tensor. ``tests/cli/test_blob.py`` checks both against ``torch.load`` on every
+fixture chunk.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch.storage import _get_dtype_from_pickle_storage_type
+import numpy as np
 
 from ckpt_tool.reader.safe_pickle import brief
 from ckpt_tool.reader.zip_blob import BlobError, BlobReader, record_bytes, small_record, zip_records
+from ckpt_tool.scan import carrier
+from gtp_runtime.checkpoint.dtypes import BY_STORAGE, DTYPES, DType
 from gtp_runtime.checkpoint.pickle_scan import ScannedUnpickler
 
 MAX_PICKLE = 1 << 20  # data.pkl of one tensor is ~150 bytes
 MAX_DIMS = 64
 
 
-def _spend_readonly_warning() -> None:
-    """Use up torch's once-per-process "buffer is not writable" warning, silenced.
-
-    verify --data reads windows into immutable ``bytes`` (google-crc32c hashes those without the
-    GIL), and the tensors made over them are only ever read, so the warning would be noise on a
-    user's terminal. Torch emits it once per process, from whichever thread is first, so it is
-    spent here, at import, where ``catch_warnings`` is safe.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.frombuffer(b"\0", dtype=torch.uint8)
-
-
-_spend_readonly_warning()
-
-
 @dataclass(frozen=True)
 class BlobLayout:
     """Where a blob's elements are and how they view as a tensor."""
 
-    dtype: torch.dtype
+    dtype: DType
     payload_offset: int  # of the storage record's bytes, from the blob's start
     storage_numel: int
     storage_offset: int
@@ -83,7 +72,7 @@ def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class _StorageId:
-    dtype: torch.dtype
+    dtype: DType  # uint8 for an untyped storage, whose numel counts bytes
     key: str
     numel: int
 
@@ -97,8 +86,11 @@ class _TensorArgs:
 
 
 class _StorageType:
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: DType) -> None:
         self.dtype = dtype
+
+
+_UNTYPED = _StorageType(DTYPES["uint8"])
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
@@ -116,17 +108,34 @@ def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any
     return _TensorArgs(storage, storage_offset, _ints(size, "size"), _ints(stride, "stride"))
 
 
+def _rebuild_tensor_v3(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any,
+                       backward_hooks: Any, dtype: Any, metadata: Any = None) -> _TensorArgs:
+    """The dtypes without a storage class: an untyped storage (numel in bytes) and the dtype."""
+    if type(storage) is not _StorageId or storage.dtype is not _UNTYPED.dtype or type(dtype) is not DType:
+        raise BlobError("data.pkl rebuilds a tensor from something other than one untyped record and a dtype")
+    numel, rest = divmod(storage.numel, dtype.itemsize)
+    if rest:
+        raise BlobError(f"storage record {storage.key!r} holds {storage.numel} bytes, not a whole number of "
+                        f"{dtype} elements")
+    return _rebuild_tensor_v2(_StorageId(dtype, storage.key, numel), storage_offset, size, stride,
+                              requires_grad, backward_hooks)
+
+
+_REBUILD = {("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+            ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
+            ("collections", "OrderedDict"): dict,  # backward hooks: must be empty, checked above
+            ("torch.storage", "UntypedStorage"): _UNTYPED}
+
+
 class _TensorPickle(ScannedUnpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild_tensor_v2
-        if (module, name) == ("collections", "OrderedDict"):
-            return dict  # backward hooks: must be empty, checked above
-        if module == "torch" and name.endswith("Storage"):
-            try:
-                return _StorageType(_get_dtype_from_pickle_storage_type(name))
-            except (KeyError, AttributeError):
-                pass
+        found = _REBUILD.get((module, name))
+        if found is not None:
+            return found
+        if module == "torch" and name in BY_STORAGE:
+            return _StorageType(BY_STORAGE[name])
+        if module == "torch" and name in DTYPES:
+            return DTYPES[name]  # _rebuild_tensor_v3's dtype argument
         raise BlobError(f"data.pkl references {module}.{name}, which a saved tensor never needs; nothing was run")
 
     def persistent_load(self, pid: Any) -> _StorageId:
@@ -166,12 +175,64 @@ def parse_blob(reader: BlobReader) -> BlobLayout:
     return BlobLayout(args.storage.dtype, payload, args.storage.numel, args.storage_offset, args.size, args.stride)
 
 
-def tensor_view(layout: BlobLayout, payload: memoryview) -> torch.Tensor:
-    """The tensor over ``payload`` (the storage record's bytes), without copying them."""
+def _check_fits(layout: BlobLayout) -> None:
+    """The view's elements all lie inside its storage (numpy's as_strided, unlike torch's, does not check)."""
+    if 0 in layout.size:
+        return
+    last = layout.storage_offset + sum((n - 1) * st for n, st in zip(layout.size, layout.stride))
+    if last >= layout.storage_numel:
+        raise BlobError(f"the tensor view (size {list(layout.size)}, stride {list(layout.stride)}, offset "
+                        f"{layout.storage_offset}) reaches element {last} of a {layout.storage_numel}-element storage")
+
+
+def element_view(layout: BlobLayout, payload: memoryview | bytes) -> np.ndarray:
+    """The tensor's elements over ``payload`` (the storage record's bytes) as a numpy array, no copy.
+
+    The elements keep their stored bits, viewed through :func:`ckpt_tool.scan.carrier` (bfloat16
+    as uint16, for one): this is what the NaN/Inf scan reads, and it needs no torch.
+    """
+    _check_fits(layout)
+    kind = carrier(layout.dtype)
+    base = np.frombuffer(payload, dtype=kind, count=layout.storage_numel)
+    if layout.contiguous_whole:
+        return base.reshape(layout.size)
+    strides = tuple(st * kind.itemsize for st in layout.stride)
+    return np.lib.stride_tricks.as_strided(base[layout.storage_offset:], layout.size, strides, writeable=False)
+
+
+_TORCH_LOCK = threading.Lock()
+
+
+def _torch() -> Any:
+    """torch, imported on first use, with its once-per-process "buffer is not writable" warning spent.
+
+    Payloads are often immutable ``bytes`` and the tensors made over them are only read, so the
+    warning would be noise on a user's terminal. Torch emits it once, from whichever thread is
+    first; it is spent here, under a lock, because ``catch_warnings`` is not thread-safe.
+    """
+    import torch
+
+    global _TORCH_READY
+    with _TORCH_LOCK:
+        if not _TORCH_READY:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.frombuffer(b"\0", dtype=torch.uint8)
+            _TORCH_READY = True
+    return torch
+
+
+_TORCH_READY = False
+
+
+def tensor_view(layout: BlobLayout, payload: memoryview | bytes) -> Any:
+    """The ``torch.Tensor`` over ``payload`` without copying it (imports torch: show, diff, migrate)."""
+    torch = _torch()
+    dtype = layout.dtype.torch
     if layout.storage_numel == 0:
-        base = torch.empty(0, dtype=layout.dtype)
+        base = torch.empty(0, dtype=dtype)
     else:
-        base = torch.frombuffer(payload, dtype=layout.dtype, count=layout.storage_numel)
+        base = torch.frombuffer(payload, dtype=dtype, count=layout.storage_numel)
     try:
         return base.as_strided(layout.size, layout.stride, layout.storage_offset)
     except RuntimeError as e:

@@ -7,6 +7,11 @@ declared ones. Tensor blobs are decoded by :mod:`ckpt_tool.reader.blob` (no ``to
 copy of the elements). Byte objects go through ``torch.load(weights_only=True)``, and only when
 all zip records are stored uncompressed: torch inflates a deflated record into a buffer sized by
 the pickle's claim, so a 100 KB blob could otherwise ask for gigabytes.
+
+Two views of the same decode: ``*_elements`` give numpy arrays of the stored bits and never import
+torch (``inspect`` and ``verify`` run without it: importing torch costs seconds per process);
+``decode_chunk``/``load_chunk``/``load_object`` give torch tensors and objects for ``show``,
+``diff`` and ``migrate-aliased``.
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ import io
 import zipfile
 from typing import Any
 
-import torch
+import numpy as np
 
 from ckpt_tool.errors import ChunkError
 from ckpt_tool.model import BYTES, ENC_RAW, Checkpoint, Chunk, Entry, StorageRef
-from ckpt_tool.reader.blob import BlobLayout, parse_blob, tensor_view
+from ckpt_tool.reader.blob import BlobLayout, element_view, parse_blob, tensor_view
+from ckpt_tool.reader.object_blob import load_plain_object
 from ckpt_tool.reader.storage import read_range
 from ckpt_tool.reader.zip_blob import BlobError, ViewReader
+from ckpt_tool.scan import carrier
 
 
 def declared_size_problem(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> str | None:
@@ -81,18 +88,41 @@ def chunk_bytes(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> bytearray:
                          file=ref.file) from None
 
 
-def decode_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytearray | memoryview) -> torch.Tensor:
-    """View a tensor chunk's bytes as a tensor (no copy) and check dtype and shape against the metadata."""
+def decode_elements(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytes | bytearray | memoryview) -> np.ndarray:
+    """A tensor chunk's elements as a numpy array of their stored bits (no copy, no torch), checked
+    against the metadata's dtype and shape."""
+    assert entry.dtype is not None
     view = memoryview(buf)
     if ckpt.encoding == ENC_RAW:
-        t = torch.frombuffer(view, dtype=entry.dtype) if len(view) else torch.empty(0, dtype=entry.dtype)
+        return np.frombuffer(view, dtype=carrier(entry.dtype)).reshape(chunk.sizes)
+    try:
+        layout = _checked_layout(view, entry, chunk)
+        return element_view(layout, view[layout.payload_offset:layout.payload_offset + layout.payload_bytes])
+    except BlobError as e:
+        raise blob_error(entry, chunk, e) from None
+
+
+def decode_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytes | bytearray | memoryview) -> Any:
+    """View a tensor chunk's bytes as a ``torch.Tensor`` (no copy), checked like :func:`decode_elements`."""
+    assert entry.dtype is not None
+    view = memoryview(buf)
+    if ckpt.encoding == ENC_RAW:
+        import torch
+
+        dtype = entry.dtype.torch
+        t = torch.frombuffer(view, dtype=dtype) if len(view) else torch.empty(0, dtype=dtype)
         return t.reshape(chunk.sizes)
     try:
-        layout = parse_blob(ViewReader(view))
-        check_layout(layout, entry, chunk)
+        layout = _checked_layout(view, entry, chunk)
         return tensor_view(layout, view[layout.payload_offset:layout.payload_offset + layout.payload_bytes])
     except BlobError as e:
         raise blob_error(entry, chunk, e) from None
+
+
+def _checked_layout(view: memoryview, entry: Entry, chunk: Chunk) -> BlobLayout:
+    layout = parse_blob(ViewReader(view))
+    check_layout(layout, entry, chunk)
+    return layout
 
 
 def blob_error(entry: Entry, chunk: Chunk, e: BlobError) -> ChunkError:
@@ -108,9 +138,30 @@ def check_layout(layout: BlobLayout, entry: Entry, chunk: Chunk) -> None:
         raise BlobError(f"it holds {layout.dtype} {layout.size} but the metadata declares {entry.dtype} {chunk.sizes}")
 
 
-def load_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> torch.Tensor:
-    """Read, decode and check one tensor chunk."""
+def load_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> Any:
+    """Read, decode and check one tensor chunk, as a ``torch.Tensor``."""
     return decode_chunk(ckpt, entry, chunk, chunk_bytes(ckpt, entry, chunk))
+
+
+def load_elements(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> np.ndarray:
+    """Read, decode and check one tensor chunk, as a numpy array of its stored bits (no torch)."""
+    return decode_elements(ckpt, entry, chunk, chunk_bytes(ckpt, entry, chunk))
+
+
+def load_plain(ckpt: Checkpoint, entry: Entry) -> Any:
+    """A byte object made only of containers, numbers and dtypes, decoded without torch.
+
+    :mod:`ckpt_tool.reader.object_blob` explains what is accepted; anything else is a
+    :class:`ChunkError` naming the key (``load_object`` decodes more, with torch).
+    """
+    first = entry.chunks[0]
+    file = first.storage.file if first.storage else None
+    buf = chunk_bytes(ckpt, entry, first)
+    try:
+        return load_plain_object(ViewReader(memoryview(buf)))
+    except BlobError as e:
+        raise ChunkError(f"byte object {entry.key} in {file or '?'} does not decode as a plain torch.save object: "
+                         f"{e}", key=entry.key, chunk=0, file=file) from None
 
 
 def load_object(ckpt: Checkpoint, entry: Entry) -> Any:
@@ -124,6 +175,8 @@ def load_object(ckpt: Checkpoint, entry: Entry) -> Any:
     first = entry.chunks[0]
     file = first.storage.file if first.storage else None
     buf = chunk_bytes(ckpt, entry, first)
+    import torch
+
     try:
         _require_stored_zip(buf, f"byte object {entry.key}", entry.key, 0, file)
         with torch.serialization.safe_globals([io.BytesIO]):

@@ -20,8 +20,6 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ckpt_tool.errors import CkptError
 from ckpt_tool.model import BYTES, TENSOR, Chunk, Entry, Problem, StorageRef
 from ckpt_tool.reader.locate import METADATA_LIMIT_ENV, Located, metadata_limit
@@ -38,6 +36,7 @@ from ckpt_tool.reader.safe_pickle import (
     load_metadata_pickle,
 )
 from ckpt_tool.reader.storage import read_small_file
+from gtp_runtime.checkpoint.dtypes import DType
 from gtp_runtime.checkpoint.format import DCP_METADATA_FILE, DISTCP_RE
 from gtp_runtime.checkpoint.pickle_scan import gc_paused
 
@@ -153,7 +152,7 @@ def _tensor_entry(key: str, md: TensorStorageRecord, storage: dict[tuple[str, tu
     """One tensor key; each chunk's storage is popped from ``unclaimed``, so what is left there is orphaned."""
     fields = vars(md)
     props = fields.get("properties")
-    if type(props) is not TensorPropertiesRecord or not isinstance(props.get("dtype"), torch.dtype):
+    if type(props) is not TensorPropertiesRecord or type(props.get("dtype")) is not DType:
         raise _Malformed("properties.dtype is missing or not a torch dtype")
     shape = _dims(fields.get("size"), "size")
     raw_chunks = fields.get("chunks")

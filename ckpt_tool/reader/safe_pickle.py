@@ -21,7 +21,7 @@ Megatron adds, in some versions, ``Metadata.all_local_plans`` (DCP ``SavePlan``/
 mcore 0.15) or ``MCoreSavePlan`` (a ``SavePlan`` subclass, older versions); current Megatron keeps
 empty dummy classes of those names only so that old files still load.
 
-Nothing from torch.distributed is imported or constructed: every allowed class maps to an inert
+Nothing from torch is imported or constructed: every allowed class maps to an inert
 :class:`Record` that only stores the state the pickle hands it, so no ``__setstate__`` or
 ``__init__`` of a third-party class ever runs. The readers then validate the records' contents.
 
@@ -46,12 +46,12 @@ import collections
 import pickle
 import reprlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any, ClassVar
 
-import torch
-
 from ckpt_tool.errors import CkptError
+from gtp_runtime.checkpoint.dtypes import DTYPES, LAYOUTS, MEMORY_FORMATS
 from gtp_runtime.checkpoint.pickle_scan import PickleScanError, ScannedUnpickler
 
 MAX_DIMS = 64
@@ -224,14 +224,28 @@ def _windows_path(*parts: Any) -> str:
     return str(PureWindowsPath(*_path_parts(parts)))
 
 
-_LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+@dataclass(frozen=True)
+class TorchConstant:
+    """A torch layout or memory format by name (``torch.strided``); nothing from torch is imported."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+    @property
+    def torch(self) -> Any:
+        """The real constant, for code that rebuilds DCP objects (imports torch)."""
+        import torch
+
+        return getattr(torch, self.name)
 
 
-def _get_layout(name: Any) -> torch.layout:
-    """Stand-in for ``torch.serialization._get_layout``: a lookup in a fixed table."""
-    if not isinstance(name, str) or name not in _LAYOUTS:
-        raise pickle.UnpicklingError(f"unknown torch layout {name!r}")
-    return _LAYOUTS[name]
+def _get_layout(name: Any) -> TorchConstant:
+    """Stand-in for ``torch.serialization._get_layout`` (called with ``"torch.strided"``): a table lookup."""
+    if not isinstance(name, str) or name.removeprefix("torch.") not in LAYOUTS or not name.startswith("torch."):
+        raise pickle.UnpicklingError(f"unknown torch layout {brief(name)}")
+    return TorchConstant(name.removeprefix("torch."))
 
 
 def _build_allow_list() -> dict[tuple[str, str], Any]:
@@ -255,7 +269,7 @@ def _build_allow_list() -> dict[tuple[str, str], Any]:
         (_MCORE_TORCH, "MCoreSavePlan"): SavePlanRecord,
         ("torch", "Size"): _torch_size,
         ("torch.serialization", "_get_layout"): _get_layout,
-        ("collections", "OrderedDict"): collections.OrderedDict,  # resolved per file: _Budget
+        ("collections", "OrderedDict"): collections.OrderedDict,  # resolved per file: CopyBudget
         ("builtins", "set"): set,
         ("builtins", "frozenset"): frozenset,
     }
@@ -265,17 +279,16 @@ def _build_allow_list() -> dict[tuple[str, str], Any]:
         for name in ("WindowsPath", "PureWindowsPath"):
             allow[(module, name)] = _windows_path
     # dtypes, layouts and memory formats are pickled as module globals (``torch float32``); they
-    # are inert values, and only values of those exact types are exposed.
-    for name, value in vars(torch).items():
-        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-            allow[("torch", name)] = value
+    # resolve to inert descriptions (gtp_runtime.checkpoint.dtypes), never to torch objects.
+    allow.update({("torch", name): dtype for name, dtype in DTYPES.items()})
+    allow.update({("torch", name): TorchConstant(name) for name in LAYOUTS | MEMORY_FORMATS})
     return allow
 
 
 ALLOWED_GLOBALS: dict[tuple[str, str], Any] = _build_allow_list()
 
 
-class _Budget:
+class CopyBudget:
     """Container constructors that copy their argument, charged against the file's size.
 
     A pickle can pass the same large list to ``set`` once per few bytes; each call copies it.
@@ -286,7 +299,7 @@ class _Budget:
     def __init__(self, limit: int, source: str) -> None:
         self.left, self.source = limit, source
 
-    def _charge(self, name: str, items: Any) -> Any:
+    def charge(self, name: str, items: Any) -> Any:
         n = len(items) if hasattr(type(items), "__len__") else None
         if n is None or n > self.left:
             raise pickle.UnpicklingError(f"{name}() is given more elements than {self.source} can hold")
@@ -294,19 +307,19 @@ class _Budget:
         return items
 
     def set(self, items: Any = ()) -> set[Any]:
-        return set(self._charge("set", items))
+        return set(self.charge("set", items))
 
     def frozenset(self, items: Any = ()) -> frozenset[Any]:
-        return frozenset(self._charge("frozenset", items))
+        return frozenset(self.charge("frozenset", items))
 
     def ordered_dict(self, items: Any = ()) -> collections.OrderedDict[Any, Any]:
-        return collections.OrderedDict(self._charge("OrderedDict", items))
+        return collections.OrderedDict(self.charge("OrderedDict", items))
 
 
 class _AllowListUnpickler(ScannedUnpickler):  # the C unpickler, after the opcode walk
     def __init__(self, data: bytes, source: str) -> None:
         super().__init__(data, source)
-        budget = _Budget(len(data), source)
+        budget = CopyBudget(len(data), source)
         self._per_file = {("builtins", "set"): budget.set, ("builtins", "frozenset"): budget.frozenset,
                           ("collections", "OrderedDict"): budget.ordered_dict}
 

@@ -42,8 +42,6 @@ import struct
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ckpt_tool.errors import CkptError
 from ckpt_tool.model import TENSOR, Chunk, Entry, Problem, StorageRef
 from ckpt_tool.reader.locate import (
@@ -54,6 +52,8 @@ from ckpt_tool.reader.locate import (
     metadata_limit,
 )
 from ckpt_tool.reader.storage import read_range, unsafe_reason
+from gtp_runtime.checkpoint.dtypes import BY_SAFETENSORS, DType
+from gtp_runtime.checkpoint.dtypes import DTYPES as TORCH_DTYPES
 from gtp_runtime.checkpoint.format import GTP_INDEX_VERSION
 
 HEADER_LEN_BYTES = 8
@@ -61,20 +61,7 @@ HEADER_LIMIT = 100 << 20  # the safetensors library's own cap on header size
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 SAVED_OFFSETS_KEY = "saved_offsets"
 
-_OPTIONAL = {
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "F8_E8M0": "float8_e8m0fnu",
-}
-DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64,
-    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-    "C64": torch.complex64,
-    **{k: getattr(torch, v) for k, v in _OPTIONAL.items() if hasattr(torch, v)},
-}
+DTYPES: dict[str, DType] = BY_SAFETENSORS  # header code ("BF16") -> dtype
 
 
 def safetensors_files(loc: Located) -> dict[str, int]:
@@ -132,12 +119,11 @@ def _sharding_info(header: dict[str, Any], where: str) -> dict[str, Any]:
     return info
 
 
-def _dtype_from_str(name: Any) -> torch.dtype | None:
-    """``"torch.float32"`` -> ``torch.float32``; only real dtype attributes are accepted."""
+def _dtype_from_str(name: Any) -> DType | None:
+    """``"torch.float32"`` -> the float32 entry; only names of real dtypes are accepted."""
     if not isinstance(name, str) or not name.startswith("torch."):
         return None
-    value = getattr(torch, name.removeprefix("torch."), None)
-    return value if isinstance(value, torch.dtype) else None
+    return TORCH_DTYPES.get(name.removeprefix("torch."))
 
 
 def _ints(value: Any) -> tuple[int, ...] | None:
@@ -183,7 +169,7 @@ def read_gtp_index(loc: Located, files: dict[str, int], index_file: str,
 
 
 def _locate_named(loc: Located, files: dict[str, int], headers: dict[str, tuple[dict[str, Any], int] | str],
-                  file: str, name: str, dtype: torch.dtype, sizes: tuple[int, ...]
+                  file: str, name: str, dtype: DType, sizes: tuple[int, ...]
                   ) -> tuple[StorageRef | None, str | None]:
     """Byte range of tensor ``name`` in ``file`` (headers parsed once per file), or why not."""
     if file not in headers:
@@ -211,7 +197,7 @@ def _locate_named(loc: Located, files: dict[str, int], headers: dict[str, tuple[
 def read_safetensors_metadata(loc: Located, files: dict[str, int]) -> tuple[dict[str, Entry], list[Problem]]:
     """Entries and notes of a DCP HuggingFaceStorageWriter folder, from the headers alone."""
     chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], StorageRef]]] = {}
-    dtypes: dict[str, torch.dtype] = {}
+    dtypes: dict[str, DType] = {}
     notes: list[Problem] = []
     for name, size in files.items():
         header, data_start = read_header(loc.folder, name, size)

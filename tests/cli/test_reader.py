@@ -13,7 +13,8 @@ from ckpt_tool.analysis import aliasing, classify_all, topology_view, writer_ran
 from ckpt_tool.errors import CkptError
 from ckpt_tool.model import BYTES, ENC_RAW, ENC_TORCH_SAVE, TENSOR
 from ckpt_tool.reader.checkpoint import open_checkpoint
-from ckpt_tool.reader.chunks import load_chunk, load_object
+from ckpt_tool.reader.chunks import load_chunk, load_object, load_plain
+from gtp_runtime.checkpoint.dtypes import DTYPES
 
 
 def _boxes(entry):
@@ -26,7 +27,7 @@ def test_torch_dist_model(ckpts: Path):
     assert ck.layout == "torch_dist" and ck.backend == "megatron torch_dist" and ck.encoding == ENC_TORCH_SAVE
     assert ck.manifest is not None and ck.manifest["topology"] == F.TOPOLOGY
     qkv = ck.entries[F.QKV]
-    assert (qkv.kind, qkv.shape, qkv.dtype) == (TENSOR, F.QKV_SHAPE, torch.float32)
+    assert (qkv.kind, qkv.shape, qkv.dtype.torch) == (TENSOR, F.QKV_SHAPE, torch.float32)
     assert _boxes(qkv) == [((0, 0), (8, 8)), ((8, 0), (8, 8))]
     want = sorted(((s,), (n,)) for spans in F.OPT_CHUNKS.values() for s, n in spans)
     for state in F.STATES:
@@ -46,6 +47,8 @@ def test_chunks_decode_to_the_saved_values(ckpts: Path):
         full[c.offsets[0]:c.offsets[0] + c.sizes[0]] = load_chunk(ck, e, c)
     assert torch.equal(full, F.opt_values("exp_avg", 1))
     assert load_object(ck, ck.entries[F.PBN_UNPADDED]) == [[{(torch.bfloat16, torch.float32): [F.UNPADDED]}]]
+    # verify decodes the same object without torch: dtypes come back as the format's DType entries
+    assert load_plain(ck, ck.entries[F.PBN_UNPADDED]) == [[{(DTYPES["bfloat16"], DTYPES["float32"]): [F.UNPADDED]}]]
 
 
 def test_aliased_save_keeps_one_chunk_per_offset(ckpts: Path):
@@ -61,6 +64,7 @@ def test_aliased_save_keeps_one_chunk_per_offset(ckpts: Path):
             assert torch.equal(got, F.opt_values(state, cp)[c.offsets[0]:c.offsets[0] + c.sizes[0]])
     # the default DCP planner wraps byte objects once more; the reader undoes that
     assert load_object(ck, ck.entries[F.PBN]) == [[{(torch.bfloat16, torch.float32): [F.PADDED]}]]
+    assert load_plain(ck, ck.entries[F.PBN]) == [[{(DTYPES["bfloat16"], DTYPES["float32"]): [F.PADDED]}]]
     report = aliasing(ck, classify_all(ck), topology_view(ck.manifest, None))
     assert report.status == "aliased" and len(report.aliased) == len(F.STATES)
     assert all(s.cp_rank == s.rank % F.CP for a in report.aliased for s in a.survivors)
