@@ -19,7 +19,6 @@ from enum import Enum
 from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 
 import typer
-from tabulate import tabulate
 
 from ckpt_tool.errors import EXIT_BAD_INPUT, CkptError
 
@@ -82,6 +81,8 @@ def print_json(doc: Any) -> None:
 
 
 def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], title: str | None = None) -> str:
+    from tabulate import tabulate  # here: a JSON run never needs it (50 ms of every CLI start-up)
+
     body = tabulate(rows, headers=list(headers), tablefmt="simple", disable_numparse=True) if rows else "(none)"
     return f"{title}\n{body}" if title else body
 
