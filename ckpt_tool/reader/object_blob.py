@@ -50,12 +50,21 @@ class _ObjectPickle(ScannedUnpickler):
             raise pickle.UnpicklingError("_codecs.encode is only allowed on latin-1 text (pickled bytes)")
         return codecs.encode(self._budget.charge("_codecs.encode", text), "latin1")
 
+    @staticmethod
+    def _empty_bytes(*args: Any) -> bytes:
+        """``bytes()``: how protocol 2 pickles ``b""``; ``bytes(n)`` would allocate n bytes, so no arguments."""
+        if args:
+            raise pickle.UnpicklingError("builtins.bytes is only allowed without arguments (an empty bytes)")
+        return b""
+
     def find_class(self, module: str, name: str) -> Any:
+        module = {"__builtin__": "builtins"}.get(module, module)  # protocol 2 writes Python 2's name
         if module == "torch" and name in DTYPES:
             return DTYPES[name]
         allowed = {("_io", "BytesIO"): _BytesIO, ("_codecs", "encode"): self._encode,
                    ("collections", "OrderedDict"): self._budget.ordered_dict,
-                   ("builtins", "set"): self._budget.set, ("builtins", "frozenset"): self._budget.frozenset}
+                   ("builtins", "set"): self._budget.set, ("builtins", "frozenset"): self._budget.frozenset,
+                   ("builtins", "bytes"): self._empty_bytes}
         found = allowed.get((module, name))
         if found is None:
             raise BlobError(f"data.pkl references {module}.{name}; only plain objects (containers, numbers, "

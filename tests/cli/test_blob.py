@@ -340,3 +340,59 @@ def test_an_unexpected_worker_error_propagates_after_every_read_ends(monkeypatch
     with pytest.raises(OSError, match="Input/output error"):
         verify(open_checkpoint(run), data=True, workers=4)
     assert all(busy) and len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_rebuild_v3_guards():
+    """The v3 form (an untyped storage plus a dtype) is checked like v2: a real dtype, whole elements."""
+    from ckpt_tool.reader import blob
+    from gtp_runtime.checkpoint.dtypes import DTYPES
+
+    untyped = blob._StorageId(DTYPES["uint8"], "0", 6)
+    args = blob._rebuild_tensor_v3(untyped, 1, (2,), (1,), False, {}, DTYPES["uint16"])
+    assert args.storage.dtype is DTYPES["uint16"] and args.storage.numel == 3
+    with pytest.raises(BlobError, match="not a whole number of torch.float32 elements"):
+        blob._rebuild_tensor_v3(untyped, 0, (1,), (1,), False, {}, DTYPES["float32"])
+    with pytest.raises(BlobError, match="untyped record and a dtype"):
+        blob._rebuild_tensor_v3(untyped, 0, (1,), (1,), False, {}, "float32")
+    typed = blob._StorageId(DTYPES["float32"], "0", 6)
+    with pytest.raises(BlobError, match="untyped record and a dtype"):
+        blob._rebuild_tensor_v3(typed, 0, (1,), (1,), False, {}, DTYPES["float32"])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP without a process group: "assuming ... single process"
+@pytest.mark.parametrize("window", [data_check.WINDOW, 4096])
+def test_verify_counts_nonfinite_in_every_float_dtype_like_torch(tmp_path: Path, window: int,
+                                                                 monkeypatch: pytest.MonkeyPatch):
+    """A DCP save of every float dtype with NaN/Inf planted: verify --data counts what torch counts.
+
+    With 4 KiB windows the larger tensors are scanned piece by piece as they stream past.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+                  torch.float8_e4m3fn, torch.float8_e5m2):
+        base = torch.randn(3000, generator=g, dtype=torch.complex64 if dtype.is_complex else torch.float32)
+        t = base.to(dtype)
+        if dtype.itemsize == 1:
+            t.view(torch.uint8)[::97] = 0x7F  # NaN in e4m3fn, NaN in e5m2
+            t.view(torch.uint8)[5::211] = 0x7C  # finite in e4m3fn, +Inf in e5m2
+        else:
+            t[::97] = float("nan")
+            t[5::211] = float("inf")
+            t[7::307] = -float("inf")
+        sd[f"w.{str(dtype).removeprefix('torch.')}"] = t
+    sd["ints"] = torch.arange(100, dtype=torch.int64)
+    dcp.save(sd, checkpoint_id=str(tmp_path))
+    monkeypatch.setattr(data_check, "WINDOW", window)
+    res = verify(open_checkpoint(tmp_path), data=True, workers=3)
+
+    def counts(t: torch.Tensor) -> dict[str, int]:
+        f = t.to(torch.complex64) if t.is_complex() else t.float()
+        return {"nan": int(torch.isnan(f).sum()), "inf": int(torch.isinf(f).sum())}
+
+    want = {k: counts(t) for k, t in sd.items() if t.is_floating_point() or t.is_complex()}
+    assert all(v["nan"] for v in want.values())
+    assert res.stats["nonfinite"] == want
+    assert not [p for p in res.problems if p.severity == "error"]
