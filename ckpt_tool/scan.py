@@ -46,14 +46,16 @@ _FP8 = _fp8_tables()
 
 
 def carrier(dtype: DType) -> np.dtype:
-    """The numpy type the stored elements are viewed as: same width, never converted."""
+    """The numpy type the stored elements are viewed as: same width, never converted.
+
+    Little-endian whatever the host: that is how torch.save and safetensors store them.
+    """
     native = _NATIVE.get(dtype.name)
     if native is not None:
-        return np.dtype(native)
+        return np.dtype(native).newbyteorder("<")
     if dtype.kind == BOOL:
         return np.dtype(np.bool_)
-    width = 8 * dtype.itemsize
-    return np.dtype(f"int{width}" if dtype.kind == SIGNED else f"uint{width}")  # ints as themselves, else bits
+    return np.dtype(f"<i{dtype.itemsize}" if dtype.kind == SIGNED else f"<u{dtype.itemsize}")  # ints as ints, else bits
 
 
 def can_hold_nonfinite(dtype: DType) -> bool:
