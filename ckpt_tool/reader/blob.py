@@ -15,9 +15,9 @@ or ``_rebuild_tensor_v3`` with ``torch.storage.UntypedStorage`` and the dtype it
 without a storage class (float8, uint16...), ``collections.OrderedDict`` (empty backward hooks),
 and a persistent id naming the storage record. Nothing here imports torch: dtypes come from
 :mod:`gtp_runtime.checkpoint.dtypes`, :func:`element_view` gives the elements as a numpy array
-(what ``verify --data`` scans), and only :func:`tensor_view` (``show``, ``diff``, ``migrate``)
-builds a torch tensor. ``tests/cli/test_blob.py`` checks both against ``torch.load`` on every
-fixture chunk.
+(what ``verify --data`` scans), and only :func:`as_tensor` (``show``, ``diff``, ``migrate``)
+turns them into a torch tensor, still without a copy. ``tests/cli/test_blob.py`` checks both
+against ``torch.load`` on every fixture chunk.
 """
 
 from __future__ import annotations
@@ -201,10 +201,11 @@ def element_view(layout: BlobLayout, payload: memoryview | bytes) -> np.ndarray:
 
 
 _TORCH_LOCK = threading.Lock()
+_TORCH_READY = False
 
 
 def _torch() -> Any:
-    """torch, imported on first use, with its once-per-process "buffer is not writable" warning spent.
+    """torch, imported on first use, with its once-per-process "array is not writable" warning spent.
 
     Payloads are often immutable ``bytes`` and the tensors made over them are only read, so the
     warning would be noise on a user's terminal. Torch emits it once, from whichever thread is
@@ -217,23 +218,17 @@ def _torch() -> Any:
         if not _TORCH_READY:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                torch.frombuffer(b"\0", dtype=torch.uint8)
+                torch.from_numpy(np.frombuffer(b"\0", dtype=np.uint8))
             _TORCH_READY = True
     return torch
 
 
-_TORCH_READY = False
+def as_tensor(elements: np.ndarray, dtype: DType) -> Any:
+    """The ``torch.Tensor`` over the same memory as ``elements`` (from :func:`element_view`), no copy.
 
-
-def tensor_view(layout: BlobLayout, payload: memoryview | bytes) -> Any:
-    """The ``torch.Tensor`` over ``payload`` without copying it (imports torch: show, diff, migrate)."""
+    Only ``show``, ``diff`` and ``migrate-aliased`` need tensors, so only they import torch. The
+    carrier's bits are reinterpreted as the real dtype (uint16 as bfloat16, say): same width.
+    """
     torch = _torch()
-    dtype = layout.dtype.torch
-    if layout.storage_numel == 0:
-        base = torch.empty(0, dtype=dtype)
-    else:
-        base = torch.frombuffer(payload, dtype=dtype, count=layout.storage_numel)
-    try:
-        return base.as_strided(layout.size, layout.stride, layout.storage_offset)
-    except RuntimeError as e:
-        raise BlobError(f"the tensor view does not fit its storage ({str(e)[:200]})") from None
+    t = torch.from_numpy(elements)
+    return t if t.dtype == dtype.torch else t.view(dtype.torch)

@@ -24,7 +24,7 @@ import numpy as np
 
 from ckpt_tool.errors import ChunkError
 from ckpt_tool.model import BYTES, ENC_RAW, Checkpoint, Chunk, Entry, StorageRef
-from ckpt_tool.reader.blob import BlobLayout, element_view, parse_blob, tensor_view
+from ckpt_tool.reader.blob import BlobLayout, as_tensor, element_view, parse_blob
 from ckpt_tool.reader.object_blob import load_plain_object
 from ckpt_tool.reader.storage import read_range
 from ckpt_tool.reader.zip_blob import BlobError, ViewReader
@@ -103,20 +103,9 @@ def decode_elements(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytes | b
 
 
 def decode_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytes | bytearray | memoryview) -> Any:
-    """View a tensor chunk's bytes as a ``torch.Tensor`` (no copy), checked like :func:`decode_elements`."""
+    """:func:`decode_elements` as a ``torch.Tensor`` over the same bytes (imports torch)."""
     assert entry.dtype is not None
-    view = memoryview(buf)
-    if ckpt.encoding == ENC_RAW:
-        import torch
-
-        dtype = entry.dtype.torch
-        t = torch.frombuffer(view, dtype=dtype) if len(view) else torch.empty(0, dtype=dtype)
-        return t.reshape(chunk.sizes)
-    try:
-        layout = _checked_layout(view, entry, chunk)
-        return tensor_view(layout, view[layout.payload_offset:layout.payload_offset + layout.payload_bytes])
-    except BlobError as e:
-        raise blob_error(entry, chunk, e) from None
+    return as_tensor(decode_elements(ckpt, entry, chunk, buf), entry.dtype)
 
 
 def _checked_layout(view: memoryview, entry: Entry, chunk: Chunk) -> BlobLayout:

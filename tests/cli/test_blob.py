@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from ckpt_tool import data_check
 from ckpt_tool.errors import ChunkError
 from ckpt_tool.model import TENSOR
-from ckpt_tool.reader.blob import element_view, parse_blob, tensor_view
+from ckpt_tool.reader.blob import as_tensor, element_view, parse_blob
 from ckpt_tool.reader.checkpoint import open_checkpoint
 from ckpt_tool.reader.chunks import chunk_bytes, load_chunk, load_elements
 from ckpt_tool.reader.zip_blob import BlobError, ViewReader
@@ -37,7 +37,8 @@ def _saved(t: torch.Tensor) -> bytearray:
 def _decode(blob: bytearray) -> torch.Tensor:
     view = memoryview(blob)
     layout = parse_blob(ViewReader(view))
-    return tensor_view(layout, view[layout.payload_offset:layout.payload_offset + layout.payload_bytes])
+    return as_tensor(element_view(layout, view[layout.payload_offset:layout.payload_offset + layout.payload_bytes]),
+                     layout.dtype)
 
 
 @pytest.mark.parametrize("make", [
