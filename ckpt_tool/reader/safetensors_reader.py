@@ -52,17 +52,13 @@ from ckpt_tool.reader.locate import (
     metadata_limit,
 )
 from ckpt_tool.reader.storage import read_range, unsafe_reason
-from gtp_runtime.checkpoint.dtypes import BY_SAFETENSORS, DType
-from gtp_runtime.checkpoint.dtypes import DTYPES as TORCH_DTYPES
+from gtp_runtime.checkpoint.dtypes import BY_SAFETENSORS, DTYPES, DType
 from gtp_runtime.checkpoint.format import GTP_INDEX_VERSION
 
 HEADER_LEN_BYTES = 8
 HEADER_LIMIT = 100 << 20  # the safetensors library's own cap on header size
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 SAVED_OFFSETS_KEY = "saved_offsets"
-
-DTYPES: dict[str, DType] = BY_SAFETENSORS  # header code ("BF16") -> dtype
-
 
 def safetensors_files(loc: Located) -> dict[str, int]:
     """The ``*.safetensors`` regular files of the folder and their sizes (stat only)."""
@@ -123,7 +119,7 @@ def _dtype_from_str(name: Any) -> DType | None:
     """``"torch.float32"`` -> the float32 entry; only names of real dtypes are accepted."""
     if not isinstance(name, str) or not name.startswith("torch."):
         return None
-    return TORCH_DTYPES.get(name.removeprefix("torch."))
+    return DTYPES.get(name.removeprefix("torch."))
 
 
 def _ints(value: Any) -> tuple[int, ...] | None:
@@ -188,7 +184,8 @@ def _locate_named(loc: Located, files: dict[str, int], headers: dict[str, tuple[
     span = _ints(spec.get("data_offsets")) if isinstance(spec, dict) else None
     if span is None or len(span) != 2 or span[0] > span[1]:
         return None, f"{file} has no tensor named {name!r}"
-    if spec.get("dtype") not in DTYPES or DTYPES[spec["dtype"]] != dtype or _ints(spec.get("shape")) != sizes:
+    code = spec.get("dtype")
+    if not isinstance(code, str) or BY_SAFETENSORS.get(code) is not dtype or _ints(spec.get("shape")) != sizes:
         return None, (f"{file}:{name} is {spec.get('dtype')} {spec.get('shape')} but the index says {dtype} "
                       f"{list(sizes)}")
     return StorageRef(file=file, offset=data_start + span[0], length=span[1] - span[0]), None
@@ -209,7 +206,7 @@ def read_safetensors_metadata(loc: Located, files: dict[str, int]) -> tuple[dict
             if not isinstance(spec, dict):
                 raise CkptError(f"{where}: header entry {key!r} is not a JSON object; restore the file")
             dtype_name = spec.get("dtype")
-            dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+            dtype = BY_SAFETENSORS.get(dtype_name) if isinstance(dtype_name, str) else None
             shape = _ints(spec.get("shape"))
             span = _ints(spec.get("data_offsets"))
             if dtype is None or shape is None or span is None or len(span) != 2 or span[0] > span[1]:

@@ -348,3 +348,25 @@ def test_deflated_blob_is_not_inflated(copy_ckpt):
     with _unchanged(run.parent):
         assert_error_line(cli("verify", run, "--data"), 1, key, "compressed")
         assert_error_line(cli("show", run, key), 2, "refusing to inflate")
+
+
+def test_safetensors_header_with_a_non_string_dtype_is_a_finding(tmp_path: Path):
+    """A header entry whose dtype is JSON but not a code ("dtype": [1]) is reported, never a crash."""
+    import json
+    import shutil
+    import struct
+
+    run = tmp_path / "st"
+    shutil.copytree(Path(__file__).parents[2] / "fixtures/gtp/fold_cp2_g2_dp2_st", run)
+    data = next((run / "iter_0000002").glob("__0_*.safetensors"))
+    raw = data.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["dtype"] = [1]
+    text = json.dumps(header).encode()
+    data.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    result = cli("verify", run, "--format", "json")
+    assert result.exit_code in (1, 2), (result.exit_code, result.stdout[-1000:], result.exception)
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert name in result.stdout + result.stderr
