@@ -87,31 +87,27 @@ class Crc:
         ``crc(A + B) == gf2_times(shift(len(B)), crc(A)) ^ crc(B)``; the operator is kept so that
         appending the same blob again costs 32 XORs.
         """
-        op = [1 << n for n in range(32)]
-        k = 0
-        while nbytes:
-            if nbytes & 1:
-                op = [gf2_times(self._pow2(k), c) for c in op]
-            nbytes >>= 1
-            k += 1
-        return op
+        return [self._advance(1 << n, nbytes) for n in range(32)]  # the image of each basis bit
 
     def combine(self, crc_a: int, crc_b: int, len_b: int) -> int:
         """CRC of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)``: one operator per set bit (microseconds)."""
+        return self._advance(crc_a, len_b) ^ crc_b
+
+    def _advance(self, crc: int, nbytes: int) -> int:
+        """The register ``crc`` after ``nbytes`` zero bytes: the operator for each set bit of ``nbytes``."""
         k = 0
-        while len_b:
-            if len_b & 1:
-                crc_a = gf2_times(self._pow2(k), crc_a)
-            len_b >>= 1
+        while nbytes:
+            if nbytes & 1:
+                crc = gf2_times(self._pow2(k), crc)
+            nbytes >>= 1
             k += 1
-        return crc_a ^ crc_b
+        return crc
 
     def _pow2(self, k: int) -> list[int]:
         """The operator for ``2**k`` zero bytes, built once per polynomial."""
         table = _POW2_SHIFTS.setdefault(self.poly, [])
         if not table:
-            one_bit = [self.poly] + [1 << n for n in range(31)]
-            op = one_bit
+            op = [self.poly] + [1 << n for n in range(31)]  # one zero bit
             for _ in range(3):  # 8 zero bits
                 op = gf2_square(op)
             for _ in range(64):
