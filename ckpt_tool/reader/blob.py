@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool.reader.safe_pickle import brief
-from ckpt_tool.reader.zip_blob import BlobError, BlobReader, record_bytes, small_record, zip_records
+from ckpt_tool.reader.zip_blob import BlobError, BlobReader, ZipRecord, record_bytes, small_record, zip_records
 from ckpt_tool.scan import carrier
 from gtp_runtime.checkpoint.dtypes import BY_STORAGE, DTYPES, DType
 from gtp_runtime.checkpoint.pickle_scan import ScannedUnpickler
@@ -145,23 +145,34 @@ class _TensorPickle(ScannedUnpickler):
         return _StorageId(pid[1].dtype, pid[2], pid[4])
 
 
-def parse_blob(reader: BlobReader) -> BlobLayout:
-    """Read a blob's structure (a few hundred bytes at its start and end) into a :class:`BlobLayout`."""
-    infos = zip_records(reader)
+def load_data_pkl(reader: BlobReader, infos: dict[str, ZipRecord], unpickler: type[ScannedUnpickler],
+                  limit: int) -> tuple[str, Any]:
+    """The archive's ``<archive>/`` prefix and what its one ``data.pkl`` holds, through ``unpickler``.
+
+    Shared by tensor blobs (here) and plain objects (:mod:`ckpt_tool.reader.object_blob`): a
+    missing, repeated or oversized ``data.pkl``, a failed CRC and any exception of a damaged
+    pickle all come out as one :class:`BlobError`.
+    """
     pkl = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
-    if len(pkl) != 1 or infos[pkl[0]].size > MAX_PICKLE:
-        raise BlobError(f"expected one <archive>/data.pkl record, found {brief(sorted(infos))}")
-    prefix = pkl[0][: -len("data.pkl")]
-    order = small_record(reader, infos[prefix + "byteorder"]) if prefix + "byteorder" in infos else b"little"
-    if order != b"little":
-        raise BlobError(f"the blob was saved {brief(order)}-endian; ckpt reads little-endian blobs only")
+    if len(pkl) != 1 or infos[pkl[0]].size > limit:
+        raise BlobError(f"expected one <archive>/data.pkl record of at most {limit} bytes, found "
+                        f"{brief(sorted(infos))}")
     pickled = small_record(reader, infos[pkl[0]])
     try:
-        args = _TensorPickle(pickled, "data.pkl").load()
+        return pkl[0][: -len("data.pkl")], unpickler(pickled, "data.pkl").load()
     except BlobError:
         raise
     except Exception as e:  # damaged pickles: anything
         raise BlobError(f"data.pkl does not load ({type(e).__name__}: {str(e)[:160]})") from None
+
+
+def parse_blob(reader: BlobReader) -> BlobLayout:
+    """Read a blob's structure (a few hundred bytes at its start and end) into a :class:`BlobLayout`."""
+    infos = zip_records(reader)
+    prefix, args = load_data_pkl(reader, infos, _TensorPickle, MAX_PICKLE)
+    order = small_record(reader, infos[prefix + "byteorder"]) if prefix + "byteorder" in infos else b"little"
+    if order != b"little":
+        raise BlobError(f"the blob was saved {brief(order)}-endian; ckpt reads little-endian blobs only")
     if type(args) is not _TensorArgs:
         raise BlobError(f"data.pkl holds a {type(args).__name__}, not a tensor")
     record = infos.get(f"{prefix}data/{args.storage.key}")

@@ -20,8 +20,9 @@ import codecs
 import pickle
 from typing import Any
 
+from ckpt_tool.reader.blob import load_data_pkl
 from ckpt_tool.reader.safe_pickle import CopyBudget, brief
-from ckpt_tool.reader.zip_blob import BlobError, BlobReader, ViewReader, small_record, zip_records
+from ckpt_tool.reader.zip_blob import BlobError, BlobReader, ViewReader, zip_records
 from gtp_runtime.checkpoint.dtypes import DTYPES
 from gtp_runtime.checkpoint.pickle_scan import ScannedUnpickler
 
@@ -77,17 +78,7 @@ class _ObjectPickle(ScannedUnpickler):
 
 def load_plain_object(reader: BlobReader, nested: bool = False) -> Any:
     """The object in a torch.save blob, built only from allow-listed plain types."""
-    infos = zip_records(reader)
-    pkl = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
-    if len(pkl) != 1 or infos[pkl[0]].size > MAX_OBJECT_PICKLE:
-        raise BlobError(f"expected one <archive>/data.pkl record of at most {MAX_OBJECT_PICKLE} bytes, found "
-                        f"{brief(sorted(infos))}")
-    try:
-        obj = _ObjectPickle(small_record(reader, infos[pkl[0]]), "data.pkl").load()
-    except BlobError:
-        raise
-    except Exception as e:  # damaged pickles: anything
-        raise BlobError(f"data.pkl does not load ({type(e).__name__}: {str(e)[:160]})") from None
+    _, obj = load_data_pkl(reader, zip_records(reader), _ObjectPickle, MAX_OBJECT_PICKLE)
     if type(obj) is _BytesIO:
         if nested:
             raise BlobError("the blob wraps a blob that wraps another; torch.save was applied more than twice")
