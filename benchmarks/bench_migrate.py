@@ -60,8 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layers: int, out: str) -> None:
     import torch.distributed as dist
 
+    from gtp_format.layout.config import ModelConfig, ParallelConfig
     from gtp_runtime.checkpoint.io import save_checkpoint
-    from gtp_runtime.config import ModelConfig, ParallelConfig
     from gtp_runtime.training import TrainConfig, Trainer
 
     torch.set_num_threads(1)

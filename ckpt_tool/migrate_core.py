@@ -48,14 +48,27 @@ from typing import Any
 
 import torch
 
-from ckpt_tool.analysis import OPTIMIZER, classify_all, topology_view
-from ckpt_tool.errors import EXIT_CHECK_FAILED, CkptError
-from ckpt_tool.hashing import CRCS, HASHERS, Crc, file_digests, gf2_times
-from ckpt_tool.model import TENSOR, Checkpoint, Entry
-from ckpt_tool.reader.checkpoint import open_checkpoint
-from ckpt_tool.reader.chunks import load_chunk
-from ckpt_tool.reader.locate import LAYOUT_TORCH_DIST, locate, metadata_limit
-from ckpt_tool.reader.safe_pickle import (
+from gtp_format.check.analysis import OPTIMIZER, classify_all, topology_view
+from gtp_format.dtypes import DTYPES, LAYOUTS, DType
+from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
+from gtp_format.hashing import CRCS, HASHERS, Crc, file_digests, gf2_times
+from gtp_format.layout import topology as topo
+from gtp_format.layout.config import ParallelConfig
+from gtp_format.layout.topology import Topology
+from gtp_format.model import TENSOR, Checkpoint, Entry
+from gtp_format.names import (
+    DCP_METADATA_FILE,
+    LATEST_FILE,
+    MANIFEST_FILE,
+    STATES,
+    OptimizerKey,
+    distcp_writer_rank,
+    parse_optimizer_key,
+)
+from gtp_format.reader.checkpoint import open_checkpoint
+from gtp_format.reader.chunks import load_chunk
+from gtp_format.reader.locate import LAYOUT_TORCH_DIST, locate, metadata_limit
+from gtp_format.reader.safe_pickle import (
     BytesStorageRecord,
     MemFormatEncodingRecord,
     MetadataIndexRecord,
@@ -67,23 +80,10 @@ from ckpt_tool.reader.safe_pickle import (
     TorchConstant,
     load_metadata_pickle,
 )
-from ckpt_tool.reader.storage import read_small_file
-from gtp_runtime import topology as topo
-from gtp_runtime.checkpoint.dtypes import DTYPES, LAYOUTS, DType
-from gtp_runtime.checkpoint.format import (
-    DCP_METADATA_FILE,
-    LATEST_FILE,
-    MANIFEST_FILE,
-    STATES,
-    OptimizerKey,
-    distcp_writer_rank,
-    parse_optimizer_key,
-)
+from gtp_format.reader.storage import read_small_file
 from gtp_runtime.checkpoint.io import fsync_dir
 from gtp_runtime.checkpoint.manifest import HASH_ALGORITHM, write_manifest
-from gtp_runtime.config import ParallelConfig
 from gtp_runtime.sharding import ShardSpec
-from gtp_runtime.topology import Topology
 
 MIGRATION_VERSION = 1
 TOOL = "ckpt migrate-aliased"
@@ -112,7 +112,7 @@ class Source:
 def locate_source(path: Path) -> Source:
     loc = locate(path)
     if loc.layout != LAYOUT_TORCH_DIST:
-        raise CkptError(f"{loc.folder} uses the {loc.layout} layout; migrate-aliased rewrites DCP .metadata and "
+        raise FormatError(f"{loc.folder} uses the {loc.layout} layout; migrate-aliased rewrites DCP .metadata and "
                         "only applies to torch_dist checkpoints (gtp_runtime never wrote aliased safetensors ones)")
     if Path(os.path.abspath(loc.folder)) == Path(os.path.abspath(path)):
         return Source(Path(path), loc.folder, None, None)
@@ -222,7 +222,7 @@ def manifest_buffers(manifest: dict[str, Any], folder: Path) -> list[BufferLayou
                 is_expert=_get(b, "is_expert", bool, w), dp_group_kind=_get(b, "dp_group_kind", str, w),
                 dp_size=_get(b, "dp_size", int, w), buckets=buckets))
     except _Bad as e:
-        raise CkptError(f"{folder / MANIFEST_FILE}: {e}; the bucket layout is needed to rebuild lost state, "
+        raise FormatError(f"{folder / MANIFEST_FILE}: {e}; the bucket layout is needed to rebuild lost state, "
                         "restore the manifest from the run") from None
     return out
 
@@ -320,15 +320,15 @@ def plan_migration(src: Path, cp_size: int | None, reset_lost_moments: bool) -> 
     classes = classify_all(ckpt)
     cpless = [k for k, c in classes.items() if c.category == OPTIMIZER and c.opt is not None and c.opt.cp_rank is None]
     if ckpt.manifest is None:
-        raise CkptError(_no_manifest_message(folder, cp_size, cpless, classes))
+        raise FormatError(_no_manifest_message(folder, cp_size, cpless, classes))
     view = topology_view(ckpt.manifest, None)
     par = view.par
     if par is None:
         why = "; ".join(p.message for p in view.notes) or "it has no topology"
-        raise CkptError(f"{folder / MANIFEST_FILE}: cannot use its topology ({why}); the writer rank -> CP rank map "
+        raise FormatError(f"{folder / MANIFEST_FILE}: cannot use its topology ({why}); the writer rank -> CP rank map "
                         "needs it: restore the manifest from the run")
     if cp_size is not None and cp_size != par.cp:
-        raise CkptError(f"--cp-size {cp_size} contradicts {folder / MANIFEST_FILE} (cp={par.cp}); drop --cp-size or "
+        raise FormatError(f"--cp-size {cp_size} contradicts {folder / MANIFEST_FILE} (cp={par.cp}); drop --cp-size or "
                         "fix the manifest")
     buffers = {b.gbuf_idx: b for b in manifest_buffers(ckpt.manifest, folder)}
     plan = Plan(source, ckpt, par, "not_aliased", "", buffers=buffers, reset_lost_moments=reset_lost_moments)
@@ -377,14 +377,14 @@ def _no_manifest_message(folder: Path, cp_size: int | None, cpless: list[str], c
 
 def _refuse_structural_problems(ckpt: Checkpoint) -> None:
     """SRC must be sound apart from the aliasing itself: verify's structural checks, metadata only."""
-    from ckpt_tool.verify_core import verify
+    from gtp_format.check.verify import verify
 
     result = verify(ckpt)
     errors = [p for p in result.problems if p.severity == "error" and p.check != "aliasing"]
     if errors:
         p = errors[0]
         where = p.key or p.file or str(ckpt.root)
-        raise CkptError(f"{ckpt.root} has {len(errors)} problems besides the aliasing, first: {where}: {p.message}; "
+        raise FormatError(f"{ckpt.root} has {len(errors)} problems besides the aliasing, first: {where}: {p.message}; "
                         "run 'ckpt verify' on it and repair it first")
 
 
@@ -395,23 +395,23 @@ def _plan_key(ckpt: Checkpoint, key: str, opt: OptimizerKey, buffers: dict[int, 
     entry = ckpt.entries[key]
     buf = buffers[opt.gbuf_idx]
     if opt.state not in STATES:
-        raise CkptError(f"{key}: unknown optimizer state {opt.state!r}; migrate-aliased knows {list(STATES)}")
+        raise FormatError(f"{key}: unknown optimizer state {opt.state!r}; migrate-aliased knows {list(STATES)}")
     if opt.dtype != buf.dtype:
-        raise CkptError(f"{key}: dtype {opt.dtype} but {MANIFEST_FILE} says gbuf_idx_{opt.gbuf_idx} is {buf.dtype}; "
+        raise FormatError(f"{key}: dtype {opt.dtype} but {MANIFEST_FILE} says gbuf_idx_{opt.gbuf_idx} is {buf.dtype}; "
                         "the manifest does not describe this checkpoint")
     if buf.dp_group_kind != topo.DP or buf.dp_size != par.dp:
-        raise CkptError(f"{folder / MANIFEST_FILE}: folded gbuf_idx_{opt.gbuf_idx} reduces over "
+        raise FormatError(f"{folder / MANIFEST_FILE}: folded gbuf_idx_{opt.gbuf_idx} reduces over "
                         f"{buf.dp_group_kind} of size {buf.dp_size}, expected the dp group of size {par.dp}")
     bucket = buf.buckets.get(opt.bucket_idx)
     if bucket is None or entry.shape != (bucket.numel_unpadded,) or entry.dtype is not DTYPES["float32"]:
         want = "missing" if bucket is None else f"(numel_unpadded {bucket.numel_unpadded},) float32"
-        raise CkptError(f"{key}: shape {list(entry.shape or ())} {entry.dtype}, but {MANIFEST_FILE} has bucket "
+        raise FormatError(f"{key}: shape {list(entry.shape or ())} {entry.dtype}, but {MANIFEST_FILE} has bucket "
                         f"{opt.bucket_idx} of gbuf_idx_{opt.gbuf_idx} {want}")
     new_keys = [opt.with_cp_rank(j) for j in range(par.cp)]
     for j in range(par.cp):
         clash = present.get((opt.bucket_id, opt.state, j))
         if clash is not None:
-            raise CkptError(f"{key} is aliased but {clash} exists too: a half-migrated checkpoint; migrate from the "
+            raise FormatError(f"{key} is aliased but {clash} exists too: a half-migrated checkpoint; migrate from the "
                             "original aliased copy")
     local = bucket.numel // buf.dp_size
     ak = AliasedKey(key, opt, new_keys)
@@ -419,12 +419,12 @@ def _plan_key(ckpt: Checkpoint, key: str, opt: OptimizerKey, buffers: dict[int, 
         file = c.storage.file if c.storage else ""
         rank = distcp_writer_rank(os.path.basename(file))
         if rank is None or rank >= grid.world_size:
-            raise CkptError(f"{key} chunk {c.index} is stored in {file!r}, not a __{{rank}}_{{k}}.distcp file of a "
+            raise FormatError(f"{key} chunk {c.index} is stored in {file!r}, not a __{{rank}}_{{k}}.distcp file of a "
                             f"rank of the {grid.world_size}-rank world: its writer, and so its CP rank, is unknown")
         co = grid.coords(rank)
         n = grid.model_parallel_rank(rank)
         if n != opt.dp_group_idx or c.offsets[0] // local != co.dp:
-            raise CkptError(f"{key} chunk {c.index} at offset {c.offsets[0]} is stored in {file} (rank {rank}: "
+            raise FormatError(f"{key} chunk {c.index} at offset {c.offsets[0]} is stored in {file} (rank {rank}: "
                             f"model-parallel rank {n}, dp rank {co.dp}), which cannot have written it; the file "
                             "names do not match the manifest topology")
         ak.kept.append(KeptChunk(key, new_keys[co.cp], c.offsets, c.sizes, file, rank, co.cp))
@@ -463,15 +463,15 @@ def _check_rebuildable(plan: Plan, p: ParamLayout, opt: OptimizerKey, j: int, gr
     par = grid.par
     where = f"param {p.name} of {opt.with_cp_rank(j)}"
     if p.shard_kind != topo.WEIGHT or p.shard_size != par.cp * par.gtp_remat:
-        raise CkptError(f"{where}: {MANIFEST_FILE} says shard_kind {p.shard_kind!r} over {p.shard_size} ranks, not "
+        raise FormatError(f"{where}: {MANIFEST_FILE} says shard_kind {p.shard_kind!r} over {p.shard_size} ranks, not "
                         f"the folded weight group of {par.cp * par.gtp_remat}; cannot locate its lost shard")
     spec = _shard_spec(p, par, opt.dp_group_idx, j)
     entry = plan.ckpt.entries.get(p.name)
     if entry is None or entry.kind != TENSOR:
-        raise CkptError(f"{where}: the model weight {p.name!r} is not in {plan.ckpt.root}; the lost fp32 master "
+        raise FormatError(f"{where}: the model weight {p.name!r} is not in {plan.ckpt.root}; the lost fp32 master "
                         "cannot be rebuilt")
     if spec.local_shape != p.local_shape or spec.global_shape != p.global_shape or entry.shape != p.global_shape:
-        raise CkptError(f"{where}: weight {p.name} has global shape {list(entry.shape or ())}, {MANIFEST_FILE} "
+        raise FormatError(f"{where}: weight {p.name} has global shape {list(entry.shape or ())}, {MANIFEST_FILE} "
                         f"says {list(p.global_shape)} (local {list(p.local_shape)}), the shard math gives "
                         f"{list(spec.global_shape)} (local {list(spec.local_shape)}); the manifest does not match")
     plan.weight_dtypes[p.name] = str(entry.dtype)
@@ -499,7 +499,7 @@ def read_box(ckpt: Checkpoint, entry: Entry, offsets: tuple[int, ...], sizes: tu
         out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))] = src
         covered += math.prod(b - a for a, b in zip(lo, hi))
     if covered != math.prod(sizes):
-        raise CkptError(f"{entry.key}: only {covered} of the {math.prod(sizes)} elements at offsets {list(offsets)} "
+        raise FormatError(f"{entry.key}: only {covered} of the {math.prod(sizes)} elements at offsets {list(offsets)} "
                         f"sizes {list(sizes)} are stored; the weight shard needed to rebuild a master is incomplete",
                         EXIT_CHECK_FAILED)
     return out
@@ -556,7 +556,7 @@ def _plain(value: Any, where: str, budget: list[int]) -> Any:
     """
     budget[0] -= 1
     if budget[0] < 0:
-        raise CkptError(f"{where} holds more values than its keys can use (shared sub-lists?); migrate-aliased only "
+        raise FormatError(f"{where} holds more values than its keys can use (shared sub-lists?); migrate-aliased only "
                         "rewrites plain planner_data (DCP's default planner writes a dict of key paths)")
     if value is None or type(value) in (str, int, float, bool):
         return value
@@ -564,7 +564,7 @@ def _plain(value: Any, where: str, budget: list[int]) -> Any:
         return type(value)(_plain(v, where, budget) for v in value)
     if type(value) is dict:
         return {_plain(k, where, budget): _plain(v, where, budget) for k, v in value.items()}
-    raise CkptError(f"{where} holds a {type(value).__name__}; migrate-aliased only rewrites plain planner_data "
+    raise FormatError(f"{where} holds a {type(value).__name__}; migrate-aliased only rewrites plain planner_data "
                     "(DCP's default planner writes a dict of key paths)")
 
 
@@ -572,12 +572,12 @@ def _properties(rec: Any, where: str) -> Any:
     from torch.distributed.checkpoint.metadata import TensorProperties
 
     if not isinstance(rec, TensorPropertiesRecord):
-        raise CkptError(f"{where}: properties are not TensorProperties")
+        raise FormatError(f"{where}: properties are not TensorProperties")
     enc = rec.get("memory_format")
     fmt = _MEMORY_FORMATS.get(enc.value) if isinstance(enc, MemFormatEncodingRecord) else None
     layout, dtype = rec.get("layout"), rec.get("dtype")
     if fmt is None or type(layout) is not TorchConstant or layout.name not in LAYOUTS or type(dtype) is not DType:
-        raise CkptError(f"{where}: properties have an unknown memory format, layout or dtype")
+        raise FormatError(f"{where}: properties have an unknown memory format, layout or dtype")
     return TensorProperties(dtype=dtype.torch, layout=layout.torch, requires_grad=bool(rec.get("requires_grad", False)),
                             memory_format=fmt, pin_memory=bool(rec.get("pin_memory", False)))
 
@@ -588,10 +588,10 @@ def read_source_metadata(folder: Path, data_bytes: int) -> Any:
     raw = read_small_file(path, metadata_limit(data_bytes), "DCP metadata", "restore it from a good copy")
     md = load_metadata_pickle(raw, str(path))
     if not isinstance(md, MetadataRecord):
-        raise CkptError(f"{path} does not hold DCP Metadata; restore it from a good copy")
+        raise FormatError(f"{path} does not hold DCP Metadata; restore it from a good copy")
     extra = sorted(set(md.state) - _KNOWN_METADATA_FIELDS)
     if extra:
-        raise CkptError(f"{path} has Metadata fields {extra} that migrate-aliased does not know how to carry over; "
+        raise FormatError(f"{path} has Metadata fields {extra} that migrate-aliased does not know how to carry over; "
                         "it handles torch.distributed.checkpoint metadata as torch 2.13 writes it")
     return md
 
@@ -618,7 +618,7 @@ def build_metadata(plan: Plan, md: Any, new_file: str, lost_storage: dict[tuple[
             sdm[key] = BytesStorageMetadata()
             continue
         if not isinstance(item, TensorStorageRecord):
-            raise CkptError(f"{path}: key {key!r} is neither tensor nor bytes metadata")
+            raise FormatError(f"{path}: key {key!r} is neither tensor nor bytes metadata")
         size = torch.Size(item.get("size"))
         chunks = [(tuple(c.get("offsets")), tuple(c.get("sizes"))) for c in item.get("chunks")]
         for new in (by_key[key].new_keys if key in by_key else [key]):
@@ -629,7 +629,7 @@ def build_metadata(plan: Plan, md: Any, new_file: str, lost_storage: dict[tuple[
     storage: dict[Any, Any] = {}
     for k, v in md.get("storage_data").items():
         if not isinstance(k, MetadataIndexRecord) or not isinstance(v, StorageInfoRecord):
-            raise CkptError(f"{path}: storage_data holds something other than MetadataIndex -> _StorageInfo")
+            raise FormatError(f"{path}: storage_data holds something other than MetadataIndex -> _StorageInfo")
         fqn, offset, hint = k.get("fqn"), k.get("offset"), k.get("index")
         transforms = v.get("transform_descriptors") or None
         info = _StorageInfo(v.get("relative_path"), v.get("offset"), v.get("length"),
@@ -650,7 +650,7 @@ def build_metadata(plan: Plan, md: Any, new_file: str, lost_storage: dict[tuple[
     try:
         planner = _plain(md.get("planner_data"), f"{path}: planner_data", [_PLAIN_NODES_PER_KEY * (len(sdm) + 16)])
     except RecursionError:
-        raise CkptError(f"{path}: planner_data is nested too deeply for DCP's key paths; restore the file from a "
+        raise FormatError(f"{path}: planner_data is nested too deeply for DCP's key paths; restore the file from a "
                         "good copy") from None
     if isinstance(planner, dict):
         for old, ak in by_key.items():
@@ -676,7 +676,7 @@ def _rename_path(value: Any, old: str, new: str, path: Path) -> Any:
         return (new,)
     if isinstance(value, tuple) and value and ".".join(map(str, value)) == old and isinstance(value[-1], str):
         return (*value[:-1], value[-1] + new[len(old):])
-    raise CkptError(f"{path}: planner_data maps {old!r} to {value!r}, which migrate-aliased cannot rename")
+    raise FormatError(f"{path}: planner_data maps {old!r} to {value!r}, which migrate-aliased cannot rename")
 
 
 # --------------------------------------------------------------------------------------------
@@ -829,7 +829,7 @@ def build_migrated(plan: Plan, out: Path, checkpoint_id: Path, progress: Progres
         if name in (DCP_METADATA_FILE, MANIFEST_FILE):
             continue
         if p.is_symlink() or not p.is_file():
-            raise CkptError(f"{p} is not a regular file; migrate-aliased only carries the files of a checkpoint "
+            raise FormatError(f"{p} is not a regular file; migrate-aliased only carries the files of a checkpoint "
                             "folder over; move it out of the folder first")
         if _link_or_copy(p, out / name):
             outcome.linked += 1
@@ -942,13 +942,13 @@ def _now() -> str:
 
 def self_check(folder: Path) -> None:
     """The migrated folder must pass verify's structural checks and hold no aliased key."""
-    from ckpt_tool.verify_core import verify
+    from gtp_format.check.verify import verify
 
     result = verify(open_checkpoint(folder))
     errors = [p for p in result.problems if p.severity == "error"]
     if errors:
         p = errors[0]
-        raise CkptError(f"the migrated copy fails verify ({len(errors)} errors, first: {p.key or p.file}: "
+        raise FormatError(f"the migrated copy fails verify ({len(errors)} errors, first: {p.key or p.file}: "
                         f"{p.message}); nothing was committed, please report this", EXIT_CHECK_FAILED)
 
 
@@ -989,14 +989,14 @@ def _exchange(a: Path, b: Path) -> bool:
 def check_destination(dst: Path, src: Source) -> None:
     """DST must be new, have an existing parent, and lie outside SRC."""
     if os.path.lexists(dst):
-        raise CkptError(f"{dst} already exists; migrate-aliased never overwrites: pass a new DST, or --in-place")
+        raise FormatError(f"{dst} already exists; migrate-aliased never overwrites: pass a new DST, or --in-place")
     if not dst.parent.is_dir():
-        raise CkptError(f"{dst.parent} (the parent of DST) does not exist; create it first")
+        raise FormatError(f"{dst.parent} (the parent of DST) does not exist; create it first")
     inner = Path(os.path.realpath(dst.parent)) / dst.name
     for root in (src.given, src.folder):
         real = Path(os.path.realpath(root))
         if inner == real or real in inner.parents:
-            raise CkptError(f"{dst} is inside SRC {root}; SRC is never modified, pick a DST outside it")
+            raise FormatError(f"{dst} is inside SRC {root}; SRC is never modified, pick a DST outside it")
 
 
 def migrate_to(plan: Plan, dst: Path, progress: Progress) -> Outcome:
@@ -1065,7 +1065,7 @@ def fail_if_moments_lost(plan: Plan) -> None:
     if not refused:
         return
     keys = sorted({c.new_key for c in refused})
-    raise CkptError(f"{len(refused)} Adam moment chunks (exp_avg/exp_avg_sq) of {len(keys)} keys were lost at save, "
+    raise FormatError(f"{len(refused)} Adam moment chunks (exp_avg/exp_avg_sq) of {len(keys)} keys were lost at save, "
                     f"e.g. {keys[0]} at offset {list(refused[0].offsets)}; they cannot be recovered: rerun with "
                     "--reset-lost-moments to write them as zeros (recorded in the manifest); nothing was written",
                     EXIT_CHECK_FAILED)

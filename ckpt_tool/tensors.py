@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from ckpt_tool.errors import EXIT_BAD_INPUT, CkptError
-from ckpt_tool.geometry import check_coverage
-from ckpt_tool.model import Checkpoint, Chunk, Entry
-from ckpt_tool.reader.chunks import load_chunk
+from gtp_format.check.geometry import check_coverage
+from gtp_format.errors import EXIT_BAD_INPUT, FormatError
+from gtp_format.model import Checkpoint, Chunk, Entry
+from gtp_format.reader.chunks import load_chunk
 
 
 def parse_slice(text: str | None, dim0: int) -> tuple[int, int]:
@@ -35,9 +35,9 @@ def parse_slice(text: str | None, dim0: int) -> tuple[int, int]:
         else:
             raise ValueError
     except ValueError:
-        raise CkptError(f"--slice {text!r} is not a:b, a:, :b or a single index") from None
+        raise FormatError(f"--slice {text!r} is not a:b, a:, :b or a single index") from None
     if not 0 <= start <= dim0 or stop < start or stop > dim0:
-        raise CkptError(f"--slice {text!r} is outside dim 0 of size {dim0}")
+        raise FormatError(f"--slice {text!r} is outside dim 0 of size {dim0}")
     return start, stop
 
 
@@ -56,7 +56,7 @@ def assemble(ckpt: Checkpoint, entry: Entry, start: int, stop: int, max_bytes: i
     shape = (stop - start, *entry.shape[1:]) if entry.shape else ()
     nbytes = math.prod(shape) * entry.itemsize
     if nbytes > max_bytes:
-        raise CkptError(f"{entry.key}: the requested region is {math.prod(shape)} elements ({nbytes} bytes), over "
+        raise FormatError(f"{entry.key}: the requested region is {math.prod(shape)} elements ({nbytes} bytes), over "
                         f"the {max_bytes}-byte limit; pass --slice a:b for fewer rows or raise --max-bytes",
                         EXIT_BAD_INPUT)
     out = torch.zeros(shape, dtype=entry.dtype.torch)
@@ -65,7 +65,7 @@ def assemble(ckpt: Checkpoint, entry: Entry, start: int, stop: int, max_bytes: i
     for c in entry.chunks:
         if len(c.offsets) != len(entry.shape) or any(
                 o + s > n for o, s, n in zip(c.offsets, c.sizes, entry.shape, strict=True)):
-            raise CkptError(f"{entry.key} chunk {c.index} (offsets {list(c.offsets)}, sizes {list(c.sizes)}) leaves "
+            raise FormatError(f"{entry.key} chunk {c.index} (offsets {list(c.offsets)}, sizes {list(c.sizes)}) leaves "
                             f"the global shape {list(entry.shape)}; run 'ckpt verify' on the checkpoint")
         region = _intersection(c, start, stop) if entry.shape else (0, 0)
         if region is None:

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gtp_runtime import topology as topo
+from gtp_format.layout import topology as topo
+from gtp_format.layout.config import check_buffer_cp_degrees
 from gtp_runtime.collectives import reduce_scatter_dim0
-from gtp_runtime.config import check_buffer_cp_degrees
 from gtp_runtime.groups import Group, Groups
 
 PARAM_ALIGN = 64

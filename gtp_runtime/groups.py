@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from gtp_runtime import topology as topo
-from gtp_runtime.config import ParallelConfig
+from gtp_format.layout import topology as topo
+from gtp_format.layout.config import ParallelConfig
 
 
 @dataclass

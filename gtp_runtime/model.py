@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gtp_runtime import topology as topo
+from gtp_format.layout import topology as topo
+from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_runtime.collectives import gather_last_dim
-from gtp_runtime.config import ModelConfig, ParallelConfig
 from gtp_runtime.context_parallel import cp_attention
 from gtp_runtime.groups import Groups
 from gtp_runtime.init import full_init

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gtp_runtime import topology as topo
+from gtp_format.layout import topology as topo
 from gtp_runtime.buffers import Bucket, GradBuffer, build_buffers
 from gtp_runtime.collectives import all_gather_dim0
 from gtp_runtime.groups import Groups

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gtp_runtime.checkpoint.format import dtype_tag, optimizer_key
+from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
+from gtp_format.names import dtype_tag, optimizer_key
 from gtp_runtime.checkpoint.io import load_checkpoint, save_checkpoint
 from gtp_runtime.checkpoint.state import dp_group_idx, owned_pieces
-from gtp_runtime.config import ConfigError, ModelConfig, ParallelConfig
 from gtp_runtime.optimizer import AdamConfig
 from gtp_runtime.training import TrainConfig, Trainer
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gtp_runtime.config import ConfigError, ModelConfig, ParallelConfig
+from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
 from gtp_runtime.optimizer import AdamConfig
 from gtp_runtime.training import TrainConfig, Trainer
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from gtp_runtime import topology as topo
-from gtp_runtime.config import ModelConfig, ParallelConfig
+from gtp_format.layout import topology as topo
+from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_runtime.context_parallel import cp_positions, split_for_cp
 from gtp_runtime.data import global_batch, lane_slice
 from gtp_runtime.groups import Groups, build_groups

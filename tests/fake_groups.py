@@ -11,7 +11,7 @@ from unittest import mock
 
 import torch.distributed as dist
 
-from gtp_runtime.config import ParallelConfig
+from gtp_format.layout.config import ParallelConfig
 from gtp_runtime.groups import Groups, build_groups
 
 

@@ -14,10 +14,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_harness import run_ranks
 
-from gtp_runtime.checkpoint.format import LATEST_FILE, parse_optimizer_key
+from gtp_format.layout.config import ModelConfig, ParallelConfig
+from gtp_format.names import LATEST_FILE, parse_optimizer_key
 from gtp_runtime.checkpoint.io import CheckpointError, load_checkpoint, save_checkpoint
 from gtp_runtime.checkpoint.state import optimizer_state
-from gtp_runtime.config import ModelConfig, ParallelConfig
 from gtp_runtime.training import TrainConfig, Trainer
 
 MODEL = ModelConfig(hidden=32, num_layers=2, num_heads=4, ffn_hidden=64, seq_length=16)

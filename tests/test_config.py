@@ -10,8 +10,8 @@ import subprocess
 import launcher_cases as lc
 import pytest
 
+from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, check_buffer_cp_degrees
 from gtp_runtime import train
-from gtp_runtime.config import ConfigError, ModelConfig, ParallelConfig, check_buffer_cp_degrees
 
 
 def refused(fn, *args, **kwargs) -> str:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.storage import _dtype_to_storage_type_map
 
-from gtp_runtime.checkpoint import dtypes
-from gtp_runtime.checkpoint.dtypes import DTYPES, LAYOUTS, MEMORY_FORMATS, from_torch
+from gtp_format import dtypes
+from gtp_format.dtypes import DTYPES, LAYOUTS, MEMORY_FORMATS, from_torch
 
 
 def _torch_dtypes() -> dict[str, torch.dtype]:

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
+from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_runtime.checkpoint.state import bucket_numel_state, model_state, optimizer_state
-from gtp_runtime.config import ModelConfig, ParallelConfig
 from gtp_runtime.groups import offline_groups
 from gtp_runtime.model import GPTModel
 from gtp_runtime.optimizer import DistributedAdam

@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from test_checkpoint import SMALL, _final_tensors, _train
 
-from gtp_runtime.checkpoint.format import parse_optimizer_key
+from gtp_format.names import parse_optimizer_key
 
 pytestmark = [
     pytest.mark.gpu,

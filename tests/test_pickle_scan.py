@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_tool.errors import CkptError
-from ckpt_tool.reader.safe_pickle import MetadataRecord, load_metadata_pickle
-from gtp_runtime.checkpoint.pickle_scan import PickleScanError, check_pickle
+from gtp_format.errors import FormatError
+from gtp_format.reader.pickle_scan import PickleScanError, check_pickle
+from gtp_format.reader.safe_pickle import MetadataRecord, load_metadata_pickle
 from gtp_runtime.checkpoint.safe_metadata import UnsafeMetadataError, safe_load_metadata
 
 _leaves = (st.none() | st.booleans() | st.integers() | st.integers(min_value=2**60, max_value=2**600)
@@ -119,14 +119,14 @@ def test_set_copies_are_charged_to_the_file_size():
     calls = b"h\x01h\x00\x85R0" * 50_000
     data = b"\x80\x04" + lst + _global("builtins", "set") + b"\x94" + b"0" + calls + b"N."
     start = time.perf_counter()
-    with pytest.raises(CkptError, match="more elements"):
+    with pytest.raises(FormatError, match="more elements"):
         load_metadata_pickle(data, "sets/.metadata")
     assert time.perf_counter() - start < 10
 
 
 def test_torch_size_argument_is_bounded():
     dims = b"(" + b"K\x01" * 65 + b"t\x85R."
-    with pytest.raises(CkptError, match="torch.Size"):
+    with pytest.raises(FormatError, match="torch.Size"):
         load_metadata_pickle(b"\x80\x04" + _global("torch", "Size") + dims, "s/.metadata")
 
 
@@ -147,7 +147,7 @@ def test_migrate_planner_copy_is_bounded_on_shared_lists():
     for _ in range(100):  # 2**100 paths through 100 shared lists
         node = [node, node]
     start = time.perf_counter()
-    with pytest.raises(CkptError, match="shared sub-lists"):
+    with pytest.raises(FormatError, match="shared sub-lists"):
         _plain(node, "x/.metadata: planner_data", [100_000])
     assert time.perf_counter() - start < 5
     assert _plain({"a": ("a",)}, "ok", [100]) == {"a": ("a",)}
@@ -160,9 +160,9 @@ def test_gc_paused_freezes_only_when_asked(monkeypatch: pytest.MonkeyPatch):
     import subprocess
     import sys
 
-    from gtp_runtime.checkpoint import pickle_scan
+    from gtp_format.reader import pickle_scan
 
-    code = ("import gtp_runtime.checkpoint.pickle_scan as p; a = p.FREEZE_AFTER_LOAD; import ckpt_tool.cli; "
+    code = ("import gtp_format.reader.pickle_scan as p; a = p.FREEZE_AFTER_LOAD; import ckpt_tool.cli; "
             "print(a, p.FREEZE_AFTER_LOAD)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "True"]

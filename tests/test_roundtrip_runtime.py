@@ -10,9 +10,9 @@ import pytest
 import torch
 from fake_groups import fake_groups
 
+from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
 from gtp_runtime.buffers import build_buffers
 from gtp_runtime.checkpoint.manifest import buffer_layout
-from gtp_runtime.config import ConfigError, ModelConfig, ParallelConfig
 from gtp_runtime.model import GPTModel
 from gtp_runtime.roundtrip import (
     bitwise_diff,

@@ -10,9 +10,9 @@ from fake_groups import fake_groups
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gtp_runtime import topology as topo
+from gtp_format.layout import topology as topo
+from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_runtime.buffers import BUCKET_PAD, PARAM_ALIGN, build_buffers
-from gtp_runtime.config import ModelConfig, ParallelConfig
 from gtp_runtime.init import full_init
 from gtp_runtime.model import GPTModel, is_gtp_dense
 from gtp_runtime.sharding import ShardSpec

@@ -7,9 +7,9 @@ from fake_groups import fake_groups
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gtp_runtime import topology as topo
-from gtp_runtime.config import ParallelConfig
-from gtp_runtime.topology import Topology
+from gtp_format.layout import topology as topo
+from gtp_format.layout.config import ParallelConfig
+from gtp_format.layout.topology import Topology
 
 # domain.md section 1: TP=1, CP=2, GTP_remat=2, DP=2 (8 ranks).
 EXAMPLE = ParallelConfig(tp=1, cp=2, gtp_remat=2, dp=2, fold_cp=True)

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ckpt_tool.errors import EXIT_CHECK_FAILED
 from ckpt_tool.output import (
     DEFAULT_MAX_BYTES,
     FormatOption,
@@ -27,9 +26,10 @@ from ckpt_tool.output import (
     progress_enabled,
     table,
 )
+from gtp_format.errors import EXIT_CHECK_FAILED
 
 if TYPE_CHECKING:
-    from ckpt_tool.model import Checkpoint, Entry
+    from gtp_format.model import Checkpoint, Entry
 
 EPILOG = """Examples:
 
@@ -62,8 +62,8 @@ def _compare_values(ca: Checkpoint, ea: Entry, cb: Checkpoint, eb: Entry, rtol: 
                     max_bytes: int, advance: Any) -> _Tally:
     import torch
 
-    from ckpt_tool.reader.chunks import load_chunk
     from ckpt_tool.tensors import assemble, compare
+    from gtp_format.reader.chunks import load_chunk
 
     tally = _Tally()
     boxes_b = {(c.offsets, c.sizes): c for c in eb.chunks}
@@ -90,8 +90,8 @@ def _compare_values(ca: Checkpoint, ea: Entry, cb: Checkpoint, eb: Entry, rtol: 
 
 
 def _compare_objects(ca: Checkpoint, ea: Entry, cb: Checkpoint, eb: Entry) -> bool:
-    from ckpt_tool.errors import ChunkError
-    from ckpt_tool.reader.chunks import chunk_bytes, load_object
+    from gtp_format.errors import ChunkError
+    from gtp_format.reader.chunks import chunk_bytes, load_object
 
     if chunk_bytes(ca, ea, ea.chunks[0]) == chunk_bytes(cb, eb, eb.chunks[0]):
         return True
@@ -111,8 +111,8 @@ def diff_command(
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Compare key sets, shapes, dtypes and values of two checkpoints; exit 1 when they differ."""
-    from ckpt_tool.model import BYTES
-    from ckpt_tool.reader.checkpoint import open_checkpoint
+    from gtp_format.model import BYTES
+    from gtp_format.reader.checkpoint import open_checkpoint
 
     ca, cb = open_checkpoint(a), open_checkpoint(b)
     only_a = sorted(ca.entries.keys() - cb.entries.keys())

@@ -51,10 +51,10 @@ def inspect_command(
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Show format, topology, keys and aliasing status of a checkpoint (metadata only)."""
-    from ckpt_tool.analysis import BUCKET_NUMEL, MODEL, OPTIMIZER, aliasing, classify_all, topology_view
-    from ckpt_tool.model import BYTES, TENSOR
-    from ckpt_tool.reader.checkpoint import open_checkpoint
-    from gtp_runtime.checkpoint.format import STATES
+    from gtp_format.check.analysis import BUCKET_NUMEL, MODEL, OPTIMIZER, aliasing, classify_all, topology_view
+    from gtp_format.model import BYTES, TENSOR
+    from gtp_format.names import STATES
+    from gtp_format.reader.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(path)
     classes = classify_all(ckpt)

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ckpt_tool.errors import EXIT_BAD_INPUT, CkptError
 from ckpt_tool.output import (
     FormatOption,
     OutputFormat,
@@ -25,6 +24,7 @@ from ckpt_tool.output import (
     progress_enabled,
     table,
 )
+from gtp_format.errors import EXIT_BAD_INPUT, FormatError
 
 if TYPE_CHECKING:
     from ckpt_tool.migrate_core import Outcome, Plan
@@ -141,9 +141,9 @@ def migrate_command(
     from ckpt_tool.migrate_core import check_destination, fail_if_moments_lost, plan_migration
 
     if in_place and dst is not None:
-        raise CkptError(f"--in-place replaces SRC and takes no DST (got {dst}); drop one of them")
+        raise FormatError(f"--in-place replaces SRC and takes no DST (got {dst}); drop one of them")
     if not in_place and dst is None:
-        raise CkptError("missing DST: pass where the migrated checkpoint should appear, or --in-place")
+        raise FormatError("missing DST: pass where the migrated checkpoint should appear, or --in-place")
     plan = plan_migration(src, cp_size, reset_lost_moments)
     doc = _plan_doc(plan)
     doc.update(mode="dry_run" if dry_run else ("in_place" if in_place else "copy"), written=False,
@@ -155,7 +155,7 @@ def migrate_command(
         return
     try:
         fail_if_moments_lost(plan)
-    except CkptError as e:
+    except FormatError as e:
         _finish(doc, fmt, "REFUSED: Adam moments were lost; nothing written")
         fail(e.message + (" (dry run)" if dry_run else ""), e.exit_code)
     if dry_run:
@@ -172,7 +172,7 @@ def migrate_command(
 
 def _run(plan: Plan, dst: Path | None, in_place: bool, fmt: OutputFormat) -> Outcome:
     from ckpt_tool.migrate_core import REBUILD, RESET, migrate_in_place, migrate_to
-    from gtp_runtime.checkpoint.format import DCP_METADATA_FILE, MANIFEST_FILE
+    from gtp_format.names import DCP_METADATA_FILE, MANIFEST_FILE
 
     carried = [n for n in os.listdir(plan.ckpt.root) if n not in (DCP_METADATA_FILE, MANIFEST_FILE)]
     steps = len(carried) + sum(c.action in (REBUILD, RESET) for c in plan.lost)
@@ -184,7 +184,7 @@ def _run(plan: Plan, dst: Path | None, in_place: bool, fmt: OutputFormat) -> Out
             return migrate_to(plan, dst, advance)
         except OSError as e:
             where = f" {e.filename}" if e.filename else ""
-            raise CkptError(f"cannot write{where}: {e.strerror or e}; nothing was committed, SRC is untouched",
+            raise FormatError(f"cannot write{where}: {e.strerror or e}; nothing was committed, SRC is untouched",
                             EXIT_BAD_INPUT) from None
 
 

@@ -11,7 +11,7 @@ on any error before a rank starts, so the ranks' DCP loader, which unpickles ``.
 ever sees one that passed the allow-list.
 
 The distributed work is :mod:`gtp_runtime.roundtrip` (it runs on initialised ranks);
-:mod:`ckpt_tool.local_ranks` starts and watches the processes.
+:mod:`gtp_runtime.launch` starts and watches the processes.
 
 Test-only: ``GTP_ROUNDTRIP_CORRUPT=<rank>`` adds 1.0 to one real (non-padding) optimizer element
 of that rank right after the load, so that tests can prove a difference is found and named.
@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ckpt_tool.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED
 from ckpt_tool.output import (
     FormatOption,
     OutputFormat,
@@ -41,9 +40,10 @@ from ckpt_tool.output import (
     progress_enabled,
     table,
 )
+from gtp_format.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED
 
 if TYPE_CHECKING:
-    from ckpt_tool.model import Checkpoint, Entry
+    from gtp_format.model import Checkpoint, Entry
     from gtp_runtime.training import TrainConfig, Trainer
 
 CORRUPT_ENV = "GTP_ROUNDTRIP_CORRUPT"
@@ -195,7 +195,7 @@ def _train_config(tp: int | None, cp: int | None, gtp_remat: int | None, dp: int
 
 
 def _train_mode(cfg: TrainConfig, world: int, layout: str, steps: int, more: int, fmt: OutputFormat) -> None:
-    from ckpt_tool.local_ranks import RankFailure, run_local_ranks
+    from gtp_runtime.launch import RankFailure, run_local_ranks
 
     seconds: dict[str, float] = {}
     t_start = time.perf_counter()
@@ -279,8 +279,8 @@ def _dict_diffs(a: Any, b: Any, path: str = "") -> list[str]:
 def _value_diff(ca: Checkpoint, ea: Entry, cb: Checkpoint, eb: Entry) -> tuple[int, float | None, int | None]:
     """Bitwise difference of one key's whole global tensor (chunk by chunk where the boxes agree)."""
     from ckpt_tool.output import DEFAULT_MAX_BYTES
-    from ckpt_tool.reader.chunks import load_chunk
     from ckpt_tool.tensors import assemble
+    from gtp_format.reader.chunks import load_chunk
     from gtp_runtime.roundtrip import bitwise_diff
 
     boxes_b = {(c.offsets, c.sizes): c for c in eb.chunks}
@@ -320,9 +320,9 @@ def _diff(key: str, problem: str, numel: int = 0, differing: int = 0, max_abs: f
 
 
 def _compare_checkpoints(ca: Checkpoint, cb: Checkpoint, dp_changed: bool, advance: Any) -> list[dict[str, Any]]:
-    from ckpt_tool.analysis import BUCKET_NUMEL, MODEL, OPTIMIZER, classify_all
-    from ckpt_tool.model import BYTES
-    from ckpt_tool.reader.chunks import chunk_bytes
+    from gtp_format.check.analysis import BUCKET_NUMEL, MODEL, OPTIMIZER, classify_all
+    from gtp_format.model import BYTES
+    from gtp_format.reader.chunks import chunk_bytes
 
     classes = classify_all(ca)
     manifest = _summary()
@@ -386,23 +386,23 @@ def _compare_checkpoints(ca: Checkpoint, cb: Checkpoint, dp_changed: bool, advan
 
 
 def _path_mode(path: Path, dp: int | None, layout: str | None, fmt: OutputFormat) -> None:
-    from ckpt_tool.errors import CkptError
-    from ckpt_tool.local_ranks import RankFailure, run_local_ranks
-    from ckpt_tool.reader.checkpoint import open_checkpoint
-    from gtp_runtime.checkpoint.format import MANIFEST_FILE
-    from gtp_runtime.config import ConfigError
+    from gtp_format.errors import FormatError
+    from gtp_format.layout.config import ConfigError
+    from gtp_format.names import MANIFEST_FILE
+    from gtp_format.reader.checkpoint import open_checkpoint
+    from gtp_runtime.launch import RankFailure, run_local_ranks
     from gtp_runtime.roundtrip import config_from_manifest
 
     t_start = time.perf_counter()
     src = open_checkpoint(path)
     if src.manifest is None:
-        raise CkptError(f"{src.root} has no {MANIFEST_FILE}: verify-roundtrip needs the manifest's topology, model "
+        raise FormatError(f"{src.root} has no {MANIFEST_FILE}: verify-roundtrip needs the manifest's topology, model "
                         "and bucket layout to load a checkpoint; only gtp_runtime checkpoints can be round-tripped "
                         "(run it without PATH to test the runtime itself)")
     try:
         cfg = config_from_manifest(src.manifest, dp)
     except ConfigError as e:
-        raise CkptError(f"{src.root / MANIFEST_FILE}: {e}") from None
+        raise FormatError(f"{src.root / MANIFEST_FILE}: {e}") from None
     world = cfg.par.world_size
     saved_dp = src.manifest["topology"]["dp"]
     layout = layout or src.layout
@@ -473,7 +473,7 @@ def verify_roundtrip_command(
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Save, load in fresh processes and compare bit for bit; exit 1 on any difference."""
-    from gtp_runtime.config import ConfigError
+    from gtp_format.layout.config import ConfigError
 
     lay = layout.value if layout is not None else None
     if path is not None:

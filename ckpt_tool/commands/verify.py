@@ -11,7 +11,6 @@ from typing import Annotated
 
 import typer
 
-from ckpt_tool.errors import EXIT_CHECK_FAILED
 from ckpt_tool.output import (
     FormatOption,
     OutputFormat,
@@ -23,6 +22,7 @@ from ckpt_tool.output import (
     progress_enabled,
     table,
 )
+from gtp_format.errors import EXIT_CHECK_FAILED
 
 EPILOG = """Examples:
 
@@ -58,8 +58,8 @@ def verify_command(
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Check a checkpoint's structure (and with --data its contents); exit 1 on errors."""
-    from ckpt_tool.reader.checkpoint import open_checkpoint
-    from ckpt_tool.verify_core import verify
+    from gtp_format.check.verify import verify
+    from gtp_format.reader.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(path)
     with progress(ckpt.chunk_count() if data else 0, "reading chunks", progress_enabled(fmt)) as advance:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from gtp_runtime import topology as topo
-from gtp_runtime.config import ParallelConfig
+from gtp_format.layout import topology as topo
+from gtp_format.layout.config import ParallelConfig
 
 
 def replica_kind(p: nn.Parameter, par: ParallelConfig) -> str:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from gtp_runtime.checkpoint import format as fmt
+from gtp_format import names as fmt
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
 from gtp_runtime.checkpoint.manifest import (
     HASH_ALGORITHM,

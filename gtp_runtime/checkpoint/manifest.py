@@ -25,8 +25,8 @@ from typing import Any
 
 import google_crc32c
 
-from gtp_runtime.checkpoint.format import MANIFEST_FILE, dtype_tag
-from gtp_runtime.config import ModelConfig, ParallelConfig
+from gtp_format.layout.config import ModelConfig, ParallelConfig
+from gtp_format.names import MANIFEST_FILE, dtype_tag
 
 MANIFEST_VERSION = 1
 HASH_ALGORITHM = "crc32c"

@@ -38,9 +38,9 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from gtp_runtime.checkpoint.format import GTP_INDEX_FILE as INDEX_FILE  # noqa: E402
-from gtp_runtime.checkpoint.format import GTP_INDEX_VERSION as INDEX_VERSION  # noqa: E402
-from gtp_runtime.checkpoint.format import chunk_tensor_name as tensor_name  # noqa: E402
+from gtp_format.names import GTP_INDEX_FILE as INDEX_FILE  # noqa: E402
+from gtp_format.names import GTP_INDEX_VERSION as INDEX_VERSION  # noqa: E402
+from gtp_format.names import chunk_tensor_name as tensor_name  # noqa: E402
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}

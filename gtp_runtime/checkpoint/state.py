@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from gtp_format.names import dtype_tag, optimizer_key, per_bucket_numel_key
 from gtp_runtime.buffers import Bucket, GradBuffer
 from gtp_runtime.checkpoint.dcp_chunks import Chunks
 from gtp_runtime.checkpoint.election import is_writer
-from gtp_runtime.checkpoint.format import dtype_tag, optimizer_key, per_bucket_numel_key
 from gtp_runtime.groups import Groups
 from gtp_runtime.optimizer import DistributedAdam
 

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gtp_runtime.checkpoint.format import (  # noqa: E402
+from gtp_format.names import (  # noqa: E402
     LATEST_FILE,
     MANIFEST_FILE,
     MEGATRON_METADATA_FILE,

@@ -18,8 +18,8 @@ import pytest
 import torch
 from cli_helpers import assert_error_line, cli, rewrite_metadata, snapshot
 
-from ckpt_tool.reader import storage
-from ckpt_tool.reader.checkpoint import open_checkpoint
+from gtp_format.reader import storage
+from gtp_format.reader.checkpoint import open_checkpoint
 
 ITER = "iter_0000010"
 

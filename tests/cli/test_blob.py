@@ -15,14 +15,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckpt_tool import data_check
-from ckpt_tool.errors import ChunkError
-from ckpt_tool.model import TENSOR
-from ckpt_tool.reader.blob import as_tensor, element_view, parse_blob
-from ckpt_tool.reader.checkpoint import open_checkpoint
-from ckpt_tool.reader.chunks import chunk_bytes, load_chunk, load_elements
-from ckpt_tool.reader.zip_blob import BlobError, ViewReader
-from ckpt_tool.verify_core import verify
+from gtp_format.check import data as data_check
+from gtp_format.check.verify import verify
+from gtp_format.errors import ChunkError
+from gtp_format.model import TENSOR
+from gtp_format.reader.blob import as_tensor, element_view, parse_blob
+from gtp_format.reader.checkpoint import open_checkpoint
+from gtp_format.reader.chunks import chunk_bytes, load_chunk, load_elements
+from gtp_format.reader.zip_blob import BlobError, ViewReader
 
 REPO = Path(__file__).parents[2]
 FIXTURES = sorted(p.parent for p in REPO.glob("fixtures/*/*/iter_*/.metadata"))
@@ -345,8 +345,8 @@ def test_an_unexpected_worker_error_propagates_after_every_read_ends(monkeypatch
 
 def test_rebuild_v3_guards():
     """The v3 form (an untyped storage plus a dtype) is checked like v2: a real dtype, whole elements."""
-    from ckpt_tool.reader import blob
-    from gtp_runtime.checkpoint.dtypes import DTYPES
+    from gtp_format.dtypes import DTYPES
+    from gtp_format.reader import blob
 
     untyped = blob._StorageId(DTYPES["uint8"], "0", 6)
     args = blob._rebuild_tensor_v3(untyped, 1, (2,), (1,), False, {}, DTYPES["uint16"])

@@ -8,7 +8,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_tool.geometry import MAX_REPORTED, Box, check_coverage
+from gtp_format.check.geometry import MAX_REPORTED, Box, check_coverage
 
 
 def brute(shape: tuple[int, ...], boxes: list[Box]):

@@ -21,12 +21,12 @@ import pytest
 import torch
 from cli_helpers import assert_error_line, cli, snapshot
 
-from ckpt_tool.model import Checkpoint
-from ckpt_tool.reader.checkpoint import open_checkpoint
-from ckpt_tool.reader.chunks import load_chunk
-from gtp_runtime.checkpoint.format import STATES, distcp_writer_rank, parse_optimizer_key
-from gtp_runtime.config import ParallelConfig
-from gtp_runtime.topology import Topology
+from gtp_format.layout.config import ParallelConfig
+from gtp_format.layout.topology import Topology
+from gtp_format.model import Checkpoint
+from gtp_format.names import STATES, distcp_writer_rank, parse_optimizer_key
+from gtp_format.reader.checkpoint import open_checkpoint
+from gtp_format.reader.chunks import load_chunk
 
 ROOT = Path(__file__).resolve().parents[2]
 ALIASED = ROOT / "fixtures" / "gtp" / "aliased_cp2_g2_dp2"
@@ -273,8 +273,8 @@ def test_zero_blobs_are_sparse_and_checksummed(tmp_path: Path, algorithm: str):
     """The writer path for big zero chunks (holes + CRC shift), which the small fixture never reaches."""
     import io
 
-    from ckpt_tool.hashing import CRCS, HASHERS, gf2_times
     from ckpt_tool.migrate_core import HOLE_MIN, _CountingWriter, _ZeroBlobs
+    from gtp_format.hashing import CRCS, HASHERS, gf2_times
 
     crc = CRCS[algorithm]
 

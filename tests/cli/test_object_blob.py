@@ -14,9 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_tool.reader.object_blob import _ObjectPickle, load_plain_object
-from ckpt_tool.reader.zip_blob import BlobError, ViewReader
-from gtp_runtime.checkpoint.dtypes import DTYPES
+from gtp_format.dtypes import DTYPES
+from gtp_format.reader.object_blob import _ObjectPickle, load_plain_object
+from gtp_format.reader.zip_blob import BlobError, ViewReader
 
 
 def _saved(obj: object) -> bytes:

@@ -9,12 +9,12 @@ import ckpt_factory as F
 import pytest
 import torch
 
-from ckpt_tool.analysis import aliasing, classify_all, topology_view, writer_rank
-from ckpt_tool.errors import CkptError
-from ckpt_tool.model import BYTES, ENC_RAW, ENC_TORCH_SAVE, TENSOR
-from ckpt_tool.reader.checkpoint import open_checkpoint
-from ckpt_tool.reader.chunks import load_chunk, load_object, load_plain
-from gtp_runtime.checkpoint.dtypes import DTYPES
+from gtp_format.check.analysis import aliasing, classify_all, topology_view, writer_rank
+from gtp_format.dtypes import DTYPES
+from gtp_format.errors import FormatError
+from gtp_format.model import BYTES, ENC_RAW, ENC_TORCH_SAVE, TENSOR
+from gtp_format.reader.checkpoint import open_checkpoint
+from gtp_format.reader.chunks import load_chunk, load_object, load_plain
 
 
 def _boxes(entry):
@@ -102,13 +102,13 @@ def test_safetensors_reader_uses_no_pickle(ckpts: Path, monkeypatch: pytest.Monk
 def test_locate_errors(tmp_path: Path, ckpts: Path, copy_ckpt):
     run = copy_ckpt("good")
     (run / "latest_checkpointed_iteration.txt").write_text("12")
-    with pytest.raises(CkptError, match="iter_0000012 is missing"):
+    with pytest.raises(FormatError, match="iter_0000012 is missing"):
         open_checkpoint(run)
     (run / "latest_checkpointed_iteration.txt").write_text("ten")
-    with pytest.raises(CkptError, match="not an iteration number"):
+    with pytest.raises(FormatError, match="not an iteration number"):
         open_checkpoint(run)
     (run / "latest_checkpointed_iteration.txt").unlink()
-    with pytest.raises(CkptError, match="pass one of them"):
+    with pytest.raises(FormatError, match="pass one of them"):
         open_checkpoint(run)
 
 

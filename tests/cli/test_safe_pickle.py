@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import assert_error_line, cli, snapshot
 
-from ckpt_tool.errors import CkptError
-from ckpt_tool.reader.safe_pickle import ALLOWED_GLOBALS, MetadataRecord, UnsafePickle, load_metadata_pickle
+from gtp_format.errors import FormatError
+from gtp_format.reader.safe_pickle import ALLOWED_GLOBALS, MetadataRecord, UnsafePickle, load_metadata_pickle
 
 # Exactly what torch 2.13 references in the fixture's .metadata (float32 and bfloat16 tensors).
 TORCH_2_13_GLOBALS = {
@@ -102,10 +102,10 @@ def test_memo_bomb_is_not_allocated():
     # LONG_BINPUT 2**31: the C unpickler would size its memo table for 2**32 entries (32 GiB).
     data = b"\x80\x04N" + b"r" + struct.pack("<I", 2**31) + b"."
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with pytest.raises(CkptError):
+    with pytest.raises(FormatError):
         obj = load_metadata_pickle(data, "bomb/.metadata")
         if not isinstance(obj, MetadataRecord):
-            raise CkptError("not metadata")
+            raise FormatError("not metadata")
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert grown_kib < 64 * 1024
 
@@ -114,7 +114,7 @@ def test_memo_bomb_is_not_allocated():
 def test_damaged_pickles_are_one_clean_error(payload: bytes):
     try:
         obj = load_metadata_pickle(payload, "d/.metadata")
-    except CkptError as e:
+    except FormatError as e:
         assert "d/.metadata" in e.message and "\n" not in e.message
     else:
         assert not isinstance(obj, MetadataRecord)
@@ -123,7 +123,7 @@ def test_damaged_pickles_are_one_clean_error(payload: bytes):
 def test_torch_size_refuses_non_ints():
     # torch.Size((1, "x")) via REDUCE: refused while parsing, never stored
     data = b"\x80\x04\x8c\x05torch\x94\x8c\x04Size\x94\x93\x94K\x01\x8c\x01x\x86\x94\x85\x94R\x94."
-    with pytest.raises(CkptError, match="torch.Size"):
+    with pytest.raises(FormatError, match="torch.Size"):
         load_metadata_pickle(data, "s/.metadata")
 
 

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_tool.scan import can_hold_nonfinite, carrier, count_nonfinite
-from gtp_runtime.checkpoint.dtypes import DTYPES, from_torch
+from gtp_format.dtypes import DTYPES, from_torch
+from gtp_format.scan import can_hold_nonfinite, carrier, count_nonfinite
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
           torch.complex32]

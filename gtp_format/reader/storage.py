@@ -14,7 +14,7 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from ckpt_tool.errors import ChunkError, CkptError
+from gtp_format.errors import ChunkError, FormatError
 
 
 def _open_readonly(path: Path) -> int:
@@ -107,17 +107,17 @@ def read_small_file(path: Path, limit: int, what: str, fix: str) -> bytes:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise CkptError(f"{path} is missing; {fix}") from None
+        raise FormatError(f"{path} is missing; {fix}") from None
     except OSError as e:
-        raise CkptError(f"cannot stat {path}: {e.strerror}; {fix}") from None
+        raise FormatError(f"cannot stat {path}: {e.strerror}; {fix}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise CkptError(f"{path} is not a regular file; {fix}")
+        raise FormatError(f"{path} is not a regular file; {fix}")
     if st.st_size > limit:
-        raise CkptError(f"{path} is {st.st_size} bytes, over the {limit}-byte limit for {what}; {fix}")
+        raise FormatError(f"{path} is {st.st_size} bytes, over the {limit}-byte limit for {what}; {fix}")
     try:
         fd = _open_readonly(path)
     except OSError as e:
-        raise CkptError(f"cannot open {path}: {e.strerror}; {fix}") from None
+        raise FormatError(f"cannot open {path}: {e.strerror}; {fix}") from None
     parts: list[bytes] = []
     total = 0
     try:
@@ -128,7 +128,7 @@ def read_small_file(path: Path, limit: int, what: str, fix: str) -> bytes:
             parts.append(block)
             total += len(block)
             if total > limit:
-                raise CkptError(f"{path} grew past the {limit}-byte limit for {what} while reading; {fix}")
+                raise FormatError(f"{path} grew past the {limit}-byte limit for {what} while reading; {fix}")
     finally:
         os.close(fd)
     return b"".join(parts)
@@ -139,7 +139,7 @@ def list_dir(path: Path) -> list[str]:
     try:
         return sorted(os.listdir(path))
     except NotADirectoryError:
-        raise CkptError(f"{path} is a file, expected a checkpoint folder; pass the iter_XXXXXXX folder "
+        raise FormatError(f"{path} is a file, expected a checkpoint folder; pass the iter_XXXXXXX folder "
                         "or its parent") from None
     except OSError as e:
-        raise CkptError(f"cannot list {path}: {e.strerror}") from None
+        raise FormatError(f"cannot list {path}: {e.strerror}") from None

@@ -50,7 +50,7 @@ def iter_dir_name(iteration: int) -> str:
 def dtype_tag(param_dtype: Any, grad_dtype: Any) -> str:
     """The ``D`` of a key: the repr of the (param_dtype, grad_dtype) tuple, as Megatron writes it.
 
-    Takes ``torch.dtype`` (the runtime) or :class:`~gtp_runtime.checkpoint.dtypes.DType` (the CLI):
+    Takes ``torch.dtype`` (the runtime) or :class:`~gtp_format.dtypes.DType` (the CLI):
     both print as ``torch.bfloat16``.
     """
     return repr((param_dtype, grad_dtype))

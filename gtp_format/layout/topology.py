@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gtp_runtime.config import ParallelConfig
+from gtp_format.layout.config import ParallelConfig
 
 # Group names, used as keys everywhere (groups.py, docs, the manifest).
 CP = "cp"

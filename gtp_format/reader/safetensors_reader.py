@@ -42,18 +42,18 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from ckpt_tool.errors import CkptError
-from ckpt_tool.model import TENSOR, Chunk, Entry, Problem, StorageRef
-from ckpt_tool.reader.locate import (
+from gtp_format.dtypes import BY_SAFETENSORS, DTYPES, DType
+from gtp_format.errors import FormatError
+from gtp_format.model import TENSOR, Chunk, Entry, Problem, StorageRef
+from gtp_format.names import GTP_INDEX_VERSION
+from gtp_format.reader.locate import (
     SAFETENSORS_INDEX_FILE,
     SAFETENSORS_SUFFIX,
     Located,
     load_json_object,
     metadata_limit,
 )
-from ckpt_tool.reader.storage import read_range, unsafe_reason
-from gtp_runtime.checkpoint.dtypes import BY_SAFETENSORS, DTYPES, DType
-from gtp_runtime.checkpoint.format import GTP_INDEX_VERSION
+from gtp_format.reader.storage import read_range, unsafe_reason
 
 HEADER_LEN_BYTES = 8
 HEADER_LIMIT = 100 << 20  # the safetensors library's own cap on header size
@@ -81,11 +81,11 @@ def read_header(folder: Path, name: str, size: int) -> tuple[dict[str, Any], int
     The declared header length is checked against the real file size before the header is read.
     """
     if size < HEADER_LEN_BYTES:
-        raise CkptError(f"{folder / name} is {size} bytes, too short for a safetensors header; "
+        raise FormatError(f"{folder / name} is {size} bytes, too short for a safetensors header; "
                         "the file is truncated: restore it")
     (n,) = struct.unpack("<Q", read_range(folder, name, 0, HEADER_LEN_BYTES))
     if n > HEADER_LIMIT or HEADER_LEN_BYTES + n > size:
-        raise CkptError(
+        raise FormatError(
             f"{folder / name} declares a {n}-byte safetensors header but the file has {size} bytes; it is "
             "truncated or not a safetensors file (DCP writes byte objects ahead of the header): restore it"
         )
@@ -93,16 +93,16 @@ def read_header(folder: Path, name: str, size: int) -> tuple[dict[str, Any], int
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CkptError(f"{folder / name} has an unparsable safetensors header ({e}); restore the file") from None
+        raise FormatError(f"{folder / name} has an unparsable safetensors header ({e}); restore the file") from None
     if not isinstance(header, dict):
-        raise CkptError(f"{folder / name} has a safetensors header that is not a JSON object; restore the file")
+        raise FormatError(f"{folder / name} has a safetensors header that is not a JSON object; restore the file")
     return header, HEADER_LEN_BYTES + n
 
 
 def _sharding_info(header: dict[str, Any], where: str) -> dict[str, Any]:
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict):
-        raise CkptError(f"{where}: __metadata__ is not a JSON object; restore the file")
+        raise FormatError(f"{where}: __metadata__ is not a JSON object; restore the file")
     raw = meta.get(SHARDING_INFO_KEY)
     if raw is None:
         return {}
@@ -111,7 +111,7 @@ def _sharding_info(header: dict[str, Any], where: str) -> dict[str, Any]:
     except json.JSONDecodeError:
         info = None
     if not isinstance(info, dict):
-        raise CkptError(f"{where}: __metadata__.{SHARDING_INFO_KEY} is not a JSON object; restore the file")
+        raise FormatError(f"{where}: __metadata__.{SHARDING_INFO_KEY} is not a JSON object; restore the file")
     return info
 
 
@@ -135,11 +135,11 @@ def read_gtp_index(loc: Located, files: dict[str, int], index_file: str,
     index = load_json_object(path, "the safetensors index", metadata_limit(sum(files.values())))
     fix = f"restore {index_file} from a good copy"
     if type(index.get("version")) is not int or index["version"] > GTP_INDEX_VERSION:
-        raise CkptError(f"{path} has version {index.get('version')!r}; this ckpt reads version "
+        raise FormatError(f"{path} has version {index.get('version')!r}; this ckpt reads version "
                         f"{GTP_INDEX_VERSION}: upgrade ckpt or {fix}")
     keys = index.get("keys")
     if not isinstance(keys, dict):
-        raise CkptError(f"{path} has no 'keys' object; {fix}")
+        raise FormatError(f"{path} has no 'keys' object; {fix}")
     headers: dict[str, tuple[dict[str, Any], int] | str] = {}
     notes: list[Problem] = []
     entries: dict[str, Entry] = {}
@@ -148,14 +148,14 @@ def read_gtp_index(loc: Located, files: dict[str, int], index_file: str,
         shape = _ints(spec.get("shape")) if isinstance(spec, dict) else None
         raw_chunks = spec.get("chunks") if isinstance(spec, dict) else None
         if dtype is None or shape is None or not isinstance(raw_chunks, list):
-            raise CkptError(f"{path}: key {key!r} has no valid dtype, shape and chunks; {fix}")
+            raise FormatError(f"{path}: key {key!r} has no valid dtype, shape and chunks; {fix}")
         chunks = []
         for i, c in enumerate(raw_chunks):
             offsets = _ints(c.get("offsets")) if isinstance(c, dict) else None
             sizes = _ints(c.get("sizes")) if isinstance(c, dict) else None
             named = isinstance(c, dict) and isinstance(c.get("file"), str) and isinstance(c.get("name"), str)
             if offsets is None or sizes is None or not named:
-                raise CkptError(f"{path}: key {key!r} chunk {i} lacks offsets, sizes, file or name; {fix}")
+                raise FormatError(f"{path}: key {key!r} chunk {i} lacks offsets, sizes, file or name; {fix}")
             ref, problem = _locate_named(loc, files, headers, c["file"], c["name"], dtype, sizes)
             if problem is not None:
                 notes.append(Problem("error", "index", problem, key=key, chunk=i, file=c["file"]))
@@ -174,7 +174,7 @@ def _locate_named(loc: Located, files: dict[str, int], headers: dict[str, tuple[
         else:
             try:
                 headers[file] = read_header(loc.folder, file, files[file])
-            except CkptError as e:
+            except FormatError as e:
                 headers[file] = e.message
     got = headers[file]
     if isinstance(got, str):
@@ -204,23 +204,23 @@ def read_safetensors_metadata(loc: Located, files: dict[str, int]) -> tuple[dict
             if key == "__metadata__":
                 continue
             if not isinstance(spec, dict):
-                raise CkptError(f"{where}: header entry {key!r} is not a JSON object; restore the file")
+                raise FormatError(f"{where}: header entry {key!r} is not a JSON object; restore the file")
             dtype_name = spec.get("dtype")
             dtype = BY_SAFETENSORS.get(dtype_name) if isinstance(dtype_name, str) else None
             shape = _ints(spec.get("shape"))
             span = _ints(spec.get("data_offsets"))
             if dtype is None or shape is None or span is None or len(span) != 2 or span[0] > span[1]:
-                raise CkptError(f"{where}: header entry {key!r} has a bad dtype, shape or data_offsets "
+                raise FormatError(f"{where}: header entry {key!r} has a bad dtype, shape or data_offsets "
                                 f"({spec!r}); restore the file")
             sharding = info.get(key, {})
             offsets = _ints(sharding.get(SAVED_OFFSETS_KEY)) if isinstance(sharding, dict) and sharding else None
             if offsets is None:
                 if key in info:
-                    raise CkptError(f"{where}: {SHARDING_INFO_KEY}[{key!r}] has no valid saved_offsets; "
+                    raise FormatError(f"{where}: {SHARDING_INFO_KEY}[{key!r}] has no valid saved_offsets; "
                                     "restore the file")
                 offsets = (0,) * len(shape)
             if len(offsets) != len(shape):
-                raise CkptError(f"{where}: {key!r} has {len(shape)} dims but saved_offsets {list(offsets)}; "
+                raise FormatError(f"{where}: {key!r} has {len(shape)} dims but saved_offsets {list(offsets)}; "
                                 "restore the file")
             if key in dtypes and dtypes[key] != dtype:
                 notes.append(Problem("error", "dtype_mismatch",

@@ -3,7 +3,7 @@
 The declared size is checked before any byte is read (a chunk declaring 10**15 elements is an
 error message, not an allocation); the byte range is checked against the real file size before
 it is read; only that range is read; the decoded tensor's dtype and shape must equal the
-declared ones. Tensor blobs are decoded by :mod:`ckpt_tool.reader.blob` (no ``torch.load``, no
+declared ones. Tensor blobs are decoded by :mod:`gtp_format.reader.blob` (no ``torch.load``, no
 copy of the elements). Byte objects go through ``torch.load(weights_only=True)``, and only when
 all zip records are stored uncompressed: torch inflates a deflated record into a buffer sized by
 the pickle's claim, so a 100 KB blob could otherwise ask for gigabytes.
@@ -22,13 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from ckpt_tool.errors import ChunkError
-from ckpt_tool.model import BYTES, ENC_RAW, Checkpoint, Chunk, Entry, StorageRef
-from ckpt_tool.reader.blob import BlobLayout, as_tensor, element_view, parse_blob
-from ckpt_tool.reader.object_blob import load_plain_object
-from ckpt_tool.reader.storage import read_range
-from ckpt_tool.reader.zip_blob import BlobError, ViewReader
-from ckpt_tool.scan import carrier
+from gtp_format.errors import ChunkError
+from gtp_format.model import BYTES, ENC_RAW, Checkpoint, Chunk, Entry, StorageRef
+from gtp_format.reader.blob import BlobLayout, as_tensor, element_view, parse_blob
+from gtp_format.reader.object_blob import load_plain_object
+from gtp_format.reader.storage import read_range
+from gtp_format.reader.zip_blob import BlobError, ViewReader
+from gtp_format.scan import carrier
 
 
 def declared_size_problem(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> str | None:
@@ -140,7 +140,7 @@ def load_elements(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> np.ndarray:
 def load_plain(ckpt: Checkpoint, entry: Entry) -> Any:
     """A byte object made only of containers, numbers and dtypes, decoded without torch.
 
-    :mod:`ckpt_tool.reader.object_blob` explains what is accepted; anything else is a
+    :mod:`gtp_format.reader.object_blob` explains what is accepted; anything else is a
     :class:`ChunkError` naming the key (``load_object`` decodes more, with torch).
     """
     first = entry.chunks[0]

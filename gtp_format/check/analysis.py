@@ -1,6 +1,6 @@
 """What the keys of a checkpoint mean: weights, optimizer buckets, folded buffers, aliasing.
 
-Key names are parsed only through :mod:`gtp_runtime.checkpoint.format`, the single definition of
+Key names are parsed only through :mod:`gtp_format.names`, the single definition of
 the format. The topology comes from the manifest's ``topology`` (gtp_runtime writes the
 ParallelConfig fields there) or from ``--cp-size``. A ``--cp-size N`` with N > 1 declares the
 checkpoint folded with that CP degree, since only folded buffers depend on CP in their keys.
@@ -29,15 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from ckpt_tool.model import BYTES, TENSOR, Checkpoint, Entry, Problem
-from gtp_runtime.checkpoint.format import (
+from gtp_format.layout.config import ConfigError, ParallelConfig
+from gtp_format.layout.topology import Topology
+from gtp_format.model import BYTES, TENSOR, Checkpoint, Entry, Problem
+from gtp_format.names import (
     OptimizerKey,
     distcp_writer_rank,
     parse_optimizer_key,
     parse_per_bucket_numel_key,
 )
-from gtp_runtime.config import ConfigError, ParallelConfig
-from gtp_runtime.topology import Topology
 
 MODEL = "model"
 OPTIMIZER = "optimizer"

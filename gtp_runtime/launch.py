@@ -67,8 +67,8 @@ def timeout_s() -> float:
 
 
 def _known_error(e: BaseException) -> bool:
+    from gtp_format.layout.config import ConfigError
     from gtp_runtime.checkpoint.io import CheckpointError
-    from gtp_runtime.config import ConfigError
 
     return isinstance(e, (CheckpointError, ConfigError))
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gtp_runtime.checkpoint.dtypes import BOOL, COMPLEX, FLOAT, SIGNED, DType
+from gtp_format.dtypes import BOOL, COMPLEX, FLOAT, SIGNED, DType
 
 _NATIVE = {"float32": np.float32, "float64": np.float64, "complex64": np.complex64, "complex128": np.complex128}
 _HALF_EXP = {"float16": 0x7C00, "bfloat16": 0x7F80, "complex32": 0x7C00}  # exponent all ones, sign masked

@@ -1,7 +1,7 @@
 """The checkpoint model every command works on, whatever the on-disk layout.
 
 Both readers (DCP ``.metadata`` pickles and DCP's safetensors layout) produce this model, so the
-checks in :mod:`ckpt_tool.verify_core` and the commands never look at a layout again. It holds
+checks in :mod:`gtp_format.check.verify` and the commands never look at a layout again. It holds
 metadata only: building it never opens a data file, which is what lets ``inspect`` promise not to
 touch ``.distcp`` files.
 """
@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from gtp_runtime.checkpoint.dtypes import DType
+from gtp_format.dtypes import DType
 
 TENSOR = "tensor"
 BYTES = "bytes"
@@ -93,7 +93,7 @@ class Checkpoint:
     """A checkpoint folder, read as metadata only."""
 
     root: Path
-    layout: str  # one of gtp_runtime.checkpoint.format.LAYOUTS
+    layout: str  # one of gtp_format.names.LAYOUTS
     backend: str  # human description: "megatron torch_dist", "dcp", "dcp safetensors"
     encoding: str  # ENC_TORCH_SAVE or ENC_RAW
     entries: dict[str, Entry]

@@ -11,7 +11,7 @@ EXIT_CHECK_FAILED = 1
 EXIT_BAD_INPUT = 2
 
 
-class CkptError(Exception):
+class FormatError(Exception):
     """Input the CLI cannot use (exit 2) or a check that failed (exit 1).
 
     Newlines in the message are folded into spaces so the one-line promise holds even when a
@@ -27,7 +27,7 @@ class CkptError(Exception):
         return str(self.args[0])
 
 
-class ChunkError(CkptError):
+class ChunkError(FormatError):
     """One stored chunk cannot be read or does not match its metadata.
 
     ``verify`` catches it and records a problem; ``show`` and ``diff`` let it end the command.

@@ -8,12 +8,12 @@ byte once, in order, and spreading the CPU work over the cores without leaving t
   and scanned; measured here, reading into 16 MiB windows made the kernel's copy alone 3x slower;
 * a pool of worker threads takes the windows in file order. Each worker reads its window
   (``os.pread``), hashes it on its own, decodes the chunks in it in place
-  (:mod:`ckpt_tool.reader.blob`: the elements are a numpy view of the window, never a copy) and
-  scans them for NaN/Inf (:mod:`ckpt_tool.scan`: one pass per chunk when there are none).
+  (:mod:`gtp_format.reader.blob`: the elements are a numpy view of the window, never a copy) and
+  scans them for NaN/Inf (:mod:`gtp_format.scan`: one pass per chunk when there are none).
   ``os.pread``, the CRC and numpy's loops release the GIL, so the workers run in parallel. No
   torch: importing it would cost a short ``verify`` more than its whole pass;
 * the main thread takes the results back in file order: it joins the windows' CRCs with
-  :meth:`~ckpt_tool.hashing.Crc.combine` (CRC-32C or CRC-32), feeds order-dependent digests
+  :meth:`~gtp_format.hashing.Crc.combine` (CRC-32C or CRC-32), feeds order-dependent digests
   (SHA-256) window after window, and adds up counts and problems, so the report is the same
   whatever the number of workers;
 * at most ``IN_FLIGHT * workers`` windows are in flight, so memory is bounded whatever the
@@ -36,11 +36,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ckpt_tool.errors import ChunkError
-from ckpt_tool.hashing import CRCS, HASHERS, Crc, Hasher
-from ckpt_tool.model import BYTES, ENC_TORCH_SAVE, Checkpoint, Chunk, Entry, Problem
-from ckpt_tool.reader.blob import parse_blob
-from ckpt_tool.reader.chunks import (
+from gtp_format.dtypes import DType
+from gtp_format.errors import ChunkError
+from gtp_format.hashing import CRCS, HASHERS, Crc, Hasher
+from gtp_format.model import BYTES, ENC_TORCH_SAVE, Checkpoint, Chunk, Entry, Problem
+from gtp_format.reader.blob import parse_blob
+from gtp_format.reader.chunks import (
     blob_error,
     check_layout,
     checked_ref,
@@ -48,10 +49,9 @@ from ckpt_tool.reader.chunks import (
     decode_elements,
     load_elements,
 )
-from ckpt_tool.reader.storage import open_regular, past_end_message
-from ckpt_tool.reader.zip_blob import BlobError, RangeReader
-from ckpt_tool.scan import can_hold_nonfinite, carrier, count_nonfinite
-from gtp_runtime.checkpoint.dtypes import DType
+from gtp_format.reader.storage import open_regular, past_end_message
+from gtp_format.reader.zip_blob import BlobError, RangeReader
+from gtp_format.scan import can_hold_nonfinite, carrier, count_nonfinite
 
 WINDOW = 2 << 20
 MAX_WORKERS = 8

@@ -27,7 +27,7 @@ Nothing from torch is imported or constructed: every allowed class maps to an in
 
 Resource guards, because a small hostile file can still ask for a lot of memory or time:
 
-* the stream is walked first by :func:`gtp_runtime.checkpoint.pickle_scan.check_pickle`, which
+* the stream is walked first by :func:`gtp_format.reader.pickle_scan.check_pickle`, which
   refuses memo indices no pickler could have written (the C unpickler sizes its memo array from
   them) and then the fast C unpickler runs, with the cyclic GC paused;
 * no allowed callable copies an argument of unbounded size: ``torch.Size`` takes at most
@@ -50,9 +50,9 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any, ClassVar
 
-from ckpt_tool.errors import CkptError
-from gtp_runtime.checkpoint.dtypes import DTYPES, LAYOUTS, MEMORY_FORMATS
-from gtp_runtime.checkpoint.pickle_scan import PickleScanError, ScannedUnpickler
+from gtp_format.dtypes import DTYPES, LAYOUTS, MEMORY_FORMATS
+from gtp_format.errors import FormatError
+from gtp_format.reader.pickle_scan import PickleScanError, ScannedUnpickler
 
 MAX_DIMS = 64
 MAX_PATH = 4096
@@ -64,7 +64,7 @@ _DCP_PLANNER = "torch.distributed.checkpoint.planner"
 _MCORE_TORCH = "megatron.core.dist_checkpointing.strategies.torch"
 
 
-class UnsafePickle(CkptError):
+class UnsafePickle(FormatError):
     """The pickle references a global outside the allow-list; nothing in it was executed."""
 
 
@@ -279,7 +279,7 @@ def _build_allow_list() -> dict[tuple[str, str], Any]:
         for name in ("WindowsPath", "PureWindowsPath"):
             allow[(module, name)] = _windows_path
     # dtypes, layouts and memory formats are pickled as module globals (``torch float32``); they
-    # resolve to inert descriptions (gtp_runtime.checkpoint.dtypes), never to torch objects.
+    # resolve to inert descriptions (gtp_format.dtypes), never to torch objects.
     allow.update({("torch", name): dtype for name, dtype in DTYPES.items()})
     allow.update({("torch", name): TorchConstant(name) for name in LAYOUTS | MEMORY_FORMATS})
     return allow
@@ -339,18 +339,18 @@ class _AllowListUnpickler(ScannedUnpickler):  # the C unpickler, after the opcod
 
 
 def load_metadata_pickle(data: bytes, source: str) -> Any:
-    """Unpickle DCP metadata bytes through the allow-list; one-line :class:`CkptError` on failure."""
+    """Unpickle DCP metadata bytes through the allow-list; one-line :class:`FormatError` on failure."""
     try:
         return _AllowListUnpickler(data, source).load()
-    except CkptError:
+    except FormatError:
         raise
     except PickleScanError as e:
-        raise CkptError(f"cannot parse {source} as DCP metadata ({e}); nothing in it was executed; the file is "
+        raise FormatError(f"cannot parse {source} as DCP metadata ({e}); nothing in it was executed; the file is "
                         "damaged or crafted: restore it from a good copy") from None
     except RecursionError:
-        raise CkptError(f"cannot parse {source}: objects nested too deeply for DCP metadata") from None
+        raise FormatError(f"cannot parse {source}: objects nested too deeply for DCP metadata") from None
     except Exception as e:  # a damaged pickle raises anything from EOFError to TypeError
-        raise CkptError(
+        raise FormatError(
             f"cannot parse {source} as DCP metadata ({type(e).__name__}: {e}); the file is damaged or is "
             "not a .metadata pickle: restore it from a good copy"
         ) from None

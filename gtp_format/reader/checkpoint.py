@@ -1,4 +1,4 @@
-"""Open a checkpoint PATH as a :class:`ckpt_tool.model.Checkpoint`: locate, detect, read metadata.
+"""Open a checkpoint PATH as a :class:`gtp_format.model.Checkpoint`: locate, detect, read metadata.
 
 This is the only entry point the commands use, so every command accepts the same PATH forms and
 refuses the same bad input with the same words.
@@ -9,18 +9,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ckpt_tool.errors import ChunkError, CkptError
-from ckpt_tool.model import ENC_RAW, ENC_TORCH_SAVE, Checkpoint, Problem
-from ckpt_tool.reader.dcp_reader import data_file_sizes, read_dcp_metadata
-from ckpt_tool.reader.locate import (
+from gtp_format.errors import ChunkError, FormatError
+from gtp_format.model import ENC_RAW, ENC_TORCH_SAVE, Checkpoint, Problem
+from gtp_format.names import DCP_METADATA_FILE
+from gtp_format.reader.dcp_reader import data_file_sizes, read_dcp_metadata
+from gtp_format.reader.locate import (
     LAYOUT_SAFETENSORS,
     iteration_from_name,
     load_side_files,
     locate,
 )
-from ckpt_tool.reader.safetensors_reader import read_gtp_index, read_safetensors_metadata, safetensors_files
-from ckpt_tool.reader.storage import file_size
-from gtp_runtime.checkpoint.format import DCP_METADATA_FILE
+from gtp_format.reader.safetensors_reader import read_gtp_index, read_safetensors_metadata, safetensors_files
+from gtp_format.reader.storage import file_size
 
 TORCH_DIST_BACKEND = "torch_dist"
 GTP_SAFETENSORS_BACKEND = "gtp_safetensors"  # metadata.json of gtp_runtime's safetensors layout
@@ -32,7 +32,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     megatron, manifest = load_side_files(loc)
     notes: list[Problem] = []
     if loc.layout == LAYOUT_SAFETENSORS:
-        from gtp_runtime.checkpoint.format import GTP_INDEX_FILE as INDEX_FILE  # this project's layout
+        from gtp_format.names import GTP_INDEX_FILE as INDEX_FILE  # this project's layout
 
         files = safetensors_files(loc)
         encoding, version = ENC_RAW, None
@@ -40,7 +40,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             entries, notes = read_gtp_index(loc, files, INDEX_FILE)
             backend, metadata_file = "gtp safetensors", INDEX_FILE
         elif megatron is not None and megatron.get("sharded_backend") == GTP_SAFETENSORS_BACKEND:
-            raise CkptError(f"{loc.folder / INDEX_FILE} is missing: metadata.json names the gtp safetensors layout "
+            raise FormatError(f"{loc.folder / INDEX_FILE} is missing: metadata.json names the gtp safetensors layout "
                             f"but its index was never written (an interrupted save?); use another iteration")
         else:
             entries, notes = read_safetensors_metadata(loc, files)

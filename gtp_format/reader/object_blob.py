@@ -4,11 +4,11 @@
 ``_unpadded`` twin), ``torch.save([data])`` with ``data`` a list over gbuf of
 ``{(param_dtype, grad_dtype): [numel per bucket]}``. ``torch.load(weights_only=True)`` would decode
 it safely, but importing torch costs seconds, so this decodes exactly that kind of object: the
-archive is read by :mod:`ckpt_tool.reader.zip_blob` (stored records only, bounds-checked) and
+archive is read by :mod:`gtp_format.reader.zip_blob` (stored records only, bounds-checked) and
 ``data.pkl`` by an allow-list unpickler that knows builtin containers, numbers, strings, bytes,
-and torch dtypes (as inert :class:`~gtp_runtime.checkpoint.dtypes.DType` values). DCP's default
+and torch dtypes (as inert :class:`~gtp_format.dtypes.DType` values). DCP's default
 planner ``torch.save``-s the ``io.BytesIO`` holding a blob once more; one such level is undone,
-as :func:`ckpt_tool.reader.chunks.load_object` does.
+as :func:`gtp_format.reader.chunks.load_object` does.
 
 Objects holding tensors, numpy arrays or other classes are refused here (nothing runs); ``show``
 and ``diff`` decode those through ``torch.load(weights_only=True)``.
@@ -20,11 +20,11 @@ import codecs
 import pickle
 from typing import Any
 
-from ckpt_tool.reader.blob import load_data_pkl
-from ckpt_tool.reader.safe_pickle import CopyBudget, brief
-from ckpt_tool.reader.zip_blob import BlobError, BlobReader, ViewReader, zip_records
-from gtp_runtime.checkpoint.dtypes import DTYPES
-from gtp_runtime.checkpoint.pickle_scan import ScannedUnpickler
+from gtp_format.dtypes import DTYPES
+from gtp_format.reader.blob import load_data_pkl
+from gtp_format.reader.pickle_scan import ScannedUnpickler
+from gtp_format.reader.safe_pickle import CopyBudget, brief
+from gtp_format.reader.zip_blob import BlobError, BlobReader, ViewReader, zip_records
 
 MAX_OBJECT_PICKLE = 1 << 20
 

@@ -3,7 +3,7 @@
 DCP stores every chunk as a complete ``torch.save`` zip archive inside a ``.distcp`` file.
 ``torch.load`` would copy the blob into a buffer, then copy the element record into a new
 storage; verifying hundreds of GB that way is bound by memory copies and page faults. Here
-:mod:`ckpt_tool.reader.zip_blob` reads the archive's structure (end records, central directory,
+:mod:`gtp_format.reader.zip_blob` reads the archive's structure (end records, central directory,
 local headers, and the small ``data.pkl`` record, CRC-checked; only what torch.save writes is
 accepted), ``data.pkl`` goes through an allow-listing unpickler whose only callables record their
 arguments, and the elements are a view over the caller's buffer, never copied. The view's sizes,
@@ -14,7 +14,7 @@ What the pickle may reference is what ``torch.save`` writes for a plain tensor:
 or ``_rebuild_tensor_v3`` with ``torch.storage.UntypedStorage`` and the dtype itself for those
 without a storage class (float8, uint16...), ``collections.OrderedDict`` (empty backward hooks),
 and a persistent id naming the storage record. Nothing here imports torch: dtypes come from
-:mod:`gtp_runtime.checkpoint.dtypes`, :func:`element_view` gives the elements as a numpy array
+:mod:`gtp_format.dtypes`, :func:`element_view` gives the elements as a numpy array
 (what ``verify --data`` scans), and only :func:`as_tensor` (``show``, ``diff``, ``migrate``)
 turns them into a torch tensor, still without a copy. ``tests/cli/test_blob.py`` checks both
 against ``torch.load`` on every fixture chunk.
@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from ckpt_tool.reader.safe_pickle import brief
-from ckpt_tool.reader.zip_blob import BlobError, BlobReader, ZipRecord, record_bytes, small_record, zip_records
-from ckpt_tool.scan import carrier
-from gtp_runtime.checkpoint.dtypes import BY_STORAGE, DTYPES, DType
-from gtp_runtime.checkpoint.pickle_scan import ScannedUnpickler
+from gtp_format.dtypes import BY_STORAGE, DTYPES, DType
+from gtp_format.reader.pickle_scan import ScannedUnpickler
+from gtp_format.reader.safe_pickle import brief
+from gtp_format.reader.zip_blob import BlobError, BlobReader, ZipRecord, record_bytes, small_record, zip_records
+from gtp_format.scan import carrier
 
 MAX_PICKLE = 1 << 20  # data.pkl of one tensor is ~150 bytes
 MAX_DIMS = 64
@@ -149,7 +149,7 @@ def load_data_pkl(reader: BlobReader, infos: dict[str, ZipRecord], unpickler: ty
                   limit: int) -> tuple[str, Any]:
     """The archive's ``<archive>/`` prefix and what its one ``data.pkl`` holds, through ``unpickler``.
 
-    Shared by tensor blobs (here) and plain objects (:mod:`ckpt_tool.reader.object_blob`): a
+    Shared by tensor blobs (here) and plain objects (:mod:`gtp_format.reader.object_blob`): a
     missing, repeated or oversized ``data.pkl``, a failed CRC and any exception of a damaged
     pickle all come out as one :class:`BlobError`.
     """
@@ -199,7 +199,7 @@ def _check_fits(layout: BlobLayout) -> None:
 def element_view(layout: BlobLayout, payload: memoryview | bytes) -> np.ndarray:
     """The tensor's elements over ``payload`` (the storage record's bytes) as a numpy array, no copy.
 
-    The elements keep their stored bits, viewed through :func:`ckpt_tool.scan.carrier` (bfloat16
+    The elements keep their stored bits, viewed through :func:`gtp_format.scan.carrier` (bfloat16
     as uint16, for one): this is what the NaN/Inf scan reads, and it needs no torch.
     """
     _check_fits(layout)

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt_tool.errors import CkptError
-from ckpt_tool.reader.storage import list_dir, read_small_file
-from gtp_runtime.checkpoint.format import (
+from gtp_format.errors import FormatError
+from gtp_format.names import (
     DCP_METADATA_FILE,
     DISTCP_RE,
     ITER_DIR_RE,
@@ -27,6 +26,7 @@ from gtp_runtime.checkpoint.format import (
     MEGATRON_METADATA_FILE,
     iter_dir_name,
 )
+from gtp_format.reader.storage import list_dir, read_small_file
 
 LAYOUT_TORCH_DIST, LAYOUT_SAFETENSORS = LAYOUTS
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -53,7 +53,7 @@ def metadata_limit(data_bytes: int) -> int:
         try:
             return max(0, int(override))
         except ValueError:
-            raise CkptError(f"{METADATA_LIMIT_ENV}={override!r} is not a byte count; set it to an integer") from None
+            raise FormatError(f"{METADATA_LIMIT_ENV}={override!r} is not a byte count; set it to an integer") from None
     return min(METADATA_CEILING, max(METADATA_FLOOR, data_bytes))
 
 
@@ -76,10 +76,10 @@ def _read_latest(parent: Path) -> Path:
     elif re.fullmatch(r"\d{1,12}", text):
         folder = parent / iter_dir_name(int(text))
     else:
-        raise CkptError(f"{marker} holds {text[:40]!r}, not an iteration number; {fix}")
+        raise FormatError(f"{marker} holds {text[:40]!r}, not an iteration number; {fix}")
     if not folder.is_dir():
         what = "a file" if folder.exists() else "missing"
-        raise CkptError(f"{marker} names iteration {text} but {folder} is {what}; {fix}")
+        raise FormatError(f"{marker} names iteration {text} but {folder} is {what}; {fix}")
     return folder
 
 
@@ -95,9 +95,9 @@ def locate(path: str | os.PathLike[str]) -> Located:
     """Resolve PATH to a checkpoint folder, following ``latest_checkpointed_iteration.txt``."""
     p = Path(path)
     if not p.exists():
-        raise CkptError(f"{p} does not exist; pass a checkpoint folder (iter_XXXXXXX) or its parent")
+        raise FormatError(f"{p} does not exist; pass a checkpoint folder (iter_XXXXXXX) or its parent")
     if not p.is_dir():
-        raise CkptError(f"{p} is a file, expected a checkpoint folder; pass the iter_XXXXXXX folder or its parent")
+        raise FormatError(f"{p} is a file, expected a checkpoint folder; pass the iter_XXXXXXX folder or its parent")
     names = list_dir(p)
     layout = _layout_of(names)
     if layout is None and LATEST_FILE in names:
@@ -106,16 +106,16 @@ def locate(path: str | os.PathLike[str]) -> Located:
         layout = _layout_of(names)
     if layout is None:
         if any(DISTCP_RE.match(n) for n in names) or MEGATRON_METADATA_FILE in names:
-            raise CkptError(
+            raise FormatError(
                 f"{p / DCP_METADATA_FILE} is missing: the folder has data files but no DCP metadata "
                 "(an interrupted save?); restore .metadata or use another iteration"
             )
         iters = [n for n in names if ITER_DIR_RE.match(n)]
         if iters:
-            raise CkptError(f"{p} holds {len(iters)} iter_* folders but no {LATEST_FILE}; pass one of them, "
+            raise FormatError(f"{p} holds {len(iters)} iter_* folders but no {LATEST_FILE}; pass one of them, "
                             f"e.g. {p / iters[-1]}")
         what = "is empty" if not names else "has no .metadata, *.safetensors or " + LATEST_FILE
-        raise CkptError(f"{p} {what}: not a checkpoint folder; pass an iter_XXXXXXX folder or its parent")
+        raise FormatError(f"{p} {what}: not a checkpoint folder; pass an iter_XXXXXXX folder or its parent")
     return Located(folder=p, layout=layout, names=tuple(names))
 
 
@@ -126,9 +126,9 @@ def load_json_object(path: Path, what: str, limit: int = JSON_LIMIT) -> dict[str
     try:
         obj = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CkptError(f"{path} is not valid JSON ({e}); {fix}") from None
+        raise FormatError(f"{path} is not valid JSON ({e}); {fix}") from None
     if not isinstance(obj, dict):
-        raise CkptError(f"{path} holds a JSON {type(obj).__name__}, expected an object; {fix}")
+        raise FormatError(f"{path} holds a JSON {type(obj).__name__}, expected an object; {fix}")
     return obj
 
 

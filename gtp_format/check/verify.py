@@ -2,7 +2,7 @@
 
 Structural checks read metadata and ``stat`` results only, so they are cheap enough for every
 run; ``--data`` adds decoding every chunk and hashing every file the manifest lists. Each check
-returns :class:`ckpt_tool.model.Problem` records instead of raising, so one damaged chunk does
+returns :class:`gtp_format.model.Problem` records instead of raising, so one damaged chunk does
 not hide the next one: a verify run reports everything it can see.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ckpt_tool.analysis import (
+from gtp_format.check.analysis import (
     BUCKET_NUMEL,
     KeyClass,
     TopologyView,
@@ -23,15 +23,15 @@ from ckpt_tool.analysis import (
     classify_all,
     topology_view,
 )
-from ckpt_tool.data_check import check_data
-from ckpt_tool.errors import ChunkError, CkptError
-from ckpt_tool.geometry import check_coverage
-from ckpt_tool.hashing import HASHERS, file_digests
-from ckpt_tool.model import ENC_TORCH_SAVE, TENSOR, Checkpoint, Entry, Problem
-from ckpt_tool.reader.chunks import declared_size_problem, load_elements, load_plain
-from ckpt_tool.reader.storage import file_size, open_regular, unsafe_reason
-from gtp_runtime.checkpoint.dtypes import DType
-from gtp_runtime.checkpoint.format import OPT_PREFIX, OptimizerKey, dtype_tag, per_bucket_numel_key
+from gtp_format.check.data import check_data
+from gtp_format.check.geometry import check_coverage
+from gtp_format.dtypes import DType
+from gtp_format.errors import ChunkError, FormatError
+from gtp_format.hashing import HASHERS, file_digests
+from gtp_format.model import ENC_TORCH_SAVE, TENSOR, Checkpoint, Entry, Problem
+from gtp_format.names import OPT_PREFIX, OptimizerKey, dtype_tag, per_bucket_numel_key
+from gtp_format.reader.chunks import declared_size_problem, load_elements, load_plain
+from gtp_format.reader.storage import file_size, open_regular, unsafe_reason
 
 CHEAP_OBJECT_BYTES = 1 << 20  # per_bucket_numel objects below this are decoded even without --data
 
@@ -295,7 +295,7 @@ def check_bucket_numel(ckpt: Checkpoint, classes: dict[str, KeyClass], data: boo
             else:
                 table = _bucket_numel_table(load_plain(ckpt, entry)) or (
                     "object is not a list of {(param_dtype, grad_dtype): [numel, ...]} per gbuf")
-        except CkptError as err:
+        except FormatError as err:
             out.append(Problem("error", "bucket_numel", err.message, key=key,
                                file=err.file if isinstance(err, ChunkError) else None))
             continue

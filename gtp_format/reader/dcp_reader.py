@@ -1,6 +1,6 @@
 """Read a DCP ``torch_dist`` checkpoint folder (``.metadata`` + ``__{rank}_{k}.distcp``) as metadata.
 
-The ``.metadata`` pickle goes through :mod:`ckpt_tool.reader.safe_pickle`; what comes out is a
+The ``.metadata`` pickle goes through :mod:`gtp_format.reader.safe_pickle`; what comes out is a
 tree of inert records whose every field is then type-checked here, because an allow-listed
 class can still carry a string where an offset belongs. Data files are only ``stat``-ed.
 
@@ -20,10 +20,13 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
-from ckpt_tool.errors import CkptError
-from ckpt_tool.model import BYTES, TENSOR, Chunk, Entry, Problem, StorageRef
-from ckpt_tool.reader.locate import METADATA_LIMIT_ENV, Located, metadata_limit
-from ckpt_tool.reader.safe_pickle import (
+from gtp_format.dtypes import DType
+from gtp_format.errors import FormatError
+from gtp_format.model import BYTES, TENSOR, Chunk, Entry, Problem, StorageRef
+from gtp_format.names import DCP_METADATA_FILE, DISTCP_RE
+from gtp_format.reader.locate import METADATA_LIMIT_ENV, Located, metadata_limit
+from gtp_format.reader.pickle_scan import gc_paused
+from gtp_format.reader.safe_pickle import (
     BytesStorageRecord,
     ChunkRecord,
     MetadataIndexRecord,
@@ -35,10 +38,7 @@ from ckpt_tool.reader.safe_pickle import (
     brief,
     load_metadata_pickle,
 )
-from ckpt_tool.reader.storage import read_small_file
-from gtp_runtime.checkpoint.dtypes import DType
-from gtp_runtime.checkpoint.format import DCP_METADATA_FILE, DISTCP_RE
-from gtp_runtime.checkpoint.pickle_scan import gc_paused
+from gtp_format.reader.storage import read_small_file
 
 
 def data_file_sizes(folder: Path, names: Sequence[str]) -> dict[str, int]:
@@ -180,7 +180,7 @@ def read_dcp_metadata(loc: Located, data_files: dict[str, int]) -> tuple[dict[st
 
 def _entries(path: Path, raw: bytes, md: Any) -> tuple[dict[str, Entry], list[Problem], str | None]:
     if not isinstance(md, MetadataRecord):
-        raise CkptError(f"{path} holds a {type(md).__name__}, not DCP Metadata; restore it from a good copy")
+        raise FormatError(f"{path} holds a {type(md).__name__}, not DCP Metadata; restore it from a good copy")
     key = None
     try:
         storage, duplicates = _storage_index(md.get("storage_data"))
@@ -209,7 +209,7 @@ def _entries(path: Path, raw: bytes, md: Any) -> tuple[dict[str, Entry], list[Pr
         key = None
     except _Malformed as e:
         where = f"key {brief(key)}: " if key is not None else ""
-        raise CkptError(f"malformed {path}: {where}{e}; restore it from a good copy") from None
+        raise FormatError(f"malformed {path}: {where}{e}; restore it from a good copy") from None
     notes = _orphan_notes(unclaimed, duplicates)
     version = md.get("version")
     return entries, notes, version if isinstance(version, str) else None
