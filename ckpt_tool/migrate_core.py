@@ -49,12 +49,24 @@ from typing import Any
 import torch
 
 from gtp_format.check.analysis import OPTIMIZER, classify_all, topology_view
+from gtp_format.commit import fsync_dir
 from gtp_format.dtypes import DTYPES, LAYOUTS, DType
 from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
 from gtp_format.hashing import CRCS, HASHERS, Crc, file_digests, gf2_times
 from gtp_format.layout import topology as topo
 from gtp_format.layout.config import ParallelConfig
+from gtp_format.layout.shard import ShardSpec
 from gtp_format.layout.topology import Topology
+from gtp_format.manifest import (
+    HASH_ALGORITHM,
+    BucketLayout,
+    BufferLayout,
+    Manifest,
+    ParamLayout,
+    parse_manifest,
+    read_manifest,
+    write_manifest,
+)
 from gtp_format.model import TENSOR, Checkpoint, Entry
 from gtp_format.names import (
     DCP_METADATA_FILE,
@@ -81,9 +93,6 @@ from gtp_format.reader.safe_pickle import (
     load_metadata_pickle,
 )
 from gtp_format.reader.storage import read_small_file
-from gtp_runtime.checkpoint.io import fsync_dir
-from gtp_runtime.checkpoint.manifest import HASH_ALGORITHM, write_manifest
-from gtp_runtime.sharding import ShardSpec
 
 MIGRATION_VERSION = 1
 TOOL = "ckpt migrate-aliased"
@@ -124,108 +133,6 @@ def locate_source(path: Path) -> Source:
 # --------------------------------------------------------------------------------------------
 # The manifest's bucket layout
 # --------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ParamLayout:
-    name: str
-    start: int  # bucket-relative
-    end: int
-    local_shape: tuple[int, ...]
-    full_shape: tuple[int, ...]
-    global_shape: tuple[int, ...]
-    tp_mode: str | None
-    shard_kind: str | None
-    shard_size: int
-    align: int
-
-
-@dataclass(frozen=True)
-class BucketLayout:
-    bucket_idx: int
-    numel: int
-    numel_unpadded: int
-    params: tuple[ParamLayout, ...]
-
-
-@dataclass(frozen=True)
-class BufferLayout:
-    gbuf_idx: int
-    dtype: str
-    param_dtype: str
-    excludes_cp: bool
-    is_expert: bool
-    dp_group_kind: str
-    dp_size: int
-    buckets: dict[int, BucketLayout]
-
-
-class _Bad(Exception):
-    pass
-
-
-def _get(d: Any, name: str, kind: type, where: str) -> Any:
-    """``d[name]``, which must be of type ``kind`` (exactly ``int`` for ints: a bool is not a count)."""
-    if not isinstance(d, dict) or name not in d:
-        raise _Bad(f"{where} has no {name!r}")
-    v = d[name]
-    ok = type(v) is int if kind is int else isinstance(v, kind)
-    if not ok:
-        raise _Bad(f"{where}.{name} is {v!r}, not {kind.__name__}")
-    return v
-
-
-def _opt_str(d: dict[str, Any], name: str, where: str) -> str | None:
-    v = d.get(name)
-    if v is not None and not isinstance(v, str):
-        raise _Bad(f"{where}.{name} is {v!r}, not a string or null")
-    return v
-
-
-def _ints(v: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(v, list) or not all(type(x) is int and x >= 0 for x in v):
-        raise _Bad(f"{where} is {v!r}, not a list of non-negative ints")
-    return tuple(v)
-
-
-def manifest_buffers(manifest: dict[str, Any], folder: Path) -> list[BufferLayout]:
-    """Every buffer of the manifest's ``buffers`` list, type-checked."""
-    out = []
-    try:
-        raw = _get(manifest, "buffers", list, "manifest")
-        for i, b in enumerate(raw):
-            w = f"buffers[{i}]"
-            buckets = {}
-            for k, bk in enumerate(_get(b, "buckets", list, w)):
-                wb = f"{w}.buckets[{k}]"
-                params = []
-                for m, p in enumerate(_get(bk, "params", list, wb)):
-                    wp = f"{wb}.params[{m}]"
-                    if not isinstance(p, dict):
-                        raise _Bad(f"{wp} is not an object")
-                    tp_mode, shard_kind = _opt_str(p, "tp_mode", wp), _opt_str(p, "shard_kind", wp)
-                    pl = ParamLayout(
-                        name=_get(p, "name", str, wp), start=_get(p, "start", int, wp), end=_get(p, "end", int, wp),
-                        local_shape=_ints(_get(p, "local_shape", list, wp), f"{wp}.local_shape"),
-                        full_shape=_ints(_get(p, "full_shape", list, wp), f"{wp}.full_shape"),
-                        global_shape=_ints(_get(p, "global_shape", list, wp), f"{wp}.global_shape"),
-                        tp_mode=tp_mode, shard_kind=shard_kind, shard_size=_get(p, "shard_size", int, wp),
-                        align=_get(p, "align", int, wp))
-                    if not 0 <= pl.start <= pl.end or pl.end - pl.start != math.prod(pl.local_shape):
-                        raise _Bad(f"{wp} has range [{pl.start}, {pl.end}) for local shape {list(pl.local_shape)}")
-                    params.append(pl)
-                idx = _get(bk, "bucket_idx", int, wb)
-                buckets[idx] = BucketLayout(idx, _get(bk, "numel", int, wb), _get(bk, "numel_unpadded", int, wb),
-                                            tuple(params))
-            out.append(BufferLayout(
-                gbuf_idx=_get(b, "gbuf_idx", int, w), dtype=_get(b, "dtype", str, w),
-                param_dtype=_get(b, "param_dtype", str, w), excludes_cp=_get(b, "excludes_cp", bool, w),
-                is_expert=_get(b, "is_expert", bool, w), dp_group_kind=_get(b, "dp_group_kind", str, w),
-                dp_size=_get(b, "dp_size", int, w), buckets=buckets))
-    except _Bad as e:
-        raise FormatError(f"{folder / MANIFEST_FILE}: {e}; the bucket layout is needed to rebuild lost state, "
-                        "restore the manifest from the run") from None
-    return out
-
 
 # --------------------------------------------------------------------------------------------
 # The plan
@@ -330,7 +237,7 @@ def plan_migration(src: Path, cp_size: int | None, reset_lost_moments: bool) -> 
     if cp_size is not None and cp_size != par.cp:
         raise FormatError(f"--cp-size {cp_size} contradicts {folder / MANIFEST_FILE} (cp={par.cp}); drop --cp-size or "
                         "fix the manifest")
-    buffers = {b.gbuf_idx: b for b in manifest_buffers(ckpt.manifest, folder)}
+    buffers = {b.gbuf_idx: b for b in read_manifest(folder, strict=True).buffers or ()}
     plan = Plan(source, ckpt, par, "not_aliased", "", buffers=buffers, reset_lost_moments=reset_lost_moments)
     if not (par.fold_cp and par.cp > 1):
         plan.message = f"not folded ({par.describe()}): no key can be aliased"
@@ -402,7 +309,7 @@ def _plan_key(ckpt: Checkpoint, key: str, opt: OptimizerKey, buffers: dict[int, 
     if buf.dp_group_kind != topo.DP or buf.dp_size != par.dp:
         raise FormatError(f"{folder / MANIFEST_FILE}: folded gbuf_idx_{opt.gbuf_idx} reduces over "
                         f"{buf.dp_group_kind} of size {buf.dp_size}, expected the dp group of size {par.dp}")
-    bucket = buf.buckets.get(opt.bucket_idx)
+    bucket = buf.bucket(opt.bucket_idx)
     if bucket is None or entry.shape != (bucket.numel_unpadded,) or entry.dtype is not DTYPES["float32"]:
         want = "missing" if bucket is None else f"(numel_unpadded {bucket.numel_unpadded},) float32"
         raise FormatError(f"{key}: shape {list(entry.shape or ())} {entry.dtype}, but {MANIFEST_FILE} has bucket "
@@ -449,7 +356,7 @@ def _lost_chunk(plan: Plan, ak: AliasedKey, kept: KeptChunk, j: int, grid: Topol
         action = RESET if plan.reset_lost_moments else LOST
         return LostChunk(ak.source_key, ak.new_keys[j], opt.state, j, kept.offsets, kept.sizes, kept.rank,
                          kept.cp_rank, action)
-    bucket = plan.buffers[opt.gbuf_idx].buckets[opt.bucket_idx]
+    bucket = plan.buffers[opt.gbuf_idx].bucket(opt.bucket_idx)
     lo = kept.offsets[0]
     names = []
     for p, _a, _b in _pieces(bucket, lo, lo + kept.sizes[0]):
@@ -528,7 +435,7 @@ def rebuild_master(plan: Plan, lost: LostChunk, shards: _ShardCache) -> torch.Te
     assert plan.par is not None
     opt = parse_optimizer_key(lost.source_key)
     assert opt is not None
-    bucket = plan.buffers[opt.gbuf_idx].buckets[opt.bucket_idx]
+    bucket = plan.buffers[opt.gbuf_idx].bucket(opt.bucket_idx)
     lo, n = lost.offsets[0], lost.sizes[0]
     out = torch.zeros(n, dtype=torch.float32)
     for p, a, b in _pieces(bucket, lo, lo + n):
@@ -870,20 +777,21 @@ def build_migrated(plan: Plan, out: Path, checkpoint_id: Path, progress: Progres
 
     manifest = _migrated_manifest(plan, out, outcome, crc)
     write_manifest(out, manifest)
-    outcome.notes = list(manifest["notes"][-1:])
+    outcome.notes = list(manifest.notes[-1:])
     fsync_dir(out)
     lap("metadata")
     return outcome
 
 
-def _hash_algorithm(manifest: dict[str, Any]) -> str:
+def _hash_algorithm(manifest: Manifest) -> str:
     """The algorithm the source's manifest checksums its files with (older ones name none: CRC-32)."""
-    return str(manifest.get("hash_algorithm") or "crc32")
+    return manifest.hash_algorithm
 
 
 def _migrated_manifest(plan: Plan, out: Path, outcome: Outcome,
-                       new_crc: tuple[str, int] | None) -> dict[str, Any]:
-    manifest = _json_copy(plan.ckpt.manifest)
+                       new_crc: tuple[str, int] | None) -> Manifest:
+    assert plan.ckpt.manifest is not None
+    manifest = plan.ckpt.manifest.to_json()
     files = manifest.setdefault("files", {})
     algorithms = [_hash_algorithm(manifest)]
     for name in [DCP_METADATA_FILE] + ([outcome.new_data_file] if outcome.new_data_file else []):
@@ -893,7 +801,7 @@ def _migrated_manifest(plan: Plan, out: Path, outcome: Outcome,
     c = plan.counts()
     moments = [x for x in plan.lost if x.action == RESET]
     exact = not plan.lossy
-    step = (plan.ckpt.manifest.get("optimizer") or {}).get("step", "?")
+    step = plan.ckpt.manifest.optimizer.step if plan.ckpt.manifest.optimizer else "?"
     if exact:
         how = "bit-exact: the weights are fp32"
     else:
@@ -921,19 +829,13 @@ def _migrated_manifest(plan: Plan, out: Path, outcome: Outcome,
                          "rank": x.rank} for x in plan.kept],
         "lost_chunks": [lost_dict(x) for x in plan.lost],
     }
-    return manifest
+    return parse_manifest(manifest, str(out / MANIFEST_FILE), strict=True)
 
 
 def lost_dict(x: LostChunk) -> dict[str, Any]:
     return {"key": x.new_key, "source_key": x.source_key, "state": x.state, "cp_rank": x.cp_rank,
             "offsets": list(x.offsets), "sizes": list(x.sizes), "kept_from_rank": x.kept_rank,
             "kept_cp_rank": x.kept_cp_rank, "action": x.action, "params": list(x.params)}
-
-
-def _json_copy(doc: Any) -> Any:
-    import json
-
-    return json.loads(json.dumps(doc))
 
 
 def _now() -> str:

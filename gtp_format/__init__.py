@@ -4,7 +4,7 @@
 rewrites them on machines that may have no GPU and files nobody trusts. Both import this package,
 so a key name, a dtype, a manifest field, a rank's place in the topology or the rule for opening a
 file inside a checkpoint folder is written once. Nothing here imports torch: the CLI's read-only
-commands start in a fraction of a second, and ``tests/format/test_no_torch.py`` imports every
+commands start in a fraction of a second, and ``tests/format/test_format_no_torch.py`` imports every
 module with torch blocked.
 
 - :mod:`gtp_format.names`: key and file names, and their parsers.

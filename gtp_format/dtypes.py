@@ -4,7 +4,7 @@ Why not ``torch.dtype``: the ``ckpt`` CLI's read-only commands (``inspect``, ``v
 ``verify --data``) need a dtype's name, size and kind, and nothing else from torch; importing torch
 costs 2-4 s per process (more than a whole ``verify`` of a small checkpoint) and a few hundred MB.
 So the format carries its own table, and code that builds real tensors converts with
-:attr:`DType.torch`. ``tests/runtime/test_dtypes.py`` checks the table against the installed torch,
+:attr:`DType.torch`. ``tests/format/test_dtypes.py`` checks the table against the installed torch,
 so a torch upgrade that adds or changes a dtype fails a test rather than a user's verify.
 
 What a checkpoint records of a dtype: DCP's ``.metadata`` pickles each ``torch.dtype`` as the

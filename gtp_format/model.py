@@ -11,9 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gtp_format.dtypes import DType
+
+if TYPE_CHECKING:
+    from gtp_format.manifest import Manifest
 
 TENSOR = "tensor"
 BYTES = "bytes"
@@ -101,7 +104,7 @@ class Checkpoint:
     metadata_file: str | None = None
     dcp_version: str | None = None
     megatron_metadata: dict[str, Any] | None = None
-    manifest: dict[str, Any] | None = None
+    manifest: Manifest | None = None  # parsed leniently; see gtp_format.reader.locate.load_side_files
     iteration: int | None = None
     notes: list[Problem] = field(default_factory=list)
 

@@ -29,6 +29,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from gtp_format.commit import write_atomic
+
 TIMEOUT_ENV = "GTP_ROUNDTRIP_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
 GRACE_S = 10.0  # how long peers of a failed rank may take to report before they are terminated
@@ -97,9 +99,7 @@ def _entry(rank: int, world: int, port: int, workdir: str, tag: str, timeout: fl
         msg = " ".join(str(e).split()) or type(e).__name__
         report = {"status": "error", "type": type(e).__name__, "message": msg[:2000], "clean": _known_error(e)}
     out = Path(workdir) / f"{tag}.rank{rank}.json"
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report))
-    os.replace(tmp, out)
+    write_atomic(out, json.dumps(report), durable=False)
     sys.stdout.flush()
     sys.stderr.flush()
     log.flush()

@@ -21,7 +21,7 @@ from gtp_runtime.context_parallel import cp_attention
 from gtp_runtime.groups import Groups
 from gtp_runtime.init import full_init
 from gtp_runtime.layers import Build, GTPLinear, RMSNorm, VocabParallelEmbedding, _param, make_spec, rope
-from gtp_runtime.sharding import GTPComm
+from gtp_runtime.sharding import GTPComm, take_shard
 
 
 class SelfAttention(nn.Module):
@@ -134,7 +134,7 @@ class GPTModel(nn.Module):
     def init_weights(self) -> None:
         for name, p in self.named_parameters():
             full = full_init(name, p.spec.full_shape, self.cfg.seed, self.cfg.num_layers, device=p.device)
-            p.copy_(p.spec.take(full).to(p.dtype))
+            p.copy_(take_shard(p.spec, full).to(p.dtype))
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embedding.word_embeddings(tokens)

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
+from gtp_format.layout.config import ConfigError, ParallelConfig
+from gtp_format.manifest import Manifest, derive_bucket_size
 from gtp_format.names import dtype_tag, optimizer_key
 from gtp_runtime.checkpoint.io import load_checkpoint, save_checkpoint
 from gtp_runtime.checkpoint.state import dp_group_idx, owned_pieces
@@ -240,84 +241,34 @@ def resume_phase(trainer: Trainer, root: str | os.PathLike, dump_dir: str | os.P
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
 
-def bucket_size_from_manifest(manifest: dict[str, Any]) -> int:
-    """The ``bucket_size`` a checkpoint was saved with, or one that rebuilds the same buckets.
-
-    Manifests written since ``bucket_size`` was recorded carry it. For older ones it is derived
-    from the bucket layout: :class:`gtp_runtime.buffers.GradBuffer` closes a bucket after the first
-    param whose end reaches ``bucket_size`` elements from the bucket start, so every param end
-    before the last one of a bucket lies below it and the last end of every bucket but a buffer's
-    final one lies at or above it. Any value in that interval lays the buffers out identically.
-    """
-    if type(manifest.get("bucket_size")) is int and manifest["bucket_size"] > 0:
-        return manifest["bucket_size"]
-    below, at_or_above = 0, None  # bucket_size > below, bucket_size <= at_or_above
-    try:
-        for buf in manifest["buffers"]:
-            buckets = buf["buckets"]
-            for i, b in enumerate(buckets):
-                ends = [p["end"] for p in b["params"]]
-                if any(type(e) is not int for e in ends):
-                    raise TypeError("a param end is not an int")
-                if not ends:
-                    continue
-                below = max([below, *ends[:-1]])
-                if i < len(buckets) - 1:
-                    at_or_above = ends[-1] if at_or_above is None else min(at_or_above, ends[-1])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"manifest bucket layout is incomplete ({type(e).__name__}: {e}); "
-                          "cannot recover --bucket-size") from None
-    if at_or_above is None:
-        return max(DEFAULT_BUCKET_SIZE, below + 1)
-    if at_or_above <= below:
-        raise ConfigError(f"manifest bucket layout fits no bucket size (needs > {below} and <= {at_or_above}); "
-                          "it was not written by gtp_runtime's bucketing")
-    return at_or_above
-
-
-def _fields(cls: type, raw: Any, where: str, ignore: tuple[str, ...] = ()) -> dict[str, Any]:
-    """``raw`` checked against the fields of dataclass ``cls``: known names, the defaults' types."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"manifest {where} is a {type(raw).__name__}, expected an object")
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    out = {}
-    for k, v in raw.items():
-        if k in ignore:
-            continue
-        if k not in defaults:
-            raise ConfigError(f"manifest {where} has field {k!r}, unknown to this version; upgrade gtp-ckpt")
-        want = type(defaults[k])
-        ok = type(v) is want or (want is float and type(v) is int)
-        if not ok:
-            raise ConfigError(f"manifest {where}.{k} is {v!r}, expected {want.__name__}")
-        out[k] = v
-    return out
-
-
-def config_from_manifest(manifest: dict[str, Any], dp: int | None = None) -> TrainConfig:
+def config_from_manifest(manifest: Manifest, dp: int | None = None) -> TrainConfig:
     """The training config of a saved checkpoint (``dp`` may be changed: dp_reshardable reshards
-    over DP). The manifest is input, not trusted: a missing or ill-typed field raises
-    :class:`ConfigError` naming it, as does a topology or model the runtime would refuse."""
-    for name in ("topology", "model", "optimizer", "param_dtype", "buffers"):
-        if name not in manifest:
-            raise ConfigError(f"manifest lacks {name!r}; it is not a complete gtp_runtime manifest")
-    par = ParallelConfig(**_fields(ParallelConfig, manifest["topology"], "topology",
-                                   ignore=("world_size", "expert_dp")))
-    model = ModelConfig(**_fields(ModelConfig, manifest["model"], "model"))
-    adam = AdamConfig(**_fields(AdamConfig, manifest["optimizer"], "optimizer", ignore=("type", "step")))
-    dtype_name = manifest["param_dtype"]
-    if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
-        raise ConfigError(f"manifest param_dtype {dtype_name!r} is not one of {sorted(_DTYPES)}")
-    world = manifest["topology"].get("world_size", par.world_size)
-    if type(world) is not int:
-        raise ConfigError(f"manifest topology.world_size is {world!r}, expected an int")
-    par.validate(world, model.num_experts)
+    over DP). ``manifest`` comes from a strict :func:`gtp_format.manifest.parse_manifest`; what the
+    runtime would refuse (a topology, a model, an optimizer field it does not know) raises
+    :class:`ConfigError` naming it."""
+    par, model, opt = manifest.topology, manifest.model, manifest.optimizer
+    if par is None or model is None or opt is None or manifest.buffers is None:
+        raise ConfigError("manifest lacks topology, model, optimizer or buffers; it is not a complete gtp_runtime "
+                          "manifest")
+    known = {f.name for f in dataclasses.fields(AdamConfig)}
+    unknown = sorted(set(opt.hyper) - known)
+    if opt.type != "adamw" or unknown:
+        what = f"type {opt.type!r}" if opt.type != "adamw" else f"field {unknown[0]!r}"
+        raise ConfigError(f"manifest optimizer has {what}, unknown to this version; upgrade gtp-ckpt")
+    adam = AdamConfig(**{k: float(v) for k, v in opt.hyper.items()})
+    if manifest.param_dtype not in _DTYPES:
+        raise ConfigError(f"manifest param_dtype {manifest.param_dtype!r} is not one of {sorted(_DTYPES)}")
+    par.validate(None, model.num_experts)
     if dp is not None and dp != par.dp:
         par = ParallelConfig(**{**par.to_dict(), "dp": dp})
         par.validate(None, model.num_experts)
     model.validate(par)
-    return TrainConfig(par=par, model=model, adam=adam, bucket_size=bucket_size_from_manifest(manifest),
-                       param_dtype=_DTYPES[dtype_name])
+    try:
+        bucket_size = manifest.bucket_size or derive_bucket_size(manifest.buffers, DEFAULT_BUCKET_SIZE)
+    except ValueError as e:
+        raise ConfigError(f"{e}; cannot recover --bucket-size") from None
+    return TrainConfig(par=par, model=model, adam=adam, bucket_size=bucket_size,
+                       param_dtype=_DTYPES[manifest.param_dtype])
 
 
 def resave(trainer: Trainer, src: str | os.PathLike, root: str | os.PathLike, layout: str,

@@ -1,9 +1,7 @@
-"""GTP_remat weight sharding: the shard math and the all-gather / reduce-scatter linear.
+"""GTP_remat weight sharding on tensors: cutting shards, and the all-gather / reduce-scatter linear.
 
-A GTP-managed weight is first split by TP (dim 0 for column-parallel, dim 1 for row-parallel),
-then the TP-local weight is sharded along dim 0 over its *weight group* (``gtp_remat``, or
-``cp x gtp_remat`` with ``fold_cp``, or the expert GTP group). dim 0 is padded at the tail to a
-multiple of ``align * group_size`` so every shard has the same row count.
+The shard arithmetic (which rows a rank holds) is :class:`gtp_format.layout.shard.ShardSpec`,
+shared with ``ckpt``; this module applies it to tensors.
 
 :class:`GTPLinearFn` is ZeRO-3 per weight: the full weight exists only inside the op. Forward
 gathers it, uses it, drops it; backward gathers it again (the "remat") and reduce-scatters the
@@ -12,103 +10,33 @@ weight gradient. Saving only the shard is what makes the memory saving real.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from gtp_format.layout.shard import ShardSpec
 from gtp_runtime.collectives import all_gather_raw, reduce_scatter_raw
 from gtp_runtime.groups import Group
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """Where one rank's tensor sits inside the full (padded) tensor of its parameter.
+def take_shard(spec: ShardSpec, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of the full tensor (zero rows where the shard is tail padding)."""
+    tl = spec.tp_local_shape
+    if spec.tp_mode in ("column", "vocab"):
+        full = full[spec.tp_rank * tl[0] : (spec.tp_rank + 1) * tl[0]]
+    elif spec.tp_mode == "row":
+        full = full[:, spec.tp_rank * tl[1] : (spec.tp_rank + 1) * tl[1]]
+    out = torch.zeros(spec.local_shape, dtype=full.dtype, device=full.device)
+    start = spec.shard_start()
+    out[: spec.valid_rows] = full[start : start + spec.valid_rows]
+    return out
 
-    ``tp_mode``: ``"column"`` splits dim 0 over TP, ``"row"`` splits dim 1, ``"vocab"`` splits
-    dim 0 without GTP (embedding), ``None`` means TP-replicated. ``shard_kind``: the group kind
-    that shards dim 0 of the TP-local tensor, or ``None``.
-    """
 
-    full_shape: tuple[int, ...]
-    tp_mode: str | None
-    tp_size: int
-    tp_rank: int
-    shard_kind: str | None
-    shard_size: int
-    shard_rank: int
-    align: int
-
-    @property
-    def tp_local_shape(self) -> tuple[int, ...]:
-        s = list(self.full_shape)
-        if self.tp_mode in ("column", "vocab"):
-            s[0] //= self.tp_size
-        elif self.tp_mode == "row":
-            s[1] //= self.tp_size
-        return tuple(s)
-
-    @property
-    def padded_rows(self) -> int:
-        rows = self.tp_local_shape[0]
-        if self.shard_kind is None:
-            return rows
-        m = self.align * self.shard_size
-        return math.ceil(rows / m) * m
-
-    @property
-    def shard_rows(self) -> int:
-        return self.padded_rows // (self.shard_size if self.shard_kind else 1)
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        return (self.shard_rows, *self.tp_local_shape[1:])
-
-    @property
-    def valid_rows(self) -> int:
-        """Rows of this shard that hold real weight (the rest is tail padding)."""
-        start = self.shard_rank * self.shard_rows if self.shard_kind else 0
-        return max(0, min(self.shard_rows, self.tp_local_shape[0] - start))
-
-    @property
-    def global_shape(self) -> tuple[int, ...]:
-        """Shape of the checkpointed tensor: the full weight with each TP part padded."""
-        s = list(self.tp_local_shape)
-        s[0] = self.padded_rows
-        if self.tp_mode in ("column", "vocab"):
-            s[0] *= self.tp_size
-        elif self.tp_mode == "row":
-            s[1] *= self.tp_size
-        return tuple(s)
-
-    @property
-    def global_offset(self) -> tuple[int, ...]:
-        off = [0] * len(self.full_shape)
-        off[0] = self.shard_rank * self.shard_rows if self.shard_kind else 0
-        if self.tp_mode in ("column", "vocab"):
-            off[0] += self.tp_rank * self.padded_rows
-        elif self.tp_mode == "row":
-            off[1] = self.tp_rank * self.tp_local_shape[1]
-        return tuple(off)
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of the full tensor (zero rows where the shard is tail padding)."""
-        tl = self.tp_local_shape
-        if self.tp_mode in ("column", "vocab"):
-            full = full[self.tp_rank * tl[0] : (self.tp_rank + 1) * tl[0]]
-        elif self.tp_mode == "row":
-            full = full[:, self.tp_rank * tl[1] : (self.tp_rank + 1) * tl[1]]
-        out = torch.zeros(self.local_shape, dtype=full.dtype, device=full.device)
-        start = self.shard_rank * self.shard_rows if self.shard_kind else 0
-        out[: self.valid_rows] = full[start : start + self.valid_rows]
-        return out
-
-    def assemble_tp_local(self, gathered: torch.Tensor) -> torch.Tensor:
-        """Drop the tail padding of a gathered (padded) TP-local weight."""
-        return gathered[: self.tp_local_shape[0]]
+def drop_padding(spec: ShardSpec, gathered: torch.Tensor) -> torch.Tensor:
+    """Drop the tail padding of a gathered (padded) TP-local weight."""
+    return gathered[: spec.tp_local_shape[0]]
 
 
 def wgrad_fp32(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -326,9 +326,10 @@ def _compare_checkpoints(ca: Checkpoint, cb: Checkpoint, dp_changed: bool, advan
 
     classes = classify_all(ca)
     manifest = _summary()
-    recorded = isinstance((ca.manifest or {}).get("bucket_size"), int)
-    view_a = _manifest_view(ca.manifest or {}, dp_changed, recorded)
-    for d in _dict_diffs(view_a, _manifest_view(cb.manifest or {}, dp_changed, recorded)):
+    recorded = ca.manifest is not None and ca.manifest.bucket_size is not None
+    view_a = _manifest_view(ca.manifest.to_json() if ca.manifest else {}, dp_changed, recorded)
+    view_b = _manifest_view(cb.manifest.to_json() if cb.manifest else {}, dp_changed, recorded)
+    for d in _dict_diffs(view_a, view_b):
         _note(manifest, 0, _diff(d.split(":")[0], "manifest", detail=d))
     manifest["keys"] = len(view_a)
     keyset, meta, chunks = _summary(), _summary(), _summary()
@@ -388,6 +389,7 @@ def _compare_checkpoints(ca: Checkpoint, cb: Checkpoint, dp_changed: bool, advan
 def _path_mode(path: Path, dp: int | None, layout: str | None, fmt: OutputFormat) -> None:
     from gtp_format.errors import FormatError
     from gtp_format.layout.config import ConfigError
+    from gtp_format.manifest import read_manifest
     from gtp_format.names import MANIFEST_FILE
     from gtp_format.reader.checkpoint import open_checkpoint
     from gtp_runtime.launch import RankFailure, run_local_ranks
@@ -400,11 +402,11 @@ def _path_mode(path: Path, dp: int | None, layout: str | None, fmt: OutputFormat
                         "and bucket layout to load a checkpoint; only gtp_runtime checkpoints can be round-tripped "
                         "(run it without PATH to test the runtime itself)")
     try:
-        cfg = config_from_manifest(src.manifest, dp)
+        cfg = config_from_manifest(read_manifest(src.root, strict=True), dp)
     except ConfigError as e:
         raise FormatError(f"{src.root / MANIFEST_FILE}: {e}") from None
     world = cfg.par.world_size
-    saved_dp = src.manifest["topology"]["dp"]
+    saved_dp = src.manifest.topology.dp if src.manifest.topology else None
     layout = layout or src.layout
     seconds: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="ckpt-roundtrip-") as tmp, \
@@ -427,7 +429,7 @@ def _path_mode(path: Path, dp: int | None, layout: str | None, fmt: OutputFormat
         "mode": "path", "path": str(src.root), "ok": all(c["ok"] for c in checks),
         "config": {"parallel": cfg.par.to_dict(), "world_size": world, "saved_dp": saved_dp,
                    "layout": {"source": src.layout, "resaved": layout}, "bucket_size": cfg.bucket_size,
-                   "bucket_size_recorded": isinstance(src.manifest.get("bucket_size"), int),
+                   "bucket_size_recorded": src.manifest.bucket_size is not None,
                    "param_dtype": str(cfg.param_dtype), "iteration": src.iteration},
         "passed": sum(c["ok"] for c in checks), "failed": sum(not c["ok"] for c in checks),
         "checks": checks, "seconds": {k: round(v, 3) for k, v in seconds.items()},

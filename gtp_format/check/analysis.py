@@ -22,15 +22,14 @@ gtp_runtime writes it). The rules, first match wins:
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any
 
-from gtp_format.layout.config import ConfigError, ParallelConfig
+from gtp_format.layout.config import ParallelConfig
 from gtp_format.layout.topology import Topology
+from gtp_format.manifest import Manifest
 from gtp_format.model import BYTES, TENSOR, Checkpoint, Entry, Problem
 from gtp_format.names import (
     OptimizerKey,
@@ -103,40 +102,10 @@ class TopologyView:
         return "unknown (no manifest topology; pass --cp-size)"
 
 
-def _manifest_parallel(manifest: dict[str, Any] | None, notes: list[Problem]) -> ParallelConfig | None:
-    if manifest is None:
-        return None
-    raw = manifest.get(MANIFEST_TOPOLOGY_KEY)
-    if not isinstance(raw, dict):
-        return None
-    names = {f.name: f.type for f in dataclasses.fields(ParallelConfig)}
-    kwargs = {k: v for k, v in raw.items() if k in names}
-    bad = {k: v for k, v in kwargs.items() if type(v) is not (bool if "bool" in str(names[k]) else int)}
-    if bad:
-        notes.append(Problem("warning", "manifest", f"manifest topology has ill-typed fields {bad}; ignored"))
-        return None
-    par = ParallelConfig(**kwargs)
-    try:
-        par.validate()
-    except ConfigError as e:
-        notes.append(Problem("warning", "manifest", f"manifest topology is invalid: {e}; ignored"))
-        return None
-    return par
-
-
-def _manifest_buffers(manifest: dict[str, Any] | None) -> dict[int, bool]:
-    """``gbuf_idx -> excludes_cp`` from the manifest's ``buffers`` list, where it has one."""
-    buffers = (manifest or {}).get("buffers")
-    if not isinstance(buffers, list):
-        return {}
-    return {b["gbuf_idx"]: b["excludes_cp"] for b in buffers
-            if isinstance(b, dict) and type(b.get("gbuf_idx")) is int and isinstance(b.get("excludes_cp"), bool)}
-
-
-def topology_view(manifest: dict[str, Any] | None, cp_size: int | None) -> TopologyView:
+def topology_view(manifest: Manifest | None, cp_size: int | None) -> TopologyView:
     """Combine the manifest topology with ``--cp-size`` (which wins, with a note on conflict)."""
-    view = TopologyView(folded_gbufs=_manifest_buffers(manifest))
-    par = _manifest_parallel(manifest, view.notes)
+    view = TopologyView(folded_gbufs={b.gbuf_idx: b.excludes_cp for b in (manifest.buffers or ())} if manifest else {})
+    par = manifest.topology if manifest is not None else None
     if par is not None:
         view.par, view.cp, view.folded, view.source = par, par.cp, par.fold_cp and par.cp > 1, "manifest"
     if cp_size is not None:

@@ -342,16 +342,11 @@ def _compare_buckets(ckpt: Checkpoint, classes: dict[str, KeyClass], prefix: str
 
 def manifest_algorithms(ckpt: Checkpoint) -> dict[str, list[str]]:
     """Data file -> the known checksum algorithms the manifest lists for it (hashed by the data pass)."""
-    files = (ckpt.manifest or {}).get("files")
-    if not isinstance(files, dict):
+    files = ckpt.manifest.files if ckpt.manifest is not None else None
+    if not files:
         return {}
-    return {rel: [a for a in _listed_algorithms(spec) if a in HASHERS] for rel, spec in files.items()
-            if rel in ckpt.data_files and isinstance(spec, dict) and unsafe_reason(rel) is None}
-
-
-def _listed_algorithms(spec: dict[str, Any]) -> list[str]:
-    """The checksum names of one manifest ``files`` entry (every field but ``size``)."""
-    return [a for a in spec if a != "size"]
+    return {rel: [a for a in spec.checksums if a in HASHERS] for rel, spec in files.items()
+            if rel in ckpt.data_files and unsafe_reason(rel) is None}
 
 
 def check_manifest_files(ckpt: Checkpoint, data: bool,
@@ -361,28 +356,26 @@ def check_manifest_files(ckpt: Checkpoint, data: bool,
     ``digests`` holds what the data pass already computed while reading the data files; the
     other listed files (``.metadata``, side files) are hashed here.
     """
-    files = (ckpt.manifest or {}).get("files")
+    files = ckpt.manifest.files if ckpt.manifest is not None else None
     if files is None:
-        return []
-    if not isinstance(files, dict):
-        return [Problem("error", "manifest", "manifest 'files' is not an object")]
+        return []  # no manifest, or its files section was refused (already a problem of the read)
     out: list[Problem] = []
     for rel, spec in files.items():
         reason = unsafe_reason(rel)
-        if reason is not None or not isinstance(spec, dict):
-            out.append(Problem("error", "manifest", reason or "entry is not an object", file=str(rel)))
+        if reason is not None:
+            out.append(Problem("error", "manifest", reason, file=str(rel)))
             continue
         try:
             size = file_size(ckpt.root, rel)
         except ChunkError as err:
             out.append(Problem("error", "manifest", err.message, file=rel))
             continue
-        if spec.get("size") is not None and spec.get("size") != size:
-            out.append(Problem("error", "size", f"file is {size} bytes but the manifest says {spec.get('size')}",
+        if spec.size != size:
+            out.append(Problem("error", "size", f"file is {size} bytes but the manifest says {spec.size}",
                                file=rel))
         if not data:
             continue
-        algos = _listed_algorithms(spec)
+        algos = list(spec.checksums)
         for a in algos:
             if a not in HASHERS:
                 out.append(Problem("info", "checksum", f"hash algorithm {a!r} is not supported; skipped", file=rel))
@@ -398,7 +391,7 @@ def check_manifest_files(ckpt: Checkpoint, data: bool,
                 out.append(Problem("error", "checksum", err.message, file=rel))
                 continue
         for a in known:
-            want = str(spec[a]).lower()
+            want = spec.checksums[a].lower()
             if have[a] != want:
                 out.append(Problem("error", "checksum", f"{a} is {have[a]} but the manifest says {want}", file=rel))
     for name in sorted(ckpt.data_files.keys() - files.keys()):

@@ -16,7 +16,7 @@ without a storage class (float8, uint16...), ``collections.OrderedDict`` (empty 
 and a persistent id naming the storage record. Nothing here imports torch: dtypes come from
 :mod:`gtp_format.dtypes`, :func:`element_view` gives the elements as a numpy array
 (what ``verify --data`` scans), and only :func:`as_tensor` (``show``, ``diff``, ``migrate``)
-turns them into a torch tensor, still without a copy. ``tests/cli/test_blob.py`` checks both
+turns them into a torch tensor, still without a copy. ``tests/format/test_blob.py`` checks both
 against ``torch.load`` on every fixture chunk.
 """
 

@@ -29,7 +29,7 @@ GTP_SAFETENSORS_BACKEND = "gtp_safetensors"  # metadata.json of gtp_runtime's sa
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read a checkpoint's metadata; never opens a data file except safetensors headers."""
     loc = locate(path)
-    megatron, manifest = load_side_files(loc)
+    megatron, manifest, manifest_notes = load_side_files(loc)
     notes: list[Problem] = []
     if loc.layout == LAYOUT_SAFETENSORS:
         from gtp_format.names import GTP_INDEX_FILE as INDEX_FILE  # this project's layout
@@ -59,15 +59,12 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         referenced = {c.storage.file for e in entries.values() for c in e.chunks if c.storage}
         files.update(_referenced_sizes(loc.folder, referenced - files.keys()))
     iteration = iteration_from_name(loc.folder)
-    if manifest is not None and "iteration" in manifest:
-        claimed = manifest["iteration"]
-        if type(claimed) is not int:
-            notes.append(Problem("warning", "manifest", f"manifest iteration {claimed!r} is not an int"))
-        else:
-            if iteration is not None and claimed != iteration:
-                notes.append(Problem("warning", "manifest", f"manifest says iteration {claimed} but the folder "
-                                     f"is {loc.folder.name}"))
-            iteration = claimed
+    notes.extend(manifest_notes)
+    if manifest is not None:
+        if iteration is not None and manifest.iteration != iteration:
+            notes.append(Problem("warning", "manifest", f"manifest says iteration {manifest.iteration} but the folder "
+                                 f"is {loc.folder.name}"))
+        iteration = manifest.iteration
     return Checkpoint(
         root=loc.folder, layout=loc.layout, backend=backend, encoding=encoding, entries=entries,
         data_files=dict(sorted(files.items())), metadata_file=metadata_file, dcp_version=version,

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from gtp_format.errors import FormatError
+from gtp_format.manifest import Manifest, ManifestError, parse_manifest
+from gtp_format.model import Problem
 from gtp_format.names import (
     DCP_METADATA_FILE,
     DISTCP_RE,
@@ -132,12 +134,26 @@ def load_json_object(path: Path, what: str, limit: int = JSON_LIMIT) -> dict[str
     return obj
 
 
-def load_side_files(loc: Located) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """Megatron's ``metadata.json`` and our ``gtp_manifest.json``, when present."""
+def load_side_files(loc: Located) -> tuple[dict[str, Any] | None, Manifest | None, list[Problem]]:
+    """Megatron's ``metadata.json`` and our ``gtp_manifest.json`` (parsed leniently), when present.
+
+    A manifest whose header is unusable is left out with an ``error`` problem; sections that fail
+    their type checks are dropped with one problem each, so ``inspect`` still shows everything else.
+    """
     megatron = (load_json_object(loc.folder / MEGATRON_METADATA_FILE, "Megatron metadata")
                 if MEGATRON_METADATA_FILE in loc.names else None)
-    manifest = load_json_object(loc.folder / MANIFEST_FILE, "the manifest") if MANIFEST_FILE in loc.names else None
-    return megatron, manifest
+    if MANIFEST_FILE not in loc.names:
+        return megatron, None, []
+    path = loc.folder / MANIFEST_FILE
+    try:
+        manifest = parse_manifest(load_json_object(path, "the manifest"), str(path), strict=False)
+    except ManifestError as e:
+        return megatron, None, [Problem("error", "manifest", e.message, file=MANIFEST_FILE)]
+    # A damaged files section leaves data unchecked: an error. Other sections only inform the
+    # views (topology, folded buffers); without them the checks fall back to the keys: a warning.
+    return megatron, manifest, [
+        Problem("error" if p.startswith("files") else "warning", "manifest", f"{path}: {p}; the section is ignored",
+                file=MANIFEST_FILE) for p in manifest.problems]
 
 
 def iteration_from_name(folder: Path) -> int | None:

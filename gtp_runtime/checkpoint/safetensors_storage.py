@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
+from gtp_format.commit import fsync_file, write_durable  # noqa: E402
 from gtp_format.names import GTP_INDEX_FILE as INDEX_FILE  # noqa: E402
 from gtp_format.names import GTP_INDEX_VERSION as INDEX_VERSION  # noqa: E402
 from gtp_format.names import chunk_tensor_name as tensor_name  # noqa: E402
@@ -51,13 +52,6 @@ def _done(value: Any) -> torch.futures.Future:
     f: torch.futures.Future = torch.futures.Future()
     f.set_result(value)
     return f
-
-
-def _fsync_write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 class SafetensorsWriter(StorageWriter):
@@ -92,8 +86,7 @@ class SafetensorsWriter(StorageWriter):
             tensors[name] = t
             results.append(WriteResult(item.index, t.numel() * t.element_size(), {"file": file, "name": name}))
         save_file(tensors, str(self.path / file), metadata={"format": "gtp-ckpt-chunks"})
-        with open(self.path / file, "rb+") as f:
-            os.fsync(f.fileno())
+        fsync_file(self.path / file)
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -110,7 +103,7 @@ class SafetensorsWriter(StorageWriter):
                     for c in md.chunks
                 ],
             }
-        _fsync_write(self.path / INDEX_FILE, json.dumps({"version": INDEX_VERSION, "keys": keys}).encode())
+        write_durable(self.path / INDEX_FILE, json.dumps({"version": INDEX_VERSION, "keys": keys}).encode())
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

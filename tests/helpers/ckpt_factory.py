@@ -1,6 +1,6 @@
 """Build the small, real DCP checkpoints the CLI tests read.
 
-Run as a script (``python tests/cli/ckpt_factory.py OUT``): four gloo CPU ranks save with
+Run as a script (``python tests/helpers/ckpt_factory.py OUT``): four gloo CPU ranks save with
 ``torch.distributed.checkpoint`` the way Megatron's ``dp_reshardable`` optimizer does, with
 ``ShardedTensor._init_from_local_shards_and_global_metadata`` and 1-D shards at chosen offsets.
 Topology: TP=1, CP=2, GTP_remat=1, DP=2, fold_cp, so ``rank = cp + 2*dp``; the folded weight group
@@ -55,6 +55,13 @@ OPT_CHUNKS = {0: [(0, 5), (5, 4), (9, 3)], 1: [(12, 5), (17, 1), (18, 4)]}
 ST_OPT_CHUNKS = {0: [(0, 11)], 1: [(11, 11)]}  # safetensors keeps one chunk per rank and key
 PBN = per_bucket_numel_key(0, unpadded=False) + "/shard_0_1"
 PBN_UNPADDED = per_bucket_numel_key(0, unpadded=True) + "/shard_0_1"
+# The bucket those chunks cut: params A..D, a padding gap at [17, 18), DP padding at [22, 24).
+BUFFER = {"gbuf_idx": 0, "dtype": DTAG, "param_dtype": "torch.bfloat16", "grad_dtype": "torch.float32",
+          "is_expert": False, "excludes_cp": True, "dp_group_kind": "dp", "dp_size": DP,
+          "buckets": [{"bucket_idx": 0, "numel": PADDED, "numel_unpadded": UNPADDED, "params": [
+              {"name": f"param_{n}", "start": s, "end": e, "valid_numel": e - s, "local_shape": [e - s],
+               "full_shape": [e - s], "global_shape": [e - s], "tp_mode": None, "shard_kind": None,
+               "shard_size": 1, "align": 1} for n, s, e in (("a", 0, 5), ("b", 5, 9), ("c", 9, 17), ("d", 18, 22))]}]}
 CHANGED_STATE, CHANGED_CP, CHANGED_INDEX = "exp_avg", 1, 3  # the element good2 sets to NaN
 
 
@@ -127,7 +134,8 @@ def _write_side_files(run: Path, folder: Path, backend: str = "torch_dist") -> N
         elif p.name in (".metadata", "index.json"):
             files[p.name] = {"size": p.stat().st_size, "crc32": f"{zlib.crc32(p.read_bytes()):08x}"}
     doc = {"format": "gtp-ckpt", "format_version": 1, "iteration": ITERATION, "topology": TOPOLOGY,
-           "buffers": [{"gbuf_idx": 0, "dtype": DTAG, "is_expert": False, "excludes_cp": True}], "files": files}
+           "model": {}, "param_dtype": "torch.bfloat16", "optimizer": {"type": "adamw", "step": ITERATION},
+           "buffers": [BUFFER], "files": files}
     (folder / MANIFEST_FILE).write_text(json.dumps(doc, indent=1))
 
 

@@ -17,11 +17,11 @@ import torch
 from fake_groups import fake_groups
 
 from gtp_format.layout.config import ModelConfig, ParallelConfig
+from gtp_format.layout.shard import ShardSpec
 from gtp_runtime.buffers import build_buffers
 from gtp_runtime.model import GPTModel
 from gtp_runtime.parity import check_against_reference, relative_error
 from gtp_runtime.reference import param_names, param_shape
-from gtp_runtime.sharding import ShardSpec
 from gtp_runtime.train import build_parser, resolve
 from gtp_runtime.training import TrainConfig, Trainer
 

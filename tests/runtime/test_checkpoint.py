@@ -255,6 +255,6 @@ def test_runtime_load_refuses_code_in_metadata(tmp_path: Path) -> None:
 def test_runtime_reads_its_own_metadata_safely() -> None:
     from gtp_runtime.checkpoint.safe_metadata import safe_load_metadata
 
-    folder = Path(__file__).parent.parent / "fixtures" / "gtp" / "fold_cp2_g2_dp2" / "iter_0000002"
+    folder = Path(__file__).parents[2] / "fixtures" / "gtp" / "fold_cp2_g2_dp2" / "iter_0000002"
     md = safe_load_metadata(folder / ".metadata")
     assert any(".cp_rank_1" in k for k in md.state_dict_metadata)

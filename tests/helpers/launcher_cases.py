@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = [sys.executable, "-m", "gtp_runtime.train"]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 

@@ -11,18 +11,19 @@ import torch
 from fake_groups import fake_groups
 
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
+from gtp_format.manifest import derive_bucket_size, parse_manifest
 from gtp_runtime.buffers import build_buffers
 from gtp_runtime.checkpoint.manifest import buffer_layout
 from gtp_runtime.model import GPTModel
 from gtp_runtime.roundtrip import (
+    DEFAULT_BUCKET_SIZE,
     bitwise_diff,
-    bucket_size_from_manifest,
     compare_snapshots,
     config_from_manifest,
     is_model_key,
 )
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "gtp" / "fold_cp2_g2_dp2" / "iter_0000002"
+FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "gtp" / "fold_cp2_g2_dp2" / "iter_0000002"
 MODEL = ModelConfig(hidden=32, num_layers=2, num_heads=4, ffn_hidden=64, seq_length=16)
 
 
@@ -49,9 +50,9 @@ def test_compare_snapshots_reports_missing_shape_and_values():
     assert (s.differing, s.max_abs_diff, s.diffs[0].key) == (1, 1.0, "optimizer.x")
 
 
-def _layout(par: ParallelConfig, bucket_size: int) -> list:
+def _layout(par: ParallelConfig, bucket_size: int, model: ModelConfig = MODEL) -> tuple:
     groups = fake_groups(par, 0)
-    bufs = build_buffers(GPTModel(MODEL, par, groups), groups, bucket_size)
+    bufs = build_buffers(GPTModel(model, par, groups), groups, bucket_size)
     return buffer_layout(SimpleNamespace(buffers=bufs), groups)
 
 
@@ -60,34 +61,27 @@ def _layout(par: ParallelConfig, bucket_size: int) -> list:
 def test_bucket_size_recovered_from_layout(par: ParallelConfig, bucket_size: int):
     """Old manifests lack bucket_size: the derived one must rebuild exactly the same buckets."""
     layout = _layout(par, bucket_size)
-    derived = bucket_size_from_manifest({"buffers": layout})
+    derived = derive_bucket_size(layout, DEFAULT_BUCKET_SIZE)
     assert _layout(par, derived) == layout
-    assert bucket_size_from_manifest({"buffers": layout, "bucket_size": bucket_size}) == bucket_size
 
 
 def test_config_from_fixture_manifest_and_refusals():
-    if not FIXTURE.exists():
-        pytest.skip("run python fixtures/make_fixtures.py")
-    manifest = json.loads((FIXTURE / "gtp_manifest.json").read_text())
+    raw = json.loads((FIXTURE / "gtp_manifest.json").read_text())
+    manifest = parse_manifest(raw, "fixture", strict=True)
     cfg = config_from_manifest(manifest)
     assert cfg.par == ParallelConfig(cp=2, gtp_remat=2, dp=2, fold_cp=True)
     assert cfg.model.vocab_size == 128 and cfg.param_dtype == torch.float32
     groups = fake_groups(cfg.par, 0)
     bufs = build_buffers(GPTModel(cfg.model, cfg.par, groups), groups, cfg.bucket_size)
-    assert buffer_layout(SimpleNamespace(buffers=bufs), groups) == manifest["buffers"]
+    assert buffer_layout(SimpleNamespace(buffers=bufs), groups) == manifest.buffers
     assert config_from_manifest(manifest, dp=1).par.dp == 1
-    bad = json.loads(json.dumps(manifest))
-    bad["topology"]["world_size"] = 6
-    with pytest.raises(ConfigError, match="world size 6 !="):
-        config_from_manifest(bad)
-    del bad["model"]
-    with pytest.raises(ConfigError, match="lacks 'model'"):
-        config_from_manifest(bad)
-    for edit, message in [(("model", "new_field", 1), "unknown to this version"),
-                          (("model", "hidden", "32"), r"model.hidden is '32', expected int"),
-                          (("topology", "fold_cp", 1), "topology.fold_cp is 1, expected bool"),
-                          (("optimizer", "lr", None), "optimizer.lr is None")]:
-        bad = json.loads(json.dumps(manifest))
+    no_size = json.loads(json.dumps(raw))
+    del no_size["bucket_size"]
+    derived = config_from_manifest(parse_manifest(no_size, "x")).bucket_size
+    assert _layout(cfg.par, derived, cfg.model) == manifest.buffers
+    for edit, message in [(("optimizer", "momentum", 0.9), "field 'momentum', unknown to this version"),
+                          (("optimizer", "type", "sgd"), "type 'sgd', unknown to this version")]:
+        bad = json.loads(json.dumps(raw))
         bad[edit[0]][edit[1]] = edit[2]
         with pytest.raises(ConfigError, match=message):
-            config_from_manifest(bad)
+            config_from_manifest(parse_manifest(bad, "x"))

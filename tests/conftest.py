@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+ROOT = HERE.parent
 
 
 @pytest.fixture(scope="session")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ckpts")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(HERE / "ckpt_factory.py"), str(out)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, str(HERE / "helpers" / "ckpt_factory.py"), str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and (out / "DONE").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return out

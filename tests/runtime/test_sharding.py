@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 
 from gtp_format.layout import topology as topo
 from gtp_format.layout.config import ModelConfig, ParallelConfig
+from gtp_format.layout.shard import ShardSpec
 from gtp_runtime.buffers import BUCKET_PAD, PARAM_ALIGN, build_buffers
 from gtp_runtime.init import full_init
 from gtp_runtime.model import GPTModel, is_gtp_dense
-from gtp_runtime.sharding import ShardSpec
+from gtp_runtime.sharding import drop_padding, take_shard
 
 # -- ShardSpec -----------------------------------------------------------------------------------
 
@@ -75,12 +76,12 @@ def test_shards_tile_the_padded_tp_local_tensor(w):
     for t in range(tp):
         local = tp_local(full, mode, tp, t)
         specs = [spec_of(*w, t, r) for r in range(group)]
-        pieces = [s.take(full) for s in specs]
+        pieces = [take_shard(s, full) for s in specs]
         assert all(tuple(p.shape) == specs[0].local_shape for p in pieces)
         padded = torch.cat(pieces)
         assert padded.shape[0] == specs[0].padded_rows
         # Trimmed, the concatenation is the TP-local weight; the tail is zero padding.
-        assert torch.equal(specs[0].assemble_tp_local(padded), local)
+        assert torch.equal(drop_padding(specs[0], padded), local)
         assert not padded[local.shape[0] :].any()
         # Distinct slices: each shard's real rows are its own range, and together they count every row once.
         assert sum(s.valid_rows for s in specs) == local.shape[0]
@@ -103,7 +104,7 @@ def test_global_offsets_cover_global_shape_exactly_once(w):
     count = torch.zeros(shape, dtype=torch.int64)
     for s in specs:
         idx = tuple(slice(o, o + n) for o, n in zip(s.global_offset, s.local_shape, strict=True))
-        glob[idx] += s.take(full)
+        glob[idx] += take_shard(s, full)
         count[idx] += 1
     assert bool((count == 1).all())
     rows, padded = specs[0].tp_local_shape[0], specs[0].padded_rows
@@ -192,7 +193,8 @@ def test_buffer_layout(setup):
                 # param and main_grad are views into the flat buffers, holding the initial shard.
                 assert s.param.data_ptr() == buf.param_data[s.start :].data_ptr()
                 assert s.param.main_grad.data_ptr() == buf.grad_data[s.start :].data_ptr()
-                want_val = s.param.spec.take(full_init(s.name, s.param.spec.full_shape, model.seed, model.num_layers))
+                full = full_init(s.name, s.param.spec.full_shape, model.seed, model.num_layers)
+                want_val = take_shard(s.param.spec, full)
                 assert torch.equal(s.param.detach(), want_val)
             names = [n for n, p in m.named_parameters() if any(s.param is p for s in buf.slots)]
             assert [s.name for s in buf.slots] == names[::-1]
