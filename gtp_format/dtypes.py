@@ -108,6 +108,13 @@ def by_name(name: str) -> DType:
     return DTYPES[name]
 
 
+def from_repr(text: str) -> DType:
+    """The entry for ``"torch.float32"`` (how manifests, indexes and key tags print a dtype); KeyError if unknown."""
+    if not isinstance(text, str) or not text.startswith("torch."):
+        raise KeyError(text)
+    return DTYPES[text.removeprefix("torch.")]
+
+
 def from_torch(dtype: Any) -> DType:
     """The entry for a ``torch.dtype`` (``str(torch.float32) == "torch.float32"``)."""
     return DTYPES[str(dtype).removeprefix("torch.")]

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gtp_format.dtypes import from_repr
 from gtp_format.layout.config import ConfigError, ParallelConfig
 from gtp_format.manifest import Manifest, derive_bucket_size
 from gtp_format.names import dtype_tag, optimizer_key
@@ -238,7 +239,8 @@ def resume_phase(trainer: Trainer, root: str | os.PathLike, dump_dir: str | os.P
 
 # -- a saved checkpoint's config -------------------------------------------------------------------
 
-_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+# Parameter dtypes the runtime trains in (the format's table knows every dtype; these are the ones it runs).
+PARAM_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16", "torch.float64")
 
 
 def config_from_manifest(manifest: Manifest, dp: int | None = None) -> TrainConfig:
@@ -256,8 +258,8 @@ def config_from_manifest(manifest: Manifest, dp: int | None = None) -> TrainConf
         what = f"type {opt.type!r}" if opt.type != "adamw" else f"field {unknown[0]!r}"
         raise ConfigError(f"manifest optimizer has {what}, unknown to this version; upgrade gtp-ckpt")
     adam = AdamConfig(**{k: float(v) for k, v in opt.hyper.items()})
-    if manifest.param_dtype not in _DTYPES:
-        raise ConfigError(f"manifest param_dtype {manifest.param_dtype!r} is not one of {sorted(_DTYPES)}")
+    if manifest.param_dtype not in PARAM_DTYPES:
+        raise ConfigError(f"manifest param_dtype {manifest.param_dtype!r} is not one of {PARAM_DTYPES}")
     par.validate(None, model.num_experts)
     if dp is not None and dp != par.dp:
         par = ParallelConfig(**{**par.to_dict(), "dp": dp})
@@ -268,7 +270,7 @@ def config_from_manifest(manifest: Manifest, dp: int | None = None) -> TrainConf
     except ValueError as e:
         raise ConfigError(f"{e}; cannot recover --bucket-size") from None
     return TrainConfig(par=par, model=model, adam=adam, bucket_size=bucket_size,
-                       param_dtype=_DTYPES[manifest.param_dtype])
+                       param_dtype=from_repr(manifest.param_dtype).torch)
 
 
 def resave(trainer: Trainer, src: str | os.PathLike, root: str | os.PathLike, layout: str,

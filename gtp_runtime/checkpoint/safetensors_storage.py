@@ -39,12 +39,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from gtp_format.commit import fsync_file, write_durable  # noqa: E402
+from gtp_format.dtypes import from_repr  # noqa: E402
 from gtp_format.names import GTP_INDEX_FILE as INDEX_FILE  # noqa: E402
 from gtp_format.names import GTP_INDEX_VERSION as INDEX_VERSION  # noqa: E402
 from gtp_format.names import chunk_tensor_name as tensor_name  # noqa: E402
-
-_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
-                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
 
 
 def _done(value: Any) -> torch.futures.Future:
@@ -122,7 +120,7 @@ def metadata_from_index(index: dict[str, Any]) -> Metadata:
     sd_md: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
     for fqn, k in index["keys"].items():
-        dtype = _DTYPES[k["dtype"]]
+        dtype = from_repr(k["dtype"]).torch
         chunks = []
         for c in k["chunks"]:
             chunks.append(ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"])))
