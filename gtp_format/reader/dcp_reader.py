@@ -12,8 +12,6 @@ byte range of each chunk (``offset`` is ``None`` for byte objects). Each range h
 
 from __future__ import annotations
 
-import os
-import stat
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain, repeat
 from operator import attrgetter
@@ -38,7 +36,7 @@ from gtp_format.reader.safe_pickle import (
     brief,
     load_metadata_pickle,
 )
-from gtp_format.reader.storage import read_small_file
+from gtp_format.reader.storage import is_regular_inside, read_small_file
 
 
 def data_file_sizes(folder: Path, names: Sequence[str]) -> dict[str, int]:
@@ -47,12 +45,9 @@ def data_file_sizes(folder: Path, names: Sequence[str]) -> dict[str, int]:
     for name in names:
         if not DISTCP_RE.match(name):
             continue
-        try:
-            st = os.stat(folder / name)
-        except OSError:
-            continue
-        if stat.S_ISREG(st.st_mode):
-            sizes[name] = st.st_size
+        size = is_regular_inside(folder, name)
+        if size is not None:
+            sizes[name] = size
     return sizes
 
 

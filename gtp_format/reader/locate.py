@@ -28,7 +28,7 @@ from gtp_format.names import (
     MEGATRON_METADATA_FILE,
     iter_dir_name,
 )
-from gtp_format.reader.storage import list_dir, read_small_file
+from gtp_format.reader.storage import is_folder_inside, list_dir, read_small_file
 
 LAYOUT_TORCH_DIST, LAYOUT_SAFETENSORS = LAYOUTS
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -79,8 +79,8 @@ def _read_latest(parent: Path) -> Path:
         folder = parent / iter_dir_name(int(text))
     else:
         raise FormatError(f"{marker} holds {text[:40]!r}, not an iteration number; {fix}")
-    if not folder.is_dir():
-        what = "a file" if folder.exists() else "missing"
+    if not is_folder_inside(parent, folder.name):
+        what = "missing" if not os.path.lexists(folder) else "not a folder inside the run directory"
         raise FormatError(f"{marker} names iteration {text} but {folder} is {what}; {fix}")
     return folder
 

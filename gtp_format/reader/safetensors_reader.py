@@ -36,8 +36,6 @@ Chunk bytes are raw little-endian elements in row-major order (``ENC_RAW``).
 from __future__ import annotations
 
 import json
-import os
-import stat
 import struct
 from pathlib import Path
 from typing import Any
@@ -53,7 +51,7 @@ from gtp_format.reader.locate import (
     load_json_object,
     metadata_limit,
 )
-from gtp_format.reader.storage import read_range, unsafe_reason
+from gtp_format.reader.storage import is_regular_inside, read_range, unsafe_reason
 
 HEADER_LEN_BYTES = 8
 HEADER_LIMIT = 100 << 20  # the safetensors library's own cap on header size
@@ -66,12 +64,9 @@ def safetensors_files(loc: Located) -> dict[str, int]:
     for name in loc.names:
         if not name.endswith(SAFETENSORS_SUFFIX):
             continue
-        try:
-            st = os.stat(loc.folder / name)
-        except OSError:
-            continue
-        if stat.S_ISREG(st.st_mode):
-            sizes[name] = st.st_size
+        size = is_regular_inside(loc.folder, name)
+        if size is not None:
+            sizes[name] = size
     return sizes
 
 

@@ -1,25 +1,36 @@
-"""Confined, bounded file access for everything the readers open.
+"""Confined, bounded file access for every file a reader opens in a checkpoint folder.
 
 A checkpoint's metadata names its data files and byte ranges, and a checkpoint may come from
-anywhere. So every path recorded in metadata is checked to stay inside the checkpoint folder (no
-``..``, no absolute path, no symlink that leads out), only regular files are opened (a FIFO or a
-device would hang or never end), and a byte range is checked against the file's real size before
-a single byte is read.
+anywhere. The rules, enforced here and nowhere else:
+
+* A recorded path must be a plain relative path (no ``..``, no absolute path, no NUL).
+* It is opened *relative to the folder's descriptor*, one component at a time, each with
+  ``O_NOFOLLOW``. A symlink is never followed by the kernel: it is read with ``readlink`` and its
+  target resolved here, and only a target that stays inside the folder is walked (at most
+  :data:`MAX_LINKS` links per path). So a link that leads out, or a folder swapped for a link
+  after a check, cannot make us read outside: there is no name-based check followed by a second
+  open of the same name.
+* What was opened is what is checked: ``fstat`` on the open descriptor must say regular file.
+  FIFOs, devices and directories are refused (a FIFO would block a reader forever; the open is
+  non-blocking so that even the open cannot hang).
+* A byte range is checked against the open file's real size before one byte is read, and a whole
+  small file is read only up to its limit, so no size written in a file can make us allocate.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import posixpath
 import stat
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
 from gtp_format.errors import ChunkError, FormatError
 
-
-def _open_readonly(path: Path) -> int:
-    """``os.open`` for reading; non-blocking so a FIFO swapped in after the stat cannot hang us."""
-    return os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+MAX_LINKS = 8  # symlink hops one path may take inside the folder
+_O_FILE = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+_O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 
 
 def unsafe_reason(rel: object) -> str | None:
@@ -36,46 +47,122 @@ def unsafe_reason(rel: object) -> str | None:
     return None
 
 
-def resolve_inside(root: Path, rel: str) -> Path:
-    """The real path of ``rel`` under ``root``; raises when it would leave ``root``."""
+def _open_at(name: str, flags: int, dir_fd: int) -> int:
+    """The one ``open`` every read goes through (tests simulate OS refusals here)."""
+    return os.open(name, flags, dir_fd=dir_fd)
+
+
+class _Outside(Exception):
+    """A symlink on the way leads out of the folder (or loops)."""
+
+
+def _open_root(root: Path) -> int:
+    try:
+        return os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise FormatError(f"{root} does not exist; pass a checkpoint folder (iter_XXXXXXX) or its parent") from None
+    except NotADirectoryError:
+        raise FormatError(f"{root} is not a folder; pass the iter_XXXXXXX folder or its parent") from None
+    except OSError as e:
+        raise FormatError(f"cannot open folder {root}: {e.strerror}") from None
+
+
+def _walk(root_fd: int, rel: str, want_dir: bool) -> int:
+    """Open ``rel`` below the folder ``root_fd`` without letting the kernel follow any symlink.
+
+    Returns a descriptor (the caller closes it). Raises ``_Outside`` for a link that leaves the
+    folder, ``OSError`` for anything else (missing, permission...).
+    """
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    hops = 0
+    while True:
+        done: list[str] = []  # components walked so far, relative to the root
+        fd = os.dup(root_fd)
+        try:
+            for i, part in enumerate(parts):
+                last = i == len(parts) - 1
+                try:
+                    nfd = _open_at(part, _O_DIR if (want_dir or not last) else _O_FILE, fd)
+                except OSError as e:
+                    if e.errno not in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR):
+                        raise
+                    try:
+                        target = os.readlink(part, dir_fd=fd)
+                    except OSError:
+                        raise e from None  # not a link: a real ENOTDIR
+                    hops += 1
+                    if hops > MAX_LINKS or target.startswith("/"):
+                        raise _Outside(target) from None
+                    joined = posixpath.normpath(posixpath.join(*done, target) if done else target)
+                    if joined == ".." or joined.startswith("../"):
+                        raise _Outside(target) from None
+                    parts = [p for p in joined.split("/") if p not in ("", ".")] + parts[i + 1:]
+                    break
+                os.close(fd)
+                fd = nfd
+                done.append(part)
+            else:
+                out, fd = fd, -1
+                return out
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+
+def _open_in(root: Path, rel: str, what: str, want_dir: bool = False) -> int:
+    """A descriptor for ``rel`` inside ``root``, regular file (or folder) checked on the descriptor."""
     reason = unsafe_reason(rel)
     if reason is not None:
         raise ChunkError(f"{reason}: refusing to read outside {root}", file=str(rel))
-    root_real = os.path.realpath(root)
-    real = os.path.realpath(os.path.join(root_real, rel))
-    if os.path.commonpath([real, root_real]) != root_real:
-        raise ChunkError(f"storage path {rel!r} resolves to {real}, a symlink out of {root}; refusing to "
-                         "read it", file=rel)
-    return Path(real)
-
-
-def file_size(root: Path, rel: str) -> int:
-    """Size of a data file inside ``root``; raises a one-line :class:`ChunkError` when unusable."""
-    path = resolve_inside(root, rel)
+    root_fd = _open_root(root)
     try:
-        st = os.stat(path)
+        fd = _walk(root_fd, rel, want_dir)
+    except _Outside as e:
+        raise ChunkError(f"{what} {rel} in {root} is a symlink to {e.args[0]!r}, outside the checkpoint folder; "
+                         "refusing to read it (copy the real file into the folder)", file=rel) from None
     except FileNotFoundError:
-        raise ChunkError(f"data file {rel} is missing from {root}", file=rel) from None
+        raise ChunkError(f"{what} {rel} is missing from {root}", file=rel) from None
     except OSError as e:
-        raise ChunkError(f"cannot stat data file {rel} in {root}: {e.strerror}", file=rel) from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ChunkError(f"data file {rel} in {root} is not a regular file", file=rel)
-    return st.st_size
-
-
-def open_regular(root: Path, rel: str) -> BinaryIO:
-    """Open a data file inside ``root`` for reading; only regular files are accepted."""
-    path = resolve_inside(root, rel)
-    try:
-        fd = _open_readonly(path)
-    except FileNotFoundError:
-        raise ChunkError(f"data file {rel} is missing from {root}", file=rel) from None
-    except OSError as e:
-        raise ChunkError(f"cannot open data file {rel} in {root}: {e.strerror}", file=rel) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise ChunkError(f"cannot open {what} {rel} in {root}: {e.strerror}", file=rel) from None
+    finally:
+        os.close(root_fd)
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISDIR(mode) if want_dir else stat.S_ISREG(mode)):
         os.close(fd)
-        raise ChunkError(f"data file {rel} in {root} is not a regular file", file=rel)
-    return os.fdopen(fd, "rb")
+        kind = "a folder" if want_dir else "a regular file"
+        raise ChunkError(f"{what} {rel} in {root} is not {kind}", file=rel)
+    return fd
+
+
+def open_regular(root: Path, rel: str, what: str = "data file") -> BinaryIO:
+    """Open a regular file inside ``root`` for reading (see the module docstring for the rules)."""
+    return os.fdopen(_open_in(root, rel, what), "rb")
+
+
+def file_size(root: Path, rel: str, what: str = "data file") -> int:
+    """Size of a regular file inside ``root``, from the descriptor that was opened."""
+    fd = _open_in(root, rel, what)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def is_regular_inside(root: Path, rel: str) -> int | None:
+    """Size of ``rel`` if it is a regular file reachable inside ``root``, else ``None`` (no error)."""
+    try:
+        return file_size(root, rel)
+    except FormatError:
+        return None
+
+
+def is_folder_inside(root: Path, rel: str) -> bool:
+    """Whether ``rel`` is a folder reachable inside ``root`` (symlinks resolved inside only)."""
+    try:
+        os.close(_open_in(root, rel, "folder", want_dir=True))
+    except FormatError:
+        return False
+    return True
 
 
 def read_range(root: Path, rel: str, offset: int, length: int) -> bytearray:
@@ -83,7 +170,7 @@ def read_range(root: Path, rel: str, offset: int, length: int) -> bytearray:
 
     A ``bytearray``: writable, so tensors can be viewed over it without a copy.
     """
-    if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or length < 0:
+    if not (type(offset) is int and type(length) is int) or offset < 0 or length < 0:
         raise ChunkError(f"byte range offset={offset!r} length={length!r} in {rel} is invalid", file=rel)
     with open_regular(root, rel) as f:
         size = os.fstat(f.fileno()).st_size
@@ -103,24 +190,17 @@ def past_end_message(rel: str, offset: int, length: int, size: int) -> str:
 
 
 def read_small_file(path: Path, limit: int, what: str, fix: str) -> bytes:
-    """A whole metadata-like file, refusing non-regular files and anything over ``limit`` bytes."""
+    """A whole metadata-like file ``path`` (confined to its folder), refusing anything over ``limit`` bytes."""
     try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise FormatError(f"{path} is missing; {fix}") from None
-    except OSError as e:
-        raise FormatError(f"cannot stat {path}: {e.strerror}; {fix}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise FormatError(f"{path} is not a regular file; {fix}")
-    if st.st_size > limit:
-        raise FormatError(f"{path} is {st.st_size} bytes, over the {limit}-byte limit for {what}; {fix}")
+        fd = _open_in(path.parent, path.name, what)
+    except ChunkError as e:
+        raise FormatError(f"{e.message}; {fix}") from None
     try:
-        fd = _open_readonly(path)
-    except OSError as e:
-        raise FormatError(f"cannot open {path}: {e.strerror}; {fix}") from None
-    parts: list[bytes] = []
-    total = 0
-    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise FormatError(f"{path} is {size} bytes, over the {limit}-byte limit for {what}; {fix}")
+        parts: list[bytes] = []
+        total = 0
         while True:
             block = os.read(fd, min(1 << 20, limit + 1 - total))
             if not block:
@@ -140,6 +220,8 @@ def list_dir(path: Path) -> list[str]:
         return sorted(os.listdir(path))
     except NotADirectoryError:
         raise FormatError(f"{path} is a file, expected a checkpoint folder; pass the iter_XXXXXXX folder "
-                        "or its parent") from None
+                          "or its parent") from None
+    except FileNotFoundError:
+        raise FormatError(f"{path} does not exist; pass a checkpoint folder (iter_XXXXXXX) or its parent") from None
     except OSError as e:
         raise FormatError(f"cannot list {path}: {e.strerror}") from None

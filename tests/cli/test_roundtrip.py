@@ -87,7 +87,7 @@ def test_bad_usage_exits_2(args: tuple[str, ...], needles: tuple[str, ...]):
 @pytest.mark.parametrize("make,args,needles", [
     (None, ("--tp", "2", "--steps", "4"), ("--tp, --steps cannot be used with PATH", "manifest")),
     (_no_manifest, (), ("has no gtp_manifest.json", "only gtp_runtime checkpoints")),
-    (_bad_world, (), ("gtp_manifest.json", "world size 6 != tp*cp*gtp_remat*dp = 1*2*2*2 = 8")),
+    (_bad_world, (), ("gtp_manifest.json", "topology.world_size is 6 but the sizes give 8")),
 ])
 def test_path_refusals_exit_2(tmp_path: Path, gtp_fixtures: Path, make, args: tuple[str, ...],
                               needles: tuple[str, ...]):
