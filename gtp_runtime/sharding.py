@@ -127,7 +127,7 @@ class GTPLinearFn(torch.autograd.Function):
 
     Only the shard is saved for backward: the full weight exists only inside each GEMM, which is
     the ZeRO-3 memory saving. The weight gradient is reduce-scattered (averaged: the bucket divisor
-    then only covers the buffer's DP group, domain.md 3) and accumulated in fp32 into
+    then only covers the buffer's DP group, see docs/training-step.md) and accumulated in fp32 into
     ``main_grad``, so a bf16 param never rounds its gradient to bf16 on the way.
     """
 

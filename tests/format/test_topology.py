@@ -1,4 +1,4 @@
-"""Rank generator: the worked example of domain.md section 1 and properties over small grids."""
+"""Rank generator: the worked example of docs/glossary.md ("rank order") and properties over small grids."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from gtp_format.layout import topology as topo
 from gtp_format.layout.config import ParallelConfig
 from gtp_format.layout.topology import Topology
 
-# domain.md section 1: TP=1, CP=2, GTP_remat=2, DP=2 (8 ranks).
+# docs/glossary.md, "rank order": TP=1, CP=2, GTP_remat=2, DP=2 (8 ranks).
 EXAMPLE = ParallelConfig(tp=1, cp=2, gtp_remat=2, dp=2, fold_cp=True)
 EXAMPLE_TABLE = {
     topo.CP: [[0, 1], [2, 3], [4, 5], [6, 7]],
@@ -38,7 +38,7 @@ def test_worked_example_folded_rank():
     t = Topology(EXAMPLE)
     # folded_rank = cp + CP*g: rank 0 (c0,g0)=0, 1 (c1,g0)=1, 2 (c0,g1)=2, 3 (c1,g1)=3, then again for dp 1.
     assert [t.folded_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
-    # The aliasing pair of domain.md section 5: CP peers 0 and 1 share model-parallel rank 0.
+    # The aliasing pair of docs/checkpoint-format.md (Keys): CP peers 0 and 1 share model-parallel rank 0.
     assert t.model_parallel_rank(0) == t.model_parallel_rank(1) == 0
     assert t.coords(0).cp != t.coords(1).cp
 
