@@ -17,7 +17,6 @@ torch (``inspect`` and ``verify`` run without it: importing torch costs seconds 
 from __future__ import annotations
 
 import io
-import zipfile
 from typing import Any
 
 import numpy as np
@@ -27,7 +26,7 @@ from gtp_format.model import BYTES, ENC_RAW, Checkpoint, Chunk, Entry, StorageRe
 from gtp_format.reader.blob import BlobLayout, as_tensor, element_view, parse_blob
 from gtp_format.reader.object_blob import load_plain_object
 from gtp_format.reader.storage import read_range
-from gtp_format.reader.zip_blob import BlobError, ViewReader
+from gtp_format.reader.zip_blob import BlobError, ViewReader, zip_records
 from gtp_format.scan import carrier
 
 
@@ -49,17 +48,16 @@ def declared_size_problem(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> str |
 
 
 def _require_stored_zip(buf: bytes, where: str, key: str, chunk: int, file: str | None) -> None:
-    """Refuse a torch.save blob with compressed records or records larger than the blob itself."""
+    """Refuse a torch.save blob with compressed records or records larger than the blob itself.
+
+    The same zip-structure parser as every other blob read (:func:`zip_blob.zip_records`), before
+    torch ever sees the bytes.
+    """
     try:
-        infos = zipfile.ZipFile(io.BytesIO(buf)).infolist()
-    except (zipfile.BadZipFile, ValueError, OSError) as e:
-        raise ChunkError(f"{where} does not decode as a torch.save blob (not a zip archive: {e})",
+        zip_records(ViewReader(memoryview(buf)))
+    except BlobError as e:
+        raise ChunkError(f"{where} is not a torch.save blob torch would write ({e}); refusing to load it",
                          key=key, chunk=chunk, file=file) from None
-    for info in infos:
-        if info.compress_type != zipfile.ZIP_STORED or info.file_size > len(buf):
-            raise ChunkError(f"{where}: record {info.filename} is compressed or larger than the blob "
-                             f"({info.file_size} bytes); torch.save never writes that, refusing to inflate it",
-                             key=key, chunk=chunk, file=file)
 
 
 def checked_ref(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> StorageRef:
