@@ -130,7 +130,9 @@ class Survivor:
 
 
 @dataclass(frozen=True)
-class AliasedKey:
+class AliasFinding:
+    """One optimizer key that lost CP peers' state: what verify reports and what DCP kept."""
+
     key: str
     severity: str
     reason: str
@@ -148,7 +150,7 @@ class AliasedKey:
 class AliasReport:
     status: str  # ok | aliased | possibly_aliased | not_folded | unknown | no_optimizer | inconsistent
     message: str
-    aliased: list[AliasedKey] = field(default_factory=list)
+    aliased: list[AliasFinding] = field(default_factory=list)
 
 
 def _survivors(entry: Entry, topo: TopologyView) -> tuple[Survivor, ...]:
@@ -174,25 +176,25 @@ def aliasing(ckpt: Checkpoint, classes: dict[str, KeyClass], topo: TopologyView)
     folded_buffers = {_buffer(o) for o in opts.values() if o.cp_rank is not None}
     cpless = [k for k, o in opts.items() if o.cp_rank is None]
     multi_cp = topo.cp is not None and topo.cp > 1
-    found: list[AliasedKey] = []
+    found: list[AliasFinding] = []
     for key in cpless:
         opt = opts[key]
         declared = topo.folded_gbufs.get(opt.gbuf_idx)
         if declared is not None:
             if declared and multi_cp:
                 reason = f"the manifest says gbuf_idx_{opt.gbuf_idx} is folded (excludes_cp) but the key has no cp_rank"
-                found.append(AliasedKey(key, "error", reason, _survivors(ckpt.entries[key], topo)))
+                found.append(AliasFinding(key, "error", reason, _survivors(ckpt.entries[key], topo)))
         elif _buffer(opt) in folded_buffers:
             reason = f"buffer gbuf_idx_{opt.gbuf_idx} has cp_rank keys, but this state has none"
-            found.append(AliasedKey(key, "error", reason, _survivors(ckpt.entries[key], topo)))
+            found.append(AliasFinding(key, "error", reason, _survivors(ckpt.entries[key], topo)))
         elif topo.folded and multi_cp:
             if folded_buffers:
                 reason = (f"no cp_rank in a folded checkpoint (cp={topo.cp}): aliased unless gbuf_idx_"
                           f"{opt.gbuf_idx} is an unfolded (expert) buffer")
-                found.append(AliasedKey(key, "warning", reason, _survivors(ckpt.entries[key], topo)))
+                found.append(AliasFinding(key, "warning", reason, _survivors(ckpt.entries[key], topo)))
             else:
                 reason = f"no cp_rank in a folded checkpoint (cp={topo.cp}): CP peers wrote the same key"
-                found.append(AliasedKey(key, "error", reason, _survivors(ckpt.entries[key], topo)))
+                found.append(AliasFinding(key, "error", reason, _survivors(ckpt.entries[key], topo)))
     if any(a.severity == "error" for a in found):
         n = sum(a.severity == "error" for a in found)
         return AliasReport("aliased", f"{n} optimizer keys are aliased: CP peers' state was lost at save", found)

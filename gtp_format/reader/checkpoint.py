@@ -41,7 +41,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             backend, metadata_file = "gtp safetensors", INDEX_FILE
         elif megatron is not None and megatron.get("sharded_backend") == GTP_SAFETENSORS_BACKEND:
             raise FormatError(f"{loc.folder / INDEX_FILE} is missing: metadata.json names the gtp safetensors layout "
-                            f"but its index was never written (an interrupted save?); use another iteration")
+                              f"but its index was never written (an interrupted save?); use another iteration")
         else:
             entries, notes = read_safetensors_metadata(loc, files)
             backend, metadata_file = "dcp safetensors (HuggingFaceStorageWriter)", None

@@ -80,7 +80,8 @@ def _read_latest(parent: Path) -> Path:
     else:
         raise FormatError(f"{marker} holds {text[:40]!r}, not an iteration number; {fix}")
     if not is_folder_inside(parent, folder.name):
-        what = "missing" if not os.path.lexists(folder) else "not a folder inside the run directory"
+        what = ("missing" if not os.path.lexists(folder) else "a file" if folder.is_file() and not folder.is_symlink()
+                else "not a folder inside the run directory")
         raise FormatError(f"{marker} names iteration {text} but {folder} is {what}; {fix}")
     return folder
 
@@ -115,7 +116,7 @@ def locate(path: str | os.PathLike[str]) -> Located:
         iters = [n for n in names if ITER_DIR_RE.match(n)]
         if iters:
             raise FormatError(f"{p} holds {len(iters)} iter_* folders but no {LATEST_FILE}; pass one of them, "
-                            f"e.g. {p / iters[-1]}")
+                              f"e.g. {p / iters[-1]}")
         what = "is empty" if not names else "has no .metadata, *.safetensors or " + LATEST_FILE
         raise FormatError(f"{p} {what}: not a checkpoint folder; pass an iter_XXXXXXX folder or its parent")
     return Located(folder=p, layout=layout, names=tuple(names))

@@ -77,7 +77,7 @@ def read_header(folder: Path, name: str, size: int) -> tuple[dict[str, Any], int
     """
     if size < HEADER_LEN_BYTES:
         raise FormatError(f"{folder / name} is {size} bytes, too short for a safetensors header; "
-                        "the file is truncated: restore it")
+                          "the file is truncated: restore it")
     (n,) = struct.unpack("<Q", read_range(folder, name, 0, HEADER_LEN_BYTES))
     if n > HEADER_LIMIT or HEADER_LEN_BYTES + n > size:
         raise FormatError(
@@ -131,7 +131,7 @@ def read_gtp_index(loc: Located, files: dict[str, int], index_file: str,
     fix = f"restore {index_file} from a good copy"
     if type(index.get("version")) is not int or index["version"] > GTP_INDEX_VERSION:
         raise FormatError(f"{path} has version {index.get('version')!r}; this ckpt reads version "
-                        f"{GTP_INDEX_VERSION}: upgrade ckpt or {fix}")
+                          f"{GTP_INDEX_VERSION}: upgrade ckpt or {fix}")
     keys = index.get("keys")
     if not isinstance(keys, dict):
         raise FormatError(f"{path} has no 'keys' object; {fix}")
@@ -206,17 +206,17 @@ def read_safetensors_metadata(loc: Located, files: dict[str, int]) -> tuple[dict
             span = _ints(spec.get("data_offsets"))
             if dtype is None or shape is None or span is None or len(span) != 2 or span[0] > span[1]:
                 raise FormatError(f"{where}: header entry {key!r} has a bad dtype, shape or data_offsets "
-                                f"({spec!r}); restore the file")
+                                  f"({spec!r}); restore the file")
             sharding = info.get(key, {})
             offsets = _ints(sharding.get(SAVED_OFFSETS_KEY)) if isinstance(sharding, dict) and sharding else None
             if offsets is None:
                 if key in info:
                     raise FormatError(f"{where}: {SHARDING_INFO_KEY}[{key!r}] has no valid saved_offsets; "
-                                    "restore the file")
+                                      "restore the file")
                 offsets = (0,) * len(shape)
             if len(offsets) != len(shape):
                 raise FormatError(f"{where}: {key!r} has {len(shape)} dims but saved_offsets {list(offsets)}; "
-                                "restore the file")
+                                  "restore the file")
             if key in dtypes and dtypes[key] != dtype:
                 notes.append(Problem("error", "dtype_mismatch",
                                      f"{key} is {dtype} in {name} but {dtypes[key]} in another file",

@@ -67,11 +67,13 @@ def _open_root(root: Path) -> int:
         raise FormatError(f"cannot open folder {root}: {e.strerror}") from None
 
 
-def _walk(root_fd: int, rel: str, want_dir: bool) -> int:
+def _walk(root_fd: int, rel: str, want_dir: bool, stat_only: bool = False) -> int | os.stat_result:
     """Open ``rel`` below the folder ``root_fd`` without letting the kernel follow any symlink.
 
-    Returns a descriptor (the caller closes it). Raises ``_Outside`` for a link that leaves the
-    folder, ``OSError`` for anything else (missing, permission...).
+    Returns a descriptor (the caller closes it), or with ``stat_only`` the final component's
+    ``lstat`` after resolving links inside the folder, without opening it (``inspect`` promises
+    never to open a data file). Raises ``_Outside`` for a link that leaves the folder, ``OSError``
+    for anything else (missing, permission...).
     """
     parts = [p for p in rel.split("/") if p not in ("", ".")]
     hops = 0
@@ -82,6 +84,11 @@ def _walk(root_fd: int, rel: str, want_dir: bool) -> int:
             for i, part in enumerate(parts):
                 last = i == len(parts) - 1
                 try:
+                    if last and stat_only:
+                        st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                        if not stat.S_ISLNK(st.st_mode):
+                            return st
+                        raise OSError(errno.ELOOP, "symbolic link")
                     nfd = _open_at(part, _O_DIR if (want_dir or not last) else _O_FILE, fd)
                 except OSError as e:
                     if e.errno not in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR):
@@ -117,8 +124,9 @@ def _open_in(root: Path, rel: str, what: str, want_dir: bool = False) -> int:
     root_fd = _open_root(root)
     try:
         fd = _walk(root_fd, rel, want_dir)
+        assert isinstance(fd, int)
     except _Outside as e:
-        raise ChunkError(f"{what} {rel} in {root} is a symlink to {e.args[0]!r}, outside the checkpoint folder; "
+        raise ChunkError(f"{what} {root / rel} is a symlink to {e.args[0]!r}, outside the checkpoint folder; "
                          "refusing to read it (copy the real file into the folder)", file=rel) from None
     except FileNotFoundError:
         raise ChunkError(f"{what} {rel} is missing from {root}", file=rel) from None
@@ -130,7 +138,7 @@ def _open_in(root: Path, rel: str, what: str, want_dir: bool = False) -> int:
     if not (stat.S_ISDIR(mode) if want_dir else stat.S_ISREG(mode)):
         os.close(fd)
         kind = "a folder" if want_dir else "a regular file"
-        raise ChunkError(f"{what} {rel} in {root} is not {kind}", file=rel)
+        raise ChunkError(f"{what} {root / rel} is not {kind}", file=rel)
     return fd
 
 
@@ -149,11 +157,24 @@ def file_size(root: Path, rel: str, what: str = "data file") -> int:
 
 
 def is_regular_inside(root: Path, rel: str) -> int | None:
-    """Size of ``rel`` if it is a regular file reachable inside ``root``, else ``None`` (no error)."""
+    """Size of ``rel`` if it is a regular file reachable inside ``root``, else ``None`` (no error).
+
+    Stats without opening: listing a folder's data files must not open them.
+    """
+    if unsafe_reason(rel) is not None:
+        return None
     try:
-        return file_size(root, rel)
+        root_fd = _open_root(root)
     except FormatError:
         return None
+    try:
+        st = _walk(root_fd, rel, want_dir=False, stat_only=True)
+    except (OSError, _Outside):
+        return None
+    finally:
+        os.close(root_fd)
+    assert isinstance(st, os.stat_result)
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def is_folder_inside(root: Path, rel: str) -> bool:

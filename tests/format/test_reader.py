@@ -12,6 +12,7 @@ import torch
 from gtp_format.check.analysis import aliasing, classify_all, topology_view, writer_rank
 from gtp_format.dtypes import DTYPES
 from gtp_format.errors import FormatError
+from gtp_format.layout.config import ParallelConfig
 from gtp_format.model import BYTES, ENC_RAW, ENC_TORCH_SAVE, TENSOR
 from gtp_format.reader.checkpoint import open_checkpoint
 from gtp_format.reader.chunks import load_chunk, load_object, load_plain
@@ -25,7 +26,7 @@ def test_torch_dist_model(ckpts: Path):
     ck = open_checkpoint(ckpts / "good")  # the parent: follows latest_checkpointed_iteration.txt
     assert ck.root.name == "iter_0000010" and ck.iteration == F.ITERATION
     assert ck.layout == "torch_dist" and ck.backend == "megatron torch_dist" and ck.encoding == ENC_TORCH_SAVE
-    assert ck.manifest is not None and ck.manifest["topology"] == F.TOPOLOGY
+    assert ck.manifest is not None and ck.manifest.topology == ParallelConfig(**F.TOPOLOGY)
     qkv = ck.entries[F.QKV]
     assert (qkv.kind, qkv.shape, qkv.dtype.torch) == (TENSOR, F.QKV_SHAPE, torch.float32)
     assert _boxes(qkv) == [((0, 0), (8, 8)), ((8, 0), (8, 8))]
