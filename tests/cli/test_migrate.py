@@ -315,3 +315,13 @@ def test_runtime_resumes_from_the_migrated_checkpoint(migrated):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "at iteration 2" in proc.stdout and "step    3" in proc.stdout
+
+
+def test_output_matches_the_recorded_output_of_the_single_module_version(migrated):
+    """migrate's output is the same as before it became a package: every file, chunk and record."""
+    from migrate_golden import summarize
+
+    golden = json.loads((Path(__file__).parent / "golden" / "migrate_aliased.json").read_text())
+    got = json.loads(json.dumps(summarize(migrated.dst / ITER)))
+    for part in golden:
+        assert got[part] == golden[part], part
