@@ -6,13 +6,22 @@ file and then its folder (POSIX makes a new directory entry durable only when th
 synced), and make it visible with one ``rename``. A reader then sees the old state or the complete
 new one, never a part. ``save_checkpoint``, the safetensors writer, the manifest, the latest marker,
 ``ckpt migrate-aliased``/``reshard``/``export`` and the launcher's rank reports all go through here.
+
+A tool that derives a new checkpoint from an old one builds it in :func:`building` (a hidden
+sibling, removed unless committed) and makes it visible with :func:`commit_new_folder` (never
+replaces anything) or :func:`swap_in_folder` (replaces, keeping the old folder as a backup).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import os
 import shutil
+import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -84,3 +93,74 @@ def commit_folder(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def building(final: Path, tag: str) -> Iterator[Path]:
+    """A hidden sibling of ``final`` to build a folder in; removed on the way out unless it was committed.
+
+    A sibling, so that the commit is a ``rename`` on one filesystem. The caller creates it.
+    """
+    tmp = hidden_sibling(final, tag)
+    try:
+        yield tmp
+    finally:
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+
+
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
+    """Linux ``renameat2(a, b, flags)``; False where the kernel, libc or filesystem lacks it."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def commit_new_folder(tmp: Path, final: Path) -> None:
+    """Rename the complete folder ``tmp`` to ``final``, which must not exist: nothing is ever replaced.
+
+    ``rename`` alone would silently replace an empty folder that appeared at ``final`` since the
+    caller checked; where Linux offers ``RENAME_NOREPLACE`` the kernel refuses it instead
+    (``FileExistsError``).
+    """
+    fsync_dir(tmp)
+    if not _renameat2(tmp, final, _RENAME_NOREPLACE):
+        if os.path.lexists(final):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(final))
+        os.rename(tmp, final)
+    fsync_dir(final.parent)
+
+
+def swap_in_folder(tmp: Path, final: Path, backup: Path) -> None:
+    """Put the complete folder ``tmp`` at ``final``; the old ``final`` is kept at ``backup`` (must not exist).
+
+    Where the kernel can exchange two paths atomically (Linux ``renameat2``), readers of ``final``
+    see the old or the new folder, never none; elsewhere there is a moment between two renames,
+    and a failed second rename puts the old folder back.
+    """
+    fsync_dir(tmp)
+    if _renameat2(tmp, final, _RENAME_EXCHANGE):
+        os.rename(tmp, backup)  # tmp now names the old folder
+    else:
+        os.rename(final, backup)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            os.rename(backup, final)
+            raise
+    fsync_dir(final.parent)

@@ -34,6 +34,7 @@ from typing import Any
 from gtp_format.commit import write_durable
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
+from gtp_format.layout.shard import ShardSpec
 from gtp_format.names import LAYOUTS, MANIFEST_FILE, OPTIMIZER_SHARDINGS
 
 FORMAT_TAG = "gtp-ckpt"
@@ -68,6 +69,23 @@ class ParamLayout:
     shard_kind: str | None
     shard_size: int
     align: int
+
+
+def param_shard_spec(param: ParamLayout, par: ParallelConfig, tp_rank: int, shard_rank: int) -> ShardSpec:
+    """Where rank ``(tp_rank, shard_rank)`` keeps its piece of ``param``, from the manifest's layout alone.
+
+    The manifest records one example rank's slice of each parameter; the shard rules place every
+    other rank's (``migrate-aliased`` rebuilding a lost CP peer, ``reshard``). ``shard_rank`` is
+    the rank in the parameter's weight group (``shard_size`` ranks; 0 when it is not sharded).
+    """
+    if not 0 <= tp_rank < par.tp:
+        raise ValueError(f"tp_rank {tp_rank} is outside the {par.tp} TP ranks of {par.describe()}")
+    size = param.shard_size if param.shard_kind else 1
+    if not 0 <= shard_rank < size:
+        raise ValueError(f"shard_rank {shard_rank} is outside the {size} ranks that shard {param.name}")
+    return ShardSpec(full_shape=param.full_shape, tp_mode=param.tp_mode, tp_size=par.tp, tp_rank=tp_rank,
+                     shard_kind=param.shard_kind, shard_size=param.shard_size, shard_rank=shard_rank,
+                     align=param.align)
 
 
 @dataclass(frozen=True)

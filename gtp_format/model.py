@@ -107,6 +107,11 @@ class Checkpoint:
     manifest: Manifest | None = None  # parsed leniently; see gtp_format.reader.locate.load_side_files
     iteration: int | None = None
     notes: list[Problem] = field(default_factory=list)
+    # The allow-listed records the model was built from (a MetadataRecord for torch_dist), kept only
+    # when asked (open_checkpoint(..., keep_raw_metadata=True)): a tool that rewrites .metadata
+    # (migrate-aliased) starts from them instead of unpickling the file a second time. Not kept by
+    # default: the records outweigh the model, and inspect/verify hold the model for their whole run.
+    raw_metadata: Any = field(default=None, repr=False, compare=False)
 
     def chunk_count(self) -> int:
         return sum(len(e.chunks) for e in self.entries.values())

@@ -26,8 +26,12 @@ TORCH_DIST_BACKEND = "torch_dist"
 GTP_SAFETENSORS_BACKEND = "gtp_safetensors"  # metadata.json of gtp_runtime's safetensors layout
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Read a checkpoint's metadata; never opens a data file except safetensors headers."""
+def open_checkpoint(path: str | os.PathLike[str], keep_raw_metadata: bool = False) -> Checkpoint:
+    """Read a checkpoint's metadata; never reads a data file except safetensors headers.
+
+    ``keep_raw_metadata`` keeps the allow-listed ``.metadata`` records on the model
+    (:attr:`Checkpoint.raw_metadata`, torch_dist only) for a caller that rewrites them.
+    """
     loc = locate(path)
     megatron, manifest, manifest_notes = load_side_files(loc)
     notes: list[Problem] = []
@@ -35,7 +39,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         from gtp_format.names import GTP_INDEX_FILE as INDEX_FILE  # this project's layout
 
         files = safetensors_files(loc)
-        encoding, version = ENC_RAW, None
+        encoding, version, raw_metadata = ENC_RAW, None, None
         if INDEX_FILE in loc.names:
             entries, notes = read_gtp_index(loc, files, INDEX_FILE)
             backend, metadata_file = "gtp safetensors", INDEX_FILE
@@ -47,7 +51,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             backend, metadata_file = "dcp safetensors (HuggingFaceStorageWriter)", None
     else:
         files = data_file_sizes(loc.folder, loc.names)
-        entries, notes, version = read_dcp_metadata(loc, files)
+        entries, notes, version, raw_metadata = read_dcp_metadata(loc, files, keep_raw_metadata)
         is_megatron = megatron is not None and megatron.get("sharded_backend") == TORCH_DIST_BACKEND
         backend = "megatron torch_dist" if is_megatron else "dcp"
         encoding, metadata_file = ENC_TORCH_SAVE, DCP_METADATA_FILE
@@ -68,7 +72,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     return Checkpoint(
         root=loc.folder, layout=loc.layout, backend=backend, encoding=encoding, entries=entries,
         data_files=dict(sorted(files.items())), metadata_file=metadata_file, dcp_version=version,
-        megatron_metadata=megatron, manifest=manifest, iteration=iteration, notes=notes,
+        megatron_metadata=megatron, manifest=manifest, iteration=iteration, notes=notes, raw_metadata=raw_metadata,
     )
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import chain, repeat
 from operator import attrgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gtp_format.dtypes import DType
 from gtp_format.errors import FormatError
@@ -164,13 +164,30 @@ def _tensor_entry(key: str, md: TensorStorageRecord, storage: dict[tuple[str, tu
     return Entry(key=key, kind=TENSOR, shape=shape, dtype=props.get("dtype"), chunks=chunks)
 
 
-def read_dcp_metadata(loc: Located, data_files: dict[str, int]) -> tuple[dict[str, Entry], list[Problem], str | None]:
-    """Entries, notes and the DCP version of a torch_dist folder; reads ``.metadata`` only."""
+class DcpMetadata(NamedTuple):
+    """What :func:`read_dcp_metadata` found."""
+
+    entries: dict[str, Entry]
+    notes: list[Problem]
+    version: str | None
+    records: MetadataRecord | None  # the allow-listed records the entries came from, when asked for
+
+
+def read_dcp_metadata(loc: Located, data_files: dict[str, int], keep_records: bool = False) -> DcpMetadata:
+    """Entries, notes and the DCP version of a torch_dist folder; reads ``.metadata`` only.
+
+    ``keep_records`` also returns the records themselves (checked: the entries were built from
+    them), for a caller that rewrites the file; otherwise they are dropped here.
+    """
     path = loc.folder / DCP_METADATA_FILE
     fix = f"restore {DCP_METADATA_FILE} from a good copy, or raise {METADATA_LIMIT_ENV} if it is genuine"
     raw = read_small_file(path, metadata_limit(sum(data_files.values())), "DCP metadata", fix)
     with gc_paused():  # millions of small objects, none of them garbage: see gc_paused
-        return _entries(path, raw, load_metadata_pickle(raw, str(path)))
+        md = load_metadata_pickle(raw, str(path))
+        entries, notes, version = _entries(path, raw, md)
+        if not keep_records:
+            md = None  # freed now, while the collector is still paused
+    return DcpMetadata(entries, notes, version, md)
 
 
 def _entries(path: Path, raw: bytes, md: Any) -> tuple[dict[str, Entry], list[Problem], str | None]:

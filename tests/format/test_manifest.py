@@ -91,3 +91,40 @@ def test_any_value_anywhere_is_a_clean_answer(section, value):
             parse_manifest(raw, "m.json", strict=strict)
         except ManifestError as e:
             assert "\n" not in str(e)
+
+
+LAYOUT_FIXTURES = sorted(p.parent for p in (FIXTURES.parent).glob("*/*/iter_*/gtp_manifest.json"))
+
+
+@pytest.mark.parametrize("folder", LAYOUT_FIXTURES, ids=lambda p: p.parent.name)
+def test_param_shard_spec_places_every_rank_where_the_writer_put_it(folder: Path):
+    """The boxes param_shard_spec gives all (tp_rank, shard_rank) are exactly the chunks the runtime saved."""
+    from gtp_format.manifest import param_shard_spec
+    from gtp_format.reader.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(folder)
+    par, checked = ckpt.manifest.topology, 0
+    for buf in ckpt.manifest.buffers:
+        for bucket in buf.buckets:
+            for p in bucket.params:
+                ranks = p.shard_size if p.shard_kind else 1
+                specs = [param_shard_spec(p, par, t, r) for t in range(par.tp) for r in range(ranks)]
+                assert all(s.local_shape == p.local_shape and s.global_shape == p.global_shape for s in specs)
+                boxes = {(s.global_offset, s.local_shape) for s in specs}
+                assert boxes == {(c.offsets, c.sizes) for c in ckpt.entries[p.name].chunks}, p.name
+                checked += 1
+    assert checked >= 15
+
+
+def test_param_shard_spec_refuses_ranks_outside_the_groups():
+    from gtp_format.layout.config import ParallelConfig
+    from gtp_format.manifest import param_shard_spec
+
+    m = parse_manifest(_raw(), "m", strict=True)
+    sharded = next(p for b in m.buffers for k in b.buckets for p in k.params if p.shard_kind)
+    plain = next(p for b in m.buffers for k in b.buckets for p in k.params if not p.shard_kind)
+    par = ParallelConfig(tp=2, cp=2, gtp_remat=2, dp=2, fold_cp=True)
+    assert param_shard_spec(sharded, par, 1, sharded.shard_size - 1).shard_rank == sharded.shard_size - 1
+    for p, t, r in [(sharded, 2, 0), (sharded, -1, 0), (sharded, 0, sharded.shard_size), (plain, 0, 1)]:
+        with pytest.raises(ValueError, match="outside"):
+            param_shard_spec(p, par, t, r)

@@ -141,16 +141,16 @@ def test_error_messages_stay_short_whatever_the_file_holds():
 
 
 def test_migrate_planner_copy_is_bounded_on_shared_lists():
-    from ckpt_tool.migrate_core import _plain
+    from ckpt_tool.migrate.metadata import plain_copy
 
     node: list = []
     for _ in range(100):  # 2**100 paths through 100 shared lists
         node = [node, node]
     start = time.perf_counter()
     with pytest.raises(FormatError, match="shared sub-lists"):
-        _plain(node, "x/.metadata: planner_data", [100_000])
+        plain_copy(node, "x/.metadata: planner_data", [100_000])
     assert time.perf_counter() - start < 5
-    assert _plain({"a": ("a",)}, "ok", [100]) == {"a": ("a",)}
+    assert plain_copy({"a": ("a",)}, "ok", [100]) == {"a": ("a",)}
 
 
 

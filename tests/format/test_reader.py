@@ -125,3 +125,32 @@ def test_gtp_safetensors_layout(ckpts: Path):
             other = next(o for o in td.entries[key].chunks if o.offsets == c.offsets)
             assert torch.equal(load_chunk(gt, gt.entries[key], c), load_chunk(td, td.entries[key], other))
     assert not gt.notes
+
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "gtp"
+
+
+def test_raw_metadata_is_kept_only_when_asked_and_no_data_file_is_read(monkeypatch: pytest.MonkeyPatch):
+    """keep_raw_metadata hands the checked records to a rewriter; the model itself is unchanged by it."""
+    import os
+
+    from gtp_format.names import DISTCP_RE
+    from gtp_format.reader.safe_pickle import MetadataRecord
+
+    read: list[str] = []
+
+    def spy(real):
+        def wrapper(fd, *args, **kwargs):
+            read.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+            return real(fd, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(os, "read", spy(os.read))
+    monkeypatch.setattr(os, "fdopen", spy(os.fdopen))
+    plain = open_checkpoint(FIXTURES / "aliased_cp2_g2_dp2")
+    kept = open_checkpoint(FIXTURES / "aliased_cp2_g2_dp2", keep_raw_metadata=True)
+    assert ".metadata" in read and not [n for n in read if DISTCP_RE.match(n)]  # metadata only, as before
+    assert plain.raw_metadata is None and isinstance(kept.raw_metadata, MetadataRecord)
+    assert list(kept.raw_metadata.get("state_dict_metadata")) == list(kept.entries)
+    assert kept == plain and repr(kept) == repr(plain)  # records take no part in comparisons or repr
+    assert open_checkpoint(FIXTURES / "fold_cp2_g2_dp2_st", keep_raw_metadata=True).raw_metadata is None
