@@ -1,19 +1,17 @@
-"""Assemble (part of) a tensor from its chunks, summarise it, compare two of them.
+"""``show``'s tensor helpers: parse ``--slice``, summarise a tensor (NaN/Inf aware).
 
-``show`` and ``diff`` read real data, so the memory they may use is bounded up front: the
-assembled region's size is computed from metadata and refused over a limit before anything is
-allocated, and only the chunks that intersect the requested rows are read.
+Assembling a region from chunks is :mod:`gtp_format.reader.region` (``diff`` and
+``verify-roundtrip`` assemble through it too); comparing values is :mod:`gtp_format.compare`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gtp_format.errors import FormatError
-from gtp_format.reader.region import Assembled, assemble  # noqa: F401 - moved there; diff still imports it here
+from gtp_format.reader.region import assemble  # noqa: F401 - moved there; verify-roundtrip still imports it here
 
 
 def parse_slice(text: str | None, dim0: int) -> tuple[int, int]:
@@ -57,28 +55,3 @@ def summary(t: torch.Tensor) -> dict[str, Any]:
     else:
         info.update(min=None, max=None, mean=None, std=None)
     return info
-
-
-@dataclass
-class Comparison:
-    mismatches: int
-    max_abs_diff: float | None  # over mismatching elements with a finite difference
-    first_mismatch: int | None  # flat index inside the compared piece
-
-
-def compare(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> Comparison:
-    """Elementwise ``|a - b| <= atol + rtol * |b|`` (NaN equals NaN), on same-shape tensors."""
-    if a.dtype == torch.bool:
-        a, b = a.to(torch.uint8), b.to(torch.uint8)
-    if a.is_complex():
-        a, b = torch.view_as_real(a), torch.view_as_real(b)
-    a64, b64 = a.to(torch.float64).reshape(-1), b.to(torch.float64).reshape(-1)
-    close = torch.isclose(a64, b64, rtol=rtol, atol=atol, equal_nan=True)
-    bad = (~close).nonzero()
-    diff = (a64 - b64).abs()[~close]
-    diff = diff[torch.isfinite(diff)]  # a NaN or Inf on one side has no finite distance
-    return Comparison(
-        mismatches=int(bad.numel()),
-        max_abs_diff=diff.max().item() if diff.numel() else None,
-        first_mismatch=int(bad[0, 0]) if bad.numel() else None,
-    )
