@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from gtp_format.errors import FormatError
-from gtp_format.reader.region import assemble  # noqa: F401 - moved there; verify-roundtrip still imports it here
 
 
 def parse_slice(text: str | None, dim0: int) -> tuple[int, int]:
