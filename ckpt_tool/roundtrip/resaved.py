@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ckpt_tool.roundtrip import jobs
@@ -105,7 +106,7 @@ def run(path: str | os.PathLike[str], dp: int | None = None, layout: str | None 
 
 
 def compare_resaved(src: Checkpoint, new: Checkpoint, dp_changed: bool, select: KeyFilter = EVERYTHING,
-                    advance: Any = lambda n: None) -> list[dict[str, Any]]:
+                    advance: Callable[[int], None] = lambda n: None) -> list[dict[str, Any]]:
     """The checks of a re-save: manifest, key set, shapes and dtypes, chunk layout, values by category."""
     from gtp_format.check.analysis import BUCKET_NUMEL, MODEL, OPTIMIZER, classify_all
 
