@@ -14,4 +14,6 @@ module with torch blocked.
 - :mod:`gtp_format.reader`: folder access, the pickle pre-scan and allow-list, the readers that
   build :mod:`gtp_format.model` from a folder.
 - :mod:`gtp_format.check`: the checks ``ckpt verify`` and ``--load`` run on that model.
+- :mod:`gtp_format.compare`: the one comparison engine (``diff``, ``verify-roundtrip``, the ranks'
+  own checks after a load); torch only for values.
 """

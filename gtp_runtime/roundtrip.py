@@ -19,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from gtp_format.compare import BITWISE, Tally, TensorSource, compare
 from gtp_format.dtypes import from_repr
 from gtp_format.layout.config import ConfigError, ParallelConfig
 from gtp_format.manifest import Manifest, derive_bucket_size
@@ -68,100 +69,12 @@ def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous().reshape(-1)
-    if t.dtype == torch.bool:
-        return t.to(torch.uint8)
-    if t.is_complex():
-        t = torch.view_as_real(t).reshape(-1)
-    return t.view(_INT_OF_SIZE[t.element_size()])
-
-
-@dataclass
-class KeyDiff:
-    """How one tensor differs: ``problem`` is ``values``, ``shape``, ``dtype``, ``missing`` or ``unexpected``."""
-
-    key: str
-    problem: str
-    numel: int = 0
-    differing: int = 0
-    max_abs_diff: float | None = None
-    first_index: int | None = None
-    detail: str = ""
-
-
-def bitwise_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float | None, int | None]:
-    """Elements of same-shape, same-dtype ``a`` and ``b`` whose bits differ: count, max ``|a-b|``
-    over those with a finite difference, and the first differing flat index."""
-    bad = _bits(a) != _bits(b)
-    count = int(bad.sum())
-    if not count:
-        return 0, None, None
-    first = int(bad.nonzero()[0, 0])
-    fa, fb = a.detach().reshape(-1)[bad], b.detach().reshape(-1)[bad]
-    if fa.is_complex():
-        d = (fa.to(torch.complex128) - fb.to(torch.complex128)).abs()
-    else:
-        d = (fa.to(torch.float64) - fb.to(torch.float64)).abs()
-    d = d[torch.isfinite(d)]
-    return count, (float(d.max()) if d.numel() else None), first
-
-
-def diff_tensors(key: str, want: torch.Tensor, got: torch.Tensor) -> KeyDiff | None:
-    """``None`` when ``got`` is bit-identical to ``want`` (shape and dtype included)."""
-    if want.dtype != got.dtype:
-        return KeyDiff(key, "dtype", want.numel(), want.numel(), detail=f"{want.dtype} vs {got.dtype}")
-    if tuple(want.shape) != tuple(got.shape):
-        return KeyDiff(key, "shape", want.numel(), want.numel(),
-                       detail=f"{tuple(want.shape)} vs {tuple(got.shape)}")
-    count, max_abs, first = bitwise_diff(want, got)
-    return KeyDiff(key, "values", want.numel(), count, max_abs, first) if count else None
-
-
-@dataclass
-class DiffSummary:
-    """The comparison of two snapshots (or a subset of their keys)."""
-
-    keys: int = 0
-    elements: int = 0
-    differing: int = 0
-    max_abs_diff: float | None = None
-    diffs: list[KeyDiff] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.diffs
-
-    def add(self, numel: int, d: KeyDiff | None) -> None:
-        self.keys += 1
-        self.elements += numel
-        if d is None:
-            return
-        self.diffs.append(d)
-        self.differing += d.differing
-        if d.max_abs_diff is not None:
-            self.max_abs_diff = max(self.max_abs_diff or 0.0, d.max_abs_diff)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "keys": self.keys, "elements": self.elements, "differing": self.differing,
-                "max_abs_diff": self.max_abs_diff, "diffs": [asdict(d) for d in self.diffs]}
-
-
 def compare_snapshots(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
-                      select: Callable[[str], bool] = lambda k: True) -> DiffSummary:
-    """Compare the selected keys of two snapshots bit for bit, keys missing on either side included."""
-    out = DiffSummary()
-    for key in sorted(k for k in want.keys() | got.keys() if select(k)):
-        if key not in got:
-            out.add(want[key].numel(), KeyDiff(key, "missing", want[key].numel(), want[key].numel()))
-        elif key not in want:
-            out.add(0, KeyDiff(key, "unexpected", got[key].numel(), got[key].numel()))
-        else:
-            out.add(want[key].numel(), diff_tensors(key, want[key], got[key]))
-    return out
+                      select: Callable[[str], bool] = lambda k: True) -> Tally:
+    """Compare the selected keys of two snapshots bit for bit, keys missing on either side included
+    (the comparison engine of ``ckpt diff`` and ``verify-roundtrip PATH``, on tensors in memory)."""
+    return compare(TensorSource(want, "the saved state"), TensorSource(got, "the loaded state"), BITWISE,
+                   select=select).tally()
 
 
 def is_model_key(key: str) -> bool:
@@ -196,15 +109,16 @@ def save_phase(trainer: Trainer, root: str | os.PathLike, steps: int, more_steps
     return folder
 
 
-def _float_list_diff(what: str, want: list[float], got: list[float]) -> KeyDiff | None:
-    if len(want) != len(got):
-        return KeyDiff(what, "shape", len(want), len(want), detail=f"{len(want)} vs {len(got)} steps")
-    count, max_abs, first = bitwise_diff(torch.tensor(want, dtype=torch.float64),
-                                         torch.tensor(got, dtype=torch.float64))
-    if not count:
-        return None
-    return KeyDiff(what, "values", len(want), count, max_abs, first,
-                   detail=f"step {first + 1} after resume: {want[first]!r} vs {got[first]!r}")
+def _float_list_diff(what: str, want: list[float], got: list[float]) -> Tally:
+    """Per-step floats (losses, grad norms) of the reference run against the resumed run, bitwise."""
+    t = compare_snapshots({what: torch.tensor(want, dtype=torch.float64)},
+                          {what: torch.tensor(got, dtype=torch.float64)})
+    d = t.differences[0] if t.differences else None
+    if d is not None and d.first_index:
+        step = d.first_index[0]
+        t.differences[0] = dataclasses.replace(d, detail=f"{d.differing} of {d.numel} steps differ, first at step "
+                                                         f"{step + 1} after resume: {want[step]!r} vs {got[step]!r}")
+    return t
 
 
 def resume_phase(trainer: Trainer, root: str | os.PathLike, dump_dir: str | os.PathLike,
@@ -214,7 +128,7 @@ def resume_phase(trainer: Trainer, root: str | os.PathLike, dump_dir: str | os.P
 
     ``after_load`` runs right after the load (tests use it to prove a difference is caught).
     Returns plain data: ``{"rank", "loaded": {"model", "optimizer"}, "resume": {"losses",
-    "grad_norms", "model", "optimizer"}}`` with :meth:`DiffSummary.to_dict` values.
+    "grad_norms", "model", "optimizer"}}`` with :meth:`gtp_format.compare.Tally.to_dict` values.
     """
     rank = dist.get_rank()
     ref = torch.load(dump_path(dump_dir, rank), map_location="cpu", weights_only=True)  # our own file
@@ -228,9 +142,7 @@ def resume_phase(trainer: Trainer, root: str | os.PathLike, dump_dir: str | os.P
     final = snapshot(trainer)
     resume = {}
     for what, got in (("losses", [r.loss for r in results]), ("grad_norms", [r.grad_norm for r in results])):
-        s = DiffSummary()
-        s.add(len(ref[what]), _float_list_diff(what, ref[what], got))
-        resume[what] = s.to_dict()
+        resume[what] = _float_list_diff(what, ref[what], got).to_dict()
     resume["model"] = compare_snapshots(ref["final"], final, is_model_key).to_dict()
     resume["optimizer"] = compare_snapshots(ref["final"], final, is_optimizer_key).to_dict()
     return {"rank": rank, "coords": asdict(trainer.groups.coords), "loaded": loaded, "resume": resume,

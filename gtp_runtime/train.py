@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
+from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
 from gtp_runtime.optimizer import AdamConfig
 from gtp_runtime.training import TrainConfig, Trainer
 
@@ -92,15 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, int]:
     """Turn parsed flags into a validated config and the world size."""
-    base = args.tp * args.cp * args.gtp_remat
     if args.dp is None:
-        n = world or args.nproc_per_node or base
-        if base == 0:
-            args.dp = 1  # a zero size: par.validate below names it (``n % 0`` would crash here)
-        elif n % base:
-            raise ConfigError(f"world size {n} is not a multiple of tp*cp*gtp_remat = {base}; pass --dp")
-        else:
-            args.dp = n // base
+        args.dp = infer_dp(args.tp, args.cp, args.gtp_remat, world or args.nproc_per_node)
     par = ParallelConfig(tp=args.tp, cp=args.cp, gtp_remat=args.gtp_remat, dp=args.dp, fold_cp=args.fold_cp,
                          expert_gtp_remat=args.expert_gtp_remat, average_in_collective=args.average_in_collective)
     world = world or args.nproc_per_node or par.world_size

@@ -92,7 +92,8 @@ def show_command(
     if entry.kind == BYTES:
         _show_object(ckpt, entry, fmt)
         return
-    from ckpt_tool.tensors import assemble, parse_slice, summary
+    from ckpt_tool.tensors import parse_slice, summary
+    from gtp_format.reader.region import assemble
 
     if not entry.shape and slice_ is not None:
         raise FormatError(f"{entry.key} is 0-dimensional; drop --slice")

@@ -91,6 +91,19 @@ class ParallelConfig:
         return dataclasses.asdict(self)
 
 
+def infer_dp(tp: int, cp: int, gtp_remat: int, world: int | None) -> int:
+    """The replicate degree when ``--dp`` is left out: ``world / (tp*cp*gtp_remat)`` (``world`` None:
+    one rank per cell, dp 1). A zero size gives 1, so that :meth:`ParallelConfig.validate` names it.
+    The launcher and ``ckpt verify-roundtrip`` both size their runs with it."""
+    base = tp * cp * gtp_remat
+    if base == 0:
+        return 1
+    n = world or base
+    if n % base:
+        raise ConfigError(f"world size {n} is not a multiple of tp*cp*gtp_remat = {base}; pass --dp")
+    return n // base
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A small Megatron-style GPT. Sizes are per full model (before any sharding)."""

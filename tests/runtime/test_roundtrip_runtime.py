@@ -17,7 +17,6 @@ from gtp_runtime.checkpoint.manifest import buffer_layout
 from gtp_runtime.model import GPTModel
 from gtp_runtime.roundtrip import (
     DEFAULT_BUCKET_SIZE,
-    bitwise_diff,
     compare_snapshots,
     config_from_manifest,
     is_model_key,
@@ -27,27 +26,20 @@ FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "gtp" / "fold_cp2_g
 MODEL = ModelConfig(hidden=32, num_layers=2, num_heads=4, ffn_hidden=64, seq_length=16)
 
 
-def test_bitwise_diff_compares_bits_not_values():
-    a = torch.tensor([0.0, float("nan"), 1.0, 2.0])
-    assert bitwise_diff(a, a.clone()) == (0, None, None)  # the same NaN is equal
-    b = torch.tensor([-0.0, float("nan"), 1.0, 2.5])
-    count, max_abs, first = bitwise_diff(a, b)
-    assert (count, max_abs, first) == (2, 0.5, 0)  # -0.0 differs from 0.0 (by 0.0)
-    assert bitwise_diff(torch.tensor([1, 2], dtype=torch.int64), torch.tensor([1, 3]))[0] == 1
-    assert bitwise_diff(torch.ones(3, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16))[0] == 0
-
-
 def test_compare_snapshots_reports_missing_shape_and_values():
+    """The runtime's per-rank check is the comparison engine on tensors, bitwise."""
     want = {"model.a": torch.zeros(4), "model.b": torch.zeros(2), "model.c": torch.zeros(3),
-            "optimizer.x": torch.ones(1)}
+            "optimizer.x": torch.ones(1), "model.z": torch.zeros(2)}
     got = {"model.a": torch.zeros(4), "model.b": torch.zeros(3), "model.d": torch.zeros(1),
-           "optimizer.x": torch.full((1,), 2.0)}
+           "optimizer.x": torch.full((1,), 2.0), "model.z": torch.tensor([0.0, -0.0])}
     s = compare_snapshots(want, got, is_model_key)
-    assert not s.ok and s.keys == 4
-    assert [(d.key, d.problem) for d in s.diffs] == [("model.b", "shape"), ("model.c", "missing"),
-                                                     ("model.d", "unexpected")]
+    assert not s.ok and s.keys == 5
+    assert [(d.key, d.code) for d in s.differences] == [("model.b", "shape"), ("model.c", "only_in_a"),
+                                                        ("model.d", "only_in_b"), ("model.z", "values")]
+    assert (s.differences[-1].first_index, s.differences[-1].max_abs_diff) == ((1,), 0.0)  # -0.0 is not 0.0
     s = compare_snapshots(want, got, lambda k: k.startswith("optimizer."))
-    assert (s.differing, s.max_abs_diff, s.diffs[0].key) == (1, 1.0, "optimizer.x")
+    assert (s.differing, s.max_abs_diff, s.differences[0].key) == (1, 1.0, "optimizer.x")
+    assert json.loads(json.dumps(s.to_dict()))["diffs"][0]["code"] == "values"  # crosses the rank boundary as JSON
 
 
 def _layout(par: ParallelConfig, bucket_size: int, model: ModelConfig = MODEL) -> tuple:
