@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from gtp_runtime import topology as topo
 from gtp_runtime.buffers import Bucket, GradBuffer, build_buffers
-from gtp_runtime.collectives import all_gather_dim0
+from gtp_runtime.collectives import all_gather_dim0, all_gather_raw
 from gtp_runtime.groups import Groups
 
 
@@ -62,25 +62,52 @@ class DistributedAdam:
         self.buffers = build_buffers(model, groups, bucket_size)
         self.state = [[BucketState(buf, b) for b in buf.buckets] for buf in self.buffers]
         self.step_count = 0
+        self._gathers: list = []
         # Replicated params see different data on every gtp_remat lane; their gradients are
         # averaged over that group before the buckets reduce over dp / dp_cp.
         self._lane_replicated = [p for p in model.parameters() if p.spec.shard_kind is None]
-        for p in model.parameters():
-            if p.spec.shard_kind is None:
-                p.register_post_accumulate_grad_hook(_move_grad_to_main)
+        self._lane_pending = {id(p) for p in self._lane_replicated}
+        # With overlap, a bucket's reduce-scatter starts as soon as its last gradient is final
+        # (during backward), not at the step.
+        comm = getattr(model, "gtp_comm", None)
+        self.overlap = comm is not None and comm.overlap
+        self._where = {id(s.param): (buf, s.bucket) for buf in self.buffers for s in buf.slots}
+        if self.overlap:
+            comm.on_grad_ready = self._grad_ready
+        for p in self._lane_replicated:
+            p.register_post_accumulate_grad_hook(self._replicated_grad_done)
+
+    def _replicated_grad_done(self, p: torch.Tensor) -> None:
+        p.main_grad.add_(p.grad.float())
+        p.grad = None
+        if self.overlap:
+            self._lane_reduce(p)
+            self._grad_ready(p)
+
+    def _lane_reduce(self, p: torch.Tensor) -> None:
+        gtp = self.groups[topo.GTP]
+        if gtp.size > 1 and id(p) in self._lane_pending:
+            dist.all_reduce(p.main_grad, op=dist.ReduceOp.AVG, group=gtp.handle)
+        self._lane_pending.discard(id(p))
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        buf, bucket = self._where[id(p)]
+        buf.grad_ready(bucket, p)
 
     def zero_grad(self) -> None:
         for buf in self.buffers:
             buf.zero_grad()
+        self._lane_pending = {id(p) for p in self._lane_replicated}
+        comm = getattr(self.model, "gtp_comm", None)
+        if comm is not None:
+            comm.mark_fresh()
 
     def reduce_grads(self) -> None:
         comm = getattr(self.model, "gtp_comm", None)
         if comm is not None:
             comm.finish_grad_reduce()  # weight-gradient reduce-scatters still in flight
-        gtp = self.groups[topo.GTP]
-        if gtp.size > 1:
-            for p in self._lane_replicated:
-                dist.all_reduce(p.main_grad, op=dist.ReduceOp.AVG, group=gtp.handle)
+        for p in self._lane_replicated:
+            self._lane_reduce(p)
         for buf in self.buffers:
             buf.reduce_grads()
 
@@ -128,6 +155,9 @@ class DistributedAdam:
                     denom = (st.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(c.eps)
                     st.param.addcdiv_(st.exp_avg, denom, value=-c.lr / bc1)
                 self._publish(buf, b, st)
+        for work in self._gathers:
+            work.wait()
+        self._gathers.clear()
 
     def _fused_update(self, st: BucketState, g: torch.Tensor, t: int) -> None:
         """The same AdamW update in PyTorch's fused CUDA kernel (one pass instead of about ten).
@@ -141,12 +171,17 @@ class DistributedAdam:
                             beta2=c.beta2, weight_decay=c.weight_decay, eps=c.eps, amsgrad=False, maximize=False)
 
     def _publish(self, buf: GradBuffer, b: Bucket, st: BucketState) -> None:
-        """Write the owned master slice into the param buffer and all-gather the bucket."""
+        """Write the owned master slice into the param buffer and all-gather the bucket.
+
+        On CUDA the all-gather runs in place and asynchronously, so it overlaps the update of the
+        next bucket; :meth:`step_after_reduce` waits for all of them before returning.
+        """
+        if st.param.is_cuda:
+            buf.param_data[st.lo : st.hi].copy_(st.param)
+            if buf.dp_group.size > 1:
+                self._gathers.append(all_gather_raw(buf.param_data[b.start : b.end], buf.param_data[st.lo : st.hi],
+                                                    group=buf.dp_group.handle, async_op=True))
+            return
         local = st.param.to(buf.key.param_dtype)
         gathered = all_gather_dim0(local, buf.dp_group)
         buf.param_data[b.start : b.end].copy_(gathered)
-
-
-def _move_grad_to_main(p: torch.Tensor) -> None:
-    p.main_grad.add_(p.grad.float())
-    p.grad = None
