@@ -28,7 +28,11 @@ class TrainConfig:
     prefetch: bool = True
     """Start the next GTP weight's all-gather while the current GEMM runs."""
     overlap_grad_reduce: bool = True
-    """Finish weight-gradient reduce-scatters at the optimizer step instead of inside backward."""
+    """Finish weight-gradient reduce-scatters at the optimizer step instead of inside backward, and
+    start each gradient bucket's reduction during backward as soon as its last gradient is final."""
+    fused: str | None = None
+    """Fused element-wise regions: ``"compile"`` (torch.compile on CUDA) or ``"liger"``; see
+    :mod:`gtp_runtime.fused`. ``None`` keeps the unfused layers."""
 
     @property
     def lanes(self) -> int:
@@ -57,7 +61,7 @@ class Trainer:
         self.device = device or torch.device("cpu")
         self.groups = groups or build_groups(cfg.par)
         self.model = GPTModel(cfg.model, cfg.par, self.groups, dtype=cfg.param_dtype, device=self.device,
-                              prefetch=cfg.prefetch, overlap_grad_reduce=cfg.overlap_grad_reduce)
+                              prefetch=cfg.prefetch, overlap_grad_reduce=cfg.overlap_grad_reduce, fused=cfg.fused)
         self.optimizer = DistributedAdam(self.model, self.groups, cfg.adam, cfg.bucket_size)
         self.iteration = 0
 
