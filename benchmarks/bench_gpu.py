@@ -1,7 +1,12 @@
-"""GPU benchmark: what CP folding buys and costs, folded vs unfolded in the same run (NCCL).
+"""GPU benchmark: folded vs unfolded, unfused vs fused element-wise kernels, in the same run (NCCL).
 
-    python benchmarks/bench_gpu.py --nproc 2 --cp 2 --hidden 4096 --layers 8 --heads 32 --seq 8192 \
-        --json docs/gpu_results.json
+    python benchmarks/bench_gpu.py --json docs/gpu_results.json
+
+The default suite on 2 GPUs (cp2, gtp_remat 1): hidden 4096 / 8 layers / sequence 8192 unfolded
+and folded, each unfused (the baseline) and with ``--fused compile``; folded with Liger-Kernel
+(when it imports); unfolded fused without overlap (what overlapping the dp_cp bucket reduction
+buys); a second shape (hidden 8192, 4 layers, sequence 16384) unfolded and folded fused; and a
+folded fused sweep over sequence length (``--sweep``).
 
 For each configuration it measures on every rank: step time and tokens/s (after warm-up), peak
 GPU memory, the runtime's own dense weight+grad bytes, model FLOP utilisation against the bf16
@@ -151,6 +156,7 @@ def ckpt_throughput(trainer: Trainer, root: str) -> dict[str, float]:
 
 
 def run_config(name: str, cfg: TrainConfig, steps: int, warmup: int, peak: float, do_ckpt: bool) -> dict[str, Any]:
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg, device=torch.device("cuda", torch.cuda.current_device()))
     for _ in range(warmup):
@@ -167,8 +173,11 @@ def run_config(name: str, cfg: TrainConfig, steps: int, warmup: int, peak: float
     peak_mem = torch.cuda.max_memory_allocated() / 2**30
     tokens = cfg.global_batch_size * cfg.model.seq_length
     world = cfg.par.world_size
+    m = cfg.model
     row: dict[str, Any] = {
-        "config": name, "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s,
+        "config": name, "fused": cfg.fused or "none", "fold_cp": cfg.par.fold_cp, "overlap": cfg.overlap_grad_reduce,
+        "hidden": m.hidden, "layers": m.num_layers, "heads": m.num_heads, "seq": m.seq_length,
+        "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s,
         "mfu": model_flops_per_step(cfg.model, tokens) / step_s / (world * peak * 1e12),
         "peak_mem_gib": peak_mem, "dense_wgrad_gib": trainer.dense_weight_grad_bytes() / 2**30,
         "comm_ms": comm_ms, "exposed_comm_ms": exposed_ms, "final_loss": losses[-1],
@@ -187,9 +196,32 @@ def run_config(name: str, cfg: TrainConfig, steps: int, warmup: int, peak: float
     # Memory and time: the worst rank is the one that matters.
     row["peak_mem_gib"] = max(v["peak_mem_gib"] for v in vals)
     row["step_ms"] = max(v["step_ms"] for v in vals)
+    row["exposed_comm_ms"] = max(v["exposed_comm_ms"] for v in vals)
     del trainer
     torch.cuda.empty_cache()
     return row
+
+
+def suite(args: argparse.Namespace) -> list[tuple[str, ModelConfig, bool, bool, str | None]]:
+    """(name, model, fold_cp, prefetch/overlap, fused) of every configuration, in run order."""
+    def shape(hidden: int, layers: int, heads: int, seq: int) -> ModelConfig:
+        return ModelConfig(vocab_size=args.vocab, hidden=hidden, num_layers=layers, num_heads=heads,
+                           ffn_hidden=4 * hidden, seq_length=seq, gtp_align=16)
+
+    main = shape(args.hidden, args.layers, args.heads, args.seq)
+    fused = args.fused
+    out = [("unfolded", main, False, True, None), ("folded", main, True, True, None),
+           (f"unfolded {fused}", main, False, True, fused), (f"folded {fused}", main, True, True, fused),
+           (f"unfolded {fused}, no overlap", main, False, False, fused)]
+    if args.liger:
+        out.append(("folded liger", main, True, True, "liger"))
+    if args.hidden2:
+        second = shape(args.hidden2, args.layers2, args.heads2, args.seq2)
+        out += [(f"unfolded {fused} (shape 2)", second, False, True, fused),
+                (f"folded {fused} (shape 2)", second, True, True, fused)]
+    out += [(f"folded {fused} seq {s}", shape(args.hidden, args.layers, args.heads, s), True, True, fused)
+            for s in args.sweep if s != args.seq]
+    return out
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
@@ -202,37 +234,43 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     peaks = [0.0] * world
     dist.all_gather_object(peaks, peak)
     peak = min(peaks)
-    model = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, num_layers=args.layers, num_heads=args.heads,
-                        ffn_hidden=4 * args.hidden, seq_length=args.seq, gtp_align=16)
     dp = world // (args.cp * args.gtp_remat)
-    configs = [
-        ("unfolded", ParallelConfig(cp=args.cp, gtp_remat=args.gtp_remat, dp=dp), True),
-        ("folded", ParallelConfig(cp=args.cp, gtp_remat=args.gtp_remat, dp=dp, fold_cp=True), True),
-        ("folded, no prefetch/overlap", ParallelConfig(cp=args.cp, gtp_remat=args.gtp_remat, dp=dp, fold_cp=True),
-         False),
-    ]
-    rows = []
-    for name, par, overlap in configs:
+    rows: list[dict[str, Any]] = []
+    for name, model, fold, overlap, fused in suite(args):
         if args.only and name not in args.only:
             continue
+        par = ParallelConfig(cp=args.cp, gtp_remat=args.gtp_remat, dp=dp, fold_cp=fold)
         cfg = TrainConfig(par=par, model=model, micro_batch=args.micro_batch, param_dtype=torch.bfloat16,
-                          prefetch=overlap, overlap_grad_reduce=overlap, bucket_size=args.bucket_size)
-        rows.append(run_config(name, cfg, args.steps, args.warmup, peak, do_ckpt=args.ckpt and overlap))
+                          prefetch=overlap, overlap_grad_reduce=overlap, bucket_size=args.bucket_size, fused=fused)
+        try:
+            rows.append(run_config(name, cfg, args.steps, args.warmup, peak, do_ckpt=args.ckpt and overlap))
+        except (ImportError, torch.OutOfMemoryError) as e:  # raised alike on every rank, before any collective
+            rows.append({"config": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            torch.cuda.empty_cache()
         if rank == 0:
             print(json.dumps(rows[-1]), flush=True)
+            if args.json:  # after every configuration: a run cut short still leaves its rows
+                _write(args, peak, world, rows)
     if rank == 0:
-        result = {"peak_bf16_tflops": peak, "world": world, "model": model.to_dict(),
-                  "micro_batch": args.micro_batch, "rows": rows, "gpu": torch.cuda.get_device_name(),
-                  "torch": torch.__version__, "command": " ".join(sys.argv)}
         from tabulate import tabulate
 
         print(f"bf16 matmul peak measured: {peak:.0f} TFLOP/s per GPU")
-        print(tabulate([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows],
-                       headers="keys"))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+        keys = ("config", "step_ms", "mfu", "peak_mem_gib", "exposed_comm_ms", "gpu_ms_gemm", "gpu_ms_attention",
+                "gpu_ms_other", "error")
+        print(tabulate([{k: (round(r[k], 3) if isinstance(r.get(k), float) else r.get(k)) for k in keys}
+                        for r in rows], headers="keys"))
     dist.destroy_process_group()
+
+
+def _write(args: argparse.Namespace, peak: float, world: int, rows: list[dict[str, Any]]) -> None:
+    main = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                       ffn_hidden=4 * args.hidden, seq_length=args.seq, gtp_align=16)
+    result = {"peak_bf16_tflops": peak, "world": world, "model": main.to_dict(), "micro_batch": args.micro_batch,
+              "rows": rows, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "command": " ".join(sys.argv)}
+    with open(args.json + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(args.json + ".tmp", args.json)
 
 
 def main() -> int:
@@ -251,6 +289,15 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--ckpt", action="store_true", help="also measure checkpoint save/load throughput")
     ap.add_argument("--only", nargs="*", default=None, help="run only these config names")
+    ap.add_argument("--fused", choices=("compile", "liger"), default="compile", help="the fused backend measured")
+    ap.add_argument("--liger", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run folded with Liger-Kernel (recorded as an error row if it does not import)")
+    ap.add_argument("--hidden2", type=int, default=8192, help="second shape (0: none)")
+    ap.add_argument("--layers2", type=int, default=4)
+    ap.add_argument("--heads2", type=int, default=64)
+    ap.add_argument("--seq2", type=int, default=16384)
+    ap.add_argument("--sweep", type=int, nargs="*", default=[4096, 8192, 16384, 32768],
+                    help="sequence lengths of the folded fused sweep (the main --seq is reused)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.nproc:
