@@ -166,7 +166,8 @@ class GradBuffer:
         """Reset the per-bucket countdown of gradients still to arrive this step."""
         self._pending = [len(b.slots) for b in self.buckets]
         self._arrived: set[int] = set()
-        self._inflight: dict[int, tuple[object, torch.Tensor | None]] = {}
+        # bucket -> (collective handle, out-of-place result to copy back, averaged already)
+        self._inflight: dict[int, tuple[object, torch.Tensor | None, bool]] = {}
 
     def grad_ready(self, bucket: int, param: nn.Parameter) -> None:
         """One param of ``bucket`` holds its final gradient; the last one starts the reduction.
@@ -189,19 +190,21 @@ class GradBuffer:
     def _start(self, i: int) -> None:
         b = self.buckets[i]
         if self.dp_group.size == 1:
-            self._inflight[i] = (None, None)
+            self._inflight[i] = (None, None, True)  # a mean over one rank: nothing to do
             return
         lo, hi = self.owned_range(b)
         src = self.grad_data[b.start : b.end]
         if src.is_cuda:
-            # NCCL reduces in place when the output is this rank's slice of the input: no copy back.
-            work = reduce_scatter_raw(self.grad_data[lo:hi], src, op=dist.ReduceOp.SUM, group=self.dp_group.handle,
+            # NCCL reduces in place when the output is this rank's slice of the input (no copy
+            # back) and averages inside the collective (the divisor is the group size, asserted
+            # at construction), so no division pass follows.
+            work = reduce_scatter_raw(self.grad_data[lo:hi], src, op=dist.ReduceOp.AVG, group=self.dp_group.handle,
                                       async_op=True)
-            self._inflight[i] = (work, None)
+            self._inflight[i] = (work, None, True)
         else:
             out = torch.empty(hi - lo, dtype=src.dtype, device=src.device)
             work = reduce_scatter_raw(out, src, op=dist.ReduceOp.SUM, group=self.dp_group.handle, async_op=True)
-            self._inflight[i] = (work, out)
+            self._inflight[i] = (work, out, False)
 
     def reduce_grads(self) -> None:
         """Reduce-scatter each bucket over the buffer's DP group and divide by its divisor.
@@ -210,20 +213,19 @@ class GradBuffer:
         bucket order (every rank starts the same buckets in the same order).
         Afterwards ``grad_data[owned_range]`` holds the mean gradient of the owned slice.
         """
-        if not hasattr(self, "_inflight"):
-            self.begin_step()
         for i in range(len(self.buckets)):
             if i not in self._inflight:
                 self._start(i)
         for i, b in enumerate(self.buckets):
-            work, out = self._inflight[i]
+            work, out, averaged = self._inflight[i]
             lo, hi = self.owned_range(b)
             if work is not None:
                 work.wait()  # type: ignore[attr-defined]
             if out is not None:
                 self.grad_data[lo:hi].copy_(out)
-            self.grad_data[lo:hi].div_(self.divisor)
-        self._inflight = {i: (None, None) for i in range(len(self.buckets))}  # late gradients are refused
+            if not averaged:
+                self.grad_data[lo:hi].div_(self.divisor)
+        self._inflight = {i: (None, None, True) for i in range(len(self.buckets))}  # late gradients are refused
 
     def zero_grad(self) -> None:
         self.grad_data.zero_()

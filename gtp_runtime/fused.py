@@ -120,7 +120,7 @@ class FusedLinearCrossEntropyFn(torch.autograd.Function):
         return grad_x, None if grad_shard is None else grad_shard.to(shard.dtype), None, None, None, None, None
 
 
-def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+def compiled_region(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` compiled by Inductor for CUDA tensors, eager for anything else."""
     state: dict[str, Any] = {}
 
@@ -146,10 +146,10 @@ class FusedOps:
         if backend not in BACKENDS:
             raise ValueError(f"fused backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.backend = backend
-        self.rms_norm = _compiled(rms_norm)
-        self.add_rms_norm = _compiled(add_rms_norm)
-        self.rope_qkv = _compiled(rope_qkv)
-        self.ce_chunk = _compiled(ce_chunk)
+        self.rms_norm = compiled_region(rms_norm)
+        self.add_rms_norm = compiled_region(add_rms_norm)
+        self.rope_qkv = compiled_region(rope_qkv)
+        self.ce_chunk = compiled_region(ce_chunk)
         if backend == "liger":
             self._use_liger()
 

@@ -9,6 +9,8 @@ into the param buffer (cast to the param dtype) and all-gather the params over t
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,7 @@ import torch.nn as nn
 from gtp_runtime import topology as topo
 from gtp_runtime.buffers import Bucket, GradBuffer, build_buffers
 from gtp_runtime.collectives import all_gather_dim0, all_gather_raw
+from gtp_runtime.fused import compiled_region
 from gtp_runtime.groups import Groups
 
 
@@ -72,10 +75,12 @@ class DistributedAdam:
         comm = getattr(model, "gtp_comm", None)
         self.overlap = comm is not None and comm.overlap
         self._where = {id(s.param): (buf, s.bucket) for buf in self.buffers for s in buf.slots}
+        # Weak references: the model must not keep its optimizer alive (a cycle through the
+        # params' hooks held both, and their GPU memory, until the next garbage collection).
         if self.overlap:
-            comm.on_grad_ready = self._grad_ready
+            comm.on_grad_ready = _weak(self._grad_ready)
         for p in self._lane_replicated:
-            p.register_post_accumulate_grad_hook(self._replicated_grad_done)
+            p.register_post_accumulate_grad_hook(_weak(self._replicated_grad_done))
 
     def _replicated_grad_done(self, p: torch.Tensor) -> None:
         p.main_grad.add_(p.grad.float())
@@ -116,14 +121,18 @@ class DistributedAdam:
         device = self.buffers[0].grad_data.device
         sumsq = torch.zeros((), dtype=torch.float64, device=device)
         zeros = torch.zeros((), dtype=torch.float64, device=device)
+        stats = torch.zeros(2, dtype=torch.float64, device=device)
         for buf, states in zip(self.buffers, self.state):
             for st in states:
                 owned = buf.grad_data[st.lo : st.hi]
                 for a, b in st.count_ranges:
                     g = owned[a:b]
-                    sumsq += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
-                    zeros += (g == 0).sum()
-        stats = torch.stack([sumsq, zeros])
+                    if g.is_cuda:  # one compiled pass per range instead of two passes and four launches
+                        stats += _sumsq_zeros(g)
+                    else:
+                        sumsq += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+                        zeros += (g == 0).sum()
+        stats += torch.stack([sumsq, zeros])
         dist.all_reduce(stats, group=self.groups[topo.WORLD].handle)
         return StepStats(math.sqrt(stats[0].item()), int(stats[1].item()))
 
@@ -142,11 +151,14 @@ class DistributedAdam:
         self.step_count += 1
         t = self.step_count
         bc1, bc2 = 1 - c.beta1**t, 1 - c.beta2**t
+        device = self.buffers[0].grad_data.device
+        # One host-to-device copy per step: a tensor made per bucket would wait for the GPU each time.
+        step_scale = torch.tensor([float(t), 1.0 / clip], device=device) if device.type == "cuda" else None
         for buf, states in zip(self.buffers, self.state):
             for b, st in zip(buf.buckets, states):
                 g = buf.grad_data[st.lo : st.hi]
-                if st.param.is_cuda:
-                    self._fused_update(st, g.mul_(clip), t)
+                if step_scale is not None:
+                    self._fused_update(st, g, step_scale)
                 else:
                     g = g * clip
                     st.param.mul_(1 - c.lr * c.weight_decay)
@@ -159,16 +171,18 @@ class DistributedAdam:
             work.wait()
         self._gathers.clear()
 
-    def _fused_update(self, st: BucketState, g: torch.Tensor, t: int) -> None:
+    def _fused_update(self, st: BucketState, g: torch.Tensor, step_scale: torch.Tensor) -> None:
         """The same AdamW update in PyTorch's fused CUDA kernel (one pass instead of about ten).
 
+        ``step_scale`` holds the step count and ``1 / clip``: the kernel divides each gradient by
+        its ``grad_scale`` as it reads it, so clipping costs no pass of its own.
         The CPU path above stays op-by-op: it is the one the fp32 reference is compared against
         and the one CI runs; on GPUs the fused kernel is what makes the optimizer step cheap.
         """
         c = self.cfg
-        step = torch.tensor(float(t), device=g.device)
-        torch._fused_adamw_([st.param], [g], [st.exp_avg], [st.exp_avg_sq], [], [step], lr=c.lr, beta1=c.beta1,
-                            beta2=c.beta2, weight_decay=c.weight_decay, eps=c.eps, amsgrad=False, maximize=False)
+        torch._fused_adamw_([st.param], [g], [st.exp_avg], [st.exp_avg_sq], [], [step_scale[0]], lr=c.lr,
+                            beta1=c.beta1, beta2=c.beta2, weight_decay=c.weight_decay, eps=c.eps, amsgrad=False,
+                            maximize=False, grad_scale=step_scale[1], found_inf=None)
 
     def _publish(self, buf: GradBuffer, b: Bucket, st: BucketState) -> None:
         """Write the owned master slice into the param buffer and all-gather the bucket.
@@ -185,3 +199,22 @@ class DistributedAdam:
         local = st.param.to(buf.key.param_dtype)
         gathered = all_gather_dim0(local, buf.dp_group)
         buf.param_data[b.start : b.end].copy_(gathered)
+
+
+def _weak(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    ref = weakref.WeakMethod(method)
+
+    def call(p: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(p)
+
+    return call
+
+
+def sumsq_zeros(g: torch.Tensor) -> torch.Tensor:
+    """[sum of squares in fp64, number of zeros] of ``g``."""
+    return torch.stack([g.double().square().sum(), (g == 0).sum().double()])
+
+
+_sumsq_zeros = compiled_region(sumsq_zeros)
