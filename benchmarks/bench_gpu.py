@@ -20,6 +20,7 @@ JSON into the docs table and plot.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -80,31 +81,52 @@ KERNEL_KINDS = (("comm", ("nccl",)), ("attention", ("fmha", "flash", "attention"
                 ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90")))
 
 
+PHASES = ("zero_grad+batch", "forward", "backward", "optimizer")
+
+
 def kernel_kind(name: str) -> str:
     low = name.lower()
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
 
 
-def exposed_comm_ms(trainer: Trainer) -> tuple[float, float, dict[str, float]]:
+def exposed_comm_ms(trainer: Trainer) -> tuple[float, float, dict[str, float], dict[str, Any]]:
     """(total NCCL kernel time, NCCL time not overlapped by any compute kernel, GPU time by kernel
-    kind) for one step, in ms. The kinds say where a step's time goes when MFU is low."""
+    kind, where the rest goes) for one step, in ms. The kinds say where a step's time goes when
+    MFU is low; the rest says how long the GPU ran nothing, in which phase of the step, and which
+    non-GEMM, non-attention kernels cost most."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         trainer.train_step()
         torch.cuda.synchronize()
     comm, comp = [], []
     by_kind: dict[str, float] = {}
+    other: dict[str, list[float]] = {}
+    phases: list[tuple[str, int, int]] = []
     for ev in prof.events():
+        start, end = int(ev.time_range.start * 1000), int(ev.time_range.end * 1000)
         if ev.device_type != torch.autograd.DeviceType.CUDA:
+            if ev.name in PHASES:
+                phases.append((ev.name, start, end))
             continue
-        start = int(ev.time_range.start * 1000)
-        end = int(ev.time_range.end * 1000)
         kind = kernel_kind(ev.name)
         by_kind[kind] = by_kind.get(kind, 0.0) + (end - start) / 1e6
         (comm if kind == "comm" else comp).append((start, end))
+        if kind == "other":
+            o = other.setdefault(ev.name[:90], [0.0, 0])
+            o[0] += (end - start) / 1e6
+            o[1] += 1
     cu, pu = _union(comm), _union(comp)
-    return _length(cu) / 1e6, (_length(cu) - _intersect(cu, pu)) / 1e6, by_kind
+    busy = _union(comm + comp)
+    gaps = [(busy[i][1], busy[i + 1][0]) for i in range(len(busy) - 1)]
+    idle_by_phase: dict[str, float] = {}
+    for s, e in gaps:
+        name = next((n for n, ps, pe in phases if ps <= s < pe), "between phases")
+        idle_by_phase[name] = idle_by_phase.get(name, 0.0) + (e - s) / 1e6
+    top = sorted(other.items(), key=lambda kv: -kv[1][0])[:12]
+    rest = {"gpu_busy_ms": _length(busy) / 1e6, "gpu_idle_ms": sum(e - s for s, e in gaps) / 1e6,
+            "idle_by_phase_ms": idle_by_phase, "top_other_kernels": [[n, ms, c] for n, (ms, c) in top]}
+    return _length(cu) / 1e6, (_length(cu) - _intersect(cu, pu)) / 1e6, by_kind, rest
 
 
 def model_flops_per_step(cfg: ModelConfig, tokens: int) -> float:
@@ -169,7 +191,7 @@ def run_config(name: str, cfg: TrainConfig, steps: int, warmup: int, peak: float
         losses.append(trainer.train_step().loss)
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t) / steps
-    comm_ms, exposed_ms, by_kind = exposed_comm_ms(trainer)
+    comm_ms, exposed_ms, by_kind, rest = exposed_comm_ms(trainer)
     peak_mem = torch.cuda.max_memory_allocated() / 2**30
     tokens = cfg.global_batch_size * cfg.model.seq_length
     world = cfg.par.world_size
@@ -181,7 +203,7 @@ def run_config(name: str, cfg: TrainConfig, steps: int, warmup: int, peak: float
         "mfu": model_flops_per_step(cfg.model, tokens) / step_s / (world * peak * 1e12),
         "peak_mem_gib": peak_mem, "dense_wgrad_gib": trainer.dense_weight_grad_bytes() / 2**30,
         "comm_ms": comm_ms, "exposed_comm_ms": exposed_ms, "final_loss": losses[-1],
-        **{f"gpu_ms_{k}": v for k, v in sorted(by_kind.items())},
+        **{f"gpu_ms_{k}": v for k, v in sorted(by_kind.items())}, **rest,
     }
     if do_ckpt:
         root = tempfile.mkdtemp(prefix="gtp_bench_") if dist.get_rank() == 0 else None
@@ -196,8 +218,9 @@ def run_config(name: str, cfg: TrainConfig, steps: int, warmup: int, peak: float
     # Memory and time: the worst rank is the one that matters.
     row["peak_mem_gib"] = max(v["peak_mem_gib"] for v in vals)
     row["step_ms"] = max(v["step_ms"] for v in vals)
-    row["exposed_comm_ms"] = max(v["exposed_comm_ms"] for v in vals)
+    row["exposed_comm_ms_worst_rank"] = max(v["exposed_comm_ms"] for v in vals)
     del trainer
+    gc.collect()
     torch.cuda.empty_cache()
     return row
 
