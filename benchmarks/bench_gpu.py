@@ -105,9 +105,11 @@ def exposed_comm_ms(trainer: Trainer) -> tuple[float, float, dict[str, float], d
     phases: list[tuple[str, int, int]] = []
     for ev in prof.events():
         start, end = int(ev.time_range.start * 1000), int(ev.time_range.end * 1000)
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            if ev.name in PHASES:
+        if ev.name in PHASES:  # record_function labels: a CPU range and its GPU span, neither a kernel
+            if ev.device_type != torch.autograd.DeviceType.CUDA:
                 phases.append((ev.name, start, end))
+            continue
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
         kind = kernel_kind(ev.name)
         by_kind[kind] = by_kind.get(kind, 0.0) + (end - start) / 1e6

@@ -133,7 +133,10 @@ def compiled_region(fn: Callable[..., Any]) -> Callable[..., Any]:
             # One compiled region serves every layer; the benchmark's shapes and sequence lengths
             # would exceed the default of 8 recompiles and silently fall back to eager.
             torch._dynamo.config.recompile_limit = max(64, getattr(torch._dynamo.config, "recompile_limit", 8))
-            state["fn"] = torch.compile(fn, fullgraph=True)
+            # Static shapes: one specialised kernel per shape. On 2 x H200 automatic dynamic shapes
+            # failed to trace rope_qkv (it lost that q's and cos's sequence lengths are equal), and
+            # a dynamic-size reduction ran as a single-block kernel, 50x slower than eager.
+            state["fn"] = torch.compile(fn, fullgraph=True, dynamic=False)
         return state["fn"](*args)
 
     return call

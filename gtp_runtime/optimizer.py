@@ -20,7 +20,6 @@ import torch.nn as nn
 from gtp_runtime import topology as topo
 from gtp_runtime.buffers import Bucket, GradBuffer, build_buffers
 from gtp_runtime.collectives import all_gather_dim0, all_gather_raw
-from gtp_runtime.fused import compiled_region
 from gtp_runtime.groups import Groups
 
 
@@ -121,18 +120,17 @@ class DistributedAdam:
         device = self.buffers[0].grad_data.device
         sumsq = torch.zeros((), dtype=torch.float64, device=device)
         zeros = torch.zeros((), dtype=torch.float64, device=device)
-        stats = torch.zeros(2, dtype=torch.float64, device=device)
         for buf, states in zip(self.buffers, self.state):
             for st in states:
                 owned = buf.grad_data[st.lo : st.hi]
                 for a, b in st.count_ranges:
                     g = owned[a:b]
-                    if g.is_cuda:  # one compiled pass per range instead of two passes and four launches
-                        stats += _sumsq_zeros(g)
+                    sumsq += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+                    if g.is_cuda:  # one reduction, no boolean temporary (an exact count either way)
+                        zeros += g.numel() - torch.count_nonzero(g)
                     else:
-                        sumsq += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
                         zeros += (g == 0).sum()
-        stats += torch.stack([sumsq, zeros])
+        stats = torch.stack([sumsq, zeros])
         dist.all_reduce(stats, group=self.groups[topo.WORLD].handle)
         return StepStats(math.sqrt(stats[0].item()), int(stats[1].item()))
 
@@ -210,11 +208,3 @@ def _weak(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], No
             bound(p)
 
     return call
-
-
-def sumsq_zeros(g: torch.Tensor) -> torch.Tensor:
-    """[sum of squares in fp64, number of zeros] of ``g``."""
-    return torch.stack([g.double().square().sum(), (g == 0).sum().double()])
-
-
-_sumsq_zeros = compiled_region(sumsq_zeros)

@@ -104,13 +104,3 @@ def test_ce_chunk_gradient_is_the_softmax_minus_one_hot() -> None:
 def test_unknown_backend_is_refused() -> None:
     with pytest.raises(ValueError, match="compile, liger"):
         fused.FusedOps("triton")
-
-
-def test_sumsq_zeros_counts_what_grad_stats_counts() -> None:
-    from gtp_runtime.optimizer import sumsq_zeros
-
-    g = torch.randn(1000)
-    g[::7] = 0
-    got = sumsq_zeros(g)
-    assert got[1].item() == (g == 0).sum().item() == 143
-    assert torch.allclose(got[0], torch.linalg.vector_norm(g, dtype=torch.float64) ** 2, rtol=1e-12)
