@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from gtp_runtime.collectives import gather_seq
+from gtp_runtime.collectives import gather_kv
 from gtp_runtime.groups import Group
 
 
@@ -42,15 +42,9 @@ def cp_attention(
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True)
         return out.transpose(1, 2)
-    # One all-gather for K and V together, sequence first so the collective concatenates dim 0.
-    # Rank r's block holds its chunks (r, 2*CP-1-r); slicing them into global order (rather than
-    # gathering the positions and indexing by their argsort) costs no collective and its
-    # backward is a plain slice, not an index-accumulate.
+    # One all-gather for K and V together, put in global sequence order (gather_kv).
     half = q.shape[1] // 2
-    kv = gather_seq(torch.stack([k.transpose(0, 1), v.transpose(0, 1)], dim=1), cp)  # [CP*s, 2, b, h, d]
-    chunks = [(c, 0) if c < cp.size else (2 * cp.size - 1 - c, 1) for c in range(2 * cp.size)]
-    kv = torch.cat([kv[(2 * r + i) * half : (2 * r + i + 1) * half] for r, i in chunks], dim=0)
-    k_all, v_all = kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)
+    k_all, v_all = gather_kv(k, v, cp)
     # Each local half is one contiguous chunk j of the sequence: its queries see keys
     # [0, (j+1)*L) with a causal mask aligned to the bottom-right corner. Two such calls keep
     # SDPA on its fused (flash / efficient) kernels; one call with an explicit boolean mask
