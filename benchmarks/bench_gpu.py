@@ -321,7 +321,7 @@ def main() -> int:
     ap.add_argument("--layers2", type=int, default=4)
     ap.add_argument("--heads2", type=int, default=64)
     ap.add_argument("--seq2", type=int, default=16384)
-    ap.add_argument("--sweep", type=int, nargs="*", default=[4096, 8192, 16384, 32768],
+    ap.add_argument("--sweep", type=int, nargs="*", default=[4096, 8192, 16384, 32768, 65536],
                     help="sequence lengths of the folded fused sweep (the main --seq is reused)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
