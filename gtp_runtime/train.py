@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gather each GTP weight only when it is needed (no prefetch of the next one)")
     t.add_argument("--no-overlap-grad-reduce", action="store_true",
                    help="finish each weight-gradient reduce-scatter inside backward")
+    t.add_argument("--fused", choices=("compile", "liger"), default=None,
+                   help="fused element-wise kernels: torch.compile regions (eager off CUDA) or Liger-Kernel")
     t.add_argument("--check-reference", action="store_true", help="compare against the fp32 reference")
     t.add_argument("--reference-tol", type=float, default=1e-5,
                    help="max relative error of losses, grad norms and gradients vs the reference")
@@ -109,7 +111,8 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad)
     cfg = TrainConfig(par=par, model=model, adam=adam, micro_batch=args.micro_batch, bucket_size=args.bucket_size,
                       param_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                      prefetch=not args.no_gather_prefetch, overlap_grad_reduce=not args.no_overlap_grad_reduce)
+                      prefetch=not args.no_gather_prefetch, overlap_grad_reduce=not args.no_overlap_grad_reduce,
+                      fused=args.fused)
     return cfg, world
 
 

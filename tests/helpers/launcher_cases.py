@@ -41,6 +41,10 @@ PARITY = {
     # Small buckets: every large param gets its own bucket, each padded to the dp_cp size.
     "cp2-dp2-nofold-buckets": ["--nproc-per-node", "4", "--cp", "2", "--dp", "2", "--bucket-size", "2000",
                                "--clip-grad", "0.5", "--seq-length", "64"],
+    # Fused regions (eager on CPU: the same functions torch.compile fuses on CUDA) and the chunked
+    # linear cross-entropy, folded: the weight gradient of the output layer takes the
+    # reduce-scatter path.
+    "cp2-g1-fold-fused": ["--nproc-per-node", "2", "--cp", "2", "--fold-cp", "--fused", "compile", "--seed", "5"],
     "tp2-cp2-g2-fold": ["--nproc-per-node", "8", "--tp", "2", "--cp", "2", "--gtp-remat", "2", "--fold-cp"],
 }
 PARITY_ARGS = ["--check-reference", "--steps", "5"]

@@ -43,6 +43,7 @@ CONFIG_FLAGS = {
     "bucket_size": ([], ["--bucket-size", "1000"], "bucket_size", 1000),
     "no_gather_prefetch": ([], ["--no-gather-prefetch"], "prefetch", False),
     "no_overlap_grad_reduce": ([], ["--no-overlap-grad-reduce"], "overlap_grad_reduce", False),
+    "fused": ([], ["--fused", "compile"], "fused", "compile"),
 }
 
 # Flags that steer the run rather than the config, the value that must leave resolve() unchanged,
