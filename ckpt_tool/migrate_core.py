@@ -793,7 +793,7 @@ def _migrated_manifest(plan: Plan, out: Path, outcome: Outcome,
     assert plan.ckpt.manifest is not None
     manifest = plan.ckpt.manifest.to_json()
     files = manifest.setdefault("files", {})
-    algorithms = [_hash_algorithm(manifest)]
+    algorithms = [_hash_algorithm(plan.ckpt.manifest)]
     for name in [DCP_METADATA_FILE] + ([outcome.new_data_file] if outcome.new_data_file else []):
         path = out / name
         crc = new_crc if name == outcome.new_data_file else None
