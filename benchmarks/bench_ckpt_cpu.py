@@ -97,7 +97,10 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--layouts", nargs="+", default=["torch_dist", "safetensors"])
     ap.add_argument("--write-docs", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks): hidden 64, one layer")
     args = ap.parse_args()
+    if args.smoke:
+        args.hidden, args.layers = 64, 1
     out = tempfile.mkdtemp(prefix="gtp_ckpt_bench_")
     try:
         mp.start_processes(worker, args=(2, free_port(), args, out), nprocs=2, start_method="spawn")

@@ -39,6 +39,7 @@ DOC = REPO / "docs" / "performance.md"
 SECTION = "## CPU: folded vs unfolded step time and memory"
 
 LAYOUTS = {
+    "cp2": ["--nproc-per-node", "2", "--cp", "2"],  # the smallest folded layout: --smoke
     "cp2-dp2": ["--nproc-per-node", "4", "--cp", "2", "--dp", "2"],
     "cp2-g2-dp2": ["--nproc-per-node", "8", "--cp", "2", "--gtp-remat", "2", "--dp", "2"],
 }
@@ -46,7 +47,7 @@ LAYOUTS = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {sorted(LAYOUTS)}")
+    ap.add_argument("--layouts", default="cp2-dp2,cp2-g2-dp2", help=f"comma list of {sorted(LAYOUTS)}")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--num-layers", type=int, default=4)
     ap.add_argument("--num-heads", type=int, default=4)
@@ -56,7 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2, help="steps not timed")
     ap.add_argument("--steps", type=int, default=6, help="timed steps after the warm-up")
     ap.add_argument("--write-docs", action="store_true", help=f"update {DOC.relative_to(REPO)}")
-    return ap.parse_args(argv)
+    ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks): layout cp2, 1 step")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.layouts, args.hidden, args.num_layers, args.num_heads, args.ffn_hidden = "cp2", 32, 1, 2, 64
+        args.seq_length, args.micro_batch, args.warmup, args.steps = 32, 1, 0, 1
+    return args
 
 
 def launch(layout: str, fold: bool, args: argparse.Namespace, tmp: Path) -> dict:

@@ -324,7 +324,10 @@ def main() -> int:
     ap.add_argument("--sweep", type=int, nargs="*", default=[4096, 8192, 16384, 32768, 65536],
                     help="sequence lengths of the folded fused sweep (the main --seq is reused)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks): every size option tiny")
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(hidden=64, layers=1, heads=4, seq=256, vocab=256, steps=1, warmup=1, bucket_size=100_000)
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.nproc:
         print(f"needs {args.nproc} CUDA devices, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2

@@ -57,9 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workdir", default="/tmp/bench_inspect", help="generated checkpoints go here")
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
     ap.add_argument("--write-docs", action="store_true", help="update docs/performance.md")
+    ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks): 200 chunks of 16 elements")
     ap.add_argument("--child", nargs=2, metavar=("MODE", "PATH"), help=argparse.SUPPRESS)
     ap.add_argument("--generate", nargs=2, metavar=("CHUNKS", "PATH"), help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.chunks, args.chunks_per_key, args.chunk_numel, args.files = "200", 10, 16, 2
+    return args
 
 
 # -- generating a synthetic .metadata ------------------------------------------------------------

@@ -442,7 +442,10 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the numbers here")
     ap.add_argument("--write-docs", action="store_true", help="write the section into docs/performance.md")
     ap.add_argument("--from-json", default=None, help="skip the run; print (and --write-docs) a saved --json file")
+    ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks): 1 layer, hidden 64")
     opts = ap.parse_args()
+    if opts.smoke:
+        opts.layers, opts.hidden, opts.heads, opts.vocab, opts.seq = 1, 64, 4, 256, 16
     if opts.from_json:
         with open(opts.from_json) as f:
             saved = json.load(f)

@@ -52,7 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workdir", default="/tmp/bench_migrate", help="generated checkpoints go here (removed after)")
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
     ap.add_argument("--write-docs", action="store_true", help=f"update {DOC.relative_to(REPO)}")
-    return ap.parse_args(argv)
+    ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks): one layer, hidden 64")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.layers, args.hidden, args.ffn_hidden, args.num_heads, args.bucket_size = "1", 64, 128, 2, 20_000
+    return args
 
 
 # -- generating an aliased checkpoint ------------------------------------------------------------
@@ -141,9 +145,9 @@ def run_naive(src: Path, dst: Path) -> dict[str, float]:
     ckpt = plan.ckpt
     sd: dict[str, Chunks] = {}
     for key, e in ckpt.entries.items():
-        c = Chunks(e.shape, e.dtype)
+        c = Chunks(e.shape, e.dtype.torch)  # the model's dtypes are torch-free; DCP needs torch's
         for ch in e.chunks:
-            c.add(ch.offsets, torch.empty(ch.sizes, dtype=e.dtype))
+            c.add(ch.offsets, torch.empty(ch.sizes, dtype=e.dtype.torch))
         sd[key] = c
     dcp.load(sd, storage_reader=dcp.FileSystemReader(ckpt.root), planner=ChunkLoadPlanner(), no_dist=True)
     t1 = time.perf_counter()

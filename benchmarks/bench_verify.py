@@ -58,9 +58,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=2, help="rounds per cache state; the best time is kept")
     ap.add_argument("--scaling", action="store_true",
                     help="also time the library warm on the largest checkpoint with 1, 2, 4, ... workers")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny run (tests/benchmarks): one layer, one warm round; never drops the page cache")
     ap.add_argument("--child", metavar="PATH", help=argparse.SUPPRESS)
     ap.add_argument("--child-workers", type=int, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.layers, args.hidden, args.ffn_hidden, args.num_heads, args.repeats = "1", 64, 128, 2, 1
+    return args
 
 
 def generate(args: argparse.Namespace, layers: int, out: Path) -> Path:
@@ -162,12 +167,12 @@ def measure(folder: Path, cold: bool, repeats: int) -> dict[str, float]:
     return res
 
 
-def baseline(code: str = "import ckpt_tool.cli, gtp_format.check.verify") -> tuple[float, float]:
+def baseline(code: str = "import ckpt_tool.cli, gtp_format.check.verify", repeats: int = 3) -> tuple[float, float]:
     """Wall seconds and peak RSS (MiB) of a process that only imports what the CLI imports: the floor.
 
     Measured warm (best of 3): the part of every CLI figure that does not depend on the checkpoint.
     """
-    runs = [run_measured([sys.executable, "-c", code], discard=True) for _ in range(3)]
+    runs = [run_measured([sys.executable, "-c", code], discard=True) for _ in range(repeats)]
     return min(r[0] for r in runs), max(r[1] for r in runs) / 1024
 
 
@@ -177,7 +182,7 @@ def run(args: argparse.Namespace) -> tuple[list[list], bool]:
     # CLI run would compile ckpt_tool's modules again, about 0.1 s that a user never pays
     subprocess.run([sys.executable, "-m", "compileall", "-q", "ckpt_tool", "gtp_runtime"], cwd=REPO, check=True)
     work.mkdir(parents=True, exist_ok=True)
-    can_drop = drop_caches()
+    can_drop = not args.smoke and drop_caches()  # a smoke run must not empty the machine's page cache
     rows = []
     for layers in [int(x) for x in args.layers.split(",")]:
         folder = generate(args, layers, work / f"L{layers}")
@@ -252,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command = shlex.join(["python", "benchmarks/bench_verify.py", *(sys.argv[1:] if argv is None else argv)])
     rows, can_drop = run(args)
-    floor = baseline()
-    with_torch = baseline("import torch, ckpt_tool.cli, gtp_format.check.verify")
+    tries = 1 if args.smoke else 3
+    floor = baseline(repeats=tries)
+    with_torch = baseline("import torch, ckpt_tool.cli, gtp_format.check.verify", repeats=tries)
     print(f"start-up (import ckpt_tool): {floor[0]:.2f} s, peak RSS {floor[1]:.0f} MiB; with torch as well: "
           f"{with_torch[0]:.2f} s, {with_torch[1]:.0f} MiB")
     table = tabulate(rows, headers=HEADERS, tablefmt="github")

@@ -41,6 +41,21 @@ def test_walk_agrees_with_pickletools(value, protocol: int):
     assert check_pickle(data) == _stop_position(data)
 
 
+@settings(max_examples=150, deadline=None)
+@given(value=_values, protocol=st.integers(min_value=0, max_value=pickle.HIGHEST_PROTOCOL),
+       window=st.integers(min_value=258, max_value=600))
+def test_walk_in_small_windows_agrees_with_pickletools(value, protocol: int, window: int):
+    """The walk matches in windows (bounded memory on Python 3.10); a window edge inside an opcode changes nothing."""
+    import gtp_format.reader.pickle_scan as scan
+
+    data = pickle.dumps([value, value, "y" * 300, b"z" * 250], protocol=protocol)
+    saved, scan.WINDOW = scan.WINDOW, window
+    try:
+        assert check_pickle(data) == _stop_position(data)
+    finally:
+        scan.WINDOW = saved
+
+
 def test_large_arguments_of_every_kind():
     # 4- and 8-byte lengths (BINUNICODE, BINBYTES, BINBYTES8 via protocol 5 framing off) and text opcodes
     value = ["x" * 70_000, b"y" * 70_000, bytearray(b"z" * 300), 2**5000, -1.5, {"k": (1, 2, 3)}]

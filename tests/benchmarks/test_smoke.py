@@ -1,0 +1,299 @@
+"""Every script in benchmarks/ runs at a tiny size (``--smoke``) and prints its report.
+
+Why: benchmarks run rarely, by hand, and nothing else imports them, so an API change breaks them
+silently. ``bench_migrate.py`` did: the torch-free dtype change made it pass a format ``DType``
+to ``torch.empty``, and nobody noticed until the next measurement. Here each one runs end to end
+in a subprocess, as a user starts it, and its report is checked for the structure the docs are
+built from (and for the properties a tiny run still shows, e.g. folding halves the dense bytes).
+
+The runs are started together (a few at a time) when the first of them is needed, since most of
+their time is Python and torch start-up in child processes. ``--smoke`` never writes
+docs/performance.md and never drops the page cache.
+
+What needs hardware CI lacks: ``bench_gpu.py`` needs 2 CUDA devices; without them it must refuse
+in one line (exit 2), and its CPU-side pieces (interval arithmetic of the exposed-communication
+measure, kernel classes, the FLOP count, ``report_gpu.py`` on numbers in its JSON layout) are
+checked here; the real tiny run is a ``gpu`` test. ``bench_megatron_save.py`` needs the megatron
+venv (fixtures/megatron/setup_venv.sh); its report path runs from a saved result everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "benchmarks"
+MEGATRON_PY = REPO / "fixtures" / "megatron" / "_venv" / "bin" / "python"
+TIMEOUT = 900  # seconds per run; a busy 2-core machine stretches start-up many times over
+PARALLEL = 3
+
+# Scripts run with --smoke, and the extra arguments each needs ({tmp}: this session's scratch folder).
+SMOKE = {
+    "bench_ckpt_cpu.py": [],
+    "bench_fold_cpu.py": [],
+    "bench_hash.py": [],
+    "bench_inspect.py": ["--workdir", "{tmp}/inspect"],
+    "bench_migrate.py": ["--workdir", "{tmp}/migrate"],
+    "bench_verify.py": ["--workdir", "{tmp}/verify", "--clean"],
+    "bench_gpu.py": ["--json", "{tmp}/gpu.json"],
+}
+# Not run with --smoke by the test above; each has its own test below.
+OTHERS = {"bench_megatron_save.py", "report_gpu.py", "docs_section.py"}
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(BENCH)]), "OMP_NUM_THREADS": "1"}
+
+
+def _run(argv: list[str], python: str = sys.executable) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([python, *argv], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def _explain(p: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {p.returncode}\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-3000:]}"
+
+
+class Runs:
+    """The smoke runs the selected tests need, started together on first use."""
+
+    def __init__(self, tmp: Path, wanted: set[str]) -> None:
+        self.tmp, self.wanted = tmp, wanted
+        self.lock = threading.Lock()
+        self.futures: dict[str, Future[subprocess.CompletedProcess[str]]] = {}
+        self.pool = ThreadPoolExecutor(PARALLEL)
+
+    def get(self, script: str) -> subprocess.CompletedProcess[str]:
+        with self.lock:
+            if not self.futures:
+                for name in sorted(self.wanted | {script}, key=list(SMOKE).index):
+                    argv = [str(BENCH / name), "--smoke", *(a.replace("{tmp}", str(self.tmp)) for a in SMOKE[name])]
+                    self.futures[name] = self.pool.submit(_run, argv)
+        return self.futures[script].result()
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    wanted = {item.callspec.params["script"] for item in request.session.items
+              if item.name.startswith("test_smoke_run[") and hasattr(item, "callspec")}
+    r = Runs(tmp_path_factory.mktemp("bench_smoke"), wanted)
+    yield r
+    r.pool.shutdown(wait=True)
+
+
+def _table(stdout: str) -> list[list[str]]:
+    """The rows of the first github-style table in ``stdout`` (header first, rule dropped)."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("|")]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines if not set(ln) <= set("|-: ")]
+    assert rows, stdout[-2000:]
+    return rows
+
+
+def _last_json(stdout: str) -> dict:
+    return json.loads(next(ln for ln in reversed(stdout.splitlines()) if ln.startswith("{")))
+
+
+def _ratio(cell: str) -> float:
+    return float(cell.rstrip("x"))
+
+
+def check_ckpt_cpu(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    head, *rows = _table(p.stdout)
+    assert head[:2] == ["layout", "GB"] and "save ratio" in head and "load ratio" in head
+    assert [r[0] for r in rows] == ["torch_dist", "safetensors"]
+    assert all(float(r[head.index("save ratio")]) > 0 and float(r[head.index("load ratio")]) > 0 for r in rows)
+
+
+def check_fold_cpu(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    head, *rows = _table(p.stdout)
+    assert [r[2] for r in rows] == ["unfolded", "folded", "folded/unfolded"], rows
+    dense = head.index("dense w+g MiB/rank")
+    assert float(rows[2][dense]) == 0.5  # cp2 folding shards the dense weights and grads over 2 ranks more
+
+
+def check_hash(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    head, *rows = _table(p.stdout)
+    assert head[0] == "algorithm" and len(rows) == 4
+    assert rows[0][0] == "crc32 (zlib)" and rows[0][2] == "1.00x"  # the baseline against itself
+    assert all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows)
+
+
+def check_inspect(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    (row,) = _last_json(p.stdout)["rows"]
+    head = _table(p.stdout)[0]
+    assert len(row) == len(head) == 20 and row[0] == "200"
+    assert row[-1] == "0/0"  # open_checkpoint and inspect opened no data file
+    assert not (tmp / "inspect").exists()  # the generated checkpoints are removed
+
+
+def check_migrate(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    doc = _last_json(p.stdout)
+    (row,), (phases,) = doc["rows"], doc["phases"]
+    assert len(row) == 13 and len(phases) == 9
+    assert int(row[2]) > 0 and int(row[3]) > 0  # cp2 folded: chunks kept and chunks lost at save
+    assert all(_ratio(cell) >= 0 for cell in row[10:])  # speed-ups (a tiny run may round them to 0.0x)
+
+
+def check_verify(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    doc = _last_json(p.stdout)
+    (row,) = doc["rows"]
+    assert doc["dropped_caches"] is False and row[2] == "warm" and len(row) == 13
+    assert "within 512 MiB" in p.stdout and not (tmp / "verify").exists()
+
+
+def check_gpu(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        assert p.returncode == 0, _explain(p)
+        res = json.loads((tmp / "gpu.json").read_text())
+        assert {"unfolded", "folded"} <= {r["config"] for r in res["rows"]}
+        report = _run([str(BENCH / "report_gpu.py"), str(tmp / "gpu.json")])
+        assert report.returncode == 0 and "| config" in report.stdout, _explain(report)
+    else:  # no GPU run possible: one line saying why, exit 2, no traceback
+        assert p.returncode == 2 and p.stderr.strip().startswith("needs 2 CUDA devices"), _explain(p)
+        assert "Traceback" not in p.stderr and not (tmp / "gpu.json").exists()
+
+
+CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
+    "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
+    "bench_inspect.py": check_inspect, "bench_migrate.py": check_migrate, "bench_verify.py": check_verify,
+    "bench_gpu.py": check_gpu,
+}
+
+
+def test_every_benchmark_script_has_a_smoke_test():
+    assert {p.name for p in BENCH.glob("*.py")} == SMOKE.keys() | OTHERS
+    assert CHECKS.keys() == SMOKE.keys()
+    for name in SMOKE:
+        assert "--smoke" in (BENCH / name).read_text(), name
+
+
+@pytest.mark.parametrize("script", list(SMOKE))
+def test_smoke_run(runs: Runs, script: str):
+    p = runs.get(script)
+    if script != "bench_gpu.py":
+        assert p.returncode == 0, _explain(p)
+    CHECKS[script](p, runs.tmp)
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), BENCH / name)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+def test_gpu_exposed_communication_arithmetic_against_brute_force():
+    """bench_gpu's interval union/intersection (exposed NCCL time) against a per-nanosecond count."""
+    g = _load("bench_gpu.py")
+    rnd = random.Random(0)
+    for _ in range(200):
+        comm = [(s, s + rnd.randint(0, 30)) for s in (rnd.randint(0, 200) for _ in range(rnd.randint(0, 8)))]
+        comp = [(s, s + rnd.randint(0, 30)) for s in (rnd.randint(0, 200) for _ in range(rnd.randint(0, 8)))]
+        cu, pu = g._union(comm), g._union(comp)
+        in_comm = {t for s, e in comm for t in range(s, e)}
+        in_comp = {t for s, e in comp for t in range(s, e)}
+        assert g._length(cu) == len(in_comm)
+        assert g._intersect(cu, pu) == len(in_comm & in_comp)
+    assert [g.kernel_kind(n) for n in ("ncclDevKernel_AllGather", "flash_fwd_kernel", "sm90_xmma_gemm", "add")] == \
+        ["comm", "attention", "gemm", "other"]
+
+
+def test_gpu_flop_count_by_hand():
+    from gtp_format.layout.config import ModelConfig
+
+    g = _load("bench_gpu.py")
+    cfg = ModelConfig(vocab_size=100, hidden=8, num_layers=2, num_heads=2, ffn_hidden=32, seq_length=16)
+    params = 2 * (4 * 8 * 8 + 2 * 8 * 32) + 100 * 8
+    assert g.model_flops_per_step(cfg, 64) == 6 * params * 64 + 6 * 2 * 8 * 16 * 64
+
+
+GPU_RESULT = {  # the layout bench_gpu.py writes, with made-up numbers
+    "peak_bf16_tflops": 800.0, "world": 2, "micro_batch": 1, "gpu": "synthetic", "torch": "0", "command": "x",
+    "model": {"hidden": 64, "num_layers": 1, "num_heads": 4, "ffn_hidden": 256, "seq_length": 256, "vocab_size": 256},
+    "rows": [
+        {"config": name, "step_ms": ms, "tokens_per_s": 1e5, "mfu": 0.3, "peak_mem_gib": 2.0, "dense_wgrad_gib": dense,
+         "comm_ms": 3.0, "exposed_comm_ms": 1.0, "final_loss": 5.0, "gpu_ms_gemm": 5.0, "gpu_ms_other": 2.0,
+         "ckpt_gb": 1.0, "save_gbps": 1.0, "load_gbps": 2.0, "torch_save_gbps": 1.1, "torch_load_gbps": 2.2}
+        for name, ms, dense in (("unfolded", 10.0, 0.5), ("folded", 10.5, 0.25),
+                                ("folded, no prefetch/overlap", 12.0, 0.25))],
+}
+
+
+def test_report_gpu_on_synthetic_numbers(tmp_path: Path):
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(GPU_RESULT))
+    p = _run([str(BENCH / "report_gpu.py"), str(path)])
+    assert p.returncode == 0, _explain(p)
+    head, *rows = _table(p.stdout)
+    assert head[0] == "config" and [r[0] for r in rows[:3]] == [r["config"] for r in GPU_RESULT["rows"]]
+    assert "0.50x" in p.stdout  # dense weight+grad ratio folded/unfolded, computed from the rows
+
+
+def test_report_gpu_plot(tmp_path: Path):
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib, not a project dependency")
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(GPU_RESULT))
+    p = _run([str(BENCH / "report_gpu.py"), str(path), "--png", str(tmp_path / "p.png")])
+    assert p.returncode == 0 and (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG", _explain(p)
+
+
+def test_megatron_report_from_saved_result(tmp_path: Path):
+    """The report half of bench_megatron_save.py (the run half needs megatron-core)."""
+    m = _load("bench_megatron_save.py")
+    per_rank = {"mg_save_s": 2.0, "torch_save_s": 1.0, "mg_load_s": 1.5, "torch_load_s": 0.5,
+                "mg_state_dict_s": 0.2, "mg_load_state_dict_s": 0.3, "local_bytes": 10**8, "peak_rss_mib": 900.0}
+    raw = {"per_rank": [per_rank, per_rank], "mg_bytes": 2 * 10**8, "torch_bytes": 2 * 10**8, "n_params": 10**7,
+           "megatron_core_version": "0.0", "torch_version": "0", "python_version": "3", "mg_files": []}
+    try:
+        summary = m.summarize(raw)
+    except KeyError as e:  # the fields summarize() reads are the contract with worker(): name what is missing
+        pytest.fail(f"bench_megatron_save.summarize needs {e} in the raw result")
+    config = {"layers": 1, "hidden": 64, "ffn": 256, "heads": 4, "vocab": 256, "seq": 16, "threads": 1}
+    saved = tmp_path / "mg.json"
+    saved.write_text(json.dumps({"summary": summary, "raw": raw, "config": config, "command": "x"}))
+    p = _run([str(BENCH / "bench_megatron_save.py"), "--from-json", str(saved)])
+    assert p.returncode == 0, _explain(p)
+    assert "save" in p.stdout and "load" in p.stdout and str(summary["save_ratio"]) in p.stdout
+    import argparse
+
+    body = m.docs_body(summary, raw, argparse.Namespace(**config), "x")
+    assert "```" in body and str(summary["load_ratio"]) in body
+
+
+@pytest.mark.skipif(not MEGATRON_PY.exists(), reason="needs the megatron venv (fixtures/megatron/setup_venv.sh)")
+def test_megatron_tiny_run(tmp_path: Path):
+    out = Path("/tmp") / f"bench_megatron_smoke_{os.getpid()}"
+    p = _run([str(BENCH / "bench_megatron_save.py"), "--smoke", "--out-dir", str(out), "--json",
+              str(tmp_path / "mg.json")], python=str(MEGATRON_PY))
+    assert p.returncode == 0, _explain(p)
+    assert json.loads((tmp_path / "mg.json").read_text())["summary"]["save_ratio"] > 0
+
+
+def test_docs_section_replaces_one_section(tmp_path: Path):
+    d = _load("docs_section.py")
+    write_section, write_report = d.write_section, d.write_report
+    doc = tmp_path / "perf.md"
+    write_section("A", "first", doc)  # a missing document starts with its title
+    write_section("B", "second", doc)
+    write_section("A", "again", doc)  # replaced in place, B kept after it
+    assert doc.read_text() == "# Performance\n\n## A\n\nagain\n\n## B\n\nsecond\n"
+    write_report("B", "intro", "cmd --x", "| t |", ["- note"], doc)
+    assert doc.read_text().endswith("## B\n\nintro\n\n```\ncmd --x\n```\n\n| t |\n\n- note\n")
