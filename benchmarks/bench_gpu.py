@@ -25,10 +25,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from gtp_format.layout.config import ModelConfig, ParallelConfig
-from gtp_runtime.train import free_port
+from gtp_runtime.launch import RankFailure, run_local_ranks
 from gtp_runtime.training import TrainConfig, Trainer
 
 
@@ -192,11 +191,9 @@ def run_config(name: str, cfg: TrainConfig, steps: int, warmup: int, peak: float
     return row
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+def worker(args: argparse.Namespace) -> None:
+    """One rank (started by gtp_runtime.launch on GPU ``rank``, NCCL group ready)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.backends.cuda.matmul.allow_tf32 = True
     peak = matmul_peak_tflops()
     peaks = [0.0] * world
@@ -232,7 +229,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
-    dist.destroy_process_group()
 
 
 def main() -> int:
@@ -256,7 +252,11 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.nproc:
         print(f"needs {args.nproc} CUDA devices, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
-    mp.start_processes(worker, args=(args.nproc, free_port(), args), nprocs=args.nproc, start_method="spawn")
+    try:
+        run_local_ranks(args.nproc, worker, (args,), tag="bench_gpu", deadline=None, backend="nccl", stdout="inherit")
+    except RankFailure as e:
+        print(f"error: {e.line()}", file=sys.stderr)
+        return 1
     return 0
 
 

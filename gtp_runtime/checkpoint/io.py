@@ -29,6 +29,7 @@ from gtp_format.commit import commit_folder, write_atomic, write_durable
 from gtp_format.errors import FormatError
 from gtp_format.manifest import FileEntry, Manifest, read_manifest, write_manifest
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
+from gtp_runtime.checkpoint.errors import CheckpointError
 from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, file_entry
 from gtp_runtime.checkpoint.safe_metadata import SafeFileSystemReader, UnsafeMetadataError
 from gtp_runtime.checkpoint.safetensors_storage import INDEX_FILE, SafetensorsReader, SafetensorsWriter
@@ -42,10 +43,6 @@ from gtp_runtime.training import Trainer
 
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                      "common_backend": "torch", "common_backend_version": 1}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or loaded as asked. One line, names the fix."""
 
 
 def _fault(point: str) -> None:
