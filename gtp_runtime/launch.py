@@ -18,7 +18,7 @@ new port. The failure modes are the point of this module:
 
 Children write stderr (and, unless ``stdout="inherit"``, stdout) to ``{workdir}/{tag}.rank{r}.log``,
 so the parent's stdout (a JSON document, perhaps) carries only what the caller chose. Results come
-back through a pipe per rank, pickled by ``multiprocessing``: they are our own children's values.
+back through a pipe per rank, pickled: they are our own children's values.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection as mpc
 import os
+import pickle
 import re
 import shutil
 import socket
@@ -135,11 +136,15 @@ def _entry(rank: int, world: int, port: int, workdir: str, tag: str, timeout: fl
         msg = " ".join(str(e).split()) or type(e).__name__
         report = {"status": "error", "type": type(e).__name__, "message": msg[:2000], "clean": _known_error(e)}
     try:
-        conn.send(report)
+        # Plain pickle, not the pipe's own (torch's ForkingPickler would hand tensors over as
+        # shared-memory handles that die with this process, which exits right after).
+        payload = pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:  # noqa: BLE001 - an unpicklable result is this rank's failure
         traceback.print_exc()
-        conn.send({"status": "error", "type": type(e).__name__, "message": f"cannot return the result: {e}"[:2000],
-                   "clean": False})
+        report = {"status": "error", "type": type(e).__name__, "message": f"cannot return the result: {e}"[:2000],
+                  "clean": False}
+        payload = pickle.dumps(report)
+    conn.send_bytes(payload)
     conn.close()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -172,7 +177,7 @@ class _Ranks:
         for r, conn in enumerate(self.conns):
             if r not in self.reports and conn.poll():
                 try:
-                    self.reports[r] = conn.recv()
+                    self.reports[r] = pickle.loads(conn.recv_bytes())  # our own child's report
                 except (EOFError, OSError):
                     self.reports[r] = None
 

@@ -35,3 +35,11 @@ def fail_on(rank: int, how: str) -> int:
 
 def sleep_forever() -> None:
     time.sleep(3600)
+
+
+def tensors(n: int) -> dict:
+    """A result made of many tensors, returned by a rank that exits right after (as every rank does)."""
+    import torch
+
+    base = torch.arange(n, dtype=torch.float32) + dist.get_rank()
+    return {"rank": dist.get_rank(), "t": [base[i:i + 100].clone() for i in range(0, n, 100)]}

@@ -65,3 +65,14 @@ def test_own_work_folder_removed_after_success(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(tempfile, "tempdir", None)
     run_local_ranks(2, jobs.whoami, ("y",))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_tensor_results_survive_the_rank_exiting() -> None:
+    """torch's pipe pickler sends tensors as shared-memory handles served by the sending rank, which
+    exits right after: results are pickled plainly instead (test_dp_reshard_fold lost one so)."""
+    import torch
+
+    out = run_local_ranks(2, jobs.tensors, (50_000,))
+    assert [r["rank"] for r in out] == [0, 1]
+    for i, r in enumerate(out):
+        assert torch.equal(torch.cat(r["t"]), torch.arange(50_000, dtype=torch.float32) + i)
