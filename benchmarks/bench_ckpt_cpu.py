@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from gtp_format.layout.config import ModelConfig, ParallelConfig
-from gtp_runtime.train import free_port
+from gtp_runtime.launch import run_local_ranks
 from gtp_runtime.training import TrainConfig, Trainer
 
 TITLE = "Checkpoint save/load on CPU (gtp_runtime vs torch.save)"
@@ -45,12 +44,10 @@ def _timed(fn: object) -> float:
     return time.perf_counter() - t
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+def worker(args: argparse.Namespace, out: str) -> None:
     from gtp_runtime.checkpoint.io import load_checkpoint, save_checkpoint
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rank = dist.get_rank()
     model = ModelConfig(vocab_size=32768, hidden=args.hidden, num_layers=args.layers, num_heads=16,
                         ffn_hidden=4 * args.hidden, seq_length=32)
     trainer = Trainer(TrainConfig(par=ParallelConfig(cp=2, fold_cp=True), model=model, micro_batch=1))
@@ -88,7 +85,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         dist.barrier()
     if rank == 0:
         (root / "rows.json").write_text(json.dumps(rows))
-    dist.destroy_process_group()
 
 
 def main() -> int:
@@ -103,7 +99,7 @@ def main() -> int:
         args.hidden, args.layers = 64, 1
     out = tempfile.mkdtemp(prefix="gtp_ckpt_bench_")
     try:
-        mp.start_processes(worker, args=(2, free_port(), args, out), nprocs=2, start_method="spawn")
+        run_local_ranks(2, worker, (args, out), tag="bench_ckpt_cpu", deadline=None)
         rows = json.loads((Path(out) / "rows.json").read_text())
     finally:
         shutil.rmtree(out, ignore_errors=True)

@@ -61,32 +61,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # -- generating an aliased checkpoint ------------------------------------------------------------
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layers: int, out: str) -> None:
-    import torch.distributed as dist
-
+def _worker(args: argparse.Namespace, layers: int, out: str) -> None:
+    """One rank (started by gtp_runtime.launch, process group ready): one step, then an aliased save."""
     from gtp_format.layout.config import ModelConfig, ParallelConfig
     from gtp_runtime.checkpoint.io import save_checkpoint
     from gtp_runtime.training import TrainConfig, Trainer
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     model = ModelConfig(hidden=args.hidden, num_layers=layers, num_heads=args.num_heads, ffn_hidden=args.ffn_hidden,
                         seq_length=16, vocab_size=128)
     trainer = Trainer(TrainConfig(par=ParallelConfig(cp=2, fold_cp=True), model=model, micro_batch=1,
                                   bucket_size=args.bucket_size))
     trainer.train_step()  # non-zero moments; one step is enough for the layout
     save_checkpoint(trainer, out, aliased=True)
-    dist.destroy_process_group()
 
 
 def generate(args: argparse.Namespace, layers: int, out: Path) -> float:
-    import torch.multiprocessing as mp
-
-    from gtp_runtime.train import free_port
+    from gtp_runtime.launch import run_local_ranks
 
     t = time.perf_counter()
-    mp.start_processes(_worker, args=(2, free_port(), args, layers, str(out)), nprocs=2, start_method="spawn")
+    run_local_ranks(2, _worker, (args, layers, str(out)), tag="bench_migrate", deadline=None)
     return time.perf_counter() - t
 
 

@@ -1,49 +1,59 @@
-"""Run one function on N local gloo ranks (spawned CPU processes) and collect what each returns.
+"""The one way this project starts local ranks: ``fn(*args)`` on N fresh processes, one result each.
 
-Used by ``ckpt verify-roundtrip``. Each call starts fresh processes with a new process group on a
+Used by the ``train`` launcher, ``ckpt verify-roundtrip``, the test harness, the benchmarks and the
+fixture scripts (before this module there were six copies, each failing differently: some joined
+forever, some printed every rank's traceback, one lost the failing rank's name).
+
+Each call starts fresh processes with a new process group (gloo, or NCCL with one GPU per rank) on a
 new port. The failure modes are the point of this module:
 
-* a rank that raises reports ``type: message`` and the parent names that rank;
+* a rank that raises reports ``type: message`` and the parent names that rank in one line; its full
+  traceback goes to that rank's log file, never to the console;
 * a rank that dies without reporting (a crash, ``os._exit``) is named with its exit code and the
   last line of its log;
-* peers left waiting in a collective fail on the gloo timeout (``init_process_group(timeout=)``,
-  also the collective timeout) or are terminated by the parent a few seconds after the first
-  failure, so a failing rank never turns into a hang, and no process outlives the call.
+* peers left waiting in a collective fail on the process-group timeout
+  (``init_process_group(timeout=)``, also the collective timeout) or are terminated by the parent
+  ``GRACE_S`` seconds after the first failure, so a failing rank never turns into a hang, and no
+  process outlives the call. With a ``deadline``, a run that never finishes is stopped too.
 
-Children write stdout and stderr to a log file per rank in the work folder, so the parent's
-stdout (a JSON document, perhaps) never carries their output.
+Children write stderr (and, unless ``stdout="inherit"``, stdout) to ``{workdir}/{tag}.rank{r}.log``,
+so the parent's stdout (a JSON document, perhaps) carries only what the caller chose. Results come
+back through a pipe per rank, pickled: they are our own children's values.
 """
 
 from __future__ import annotations
 
-import json
 import multiprocessing
+import multiprocessing.connection as mpc
 import os
+import pickle
 import re
+import shutil
+import socket
 import sys
+import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
-
-from gtp_format.commit import write_atomic
+from typing import Any, Literal
 
 TIMEOUT_ENV = "GTP_ROUNDTRIP_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
 GRACE_S = 10.0  # how long peers of a failed rank may take to report before they are terminated
 # Ranks are forked from a fork server that imported torch once (a clean, single-threaded process
-# started like a spawn child, with no process group): every rank is still a fresh process, but
-# starting 8 of them takes about a second instead of a minute of 8 parallel ``import torch`` on a
-# small machine. Where there is no fork server (Windows), ranks are spawned.
+# started like a spawn child, with no process group and no CUDA context): every rank is still a
+# fresh process, but starting 8 of them takes about a second instead of a minute of 8 parallel
+# ``import torch`` on a small machine. Where there is no fork server (Windows), ranks are spawned.
 START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 # Errors a rank sees because a peer went away (gloo transport, store or collective timeouts).
 _PEER_ERROR = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Socket Timeout|Timed out|timed out|"
-                         r"gloo/transport|ProcessGroupGloo|recvBytes|Connection refused", re.IGNORECASE)
+                         r"gloo/transport|ProcessGroupGloo|recvBytes|Connection refused|NCCL", re.IGNORECASE)
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "gtp_runtime.training",
            "gtp_runtime.checkpoint.io", "gtp_runtime.roundtrip")
+AUTO = "auto"
 
 
 @dataclass
@@ -54,10 +64,17 @@ class RankFailure(Exception):
     kind: str
     message: str
     clean: bool  # the rank raised a known, user-facing error (config or checkpoint), not a crash
+    log: str | None = None  # that rank's log (its traceback), when the caller keeps the work folder
 
     def __str__(self) -> str:
         return f"rank {self.rank}: {self.kind}: {self.message}" if self.kind != "exit" else \
             f"rank {self.rank} {self.message}"
+
+    def line(self) -> str:
+        """One line for a console: a known error as its message, anything else with its log's path."""
+        if self.clean:
+            return f"rank {self.rank}: {self.message}"
+        return str(self) + (f" (full log: {self.log})" if self.log else "")
 
 
 def timeout_s() -> float:
@@ -68,38 +85,67 @@ def timeout_s() -> float:
         return DEFAULT_TIMEOUT_S
 
 
-def _known_error(e: BaseException) -> bool:
-    from gtp_format.layout.config import ConfigError
-    from gtp_runtime.checkpoint.io import CheckpointError
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    return isinstance(e, (CheckpointError, ConfigError))
+
+# User-facing errors (bad flags, a bad checkpoint): reported as their message, not as a crash.
+# Matched by name so that a failing rank need not import the runtime to classify its error.
+KNOWN_ERRORS = frozenset({"gtp_runtime.checkpoint.errors.CheckpointError", "gtp_format.layout.config.ConfigError",
+                          "gtp_format.errors.FormatError"})
+
+
+def _known_error(e: BaseException) -> bool:
+    return any(f"{c.__module__}.{c.__qualname__}" in KNOWN_ERRORS for c in type(e).__mro__)
+
+
+def log_path(workdir: str | os.PathLike, tag: str, rank: int) -> Path:
+    return Path(workdir) / f"{tag}.rank{rank}.log"
 
 
 def _entry(rank: int, world: int, port: int, workdir: str, tag: str, timeout: float, env: dict[str, str],
-           fn: Callable[..., Any], args: tuple) -> None:
-    """Body of one spawned rank: redirect output, join the group, run ``fn``, report, leave."""
+           backend: str, stdout: str, conn: Any, fn: Callable[..., Any], args: tuple) -> None:
+    """Body of one rank: redirect output, join the group, run ``fn``, report, leave."""
     # A forkserver child starts with the server's environment, not the caller's current one.
     os.environ.clear()
     os.environ.update(env)
-    log = open(os.path.join(workdir, f"{tag}.rank{rank}.log"), "w")  # noqa: SIM115 - lives as long as the process
-    os.dup2(log.fileno(), 1)
+    log = open(log_path(workdir, tag, rank), "w")  # noqa: SIM115 - lives as long as the process
+    if stdout != "inherit":
+        os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     report: dict[str, Any]
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+        device = None
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)  # binds the communicator to this rank's GPU
+        else:
+            torch.set_num_threads(1)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout),
+                                device_id=device)
         report = {"status": "ok", "value": fn(*args)}
     except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
         traceback.print_exc()
         msg = " ".join(str(e).split()) or type(e).__name__
         report = {"status": "error", "type": type(e).__name__, "message": msg[:2000], "clean": _known_error(e)}
-    out = Path(workdir) / f"{tag}.rank{rank}.json"
-    write_atomic(out, json.dumps(report), durable=False)
+    try:
+        # Plain pickle, not the pipe's own (torch's ForkingPickler would hand tensors over as
+        # shared-memory handles that die with this process, which exits right after).
+        payload = pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 - an unpicklable result is this rank's failure
+        traceback.print_exc()
+        report = {"status": "error", "type": type(e).__name__, "message": f"cannot return the result: {e}"[:2000],
+                  "clean": False}
+        payload = pickle.dumps(report)
+    conn.send_bytes(payload)
+    conn.close()
     sys.stdout.flush()
     sys.stderr.flush()
     log.flush()
@@ -110,93 +156,165 @@ def _entry(rank: int, world: int, port: int, workdir: str, tag: str, timeout: fl
     os._exit(0 if report["status"] == "ok" else 1)
 
 
-def _last_log_line(workdir: Path, tag: str, rank: int) -> str:
+def _last_log_line(path: Path) -> str:
     try:
-        lines = [x for x in (workdir / f"{tag}.rank{rank}.log").read_text(errors="replace").splitlines() if x.strip()]
+        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
     except OSError:
         return ""
     return lines[-1].strip()[:300] if lines else ""
 
 
-def run_local_ranks(world: int, fn: Callable[..., Any], args: tuple, workdir: str | os.PathLike, tag: str,
-                    timeout: float | None = None) -> list[Any]:
-    """``fn(*args)`` on ``world`` fresh local ranks; the returned values (JSON-able), in rank order.
+class _Ranks:
+    """The running processes and what each has reported so far."""
 
-    Raises :class:`RankFailure` for the rank whose failure looks like the root cause (a config or
-    checkpoint error, another exception, a silent death, in that order; peers that only lost their
-    connection to a failed rank come last). ``fn`` must be a
-    module-level function and ``args`` picklable.
-    """
-    import torch.multiprocessing as mp
+    def __init__(self, procs: list[Any], conns: list[Any]) -> None:
+        self.procs, self.conns = procs, conns
+        self.reports: dict[int, dict[str, Any] | None] = {}  # None: the pipe closed without a report
+        self.failed: list[int] = []  # in the order each failure was noticed
+        self.stopped: set[int] = set()  # ranks this module terminated
 
-    from gtp_runtime.train import free_port
+    def drain(self) -> None:
+        for r, conn in enumerate(self.conns):
+            if r not in self.reports and conn.poll():
+                try:
+                    self.reports[r] = pickle.loads(conn.recv_bytes())  # our own child's report
+                except (EOFError, OSError):
+                    self.reports[r] = None
 
-    workdir = Path(workdir)
-    timeout = timeout_s() if timeout is None else timeout
-    ctx = mp.get_context(START_METHOD)
-    if START_METHOD == "forkserver":
-        ctx.set_forkserver_preload(list(PRELOAD))
-    port = free_port()
-    env = dict(os.environ)
-    procs = [ctx.Process(target=_entry, args=(r, world, port, str(workdir), tag, timeout, env, fn, args),
-                         daemon=True) for r in range(world)]
-    failed_at: float | None = None
-    seen: list[int] = []  # failed ranks, in the order their exit was noticed
-    stopped: set[int] = set()  # ranks this function terminated
-    deadline = time.monotonic() + 4 * timeout + 60
-    try:
-        for p in procs:
-            p.start()
-        while any(p.is_alive() for p in procs):
-            for r, p in enumerate(procs):
-                if not p.is_alive() and p.exitcode != 0 and r not in seen:
-                    seen.append(r)
-                    failed_at = failed_at or time.monotonic()
-            now = time.monotonic()
-            if (failed_at is not None and now - failed_at > GRACE_S) or now > deadline:
-                break
-            procs[0].join(0.1) if procs[0].is_alive() else time.sleep(0.1)
-        timed_out = failed_at is None and any(p.is_alive() for p in procs)
-    finally:
-        for r, p in enumerate(procs):
+    def status(self, r: int) -> str | None:
+        rep = self.reports.get(r)
+        return rep.get("status") if rep else None
+
+    def note_failures(self) -> None:
+        for r, p in enumerate(self.procs):
+            ok = self.status(r) == "ok"
+            if r not in self.failed and not ok and (self.status(r) == "error" or
+                                                     (not p.is_alive() and p.exitcode != 0)):
+                self.failed.append(r)
+
+    def waitables(self) -> list[Any]:
+        return [p.sentinel for p in self.procs if p.is_alive()] + \
+            [c for r, c in enumerate(self.conns) if r not in self.reports]
+
+    def stop(self) -> None:
+        for r, p in enumerate(self.procs):
             if p.is_alive():
-                stopped.add(r)
+                self.stopped.add(r)
                 p.terminate()
-        for p in procs:
+        for p in self.procs:
             p.join(5)
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    seen += [r for r, p in enumerate(procs) if p.exitcode not in (0, None) and r not in seen]
-    reports: dict[int, dict[str, Any]] = {}
-    for r in range(world):
-        path = workdir / f"{tag}.rank{r}.json"
-        if path.exists():
-            reports[r] = json.loads(path.read_text())  # written by our own child, in our own temp folder
-    if timed_out:
-        raise RankFailure(min(stopped, default=0), "exit",
-                          f"did not finish within {4 * timeout + 60:.0f} s ({TIMEOUT_ENV}={timeout:.0f}); "
-                          "terminated every rank", False)
+
+
+def _watch(ranks: _Ranks, deadline: float | None) -> bool:
+    """Wait until every rank is done, a failure's grace period ends or the deadline; True on timeout."""
+    start = time.monotonic()
+    first_failure: float | None = None
+    all_ok_at: float | None = None
+    world = len(ranks.procs)
+    while True:
+        ranks.drain()
+        ranks.note_failures()
+        now = time.monotonic()
+        if ranks.failed and first_failure is None:
+            first_failure = now
+        if all(ranks.status(r) == "ok" for r in range(world)) and all_ok_at is None:
+            all_ok_at = now  # only teardown is left; a rank stuck in it is stopped after the grace
+        if not any(p.is_alive() for p in ranks.procs):
+            return False
+        if any(t is not None and now - t > GRACE_S for t in (first_failure, all_ok_at)):
+            return False
+        if deadline is not None and now - start > deadline:
+            return True
+        mpc.wait(ranks.waitables(), timeout=0.5)
+
+
+def _root_cause(ranks: _Ranks, workdir: Path, tag: str, keep_logs: bool) -> RankFailure | None:
+    """The failure that explains the others: a config/checkpoint error first, then any other error,
+    then a rank that died silently, then ranks terminated here, then peers that only lost a peer."""
     ranked: list[tuple[int, int, RankFailure]] = []
-    for i, r in enumerate(seen):
-        rep = reports.get(r)
+    for i, r in enumerate(ranks.failed):
+        rep = ranks.reports.get(r)
+        log = str(log_path(workdir, tag, r)) if keep_logs else None
+        code = ranks.procs[r].exitcode
         if rep is not None and rep.get("status") == "error":
-            f = RankFailure(r, rep["type"], rep["message"], bool(rep["clean"]))
+            f = RankFailure(r, rep["type"], rep["message"], bool(rep["clean"]), log)
             priority = 0 if f.clean else (3 if _PEER_ERROR.search(f.message) else 1)
-        elif r in stopped:
-            f = RankFailure(r, "exit", f"was terminated (exit {procs[r].exitcode}) after a peer failed", False)
+        elif r in ranks.stopped:
+            f = RankFailure(r, "exit", f"was terminated (exit {code}) after a peer failed", False, log)
             priority = 4
         else:
-            last = _last_log_line(workdir, tag, r)
-            f = RankFailure(r, "exit", f"exited with code {procs[r].exitcode} without reporting"
-                            + (f"; its log ends: {last}" if last else ""), False)
+            last = _last_log_line(log_path(workdir, tag, r))
+            f = RankFailure(r, "exit", f"exited with code {code} without reporting"
+                            + (f"; its log ends: {last}" if last else ""), False, log)
             priority = 2
         ranked.append((priority, i, f))
-    if ranked:
-        # The root cause, not its echo: a config/checkpoint error first, then any other error, then
-        # a rank that died silently, then peers that only lost their connection to it.
-        raise min(ranked, key=lambda x: (x[0], x[1]))[2]
-    missing = [r for r in range(world) if reports.get(r, {}).get("status") != "ok"]
-    if missing:
-        raise RankFailure(missing[0], "exit", "finished without reporting a result", False)
-    return [reports[r]["value"] for r in range(world)]
+    return min(ranked, key=lambda x: (x[0], x[1]))[2] if ranked else None
+
+
+def run_local_ranks(world: int, fn: Callable[..., Any], args: Sequence[Any] = (),
+                    workdir: str | os.PathLike | None = None, tag: str = "rank", timeout: float | None = None, *,
+                    deadline: float | None | Literal["auto"] = AUTO, env: dict[str, str] | None = None,
+                    backend: str = "gloo", stdout: Literal["log", "inherit"] = "log",
+                    preload: Sequence[str] = PRELOAD) -> list[Any]:
+    """``fn(*args)`` on ``world`` fresh local ranks; the returned values, in rank order.
+
+    ``fn`` must be a module-level function and ``args`` and the results picklable. ``timeout`` is
+    the process-group (and collective) timeout, by default ``$GTP_ROUNDTRIP_TIMEOUT`` or 300 s;
+    ``deadline`` bounds the whole call (``"auto"``: 4 x timeout + 60 s; ``None``: no bound, for
+    training). ``env`` is added to this process's environment in the ranks. ``backend="nccl"``
+    gives rank ``r`` GPU ``r``. Logs go to ``workdir`` (by default a temporary folder, removed
+    when every rank succeeded and kept otherwise, so that :attr:`RankFailure.log` can be read).
+
+    Raises :class:`RankFailure` for the rank whose failure looks like the root cause.
+    """
+    import torch.multiprocessing as mp
+
+    own = workdir is None
+    work = Path(tempfile.mkdtemp(prefix=f"gtp-{tag}-")) if own else Path(workdir)  # type: ignore[arg-type]
+    timeout = timeout_s() if timeout is None else timeout
+    limit = 4 * timeout + 60 if deadline == AUTO else deadline
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(list(preload))
+    port = free_port()
+    child_env = {**os.environ, **(env or {})}
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, str(work), tag, timeout, child_env, backend, stdout,
+                                              pipes[r][1], fn, tuple(args)), daemon=True) for r in range(world)]
+    ranks = _Ranks(procs, [recv for recv, _ in pipes])
+    timed_out = False
+    try:
+        for p in procs:
+            p.start()
+        for _, send in pipes:
+            send.close()  # the children hold theirs: a rank that dies closes its pipe
+        timed_out = _watch(ranks, limit)
+    finally:
+        ranks.stop()
+        ranks.drain()
+        ranks.note_failures()
+        for recv, _ in pipes:
+            recv.close()
+    keep = not own
+    try:
+        if timed_out:
+            keep = True
+            stuck = min((r for r in range(world) if ranks.status(r) != "ok"), default=0)
+            raise RankFailure(stuck, "exit", f"did not finish within {limit:.0f} s ({TIMEOUT_ENV}={timeout:.0f}); "
+                              "terminated every rank", False, str(log_path(work, tag, stuck)))
+        failure = _root_cause(ranks, work, tag, True)
+        if failure is not None:
+            keep = True
+            raise failure
+        missing = [r for r in range(world) if ranks.status(r) != "ok"]
+        if missing:
+            keep = True
+            raise RankFailure(missing[0], "exit", "finished without reporting a result", False,
+                              str(log_path(work, tag, missing[0])))
+        return [ranks.reports[r]["value"] for r in range(world)]  # type: ignore[index]
+    finally:
+        if own and not keep:
+            shutil.rmtree(work, ignore_errors=True)

@@ -6,6 +6,10 @@ embedded corpus and prints one line per step. ``--check-reference`` also runs th
 fp32 reference on the same global batches and exits 1, naming the worst parameter, if any
 gradient, loss or parameter differs beyond tolerance.
 
+A failing rank ends the run with one line on stderr naming it (``error: rank 3: ...``); its full
+traceback is in its log file, whose path the line gives. ``--load`` opens and verifies the
+checkpoint (the checks of ``ckpt verify``) before any rank starts, and refuses it in one line.
+
 Every flag is parsed here and nowhere else, and every flag is exercised by a test through this
 command line (upstream once read a flag that was never registered with its parser).
 """
@@ -16,18 +20,24 @@ import argparse
 import json
 import os
 import resource
-import socket
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
+from gtp_runtime.launch import RankFailure, run_local_ranks
 from gtp_runtime.optimizer import AdamConfig
 from gtp_runtime.training import TrainConfig, Trainer
+
+# Imported once by the fork server the ranks are forked from (see gtp_runtime.launch).
+PRELOAD = ("torch", "torch.distributed", "gtp_runtime.training", "gtp_runtime.parity", "gtp_runtime.checkpoint.io")
+COLLECTIVE_TIMEOUT_S = 1800.0  # torch's default process-group timeout; a dead peer is noticed sooner
 
 EXAMPLES = """examples:
   python -m gtp_runtime.train --nproc-per-node 8 --cp 2 --gtp-remat 2 --dp 2 --fold-cp --steps 5
@@ -177,71 +187,73 @@ def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
     return code
 
 
-def _worker(rank: int, world: int, port: int, argv: list[str], codes: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    codes[rank] = _run_initialised(argv)
+def _spawned_rank(args: argparse.Namespace) -> int:
+    """Body of one rank started by :func:`spawn`; the launcher made the process group."""
+    cfg, _ = resolve(args, dist.get_world_size())
+    return run_rank(args, cfg)
 
 
-def _run_initialised(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    world = int(os.environ["WORLD_SIZE"])
-    cfg, _ = resolve(args, world)
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    torch.set_num_threads(1) if not use_cuda else None
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+def _run_initialised(args: argparse.Namespace) -> int:
+    """One rank started by torchrun: join its group, run, and fail with one line naming this rank."""
     from gtp_runtime.checkpoint.io import CheckpointError
 
+    rank = int(os.environ["RANK"])
     try:
+        cfg, _ = resolve(args, int(os.environ["WORLD_SIZE"]))
+        use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        torch.set_num_threads(1) if not use_cuda else None
+        dist.init_process_group("nccl" if use_cuda else "gloo")
         return run_rank(args, cfg)
-    except (CheckpointError, ConfigError) as e:
-        if dist.get_rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+    except (CheckpointError, ConfigError, FormatError) as e:
+        print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
         return 2
-    except Exception:
-        traceback.print_exc()
+    except Exception as e:  # noqa: BLE001 - the traceback goes to this rank's log, one line to the console
+        log = Path(tempfile.gettempdir()) / f"gtp-train.rank{rank}.{os.getpid()}.log"
+        log.write_text(traceback.format_exc())
+        msg = " ".join(str(e).split())[:500]
+        print(f"error: rank {rank}: {type(e).__name__}: {msg} (full log: {log})", file=sys.stderr, flush=True)
         return 1
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(argv: list[str], world: int) -> int:
+def spawn(args: argparse.Namespace, world: int) -> int:
     """Run ``world`` local ranks of this launcher and return the worst exit code.
 
-    Ranks come from a fork server that has imported torch and the runtime once: every rank is
-    still a fresh process without a process group, but 8 ranks no longer import torch 8 times
-    (on 2 cores that was most of a short run). CUDA is never initialised in the fork server.
+    Ranks come from :mod:`gtp_runtime.launch`: rank 0's step lines reach this process's stdout;
+    a failing rank is reported in one line naming it, its traceback kept in its log file.
+    Training has no deadline; a failed rank's peers are stopped a few seconds after it.
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "gtp_runtime.training", "gtp_runtime.parity",
-                                "gtp_runtime.checkpoint.io"])
-    codes = ctx.Array("i", [1] * world)
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, argv, codes)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    return max(max(codes[:]), max(abs(p.exitcode or 0) for p in procs))
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    try:
+        codes = run_local_ranks(world, _spawned_rank, (args,), tag="train", timeout=COLLECTIVE_TIMEOUT_S,
+                                deadline=None, backend="nccl" if use_cuda else "gloo", stdout="inherit",
+                                preload=PRELOAD)
+    except RankFailure as e:
+        print(f"error: {e.line()}", file=sys.stderr, flush=True)
+        return 2 if e.clean else 1
+    return max(codes)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _run_initialised(args)
+    from gtp_runtime.checkpoint.io import CheckpointError
+    from gtp_runtime.checkpoint.verified import preflight
+
     try:
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            return _run_initialised(argv)
-        _, world = resolve(args, None)
-    except ConfigError as e:
+        cfg, world = resolve(args, None)
+        if args.load:
+            # The checkpoint is opened and verified here, before any rank exists; the ranks load
+            # the folder found here (a newer ``latest`` written meanwhile does not change it).
+            args.load = str(preflight(args.load, cfg, args.optimizer_sharding))
+    except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return spawn(argv, world)
+    return spawn(args, world)
 
 
 if __name__ == "__main__":

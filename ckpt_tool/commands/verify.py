@@ -36,7 +36,8 @@ EPILOG = """Examples:
 
 Checks: chunks in bounds and tiling each tensor (no overlap, no hole); storage present, inside
 the folder and within its file; per_bucket_numel against the bucket keys; folded buffers have
-every cp_rank; aliasing (cp-less optimizer keys in a folded checkpoint); manifest file sizes.
+every cp_rank; aliasing (cp-less optimizer keys in a folded checkpoint); manifest file sizes;
+every key the manifest's bucket layout implies is stored, with its shape.
 --data adds: every chunk decodes to its declared dtype and shape, NaN/Inf counts, checksums.
 
 Exit codes: 0 no errors, 1 errors found, 2 unreadable input."""
@@ -58,7 +59,6 @@ def verify_command(
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Check a checkpoint's structure (and with --data its contents); exit 1 on errors."""
-    from gtp_format.check.gate import refusal
     from gtp_format.check.verify import verify
     from gtp_format.reader.checkpoint import open_checkpoint
 
@@ -80,7 +80,7 @@ def verify_command(
             f"{status}: {len(errors)} errors, {len(warnings)} warnings in {ckpt.root} "
             f"({result.stats['keys']} keys, {result.stats['chunks']} chunks; checks: {', '.join(result.checks)})",
         )
-    line = refusal(result, ckpt.root)
+    line = result.failure_line(ckpt.root)
     if line is not None:
         fail(line, EXIT_CHECK_FAILED)
 

@@ -5,7 +5,7 @@ Anything that is about to hand a checkpoint to code that trusts it (DCP's loader
 same structural checks as ``ckpt verify``, and be refused with the same one line and exit code.
 Measured on 101e36d: a ``.metadata`` storage path with ``..`` was refused by ``ckpt verify`` while
 ``ckpt verify-roundtrip PATH`` started ranks that opened the file outside the folder. The line is
-built here once, so the two can never word it differently.
+:meth:`VerifyResult.failure_line`, so the callers can never word it differently.
 """
 
 from __future__ import annotations
@@ -15,16 +15,6 @@ import os
 from gtp_format.check.verify import VerifyResult, verify
 from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
 from gtp_format.model import Checkpoint
-
-
-def refusal(result: VerifyResult, root: os.PathLike[str] | str) -> str | None:
-    """The one-line reason ``ckpt verify`` fails with, or ``None`` when it finds no error."""
-    errors = [p for p in result.problems if p.severity == "error"]
-    if not errors:
-        return None
-    first = errors[0]
-    where = first.key or first.file or str(root)
-    return f"verify failed: {len(errors)} errors in {root}; first: {where}: {first.message}"
 
 
 def open_verified(path: os.PathLike[str] | str, cp_size: int | None = None) -> tuple[Checkpoint, VerifyResult]:
@@ -37,7 +27,7 @@ def open_verified(path: os.PathLike[str] | str, cp_size: int | None = None) -> t
 
     ckpt = open_checkpoint(path)
     result = verify(ckpt, cp_size=cp_size)
-    line = refusal(result, ckpt.root)
+    line = result.failure_line(ckpt.root)
     if line is not None:
         raise FormatError(line, EXIT_CHECK_FAILED)
     return ckpt, result

@@ -25,6 +25,7 @@ from gtp_format.check.analysis import (
 )
 from gtp_format.check.data import check_data
 from gtp_format.check.geometry import check_coverage
+from gtp_format.check.keys import check_manifest_keys
 from gtp_format.dtypes import DType
 from gtp_format.errors import ChunkError, FormatError
 from gtp_format.hashing import HASHERS, file_digests
@@ -47,6 +48,15 @@ class VerifyResult:
     @property
     def ok(self) -> bool:
         return not any(p.severity == "error" for p in self.problems)
+
+    def failure_line(self, root: object) -> str | None:
+        """The one line a failed verify gives (``ckpt verify`` and ``--load`` both print it), or None."""
+        errors = [p for p in self.problems if p.severity == "error"]
+        if not errors:
+            return None
+        first = errors[0]
+        where = first.key or first.file or str(root)
+        return f"verify failed: {len(errors)} errors in {root}; first: {where}: {first.message}"
 
 
 def _fmt_box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> str:
@@ -165,7 +175,9 @@ def check_optimizer(ckpt: Checkpoint, classes: dict[str, KeyClass], topo: Topolo
     out = list(topo.notes)
     report = aliasing(ckpt, classes, topo)
     for a in report.aliased:
-        out.append(Problem(a.severity, "aliasing", f"{a.reason}; {a.kept_summary()}", key=a.key))
+        fix = "; aliased (saved before the .cp_rank fix): `ckpt migrate-aliased` rebuilds it" \
+            if a.severity == "error" else ""
+        out.append(Problem(a.severity, "aliasing", f"{a.reason}; {a.kept_summary()}{fix}", key=a.key))
     if report.status == "inconsistent":
         out.append(Problem("warning", "aliasing", report.message))
     buckets: dict[tuple[Any, ...], dict[tuple[str, int | None], str]] = defaultdict(dict)
@@ -411,6 +423,7 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
         ("storage", lambda: check_storage(ckpt)),
         ("optimizer", lambda: check_optimizer(ckpt, classes, topo)),
         ("bucket_numel", lambda: check_bucket_numel(ckpt, classes, data)),
+        ("manifest_keys", lambda: check_manifest_keys(ckpt)),
     ]
     for name, step in steps:
         result.checks.append(name)

@@ -7,9 +7,10 @@ only then replaces ``latest_checkpointed_iteration.txt`` (write to a temporary f
 as a checkpoint; a crash after it leaves a complete new checkpoint and, at worst, ``latest``
 still naming the previous one. Nothing ever looks complete without being complete.
 
-Load: the manifest is checked against the running topology first (DP may differ; TP, CP,
-GTP_remat, fold_cp, expert sizes and the model may not), then the keys and shapes of the stored
-metadata, then DCP reads exactly the boxes this rank needs.
+Load: the checkpoint is opened and verified the way ``ckpt verify`` does it, and its manifest is
+checked against the running topology (DP may differ; TP, CP, GTP_remat, fold_cp, expert sizes and
+the model may not), see :mod:`gtp_runtime.checkpoint.verified`; then the keys and shapes this rank
+needs, then DCP reads exactly the boxes this rank needs, through the verified model.
 """
 
 from __future__ import annotations
@@ -23,48 +24,42 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from gtp_format import names as fmt
 from gtp_format.commit import commit_folder, write_atomic, write_durable
 from gtp_format.errors import FormatError
-from gtp_format.manifest import FileEntry, Manifest, read_manifest, write_manifest
+from gtp_format.manifest import FileEntry, write_manifest
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
+from gtp_runtime.checkpoint.errors import CheckpointError
 from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, file_entry
-from gtp_runtime.checkpoint.safe_metadata import SafeFileSystemReader, UnsafeMetadataError
-from gtp_runtime.checkpoint.safetensors_storage import INDEX_FILE, SafetensorsReader, SafetensorsWriter
+from gtp_runtime.checkpoint.safetensors_storage import INDEX_FILE, SafetensorsWriter
 from gtp_runtime.checkpoint.state import (
     bucket_numel_state,
     expected_bucket_numels,
     model_state,
     optimizer_state,
 )
+from gtp_runtime.checkpoint.verified import VerifiedReader, check_compatible, open_verified, sharding_refusal
 from gtp_runtime.training import Trainer
 
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                      "common_backend": "torch", "common_backend_version": 1}
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or loaded as asked. One line, names the fix."""
-
-
 def _fault(point: str) -> None:
-    """Fault injection for crash tests: ``GTP_FAULT_INJECT=point:rank`` kills that rank there."""
-    spec = os.environ.get("GTP_FAULT_INJECT", "")
-    if spec and spec.split(":")[0] == point and int(spec.split(":")[1]) == dist.get_rank():
+    """Fault injection for crash tests: ``GTP_FAULT_INJECT=point:rank`` kills that rank there
+    (exit 17, no report); ``point:rank:raise`` makes it raise instead (a crash with a traceback)."""
+    spec = os.environ.get("GTP_FAULT_INJECT", "").split(":")
+    if len(spec) >= 2 and spec[0] == point and int(spec[1]) == dist.get_rank():
+        if spec[2:] == ["raise"]:
+            raise RuntimeError(f"injected fault at {point}")
         os._exit(17)
 
 
 def check_sharding(trainer: Trainer, sharding: str, action: str) -> None:
     """Refuse what would write (or read) a wrong checkpoint."""
-    if sharding not in fmt.OPTIMIZER_SHARDINGS:
-        raise CheckpointError(f"unknown --optimizer-sharding {sharding!r}; use one of {fmt.OPTIMIZER_SHARDINGS}")
-    if sharding == fmt.FORMAT_NAME:
-        return
-    if any(buf.key.excludes_cp for buf in trainer.optimizer.buffers):
-        raise CheckpointError(f"cannot {action}: " + fmt.folded_refusal(sharding))
-    raise CheckpointError(f"cannot {action}: optimizer sharding {sharding!r} is not implemented by gtp_runtime "
-                          "(it would gather buffers over DP x CP); use 'dp_reshardable'")
+    sharding_refusal(sharding, any(buf.key.excludes_cp for buf in trainer.optimizer.buffers), action)
 
 
 def _own_files(folder: Path, layout: str, rank: int) -> list[Path]:
@@ -133,47 +128,6 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
     return final
 
 
-def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """A checkpoint folder, or its parent holding ``latest_checkpointed_iteration.txt``."""
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"{p}: no such checkpoint folder; check --load")
-    if not p.is_dir():
-        raise CheckpointError(f"{p}: is a file, expected a checkpoint folder; check --load")
-    if (p / fmt.MANIFEST_FILE).exists():
-        return p
-    latest = p / fmt.LATEST_FILE
-    if latest.exists():
-        text = latest.read_text().strip()
-        if not text.isdigit():
-            raise CheckpointError(f"{latest}: expected an iteration number, found {text[:40]!r}")
-        it_dir = p / fmt.iter_dir_name(int(text))
-        if not it_dir.is_dir():
-            raise CheckpointError(f"{latest} names iteration {text} but {it_dir.name} does not exist")
-        return it_dir
-    raise CheckpointError(f"{p}: neither a checkpoint (no {fmt.MANIFEST_FILE}) nor a parent with {fmt.LATEST_FILE}")
-
-
-def _check_manifest(trainer: Trainer, manifest: Manifest, folder: Path) -> None:
-    par, saved = trainer.cfg.par, manifest.topology
-    assert saved is not None and manifest.model is not None  # a strict parse has every section
-    changed = [f"{k}: saved {getattr(saved, k)} now {getattr(par, k)}"
-               for k in ("tp", "cp", "gtp_remat", "fold_cp", "expert_gtp_remat")
-               if getattr(saved, k) != getattr(par, k)]
-    if changed:
-        raise CheckpointError(f"{folder}: dp_reshardable reshards over DP only, but {'; '.join(changed)}; "
-                              "load with the saved TP/CP/GTP_remat/fold_cp (only --dp may change)")
-    model, stored = trainer.cfg.model.to_dict(), manifest.model.to_dict()
-    diff = [f"{k}: saved {stored.get(k)} now {v}" for k, v in model.items() if stored.get(k) != v]
-    if diff:
-        raise CheckpointError(f"{folder}: model config differs ({'; '.join(diff)}); use the saved model flags")
-    if manifest.param_dtype != str(trainer.cfg.param_dtype):
-        raise CheckpointError(f"{folder}: saved with params {manifest.param_dtype}, running "
-                              f"{trainer.cfg.param_dtype}; match --bf16 to the checkpoint")
-    if manifest.optimizer_sharding != fmt.FORMAT_NAME:
-        check_sharding(trainer, manifest.optimizer_sharding, "load")
-
-
 def _check_keys(sd: dict[str, Any], stored: dict[str, Any], folder: Path) -> None:
     missing = sorted(k for k in sd if k not in stored)
     if missing:
@@ -193,28 +147,34 @@ def _check_keys(sd: dict[str, Any], stored: dict[str, Any], folder: Path) -> Non
 
 
 def load_checkpoint(trainer: Trainer, path: str | os.PathLike, sharding: str = fmt.FORMAT_NAME) -> Path:
-    """Load into ``trainer`` (same topology: bit-exact; other DP size: resharded)."""
+    """Load into ``trainer`` (same topology: bit-exact; other DP size: resharded).
+
+    ``path`` is a checkpoint folder or its parent (the latest marker is followed). Nothing is
+    allocated or read from the data files before the checkpoint passed ``ckpt verify``'s checks.
+    """
     check_sharding(trainer, sharding, "load")
-    folder = resolve_checkpoint_dir(path)
-    try:
-        manifest = read_manifest(folder, strict=True)
-    except FormatError as e:
-        raise CheckpointError(e.message) from None
-    _check_manifest(trainer, manifest, folder)
-    layout = manifest.layout
-    reader = SafeFileSystemReader(folder) if layout == "torch_dist" else SafetensorsReader(folder)
-    try:
-        metadata = reader.read_metadata()
-    except UnsafeMetadataError as e:
-        raise CheckpointError(str(e)) from e
+    ckpt, manifest = open_verified(path)
+    folder = ckpt.root
+    check_compatible(trainer.cfg, manifest, folder)
+    reader = VerifiedReader(ckpt)
+    metadata = reader.read_metadata()
     sd: dict[str, Any] = {}
     sd.update(model_state(trainer.model, trainer.groups, for_load=True))
     sd.update(optimizer_state(trainer.optimizer, trainer.groups))
     numels = bucket_numel_state(trainer.optimizer, trainer.groups, for_load=True)
     sd.update(numels)
     _check_keys(sd, metadata.state_dict_metadata, folder)
-    with torch.no_grad():
-        dcp.load(sd, storage_reader=reader, planner=ChunkLoadPlanner())
+    try:
+        with torch.no_grad():
+            dcp.load(sd, storage_reader=reader, planner=ChunkLoadPlanner())
+    except CheckpointException as e:
+        # DCP gathers every rank's exception; a bad chunk is one line, not a traceback per rank.
+        for exc, _ in e.failures.values():
+            if isinstance(exc, FormatError):
+                raise CheckpointError(f"{folder}: {exc.message}") from None
+            if isinstance(exc, CheckpointError):
+                raise CheckpointError(str(exc)) from None
+        raise
     expected = expected_bucket_numels(trainer.optimizer, trainer.groups)
     for key, ch in numels.items():
         got, want = next(iter(ch.chunks.values())).tolist(), expected[key]

@@ -2,14 +2,16 @@
 
 Why not DCP's own ``HuggingFaceStorageWriter``: it names each tensor by its key alone, so a rank
 that holds two chunks of one key (every bucket state of the distributed optimizer does) keeps
-only the last one; we verified that with torch 2.13. This writer/reader pair plugs into the same
-DCP planning (replica de-duplication, resharded reads) and stores:
+only the last one; we verified that with torch 2.13. This writer plugs into the same DCP planning
+(replica de-duplication) and stores:
 
 * ``__{rank}_0.safetensors``: the chunks this rank writes, each named ``{key}@{offsets}``;
 * ``index.json``: every key's dtype, global shape and chunks (offsets, sizes, file, tensor name),
   written last by the coordinator. It replaces DCP's pickled ``.metadata``.
 
-Nothing in either file is executable; a reader needs only JSON and safetensors headers.
+Nothing in either file is executable; a reader needs only JSON and safetensors headers. Loads go
+through the format package's reader (``gtp_format.reader.safetensors_reader``, via
+:mod:`gtp_runtime.checkpoint.verified`), like every other layout.
 """
 
 from __future__ import annotations
@@ -20,26 +22,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
-    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    LoadPlanner,
     SavePlan,
     SavePlanner,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from gtp_format.commit import fsync_file, write_durable  # noqa: E402
-from gtp_format.dtypes import from_repr  # noqa: E402
 from gtp_format.names import GTP_INDEX_FILE as INDEX_FILE  # noqa: E402
 from gtp_format.names import GTP_INDEX_VERSION as INDEX_VERSION  # noqa: E402
 from gtp_format.names import chunk_tensor_name as tensor_name  # noqa: E402
@@ -109,69 +104,3 @@ class SafetensorsWriter(StorageWriter):
 
     def storage_meta(self) -> None:
         return None
-
-
-def read_index(path: Path) -> dict[str, Any]:
-    with open(path / INDEX_FILE) as f:
-        return json.load(f)
-
-
-def metadata_from_index(index: dict[str, Any]) -> Metadata:
-    sd_md: dict[str, Any] = {}
-    storage: dict[MetadataIndex, Any] = {}
-    for fqn, k in index["keys"].items():
-        dtype = from_repr(k["dtype"]).torch
-        chunks = []
-        for c in k["chunks"]:
-            chunks.append(ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"])))
-            storage[MetadataIndex(fqn, torch.Size(c["offsets"]))] = {"file": c["file"], "name": c["name"]}
-        sd_md[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=torch.Size(k["shape"]),
-                                           chunks=chunks)
-    return Metadata(state_dict_metadata=sd_md, storage_data=storage)
-
-
-class SafetensorsReader(StorageReader):
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__()
-        self.path = Path(path)
-        self.storage_data: dict[MetadataIndex, Any] = {}
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
-            self.path = Path(checkpoint_id)
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return metadata_from_index(read_index(self.path))
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.storage_data = metadata.storage_data
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
-        per_file: dict[str, list[Any]] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index]["file"], []).append(item)
-        for file, items in per_file.items():
-            if Path(file).name != file:
-                raise ValueError(f"{INDEX_FILE}: storage file {file!r} is not a plain file name inside the checkpoint")
-            with safe_open(str(self.path / file), framework="pt") as f:
-                for item in items:
-                    sl = f.get_slice(self.storage_data[item.storage_index]["name"])
-                    idx = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
-                    src = sl[idx]
-                    dest = planner.resolve_tensor(item).detach()
-                    if dest.shape != src.shape:
-                        raise ValueError(f"{file}: chunk of {item.storage_index.fqn} has shape {tuple(src.shape)}, "
-                                         f"expected {tuple(dest.shape)}")
-                    dest.copy_(src)
-                    planner.commit_tensor(item, dest)
-        return _done(None)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return True

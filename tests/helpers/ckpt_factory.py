@@ -6,9 +6,9 @@ Run as a script (``python tests/helpers/ckpt_factory.py OUT``): four gloo CPU ra
 Topology: TP=1, CP=2, GTP_remat=1, DP=2, fold_cp, so ``rank = cp + 2*dp``; the folded weight group
 is the CP group and a folded buffer's DP group is the plain dp group.
 
-It runs in its own process (the test session must not fork after using torch), ranks are forked
-rather than spawned (four fresh torch imports cost ~15 s on two cores), and the process group
-rendezvous through a file store, so no TCP port has to be found free.
+It runs in its own process, and its ranks are started by the project's launcher
+(:mod:`gtp_runtime.launch`): forked from a fork server that imported torch once (four fresh torch
+imports cost ~15 s on two cores), a failing rank named in one line.
 
 The value formulas below are imported by the tests to check what ``show`` and ``diff`` read.
 """
@@ -192,14 +192,15 @@ def _megatron_like_planner():
     return Planner()
 
 
-def _worker(rank: int, out: str) -> None:
+def _worker(out: str) -> None:
+    """One rank (started by gtp_runtime.launch, process group ready): every DCP save below."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     warnings.filterwarnings("ignore")
     base = Path(out)
-    dist.init_process_group("gloo", init_method=f"file://{base / '.store'}", rank=rank, world_size=WORLD)
+    rank = dist.get_rank()
     torch.manual_seed(0)
     saves = {
         "good": (dict(suffix=True, chunks=OPT_CHUNKS, bytes_objects=True), _megatron_like_planner()),
@@ -217,15 +218,13 @@ def _worker(rank: int, out: str) -> None:
         sd = state_dict(rank, suffix=True, chunks=chunks, bytes_objects=False)
         dcp.save(sd, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True))
         dist.barrier()
-    dist.destroy_process_group()
 
 
 def build(out: Path) -> None:
-    import torch.multiprocessing as mp
+    from gtp_runtime.launch import run_local_ranks
 
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_worker, args=(str(out),), nprocs=WORLD, start_method="fork")
-    (out / ".store").unlink(missing_ok=True)
+    run_local_ranks(WORLD, _worker, (str(out),), tag="ckpt_factory", preload=("torch", "torch.distributed.checkpoint"))
     write_gtp_safetensors(out / "gtst")
     (out / "DONE").write_text("ok")
 

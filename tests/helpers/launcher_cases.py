@@ -74,6 +74,18 @@ CHECKPOINT_RUNS = {
                                   "fully_reshardable"], 2),
 }
 
+# ``--load`` of a damaged copy of fixtures/gtp/fold_cp2_g2_dp2 (test_load_refusals.py): refused by
+# the launcher before any rank starts. The flags are the fixture's model and topology.
+FIXTURE_MODEL = ["--nproc-per-node", "8", "--cp", "2", "--gtp-remat", "2", "--dp", "2", "--fold-cp", "--hidden", "32",
+                 "--num-layers", "2", "--num-heads", "4", "--ffn-hidden", "64", "--seq-length", "16",
+                 "--vocab-size", "128", "--bucket-size", "4000", "--micro-batch", "1", "--device", "cpu"]
+LOAD_REFUSED = [*FIXTURE_MODEL, "--steps", "3", "--load", "{ckpt}"]
+
+# A rank that crashes (GTP_FAULT_INJECT=before_write:1:raise) under the launcher and under torchrun
+# (test_launcher_failures.py): one line naming rank 1, its traceback in its log file.
+CRASH_RUN = [*CKPT_MODEL, "--steps", "1", "--save", "{ckpt}"]
+CRASH_ENV = {"GTP_FAULT_INJECT": "before_write:1:raise"}
+
 # Runs started by torchrun (``--master-port`` is added at run time); the launcher runs as one rank.
 TORCHRUN_RUNS = {
     "torchrun-cp2-fold": (["--nproc-per-node", "2"], ["--cp", "2", "--fold-cp", "--steps", "2", "--check-reference"]),
@@ -133,5 +145,6 @@ def executed_argvs() -> list[list[str]]:
     out += [[*argv, *log] for _, argv in TORCHRUN_RUNS.values()]
     out += [[*argv, *log] for argv, _ in CHECKPOINT_RUNS.values()]
     out += [argv for argv, _ in CLI_ERRORS.values()]
+    out += [LOAD_REFUSED, CRASH_RUN]
     out += [HELP]
     return out

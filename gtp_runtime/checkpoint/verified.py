@@ -1,0 +1,172 @@
+"""``--load`` reads through the format package: the reader and the checks of ``ckpt verify``, then DCP.
+
+Why: the runtime used to read ``.metadata`` with an unpickler of its own and trusted the storage
+paths in it, so a path with ``..`` (or an absolute one) made ``--load`` read tensors from outside
+the checkpoint, train on them and exit 0, while ``ckpt verify`` refused the same folder. Now a load
+(in the launcher's parent process, before any rank starts, and again on every rank before it
+allocates or reads anything):
+
+1. opens the checkpoint with :func:`gtp_format.reader.checkpoint.open_checkpoint` (latest-marker
+   resolution, confined metadata reads, the inert pickle reader);
+2. runs :func:`gtp_format.check.verify.verify` (the metadata checks; not ``--data``) and refuses on
+   the first error with the line ``ckpt verify`` prints;
+3. checks the strict manifest against the running configuration.
+
+The tensors are then read by :class:`VerifiedReader`: DCP plans the reads against metadata built
+from that same verified model (``.metadata`` is parsed once, by one parser, so no second reader can
+understand the file differently), and every chunk is read by :func:`gtp_format.reader.chunks.load_chunk`:
+opened relative to the folder, regular files only, byte range checked against the real size,
+decoded without ``torch.load``, dtype and shape checked against the metadata.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+
+from gtp_format import names as fmt
+from gtp_format.check.verify import verify
+from gtp_format.errors import FormatError
+from gtp_format.manifest import Manifest, read_manifest
+from gtp_format.model import TENSOR, Checkpoint, Chunk, Entry
+from gtp_format.reader.checkpoint import open_checkpoint
+from gtp_format.reader.chunks import load_chunk
+from gtp_runtime.checkpoint.errors import CheckpointError
+from gtp_runtime.training import TrainConfig
+
+
+def sharding_refusal(sharding: str, folded: bool, action: str) -> None:
+    """Refuse an optimizer sharding that would write (or read) a wrong checkpoint."""
+    if sharding not in fmt.OPTIMIZER_SHARDINGS:
+        raise CheckpointError(f"unknown --optimizer-sharding {sharding!r}; use one of {fmt.OPTIMIZER_SHARDINGS}")
+    if sharding == fmt.FORMAT_NAME:
+        return
+    if folded:
+        raise CheckpointError(f"cannot {action}: " + fmt.folded_refusal(sharding))
+    raise CheckpointError(f"cannot {action}: optimizer sharding {sharding!r} is not implemented by gtp_runtime "
+                          "(it would gather buffers over DP x CP); use 'dp_reshardable'")
+
+
+def open_verified(path: str | os.PathLike) -> tuple[Checkpoint, Manifest]:
+    """The checkpoint at ``path`` (or its latest iteration) and its strict manifest, after ``verify``."""
+    try:
+        ckpt = open_checkpoint(path)
+        line = verify(ckpt).failure_line(ckpt.root)
+        if line is not None:
+            raise CheckpointError(line)
+        if ckpt.manifest is None:
+            raise CheckpointError(f"{ckpt.root}: no {fmt.MANIFEST_FILE}, so not a gtp_runtime checkpoint; "
+                                  "convert it or pass a folder that gtp_runtime saved")
+        manifest = read_manifest(ckpt.root, strict=True)
+    except FormatError as e:
+        raise CheckpointError(e.message) from None
+    if manifest.layout != ckpt.layout:
+        raise CheckpointError(f"{ckpt.root}: the manifest says layout {manifest.layout!r} but the folder holds "
+                              f"{ckpt.layout!r} files; the manifest belongs to another checkpoint")
+    return ckpt, manifest
+
+
+def check_compatible(cfg: TrainConfig, manifest: Manifest, folder: Path) -> None:
+    """The running configuration can load this checkpoint: only DP may differ."""
+    par, saved = cfg.par, manifest.topology
+    assert saved is not None and manifest.model is not None  # a strict parse has every section
+    changed = [f"{k}: saved {getattr(saved, k)} now {getattr(par, k)}"
+               for k in ("tp", "cp", "gtp_remat", "fold_cp", "expert_gtp_remat")
+               if getattr(saved, k) != getattr(par, k)]
+    if changed:
+        raise CheckpointError(f"{folder}: dp_reshardable reshards over DP only, but {'; '.join(changed)}; "
+                              "load with the saved TP/CP/GTP_remat/fold_cp (only --dp may change)")
+    model, stored = cfg.model.to_dict(), manifest.model.to_dict()
+    diff = [f"{k}: saved {stored.get(k)} now {v}" for k, v in model.items() if stored.get(k) != v]
+    if diff:
+        raise CheckpointError(f"{folder}: model config differs ({'; '.join(diff)}); use the saved model flags")
+    if manifest.param_dtype != str(cfg.param_dtype):
+        raise CheckpointError(f"{folder}: saved with params {manifest.param_dtype}, running "
+                              f"{cfg.param_dtype}; match --bf16 to the checkpoint")
+    if manifest.optimizer_sharding != fmt.FORMAT_NAME:
+        sharding_refusal(manifest.optimizer_sharding, any(b.excludes_cp for b in manifest.buffers or ()), "load")
+
+
+def preflight(path: str | os.PathLike, cfg: TrainConfig, sharding: str) -> Path:
+    """Everything ``--load`` checks before a rank exists; returns the checkpoint folder to load."""
+    sharding_refusal(sharding, cfg.par.fold_cp and cfg.par.cp > 1, "load")
+    ckpt, manifest = open_verified(path)
+    check_compatible(cfg, manifest, ckpt.root)
+    return ckpt.root
+
+
+class VerifiedReader(StorageReader):
+    """A DCP storage reader over a verified :class:`Checkpoint` (either layout)."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        super().__init__()
+        self.ckpt = ckpt
+        self.storage_data: dict[MetadataIndex, tuple[Entry, Chunk]] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP metadata of every tensor, built from the verified model (gtp_runtime saves no objects)."""
+        sdm: dict[str, Any] = {}
+        storage: dict[MetadataIndex, tuple[Entry, Chunk]] = {}
+        for key, e in self.ckpt.entries.items():
+            if e.kind != TENSOR or e.dtype is None or e.shape is None:
+                continue
+            sdm[key] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=e.dtype.torch), size=torch.Size(e.shape),
+                chunks=[ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
+                        for c in e.chunks])
+            for c in e.chunks:
+                storage[MetadataIndex(key, torch.Size(c.offsets), c.index)] = (e, c)
+        return Metadata(state_dict_metadata=sdm, storage_data=storage, storage_meta=StorageMeta())
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
+        # Reads grouped by stored chunk: each is read and decoded once, however many of this
+        # rank's boxes overlap it (a DP reshard), and freed before the next one.
+        by_chunk: dict[tuple[str, int], list[ReadItem]] = {}
+        for item in plan.items:
+            e, c = self.storage_data[item.storage_index]
+            by_chunk.setdefault((e.key, c.index), []).append(item)
+        for items in by_chunk.values():
+            e, c = self.storage_data[items[0].storage_index]
+            stored = load_chunk(self.ckpt, e, c)
+            for item in items:
+                src = stored
+                for dim, (o, n) in enumerate(zip(item.storage_offsets, item.lengths)):
+                    src = src.narrow(dim, o, n)
+                dest = planner.resolve_tensor(item).detach()
+                if dest.shape != src.shape:
+                    raise CheckpointError(f"{self.ckpt.root}: chunk of {e.key} has shape {tuple(src.shape)} where "
+                                          f"{tuple(dest.shape)} was planned")
+                dest.copy_(src)
+                planner.commit_tensor(item, dest)
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
