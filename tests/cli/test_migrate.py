@@ -331,16 +331,16 @@ def test_metadata_is_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """The plan's reader keeps the .metadata records; the rewrite starts from them, not from the file again."""
     from ckpt_tool.migrate.plan import plan_migration
     from ckpt_tool.migrate.write import build_migrated
-    from gtp_format.reader import safe_pickle
+    from gtp_format.reader import allow_list
 
     unpickled: list[str] = []
 
-    class Counting(safe_pickle._AllowListUnpickler):
-        def __init__(self, data: bytes, source: str) -> None:
+    class Counting(allow_list.AllowListUnpickler):
+        def __init__(self, data: bytes, source: str, resolve) -> None:
             unpickled.append(source)
-            super().__init__(data, source)
+            super().__init__(data, source, resolve)
 
-    monkeypatch.setattr(safe_pickle, "_AllowListUnpickler", Counting)
+    monkeypatch.setattr(allow_list, "AllowListUnpickler", Counting)
     src = _copy(tmp_path / "src")
     plan = plan_migration(src, None, True)
     assert plan.ckpt.raw_metadata is not None
