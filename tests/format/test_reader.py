@@ -25,7 +25,8 @@ def test_torch_dist_model(ckpts: Path):
     ck = open_checkpoint(ckpts / "good")  # the parent: follows latest_checkpointed_iteration.txt
     assert ck.root.name == "iter_0000010" and ck.iteration == F.ITERATION
     assert ck.layout == "torch_dist" and ck.backend == "megatron torch_dist" and ck.encoding == ENC_TORCH_SAVE
-    assert ck.manifest is not None and ck.manifest["topology"] == F.TOPOLOGY
+    assert ck.manifest is not None and ck.manifest.topology is not None  # the typed Manifest
+    assert {k: getattr(ck.manifest.topology, k) for k in F.TOPOLOGY} == F.TOPOLOGY
     qkv = ck.entries[F.QKV]
     assert (qkv.kind, qkv.shape, qkv.dtype.torch) == (TENSOR, F.QKV_SHAPE, torch.float32)
     assert _boxes(qkv) == [((0, 0), (8, 8)), ((8, 0), (8, 8))]
