@@ -51,7 +51,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = ModelConfig(vocab_size=32768, hidden=args.hidden, num_layers=args.layers, num_heads=16,
+    model = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, num_layers=args.layers, num_heads=16,
                         ffn_hidden=4 * args.hidden, seq_length=32)
     trainer = Trainer(TrainConfig(par=ParallelConfig(cp=2, fold_cp=True), model=model, micro_batch=1))
     root = Path(out)
@@ -95,12 +95,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--layouts", nargs="+", default=["torch_dist", "safetensors"])
     ap.add_argument("--write-docs", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks): hidden 64, one layer")
     args = ap.parse_args()
     if args.smoke:
-        args.hidden, args.layers = 64, 1
+        args.hidden, args.layers, args.vocab = 64, 1, 256
     out = tempfile.mkdtemp(prefix="gtp_ckpt_bench_")
     try:
         mp.start_processes(worker, args=(2, free_port(), args, out), nprocs=2, start_method="spawn")
@@ -116,8 +117,8 @@ def main() -> int:
 
         cmd = "python benchmarks/bench_ckpt_cpu.py " + " ".join(sys.argv[1:])
         body = "\n".join([
-            f"Two gloo ranks, cp2 folded, model hidden {args.hidden}, {args.layers} layers, vocab 32768, fp32; the "
-            "checkpoint holds weights, fp32 masters and both Adam moments. Ratio = our throughput over "
+            f"Two gloo ranks, cp2 folded, model hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, fp32; "
+            "the checkpoint holds weights, fp32 masters and both Adam moments. Ratio = our throughput over "
             "`torch.save` (+fsync) / `torch.load` of the same tensors by the same ranks in the same run "
             "(target: at least 0.8x). Loads read from a warm page cache in both cases.", "",
             "```", cmd.strip(), "```", "", text, ""])
