@@ -48,7 +48,7 @@ def worker(args: argparse.Namespace, out: str) -> None:
     from gtp_runtime.checkpoint.io import load_checkpoint, save_checkpoint
 
     rank = dist.get_rank()
-    model = ModelConfig(vocab_size=32768, hidden=args.hidden, num_layers=args.layers, num_heads=16,
+    model = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, num_layers=args.layers, num_heads=16,
                         ffn_hidden=4 * args.hidden, seq_length=32)
     trainer = Trainer(TrainConfig(par=ParallelConfig(cp=2, fold_cp=True), model=model, micro_batch=1))
     root = Path(out)
@@ -91,12 +91,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--layouts", nargs="+", default=["torch_dist", "safetensors"])
     ap.add_argument("--write-docs", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks): hidden 64, one layer")
     args = ap.parse_args()
     if args.smoke:
-        args.hidden, args.layers = 64, 1
+        args.hidden, args.layers, args.vocab = 64, 1, 256
     out = tempfile.mkdtemp(prefix="gtp_ckpt_bench_")
     try:
         run_local_ranks(2, worker, (args, out), tag="bench_ckpt_cpu", deadline=None)
@@ -112,8 +113,8 @@ def main() -> int:
 
         cmd = "python benchmarks/bench_ckpt_cpu.py " + " ".join(sys.argv[1:])
         body = "\n".join([
-            f"Two gloo ranks, cp2 folded, model hidden {args.hidden}, {args.layers} layers, vocab 32768, fp32; the "
-            "checkpoint holds weights, fp32 masters and both Adam moments. Ratio = our throughput over "
+            f"Two gloo ranks, cp2 folded, model hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, fp32; "
+            "the checkpoint holds weights, fp32 masters and both Adam moments. Ratio = our throughput over "
             "`torch.save` (+fsync) / `torch.load` of the same tensors by the same ranks in the same run "
             "(target: at least 0.8x). Loads read from a warm page cache in both cases.", "",
             "```", cmd.strip(), "```", "", text, ""])

@@ -7,7 +7,7 @@ import os
 import pickle
 import resource
 import struct
-from pathlib import Path
+from pathlib import Path, PosixPath
 
 import pytest
 from cli_helpers import assert_error_line, cli, snapshot
@@ -15,9 +15,10 @@ from cli_helpers import assert_error_line, cli, snapshot
 from gtp_format.errors import FormatError
 from gtp_format.reader.safe_pickle import ALLOWED_GLOBALS, MetadataRecord, UnsafePickle, load_metadata_pickle
 
-# Exactly what torch 2.13 references in the fixture's .metadata (float32 and bfloat16 tensors).
+# Exactly what torch 2.13 references in the fixture's .metadata (float32 and bfloat16 tensors). The
+# save folder is a path, pickled under the module this Python keeps it in (3.13: pathlib._local).
 TORCH_2_13_GLOBALS = {
-    ("pathlib", "PosixPath"),
+    (PosixPath.__module__, "PosixPath"),
     ("torch", "Size"),
     ("torch", "bfloat16"),
     ("torch", "float32"),
