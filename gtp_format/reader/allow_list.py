@@ -129,9 +129,12 @@ def brief(value: Any) -> str:
 
 def size_dims(dims: Any = ()) -> tuple[int, ...]:
     """``torch.Size``'s argument as a plain tuple, refusing anything but a short tuple of ints >= 0."""
-    if type(dims) not in (tuple, list) or len(dims) > MAX_DIMS:
+    if type(dims) is not tuple:  # the common case (DCP pickles a tuple) skips both checks below
+        if type(dims) is not list or len(dims) > MAX_DIMS:
+            raise pickle.UnpicklingError(f"torch.Size argument is not a tuple of at most {MAX_DIMS} ints")
+        dims = tuple(dims)
+    elif len(dims) > MAX_DIMS:
         raise pickle.UnpicklingError(f"torch.Size argument is not a tuple of at most {MAX_DIMS} ints")
-    dims = tuple(dims)  # a tuple is returned as is; a list (at most MAX_DIMS long) is copied
     for d in dims:
         if type(d) is not int or d < 0:
             raise pickle.UnpicklingError(f"torch.Size holds {brief(d)}, not a non-negative int")
