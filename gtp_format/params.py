@@ -30,6 +30,7 @@ from gtp_format.layout import topology as topo
 from gtp_format.layout.config import ParallelConfig
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.manifest import BucketLayout, BufferLayout, Manifest, ParamLayout
+from gtp_format.model import Checkpoint
 from gtp_format.names import optimizer_key, per_bucket_numel_key
 
 
@@ -214,3 +215,29 @@ def bucket_numels(manifest: Manifest) -> dict[str, list[int]]:
                 out.setdefault(per_bucket_numel_key(n, unpadded), []).extend(
                     b.numel_unpadded if unpadded else b.numel for b in buf.buckets)
     return out
+
+
+def describe(views: dict[str, ParamView]) -> list[dict[str, object]]:
+    """Rows for ``ckpt inspect --params``: each parameter's bucket, offset, keys, ranks and CP ranks."""
+    rows: list[dict[str, object]] = []
+    for v in views.values():
+        rows.append({
+            "name": v.name, "full_shape": list(v.full_shape), "dtype": v.param_dtype, "expert": v.is_expert,
+            "gbuf_idx": v.gbuf_idx, "bucket_idx": v.bucket_idx, "offset": v.start,
+            "ranks": sorted({r for h in v.holders for r in h.ranks}),
+            "cp_ranks": sorted({h.ref.cp_rank for h in v.holders if h.ref.cp_rank is not None}),
+            "holders": [{"dp_group_idx": h.ref.dp_group_idx, "cp_rank": h.ref.cp_rank, "tp_rank": h.spec.tp_rank,
+                         "shard_rank": h.spec.shard_rank, "valid_numel": h.valid_numel, "numel": h.numel,
+                         "full_offsets": list(h.full_offsets), "ranks": list(h.ranks), "primary": h.primary}
+                        for h in v.holders],
+        })
+    return rows
+
+
+def param_views_of(ckpt: Checkpoint) -> dict[str, ParamView]:
+    """The per-parameter view of an opened checkpoint: from its manifest (ours) or, without one,
+    from megatron-core's bucketing rules (:mod:`gtp_format.megatron`)."""
+    if ckpt.manifest is not None:
+        return param_views(ckpt.manifest)
+    raise FormatError(f"{ckpt.root}: no gtp_manifest.json; the per-parameter view of a checkpoint without one needs "
+                      "megatron-core's layout rules, which this version does not apply yet")
