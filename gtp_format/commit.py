@@ -10,6 +10,7 @@ new one, never a part. ``save_checkpoint``, the safetensors writer, the manifest
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import uuid
@@ -84,3 +85,15 @@ def commit_folder(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def commit_file(tmp: Path, final: Path) -> None:
+    """Make a complete file ``tmp`` (written next to ``final``) durable and visible as ``final``.
+
+    Refuses to replace an existing ``final`` (``FileExistsError``): exports never overwrite.
+    """
+    fsync_file(tmp)
+    if final.exists() or final.is_symlink():
+        raise FileExistsError(errno.EEXIST, "already exists", str(final))
+    os.rename(tmp, final)
+    fsync_dir(final.parent)

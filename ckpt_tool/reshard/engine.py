@@ -190,6 +190,14 @@ def write_checkpoint(source: Source, target: Manifest, plan: Plan, folder: Path,
     fsync_dir(folder)
 
 
+def write_failure(dst: Path, e: OSError) -> FormatError:
+    """The one-line error for a write that failed (the partial output is already removed)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return FormatError(f"{dst}: {os.strerror(e.errno)} while writing (nothing was left behind); free space "
+                           "or write to another disk")
+    return FormatError(f"{dst}: cannot write ({e.strerror or e}); nothing was left behind")
+
+
 def build_atomically(dst: Path, src_root: Path, body: Callable[[Path], None]) -> None:
     """Run ``body(tmp)`` on a hidden sibling of ``dst`` and rename it into place; remove it on failure."""
     check_destination(dst, src_root)
@@ -200,10 +208,7 @@ def build_atomically(dst: Path, src_root: Path, body: Callable[[Path], None]) ->
         commit_folder(tmp, dst)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise FormatError(f"{dst}: {os.strerror(e.errno)} while writing (nothing was left behind); free space "
-                              "or write to another disk") from None
-        raise FormatError(f"{dst}: cannot write ({e.strerror or e}); nothing was left behind") from None
+        raise write_failure(dst, e) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
