@@ -155,12 +155,15 @@ def chunk_data(source: Source, c: OutChunk) -> np.ndarray:
     return arr.reshape(c.sizes)
 
 
-def write_checkpoint(source: Source, target: Manifest, plan: Plan, folder: Path, workers: int,
-                     advance: Progress) -> None:
-    """Write every data file, the metadata and the manifest of ``target`` into ``folder`` (existing)."""
+def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, plan: Plan, folder: Path,
+                     workers: int, advance: Progress) -> None:
+    """Write every data file, the metadata and the manifest of ``target`` into ``folder`` (existing).
+
+    ``fill(chunk)`` gives each chunk's stored bits (:func:`chunk_data` for a reshard; the benchmark
+    passes a generator to build synthetic checkpoints of any size).
+    """
     parts = split_files(plan.chunks, workers * 2)
     names = [f"__{i}_0.{'distcp' if target.layout == 'torch_dist' else 'safetensors'}" for i in range(len(parts))]
-    fill = lambda c: chunk_data(source, c)  # noqa: E731
     lock = threading.Lock()
 
     def tick(n: int) -> None:
@@ -231,7 +234,7 @@ def reshard(src: Path, dst: Path, par: ParallelConfig, layout: str | None = None
         folder = tmp / iter_dir_name(target.iteration)
         folder.mkdir()
         advance = progress(plan.nbytes) if progress else (lambda n: None)
-        write_checkpoint(source, target, plan, folder, workers, advance)
+        write_checkpoint(lambda c: chunk_data(source, c), target, plan, folder, workers, advance)
         write_durable(tmp / LATEST_FILE, f"{target.iteration}\n")
 
     build_atomically(dst, source.root, body)

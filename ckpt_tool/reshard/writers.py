@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool.reshard.plan import OutChunk
-from gtp_format.hashing import HASHERS
+from gtp_format.hashing import BLOCK, HASHERS
 from gtp_format.manifest import HASH_ALGORITHM, FileEntry
 from gtp_format.names import GTP_INDEX_VERSION, chunk_tensor_name
 
@@ -55,21 +55,32 @@ class _Out:
 
 def write_distcp(path: Path, chunks: list[OutChunk], data: DataFn, advance: Callable[[int], None]
                  ) -> tuple[FileEntry, list[tuple[OutChunk, int, int]]]:
-    """One ``.distcp`` file; returns its entry and ``(chunk, offset, length)`` per blob."""
+    """One ``.distcp`` file; returns its entry and ``(chunk, offset, length)`` per blob.
+
+    ``torch.save`` writes straight into the file; the checksum is taken from the blob just written
+    (still in the page cache) in 8 MiB reads: measured on 2 cores, passing ``torch.save`` a hashing
+    stream instead halved its rate, because every write then crosses into Python.
+    """
     import torch
 
     placed = []
+    hasher = HASHERS[HASH_ALGORITHM]()
     with open(path, "xb") as f:
-        out = _Out(f)
+        fd = f.fileno()
         for c in chunks:
             arr = np.ascontiguousarray(data(c))
             t = torch.from_numpy(arr).view(c.dtype.torch) if arr.dtype.itemsize == c.dtype.itemsize else None
             assert t is not None and tuple(t.shape) == c.sizes, (c.key, arr.dtype, c.dtype)
-            start = out.pos
-            torch.save(t, out)
-            placed.append((c, start, out.pos - start))
+            start = f.tell()
+            torch.save(t, f)
+            f.flush()
+            end = f.tell()
+            for pos in range(start, end, BLOCK):
+                hasher.update(os.pread(fd, min(BLOCK, end - pos), pos))
+            placed.append((c, start, end - start))
             advance(c.nbytes)
-        return out.entry(), placed
+        os.fsync(fd)
+        return FileEntry(size=f.tell(), checksums={HASH_ALGORITHM: hasher.hexdigest()}), placed
 
 
 def write_distcp_metadata(path: Path, shapes: dict[str, Any], placed: list[tuple[str, OutChunk, int, int]]) -> None:
