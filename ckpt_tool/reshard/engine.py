@@ -193,11 +193,34 @@ def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, p
     fsync_dir(folder)
 
 
+def os_cause(e: BaseException) -> OSError | None:
+    """The OS error behind ``e``, if any: torch.save reports a failed write as a RuntimeError whose
+    context is the OSError (EFBIG, ENOSPC) that Python's file object raised."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError) and cur.errno is not None:
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def _chain(e: BaseException) -> list[OSError]:
+    out, cur = [], e
+    while cur is not None and len(out) < 16:
+        if isinstance(cur, OSError):
+            out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
+
+
 def write_failure(dst: Path, e: OSError) -> FormatError:
     """The one-line error for a write that failed (the partial output is already removed)."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return FormatError(f"{dst}: {os.strerror(e.errno)} while writing (nothing was left behind); free space "
-                           "or write to another disk")
+    space = [x for x in _chain(e) if x.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)]
+    if space:
+        return FormatError(f"{dst}: {os.strerror(space[0].errno or 0)} while writing (nothing was left behind); "
+                           "free space or write to another disk")
     return FormatError(f"{dst}: cannot write ({e.strerror or e}); nothing was left behind")
 
 
@@ -209,12 +232,12 @@ def build_atomically(dst: Path, src_root: Path, body: Callable[[Path], None]) ->
     try:
         body(tmp)
         commit_folder(tmp, dst)
-    except OSError as e:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise write_failure(dst, e) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        cause = os_cause(e)
+        if cause is None or isinstance(e, FormatError):
+            raise
+        raise write_failure(dst, cause) from None
 
 
 def reshard(src: Path, dst: Path, par: ParallelConfig, layout: str | None = None,

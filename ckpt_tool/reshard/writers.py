@@ -65,7 +65,7 @@ def write_distcp(path: Path, chunks: list[OutChunk], data: DataFn, advance: Call
 
     placed = []
     hasher = HASHERS[HASH_ALGORITHM]()
-    with open(path, "xb") as f:
+    with open(path, "x+b") as f:  # read too: the checksum re-reads each blob from the page cache
         fd = f.fileno()
         for c in chunks:
             arr = np.ascontiguousarray(data(c))
