@@ -105,9 +105,15 @@ class BoxReader:
             raise ChunkError(f"{self.ckpt.root}: tensor {key!r} is missing; the checkpoint is incomplete", key=key)
         if len(offsets) != len(entry.shape) or any(o < 0 or o + s > d for o, s, d in zip(offsets, sizes, entry.shape)):
             raise ChunkError(f"{key}: box {list(offsets)}+{list(sizes)} leaves its shape {list(entry.shape)}", key=key)
+        near = self._chunks_near(entry, offsets[0], offsets[0] + sizes[0]) if sizes else list(entry.chunks)
+        whole = [c for c in near if all(co <= o and o + s <= co + cs and (i == 0 or (co, cs) == (o, s))
+                                        for i, (o, s, co, cs) in enumerate(zip(offsets, sizes, c.offsets, c.sizes)))]
+        if whole and sizes:  # one chunk holds the box as whole rows: its bytes are the answer, no copy
+            c = whole[0]
+            return self.chunk_rows(entry, c, offsets[0] - c.offsets[0], offsets[0] + sizes[0] - c.offsets[0])
         out = np.empty(sizes, dtype=carrier(entry.dtype))
         covered = 0
-        for c in self._chunks_near(entry, offsets[0], offsets[0] + sizes[0]) if sizes else entry.chunks:
+        for c in near:
             lo = [max(o, co) for o, co in zip(offsets, c.offsets)]
             hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes)]
             if any(a >= b for a, b in zip(lo, hi)):
