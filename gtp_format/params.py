@@ -86,6 +86,12 @@ class ParamView:
     start: int  # bucket-relative (the same for every holder)
     param_dtype: str
     holders: tuple[Holder, ...]
+    weight_key: str | None = None  # the model-weight key when it is not ``name`` (megatron-core: stacked layers)
+    layer: int | None = None  # index along the stacked key's leading layer axis
+
+    @property
+    def model_key(self) -> str:
+        return self.weight_key or self.name
 
     @property
     def primaries(self) -> tuple[Holder, ...]:
@@ -222,7 +228,8 @@ def describe(views: dict[str, ParamView]) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for v in views.values():
         rows.append({
-            "name": v.name, "full_shape": list(v.full_shape), "dtype": v.param_dtype, "expert": v.is_expert,
+            "name": v.name, "key": v.model_key, "layer": v.layer, "full_shape": list(v.full_shape),
+            "dtype": v.param_dtype, "expert": v.is_expert,
             "gbuf_idx": v.gbuf_idx, "bucket_idx": v.bucket_idx, "offset": v.start,
             "ranks": sorted({r for h in v.holders for r in h.ranks}),
             "cp_ranks": sorted({h.ref.cp_rank for h in v.holders if h.ref.cp_rank is not None}),
@@ -239,5 +246,6 @@ def param_views_of(ckpt: Checkpoint) -> dict[str, ParamView]:
     from megatron-core's bucketing rules (:mod:`gtp_format.megatron`)."""
     if ckpt.manifest is not None:
         return param_views(ckpt.manifest)
-    raise FormatError(f"{ckpt.root}: no gtp_manifest.json; the per-parameter view of a checkpoint without one needs "
-                      "megatron-core's layout rules, which this version does not apply yet")
+    from gtp_format.megatron import megatron_views
+
+    return megatron_views(ckpt)

@@ -63,12 +63,16 @@ def reshard_command(
     from ckpt_tool.reshard.engine import reshard
     from gtp_format.errors import FormatError
     from gtp_format.manifest import read_manifest
-    from gtp_format.names import LAYOUTS
+    from gtp_format.names import LAYOUTS, MANIFEST_FILE
     from gtp_format.reader.locate import locate
 
     if layout is not None and layout not in LAYOUTS:
         raise FormatError(f"--layout {layout!r}: use one of {', '.join(LAYOUTS)}")
-    saved = read_manifest(locate(src).folder, strict=True).topology
+    folder = locate(src).folder
+    if not (folder / MANIFEST_FILE).is_file():
+        raise FormatError(f"{folder}: no gtp_manifest.json: not a gtp_runtime checkpoint; reshard writes this "
+                          "runtime's layout (a genuine megatron-core checkpoint: `ckpt export --to fully_reshardable`)")
+    saved = read_manifest(folder, strict=True).topology
     assert saved is not None
     asked = {"tp": tp, "cp": cp, "gtp_remat": gtp_remat, "dp": dp, "fold_cp": fold_cp,
              "expert_gtp_remat": expert_gtp_remat}

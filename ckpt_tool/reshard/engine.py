@@ -246,7 +246,7 @@ def reshard(src: Path, dst: Path, par: ParallelConfig, layout: str | None = None
     """Reshard SRC to topology ``par`` into the new folder DST (``DST/iter_N`` + latest marker)."""
     t0 = time.perf_counter()
     source = open_source(src)
-    assert source.manifest.topology is not None
+    assert source.manifest is not None and source.manifest.topology is not None
     target = target_manifest(source.manifest, par, layout or source.manifest.layout)
     _check_same_params(source, target)
     workers = workers or default_workers()

@@ -65,16 +65,22 @@ def state_key(state: str, name: str) -> str:
 
 def ordered_views(source: Source) -> list[ParamView]:
     """Parameters in model order (the manifest lists them in bucket order, reversed)."""
-    assert source.manifest.model is not None
+    if source.manifest is None or source.manifest.model is None:
+        return list(source.views.values())  # megatron-core views are built in module order
     order = {p.name: i for i, p in enumerate(model_params(source.manifest.model))}
     return sorted(source.views.values(), key=lambda v: order.get(v.name, len(order)))
 
 
-def param_chunks(view: ParamView, state: str, key: str, max_bytes: int) -> list[OutChunk]:
-    """Row blocks of one parameter's full tensor for ``state``, as chunks of key ``key``."""
+def param_chunks(view: ParamView, state: str, key: str, max_bytes: int, stacked: bool = False) -> list[OutChunk]:
+    """Row blocks of one parameter's full tensor for ``state``, as chunks of key ``key``.
+
+    ``stacked``: the key has a leading layer axis (megatron-core) and the chunk sits at ``view.layer``.
+    """
     dt = _dtype_of(view.param_dtype) if state == WEIGHT else FP32
     shape, rest = view.full_shape, view.full_shape[1:]
-    return [OutChunk(key, (a, *(0,) * len(rest)), (b - a, *rest), dt, view.name, state,
+    lead: tuple[int, ...] = (view.layer,) if stacked and view.layer is not None else ()
+    one: tuple[int, ...] = (1,) if lead else ()
+    return [OutChunk(key, (*lead, a, *(0,) * len(rest)), (*one, b - a, *rest), dt, view.name, state,
                      ((a, *(0,) * len(rest)), (b - a, *rest)))
             for a, b in _row_blocks(shape[0] if shape else 1, math.prod(rest), dt.itemsize, max_bytes)]
 
@@ -146,14 +152,18 @@ def export_hf(source: Source, folder: Path, optimizer: bool, max_shard: int, chu
 
 def export_fully_reshardable(source: Source, root: Path, chunk_bytes: int, workers: int,
                              advance: Progress) -> dict[str, Any]:
-    folder = root / iter_dir_name(source.manifest.iteration)
+    iteration = source.manifest.iteration if source.manifest else (source.ckpt.iteration or 0)
+    folder = root / iter_dir_name(iteration)
     folder.mkdir()
     chunks: list[OutChunk] = []
     shapes: dict[str, Any] = {}
     for v in ordered_views(source):
-        for state, key in [(WEIGHT, v.name), *((s, state_key(s, v.name)) for s in STATES)]:
-            part = param_chunks(v, state, key, chunk_bytes)
-            shapes[key] = (v.full_shape, part[0].dtype)
+        stacked = v.layer is not None
+        mk = v.model_key
+        for state, key in [(WEIGHT, mk), *((s, state_key(s, mk)) for s in STATES)]:
+            part = param_chunks(v, state, key, chunk_bytes, stacked)
+            entry_shape = source.ckpt.entries[mk].shape if stacked else None
+            shapes[key] = (entry_shape or v.full_shape, part[0].dtype)
             chunks.extend(part)
     parts = split_files(chunks, workers * 2)
     names = [f"__{i}_0.distcp" for i in range(len(parts))]
@@ -164,7 +174,7 @@ def export_fully_reshardable(source: Source, root: Path, chunk_bytes: int, worke
                           [(n, c, off, ln) for n, r in zip(names, results) for c, off, ln in r[1]])
     write_durable(folder / MEGATRON_METADATA_FILE, json.dumps(MEGATRON_METADATA))
     fsync_dir(folder)
-    write_durable(root / LATEST_FILE, f"{source.manifest.iteration}\n")
+    write_durable(root / LATEST_FILE, f"{iteration}\n")
     return {"files": len(parts) + 2}
 
 
@@ -203,7 +213,7 @@ def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: i
     if to not in TARGETS:
         raise FormatError(f"--to {to!r}: use one of {', '.join(TARGETS)}")
     t0 = time.perf_counter()
-    source = open_source(src)
+    source = open_source(src, megatron=True)
     workers = workers or default_workers()
     chunk_bytes = chunk_budget(max_memory, workers)
     views = source.views.values()

@@ -32,7 +32,7 @@ WEIGHT = "weight"  # the model-weight "state" of a parameter, next to param / ex
 @dataclass
 class Source:
     ckpt: Checkpoint
-    manifest: Manifest
+    manifest: Manifest | None  # None: a genuine megatron-core checkpoint (gtp_format.megatron)
     views: dict[str, ParamView]
     reader: BoxReader
 
@@ -70,18 +70,27 @@ class Source:
         tail = h.spec.local_shape[1:]
         if state == WEIGHT:
             g = h.spec.global_offset
-            return self.reader.read_box(view.name, (g[0] + r0, *g[1:]), (r1 - r0, *tail))
+            if view.layer is None:
+                return self.reader.read_box(view.model_key, (g[0] + r0, *g[1:]), (r1 - r0, *tail))
+            box = self.reader.read_box(view.model_key, (view.layer, g[0] + r0, *g[1:]), (1, r1 - r0, *tail))
+            return box.reshape((r1 - r0, *tail))
         row = math.prod(tail)
         flat = self.reader.read_box(h.ref.key(state), (h.start + r0 * row,), ((r1 - r0) * row,))
         return flat.reshape((r1 - r0, *tail))
 
 
-def open_source(path: Path) -> Source:
-    """Open SRC and refuse what cannot be resharded (see the module docstring)."""
+def open_source(path: Path, megatron: bool = False) -> Source:
+    """Open SRC and refuse what cannot be resharded (see the module docstring).
+
+    ``megatron=True`` (export) also takes a checkpoint without a manifest, through megatron-core's
+    layout rules (:mod:`gtp_format.megatron`, which refuses what they do not cover).
+    """
     ckpt = open_checkpoint(path)
+    if ckpt.manifest is None and megatron:
+        return _open_megatron(ckpt)
     if ckpt.manifest is None:
-        raise FormatError(f"{ckpt.root}: no gtp_manifest.json, so the bucket layout is unknown; reshard reads "
-                          "checkpoints of gtp_runtime (genuine Megatron ones: `ckpt export --to fully_reshardable`)")
+        raise FormatError(f"{ckpt.root}: no gtp_manifest.json: not a gtp_runtime checkpoint; reshard writes this "
+                          "runtime's layout (a genuine megatron-core checkpoint: `ckpt export --to fully_reshardable`)")
     manifest = read_manifest(ckpt.root, strict=True)  # open_checkpoint's parse is lenient; we need it all
     if manifest.optimizer_sharding != OPTIMIZER_SHARDINGS[0]:
         raise FormatError(f"{ckpt.root}: optimizer sharding is {manifest.optimizer_sharding!r}; reshard reads "
@@ -110,3 +119,14 @@ def open_source(path: Path) -> Source:
                                   f"{'missing' if e is None else f'of shape {list(e.shape or ())}'}, the manifest "
                                   f"says ({ref.numel_unpadded},); the checkpoint is incomplete or not this layout")
     return Source(ckpt, manifest, views, BoxReader(ckpt))
+
+
+def _open_megatron(ckpt: Checkpoint) -> Source:
+    from gtp_format.megatron import megatron_views
+
+    errors = [p for p in check_geometry(ckpt) + check_storage(ckpt) if p.severity == "error"]
+    if errors:
+        e = errors[0]
+        raise FormatError(f"{ckpt.root}: incomplete checkpoint ({len(errors)} problems); first: "
+                          f"{e.key or e.file or '-'}: {e.message}; run `ckpt verify` on it")
+    return Source(ckpt, None, megatron_views(ckpt), BoxReader(ckpt))
