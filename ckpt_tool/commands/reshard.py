@@ -58,27 +58,10 @@ def reshard_command(
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Write SRC's model and optimizer state for another topology into DST."""
-    import dataclasses
+    from ckpt_tool.reshard.engine import reshard, target_topology
 
-    from ckpt_tool.reshard.engine import reshard
-    from gtp_format.errors import FormatError
-    from gtp_format.manifest import read_manifest
-    from gtp_format.names import LAYOUTS, MANIFEST_FILE
-    from gtp_format.reader.locate import locate
-
-    if layout is not None and layout not in LAYOUTS:
-        raise FormatError(f"--layout {layout!r}: use one of {', '.join(LAYOUTS)}")
-    folder = locate(src).folder
-    if not (folder / MANIFEST_FILE).is_file():
-        raise FormatError(f"{folder}: no gtp_manifest.json: not a gtp_runtime checkpoint; reshard writes this "
-                          "runtime's layout (a genuine megatron-core checkpoint: `ckpt export --to fully_reshardable`)")
-    saved = read_manifest(folder, strict=True).topology
-    assert saved is not None
-    asked = {"tp": tp, "cp": cp, "gtp_remat": gtp_remat, "dp": dp, "fold_cp": fold_cp,
-             "expert_gtp_remat": expert_gtp_remat}
-    par = dataclasses.replace(saved, **{k: v for k, v in asked.items() if v is not None})
-    if par.cp == 1 and fold_cp is None:
-        par = dataclasses.replace(par, fold_cp=False)  # fold needs CP > 1; only an explicit --fold-cp is refused
+    par = target_topology(src, layout, tp=tp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp,
+                          expert_gtp_remat=expert_gtp_remat)
     with contextlib.ExitStack() as stack:
         def bar(total: int):  # noqa: ANN202
             return stack.enter_context(progress(total, "resharding", progress_enabled(fmt)))

@@ -240,6 +240,28 @@ def build_atomically(dst: Path, src_root: Path, body: Callable[[Path], None]) ->
         raise write_failure(dst, cause) from None
 
 
+def target_topology(src: Path, layout: str | None, **asked: int | bool | None) -> ParallelConfig:
+    """SRC's saved topology with the sizes the user gave (``None``: keep SRC's)."""
+    import dataclasses
+
+    from gtp_format.manifest import read_manifest
+    from gtp_format.names import LAYOUTS, MANIFEST_FILE
+    from gtp_format.reader.locate import locate
+
+    if layout is not None and layout not in LAYOUTS:
+        raise FormatError(f"--layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    folder = locate(src).folder
+    if not (folder / MANIFEST_FILE).is_file():
+        raise FormatError(f"{folder}: no gtp_manifest.json: not a gtp_runtime checkpoint; reshard writes this "
+                          "runtime's layout (a genuine megatron-core checkpoint: `ckpt export --to fully_reshardable`)")
+    saved = read_manifest(folder, strict=True).topology
+    assert saved is not None
+    par = dataclasses.replace(saved, **{k: v for k, v in asked.items() if v is not None})
+    if par.cp == 1 and asked.get("fold_cp") is None:
+        par = dataclasses.replace(par, fold_cp=False)  # fold needs CP > 1; only an explicit --fold-cp is refused
+    return par
+
+
 def reshard(src: Path, dst: Path, par: ParallelConfig, layout: str | None = None,
             max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
             progress: Callable[[int], Progress] | None = None) -> Result:

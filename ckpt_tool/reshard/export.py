@@ -42,7 +42,7 @@ from ckpt_tool.reshard.engine import (
     default_workers,
     write_failure,
 )
-from ckpt_tool.reshard.plan import FP32, OutChunk, _dtype_of, _row_blocks, split_files
+from ckpt_tool.reshard.plan import FP32, OutChunk, dtype_of, row_blocks, split_files
 from ckpt_tool.reshard.source import WEIGHT, Source, open_source
 from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata
 from gtp_format.commit import commit_file, fsync_dir, hidden_sibling, write_durable
@@ -76,13 +76,13 @@ def param_chunks(view: ParamView, state: str, key: str, max_bytes: int, stacked:
 
     ``stacked``: the key has a leading layer axis (megatron-core) and the chunk sits at ``view.layer``.
     """
-    dt = _dtype_of(view.param_dtype) if state == WEIGHT else FP32
+    dt = dtype_of(view.param_dtype) if state == WEIGHT else FP32
     shape, rest = view.full_shape, view.full_shape[1:]
     lead: tuple[int, ...] = (view.layer,) if stacked and view.layer is not None else ()
     one: tuple[int, ...] = (1,) if lead else ()
     return [OutChunk(key, (*lead, a, *(0,) * len(rest)), (*one, b - a, *rest), dt, view.name, state,
                      ((a, *(0,) * len(rest)), (b - a, *rest)))
-            for a, b in _row_blocks(shape[0] if shape else 1, math.prod(rest), dt.itemsize, max_bytes)]
+            for a, b in row_blocks(shape[0] if shape else 1, math.prod(rest), dt.itemsize, max_bytes)]
 
 
 # -- hf ---------------------------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: i
     workers = workers or default_workers()
     chunk_bytes = chunk_budget(max_memory, workers)
     views = source.views.values()
-    weights = sum(v.numel * _dtype_of(v.param_dtype).itemsize for v in views)
+    weights = sum(v.numel * dtype_of(v.param_dtype).itemsize for v in views)
     states = sum(v.numel * 4 * len(STATES) for v in views)
     total = weights + (states if (optimizer or to == "fully_reshardable") else 0)
     advance = progress(total) if progress and to != "torch" else (lambda n: None)

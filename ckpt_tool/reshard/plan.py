@@ -57,11 +57,11 @@ class Plan:
         return sum(c.nbytes for c in self.chunks)
 
 
-def _dtype_of(text: str) -> DType:
+def dtype_of(text: str) -> DType:
     return by_name(text.removeprefix("torch."))
 
 
-def _row_blocks(rows: int, row_elems: int, itemsize: int, max_bytes: int) -> list[tuple[int, int]]:
+def row_blocks(rows: int, row_elems: int, itemsize: int, max_bytes: int) -> list[tuple[int, int]]:
     step = max(1, max_bytes // max(1, row_elems * itemsize))
     return [(a, min(rows, a + step)) for a in range(0, rows, step)]
 
@@ -74,15 +74,15 @@ def _holder_chunks(view: ParamView, h: Holder, state: str, max_bytes: int, full_
     rows, valid = h.spec.local_shape[0], h.spec.valid_rows
     out = []
     weight = state == WEIGHT
-    dt = _dtype_of(view.param_dtype) if weight else FP32
+    dt = dtype_of(view.param_dtype) if weight else FP32
     g = h.spec.global_offset
-    for a, b in _row_blocks(valid, full_row, dt.itemsize, max_bytes):
+    for a, b in row_blocks(valid, full_row, dt.itemsize, max_bytes):
         box = ((fo[0] + a, *fo[1:]), (b - a, *fs[1:]))
         if weight:
             out.append(OutChunk(view.name, (g[0] + a, *g[1:]), (b - a, *tail), dt, view.name, WEIGHT, box))
         else:
             out.append(OutChunk(h.ref.key(state), (h.start + a * row,), ((b - a) * row,), dt, view.name, state, box))
-    for a, b in _row_blocks(rows - valid, full_row, dt.itemsize, max_bytes):
+    for a, b in row_blocks(rows - valid, full_row, dt.itemsize, max_bytes):
         a, b = a + valid, b + valid
         if weight:
             out.append(OutChunk(view.name, (g[0] + a, *g[1:]), (b - a, *tail), dt))
@@ -110,7 +110,7 @@ def plan_target(target: Manifest, max_chunk_bytes: int) -> Plan:
     used: dict[str, list[tuple[int, int]]] = {}
     for view in views.values():
         full_row = math.prod(view.full_shape[1:])
-        shapes[view.name] = (view.global_shape, _dtype_of(view.param_dtype))
+        shapes[view.name] = (view.global_shape, dtype_of(view.param_dtype))
         for h in view.primaries:
             chunks.extend(_holder_chunks(view, h, WEIGHT, max_chunk_bytes, full_row))
         for h in view.holders:
