@@ -89,6 +89,7 @@ class Result:
     chunk_bytes: int
     workers: int
     peak_rss_bytes: int
+    baseline_rss_bytes: int  # after the imports, before any data: peak - baseline is what the data took
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -240,6 +241,14 @@ def build_atomically(dst: Path, src_root: Path, body: Callable[[Path], None]) ->
         raise write_failure(dst, cause) from None
 
 
+def rss_after_imports(layout: str | None) -> int:
+    """Peak RSS once every module the write needs is imported (torch and DCP for torch_dist), so a
+    run can report what its data took: ``peak_rss_bytes - baseline_rss_bytes``."""
+    if layout != "safetensors":
+        import torch.distributed.checkpoint.filesystem  # noqa: F401
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def target_topology(src: Path, layout: str | None, **asked: int | bool | None) -> ParallelConfig:
     """SRC's saved topology with the sizes the user gave (``None``: keep SRC's)."""
     import dataclasses
@@ -267,6 +276,7 @@ def reshard(src: Path, dst: Path, par: ParallelConfig, layout: str | None = None
             progress: Callable[[int], Progress] | None = None) -> Result:
     """Reshard SRC to topology ``par`` into the new folder DST (``DST/iter_N`` + latest marker)."""
     t0 = time.perf_counter()
+    baseline = rss_after_imports(layout)
     source = open_source(src)
     assert source.manifest is not None and source.manifest.topology is not None
     target = target_manifest(source.manifest, par, layout or source.manifest.layout)
@@ -287,4 +297,4 @@ def reshard(src: Path, dst: Path, par: ParallelConfig, layout: str | None = None
     return Result(str(source.root), str(dst), source.manifest.topology.describe(), par.describe(), target.layout,
                   len(out), len(plan.chunks), sum(p.stat().st_size for p in out), source.reader.bytes_read,
                   time.perf_counter() - t0, max_memory, chunk_bytes, workers,
-                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, baseline)

@@ -40,6 +40,7 @@ from ckpt_tool.reshard.engine import (
     chunk_budget,
     chunk_data,
     default_workers,
+    rss_after_imports,
     write_failure,
 )
 from ckpt_tool.reshard.plan import FP32, OutChunk, dtype_of, row_blocks, split_files
@@ -213,6 +214,7 @@ def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: i
     if to not in TARGETS:
         raise FormatError(f"--to {to!r}: use one of {', '.join(TARGETS)}")
     t0 = time.perf_counter()
+    baseline = rss_after_imports("safetensors" if to == "hf" else None)
     source = open_source(src, megatron=True)
     workers = workers or default_workers()
     chunk_bytes = chunk_budget(max_memory, workers)
@@ -239,4 +241,5 @@ def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: i
     return {"src": str(source.root), "dst": str(dst), "to": to, "optimizer": optimizer, **info,
             "params": len(source.views), "bytes_written": written, "bytes_read": source.reader.bytes_read,
             "seconds": time.perf_counter() - t0, "max_memory": max_memory, "chunk_bytes": chunk_bytes,
-            "workers": workers, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "workers": workers, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "baseline_rss_bytes": baseline}
