@@ -13,7 +13,7 @@ the same run, each as a fresh subprocess, one after the other:
 * at the largest size, ``ckpt reshard`` again with ``--max-memory 256 MiB``.
 
 Throughput is checkpoint bytes (SRC's data and metadata files) over wall time of the subprocess,
-start-up included; peak memory is the subprocess's ``ru_maxrss``. Page cache is not dropped (the
+start-up included; peak memory is the command's own ``VmHWM`` (JSON summary). Page cache is not dropped (the
 files were just written; ``cp`` runs on the same warm cache). ``--write-docs`` replaces the
 section "ckpt reshard and export" of docs/performance.md.
 

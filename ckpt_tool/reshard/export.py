@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import struct
 import time
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from ckpt_tool.reshard.engine import (
     chunk_budget,
     chunk_data,
     default_workers,
+    peak_rss,
     rss_after_imports,
     write_failure,
 )
@@ -241,5 +241,5 @@ def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: i
     return {"src": str(source.root), "dst": str(dst), "to": to, "optimizer": optimizer, **info,
             "params": len(source.views), "bytes_written": written, "bytes_read": source.reader.bytes_read,
             "seconds": time.perf_counter() - t0, "max_memory": max_memory, "chunk_bytes": chunk_bytes,
-            "workers": workers, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "workers": workers, "peak_rss_bytes": peak_rss(),
             "baseline_rss_bytes": baseline}
