@@ -163,4 +163,16 @@ def swap_in_folder(tmp: Path, final: Path, backup: Path) -> None:
         except OSError:
             os.rename(backup, final)
             raise
+
+
+def commit_file(tmp: Path, final: Path) -> None:
+    """Make a complete file ``tmp`` (written next to ``final``) durable and visible as ``final``.
+
+    Refuses to replace an existing ``final`` (``FileExistsError``): exports never overwrite.
+    """
+    fsync_file(tmp)
+    if not _renameat2(tmp, final, _RENAME_NOREPLACE):
+        if os.path.lexists(final):
+            raise FileExistsError(errno.EEXIST, "already exists", str(final))
+        os.rename(tmp, final)
     fsync_dir(final.parent)

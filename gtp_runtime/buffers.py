@@ -5,11 +5,10 @@ Params are grouped by :class:`BufferKey` ``(param_dtype, grad_dtype, is_expert, 
 over the folded ``cp x gtp_remat`` group, so the bucket reduces over the CP-free ``dp`` group only.
 Unfolded dense and replicated params reduce over ``dp_cp``; expert params over ``expert_dp``.
 
-Inside a buffer params are laid out in reverse model order (the order backward produces
-gradients), each start aligned to 64 elements, and cut into buckets of about ``bucket_size``
-elements. Each bucket is padded to a multiple of ``lcm(dp_size, 64)`` so each DP rank owns an
-equal contiguous slice. Gaps between params and the bucket tail are padding: never counted,
-never checkpointed as data.
+Inside a buffer params are laid out by :func:`gtp_format.layout.buckets.lay_out` (reverse model
+order, 64-element aligned starts, buckets of about ``bucket_size`` elements padded to a multiple of
+``lcm(dp_size, 64)``): the one rule ``ckpt reshard`` also uses for topologies no process runs.
+Gaps between params and the bucket tail are padding: never counted, never checkpointed as data.
 """
 
 from __future__ import annotations
@@ -22,12 +21,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gtp_format.layout import topology as topo
+from gtp_format.layout.buckets import BUCKET_PAD, PARAM_ALIGN, lay_out
 from gtp_format.layout.config import check_buffer_cp_degrees
 from gtp_runtime.collectives import reduce_scatter_raw
 from gtp_runtime.groups import Group, Groups
 
-PARAM_ALIGN = 64
-BUCKET_PAD = 64
+__all__ = ["BUCKET_PAD", "PARAM_ALIGN", "Bucket", "BufferKey", "GradBuffer", "ParamSlot", "build_buffers"]
 
 
 @dataclass(frozen=True)
@@ -100,32 +99,18 @@ class GradBuffer:
                     for _ in named}
         self.divisor = check_buffer_cp_degrees(f"gbuf_idx_{gbuf_idx}", divisors)
         assert self.divisor == self.dp_group.size
-        pad = math.lcm(self.dp_group.size, BUCKET_PAD)
         self.slots: list[ParamSlot] = []
         self.buckets: list[Bucket] = []
-        pos = bucket_start = 0
-        cur: list[ParamSlot] = []
-
-        def close(end: int) -> int:
-            b = Bucket(len(self.buckets), bucket_start, bucket_start + math.ceil((end - bucket_start) / pad) * pad,
-                       end - bucket_start, cur)
-            self.buckets.append(b)
-            return b.end
-
-        for name, p in reversed(named):
-            pos = math.ceil(pos / PARAM_ALIGN) * PARAM_ALIGN
+        ordered = list(reversed(named))
+        placed, spans, self.numel = lay_out([p.numel() for _, p in ordered], bucket_size, self.dp_group.size)
+        for span in spans:
+            self.buckets.append(Bucket(span.index, span.start, span.end, span.numel_unpadded))
+        for (name, p), pl in zip(ordered, placed):
             spec = p.spec
             valid = spec.valid_rows * math.prod(spec.local_shape[1:])
-            slot = ParamSlot(name, p, pos, pos + p.numel(), len(self.buckets), valid, _counts_here(p, groups))
-            cur.append(slot)
+            slot = ParamSlot(name, p, pl.start, pl.end, pl.bucket, valid, _counts_here(p, groups))
+            self.buckets[pl.bucket].slots.append(slot)
             self.slots.append(slot)
-            pos = slot.end
-            if pos - bucket_start >= bucket_size:
-                pos = bucket_start = close(pos)
-                cur = []
-        if cur:
-            pos = close(pos)
-        self.numel = pos
         device = named[0][1].device
         self.param_data = torch.zeros(self.numel, dtype=key.param_dtype, device=device)
         self.grad_data = torch.zeros(self.numel, dtype=key.grad_dtype, device=device)

@@ -33,6 +33,8 @@ EPILOG = """Examples:
 
   ckpt inspect CKPT --chunks --format json
 
+  ckpt inspect CKPT --params   (each parameter's bucket, offset, ranks and CP ranks)
+
 Exit codes: 0 ok, 2 unreadable input."""
 
 
@@ -48,6 +50,7 @@ def inspect_command(
     cp_size: Annotated[
         int | None, typer.Option("--cp-size", min=1, help="CP degree of folded buffers, when no manifest says.")
     ] = None,
+    params: Annotated[bool, typer.Option("--params", help="Per parameter: bucket, offset, ranks, CP ranks.")] = False,
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Show format, topology, keys and aliasing status of a checkpoint (metadata only)."""
@@ -115,6 +118,10 @@ def inspect_command(
     }
     if chunks:
         doc["chunks"] = chunk_rows
+    if params:
+        from gtp_format.params import describe, param_views_of
+
+        doc["params"] = describe(param_views_of(ckpt))
     if fmt == OutputFormat.json:
         print_json(doc)
         return
@@ -153,9 +160,19 @@ def _tables(doc: dict[str, Any]) -> list[str]:
               "-" if r["byte_offset"] is None else f"[{r['byte_offset']}, {r['byte_offset'] + r['length']})")
              for r in doc["chunks"]],
             ("key", "chunk", "offsets", "sizes", "file", "bytes"), "Chunks"))
+    if "params" in doc:
+        blocks.append(table(
+            [(r["name"], fmt_shape(r["full_shape"]), r["gbuf_idx"], r["bucket_idx"], r["offset"], len(r["holders"]),
+              _ranks(r["ranks"]), _ranks(r["cp_ranks"])) for r in doc["params"]],
+            ("param", "full shape", "gbuf", "bucket", "offset", "copies", "ranks", "cp_rank"), "Parameters"))
     for n in doc["notes"]:
         blocks.append(f"{n['severity']}: {n['message']}")
     return blocks
+
+
+def _ranks(values: list[int]) -> str:
+    text = ",".join(map(str, values[:16]))
+    return (text + f",... ({len(values)})" if len(values) > 16 else text) or "-"
 
 
 def register(app: typer.Typer) -> None:

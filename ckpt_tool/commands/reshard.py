@@ -1,0 +1,79 @@
+"""``ckpt reshard SRC DST``: the whole training state of SRC at another TP/CP/GTP_remat/DP/fold."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ckpt_tool.output import (
+    FormatOption,
+    OutputFormat,
+    fmt_bytes,
+    handle_errors,
+    print_json,
+    progress,
+    progress_enabled,
+)
+
+EPILOG = """Examples:
+
+  ckpt reshard runs/a/checkpoints runs/b/checkpoints --cp 4 --fold-cp --dp 1
+
+  ckpt reshard A B --tp 2 --gtp-remat 1 --no-fold-cp --dp 2
+
+  ckpt reshard A B --cp 2 --fold-cp --expert-gtp-remat 2 --layout safetensors --format json
+
+  python -m gtp_runtime.train --nproc-per-node 4 --cp 4 --fold-cp --load runs/b/checkpoints
+
+Every size not given keeps SRC's value. DST is a new folder holding iter_XXXXXXX and the latest
+marker: `python -m gtp_runtime.train ... --load DST` at the new topology resumes from it with no
+other flag. Model weights, fp32 master weights and Adam moments move bit-exactly; the manifest
+is rewritten. SRC is only read; DST appears whole or not at all. Aliased sources are refused
+(run `ckpt migrate-aliased` first).
+
+Exit codes: 0 written, 2 unreadable, incomplete or aliased SRC, impossible topology, DST exists,
+or a write failed (a full disk)."""
+
+
+@handle_errors
+def reshard_command(
+    src: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
+    dst: Annotated[Path, typer.Argument(help="New folder to create.", show_default=False)],
+    tp: Annotated[int | None, typer.Option("--tp", min=1, help="Tensor-parallel size.")] = None,
+    cp: Annotated[int | None, typer.Option("--cp", min=1, help="Context-parallel size.")] = None,
+    gtp_remat: Annotated[int | None, typer.Option("--gtp-remat", min=1, help="GTP_remat size.")] = None,
+    dp: Annotated[int | None, typer.Option("--dp", min=1, help="Data-parallel (replicate) size.")] = None,
+    fold_cp: Annotated[bool | None, typer.Option("--fold-cp/--no-fold-cp",
+                                                 help="Shard dense weights over cp x gtp_remat.")] = None,
+    expert_gtp_remat: Annotated[int | None, typer.Option("--expert-gtp-remat", min=1,
+                                                         help="GTP_remat size of expert weights.")] = None,
+    layout: Annotated[str | None, typer.Option("--layout", help="torch_dist or safetensors (default: SRC's).")] = None,
+    max_memory: Annotated[int, typer.Option("--max-memory", min=1 << 24, help="Bytes of tensor data in flight.")
+                          ] = 2 << 30,
+    workers: Annotated[int | None, typer.Option("--workers", min=1, max=64, show_default="one per core, at most 4",
+                                                help="Data files written in parallel.")] = None,
+    fmt: FormatOption = OutputFormat.table,
+) -> None:
+    """Write SRC's model and optimizer state for another topology into DST."""
+    from ckpt_tool.reshard.engine import reshard, target_topology
+
+    par = target_topology(src, layout, tp=tp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp,
+                          expert_gtp_remat=expert_gtp_remat)
+    with contextlib.ExitStack() as stack:
+        def bar(total: int):  # noqa: ANN202
+            return stack.enter_context(progress(total, "resharding", progress_enabled(fmt)))
+
+        result = reshard(src, dst, par, layout, max_memory, workers, bar)
+    if fmt == OutputFormat.json:
+        print_json({"ok": True, **result.to_json()})
+    else:
+        typer.echo(f"wrote {result.dst} ({result.target_topology}, {result.layout}): {result.files} files, "
+                   f"{fmt_bytes(result.bytes_written)} from {result.source_topology} in {result.seconds:.1f} s; "
+                   f"peak memory {fmt_bytes(result.peak_rss_bytes)} (budget {fmt_bytes(result.max_memory)})")
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="reshard", epilog=EPILOG)(reshard_command)

@@ -1,0 +1,316 @@
+"""``ckpt reshard``: a whole ``dp_reshardable`` training state moved to another topology, offline.
+
+1. open and check SRC (:mod:`.source`): manifest, not aliased, complete;
+2. the target manifest: same model, optimizer and bucket size, the new topology, and the bucket
+   layout a run there builds (:func:`gtp_format.layout.params.buffer_layouts`, the runtime's rule);
+3. the plan (:mod:`.plan`): every target chunk and the box of a parameter it copies;
+4. ``workers`` threads each write one data file, chunk by chunk, reading only the source bytes
+   each chunk needs (:class:`gtp_format.reader.boxes.BoxReader`); numpy copies and file I/O release
+   the GIL, so threads run in parallel;
+5. metadata, manifest (with every file's size and CRC-32C), ``metadata.json``, the latest marker,
+   all in a hidden sibling folder that :func:`gtp_format.commit.commit_folder` renames to DST.
+   On any failure (a full disk included) the sibling is removed: DST appears whole or not at all,
+   and SRC is only ever read.
+
+Memory: the largest array a worker holds is one chunk (``max_memory / (4 * workers)``, at most
+64 MiB: larger chunks bring no speed); a worker holds at most a few (the source rows, the chunk,
+``torch.save``'s copy), so the data in flight stays under ``--max-memory`` whatever SRC's size.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckpt_tool.reshard.plan import OutChunk, Plan, plan_target, split_files
+from ckpt_tool.reshard.source import Source, open_source
+from ckpt_tool.reshard.writers import (
+    safetensors_index,
+    write_distcp,
+    write_distcp_metadata,
+    write_safetensors,
+)
+from gtp_format.commit import commit_folder, fsync_dir, hidden_sibling, write_durable
+from gtp_format.errors import FormatError
+from gtp_format.layout.config import ConfigError, ParallelConfig
+from gtp_format.layout.params import buffer_layouts
+from gtp_format.manifest import (
+    HASH_ALGORITHM,
+    MANIFEST_VERSION,
+    FileEntry,
+    Manifest,
+    derive_bucket_size,
+    write_manifest,
+)
+from gtp_format.names import (
+    DCP_METADATA_FILE,
+    FORMAT_NAME,
+    GTP_INDEX_FILE,
+    LATEST_FILE,
+    MEGATRON_METADATA_FILE,
+    iter_dir_name,
+)
+from gtp_format.scan import carrier
+
+DEFAULT_MAX_MEMORY = 2 << 30
+MAX_CHUNK = 64 << 20
+MIN_CHUNK = 1 << 20
+DEFAULT_BUCKET_SIZE = 40_000_000
+MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                     "common_backend": "torch", "common_backend_version": 1}
+Progress = Callable[[int], None]
+
+
+@dataclass
+class Result:
+    src: str
+    dst: str
+    source_topology: str
+    target_topology: str
+    layout: str
+    files: int
+    chunks: int
+    bytes_written: int
+    bytes_read: int
+    seconds: float
+    max_memory: int
+    chunk_bytes: int
+    workers: int
+    peak_rss_bytes: int
+    baseline_rss_bytes: int  # after the imports, before any data: peak - baseline is what the data took
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def chunk_budget(max_memory: int, workers: int) -> int:
+    return max(MIN_CHUNK, min(MAX_CHUNK, max_memory // (4 * workers)))
+
+
+def default_workers() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def target_manifest(src: Manifest, par: ParallelConfig, layout: str) -> Manifest:
+    """SRC's manifest at topology ``par``; a topology the model cannot run is refused (exit 2)."""
+    assert src.model is not None and src.param_dtype is not None and src.buffers is not None
+    try:
+        par.validate(num_experts=src.model.num_experts)
+        src.model.validate(par)
+    except ConfigError as e:
+        raise FormatError(f"impossible target topology {par.describe()}: {e}") from None
+    bucket_size = src.bucket_size or derive_bucket_size(src.buffers, DEFAULT_BUCKET_SIZE)
+    assert src.topology is not None
+    note = {"tool": "ckpt reshard", "from": src.topology.describe(), "to": par.describe()}
+    return Manifest(
+        format_version=MANIFEST_VERSION, layout=layout, optimizer_sharding=FORMAT_NAME, iteration=src.iteration,
+        topology=par, model=src.model, param_dtype=src.param_dtype, optimizer=src.optimizer,
+        bucket_size=bucket_size, buffers=buffer_layouts(src.model, par, bucket_size, src.param_dtype),
+        hash_algorithm=HASH_ALGORITHM, files={}, notes=[*src.notes, note], extra=dict(src.extra))
+
+
+def _check_same_params(source: Source, target: Manifest) -> None:
+    from gtp_format.params import param_views
+
+    want = {n: (v.full_shape, v.param_dtype) for n, v in param_views(target).items()}
+    have = {n: (v.full_shape, v.param_dtype) for n, v in source.views.items()}
+    if want != have:
+        diff = sorted(set(want.items()) ^ set(have.items()))
+        raise FormatError(f"{source.root}: its parameters do not match the model its manifest names (e.g. "
+                          f"{diff[0][0]}); the manifest's bucket layout was not written by this runtime's rules")
+
+
+def check_destination(dst: Path, src: Path) -> None:
+    if dst.exists() or dst.is_symlink():
+        raise FormatError(f"{dst}: already exists; reshard and export never overwrite, pick a new folder")
+    if not dst.parent.is_dir():
+        raise FormatError(f"{dst.parent}: no such folder to create {dst.name} in; create it first")
+    s, d = src.resolve(), dst.parent.resolve() / dst.name
+    if d == s or s in d.parents:
+        raise FormatError(f"{dst}: is inside the source checkpoint {src}; write it elsewhere")
+
+
+def chunk_data(source: Source, c: OutChunk) -> np.ndarray:
+    """The stored bits of one target chunk."""
+    if c.values is not None:
+        return np.asarray(c.values, dtype=np.int64)
+    if c.param is None:
+        return np.zeros(c.sizes, dtype=carrier(c.dtype))
+    assert c.box is not None and c.state is not None
+    arr = source.read_full_box(source.views[c.param], c.state, *c.box)
+    if arr.dtype != carrier(c.dtype):
+        raise FormatError(f"{source.root}: {c.param} {c.state} is stored as {arr.dtype}, expected {c.dtype.name}")
+    return arr.reshape(c.sizes)
+
+
+def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, plan: Plan, folder: Path,
+                     workers: int, advance: Progress) -> None:
+    """Write every data file, the metadata and the manifest of ``target`` into ``folder`` (existing).
+
+    ``fill(chunk)`` gives each chunk's stored bits (:func:`chunk_data` for a reshard; the benchmark
+    passes a generator to build synthetic checkpoints of any size).
+    """
+    parts = split_files(plan.chunks, workers * 2)
+    names = [f"__{i}_0.{'distcp' if target.layout == 'torch_dist' else 'safetensors'}" for i in range(len(parts))]
+    lock = threading.Lock()
+
+    def tick(n: int) -> None:
+        with lock:
+            advance(n)
+
+    def one(i: int) -> Any:
+        if target.layout == "torch_dist":
+            return write_distcp(folder / names[i], parts[i], fill, tick)
+        return write_safetensors(folder / names[i], parts[i], fill, tick), None
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(one, range(len(parts))))
+    files: dict[str, FileEntry] = {n: r[0] for n, r in zip(names, results)}
+    if target.layout == "torch_dist":
+        placed = [(n, c, off, ln) for n, r in zip(names, results) for c, off, ln in r[1]]
+        write_distcp_metadata(folder / DCP_METADATA_FILE, plan.shapes, placed)
+        meta_name, megatron = DCP_METADATA_FILE, MEGATRON_METADATA
+    else:
+        write_durable(folder / GTP_INDEX_FILE, safetensors_index(plan.shapes, dict(zip(names, parts))))
+        meta_name, megatron = GTP_INDEX_FILE, {"sharded_backend": "gtp_safetensors"}
+    from gtp_runtime.checkpoint.manifest import file_entry
+
+    files[meta_name] = file_entry(folder / meta_name)
+    write_manifest(folder, replace(target, files=files))
+    write_durable(folder / MEGATRON_METADATA_FILE, json.dumps(megatron))
+    fsync_dir(folder)
+
+
+def os_cause(e: BaseException) -> OSError | None:
+    """The OS error behind ``e``, if any: torch.save reports a failed write as a RuntimeError whose
+    context is the OSError (EFBIG, ENOSPC) that Python's file object raised."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError) and cur.errno is not None:
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def _chain(e: BaseException) -> list[OSError]:
+    out, cur = [], e
+    while cur is not None and len(out) < 16:
+        if isinstance(cur, OSError):
+            out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
+
+
+def write_failure(dst: Path, e: OSError) -> FormatError:
+    """The one-line error for a write that failed (the partial output is already removed)."""
+    space = [x for x in _chain(e) if x.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)]
+    if space:
+        return FormatError(f"{dst}: {os.strerror(space[0].errno or 0)} while writing (nothing was left behind); "
+                           "free space or write to another disk")
+    return FormatError(f"{dst}: cannot write ({e.strerror or e}); nothing was left behind")
+
+
+def build_atomically(dst: Path, src_root: Path, body: Callable[[Path], None]) -> None:
+    """Run ``body(tmp)`` on a hidden sibling of ``dst`` and rename it into place; remove it on failure."""
+    check_destination(dst, src_root)
+    tmp = hidden_sibling(dst, "tmp")
+    tmp.mkdir()
+    try:
+        body(tmp)
+        commit_folder(tmp, dst)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = os_cause(e)
+        if cause is None or isinstance(e, FormatError):
+            raise
+        raise write_failure(dst, cause) from None
+
+
+def peak_rss() -> int:
+    """This process's peak RSS in bytes: ``VmHWM`` (Linux), else ``ru_maxrss``.
+
+    ``ru_maxrss`` survives ``exec``: a CLI started from a parent holding 700 MiB reported 700 MiB
+    whatever it did itself (measured in benchmarks/bench_reshard.py); ``VmHWM`` is per process image.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_after_imports(layout: str | None) -> int:
+    """Peak RSS once every module the write needs is imported (torch and DCP for torch_dist), so a
+    run can report what its data took: ``peak_rss_bytes - baseline_rss_bytes``."""
+    if layout != "safetensors":
+        import torch.distributed.checkpoint.filesystem  # noqa: F401
+    return peak_rss()
+
+
+def target_topology(src: Path, layout: str | None, **asked: int | bool | None) -> ParallelConfig:
+    """SRC's saved topology with the sizes the user gave (``None``: keep SRC's)."""
+    import dataclasses
+
+    from gtp_format.manifest import read_manifest
+    from gtp_format.names import LAYOUTS, MANIFEST_FILE
+    from gtp_format.reader.locate import locate
+
+    if layout is not None and layout not in LAYOUTS:
+        raise FormatError(f"--layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    folder = locate(src).folder
+    if not (folder / MANIFEST_FILE).is_file():
+        raise FormatError(f"{folder}: no gtp_manifest.json: not a gtp_runtime checkpoint; reshard writes this "
+                          "runtime's layout (a genuine megatron-core checkpoint: `ckpt export --to fully_reshardable`)")
+    saved = read_manifest(folder, strict=True).topology
+    assert saved is not None
+    par = dataclasses.replace(saved, **{k: v for k, v in asked.items() if v is not None})
+    if par.cp == 1 and asked.get("fold_cp") is None:
+        par = dataclasses.replace(par, fold_cp=False)  # fold needs CP > 1; only an explicit --fold-cp is refused
+    return par
+
+
+def reshard(src: Path, dst: Path, par: ParallelConfig, layout: str | None = None,
+            max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
+            progress: Callable[[int], Progress] | None = None) -> Result:
+    """Reshard SRC to topology ``par`` into the new folder DST (``DST/iter_N`` + latest marker)."""
+    t0 = time.perf_counter()
+    baseline = rss_after_imports(layout)
+    source = open_source(src)
+    assert source.manifest is not None and source.manifest.topology is not None
+    target = target_manifest(source.manifest, par, layout or source.manifest.layout)
+    _check_same_params(source, target)
+    workers = workers or default_workers()
+    chunk_bytes = chunk_budget(max_memory, workers)
+    plan = plan_target(target, chunk_bytes)
+
+    def body(tmp: Path) -> None:
+        folder = tmp / iter_dir_name(target.iteration)
+        folder.mkdir()
+        advance = progress(plan.nbytes) if progress else (lambda n: None)
+        write_checkpoint(lambda c: chunk_data(source, c), target, plan, folder, workers, advance)
+        write_durable(tmp / LATEST_FILE, f"{target.iteration}\n")
+
+    build_atomically(dst, source.root, body)
+    out = list((dst / iter_dir_name(target.iteration)).iterdir())
+    return Result(str(source.root), str(dst), source.manifest.topology.describe(), par.describe(), target.layout,
+                  len(out), len(plan.chunks), sum(p.stat().st_size for p in out), source.reader.bytes_read,
+                  time.perf_counter() - t0, max_memory, chunk_bytes, workers,
+                  peak_rss(), baseline)

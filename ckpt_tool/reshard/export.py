@@ -1,0 +1,245 @@
+"""``ckpt export``: the per-parameter state of a checkpoint in formats other tools load.
+
+* ``hf``: global model weights as Hugging Face sharded safetensors (``model-0000i-of-0000n.
+  safetensors`` + ``model.safetensors.index.json``), under the checkpoint's (Megatron) parameter
+  names, at their full shapes (GTP padding removed), in the stored dtype. ``optimizer=True`` adds
+  ``optimizer-*.safetensors`` holding ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``
+  (fp32 master weights and Adam moments, full shapes).
+* ``fully_reshardable``: Megatron's per-parameter optimizer layout as a torch_dist (DCP)
+  checkpoint: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>`` next to the model weights
+  ``<name>``, every tensor at its global shape, chunked in row blocks.
+* ``torch``: one ``torch.save`` file of ``{key: global tensor}`` for every key of SRC, as
+  PyTorch's ``dcp_to_torch_save`` writes it; the whole state is in memory at once, so it is
+  refused above ``--max-memory`` (small models only, as upstream says of its own function).
+
+All three stream through the per-parameter view (:class:`.source.Source`) in row blocks of at
+most the chunk budget and appear atomically (:func:`.engine.build_atomically`,
+:func:`gtp_format.commit.commit_file`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckpt_tool.reshard.engine import (
+    MEGATRON_METADATA,
+    Progress,
+    build_atomically,
+    check_destination,
+    chunk_budget,
+    chunk_data,
+    default_workers,
+    peak_rss,
+    rss_after_imports,
+    write_failure,
+)
+from ckpt_tool.reshard.plan import FP32, OutChunk, dtype_of, row_blocks, split_files
+from ckpt_tool.reshard.source import WEIGHT, Source, open_source
+from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata
+from gtp_format.commit import commit_file, fsync_dir, hidden_sibling, write_durable
+from gtp_format.dtypes import DType
+from gtp_format.errors import FormatError
+from gtp_format.layout.params import model_params
+from gtp_format.names import LATEST_FILE, MEGATRON_METADATA_FILE, STATES, iter_dir_name
+from gtp_format.params import ParamView
+
+TARGETS = ("hf", "fully_reshardable", "torch")
+DEFAULT_SHARD = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
+HF_INDEX = "model.safetensors.index.json"
+OPT_INDEX = "optimizer.safetensors.index.json"
+
+
+def state_key(state: str, name: str) -> str:
+    """Megatron's fully_reshardable name of one parameter's optimizer state."""
+    return f"optimizer.state.{state}.{name}"
+
+
+def ordered_views(source: Source) -> list[ParamView]:
+    """Parameters in model order (the manifest lists them in bucket order, reversed)."""
+    if source.manifest is None or source.manifest.model is None:
+        return list(source.views.values())  # megatron-core views are built in module order
+    order = {p.name: i for i, p in enumerate(model_params(source.manifest.model))}
+    return sorted(source.views.values(), key=lambda v: order.get(v.name, len(order)))
+
+
+def param_chunks(view: ParamView, state: str, key: str, max_bytes: int, stacked: bool = False) -> list[OutChunk]:
+    """Row blocks of one parameter's full tensor for ``state``, as chunks of key ``key``.
+
+    ``stacked``: the key has a leading layer axis (megatron-core) and the chunk sits at ``view.layer``.
+    """
+    dt = dtype_of(view.param_dtype) if state == WEIGHT else FP32
+    shape, rest = view.full_shape, view.full_shape[1:]
+    lead: tuple[int, ...] = (view.layer,) if stacked and view.layer is not None else ()
+    one: tuple[int, ...] = (1,) if lead else ()
+    return [OutChunk(key, (*lead, a, *(0,) * len(rest)), (*one, b - a, *rest), dt, view.name, state,
+                     ((a, *(0,) * len(rest)), (b - a, *rest)))
+            for a, b in row_blocks(shape[0] if shape else 1, math.prod(rest), dt.itemsize, max_bytes)]
+
+
+# -- hf ---------------------------------------------------------------------------------------------
+
+def _hf_files(tensors: list[tuple[str, DType, tuple[int, ...], list[OutChunk]]], max_shard: int,
+              prefix: str) -> list[tuple[str, list[Any]]]:
+    groups: list[list[Any]] = [[]]
+    size = 0
+    for t in tensors:
+        nbytes = math.prod(t[2]) * t[1].itemsize
+        if groups[-1] and size + nbytes > max_shard:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += nbytes
+    n = len(groups)
+    return [(f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
+
+
+def _write_hf_file(path: Path, tensors: list[Any], data: Callable[[OutChunk], np.ndarray], tick: Progress) -> None:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for name, dt, shape, _ in tensors:
+        n = math.prod(shape) * dt.itemsize
+        header[name] = {"dtype": dt.safetensors, "shape": list(shape), "data_offsets": [pos, pos + n]}
+        pos += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "xb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for _, _, _, chunks in tensors:
+            for c in chunks:
+                f.write(np.ascontiguousarray(data(c)).data)
+                tick(c.nbytes)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def export_hf(source: Source, folder: Path, optimizer: bool, max_shard: int, chunk_bytes: int, workers: int,
+              advance: Progress) -> dict[str, Any]:
+    views = ordered_views(source)
+    sets = [("model", HF_INDEX, [(v.name, WEIGHT) for v in views])]
+    if optimizer:
+        sets.append(("optimizer", OPT_INDEX, [(state_key(s, v.name), s) for v in views for s in STATES]))
+    by_name = {v.name: v for v in views}
+    jobs = []
+    for prefix, index, names in sets:
+        tensors = []
+        for key, state in names:
+            view = by_name[key if state == WEIGHT else key.split(".", 3)[3]]
+            chunks = param_chunks(view, state, key, chunk_bytes)
+            tensors.append((key, chunks[0].dtype, view.full_shape, chunks))
+        files = _hf_files(tensors, max_shard, prefix)
+        total = sum(math.prod(t[2]) * t[1].itemsize for t in tensors)
+        weight_map = {t[0]: name for name, group in files for t in group}
+        write_durable(folder / index, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                 indent=2))
+        jobs.extend(files)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(lambda job: _write_hf_file(folder / job[0], job[1], lambda c: chunk_data(source, c),
+                                                 advance), jobs))
+    fsync_dir(folder)
+    return {"files": len(jobs) + len(sets)}
+
+
+# -- fully_reshardable --------------------------------------------------------------------------------
+
+def export_fully_reshardable(source: Source, root: Path, chunk_bytes: int, workers: int,
+                             advance: Progress) -> dict[str, Any]:
+    iteration = source.manifest.iteration if source.manifest else (source.ckpt.iteration or 0)
+    folder = root / iter_dir_name(iteration)
+    folder.mkdir()
+    chunks: list[OutChunk] = []
+    shapes: dict[str, Any] = {}
+    for v in ordered_views(source):
+        stacked = v.layer is not None
+        mk = v.model_key
+        for state, key in [(WEIGHT, mk), *((s, state_key(s, mk)) for s in STATES)]:
+            part = param_chunks(v, state, key, chunk_bytes, stacked)
+            entry_shape = source.ckpt.entries[mk].shape if stacked else None
+            shapes[key] = (entry_shape or v.full_shape, part[0].dtype)
+            chunks.extend(part)
+    parts = split_files(chunks, workers * 2)
+    names = [f"__{i}_0.distcp" for i in range(len(parts))]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(lambda i: write_distcp(folder / names[i], parts[i],
+                                                       lambda c: chunk_data(source, c), advance), range(len(parts))))
+    write_distcp_metadata(folder / ".metadata", shapes,
+                          [(n, c, off, ln) for n, r in zip(names, results) for c, off, ln in r[1]])
+    write_durable(folder / MEGATRON_METADATA_FILE, json.dumps(MEGATRON_METADATA))
+    fsync_dir(folder)
+    write_durable(root / LATEST_FILE, f"{iteration}\n")
+    return {"files": len(parts) + 2}
+
+
+# -- torch ------------------------------------------------------------------------------------------
+
+def export_torch(source: Source, dst: Path, max_memory: int) -> dict[str, Any]:
+    import torch
+
+    entries = {k: e for k, e in source.ckpt.entries.items() if e.shape is not None and e.dtype is not None}
+    total = sum(e.numel * e.itemsize for e in entries.values())
+    if total > max_memory:
+        raise FormatError(f"{source.root}: --to torch holds all {total} bytes in memory, more than --max-memory "
+                          f"{max_memory}; use --to hf (streamed) or raise --max-memory")
+    state = {}
+    for key, e in entries.items():
+        assert e.shape is not None and e.dtype is not None
+        arr = source.reader.read_box(key, (0,) * len(e.shape), e.shape)
+        state[key] = torch.from_numpy(np.ascontiguousarray(arr)).view(e.dtype.torch)
+    tmp = hidden_sibling(dst, "tmp")
+    try:
+        torch.save(state, tmp)
+        commit_file(tmp, dst)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise write_failure(dst, e) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"files": 1, "keys": len(state), "bytes": total}
+
+
+def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: int = 2 << 30,
+           workers: int | None = None, max_shard: int = DEFAULT_SHARD,
+           progress: Callable[[int], Progress] | None = None) -> dict[str, Any]:
+    """Export SRC to DST (a new folder; a new file for ``torch``) and return a summary."""
+    if to not in TARGETS:
+        raise FormatError(f"--to {to!r}: use one of {', '.join(TARGETS)}")
+    t0 = time.perf_counter()
+    baseline = rss_after_imports("safetensors" if to == "hf" else None)
+    source = open_source(src, megatron=True)
+    workers = workers or default_workers()
+    chunk_bytes = chunk_budget(max_memory, workers)
+    views = source.views.values()
+    weights = sum(v.numel * dtype_of(v.param_dtype).itemsize for v in views)
+    states = sum(v.numel * 4 * len(STATES) for v in views)
+    total = weights + (states if (optimizer or to == "fully_reshardable") else 0)
+    advance = progress(total) if progress and to != "torch" else (lambda n: None)
+    if to == "torch":
+        check_destination(dst, source.root)
+        info = export_torch(source, dst, max_memory)
+    else:
+        holder: dict[str, Any] = {}
+
+        def body(tmp: Path) -> None:
+            if to == "hf":
+                holder.update(export_hf(source, tmp, optimizer, max_shard, chunk_bytes, workers, advance))
+            else:
+                holder.update(export_fully_reshardable(source, tmp, chunk_bytes, workers, advance))
+
+        build_atomically(dst, source.root, body)
+        info = holder
+    written = dst.stat().st_size if dst.is_file() else sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
+    return {"src": str(source.root), "dst": str(dst), "to": to, "optimizer": optimizer, **info,
+            "params": len(source.views), "bytes_written": written, "bytes_read": source.reader.bytes_read,
+            "seconds": time.perf_counter() - t0, "max_memory": max_memory, "chunk_bytes": chunk_bytes,
+            "workers": workers, "peak_rss_bytes": peak_rss(),
+            "baseline_rss_bytes": baseline}

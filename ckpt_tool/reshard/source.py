@@ -1,0 +1,132 @@
+"""The checkpoint being read by ``reshard``/``export``: opened, checked, and read per parameter box.
+
+Refusals come first and name the fix: a source without a manifest or bucket layout (not ours:
+genuine Megatron checkpoints go through :mod:`ckpt_tool.reshard.megatron`), an aliased source
+(folded keys without ``.cp_rank_{i}``: ``ckpt migrate-aliased`` first), and an incomplete one
+(a missing key, a hole, a chunk without storage, a data file that is gone or short): ``verify``'s
+structural checks run before any byte is copied, so a reshard never writes half a checkpoint
+from a damaged one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gtp_format.check.analysis import aliasing, classify_all, topology_view
+from gtp_format.check.verify import check_geometry, check_storage
+from gtp_format.errors import FormatError
+from gtp_format.manifest import Manifest, read_manifest
+from gtp_format.model import Checkpoint
+from gtp_format.names import OPTIMIZER_SHARDINGS
+from gtp_format.params import Holder, ParamView, bucket_refs, full_box, param_views
+from gtp_format.reader.boxes import BoxReader
+from gtp_format.reader.checkpoint import open_checkpoint
+
+WEIGHT = "weight"  # the model-weight "state" of a parameter, next to param / exp_avg / exp_avg_sq
+
+
+@dataclass
+class Source:
+    ckpt: Checkpoint
+    manifest: Manifest | None  # None: a genuine megatron-core checkpoint (gtp_format.megatron)
+    views: dict[str, ParamView]
+    reader: BoxReader
+
+    @property
+    def root(self) -> Path:
+        return self.ckpt.root
+
+    def read_full_box(self, view: ParamView, state: str, offsets: tuple[int, ...],
+                      sizes: tuple[int, ...]) -> np.ndarray:
+        """A box of parameter ``view``'s full tensor for ``state`` (weight: the model key), stored bits."""
+        out: np.ndarray | None = None
+        covered = 0
+        for h in view.primaries:
+            fo, fs = full_box(h.spec)
+            lo = [max(a, b) for a, b in zip(offsets, fo)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, fo, fs)]
+            if any(a >= b for a, b in zip(lo, hi)):
+                continue
+            part = self._holder_rows(view, h, state, lo[0] - fo[0], hi[0] - fo[0])
+            if out is None and tuple(lo) == tuple(offsets) and [b - a for a, b in zip(lo, hi)] == list(sizes) \
+                    and tuple(fs[1:]) == tuple(sizes[1:]):
+                return part  # one shard holds the whole box: no assembly copy
+            part = part[(slice(None), *(slice(a - b, c - b) for a, c, b in zip(lo[1:], hi[1:], fo[1:])))]
+            if out is None:
+                out = np.empty(sizes, dtype=part.dtype)
+            out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))] = part
+            covered += math.prod(b - a for a, b in zip(lo, hi))
+        if out is None or covered != math.prod(sizes):
+            raise FormatError(f"{self.root}: param {view.name} box {list(offsets)}+{list(sizes)} is not covered by "
+                              "its shards; the manifest does not match the data")
+        return out
+
+    def _holder_rows(self, view: ParamView, h: Holder, state: str, r0: int, r1: int) -> np.ndarray:
+        """Rows ``[r0, r1)`` of a holder's valid rows, full width of its shard."""
+        tail = h.spec.local_shape[1:]
+        if state == WEIGHT:
+            g = h.spec.global_offset
+            if view.layer is None:
+                return self.reader.read_box(view.model_key, (g[0] + r0, *g[1:]), (r1 - r0, *tail))
+            box = self.reader.read_box(view.model_key, (view.layer, g[0] + r0, *g[1:]), (1, r1 - r0, *tail))
+            return box.reshape((r1 - r0, *tail))
+        row = math.prod(tail)
+        flat = self.reader.read_box(h.ref.key(state), (h.start + r0 * row,), ((r1 - r0) * row,))
+        return flat.reshape((r1 - r0, *tail))
+
+
+def open_source(path: Path, megatron: bool = False) -> Source:
+    """Open SRC and refuse what cannot be resharded (see the module docstring).
+
+    ``megatron=True`` (export) also takes a checkpoint without a manifest, through megatron-core's
+    layout rules (:mod:`gtp_format.megatron`, which refuses what they do not cover).
+    """
+    ckpt = open_checkpoint(path)
+    if ckpt.manifest is None and megatron:
+        return _open_megatron(ckpt)
+    if ckpt.manifest is None:
+        raise FormatError(f"{ckpt.root}: no gtp_manifest.json: not a gtp_runtime checkpoint; reshard writes this "
+                          "runtime's layout (a genuine megatron-core checkpoint: `ckpt export --to fully_reshardable`)")
+    manifest = read_manifest(ckpt.root, strict=True)  # open_checkpoint's parse is lenient; we need it all
+    if manifest.optimizer_sharding != OPTIMIZER_SHARDINGS[0]:
+        raise FormatError(f"{ckpt.root}: optimizer sharding is {manifest.optimizer_sharding!r}; reshard reads "
+                          "dp_reshardable checkpoints")
+    report = aliasing(ckpt, classify_all(ckpt), topology_view(manifest, None))
+    if report.status in ("aliased", "possibly_aliased", "inconsistent"):
+        first = report.aliased[0].key if report.aliased else "-"
+        raise FormatError(f"{ckpt.root}: {report.message} (e.g. {first}); run `ckpt migrate-aliased` on it first, "
+                          "then reshard the migrated copy")
+    errors = [p for p in check_geometry(ckpt) + check_storage(ckpt) if p.severity == "error"]
+    if errors:
+        e = errors[0]
+        raise FormatError(f"{ckpt.root}: incomplete checkpoint ({len(errors)} problems); first: "
+                          f"{e.key or e.file or '-'}: {e.message}; run `ckpt verify` on it and reshard a complete one")
+    views = param_views(manifest)
+    missing = [k for ref in bucket_refs(manifest) for k in (ref.key("param"),) if k not in ckpt.entries]
+    missing += [name for name in views if name not in ckpt.entries]
+    if missing:
+        raise FormatError(f"{ckpt.root}: incomplete checkpoint: {len(missing)} keys the manifest implies are "
+                          f"missing, e.g. {missing[0]!r}; run `ckpt verify` and reshard a complete one")
+    for ref in bucket_refs(manifest):
+        for state in ("param", "exp_avg", "exp_avg_sq"):
+            e = ckpt.entries.get(ref.key(state))
+            if e is None or e.shape != (ref.numel_unpadded,):
+                raise FormatError(f"{ckpt.root}: optimizer key {ref.key(state)!r} is "
+                                  f"{'missing' if e is None else f'of shape {list(e.shape or ())}'}, the manifest "
+                                  f"says ({ref.numel_unpadded},); the checkpoint is incomplete or not this layout")
+    return Source(ckpt, manifest, views, BoxReader(ckpt))
+
+
+def _open_megatron(ckpt: Checkpoint) -> Source:
+    from gtp_format.megatron import megatron_views
+
+    errors = [p for p in check_geometry(ckpt) + check_storage(ckpt) if p.severity == "error"]
+    if errors:
+        e = errors[0]
+        raise FormatError(f"{ckpt.root}: incomplete checkpoint ({len(errors)} problems); first: "
+                          f"{e.key or e.file or '-'}: {e.message}; run `ckpt verify` on it")
+    return Source(ckpt, None, megatron_views(ckpt), BoxReader(ckpt))
