@@ -56,8 +56,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", default="1,4,8,16", help="comma list of layer counts, one checkpoint each")
     ap.add_argument("--workdir", default="/tmp/bench_reshard", help="generated checkpoints go here (removed after)")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--ffn", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--write-docs", action="store_true")
-    return ap.parse_args(argv)
+    ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks): hidden 64, 1 and 2 layers")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.layers, args.hidden, args.ffn, args.vocab = "1,2", 64, 256, 512
+    return args
 
 
 def _fill(c: OutChunk) -> np.ndarray:
@@ -74,9 +81,9 @@ def _fill(c: OutChunk) -> np.ndarray:
     return out.view(carrier(c.dtype)).reshape(c.sizes) if c.dtype.itemsize == 4 else out.reshape(c.sizes)
 
 
-def make_source(root: Path, layers: int) -> int:
-    model = ModelConfig(vocab_size=32000, hidden=1024, num_layers=layers, num_heads=8, ffn_hidden=4096,
-                        seq_length=32)
+def make_source(root: Path, layers: int, args: argparse.Namespace) -> int:
+    model = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, num_layers=layers, num_heads=8,
+                        ffn_hidden=args.ffn, seq_length=32)
     bucket = 40_000_000
     manifest = Manifest(format_version=MANIFEST_VERSION, layout="torch_dist", optimizer_sharding="dp_reshardable",
                         iteration=1, topology=SOURCE, model=model, param_dtype="torch.float32",
@@ -111,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [int(x) for x in args.layers.split(",")]
     for layers in sizes:
         src = work / f"src{layers}"
-        nbytes = make_source(src, layers)
+        nbytes = make_source(src, layers, args)
         gb = nbytes / 1e9
         t_cp, _, _ = timed(["cp", "-r", str(src), str(work / "copy")])
         t_rs, m_rs, b_rs = timed([*ckpt, "reshard", str(src), str(work / "rs"), "--tp", "2", "--cp", "1",
@@ -151,7 +158,7 @@ def _linear(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
 def report(rows: list[dict], fits: list[tuple], args: argparse.Namespace) -> str:
     gbs = [f[0] for f in fits]
     lines = [
-        f"Synthetic `dp_reshardable` checkpoints ({SOURCE.describe()}, hidden 1024, ffn 4096, vocab 32000, fp32; "
+        f"Synthetic `dp_reshardable` checkpoints ({SOURCE.describe()}, hidden {args.hidden}, ffn {args.ffn}, vocab {args.vocab}, fp32; "
         "written by the reshard engine's own writer), resharded to tp2-cp1-g2-dp2-nofold and exported to "
         "Hugging Face safetensors with `--optimizer` (every byte read and written once), against `cp -r` of the "
         "same folder in the same run. Each command is a fresh subprocess, start-up included; warm page cache; "

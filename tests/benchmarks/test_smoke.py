@@ -48,6 +48,7 @@ SMOKE = {
     "bench_migrate.py": ["--workdir", "{tmp}/migrate"],
     "bench_verify.py": ["--workdir", "{tmp}/verify", "--clean"],
     "bench_gpu.py": ["--json", "{tmp}/gpu.json"],
+    "bench_reshard.py": ["--workdir", "{tmp}/reshard"],
 }
 # Not run with --smoke by the test above; each has its own test below.
 OTHERS = {"bench_megatron_save.py", "report_gpu.py", "docs_section.py"}
@@ -166,10 +167,17 @@ def check_gpu(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
         assert "Traceback" not in p.stderr and not (tmp / "gpu.json").exists()
 
 
+def check_reshard(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    head, *rows = _table(p.stdout)
+    assert [r[head.index("layers")] for r in rows] == ["1", "2"]
+    assert all(float(r[head.index("reshard s")]) > 0 and float(r[head.index("export hf s")]) > 0 for r in rows)
+    assert "Time against size, reshard" in p.stdout and not (tmp / "reshard").exists()
+
+
 CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
     "bench_inspect.py": check_inspect, "bench_migrate.py": check_migrate, "bench_verify.py": check_verify,
-    "bench_gpu.py": check_gpu,
+    "bench_gpu.py": check_gpu, "bench_reshard.py": check_reshard,
 }
 
 
