@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workdir", default="/tmp/bench_inspect", help="generated checkpoints go here")
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
     ap.add_argument("--write-docs", action="store_true", help="update docs/performance.md")
+    ap.add_argument("--baseline", metavar="REV",
+                    help="also time an earlier commit's code on the same files, interleaved with this tree's "
+                         "(git archive of REV into the workdir; its bench_inspect.py must have --child)")
     ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks): 200 chunks of 16 elements")
     ap.add_argument("--child", nargs=2, metavar=("MODE", "PATH"), help=argparse.SUPPRESS)
     ap.add_argument("--generate", nargs=2, metavar=("CHUNKS", "PATH"), help=argparse.SUPPRESS)
@@ -169,29 +172,32 @@ def child(mode: str, path: str) -> None:
     print(json.dumps({"seconds": seconds, "base_kib": base_rss, "peak_kib": peak, "keys": detail, **opens}))
 
 
-def measure(mode: str, path: Path) -> dict[str, float]:
+def measure(mode: str, path: Path, tree: Path = REPO) -> dict[str, float]:
+    """One measurement in a fresh subprocess, with the code of ``tree`` (this checkout, or a baseline's)."""
     if mode == "cli":
-        wall, rss, out = _wait4([sys.executable, "-m", "ckpt_tool.cli", "inspect", str(path), "--format", "json"])
+        wall, rss, out = _wait4([sys.executable, "-m", "ckpt_tool.cli", "inspect", str(path), "--format", "json"],
+                                tree)
         json.loads(out)
         return {"seconds": wall, "peak_kib": rss}
     if mode == "torch_process":
         code = "import sys; from torch.distributed.checkpoint import FileSystemReader; " \
                "FileSystemReader(sys.argv[1]).read_metadata()"
-        wall, rss, _ = _wait4([sys.executable, "-c", code, str(path)])
+        wall, rss, _ = _wait4([sys.executable, "-c", code, str(path)], tree)
         return {"seconds": wall, "peak_kib": rss}
-    wall, rss, out = _wait4([sys.executable, __file__, "--child", mode, str(path)])
+    wall, rss, out = _wait4([sys.executable, str(tree / "benchmarks" / Path(__file__).name), "--child", mode,
+                             str(path)], tree)
     res = json.loads(out.strip().splitlines()[-1])
     res["wall"] = wall
     res["rusage_kib"] = rss
     return res
 
 
-def _wait4(cmd: list[str]) -> tuple[float, int, str]:
-    """Wall seconds, ru_maxrss (KiB, from os.wait4) and stdout of one subprocess."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+def _wait4(cmd: list[str], tree: Path = REPO) -> tuple[float, int, str]:
+    """Wall seconds, ru_maxrss (KiB, from os.wait4) and stdout of one subprocess run in ``tree``."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     t = time.perf_counter()
     with open(os.devnull, "rb") as devnull:
-        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=devnull, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p = subprocess.Popen(cmd, cwd=tree, env=env, stdin=devnull, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out_chunks = []
         while chunk := p.stdout.read(1 << 20):
             out_chunks.append(chunk)
@@ -204,14 +210,36 @@ def _wait4(cmd: list[str]) -> tuple[float, int, str]:
     return wall, usage.ru_maxrss, b"".join(out_chunks).decode()
 
 
-def run(args: argparse.Namespace) -> list[list]:
-    work = Path(args.workdir)
+BASE_MODES = ("safe_unpickle", "open_checkpoint", "inspect", "cli")  # what --baseline times again
+
+
+def _compile(tree: Path) -> None:
     # as an install does: without .pyc files (PYTHONDONTWRITEBYTECODE, a read-only checkout) every
-    # CLI run would compile ckpt_tool's modules again, about 0.1 s that a user never pays
-    subprocess.run([sys.executable, "-m", "compileall", "-q", "ckpt_tool", "gtp_runtime"], cwd=REPO, check=True)
+    # CLI run would compile the packages again, about 0.1 s that a user never pays
+    pkgs = [p for p in ("gtp_format", "ckpt_tool", "gtp_runtime") if (tree / p).is_dir()]
+    subprocess.run([sys.executable, "-m", "compileall", "-q", *pkgs], cwd=tree, check=True)
+
+
+def _checkout(rev: str, dest: Path) -> Path:
+    """The files of commit ``rev`` under ``dest`` (``git archive``: the repository is not touched)."""
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", "--format=tar", rev], cwd=REPO, capture_output=True)
+    if archive.returncode != 0:
+        raise SystemExit(f"--baseline {rev}: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    _compile(dest)
+    return dest
+
+
+def run(args: argparse.Namespace) -> tuple[list[list], list[list]]:
+    """The table's rows, and with ``--baseline`` the rows comparing this tree's times with REV's."""
+    work = Path(args.workdir)
+    _compile(REPO)
     work.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows: list[list] = []
+    base_rows: list[list] = []
     try:
+        base = _checkout(args.baseline, work / "baseline") if args.baseline else None
         for n in [int(x) for x in args.chunks.split(",")]:
             folder = work / f"chunks_{n}"
             if folder.exists():
@@ -226,12 +254,20 @@ def run(args: argparse.Namespace) -> list[list]:
             repeats = args.repeats if n < BIG else 1
             modes = (*MODES, "cli", "torch_process")
             best: dict[str, dict[str, float]] = {}
-            for _ in range(repeats):
+            for _ in range(repeats):  # with a baseline, each of its runs follows ours: both see the same load
                 for mode in modes:
-                    r = measure(mode, folder)
-                    print(f"  {n} {mode}: {r}", flush=True)
-                    if mode not in best or r["seconds"] < best[mode]["seconds"]:
-                        best[mode] = r
+                    for name, tree in (("", REPO), ("base ", base)):
+                        if tree is None or (name and mode not in BASE_MODES):
+                            continue
+                        r = measure(mode, folder, tree)
+                        print(f"  {n} {name}{mode}: {r}", flush=True)
+                        if name + mode not in best or r["seconds"] < best[name + mode]["seconds"]:
+                            best[name + mode] = r
+            if base is not None:
+                for mode in BASE_MODES:
+                    ours, theirs = best[mode]["seconds"], best["base " + mode]["seconds"]
+                    base_rows.append([f"{info['chunks']:,}", mode, f"{ours:.2f}", f"{theirs:.2f}",
+                                      f"{ours / theirs:.2f}x"])
             for mode in modes:
                 if mode not in ("torch", "cli", "torch_process") and best[mode]["distcp"]:
                     raise SystemExit(f"{mode} opened {best[mode]['distcp']} data files; inspect must open none")
@@ -257,7 +293,7 @@ def run(args: argparse.Namespace) -> list[list]:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    return rows
+    return rows, base_rows
 
 
 HEADERS = ["chunks", "keys", ".metadata MiB", "torch s", "safe unpickle s", "open_checkpoint s", "inspect s",
@@ -295,14 +331,35 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(generate(Path(args.generate[1]), int(args.generate[0]), args)))
         return 0
     command = shlex.join(["python", "benchmarks/bench_inspect.py", *(sys.argv[1:] if argv is None else argv)])
-    rows = run(args)
+    rows, base_rows = run(args)
     table = tabulate(rows, headers=HEADERS, tablefmt="github")
     print(table)
-    print(json.dumps({"rows": rows}))
+    extra = []
+    if base_rows:
+        extra = [baseline_notes(args.baseline, base_rows)]
+        print(extra[0])
+    print(json.dumps({"rows": rows, "baseline_rows": base_rows}))
     if args.write_docs:
-        write_docs(table, command, args, rows, notes(rows))
+        write_docs(table, command, args, rows, "\n\n".join([notes(rows), *extra]))
         print("updated docs/performance.md")
     return 0
+
+
+def baseline_notes(rev: str, base_rows: list[list]) -> str:
+    """This tree against ``rev`` on the same files, each measurement of REV run right after ours."""
+    label = subprocess.run(["git", "log", "-1", "--format=%h %s", rev], cwd=REPO, capture_output=True,
+                           text=True).stdout.strip()[:90]
+    table = tabulate(base_rows, headers=["chunks", "measurement", "this tree s", f"{rev} s", f"this/{rev}"],
+                     tablefmt="github")
+    worst = max(base_rows, key=lambda r: float(r[4].rstrip("x")))
+    return "\n".join([
+        f"Against commit {rev} ({label}), timed in the same run on the same files, each of its runs right "
+        "after ours (its own `bench_inspect.py --child`, its own packages), best of the same repeats:",
+        "",
+        table,
+        "",
+        f"- Largest ratio: {worst[4]} ({worst[1]} at {worst[0]} chunks); below 1.00x this tree is faster.",
+    ])
 
 
 def notes(rows: list[list]) -> str:
