@@ -5,8 +5,9 @@
 The default suite on 2 GPUs (cp2, gtp_remat 1): hidden 4096 / 8 layers / sequence 8192 unfolded
 and folded, each unfused (the baseline) and with ``--fused compile``; folded with Liger-Kernel
 (when it imports); unfolded fused without overlap (what overlapping the dp_cp bucket reduction
-buys); a second shape (hidden 8192, 4 layers, sequence 16384) unfolded and folded fused; and a
-folded fused sweep over sequence length (``--sweep``).
+buys); folded fused with the CP attention on SDPA's flash kernel instead of cuDNN blocks (what
+the cuDNN path buys); a second shape (hidden 8192, 4 layers, sequence 16384)
+unfolded and folded fused; and a folded fused sweep over sequence length (``--sweep``).
 
 For each configuration it measures on every rank: step time and tokens/s (after warm-up), peak
 GPU memory, the runtime's own dense weight+grad bytes, model FLOP utilisation against the bf16
@@ -31,10 +32,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from gtp_format.layout.config import ModelConfig, ParallelConfig
-from gtp_runtime.launch import free_port
+from gtp_runtime import context_parallel
+from gtp_runtime.launch import RankFailure, run_local_ranks
 from gtp_runtime.training import TrainConfig, Trainer
 
 
@@ -89,7 +90,8 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
 
 
-def exposed_comm_ms(trainer: Trainer) -> tuple[float, float, dict[str, float], dict[str, Any]]:
+def exposed_comm_ms(trainer: Trainer,
+                    trace: str | None = None) -> tuple[float, float, dict[str, float], dict[str, Any]]:
     """(total NCCL kernel time, NCCL time not overlapped by any compute kernel, GPU time by kernel
     kind, where the rest goes) for one step, in ms. The kinds say where a step's time goes when
     MFU is low; the rest says how long the GPU ran nothing, in which phase of the step, and which
@@ -99,6 +101,8 @@ def exposed_comm_ms(trainer: Trainer) -> tuple[float, float, dict[str, float], d
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         trainer.train_step()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     comm, comp = [], []
     by_kind: dict[str, float] = {}
     other: dict[str, list[float]] = {}
@@ -179,7 +183,24 @@ def ckpt_throughput(trainer: Trainer, root: str) -> dict[str, float]:
             "torch_save_gbps": base_gb / tsave_s, "torch_load_gbps": base_gb / tload_s}
 
 
-def run_config(name: str, cfg: TrainConfig, steps: int, warmup: int, peak: float, do_ckpt: bool) -> dict[str, Any]:
+class GcTimer:
+    """Time spent in Python's garbage collector while active (a host pause the GPU may wait for)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.collections, self._t, self.active = 0.0, 0, 0.0, False
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if not self.active:
+            return
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t
+            self.collections += 1
+
+
+def run_config(name: str, cfg: TrainConfig, steps: int, warmup: int, peak: float, do_ckpt: bool,
+               trace: str | None = None) -> dict[str, Any]:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg, device=torch.device("cuda", torch.cuda.current_device()))
@@ -187,13 +208,18 @@ def run_config(name: str, cfg: TrainConfig, steps: int, warmup: int, peak: float
         trainer.train_step()
     torch.cuda.synchronize()
     dist.barrier()
+    gc_timer = GcTimer()
+    gc.callbacks.append(gc_timer)
+    gc_timer.active = True
     t = time.perf_counter()
     losses = []
     for _ in range(steps):
         losses.append(trainer.train_step().loss)
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t) / steps
-    comm_ms, exposed_ms, by_kind, rest = exposed_comm_ms(trainer)
+    gc_timer.active = False
+    gc.callbacks.remove(gc_timer)
+    comm_ms, exposed_ms, by_kind, rest = exposed_comm_ms(trainer, trace if dist.get_rank() == 0 else None)
     peak_mem = torch.cuda.max_memory_allocated() / 2**30
     tokens = cfg.global_batch_size * cfg.model.seq_length
     world = cfg.par.world_size
@@ -205,6 +231,7 @@ def run_config(name: str, cfg: TrainConfig, steps: int, warmup: int, peak: float
         "mfu": model_flops_per_step(cfg.model, tokens) / step_s / (world * peak * 1e12),
         "peak_mem_gib": peak_mem, "dense_wgrad_gib": trainer.dense_weight_grad_bytes() / 2**30,
         "comm_ms": comm_ms, "exposed_comm_ms": exposed_ms, "final_loss": losses[-1],
+        "gc_ms_per_step": gc_timer.seconds * 1e3 / steps, "gc_collections": gc_timer.collections,
         **{f"gpu_ms_{k}": v for k, v in sorted(by_kind.items())}, **rest,
     }
     if do_ckpt:
@@ -237,7 +264,8 @@ def suite(args: argparse.Namespace) -> list[tuple[str, ModelConfig, bool, bool, 
     fused = args.fused
     out = [("unfolded", main, False, True, None), ("folded", main, True, True, None),
            (f"unfolded {fused}", main, False, True, fused), (f"folded {fused}", main, True, True, fused),
-           (f"unfolded {fused}, no overlap", main, False, False, fused)]
+           (f"unfolded {fused}, no overlap", main, False, False, fused),
+           (f"folded {fused}, sdpa attention", main, True, True, fused)]
     if args.liger:
         out.append(("folded liger", main, True, True, "liger"))
     if args.hidden2:
@@ -249,11 +277,16 @@ def suite(args: argparse.Namespace) -> list[tuple[str, ModelConfig, bool, bool, 
     return out
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+def _trace_path(args: argparse.Namespace, name: str) -> str | None:
+    if not args.trace_dir:
+        return None
+    return os.path.join(args.trace_dir, "trace_" + "".join(c if c.isalnum() else "_" for c in name) + ".json")
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank (started by :func:`gtp_runtime.launch.run_local_ranks` with NCCL, one GPU each)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attention = context_parallel.CP_ATTENTION
     torch.backends.cuda.matmul.allow_tf32 = True
     peak = matmul_peak_tflops()
     peaks = [0.0] * world
@@ -264,11 +297,15 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     for name, model, fold, overlap, fused in suite(args):
         if args.only and name not in args.only:
             continue
+        # CP attention as configured (cuDNN blocks on CUDA unless GTP_CP_ATTENTION says otherwise), or,
+        # for the comparison row, on SDPA's flash kernel.
+        context_parallel.CP_ATTENTION = "sdpa" if name.endswith("sdpa attention") else attention
         par = ParallelConfig(cp=args.cp, gtp_remat=args.gtp_remat, dp=dp, fold_cp=fold)
         cfg = TrainConfig(par=par, model=model, micro_batch=args.micro_batch, param_dtype=torch.bfloat16,
                           prefetch=overlap, overlap_grad_reduce=overlap, bucket_size=args.bucket_size, fused=fused)
         try:
-            rows.append(run_config(name, cfg, args.steps, args.warmup, peak, do_ckpt=args.ckpt and overlap))
+            rows.append(run_config(name, cfg, args.steps, args.warmup, peak, do_ckpt=args.ckpt and overlap,
+                                   trace=_trace_path(args, name)))
         except (ImportError, torch.OutOfMemoryError) as e:  # raised alike on every rank, before any collective
             rows.append({"config": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             torch.cuda.empty_cache()
@@ -281,10 +318,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
         print(f"bf16 matmul peak measured: {peak:.0f} TFLOP/s per GPU")
         keys = ("config", "step_ms", "mfu", "peak_mem_gib", "exposed_comm_ms", "gpu_ms_gemm", "gpu_ms_attention",
-                "gpu_ms_other", "error")
+                "gpu_ms_other", "gpu_idle_ms", "gc_ms_per_step", "error")
         print(tabulate([{k: (round(r[k], 3) if isinstance(r.get(k), float) else r.get(k)) for k in keys}
                         for r in rows], headers="keys"))
-    dist.destroy_process_group()
 
 
 def _write(args: argparse.Namespace, peak: float, world: int, rows: list[dict[str, Any]]) -> None:
@@ -324,6 +360,8 @@ def main() -> int:
     ap.add_argument("--sweep", type=int, nargs="*", default=[4096, 8192, 16384, 32768, 65536],
                     help="sequence lengths of the folded fused sweep (the main --seq is reused)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--trace-dir", default=None, help="write rank 0's traced step of each configuration here "
+                    "(Chrome trace JSON, for chrome://tracing or Perfetto)")
     ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks): every size option tiny")
     args = ap.parse_args()
     if args.smoke:
@@ -331,7 +369,11 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.nproc:
         print(f"needs {args.nproc} CUDA devices, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
-    mp.start_processes(worker, args=(args.nproc, free_port(), args), nprocs=args.nproc, start_method="spawn")
+    try:  # rank 0 prints the table; a failing rank is named in one line, its traceback in its log
+        run_local_ranks(args.nproc, worker, (args,), tag="bench_gpu", backend="nccl", stdout="inherit", deadline=None)
+    except RankFailure as e:
+        print(f"bench_gpu: {e.line()}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -22,6 +22,9 @@ from gtp_runtime.buffers import Bucket, GradBuffer, build_buffers
 from gtp_runtime.collectives import all_gather_dim0, all_gather_raw
 from gtp_runtime.groups import Groups
 
+# Elements per piece of the GPU zero count: an fp32 count of at most 2**24 ones is exact.
+L0_PIECE = 1 << 24
+
 
 @dataclass
 class AdamConfig:
@@ -37,6 +40,7 @@ class AdamConfig:
 class StepStats:
     grad_norm: float
     num_zeros: int
+    loss: float | None = None  # the step's reported loss, when it was read together with the stats
 
 
 class BucketState:
@@ -64,6 +68,7 @@ class DistributedAdam:
         self.buffers = build_buffers(model, groups, bucket_size)
         self.state = [[BucketState(buf, b) for b in buf.buckets] for buf in self.buffers]
         self.step_count = 0
+        self._step_scale: torch.Tensor | None = None  # [step, 1 / clip] on CUDA, refilled every step
         self._gathers: list = []
         # Replicated params see different data on every gtp_remat lane; their gradients are
         # averaged over that group before the buckets reduce over dp / dp_cp.
@@ -117,29 +122,91 @@ class DistributedAdam:
 
     def grad_stats(self) -> StepStats:
         """Global L2 norm and zero count over every gradient element exactly once, padding never."""
-        device = self.buffers[0].grad_data.device
-        sumsq = torch.zeros((), dtype=torch.float64, device=device)
-        zeros = torch.zeros((), dtype=torch.float64, device=device)
-        for buf, states in zip(self.buffers, self.state):
-            for st in states:
-                owned = buf.grad_data[st.lo : st.hi]
-                for a, b in st.count_ranges:
-                    g = owned[a:b]
-                    sumsq += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
-                    if g.is_cuda:  # one reduction, no boolean temporary (an exact count either way)
-                        zeros += g.numel() - torch.count_nonzero(g)
-                    else:
-                        zeros += (g == 0).sum()
-        stats = torch.stack([sumsq, zeros])
-        dist.all_reduce(stats, group=self.groups[topo.WORLD].handle)
+        stats = self._grad_stats_tensor()
         return StepStats(math.sqrt(stats[0].item()), int(stats[1].item()))
 
-    @torch.no_grad()
-    def step(self) -> StepStats:
-        self.reduce_grads()
-        stats = self.grad_stats()
-        self.step_after_reduce(stats)
+    def _grad_stats_tensor(self) -> torch.Tensor:
+        """``[sum of squares, zero count]`` (float64, summed over the world) on the buffers' device."""
+        device = self.buffers[0].grad_data.device
+        counted = [buf.grad_data[st.lo : st.hi][a:b] for buf, states in zip(self.buffers, self.state)
+                   for st in states for a, b in st.count_ranges]
+        if device.type == "cuda":
+            stats = self._grad_stats_cuda(counted)
+        else:
+            sumsq = torch.zeros((), dtype=torch.float64, device=device)
+            zeros = torch.zeros((), dtype=torch.float64, device=device)
+            for g in counted:
+                sumsq += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+                zeros += (g == 0).sum()
+            stats = torch.stack([sumsq, zeros])
+        dist.all_reduce(stats, group=self.groups[topo.WORLD].handle)
         return stats
+
+    @staticmethod
+    def _grad_stats_cuda(counted: list[torch.Tensor]) -> torch.Tensor:
+        """``[sum of squares, zero count]`` of ``counted`` in two reading passes and no temporaries.
+
+        Why: ``vector_norm(dtype=float64)`` and ``count_nonzero`` each first wrote a converted copy
+        of every gradient (float64; bool, then int64): on 2 x H200 the statistics cost 12.6 ms of
+        a 156 ms step, 7 ms of it those copies. Here the norms are one multi-tensor fp32 pass
+        (``_foreach_norm``; their squares are summed in float64) and the nonzero count is the L0
+        norm of pieces of at most 2**24 elements, so its fp32 sums are whole numbers that float32
+        holds exactly: the count stays exact.
+        """
+        pieces = [g[i : i + L0_PIECE] for g in counted for i in range(0, g.numel(), L0_PIECE)]
+        if not pieces:
+            return torch.zeros(2, dtype=torch.float64, device="cuda")
+        sumsq = torch.stack(torch._foreach_norm(pieces, 2)).double().square().sum()
+        nonzero = torch.stack([torch.linalg.vector_norm(x, 0) for x in pieces]).double().sum()
+        return torch.stack([sumsq, sum(g.numel() for g in counted) - nonzero])
+
+    @torch.no_grad()
+    def step(self, loss: torch.Tensor | None = None) -> StepStats:
+        """Reduce, clip and update; ``loss`` (a device scalar) is read back with the statistics.
+
+        On CUDA nothing here waits for the GPU until every kernel of the step is queued: the clip
+        factor is computed on the device from the all-reduced statistics, and the statistics (and
+        the loss) come back through one non-blocking copy into pinned memory, waited for at the
+        end, while the AdamW kernels and parameter all-gathers are still running. On 2 x H200 the
+        previous order (a sync for the loss, one for the grad norm, one for the step counter, one
+        for the batch) left the GPU idle while the host launched the optimizer and the next forward.
+        """
+        self.reduce_grads()
+        stats = self._grad_stats_tensor()
+        if not stats.is_cuda:
+            out = StepStats(math.sqrt(stats[0].item()), int(stats[1].item()),
+                            None if loss is None else loss.item())
+            self.step_after_reduce(out)
+            return out
+        parts = [stats] if loss is None else [stats, loss.detach().to(torch.float64).reshape(1)]
+        host = torch.empty(len(parts) + 1, dtype=torch.float64, pin_memory=True)
+        host.copy_(torch.cat(parts), non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        self._update(self._device_step_scale(stats))
+        ready.synchronize()
+        sumsq, zeros, *rest = host.tolist()
+        return StepStats(math.sqrt(sumsq), int(zeros), rest[0] if rest else None)
+
+    def _device_step_scale(self, stats: torch.Tensor) -> torch.Tensor:
+        """``[step, 1 / clip]`` (fp32) for the fused AdamW, computed on the device from ``stats``.
+
+        The same IEEE operations as :meth:`step_after_reduce` does on the host (sqrt, a true
+        division, min with 1, reciprocal), so the update is bit for bit the one a host-side clip
+        factor gives.
+        """
+        c = self.cfg
+        self.step_count += 1
+        if self._step_scale is None:
+            self._step_scale = torch.empty(2, dtype=torch.float32, device=stats.device)
+        self._step_scale[0].fill_(float(self.step_count))
+        if c.clip_grad > 0:
+            norm = stats[0].sqrt()
+            clip = torch.clamp(torch.full_like(norm, c.clip_grad) / (norm + 1e-6), max=1.0)
+            self._step_scale[1].copy_(torch.reciprocal(clip))
+        else:
+            self._step_scale[1].fill_(1.0)
+        return self._step_scale
 
     @torch.no_grad()
     def step_after_reduce(self, stats: StepStats) -> None:
@@ -147,11 +214,17 @@ class DistributedAdam:
         c = self.cfg
         clip = min(1.0, c.clip_grad / (stats.grad_norm + 1e-6)) if c.clip_grad > 0 else 1.0
         self.step_count += 1
+        device = self.buffers[0].grad_data.device
+        if device.type == "cuda":
+            self._update(torch.tensor([float(self.step_count), 1.0 / clip], device=device))
+        else:
+            self._update(None, clip)
+
+    def _update(self, step_scale: torch.Tensor | None, clip: float = 1.0) -> None:
+        """AdamW on every owned slice (fused on CUDA, with ``step_scale``), then publish."""
+        c = self.cfg
         t = self.step_count
         bc1, bc2 = 1 - c.beta1**t, 1 - c.beta2**t
-        device = self.buffers[0].grad_data.device
-        # One host-to-device copy per step: a tensor made per bucket would wait for the GPU each time.
-        step_scale = torch.tensor([float(t), 1.0 / clip], device=device) if device.type == "cuda" else None
         for buf, states in zip(self.buffers, self.state):
             for b, st in zip(buf.buckets, states):
                 g = buf.grad_data[st.lo : st.hi]

@@ -74,12 +74,17 @@ def accumulate_wgrad(out: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor)
     out.add_(wgrad_fp32(grad_out, x))
 
 
+# How many weights ahead :class:`GTPComm` starts all-gathers (forward and backward).
+PREFETCH_DEPTH = 2
+
+
 class GTPComm:
     """Schedules the collectives of every GTP weight of one model.
 
     * Prefetch: forward uses the weights in registration order and backward in reverse, so when
-      weight ``i`` is gathered the gather of its neighbour (``i+1`` forward, ``i-1`` backward) is
-      started asynchronously; on NCCL it runs on the communicator's stream while this GEMM runs.
+      weight ``i`` is gathered the gathers of the next ``PREFETCH_DEPTH`` weights (``i+1, i+2``
+      forward, ``i-1, i-2`` backward) are started asynchronously; on NCCL they run on the
+      communicator's stream while this GEMM runs.
     * Overlapped reduce-scatter: the weight-gradient reduce-scatter is started asynchronously and
       completed (and added into ``main_grad``) by :meth:`finish_grad_reduce`, which the optimizer
       calls before it touches the gradients.
@@ -121,9 +126,20 @@ class GTPComm:
         return out, work
 
     def prefetch_neighbour(self, idx: int, step: int) -> None:
-        nxt = idx + step
-        if self.prefetch and 0 <= nxt < len(self.order) and nxt not in self._gathers:
-            self._gathers[nxt] = self._start_gather(self.order[nxt], async_op=True)
+        """Start the gathers of the next ``PREFETCH_DEPTH`` weights in direction ``step``.
+
+        Two ahead, not one: on 2 x H200 (folded cp2) the trace of a one-ahead step showed 7 ms
+        of forward weight all-gathers with no kernel beside them (a collective waits for the
+        compute stream at the point it is issued, and for SMs a GEMM holds), so the gather of a
+        weight is issued one GEMM earlier. Measured only together with other changes (see
+        docs/performance.md); the price is one more gathered weight alive at a time.
+        """
+        if not self.prefetch:
+            return
+        for ahead in range(1, PREFETCH_DEPTH + 1):
+            nxt = idx + ahead * step
+            if 0 <= nxt < len(self.order) and nxt not in self._gathers:
+                self._gathers[nxt] = self._start_gather(self.order[nxt], async_op=True)
 
     def gather(self, shard: torch.Tensor, step: int) -> torch.Tensor:
         """The full (padded) weight of ``shard``; prefetches the neighbour ``step`` (+1 or -1) away."""
