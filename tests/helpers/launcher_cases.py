@@ -46,6 +46,16 @@ PARITY = {
     # reduce-scatter path.
     "cp2-g1-fold-fused": ["--nproc-per-node", "2", "--cp", "2", "--fold-cp", "--fused", "compile", "--seed", "5"],
     "tp2-cp2-g2-fold": ["--nproc-per-node", "8", "--tp", "2", "--cp", "2", "--gtp-remat", "2", "--fold-cp"],
+    # Muon (issue 16): whole-matrix Newton-Schulz on an owner rank, momentum shards gathered from
+    # every rank of tp x weight group x buffer DP. Folded and unfolded with tail padding; then TP2,
+    # MoE (experts never fold) and gtp_remat 1 with fold in one 8-rank run.
+    "muon-cp2-g2-dp2-fold": ["--nproc-per-node", "8", "--cp", "2", "--gtp-remat", "2", "--dp", "2", "--fold-cp",
+                             "--optimizer", "muon", *PADDED_MODEL],
+    "muon-cp2-g2-dp2-nofold": ["--nproc-per-node", "8", "--cp", "2", "--gtp-remat", "2", "--dp", "2",
+                               "--optimizer", "muon", "--muon-lr", "0.03", *PADDED_MODEL],
+    "muon-tp2-cp2-g1-dp2-fold-moe": ["--nproc-per-node", "8", "--tp", "2", "--cp", "2", "--dp", "2", "--fold-cp",
+                                     "--optimizer", "muon", "--muon-momentum", "0.9", "--num-experts", "2",
+                                     "--expert-gtp-remat", "2", "--num-heads", "2", "--gtp-align", "8"],
 }
 PARITY_ARGS = ["--check-reference", "--steps", "5"]
 EIGHT_RANK = {name for name, argv in PARITY.items() if argv[1] == "8"}

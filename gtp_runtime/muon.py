@@ -1,0 +1,258 @@
+"""Distributed Muon: whole-matrix Newton-Schulz on one owner rank per matrix, AdamW for the rest.
+
+Muon (momentum orthogonalized by Newton-Schulz) updates a 2-D weight ``W`` [m, n] with
+``M <- beta*M + (1-beta)*G`` (momentum), ``U = (1-beta)*G + beta*M`` (Nesterov),
+``O = NS5(U)`` (five quintic Newton-Schulz steps that push every singular value of ``U`` towards 1),
+``W <- (1 - lr*wd)*W - lr*sqrt(max(1, m/n))*O`` (decoupled weight decay, shape-based scale).
+It owns the GTP-sharded linears (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``,
+dense and expert); the embedding, the output layer, the norms and the router stay on AdamW.
+The router is 2-D but replicated (one small gating matrix per MoE layer, whose rows are scores
+rather than features), so it stays with the other replicated params.
+
+Where the state lives does not change: the buffers' ZeRO-1 slices (:mod:`gtp_runtime.buffers`)
+hold ``param`` (fp32 master), ``exp_avg`` (Adam's first moment, or Muon's momentum for a Muon
+param) and ``exp_avg_sq`` (zero on Muon params), so checkpoints keep their keys and layout and the
+manifest names which optimizer owns each param.
+
+Why one owner per matrix, not a distributed Newton-Schulz: NS needs the whole matrix, and under
+GTP_remat + CP folding + ZeRO-1 its elements are spread over ``tp x weight group x buffer DP``
+ranks, which for every dense and expert weight here is the whole world. A distributed NS on a
+row-sharded ``X`` [s, l] (s <= l) must all-reduce the Gram matrix ``X X^T`` (s x s) at each of the
+5 steps: ``5 * 2 * s^2 * 4`` bytes per rank per matrix and 5 latency-bound collectives in a row
+(for s = l = 4096: 671 MB per rank per matrix). Gathering to one owner moves each element of the
+Nesterov momentum there once and its update back once, ``2 * 4 * m * n`` bytes per matrix in
+total (134 MB for 4096 x 4096, summed over all ranks), in two ``all_to_all`` per step for all
+matrices together; the owner then runs exactly the single-device NS the fp32 reference runs.
+Owners are assigned longest-NS-first to the least-loaded rank (LPT, within 4/3 of the best
+balance), so with at least as many matrices as ranks every rank orthogonalizes a similar share.
+``docs/performance.md`` has the measured bytes and step times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from gtp_format.layout import topology as topo
+from gtp_runtime.buffers import GradBuffer
+from gtp_runtime.groups import Groups
+from gtp_runtime.optimizer import AdamConfig, BucketState, DistributedAdam, StepStats
+from gtp_runtime.sharding import take_shard
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+MUON, ADAMW = "muon", "adamw"
+
+
+@dataclass
+class MuonConfig:
+    lr: float = 0.02
+    momentum: float = 0.95
+    ns_steps: int = 5
+    weight_decay: float = 0.01
+
+
+def muon_owned(name: str) -> bool:
+    """Whether Muon (not AdamW) updates the param called ``name``: the linears of every layer."""
+    leaf = name.rsplit(".", 2)[-2:]
+    return leaf[-1] == "weight" and len(leaf) == 2 and leaf[0].startswith("linear_")
+
+
+def newton_schulz(g: torch.Tensor, steps: int) -> torch.Tensor:
+    """The quintic Newton-Schulz orthogonalization of ``g`` [m, n], in fp32."""
+    x = g.float()
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.t()
+    x = x / (x.norm() + 1e-7)
+    a, b, c = NS_COEFFS
+    for _ in range(steps):
+        gram = x @ x.t()
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x.t() if tall else x
+
+
+def shape_scale(shape: tuple[int, ...]) -> float:
+    return max(1.0, shape[0] / shape[1]) ** 0.5
+
+
+def assign_owners(shapes: list[tuple[int, int]], world: int) -> list[int]:
+    """Owner rank of each matrix: longest NS first, each to the least-loaded rank (ties: lowest)."""
+    load = [0] * world
+    owners = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-_ns_cost(shapes[i]), i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = r
+        load[r] += _ns_cost(shapes[i])
+    return owners
+
+
+def _ns_cost(shape: tuple[int, int]) -> int:
+    s, lg = sorted(shape)
+    return s * s * lg
+
+
+@dataclass
+class _Piece:
+    """A run of one bucket's owned slice that holds elements of one Muon matrix."""
+
+    buf: int
+    bucket: int
+    lo: int  # relative to the owned slice
+    hi: int
+    matrix: int
+    index: torch.Tensor  # flat positions of these elements in the full matrix
+
+
+class MuonPlan:
+    """Who holds which elements of which matrix, who orthogonalizes it, and the all-to-all splits.
+
+    Built once: the layout never changes during a run. ``send_counts[r]`` elements go to rank r
+    each step (in the order of :attr:`pieces`), ``recv_counts[r]`` come from it, landing at
+    ``recv_pos`` in this rank's assembly of the matrices it owns.
+    """
+
+    def __init__(self, buffers: list[GradBuffer], groups: Groups) -> None:
+        world = groups[topo.WORLD]
+        self.world, self.rank = world.size, world.rank
+        self.sent_bytes = 0  # bytes this rank sent to other ranks, cumulative (the communication Muon adds)
+        params: dict[str, nn.Parameter] = {}
+        for buf in buffers:
+            for s in buf.slots:
+                if muon_owned(s.name):
+                    params[s.name] = s.param
+        self.names = sorted(params)
+        self.shapes = [tuple(params[n].spec.full_shape) for n in self.names]
+        self.owners = assign_owners(self.shapes, self.world)  # type: ignore[arg-type]
+        self.owned = [i for i, o in enumerate(self.owners) if o == self.rank]
+        self.offset: dict[int, int] = {}
+        at = [0] * self.world
+        for i, o in enumerate(self.owners):
+            self.offset[i] = at[o]
+            at[o] += self.shapes[i][0] * self.shapes[i][1]
+        self.assembly_numel = at[self.rank]
+        self.pieces = self._pieces(buffers, params)
+        self.send_counts = [0] * self.world
+        for pc in self.pieces:
+            self.send_counts[self.owners[pc.matrix]] += pc.hi - pc.lo
+        send_pos = torch.cat([pc.index + self.offset[pc.matrix] for pc in self.pieces]) if self.pieces else \
+            torch.zeros(0, dtype=torch.int64)
+        self.recv_counts = self._exchange_counts(groups)
+        self.recv_pos = self.exchange(send_pos, self.send_counts, self.recv_counts)
+
+    def _pieces(self, buffers: list[GradBuffer], params: dict[str, nn.Parameter]) -> list[_Piece]:
+        where = {n: i for i, n in enumerate(self.names)}
+        out: list[_Piece] = []
+        for bi, buf in enumerate(buffers):
+            for ki, b in enumerate(buf.buckets):
+                lo, hi = buf.owned_range(b)
+                for s in b.slots:
+                    if s.name not in where:
+                        continue
+                    a, z = max(lo, s.start), min(hi, s.start + s.valid_numel)
+                    if a >= z:
+                        continue
+                    spec = params[s.name].spec
+                    full = torch.arange(spec.full_shape[0] * spec.full_shape[1], dtype=torch.int64)
+                    idx = take_shard(spec, full.view(spec.full_shape)).flatten()[a - s.start : z - s.start]
+                    out.append(_Piece(bi, ki, a - lo, z - lo, where[s.name], idx.clone()))
+        # Grouped by destination (owner), so that each rank's share of the send buffer is contiguous.
+        out.sort(key=lambda pc: (self.owners[pc.matrix], pc.matrix, pc.buf, pc.bucket, pc.lo))
+        return out
+
+    def _exchange_counts(self, groups: Groups) -> list[int]:
+        counts = torch.tensor(self.send_counts, dtype=torch.int64)
+        got = self.exchange(counts, [1] * self.world, [1] * self.world)
+        return [int(x) for x in got]
+
+    def exchange(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """``all_to_all`` with per-rank split sizes (a copy on a world of one)."""
+        if self.world == 1:
+            return x.clone()
+        out = torch.empty(sum(recv), dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(out, x.contiguous(), recv, send)
+        self.sent_bytes += (sum(send) - send[self.rank]) * x.element_size()
+        return out
+
+
+class DistributedMuon(DistributedAdam):
+    """Muon for the linears (see the module docstring), AdamW for every other param."""
+
+    def __init__(self, model: nn.Module, groups: Groups, adam: AdamConfig | None = None,
+                 muon: MuonConfig | None = None, bucket_size: int = 40_000_000) -> None:
+        super().__init__(model, groups, adam, bucket_size)
+        self.muon = muon or MuonConfig()
+        self.plan = MuonPlan(self.buffers, groups)
+        self.plan.sent_bytes = 0  # the set-up exchange is not per-step traffic
+        self._adam_runs = [[_complement(st, [(pc.lo, pc.hi) for pc in self.plan.pieces if pc.buf == bi
+                                             and pc.bucket == ki]) for ki, st in enumerate(states)]
+                           for bi, states in enumerate(self.state)]
+        device = self.buffers[0].grad_data.device
+        self.plan.recv_pos = self.plan.recv_pos.to(device)
+
+    def param_optimizers(self) -> dict[str, str]:
+        """Param name -> the optimizer that updates it (what the manifest records)."""
+        return {s.name: MUON if muon_owned(s.name) else ADAMW for buf in self.buffers for s in buf.slots}
+
+    @torch.no_grad()
+    def step_after_reduce(self, stats: StepStats) -> None:
+        c, mc = self.cfg, self.muon
+        clip = min(1.0, c.clip_grad / (stats.grad_norm + 1e-6)) if c.clip_grad > 0 else 1.0
+        self.step_count += 1
+        t = self.step_count
+        bc1, bc2 = 1 - c.beta1**t, 1 - c.beta2**t
+        # Muon params: momentum and Nesterov on the holders, NS on the owner, update back.
+        nesterov = []
+        for pc in self.plan.pieces:
+            buf, st = self.buffers[pc.buf], self.state[pc.buf][pc.bucket]
+            g = buf.grad_data[st.lo + pc.lo : st.lo + pc.hi] * clip
+            m = st.exp_avg[pc.lo : pc.hi]
+            m.lerp_(g, 1 - mc.momentum)
+            nesterov.append(g.lerp_(m, mc.momentum))
+        device = self.buffers[0].grad_data.device
+        send = torch.cat(nesterov) if nesterov else torch.zeros(0, device=device)
+        got = self.plan.exchange(send, self.plan.send_counts, self.plan.recv_counts)
+        assembly = torch.zeros(self.plan.assembly_numel, dtype=torch.float32, device=device)
+        assembly.index_copy_(0, self.plan.recv_pos, got)
+        for i in self.plan.owned:
+            shape, at = self.plan.shapes[i], self.plan.offset[i]
+            view = assembly[at : at + shape[0] * shape[1]].view(shape)
+            view.copy_(newton_schulz(view, mc.ns_steps) * shape_scale(shape))
+        back = self.plan.exchange(assembly[self.plan.recv_pos], self.plan.recv_counts, self.plan.send_counts)
+        at = 0
+        for pc in self.plan.pieces:
+            st = self.state[pc.buf][pc.bucket]
+            p = st.param[pc.lo : pc.hi]
+            p.mul_(1 - mc.lr * mc.weight_decay)
+            p.add_(back[at : at + pc.hi - pc.lo], alpha=-mc.lr)
+            at += pc.hi - pc.lo
+        # AdamW on the rest, run by run (the same op sequence as DistributedAdam's CPU path).
+        for bi, (buf, states) in enumerate(zip(self.buffers, self.state)):
+            for ki, (b, st) in enumerate(zip(buf.buckets, states)):
+                for lo, hi in self._adam_runs[bi][ki]:
+                    g = buf.grad_data[st.lo + lo : st.lo + hi] * clip
+                    p, m, v = st.param[lo:hi], st.exp_avg[lo:hi], st.exp_avg_sq[lo:hi]
+                    p.mul_(1 - c.lr * c.weight_decay)
+                    m.lerp_(g, 1 - c.beta1)
+                    v.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
+                    denom = (v.sqrt() / bc2**0.5).add_(c.eps)
+                    p.addcdiv_(m, denom, value=-c.lr / bc1)
+                self._publish(buf, b, st)
+        for work in self._gathers:
+            work.wait()
+        self._gathers.clear()
+
+
+def _complement(st: BucketState, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of the owned slice ``[0, hi - lo)`` outside ``runs`` (padding included: its
+    gradient is zero, so AdamW leaves it at zero)."""
+    out, at = [], 0
+    for a, z in sorted(runs):
+        if a > at:
+            out.append((at, a))
+        at = max(at, z)
+    if at < st.hi - st.lo:
+        out.append((at, st.hi - st.lo))
+    return out
