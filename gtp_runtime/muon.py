@@ -106,6 +106,31 @@ class _Piece:
     index: torch.Tensor  # flat positions of these elements in the full matrix
 
 
+def held_pieces(buffers: list[GradBuffer], names: list[str]) -> list[_Piece]:
+    """The runs of this rank's owned bucket slices that hold elements of the matrices ``names``,
+    each with the flat positions of its elements in the full matrix (GTP tail padding excluded).
+
+    Needs no process group, so a test can lay out every rank of a topology and check that each
+    element of every matrix is held exactly once.
+    """
+    where = {n: i for i, n in enumerate(names)}
+    out: list[_Piece] = []
+    for bi, buf in enumerate(buffers):
+        for ki, b in enumerate(buf.buckets):
+            lo, hi = buf.owned_range(b)
+            for s in b.slots:
+                if s.name not in where:
+                    continue
+                a, z = max(lo, s.start), min(hi, s.start + s.valid_numel)
+                if a >= z:
+                    continue
+                spec = s.param.spec
+                full = torch.arange(spec.full_shape[0] * spec.full_shape[1], dtype=torch.int64)
+                idx = take_shard(spec, full.view(spec.full_shape)).flatten()[a - s.start : z - s.start]
+                out.append(_Piece(bi, ki, a - lo, z - lo, where[s.name], idx.clone()))
+    return out
+
+
 class MuonPlan:
     """Who holds which elements of which matrix, who orthogonalizes it, and the all-to-all splits.
 
@@ -133,7 +158,9 @@ class MuonPlan:
             self.offset[i] = at[o]
             at[o] += self.shapes[i][0] * self.shapes[i][1]
         self.assembly_numel = at[self.rank]
-        self.pieces = self._pieces(buffers, params)
+        self.pieces = held_pieces(buffers, self.names)
+        # Grouped by destination (owner), so that each rank's share of the send buffer is contiguous.
+        self.pieces.sort(key=lambda pc: (self.owners[pc.matrix], pc.matrix, pc.buf, pc.bucket, pc.lo))
         self.send_counts = [0] * self.world
         for pc in self.pieces:
             self.send_counts[self.owners[pc.matrix]] += pc.hi - pc.lo
@@ -141,26 +168,6 @@ class MuonPlan:
             torch.zeros(0, dtype=torch.int64)
         self.recv_counts = self._exchange_counts(groups)
         self.recv_pos = self.exchange(send_pos, self.send_counts, self.recv_counts)
-
-    def _pieces(self, buffers: list[GradBuffer], params: dict[str, nn.Parameter]) -> list[_Piece]:
-        where = {n: i for i, n in enumerate(self.names)}
-        out: list[_Piece] = []
-        for bi, buf in enumerate(buffers):
-            for ki, b in enumerate(buf.buckets):
-                lo, hi = buf.owned_range(b)
-                for s in b.slots:
-                    if s.name not in where:
-                        continue
-                    a, z = max(lo, s.start), min(hi, s.start + s.valid_numel)
-                    if a >= z:
-                        continue
-                    spec = params[s.name].spec
-                    full = torch.arange(spec.full_shape[0] * spec.full_shape[1], dtype=torch.int64)
-                    idx = take_shard(spec, full.view(spec.full_shape)).flatten()[a - s.start : z - s.start]
-                    out.append(_Piece(bi, ki, a - lo, z - lo, where[s.name], idx.clone()))
-        # Grouped by destination (owner), so that each rank's share of the send buffer is contiguous.
-        out.sort(key=lambda pc: (self.owners[pc.matrix], pc.matrix, pc.buf, pc.bucket, pc.lo))
-        return out
 
     def _exchange_counts(self, groups: Groups) -> list[int]:
         counts = torch.tensor(self.send_counts, dtype=torch.int64)
