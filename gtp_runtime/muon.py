@@ -30,6 +30,7 @@ balance), so with at least as many matrices as ranks every rank orthogonalizes a
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gtp_format.layout import topology as topo
-from gtp_runtime.buffers import GradBuffer
+from gtp_format.layout.config import ModelConfig, ParallelConfig
+from gtp_runtime.buffers import GradBuffer, build_buffers
 from gtp_runtime.groups import Groups
 from gtp_runtime.optimizer import AdamConfig, BucketState, DistributedAdam, StepStats
 from gtp_runtime.sharding import take_shard
@@ -142,7 +144,11 @@ class MuonPlan:
     def __init__(self, buffers: list[GradBuffer], groups: Groups) -> None:
         world = groups[topo.WORLD]
         self.world, self.rank = world.size, world.rank
-        self.sent_bytes = 0  # bytes this rank sent to other ranks, cumulative (the communication Muon adds)
+        # What Muon adds to a step's communication, cumulative: bytes this rank sent to other ranks,
+        # and seconds spent in the exchanges (the exposed time on gloo, where they block; on NCCL the
+        # launch only: synchronize before reading it).
+        self.sent_bytes = 0
+        self.comm_seconds = 0.0
         params: dict[str, nn.Parameter] = {}
         for buf in buffers:
             for s in buf.slots:
@@ -164,13 +170,14 @@ class MuonPlan:
         self.send_counts = [0] * self.world
         for pc in self.pieces:
             self.send_counts[self.owners[pc.matrix]] += pc.hi - pc.lo
+        self.device = buffers[0].grad_data.device  # NCCL exchanges device tensors only
         send_pos = torch.cat([pc.index + self.offset[pc.matrix] for pc in self.pieces]) if self.pieces else \
             torch.zeros(0, dtype=torch.int64)
-        self.recv_counts = self._exchange_counts(groups)
-        self.recv_pos = self.exchange(send_pos, self.send_counts, self.recv_counts)
+        self.recv_counts = self._exchange_counts()
+        self.recv_pos = self.exchange(send_pos.to(self.device), self.send_counts, self.recv_counts)
 
-    def _exchange_counts(self, groups: Groups) -> list[int]:
-        counts = torch.tensor(self.send_counts, dtype=torch.int64)
+    def _exchange_counts(self) -> list[int]:
+        counts = torch.tensor(self.send_counts, dtype=torch.int64, device=self.device)
         got = self.exchange(counts, [1] * self.world, [1] * self.world)
         return [int(x) for x in got]
 
@@ -178,9 +185,11 @@ class MuonPlan:
         """``all_to_all`` with per-rank split sizes (a copy on a world of one)."""
         if self.world == 1:
             return x.clone()
+        t0 = time.perf_counter()
         out = torch.empty(sum(recv), dtype=x.dtype, device=x.device)
         dist.all_to_all_single(out, x.contiguous(), recv, send)
         self.sent_bytes += (sum(send) - send[self.rank]) * x.element_size()
+        self.comm_seconds += time.perf_counter() - t0
         return out
 
 
@@ -192,12 +201,10 @@ class DistributedMuon(DistributedAdam):
         super().__init__(model, groups, adam, bucket_size)
         self.muon = muon or MuonConfig()
         self.plan = MuonPlan(self.buffers, groups)
-        self.plan.sent_bytes = 0  # the set-up exchange is not per-step traffic
+        self.plan.sent_bytes, self.plan.comm_seconds = 0, 0.0  # the set-up exchange is not per-step traffic
         self._adam_runs = [[_complement(st, [(pc.lo, pc.hi) for pc in self.plan.pieces if pc.buf == bi
                                              and pc.bucket == ki]) for ki, st in enumerate(states)]
                            for bi, states in enumerate(self.state)]
-        device = self.buffers[0].grad_data.device
-        self.plan.recv_pos = self.plan.recv_pos.to(device)
 
     def param_optimizers(self) -> dict[str, str]:
         """Param name -> the optimizer that updates it (what the manifest records)."""
@@ -263,3 +270,24 @@ def _complement(st: BucketState, runs: list[tuple[int, int]]) -> list[tuple[int,
     if at < st.hi - st.lo:
         out.append((at, st.hi - st.lo))
     return out
+
+
+def exchange_bytes(model_cfg: ModelConfig, par: ParallelConfig, bucket_size: int) -> int:
+    """Bytes one step's two exchanges move between ranks, summed over all ranks, from the layout
+    alone (no process group): every Muon element held by a rank other than its matrix's owner
+    crosses once to the owner and once back, in fp32. The benchmark checks the runtime's counter
+    (:attr:`MuonPlan.sent_bytes`) against it."""
+    from gtp_runtime.groups import offline_groups
+    from gtp_runtime.model import GPTModel
+
+    owners: list[int] = []
+    away = 0
+    for rank in range(par.world_size):
+        groups = offline_groups(par, rank)
+        bufs = build_buffers(GPTModel(model_cfg, par, groups), groups, bucket_size)
+        named = {s.name: s.param for b in bufs for s in b.slots if muon_owned(s.name)}
+        names = sorted(named)
+        if not owners:
+            owners = assign_owners([tuple(named[n].spec.full_shape) for n in names], par.world_size)  # type: ignore[misc]
+        away += sum(pc.hi - pc.lo for pc in held_pieces(bufs, names) if owners[pc.matrix] != rank)
+    return 2 * 4 * away
