@@ -84,6 +84,21 @@ CHECKPOINT_RUNS = {
                                   "fully_reshardable"], 2),
 }
 
+# Muon checkpoints (test_muon_checkpoint.py), in order: save at 2 and 4, resume at 2, load refused
+# as Adam, a gather-everything format refused with a folded buffer, then (after `ckpt reshard` to
+# dp 1 into ``{resharded}``) resume at the new DP size.
+MUON_MODEL = ["--nproc-per-node", "4", "--cp", "2", "--dp", "2", "--fold-cp", "--optimizer", "muon",
+              "--bucket-size", "3000"]
+MUON_CHECKPOINT_RUNS = {
+    "save": ([*MUON_MODEL, "--steps", "4", "--save", "{ckpt}", "--save-interval", "2"], 0),
+    "load": ([*MUON_MODEL, "--steps", "4", "--load", "{ckpt}/iter_0000002"], 0),
+    "load-as-adam": ([*MUON_MODEL[:-4], *MUON_MODEL[-2:], "--steps", "4", "--load", "{ckpt}"], 2),
+    "refuse-dp-zero-gather-scatter": ([*MUON_MODEL, "--steps", "1", "--save", "{ckpt}-refused",
+                                       "--optimizer-sharding", "dp_zero_gather_scatter"], 2),
+}
+MUON_RESHARDED_LOAD = (["--nproc-per-node", "2", "--cp", "2", "--dp", "1", "--fold-cp", "--optimizer", "muon",
+                        "--bucket-size", "3000", "--steps", "4", "--load", "{resharded}"], 0)
+
 # ``--load`` of a damaged copy of fixtures/gtp/fold_cp2_g2_dp2 (test_load_refusals.py): refused by
 # the launcher before any rank starts. The flags are the fixture's model and topology.
 FIXTURE_MODEL = ["--nproc-per-node", "8", "--cp", "2", "--gtp-remat", "2", "--dp", "2", "--fold-cp", "--hidden", "32",
@@ -154,6 +169,7 @@ def executed_argvs() -> list[list[str]]:
     out += [[*argv, *log] for argv, _ in OTHER_RUNS.values()]
     out += [[*argv, *log] for _, argv in TORCHRUN_RUNS.values()]
     out += [[*argv, *log] for argv, _ in CHECKPOINT_RUNS.values()]
+    out += [[*argv, *log] for argv, _ in [*MUON_CHECKPOINT_RUNS.values(), MUON_RESHARDED_LOAD]]
     out += [argv for argv, _ in CLI_ERRORS.values()]
     out += [LOAD_REFUSED, CRASH_RUN]
     out += [HELP]
