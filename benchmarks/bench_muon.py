@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: NCCL, one GPU per rank (times synchronized; fp32 params)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--from-json", default=None,
+                    help="render (and with --write-docs, write) the report of an earlier --json run, e.g. a GPU one")
+    ap.add_argument("--machine", default=None, help="with --from-json, when the file does not record the machine")
     ap.add_argument("--write-docs", action="store_true", help=f"update {DOC.relative_to(REPO)}")
     ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks): cp2-fold, 1 rep")
     args = ap.parse_args(argv)
@@ -130,24 +133,28 @@ def param_counts(model: ModelConfig) -> dict[str, int]:
     return {n: math.prod(param_shape(model, n)) for n in param_names(model)}
 
 
-def report(rows: list[dict], args: argparse.Namespace) -> str:
-    table = [[r["layout"], r["world"], f"{r['params']:,}", f"{r['adam'] / r['params'] * 1e9:.1f}",
-              f"{r['muon'] / r['params'] * 1e9:.1f}", f"{r['muon'] / r['adam']:.2f}x",
+def machine() -> str:
+    common = f"torch {torch.__version__}, Python {platform.python_version()}"
+    if not torch.cuda.is_available():
+        return f"{os.cpu_count()} CPU cores shared with other jobs, {common}, gloo, 1 thread per rank"
+    return (f"NCCL on {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, {common} (exchange ms: the "
+            "host's launch and wait of the all_to_all)")
+
+
+def report(rows: list[dict], args: argparse.Namespace, where: str, cmd: str) -> str:
+    table = [[r["layout"], r["world"], f"{r['params']:,}", f"{r['adam'] / r['params'] * 1e9:.3g}",
+              f"{r['muon'] / r['params'] * 1e9:.3g}", f"{r['muon'] / r['adam']:.2f}x",
               f"{r['comm_s'] * 1e3:.2f}", f"{r['sent_bytes']:,.0f}", f"{r['counted_bytes']:,}",
               f"{r['sent_bytes'] / (4 * r['muon_params']):.2f}"] for r in rows]
     head = ["layout", "ranks", "params", "Adam ns/param", "Muon ns/param", "Muon / Adam", "Muon exchange ms (rank 0)",
             "Muon bytes/step measured", "counted from layout", "bytes / fp32 Muon params"]
-    cmd = shlex.join(["python", "benchmarks/bench_muon.py", *sys.argv[1:]])
     text = [
         f"Model: hidden {args.hidden}, ffn {args.ffn_hidden}, {args.num_layers} layers, vocab {args.vocab_size}, fp32, "
         f"bucket size {args.bucket_size}. Optimizer step alone (`step_after_reduce`), median of {args.reps} after a "
         f"warm-up, rank 0, per model parameter; both optimizers in the same invocation. Muon's bytes are what its two "
         f"`all_to_all` per step send between ranks, summed over ranks (each Muon element not held by its matrix's "
-        f"owner crosses once each way: at most 2 x 4 bytes per Muon param). Machine: {os.cpu_count()} CPU cores shared "
-        f"with other jobs, torch {torch.__version__}, Python {platform.python_version()}, "
-        + ("gloo, 1 thread per rank." if args.device == "cpu" else
-           f"NCCL on {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()} (exchange ms: launch and wait "
-           "of the all_to_all as the host sees it)."),
+        f"owner crosses once each way: at most 2 x 4 bytes per Muon param). The exchange time includes the second "
+        f"all_to_all waiting for the slowest owner's Newton-Schulz. Machine: {where}.",
         "",
         tabulate(table, head, tablefmt="github"),
         "",
@@ -159,18 +166,29 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    rows = [measure(name, args) for name in args.layouts.split(",")]
+    cmd = shlex.join(["python", "benchmarks/bench_muon.py", *sys.argv[1:]])
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        rows, where = saved["rows"], saved.get("machine") or args.machine
+        if where is None:
+            raise SystemExit(f"{args.from_json} does not record its machine; pass --machine")
+        cmd = saved.get("command", "(not recorded)") + f"`, rendered by `{cmd}"
+        args = argparse.Namespace(**{**saved["args"], "write_docs": args.write_docs, "from_json": args.from_json,
+                                     "json": None})
+    else:
+        rows, where = [measure(name, args) for name in args.layouts.split(",")], machine()
     for r in rows:
         if r["sent_bytes"] != r["counted_bytes"]:
             raise SystemExit(f"{r['layout']}: measured {r['sent_bytes']} bytes but the layout gives "
                              f"{r['counted_bytes']}")
-    text = report(rows, args)
+    text = report(rows, args, where, cmd)
     print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    if args.json and not args.from_json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "machine": where, "command": cmd},
+                                              indent=1))
     if args.write_docs:
-        where = "CPU" if args.device == "cpu" else f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-        write_section(SECTION.format(where=where), text, DOC)
+        title = "CPU" if args.device == "cpu" else "GPU"
+        write_section(SECTION.format(where=title), text, DOC)
         print(f"updated {DOC.relative_to(REPO)} ({shlex.join(sys.argv)})")
     return 0
 
