@@ -22,7 +22,7 @@ row-sharded ``X`` [s, l] (s <= l) must all-reduce the Gram matrix ``X X^T`` (s x
 (for s = l = 4096: 671 MB per rank per matrix). Gathering to one owner moves each element of the
 Nesterov momentum there once and its update back once, ``2 * 4 * m * n`` bytes per matrix in
 total (134 MB for 4096 x 4096, summed over all ranks), in two ``all_to_all`` per step for all
-matrices together; the owner then runs exactly the single-device NS the fp32 reference runs.
+matrices together; the owner then runs the same single-device NS an unsharded run would.
 Owners are assigned longest-NS-first to the least-loaded rank (LPT, within 4/3 of the best
 balance), so with at least as many matrices as ranks every rank orthogonalizes a similar share.
 ``docs/performance.md`` has the measured bytes and step times.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import launcher_cases as lc
 import pytest
-from cli_helpers import cli
+from cli_helpers import assert_error_line, cli
 
 from gtp_format.names import MANIFEST_FILE
 from gtp_runtime.muon import muon_owned
@@ -113,6 +113,17 @@ def test_reshard_keeps_owners_and_state_and_resumes_at_another_dp(runs, tmp_path
     diff = cli("diff", str(runs["ckpt"] / "iter_0000002"), str(back), "--format", "json")
     assert diff.exit_code == 0, diff.stdout[-3000:]
     assert json.loads(diff.stdout)["equal"] is True
+
+
+def test_export_of_muon_optimizer_state_is_refused_weights_export(runs, tmp_path: Path):
+    """Megatron's Adam state names would mislabel Muon's momentum: refused in one line; weights export."""
+    for argv in (["--to", "fully_reshardable"], ["--to", "hf", "--optimizer"]):
+        res = cli("export", str(runs["ckpt"]), str(tmp_path / "out"), *argv)
+        assert_error_line(res, 2, "Muon checkpoint", "export the weights only")
+        assert not (tmp_path / "out").exists()
+    ok = cli("export", str(runs["ckpt"]), str(tmp_path / "hf"), "--to", "hf")
+    assert ok.exit_code == 0, ok.stdout + ok.stderr
+    assert list((tmp_path / "hf").glob("*.safetensors"))
 
 
 @pytest.mark.slow
