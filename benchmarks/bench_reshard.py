@@ -43,7 +43,7 @@ from ckpt_tool.reshard.engine import write_checkpoint  # noqa: E402
 from ckpt_tool.reshard.plan import OutChunk, plan_target  # noqa: E402
 from gtp_format.layout.config import ModelConfig, ParallelConfig  # noqa: E402
 from gtp_format.layout.params import buffer_layouts  # noqa: E402
-from gtp_format.manifest import HASH_ALGORITHM, MANIFEST_VERSION, Manifest, OptimizerInfo  # noqa: E402
+from gtp_format.manifest import HASH_ALGORITHM, Manifest, OptimizerInfo, format_version_for  # noqa: E402
 from gtp_format.names import LATEST_FILE, iter_dir_name  # noqa: E402
 from gtp_format.scan import carrier  # noqa: E402
 
@@ -85,9 +85,10 @@ def make_source(root: Path, layers: int, args: argparse.Namespace) -> int:
     model = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, num_layers=layers, num_heads=8,
                         ffn_hidden=args.ffn, seq_length=32)
     bucket = 40_000_000
-    manifest = Manifest(format_version=MANIFEST_VERSION, layout="torch_dist", optimizer_sharding="dp_reshardable",
-                        iteration=1, topology=SOURCE, model=model, param_dtype="torch.float32",
-                        optimizer=OptimizerInfo("adamw", 1, {"lr": 1e-3}), bucket_size=bucket,
+    opt = OptimizerInfo("adamw", 1, {"lr": 1e-3})
+    manifest = Manifest(format_version=format_version_for(opt), layout="torch_dist",
+                        optimizer_sharding="dp_reshardable", iteration=1, topology=SOURCE, model=model,
+                        param_dtype="torch.float32", optimizer=opt, bucket_size=bucket,
                         buffers=buffer_layouts(model, SOURCE, bucket, "torch.float32"),
                         hash_algorithm=HASH_ALGORITHM, files={})
     folder = root / iter_dir_name(1)

@@ -38,7 +38,8 @@ from gtp_format.layout.shard import ShardSpec
 from gtp_format.names import LAYOUTS, MANIFEST_FILE, OPTIMIZER_SHARDINGS
 
 FORMAT_TAG = "gtp-ckpt"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # the newest version this tool reads; 2 added ``optimizer.param_optimizers``
+PARAM_OPTIMIZERS = ("adamw", "muon")  # which optimizer updates a param (``optimizer.param_optimizers``)
 HASH_ALGORITHM = "crc32c"
 LEGACY_HASH_ALGORITHM = "crc32"  # what manifests that name none used (zlib)
 MAX_COUNT = 1 << 62  # no size, numel or index in a real checkpoint comes near; bigger is a crafted file
@@ -124,12 +125,35 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class OptimizerInfo:
+    """The optimizer: ``type`` ``adamw`` or ``muon``, its step and hyperparameters.
+
+    ``param_optimizers`` (version 2) names the optimizer that owns each param when they differ
+    (``muon``: Muon for the linears, ``adamw`` for the rest). For a Muon param, the bucket state
+    ``exp_avg`` is Muon's momentum and ``exp_avg_sq`` is unused (zero). Empty means every param is
+    AdamW's, as in every version-1 manifest.
+    """
+
     type: str
     step: int
     hyper: dict[str, float]  # lr, betas, eps, weight decay, clip... as the optimizer records them
+    param_optimizers: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"type": self.type, **self.hyper, "step": self.step}
+        out: dict[str, Any] = {"type": self.type, **self.hyper, "step": self.step}
+        if self.param_optimizers:
+            out["param_optimizers"] = dict(self.param_optimizers)
+        return out
+
+    def owner(self, param: str) -> str:
+        """The optimizer that updates ``param`` (``adamw`` when the manifest names none)."""
+        return self.param_optimizers.get(param, "adamw")
+
+
+def format_version_for(optimizer: OptimizerInfo | None) -> int:
+    """The version a manifest is written with: 2 only when it records per-param optimizers, so
+    that tools from before version 2 keep reading AdamW checkpoints and refuse Muon ones by
+    version ("newer than this tool; upgrade") rather than by a field they cannot type."""
+    return 2 if optimizer is not None and optimizer.param_optimizers else 1
 
 
 @dataclass
@@ -386,9 +410,16 @@ def _files(raw: Any) -> dict[str, FileEntry]:
 
 def _optimizer(raw: Any) -> OptimizerInfo:
     d = _obj(raw, "optimizer")
-    hyper = {k: _num(v, f"optimizer.{k}") for k, v in d.items() if k not in ("type", "step")}
+    hyper = {k: _num(v, f"optimizer.{k}") for k, v in d.items() if k not in ("type", "step", "param_optimizers")}
+    owners: dict[str, str] = {}
+    for name, which in _obj(d.get("param_optimizers", {}), "optimizer.param_optimizers").items():
+        path = f"optimizer.param_optimizers[{_short(name)}]"
+        if _str(which, path) not in PARAM_OPTIMIZERS:
+            raise _Bad(path, f"is {_short(which)}, not one of {PARAM_OPTIMIZERS}")
+        owners[_str(name, path)] = which
     return OptimizerInfo(type=_str(_req(d, "type", "optimizer"), "optimizer.type"),
-                         step=_int(_req(d, "step", "optimizer"), "optimizer.step"), hyper=hyper)
+                         step=_int(_req(d, "step", "optimizer"), "optimizer.step"), hyper=hyper,
+                         param_optimizers=owners)
 
 
 # name -> (parser, required when strict). Sections parse independently, so a lenient read keeps

@@ -16,6 +16,7 @@ from gtp_runtime.collectives import all_gather_dim0
 from gtp_runtime.data import global_batch
 from gtp_runtime.optimizer import DistributedAdam
 from gtp_runtime.reference import ReferenceGPT
+from gtp_runtime.reference_muon import ReferenceMuon
 from gtp_runtime.sharding import take_shard
 from gtp_runtime.training import Trainer
 
@@ -70,15 +71,17 @@ def worst_over_world(m: Mismatch) -> Mismatch:
     return max((x for x in items if x is not None), key=lambda x: x.error)
 
 
-def reference_for(trainer: Trainer) -> tuple[ReferenceGPT, torch.optim.AdamW]:
+def reference_for(trainer: Trainer) -> tuple[ReferenceGPT, torch.optim.AdamW | ReferenceMuon]:
     ref = ReferenceGPT(trainer.cfg.model, trainer.device)
     a = trainer.cfg.adam
+    if trainer.cfg.optimizer == "muon":
+        return ref, ReferenceMuon(ref.params, a, trainer.cfg.muon)
     opt = torch.optim.AdamW(list(ref.params.values()), lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps,
                             weight_decay=a.weight_decay, foreach=False)
     return ref, opt
 
 
-def reference_step(trainer: Trainer, ref: ReferenceGPT, opt: torch.optim.AdamW,
+def reference_step(trainer: Trainer, ref: ReferenceGPT, opt: torch.optim.AdamW | ReferenceMuon,
                    step: int) -> tuple[float, dict[str, torch.Tensor], float, int]:
     """One reference step on the same global batch: (loss, grads before clipping, norm, zeros)."""
     m = trainer.cfg.model

@@ -33,6 +33,7 @@ from gtp_format.manifest import Manifest, derive_bucket_size
 from gtp_format.names import dtype_tag, optimizer_key
 from gtp_runtime.checkpoint.io import load_checkpoint, save_checkpoint
 from gtp_runtime.checkpoint.state import dp_group_idx, owned_pieces
+from gtp_runtime.muon import MuonConfig
 from gtp_runtime.optimizer import AdamConfig
 from gtp_runtime.training import TrainConfig, Trainer
 
@@ -165,11 +166,15 @@ def config_from_manifest(manifest: Manifest, dp: int | None = None) -> TrainConf
         raise ConfigError("manifest lacks topology, model, optimizer or buffers; it is not a complete gtp_runtime "
                           "manifest")
     known = {f.name for f in dataclasses.fields(AdamConfig)}
+    if opt.type == "muon":
+        known |= {f"muon_{f.name}" for f in dataclasses.fields(MuonConfig)}
     unknown = sorted(set(opt.hyper) - known)
-    if opt.type != "adamw" or unknown:
-        what = f"type {opt.type!r}" if opt.type != "adamw" else f"field {unknown[0]!r}"
+    if opt.type not in ("adamw", "muon") or unknown:
+        what = f"type {opt.type!r}" if opt.type not in ("adamw", "muon") else f"field {unknown[0]!r}"
         raise ConfigError(f"manifest optimizer has {what}, unknown to this version; upgrade gtp-ckpt")
-    adam = AdamConfig(**{k: float(v) for k, v in opt.hyper.items()})
+    adam = AdamConfig(**{k: float(v) for k, v in opt.hyper.items() if not k.startswith("muon_")})
+    muon = MuonConfig(**{k[5:]: (int(v) if k == "muon_ns_steps" else float(v))
+                         for k, v in opt.hyper.items() if k.startswith("muon_")})
     if manifest.param_dtype not in PARAM_DTYPES:
         raise ConfigError(f"manifest param_dtype {manifest.param_dtype!r} is not one of {PARAM_DTYPES}")
     par.validate(None, model.num_experts)
@@ -181,7 +186,8 @@ def config_from_manifest(manifest: Manifest, dp: int | None = None) -> TrainConf
         bucket_size = manifest.bucket_size or derive_bucket_size(manifest.buffers, DEFAULT_BUCKET_SIZE)
     except ValueError as e:
         raise ConfigError(f"{e}; cannot recover --bucket-size") from None
-    return TrainConfig(par=par, model=model, adam=adam, bucket_size=bucket_size,
+    return TrainConfig(par=par, model=model, adam=adam, optimizer="muon" if opt.type == "muon" else "adam", muon=muon,
+                       bucket_size=bucket_size,
                        param_dtype=from_repr(manifest.param_dtype).torch)
 
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
 from gtp_runtime.launch import RankFailure, run_local_ranks
+from gtp_runtime.muon import MuonConfig
 from gtp_runtime.optimizer import AdamConfig
 from gtp_runtime.training import TrainConfig, Trainer
 
@@ -42,6 +43,7 @@ COLLECTIVE_TIMEOUT_S = 1800.0  # torch's default process-group timeout; a dead p
 EXAMPLES = """examples:
   python -m gtp_runtime.train --nproc-per-node 8 --cp 2 --gtp-remat 2 --dp 2 --fold-cp --steps 5
   python -m gtp_runtime.train --nproc-per-node 4 --tp 2 --cp 2 --fold-cp --check-reference
+  python -m gtp_runtime.train --nproc-per-node 4 --cp 2 --dp 2 --fold-cp --optimizer muon --check-reference
   torchrun --nproc-per-node 2 -m gtp_runtime.train --cp 2 --fold-cp --steps 10
 """
 
@@ -79,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--weight-decay", type=float, default=0.01)
     t.add_argument("--clip-grad", type=float, default=1.0)
+    t.add_argument("--optimizer", choices=("adam", "muon"), default="adam",
+                   help="adam: AdamW everywhere; muon: Muon for the linears, AdamW for embeddings, output, norms")
+    t.add_argument("--muon-lr", type=float, default=0.02, help="Muon's learning rate (--lr is AdamW's)")
+    t.add_argument("--muon-momentum", type=float, default=0.95, help="Muon's (Nesterov) momentum")
     t.add_argument("--bucket-size", type=int, default=40_000_000, help="elements per gradient bucket")
     t.add_argument("--no-gather-prefetch", action="store_true",
                    help="gather each GTP weight only when it is needed (no prefetch of the next one)")
@@ -119,7 +125,9 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
         raise ConfigError(f"--micro-batch must be positive and --steps non-negative, got {args.micro_batch} and "
                           f"{args.steps}")
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad)
-    cfg = TrainConfig(par=par, model=model, adam=adam, micro_batch=args.micro_batch, bucket_size=args.bucket_size,
+    muon = MuonConfig(lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.weight_decay)
+    cfg = TrainConfig(par=par, model=model, adam=adam, optimizer=args.optimizer, muon=muon,
+                      micro_batch=args.micro_batch, bucket_size=args.bucket_size,
                       param_dtype=torch.bfloat16 if args.bf16 else torch.float32,
                       prefetch=not args.no_gather_prefetch, overlap_grad_reduce=not args.no_overlap_grad_reduce,
                       fused=args.fused)

@@ -15,6 +15,7 @@ from gtp_runtime.context_parallel import cp_positions, split_for_cp
 from gtp_runtime.data import global_batch, lane_slice
 from gtp_runtime.groups import Groups, build_groups
 from gtp_runtime.model import GPTModel, is_gtp_dense
+from gtp_runtime.muon import DistributedMuon, MuonConfig
 from gtp_runtime.optimizer import AdamConfig, DistributedAdam, StepStats
 
 
@@ -23,6 +24,9 @@ class TrainConfig:
     par: ParallelConfig
     model: ModelConfig
     adam: AdamConfig = field(default_factory=AdamConfig)
+    optimizer: str = "adam"
+    """``"adam"`` (AdamW for every param) or ``"muon"`` (Muon for the linears, AdamW for the rest)."""
+    muon: MuonConfig = field(default_factory=MuonConfig)
     micro_batch: int = 2
     bucket_size: int = 40_000_000
     param_dtype: torch.dtype = torch.float32
@@ -63,7 +67,13 @@ class Trainer:
         self.groups = groups or build_groups(cfg.par)
         self.model = GPTModel(cfg.model, cfg.par, self.groups, dtype=cfg.param_dtype, device=self.device,
                               prefetch=cfg.prefetch, overlap_grad_reduce=cfg.overlap_grad_reduce, fused=cfg.fused)
-        self.optimizer = DistributedAdam(self.model, self.groups, cfg.adam, cfg.bucket_size)
+        if cfg.optimizer == "muon":
+            self.optimizer: DistributedAdam = DistributedMuon(self.model, self.groups, cfg.adam, cfg.muon,
+                                                              cfg.bucket_size)
+        elif cfg.optimizer == "adam":
+            self.optimizer = DistributedAdam(self.model, self.groups, cfg.adam, cfg.bucket_size)
+        else:
+            raise ValueError(f"unknown optimizer {cfg.optimizer!r}; use 'adam' or 'muon'")
         self.iteration = 0
 
     @property

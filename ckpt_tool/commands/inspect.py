@@ -113,6 +113,7 @@ def inspect_command(
         "aliasing": {"status": alias.status, "message": alias.message,
                      "keys": [{"key": a.key, "severity": a.severity, "reason": a.reason, "kept": a.kept_summary(),
                                "survivors": [asdict(s) for s in a.survivors]} for a in alias.aliased]},
+        "optimizer_info": _optimizer_info(ckpt.manifest),
         "weights": weights, "optimizer": optimizer, "objects": objects,
         "notes": [p.to_dict() for p in ckpt.notes + topo.notes],
     }
@@ -122,10 +123,25 @@ def inspect_command(
         from gtp_format.params import describe, param_views_of
 
         doc["params"] = describe(param_views_of(ckpt))
+        opt = ckpt.manifest.optimizer if ckpt.manifest is not None else None
+        for r in doc["params"]:
+            r["optimizer"] = opt.owner(str(r["name"])) if opt is not None else None
     if fmt == OutputFormat.json:
         print_json(doc)
         return
     print_blocks(*_tables(doc))
+
+
+def _optimizer_info(manifest: Any) -> dict[str, Any] | None:
+    """The manifest's optimizer: type, step, and how many params each optimizer owns (Muon's
+    ``exp_avg`` is its momentum; its ``exp_avg_sq`` is unused)."""
+    opt = manifest.optimizer if manifest is not None else None
+    if opt is None:
+        return None
+    names = {p.name for b in manifest.buffers or () for k in b.buckets for p in k.params}
+    owners = [opt.owner(n) for n in sorted(names)]
+    return {"type": opt.type, "step": opt.step, "params": {o: owners.count(o) for o in sorted(set(owners))},
+            "param_optimizers": {n: opt.owner(n) for n in sorted(names)}}
 
 
 def _tables(doc: dict[str, Any]) -> list[str]:
@@ -140,6 +156,10 @@ def _tables(doc: dict[str, Any]) -> list[str]:
         ("data files", f"{c['data_files']} ({fmt_bytes(c['data_file_bytes'])})"),
         ("aliasing", f"{doc['aliasing']['status']}: {doc['aliasing']['message']}"),
     ]
+    oi = doc["optimizer_info"]
+    if oi is not None:
+        owned = ", ".join(f"{o} {n} params" for o, n in oi["params"].items())
+        summary.append(("optimizer", f"{oi['type']} at step {oi['step']} ({owned})"))
     blocks = [table(summary, ("checkpoint", ""))]
     blocks.append(table([(w["key"], fmt_shape(w["shape"]), _dtype(w["dtype"]), w["chunks"]) for w in doc["weights"]],
                         ("key", "global shape", "dtype", "chunks"), "Model weights"))
@@ -163,8 +183,9 @@ def _tables(doc: dict[str, Any]) -> list[str]:
     if "params" in doc:
         blocks.append(table(
             [(r["name"], fmt_shape(r["full_shape"]), r["gbuf_idx"], r["bucket_idx"], r["offset"], len(r["holders"]),
-              _ranks(r["ranks"]), _ranks(r["cp_ranks"])) for r in doc["params"]],
-            ("param", "full shape", "gbuf", "bucket", "offset", "copies", "ranks", "cp_rank"), "Parameters"))
+              _ranks(r["ranks"]), _ranks(r["cp_ranks"]), r["optimizer"] or "-") for r in doc["params"]],
+            ("param", "full shape", "gbuf", "bucket", "offset", "copies", "ranks", "cp_rank", "optimizer"),
+            "Parameters"))
     for n in doc["notes"]:
         blocks.append(f"{n['severity']}: {n['message']}")
     return blocks

@@ -36,6 +36,7 @@ EPILOG = (
     "Examples:\n\n"
     "  ckpt verify-roundtrip   (8 CPU ranks, tp1 cp2 gtp_remat2 dp2 folded: 3 steps, save, load, 2 more)\n\n"
     "  ckpt verify-roundtrip --cp 2 --gtp-remat 1 --dp 1 --layout safetensors --format json\n\n"
+    "  ckpt verify-roundtrip --optimizer muon   (Muon momentum + AdamW state of the rest)\n\n"
     "  ckpt verify-roundtrip runs/gpt/checkpoints   (load with the manifest's topology, save, compare)\n\n"
     "  ckpt verify-roundtrip runs/gpt/checkpoints/iter_0000100 --dp 1   (reshard to DP=1 on the way)\n\n"
     "  ckpt verify-roundtrip runs/gpt/checkpoints --keys 'decoder.*' --ignore '*.bias'   (compare part)\n\n"
@@ -52,6 +53,11 @@ EPILOG = (
     "Exit codes: 0 every check passed, 1 a difference was found, a rank failed or verify refused PATH, "
     "2 usage error or unreadable input."
 )
+
+
+class Optimizer(str, Enum):
+    adam = "adam"
+    muon = "muon"
 
 
 class Layout(str, Enum):
@@ -122,6 +128,9 @@ def verify_roundtrip_command(
     bucket_size: Annotated[int | None, typer.Option(
         "--bucket-size", min=1, help="Elements per gradient bucket; small, so buffers have several buckets "
                                      "(default: 10000).", show_default=False)] = None,
+    optimizer: Annotated[Optimizer | None, typer.Option(
+        "--optimizer", help="adam (AdamW everywhere) or muon (Muon for the linears, AdamW for the rest) "
+                            "(default: adam; with PATH: the checkpoint's).", show_default=False)] = None,
     keys: Annotated[list[str] | None, typer.Option(
         "--keys", help="With PATH: compare only keys matching this glob (fnmatch; repeatable).",
         show_default=False)] = None,
@@ -142,7 +151,8 @@ def verify_roundtrip_command(
     if path is not None:
         given = [flag for flag, v in (("--tp", tp), ("--cp", cp), ("--gtp-remat", gtp_remat), ("--nproc", nproc),
                                       ("--fold-cp/--no-fold-cp", fold_cp), ("--steps", steps),
-                                      ("--resume-steps", resume_steps), ("--bucket-size", bucket_size))
+                                      ("--resume-steps", resume_steps), ("--bucket-size", bucket_size),
+                                      ("--optimizer", optimizer))
                  if v is not None]
         if given:
             fail(f"{', '.join(given)} cannot be used with PATH: the topology, model and buckets come from the "
@@ -154,7 +164,8 @@ def verify_roundtrip_command(
              "compared; drop them")
     try:
         cfg, world = training.train_config(tp, cp, gtp_remat, dp, fold_cp, nproc,
-                                           bucket_size or training.DEFAULT_BUCKET_SIZE)
+                                           bucket_size or training.DEFAULT_BUCKET_SIZE,
+                                           optimizer.value if optimizer is not None else "adam")
     except ConfigError as e:
         hint = " (verify-roundtrip folds by default: pass --no-fold-cp)" if fold_cp is None and "fold" in str(e) else ""
         fail(f"{e}{hint}")

@@ -48,10 +48,10 @@ from gtp_format.layout.config import ConfigError, ParallelConfig
 from gtp_format.layout.params import buffer_layouts
 from gtp_format.manifest import (
     HASH_ALGORITHM,
-    MANIFEST_VERSION,
     FileEntry,
     Manifest,
     derive_bucket_size,
+    format_version_for,
     write_manifest,
 )
 from gtp_format.names import (
@@ -116,7 +116,8 @@ def target_manifest(src: Manifest, par: ParallelConfig, layout: str) -> Manifest
     assert src.topology is not None
     note = {"tool": "ckpt reshard", "from": src.topology.describe(), "to": par.describe()}
     return Manifest(
-        format_version=MANIFEST_VERSION, layout=layout, optimizer_sharding=FORMAT_NAME, iteration=src.iteration,
+        format_version=format_version_for(src.optimizer), layout=layout, optimizer_sharding=FORMAT_NAME,
+        iteration=src.iteration,
         topology=par, model=src.model, param_dtype=src.param_dtype, optimizer=src.optimizer,
         bucket_size=bucket_size, buffers=buffer_layouts(src.model, par, bucket_size, src.param_dtype),
         hash_algorithm=HASH_ALGORITHM, files={}, notes=[*src.notes, note], extra=dict(src.extra))

@@ -216,6 +216,12 @@ def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: i
     t0 = time.perf_counter()
     baseline = rss_after_imports("safetensors" if to == "hf" else None)
     source = open_source(src, megatron=True)
+    opt_info = source.manifest.optimizer if source.manifest is not None else None
+    if opt_info is not None and opt_info.type == "muon" and (optimizer or to == "fully_reshardable"):
+        # Megatron's adam names would call Muon's momentum a first moment and its unused zeros a second one.
+        raise FormatError(f"{source.root}: a Muon checkpoint's optimizer state (momentum stored as exp_avg) has no "
+                          "Megatron fully_reshardable / Adam name; export the weights only (--to hf without "
+                          "--optimizer, or --to torch)")
     workers = workers or default_workers()
     chunk_bytes = chunk_budget(max_memory, workers)
     views = source.views.values()

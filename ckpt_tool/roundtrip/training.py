@@ -16,7 +16,7 @@ import time
 from ckpt_tool.roundtrip import jobs
 from ckpt_tool.roundtrip.rows import Outcome, Progress, no_progress, row
 from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
-from gtp_format.layout.config import ModelConfig, ParallelConfig, infer_dp
+from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
 from gtp_runtime.training import TrainConfig
 
 DEFAULT_STEPS = 3
@@ -28,10 +28,11 @@ LAYOUTS = ("torch_dist", "safetensors")
 
 def train_config(tp: int | None = None, cp: int | None = None, gtp_remat: int | None = None, dp: int | None = None,
                  fold_cp: bool | None = None, nproc: int | None = None,
-                 bucket_size: int = DEFAULT_BUCKET_SIZE) -> tuple[TrainConfig, int]:
+                 bucket_size: int = DEFAULT_BUCKET_SIZE, optimizer: str = "adam") -> tuple[TrainConfig, int]:
     """The run's config and world size: the launcher's model and optimizer defaults, sizes given or
     :data:`DEFAULT_TOPOLOGY` (``dp`` from ``nproc`` when only that is given), folded unless
-    ``fold_cp`` is False. Refusals are the launcher's :class:`ConfigError` lines."""
+    ``fold_cp`` is False; ``optimizer`` ``adam`` or ``muon`` (the launcher's ``--optimizer``). Refusals
+    are the launcher's :class:`ConfigError` lines."""
     tp = DEFAULT_TOPOLOGY["tp"] if tp is None else tp
     cp = DEFAULT_TOPOLOGY["cp"] if cp is None else cp
     gtp_remat = DEFAULT_TOPOLOGY["gtp_remat"] if gtp_remat is None else gtp_remat
@@ -42,7 +43,9 @@ def train_config(tp: int | None = None, cp: int | None = None, gtp_remat: int | 
     par.validate(world)
     model = ModelConfig()
     model.validate(par)
-    return TrainConfig(par=par, model=model, bucket_size=bucket_size), world
+    if optimizer not in ("adam", "muon"):
+        raise ConfigError(f"--optimizer {optimizer!r} is not one of adam, muon")
+    return TrainConfig(par=par, model=model, bucket_size=bucket_size, optimizer=optimizer), world
 
 
 def run(cfg: TrainConfig, world: int, layout: str = "torch_dist", steps: int = DEFAULT_STEPS,
@@ -83,10 +86,11 @@ def run(cfg: TrainConfig, world: int, layout: str = "torch_dist", steps: int = D
         "mode": "train", "ok": all(c["ok"] for c in checks),
         "config": {"parallel": cfg.par.to_dict(), "world_size": world, "layout": layout, "steps": steps,
                    "resume_steps": more, "bucket_size": cfg.bucket_size, "micro_batch": cfg.micro_batch,
-                   "param_dtype": str(cfg.param_dtype), "model": cfg.model.to_dict()},
+                   "param_dtype": str(cfg.param_dtype), "model": cfg.model.to_dict(), "optimizer": cfg.optimizer},
         "passed": sum(c["ok"] for c in checks), "failed": sum(not c["ok"] for c in checks),
         "resume_losses": reports[0]["losses"], "checks": checks,
         "seconds": {k: round(v, 3) for k, v in seconds.items()},
     }
-    return Outcome(doc, f"verify-roundtrip: {cfg.par.describe()} on {world} ranks, {layout}, {steps} steps, save, "
+    return Outcome(doc, f"verify-roundtrip: {cfg.par.describe()} on {world} ranks, {cfg.optimizer}, {layout}, {steps} "
+                        f"steps, save, "
                         f"load in fresh processes, {more} more steps")

@@ -26,6 +26,7 @@ from gtp_format.check.analysis import (
 from gtp_format.check.data import check_data
 from gtp_format.check.geometry import check_coverage
 from gtp_format.check.keys import check_manifest_keys
+from gtp_format.check.owners import check_param_optimizers
 from gtp_format.dtypes import DType
 from gtp_format.errors import ChunkError, FormatError
 from gtp_format.hashing import HASHERS, file_digests
@@ -424,6 +425,7 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
         ("optimizer", lambda: check_optimizer(ckpt, classes, topo)),
         ("bucket_numel", lambda: check_bucket_numel(ckpt, classes, data)),
         ("manifest_keys", lambda: check_manifest_keys(ckpt)),
+        ("param_optimizers", lambda: check_param_optimizers(ckpt)),
     ]
     for name, step in steps:
         result.checks.append(name)

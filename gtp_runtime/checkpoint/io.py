@@ -32,7 +32,7 @@ from gtp_format.errors import FormatError
 from gtp_format.manifest import FileEntry, write_manifest
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
 from gtp_runtime.checkpoint.errors import CheckpointError
-from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, file_entry
+from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, file_entry, optimizer_info
 from gtp_runtime.checkpoint.safetensors_storage import INDEX_FILE, SafetensorsWriter
 from gtp_runtime.checkpoint.state import (
     bucket_numel_state,
@@ -112,8 +112,9 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
         files[meta.name] = file_entry(meta)
         cfg = trainer.cfg
         manifest = build_manifest(
-            layout=layout, sharding=sharding, iteration=it, par=cfg.par, model=cfg.model, adam=cfg.adam,
-            step=trainer.optimizer.step_count, buffers=buffer_layout(trainer.optimizer, trainer.groups),
+            layout=layout, sharding=sharding, iteration=it, par=cfg.par, model=cfg.model,
+            optimizer=optimizer_info(trainer.optimizer, cfg.adam, cfg.muon, trainer.optimizer.step_count),
+            buffers=buffer_layout(trainer.optimizer, trainer.groups),
             files=files, param_dtype=str(cfg.param_dtype), bucket_size=cfg.bucket_size)
         if aliased:
             manifest.notes.append("written by the pre-fix (aliased) writer: folded keys lack .cp_rank_{i}")

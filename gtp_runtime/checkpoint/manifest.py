@@ -15,13 +15,13 @@ from gtp_format.hashing import file_digests
 from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_format.manifest import (
     HASH_ALGORITHM,
-    MANIFEST_VERSION,
     BucketLayout,
     BufferLayout,
     FileEntry,
     Manifest,
     OptimizerInfo,
     ParamLayout,
+    format_version_for,
 )
 from gtp_format.names import dtype_tag
 
@@ -54,11 +54,20 @@ def buffer_layout(opt: Any, groups: Any) -> tuple[BufferLayout, ...]:
     ) for buf in opt.buffers)
 
 
+def optimizer_info(opt: Any, adam: Any, muon: Any, step: int) -> OptimizerInfo:
+    """The manifest's optimizer section. Muon's own hyperparameters carry a ``muon_`` prefix
+    (the rest are AdamW's, which updates the non-Muon params), and every param's owner is named."""
+    owners = getattr(opt, "param_optimizers", None)
+    if owners is None:
+        return OptimizerInfo(type="adamw", step=step, hyper=dataclasses.asdict(adam))
+    hyper = {**dataclasses.asdict(adam), **{f"muon_{k}": v for k, v in dataclasses.asdict(muon).items()}}
+    return OptimizerInfo(type="muon", step=step, hyper=hyper, param_optimizers=owners())
+
+
 def build_manifest(*, layout: str, sharding: str, iteration: int, par: ParallelConfig, model: ModelConfig,
-                   adam: Any, step: int, buffers: tuple[BufferLayout, ...], files: dict[str, FileEntry],
+                   optimizer: OptimizerInfo, buffers: tuple[BufferLayout, ...], files: dict[str, FileEntry],
                    param_dtype: str, bucket_size: int | None = None) -> Manifest:
     return Manifest(
-        format_version=MANIFEST_VERSION, layout=layout, optimizer_sharding=sharding, iteration=iteration,
-        topology=par, model=model, param_dtype=param_dtype,
-        optimizer=OptimizerInfo(type="adamw", step=step, hyper=dataclasses.asdict(adam)),
+        format_version=format_version_for(optimizer), layout=layout, optimizer_sharding=sharding,
+        iteration=iteration, topology=par, model=model, param_dtype=param_dtype, optimizer=optimizer,
         bucket_size=bucket_size, buffers=buffers, hash_algorithm=HASH_ALGORITHM, files=files)

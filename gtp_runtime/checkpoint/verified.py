@@ -96,6 +96,12 @@ def check_compatible(cfg: TrainConfig, manifest: Manifest, folder: Path) -> None
     if manifest.param_dtype != str(cfg.param_dtype):
         raise CheckpointError(f"{folder}: saved with params {manifest.param_dtype}, running "
                               f"{cfg.param_dtype}; match --bf16 to the checkpoint")
+    saved_opt = "muon" if manifest.optimizer is not None and manifest.optimizer.type == "muon" else "adam"
+    if saved_opt != cfg.optimizer:
+        # Muon's momentum sits where AdamW's first moment would: loading one as the other would
+        # run without error and train with the wrong state.
+        raise CheckpointError(f"{folder}: saved with --optimizer {saved_opt}, running --optimizer {cfg.optimizer}; "
+                              f"pass --optimizer {saved_opt}")
     if manifest.optimizer_sharding != fmt.FORMAT_NAME:
         sharding_refusal(manifest.optimizer_sharding, any(b.excludes_cp for b in manifest.buffers or ()), "load")
 

@@ -49,6 +49,7 @@ SMOKE = {
     "bench_verify.py": ["--workdir", "{tmp}/verify", "--clean"],
     "bench_gpu.py": ["--json", "{tmp}/gpu.json"],
     "bench_reshard.py": ["--workdir", "{tmp}/reshard"],
+    "bench_muon.py": [],
 }
 # Not run with --smoke by the test above; each has its own test below.
 OTHERS = {"bench_megatron_save.py", "report_gpu.py", "docs_section.py"}
@@ -123,6 +124,16 @@ def check_fold_cpu(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert float(rows[2][dense]) == 0.5  # cp2 folding shards the dense weights and grads over 2 ranks more
 
 
+def check_muon(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    head, *rows = _table(p.stdout)
+    (row,) = rows
+    assert row[0] == "cp2-fold" and _ratio(row[head.index("Muon / Adam")]) > 0
+    # Folded over cp2 at dp 1, each Muon matrix is half on its owner: the other half crosses each
+    # way once, 4 bytes per Muon param in all; measured equals counted (the script exits 1 otherwise).
+    measured, counted = row[head.index("Muon bytes/step measured")], row[head.index("counted from layout")]
+    assert measured == counted == "32,768" and float(row[head.index("bytes / fp32 Muon params")]) == 1.0
+
+
 def check_hash(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     head, *rows = _table(p.stdout)
     assert head[0] == "algorithm" and len(rows) == 4
@@ -177,7 +188,7 @@ def check_reshard(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
 CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
     "bench_inspect.py": check_inspect, "bench_migrate.py": check_migrate, "bench_verify.py": check_verify,
-    "bench_gpu.py": check_gpu, "bench_reshard.py": check_reshard,
+    "bench_gpu.py": check_gpu, "bench_reshard.py": check_reshard, "bench_muon.py": check_muon,
 }
 
 

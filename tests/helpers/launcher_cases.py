@@ -46,6 +46,16 @@ PARITY = {
     # reduce-scatter path.
     "cp2-g1-fold-fused": ["--nproc-per-node", "2", "--cp", "2", "--fold-cp", "--fused", "compile", "--seed", "5"],
     "tp2-cp2-g2-fold": ["--nproc-per-node", "8", "--tp", "2", "--cp", "2", "--gtp-remat", "2", "--fold-cp"],
+    # Muon (issue 16): whole-matrix Newton-Schulz on an owner rank, momentum shards gathered from
+    # every rank of tp x weight group x buffer DP. Folded and unfolded with tail padding; then TP2,
+    # MoE (experts never fold) and gtp_remat 1 with fold in one 8-rank run.
+    "muon-cp2-g2-dp2-fold": ["--nproc-per-node", "8", "--cp", "2", "--gtp-remat", "2", "--dp", "2", "--fold-cp",
+                             "--optimizer", "muon", *PADDED_MODEL],
+    "muon-cp2-g2-dp2-nofold": ["--nproc-per-node", "8", "--cp", "2", "--gtp-remat", "2", "--dp", "2",
+                               "--optimizer", "muon", "--muon-lr", "0.03", *PADDED_MODEL],
+    "muon-tp2-cp2-g1-dp2-fold-moe": ["--nproc-per-node", "8", "--tp", "2", "--cp", "2", "--dp", "2", "--fold-cp",
+                                     "--optimizer", "muon", "--muon-momentum", "0.9", "--num-experts", "2",
+                                     "--expert-gtp-remat", "2", "--num-heads", "2", "--gtp-align", "8"],
 }
 PARITY_ARGS = ["--check-reference", "--steps", "5"]
 EIGHT_RANK = {name for name, argv in PARITY.items() if argv[1] == "8"}
@@ -73,6 +83,21 @@ CHECKPOINT_RUNS = {
     "refuse-fully-reshardable": ([*CKPT_MODEL, "--steps", "1", "--save", "{ckpt}-refused", "--optimizer-sharding",
                                   "fully_reshardable"], 2),
 }
+
+# Muon checkpoints (test_muon_checkpoint.py), in order: save at 2 and 4, resume at 2, load refused
+# as Adam, a gather-everything format refused with a folded buffer, then (after `ckpt reshard` to
+# dp 1 into ``{resharded}``) resume at the new DP size.
+MUON_MODEL = ["--nproc-per-node", "4", "--cp", "2", "--dp", "2", "--fold-cp", "--optimizer", "muon",
+              "--bucket-size", "3000"]
+MUON_CHECKPOINT_RUNS = {
+    "save": ([*MUON_MODEL, "--steps", "4", "--save", "{ckpt}", "--save-interval", "2"], 0),
+    "load": ([*MUON_MODEL, "--steps", "4", "--load", "{ckpt}/iter_0000002"], 0),
+    "load-as-adam": ([*MUON_MODEL[:-4], *MUON_MODEL[-2:], "--steps", "4", "--load", "{ckpt}"], 2),
+    "refuse-dp-zero-gather-scatter": ([*MUON_MODEL, "--steps", "1", "--save", "{ckpt}-refused",
+                                       "--optimizer-sharding", "dp_zero_gather_scatter"], 2),
+}
+MUON_RESHARDED_LOAD = (["--nproc-per-node", "2", "--cp", "2", "--dp", "1", "--fold-cp", "--optimizer", "muon",
+                        "--bucket-size", "3000", "--steps", "4", "--load", "{resharded}"], 0)
 
 # ``--load`` of a damaged copy of fixtures/gtp/fold_cp2_g2_dp2 (test_load_refusals.py): refused by
 # the launcher before any rank starts. The flags are the fixture's model and topology.
@@ -144,6 +169,7 @@ def executed_argvs() -> list[list[str]]:
     out += [[*argv, *log] for argv, _ in OTHER_RUNS.values()]
     out += [[*argv, *log] for _, argv in TORCHRUN_RUNS.values()]
     out += [[*argv, *log] for argv, _ in CHECKPOINT_RUNS.values()]
+    out += [[*argv, *log] for argv, _ in [*MUON_CHECKPOINT_RUNS.values(), MUON_RESHARDED_LOAD]]
     out += [argv for argv, _ in CLI_ERRORS.values()]
     out += [LOAD_REFUSED, CRASH_RUN]
     out += [HELP]

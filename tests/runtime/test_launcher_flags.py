@@ -44,6 +44,9 @@ CONFIG_FLAGS = {
     "no_gather_prefetch": ([], ["--no-gather-prefetch"], "prefetch", False),
     "no_overlap_grad_reduce": ([], ["--no-overlap-grad-reduce"], "overlap_grad_reduce", False),
     "fused": ([], ["--fused", "compile"], "fused", "compile"),
+    "optimizer": ([], ["--optimizer", "muon"], "optimizer", "muon"),
+    "muon_lr": ([], ["--muon-lr", "0.03"], "muon.lr", 0.03),
+    "muon_momentum": ([], ["--muon-momentum", "0.9"], "muon.momentum", 0.9),
 }
 
 # Flags that steer the run rather than the config, the value that must leave resolve() unchanged,
