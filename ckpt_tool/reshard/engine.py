@@ -13,8 +13,9 @@
    and SRC is only ever read.
 
 Memory: the largest array a worker holds is one chunk (``max_memory / (4 * workers)``, at most
-64 MiB: larger chunks bring no speed); a worker holds at most a few (the source rows, the chunk,
-``torch.save``'s copy), so the data in flight stays under ``--max-memory`` whatever SRC's size.
+64 MiB: larger chunks bring no speed); a worker holds at most a few (the source rows, the chunk
+assembled from them), so the data in flight stays under ``--max-memory`` whatever SRC's size.
+No torch is imported: the torch_dist files are written by :mod:`gtp_format.writer`.
 """
 
 from __future__ import annotations
@@ -258,10 +259,9 @@ def peak_rss() -> int:
 
 
 def rss_after_imports(layout: str | None) -> int:
-    """Peak RSS once every module the write needs is imported (torch and DCP for torch_dist), so a
-    run can report what its data took: ``peak_rss_bytes - baseline_rss_bytes``."""
-    if layout != "safetensors":
-        import torch.distributed.checkpoint.filesystem  # noqa: F401
+    """Peak RSS once every module the write needs is imported (no torch: both layouts are written by
+    :mod:`gtp_format.writer` and numpy), so a run can report what its data took:
+    ``peak_rss_bytes - baseline_rss_bytes``."""
     return peak_rss()
 
 
