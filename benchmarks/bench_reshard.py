@@ -111,6 +111,7 @@ def timed(cmd: list[str]) -> tuple[float, int, int]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    args.load = os.getloadavg()
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -164,8 +165,10 @@ def report(rows: list[dict], fits: list[tuple], args: argparse.Namespace) -> str
         "written by the reshard engine's own writer), resharded to tp2-cp1-g2-dp2-nofold and exported to "
         "Hugging Face safetensors with `--optimizer` (every byte read and written once), against `cp -r` of the "
         "same folder in the same run. Each command is a fresh subprocess, start-up included; warm page cache; "
-        f"default `--max-memory` (2 GiB) and workers. Machine: {os.cpu_count()} CPU cores shared with other jobs, "
-        f"{platform.machine()}, Python {platform.python_version()}.",
+        f"default `--max-memory` (2 GiB) and workers. Machine: {os.cpu_count()} CPU cores shared with other jobs "
+        f"(1-minute load average {args.load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end), "
+        f"{platform.machine()}, Python {platform.python_version()}. No torch is imported by either command "
+        "(torch_dist is written by `gtp_format.writer`).",
         "",
         "```",
         f"python benchmarks/bench_reshard.py --layers {args.layers} --write-docs",

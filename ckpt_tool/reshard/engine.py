@@ -13,8 +13,9 @@
    and SRC is only ever read.
 
 Memory: the largest array a worker holds is one chunk (``max_memory / (4 * workers)``, at most
-64 MiB: larger chunks bring no speed); a worker holds at most a few (the source rows, the chunk,
-``torch.save``'s copy), so the data in flight stays under ``--max-memory`` whatever SRC's size.
+64 MiB: larger chunks bring no speed); a worker holds at most a few (the source rows, the chunk
+assembled from them), so the data in flight stays under ``--max-memory`` whatever SRC's size.
+No torch is imported: the torch_dist files are written by :mod:`gtp_format.writer`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool.reshard.plan import OutChunk, Plan, plan_target, split_files
-from ckpt_tool.reshard.source import Source, open_source
+from ckpt_tool.reshard.source import Buffers, Source, open_source
 from ckpt_tool.reshard.writers import (
     safetensors_index,
     write_distcp,
@@ -144,14 +145,15 @@ def check_destination(dst: Path, src: Path) -> None:
         raise FormatError(f"{dst}: is inside the source checkpoint {src}; write it elsewhere")
 
 
-def chunk_data(source: Source, c: OutChunk) -> np.ndarray:
-    """The stored bits of one target chunk."""
+def chunk_data(source: Source, c: OutChunk, bufs: Buffers | None = None) -> np.ndarray:
+    """The stored bits of one target chunk (in ``bufs``, this thread's reusable buffers, if given:
+    valid until the thread's next call)."""
     if c.values is not None:
         return np.asarray(c.values, dtype=np.int64)
     if c.param is None:
         return np.zeros(c.sizes, dtype=carrier(c.dtype))
     assert c.box is not None and c.state is not None
-    arr = source.read_full_box(source.views[c.param], c.state, *c.box)
+    arr = source.read_full_box(source.views[c.param], c.state, *c.box, bufs=bufs)
     if arr.dtype != carrier(c.dtype):
         raise FormatError(f"{source.root}: {c.param} {c.state} is stored as {arr.dtype}, expected {c.dtype.name}")
     return arr.reshape(c.sizes)
@@ -259,10 +261,9 @@ def peak_rss() -> int:
 
 
 def rss_after_imports(layout: str | None) -> int:
-    """Peak RSS once every module the write needs is imported (torch and DCP for torch_dist), so a
-    run can report what its data took: ``peak_rss_bytes - baseline_rss_bytes``."""
-    if layout != "safetensors":
-        import torch.distributed.checkpoint.filesystem  # noqa: F401
+    """Peak RSS once every module the write needs is imported (no torch: both layouts are written by
+    :mod:`gtp_format.writer` and numpy), so a run can report what its data took:
+    ``peak_rss_bytes - baseline_rss_bytes``."""
     return peak_rss()
 
 
@@ -306,7 +307,11 @@ def reshard(src: Path, dst: Path, par: ParallelConfig, layout: str | None = None
         folder = tmp / iter_dir_name(target.iteration)
         folder.mkdir()
         advance = progress(plan.nbytes) if progress else (lambda n: None)
-        write_checkpoint(lambda c: chunk_data(source, c), target, plan, folder, workers, advance)
+        bufs = Buffers()  # thread-local: each worker reads and assembles in its own
+        try:
+            write_checkpoint(lambda c: chunk_data(source, c, bufs), target, plan, folder, workers, advance)
+        finally:
+            source.reader.close()
         write_durable(tmp / LATEST_FILE, f"{target.iteration}\n")
 
     build_atomically(dst, source.root, body)

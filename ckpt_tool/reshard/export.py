@@ -44,7 +44,7 @@ from ckpt_tool.reshard.engine import (
     write_failure,
 )
 from ckpt_tool.reshard.plan import FP32, OutChunk, dtype_of, row_blocks, split_files
-from ckpt_tool.reshard.source import WEIGHT, Source, open_source
+from ckpt_tool.reshard.source import WEIGHT, Buffers, Source, open_source
 from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata
 from gtp_format.commit import commit_file, fsync_dir, hidden_sibling, write_durable
 from gtp_format.dtypes import DType
@@ -142,8 +142,9 @@ def export_hf(source: Source, folder: Path, optimizer: bool, max_shard: int, chu
         write_durable(folder / index, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                  indent=2))
         jobs.extend(files)
+    bufs = Buffers()  # thread-local: each worker reads into its own reusable buffers
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        list(pool.map(lambda job: _write_hf_file(folder / job[0], job[1], lambda c: chunk_data(source, c),
+        list(pool.map(lambda job: _write_hf_file(folder / job[0], job[1], lambda c: chunk_data(source, c, bufs),
                                                  advance), jobs))
     fsync_dir(folder)
     return {"files": len(jobs) + len(sets)}
@@ -168,9 +169,11 @@ def export_fully_reshardable(source: Source, root: Path, chunk_bytes: int, worke
             chunks.extend(part)
     parts = split_files(chunks, workers * 2)
     names = [f"__{i}_0.distcp" for i in range(len(parts))]
+    bufs = Buffers()
     with ThreadPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(lambda i: write_distcp(folder / names[i], parts[i],
-                                                       lambda c: chunk_data(source, c), advance), range(len(parts))))
+                                                       lambda c: chunk_data(source, c, bufs), advance),
+                                range(len(parts))))
     write_distcp_metadata(folder / ".metadata", shapes,
                           [(n, c, off, ln) for n, r in zip(names, results) for c, off, ln in r[1]])
     write_durable(folder / MEGATRON_METADATA_FILE, json.dumps(MEGATRON_METADATA))
@@ -241,7 +244,10 @@ def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: i
             else:
                 holder.update(export_fully_reshardable(source, tmp, chunk_bytes, workers, advance))
 
-        build_atomically(dst, source.root, body)
+        try:
+            build_atomically(dst, source.root, body)
+        finally:
+            source.reader.close()
         info = holder
     written = dst.stat().st_size if dst.is_file() else sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
     return {"src": str(source.root), "dst": str(dst), "to": to, "optimizer": optimizer, **info,

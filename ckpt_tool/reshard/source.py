@@ -11,6 +11,7 @@ from a damaged one.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,10 +24,19 @@ from gtp_format.manifest import Manifest, read_manifest
 from gtp_format.model import Checkpoint
 from gtp_format.names import OPTIMIZER_SHARDINGS
 from gtp_format.params import Holder, ParamView, bucket_refs, full_box, param_views
-from gtp_format.reader.boxes import BoxReader
+from gtp_format.reader.boxes import BoxReader, Buffer
 from gtp_format.reader.checkpoint import open_checkpoint
 
 WEIGHT = "weight"  # the model-weight "state" of a parameter, next to param / exp_avg / exp_avg_sq
+
+
+class Buffers(threading.local):
+    """One thread's reusable buffers: ``out`` holds the box returned, ``scratch`` the rows it is
+    assembled from. Reused chunk after chunk, so no 64 MiB array is allocated (and page-faulted
+    in) per chunk."""
+
+    def __init__(self) -> None:
+        self.out, self.scratch = Buffer(), Buffer()
 
 
 @dataclass
@@ -41,8 +51,12 @@ class Source:
         return self.ckpt.root
 
     def read_full_box(self, view: ParamView, state: str, offsets: tuple[int, ...],
-                      sizes: tuple[int, ...]) -> np.ndarray:
-        """A box of parameter ``view``'s full tensor for ``state`` (weight: the model key), stored bits."""
+                      sizes: tuple[int, ...], bufs: Buffers | None = None) -> np.ndarray:
+        """A box of parameter ``view``'s full tensor for ``state`` (weight: the model key), stored bits.
+
+        ``bufs``: reusable buffers (one pair per thread) to read and assemble in; the result then
+        lives in them until their next use.
+        """
         out: np.ndarray | None = None
         covered = 0
         for h in view.primaries:
@@ -51,13 +65,17 @@ class Source:
             hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, fo, fs)]
             if any(a >= b for a, b in zip(lo, hi)):
                 continue
-            part = self._holder_rows(view, h, state, lo[0] - fo[0], hi[0] - fo[0])
-            if out is None and tuple(lo) == tuple(offsets) and [b - a for a, b in zip(lo, hi)] == list(sizes) \
-                    and tuple(fs[1:]) == tuple(sizes[1:]):
+            whole = out is None and tuple(lo) == tuple(offsets) and [b - a for a, b in zip(lo, hi)] == list(sizes) \
+                and tuple(fs[1:]) == tuple(sizes[1:])
+            part = self._holder_rows(view, h, state, lo[0] - fo[0], hi[0] - fo[0],
+                                     None if bufs is None else bufs.out if whole else bufs.scratch)
+            if whole:
                 return part  # one shard holds the whole box: no assembly copy
             part = part[(slice(None), *(slice(a - b, c - b) for a, c, b in zip(lo[1:], hi[1:], fo[1:])))]
             if out is None:
-                out = np.empty(sizes, dtype=part.dtype)
+                n = math.prod(sizes) * part.dtype.itemsize
+                out = np.empty(sizes, dtype=part.dtype) if bufs is None else \
+                    bufs.out.get(n).view(part.dtype).reshape(sizes)
             out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))] = part
             covered += math.prod(b - a for a, b in zip(lo, hi))
         if out is None or covered != math.prod(sizes):
@@ -65,17 +83,18 @@ class Source:
                               "its shards; the manifest does not match the data")
         return out
 
-    def _holder_rows(self, view: ParamView, h: Holder, state: str, r0: int, r1: int) -> np.ndarray:
+    def _holder_rows(self, view: ParamView, h: Holder, state: str, r0: int, r1: int,
+                     buf: Buffer | None = None) -> np.ndarray:
         """Rows ``[r0, r1)`` of a holder's valid rows, full width of its shard."""
         tail = h.spec.local_shape[1:]
         if state == WEIGHT:
             g = h.spec.global_offset
             if view.layer is None:
-                return self.reader.read_box(view.model_key, (g[0] + r0, *g[1:]), (r1 - r0, *tail))
-            box = self.reader.read_box(view.model_key, (view.layer, g[0] + r0, *g[1:]), (1, r1 - r0, *tail))
+                return self.reader.read_box(view.model_key, (g[0] + r0, *g[1:]), (r1 - r0, *tail), buf)
+            box = self.reader.read_box(view.model_key, (view.layer, g[0] + r0, *g[1:]), (1, r1 - r0, *tail), buf)
             return box.reshape((r1 - r0, *tail))
         row = math.prod(tail)
-        flat = self.reader.read_box(h.ref.key(state), (h.start + r0 * row,), ((r1 - r0) * row,))
+        flat = self.reader.read_box(h.ref.key(state), (h.start + r0 * row,), ((r1 - r0) * row,), buf)
         return flat.reshape((r1 - r0, *tail))
 
 

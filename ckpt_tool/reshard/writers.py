@@ -1,9 +1,11 @@
 """Data files of the two layouts, written one chunk at a time with their CRC-32C on the way.
 
 * ``torch_dist``: ``__{i}_0.distcp`` is a run of complete ``torch.save`` blobs, one per chunk,
-  exactly as DCP's ``FileSystemWriter`` lays them out; ``.metadata`` is a pickled DCP
-  ``Metadata`` built from PyTorch's own classes (what ``FileSystemWriter.finish`` writes), so
-  ``dcp.load`` and the runtime's allow-listing reader take it as their own.
+  exactly as DCP's ``FileSystemWriter`` lays them out; ``.metadata`` is the pickled DCP
+  ``Metadata`` that ``FileSystemWriter.finish`` writes, so ``dcp.load`` and the runtime's
+  allow-listing reader take it as their own. Both are written without torch
+  (:mod:`gtp_format.writer`): byte for byte what ``torch.save`` writes, and the same objects
+  once unpickled.
 * ``safetensors``: ``__{i}_0.safetensors`` holds chunks named ``{key}@{offsets}`` plus
   ``index.json`` (:mod:`gtp_runtime.checkpoint.safetensors_storage`'s layout). The header is known
   from the plan before any element is read, so the file is streamed without torch.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,11 +27,14 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool.reshard.plan import OutChunk
-from gtp_format.hashing import BLOCK, HASHERS
+from gtp_format.hashing import CRCS, HASHERS
 from gtp_format.manifest import HASH_ALGORITHM, FileEntry
 from gtp_format.names import GTP_INDEX_VERSION, chunk_tensor_name
+from gtp_format.writer.dcp_metadata import metadata_bytes
+from gtp_format.writer.torch_blob import TensorBlob
 
 DataFn = Callable[[OutChunk], np.ndarray]
+_IOV_MAX = 1024
 
 
 class _Out:
@@ -53,60 +59,57 @@ class _Out:
         return FileEntry(size=self.pos, checksums={HASH_ALGORITHM: self.hasher.hexdigest()})
 
 
+def _write_all(fd: int, parts: list[Any]) -> None:
+    """``writev`` until every byte of ``parts`` is written (a regular file may take fewer)."""
+    views = [memoryview(b).cast("B") for b in parts]
+    while views:
+        n = os.writev(fd, views[:_IOV_MAX])
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
 def write_distcp(path: Path, chunks: list[OutChunk], data: DataFn, advance: Callable[[int], None]
                  ) -> tuple[FileEntry, list[tuple[OutChunk, int, int]]]:
     """One ``.distcp`` file; returns its entry and ``(chunk, offset, length)`` per blob.
 
-    ``torch.save`` writes straight into the file; the checksum is taken from the blob just written
-    (still in the page cache) in 8 MiB reads: measured on 2 cores, passing ``torch.save`` a hashing
-    stream instead halved its rate, because every write then crosses into Python.
+    Each blob is :class:`gtp_format.writer.torch_blob.TensorBlob`'s head, the chunk's bytes
+    straight from the array that holds them, and its tail, in one ``writev``; the zip record's
+    CRC-32 and the file's CRC-32C are computed from that array (both release the GIL, so the
+    workers hash in parallel) and nothing is read back.
     """
-    import torch
-
     placed = []
-    hasher = HASHERS[HASH_ALGORITHM]()
-    with open(path, "x+b") as f:  # read too: the checksum re-reads each blob from the page cache
+    crc = CRCS[HASH_ALGORITHM]
+    value = 0
+    pos = 0
+    with open(path, "xb", buffering=0) as f:
         fd = f.fileno()
         for c in chunks:
             arr = np.ascontiguousarray(data(c))
-            t = torch.from_numpy(arr).view(c.dtype.torch) if arr.dtype.itemsize == c.dtype.itemsize else None
-            assert t is not None and tuple(t.shape) == c.sizes, (c.key, arr.dtype, c.dtype)
-            start = f.tell()
-            torch.save(t, f)
-            f.flush()
-            end = f.tell()
-            for pos in range(start, end, BLOCK):
-                hasher.update(os.pread(fd, min(BLOCK, end - pos), pos))
-            placed.append((c, start, end - start))
+            if arr.nbytes != c.nbytes:
+                raise AssertionError(f"{c.key}: produced {arr.nbytes} bytes for {c.nbytes}")
+            body = memoryview(arr.reshape(-1).view(np.uint8))
+            blob = TensorBlob(c.dtype, c.sizes)
+            tail = blob.tail(zlib.crc32(body))
+            _write_all(fd, [blob.head, body, tail])
+            for part in (blob.head, body, tail):
+                value = crc.update(part, value)
+            length = len(blob.head) + body.nbytes + len(tail)
+            placed.append((c, pos, length))
+            pos += length
             advance(c.nbytes)
         os.fsync(fd)
-        return FileEntry(size=f.tell(), checksums={HASH_ALGORITHM: hasher.hexdigest()}), placed
+    return FileEntry(size=pos, checksums={HASH_ALGORITHM: f"{value:08x}"}), placed
 
 
 def write_distcp_metadata(path: Path, shapes: dict[str, Any], placed: list[tuple[str, OutChunk, int, int]]) -> None:
-    """``.metadata``: DCP's own classes, pickled as ``FileSystemWriter.finish`` does."""
-    import pickle
-
-    import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    by_key: dict[str, list[ChunkStorageMetadata]] = {k: [] for k in shapes}
-    storage = {}
-    for file, c, off, length in placed:
-        by_key[c.key].append(ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)))
-        storage[MetadataIndex(c.key, torch.Size(c.offsets))] = _StorageInfo(file, off, length)
-    sdm = {k: TensorStorageMetadata(properties=TensorProperties(dtype=dt.torch), size=torch.Size(shape),
-                                    chunks=by_key[k]) for k, (shape, dt) in shapes.items()}
-    md = Metadata(state_dict_metadata=sdm, planner_data={k: (k,) for k in shapes}, storage_data=storage)
+    """``.metadata``: the pickled DCP ``Metadata`` that ``FileSystemWriter.finish`` writes
+    (:mod:`gtp_format.writer.dcp_metadata`), without torch."""
+    raw = metadata_bytes(shapes, [(file, c.key, c.offsets, c.sizes, off, length) for file, c, off, length in placed])
     with open(path, "xb") as f:
-        pickle.dump(md, f)
+        f.write(raw)
         f.flush()
         os.fsync(f.fileno())
 

@@ -205,6 +205,24 @@ def read_range(root: Path, rel: str, offset: int, length: int) -> bytearray:
     return buf
 
 
+def pread_into(fd: int, rel: str, size: int, offset: int, out: memoryview) -> None:
+    """Fill ``out`` from ``offset`` of an open data file of ``size`` bytes (its size when opened),
+    checking the range first; a file that shrank since is a :class:`ChunkError`, never a short read.
+
+    For readers that keep a file open across many reads (:class:`gtp_format.reader.boxes.BoxReader`):
+    the bytes land straight in the caller's buffer, with no allocation and no re-open per read.
+    """
+    length = out.nbytes
+    if type(offset) is not int or offset < 0 or offset + length > size:
+        raise ChunkError(past_end_message(rel, offset, length, size), file=rel)
+    done = 0
+    while done < length:
+        got = os.preadv(fd, [out[done:]], offset + done)
+        if got <= 0:
+            raise ChunkError(f"data file {rel} shrank while reading [{offset}, {offset + length})", file=rel)
+        done += got
+
+
 def past_end_message(rel: str, offset: int, length: int, size: int) -> str:
     return (f"byte range [{offset}, {offset + length}) of {rel} runs past its end ({size} bytes): "
             "the file is truncated or the metadata is wrong")
