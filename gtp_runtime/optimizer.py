@@ -62,6 +62,8 @@ class DistributedAdam:
         self.buffers = build_buffers(model, groups, bucket_size)
         self.state = [[BucketState(buf, b) for b in buf.buckets] for buf in self.buffers]
         self.step_count = 0
+        self.lr = self.cfg.lr
+        """The learning rate of the next update (a schedule sets it every step)."""
         # Replicated params see different data on every gtp_remat lane; their gradients are
         # averaged over that group before the buckets reduce over dp / dp_cp.
         self._lane_replicated = [p for p in model.parameters() if p.spec.shard_kind is None]
@@ -122,11 +124,11 @@ class DistributedAdam:
                     self._fused_update(st, g.mul_(clip), t)
                 else:
                     g = g * clip
-                    st.param.mul_(1 - c.lr * c.weight_decay)
+                    st.param.mul_(1 - self.lr * c.weight_decay)
                     st.exp_avg.lerp_(g, 1 - c.beta1)
                     st.exp_avg_sq.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
                     denom = (st.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(c.eps)
-                    st.param.addcdiv_(st.exp_avg, denom, value=-c.lr / bc1)
+                    st.param.addcdiv_(st.exp_avg, denom, value=-self.lr / bc1)
                 self._publish(buf, b, st)
 
     def _fused_update(self, st: BucketState, g: torch.Tensor, t: int) -> None:
@@ -137,7 +139,7 @@ class DistributedAdam:
         """
         c = self.cfg
         step = torch.tensor(float(t), device=g.device)
-        torch._fused_adamw_([st.param], [g], [st.exp_avg], [st.exp_avg_sq], [], [step], lr=c.lr, beta1=c.beta1,
+        torch._fused_adamw_([st.param], [g], [st.exp_avg], [st.exp_avg_sq], [], [step], lr=self.lr, beta1=c.beta1,
                             beta2=c.beta2, weight_decay=c.weight_decay, eps=c.eps, amsgrad=False, maximize=False)
 
     def _publish(self, buf: GradBuffer, b: Bucket, st: BucketState) -> None:

@@ -54,7 +54,7 @@ def inspect_command(
     from ckpt_tool.analysis import BUCKET_NUMEL, MODEL, OPTIMIZER, aliasing, classify_all, topology_view
     from ckpt_tool.model import BYTES, TENSOR
     from ckpt_tool.reader.checkpoint import open_checkpoint
-    from gtp_runtime.checkpoint.format import STATES
+    from gtp_runtime.checkpoint.format import DATA_POSITION_KEY, SCHEDULER_KEY, STATES
 
     ckpt = open_checkpoint(path)
     classes = classify_all(ckpt)
@@ -107,6 +107,9 @@ def inspect_command(
         "parallel_config": topo.par.to_dict() if topo.par else None,
         "manifest": ckpt.manifest is not None, "megatron_metadata": ckpt.megatron_metadata,
         "counts": counts,
+        # Run state (gtp manifests only): the lr schedule under Megatron's name and the data position.
+        "opt_param_scheduler": (ckpt.manifest or {}).get(SCHEDULER_KEY),
+        "data_position": (ckpt.manifest or {}).get(DATA_POSITION_KEY),
         "aliasing": {"status": alias.status, "message": alias.message,
                      "keys": [{"key": a.key, "severity": a.severity, "reason": a.reason, "kept": a.kept_summary(),
                                "survivors": [asdict(s) for s in a.survivors]} for a in alias.aliased]},
@@ -134,6 +137,9 @@ def _tables(doc: dict[str, Any]) -> list[str]:
         ("aliasing", f"{doc['aliasing']['status']}: {doc['aliasing']['message']}"),
     ]
     blocks = [table(summary, ("checkpoint", ""))]
+    for title in ("opt_param_scheduler", "data_position"):
+        if isinstance(doc.get(title), dict):
+            blocks.append(table([(k, v) for k, v in doc[title].items()], ("field", "value"), title))
     blocks.append(table([(w["key"], fmt_shape(w["shape"]), _dtype(w["dtype"]), w["chunks"]) for w in doc["weights"]],
                         ("key", "global shape", "dtype", "chunks"), "Model weights"))
     blocks.append(table(

@@ -35,6 +35,7 @@ from gtp_runtime.checkpoint.manifest import (
     read_manifest,
     write_manifest,
 )
+from gtp_runtime.checkpoint.run_state import load_run_state, save_run_state
 from gtp_runtime.checkpoint.safe_metadata import SafeFileSystemReader, UnsafeMetadataError
 from gtp_runtime.checkpoint.safetensors_storage import INDEX_FILE, SafetensorsReader, SafetensorsWriter
 from gtp_runtime.checkpoint.state import (
@@ -43,6 +44,7 @@ from gtp_runtime.checkpoint.state import (
     model_state,
     optimizer_state,
 )
+from gtp_runtime.config import ConfigError
 from gtp_runtime.training import Trainer
 
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -145,6 +147,7 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
             layout=layout, sharding=sharding, iteration=it, par=cfg.par, model=cfg.model, adam=cfg.adam,
             step=trainer.optimizer.step_count, buffers=buffer_layout(trainer.optimizer, trainer.groups),
             files=files, param_dtype=str(cfg.param_dtype), bucket_size=cfg.bucket_size)
+        manifest.update(save_run_state(trainer))
         if aliased:
             manifest["notes"].append("written by the pre-fix (aliased) writer: folded keys lack .cp_rank_{i}")
         write_manifest(tmp, manifest)
@@ -253,5 +256,9 @@ def load_checkpoint(trainer: Trainer, path: str | os.PathLike, sharding: str = f
                                   "bucket layout differs (same --bucket-size and model?)")
     trainer.optimizer.step_count = int(manifest["optimizer"]["step"])
     trainer.iteration = int(manifest["iteration"])
+    try:
+        load_run_state(trainer, manifest, folder)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from e
     trainer.optimizer.zero_grad()
     return folder
