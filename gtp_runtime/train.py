@@ -134,7 +134,8 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad)
     lr = LRConfig(max_lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
                   decay_style=args.lr_decay_style,
-                  decay_iters=args.steps if args.lr_decay_iters is None else args.lr_decay_iters)
+                  decay_iters=args.lr_decay_iters if args.lr_decay_iters is not None
+                  else (0 if args.lr_decay_style == "constant" else args.steps))  # Megatron: --train-iters
     lr.validate()
     data = DataConfig(path=args.data_path, flat_dtype=args.data_dtype, split=args.split, seed=args.data_seed)
     data.weights()
