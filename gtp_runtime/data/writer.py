@@ -39,19 +39,34 @@ def write_dataset(prefix: str | os.PathLike, documents: Iterable[np.ndarray], dt
                 lengths.append(int(arr.size))
             f.flush()
             os.fsync(f.fileno())
-        itemsize = np.dtype(dtype).itemsize
-        lens = np.array(lengths, dtype=np.int64)
-        pointers = np.concatenate([[0], np.cumsum(lens * itemsize)[:-1]]).astype(np.int64) if lengths else lens
-        with open(tmp_idx, "wb") as f:
-            f.write(INDEX_HEADER + struct.pack("<QBQQ", INDEX_VERSION, code_of(dtype), len(lengths), len(lengths) + 1))
-            f.write(lens.astype(np.int32).tobytes())
-            f.write(pointers.tobytes())
-            f.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
-            f.flush()
-            os.fsync(f.fileno())
+        _write_index(tmp_idx, np.array(lengths, dtype=np.int64), dtype)
         os.replace(tmp_bin, f"{prefix}.bin")
         os.replace(tmp_idx, f"{prefix}.idx")
     finally:
         for t in (tmp_bin, tmp_idx):
             t.unlink(missing_ok=True)
     return int(sum(lengths))
+
+
+def _write_index(path: Path, lengths: np.ndarray, dtype: type[np.number]) -> None:
+    itemsize = np.dtype(dtype).itemsize
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1] * itemsize, out=pointers[1:])
+    with open(path, "wb") as f:
+        f.write(INDEX_HEADER + struct.pack("<QBQQ", INDEX_VERSION, code_of(dtype), len(lengths), len(lengths) + 1))
+        f.write(lengths.astype(np.int32).tobytes())
+        f.write(pointers.tobytes())
+        f.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_index(prefix: str | os.PathLike, lengths: np.ndarray, dtype: type[np.number]) -> None:
+    """``PREFIX.idx`` for a ``PREFIX.bin`` written elsewhere: one sequence per document, back to back."""
+    prefix = Path(prefix)
+    tmp = prefix.with_name(f".{prefix.name}.{uuid.uuid4().hex[:8]}.idx.tmp")
+    try:
+        _write_index(tmp, np.asarray(lengths, dtype=np.int64), dtype)
+        os.replace(tmp, f"{prefix}.idx")
+    finally:
+        tmp.unlink(missing_ok=True)
