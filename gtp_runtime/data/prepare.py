@@ -15,6 +15,7 @@ Tokenizers, both local (nothing is downloaded):
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import sys
 from collections.abc import Iterator
@@ -42,7 +43,7 @@ def input_files(inputs: list[str], pattern: str) -> list[Path]:
         elif p.is_file():
             files.append(p)
         else:
-            files.extend(sorted(q for q in Path().glob(item) if q.is_file()))
+            files.extend(sorted(q for q in map(Path, glob.glob(item, recursive=True)) if q.is_file()))
     return files
 
 
