@@ -27,6 +27,7 @@ indexed dataset.
 
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 import struct
@@ -85,6 +86,17 @@ class TokenDataset:
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum(dtype=np.int64))
+
+    def release(self) -> None:
+        """Unmap the token pages touched so far (they stay in the page cache; a re-read is a minor fault).
+
+        Why: each page fault maps the pages around it too (the kernel's fault-around, 64 KiB), so
+        shuffled reads of a 10 GB ``.bin`` left 8.6 GB of it mapped into the process (RssFile) after
+        0.4 GB of samples, alarming in any memory report although none of it was a copy.
+        """
+        m = getattr(self.tokens, "_mmap", None)
+        if m is not None and hasattr(m, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            m.madvise(mmap.MADV_DONTNEED)
 
     def fingerprint(self) -> dict[str, int | str]:
         """What identifies the data in a checkpoint (cheap: no pass over the tokens)."""

@@ -102,4 +102,5 @@ class GPTSamples:
                 step[r, offsets[j] - begin[r]] = shift[j] - shift[j - 1]
                 elem += np.cumsum(step, axis=1)
             out[rows] = self.data.tokens[elem]
+        self.data.release()  # the batch is a copy now: keep only the batches in flight mapped
         return out
