@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from gtp_runtime.checkpoint.format import dtype_tag, optimizer_key
 from gtp_runtime.checkpoint.io import load_checkpoint, save_checkpoint
+from gtp_runtime.checkpoint.run_state import run_configs
 from gtp_runtime.checkpoint.state import dp_group_idx, owned_pieces
 from gtp_runtime.config import ConfigError, ModelConfig, ParallelConfig
 from gtp_runtime.optimizer import AdamConfig
@@ -316,8 +317,9 @@ def config_from_manifest(manifest: dict[str, Any], dp: int | None = None) -> Tra
         par = ParallelConfig(**{**par.to_dict(), "dp": dp})
         par.validate(None, model.num_experts)
     model.validate(par)
+    lr, data = run_configs(manifest)
     return TrainConfig(par=par, model=model, adam=adam, bucket_size=bucket_size_from_manifest(manifest),
-                       param_dtype=_DTYPES[dtype_name])
+                       param_dtype=_DTYPES[dtype_name], lr=lr, data=data)
 
 
 def resave(trainer: Trainer, src: str | os.PathLike, root: str | os.PathLike, layout: str,

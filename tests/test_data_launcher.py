@@ -82,3 +82,13 @@ def test_hostile_index_through_the_launcher(paths):
     assert p.returncode == 2 and p.stdout == ""
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "hostile.idx" in lines[0] and "truncated" in lines[0], p.stderr
+
+
+def test_verify_roundtrip_resumes_with_the_saved_schedule_and_data(paths):
+    """`ckpt verify-roundtrip PATH` rebuilds the run from the manifest alone, schedule and data included."""
+    if not (paths["root"] / "ckpt" / "iter_0000006").exists():
+        _run("flat-save", paths)
+    ckpt = str(lc.REPO / ".venv/bin/ckpt") if (lc.REPO / ".venv/bin/ckpt").exists() else "ckpt"
+    p = subprocess.run([ckpt, "verify-roundtrip", str(paths["root"] / "ckpt" / "iter_0000006")], cwd=lc.REPO,
+                       env=lc.env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr

@@ -20,6 +20,9 @@ from typing import Any
 
 from gtp_runtime.checkpoint.format import CONSUMED_SAMPLES, DATA_POSITION_KEY, SCHEDULER_KEY
 from gtp_runtime.config import ConfigError
+from gtp_runtime.data.indexed import FLAT_DTYPES
+from gtp_runtime.data.source import DataConfig
+from gtp_runtime.lr_schedule import LRConfig
 from gtp_runtime.training import Trainer
 
 
@@ -37,7 +40,10 @@ def run_state(trainer: Trainer) -> dict[str, Field]:
             trainer.scheduler.load_state_dict(saved, where)
 
     def get_data() -> dict[str, Any]:
-        return {CONSUMED_SAMPLES: trainer.consumed_train_samples, "dataset": trainer.data.fingerprint()}
+        # "path" is where the data was (Megatron keeps args.data_path); it may move, so only the
+        # fingerprint is compared on load.
+        return {CONSUMED_SAMPLES: trainer.consumed_train_samples, "path": trainer.cfg.data.path,
+                "dataset": trainer.data.fingerprint()}
 
     def put_data(saved: dict[str, Any] | None, where: str) -> None:
         if saved is None:
@@ -68,3 +74,29 @@ def load_run_state(trainer: Trainer, manifest: dict[str, Any], folder: Path) -> 
         if value is not None and not isinstance(value, dict):
             raise ConfigError(f"{folder}: manifest field {key} is {type(value).__name__}, expected an object")
         f.put(value, str(folder))
+
+
+def run_configs(manifest: dict[str, Any]) -> tuple[LRConfig | None, DataConfig]:
+    """The schedule and data a checkpoint was trained with, to resume it without its flags
+    (``ckpt roundtrip``); defaults where the manifest predates them. Untrusted input: a bad
+    field raises :class:`ConfigError` naming it."""
+    lr = None
+    sched = manifest.get(SCHEDULER_KEY)
+    if sched is not None:
+        try:
+            lr = LRConfig(max_lr=float(sched["max_lr"]), min_lr=float(sched["min_lr"]),
+                          warmup_iters=int(sched["lr_warmup_steps"]), decay_style=str(sched["lr_decay_style"]),
+                          decay_iters=int(sched["lr_decay_steps"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"manifest {SCHEDULER_KEY} is incomplete or ill-typed ({e!r})") from None
+        lr.validate()
+    data = DataConfig()
+    pos = manifest.get(DATA_POSITION_KEY)
+    if isinstance(pos, dict) and isinstance(pos.get("dataset"), dict):
+        ds, path = pos["dataset"], pos.get("path")
+        if not (path is None or isinstance(path, str)) or not isinstance(ds.get("split", ""), str):
+            raise ConfigError(f"manifest {DATA_POSITION_KEY} has an ill-typed path or split")
+        seed = ds.get("seed")
+        data = DataConfig(path=path, split=ds.get("split", data.split), seed=seed if isinstance(seed, int) else None,
+                          flat_dtype=ds["dtype"] if ds.get("dtype") in FLAT_DTYPES else data.flat_dtype)
+    return lr, data
