@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gtp_runtime.config import ModelConfig, ParallelConfig
+from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_runtime.train import free_port
 from gtp_runtime.training import TrainConfig, Trainer
 

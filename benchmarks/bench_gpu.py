@@ -1,7 +1,12 @@
-"""GPU benchmark: what CP folding buys and costs, folded vs unfolded in the same run (NCCL).
+"""GPU benchmark: folded vs unfolded, unfused vs fused element-wise kernels, in the same run (NCCL).
 
-    python benchmarks/bench_gpu.py --nproc 2 --cp 2 --hidden 4096 --layers 8 --heads 32 --seq 8192 \
-        --json docs/gpu_results.json
+    python benchmarks/bench_gpu.py --json docs/gpu_results.json
+
+The default suite on 2 GPUs (cp2, gtp_remat 1): hidden 4096 / 8 layers / sequence 8192 unfolded
+and folded, each unfused (the baseline) and with ``--fused compile``; folded with Liger-Kernel
+(when it imports); unfolded fused without overlap (what overlapping the dp_cp bucket reduction
+buys); a second shape (hidden 8192, 4 layers, sequence 16384) unfolded and folded fused; and a
+folded fused sweep over sequence length (``--sweep``).
 
 For each configuration it measures on every rank: step time and tokens/s (after warm-up), peak
 GPU memory, the runtime's own dense weight+grad bytes, model FLOP utilisation against the bf16
@@ -15,6 +20,7 @@ JSON into the docs table and plot.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -27,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gtp_runtime.config import ModelConfig, ParallelConfig
+from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_runtime.train import free_port
 from gtp_runtime.training import TrainConfig, Trainer
 
@@ -75,31 +81,54 @@ KERNEL_KINDS = (("comm", ("nccl",)), ("attention", ("fmha", "flash", "attention"
                 ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90")))
 
 
+PHASES = ("zero_grad+batch", "forward", "backward", "optimizer")
+
+
 def kernel_kind(name: str) -> str:
     low = name.lower()
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
 
 
-def exposed_comm_ms(trainer: Trainer) -> tuple[float, float, dict[str, float]]:
+def exposed_comm_ms(trainer: Trainer) -> tuple[float, float, dict[str, float], dict[str, Any]]:
     """(total NCCL kernel time, NCCL time not overlapped by any compute kernel, GPU time by kernel
-    kind) for one step, in ms. The kinds say where a step's time goes when MFU is low."""
+    kind, where the rest goes) for one step, in ms. The kinds say where a step's time goes when
+    MFU is low; the rest says how long the GPU ran nothing, in which phase of the step, and which
+    non-GEMM, non-attention kernels cost most."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         trainer.train_step()
         torch.cuda.synchronize()
     comm, comp = [], []
     by_kind: dict[str, float] = {}
+    other: dict[str, list[float]] = {}
+    phases: list[tuple[str, int, int]] = []
     for ev in prof.events():
+        start, end = int(ev.time_range.start * 1000), int(ev.time_range.end * 1000)
+        if ev.name in PHASES:  # record_function labels: a CPU range and its GPU span, neither a kernel
+            if ev.device_type != torch.autograd.DeviceType.CUDA:
+                phases.append((ev.name, start, end))
+            continue
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        start = int(ev.time_range.start * 1000)
-        end = int(ev.time_range.end * 1000)
         kind = kernel_kind(ev.name)
         by_kind[kind] = by_kind.get(kind, 0.0) + (end - start) / 1e6
         (comm if kind == "comm" else comp).append((start, end))
+        if kind == "other":
+            o = other.setdefault(ev.name[:90], [0.0, 0])
+            o[0] += (end - start) / 1e6
+            o[1] += 1
     cu, pu = _union(comm), _union(comp)
-    return _length(cu) / 1e6, (_length(cu) - _intersect(cu, pu)) / 1e6, by_kind
+    busy = _union(comm + comp)
+    gaps = [(busy[i][1], busy[i + 1][0]) for i in range(len(busy) - 1)]
+    idle_by_phase: dict[str, float] = {}
+    for s, e in gaps:
+        name = next((n for n, ps, pe in phases if ps <= s < pe), "between phases")
+        idle_by_phase[name] = idle_by_phase.get(name, 0.0) + (e - s) / 1e6
+    top = sorted(other.items(), key=lambda kv: -kv[1][0])[:12]
+    rest = {"gpu_busy_ms": _length(busy) / 1e6, "gpu_idle_ms": sum(e - s for s, e in gaps) / 1e6,
+            "idle_by_phase_ms": idle_by_phase, "top_other_kernels": [[n, ms, c] for n, (ms, c) in top]}
+    return _length(cu) / 1e6, (_length(cu) - _intersect(cu, pu)) / 1e6, by_kind, rest
 
 
 def model_flops_per_step(cfg: ModelConfig, tokens: int) -> float:
@@ -151,6 +180,7 @@ def ckpt_throughput(trainer: Trainer, root: str) -> dict[str, float]:
 
 
 def run_config(name: str, cfg: TrainConfig, steps: int, warmup: int, peak: float, do_ckpt: bool) -> dict[str, Any]:
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg, device=torch.device("cuda", torch.cuda.current_device()))
     for _ in range(warmup):
@@ -163,16 +193,19 @@ def run_config(name: str, cfg: TrainConfig, steps: int, warmup: int, peak: float
         losses.append(trainer.train_step().loss)
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t) / steps
-    comm_ms, exposed_ms, by_kind = exposed_comm_ms(trainer)
+    comm_ms, exposed_ms, by_kind, rest = exposed_comm_ms(trainer)
     peak_mem = torch.cuda.max_memory_allocated() / 2**30
     tokens = cfg.global_batch_size * cfg.model.seq_length
     world = cfg.par.world_size
+    m = cfg.model
     row: dict[str, Any] = {
-        "config": name, "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s,
+        "config": name, "fused": cfg.fused or "none", "fold_cp": cfg.par.fold_cp, "overlap": cfg.overlap_grad_reduce,
+        "hidden": m.hidden, "layers": m.num_layers, "heads": m.num_heads, "seq": m.seq_length,
+        "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s,
         "mfu": model_flops_per_step(cfg.model, tokens) / step_s / (world * peak * 1e12),
         "peak_mem_gib": peak_mem, "dense_wgrad_gib": trainer.dense_weight_grad_bytes() / 2**30,
         "comm_ms": comm_ms, "exposed_comm_ms": exposed_ms, "final_loss": losses[-1],
-        **{f"gpu_ms_{k}": v for k, v in sorted(by_kind.items())},
+        **{f"gpu_ms_{k}": v for k, v in sorted(by_kind.items())}, **rest,
     }
     if do_ckpt:
         root = tempfile.mkdtemp(prefix="gtp_bench_") if dist.get_rank() == 0 else None
@@ -187,9 +220,33 @@ def run_config(name: str, cfg: TrainConfig, steps: int, warmup: int, peak: float
     # Memory and time: the worst rank is the one that matters.
     row["peak_mem_gib"] = max(v["peak_mem_gib"] for v in vals)
     row["step_ms"] = max(v["step_ms"] for v in vals)
+    row["exposed_comm_ms_worst_rank"] = max(v["exposed_comm_ms"] for v in vals)
     del trainer
+    gc.collect()
     torch.cuda.empty_cache()
     return row
+
+
+def suite(args: argparse.Namespace) -> list[tuple[str, ModelConfig, bool, bool, str | None]]:
+    """(name, model, fold_cp, prefetch/overlap, fused) of every configuration, in run order."""
+    def shape(hidden: int, layers: int, heads: int, seq: int) -> ModelConfig:
+        return ModelConfig(vocab_size=args.vocab, hidden=hidden, num_layers=layers, num_heads=heads,
+                           ffn_hidden=4 * hidden, seq_length=seq, gtp_align=16)
+
+    main = shape(args.hidden, args.layers, args.heads, args.seq)
+    fused = args.fused
+    out = [("unfolded", main, False, True, None), ("folded", main, True, True, None),
+           (f"unfolded {fused}", main, False, True, fused), (f"folded {fused}", main, True, True, fused),
+           (f"unfolded {fused}, no overlap", main, False, False, fused)]
+    if args.liger:
+        out.append(("folded liger", main, True, True, "liger"))
+    if args.hidden2:
+        second = shape(args.hidden2, args.layers2, args.heads2, args.seq2)
+        out += [(f"unfolded {fused} (shape 2)", second, False, True, fused),
+                (f"folded {fused} (shape 2)", second, True, True, fused)]
+    out += [(f"folded {fused} seq {s}", shape(args.hidden, args.layers, args.heads, s), True, True, fused)
+            for s in args.sweep if s != args.seq]
+    return out
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
@@ -202,37 +259,43 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     peaks = [0.0] * world
     dist.all_gather_object(peaks, peak)
     peak = min(peaks)
-    model = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, num_layers=args.layers, num_heads=args.heads,
-                        ffn_hidden=4 * args.hidden, seq_length=args.seq, gtp_align=16)
     dp = world // (args.cp * args.gtp_remat)
-    configs = [
-        ("unfolded", ParallelConfig(cp=args.cp, gtp_remat=args.gtp_remat, dp=dp), True),
-        ("folded", ParallelConfig(cp=args.cp, gtp_remat=args.gtp_remat, dp=dp, fold_cp=True), True),
-        ("folded, no prefetch/overlap", ParallelConfig(cp=args.cp, gtp_remat=args.gtp_remat, dp=dp, fold_cp=True),
-         False),
-    ]
-    rows = []
-    for name, par, overlap in configs:
+    rows: list[dict[str, Any]] = []
+    for name, model, fold, overlap, fused in suite(args):
         if args.only and name not in args.only:
             continue
+        par = ParallelConfig(cp=args.cp, gtp_remat=args.gtp_remat, dp=dp, fold_cp=fold)
         cfg = TrainConfig(par=par, model=model, micro_batch=args.micro_batch, param_dtype=torch.bfloat16,
-                          prefetch=overlap, overlap_grad_reduce=overlap, bucket_size=args.bucket_size)
-        rows.append(run_config(name, cfg, args.steps, args.warmup, peak, do_ckpt=args.ckpt and overlap))
+                          prefetch=overlap, overlap_grad_reduce=overlap, bucket_size=args.bucket_size, fused=fused)
+        try:
+            rows.append(run_config(name, cfg, args.steps, args.warmup, peak, do_ckpt=args.ckpt and overlap))
+        except (ImportError, torch.OutOfMemoryError) as e:  # raised alike on every rank, before any collective
+            rows.append({"config": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            torch.cuda.empty_cache()
         if rank == 0:
             print(json.dumps(rows[-1]), flush=True)
+            if args.json:  # after every configuration: a run cut short still leaves its rows
+                _write(args, peak, world, rows)
     if rank == 0:
-        result = {"peak_bf16_tflops": peak, "world": world, "model": model.to_dict(),
-                  "micro_batch": args.micro_batch, "rows": rows, "gpu": torch.cuda.get_device_name(),
-                  "torch": torch.__version__, "command": " ".join(sys.argv)}
         from tabulate import tabulate
 
         print(f"bf16 matmul peak measured: {peak:.0f} TFLOP/s per GPU")
-        print(tabulate([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows],
-                       headers="keys"))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+        keys = ("config", "step_ms", "mfu", "peak_mem_gib", "exposed_comm_ms", "gpu_ms_gemm", "gpu_ms_attention",
+                "gpu_ms_other", "error")
+        print(tabulate([{k: (round(r[k], 3) if isinstance(r.get(k), float) else r.get(k)) for k in keys}
+                        for r in rows], headers="keys"))
     dist.destroy_process_group()
+
+
+def _write(args: argparse.Namespace, peak: float, world: int, rows: list[dict[str, Any]]) -> None:
+    main = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                       ffn_hidden=4 * args.hidden, seq_length=args.seq, gtp_align=16)
+    result = {"peak_bf16_tflops": peak, "world": world, "model": main.to_dict(), "micro_batch": args.micro_batch,
+              "rows": rows, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "command": " ".join(sys.argv)}
+    with open(args.json + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(args.json + ".tmp", args.json)
 
 
 def main() -> int:
@@ -251,6 +314,15 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--ckpt", action="store_true", help="also measure checkpoint save/load throughput")
     ap.add_argument("--only", nargs="*", default=None, help="run only these config names")
+    ap.add_argument("--fused", choices=("compile", "liger"), default="compile", help="the fused backend measured")
+    ap.add_argument("--liger", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run folded with Liger-Kernel (recorded as an error row if it does not import)")
+    ap.add_argument("--hidden2", type=int, default=8192, help="second shape (0: none)")
+    ap.add_argument("--layers2", type=int, default=4)
+    ap.add_argument("--heads2", type=int, default=64)
+    ap.add_argument("--seq2", type=int, default=16384)
+    ap.add_argument("--sweep", type=int, nargs="*", default=[4096, 8192, 16384, 32768, 65536],
+                    help="sequence lengths of the folded fused sweep (the main --seq is reused)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.nproc:

@@ -76,7 +76,7 @@ def generate(folder: Path, n_chunks: int, args: argparse.Namespace) -> dict[str,
         TensorStorageMetadata,
     )
 
-    from gtp_runtime.checkpoint.format import STATES, dtype_tag, optimizer_key
+    from gtp_format.names import STATES, dtype_tag, optimizer_key
 
     folder.mkdir(parents=True)
     per_key, numel = args.chunks_per_key, args.chunk_numel
@@ -126,7 +126,7 @@ def child(mode: str, path: str) -> None:
     from typer.testing import CliRunner
 
     from ckpt_tool.cli import app
-    from ckpt_tool.reader.checkpoint import open_checkpoint
+    from gtp_format.reader.checkpoint import open_checkpoint
 
     opens = {"distcp": 0, "all": 0}
 
@@ -146,7 +146,7 @@ def child(mode: str, path: str) -> None:
         md = dcp.FileSystemReader(path).read_metadata()
         detail = len(md.state_dict_metadata)
     elif mode == "safe_unpickle":
-        from ckpt_tool.reader.safe_pickle import load_metadata_pickle
+        from gtp_format.reader.safe_pickle import load_metadata_pickle
 
         with open(os.path.join(path, ".metadata"), "rb") as fh:
             detail = len(load_metadata_pickle(fh.read(), path).get("state_dict_metadata"))
@@ -312,7 +312,7 @@ def notes(rows: list[list]) -> str:
         "counted every `*.distcp` path; inspect only `stat`s data files.",
         f"- Target (inspect at most 1.1x PyTorch's metadata read): {'met' if ok else 'missed'}; inspect/torch is "
         f"{', '.join(r[9] for r in rows)} for {', '.join(r[0] for r in rows)} chunks. *safe unpickle* is "
-        "ckpt's whole parse (the opcode walk of `gtp_runtime/checkpoint/pickle_scan.py`, then CPython's C "
+        "ckpt's whole parse (the opcode walk of `gtp_format/reader/pickle_scan.py`, then CPython's C "
         "unpickler with the allow-list `find_class` and inert records, the cyclic GC paused, and in the CLI "
         "the new objects frozen out of the collector afterwards, `gc.freeze`, so it never walks them): "
         f"{mid[7]} of torch's `pickle.load` at {mid[0]} chunks. PyTorch's read runs with the GC on, which "
@@ -325,7 +325,7 @@ def notes(rows: list[list]) -> str:
         f"- As a user runs them (whole processes, start-up included): `ckpt inspect` takes "
         f"{', '.join(r[12] for r in rows)} of the time of a process that reads the same file with PyTorch, "
         f"and peaks at {', '.join(r[16] for r in rows)} MiB against {', '.join(r[17] for r in rows)} MiB. The "
-        "CLI does not import torch (dtypes come from gtp_runtime/checkpoint/dtypes.py), which is most of a "
+        "CLI does not import torch (dtypes come from gtp_format/dtypes.py), which is most of a "
         "small file's difference.",
         f"- Peak memory: inspect grows {last[18]} of torch's growth at {last[0]} chunks; the inert records keep "
         "a dict per object, and the validated entries are built next to the parsed records.",

@@ -60,8 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layers: int, out: str) -> None:
     import torch.distributed as dist
 
+    from gtp_format.layout.config import ModelConfig, ParallelConfig
     from gtp_runtime.checkpoint.io import save_checkpoint
-    from gtp_runtime.config import ModelConfig, ParallelConfig
     from gtp_runtime.training import TrainConfig, Trainer
 
     torch.set_num_threads(1)
@@ -107,7 +107,8 @@ def run_cli(src: Path, dst: Path) -> float:
 def run_in_process(src: Path, dst: Path) -> dict[str, float]:
     import torch.distributed.checkpoint.filesystem  # noqa: F401 - imported by the CLI too; not timed here
 
-    from ckpt_tool.migrate_core import migrate_to, plan_migration
+    from ckpt_tool.migrate.commit import migrate_to
+    from ckpt_tool.migrate.plan import plan_migration
 
     t = time.perf_counter()
     plan = plan_migration(src, None, True)
@@ -129,7 +130,9 @@ def run_naive(src: Path, dst: Path) -> dict[str, float]:
 
     import torch.distributed.checkpoint as dcp
 
-    from ckpt_tool.migrate_core import REBUILD, _ShardCache, plan_migration, rebuild_master
+    from ckpt_tool.migrate.plan import REBUILD, plan_migration
+    from ckpt_tool.migrate.weights import ShardCache as _ShardCache
+    from ckpt_tool.migrate.weights import rebuild_master
     from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, Chunks, ChunkSavePlanner
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")

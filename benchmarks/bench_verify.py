@@ -119,8 +119,8 @@ def child(path: str, workers: int | None) -> None:
     import resource
 
     import ckpt_tool.cli  # noqa: F401 - imported before the clock starts, as the CLI does
-    from ckpt_tool.reader.checkpoint import open_checkpoint
-    from ckpt_tool.verify_core import verify
+    from gtp_format.check.verify import verify
+    from gtp_format.reader.checkpoint import open_checkpoint
 
     t = time.perf_counter()
     result = verify(open_checkpoint(path), data=True, workers=workers)
@@ -162,7 +162,7 @@ def measure(folder: Path, cold: bool, repeats: int) -> dict[str, float]:
     return res
 
 
-def baseline(code: str = "import ckpt_tool.cli, ckpt_tool.verify_core") -> tuple[float, float]:
+def baseline(code: str = "import ckpt_tool.cli, gtp_format.check.verify") -> tuple[float, float]:
     """Wall seconds and peak RSS (MiB) of a process that only imports what the CLI imports: the floor.
 
     Measured warm (best of 3): the part of every CLI figure that does not depend on the checkpoint.
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "benchmarks/bench_verify.py", *(sys.argv[1:] if argv is None else argv)])
     rows, can_drop = run(args)
     floor = baseline()
-    with_torch = baseline("import torch, ckpt_tool.cli, ckpt_tool.verify_core")
+    with_torch = baseline("import torch, ckpt_tool.cli, gtp_format.check.verify")
     print(f"start-up (import ckpt_tool): {floor[0]:.2f} s, peak RSS {floor[1]:.0f} MiB; with torch as well: "
           f"{with_torch[0]:.2f} s, {with_torch[1]:.0f} MiB")
     table = tabulate(rows, headers=HEADERS, tablefmt="github")
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def notes(rows: list[list], floor: tuple[float, float], with_torch: tuple[float, float]) -> list[str]:
-    from ckpt_tool.data_check import IN_FLIGHT, WINDOW, default_workers
+    from gtp_format.check.data import IN_FLIGHT, WINDOW, default_workers
 
     peak = max(max(float(r[11]), float(r[12])) for r in rows)
     small, large = rows[0], rows[-1]
@@ -285,12 +285,12 @@ def notes(rows: list[list], floor: tuple[float, float], with_torch: tuple[float,
         f"- Target (verify --data at least 0.8x the throughput of `cat`): {'met' if met else 'missed'} "
         f"(library alone: {'met' if lib_met else 'missed'}); "
         + "; ".join(f"{r[0]} GB {r[2]}: CLI {r[7]}, lib {r[10]}" for r in rows) + ".",
-        f"- How it reads (ckpt_tool/data_check.py): each data file once, front to back, in {WINDOW >> 20} MiB "
+        f"- How it reads (gtp_format/check/data.py): each data file once, front to back, in {WINDOW >> 20} MiB "
         f"windows handed in file order to {workers} worker threads (one per core here, at most 8). Each worker "
         "reads its window with `os.pread`, takes its CRC-32C (google-crc32c, the CPU's CRC32 instruction), "
-        "decodes the chunks in it in place (ckpt_tool/reader/zip_blob.py parses the zip structure and "
-        "ckpt_tool/reader/blob.py the allow-listed data.pkl, directly; numpy views the elements, no copy) and "
-        "checks NaN/Inf in one pass per chunk (ckpt_tool/scan.py: `isfinite` for fp32/fp64, the largest "
+        "decodes the chunks in it in place (gtp_format/reader/zip_blob.py parses the zip structure and "
+        "gtp_format/reader/blob.py the allow-listed data.pkl, directly; numpy views the elements, no copy) and "
+        "checks NaN/Inf in one pass per chunk (gtp_format/scan.py: `isfinite` for fp32/fp64, the largest "
         "exponent field for 16-bit floats); all of these release the GIL. The main thread joins the windows' "
         "CRCs in order with `Crc.combine` and adds up the results, so the report does not depend on the worker count.",
         "- What bounds it: `cat` is one `read` per 128 KiB into a buffer that stays in cache; verify does the "
@@ -298,8 +298,8 @@ def notes(rows: list[list], floor: tuple[float, float], with_torch: tuple[float,
         "under the GIL. Warm, `cat` runs at memory-copy speed on one core, so verify needs the other cores to "
         "keep up; cold, both wait on the disk. The CLI figure also carries the start-up of Python, numpy and "
         f"typer: {floor[0]:.2f} s for a process that only imports ckpt_tool (warm; cold, their files are read "
-        "from disk too). `inspect` and `verify` do not import torch (ckpt_tool/scan.py and the format's own "
-        f"dtype table, gtp_runtime/checkpoint/dtypes.py): with torch the same import takes {with_torch[0]:.2f} s "
+        "from disk too). `inspect` and `verify` do not import torch (gtp_format/scan.py and the format's own "
+        f"dtype table, gtp_format/dtypes.py): with torch the same import takes {with_torch[0]:.2f} s "
         f"and {with_torch[1]:.0f} MiB here.",
         f"- Peak memory: at most {peak:.0f} MiB over all runs ({small[0]} GB: {small[11]} MiB, {large[0]} GB: "
         f"{large[11]} MiB), {'under' if peak < MEMORY_LIMIT_MIB else 'over'} the {MEMORY_LIMIT_MIB} MiB bound. "

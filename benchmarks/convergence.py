@@ -2,7 +2,7 @@
 
     # 2 x H200: cp2 folded vs unfolded, ~100M parameters, 1,000 steps (plus the noise run)
     python benchmarks/convergence.py --preset gpu --out runs/convergence
-    # CPU, small scale, with gtp_remat 2 (4 gloo ranks); tests/test_convergence.py runs a shorter one
+    # CPU, small scale, with gtp_remat 2 (4 gloo ranks); tests/runtime/test_convergence.py runs a shorter one
     python benchmarks/convergence.py --preset cpu --out runs/convergence-cpu
 
 Every run trains the same model from the same seed on the same data (the stdlib corpus, byte

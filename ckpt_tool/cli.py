@@ -5,7 +5,7 @@ Each command lives in its own module under :mod:`ckpt_tool.commands` and registe
 plug in by adding their module name to :data:`COMMAND_MODULES` (a command group can call
 ``app.add_typer`` from its ``register``). Command modules import torch lazily, inside the
 command, so ``ckpt --help`` stays fast; ``inspect`` and ``verify`` never import it (numpy and the
-format's own dtype table, :mod:`gtp_runtime.checkpoint.dtypes`), which saves them 2-4 s per run.
+format's own dtype table, :mod:`gtp_format.dtypes`), which saves them 2-4 s per run.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import importlib
 
 import typer
 
-from gtp_runtime.checkpoint import pickle_scan
+from gtp_format.reader import pickle_scan
 
 # A ckpt process lives for one command: the metadata's millions of objects are never garbage
 # while it runs, so the cyclic GC need not walk them (see pickle_scan.gc_paused).

@@ -20,7 +20,7 @@ from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 
 import typer
 
-from ckpt_tool.errors import EXIT_BAD_INPUT, CkptError
+from gtp_format.errors import EXIT_BAD_INPUT, FormatError
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -49,13 +49,13 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
 
 
 def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
-    """Turn :class:`CkptError` and OS errors into the one-line message and the right exit code."""
+    """Turn :class:`FormatError` and OS errors into the one-line message and the right exit code."""
 
     @functools.wraps(func)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return func(*args, **kwargs)
-        except CkptError as e:
+        except FormatError as e:
             fail(e.message, e.exit_code)
         except OSError as e:
             where = f" {e.filename}" if e.filename else ""

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gtp_runtime import topology as topo
-from gtp_runtime.collectives import reduce_scatter_dim0
-from gtp_runtime.config import check_buffer_cp_degrees
+from gtp_format.layout import topology as topo
+from gtp_format.layout.config import check_buffer_cp_degrees
+from gtp_runtime.collectives import reduce_scatter_raw
 from gtp_runtime.groups import Group, Groups
 
 PARAM_ALIGN = 64
@@ -134,6 +134,7 @@ class GradBuffer:
             view.copy_(s.param.data)
             s.param.data = view
             s.param.main_grad = self.grad_data[s.start : s.end].view(s.param.shape)  # type: ignore[attr-defined]
+        self.begin_step()
 
     # -- ownership ------------------------------------------------------------------------------
     def local_numel(self, bucket: Bucket) -> int:
@@ -161,20 +162,74 @@ class GradBuffer:
         return out
 
     # -- reduction ------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Reset the per-bucket countdown of gradients still to arrive this step."""
+        self._pending = [len(b.slots) for b in self.buckets]
+        self._arrived: set[int] = set()
+        # bucket -> (collective handle, out-of-place result to copy back, averaged already)
+        self._inflight: dict[int, tuple[object, torch.Tensor | None, bool]] = {}
+
+    def grad_ready(self, bucket: int, param: nn.Parameter) -> None:
+        """One param of ``bucket`` holds its final gradient; the last one starts the reduction.
+
+        This is what overlaps the bucket reduce-scatter with the rest of backward: on 2 x H200 the
+        unfolded dp_cp reduction of full fp32 dense gradients was 31 ms of a 222 ms step while it
+        waited for the optimizer step.
+        """
+        if bucket in self._inflight:
+            raise RuntimeError(f"gbuf_idx_{self.gbuf_idx} bucket {bucket}: a gradient arrived after the bucket's "
+                               "reduction started; call zero_grad() before every backward")
+        if id(param) in self._arrived:
+            raise RuntimeError(f"gbuf_idx_{self.gbuf_idx}: a param's gradient arrived twice in one step (a weight "
+                               "used twice per forward); build the optimizer with overlap_grad_reduce=False")
+        self._arrived.add(id(param))
+        self._pending[bucket] -= 1
+        if self._pending[bucket] == 0:
+            self._start(bucket)
+
+    def _start(self, i: int) -> None:
+        b = self.buckets[i]
+        if self.dp_group.size == 1:
+            self._inflight[i] = (None, None, True)  # a mean over one rank: nothing to do
+            return
+        lo, hi = self.owned_range(b)
+        src = self.grad_data[b.start : b.end]
+        if src.is_cuda:
+            # NCCL reduces in place when the output is this rank's slice of the input (no copy
+            # back) and averages inside the collective (the divisor is the group size, asserted
+            # at construction), so no division pass follows.
+            work = reduce_scatter_raw(self.grad_data[lo:hi], src, op=dist.ReduceOp.AVG, group=self.dp_group.handle,
+                                      async_op=True)
+            self._inflight[i] = (work, None, True)
+        else:
+            out = torch.empty(hi - lo, dtype=src.dtype, device=src.device)
+            work = reduce_scatter_raw(out, src, op=dist.ReduceOp.SUM, group=self.dp_group.handle, async_op=True)
+            self._inflight[i] = (work, out, False)
+
     def reduce_grads(self) -> None:
         """Reduce-scatter each bucket over the buffer's DP group and divide by its divisor.
 
+        Buckets already started by :meth:`grad_ready` are waited for; the others start now, in
+        bucket order (every rank starts the same buckets in the same order).
         Afterwards ``grad_data[owned_range]`` holds the mean gradient of the owned slice.
         """
-        for b in self.buckets:
+        for i in range(len(self.buckets)):
+            if i not in self._inflight:
+                self._start(i)
+        for i, b in enumerate(self.buckets):
+            work, out, averaged = self._inflight[i]
             lo, hi = self.owned_range(b)
-            reduced = reduce_scatter_dim0(self.grad_data[b.start : b.end], self.dp_group, dist.ReduceOp.SUM)
-            if self.dp_group.size > 1:
-                self.grad_data[lo:hi].copy_(reduced)
-            self.grad_data[lo:hi].div_(self.divisor)
+            if work is not None:
+                work.wait()  # type: ignore[attr-defined]
+            if out is not None:
+                self.grad_data[lo:hi].copy_(out)
+            if not averaged:
+                self.grad_data[lo:hi].div_(self.divisor)
+        self._inflight = {i: (None, None, True) for i in range(len(self.buckets))}  # late gradients are refused
 
     def zero_grad(self) -> None:
         self.grad_data.zero_()
+        self.begin_step()
 
 
 def build_buffers(model: nn.Module, groups: Groups, bucket_size: int,

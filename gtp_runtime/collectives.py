@@ -97,6 +97,48 @@ class _GatherSeq(torch.autograd.Function):
         return reduce_scatter_dim0(grad, ctx.group, dist.ReduceOp.SUM), None
 
 
+def cp_chunk_order(cp_size: int) -> list[tuple[int, int]]:
+    """(CP rank, which of its two halves) holding global chunk ``c``, for c in 0..2*CP-1."""
+    return [(c, 0) if c < cp_size else (2 * cp_size - 1 - c, 1) for c in range(2 * cp_size)]
+
+
+class _GatherKV(torch.autograd.Function):
+    """K and V of every CP rank, in global sequence order: one all-gather forward, one
+    reduce-scatter (sum) backward.
+
+    Rank ``r`` holds chunks ``r`` and ``2*CP-1-r`` (see ``context_parallel.cp_positions``). The
+    reorder into sequence order happens inside the function, as one copy each way: done by
+    autograd on slices of the gathered tensor, its backward wrote a zero-filled full-size
+    gradient per slice and summed them (on 2 x H200, 81 fills and 72 adds a step).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, k: torch.Tensor, v: torch.Tensor, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.group = group
+        half = k.shape[1] // 2
+        ctx.half = half
+        kv = all_gather_dim0(torch.stack([k.transpose(0, 1), v.transpose(0, 1)], dim=1), group)  # [CP*s, 2, b, h, d]
+        kv = torch.cat([kv[(2 * r + i) * half : (2 * r + i + 1) * half] for r, i in cp_chunk_order(group.size)])
+        return kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx: Any, gk: torch.Tensor, gv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        half, group = ctx.half, ctx.group
+        b, _, h, d = gk.shape
+        blocks = torch.empty((2 * group.size * half, 2, b, h, d), dtype=gk.dtype, device=gk.device)
+        for c, (r, i) in enumerate(cp_chunk_order(group.size)):
+            dst = blocks[(2 * r + i) * half : (2 * r + i + 1) * half]
+            dst[:, 0].copy_(gk[:, c * half : (c + 1) * half].transpose(0, 1))
+            dst[:, 1].copy_(gv[:, c * half : (c + 1) * half].transpose(0, 1))
+        out = reduce_scatter_dim0(blocks, group, dist.ReduceOp.SUM)  # [s, 2, b, h, d]
+        return out[:, 0].transpose(0, 1), out[:, 1].transpose(0, 1), None
+
+
+def gather_kv(k: torch.Tensor, v: torch.Tensor, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k, v`` [b, s_local, heads, d] of the whole CP group, [b, s, heads, d] in sequence order."""
+    return _GatherKV.apply(k, v, group)
+
+
 def copy_to_group(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _CopyToGroup.apply(x, group)
 

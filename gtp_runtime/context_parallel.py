@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from gtp_runtime.collectives import gather_seq
+from gtp_runtime.collectives import gather_kv
 from gtp_runtime.groups import Group
 
 
@@ -35,24 +35,21 @@ def cp_attention(
 ) -> torch.Tensor:
     """Causal attention of local queries against the keys/values of the whole sequence.
 
-    ``q, k, v``: [b, s_local, heads, d]; ``positions``: [s_local] global positions.
+    ``q, k, v``: [b, s_local, heads, d]; ``positions``: [s_local] global positions, laid out
+    as :func:`cp_positions` lays them out (which is what the chunk arithmetic below relies on).
     """
     if cp.size == 1:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True)
         return out.transpose(1, 2)
-    # Gather along the sequence: put seq first so the collective concatenates dim 0.
-    k_all = gather_seq(k.transpose(0, 1).contiguous(), cp).transpose(0, 1)
-    v_all = gather_seq(v.transpose(0, 1).contiguous(), cp).transpose(0, 1)
-    pos_all = gather_seq(positions.contiguous(), cp)
-    order = torch.argsort(pos_all)  # keys/values in global sequence order
-    k_all, v_all = k_all[:, order], v_all[:, order]
+    # One all-gather for K and V together, put in global sequence order (gather_kv).
+    half = q.shape[1] // 2
+    k_all, v_all = gather_kv(k, v, cp)
     # Each local half is one contiguous chunk j of the sequence: its queries see keys
     # [0, (j+1)*L) with a causal mask aligned to the bottom-right corner. Two such calls keep
     # SDPA on its fused (flash / efficient) kernels; one call with an explicit boolean mask
     # would fall back to a slower masked kernel.
     # The chunk indices follow from the CP rank (no device-to-host read of ``positions``).
-    half = q.shape[1] // 2
     outs = []
     for i, j in enumerate((cp.rank, 2 * cp.size - 1 - cp.rank)):
         qi = q[:, i * half : (i + 1) * half]

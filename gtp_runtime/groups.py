@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from gtp_runtime import topology as topo
-from gtp_runtime.config import ParallelConfig
+from gtp_format.layout import topology as topo
+from gtp_format.layout.config import ParallelConfig
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Groups:
 
 
 def build_groups(par: ParallelConfig, rank: int | None = None) -> Groups:
-    """Create every group of domain.md section 1 on an initialised default process group."""
+    """Create every group kind of :mod:`gtp_format.layout.topology` on an initialised default process group."""
     rank = dist.get_rank() if rank is None else rank
     t = topo.Topology(par)
     out = Groups(par=par, rank=rank, topology=t)

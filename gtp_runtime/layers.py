@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from gtp_runtime import topology as topo
+from gtp_format.layout import topology as topo
+from gtp_format.layout.shard import ShardSpec
 from gtp_runtime.collectives import copy_to_group, reduce_from_group
 from gtp_runtime.groups import Groups
-from gtp_runtime.sharding import GTPComm, ShardSpec, gtp_linear
+from gtp_runtime.sharding import GTPComm, gtp_linear
 
 
 @dataclass

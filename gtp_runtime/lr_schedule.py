@@ -22,7 +22,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gtp_runtime.config import ConfigError
+from gtp_format.layout.config import ConfigError
 
 DECAY_STYLES = ("constant", "linear", "cosine")
 

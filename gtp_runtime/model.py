@@ -14,14 +14,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gtp_runtime import topology as topo
+from gtp_format.layout import topology as topo
+from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_runtime.collectives import gather_last_dim
-from gtp_runtime.config import ModelConfig, ParallelConfig
 from gtp_runtime.context_parallel import cp_attention
+from gtp_runtime.fused import FusedOps, rope_tables, unfused_cross_entropy
 from gtp_runtime.groups import Groups
 from gtp_runtime.init import full_init
 from gtp_runtime.layers import Build, GTPLinear, RMSNorm, VocabParallelEmbedding, _param, make_spec, rope
-from gtp_runtime.sharding import GTPComm
+from gtp_runtime.sharding import GTPComm, take_shard
 
 
 class SelfAttention(nn.Module):
@@ -41,6 +42,14 @@ class SelfAttention(nn.Module):
         qkv = self.linear_qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
         q, k, v = qkv.unbind(dim=3)
         q, k = rope(q, positions), rope(k, positions)
+        out = cp_attention(q, k, v, positions, self.groups[topo.CP])
+        return self.linear_proj(out.reshape(b, s, self.local_heads * self.head_dim))
+
+    def forward_fused(self, x: torch.Tensor, positions: torch.Tensor, rope_cs: tuple[torch.Tensor, torch.Tensor],
+                      ops: FusedOps) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.linear_qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
+        q, k, v = ops.rope_qkv(qkv, *rope_cs)
         out = cp_attention(q, k, v, positions, self.groups[topo.CP])
         return self.linear_proj(out.reshape(b, s, self.local_heads * self.head_dim))
 
@@ -101,6 +110,14 @@ class TransformerLayer(nn.Module):
         x = x + self.self_attention(self.input_layernorm(x), positions)
         return x + self.mlp(self.pre_mlp_layernorm(x))
 
+    def forward_fused(self, x: torch.Tensor, positions: torch.Tensor, rope_cs: tuple[torch.Tensor, torch.Tensor],
+                      ops: FusedOps) -> torch.Tensor:
+        """The same layer with its element-wise work in fused regions (residual add + norm in one)."""
+        h = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
+        a = self.self_attention.forward_fused(h, positions, rope_cs, ops)
+        x, h = ops.add_rms_norm(x, a, self.pre_mlp_layernorm.weight, self.pre_mlp_layernorm.eps)
+        return x + self.mlp(h)
+
 
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, b: Build) -> None:
@@ -116,13 +133,18 @@ class Embedding(nn.Module):
 
 
 class GPTModel(nn.Module):
-    """The sharded model of one rank. ``forward`` returns this rank's mean token loss."""
+    """The sharded model of one rank. ``forward`` returns this rank's mean token loss.
+
+    ``fused`` (``"compile"`` or ``"liger"``, see :mod:`gtp_runtime.fused`) runs the element-wise
+    work in fused regions; ``None`` keeps the unfused layers, the path the fp32 reference checks.
+    """
 
     def __init__(self, cfg: ModelConfig, par: ParallelConfig, groups: Groups,
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                 prefetch: bool = True, overlap_grad_reduce: bool = True) -> None:
+                 prefetch: bool = True, overlap_grad_reduce: bool = True, fused: str | None = None) -> None:
         super().__init__()
         self.cfg, self.par, self.groups = cfg, par, groups
+        self.fused = FusedOps(fused) if fused else None
         self.gtp_comm = GTPComm(prefetch, overlap_grad_reduce)
         b = Build(groups, dtype, device, self.gtp_comm, cfg.gtp_align)
         self.embedding = Embedding(cfg, b)
@@ -134,9 +156,11 @@ class GPTModel(nn.Module):
     def init_weights(self) -> None:
         for name, p in self.named_parameters():
             full = full_init(name, p.spec.full_shape, self.cfg.seed, self.cfg.num_layers, device=p.device)
-            p.copy_(p.spec.take(full).to(p.dtype))
+            p.copy_(take_shard(p.spec, full).to(p.dtype))
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self._forward_fused(tokens, labels, positions, self.fused)
         x = self.embedding.word_embeddings(tokens)
         for layer in self.decoder.layers:
             x = layer(x, positions)
@@ -144,6 +168,19 @@ class GPTModel(nn.Module):
         logits = gather_last_dim(self.output_layer(x), self.groups[topo.TP])
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
+    def _forward_fused(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
+                       ops: FusedOps) -> torch.Tensor:
+        x = self.embedding.word_embeddings(tokens)
+        rope_cs = rope_tables(positions, self.cfg.hidden // self.cfg.num_heads)
+        for layer in self.decoder.layers:
+            x = layer.forward_fused(x, positions, rope_cs, ops)
+        norm = self.decoder.final_layernorm
+        x = ops.rms_norm(x, norm.weight, norm.eps)
+        out = self.output_layer
+        tp = self.groups[topo.TP]
+        if tp.size > 1:  # vocab-parallel logits: the fused loss would need TP reductions inside
+            return unfused_cross_entropy(gather_last_dim(out(x), tp), labels)
+        return ops.linear_cross_entropy(x, out.weight, labels, out.comm, out.rows, out)
 
 
 def is_gtp_dense(p: nn.Parameter) -> bool:

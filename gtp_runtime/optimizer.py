@@ -9,15 +9,17 @@ into the param buffer (cast to the param dtype) and all-gather the params over t
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gtp_runtime import topology as topo
+from gtp_format.layout import topology as topo
 from gtp_runtime.buffers import Bucket, GradBuffer, build_buffers
-from gtp_runtime.collectives import all_gather_dim0
+from gtp_runtime.collectives import all_gather_dim0, all_gather_raw
 from gtp_runtime.groups import Groups
 
 
@@ -64,25 +66,54 @@ class DistributedAdam:
         self.step_count = 0
         self.lr = self.cfg.lr
         """The learning rate of the next update (a schedule sets it every step)."""
+        self._gathers: list = []
         # Replicated params see different data on every gtp_remat lane; their gradients are
         # averaged over that group before the buckets reduce over dp / dp_cp.
         self._lane_replicated = [p for p in model.parameters() if p.spec.shard_kind is None]
-        for p in model.parameters():
-            if p.spec.shard_kind is None:
-                p.register_post_accumulate_grad_hook(_move_grad_to_main)
+        self._lane_pending = {id(p) for p in self._lane_replicated}
+        # With overlap, a bucket's reduce-scatter starts as soon as its last gradient is final
+        # (during backward), not at the step.
+        comm = getattr(model, "gtp_comm", None)
+        self.overlap = comm is not None and comm.overlap
+        self._where = {id(s.param): (buf, s.bucket) for buf in self.buffers for s in buf.slots}
+        # Weak references: the model must not keep its optimizer alive (a cycle through the
+        # params' hooks held both, and their GPU memory, until the next garbage collection).
+        if self.overlap:
+            comm.on_grad_ready = _weak(self._grad_ready)
+        for p in self._lane_replicated:
+            p.register_post_accumulate_grad_hook(_weak(self._replicated_grad_done))
+
+    def _replicated_grad_done(self, p: torch.Tensor) -> None:
+        p.main_grad.add_(p.grad.float())
+        p.grad = None
+        if self.overlap:
+            self._lane_reduce(p)
+            self._grad_ready(p)
+
+    def _lane_reduce(self, p: torch.Tensor) -> None:
+        gtp = self.groups[topo.GTP]
+        if gtp.size > 1 and id(p) in self._lane_pending:
+            dist.all_reduce(p.main_grad, op=dist.ReduceOp.AVG, group=gtp.handle)
+        self._lane_pending.discard(id(p))
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        buf, bucket = self._where[id(p)]
+        buf.grad_ready(bucket, p)
 
     def zero_grad(self) -> None:
         for buf in self.buffers:
             buf.zero_grad()
+        self._lane_pending = {id(p) for p in self._lane_replicated}
+        comm = getattr(self.model, "gtp_comm", None)
+        if comm is not None:
+            comm.mark_fresh()
 
     def reduce_grads(self) -> None:
         comm = getattr(self.model, "gtp_comm", None)
         if comm is not None:
             comm.finish_grad_reduce()  # weight-gradient reduce-scatters still in flight
-        gtp = self.groups[topo.GTP]
-        if gtp.size > 1:
-            for p in self._lane_replicated:
-                dist.all_reduce(p.main_grad, op=dist.ReduceOp.AVG, group=gtp.handle)
+        for p in self._lane_replicated:
+            self._lane_reduce(p)
         for buf in self.buffers:
             buf.reduce_grads()
 
@@ -97,7 +128,10 @@ class DistributedAdam:
                 for a, b in st.count_ranges:
                     g = owned[a:b]
                     sumsq += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
-                    zeros += (g == 0).sum()
+                    if g.is_cuda:  # one reduction, no boolean temporary (an exact count either way)
+                        zeros += g.numel() - torch.count_nonzero(g)
+                    else:
+                        zeros += (g == 0).sum()
         stats = torch.stack([sumsq, zeros])
         dist.all_reduce(stats, group=self.groups[topo.WORLD].handle)
         return StepStats(math.sqrt(stats[0].item()), int(stats[1].item()))
@@ -117,11 +151,14 @@ class DistributedAdam:
         self.step_count += 1
         t = self.step_count
         bc1, bc2 = 1 - c.beta1**t, 1 - c.beta2**t
+        device = self.buffers[0].grad_data.device
+        # One host-to-device copy per step: a tensor made per bucket would wait for the GPU each time.
+        step_scale = torch.tensor([float(t), 1.0 / clip], device=device) if device.type == "cuda" else None
         for buf, states in zip(self.buffers, self.state):
             for b, st in zip(buf.buckets, states):
                 g = buf.grad_data[st.lo : st.hi]
-                if st.param.is_cuda:
-                    self._fused_update(st, g.mul_(clip), t)
+                if step_scale is not None:
+                    self._fused_update(st, g, step_scale)
                 else:
                     g = g * clip
                     st.param.mul_(1 - self.lr * c.weight_decay)
@@ -130,25 +167,46 @@ class DistributedAdam:
                     denom = (st.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(c.eps)
                     st.param.addcdiv_(st.exp_avg, denom, value=-self.lr / bc1)
                 self._publish(buf, b, st)
+        for work in self._gathers:
+            work.wait()
+        self._gathers.clear()
 
-    def _fused_update(self, st: BucketState, g: torch.Tensor, t: int) -> None:
+    def _fused_update(self, st: BucketState, g: torch.Tensor, step_scale: torch.Tensor) -> None:
         """The same AdamW update in PyTorch's fused CUDA kernel (one pass instead of about ten).
 
+        ``step_scale`` holds the step count and ``1 / clip``: the kernel divides each gradient by
+        its ``grad_scale`` as it reads it, so clipping costs no pass of its own.
         The CPU path above stays op-by-op: it is the one the fp32 reference is compared against
         and the one CI runs; on GPUs the fused kernel is what makes the optimizer step cheap.
         """
         c = self.cfg
-        step = torch.tensor(float(t), device=g.device)
-        torch._fused_adamw_([st.param], [g], [st.exp_avg], [st.exp_avg_sq], [], [step], lr=self.lr, beta1=c.beta1,
-                            beta2=c.beta2, weight_decay=c.weight_decay, eps=c.eps, amsgrad=False, maximize=False)
+        torch._fused_adamw_([st.param], [g], [st.exp_avg], [st.exp_avg_sq], [], [step_scale[0]], lr=self.lr,
+                            beta1=c.beta1, beta2=c.beta2, weight_decay=c.weight_decay, eps=c.eps, amsgrad=False,
+                            maximize=False, grad_scale=step_scale[1], found_inf=None)
 
     def _publish(self, buf: GradBuffer, b: Bucket, st: BucketState) -> None:
-        """Write the owned master slice into the param buffer and all-gather the bucket."""
+        """Write the owned master slice into the param buffer and all-gather the bucket.
+
+        On CUDA the all-gather runs in place and asynchronously, so it overlaps the update of the
+        next bucket; :meth:`step_after_reduce` waits for all of them before returning.
+        """
+        if st.param.is_cuda:
+            buf.param_data[st.lo : st.hi].copy_(st.param)
+            if buf.dp_group.size > 1:
+                self._gathers.append(all_gather_raw(buf.param_data[b.start : b.end], buf.param_data[st.lo : st.hi],
+                                                    group=buf.dp_group.handle, async_op=True))
+            return
         local = st.param.to(buf.key.param_dtype)
         gathered = all_gather_dim0(local, buf.dp_group)
         buf.param_data[b.start : b.end].copy_(gathered)
 
 
-def _move_grad_to_main(p: torch.Tensor) -> None:
-    p.main_grad.add_(p.grad.float())
-    p.grad = None
+def _weak(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    ref = weakref.WeakMethod(method)
+
+    def call(p: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(p)
+
+    return call

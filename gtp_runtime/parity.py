@@ -15,6 +15,7 @@ import torch.distributed as dist
 from gtp_runtime.collectives import all_gather_dim0
 from gtp_runtime.optimizer import DistributedAdam
 from gtp_runtime.reference import ReferenceGPT
+from gtp_runtime.sharding import take_shard
 from gtp_runtime.training import Trainer
 
 
@@ -51,7 +52,7 @@ def compare_shards(model: torch.nn.Module, local: dict[str, torch.Tensor], full:
     worst = Mismatch(what, "", 0.0)
     for name, p in model.named_parameters():
         rows = p.spec.valid_rows
-        err = relative_error(local[name][:rows], p.spec.take(full[name])[:rows])
+        err = relative_error(local[name][:rows], take_shard(p.spec, full[name])[:rows])
         if err > worst.error:
             worst = Mismatch(what, name, err)
     return worst

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from gtp_runtime.config import ModelConfig
+from gtp_format.layout.config import ModelConfig
 from gtp_runtime.init import full_init
 
 

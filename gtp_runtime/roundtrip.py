@@ -19,18 +19,21 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gtp_runtime.checkpoint.format import dtype_tag, optimizer_key
+from gtp_format.compare import BITWISE, Tally, TensorSource, compare
+from gtp_format.dtypes import from_repr
+from gtp_format.layout.config import ConfigError, ParallelConfig
+from gtp_format.manifest import Manifest, derive_bucket_size
+from gtp_format.names import dtype_tag, optimizer_key
 from gtp_runtime.checkpoint.io import load_checkpoint, save_checkpoint
 from gtp_runtime.checkpoint.run_state import run_configs
 from gtp_runtime.checkpoint.state import dp_group_idx, owned_pieces
-from gtp_runtime.config import ConfigError, ModelConfig, ParallelConfig
 from gtp_runtime.optimizer import AdamConfig
 from gtp_runtime.training import TrainConfig, Trainer
 
@@ -67,100 +70,12 @@ def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous().reshape(-1)
-    if t.dtype == torch.bool:
-        return t.to(torch.uint8)
-    if t.is_complex():
-        t = torch.view_as_real(t).reshape(-1)
-    return t.view(_INT_OF_SIZE[t.element_size()])
-
-
-@dataclass
-class KeyDiff:
-    """How one tensor differs: ``problem`` is ``values``, ``shape``, ``dtype``, ``missing`` or ``unexpected``."""
-
-    key: str
-    problem: str
-    numel: int = 0
-    differing: int = 0
-    max_abs_diff: float | None = None
-    first_index: int | None = None
-    detail: str = ""
-
-
-def bitwise_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float | None, int | None]:
-    """Elements of same-shape, same-dtype ``a`` and ``b`` whose bits differ: count, max ``|a-b|``
-    over those with a finite difference, and the first differing flat index."""
-    bad = _bits(a) != _bits(b)
-    count = int(bad.sum())
-    if not count:
-        return 0, None, None
-    first = int(bad.nonzero()[0, 0])
-    fa, fb = a.detach().reshape(-1)[bad], b.detach().reshape(-1)[bad]
-    if fa.is_complex():
-        d = (fa.to(torch.complex128) - fb.to(torch.complex128)).abs()
-    else:
-        d = (fa.to(torch.float64) - fb.to(torch.float64)).abs()
-    d = d[torch.isfinite(d)]
-    return count, (float(d.max()) if d.numel() else None), first
-
-
-def diff_tensors(key: str, want: torch.Tensor, got: torch.Tensor) -> KeyDiff | None:
-    """``None`` when ``got`` is bit-identical to ``want`` (shape and dtype included)."""
-    if want.dtype != got.dtype:
-        return KeyDiff(key, "dtype", want.numel(), want.numel(), detail=f"{want.dtype} vs {got.dtype}")
-    if tuple(want.shape) != tuple(got.shape):
-        return KeyDiff(key, "shape", want.numel(), want.numel(),
-                       detail=f"{tuple(want.shape)} vs {tuple(got.shape)}")
-    count, max_abs, first = bitwise_diff(want, got)
-    return KeyDiff(key, "values", want.numel(), count, max_abs, first) if count else None
-
-
-@dataclass
-class DiffSummary:
-    """The comparison of two snapshots (or a subset of their keys)."""
-
-    keys: int = 0
-    elements: int = 0
-    differing: int = 0
-    max_abs_diff: float | None = None
-    diffs: list[KeyDiff] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.diffs
-
-    def add(self, numel: int, d: KeyDiff | None) -> None:
-        self.keys += 1
-        self.elements += numel
-        if d is None:
-            return
-        self.diffs.append(d)
-        self.differing += d.differing
-        if d.max_abs_diff is not None:
-            self.max_abs_diff = max(self.max_abs_diff or 0.0, d.max_abs_diff)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "keys": self.keys, "elements": self.elements, "differing": self.differing,
-                "max_abs_diff": self.max_abs_diff, "diffs": [asdict(d) for d in self.diffs]}
-
-
 def compare_snapshots(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
-                      select: Callable[[str], bool] = lambda k: True) -> DiffSummary:
-    """Compare the selected keys of two snapshots bit for bit, keys missing on either side included."""
-    out = DiffSummary()
-    for key in sorted(k for k in want.keys() | got.keys() if select(k)):
-        if key not in got:
-            out.add(want[key].numel(), KeyDiff(key, "missing", want[key].numel(), want[key].numel()))
-        elif key not in want:
-            out.add(0, KeyDiff(key, "unexpected", got[key].numel(), got[key].numel()))
-        else:
-            out.add(want[key].numel(), diff_tensors(key, want[key], got[key]))
-    return out
+                      select: Callable[[str], bool] = lambda k: True) -> Tally:
+    """Compare the selected keys of two snapshots bit for bit, keys missing on either side included
+    (the comparison engine of ``ckpt diff`` and ``verify-roundtrip PATH``, on tensors in memory)."""
+    return compare(TensorSource(want, "the saved state"), TensorSource(got, "the loaded state"), BITWISE,
+                   select=select).tally()
 
 
 def is_model_key(key: str) -> bool:
@@ -195,15 +110,16 @@ def save_phase(trainer: Trainer, root: str | os.PathLike, steps: int, more_steps
     return folder
 
 
-def _float_list_diff(what: str, want: list[float], got: list[float]) -> KeyDiff | None:
-    if len(want) != len(got):
-        return KeyDiff(what, "shape", len(want), len(want), detail=f"{len(want)} vs {len(got)} steps")
-    count, max_abs, first = bitwise_diff(torch.tensor(want, dtype=torch.float64),
-                                         torch.tensor(got, dtype=torch.float64))
-    if not count:
-        return None
-    return KeyDiff(what, "values", len(want), count, max_abs, first,
-                   detail=f"step {first + 1} after resume: {want[first]!r} vs {got[first]!r}")
+def _float_list_diff(what: str, want: list[float], got: list[float]) -> Tally:
+    """Per-step floats (losses, grad norms) of the reference run against the resumed run, bitwise."""
+    t = compare_snapshots({what: torch.tensor(want, dtype=torch.float64)},
+                          {what: torch.tensor(got, dtype=torch.float64)})
+    d = t.differences[0] if t.differences else None
+    if d is not None and d.first_index:
+        step = d.first_index[0]
+        t.differences[0] = dataclasses.replace(d, detail=f"{d.differing} of {d.numel} steps differ, first at step "
+                                                         f"{step + 1} after resume: {want[step]!r} vs {got[step]!r}")
+    return t
 
 
 def resume_phase(trainer: Trainer, root: str | os.PathLike, dump_dir: str | os.PathLike,
@@ -213,7 +129,7 @@ def resume_phase(trainer: Trainer, root: str | os.PathLike, dump_dir: str | os.P
 
     ``after_load`` runs right after the load (tests use it to prove a difference is caught).
     Returns plain data: ``{"rank", "loaded": {"model", "optimizer"}, "resume": {"losses",
-    "grad_norms", "model", "optimizer"}}`` with :meth:`DiffSummary.to_dict` values.
+    "grad_norms", "model", "optimizer"}}`` with :meth:`gtp_format.compare.Tally.to_dict` values.
     """
     rank = dist.get_rank()
     ref = torch.load(dump_path(dump_dir, rank), map_location="cpu", weights_only=True)  # our own file
@@ -227,9 +143,7 @@ def resume_phase(trainer: Trainer, root: str | os.PathLike, dump_dir: str | os.P
     final = snapshot(trainer)
     resume = {}
     for what, got in (("losses", [r.loss for r in results]), ("grad_norms", [r.grad_norm for r in results])):
-        s = DiffSummary()
-        s.add(len(ref[what]), _float_list_diff(what, ref[what], got))
-        resume[what] = s.to_dict()
+        resume[what] = _float_list_diff(what, ref[what], got).to_dict()
     resume["model"] = compare_snapshots(ref["final"], final, is_model_key).to_dict()
     resume["optimizer"] = compare_snapshots(ref["final"], final, is_optimizer_key).to_dict()
     return {"rank": rank, "coords": asdict(trainer.groups.coords), "loaded": loaded, "resume": resume,
@@ -238,88 +152,39 @@ def resume_phase(trainer: Trainer, root: str | os.PathLike, dump_dir: str | os.P
 
 # -- a saved checkpoint's config -------------------------------------------------------------------
 
-_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+# Parameter dtypes the runtime trains in (the format's table knows every dtype; these are the ones it runs).
+PARAM_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16", "torch.float64")
 
 
-def bucket_size_from_manifest(manifest: dict[str, Any]) -> int:
-    """The ``bucket_size`` a checkpoint was saved with, or one that rebuilds the same buckets.
-
-    Manifests written since ``bucket_size`` was recorded carry it. For older ones it is derived
-    from the bucket layout: :class:`gtp_runtime.buffers.GradBuffer` closes a bucket after the first
-    param whose end reaches ``bucket_size`` elements from the bucket start, so every param end
-    before the last one of a bucket lies below it and the last end of every bucket but a buffer's
-    final one lies at or above it. Any value in that interval lays the buffers out identically.
-    """
-    if type(manifest.get("bucket_size")) is int and manifest["bucket_size"] > 0:
-        return manifest["bucket_size"]
-    below, at_or_above = 0, None  # bucket_size > below, bucket_size <= at_or_above
-    try:
-        for buf in manifest["buffers"]:
-            buckets = buf["buckets"]
-            for i, b in enumerate(buckets):
-                ends = [p["end"] for p in b["params"]]
-                if any(type(e) is not int for e in ends):
-                    raise TypeError("a param end is not an int")
-                if not ends:
-                    continue
-                below = max([below, *ends[:-1]])
-                if i < len(buckets) - 1:
-                    at_or_above = ends[-1] if at_or_above is None else min(at_or_above, ends[-1])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"manifest bucket layout is incomplete ({type(e).__name__}: {e}); "
-                          "cannot recover --bucket-size") from None
-    if at_or_above is None:
-        return max(DEFAULT_BUCKET_SIZE, below + 1)
-    if at_or_above <= below:
-        raise ConfigError(f"manifest bucket layout fits no bucket size (needs > {below} and <= {at_or_above}); "
-                          "it was not written by gtp_runtime's bucketing")
-    return at_or_above
-
-
-def _fields(cls: type, raw: Any, where: str, ignore: tuple[str, ...] = ()) -> dict[str, Any]:
-    """``raw`` checked against the fields of dataclass ``cls``: known names, the defaults' types."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"manifest {where} is a {type(raw).__name__}, expected an object")
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    out = {}
-    for k, v in raw.items():
-        if k in ignore:
-            continue
-        if k not in defaults:
-            raise ConfigError(f"manifest {where} has field {k!r}, unknown to this version; upgrade gtp-ckpt")
-        want = type(defaults[k])
-        ok = type(v) is want or (want is float and type(v) is int)
-        if not ok:
-            raise ConfigError(f"manifest {where}.{k} is {v!r}, expected {want.__name__}")
-        out[k] = v
-    return out
-
-
-def config_from_manifest(manifest: dict[str, Any], dp: int | None = None) -> TrainConfig:
+def config_from_manifest(manifest: Manifest, dp: int | None = None) -> TrainConfig:
     """The training config of a saved checkpoint (``dp`` may be changed: dp_reshardable reshards
-    over DP). The manifest is input, not trusted: a missing or ill-typed field raises
-    :class:`ConfigError` naming it, as does a topology or model the runtime would refuse."""
-    for name in ("topology", "model", "optimizer", "param_dtype", "buffers"):
-        if name not in manifest:
-            raise ConfigError(f"manifest lacks {name!r}; it is not a complete gtp_runtime manifest")
-    par = ParallelConfig(**_fields(ParallelConfig, manifest["topology"], "topology",
-                                   ignore=("world_size", "expert_dp")))
-    model = ModelConfig(**_fields(ModelConfig, manifest["model"], "model"))
-    adam = AdamConfig(**_fields(AdamConfig, manifest["optimizer"], "optimizer", ignore=("type", "step")))
-    dtype_name = manifest["param_dtype"]
-    if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
-        raise ConfigError(f"manifest param_dtype {dtype_name!r} is not one of {sorted(_DTYPES)}")
-    world = manifest["topology"].get("world_size", par.world_size)
-    if type(world) is not int:
-        raise ConfigError(f"manifest topology.world_size is {world!r}, expected an int")
-    par.validate(world, model.num_experts)
+    over DP). ``manifest`` comes from a strict :func:`gtp_format.manifest.parse_manifest`; what the
+    runtime would refuse (a topology, a model, an optimizer field it does not know) raises
+    :class:`ConfigError` naming it."""
+    par, model, opt = manifest.topology, manifest.model, manifest.optimizer
+    if par is None or model is None or opt is None or manifest.buffers is None:
+        raise ConfigError("manifest lacks topology, model, optimizer or buffers; it is not a complete gtp_runtime "
+                          "manifest")
+    known = {f.name for f in dataclasses.fields(AdamConfig)}
+    unknown = sorted(set(opt.hyper) - known)
+    if opt.type != "adamw" or unknown:
+        what = f"type {opt.type!r}" if opt.type != "adamw" else f"field {unknown[0]!r}"
+        raise ConfigError(f"manifest optimizer has {what}, unknown to this version; upgrade gtp-ckpt")
+    adam = AdamConfig(**{k: float(v) for k, v in opt.hyper.items()})
+    if manifest.param_dtype not in PARAM_DTYPES:
+        raise ConfigError(f"manifest param_dtype {manifest.param_dtype!r} is not one of {PARAM_DTYPES}")
+    par.validate(None, model.num_experts)
     if dp is not None and dp != par.dp:
         par = ParallelConfig(**{**par.to_dict(), "dp": dp})
         par.validate(None, model.num_experts)
     model.validate(par)
     lr, data = run_configs(manifest)
-    return TrainConfig(par=par, model=model, adam=adam, bucket_size=bucket_size_from_manifest(manifest),
-                       param_dtype=_DTYPES[dtype_name], lr=lr, data=data)
+    try:
+        bucket_size = manifest.bucket_size or derive_bucket_size(manifest.buffers, DEFAULT_BUCKET_SIZE)
+    except ValueError as e:
+        raise ConfigError(f"{e}; cannot recover --bucket-size") from None
+    return TrainConfig(par=par, model=model, adam=adam, bucket_size=bucket_size,
+                       param_dtype=from_repr(manifest.param_dtype).torch, lr=lr, data=data)
 
 
 def resave(trainer: Trainer, src: str | os.PathLike, root: str | os.PathLike, layout: str,

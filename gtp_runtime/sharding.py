@@ -1,9 +1,7 @@
-"""GTP_remat weight sharding: the shard math and the all-gather / reduce-scatter linear.
+"""GTP_remat weight sharding on tensors: cutting shards, and the all-gather / reduce-scatter linear.
 
-A GTP-managed weight is first split by TP (dim 0 for column-parallel, dim 1 for row-parallel),
-then the TP-local weight is sharded along dim 0 over its *weight group* (``gtp_remat``, or
-``cp x gtp_remat`` with ``fold_cp``, or the expert GTP group). dim 0 is padded at the tail to a
-multiple of ``align * group_size`` so every shard has the same row count.
+The shard arithmetic (which rows a rank holds) is :class:`gtp_format.layout.shard.ShardSpec`,
+shared with ``ckpt``; this module applies it to tensors.
 
 :class:`GTPLinearFn` is ZeRO-3 per weight: the full weight exists only inside the op. Forward
 gathers it, uses it, drops it; backward gathers it again (the "remat") and reduce-scatters the
@@ -12,103 +10,34 @@ weight gradient. Saving only the shard is what makes the memory saving real.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from gtp_format.layout.shard import ShardSpec
 from gtp_runtime.collectives import all_gather_raw, reduce_scatter_raw
 from gtp_runtime.groups import Group
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """Where one rank's tensor sits inside the full (padded) tensor of its parameter.
+def take_shard(spec: ShardSpec, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of the full tensor (zero rows where the shard is tail padding)."""
+    tl = spec.tp_local_shape
+    if spec.tp_mode in ("column", "vocab"):
+        full = full[spec.tp_rank * tl[0] : (spec.tp_rank + 1) * tl[0]]
+    elif spec.tp_mode == "row":
+        full = full[:, spec.tp_rank * tl[1] : (spec.tp_rank + 1) * tl[1]]
+    out = torch.zeros(spec.local_shape, dtype=full.dtype, device=full.device)
+    start = spec.shard_start()
+    out[: spec.valid_rows] = full[start : start + spec.valid_rows]
+    return out
 
-    ``tp_mode``: ``"column"`` splits dim 0 over TP, ``"row"`` splits dim 1, ``"vocab"`` splits
-    dim 0 without GTP (embedding), ``None`` means TP-replicated. ``shard_kind``: the group kind
-    that shards dim 0 of the TP-local tensor, or ``None``.
-    """
 
-    full_shape: tuple[int, ...]
-    tp_mode: str | None
-    tp_size: int
-    tp_rank: int
-    shard_kind: str | None
-    shard_size: int
-    shard_rank: int
-    align: int
-
-    @property
-    def tp_local_shape(self) -> tuple[int, ...]:
-        s = list(self.full_shape)
-        if self.tp_mode in ("column", "vocab"):
-            s[0] //= self.tp_size
-        elif self.tp_mode == "row":
-            s[1] //= self.tp_size
-        return tuple(s)
-
-    @property
-    def padded_rows(self) -> int:
-        rows = self.tp_local_shape[0]
-        if self.shard_kind is None:
-            return rows
-        m = self.align * self.shard_size
-        return math.ceil(rows / m) * m
-
-    @property
-    def shard_rows(self) -> int:
-        return self.padded_rows // (self.shard_size if self.shard_kind else 1)
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        return (self.shard_rows, *self.tp_local_shape[1:])
-
-    @property
-    def valid_rows(self) -> int:
-        """Rows of this shard that hold real weight (the rest is tail padding)."""
-        start = self.shard_rank * self.shard_rows if self.shard_kind else 0
-        return max(0, min(self.shard_rows, self.tp_local_shape[0] - start))
-
-    @property
-    def global_shape(self) -> tuple[int, ...]:
-        """Shape of the checkpointed tensor: the full weight with each TP part padded."""
-        s = list(self.tp_local_shape)
-        s[0] = self.padded_rows
-        if self.tp_mode in ("column", "vocab"):
-            s[0] *= self.tp_size
-        elif self.tp_mode == "row":
-            s[1] *= self.tp_size
-        return tuple(s)
-
-    @property
-    def global_offset(self) -> tuple[int, ...]:
-        off = [0] * len(self.full_shape)
-        off[0] = self.shard_rank * self.shard_rows if self.shard_kind else 0
-        if self.tp_mode in ("column", "vocab"):
-            off[0] += self.tp_rank * self.padded_rows
-        elif self.tp_mode == "row":
-            off[1] = self.tp_rank * self.tp_local_shape[1]
-        return tuple(off)
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of the full tensor (zero rows where the shard is tail padding)."""
-        tl = self.tp_local_shape
-        if self.tp_mode in ("column", "vocab"):
-            full = full[self.tp_rank * tl[0] : (self.tp_rank + 1) * tl[0]]
-        elif self.tp_mode == "row":
-            full = full[:, self.tp_rank * tl[1] : (self.tp_rank + 1) * tl[1]]
-        out = torch.zeros(self.local_shape, dtype=full.dtype, device=full.device)
-        start = self.shard_rank * self.shard_rows if self.shard_kind else 0
-        out[: self.valid_rows] = full[start : start + self.valid_rows]
-        return out
-
-    def assemble_tp_local(self, gathered: torch.Tensor) -> torch.Tensor:
-        """Drop the tail padding of a gathered (padded) TP-local weight."""
-        return gathered[: self.tp_local_shape[0]]
+def drop_padding(spec: ShardSpec, gathered: torch.Tensor) -> torch.Tensor:
+    """Drop the tail padding of a gathered (padded) TP-local weight."""
+    return gathered[: spec.tp_local_shape[0]]
 
 
 def wgrad_fp32(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -123,6 +52,28 @@ def wgrad_fp32(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return g2.t().float() @ x2.float()
 
 
+def accumulate_wgrad(out: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+    """``out += grad_out^T @ x`` with ``out`` fp32 (a ``main_grad`` view).
+
+    On CUDA the sum is the GEMM's own epilogue (cuBLAS with beta=1 reads ``out``), so no fp32
+    weight-gradient tensor is written and read back: on the H200 benchmark those copies and adds
+    moved about 4 GB per layer. The CPU path keeps the separate product and add, bit for bit what
+    it always computed (the fp32 reference and the bit-exact resume compare against it).
+    """
+    g2 = grad_out.reshape(-1, grad_out.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
+    if g2.is_cuda:
+        try:
+            if g2.dtype == torch.float32:
+                out.addmm_(g2.t(), x2)
+            else:
+                torch.addmm(out, g2.t(), x2, out_dtype=torch.float32, out=out)
+            return
+        except (TypeError, RuntimeError):
+            pass
+    out.add_(wgrad_fp32(grad_out, x))
+
+
 class GTPComm:
     """Schedules the collectives of every GTP weight of one model.
 
@@ -132,6 +83,11 @@ class GTPComm:
     * Overlapped reduce-scatter: the weight-gradient reduce-scatter is started asynchronously and
       completed (and added into ``main_grad``) by :meth:`finish_grad_reduce`, which the optimizer
       calls before it touches the gradients.
+    * Fresh gradients: after :meth:`mark_fresh` (the optimizer's ``zero_grad``) a weight's first
+      reduce-scatter writes straight into its zeroed ``main_grad`` instead of into a temporary that
+      is added afterwards (one fp32 pass over the shard less per weight).
+    * ``on_grad_ready(shard)`` is called once a weight's ``main_grad`` holds its final value for
+      the step, so the optimizer can start reducing a bucket while backward still runs.
     Every rank runs the same program, so every rank issues the same collectives in the same order.
     """
 
@@ -139,12 +95,22 @@ class GTPComm:
         self.prefetch, self.overlap = prefetch, overlap_grad_reduce
         self.order: list[torch.Tensor] = []
         self._gathers: dict[int, tuple[torch.Tensor, Any]] = {}
-        self._reduces: list[tuple[torch.Tensor, Any, torch.Tensor]] = []
+        self._reduces: list[tuple[torch.Tensor | None, Any, torch.Tensor, torch.Tensor]] = []
+        self._fresh: set[int] = set()
+        self.on_grad_ready: Callable[[torch.Tensor], None] | None = None
 
     def register(self, shard: torch.Tensor, group: Group) -> None:
         shard.gtp_index = len(self.order)  # type: ignore[attr-defined]
         shard.gtp_group = group  # type: ignore[attr-defined]
         self.order.append(shard)
+
+    def mark_fresh(self) -> None:
+        """Every ``main_grad`` was just zeroed: the next reduce-scatter of each may overwrite it."""
+        self._fresh = set(range(len(self.order)))
+
+    def _ready(self, shard: torch.Tensor) -> None:
+        if self.on_grad_ready is not None:
+            self.on_grad_ready(shard)
 
     def _start_gather(self, shard: torch.Tensor, async_op: bool) -> tuple[torch.Tensor, Any]:
         group: Group = shard.gtp_group  # type: ignore[attr-defined]
@@ -154,43 +120,79 @@ class GTPComm:
         work = all_gather_raw(out, shard.detach().contiguous(), group=group.handle, async_op=async_op)
         return out, work
 
+    def prefetch_neighbour(self, idx: int, step: int) -> None:
+        nxt = idx + step
+        if self.prefetch and 0 <= nxt < len(self.order) and nxt not in self._gathers:
+            self._gathers[nxt] = self._start_gather(self.order[nxt], async_op=True)
+
     def gather(self, shard: torch.Tensor, step: int) -> torch.Tensor:
         """The full (padded) weight of ``shard``; prefetches the neighbour ``step`` (+1 or -1) away."""
         idx = shard.gtp_index  # type: ignore[attr-defined]
         out, work = self._gathers.pop(idx, None) or self._start_gather(shard, async_op=False)
         if work is not None:
             work.wait()
-        nxt = idx + step
-        if self.prefetch and 0 <= nxt < len(self.order) and nxt not in self._gathers:
-            self._gathers[nxt] = self._start_gather(self.order[nxt], async_op=True)
+        self.prefetch_neighbour(idx, step)
         return out
+
+    def weight_grad(self, shard: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor,
+                    rows: int) -> torch.Tensor | None:
+        """Turn ``grad_out^T @ x`` (the TP-local weight gradient) into this rank's shard gradient.
+
+        With a ``main_grad`` and a weight group of one the GEMM accumulates straight into it;
+        otherwise the fp32 gradient goes through :meth:`reduce_scatter`.
+        """
+        group: Group = shard.gtp_group  # type: ignore[attr-defined]
+        main_grad = getattr(shard, "main_grad", None)
+        if group.size == 1 and main_grad is not None:
+            accumulate_wgrad(main_grad[:rows], grad_out, x)
+            self._ready(shard)
+            return None
+        padded = shard.shape[0] * group.size
+        if rows == padded:
+            grad_full = wgrad_fp32(grad_out, x)  # no padding rows: reduce the GEMM's output itself
+        else:
+            grad_full = torch.empty((padded, shard.shape[1]), dtype=torch.float32, device=shard.device)
+            grad_full[:rows] = wgrad_fp32(grad_out, x)
+            grad_full[rows:].zero_()
+        return self.reduce_scatter(shard, grad_full)
 
     def reduce_scatter(self, shard: torch.Tensor, grad_full: torch.Tensor) -> torch.Tensor | None:
         """Average ``grad_full`` over the weight group into this rank's shard gradient.
 
-        With overlap the result is added to ``main_grad`` later and ``None`` is returned.
+        With a ``main_grad`` the result is added to it (now, or at :meth:`finish_grad_reduce` with
+        overlap) and ``None`` is returned.
         """
         group: Group = shard.gtp_group  # type: ignore[attr-defined]
         main_grad = getattr(shard, "main_grad", None)
         if group.size == 1:
-            out, work = grad_full, None
-        else:
-            out = torch.empty((grad_full.shape[0] // group.size, *grad_full.shape[1:]), dtype=grad_full.dtype,
-                              device=grad_full.device)
-            work = reduce_scatter_raw(out, grad_full, op=dist.ReduceOp.AVG, group=group.handle,
-                                   async_op=self.overlap and main_grad is not None)
+            if main_grad is None:
+                return grad_full
+            main_grad.add_(grad_full)
+            self._ready(shard)
+            return None
+        idx = shard.gtp_index  # type: ignore[attr-defined]
+        direct = main_grad is not None and idx in self._fresh
+        self._fresh.discard(idx)
+        out = main_grad if direct else torch.empty(
+            (grad_full.shape[0] // group.size, *grad_full.shape[1:]), dtype=grad_full.dtype, device=grad_full.device)
+        overlap = self.overlap and main_grad is not None
+        work = reduce_scatter_raw(out, grad_full, op=dist.ReduceOp.AVG, group=group.handle, async_op=overlap)
         if main_grad is None:
             return out
-        if work is not None and self.overlap:
-            self._reduces.append((out, work, main_grad))
-        else:
+        if overlap:
+            self._reduces.append((None if direct else out, work, main_grad, shard))
+            return None
+        if not direct:
             main_grad.add_(out)
+        self._ready(shard)
         return None
 
     def finish_grad_reduce(self) -> None:
-        for out, work, main_grad in self._reduces:
+        for out, work, main_grad, shard in self._reduces:
             work.wait()
-            main_grad.add_(out)
+            if out is not None:
+                main_grad.add_(out)
+            self._ready(shard)
         self._reduces.clear()
 
 
@@ -199,7 +201,7 @@ class GTPLinearFn(torch.autograd.Function):
 
     Only the shard is saved for backward: the full weight exists only inside each GEMM, which is
     the ZeRO-3 memory saving. The weight gradient is reduce-scattered (averaged: the bucket divisor
-    then only covers the buffer's DP group, domain.md 3) and accumulated in fp32 into
+    then only covers the buffer's DP group, see docs/training-step.md) and accumulated in fp32 into
     ``main_grad``, so a bf16 param never rounds its gradient to bf16 on the way.
     """
 
@@ -219,11 +221,7 @@ class GTPLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = grad_out @ full
         del full
-        padded = shard.shape[0] * shard.gtp_group.size
-        grad_full = torch.empty((padded, shard.shape[1]), dtype=torch.float32, device=shard.device)
-        grad_full[:rows] = wgrad_fp32(grad_out, x)
-        grad_full[rows:].zero_()
-        grad_shard = comm.reduce_scatter(shard, grad_full)
+        grad_shard = comm.weight_grad(shard, grad_out, x, rows)
         return grad_x, None if grad_shard is None else grad_shard.to(shard.dtype), None, None
 
 

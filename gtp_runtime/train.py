@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gtp_runtime.config import ConfigError, ModelConfig, ParallelConfig
+from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
 from gtp_runtime.data.indexed import DataError
 from gtp_runtime.data.source import DataConfig
 from gtp_runtime.lr_schedule import LRConfig
@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gather each GTP weight only when it is needed (no prefetch of the next one)")
     t.add_argument("--no-overlap-grad-reduce", action="store_true",
                    help="finish each weight-gradient reduce-scatter inside backward")
+    t.add_argument("--fused", choices=("compile", "liger"), default=None,
+                   help="fused element-wise kernels: torch.compile regions (eager off CUDA) or Liger-Kernel")
     t.add_argument("--check-reference", action="store_true", help="compare against the fp32 reference")
     t.add_argument("--reference-tol", type=float, default=1e-5,
                    help="max relative error of losses, grad norms and gradients vs the reference")
@@ -110,15 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, int]:
     """Turn parsed flags into a validated config and the world size."""
-    base = args.tp * args.cp * args.gtp_remat
     if args.dp is None:
-        n = world or args.nproc_per_node or base
-        if base == 0:
-            args.dp = 1  # a zero size: par.validate below names it (``n % 0`` would crash here)
-        elif n % base:
-            raise ConfigError(f"world size {n} is not a multiple of tp*cp*gtp_remat = {base}; pass --dp")
-        else:
-            args.dp = n // base
+        args.dp = infer_dp(args.tp, args.cp, args.gtp_remat, world or args.nproc_per_node)
     par = ParallelConfig(tp=args.tp, cp=args.cp, gtp_remat=args.gtp_remat, dp=args.dp, fold_cp=args.fold_cp,
                          expert_gtp_remat=args.expert_gtp_remat, average_in_collective=args.average_in_collective)
     world = world or args.nproc_per_node or par.world_size
@@ -144,7 +139,8 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
     cfg = TrainConfig(par=par, model=model, adam=adam, micro_batch=args.micro_batch, bucket_size=args.bucket_size,
                       data=data, lr=lr,
                       param_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                      prefetch=not args.no_gather_prefetch, overlap_grad_reduce=not args.no_overlap_grad_reduce)
+                      prefetch=not args.no_gather_prefetch, overlap_grad_reduce=not args.no_overlap_grad_reduce,
+                      fused=args.fused)
     return cfg, world
 
 

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
-from gtp_runtime import topology as topo
-from gtp_runtime.config import ModelConfig, ParallelConfig
+from gtp_format.layout import topology as topo
+from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_runtime.context_parallel import cp_positions, split_for_cp
 from gtp_runtime.data import lane_slice
 from gtp_runtime.data.source import DataConfig, DataSource
@@ -30,7 +31,11 @@ class TrainConfig:
     prefetch: bool = True
     """Start the next GTP weight's all-gather while the current GEMM runs."""
     overlap_grad_reduce: bool = True
-    """Finish weight-gradient reduce-scatters at the optimizer step instead of inside backward."""
+    """Finish weight-gradient reduce-scatters at the optimizer step instead of inside backward, and
+    start each gradient bucket's reduction during backward as soon as its last gradient is final."""
+    fused: str | None = None
+    """Fused element-wise regions: ``"compile"`` (torch.compile on CUDA) or ``"liger"``; see
+    :mod:`gtp_runtime.fused`. ``None`` keeps the unfused layers."""
     data: DataConfig = field(default_factory=DataConfig)
     lr: LRConfig | None = None
     """The schedule; ``None``: constant at ``adam.lr`` (what every run did before schedules)."""
@@ -63,7 +68,7 @@ class Trainer:
         self.device = device or torch.device("cpu")
         self.groups = groups or build_groups(cfg.par)
         self.model = GPTModel(cfg.model, cfg.par, self.groups, dtype=cfg.param_dtype, device=self.device,
-                              prefetch=cfg.prefetch, overlap_grad_reduce=cfg.overlap_grad_reduce)
+                              prefetch=cfg.prefetch, overlap_grad_reduce=cfg.overlap_grad_reduce, fused=cfg.fused)
         self.optimizer = DistributedAdam(self.model, self.groups, cfg.adam, cfg.bucket_size)
         self.iteration = 0
         self.consumed_train_samples = 0
@@ -103,21 +108,29 @@ class Trainer:
         return tokens.to(self.device), labels.to(self.device), pos.to(self.device)
 
     def forward_backward(self, step: int) -> float:
-        """Forward and backward of one step; returns the global mean loss."""
-        self.optimizer.zero_grad()
-        tokens, labels, pos = self.local_batch(step)
-        loss = self.model(tokens, labels, pos)
-        loss.backward()
-        reported = loss.detach().float().clone()
-        dist.all_reduce(reported, op=dist.ReduceOp.AVG, group=self.groups[topo.REPLICATED].handle)
-        return reported.item()
+        """Forward and backward of one step; returns the global mean loss.
+
+        The ``record_function`` labels name the phases in a profiler trace (bench_gpu.py reads
+        them to say in which phase the GPU sat idle); they cost nothing without a profiler.
+        """
+        with record_function("zero_grad+batch"):
+            self.optimizer.zero_grad()
+            tokens, labels, pos = self.local_batch(step)
+        with record_function("forward"):
+            loss = self.model(tokens, labels, pos)
+        with record_function("backward"):
+            loss.backward()
+            reported = loss.detach().float().clone()
+            dist.all_reduce(reported, op=dist.ReduceOp.AVG, group=self.groups[topo.REPLICATED].handle)
+            return reported.item()
 
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()
         step = self.iteration + 1
         loss = self.forward_backward(step)
         lr = self.optimizer.lr = self.scheduler.get_lr()
-        stats: StepStats = self.optimizer.step()
+        with record_function("optimizer"):
+            stats: StepStats = self.optimizer.step()
         self.end_step(step)
         return StepResult(step, loss, stats.grad_norm, stats.num_zeros, time.perf_counter() - t0, lr)
 

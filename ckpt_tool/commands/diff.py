@@ -1,8 +1,10 @@
 """``ckpt diff``: compare two checkpoints key by key, streaming.
 
-Where both sides cut a tensor into the same chunks (the usual case: same topology), chunks are
-compared pair by pair and only one pair is in memory at a time. Where the layouts differ (a
-resharded checkpoint), the key is assembled whole on both sides, bounded by ``--max-bytes``.
+Options, one call into :mod:`gtp_format.compare` (the engine ``verify-roundtrip`` uses too), and
+printing. Where both sides cut a tensor into the same chunks, chunk pairs are compared one at a
+time; where the layouts differ (a resharded checkpoint), the key is assembled whole on both
+sides, bounded by ``--max-bytes``. Chunk layout itself is not a difference here: a torch_dist
+checkpoint and its safetensors copy are equal when their keys, shapes, dtypes and values are.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ckpt_tool.errors import EXIT_CHECK_FAILED
 from ckpt_tool.output import (
     DEFAULT_MAX_BYTES,
     FormatOption,
@@ -27,9 +28,10 @@ from ckpt_tool.output import (
     progress_enabled,
     table,
 )
+from gtp_format.errors import EXIT_CHECK_FAILED
 
 if TYPE_CHECKING:
-    from ckpt_tool.model import Checkpoint, Entry
+    from gtp_format.compare import Difference
 
 EPILOG = """Examples:
 
@@ -37,68 +39,26 @@ EPILOG = """Examples:
 
   ckpt diff A/iter_0000100 B/iter_0000100 --atol 1e-6 --format json
 
-Values match when |a - b| <= atol + rtol * |b| (NaN equals NaN); the default is exact.
+  ckpt diff A B --keys 'decoder.*'   (model weights only)
 
-Exit codes: 0 identical, 1 different, 2 unreadable input."""
+  ckpt diff A B --keys 'optimizer.*' --ignore '*exp_avg_sq*' --ignore '*per_bucket_numel*'
 
+  ckpt diff A B --bitwise   (stored bits: -0.0 differs from 0.0, NaNs only match the same NaN)
 
-class _Tally:
-    """Running result of one key's value comparison."""
+Values match when |a - b| <= atol + rtol * |b| (NaN equals NaN); the default is exact. --keys and
+--ignore are fnmatch globs on whole key names, each repeatable; a key is compared when it matches
+some --keys (or none is given) and no --ignore. A selection that matches no key is an error.
 
-    def __init__(self) -> None:
-        self.mismatches = 0
-        self.max_abs_diff: float | None = None
-        self.first: list[int] | None = None
-
-    def add(self, mismatches: int, max_abs_diff: float | None, first: list[int] | None) -> None:
-        self.mismatches += mismatches
-        if max_abs_diff is not None:
-            self.max_abs_diff = max(self.max_abs_diff or 0.0, max_abs_diff)
-        if self.first is None and first is not None:
-            self.first = first
+Exit codes: 0 identical, 1 different, 2 unreadable input or a selection that matches nothing."""
 
 
-def _compare_values(ca: Checkpoint, ea: Entry, cb: Checkpoint, eb: Entry, rtol: float, atol: float,
-                    max_bytes: int, advance: Any) -> _Tally:
-    import torch
-
-    from ckpt_tool.reader.chunks import load_chunk
-    from ckpt_tool.tensors import assemble, compare
-
-    tally = _Tally()
-    boxes_b = {(c.offsets, c.sizes): c for c in eb.chunks}
-    if sorted(boxes_b) == sorted((c.offsets, c.sizes) for c in ea.chunks):
-        for c in ea.chunks:
-            res = compare(load_chunk(ca, ea, c), load_chunk(cb, eb, boxes_b[(c.offsets, c.sizes)]), rtol, atol)
-            first = None
-            if res.first_mismatch is not None:
-                local = torch.unravel_index(torch.tensor(res.first_mismatch), c.sizes) if c.sizes else ()
-                first = [o + int(i) for o, i in zip(c.offsets, local)]
-            tally.add(res.mismatches, res.max_abs_diff, first)
-            advance(2)
-        return tally
-    rows = ea.shape[0] if ea.shape else 0
-    a = assemble(ca, ea, 0, rows, max_bytes).tensor
-    b = assemble(cb, eb, 0, rows, max_bytes).tensor
-    res = compare(a, b, rtol, atol)
-    first = None
-    if res.first_mismatch is not None:
-        first = [int(i) for i in torch.unravel_index(torch.tensor(res.first_mismatch), a.shape)] if a.dim() else []
-    tally.add(res.mismatches, res.max_abs_diff, first)
-    advance(len(ea.chunks) + len(eb.chunks))
-    return tally
-
-
-def _compare_objects(ca: Checkpoint, ea: Entry, cb: Checkpoint, eb: Entry) -> bool:
-    from ckpt_tool.errors import ChunkError
-    from ckpt_tool.reader.chunks import chunk_bytes, load_object
-
-    if chunk_bytes(ca, ea, ea.chunks[0]) == chunk_bytes(cb, eb, eb.chunks[0]):
-        return True
-    try:  # torch.save blobs of equal objects can still differ byte-wise
-        return bool(load_object(ca, ea) == load_object(cb, eb))
-    except (ChunkError, RuntimeError):
-        return False
+def _legacy(d: Difference) -> dict[str, Any]:
+    """One difference as ``diff --format json`` has always printed it."""
+    if d.code == "values":
+        return {"key": d.key, "what": "values", "mismatches": d.differing, "max_abs_diff": d.max_abs_diff,
+                "first_mismatch": list(d.first_index) if d.first_index is not None else None}
+    a, b = (fmt_shape(d.a), fmt_shape(d.b)) if d.code == "shape" else (d.a, d.b)
+    return {"key": d.key, "what": d.code, "a": a, "b": b}
 
 
 @handle_errors
@@ -107,41 +67,37 @@ def diff_command(
     b: Annotated[Path, typer.Argument(help="Second checkpoint (folder or its parent).", show_default=False)],
     rtol: Annotated[float, typer.Option("--rtol", min=0.0, help="Relative tolerance for values.")] = 0.0,
     atol: Annotated[float, typer.Option("--atol", min=0.0, help="Absolute tolerance for values.")] = 0.0,
+    bitwise: Annotated[bool, typer.Option(
+        "--bitwise", help="Compare stored bits instead of values (byte objects by their stored bytes).")] = False,
+    keys: Annotated[list[str] | None, typer.Option(
+        "--keys", help="Compare only keys matching this glob (fnmatch; repeatable).", show_default=False)] = None,
+    ignore: Annotated[list[str] | None, typer.Option(
+        "--ignore", help="Skip keys matching this glob (fnmatch; repeatable; wins over --keys).",
+        show_default=False)] = None,
     max_bytes: MaxBytesOption = DEFAULT_MAX_BYTES,
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Compare key sets, shapes, dtypes and values of two checkpoints; exit 1 when they differ."""
-    from ckpt_tool.model import BYTES
-    from ckpt_tool.reader.checkpoint import open_checkpoint
+    from gtp_format.compare import CheckpointSource, KeyFilter, Rule, compare, selected_keys, work
+    from gtp_format.reader.checkpoint import open_checkpoint
 
+    if bitwise and (rtol or atol):
+        fail("--bitwise compares bits and takes no tolerance; drop --rtol/--atol or --bitwise")
+    rule = Rule.bits() if bitwise else Rule.tolerance(rtol, atol)
+    select = KeyFilter.of(keys, ignore)
     ca, cb = open_checkpoint(a), open_checkpoint(b)
-    only_a = sorted(ca.entries.keys() - cb.entries.keys())
-    only_b = sorted(cb.entries.keys() - ca.entries.keys())
-    common = [k for k in ca.entries if k in cb.entries]
-    diffs: list[dict[str, Any]] = []
-    total = sum(len(ca.entries[k].chunks) + len(cb.entries[k].chunks) for k in common)
-    with progress(total, "comparing", progress_enabled(fmt)) as advance:
-        for key in common:
-            ea, eb = ca.entries[key], cb.entries[key]
-            if ea.kind != eb.kind:
-                diffs.append({"key": key, "what": "kind", "a": ea.kind, "b": eb.kind})
-            elif ea.kind == BYTES:
-                if not _compare_objects(ca, ea, cb, eb):
-                    diffs.append({"key": key, "what": "object", "a": ea.stored_bytes, "b": eb.stored_bytes})
-                advance(2)
-            elif ea.shape != eb.shape:
-                diffs.append({"key": key, "what": "shape", "a": fmt_shape(ea.shape), "b": fmt_shape(eb.shape)})
-            elif ea.dtype != eb.dtype:
-                diffs.append({"key": key, "what": "dtype", "a": str(ea.dtype), "b": str(eb.dtype)})
-            else:
-                t = _compare_values(ca, ea, cb, eb, rtol, atol, max_bytes, advance)
-                if t.mismatches:
-                    diffs.append({"key": key, "what": "values", "mismatches": t.mismatches,
-                                  "max_abs_diff": t.max_abs_diff, "first_mismatch": t.first})
-    equal = not (only_a or only_b or diffs)
+    sa, sb = CheckpointSource(ca), CheckpointSource(cb)
+    select.require_match(ca.entries, cb.entries, where=f"{ca.root} or {cb.root}")
+    names = selected_keys(sa, sb, select)
+    with progress(work(sa, sb, names), "comparing", progress_enabled(fmt)) as advance:
+        report = compare(sa, sb, rule, keys=names, max_bytes=max_bytes, advance=advance)
+    only_a, only_b, common = report.only_in_a, report.only_in_b, report.common
+    diffs = [_legacy(d) for r in common for d in r.differences]
+    equal = report.ok
     if fmt == OutputFormat.json:
         print_json({"a": str(ca.root), "b": str(cb.root), "equal": equal, "rtol": rtol, "atol": atol,
-                    "compared": len(common), "only_in_a": only_a, "only_in_b": only_b, "differences": diffs})
+                    "rule": report.rule, "selection": select.to_dict(), "compared": len(common),
+                    "only_in_a": only_a, "only_in_b": only_b, "differences": diffs})
     else:
         rows = [(k, "only in A", "") for k in only_a] + [(k, "only in B", "") for k in only_b]
         for d in diffs:
@@ -152,9 +108,10 @@ def diff_command(
                 detail = f"A: {d['a']}  B: {d['b']}"
             rows.append((d["key"], d["what"], detail))
         verdict = "identical" if equal else "DIFFERENT"
+        selection = f", {select.describe()}" if not select.everything else ""
         print_blocks(table(rows, ("key", "difference", "detail"), "Differences"),
                      f"{verdict}: {len(common)} common keys compared, {len(only_a)} only in A, {len(only_b)} only "
-                     f"in B, {len(diffs)} differ (rtol={rtol}, atol={atol})")
+                     f"in B, {len(diffs)} differ ({report.rule}{selection})")
     if not equal:
         first = (diffs[0]["key"] if diffs else (only_a or only_b)[0])
         fail(f"checkpoints differ: {len(diffs)} keys differ, {len(only_a)} only in {ca.root}, {len(only_b)} only in "

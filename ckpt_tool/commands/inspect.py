@@ -51,14 +51,15 @@ def inspect_command(
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Show format, topology, keys and aliasing status of a checkpoint (metadata only)."""
-    from ckpt_tool.analysis import BUCKET_NUMEL, MODEL, OPTIMIZER, aliasing, classify_all, topology_view
-    from ckpt_tool.model import BYTES, TENSOR
-    from ckpt_tool.reader.checkpoint import open_checkpoint
-    from gtp_runtime.checkpoint.format import DATA_POSITION_KEY, SCHEDULER_KEY, STATES
+    from gtp_format.check.analysis import BUCKET_NUMEL, MODEL, OPTIMIZER, aliasing, classify_all, topology_view
+    from gtp_format.model import BYTES, TENSOR
+    from gtp_format.names import DATA_POSITION_KEY, SCHEDULER_KEY, STATES
+    from gtp_format.reader.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(path)
     classes = classify_all(ckpt)
     topo = topology_view(ckpt.manifest, cp_size)
+    run_extra = ckpt.manifest.extra if ckpt.manifest is not None else {}  # run state: extra manifest fields
     alias = aliasing(ckpt, classes, topo)
     alias_state = {a.key: ("ALIASED" if a.severity == "error" else "aliased?") for a in alias.aliased}
     selected = [k for k in ckpt.entries if keys is None or fnmatch.fnmatchcase(k, keys)]
@@ -108,8 +109,8 @@ def inspect_command(
         "manifest": ckpt.manifest is not None, "megatron_metadata": ckpt.megatron_metadata,
         "counts": counts,
         # Run state (gtp manifests only): the lr schedule under Megatron's name and the data position.
-        "opt_param_scheduler": (ckpt.manifest or {}).get(SCHEDULER_KEY),
-        "data_position": (ckpt.manifest or {}).get(DATA_POSITION_KEY),
+        "opt_param_scheduler": run_extra.get(SCHEDULER_KEY),
+        "data_position": run_extra.get(DATA_POSITION_KEY),
         "aliasing": {"status": alias.status, "message": alias.message,
                      "keys": [{"key": a.key, "severity": a.severity, "reason": a.reason, "kept": a.kept_summary(),
                                "survivors": [asdict(s) for s in a.survivors]} for a in alias.aliased]},

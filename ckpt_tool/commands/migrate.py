@@ -1,18 +1,16 @@
 """``ckpt migrate-aliased``: repair a checkpoint written by the pre-fix (aliased) writer.
 
-The heavy lifting lives in :mod:`ckpt_tool.migrate_core`; this module parses options, prints the
-report (table or JSON) and maps outcomes to exit codes.
+The work is :func:`ckpt_tool.migrate.run.migrate_aliased` (one call); this module holds the
+options, prints its report (table or JSON) and exits with its error, if any.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
-from ckpt_tool.errors import EXIT_BAD_INPUT, CkptError
 from ckpt_tool.output import (
     FormatOption,
     OutputFormat,
@@ -25,9 +23,6 @@ from ckpt_tool.output import (
     progress_enabled,
     table,
 )
-
-if TYPE_CHECKING:
-    from ckpt_tool.migrate_core import Outcome, Plan
 
 EPILOG = """Examples:
 
@@ -63,26 +58,6 @@ ranks and holds the bucket layout; --cp-size is checked against it.
 
 Exit codes: 0 migrated (or nothing to do), 1 lost moments without --reset-lost-moments, or the
 migrated copy failed its own verify (nothing committed), 2 bad input, DST exists."""
-
-
-def _plan_doc(plan: Plan) -> dict[str, Any]:
-    from ckpt_tool.migrate_core import lost_dict
-
-    return {
-        "source": str(plan.ckpt.root),
-        "topology": plan.par.describe() if plan.par else None,
-        "status": plan.status,
-        "message": plan.message,
-        "counts": plan.counts(),
-        "param_rebuild": "exact" if not plan.lossy else "lossy",
-        "lossy_weights": {n: plan.weight_dtypes[n] for n in plan.lossy},
-        "aliased_keys": [{
-            "key": k.source_key, "new_keys": k.new_keys,
-            "kept": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file, "rank": c.rank,
-                      "cp_rank": c.cp_rank, "new_key": c.new_key} for c in k.kept],
-        } for k in plan.keys],
-        "lost": [lost_dict(c) for c in plan.lost],
-    }
 
 
 def _print_table(doc: dict[str, Any], verdict: str) -> None:
@@ -138,54 +113,14 @@ def migrate_command(
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Rename aliased folded optimizer keys to .cp_rank_{i}, rebuild what CP peers lost; SRC is never modified."""
-    from ckpt_tool.migrate_core import check_destination, fail_if_moments_lost, plan_migration
+    from ckpt_tool.migrate.run import migrate_aliased
 
-    if in_place and dst is not None:
-        raise CkptError(f"--in-place replaces SRC and takes no DST (got {dst}); drop one of them")
-    if not in_place and dst is None:
-        raise CkptError("missing DST: pass where the migrated checkpoint should appear, or --in-place")
-    plan = plan_migration(src, cp_size, reset_lost_moments)
-    doc = _plan_doc(plan)
-    doc.update(mode="dry_run" if dry_run else ("in_place" if in_place else "copy"), written=False,
-               destination=None if dst is None else str(dst), backup=None, files=None, notes=[])
-    if dst is not None:
-        check_destination(dst, plan.source)
-    if plan.status != "aliased":
-        _finish(doc, fmt, f"nothing to migrate: {plan.message}; nothing written")
-        return
-    try:
-        fail_if_moments_lost(plan)
-    except CkptError as e:
-        _finish(doc, fmt, "REFUSED: Adam moments were lost; nothing written")
-        fail(e.message + (" (dry run)" if dry_run else ""), e.exit_code)
-    if dry_run:
-        _finish(doc, fmt, "dry run: nothing written")
-        return
-    outcome = _run(plan, dst, in_place, fmt)
-    doc.update(written=True, destination=str(outcome.destination),
-               backup=None if outcome.backup is None else str(outcome.backup), notes=outcome.notes,
-               files={"linked": outcome.linked, "copied": outcome.copied, "new_data_file": outcome.new_data_file,
-                      "new_bytes": outcome.new_bytes})
-    where = f"; SRC's old folder kept at {outcome.backup}" if outcome.backup else ""
-    _finish(doc, fmt, f"MIGRATED: {outcome.destination}{where}")
-
-
-def _run(plan: Plan, dst: Path | None, in_place: bool, fmt: OutputFormat) -> Outcome:
-    from ckpt_tool.migrate_core import REBUILD, RESET, migrate_in_place, migrate_to
-    from gtp_runtime.checkpoint.format import DCP_METADATA_FILE, MANIFEST_FILE
-
-    carried = [n for n in os.listdir(plan.ckpt.root) if n not in (DCP_METADATA_FILE, MANIFEST_FILE)]
-    steps = len(carried) + sum(c.action in (REBUILD, RESET) for c in plan.lost)
-    with progress(steps, "migrating", progress_enabled(fmt)) as advance:
-        try:
-            if in_place:
-                return migrate_in_place(plan, advance)
-            assert dst is not None
-            return migrate_to(plan, dst, advance)
-        except OSError as e:
-            where = f" {e.filename}" if e.filename else ""
-            raise CkptError(f"cannot write{where}: {e.strerror or e}; nothing was committed, SRC is untouched",
-                            EXIT_BAD_INPUT) from None
+    report = migrate_aliased(src, dst, cp_size=cp_size, in_place=in_place, dry_run=dry_run,
+                             reset_lost_moments=reset_lost_moments,
+                             progress=lambda steps: progress(steps, "migrating", progress_enabled(fmt)))
+    _finish(report.doc, fmt, report.verdict)
+    if report.error is not None:
+        fail(report.error.message, report.error.exit_code)
 
 
 def _finish(doc: dict[str, Any], fmt: OutputFormat, verdict: str) -> None:

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ckpt_tool.errors import EXIT_CHECK_FAILED, CkptError
 from ckpt_tool.output import (
     DEFAULT_MAX_BYTES,
     FormatOption,
@@ -26,11 +25,12 @@ from ckpt_tool.output import (
     print_json,
     table,
 )
+from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
 
 MAX_VALUES = 10_000
 
 if TYPE_CHECKING:
-    from ckpt_tool.model import Checkpoint, Entry
+    from gtp_format.model import Checkpoint, Entry
 
 EPILOG = """Examples:
 
@@ -46,17 +46,17 @@ Exit codes: 0 ok, 1 part of the region is covered by no chunk, 2 unreadable inpu
 
 def resolve_entry(ckpt: Checkpoint, key: str, cp_rank: int | None) -> Entry:
     """The entry for KEY; with ``--cp-rank`` the same bucket state at that CP rank (either key form)."""
-    from gtp_runtime.checkpoint.format import parse_optimizer_key
+    from gtp_format.names import parse_optimizer_key
 
     if cp_rank is None:
         if key in ckpt.entries:
             return ckpt.entries[key]
         close = difflib.get_close_matches(key, list(ckpt.entries), n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise CkptError(f"key {key!r} is not in {ckpt.root}; {hint}list the keys with 'ckpt inspect'")
+        raise FormatError(f"key {key!r} is not in {ckpt.root}; {hint}list the keys with 'ckpt inspect'")
     opt = parse_optimizer_key(key)
     if opt is None:
-        raise CkptError(f"--cp-rank needs an optimizer bucket key; {key!r} is not one")
+        raise FormatError(f"--cp-rank needs an optimizer bucket key; {key!r} is not one")
     wanted = replace(opt, cp_rank=cp_rank, cp_form=None)
     present = []
     for k in ckpt.entries:
@@ -66,7 +66,7 @@ def resolve_entry(ckpt: Checkpoint, key: str, cp_rank: int | None) -> Entry:
             if replace(other, cp_form=None) == wanted:
                 return ckpt.entries[k]
     ranks = sorted(r for r in present if r is not None)
-    raise CkptError(f"no cp_rank {cp_rank} copy of {key!r} in {ckpt.root}; cp ranks present: {ranks or 'none'}")
+    raise FormatError(f"no cp_rank {cp_rank} copy of {key!r} in {ckpt.root}; cp ranks present: {ranks or 'none'}")
 
 
 @handle_errors
@@ -84,18 +84,19 @@ def show_command(
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Assemble one tensor from its chunks and print shape, dtype and statistics."""
-    from ckpt_tool.model import BYTES
-    from ckpt_tool.reader.checkpoint import open_checkpoint
+    from gtp_format.model import BYTES
+    from gtp_format.reader.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(path)
     entry = resolve_entry(ckpt, key, cp_rank)
     if entry.kind == BYTES:
         _show_object(ckpt, entry, fmt)
         return
-    from ckpt_tool.tensors import assemble, parse_slice, summary
+    from ckpt_tool.tensors import parse_slice, summary
+    from gtp_format.reader.region import assemble
 
     if not entry.shape and slice_ is not None:
-        raise CkptError(f"{entry.key} is 0-dimensional; drop --slice")
+        raise FormatError(f"{entry.key} is 0-dimensional; drop --slice")
     start, stop = parse_slice(slice_, entry.shape[0]) if entry.shape else (0, 0)
     got = assemble(ckpt, entry, start, stop, max_bytes)
     info = summary(got.tensor)
@@ -104,7 +105,7 @@ def show_command(
                            "chunks_read": got.chunks_read, "uncovered": got.missing, **info}
     if values:
         if got.tensor.numel() > MAX_VALUES:
-            raise CkptError(f"{entry.key}: {got.tensor.numel()} values is over {MAX_VALUES}; pass --slice a:b")
+            raise FormatError(f"{entry.key}: {got.tensor.numel()} values is over {MAX_VALUES}; pass --slice a:b")
         doc["values"] = got.tensor.tolist()
     if fmt == OutputFormat.json:
         print_json(doc)
@@ -125,7 +126,7 @@ def show_command(
 
 
 def _show_object(ckpt: Checkpoint, entry: Entry, fmt: OutputFormat) -> None:
-    from ckpt_tool.reader.chunks import load_object
+    from gtp_format.reader.chunks import load_object
 
     obj = load_object(ckpt, entry)
     text = repr(obj)

@@ -11,7 +11,6 @@ from typing import Annotated
 
 import typer
 
-from ckpt_tool.errors import EXIT_CHECK_FAILED
 from ckpt_tool.output import (
     FormatOption,
     OutputFormat,
@@ -23,6 +22,7 @@ from ckpt_tool.output import (
     progress_enabled,
     table,
 )
+from gtp_format.errors import EXIT_CHECK_FAILED
 
 EPILOG = """Examples:
 
@@ -58,8 +58,9 @@ def verify_command(
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Check a checkpoint's structure (and with --data its contents); exit 1 on errors."""
-    from ckpt_tool.reader.checkpoint import open_checkpoint
-    from ckpt_tool.verify_core import verify
+    from gtp_format.check.gate import refusal
+    from gtp_format.check.verify import verify
+    from gtp_format.reader.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(path)
     with progress(ckpt.chunk_count() if data else 0, "reading chunks", progress_enabled(fmt)) as advance:
@@ -79,10 +80,9 @@ def verify_command(
             f"{status}: {len(errors)} errors, {len(warnings)} warnings in {ckpt.root} "
             f"({result.stats['keys']} keys, {result.stats['chunks']} chunks; checks: {', '.join(result.checks)})",
         )
-    if errors:
-        first = errors[0]
-        where = first.key or first.file or str(ckpt.root)
-        fail(f"verify failed: {len(errors)} errors in {ckpt.root}; first: {where}: {first.message}", EXIT_CHECK_FAILED)
+    line = refusal(result, ckpt.root)
+    if line is not None:
+        fail(line, EXIT_CHECK_FAILED)
 
 
 def register(app: typer.Typer) -> None:

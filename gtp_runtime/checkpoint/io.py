@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -25,16 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from gtp_runtime.checkpoint import format as fmt
+from gtp_format import names as fmt
+from gtp_format.commit import commit_folder, write_atomic, write_durable
+from gtp_format.errors import FormatError
+from gtp_format.layout.config import ConfigError
+from gtp_format.manifest import FileEntry, Manifest, read_manifest, write_manifest
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
-from gtp_runtime.checkpoint.manifest import (
-    HASH_ALGORITHM,
-    buffer_layout,
-    build_manifest,
-    file_checksum,
-    read_manifest,
-    write_manifest,
-)
+from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, file_entry
 from gtp_runtime.checkpoint.run_state import load_run_state, save_run_state
 from gtp_runtime.checkpoint.safe_metadata import SafeFileSystemReader, UnsafeMetadataError
 from gtp_runtime.checkpoint.safetensors_storage import INDEX_FILE, SafetensorsReader, SafetensorsWriter
@@ -44,7 +40,6 @@ from gtp_runtime.checkpoint.state import (
     model_state,
     optimizer_state,
 )
-from gtp_runtime.config import ConfigError
 from gtp_runtime.training import Trainer
 
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -72,25 +67,6 @@ def check_sharding(trainer: Trainer, sharding: str, action: str) -> None:
         raise CheckpointError(f"cannot {action}: " + fmt.folded_refusal(sharding))
     raise CheckpointError(f"cannot {action}: optimizer sharding {sharding!r} is not implemented by gtp_runtime "
                           "(it would gather buffers over DP x CP); use 'dp_reshardable'")
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in ``path`` durable (POSIX needs the directory fsynced)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def _own_files(folder: Path, layout: str, rank: int) -> list[Path]:
@@ -132,41 +108,30 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
     dcp.save(sd, storage_writer=writer, planner=ChunkSavePlanner())
     _fault("after_write")
 
-    mine = {p.name: {"size": p.stat().st_size, HASH_ALGORITHM: file_checksum(p)}
-            for p in _own_files(tmp, layout, rank)}
-    everything: list[dict[str, Any] | None] = [None] * dist.get_world_size()
+    mine = {p.name: file_entry(p) for p in _own_files(tmp, layout, rank)}
+    everything: list[dict[str, FileEntry] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everything, mine)
     if rank == 0:
-        files: dict[str, dict[str, Any]] = {}
+        files: dict[str, FileEntry] = {}
         for part in everything:
             files.update(part or {})
         meta = tmp / (fmt.DCP_METADATA_FILE if layout == "torch_dist" else INDEX_FILE)
-        files[meta.name] = {"size": meta.stat().st_size, HASH_ALGORITHM: file_checksum(meta)}
+        files[meta.name] = file_entry(meta)
         cfg = trainer.cfg
         manifest = build_manifest(
             layout=layout, sharding=sharding, iteration=it, par=cfg.par, model=cfg.model, adam=cfg.adam,
             step=trainer.optimizer.step_count, buffers=buffer_layout(trainer.optimizer, trainer.groups),
             files=files, param_dtype=str(cfg.param_dtype), bucket_size=cfg.bucket_size)
-        manifest.update(save_run_state(trainer))
+        manifest.extra.update(save_run_state(trainer))
         if aliased:
-            manifest["notes"].append("written by the pre-fix (aliased) writer: folded keys lack .cp_rank_{i}")
+            manifest.notes.append("written by the pre-fix (aliased) writer: folded keys lack .cp_rank_{i}")
         write_manifest(tmp, manifest)
-        with open(tmp / fmt.MEGATRON_METADATA_FILE, "w") as f:
-            json.dump(MEGATRON_METADATA if layout == "torch_dist" else {"sharded_backend": "gtp_safetensors"}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
+        megatron = MEGATRON_METADATA if layout == "torch_dist" else {"sharded_backend": "gtp_safetensors"}
+        write_durable(tmp / fmt.MEGATRON_METADATA_FILE, json.dumps(megatron))
         _fault("before_rename")
-        old = None
-        if final.exists():
-            old = root / f".old.{final.name}.{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-        os.rename(tmp, final)
-        fsync_dir(root)
+        commit_folder(tmp, final)
         _fault("before_latest")
-        _write_atomic(root / fmt.LATEST_FILE, f"{it}\n")
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        write_atomic(root / fmt.LATEST_FILE, f"{it}\n")
     dist.barrier()
     return final
 
@@ -192,22 +157,24 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
     raise CheckpointError(f"{p}: neither a checkpoint (no {fmt.MANIFEST_FILE}) nor a parent with {fmt.LATEST_FILE}")
 
 
-def _check_manifest(trainer: Trainer, manifest: dict[str, Any], folder: Path) -> None:
-    par, saved = trainer.cfg.par, manifest["topology"]
-    changed = [f"{k}: saved {saved.get(k)} now {getattr(par, k)}"
-               for k in ("tp", "cp", "gtp_remat", "fold_cp", "expert_gtp_remat") if saved.get(k) != getattr(par, k)]
+def _check_manifest(trainer: Trainer, manifest: Manifest, folder: Path) -> None:
+    par, saved = trainer.cfg.par, manifest.topology
+    assert saved is not None and manifest.model is not None  # a strict parse has every section
+    changed = [f"{k}: saved {getattr(saved, k)} now {getattr(par, k)}"
+               for k in ("tp", "cp", "gtp_remat", "fold_cp", "expert_gtp_remat")
+               if getattr(saved, k) != getattr(par, k)]
     if changed:
         raise CheckpointError(f"{folder}: dp_reshardable reshards over DP only, but {'; '.join(changed)}; "
                               "load with the saved TP/CP/GTP_remat/fold_cp (only --dp may change)")
-    model = trainer.cfg.model.to_dict()
-    diff = [f"{k}: saved {manifest['model'].get(k)} now {v}" for k, v in model.items() if manifest["model"].get(k) != v]
+    model, stored = trainer.cfg.model.to_dict(), manifest.model.to_dict()
+    diff = [f"{k}: saved {stored.get(k)} now {v}" for k, v in model.items() if stored.get(k) != v]
     if diff:
         raise CheckpointError(f"{folder}: model config differs ({'; '.join(diff)}); use the saved model flags")
-    if manifest.get("param_dtype") != str(trainer.cfg.param_dtype):
-        raise CheckpointError(f"{folder}: saved with params {manifest.get('param_dtype')}, running "
+    if manifest.param_dtype != str(trainer.cfg.param_dtype):
+        raise CheckpointError(f"{folder}: saved with params {manifest.param_dtype}, running "
                               f"{trainer.cfg.param_dtype}; match --bf16 to the checkpoint")
-    if manifest.get("optimizer_sharding") != fmt.FORMAT_NAME:
-        check_sharding(trainer, manifest.get("optimizer_sharding", "?"), "load")
+    if manifest.optimizer_sharding != fmt.FORMAT_NAME:
+        check_sharding(trainer, manifest.optimizer_sharding, "load")
 
 
 def _check_keys(sd: dict[str, Any], stored: dict[str, Any], folder: Path) -> None:
@@ -232,9 +199,12 @@ def load_checkpoint(trainer: Trainer, path: str | os.PathLike, sharding: str = f
     """Load into ``trainer`` (same topology: bit-exact; other DP size: resharded)."""
     check_sharding(trainer, sharding, "load")
     folder = resolve_checkpoint_dir(path)
-    manifest = read_manifest(folder)
+    try:
+        manifest = read_manifest(folder, strict=True)
+    except FormatError as e:
+        raise CheckpointError(e.message) from None
     _check_manifest(trainer, manifest, folder)
-    layout = manifest["layout"]
+    layout = manifest.layout
     reader = SafeFileSystemReader(folder) if layout == "torch_dist" else SafetensorsReader(folder)
     try:
         metadata = reader.read_metadata()
@@ -254,8 +224,9 @@ def load_checkpoint(trainer: Trainer, path: str | os.PathLike, sharding: str = f
         if got != want:
             raise CheckpointError(f"{folder}: {key} is {got}, the running model's buckets are {want}; "
                                   "bucket layout differs (same --bucket-size and model?)")
-    trainer.optimizer.step_count = int(manifest["optimizer"]["step"])
-    trainer.iteration = int(manifest["iteration"])
+    assert manifest.optimizer is not None
+    trainer.optimizer.step_count = manifest.optimizer.step
+    trainer.iteration = manifest.iteration
     try:
         load_run_state(trainer, manifest, folder)
     except ConfigError as e:

@@ -2,7 +2,9 @@
 
 Megatron keeps both in ``common.pt`` (``opt_param_scheduler``, ``args.consumed_train_samples``);
 we keep them in ``gtp_manifest.json`` so that ``ckpt inspect`` shows them without pickle or
-torch. One function, :func:`run_state`, defines every field with its getter and setter, so save
+torch, as top-level fields the typed schema keeps in :attr:`Manifest.extra` (written back
+verbatim by tools that do not know them; this module is the one place that gives them types).
+One function, :func:`run_state`, defines every field with its getter and setter, so save
 and load can never disagree on a name; every value is an int, a string or a float, which JSON
 writes and reads back bit for bit.
 
@@ -18,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gtp_runtime.checkpoint.format import CONSUMED_SAMPLES, DATA_POSITION_KEY, SCHEDULER_KEY
-from gtp_runtime.config import ConfigError
+from gtp_format.layout.config import ConfigError
+from gtp_format.manifest import Manifest
+from gtp_format.names import CONSUMED_SAMPLES, DATA_POSITION_KEY, SCHEDULER_KEY
 from gtp_runtime.data.indexed import FLAT_DTYPES
 from gtp_runtime.data.source import DataConfig
 from gtp_runtime.lr_schedule import LRConfig
@@ -68,20 +71,20 @@ def save_run_state(trainer: Trainer) -> dict[str, Any]:
     return {k: f.get() for k, f in run_state(trainer).items()}
 
 
-def load_run_state(trainer: Trainer, manifest: dict[str, Any], folder: Path) -> None:
+def load_run_state(trainer: Trainer, manifest: Manifest, folder: Path) -> None:
     for key, f in run_state(trainer).items():
-        value = manifest.get(key)
+        value = manifest.extra.get(key)
         if value is not None and not isinstance(value, dict):
             raise ConfigError(f"{folder}: manifest field {key} is {type(value).__name__}, expected an object")
         f.put(value, str(folder))
 
 
-def run_configs(manifest: dict[str, Any]) -> tuple[LRConfig | None, DataConfig]:
+def run_configs(manifest: Manifest) -> tuple[LRConfig | None, DataConfig]:
     """The schedule and data a checkpoint was trained with, to resume it without its flags
     (``ckpt roundtrip``); defaults where the manifest predates them. Untrusted input: a bad
     field raises :class:`ConfigError` naming it."""
     lr = None
-    sched = manifest.get(SCHEDULER_KEY)
+    sched = manifest.extra.get(SCHEDULER_KEY)
     if sched is not None:
         try:
             lr = LRConfig(max_lr=float(sched["max_lr"]), min_lr=float(sched["min_lr"]),
@@ -91,7 +94,7 @@ def run_configs(manifest: dict[str, Any]) -> tuple[LRConfig | None, DataConfig]:
             raise ConfigError(f"manifest {SCHEDULER_KEY} is incomplete or ill-typed ({e!r})") from None
         lr.validate()
     data = DataConfig()
-    pos = manifest.get(DATA_POSITION_KEY)
+    pos = manifest.extra.get(DATA_POSITION_KEY)
     if isinstance(pos, dict) and isinstance(pos.get("dataset"), dict):
         ds, path = pos["dataset"], pos.get("path")
         if not (path is None or isinstance(path, str)) or not isinstance(ds.get("split", ""), str):

@@ -5,7 +5,7 @@ wrote can run code on the training cluster at load time. :class:`SafeFileSystemR
 same file through an unpickler that resolves only the globals a DCP metadata pickle needs (the
 list was established on torch 2.13 files and Megatron's) to the real classes, and refuses
 anything else before it is called. It runs the C unpickler only after
-:func:`~gtp_runtime.checkpoint.pickle_scan.check_pickle` has walked the stream (the C unpickler
+:func:`~gtp_format.reader.pickle_scan.check_pickle` has walked the stream (the C unpickler
 sizes its memo from an index in the file), and refuses a metadata file larger than the data it
 describes could justify. What it cannot bound, because ``dcp.load`` needs the real classes: a
 crafted file that passes one large state dict to many ``BUILD`` opcodes gets it copied each time,
@@ -24,8 +24,8 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from gtp_runtime.checkpoint.dtypes import DTYPES, LAYOUTS, MEMORY_FORMATS
-from gtp_runtime.checkpoint.pickle_scan import PickleScanError, ScannedUnpickler
+from gtp_format.dtypes import DTYPES, LAYOUTS, MEMORY_FORMATS
+from gtp_format.reader.pickle_scan import PickleScanError, ScannedUnpickler
 
 _DCP = "torch.distributed.checkpoint"
 ALLOWED: dict[str, frozenset[str]] = {

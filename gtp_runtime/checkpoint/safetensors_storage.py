@@ -38,12 +38,11 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from gtp_runtime.checkpoint.format import GTP_INDEX_FILE as INDEX_FILE  # noqa: E402
-from gtp_runtime.checkpoint.format import GTP_INDEX_VERSION as INDEX_VERSION  # noqa: E402
-from gtp_runtime.checkpoint.format import chunk_tensor_name as tensor_name  # noqa: E402
-
-_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
-                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+from gtp_format.commit import fsync_file, write_durable  # noqa: E402
+from gtp_format.dtypes import from_repr  # noqa: E402
+from gtp_format.names import GTP_INDEX_FILE as INDEX_FILE  # noqa: E402
+from gtp_format.names import GTP_INDEX_VERSION as INDEX_VERSION  # noqa: E402
+from gtp_format.names import chunk_tensor_name as tensor_name  # noqa: E402
 
 
 def _done(value: Any) -> torch.futures.Future:
@@ -51,13 +50,6 @@ def _done(value: Any) -> torch.futures.Future:
     f: torch.futures.Future = torch.futures.Future()
     f.set_result(value)
     return f
-
-
-def _fsync_write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 class SafetensorsWriter(StorageWriter):
@@ -92,8 +84,7 @@ class SafetensorsWriter(StorageWriter):
             tensors[name] = t
             results.append(WriteResult(item.index, t.numel() * t.element_size(), {"file": file, "name": name}))
         save_file(tensors, str(self.path / file), metadata={"format": "gtp-ckpt-chunks"})
-        with open(self.path / file, "rb+") as f:
-            os.fsync(f.fileno())
+        fsync_file(self.path / file)
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -110,7 +101,7 @@ class SafetensorsWriter(StorageWriter):
                     for c in md.chunks
                 ],
             }
-        _fsync_write(self.path / INDEX_FILE, json.dumps({"version": INDEX_VERSION, "keys": keys}).encode())
+        write_durable(self.path / INDEX_FILE, json.dumps({"version": INDEX_VERSION, "keys": keys}).encode())
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -129,7 +120,7 @@ def metadata_from_index(index: dict[str, Any]) -> Metadata:
     sd_md: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
     for fqn, k in index["keys"].items():
-        dtype = _DTYPES[k["dtype"]]
+        dtype = from_repr(k["dtype"]).torch
         chunks = []
         for c in k["chunks"]:
             chunks.append(ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"])))

@@ -13,26 +13,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from gtp_format.layout import election
+from gtp_format.names import dtype_tag, optimizer_key, per_bucket_numel_key
 from gtp_runtime.buffers import Bucket, GradBuffer
 from gtp_runtime.checkpoint.dcp_chunks import Chunks
-from gtp_runtime.checkpoint.election import is_writer
-from gtp_runtime.checkpoint.format import dtype_tag, optimizer_key, per_bucket_numel_key
 from gtp_runtime.groups import Groups
 from gtp_runtime.optimizer import DistributedAdam
 
 
 def dp_group_idx(buf: GradBuffer, groups: Groups) -> int:
-    """``N`` of a key: the rank in the model-parallel group that owns this buffer's layout.
-
-    Dense buffers: the rank in tp x gtp_remat (domain.md 5, no CP). Expert buffers shard over
-    the expert GTP group instead, so **[our choice]** their N is ``tp*gtp_remat`` plus the rank in
-    tp x expert_gtp_remat: the dense N would alias expert shards of different expert-GTP ranks,
-    and the offset keeps dense and expert ``per_bucket_numel`` keys apart.
-    """
-    c, par = groups.coords, groups.par
-    if buf.key.is_expert:
-        return par.tp * par.gtp_remat + c.tp + par.tp * c.expert_gtp
-    return groups.topology.model_parallel_rank(groups.rank)
+    """``N`` of this rank's keys for ``buf`` (:func:`gtp_format.layout.election.dp_group_idx`)."""
+    return election.dp_group_idx(groups.topology, groups.rank, buf.key.is_expert)
 
 
 @dataclass(frozen=True)
@@ -65,7 +56,7 @@ def model_state(model: nn.Module, groups: Groups, for_load: bool) -> dict[str, C
     out: dict[str, Chunks] = {}
     for name, p in model.named_parameters():
         c = Chunks(p.spec.global_shape, p.dtype)
-        if for_load or is_writer(p, groups.rank, groups.topology):
+        if for_load or election.is_writer(p.spec, groups.rank, groups.topology):
             c.add(p.spec.global_offset, p.data)
         out[name] = c
     return out

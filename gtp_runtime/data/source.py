@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gtp_runtime.config import ConfigError
+from gtp_format.layout.config import ConfigError
 from gtp_runtime.data.indexed import DataError, TokenDataset, open_dataset
 from gtp_runtime.data.sampler import GPTSamples, split_documents
 

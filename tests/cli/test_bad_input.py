@@ -18,8 +18,8 @@ import pytest
 import torch
 from cli_helpers import assert_error_line, cli, rewrite_metadata, snapshot
 
-from ckpt_tool.reader import storage
-from ckpt_tool.reader.checkpoint import open_checkpoint
+from gtp_format.reader import storage
+from gtp_format.reader.checkpoint import open_checkpoint
 
 ITER = "iter_0000010"
 
@@ -136,8 +136,8 @@ def test_symlink_escaping_the_folder(copy_ckpt, tmp_path: Path):
     victim.unlink()
     victim.symlink_to(outside)
     with _unchanged(tmp_path):
-        assert_error_line(cli("verify", run), 1, "symlink out of")
-        assert_error_line(cli("show", run, F.QKV), 2, "symlink out of")
+        assert_error_line(cli("verify", run), 1, "outside the checkpoint folder")
+        assert_error_line(cli("show", run, F.QKV), 2, "outside the checkpoint folder")
 
 
 def test_huge_declared_tensor_is_reported_not_allocated(copy_ckpt):
@@ -200,24 +200,24 @@ def test_unreadable_files(copy_ckpt, monkeypatch: pytest.MonkeyPatch):
     # We run as root, where chmod 000 stops nothing, so the OS refusal is simulated at the one
     # place every read goes through.
     run = copy_ckpt("good")
-    real = storage._open_readonly
+    real = storage._open_at
 
-    def deny_data(path):
-        if str(path).endswith(".distcp"):
-            raise PermissionError(13, "Permission denied", str(path))
-        return real(path)
+    def deny_data(name, flags, dir_fd):
+        if name.endswith(".distcp"):
+            raise PermissionError(13, "Permission denied", name)
+        return real(name, flags, dir_fd)
 
-    monkeypatch.setattr(storage, "_open_readonly", deny_data)
+    monkeypatch.setattr(storage, "_open_at", deny_data)
     with _unchanged(run.parent):
         assert_error_line(cli("show", run, F.QKV), 2, "Permission denied", ".distcp")
         assert_error_line(cli("verify", run, "--data"), 1, "Permission denied")
 
-    def deny_metadata(path):
-        if str(path).endswith(".metadata"):
-            raise PermissionError(13, "Permission denied", str(path))
-        return real(path)
+    def deny_metadata(name, flags, dir_fd):
+        if name.endswith(".metadata"):
+            raise PermissionError(13, "Permission denied", name)
+        return real(name, flags, dir_fd)
 
-    monkeypatch.setattr(storage, "_open_readonly", deny_metadata)
+    monkeypatch.setattr(storage, "_open_at", deny_metadata)
     with _unchanged(run.parent):
         assert_error_line(cli("inspect", run), 2, "Permission denied", ".metadata")
 

@@ -21,12 +21,12 @@ import pytest
 import torch
 from cli_helpers import assert_error_line, cli, snapshot
 
-from ckpt_tool.model import Checkpoint
-from ckpt_tool.reader.checkpoint import open_checkpoint
-from ckpt_tool.reader.chunks import load_chunk
-from gtp_runtime.checkpoint.format import STATES, distcp_writer_rank, parse_optimizer_key
-from gtp_runtime.config import ParallelConfig
-from gtp_runtime.topology import Topology
+from gtp_format.layout.config import ParallelConfig
+from gtp_format.layout.topology import Topology
+from gtp_format.model import Checkpoint
+from gtp_format.names import STATES, distcp_writer_rank, parse_optimizer_key
+from gtp_format.reader.checkpoint import open_checkpoint
+from gtp_format.reader.chunks import load_chunk
 
 ROOT = Path(__file__).resolve().parents[2]
 ALIASED = ROOT / "fixtures" / "gtp" / "aliased_cp2_g2_dp2"
@@ -273,8 +273,8 @@ def test_zero_blobs_are_sparse_and_checksummed(tmp_path: Path, algorithm: str):
     """The writer path for big zero chunks (holes + CRC shift), which the small fixture never reaches."""
     import io
 
-    from ckpt_tool.hashing import CRCS, HASHERS, gf2_times
-    from ckpt_tool.migrate_core import HOLE_MIN, _CountingWriter, _ZeroBlobs
+    from ckpt_tool.migrate.write import HOLE_MIN, CountingWriter, ZeroBlobs
+    from gtp_format.hashing import CRCS, HASHERS, gf2_times
 
     crc = CRCS[algorithm]
 
@@ -288,9 +288,9 @@ def test_zero_blobs_are_sparse_and_checksummed(tmp_path: Path, algorithm: str):
     for n in (0, 1, 3, 4096, 70_001):
         c = os.urandom(n)
         assert crc.combine(whole(a), whole(c), n) == whole(a + c)
-    zeros, path, spans = _ZeroBlobs(crc), tmp_path / "__2_0.distcp", []
+    zeros, path, spans = ZeroBlobs(crc), tmp_path / "__2_0.distcp", []
     with open(path, "wb") as f:
-        w = _CountingWriter(f, crc)
+        w = CountingWriter(f, crc)
         for i, n in enumerate([300_000, 10, 300_000, 70_000]):
             start = w.pos
             if i == 1:
@@ -315,3 +315,35 @@ def test_runtime_resumes_from_the_migrated_checkpoint(migrated):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "at iteration 2" in proc.stdout and "step    3" in proc.stdout
+
+
+def test_output_matches_the_recorded_output_of_the_single_module_version(migrated):
+    """migrate's output is the same as before it became a package: every file, chunk and record."""
+    from migrate_golden import summarize
+
+    golden = json.loads((Path(__file__).parent / "golden" / "migrate_aliased.json").read_text())
+    got = json.loads(json.dumps(summarize(migrated.dst / ITER)))
+    for part in golden:
+        assert got[part] == golden[part], part
+
+
+def test_metadata_is_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The plan's reader keeps the .metadata records; the rewrite starts from them, not from the file again."""
+    from ckpt_tool.migrate.plan import plan_migration
+    from ckpt_tool.migrate.write import build_migrated
+    from gtp_format.reader import safe_pickle
+
+    unpickled: list[str] = []
+
+    class Counting(safe_pickle._AllowListUnpickler):
+        def __init__(self, data: bytes, source: str) -> None:
+            unpickled.append(source)
+            super().__init__(data, source)
+
+    monkeypatch.setattr(safe_pickle, "_AllowListUnpickler", Counting)
+    src = _copy(tmp_path / "src")
+    plan = plan_migration(src, None, True)
+    assert plan.ckpt.raw_metadata is not None
+    build_migrated(plan, tmp_path / "out", tmp_path / "out", lambda n: None)
+    assert unpickled == [str(src / ITER / ".metadata")]
+    assert (tmp_path / "out" / "__8_0.distcp").is_file()

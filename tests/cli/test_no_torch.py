@@ -1,4 +1,4 @@
-"""``ckpt inspect`` and ``ckpt verify [--data]`` never import torch.
+"""``ckpt inspect``, ``ckpt verify [--data]`` and ``ckpt migrate-aliased --dry-run`` never import torch.
 
 Importing torch costs 2-4 s and a few hundred MB per process, more than a whole verify of a small
 checkpoint; the read-only commands therefore run on numpy and the format's own dtype table. Each
@@ -38,6 +38,10 @@ def _run(*args: str) -> dict:
     (["verify", "fixtures/gtp/fold_cp2_g2_dp2_st", "--data"], 0),
     (["verify", "fixtures/megatron/cp2_dp2_dp_reshardable", "--data"], 0),
     (["verify", "fixtures/gtp/aliased_cp2_g2_dp2"], 1),  # per_bucket_numel objects decoded torch-free too
+    # the migration plan is torch-free: only writing rebuilds tensors (DST is never created by a dry run)
+    (["migrate-aliased", "fixtures/gtp/aliased_cp2_g2_dp2", "/nonexistent-dst", "--dry-run", "--reset-lost-moments",
+      "--format", "json"], 0),
+    (["migrate-aliased", "fixtures/gtp/aliased_cp2_g2_dp2", "--in-place", "--dry-run"], 1),  # refused: lost moments
 ])
 def test_read_only_commands_do_not_import_torch(args: list[str], code: int):
     assert _run(*args) == {"code": code, "torch": False}

@@ -6,6 +6,7 @@ default, one 8-rank and one 4-rank PATH run); usage errors are refused before an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -14,7 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import assert_error_line, cli, snapshot
+from cli_helpers import assert_error_line, cli, rewrite_metadata, snapshot
+
+from gtp_runtime import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "fixtures" / "gtp"
@@ -87,7 +90,7 @@ def test_bad_usage_exits_2(args: tuple[str, ...], needles: tuple[str, ...]):
 @pytest.mark.parametrize("make,args,needles", [
     (None, ("--tp", "2", "--steps", "4"), ("--tp, --steps cannot be used with PATH", "manifest")),
     (_no_manifest, (), ("has no gtp_manifest.json", "only gtp_runtime checkpoints")),
-    (_bad_world, (), ("gtp_manifest.json", "world size 6 != tp*cp*gtp_remat*dp = 1*2*2*2 = 8")),
+    (_bad_world, (), ("gtp_manifest.json", "topology.world_size is 6 but the sizes give 8")),
 ])
 def test_path_refusals_exit_2(tmp_path: Path, gtp_fixtures: Path, make, args: tuple[str, ...],
                               needles: tuple[str, ...]):
@@ -96,6 +99,69 @@ def test_path_refusals_exit_2(tmp_path: Path, gtp_fixtures: Path, make, args: tu
     before = snapshot(path)
     assert_error_line(cli("verify-roundtrip", path, *args), 2, *needles)
     assert snapshot(path) == before
+
+
+@pytest.fixture
+def no_ranks(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Record (and refuse) every attempt to start ranks."""
+    started: list[tuple] = []
+
+    def refuse(world: int, fn, args: tuple, workdir, tag: str, timeout: float | None = None) -> list:
+        started.append((world, fn.__name__, tag))
+        raise launch.RankFailure(0, "exit", "ranks were started; the test forbids it", False)
+
+    monkeypatch.setattr(launch, "run_local_ranks", refuse)
+    return started
+
+
+def _dotdot_storage(folder: Path) -> None:
+    """A .metadata storage path that leaves the folder (the ranks' DCP loader would open it)."""
+    def escape(md) -> None:
+        idx, info = next(iter(md.storage_data.items()))
+        md.storage_data[idx] = dataclasses.replace(info, relative_path="../" + info.relative_path)
+
+    rewrite_metadata(folder, escape)
+    shutil.copy(folder / "__0_0.distcp", folder.parent / "__0_0.distcp")  # something real to read out there
+
+
+def _truncated_data_file(folder: Path) -> None:
+    path = folder / "__1_0.distcp"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("damage", [_dotdot_storage, _truncated_data_file])
+def test_path_refused_by_verify_before_any_rank_starts(tmp_path: Path, gtp_fixtures: Path, no_ranks: list,
+                                                       damage):
+    run = tmp_path / "run"
+    shutil.copytree(gtp_fixtures / "fold_cp2_g2_dp2", run)
+    damage(run / "iter_0000002")
+    before = snapshot(tmp_path)
+    verify_line = assert_error_line(cli("verify", run), 1, "verify failed")
+    line = assert_error_line(cli("verify-roundtrip", run, "--format", "json"), 1)
+    assert line == verify_line  # the same reader, the same checks, the same words and exit code
+    assert no_ranks == []
+    assert snapshot(tmp_path) == before
+
+
+def test_keys_need_path_and_must_match(gtp_fixtures: Path, no_ranks: list):
+    assert_error_line(cli("verify-roundtrip", "--keys", "decoder.*"), 2, "--keys and --ignore", "need PATH")
+    assert_error_line(cli("verify-roundtrip", gtp_fixtures / "fold_cp2_g2_dp2", "--keys", "decoder.layers.9*"), 2,
+                      "--keys 'decoder.layers.9*' matches no key of")
+    assert no_ranks == []
+
+
+def test_train_config_is_the_launchers():
+    """The run verify-roundtrip builds from its options is the one the launcher builds from its flags."""
+    from ckpt_tool.roundtrip.training import train_config
+    from gtp_runtime.train import build_parser, resolve
+
+    cases = [({}, ["--cp=2", "--gtp-remat=2", "--dp=2", "--fold-cp"]),
+             ({"cp": 2, "gtp_remat": 1, "dp": 1}, ["--cp=2", "--dp=1", "--fold-cp"]),
+             ({"tp": 2, "cp": 1, "gtp_remat": 2, "fold_cp": False, "nproc": 8}, ["--tp=2", "--gtp-remat=2"])]
+    for kw, argv in cases:
+        cfg, world = train_config(**kw)
+        nproc = kw.get("nproc")
+        assert (cfg, world) == resolve(build_parser().parse_args([*argv, "--bucket-size=10000"]), nproc), kw
 
 
 @pytest.mark.slow
@@ -178,3 +244,21 @@ def test_path_mode_reshard_and_corruption(gtp_fixtures: Path, monkeypatch: pytes
     bad = checks["optimizer state"]
     assert (bad["differing_keys"], bad["differing"]) == (1, 1) and abs(bad["max_abs_diff"] - 1.0) < 1e-3
     assert "re-cut for the new DP (expected)" in checks["chunk layout"]["expected"]
+
+
+@pytest.mark.slow
+def test_path_mode_compares_only_the_selected_keys(gtp_fixtures: Path, monkeypatch: pytest.MonkeyPatch):
+    """The corruption of the test above sits in an ``exp_avg.cp_rank_0`` key: ignoring those keys
+    hides it, and the report counts only the keys selected."""
+    from gtp_format.reader.checkpoint import open_checkpoint
+
+    monkeypatch.setenv("GTP_ROUNDTRIP_CORRUPT", "2")
+    src = gtp_fixtures / "fold_cp2_g2_dp2_st"
+    result = cli("verify-roundtrip", src, "--dp", "1", "--ignore", "*.exp_avg.cp_rank_0", "--format", "json")
+    assert result.exit_code == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    doc = _json(result)
+    assert doc["ok"] and doc["selection"] == {"keys": [], "ignore": ["*.exp_avg.cp_rank_0"]}
+    keys = open_checkpoint(src).entries
+    kept = [k for k in keys if not k.endswith(".exp_avg.cp_rank_0")]
+    assert len(kept) < len(keys)
+    assert {c["check"]: c["keys"] for c in doc["checks"]}["key set"] == len(kept)

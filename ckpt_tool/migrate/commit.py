@@ -1,0 +1,84 @@
+"""Committing a migration: build beside the target, check, then one rename (or an atomic swap).
+
+The migrated folder is built in a hidden sibling of where it will appear (same filesystem, so
+the last step is a rename), checked with ``ckpt verify``'s structural checks, and only then made
+visible. A failure anywhere leaves no trace but SRC, untouched. The durable-write and commit
+steps are :mod:`gtp_format.commit`'s, shared by every writer of a checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import uuid
+from pathlib import Path
+
+from ckpt_tool.migrate.plan import Plan, check_destination
+from ckpt_tool.migrate.write import Outcome, Progress, build_migrated
+from gtp_format.commit import building, commit_new_folder, swap_in_folder, write_durable
+from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
+from gtp_format.names import LATEST_FILE
+from gtp_format.reader.checkpoint import open_checkpoint
+
+TAG = "migrate"  # the hidden build folder is .migrate.<name>.<nonce>
+
+
+def self_check(folder: Path) -> None:
+    """The migrated folder must pass verify's structural checks and hold no aliased key."""
+    from gtp_format.check.verify import verify
+
+    result = verify(open_checkpoint(folder))
+    errors = [p for p in result.problems if p.severity == "error"]
+    if errors:
+        p = errors[0]
+        raise FormatError(f"the migrated copy fails verify ({len(errors)} errors, first: {p.key or p.file}: "
+                        f"{p.message}); nothing was committed, please report this", EXIT_CHECK_FAILED)
+
+
+def _build_and_check(plan: Plan, out: Path, final: Path, progress: Progress) -> Outcome:
+    outcome = build_migrated(plan, out, Path(os.path.abspath(final)), progress)
+    t = time.perf_counter()
+    self_check(out)
+    outcome.timings["self_check"] = time.perf_counter() - t
+    return outcome
+
+
+def migrate_to(plan: Plan, dst: Path, progress: Progress) -> Outcome:
+    """Build the migrated checkpoint in a hidden sibling of ``dst`` and rename it to ``dst``.
+
+    SRC an iteration folder: ``dst`` is the migrated iteration folder. SRC a parent with
+    ``latest_checkpointed_iteration.txt``: ``dst`` becomes a parent holding the migrated iteration
+    (same folder name) and its own ``latest_checkpointed_iteration.txt``.
+    """
+    src = plan.source
+    check_destination(dst, src)
+    nested = src.parent is not None
+    final_iter = dst / src.folder.name if nested else dst
+    with building(dst, TAG) as tmp:
+        if nested:
+            tmp.mkdir()
+        outcome = _build_and_check(plan, tmp / src.folder.name if nested else tmp, final_iter, progress)
+        if nested:
+            write_durable(tmp / LATEST_FILE, f"{src.latest_text}\n")
+        commit_new_folder(tmp, dst)
+    outcome.destination = final_iter
+    return outcome
+
+
+def migrate_in_place(plan: Plan, progress: Progress) -> Outcome:
+    """Build the migrated iteration next to SRC's, then swap; SRC's old folder is kept as a backup.
+
+    Where the kernel can exchange two paths atomically (Linux ``renameat2``), readers of SRC see
+    the old or the new folder, never none; elsewhere there is a moment between two renames.
+    """
+    folder = plan.source.folder
+    stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
+    backup = folder.parent / f"{folder.name}.pre-migrate-{stamp}"
+    while os.path.lexists(backup):
+        backup = folder.parent / f"{folder.name}.pre-migrate-{stamp}-{uuid.uuid4().hex[:4]}"
+    with building(folder, TAG) as tmp:
+        outcome = _build_and_check(plan, tmp, folder, progress)
+        swap_in_folder(tmp, folder, backup)
+    outcome.destination, outcome.backup = folder, backup
+    return outcome

@@ -1,0 +1,429 @@
+"""``verify --data``: read each data file once, front to back, and check everything from those bytes.
+
+A checkpoint of hundreds of GB does not fit in the page cache, so what matters is touching every
+byte once, in order, and spreading the CPU work over the cores without leaving the disk idle:
+
+* each file is cut into windows of at most ``WINDOW`` bytes, aligned to chunk boundaries where
+  chunks fit. 2 MiB is small enough that a window is still in the core's cache when it is hashed
+  and scanned; measured here, reading into 16 MiB windows made the kernel's copy alone 3x slower;
+* a pool of worker threads takes the windows in file order. Each worker reads its window
+  (``os.pread``), hashes it on its own, decodes the chunks in it in place
+  (:mod:`gtp_format.reader.blob`: the elements are a numpy view of the window, never a copy) and
+  scans them for NaN/Inf (:mod:`gtp_format.scan`: one pass per chunk when there are none).
+  ``os.pread``, the CRC and numpy's loops release the GIL, so the workers run in parallel. No
+  torch: importing it would cost a short ``verify`` more than its whole pass;
+* the main thread takes the results back in file order: it joins the windows' CRCs with
+  :meth:`~gtp_format.hashing.Crc.combine` (CRC-32C or CRC-32), feeds order-dependent digests
+  (SHA-256) window after window, and adds up counts and problems, so the report is the same
+  whatever the number of workers;
+* at most ``IN_FLIGHT * workers`` windows are in flight, so memory is bounded whatever the
+  checkpoint (64 MiB at 8 workers);
+* a chunk larger than a window is parsed from its first and last bytes at planning time, then
+  its elements are scanned window by window as they stream past.
+
+Chunks that do not fit this pattern (bytes shared by two chunks, a view that is not its whole
+storage in a chunk larger than a window) fall back to the random-access reader, so the results
+are the same as decoding each chunk on its own; only the speed differs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict, deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gtp_format.dtypes import DType
+from gtp_format.errors import ChunkError
+from gtp_format.hashing import CRCS, HASHERS, Crc, Hasher
+from gtp_format.model import BYTES, ENC_TORCH_SAVE, Checkpoint, Chunk, Entry, Problem
+from gtp_format.reader.blob import parse_blob
+from gtp_format.reader.chunks import (
+    blob_error,
+    check_layout,
+    checked_ref,
+    chunk_bytes,
+    decode_elements,
+    load_elements,
+)
+from gtp_format.reader.storage import open_regular, past_end_message
+from gtp_format.reader.zip_blob import BlobError, RangeReader
+from gtp_format.scan import can_hold_nonfinite, carrier, count_nonfinite
+
+WINDOW = 2 << 20
+MAX_WORKERS = 8
+IN_FLIGHT = 4  # windows read or being checked, per worker: enough that one slow window stalls nobody
+
+Progress = Callable[[int], None]
+
+
+def default_workers() -> int:
+    """One worker per core, at most ``MAX_WORKERS`` (past that the disk or the memory bus is the limit)."""
+    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+
+
+@dataclass
+class DataReport:
+    problems: list[Problem] = field(default_factory=list)
+    nonfinite: dict[str, dict[str, int]] = field(default_factory=dict)
+    digests: dict[str, dict[str, str]] = field(default_factory=dict)  # file -> algorithm -> hex
+    bytes_read: int = 0
+
+
+@dataclass(frozen=True)
+class _Item:
+    entry: Entry
+    chunk: Chunk
+    start: int
+    stop: int
+
+
+class _Found:
+    """What one step found: NaN/Inf counts, problems, chunks done, and the window's bytes and CRC.
+
+    Workers fill their own; the main thread merges them in file order, so nothing is shared.
+    """
+
+    def __init__(self) -> None:
+        self.nan: dict[str, int] = defaultdict(int)
+        self.inf: dict[str, int] = defaultdict(int)
+        self.problems: list[Problem] = []
+        self.ticks = 0
+        self.nbytes = 0
+        self.crc = 0
+        self.data: bytes = b""  # kept only for order-dependent digests
+
+    def add(self, key: str, elements: np.ndarray, dtype: DType) -> None:
+        nan, inf = count_nonfinite(elements, dtype)
+        if nan:
+            self.nan[key] += nan
+        if inf:
+            self.inf[key] += inf
+
+    def error(self, err: ChunkError, entry: Entry, chunk: Chunk) -> None:
+        self.problems.append(Problem("error", "decode", err.message, key=entry.key, chunk=chunk.index, file=err.file))
+
+    def merge(self, other: _Found) -> None:
+        for key, n in other.nan.items():
+            self.nan[key] += n
+        for key, n in other.inf.items():
+            self.inf[key] += n
+        self.problems += other.problems
+        self.ticks += other.ticks
+
+
+def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Progress | None = None,
+               workers: int | None = None) -> DataReport:
+    """Decode every chunk, count NaN/Inf per key, and hash the listed files, in one read of each file.
+
+    ``hash_files`` maps data files to the manifest's algorithms for them; the digests come back in
+    :attr:`DataReport.digests` (files that could not be read are absent). ``workers`` threads read,
+    hash and scan windows in parallel (default: :func:`default_workers`); the report does not
+    depend on it.
+    """
+    report = DataReport()
+    total = _Found()
+    tick = progress or (lambda n: None)
+    by_file: dict[str, list[_Item]] = defaultdict(list)
+    for e in ckpt.entries.values():
+        for c in e.chunks:
+            if e.kind == BYTES or ckpt.encoding != ENC_TORCH_SAVE:
+                found = _Found()
+                _random_access(ckpt, e, c, found)  # byte objects and raw layouts: small or not torch.save
+                total.merge(found)
+                tick(1)
+                continue
+            try:
+                ref = checked_ref(ckpt, e, c)
+            except ChunkError as err:
+                total.error(err, e, c)
+                tick(1)
+                continue
+            by_file[ref.file].append(_Item(e, c, ref.offset, ref.offset + ref.length))
+    passes = [_FilePass(ckpt, rel, sorted(by_file.get(rel, []), key=lambda i: (i.start, i.stop)),
+                        hash_files.get(rel, [])) for rel in sorted(by_file.keys() | hash_files.keys())]
+    n = workers or default_workers()
+    with ThreadPoolExecutor(n, "ckpt-data") as pool:
+        _run(passes, pool, IN_FLIGHT * n, total, report, tick)
+    for key in sorted(total.nan.keys() | total.inf.keys()):
+        nan, inf = total.nan[key], total.inf[key]
+        if nan or inf:
+            report.nonfinite[key] = {"nan": nan, "inf": inf}
+    report.problems = total.problems + [
+        Problem("warning", "nonfinite", f"{v['nan']} NaN and {v['inf']} Inf values", key=k)
+        for k, v in report.nonfinite.items()]
+    return report
+
+
+def _run(passes: list[_FilePass], pool: ThreadPoolExecutor, in_flight: int, total: _Found, report: DataReport,
+         tick: Progress) -> None:
+    """Submit every file's steps in order, at most ``in_flight`` ahead; merge results in the same order."""
+    pending: deque[tuple[_FilePass, _Step | None, Future[_Found]]] = deque()
+
+    def finish() -> None:
+        fp, step, fut = pending.popleft()
+        try:
+            found = fut.result()
+        except ChunkError as err:  # the file changed under us: report it once, and do not trust its hash
+            found = _Found()
+            if not fp.failed:
+                fp.failed = True
+                found.problems.append(Problem("error", "data_file", err.message, file=fp.rel))
+        planned = fp.absorb(step, found)
+        for part in ([planned] if planned else []) + [found]:
+            total.merge(part)
+            tick(part.ticks)
+        report.bytes_read += found.nbytes
+        if fp.done():
+            fp.close(report)
+
+    # Planning a file reads the two ends of each chunk larger than a window: done on a worker,
+    # one file ahead, so the main thread keeps the others fed while it runs.
+    plans = [pool.submit(passes[0].open_and_plan)] if passes else []
+    try:
+        for i, fp in enumerate(passes):
+            steps = plans[i].result()
+            if i + 1 < len(passes):
+                plans.append(pool.submit(passes[i + 1].open_and_plan))
+            for step in steps or [None]:
+                while len(pending) >= in_flight:
+                    finish()
+                if step is None:
+                    fut: Future[_Found] = Future()
+                    fut.set_result(_Found())
+                else:
+                    fut = pool.submit(fp.work, step)
+                pending.append((fp, step, fut))
+        while pending:
+            finish()
+    finally:  # on an error: no worker may still be reading (or opening) a file when its descriptor closes
+        for fut in [f for _, _, f in pending] + plans:
+            fut.cancel() or fut.exception()
+        for fp in passes:
+            fp.close(None)
+
+
+def _random_access(ckpt: Checkpoint, entry: Entry, chunk: Chunk, found: _Found) -> None:
+    try:
+        if entry.kind == BYTES:
+            chunk_bytes(ckpt, entry, chunk)
+        else:
+            found.add(entry.key, load_elements(ckpt, entry, chunk), entry.dtype)
+    except ChunkError as err:
+        found.error(err, entry, chunk)
+
+
+Action = Callable[[memoryview, _Found], None]
+
+
+@dataclass(frozen=True)
+class _Step:
+    """Read ``[start, stop)`` of the file (nothing when equal), then run ``action`` on those bytes."""
+
+    start: int
+    stop: int
+    action: Action
+
+
+class _FilePass:
+    """One data file: its plan of window steps, the worker's job for one step, and the in-order merge.
+
+    The plan depends on the metadata only, so steps can be read and checked ahead, on any worker;
+    only :meth:`absorb` (main thread, file order) carries state from one window to the next.
+    """
+
+    def __init__(self, ckpt: Checkpoint, rel: str, items: list[_Item], algorithms: list[str]) -> None:
+        self.ckpt, self.rel, self.items = ckpt, rel, items
+        # one CRC alone is hashed per window on the workers and combined in order; anything else
+        # (SHA-256, or several algorithms) is fed window by window on the main thread
+        self.crc: Crc | None = CRCS[algorithms[0]] if len(algorithms) == 1 and algorithms[0] in CRCS else None
+        self.hashers: dict[str, Hasher] = {} if self.crc else {a: HASHERS[a]() for a in algorithms}
+        self.value = 0  # the CRC so far
+        self.planned: _Found | None = _Found()  # what planning found: merged before the first step
+        self.fd: int | None = None
+        self.remaining = 0
+        self.failed = False
+
+    # -- planning a file: on a worker, one file ahead of the main thread ---------------------------
+
+    def open_and_plan(self) -> list[_Step]:
+        try:
+            f = open_regular(self.ckpt.root, self.rel)
+        except ChunkError as err:
+            for it in self.items:
+                self.planned.error(ChunkError(f"{it.entry.key} chunk {it.chunk.index}: {err.message}",
+                                              file=self.rel), it.entry, it.chunk)
+                self.planned.ticks += 1
+            self.failed = True
+            self.remaining = 1
+            return []
+        self.fd = os.dup(f.fileno())
+        f.close()
+        self.size = os.fstat(self.fd).st_size
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        steps = self._plan()
+        self.remaining = max(1, len(steps))
+        return steps
+
+    # -- main thread, in file order ---------------------------------------------------------------
+
+    def absorb(self, step: _Step | None, found: _Found) -> _Found | None:
+        """Fold one finished step into the file's digest; returns what planning found, the first time."""
+        planned, self.planned = self.planned, None
+        if self.crc is not None and step is not None:
+            self.value = self.crc.combine(self.value, found.crc, found.nbytes)
+        for h in self.hashers.values():
+            h.update(found.data)
+        found.data = b""
+        self.remaining -= 1
+        return planned
+
+    def done(self) -> bool:
+        return self.remaining == 0
+
+    def close(self, report: DataReport | None) -> None:
+        """Release the file; with ``report``, record its digest (unless reading it failed)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if report is None or self.failed:
+            return
+        if self.crc is not None:
+            report.digests[self.rel] = {self.crc.name: f"{self.value:08x}"}
+        elif self.hashers:
+            report.digests[self.rel] = {a: h.hexdigest() for a, h in self.hashers.items()}
+
+    # -- workers ---------------------------------------------------------------------------------
+
+    def work(self, step: _Step) -> _Found:
+        found = _Found()
+        view = memoryview(b"")
+        if step.stop > step.start:
+            data = self._pread(step.start, step.stop)
+            found.nbytes = len(data)
+            if self.crc is not None:
+                found.crc = self.crc.update(data, 0)
+            elif self.hashers:
+                found.data = data
+            view = memoryview(data)
+        step.action(view, found)
+        return found
+
+    def _pread(self, start: int, stop: int) -> bytes:
+        """The bytes ``[start, stop)`` as one immutable ``bytes`` (what google-crc32c hashes without the GIL)."""
+        assert self.fd is not None
+        data = os.pread(self.fd, stop - start, start)
+        while len(data) < stop - start:  # short reads happen only at the end of a file that shrank
+            more = os.pread(self.fd, stop - start - len(data), start + len(data))
+            if not more:
+                raise ChunkError(f"data file {self.rel} shrank while reading [{start}, {stop})", file=self.rel)
+            data += more
+        return data
+
+    # -- planning (helpers of open_and_plan) -------------------------------------------------------
+
+    def _plan(self) -> list[_Step]:
+        items = [it for it in self.items if self._in_file(it)]
+        end = self.size if (self.crc or self.hashers) else max((it.stop for it in items), default=0)
+        steps: list[_Step] = []
+        pos, i, n = 0, 0, len(items)
+        while i < n or pos < end:
+            if i < n and items[i].start < pos:  # shares bytes with a chunk already planned
+                steps.append(_Step(pos, pos, _fallback_action(self.ckpt, [items[i]])))
+                i += 1
+                continue
+            if i < n and items[i].start == pos and items[i].stop - pos > WINDOW:
+                steps += self._big(items[i])
+                pos = items[i].stop
+                i += 1
+                continue
+            stop = min(end, pos + WINDOW)
+            k = i
+            while k < n and items[k].start < stop and items[k].stop <= stop:
+                k += 1
+            if k < n and pos < items[k].start < stop:  # the window would cut items[k]: end before it
+                stop = items[k].start
+            if stop <= pos:  # nothing left to read; only empty chunks remain
+                steps.append(_Step(pos, pos, _fallback_action(self.ckpt, items[i:])))
+                break
+            steps.append(_Step(pos, stop, _window_action(self.ckpt, pos, stop, items[i:k])))
+            pos, i = stop, k
+        return steps
+
+    def _in_file(self, it: _Item) -> bool:
+        if it.stop <= self.size:
+            return True
+        self.planned.error(ChunkError(f"{it.entry.key} chunk {it.chunk.index}: "
+                                      f"{past_end_message(self.rel, it.start, it.stop - it.start, self.size)}",
+                                      file=self.rel), it.entry, it.chunk)
+        self.planned.ticks += 1
+        return False
+
+    def _big(self, it: _Item) -> list[_Step]:
+        """A chunk larger than a window: structure from its ends now, elements window by window later."""
+        assert self.fd is not None
+        layout = None
+        try:
+            layout = parse_blob(RangeReader(self.fd, it.start, it.stop - it.start))
+            check_layout(layout, it.entry, it.chunk)
+        except BlobError as e:
+            self.planned.error(blob_error(it.entry, it.chunk, e), it.entry, it.chunk)
+            layout = None
+        steps = []
+        if layout is not None and not layout.contiguous_whole:
+            steps.append(_Step(it.start, it.start, _fallback_action(self.ckpt, [it])))  # a view into a larger storage
+            layout = None
+        else:
+            self.planned.ticks += 1
+        lo_payload = it.start + (layout.payload_offset if layout else 0)
+        hi_payload = lo_payload + (layout.payload_bytes if layout else 0)
+        cuts = sorted({it.start, it.stop, lo_payload, hi_payload, *range(lo_payload, hi_payload, WINDOW)})
+        for a, b in zip(cuts, cuts[1:]):
+            for lo in range(a, b, WINDOW):
+                hi = min(b, lo + WINDOW)
+                scan = layout is not None and lo_payload <= lo and hi <= hi_payload and can_hold_nonfinite(layout.dtype)
+                steps.append(_Step(lo, hi, _scan_action(it.entry.key, layout.dtype) if scan else _ignore))
+        return steps
+
+
+def _window_action(ckpt: Checkpoint, start: int, stop: int, items: list[_Item]) -> Action:
+    def action(window: memoryview, found: _Found) -> None:
+        for it in items:
+            if it.stop > stop:  # overlaps the next window's chunk: decode it on its own
+                _random_access(ckpt, it.entry, it.chunk, found)
+            else:
+                try:
+                    elements = decode_elements(ckpt, it.entry, it.chunk, window[it.start - start: it.stop - start])
+                    found.add(it.entry.key, elements, it.entry.dtype)
+                    del elements
+                except ChunkError as err:
+                    found.error(err, it.entry, it.chunk)
+            found.ticks += 1
+
+    return action
+
+
+def _fallback_action(ckpt: Checkpoint, items: list[_Item]) -> Action:
+    def action(_: memoryview, found: _Found) -> None:
+        for it in items:
+            _random_access(ckpt, it.entry, it.chunk, found)
+            found.ticks += 1
+
+    return action
+
+
+def _scan_action(key: str, dtype: DType) -> Action:
+    kind = carrier(dtype)
+
+    def action(view: memoryview, found: _Found) -> None:  # windows of a payload hold whole elements
+        found.add(key, np.frombuffer(view, dtype=kind), dtype)
+
+    return action
+
+
+def _ignore(_: memoryview, __: _Found) -> None:
+    pass

@@ -1,0 +1,166 @@
+"""Durable writes and atomic commits: the one implementation every writer of a checkpoint uses.
+
+A checkpoint is hundreds of GB written by many processes; a crash or a full disk can stop it at
+any byte. The rule everywhere: build the new thing under a hidden temporary name, ``fsync`` each
+file and then its folder (POSIX makes a new directory entry durable only when the directory is
+synced), and make it visible with one ``rename``. A reader then sees the old state or the complete
+new one, never a part. ``save_checkpoint``, the safetensors writer, the manifest, the latest marker,
+``ckpt migrate-aliased``/``reshard``/``export`` and the launcher's rank reports all go through here.
+
+A tool that derives a new checkpoint from an old one builds it in :func:`building` (a hidden
+sibling, removed unless committed) and makes it visible with :func:`commit_new_folder` (never
+replaces anything) or :func:`swap_in_folder` (replaces, keeping the old folder as a backup).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a rename or a new entry in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """Flush a file some library wrote (safetensors, DCP) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: str | os.PathLike[str], data: bytes | str) -> None:
+    """Write a new file and ``fsync`` it (its folder is synced by whoever commits the folder)."""
+    raw = data.encode() if isinstance(data, str) else data
+    with open(path, "wb") as f:
+        f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def hidden_sibling(path: Path, tag: str) -> Path:
+    """A unique dot-name next to ``path`` that no reader takes for a checkpoint or a marker."""
+    return path.with_name(f".{tag}.{path.name}.{uuid.uuid4().hex[:8]}")
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes | str, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` in one step: temp file, fsync, ``os.replace``, fsync the folder.
+
+    ``durable=False`` skips the fsyncs, for files only this run reads back (rank reports).
+    """
+    path = Path(path)
+    tmp = hidden_sibling(path, "tmp")
+    try:
+        if durable:
+            write_durable(tmp, data)
+        else:
+            tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def commit_folder(tmp: Path, final: Path) -> None:
+    """Rename a complete, fsynced folder ``tmp`` to ``final``, replacing an existing one.
+
+    An existing ``final`` is first moved aside to a hidden name and removed only after the new
+    folder is in place, so a crash between the two renames leaves the old copy recoverable, never
+    a mix.
+    """
+    fsync_dir(tmp)
+    old = None
+    if final.exists():
+        old = hidden_sibling(final, "old")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def building(final: Path, tag: str) -> Iterator[Path]:
+    """A hidden sibling of ``final`` to build a folder in; removed on the way out unless it was committed.
+
+    A sibling, so that the commit is a ``rename`` on one filesystem. The caller creates it.
+    """
+    tmp = hidden_sibling(final, tag)
+    try:
+        yield tmp
+    finally:
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+
+
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
+    """Linux ``renameat2(a, b, flags)``; False where the kernel, libc or filesystem lacks it."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def commit_new_folder(tmp: Path, final: Path) -> None:
+    """Rename the complete folder ``tmp`` to ``final``, which must not exist: nothing is ever replaced.
+
+    ``rename`` alone would silently replace an empty folder that appeared at ``final`` since the
+    caller checked; where Linux offers ``RENAME_NOREPLACE`` the kernel refuses it instead
+    (``FileExistsError``).
+    """
+    fsync_dir(tmp)
+    if not _renameat2(tmp, final, _RENAME_NOREPLACE):
+        if os.path.lexists(final):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(final))
+        os.rename(tmp, final)
+    fsync_dir(final.parent)
+
+
+def swap_in_folder(tmp: Path, final: Path, backup: Path) -> None:
+    """Put the complete folder ``tmp`` at ``final``; the old ``final`` is kept at ``backup`` (must not exist).
+
+    Where the kernel can exchange two paths atomically (Linux ``renameat2``), readers of ``final``
+    see the old or the new folder, never none; elsewhere there is a moment between two renames,
+    and a failed second rename puts the old folder back.
+    """
+    fsync_dir(tmp)
+    if _renameat2(tmp, final, _RENAME_EXCHANGE):
+        os.rename(tmp, backup)  # tmp now names the old folder
+    else:
+        os.rename(final, backup)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            os.rename(backup, final)
+            raise
+    fsync_dir(final.parent)

@@ -1,0 +1,1 @@
+"""Where every tensor of a checkpoint sits: parallel config, rank topology, shard specs, election."""

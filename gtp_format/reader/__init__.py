@@ -1,0 +1,1 @@
+"""Reading a checkpoint folder: confined file access, allow-listed unpickling, the layout readers."""

@@ -1,0 +1,180 @@
+"""Read and decode one stored chunk, checking it against its metadata on the way.
+
+The declared size is checked before any byte is read (a chunk declaring 10**15 elements is an
+error message, not an allocation); the byte range is checked against the real file size before
+it is read; only that range is read; the decoded tensor's dtype and shape must equal the
+declared ones. Tensor blobs are decoded by :mod:`gtp_format.reader.blob` (no ``torch.load``, no
+copy of the elements). Byte objects go through ``torch.load(weights_only=True)``, and only when
+all zip records are stored uncompressed: torch inflates a deflated record into a buffer sized by
+the pickle's claim, so a 100 KB blob could otherwise ask for gigabytes.
+
+Two views of the same decode: ``*_elements`` give numpy arrays of the stored bits and never import
+torch (``inspect`` and ``verify`` run without it: importing torch costs seconds per process);
+``decode_chunk``/``load_chunk``/``load_object`` give torch tensors and objects for ``show``,
+``diff`` and ``migrate-aliased``.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+
+from gtp_format.errors import ChunkError
+from gtp_format.model import BYTES, ENC_RAW, Checkpoint, Chunk, Entry, StorageRef
+from gtp_format.reader.blob import BlobLayout, as_tensor, element_view, parse_blob
+from gtp_format.reader.object_blob import load_plain_object
+from gtp_format.reader.storage import read_range
+from gtp_format.reader.zip_blob import BlobError, ViewReader, zip_records
+from gtp_format.scan import carrier
+
+
+def declared_size_problem(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> str | None:
+    """Why a chunk's declared element count cannot fit its stored byte length, or ``None``.
+
+    A ``torch.save`` blob holds the raw elements plus a zip wrapper, so it is at least as long as
+    the elements; a raw (safetensors) chunk is exactly as long.
+    """
+    if entry.kind == BYTES or chunk.storage is None:
+        return None
+    need = chunk.numel * entry.itemsize
+    have = chunk.storage.length
+    if ckpt.encoding == ENC_RAW and need != have:
+        return f"declares {chunk.numel} elements ({need} bytes) but stores {have} bytes"
+    if need > have:
+        return f"declares {chunk.numel} elements ({need} bytes) but its stored blob is only {have} bytes"
+    return None
+
+
+def _require_stored_zip(buf: bytes, where: str, key: str, chunk: int, file: str | None) -> None:
+    """Refuse a torch.save blob with compressed records or records larger than the blob itself.
+
+    The same zip-structure parser as every other blob read (:func:`zip_blob.zip_records`), before
+    torch ever sees the bytes.
+    """
+    try:
+        zip_records(ViewReader(memoryview(buf)))
+    except BlobError as e:
+        raise ChunkError(f"{where} is not a torch.save blob torch would write ({e}); refusing to load it",
+                         key=key, chunk=chunk, file=file) from None
+
+
+def checked_ref(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> StorageRef:
+    """A chunk's storage after the metadata-level checks (present, no transforms, size plausible)."""
+    where = f"{entry.key} chunk {chunk.index}"
+    if chunk.storage is None:
+        raise ChunkError(f"{where} has no storage entry: its data was never written or cannot be located",
+                         key=entry.key, chunk=chunk.index)
+    ref = chunk.storage
+    if ref.transforms:
+        raise ChunkError(f"{where} in {ref.file} uses storage transforms {list(ref.transforms)}, which ckpt "
+                         "cannot decode", key=entry.key, chunk=chunk.index, file=ref.file)
+    problem = declared_size_problem(ckpt, entry, chunk)
+    if problem is not None:
+        raise ChunkError(f"{where} in {ref.file} {problem}", key=entry.key, chunk=chunk.index, file=ref.file)
+    return ref
+
+
+def chunk_bytes(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> bytearray:
+    """The stored bytes of one chunk, after the metadata-level checks."""
+    ref = checked_ref(ckpt, entry, chunk)
+    try:
+        return read_range(ckpt.root, ref.file, ref.offset, ref.length)
+    except ChunkError as e:
+        raise ChunkError(f"{entry.key} chunk {chunk.index}: {e.message}", key=entry.key, chunk=chunk.index,
+                         file=ref.file) from None
+
+
+def decode_elements(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytes | bytearray | memoryview) -> np.ndarray:
+    """A tensor chunk's elements as a numpy array of their stored bits (no copy, no torch), checked
+    against the metadata's dtype and shape."""
+    assert entry.dtype is not None
+    view = memoryview(buf)
+    if ckpt.encoding == ENC_RAW:
+        return np.frombuffer(view, dtype=carrier(entry.dtype)).reshape(chunk.sizes)
+    try:
+        layout = _checked_layout(view, entry, chunk)
+        return element_view(layout, view[layout.payload_offset:layout.payload_offset + layout.payload_bytes])
+    except BlobError as e:
+        raise blob_error(entry, chunk, e) from None
+
+
+def decode_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytes | bytearray | memoryview) -> Any:
+    """:func:`decode_elements` as a ``torch.Tensor`` over the same bytes (imports torch)."""
+    assert entry.dtype is not None
+    return as_tensor(decode_elements(ckpt, entry, chunk, buf), entry.dtype)
+
+
+def _checked_layout(view: memoryview, entry: Entry, chunk: Chunk) -> BlobLayout:
+    layout = parse_blob(ViewReader(view))
+    check_layout(layout, entry, chunk)
+    return layout
+
+
+def blob_error(entry: Entry, chunk: Chunk, e: BlobError) -> ChunkError:
+    """The one-line error for a chunk whose blob does not decode to the declared tensor."""
+    file = chunk.storage.file if chunk.storage else None
+    return ChunkError(f"{entry.key} chunk {chunk.index} in {file or '?'} does not decode as a torch.save blob of "
+                      f"the declared tensor: {e}", key=entry.key, chunk=chunk.index, file=file)
+
+
+def check_layout(layout: BlobLayout, entry: Entry, chunk: Chunk) -> None:
+    """The blob holds the declared dtype and shape."""
+    if layout.dtype != entry.dtype or layout.size != chunk.sizes:
+        raise BlobError(f"it holds {layout.dtype} {layout.size} but the metadata declares {entry.dtype} {chunk.sizes}")
+
+
+def load_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> Any:
+    """Read, decode and check one tensor chunk, as a ``torch.Tensor``."""
+    return decode_chunk(ckpt, entry, chunk, chunk_bytes(ckpt, entry, chunk))
+
+
+def load_elements(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> np.ndarray:
+    """Read, decode and check one tensor chunk, as a numpy array of its stored bits (no torch)."""
+    return decode_elements(ckpt, entry, chunk, chunk_bytes(ckpt, entry, chunk))
+
+
+def load_plain(ckpt: Checkpoint, entry: Entry) -> Any:
+    """A byte object made only of containers, numbers and dtypes, decoded without torch.
+
+    :mod:`gtp_format.reader.object_blob` explains what is accepted; anything else is a
+    :class:`ChunkError` naming the key (``load_object`` decodes more, with torch).
+    """
+    first = entry.chunks[0]
+    file = first.storage.file if first.storage else None
+    buf = chunk_bytes(ckpt, entry, first)
+    try:
+        return load_plain_object(ViewReader(memoryview(buf)))
+    except BlobError as e:
+        raise ChunkError(f"byte object {entry.key} in {file or '?'} does not decode as a plain torch.save object: "
+                         f"{e}", key=entry.key, chunk=0, file=file) from None
+
+
+def load_object(ckpt: Checkpoint, entry: Entry) -> Any:
+    """A byte object decoded with ``torch.load(weights_only=True)`` (Megatron's ShardedObjects).
+
+    Megatron's planner stores the ``torch.save`` blob it was given; DCP's default planner
+    ``torch.save``-s the ``io.BytesIO`` holding it once more. ``io.BytesIO`` is therefore allowed
+    (it only carries bytes) and one level of such wrapping is undone. Objects needing more than
+    tensors and plain containers (numpy RNG state, for instance) are refused by weights_only.
+    """
+    first = entry.chunks[0]
+    file = first.storage.file if first.storage else None
+    buf = chunk_bytes(ckpt, entry, first)
+    import torch
+
+    try:
+        _require_stored_zip(buf, f"byte object {entry.key}", entry.key, 0, file)
+        with torch.serialization.safe_globals([io.BytesIO]):
+            obj = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+            if isinstance(obj, io.BytesIO):
+                buf = obj.getvalue()
+                _require_stored_zip(buf, f"byte object {entry.key}", entry.key, 0, file)
+                obj = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+        return obj
+    except ChunkError:
+        raise
+    except Exception as e:
+        raise ChunkError(f"byte object {entry.key} does not load with weights_only=True ({type(e).__name__}: "
+                         f"{str(e)[:200]})", key=entry.key, chunk=0, file=file) from None

@@ -1,0 +1,163 @@
+"""Find the checkpoint folder behind a user's PATH and tell which layout it uses.
+
+Users pass either an ``iter_XXXXXXX`` folder or the run's checkpoint directory holding
+``latest_checkpointed_iteration.txt``, the way Megatron resumes. The marker file is input like
+any other: its content must be an iteration number (or Megatron's ``release``) and the folder it
+names must exist, or the user gets one line saying which.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gtp_format.errors import FormatError
+from gtp_format.manifest import Manifest, ManifestError, parse_manifest
+from gtp_format.model import Problem
+from gtp_format.names import (
+    DCP_METADATA_FILE,
+    DISTCP_RE,
+    ITER_DIR_RE,
+    LATEST_FILE,
+    LAYOUTS,
+    MANIFEST_FILE,
+    MEGATRON_METADATA_FILE,
+    iter_dir_name,
+)
+from gtp_format.reader.storage import is_folder_inside, list_dir, read_small_file
+
+LAYOUT_TORCH_DIST, LAYOUT_SAFETENSORS = LAYOUTS
+SAFETENSORS_SUFFIX = ".safetensors"
+SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
+RELEASE_DIR = "release"
+
+JSON_LIMIT = 64 << 20  # metadata.json and the manifest are small; this only stops runaway files
+
+METADATA_LIMIT_ENV = "CKPT_MAX_METADATA_BYTES"
+METADATA_FLOOR = 64 << 20
+METADATA_CEILING = 4 << 30
+
+
+def metadata_limit(data_bytes: int) -> int:
+    """Largest checkpoint metadata file (DCP ``.metadata``, a safetensors index) we agree to parse.
+
+    A metadata entry is a few hundred bytes per chunk while every chunk's blob is at least about a
+    kilobyte, so metadata larger than all the data it describes is not real.
+    The floor keeps partial copies (data files missing) readable; the environment variable is the
+    escape hatch the error message names.
+    """
+    override = os.environ.get(METADATA_LIMIT_ENV)
+    if override is not None:
+        try:
+            return max(0, int(override))
+        except ValueError:
+            raise FormatError(f"{METADATA_LIMIT_ENV}={override!r} is not a byte count; set it to an integer") from None
+    return min(METADATA_CEILING, max(METADATA_FLOOR, data_bytes))
+
+
+@dataclass(frozen=True)
+class Located:
+    """A checkpoint folder and what was found in it."""
+
+    folder: Path
+    layout: str
+    names: tuple[str, ...]  # entries of the folder, sorted
+
+
+def _read_latest(parent: Path) -> Path:
+    marker = parent / LATEST_FILE
+    fix = f"write the iteration number into {LATEST_FILE} or pass the iter_XXXXXXX folder itself"
+    raw = read_small_file(marker, 64, "an iteration marker", fix)
+    text = raw.decode("utf-8", errors="replace").strip()
+    if text == RELEASE_DIR:
+        folder = parent / RELEASE_DIR
+    elif re.fullmatch(r"\d{1,12}", text):
+        folder = parent / iter_dir_name(int(text))
+    else:
+        raise FormatError(f"{marker} holds {text[:40]!r}, not an iteration number; {fix}")
+    if not is_folder_inside(parent, folder.name):
+        what = ("missing" if not os.path.lexists(folder) else "a file" if folder.is_file() and not folder.is_symlink()
+                else "not a folder inside the run directory")
+        raise FormatError(f"{marker} names iteration {text} but {folder} is {what}; {fix}")
+    return folder
+
+
+def _layout_of(names: list[str]) -> str | None:
+    if DCP_METADATA_FILE in names:
+        return LAYOUT_TORCH_DIST
+    if any(n.endswith(SAFETENSORS_SUFFIX) for n in names):
+        return LAYOUT_SAFETENSORS
+    return None
+
+
+def locate(path: str | os.PathLike[str]) -> Located:
+    """Resolve PATH to a checkpoint folder, following ``latest_checkpointed_iteration.txt``."""
+    p = Path(path)
+    if not p.exists():
+        raise FormatError(f"{p} does not exist; pass a checkpoint folder (iter_XXXXXXX) or its parent")
+    if not p.is_dir():
+        raise FormatError(f"{p} is a file, expected a checkpoint folder; pass the iter_XXXXXXX folder or its parent")
+    names = list_dir(p)
+    layout = _layout_of(names)
+    if layout is None and LATEST_FILE in names:
+        p = _read_latest(p)
+        names = list_dir(p)
+        layout = _layout_of(names)
+    if layout is None:
+        if any(DISTCP_RE.match(n) for n in names) or MEGATRON_METADATA_FILE in names:
+            raise FormatError(
+                f"{p / DCP_METADATA_FILE} is missing: the folder has data files but no DCP metadata "
+                "(an interrupted save?); restore .metadata or use another iteration"
+            )
+        iters = [n for n in names if ITER_DIR_RE.match(n)]
+        if iters:
+            raise FormatError(f"{p} holds {len(iters)} iter_* folders but no {LATEST_FILE}; pass one of them, "
+                              f"e.g. {p / iters[-1]}")
+        what = "is empty" if not names else "has no .metadata, *.safetensors or " + LATEST_FILE
+        raise FormatError(f"{p} {what}: not a checkpoint folder; pass an iter_XXXXXXX folder or its parent")
+    return Located(folder=p, layout=layout, names=tuple(names))
+
+
+def load_json_object(path: Path, what: str, limit: int = JSON_LIMIT) -> dict[str, Any]:
+    """A JSON file that must hold an object (metadata.json, the manifest, an index)."""
+    fix = f"fix or remove {path.name}"
+    raw = read_small_file(path, limit, what, fix)
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{path} is not valid JSON ({e}); {fix}") from None
+    if not isinstance(obj, dict):
+        raise FormatError(f"{path} holds a JSON {type(obj).__name__}, expected an object; {fix}")
+    return obj
+
+
+def load_side_files(loc: Located) -> tuple[dict[str, Any] | None, Manifest | None, list[Problem]]:
+    """Megatron's ``metadata.json`` and our ``gtp_manifest.json`` (parsed leniently), when present.
+
+    A manifest whose header is unusable is left out with an ``error`` problem; sections that fail
+    their type checks are dropped with one problem each, so ``inspect`` still shows everything else.
+    """
+    megatron = (load_json_object(loc.folder / MEGATRON_METADATA_FILE, "Megatron metadata")
+                if MEGATRON_METADATA_FILE in loc.names else None)
+    if MANIFEST_FILE not in loc.names:
+        return megatron, None, []
+    path = loc.folder / MANIFEST_FILE
+    try:
+        manifest = parse_manifest(load_json_object(path, "the manifest"), str(path), strict=False)
+    except ManifestError as e:
+        return megatron, None, [Problem("error", "manifest", e.message, file=MANIFEST_FILE)]
+    # A damaged files section leaves data unchecked: an error. Other sections only inform the
+    # views (topology, folded buffers); without them the checks fall back to the keys: a warning.
+    return megatron, manifest, [
+        Problem("error" if p.startswith("files") else "warning", "manifest", f"{path}: {p}; the section is ignored",
+                file=MANIFEST_FILE) for p in manifest.problems]
+
+
+def iteration_from_name(folder: Path) -> int | None:
+    """The iteration an ``iter_XXXXXXX`` folder name encodes."""
+    m = ITER_DIR_RE.match(folder.name)
+    return int(m.group(1)) if m else None

@@ -1,0 +1,80 @@
+"""Assemble rows of one tensor from its stored chunks, reading only the chunks that meet them.
+
+``show`` prints a region, ``diff`` and ``verify-roundtrip`` compare whole tensors whose two sides
+are cut into different chunks (a resharded or re-laid-out copy), so they share this one assembler.
+Memory is bounded up front: the region's size is computed from metadata and refused over
+``max_bytes`` before anything is allocated, and a chunk that leaves the global shape is refused
+before it is read.
+
+Torch is imported inside :func:`assemble` only: :mod:`gtp_format` must import without it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from gtp_format.check.geometry import check_coverage
+from gtp_format.errors import EXIT_BAD_INPUT, FormatError
+from gtp_format.model import Checkpoint, Chunk, Entry
+from gtp_format.reader.chunks import load_chunk
+
+
+@dataclass
+class Assembled:
+    tensor: Any  # torch.Tensor
+    start: int
+    stop: int
+    chunks_read: int
+    missing: int  # elements of the region no chunk covers (left as zero)
+
+
+def region_bytes(entry: Entry, start: int, stop: int) -> int:
+    """Bytes of rows ``[start, stop)`` of ``entry`` (the whole tensor when 0-D)."""
+    assert entry.shape is not None
+    shape = (stop - start, *entry.shape[1:]) if entry.shape else ()
+    return math.prod(shape) * entry.itemsize
+
+
+def assemble(ckpt: Checkpoint, entry: Entry, start: int, stop: int, max_bytes: int) -> Assembled:
+    """Rows ``[start, stop)`` of dim 0 (the whole tensor when 0-D), reading only chunks that meet them."""
+    import torch
+
+    assert entry.shape is not None and entry.dtype is not None
+    shape = (stop - start, *entry.shape[1:]) if entry.shape else ()
+    nbytes = region_bytes(entry, start, stop)
+    if nbytes > max_bytes:
+        raise FormatError(f"{entry.key}: the requested region is {math.prod(shape)} elements ({nbytes} bytes), over "
+                          f"the {max_bytes}-byte limit; pass --slice a:b for fewer rows or raise --max-bytes",
+                          EXIT_BAD_INPUT)
+    out = torch.zeros(shape, dtype=entry.dtype.torch)
+    boxes = []
+    read = 0
+    for c in entry.chunks:
+        if len(c.offsets) != len(entry.shape) or any(
+                o + s > n for o, s, n in zip(c.offsets, c.sizes, entry.shape, strict=True)):
+            raise FormatError(f"{entry.key} chunk {c.index} (offsets {list(c.offsets)}, sizes {list(c.sizes)}) leaves "
+                              f"the global shape {list(entry.shape)}; run 'ckpt verify' on the checkpoint")
+        region = _intersection(c, start, stop) if entry.shape else (0, 0)
+        if region is None:
+            continue
+        t = load_chunk(ckpt, entry, c)
+        read += 1
+        if not entry.shape:
+            out.copy_(t)
+            boxes.append(((), ()))
+            continue
+        lo, hi = region
+        src = t[lo - c.offsets[0]: hi - c.offsets[0]]
+        dst_index = (slice(lo - start, hi - start),) + tuple(
+            slice(o, o + s) for o, s in zip(c.offsets[1:], c.sizes[1:], strict=True))
+        out[dst_index].copy_(src)
+        boxes.append(((lo - start, *c.offsets[1:]), (hi - lo, *c.sizes[1:])))
+    return Assembled(out, start, stop, read, check_coverage(shape, boxes).missing or 0)
+
+
+def _intersection(c: Chunk, start: int, stop: int) -> tuple[int, int] | None:
+    """Rows of ``[start, stop)`` this chunk holds, or ``None`` (empty chunks hold none)."""
+    lo, hi = max(start, c.offsets[0]), min(stop, c.offsets[0] + c.sizes[0])
+    return (lo, hi) if lo < hi and c.numel else None

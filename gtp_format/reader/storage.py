@@ -1,0 +1,248 @@
+"""Confined, bounded file access for every file a reader opens in a checkpoint folder.
+
+A checkpoint's metadata names its data files and byte ranges, and a checkpoint may come from
+anywhere. The rules, enforced here and nowhere else:
+
+* A recorded path must be a plain relative path (no ``..``, no absolute path, no NUL).
+* It is opened *relative to the folder's descriptor*, one component at a time, each with
+  ``O_NOFOLLOW``. A symlink is never followed by the kernel: it is read with ``readlink`` and its
+  target resolved here, and only a target that stays inside the folder is walked (at most
+  :data:`MAX_LINKS` links per path). So a link that leads out, or a folder swapped for a link
+  after a check, cannot make us read outside: there is no name-based check followed by a second
+  open of the same name.
+* What was opened is what is checked: ``fstat`` on the open descriptor must say regular file.
+  FIFOs, devices and directories are refused (a FIFO would block a reader forever; the open is
+  non-blocking so that even the open cannot hang).
+* A byte range is checked against the open file's real size before one byte is read, and a whole
+  small file is read only up to its limit, so no size written in a file can make us allocate.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+import stat
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO
+
+from gtp_format.errors import ChunkError, FormatError
+
+MAX_LINKS = 8  # symlink hops one path may take inside the folder
+_O_FILE = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+_O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+
+
+def unsafe_reason(rel: object) -> str | None:
+    """Why a recorded storage path is not a plain relative path, or ``None`` if it is one."""
+    if not isinstance(rel, str) or not rel:
+        return f"storage path {rel!r} is not a non-empty string"
+    if "\x00" in rel or "\\" in rel:
+        return f"storage path {rel!r} contains a NUL or backslash"
+    p = PurePosixPath(rel)
+    if p.is_absolute() or (len(rel) > 1 and rel[1] == ":"):
+        return f"storage path {rel!r} is absolute"
+    if ".." in p.parts:
+        return f"storage path {rel!r} contains '..'"
+    return None
+
+
+def _open_at(name: str, flags: int, dir_fd: int) -> int:
+    """The one ``open`` every read goes through (tests simulate OS refusals here)."""
+    return os.open(name, flags, dir_fd=dir_fd)
+
+
+class _Outside(Exception):
+    """A symlink on the way leads out of the folder (or loops)."""
+
+
+def _open_root(root: Path) -> int:
+    try:
+        return os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise FormatError(f"{root} does not exist; pass a checkpoint folder (iter_XXXXXXX) or its parent") from None
+    except NotADirectoryError:
+        raise FormatError(f"{root} is not a folder; pass the iter_XXXXXXX folder or its parent") from None
+    except OSError as e:
+        raise FormatError(f"cannot open folder {root}: {e.strerror}") from None
+
+
+def _walk(root_fd: int, rel: str, want_dir: bool, stat_only: bool = False) -> int | os.stat_result:
+    """Open ``rel`` below the folder ``root_fd`` without letting the kernel follow any symlink.
+
+    Returns a descriptor (the caller closes it), or with ``stat_only`` the final component's
+    ``lstat`` after resolving links inside the folder, without opening it (``inspect`` promises
+    never to open a data file). Raises ``_Outside`` for a link that leaves the folder, ``OSError``
+    for anything else (missing, permission...).
+    """
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    hops = 0
+    while True:
+        done: list[str] = []  # components walked so far, relative to the root
+        fd = os.dup(root_fd)
+        try:
+            for i, part in enumerate(parts):
+                last = i == len(parts) - 1
+                try:
+                    if last and stat_only:
+                        st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                        if not stat.S_ISLNK(st.st_mode):
+                            return st
+                        raise OSError(errno.ELOOP, "symbolic link")
+                    nfd = _open_at(part, _O_DIR if (want_dir or not last) else _O_FILE, fd)
+                except OSError as e:
+                    if e.errno not in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR):
+                        raise
+                    try:
+                        target = os.readlink(part, dir_fd=fd)
+                    except OSError:
+                        raise e from None  # not a link: a real ENOTDIR
+                    hops += 1
+                    if hops > MAX_LINKS or target.startswith("/"):
+                        raise _Outside(target) from None
+                    joined = posixpath.normpath(posixpath.join(*done, target) if done else target)
+                    if joined == ".." or joined.startswith("../"):
+                        raise _Outside(target) from None
+                    parts = [p for p in joined.split("/") if p not in ("", ".")] + parts[i + 1:]
+                    break
+                os.close(fd)
+                fd = nfd
+                done.append(part)
+            else:
+                out, fd = fd, -1
+                return out
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+
+def _open_in(root: Path, rel: str, what: str, want_dir: bool = False) -> int:
+    """A descriptor for ``rel`` inside ``root``, regular file (or folder) checked on the descriptor."""
+    reason = unsafe_reason(rel)
+    if reason is not None:
+        raise ChunkError(f"{reason}: refusing to read outside {root}", file=str(rel))
+    root_fd = _open_root(root)
+    try:
+        fd = _walk(root_fd, rel, want_dir)
+        assert isinstance(fd, int)
+    except _Outside as e:
+        raise ChunkError(f"{what} {root / rel} is a symlink to {e.args[0]!r}, outside the checkpoint folder; "
+                         "refusing to read it (copy the real file into the folder)", file=rel) from None
+    except FileNotFoundError:
+        raise ChunkError(f"{what} {rel} is missing from {root}", file=rel) from None
+    except OSError as e:
+        raise ChunkError(f"cannot open {what} {rel} in {root}: {e.strerror}", file=rel) from None
+    finally:
+        os.close(root_fd)
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISDIR(mode) if want_dir else stat.S_ISREG(mode)):
+        os.close(fd)
+        kind = "a folder" if want_dir else "a regular file"
+        raise ChunkError(f"{what} {root / rel} is not {kind}", file=rel)
+    return fd
+
+
+def open_regular(root: Path, rel: str, what: str = "data file") -> BinaryIO:
+    """Open a regular file inside ``root`` for reading (see the module docstring for the rules)."""
+    return os.fdopen(_open_in(root, rel, what), "rb")
+
+
+def file_size(root: Path, rel: str, what: str = "data file") -> int:
+    """Size of a regular file inside ``root``, from the descriptor that was opened."""
+    fd = _open_in(root, rel, what)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def is_regular_inside(root: Path, rel: str) -> int | None:
+    """Size of ``rel`` if it is a regular file reachable inside ``root``, else ``None`` (no error).
+
+    Stats without opening: listing a folder's data files must not open them.
+    """
+    if unsafe_reason(rel) is not None:
+        return None
+    try:
+        root_fd = _open_root(root)
+    except FormatError:
+        return None
+    try:
+        st = _walk(root_fd, rel, want_dir=False, stat_only=True)
+    except (OSError, _Outside):
+        return None
+    finally:
+        os.close(root_fd)
+    assert isinstance(st, os.stat_result)
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def is_folder_inside(root: Path, rel: str) -> bool:
+    """Whether ``rel`` is a folder reachable inside ``root`` (symlinks resolved inside only)."""
+    try:
+        os.close(_open_in(root, rel, "folder", want_dir=True))
+    except FormatError:
+        return False
+    return True
+
+
+def read_range(root: Path, rel: str, offset: int, length: int) -> bytearray:
+    """Exactly ``length`` bytes at ``offset`` of a data file, after checking the range fits.
+
+    A ``bytearray``: writable, so tensors can be viewed over it without a copy.
+    """
+    if not (type(offset) is int and type(length) is int) or offset < 0 or length < 0:
+        raise ChunkError(f"byte range offset={offset!r} length={length!r} in {rel} is invalid", file=rel)
+    with open_regular(root, rel) as f:
+        size = os.fstat(f.fileno()).st_size
+        if offset + length > size:
+            raise ChunkError(past_end_message(rel, offset, length, size), file=rel)
+        f.seek(offset)
+        buf = bytearray(length)
+        got = f.readinto(buf)
+    if got != length:
+        raise ChunkError(f"data file {rel} shrank while reading [{offset}, {offset + length})", file=rel)
+    return buf
+
+
+def past_end_message(rel: str, offset: int, length: int, size: int) -> str:
+    return (f"byte range [{offset}, {offset + length}) of {rel} runs past its end ({size} bytes): "
+            "the file is truncated or the metadata is wrong")
+
+
+def read_small_file(path: Path, limit: int, what: str, fix: str) -> bytes:
+    """A whole metadata-like file ``path`` (confined to its folder), refusing anything over ``limit`` bytes."""
+    try:
+        fd = _open_in(path.parent, path.name, what)
+    except ChunkError as e:
+        raise FormatError(f"{e.message}; {fix}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise FormatError(f"{path} is {size} bytes, over the {limit}-byte limit for {what}; {fix}")
+        parts: list[bytes] = []
+        total = 0
+        while True:
+            block = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not block:
+                break
+            parts.append(block)
+            total += len(block)
+            if total > limit:
+                raise FormatError(f"{path} grew past the {limit}-byte limit for {what} while reading; {fix}")
+    finally:
+        os.close(fd)
+    return b"".join(parts)
+
+
+def list_dir(path: Path) -> list[str]:
+    """Sorted entry names of a folder, as a one-line error when it cannot be listed."""
+    try:
+        return sorted(os.listdir(path))
+    except NotADirectoryError:
+        raise FormatError(f"{path} is a file, expected a checkpoint folder; pass the iter_XXXXXXX folder "
+                          "or its parent") from None
+    except FileNotFoundError:
+        raise FormatError(f"{path} does not exist; pass a checkpoint folder (iter_XXXXXXX) or its parent") from None
+    except OSError as e:
+        raise FormatError(f"cannot list {path}: {e.strerror}") from None

@@ -1,0 +1,80 @@
+"""The chunk-coverage checker against a cell-by-cell brute force."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gtp_format.check.geometry import MAX_REPORTED, Box, check_coverage
+
+
+def brute(shape: tuple[int, ...], boxes: list[Box]):
+    """Out-of-bounds boxes, overlapping pairs and uncovered in-bounds cells, by enumeration."""
+    oob = [i for i, (o, s) in enumerate(boxes) if any(a < 0 or a + b > n for a, b, n in zip(o, s, shape))]
+    cells = [set(itertools.product(*(range(a, a + b) for a, b in zip(o, s)))) for o, s in boxes]
+    pairs = {(i, j) for i, j in itertools.combinations(range(len(boxes)), 2) if cells[i] & cells[j]}
+    inside = set(itertools.product(*(range(n) for n in shape)))
+    covered = set().union(*cells) if cells else set()
+    return oob, pairs, len(inside - covered)
+
+
+def boxes_for(ndim: int):
+    dims = st.tuples(*[st.tuples(st.integers(0, 8), st.integers(0, 4))] * ndim)
+    return st.lists(dims.map(lambda d: (tuple(a for a, _ in d), tuple(b for _, b in d))), max_size=7)
+
+
+@st.composite
+def cases(draw):
+    ndim = draw(st.sampled_from([1, 2]))
+    shape = tuple(draw(st.integers(0, 7)) for _ in range(ndim))
+    return shape, draw(boxes_for(ndim))
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases())
+def test_matches_brute_force(case):
+    shape, boxes = case
+    cov = check_coverage(shape, boxes)
+    oob, pairs, missing = brute(shape, boxes)
+    assert cov.out_of_bounds == oob
+    assert cov.overlap_count == len(pairs)
+    if len(pairs) <= MAX_REPORTED:
+        assert set(cov.overlaps) == pairs
+    else:  # only the first MAX_REPORTED pairs are kept
+        assert set(cov.overlaps) < pairs and len(cov.overlaps) == MAX_REPORTED
+    assert cov.missing == missing
+    assert cov.ok == (not oob and not pairs and missing == 0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=12), st.randoms())
+def test_exact_1d_tiling_is_ok_in_any_order(sizes, rnd):
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    boxes = [((o,), (s,)) for o, s in zip(offsets, sizes)]
+    rnd.shuffle(boxes)
+    assert check_coverage((sum(sizes),), boxes).ok
+
+
+def test_1d_holes_are_named():
+    cov = check_coverage((10,), [((0,), (3,)), ((5,), (2,))])
+    assert cov.missing == 5 and cov.holes == [(3, 5), (7, 10)]
+
+
+def test_huge_declared_shape_is_arithmetic_not_memory():
+    cov = check_coverage((10**15,), [((0,), (4,))])
+    assert cov.missing == 10**15 - 4
+    cov = check_coverage((10**8, 10**7), [((0, 0), (10**8, 10**7))])
+    assert cov.ok
+
+
+def test_grid_and_scalar():
+    grid = [((r * 2, c * 3), (2, 3)) for r in range(4) for c in range(3)]
+    assert check_coverage((8, 9), grid).ok
+    assert check_coverage((), [((), ())]).ok
+    assert check_coverage((), []).missing == 1
+    assert check_coverage((), [((), ()), ((), ())]).overlap_count == 1
+    assert check_coverage((4,), [((0, 0), (4, 1))]).bad_rank == [0]
+    assert math.prod(()) == 1
