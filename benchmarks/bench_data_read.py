@@ -1,6 +1,7 @@
 """Reading a large indexed dataset: memory against the batches in flight, time against ``cat``.
 
     python benchmarks/bench_data_read.py --gb 10 --write-docs
+    python benchmarks/bench_data_read.py --smoke --dir /tmp/bench-data   # 20 MB, 500 samples of 256 tokens
 
 Writes a ``--gb`` GB uint16 indexed dataset (documents of random lengths, ~2,000 tokens on
 average) under ``--dir``, then, each in a fresh subprocess and in turn:
@@ -159,8 +160,11 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the dataset (and reuse one of the same size)")
     ap.add_argument("--write-docs", action="store_true")
     ap.add_argument("--report", type=Path, default=None, help="only print (and --write-docs) a saved JSON")
+    ap.add_argument("--smoke", action="store_true", help="20 MB, 500 samples of seq 256; never writes docs")
     ap.add_argument("--child", nargs=2, metavar=("PREFIX", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.smoke:
+        args.gb, args.max_samples, args.seq_length, args.batch, args.write_docs = 0.02, 500, 256, 16, False
     if args.child:
         child(args.child[0], args.child[1], args.seq_length, args.batch, args.max_samples)
         return 0
