@@ -190,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", action="store_true", help="add a same-seed repeat of unfolded (a control)")
     ap.add_argument("--parallel", type=int, default=1, help="configurations run at once")
     ap.add_argument("--smoke", action="store_true", help="a tiny model for 4 steps (2 noise runs, the repeat)")
+    ap.add_argument("--from-json", nargs="+", type=Path, default=None, metavar="JSON",
+                    help="run nothing: summarise and plot the runs saved in these files (a convergence.json, "
+                         "or a JSON object of runs by name), e.g. runs made in two batches")
     args = ap.parse_args(argv)
     if args.smoke:
         args.preset, args.noise_runs, args.repeat, args.parallel = "smoke", 2, True, 2
@@ -199,11 +202,17 @@ def main(argv: list[str] | None = None) -> int:
     p["steps"] = args.steps or p["steps"]
     p["eval_interval"] = args.eval_interval or p["eval_interval"]
     args.out.mkdir(parents=True, exist_ok=True)
-    todo = {name: cfg for name, cfg in configs(p, args.seed, args.noise_runs, args.repeat).items()
-            if args.only is None or name in args.only or name == REFERENCE or name.startswith("noise")}
-    with ThreadPoolExecutor(args.parallel) as pool:
-        futures = {name: pool.submit(run_one, name, cfg, p, args) for name, cfg in todo.items()}
-        runs = {name: f.result() for name, f in futures.items()}
+    if args.from_json:
+        runs = {}
+        for path in args.from_json:
+            doc = json.loads(path.read_text())
+            runs.update(doc.get("runs", doc))
+    else:
+        todo = {name: cfg for name, cfg in configs(p, args.seed, args.noise_runs, args.repeat).items()
+                if args.only is None or name in args.only or name == REFERENCE or name.startswith("noise")}
+        with ThreadPoolExecutor(args.parallel) as pool:
+            futures = {name: pool.submit(run_one, name, cfg, p, args) for name, cfg in todo.items()}
+            runs = {name: f.result() for name, f in futures.items()}
     summary = summarise(runs)
     result = {"preset": args.preset, "settings": {k: v for k, v in p.items() if k != "extra"},
               "command": " ".join([sys.executable, *sys.argv]) if argv is None else " ".join(argv),
