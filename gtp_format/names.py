@@ -39,6 +39,12 @@ GTP_INDEX_VERSION = 1
 GTP_SAFETENSORS_RE = re.compile(r"^__(\d+)_(\d+)\.safetensors$")
 ITER_DIR_RE = re.compile(r"^iter_(\d{7})$")
 
+# Run state beside the tensors, in the manifest (Megatron keeps it in common.pt): the learning-rate
+# schedule under Megatron's name, and the data position with what it indexes.
+SCHEDULER_KEY = "opt_param_scheduler"
+DATA_POSITION_KEY = "data_position"
+CONSUMED_SAMPLES = "consumed_train_samples"
+
 # Byte objects: Megatron names a ShardedObject ``{key}/shard_{offset}_{shape}`` in DCP.
 SHARDED_OBJECT_RE = re.compile(r"^(?P<key>.+)/shard_(?P<offset>[\d.]+)_(?P<shape>[\d.]+)$")
 

@@ -94,7 +94,7 @@ def free_port() -> int:
 # User-facing errors (bad flags, a bad checkpoint): reported as their message, not as a crash.
 # Matched by name so that a failing rank need not import the runtime to classify its error.
 KNOWN_ERRORS = frozenset({"gtp_runtime.checkpoint.errors.CheckpointError", "gtp_format.layout.config.ConfigError",
-                          "gtp_format.errors.FormatError"})
+                          "gtp_format.errors.FormatError", "gtp_runtime.data.indexed.DataError"})
 
 
 def _known_error(e: BaseException) -> bool:

@@ -217,6 +217,9 @@ class DistributedMuon(DistributedAdam):
         self.step_count += 1
         t = self.step_count
         bc1, bc2 = 1 - c.beta1**t, 1 - c.beta2**t
+        # The schedule sets ``self.lr`` (AdamW's rate, peak ``c.lr``); Muon follows it at its own
+        # peak: the same factor, so a constant schedule gives exactly ``mc.lr`` (factor 1.0).
+        lr, muon_lr = self.lr, mc.lr * (self.lr / c.lr if c.lr else 1.0)
         # Muon params: momentum and Nesterov on the holders, NS on the owner, update back.
         nesterov = []
         for pc in self.plan.pieces:
@@ -239,8 +242,8 @@ class DistributedMuon(DistributedAdam):
         for pc in self.plan.pieces:
             st = self.state[pc.buf][pc.bucket]
             p = st.param[pc.lo : pc.hi]
-            p.mul_(1 - mc.lr * mc.weight_decay)
-            p.add_(back[at : at + pc.hi - pc.lo], alpha=-mc.lr)
+            p.mul_(1 - muon_lr * mc.weight_decay)
+            p.add_(back[at : at + pc.hi - pc.lo], alpha=-muon_lr)
             at += pc.hi - pc.lo
         # AdamW on the rest, run by run (the same op sequence as DistributedAdam's CPU path).
         for bi, (buf, states) in enumerate(zip(self.buffers, self.state)):
@@ -248,11 +251,11 @@ class DistributedMuon(DistributedAdam):
                 for lo, hi in self._adam_runs[bi][ki]:
                     g = buf.grad_data[st.lo + lo : st.lo + hi] * clip
                     p, m, v = st.param[lo:hi], st.exp_avg[lo:hi], st.exp_avg_sq[lo:hi]
-                    p.mul_(1 - c.lr * c.weight_decay)
+                    p.mul_(1 - lr * c.weight_decay)
                     m.lerp_(g, 1 - c.beta1)
                     v.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
                     denom = (v.sqrt() / bc2**0.5).add_(c.eps)
-                    p.addcdiv_(m, denom, value=-c.lr / bc1)
+                    p.addcdiv_(m, denom, value=-lr / bc1)
                 self._publish(buf, b, st)
         for work in self._gathers:
             work.wait()

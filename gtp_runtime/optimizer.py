@@ -69,6 +69,8 @@ class DistributedAdam:
         self.state = [[BucketState(buf, b) for b in buf.buckets] for buf in self.buffers]
         self.step_count = 0
         self._step_scale: torch.Tensor | None = None  # [step, 1 / clip] on CUDA, refilled every step
+        self.lr = self.cfg.lr
+        """The learning rate of the next update (a schedule sets it every step)."""
         self._gathers: list = []
         # Replicated params see different data on every gtp_remat lane; their gradients are
         # averaged over that group before the buckets reduce over dp / dp_cp.
@@ -232,11 +234,11 @@ class DistributedAdam:
                     self._fused_update(st, g, step_scale)
                 else:
                     g = g * clip
-                    st.param.mul_(1 - c.lr * c.weight_decay)
+                    st.param.mul_(1 - self.lr * c.weight_decay)
                     st.exp_avg.lerp_(g, 1 - c.beta1)
                     st.exp_avg_sq.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
                     denom = (st.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(c.eps)
-                    st.param.addcdiv_(st.exp_avg, denom, value=-c.lr / bc1)
+                    st.param.addcdiv_(st.exp_avg, denom, value=-self.lr / bc1)
                 self._publish(buf, b, st)
         for work in self._gathers:
             work.wait()
@@ -251,7 +253,7 @@ class DistributedAdam:
         and the one CI runs; on GPUs the fused kernel is what makes the optimizer step cheap.
         """
         c = self.cfg
-        torch._fused_adamw_([st.param], [g], [st.exp_avg], [st.exp_avg_sq], [], [step_scale[0]], lr=c.lr,
+        torch._fused_adamw_([st.param], [g], [st.exp_avg], [st.exp_avg_sq], [], [step_scale[0]], lr=self.lr,
                             beta1=c.beta1, beta2=c.beta2, weight_decay=c.weight_decay, eps=c.eps, amsgrad=False,
                             maximize=False, grad_scale=step_scale[1], found_inf=None)
 

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from gtp_runtime.collectives import all_gather_dim0
-from gtp_runtime.data import global_batch
 from gtp_runtime.optimizer import DistributedAdam
 from gtp_runtime.reference import ReferenceGPT
 from gtp_runtime.reference_muon import ReferenceMuon
@@ -84,12 +83,13 @@ def reference_for(trainer: Trainer) -> tuple[ReferenceGPT, torch.optim.AdamW | R
 def reference_step(trainer: Trainer, ref: ReferenceGPT, opt: torch.optim.AdamW | ReferenceMuon,
                    step: int) -> tuple[float, dict[str, torch.Tensor], float, int]:
     """One reference step on the same global batch: (loss, grads before clipping, norm, zeros)."""
-    m = trainer.cfg.model
-    tokens, labels = global_batch(step, trainer.cfg.global_batch_size, m.seq_length, m.vocab_size)
+    tokens, labels = trainer.global_batch(step)
     loss, grads = ref.grads(tokens, labels)
     zeros = sum(int((g == 0).sum()) for g in grads.values())
     clip = trainer.cfg.adam.clip_grad
     norm = torch.nn.utils.clip_grad_norm_(list(ref.params.values()), clip if clip > 0 else float("inf"))
+    for group in opt.param_groups:
+        group["lr"] = trainer.scheduler.get_lr()  # the same schedule, the same float
     opt.step()
     return loss, grads, float(norm), zeros
 
@@ -128,8 +128,9 @@ def check_against_reference(trainer: Trainer, steps: int, tol: float,
             # ``float(a != b)`` scored 1.0x tol, which the ``<= 1`` verdict let pass.)
             Mismatch(f"zeros@{step}", "num_zeros", 0.0 if zero_diff <= ref_near else zero_diff / max(ref_near, 0.5)),
         ]
+        trainer.optimizer.lr = trainer.scheduler.get_lr()
         trainer.optimizer.step_after_reduce(stats)
-        trainer.iteration = step
+        trainer.end_step(step)
         params = {n: p.detach() for n, p in trainer.model.named_parameters()}
         ref_params = {n: p.detach() for n, p in ref.params.items()}
         cands.append(_scaled(compare_shards(trainer.model, params, ref_params, f"param@{step}"), param_tol))

@@ -38,18 +38,26 @@ class ReferenceMuon:
         self.cfg = muon
         self.muon = {n: p for n, p in params.items() if muon_owned(n)}
         self.momentum = {n: torch.zeros_like(p) for n, p in self.muon.items()}
+        self.peak_lr = adam.lr
         rest = [p for n, p in params.items() if not muon_owned(n)]
         self.adam = torch.optim.AdamW(rest, lr=adam.lr, betas=(adam.beta1, adam.beta2), eps=adam.eps,
                                       weight_decay=adam.weight_decay, foreach=False)
 
+    @property
+    def param_groups(self) -> list[dict]:
+        """AdamW's groups: a schedule sets their ``lr``, and Muon follows it by the same factor."""
+        return self.adam.param_groups
+
     @torch.no_grad()
     def step(self) -> None:
         c = self.cfg
+        lr_now = self.adam.param_groups[0]["lr"]
+        lr = c.lr * (lr_now / self.peak_lr if self.peak_lr else 1.0)
         for n, p in self.muon.items():
             g = p.grad
             m = self.momentum[n]
             m.mul_(c.momentum).add_(g, alpha=1 - c.momentum)
             u = (1 - c.momentum) * g + c.momentum * m
             o = reference_newton_schulz(u, c.ns_steps) * max(1.0, p.shape[0] / p.shape[1]) ** 0.5
-            p.mul_(1 - c.lr * c.weight_decay).sub_(c.lr * o)
+            p.mul_(1 - lr * c.weight_decay).sub_(lr * o)
         self.adam.step()

@@ -32,6 +32,7 @@ from gtp_format.layout.config import ConfigError, ParallelConfig
 from gtp_format.manifest import Manifest, derive_bucket_size
 from gtp_format.names import dtype_tag, optimizer_key
 from gtp_runtime.checkpoint.io import load_checkpoint, save_checkpoint
+from gtp_runtime.checkpoint.run_state import run_configs
 from gtp_runtime.checkpoint.state import dp_group_idx, owned_pieces
 from gtp_runtime.muon import MuonConfig
 from gtp_runtime.optimizer import AdamConfig
@@ -182,13 +183,13 @@ def config_from_manifest(manifest: Manifest, dp: int | None = None) -> TrainConf
         par = ParallelConfig(**{**par.to_dict(), "dp": dp})
         par.validate(None, model.num_experts)
     model.validate(par)
+    lr, data = run_configs(manifest)
     try:
         bucket_size = manifest.bucket_size or derive_bucket_size(manifest.buffers, DEFAULT_BUCKET_SIZE)
     except ValueError as e:
         raise ConfigError(f"{e}; cannot recover --bucket-size") from None
     return TrainConfig(par=par, model=model, adam=adam, optimizer="muon" if opt.type == "muon" else "adam", muon=muon,
-                       bucket_size=bucket_size,
-                       param_dtype=from_repr(manifest.param_dtype).torch)
+                       bucket_size=bucket_size, param_dtype=from_repr(manifest.param_dtype).torch, lr=lr, data=data)
 
 
 def resave(trainer: Trainer, src: str | os.PathLike, root: str | os.PathLike, layout: str,

@@ -1,8 +1,9 @@
 """Launcher: ``python -m gtp_runtime.train --nproc-per-node N --tp .. --cp .. --gtp-remat .. [--fold-cp]``.
 
 Spawns N local ranks itself (gloo on CPU, NCCL when CUDA is there) or, when started by
-``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment), runs as that one rank. Trains on the
-embedded corpus and prints one line per step. ``--check-reference`` also runs the single-process
+``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment), runs as that one rank. Trains on
+``--data-path`` (a Megatron indexed dataset or a flat token file) or, by default, on the source
+files of Python's standard library, and prints one line per step. ``--check-reference`` also runs the single-process
 fp32 reference on the same global batches and exits 1, naming the worst parameter, if any
 gradient, loss or parameter differs beyond tolerance.
 
@@ -31,7 +32,10 @@ import torch.distributed as dist
 
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
+from gtp_runtime.data.indexed import DataError
+from gtp_runtime.data.source import DataConfig
 from gtp_runtime.launch import RankFailure, run_local_ranks
+from gtp_runtime.lr_schedule import LRConfig
 from gtp_runtime.muon import MuonConfig
 from gtp_runtime.optimizer import AdamConfig
 from gtp_runtime.training import TrainConfig, Trainer
@@ -45,6 +49,8 @@ EXAMPLES = """examples:
   python -m gtp_runtime.train --nproc-per-node 4 --tp 2 --cp 2 --fold-cp --check-reference
   python -m gtp_runtime.train --nproc-per-node 4 --cp 2 --dp 2 --fold-cp --optimizer muon --check-reference
   torchrun --nproc-per-node 2 -m gtp_runtime.train --cp 2 --fold-cp --steps 10
+  python -m gtp_runtime.train --nproc-per-node 2 --cp 2 --fold-cp --data-path data/corpus --vocab-size 4096 \
+      --steps 200 --lr 3e-4 --lr-warmup-iters 20 --lr-decay-style cosine --min-lr 3e-5 --eval-interval 50
 """
 
 
@@ -83,8 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--clip-grad", type=float, default=1.0)
     t.add_argument("--optimizer", choices=("adam", "muon"), default="adam",
                    help="adam: AdamW everywhere; muon: Muon for the linears, AdamW for embeddings, output, norms")
-    t.add_argument("--muon-lr", type=float, default=0.02, help="Muon's learning rate (--lr is AdamW's)")
+    t.add_argument("--muon-lr", type=float, default=0.02,
+                   help="Muon's peak learning rate (--lr is AdamW's; the --lr-* schedule scales both)")
     t.add_argument("--muon-momentum", type=float, default=0.95, help="Muon's (Nesterov) momentum")
+    t.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warmup from 0 to --lr over this many steps")
+    t.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant")
+    t.add_argument("--lr-decay-iters", type=int, default=None, help="decay to --min-lr by this step (default --steps)")
+    t.add_argument("--min-lr", type=float, default=0.0)
+    t.add_argument("--eval-interval", type=int, default=0, help="validation loss every N steps (0: never)")
+    t.add_argument("--eval-iters", type=int, default=2, help="validation batches per evaluation")
     t.add_argument("--bucket-size", type=int, default=40_000_000, help="elements per gradient bucket")
     t.add_argument("--no-gather-prefetch", action="store_true",
                    help="gather each GTP weight only when it is needed (no prefetch of the next one)")
@@ -97,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max relative error of losses, grad norms and gradients vs the reference")
     t.add_argument("--reference-param-tol", type=float, default=1e-3,
                    help="max relative error of params after Adam steps vs the reference")
+    d = ap.add_argument_group("data")
+    d.add_argument("--data-path", default=None,
+                   help="PREFIX of PREFIX.bin/.idx (Megatron) or a flat .bin of tokens (default: Python stdlib)")
+    d.add_argument("--data-dtype", choices=("uint16", "uint32"), default="uint16", help="tokens of a flat .bin")
+    d.add_argument("--split", default="98,2", help="train,valid document ratio (Megatron's --split)")
+    d.add_argument("--data-seed", type=int, default=None, help="document/sample shuffle seed (default: --seed)")
     c = ap.add_argument_group("checkpointing")
     c.add_argument("--save", default=None, help="folder to save checkpoints under (iter_XXXXXXX/)")
     c.add_argument("--save-interval", type=int, default=None, help="save every K iterations (and at the end)")
@@ -126,8 +145,17 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
                           f"{args.steps}")
     adam = AdamConfig(lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad)
     muon = MuonConfig(lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.weight_decay)
+    lr = LRConfig(max_lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
+                  decay_style=args.lr_decay_style,
+                  decay_iters=args.lr_decay_iters if args.lr_decay_iters is not None
+                  else (0 if args.lr_decay_style == "constant" else args.steps))  # Megatron: --train-iters
+    lr.validate()
+    data = DataConfig(path=args.data_path, flat_dtype=args.data_dtype, split=args.split, seed=args.data_seed)
+    data.weights()
+    if args.eval_interval < 0 or args.eval_iters < 1:
+        raise ConfigError(f"--eval-interval {args.eval_interval} must be >= 0 and --eval-iters {args.eval_iters} >= 1")
     cfg = TrainConfig(par=par, model=model, adam=adam, optimizer=args.optimizer, muon=muon,
-                      micro_batch=args.micro_batch, bucket_size=args.bucket_size,
+                      micro_batch=args.micro_batch, bucket_size=args.bucket_size, data=data, lr=lr,
                       param_dtype=torch.bfloat16 if args.bf16 else torch.float32,
                       prefetch=not args.no_gather_prefetch, overlap_grad_reduce=not args.no_overlap_grad_reduce,
                       fused=args.fused)
@@ -177,8 +205,11 @@ def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
         while trainer.iteration < args.steps:
             r = trainer.train_step()
             say(f"step {r.step:4d} | loss {r.loss:.6f} | grad_norm {r.grad_norm:.6f} | zeros {r.num_zeros} "
-                f"| {r.seconds * 1e3:.1f} ms", flush=True)
+                f"| lr {r.lr:.3e} | {r.seconds * 1e3:.1f} ms", flush=True)
             rows.append(vars(r))
+            if args.eval_interval and (trainer.iteration % args.eval_interval == 0 or trainer.iteration == args.steps):
+                rows[-1]["valid_loss"] = trainer.evaluate(args.eval_iters)
+                say(f"step {r.step:4d} | validation loss {rows[-1]['valid_loss']:.6f}", flush=True)
             last = trainer.iteration == args.steps
             if args.save and (last or (args.save_interval and trainer.iteration % args.save_interval == 0)):
                 folder = save_checkpoint(trainer, args.save, args.ckpt_layout, args.optimizer_sharding)
@@ -212,7 +243,7 @@ def _run_initialised(args: argparse.Namespace) -> int:
         torch.set_num_threads(1) if not use_cuda else None
         dist.init_process_group("nccl" if use_cuda else "gloo")
         return run_rank(args, cfg)
-    except (CheckpointError, ConfigError, FormatError) as e:
+    except (CheckpointError, ConfigError, FormatError, DataError) as e:
         print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:  # noqa: BLE001 - the traceback goes to this rank's log, one line to the console
@@ -224,6 +255,18 @@ def _run_initialised(args: argparse.Namespace) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def check_data(cfg: TrainConfig, eval_interval: int) -> None:
+    """Open the data once before any rank starts: a bad file is one line and exit 2, and the
+    default corpus is prepared here instead of by every rank at once."""
+    from gtp_runtime.data.source import DataSource
+
+    m = cfg.model
+    source = DataSource(cfg.data, m.seq_length, m.vocab_size, m.seed)
+    if eval_interval and source.valid is None:
+        raise DataError(f"{source.data.name}: --eval-interval needs a valid split, but --split {cfg.data.split} "
+                        "leaves it no documents")
 
 
 def spawn(args: argparse.Namespace, world: int) -> int:
@@ -254,11 +297,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg, world = resolve(args, None)
+        check_data(cfg, args.eval_interval)
         if args.load:
             # The checkpoint is opened and verified here, before any rank exists; the ranks load
             # the folder found here (a newer ``latest`` written meanwhile does not change it).
             args.load = str(preflight(args.load, cfg, args.optimizer_sharding))
-    except (ConfigError, CheckpointError) as e:
+    except (ConfigError, CheckpointError, DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return spawn(args, world)

@@ -12,8 +12,10 @@ from torch.profiler import record_function
 from gtp_format.layout import topology as topo
 from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_runtime.context_parallel import cp_positions, split_for_cp
-from gtp_runtime.data import global_batch, lane_slice
+from gtp_runtime.data import lane_slice
+from gtp_runtime.data.source import DataConfig, DataSource
 from gtp_runtime.groups import Groups, build_groups
+from gtp_runtime.lr_schedule import LRConfig, LRScheduler
 from gtp_runtime.model import GPTModel, is_gtp_dense
 from gtp_runtime.muon import DistributedMuon, MuonConfig
 from gtp_runtime.optimizer import AdamConfig, DistributedAdam, StepStats
@@ -38,6 +40,9 @@ class TrainConfig:
     fused: str | None = None
     """Fused element-wise regions: ``"compile"`` (torch.compile on CUDA) or ``"liger"``; see
     :mod:`gtp_runtime.fused`. ``None`` keeps the unfused layers."""
+    data: DataConfig = field(default_factory=DataConfig)
+    lr: LRConfig | None = None
+    """The schedule; ``None``: constant at ``adam.lr`` (what every run did before schedules)."""
 
     @property
     def lanes(self) -> int:
@@ -56,6 +61,7 @@ class StepResult:
     grad_norm: float
     num_zeros: int
     seconds: float
+    lr: float = 0.0
 
 
 class Trainer:
@@ -75,6 +81,18 @@ class Trainer:
         else:
             raise ValueError(f"unknown optimizer {cfg.optimizer!r}; use 'adam' or 'muon'")
         self.iteration = 0
+        self.consumed_train_samples = 0
+        """Megatron's data position: the next step reads samples from here on."""
+        self.scheduler = LRScheduler(cfg.lr or LRConfig(max_lr=cfg.adam.lr))
+        self._data: DataSource | None = None
+
+    @property
+    def data(self) -> DataSource:
+        """Opened on first use: checkpoint-only users of a Trainer never touch the corpus."""
+        if self._data is None:
+            m = self.cfg.model
+            self._data = DataSource(self.cfg.data, m.seq_length, m.vocab_size, m.seed)
+        return self._data
 
     @property
     def lane(self) -> int:
@@ -82,7 +100,16 @@ class Trainer:
         return c.gtp + self.cfg.par.gtp_remat * c.dp
 
     def local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's tokens, labels and global positions for ``step`` (1-based).
+        """This rank's tokens, labels and global positions for ``step`` (1-based)."""
+        return self.split_local(*self.global_batch(step))
+
+    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and labels ``[global_batch_size, seq_length]`` of ``step`` (1-based, >= the next one)."""
+        gbs = self.cfg.global_batch_size
+        return self.data.train_batch(self.consumed_train_samples + (step - self.iteration - 1) * gbs, gbs)
+
+    def split_local(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's lane of a global batch, cut for CP, with global positions.
 
         On CUDA the batch goes through pinned memory without blocking and the positions are built
         on the device: a pageable copy waits for the GPU to finish the previous step's optimizer
@@ -90,7 +117,6 @@ class Trainer:
         the CPU path's (the same corpus windows and the same positions).
         """
         m = self.cfg.model
-        tokens, labels = global_batch(step, self.cfg.global_batch_size, m.seq_length, m.vocab_size)
         sl = lane_slice(self.lane, self.cfg.micro_batch)
         cp = self.groups[topo.CP]
         if self.device.type == "cuda":
@@ -130,11 +156,29 @@ class Trainer:
         t0 = time.perf_counter()
         step = self.iteration + 1
         loss = self._forward_backward(step)
+        lr = self.optimizer.lr = self.scheduler.get_lr()
         with record_function("optimizer"):
             stats: StepStats = self.optimizer.step(loss)
-        self.iteration = step
+        self.end_step(step)
         assert stats.loss is not None
-        return StepResult(step, stats.loss, stats.grad_norm, stats.num_zeros, time.perf_counter() - t0)
+        return StepResult(step, stats.loss, stats.grad_norm, stats.num_zeros, time.perf_counter() - t0, lr)
+
+    def end_step(self, step: int) -> None:
+        """Advance iteration, schedule and data position after the update of ``step``."""
+        self.iteration = step
+        self.scheduler.step()
+        self.consumed_train_samples += self.cfg.global_batch_size
+
+    @torch.no_grad()
+    def evaluate(self, iters: int) -> float:
+        """Mean loss over the first ``iters`` validation batches (the same ones every time)."""
+        total = 0.0
+        for i in range(iters):
+            tokens, labels, pos = self.split_local(*self.data.valid_batch(i, self.cfg.global_batch_size))
+            loss = self.model(tokens, labels, pos).detach().float().clone()
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.groups[topo.REPLICATED].handle)
+            total += loss.item()
+        return total / iters
 
     def dense_weight_grad_bytes(self) -> int:
         """Bytes this rank holds for dense GTP weights and their gradients (the folding target)."""

@@ -56,12 +56,13 @@ def inspect_command(
     """Show format, topology, keys and aliasing status of a checkpoint (metadata only)."""
     from gtp_format.check.analysis import BUCKET_NUMEL, MODEL, OPTIMIZER, aliasing, classify_all, topology_view
     from gtp_format.model import BYTES, TENSOR
-    from gtp_format.names import STATES
+    from gtp_format.names import DATA_POSITION_KEY, SCHEDULER_KEY, STATES
     from gtp_format.reader.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(path)
     classes = classify_all(ckpt)
     topo = topology_view(ckpt.manifest, cp_size)
+    run_extra = ckpt.manifest.extra if ckpt.manifest is not None else {}  # run state: extra manifest fields
     alias = aliasing(ckpt, classes, topo)
     alias_state = {a.key: ("ALIASED" if a.severity == "error" else "aliased?") for a in alias.aliased}
     selected = [k for k in ckpt.entries if keys is None or fnmatch.fnmatchcase(k, keys)]
@@ -110,6 +111,9 @@ def inspect_command(
         "parallel_config": topo.par.to_dict() if topo.par else None,
         "manifest": ckpt.manifest is not None, "megatron_metadata": ckpt.megatron_metadata,
         "counts": counts,
+        # Run state (gtp manifests only): the lr schedule under Megatron's name and the data position.
+        "opt_param_scheduler": run_extra.get(SCHEDULER_KEY),
+        "data_position": run_extra.get(DATA_POSITION_KEY),
         "aliasing": {"status": alias.status, "message": alias.message,
                      "keys": [{"key": a.key, "severity": a.severity, "reason": a.reason, "kept": a.kept_summary(),
                                "survivors": [asdict(s) for s in a.survivors]} for a in alias.aliased]},
@@ -161,6 +165,9 @@ def _tables(doc: dict[str, Any]) -> list[str]:
         owned = ", ".join(f"{o} {n} params" for o, n in oi["params"].items())
         summary.append(("optimizer", f"{oi['type']} at step {oi['step']} ({owned})"))
     blocks = [table(summary, ("checkpoint", ""))]
+    for title in ("opt_param_scheduler", "data_position"):
+        if isinstance(doc.get(title), dict):
+            blocks.append(table([(k, v) for k, v in doc[title].items()], ("field", "value"), title))
     blocks.append(table([(w["key"], fmt_shape(w["shape"]), _dtype(w["dtype"]), w["chunks"]) for w in doc["weights"]],
                         ("key", "global shape", "dtype", "chunks"), "Model weights"))
     blocks.append(table(

@@ -17,6 +17,8 @@ from ckpt_tool.roundtrip import jobs
 from ckpt_tool.roundtrip.rows import Outcome, Progress, no_progress, row
 from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
+from gtp_runtime.lr_schedule import LRConfig
+from gtp_runtime.optimizer import AdamConfig
 from gtp_runtime.training import TrainConfig
 
 DEFAULT_STEPS = 3
@@ -45,7 +47,11 @@ def train_config(tp: int | None = None, cp: int | None = None, gtp_remat: int | 
     model.validate(par)
     if optimizer not in ("adam", "muon"):
         raise ConfigError(f"--optimizer {optimizer!r} is not one of adam, muon")
-    return TrainConfig(par=par, model=model, bucket_size=bucket_size, optimizer=optimizer), world
+    # The launcher's default schedule (constant at --lr) and data (the stdlib corpus), spelled out as
+    # the launcher spells them, so that both build the same config.
+    adam = AdamConfig()
+    return TrainConfig(par=par, model=model, adam=adam, bucket_size=bucket_size, optimizer=optimizer,
+                       lr=LRConfig(max_lr=adam.lr)), world
 
 
 def run(cfg: TrainConfig, world: int, layout: str = "torch_dist", steps: int = DEFAULT_STEPS,

@@ -29,10 +29,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from gtp_format import names as fmt
 from gtp_format.commit import commit_folder, write_atomic, write_durable
 from gtp_format.errors import FormatError
+from gtp_format.layout.config import ConfigError
 from gtp_format.manifest import FileEntry, write_manifest
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
 from gtp_runtime.checkpoint.errors import CheckpointError
 from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, file_entry, optimizer_info
+from gtp_runtime.checkpoint.run_state import load_run_state, save_run_state
 from gtp_runtime.checkpoint.safetensors_storage import INDEX_FILE, SafetensorsWriter
 from gtp_runtime.checkpoint.state import (
     bucket_numel_state,
@@ -116,6 +118,7 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
             optimizer=optimizer_info(trainer.optimizer, cfg.adam, cfg.muon, trainer.optimizer.step_count),
             buffers=buffer_layout(trainer.optimizer, trainer.groups),
             files=files, param_dtype=str(cfg.param_dtype), bucket_size=cfg.bucket_size)
+        manifest.extra.update(save_run_state(trainer))
         if aliased:
             manifest.notes.append("written by the pre-fix (aliased) writer: folded keys lack .cp_rank_{i}")
         write_manifest(tmp, manifest)
@@ -185,5 +188,9 @@ def load_checkpoint(trainer: Trainer, path: str | os.PathLike, sharding: str = f
     assert manifest.optimizer is not None
     trainer.optimizer.step_count = manifest.optimizer.step
     trainer.iteration = manifest.iteration
+    try:
+        load_run_state(trainer, manifest, folder)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from e
     trainer.optimizer.zero_grad()
     return folder

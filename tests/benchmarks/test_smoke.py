@@ -50,6 +50,8 @@ SMOKE = {
     "bench_gpu.py": ["--json", "{tmp}/gpu.json"],
     "bench_reshard.py": ["--workdir", "{tmp}/reshard"],
     "bench_muon.py": [],
+    "bench_data_read.py": ["--dir", "{tmp}/data_read"],
+    "convergence.py": ["--out", "{tmp}/convergence"],
 }
 # Not run with --smoke by the test above; each has its own test below.
 OTHERS = {"bench_megatron_save.py", "report_gpu.py", "docs_section.py"}
@@ -185,10 +187,35 @@ def check_reshard(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert "Time against size, reshard" in p.stdout and not (tmp / "reshard").exists()
 
 
+def check_data_read(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    head, *rows = _table(p.stdout)
+    assert [r[0] for r in rows] == ["cat", "sequential", "shuffled"], rows
+    growth, batch = head.index("RssAnon growth MiB"), head.index("one batch MiB")
+    for r in rows[1:]:
+        # Memory: what reading adds is the batches in flight, not the file (the smoke file is 20 MB,
+        # a copy of it would be 38 MiB of int64 tokens per 10 MB read).
+        assert float(r[growth]) < 16 + 4 * float(r[batch]), r
+        assert float(r[head.index("seconds")]) > 0
+    assert not list((tmp / "data_read").glob("*.bin"))  # the generated dataset is removed
+
+
+def check_convergence(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    s = json.loads((tmp / "convergence" / "convergence.json").read_text())["summary"]
+    assert s["noise_runs"] == 2 and s["noise_pairs"] == 3 and s["eval_steps"] == [2, 4]
+    # Folded and the same-seed repeat take the unfolded run's data and init: on CPU in fp32 their
+    # losses are the unfolded run's, step for step; the other data orders are not.
+    for name in ("folded", "repeat"):
+        c = s["compared"][name]
+        assert c["first_step_losses_differ"] is None and c["max_valid_diff"] < 1e-6, c
+    assert s["compared"]["repeat"]["control"] and min(s["noise_diff"]) > 0
+    assert s["passed"] and "PASSED" in p.stdout
+
+
 CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
     "bench_inspect.py": check_inspect, "bench_migrate.py": check_migrate, "bench_verify.py": check_verify,
     "bench_gpu.py": check_gpu, "bench_reshard.py": check_reshard, "bench_muon.py": check_muon,
+    "bench_data_read.py": check_data_read, "convergence.py": check_convergence,
 }
 
 

@@ -54,3 +54,38 @@ def test_resume_at_new_topology_matches(tmp_path: Path, a_args: list[str], b_arg
     assert len(la) == len(lb) == 2
     for x, y in zip(la, lb):
         assert abs(x - y) <= TOL * abs(x), (la, lb)
+
+
+@pytest.mark.slow
+def test_reshard_keeps_the_schedule_and_the_data_position(tmp_path: Path) -> None:
+    """The lr schedule's state and the data position travel with a reshard: ``ckpt inspect`` shows
+    them on B, a resume of B with another data order or schedule is refused (so B's state is read,
+    not rebuilt from the iteration), and B resumed at its topology continues A's run."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    run = ["--data-seed", "7", "--lr", "3e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
+           "--lr-decay-iters", "5", "--min-lr", "1e-4", "--nproc-per-node", "4", "--steps", "5"]
+    a_top = ["--cp", "2", "--gtp-remat", "2", "--fold-cp", "--micro-batch", "2"]
+    b_top = ["--tp", "2", "--cp", "2", "--micro-batch", "4"]
+    _train([*a_top, *run, "--save", str(a), "--save-interval", "3", "--log-json", str(tmp_path / "a.json")])
+    r = cli("reshard", a / "iter_0000003", b, "--tp", "2", "--gtp-remat", "1", "--no-fold-cp", "--format", "json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    ma = json.loads((a / "iter_0000003" / "gtp_manifest.json").read_text())
+    mb = json.loads((b / "iter_0000003" / "gtp_manifest.json").read_text())
+    assert ma["opt_param_scheduler"]["num_steps"] == 3 and ma["data_position"]["consumed_train_samples"] == 12
+    for key in ("opt_param_scheduler", "data_position"):
+        assert mb[key] == ma[key]
+    shown = json.loads(cli("inspect", b, "--format", "json").stdout)
+    assert shown["opt_param_scheduler"]["num_steps"] == 3 and shown["data_position"]["dataset"]["seed"] == 7
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for flag, value, needle in (("--data-seed", "8", "data"), ("--lr-warmup-iters", "1", "opt_param_scheduler")):
+        argv = [*b_top, *run, "--load", str(b)]
+        argv[argv.index(flag) + 1] = value
+        p = subprocess.run([sys.executable, "-m", "gtp_runtime.train", *SMALL, *argv], capture_output=True,
+                           text=True, env=env, timeout=600)
+        assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    _train([*b_top, *run, "--load", str(b), "--log-json", str(tmp_path / "b.json")])
+    la, lb = _losses(tmp_path / "a.json")[3:], _losses(tmp_path / "b.json")
+    assert len(la) == len(lb) == 2
+    for x, y in zip(la, lb):
+        assert abs(x - y) <= TOL * abs(x), (la, lb)

@@ -47,12 +47,15 @@ PARITY = {
     "cp2-g1-fold-fused": ["--nproc-per-node", "2", "--cp", "2", "--fold-cp", "--fused", "compile", "--seed", "5"],
     "tp2-cp2-g2-fold": ["--nproc-per-node", "8", "--tp", "2", "--cp", "2", "--gtp-remat", "2", "--fold-cp"],
     # Muon (issue 16): whole-matrix Newton-Schulz on an owner rank, momentum shards gathered from
-    # every rank of tp x weight group x buffer DP. Folded and unfolded with tail padding; then TP2,
-    # MoE (experts never fold) and gtp_remat 1 with fold in one 8-rank run.
+    # every rank of tp x weight group x buffer DP. Folded and unfolded with tail padding (unfolded
+    # under a warmup + cosine schedule, which scales Muon's rate by AdamW's factor); then TP2, MoE
+    # (experts never fold) and gtp_remat 1 with fold in one 8-rank run.
     "muon-cp2-g2-dp2-fold": ["--nproc-per-node", "8", "--cp", "2", "--gtp-remat", "2", "--dp", "2", "--fold-cp",
                              "--optimizer", "muon", *PADDED_MODEL],
     "muon-cp2-g2-dp2-nofold": ["--nproc-per-node", "8", "--cp", "2", "--gtp-remat", "2", "--dp", "2",
-                               "--optimizer", "muon", "--muon-lr", "0.03", *PADDED_MODEL],
+                               "--optimizer", "muon", "--muon-lr", "0.03", "--lr-warmup-iters", "2",
+                               "--lr-decay-style", "cosine", "--lr-decay-iters", "5", "--min-lr", "1e-4",
+                               *PADDED_MODEL],
     "muon-tp2-cp2-g1-dp2-fold-moe": ["--nproc-per-node", "8", "--tp", "2", "--cp", "2", "--dp", "2", "--fold-cp",
                                      "--optimizer", "muon", "--muon-momentum", "0.9", "--num-experts", "2",
                                      "--expert-gtp-remat", "2", "--num-heads", "2", "--gtp-align", "8"],
@@ -111,6 +114,31 @@ LOAD_REFUSED = [*FIXTURE_MODEL, "--steps", "3", "--load", "{ckpt}"]
 CRASH_RUN = [*CKPT_MODEL, "--steps", "1", "--save", "{ckpt}"]
 CRASH_ENV = {"GTP_FAULT_INJECT": "before_write:1:raise"}
 
+# Data and schedule runs (test_data_launcher.py). ``{ckpt}`` and ``{flat}`` are replaced by per-test
+# paths; ``{flat}`` is a flat uint16 token file of real text. The save run trains 6 steps saving at 3
+# and 6; the load run resumes at 3 and must give the same rows, bit for bit.
+SCHEDULE = ["--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--lr-decay-iters", "6", "--min-lr", "1e-4"]
+FLAT_DATA = ["--data-path", "{flat}", "--data-dtype", "uint16", "--split", "9,1", "--data-seed", "3",
+             "--eval-interval", "2", "--eval-iters", "1"]
+DATA_RUNS = {
+    # A warmup + linear decay schedule, distributed against the fp32 reference fed the same lr.
+    "schedule-reference": (["--nproc-per-node", "2", "--cp", "2", "--fold-cp", "--steps", "5", "--check-reference",
+                            "--lr", "3e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "linear",
+                            "--lr-decay-iters", "4", "--min-lr", "1e-4"], 0),
+    # A dataset written by genuine megatron-core, 4 ranks (2 lanes), against the reference.
+    "megatron-data-reference": (["--nproc-per-node", "4", "--cp", "2", "--dp", "2", "--fold-cp", "--data-path",
+                                 "fixtures/megatron/indexed/bytes_uint8", "--seq-length", "16", "--split", "1,0",
+                                 "--micro-batch", "1", "--steps", "3", "--check-reference"], 0),
+    "flat-save": ([*CKPT_MODEL, *FLAT_DATA, *SCHEDULE, "--steps", "6", "--save", "{ckpt}", "--save-interval", "3"], 0),
+    "flat-load": ([*CKPT_MODEL, *FLAT_DATA, *SCHEDULE, "--steps", "6", "--load", "{ckpt}/iter_0000003"], 0),
+    # Resuming on another data order would not continue the run: refused, naming the flags.
+    "flat-load-other-seed": ([*CKPT_MODEL, *FLAT_DATA[:-6], "--data-seed", "4", *SCHEDULE, "--steps", "6",
+                              "--load", "{ckpt}/iter_0000003"], 2),
+    # Token ids past --vocab-size (uint16 ids up to 50,000): one line, exit 2.
+    "vocab-too-small": ([*CKPT_MODEL, "--data-path", "fixtures/megatron/indexed/tokens_uint16", "--seq-length", "8",
+                         "--steps", "1"], 2),
+}
+
 # Runs started by torchrun (``--master-port`` is added at run time); the launcher runs as one rank.
 TORCHRUN_RUNS = {
     "torchrun-cp2-fold": (["--nproc-per-node", "2"], ["--cp", "2", "--fold-cp", "--steps", "2", "--check-reference"]),
@@ -127,6 +155,11 @@ CLI_ERRORS = {
                                 ["fold_cp at gtp_remat=1", "CP group", "drop --average-in-collective"]),
     "seq-not-multiple-of-2cp": (["--cp", "3", "--seq-length", "32"], ["--seq-length 32", "2*cp = 6"]),
     "heads-not-multiple-of-tp": (["--tp", "3", "--num-heads", "4"], ["--num-heads 4 must be a multiple of --tp 3"]),
+    "no-such-data": (["--data-path", "runs/no/such/prefix"], ["runs/no/such/prefix", "check --data-path"]),
+    "bad-split": (["--split", "0,1"], ["--split '0,1'", "train > 0"]),
+    "decay-inside-warmup": (["--lr-decay-style", "linear", "--lr-warmup-iters", "5", "--lr-decay-iters", "5"],
+                            ["--lr-decay-iters 5 must exceed --lr-warmup-iters 5"]),
+    "eval-without-valid": (["--eval-interval", "2", "--split", "1,0"], ["needs a valid split"]),
 }
 
 
@@ -170,6 +203,7 @@ def executed_argvs() -> list[list[str]]:
     out += [[*argv, *log] for _, argv in TORCHRUN_RUNS.values()]
     out += [[*argv, *log] for argv, _ in CHECKPOINT_RUNS.values()]
     out += [[*argv, *log] for argv, _ in [*MUON_CHECKPOINT_RUNS.values(), MUON_RESHARDED_LOAD]]
+    out += [[*argv, *log] for argv, _ in DATA_RUNS.values()]
     out += [argv for argv, _ in CLI_ERRORS.values()]
     out += [LOAD_REFUSED, CRASH_RUN]
     out += [HELP]

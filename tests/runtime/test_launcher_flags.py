@@ -43,6 +43,14 @@ CONFIG_FLAGS = {
     "bucket_size": ([], ["--bucket-size", "1000"], "bucket_size", 1000),
     "no_gather_prefetch": ([], ["--no-gather-prefetch"], "prefetch", False),
     "no_overlap_grad_reduce": ([], ["--no-overlap-grad-reduce"], "overlap_grad_reduce", False),
+    "data_path": ([], ["--data-path", "d/x"], "data.path", "d/x"),
+    "data_dtype": ([], ["--data-dtype", "uint32"], "data.flat_dtype", "uint32"),
+    "split": ([], ["--split", "9,1"], "data.split", "9,1"),
+    "data_seed": ([], ["--data-seed", "9"], "data.seed", 9),
+    "lr_warmup_iters": ([], ["--lr-warmup-iters", "2"], "lr.warmup_iters", 2),
+    "lr_decay_style": ([], ["--lr-decay-style", "linear"], "lr.decay_style", "linear"),
+    "lr_decay_iters": ([], ["--lr-decay-iters", "9"], "lr.decay_iters", 9),
+    "min_lr": ([], ["--min-lr", "1e-4"], "lr.min_lr", 1e-4),
     "fused": ([], ["--fused", "compile"], "fused", "compile"),
     "optimizer": ([], ["--optimizer", "muon"], "optimizer", "muon"),
     "muon_lr": ([], ["--muon-lr", "0.03"], "muon.lr", 0.03),
@@ -63,6 +71,8 @@ RUN_FLAGS = {
     "load": ["--load", "ckpt"],  # test_launcher_checkpoint: resumed rows equal the uninterrupted ones
     "ckpt_layout": ["--ckpt-layout", "safetensors"],  # test_launcher_checkpoint (torch_dist)
     "optimizer_sharding": ["--optimizer-sharding", "fully_reshardable"],  # test_launcher_checkpoint: refused
+    "eval_interval": ["--eval-interval", "2"],  # test_data_launcher: valid_loss on rows 2, 4, 6
+    "eval_iters": ["--eval-iters", "3"],  # test_data_launcher: the eval loop reads it (runs use 1)
 }
 
 

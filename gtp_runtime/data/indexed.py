@@ -1,0 +1,189 @@
+"""Megatron's indexed dataset (``PREFIX.idx`` + ``PREFIX.bin``) and flat token files, read as untrusted.
+
+``.idx`` layout (megatron-core ``indexed_dataset.py``, version 1, little-endian)::
+
+    9 bytes  b"MMIDIDX\\x00\\x00"
+    u64      version (1)
+    u8       dtype code of the tokens in .bin (1 uint8, 2 int8, 3 int16, 4 int32, 5 int64,
+             6 float64, 7 float32, 8 uint16)
+    u64      sequence count S
+    u64      document-index count D (= documents + 1)
+    i32[S]   sequence lengths in tokens
+    i64[S]   sequence pointers: byte offsets into .bin
+    i64[D]   document indices: sequence ids, from 0 to S, where each document starts
+    i8[S]    sequence modes (multimodal datasets only; ignored here)
+
+Why so strict: the counts in the header decide how much is read, so a hostile or truncated file
+could claim 2**64 sequences or point past the end of ``.bin``. Every count is checked against the
+real file size *before* anything is mapped by it, and every pointer, length and document index is
+checked in bounds (in blocks, so a 10 GB corpus's index costs a bounded amount of memory). The
+``.bin`` is only ever memory-mapped: a batch reads its own pages and nothing else, so the resident
+memory is the batches in flight, not the corpus (measured in ``benchmarks/bench_data_read.py``).
+
+A flat token file is a ``.bin`` of uint16 or uint32 tokens with no ``.idx``; it is cut into
+pseudo-documents of :data:`FLAT_DOC_TOKENS` tokens so that it can be shuffled and split like an
+indexed dataset.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+INDEX_HEADER = b"MMIDIDX\x00\x00"
+INDEX_VERSION = 1
+HEADER_BYTES = 9 + 8 + 1 + 8 + 8
+DTYPE_CODES: dict[int, type[np.number]] = {
+    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+}
+FLAT_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+FLAT_DOC_TOKENS = 1 << 16
+_BLOCK = 1 << 20  # index entries validated per block
+
+
+class DataError(ValueError):
+    """A data file that cannot be used. One line that names the file and the fix."""
+
+
+def code_of(dtype: type[np.number]) -> int:
+    return next(c for c, d in DTYPE_CODES.items() if np.dtype(d) == np.dtype(dtype))
+
+
+def _regular_size(path: Path) -> int:
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror}); check --data-path") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise DataError(f"{path}: not a regular file; point --data-path at a dataset prefix or a .bin file")
+    return st.st_size
+
+
+@dataclass
+class TokenDataset:
+    """Tokens of a dataset as a read-only memory map plus where each document's tokens are.
+
+    ``starts``/``lengths`` are in tokens (element offsets into ``tokens``), one entry per
+    sequence; ``doc_index`` has documents + 1 entries of sequence ids.
+    """
+
+    name: str
+    tokens: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    doc_index: np.ndarray
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.doc_index) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum(dtype=np.int64))
+
+    def release(self) -> None:
+        """Unmap the token pages touched so far (they stay in the page cache; a re-read is a minor fault).
+
+        Why: each page fault maps the pages around it too (the kernel's fault-around, 64 KiB), so
+        shuffled reads of a 10 GB ``.bin`` left 8.6 GB of it mapped into the process (RssFile) after
+        0.4 GB of samples, alarming in any memory report although none of it was a copy.
+        """
+        m = getattr(self.tokens, "_mmap", None)
+        if m is not None and hasattr(m, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            m.madvise(mmap.MADV_DONTNEED)
+
+    def fingerprint(self) -> dict[str, int | str]:
+        """What identifies the data in a checkpoint (cheap: no pass over the tokens)."""
+        return {"name": self.name, "dtype": str(self.tokens.dtype), "sequences": len(self.lengths),
+                "documents": self.num_documents, "tokens": self.num_tokens}
+
+
+def _map(path: Path, dtype: type[np.number], count: int, offset: int = 0) -> np.ndarray:
+    if count == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+
+
+def read_index(prefix: str | os.PathLike) -> TokenDataset:
+    """Open and validate ``PREFIX.idx``/``PREFIX.bin``; raise :class:`DataError` on any defect."""
+    idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    idx_size, bin_size = _regular_size(idx), _regular_size(bin_)
+    if idx_size < HEADER_BYTES:
+        raise DataError(f"{idx}: {idx_size} bytes, shorter than the {HEADER_BYTES}-byte header; the file is truncated")
+    with open(idx, "rb") as f:
+        head = f.read(HEADER_BYTES)
+    if head[:9] != INDEX_HEADER:
+        raise DataError(f"{idx}: not a Megatron indexed dataset (header {head[:9]!r}, expected {INDEX_HEADER!r})")
+    version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:])
+    if version != INDEX_VERSION:
+        raise DataError(f"{idx}: index version {version}, only version {INDEX_VERSION} is supported")
+    if code not in DTYPE_CODES:
+        raise DataError(f"{idx}: unknown dtype code {code} (valid: 1-8); the file is corrupt")
+    dtype = DTYPE_CODES[code]
+    if not np.issubdtype(dtype, np.integer):
+        raise DataError(f"{idx}: dtype code {code} is {np.dtype(dtype).name}, which cannot hold token ids")
+    need = HEADER_BYTES + 12 * n_seq + 8 * n_doc
+    if idx_size not in (need, need + n_seq):  # + n_seq: multimodal sequence modes
+        raise DataError(f"{idx}: header declares {n_seq} sequences and {n_doc} document indices ({need} bytes), "
+                        f"but the file has {idx_size} bytes; the file is truncated or not an index")
+    if n_doc < 2:
+        raise DataError(f"{idx}: {max(n_doc, 1) - 1} documents; the dataset is empty")
+    itemsize = np.dtype(dtype).itemsize
+    lengths = _map(idx, np.int32, n_seq, HEADER_BYTES)
+    pointers = _map(idx, np.int64, n_seq, HEADER_BYTES + 4 * n_seq)
+    docs = _map(idx, np.int64, n_doc, HEADER_BYTES + 12 * n_seq)
+    for lo in range(0, n_seq, _BLOCK):
+        ln, pt = lengths[lo : lo + _BLOCK].astype(np.int64), pointers[lo : lo + _BLOCK]
+        bad = (ln < 0) | (pt < 0) | (pt % itemsize != 0) | (pt > bin_size) | (ln > (bin_size - pt) // itemsize)
+        if bad.any():
+            i = lo + int(np.argmax(bad))
+            raise DataError(f"{idx}: sequence {i} (pointer {int(pointers[i])}, length {int(lengths[i])} tokens of "
+                            f"{itemsize} bytes) lies outside {bin_.name} ({bin_size} bytes); the index does not "
+                            "match the .bin")
+    if docs[0] != 0 or docs[-1] != n_seq:
+        raise DataError(f"{idx}: document indices must run from 0 to {n_seq} (the sequence count), found "
+                        f"{int(docs[0])} .. {int(docs[-1])}; the file is corrupt")
+    for lo in range(0, n_doc - 1, _BLOCK):
+        block = docs[lo : lo + _BLOCK + 1]
+        if (np.diff(block) < 0).any():
+            raise DataError(f"{idx}: document indices decrease near document {lo + int(np.argmax(np.diff(block) < 0))}"
+                            "; the file is corrupt")
+    if bin_size % itemsize:
+        raise DataError(f"{bin_}: {bin_size} bytes is not a whole number of {np.dtype(dtype).name} tokens")
+    tokens = _map(bin_, dtype, bin_size // itemsize)
+    return TokenDataset(Path(prefix).name, tokens, pointers // itemsize if n_seq else pointers, lengths, docs)
+
+
+def read_flat(path: str | os.PathLike, dtype_name: str = "uint16") -> TokenDataset:
+    """A flat ``.bin`` of tokens, cut into pseudo-documents of :data:`FLAT_DOC_TOKENS` tokens."""
+    path = Path(path)
+    if dtype_name not in FLAT_DTYPES:
+        raise DataError(f"--data-dtype {dtype_name!r}: use one of {sorted(FLAT_DTYPES)}")
+    dtype = FLAT_DTYPES[dtype_name]
+    size, itemsize = _regular_size(path), np.dtype(dtype).itemsize
+    if size % itemsize:
+        raise DataError(f"{path}: {size} bytes is not a whole number of {dtype_name} tokens; check --data-dtype")
+    n = size // itemsize
+    if n == 0:
+        raise DataError(f"{path}: no tokens; the file is empty")
+    starts = np.arange(0, n, FLAT_DOC_TOKENS, dtype=np.int64)
+    lengths = np.minimum(FLAT_DOC_TOKENS, n - starts).astype(np.int32)
+    return TokenDataset(path.name, _map(path, dtype, n), starts, lengths, np.arange(len(starts) + 1, dtype=np.int64))
+
+
+def open_dataset(path: str | os.PathLike, flat_dtype: str = "uint16") -> TokenDataset:
+    """``PREFIX`` (with ``PREFIX.idx``) is an indexed dataset; a ``.bin`` without an ``.idx`` is flat."""
+    p = str(path)
+    if p.endswith(".idx") or (p.endswith(".bin") and os.path.exists(p[:-4] + ".idx")):
+        return read_index(p[:-4])
+    if os.path.exists(p + ".idx"):
+        return read_index(p)
+    if p.endswith(".bin") or os.path.isfile(p):
+        return read_flat(p, flat_dtype)
+    raise DataError(f"{p}: neither {p}.idx/{p}.bin (an indexed dataset) nor a flat .bin file; check --data-path")
