@@ -16,6 +16,12 @@ everything reachable from the stack; a list mutated after it was memoized can be
 which is harmless because lists are unhashable and Python-level recursion raises
 ``RecursionError``, which the readers turn into a one-line error.
 
+The same replay refuses ``BUILD`` (``__setstate__`` or ``__dict__`` update) and item assignment
+whose target is a global itself (``GLOBAL``, ``STACK_GLOBAL``, ``EXT*``, or a memo copy of one):
+the allow-listed globals (dtype entries, layout and memory-format constants, record classes,
+helper functions) are shared by the whole process, and a crafted ``BUILD`` on ``torch.float32``
+set its ``itemsize`` for every later read. Genuine pickles only ever ``BUILD`` fresh instances.
+
 Cost: one Python-level step per opcode. A DCP ``.metadata`` has about 65 opcodes per chunk; see
 docs/performance.md for what this adds to ``inspect``.
 """
@@ -28,7 +34,8 @@ MAX_DEPTH = 32  # genuine DCP metadata nests 9 deep (Metadata > dict > record > 
 
 # action codes
 _ATOM, _NOP, _EMPTY, _MARK, _COLLECT, _WRAP1, _WRAP2, _WRAP3, _APPEND, _SETITEM, _EXTEND, _CALL2, _CALL3, \
-    _GLOBAL2, _BUILD, _POP, _POPMARK, _DUP, _PUT, _MEMOIZE, _GET, _PERSID, _BINPERSID, _STOP = range(24)
+    _GLOBAL2, _BUILD, _POP, _POPMARK, _DUP, _PUT, _MEMOIZE, _GET, _PERSID, _BINPERSID, _STOP, _GLOBAL = range(25)
+_IS_GLOBAL = -1  # the "depth" of a global on the replayed stack: BUILD or item assignment on it is refused
 # argument kinds (> 0: that many bytes)
 _LINE, _LINES2, _LEN1, _LEN4, _LEN8 = -1, -2, -3, -4, -8
 
@@ -41,15 +48,18 @@ def _table() -> list[tuple[int, int] | None]:
             t[ord(o)] = (arg, act)
 
     add("N\x88\x89\x97", 0, _ATOM)
-    add("K\x82", 1, _ATOM)
-    add("M\x83", 2, _ATOM)
-    add("J\x84", 4, _ATOM)
+    add("K", 1, _ATOM)
+    add("M", 2, _ATOM)
+    add("J", 4, _ATOM)
+    add("\x82", 1, _GLOBAL)  # EXT1/2/4: a global through copyreg's registry
+    add("\x83", 2, _GLOBAL)
+    add("\x84", 4, _GLOBAL)
     add("G", 8, _ATOM)
     add("\x8cCU\x8a", _LEN1, _ATOM)
     add("XTB\x8b", _LEN4, _ATOM)
     add("\x8d\x8e\x96", _LEN8, _ATOM)
     add("ILFSV", _LINE, _ATOM)
-    add("c", _LINES2, _ATOM)
+    add("c", _LINES2, _GLOBAL)
     add("\x98", 0, _NOP)
     add("\x80", 1, _NOP)
     add("\x95", 8, _NOP)
@@ -146,6 +156,9 @@ def check_shape(data: bytes | bytearray, max_depth: int = MAX_DEPTH, max_contain
             if act == _MARK:
                 marks.append(len(stack))
                 continue
+            if act == _GLOBAL:
+                stack.append(_IS_GLOBAL)
+                continue
             if act == _EMPTY:
                 stack.append(1)
             elif act <= _WRAP3:  # _COLLECT, _WRAP1..3: items replaced by one container around them
@@ -157,6 +170,8 @@ def check_shape(data: bytes | bytearray, max_depth: int = MAX_DEPTH, max_contain
                 stack.append(depth)
             elif act == _APPEND or act == _BUILD:
                 item = stack.pop() + 1
+                if stack[-1] == _IS_GLOBAL:
+                    _refuse_global_change(act, pos)
                 if item > stack[-1]:
                     stack[-1] = item
                     if item > max_depth:
@@ -167,17 +182,21 @@ def check_shape(data: bytes | bytearray, max_depth: int = MAX_DEPTH, max_contain
                     continue
             elif act == _SETITEM:
                 depth = max(stack.pop(), stack.pop()) + 1
+                if stack[-1] == _IS_GLOBAL:
+                    _refuse_global_change(act, pos)
                 stack[-1] = max(stack[-1], depth)
             elif act == _EXTEND:
                 start = marks.pop()
                 depth = 1 + max(stack[start:], default=0)
                 del stack[start:]
+                if stack[-1] == _IS_GLOBAL:
+                    _refuse_global_change(act, pos)
                 stack[-1] = max(stack[-1], depth)
             elif act == _CALL2 or act == _CALL3 or act == _GLOBAL2:
                 n = 2 if act != _CALL3 else 3
                 if len(stack) < n:
                     raise IndexError
-                depth = 1 + max(stack[-n:]) if act != _GLOBAL2 else 0
+                depth = 1 + max(stack[-n:]) if act != _GLOBAL2 else _IS_GLOBAL
                 del stack[-n:]
                 stack.append(depth)
             elif act == _POP:
@@ -208,3 +227,9 @@ def check_shape(data: bytes | bytearray, max_depth: int = MAX_DEPTH, max_contain
         raise PickleScanError(f"the opcode at byte {pos} takes more from the stack, mark stack or memo than the "
                               "pickle put there") from None
     raise PickleScanError("the pickle ends without a STOP opcode")
+
+
+def _refuse_global_change(act: int, pos: int) -> None:
+    what = "BUILD (setstate)" if act == _BUILD else "item assignment"
+    raise PickleScanError(f"the pickle applies {what} to a global at byte {pos}: allow-listed globals (dtypes, "
+                          "layouts, record classes) are shared by the whole process and never modified")

@@ -62,3 +62,25 @@ def test_fixture_metadata_passes(fixtures_dir=None):
     assert files
     for f in files:
         check_shape(f.read_bytes())
+
+
+@pytest.mark.parametrize("data", [
+    b"\x80\x04ctorch\nfloat32\n}\x8c\x08itemsizeK\x07sb.",  # GLOBAL then BUILD with a dict state
+    b"\x80\x04\x8c\x05torch\x8c\x07float32\x93N}\x8c\x08itemsizeK\x07s\x86b.",  # STACK_GLOBAL, slot state
+    b"\x80\x04ctorch\nfloat32\n\x94N0h\x00}\x8c\x08itemsizeK\x07sb.",  # a memo copy of the global
+    b"\x80\x04ctorch\nSize\n}\x8c\x0c__defaults__K\x07\x85sb.",  # a helper function's defaults
+])
+def test_build_on_allow_listed_global_refused(data):
+    from gtp_format.dtypes import DTYPES
+
+    with pytest.raises(FormatError, match="global"):
+        load_metadata_pickle(data, "x/.metadata")
+    assert DTYPES["float32"].itemsize == 4
+
+
+def test_build_on_fresh_instances_still_allowed():
+    from gtp_format.reader.safe_pickle import MetadataRecord
+
+    data = (b"\x80\x04ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81}\x8c\x07versionX\x01\x00\x00\x001sb.")
+    md = load_metadata_pickle(data, "x/.metadata")
+    assert type(md) is MetadataRecord and md.get("version") == "1"
