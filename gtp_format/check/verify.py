@@ -378,7 +378,11 @@ def check_manifest_files(ckpt: Checkpoint, data: bool,
         algos = list(spec.checksums)
         for a in algos:
             if a not in HASHERS:
-                out.append(Problem("info", "checksum", f"hash algorithm {a!r} is not supported; skipped", file=rel))
+                # an error, not a note: a writer (or an attacker) naming an algorithm we cannot compute must
+                # not turn the one integrity check the manifest offers into a silent skip
+                out.append(Problem("error", "checksum", f"checksum algorithm {a!r} is not one this ckpt can check "
+                                   f"({', '.join(sorted(HASHERS))}); the file's integrity is unverified: rewrite the "
+                                   "manifest with a supported algorithm or upgrade ckpt", file=rel))
         known = [a for a in algos if a in HASHERS]
         if not known:
             continue

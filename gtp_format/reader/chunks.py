@@ -23,7 +23,7 @@ import numpy as np
 
 from gtp_format.errors import ChunkError
 from gtp_format.model import BYTES, ENC_RAW, Checkpoint, Chunk, Entry, StorageRef
-from gtp_format.reader.blob import BlobLayout, as_tensor, element_view, parse_blob
+from gtp_format.reader.blob import BlobLayout, as_tensor, check_payload_crc, element_view, parse_blob
 from gtp_format.reader.object_blob import load_plain_object
 from gtp_format.reader.storage import read_range
 from gtp_format.reader.zip_blob import BlobError, ViewReader, zip_records
@@ -95,7 +95,9 @@ def decode_elements(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytes | b
         return np.frombuffer(view, dtype=carrier(entry.dtype)).reshape(chunk.sizes)
     try:
         layout = _checked_layout(view, entry, chunk)
-        return element_view(layout, view[layout.payload_offset:layout.payload_offset + layout.payload_bytes])
+        payload = view[layout.payload_offset:layout.payload_offset + layout.payload_bytes]
+        check_payload_crc(layout, payload)
+        return element_view(layout, payload)
     except BlobError as e:
         raise blob_error(entry, chunk, e) from None
 

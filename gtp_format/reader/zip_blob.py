@@ -143,7 +143,33 @@ def zip_records(r: BlobReader) -> dict[str, ZipRecord]:
             raise BlobError(f"record {name} appears twice in the archive")
         records[name] = ZipRecord(name, crc, size, offset)
         pos = stop
+    _check_extents(r, records, cd_offset)
     return records
+
+
+def _check_extents(r: BlobReader, records: dict[str, ZipRecord], cd_start: int) -> None:
+    """Each record has its own local header, under its own name, and its bytes overlap no other record's
+    and stop before the central directory.
+
+    Without this, a central directory entry could point at another record's bytes (or the same
+    bytes twice) and every per-record check would pass on data nobody described.
+    """
+    prev_end, prev_name = 0, None
+    for rec in sorted(records.values(), key=lambda x: x.header_offset):
+        if rec.header_offset < prev_end:
+            raise BlobError(f"record {rec.name} at byte {rec.header_offset} overlaps record {prev_name}, which ends "
+                            f"at byte {prev_end}")
+        end = rec.header_offset + _LOCAL_HEADER.size
+        if end > cd_start:
+            raise BlobError(f"record {rec.name} has no local header before the central directory")
+        sig, _, flags, *_, name_len, extra_len = _LOCAL_HEADER.unpack(r.get(rec.header_offset, end))
+        local = bytes(r.get(end, end + name_len)).decode("utf-8" if flags & 0x800 else "cp437", errors="replace")
+        if sig != _LOCAL_SIG or local != rec.name:
+            raise BlobError(f"the central directory places record {rec.name} at byte {rec.header_offset}, where "
+                            f"{'record ' + local if sig == _LOCAL_SIG else 'no record'} starts")
+        prev_end, prev_name = end + name_len + extra_len + rec.size, rec.name
+        if prev_end > cd_start:
+            raise BlobError(f"record {rec.name} runs into the central directory")
 
 
 def _zip64_extra(extra: bytes | memoryview, name: str, size: int, csize: int, offset: int) -> tuple[int, int, int]:
