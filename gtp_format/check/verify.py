@@ -73,7 +73,8 @@ def check_geometry(ckpt: Checkpoint) -> list[Problem]:
             out.append(Problem("error", "overlap", f"chunks {a} ({_fmt_box(ca.offsets, ca.sizes)}) and {b} "
                                f"({_fmt_box(cb.offsets, cb.sizes)}) overlap", key=e.key, chunk=b))
         if cov.overlap_count > len(cov.overlaps):
-            out.append(Problem("error", "overlap", f"{cov.overlap_count - len(cov.overlaps)} more overlapping "
+            more = cov.overlap_count - len(cov.overlaps)
+            out.append(Problem("error", "overlap", f"{'' if cov.count_exact else 'at least '}{more} more overlapping "
                                "chunk pairs", key=e.key))
         if cov.missing:
             where = (": uncovered " + ", ".join(f"[{a}, {b})" for a, b in cov.holes)) if cov.holes else ""
