@@ -1,8 +1,9 @@
 """Assemble (part of) a tensor from its chunks, summarise it, compare two of them.
 
 ``show`` and ``diff`` read real data, so the memory they may use is bounded up front: the
-assembled region's size is computed from metadata and refused over a limit before anything is
-allocated, and only the chunks that intersect the requested rows are read.
+assembled region's size is computed from metadata and refused over a limit, and over the bytes
+its chunks really store (a declared 2 GB bool tensor backed by a 1 KB chunk was allocated whole),
+before anything is allocated; only the chunks that intersect the requested rows are read.
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ def assemble(ckpt: Checkpoint, entry: Entry, start: int, stop: int, max_bytes: i
         raise FormatError(f"{entry.key}: the requested region is {math.prod(shape)} elements ({nbytes} bytes), over "
                         f"the {max_bytes}-byte limit; pass --slice a:b for fewer rows or raise --max-bytes",
                         EXIT_BAD_INPUT)
+    stored = sum(min(c.storage.length, ckpt.data_files.get(c.storage.file, 0)) for c in entry.chunks
+                 if c.storage is not None and (not entry.shape or _intersection(c, start, stop) is not None))
+    if nbytes > stored:  # the allocation below is sized by metadata: back it by bytes that really exist
+        raise FormatError(f"{entry.key}: the requested region is {nbytes} bytes but the chunks that hold it store only "
+                          f"{stored} bytes in real files; the metadata declares more than was written: run "
+                          "'ckpt verify' on the checkpoint", EXIT_BAD_INPUT)
     out = torch.zeros(shape, dtype=entry.dtype.torch)
     boxes = []
     read = 0

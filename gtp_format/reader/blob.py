@@ -95,15 +95,20 @@ class _StorageType:
 _UNTYPED = _StorageType(DTYPES["uint8"])
 
 
+MAX_INT = 1 << 48  # sizes, strides and offsets: far beyond any tensor, far below int64 (strides times itemsize)
+
+
 def _ints(value: Any, what: str) -> tuple[int, ...]:
-    if type(value) is not tuple or len(value) > MAX_DIMS or not all(type(v) is int and v >= 0 for v in value):
-        raise BlobError(f"data.pkl gives {what} {brief(value)}, not a short tuple of non-negative ints")
+    if type(value) is not tuple or len(value) > MAX_DIMS or \
+            not all(type(v) is int and 0 <= v < MAX_INT for v in value):
+        raise BlobError(f"data.pkl gives {what} {brief(value)}, not a short tuple of non-negative ints below 2**48 "
+                        "(a stride that large would overflow)")
     return value
 
 
 def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = False,
                        backward_hooks: Any = None, metadata: Any = None) -> _TensorArgs:
-    if type(storage) is not _StorageId or type(storage_offset) is not int or storage_offset < 0:
+    if type(storage) is not _StorageId or type(storage_offset) is not int or not 0 <= storage_offset < MAX_INT:
         raise BlobError("data.pkl rebuilds a tensor from something other than one stored record")
     if backward_hooks:
         raise BlobError("data.pkl attaches backward hooks to the tensor")
@@ -142,7 +147,7 @@ class _TensorPickle(ScannedUnpickler):
 
     def persistent_load(self, pid: Any) -> _StorageId:
         if (type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage" or type(pid[1]) is not _StorageType
-                or type(pid[2]) is not str or type(pid[4]) is not int or pid[4] < 0):
+                or type(pid[2]) is not str or type(pid[4]) is not int or not 0 <= pid[4] < MAX_INT):
             raise BlobError(f"data.pkl names storage {brief(pid)}, not ('storage', type, key, location, numel)")
         return _StorageId(pid[1].dtype, pid[2], pid[4])
 
