@@ -18,7 +18,6 @@ import os
 import resource
 import socket
 import sys
-import traceback
 from typing import Any
 
 import torch
@@ -195,16 +194,14 @@ def _run_initialised(argv: list[str]) -> int:
     torch.set_num_threads(1) if not use_cuda else None
     dist.init_process_group("nccl" if use_cuda else "gloo")
     from gtp_runtime.checkpoint.io import CheckpointError
+    from gtp_runtime.last_resort import report_failure
 
     try:
         return run_rank(args, cfg)
     except (CheckpointError, ConfigError) as e:
-        if dist.get_rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except Exception:
-        traceback.print_exc()
-        return 1
+        return report_failure(dist.get_rank(), e, known=True)
+    except Exception as e:  # RecursionError, MemoryError and ValueError included: one line, never a traceback
+        return report_failure(dist.get_rank(), e, known=False)
     finally:
         dist.destroy_process_group()
 
