@@ -25,3 +25,18 @@ def test_unprintable_message():
             raise ValueError("Exceeds the limit (4300 digits)")
 
     assert failure_line(0, Bad(), known=False) == "error: rank 0: unexpected Bad: (message not printable)"
+
+
+def test_roundtrip_limits_bound_what_a_manifest_may_start(monkeypatch):
+    import pytest
+
+    from gtp_format.layout.config import ConfigError, ModelConfig
+    from gtp_runtime.roundtrip import check_roundtrip_limits
+
+    check_roundtrip_limits(8, ModelConfig())
+    with pytest.raises(ConfigError, match="17 processes"):
+        check_roundtrip_limits(17, ModelConfig())
+    with pytest.raises(ConfigError, match="parameters"):
+        check_roundtrip_limits(1, ModelConfig(hidden=8192, num_layers=64, ffn_hidden=32768))
+    monkeypatch.setenv("GTP_ROUNDTRIP_MAX_WORLD", "32")
+    check_roundtrip_limits(17, ModelConfig())
