@@ -44,9 +44,9 @@ from gtp_format.model import BYTES, ENC_TORCH_SAVE, Checkpoint, Chunk, Entry, Pr
 from gtp_format.reader.blob import parse_blob
 from gtp_format.reader.chunks import (
     blob_error,
+    check_byte_object,
     check_layout,
     checked_ref,
-    chunk_bytes,
     decode_elements,
     load_elements,
 )
@@ -211,7 +211,7 @@ def _run(passes: list[_FilePass], pool: ThreadPoolExecutor, in_flight: int, tota
 def _random_access(ckpt: Checkpoint, entry: Entry, chunk: Chunk, found: _Found) -> None:
     try:
         if entry.kind == BYTES:
-            chunk_bytes(ckpt, entry, chunk)
+            check_byte_object(ckpt, entry, chunk)
         else:
             found.add(entry.key, load_elements(ckpt, entry, chunk), entry.dtype)
     except ChunkError as err:

@@ -17,6 +17,8 @@ torch (``inspect`` and ``verify`` run without it: importing torch costs seconds 
 from __future__ import annotations
 
 import io
+import os
+import zlib
 from typing import Any
 
 import numpy as np
@@ -25,8 +27,8 @@ from gtp_format.errors import ChunkError
 from gtp_format.model import BYTES, ENC_RAW, Checkpoint, Chunk, Entry, StorageRef
 from gtp_format.reader.blob import BlobLayout, as_tensor, check_payload_crc, element_view, parse_blob
 from gtp_format.reader.object_blob import load_plain_object
-from gtp_format.reader.storage import read_range
-from gtp_format.reader.zip_blob import BlobError, ViewReader, zip_records
+from gtp_format.reader.storage import open_regular, past_end_message, read_range
+from gtp_format.reader.zip_blob import BlobError, RangeReader, ViewReader, record_bytes, zip_records
 from gtp_format.scan import carrier
 
 
@@ -84,6 +86,40 @@ def chunk_bytes(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> bytearray:
     except ChunkError as e:
         raise ChunkError(f"{entry.key} chunk {chunk.index}: {e.message}", key=entry.key, chunk=chunk.index,
                          file=ref.file) from None
+
+
+def check_byte_object(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> None:
+    """A byte object's blob has the zip structure torch.save writes and every record passes its CRC-32.
+
+    Streamed from the file in blocks, never held whole: a byte object's declared range can be as
+    large as its file (a 64 MiB hole nobody wrote was read into memory at once, then passed).
+    Raw (safetensors) layouts store byte objects as they are and are only read for presence.
+    """
+    ref = checked_ref(ckpt, entry, chunk)
+    if ckpt.encoding == ENC_RAW:
+        chunk_bytes(ckpt, entry, chunk)
+        return
+    with open_regular(ckpt.root, ref.file) as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        if ref.offset + ref.length > size:
+            raise ChunkError(f"{entry.key}: {past_end_message(ref.file, ref.offset, ref.length, size)}", key=entry.key,
+                             chunk=chunk.index, file=ref.file)
+        reader = RangeReader(fd, ref.offset, ref.length)
+        try:
+            for rec in zip_records(reader).values():
+                start, stop = record_bytes(reader, rec)
+                crc = 0
+                for pos in range(start, stop, _CRC_BLOCK):
+                    crc = zlib.crc32(os.pread(fd, min(_CRC_BLOCK, stop - pos), ref.offset + pos), crc)
+                if crc != rec.crc:
+                    raise BlobError(f"record {rec.name} fails its CRC-32 check (damaged)")
+        except BlobError as e:
+            raise ChunkError(f"byte object {entry.key} in {ref.file} is not an intact torch.save blob: {e}",
+                             key=entry.key, chunk=chunk.index, file=ref.file) from None
+
+
+_CRC_BLOCK = 1 << 20
 
 
 def decode_elements(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytes | bytearray | memoryview) -> np.ndarray:
