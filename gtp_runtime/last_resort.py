@@ -23,7 +23,16 @@ _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-
 
 
 def failure_line(rank: int, e: BaseException, known: bool) -> str:
-    """One printable line for rank ``rank``'s failure ``e``."""
+    """One printable line for rank ``rank``'s failure ``e``.
+
+    DCP wraps what its ranks raised in ``CheckpointException``, whose text is every rank's
+    traceback: the first rank's exception is reported instead.
+    """
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        if isinstance(inner, BaseException):
+            e = inner
     try:
         text = " ".join(str(e).splitlines())
     except Exception:  # noqa: BLE001 - str() itself can fail (an int over 4300 digits)

@@ -200,7 +200,9 @@ def _run_initialised(argv: list[str]) -> int:
         return run_rank(args, cfg)
     except (CheckpointError, ConfigError) as e:
         return report_failure(dist.get_rank(), e, known=True)
-    except Exception as e:  # RecursionError, MemoryError and ValueError included: one line, never a traceback
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException: one line, no traceback
         return report_failure(dist.get_rank(), e, known=False)
     finally:
         dist.destroy_process_group()

@@ -28,6 +28,7 @@ from gtp_format import names as fmt
 from gtp_format.commit import commit_folder, write_atomic, write_durable
 from gtp_format.errors import FormatError
 from gtp_format.manifest import FileEntry, Manifest, read_manifest, write_manifest
+from gtp_runtime.checkpoint import preflight
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
 from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, file_entry
 from gtp_runtime.checkpoint.safe_metadata import SafeFileSystemReader, UnsafeMetadataError
@@ -195,7 +196,11 @@ def _check_keys(sd: dict[str, Any], stored: dict[str, Any], folder: Path) -> Non
 def load_checkpoint(trainer: Trainer, path: str | os.PathLike, sharding: str = fmt.FORMAT_NAME) -> Path:
     """Load into ``trainer`` (same topology: bit-exact; other DP size: resharded)."""
     check_sharding(trainer, sharding, "load")
-    folder = resolve_checkpoint_dir(path)
+    try:  # the format's confined reader and structural checks before DCP opens anything (see preflight)
+        folder = preflight.resolve(path)
+        preflight.check(folder)
+    except preflight.PreflightError as e:
+        raise CheckpointError(str(e)) from None
     try:
         manifest = read_manifest(folder, strict=True)
     except FormatError as e:

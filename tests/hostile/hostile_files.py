@@ -106,14 +106,16 @@ def iteration_folder_symlink_out(c: Any) -> None:
 
 @spec("time", VERIFY_DATA, True)
 def data_file_fifo(c: Any) -> None:
-    (c.it / "__1_0.distcp").unlink()
-    os.mkfifo(c.it / "__1_0.distcp")
+    path = sorted(c.it.glob("*.distcp"))[-1]
+    path.unlink()
+    os.mkfifo(path)
 
 
 @spec("outside", VERIFY_DATA, True)
 def data_file_directory(c: Any) -> None:
-    (c.it / "__1_0.distcp").unlink()
-    (c.it / "__1_0.distcp").mkdir()
+    path = sorted(c.it.glob("*.distcp"))[-1]
+    path.unlink()
+    path.mkdir()
 
 
 @spec("time", VERIFY, True)
