@@ -187,12 +187,12 @@ def parse_blob(reader: BlobReader) -> BlobLayout:
         raise BlobError(f"data.pkl names storage record {args.storage.key!r}, which the archive lacks")
     nbytes = args.storage.numel * args.storage.dtype.itemsize
     if record.size != nbytes:
-        raise BlobError(f"storage record {record.name} holds {record.size} bytes but data.pkl declares "
+        raise BlobError(f"storage record {record.name!r} holds {record.size} bytes but data.pkl declares "
                         f"{args.storage.numel} {args.storage.dtype} elements ({nbytes} bytes)")
     for other in infos.values():  # the small records (version, serialization id...): CRC-checked here
         if other is not record and other.name != prefix + "data.pkl":
             if other.size > MAX_PICKLE:
-                raise BlobError(f"record {other.name} holds {other.size} bytes; torch.save writes only the "
+                raise BlobError(f"record {other.name!r} holds {other.size} bytes; torch.save writes only the "
                                 "storage record that large")
             small_record(reader, other)
     payload, _ = record_bytes(reader, record)
