@@ -242,6 +242,9 @@ class _FilePass:
         # one CRC alone is hashed per window on the workers and combined in order; anything else
         # (SHA-256, or several algorithms) is fed window by window on the main thread
         self.crc: Crc | None = CRCS[algorithms[0]] if len(algorithms) == 1 and algorithms[0] in CRCS else None
+        # each zip record's own CRC-32 is what catches a flipped bit in a file the manifest has no checksum
+        # for (every genuine Megatron checkpoint); a file the manifest checksums is covered by that already
+        self.record_crc = not algorithms
         self.hashers: dict[str, Hasher] = {} if self.crc else {a: HASHERS[a]() for a in algorithms}
         self.value = 0  # the CRC so far
         self.planned: _Found | None = _Found()  # what planning found: merged before the first step
@@ -354,7 +357,7 @@ class _FilePass:
             if stop <= pos:  # nothing left to read; only empty chunks remain
                 steps.append(_Step(pos, pos, _fallback_action(self.ckpt, items[i:])))
                 break
-            steps.append(_Step(pos, stop, _window_action(self.ckpt, pos, stop, items[i:k])))
+            steps.append(_Step(pos, stop, _window_action(self.ckpt, pos, stop, items[i:k], self.record_crc)))
             pos, i = stop, k
         return steps
 
@@ -386,25 +389,27 @@ class _FilePass:
         lo_payload = it.start + (layout.payload_offset if layout else 0)
         hi_payload = lo_payload + (layout.payload_bytes if layout else 0)
         cuts = sorted({it.start, it.stop, lo_payload, hi_payload, *range(lo_payload, hi_payload, WINDOW)})
-        acc = _PayloadCrc(layout.payload_crc, it.entry, it.chunk, layout.payload_bytes) if layout else None
+        acc = _PayloadCrc(layout.payload_crc, it.entry, it.chunk, layout.payload_bytes) \
+            if layout is not None and self.record_crc else None
         for a, b in zip(cuts, cuts[1:]):
             for lo in range(a, b, WINDOW):
                 hi = min(b, lo + WINDOW)
-                inside = acc is not None and lo_payload <= lo and hi <= hi_payload
+                inside = layout is not None and lo_payload <= lo and hi <= hi_payload
                 scan = inside and can_hold_nonfinite(layout.dtype)
                 action = _payload_action(it.entry.key, layout.dtype, scan, acc) if inside else _ignore
                 steps.append(_Step(lo, hi, action))
         return steps
 
 
-def _window_action(ckpt: Checkpoint, start: int, stop: int, items: list[_Item]) -> Action:
+def _window_action(ckpt: Checkpoint, start: int, stop: int, items: list[_Item], record_crc: bool) -> Action:
     def action(window: memoryview, found: _Found) -> None:
         for it in items:
             if it.stop > stop:  # overlaps the next window's chunk: decode it on its own
                 _random_access(ckpt, it.entry, it.chunk, found)
             else:
                 try:
-                    elements = decode_elements(ckpt, it.entry, it.chunk, window[it.start - start: it.stop - start])
+                    elements = decode_elements(ckpt, it.entry, it.chunk, window[it.start - start: it.stop - start],
+                                               record_crc)
                     found.add(it.entry.key, elements, it.entry.dtype)
                     del elements
                 except ChunkError as err:
@@ -440,11 +445,12 @@ class _PayloadCrc:
                 chunk=self.chunk.index, file=self.chunk.storage.file if self.chunk.storage else None))
 
 
-def _payload_action(key: str, dtype: DType, scan: bool, acc: _PayloadCrc) -> Action:
+def _payload_action(key: str, dtype: DType, scan: bool, acc: _PayloadCrc | None) -> Action:
     kind = carrier(dtype)
 
     def action(view: memoryview, found: _Found) -> None:  # windows of a payload hold whole elements
-        found.payload_parts.append((acc, zlib.crc32(view), len(view)))
+        if acc is not None:
+            found.payload_parts.append((acc, zlib.crc32(view), len(view)))
         if scan:
             found.add(key, np.frombuffer(view, dtype=kind), dtype)
 

@@ -122,9 +122,11 @@ def check_byte_object(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> None:
 _CRC_BLOCK = 1 << 20
 
 
-def decode_elements(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytes | bytearray | memoryview) -> np.ndarray:
+def decode_elements(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytes | bytearray | memoryview,
+                    check_crc: bool = True) -> np.ndarray:
     """A tensor chunk's elements as a numpy array of their stored bits (no copy, no torch), checked
-    against the metadata's dtype and shape."""
+    against the metadata's dtype and shape and (unless ``check_crc`` is false: the caller checks the
+    whole file's checksum instead) against the storage record's CRC-32."""
     assert entry.dtype is not None
     view = memoryview(buf)
     if ckpt.encoding == ENC_RAW:
@@ -132,7 +134,8 @@ def decode_elements(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytes | b
     try:
         layout = _checked_layout(view, entry, chunk)
         payload = view[layout.payload_offset:layout.payload_offset + layout.payload_bytes]
-        check_payload_crc(layout, payload)
+        if check_crc:
+            check_payload_crc(layout, payload)
         return element_view(layout, payload)
     except BlobError as e:
         raise blob_error(entry, chunk, e) from None
