@@ -17,7 +17,8 @@ import torch
 from gtp_format.check.geometry import check_coverage
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
 from gtp_format.model import Checkpoint, Chunk, Entry
-from gtp_format.reader.chunks import load_chunk
+from gtp_format.reader.chunks import checked_ref, load_chunk
+from gtp_format.reader.storage import file_size
 
 
 def parse_slice(text: str | None, dim0: int) -> tuple[int, int]:
@@ -60,8 +61,14 @@ def assemble(ckpt: Checkpoint, entry: Entry, start: int, stop: int, max_bytes: i
         raise FormatError(f"{entry.key}: the requested region is {math.prod(shape)} elements ({nbytes} bytes), over "
                         f"the {max_bytes}-byte limit; pass --slice a:b for fewer rows or raise --max-bytes",
                         EXIT_BAD_INPUT)
-    stored = sum(min(c.storage.length, ckpt.data_files.get(c.storage.file, 0)) for c in entry.chunks
-                 if c.storage is not None and (not entry.shape or _intersection(c, start, stop) is not None))
+    held = [c for c in entry.chunks if len(c.offsets) == len(entry.shape)
+            and (not entry.shape or _intersection(c, start, stop) is not None)]
+    for c in held:
+        checked_ref(ckpt, entry, c)  # no storage, transforms, a declared size its blob cannot hold: by name
+    # real sizes, from the opened files: a path outside the folder or a missing file fails here, by name
+    sizes = {f: ckpt.data_files[f] if f in ckpt.data_files else file_size(ckpt.root, f)
+             for f in {c.storage.file for c in held}}
+    stored = sum(min(c.storage.length, sizes[c.storage.file]) for c in held)
     if nbytes > stored:  # the allocation below is sized by metadata: back it by bytes that really exist
         raise FormatError(f"{entry.key}: the requested region is {nbytes} bytes but the chunks that hold it store only "
                           f"{stored} bytes in real files; the metadata declares more than was written: run "
