@@ -1,9 +1,11 @@
 """Benchmark: what the per-record CRC-32 of ``verify --data`` costs, against ``cat`` in the same run.
 
-    python benchmarks/bench_record_crc.py /tmp/bench_verify/L2/iter_0000001 [--repeats 3]
+    python benchmarks/bench_record_crc.py /tmp/bench_verify/L2/iter_0000001 [--repeats 3] [--workdir DIR]
+    python benchmarks/bench_record_crc.py --smoke --workdir /tmp/rc   # a fixture, one round (tests/benchmarks)
 
 Takes a checkpoint written by gtp_runtime (``benchmarks/bench_verify.py`` leaves them in its
-workdir), copies it once without its manifest (as a genuine Megatron checkpoint is), and times,
+workdir), copies it once without its manifest (as a genuine Megatron checkpoint is) into
+``--workdir`` (never beside the source), and times,
 warm, best of ``--repeats`` rounds: ``cat`` of the files; ``verify(data=True)`` with the manifest
 (the manifest's CRC-32C of each file covers every byte: no per-record CRC); without the manifest
 (every storage record's CRC-32 is checked: ``zlib.crc32`` over the window the pass holds); and
@@ -20,7 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+SMOKE_FIXTURE = "fixtures/gtp/nofold_cp2_g2_dp2/iter_0000002"
+sys.path.insert(0, str(REPO))
 
 from gtp_format.check import data as data_pass  # noqa: E402
 from gtp_format.check.verify import verify  # noqa: E402
@@ -43,11 +47,17 @@ def _lib(p: Path) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("checkpoint", type=Path, nargs="?")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_record_crc"), help="the copy without manifest")
+    ap.add_argument("--smoke", action="store_true", help=f"tiny run (tests/benchmarks): {SMOKE_FIXTURE}, 1 round")
     args = ap.parse_args()
+    if args.smoke:
+        args.checkpoint, args.repeats = REPO / SMOKE_FIXTURE, 1
+    if args.checkpoint is None:
+        ap.error("CHECKPOINT is required (or --smoke)")
     src = args.checkpoint
-    bare = Path(f"{src}-no-manifest")
+    bare = args.workdir / f"{src.name}-no-manifest"
     if not bare.exists():
         shutil.copytree(src, bare)
         (bare / "gtp_manifest.json").unlink()
@@ -76,6 +86,8 @@ def main() -> None:
     for name, times in rows.items():
         best = min(times)
         print(f"| {name} | {best:.2f} | {total / best / 1e9:.2f} | {cat / best:.2f}x |")
+    if args.smoke:
+        shutil.rmtree(bare)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Time-boxed mutation fuzzer for the readers of untrusted input (not part of CI).
 
     python benchmarks/fuzz_readers.py --seconds 120 [--seed 1] [--out fuzz-findings]
+    python benchmarks/fuzz_readers.py --smoke --out /tmp/fuzz   # 10 inputs per target (tests/benchmarks)
 
 Targets, each fed mutations (bit flips, byte overwrites with interesting values, insertions,
 deletions, truncation, splices of the input with itself) of genuine inputs from the fixtures:
@@ -140,11 +141,12 @@ def json_target() -> tuple[list[bytes], Callable[[bytes], None]]:
 TARGETS = {"pickle": pickle_target, "zip": zip_target, "safetensors": safetensors_target, "json": json_target}
 
 
-def fuzz(name: str, seconds: float, rng: random.Random, out: Path, slow: float) -> dict[str, int]:
+def fuzz(name: str, seconds: float, rng: random.Random, out: Path, slow: float,
+         max_runs: int | None = None) -> dict[str, int]:
     seeds, run = TARGETS[name]()
     stats = {"runs": 0, "ok": 0, "refused": 0, "findings": 0}
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and (max_runs is None or stats["runs"] < max_runs):
         data = mutate(rng.choice(seeds), rng)
         (out / f"last-{name}").write_bytes(data)
         t0 = time.monotonic()
@@ -177,12 +179,17 @@ def main() -> None:
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--slow", type=float, default=5.0, help="seconds after which one input is a finding")
     ap.add_argument("--out", default="fuzz-findings")
+    ap.add_argument("--runs", type=int, default=None, help="at most this many inputs per target")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny run (tests/benchmarks): 10 inputs per target, whatever the time, none slow")
     args = ap.parse_args()
+    if args.smoke:
+        args.seconds, args.slow, args.runs = float("inf"), 600.0, 10
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     names = args.targets.split(",")
-    report = {n: fuzz(n, args.seconds / len(names), rng, out, args.slow) for n in names}
+    report = {n: fuzz(n, args.seconds / len(names), rng, out, args.slow, args.runs) for n in names}
     print(json.dumps(report, indent=1))
 
 
