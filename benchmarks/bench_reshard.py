@@ -158,7 +158,8 @@ def _linear(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
 def report(rows: list[dict], fits: list[tuple], args: argparse.Namespace) -> str:
     gbs = [f[0] for f in fits]
     lines = [
-        f"Synthetic `dp_reshardable` checkpoints ({SOURCE.describe()}, hidden {args.hidden}, ffn {args.ffn}, vocab {args.vocab}, fp32; "
+        f"Synthetic `dp_reshardable` checkpoints ({SOURCE.describe()}, hidden {args.hidden}, ffn {args.ffn}, "
+        f"vocab {args.vocab}, fp32; "
         "written by the reshard engine's own writer), resharded to tp2-cp1-g2-dp2-nofold and exported to "
         "Hugging Face safetensors with `--optimizer` (every byte read and written once), against `cp -r` of the "
         "same folder in the same run. Each command is a fresh subprocess, start-up included; warm page cache; "
