@@ -11,9 +11,14 @@ format's own dtype table, :mod:`gtp_format.dtypes`), which saves them 2-4 s per 
 from __future__ import annotations
 
 import importlib
+import sys
 
 import typer
+from typer import Abort, Exit
+from typer._click.exceptions import NoArgsIsHelpError, UsageError  # typer is pinned to 0.29 (pyproject.toml)
 
+from ckpt_tool.output import os_error_message, safe_text
+from gtp_format.errors import EXIT_BAD_INPUT, FormatError
 from gtp_format.reader import pickle_scan
 
 # A ckpt process lives for one command: the metadata's millions of objects are never garbage
@@ -42,9 +47,57 @@ def _register_commands() -> None:
 _register_commands()
 
 
+def _line(message: str) -> None:
+    print(f"ckpt: error: {safe_text(' '.join(message.splitlines()))[:2000]}", file=sys.stderr, flush=True)
+
+
+def _describe(e: BaseException) -> str:
+    try:
+        text = str(e)
+    except Exception:  # noqa: BLE001 - str() itself can fail (an int over 4300 digits in the message)
+        text = "(message not printable)"
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Run one ``ckpt`` command and return its exit code; the last-resort handler for everything.
+
+    Whatever happens, the user sees at most one ``ckpt: error:`` line on stderr and never a
+    traceback: a usage error is that line (not Typer's multi-line box) and exit 2; an exception no
+    command anticipated (a bug, or input that found a path nobody checked) is that line naming the
+    exception and exit 2, since it means ckpt could not use its input.
+    """
+    try:
+        result = app(args=argv, standalone_mode=False, prog_name="ckpt")
+    except NoArgsIsHelpError as e:  # bare ``ckpt`` (or a bare group): its help, as Typer would
+        where = e.ctx.command_path.split()[1:] if e.ctx else []
+        app(args=[*where, "--help"], standalone_mode=False, prog_name="ckpt")
+        return EXIT_BAD_INPUT
+    except UsageError as e:
+        where = e.ctx.command_path if e.ctx else "ckpt"
+        _line(f"{e.format_message()} (run '{where} --help' for usage and examples)")
+        return EXIT_BAD_INPUT
+    except Exit as e:
+        return e.exit_code
+    except (Abort, KeyboardInterrupt):
+        _line("interrupted")
+        return 130
+    except FormatError as e:  # outside a command's own handler (while parsing options, say)
+        _line(e.message)
+        return e.exit_code
+    except OSError as e:
+        _line(os_error_message(e))
+        return EXIT_BAD_INPUT
+    except (Exception, RecursionError, MemoryError) as e:  # noqa: BLE001 - the last resort
+        _line(f"unexpected {_describe(e)}; ckpt could not use its input (nothing was modified); please "
+              "report this with the command line")
+        return EXIT_BAD_INPUT
+    return result if isinstance(result, int) else 0
+
+
 def main() -> None:
     """Console-script entry point (``ckpt = "ckpt_tool.cli:main"`` in pyproject.toml)."""
-    app()
+    sys.exit(run())
 
 
 if __name__ == "__main__":

@@ -9,9 +9,11 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import math
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -42,10 +44,47 @@ MaxBytesOption = Annotated[
 ]
 
 
+# What a terminal would act on rather than print: C0/C1 controls and DEL (escape sequences can
+# retitle the window, move the cursor, erase a line and print a fake "all checks OK"), the bidi and
+# zero-width format characters (text that reads differently than it is stored), lone surrogates
+# (not encodable: printing them raised UnicodeEncodeError) and the tag characters.
+_UNSAFE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\xad\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f"
+                     "\ufeff\ufff9-\ufffb\ud800-\udfff\U000e0000-\U000e007f]")
+_UNSAFE_OR_NEWLINE = re.compile(_UNSAFE.pattern[:-1] + "\n]")
+
+
+def _escape_char(m: re.Match[str]) -> str:
+    c = m.group()
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
+
+
+def safe_text(text: Any, keep_newlines: bool = False) -> str:
+    """``text`` with every control, bidi or unencodable character written as a visible escape (``\\x1b``).
+
+    Idempotent (an escape is plain ASCII), and a no-op on ordinary text, so tables and error lines
+    can pass through it more than once. JSON output needs none of this: ``json.dumps`` escapes
+    them itself, so the document stays exact.
+    """
+    s = text if isinstance(text, str) else str(text)
+    return (_UNSAFE if keep_newlines else _UNSAFE_OR_NEWLINE).sub(_escape_char, s)
+
+
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
-    """Print the one-line error and exit with ``code``."""
-    typer.echo(f"ckpt: error: {' '.join(message.splitlines())}", err=True)
+    """Print the one-line error (control characters escaped) and exit with ``code``."""
+    typer.echo(f"ckpt: error: {safe_text(' '.join(message.splitlines()))}", err=True)
     raise typer.Exit(code)
+
+
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
+def os_error_message(e: OSError) -> str:
+    """One line for an OS error; a full disk names the file being *written* (``filename2`` of a copy)."""
+    if e.errno in _WRITE_ERRNOS:
+        target = e.filename2 or e.filename
+        return f"cannot write{f' {target}' if target else ''}: {e.strerror or e}; free space or choose another output"
+    return f"cannot read{f' {e.filename}' if e.filename else ''}: {e.strerror or e}"
 
 
 def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
@@ -58,8 +97,7 @@ def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
         except FormatError as e:
             fail(e.message, e.exit_code)
         except OSError as e:
-            where = f" {e.filename}" if e.filename else ""
-            fail(f"cannot read{where}: {e.strerror or e}", EXIT_BAD_INPUT)
+            fail(os_error_message(e), EXIT_BAD_INPUT)
 
     return wrapper
 
@@ -83,12 +121,15 @@ def print_json(doc: Any) -> None:
 def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], title: str | None = None) -> str:
     from tabulate import tabulate  # here: a JSON run never needs it (50 ms of every CLI start-up)
 
-    body = tabulate(rows, headers=list(headers), tablefmt="simple", disable_numparse=True) if rows else "(none)"
-    return f"{title}\n{body}" if title else body
+    rows = [[safe_text(c) if isinstance(c, str) else c for c in row] for row in rows]  # numbers keep tabulate's format
+    body = tabulate(rows, headers=[safe_text(h) for h in headers], tablefmt="simple", disable_numparse=True) \
+        if rows else "(none)"
+    return f"{safe_text(title)}\n{body}" if title else body
 
 
 def print_blocks(*blocks: str) -> None:
-    typer.echo("\n\n".join(b for b in blocks if b))
+    """Print text blocks for people; whatever a block holds, no control character reaches the terminal."""
+    typer.echo(safe_text("\n\n".join(b for b in blocks if b), keep_newlines=True))
 
 
 def fmt_shape(shape: Sequence[int] | None) -> str:

@@ -46,10 +46,15 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
 def write_durable(path: str | os.PathLike[str], data: bytes | str) -> None:
     """Write a new file and ``fsync`` it (its folder is synced by whoever commits the folder)."""
     raw = data.encode() if isinstance(data, str) else data
-    with open(path, "wb") as f:
-        f.write(raw)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # write() and fsync() name no file: a full disk must say which one it could not write
+        if e.filename is None:
+            e.filename = os.fspath(path)
+        raise
 
 
 def hidden_sibling(path: Path, tag: str) -> Path:

@@ -133,8 +133,11 @@ def _entry(rank: int, world: int, port: int, workdir: str, tag: str, timeout: fl
         report = {"status": "ok", "value": fn(*args)}
     except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
         traceback.print_exc()
-        msg = " ".join(str(e).split()) or type(e).__name__
-        report = {"status": "error", "type": type(e).__name__, "message": msg[:2000], "clean": _known_error(e)}
+        from gtp_runtime.last_resort import describe, root_cause  # escaped, bounded, never raises
+
+        cause = root_cause(e)
+        msg = describe(cause, 2000) or type(cause).__name__
+        report = {"status": "error", "type": type(cause).__name__, "message": msg, "clean": _known_error(cause)}
     try:
         # Plain pickle, not the pipe's own (torch's ForkingPickler would hand tensors over as
         # shared-memory handles that die with this process, which exits right after).

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from gtp_format.compare import BITWISE, Tally, TensorSource, compare
 from gtp_format.dtypes import from_repr
-from gtp_format.layout.config import ConfigError, ParallelConfig
+from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
 from gtp_format.manifest import Manifest, derive_bucket_size
 from gtp_format.names import dtype_tag, optimizer_key
 from gtp_runtime.checkpoint.io import load_checkpoint, save_checkpoint
@@ -157,6 +157,39 @@ def resume_phase(trainer: Trainer, root: str | os.PathLike, dump_dir: str | os.P
 PARAM_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16", "torch.float64")
 
 
+MAX_WORLD_ENV, MAX_PARAMS_ENV = "GTP_ROUNDTRIP_MAX_WORLD", "GTP_ROUNDTRIP_MAX_PARAMS"
+DEFAULT_MAX_WORLD = 8  # local gloo ranks: one process each
+DEFAULT_MAX_PARAMS = 50_000_000  # ~16 bytes per parameter (weight, grad, two Adam moments) over all ranks: 800 MB
+
+
+def _limit(env: str, default: int) -> int:
+    try:
+        return int(os.environ.get(env, default))
+    except ValueError:
+        raise ConfigError(f"{env}={os.environ[env]!r} is not an integer") from None
+
+
+def approx_params(model: ModelConfig) -> int:
+    """Parameters of the GPT a manifest describes (embeddings, attention, MLPs or experts, norms)."""
+    h, layers, ffn = model.hidden, model.num_layers, model.ffn_hidden
+    experts = max(1, model.num_experts)
+    return model.vocab_size * h + layers * (4 * h * h + 2 * h * ffn * experts + 4 * h) + 2 * h
+
+
+def check_roundtrip_limits(world: int, model: ModelConfig) -> None:
+    """What a manifest may ask ``verify-roundtrip PATH`` to start: at most ``GTP_ROUNDTRIP_MAX_WORLD``
+    processes (default 8) and a model of at most ``GTP_ROUNDTRIP_MAX_PARAMS`` parameters (default
+    50 M). The manifest is input like any other: a crafted one asked for 17 processes and GBs."""
+    max_world, max_params = _limit(MAX_WORLD_ENV, DEFAULT_MAX_WORLD), _limit(MAX_PARAMS_ENV, DEFAULT_MAX_PARAMS)
+    if world > max_world:
+        raise ConfigError(f"the manifest's topology needs {world} processes, over the limit of {max_world}; set "
+                          f"{MAX_WORLD_ENV} to allow more")
+    n = approx_params(model)
+    if n > max_params:
+        raise ConfigError(f"the manifest describes a model of about {n} parameters, over the limit of {max_params}; "
+                          f"set {MAX_PARAMS_ENV} to allow more")
+
+
 def config_from_manifest(manifest: Manifest, dp: int | None = None) -> TrainConfig:
     """The training config of a saved checkpoint (``dp`` may be changed: dp_reshardable reshards
     over DP). ``manifest`` comes from a strict :func:`gtp_format.manifest.parse_manifest`; what the
@@ -184,6 +217,7 @@ def config_from_manifest(manifest: Manifest, dp: int | None = None) -> TrainConf
         par.validate(None, model.num_experts)
     model.validate(par)
     lr, data = run_configs(manifest)
+    check_roundtrip_limits(par.world_size, model)
     try:
         bucket_size = manifest.bucket_size or derive_bucket_size(manifest.buffers, DEFAULT_BUCKET_SIZE)
     except ValueError as e:

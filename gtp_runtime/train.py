@@ -22,9 +22,6 @@ import json
 import os
 import resource
 import sys
-import tempfile
-import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -235,6 +232,7 @@ def _spawned_rank(args: argparse.Namespace) -> int:
 def _run_initialised(args: argparse.Namespace) -> int:
     """One rank started by torchrun: join its group, run, and fail with one line naming this rank."""
     from gtp_runtime.checkpoint.io import CheckpointError
+    from gtp_runtime.last_resort import report_failure
 
     rank = int(os.environ["RANK"])
     try:
@@ -244,14 +242,11 @@ def _run_initialised(args: argparse.Namespace) -> int:
         dist.init_process_group("nccl" if use_cuda else "gloo")
         return run_rank(args, cfg)
     except (CheckpointError, ConfigError, FormatError, DataError) as e:
-        print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
-        return 2
-    except Exception as e:  # noqa: BLE001 - the traceback goes to this rank's log, one line to the console
-        log = Path(tempfile.gettempdir()) / f"gtp-train.rank{rank}.{os.getpid()}.log"
-        log.write_text(traceback.format_exc())
-        msg = " ".join(str(e).split())[:500]
-        print(f"error: rank {rank}: {type(e).__name__}: {msg} (full log: {log})", file=sys.stderr, flush=True)
-        return 1
+        return report_failure(rank, e, known=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException: one line, no traceback
+        return report_failure(rank, e, known=False)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -294,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run_initialised(args)
     from gtp_runtime.checkpoint.io import CheckpointError
     from gtp_runtime.checkpoint.verified import preflight
+    from gtp_runtime.last_resort import describe, root_cause
 
     try:
         cfg, world = resolve(args, None)
@@ -303,7 +299,11 @@ def main(argv: list[str] | None = None) -> int:
             # the folder found here (a newer ``latest`` written meanwhile does not change it).
             args.load = str(preflight(args.load, cfg, args.optimizer_sharding))
     except (ConfigError, CheckpointError, DataError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {describe(e)}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a reader's unexpected failure on a hostile file: one line, no traceback
+        print(f"error: unexpected {type(root_cause(e)).__name__} before any rank started: {describe(e)}",
+              file=sys.stderr)
         return 2
     return spawn(args, world)
 

@@ -29,6 +29,7 @@ are the same as decoding each chunk on its own; only the speed differs.
 from __future__ import annotations
 
 import os
+import zlib
 from collections import defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,9 +44,9 @@ from gtp_format.model import BYTES, ENC_TORCH_SAVE, Checkpoint, Chunk, Entry, Pr
 from gtp_format.reader.blob import parse_blob
 from gtp_format.reader.chunks import (
     blob_error,
+    check_byte_object,
     check_layout,
     checked_ref,
-    chunk_bytes,
     decode_elements,
     load_elements,
 )
@@ -95,6 +96,7 @@ class _Found:
         self.nbytes = 0
         self.crc = 0
         self.data: bytes = b""  # kept only for order-dependent digests
+        self.payload_parts: list[tuple[_PayloadCrc, int, int]] = []  # (chunk, CRC-32 of a piece, its length)
 
     def add(self, key: str, elements: np.ndarray, dtype: DType) -> None:
         nan, inf = count_nonfinite(elements, dtype)
@@ -209,7 +211,7 @@ def _run(passes: list[_FilePass], pool: ThreadPoolExecutor, in_flight: int, tota
 def _random_access(ckpt: Checkpoint, entry: Entry, chunk: Chunk, found: _Found) -> None:
     try:
         if entry.kind == BYTES:
-            chunk_bytes(ckpt, entry, chunk)
+            check_byte_object(ckpt, entry, chunk)
         else:
             found.add(entry.key, load_elements(ckpt, entry, chunk), entry.dtype)
     except ChunkError as err:
@@ -240,6 +242,9 @@ class _FilePass:
         # one CRC alone is hashed per window on the workers and combined in order; anything else
         # (SHA-256, or several algorithms) is fed window by window on the main thread
         self.crc: Crc | None = CRCS[algorithms[0]] if len(algorithms) == 1 and algorithms[0] in CRCS else None
+        # each zip record's own CRC-32 is what catches a flipped bit in a file the manifest has no checksum
+        # for (every genuine Megatron checkpoint); a file the manifest checksums is covered by that already
+        self.record_crc = not algorithms
         self.hashers: dict[str, Hasher] = {} if self.crc else {a: HASHERS[a]() for a in algorithms}
         self.value = 0  # the CRC so far
         self.planned: _Found | None = _Found()  # what planning found: merged before the first step
@@ -274,6 +279,8 @@ class _FilePass:
     def absorb(self, step: _Step | None, found: _Found) -> _Found | None:
         """Fold one finished step into the file's digest; returns what planning found, the first time."""
         planned, self.planned = self.planned, None
+        for acc, crc, n in found.payload_parts:  # pieces of one large chunk's payload, joined in file order
+            acc.add(crc, n, found)
         if self.crc is not None and step is not None:
             self.value = self.crc.combine(self.value, found.crc, found.nbytes)
         for h in self.hashers.values():
@@ -350,7 +357,7 @@ class _FilePass:
             if stop <= pos:  # nothing left to read; only empty chunks remain
                 steps.append(_Step(pos, pos, _fallback_action(self.ckpt, items[i:])))
                 break
-            steps.append(_Step(pos, stop, _window_action(self.ckpt, pos, stop, items[i:k])))
+            steps.append(_Step(pos, stop, _window_action(self.ckpt, pos, stop, items[i:k], self.record_crc)))
             pos, i = stop, k
         return steps
 
@@ -382,22 +389,27 @@ class _FilePass:
         lo_payload = it.start + (layout.payload_offset if layout else 0)
         hi_payload = lo_payload + (layout.payload_bytes if layout else 0)
         cuts = sorted({it.start, it.stop, lo_payload, hi_payload, *range(lo_payload, hi_payload, WINDOW)})
+        acc = _PayloadCrc(layout.payload_crc, it.entry, it.chunk, layout.payload_bytes) \
+            if layout is not None and self.record_crc else None
         for a, b in zip(cuts, cuts[1:]):
             for lo in range(a, b, WINDOW):
                 hi = min(b, lo + WINDOW)
-                scan = layout is not None and lo_payload <= lo and hi <= hi_payload and can_hold_nonfinite(layout.dtype)
-                steps.append(_Step(lo, hi, _scan_action(it.entry.key, layout.dtype) if scan else _ignore))
+                inside = layout is not None and lo_payload <= lo and hi <= hi_payload
+                scan = inside and can_hold_nonfinite(layout.dtype)
+                action = _payload_action(it.entry.key, layout.dtype, scan, acc) if inside else _ignore
+                steps.append(_Step(lo, hi, action))
         return steps
 
 
-def _window_action(ckpt: Checkpoint, start: int, stop: int, items: list[_Item]) -> Action:
+def _window_action(ckpt: Checkpoint, start: int, stop: int, items: list[_Item], record_crc: bool) -> Action:
     def action(window: memoryview, found: _Found) -> None:
         for it in items:
             if it.stop > stop:  # overlaps the next window's chunk: decode it on its own
                 _random_access(ckpt, it.entry, it.chunk, found)
             else:
                 try:
-                    elements = decode_elements(ckpt, it.entry, it.chunk, window[it.start - start: it.stop - start])
+                    elements = decode_elements(ckpt, it.entry, it.chunk, window[it.start - start: it.stop - start],
+                                               record_crc)
                     found.add(it.entry.key, elements, it.entry.dtype)
                     del elements
                 except ChunkError as err:
@@ -416,11 +428,31 @@ def _fallback_action(ckpt: Checkpoint, items: list[_Item]) -> Action:
     return action
 
 
-def _scan_action(key: str, dtype: DType) -> Action:
+class _PayloadCrc:
+    """The CRC-32 of one large chunk's payload, joined piece by piece in file order (main thread)."""
+
+    def __init__(self, expected: int, entry: Entry, chunk: Chunk, nbytes: int) -> None:
+        self.expected, self.entry, self.chunk, self.left = expected, entry, chunk, nbytes
+        self.value = 0
+
+    def add(self, crc: int, nbytes: int, found: _Found) -> None:
+        self.value = CRCS["crc32"].combine(self.value, crc, nbytes)
+        self.left -= nbytes
+        if self.left == 0 and self.value != self.expected:
+            found.problems.append(Problem(
+                "error", "decode", f"{self.entry.key} chunk {self.chunk.index}: the storage record fails its CRC-32 "
+                f"check (the zip directory says {self.expected:08x}): its bytes are damaged", key=self.entry.key,
+                chunk=self.chunk.index, file=self.chunk.storage.file if self.chunk.storage else None))
+
+
+def _payload_action(key: str, dtype: DType, scan: bool, acc: _PayloadCrc | None) -> Action:
     kind = carrier(dtype)
 
     def action(view: memoryview, found: _Found) -> None:  # windows of a payload hold whole elements
-        found.add(key, np.frombuffer(view, dtype=kind), dtype)
+        if acc is not None:
+            found.payload_parts.append((acc, zlib.crc32(view), len(view)))
+        if scan:
+            found.add(key, np.frombuffer(view, dtype=kind), dtype)
 
     return action
 

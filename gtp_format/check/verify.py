@@ -84,7 +84,8 @@ def check_geometry(ckpt: Checkpoint) -> list[Problem]:
             out.append(Problem("error", "overlap", f"chunks {a} ({_fmt_box(ca.offsets, ca.sizes)}) and {b} "
                                f"({_fmt_box(cb.offsets, cb.sizes)}) overlap", key=e.key, chunk=b))
         if cov.overlap_count > len(cov.overlaps):
-            out.append(Problem("error", "overlap", f"{cov.overlap_count - len(cov.overlaps)} more overlapping "
+            more = cov.overlap_count - len(cov.overlaps)
+            out.append(Problem("error", "overlap", f"{'' if cov.count_exact else 'at least '}{more} more overlapping "
                                "chunk pairs", key=e.key))
         if cov.missing:
             where = (": uncovered " + ", ".join(f"[{a}, {b})" for a, b in cov.holes)) if cov.holes else ""
@@ -391,7 +392,11 @@ def check_manifest_files(ckpt: Checkpoint, data: bool,
         algos = list(spec.checksums)
         for a in algos:
             if a not in HASHERS:
-                out.append(Problem("info", "checksum", f"hash algorithm {a!r} is not supported; skipped", file=rel))
+                # an error, not a note: a writer (or an attacker) naming an algorithm we cannot compute must
+                # not turn the one integrity check the manifest offers into a silent skip
+                out.append(Problem("error", "checksum", f"checksum algorithm {a!r} is not one this ckpt can check "
+                                   f"({', '.join(sorted(HASHERS))}); the file's integrity is unverified: rewrite the "
+                                   "manifest with a supported algorithm or upgrade ckpt", file=rel))
         known = [a for a in algos if a in HASHERS]
         if not known:
             continue

@@ -123,8 +123,15 @@ _BRIEF.maxlevel, _BRIEF.maxdict, _BRIEF.maxlist, _BRIEF.maxtuple, _BRIEF.maxstri
 
 
 def brief(value: Any) -> str:
-    """A short repr for error messages: bounded in depth and length, whatever the file built."""
-    return _BRIEF.repr(value)
+    """A short repr for error messages: bounded in depth and length, whatever the file built.
+
+    ``repr`` of an int over 4,300 digits raises ``ValueError`` (CPython's conversion limit), and a
+    value can nest such ints: those come out as a description instead of a second error.
+    """
+    try:
+        return _BRIEF.repr(value)
+    except (ValueError, RecursionError):
+        return f"<a {type(value).__name__} too large to print>"
 
 
 def size_dims(dims: Any = ()) -> tuple[int, ...]:

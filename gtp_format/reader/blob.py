@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,7 @@ class BlobLayout:
     storage_offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    payload_crc: int = 0  # the zip directory's CRC-32 of the storage record: checked wherever the payload is read
 
     @property
     def payload_bytes(self) -> int:
@@ -93,15 +95,20 @@ class _StorageType:
 _UNTYPED = _StorageType(DTYPES["uint8"])
 
 
+MAX_INT = 1 << 48  # sizes, strides and offsets: far beyond any tensor, far below int64 (strides times itemsize)
+
+
 def _ints(value: Any, what: str) -> tuple[int, ...]:
-    if type(value) is not tuple or len(value) > MAX_DIMS or not all(type(v) is int and v >= 0 for v in value):
-        raise BlobError(f"data.pkl gives {what} {brief(value)}, not a short tuple of non-negative ints")
+    if type(value) is not tuple or len(value) > MAX_DIMS or \
+            not all(type(v) is int and 0 <= v < MAX_INT for v in value):
+        raise BlobError(f"data.pkl gives {what} {brief(value)}, not a short tuple of non-negative ints below 2**48 "
+                        "(a stride that large would overflow)")
     return value
 
 
 def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = False,
                        backward_hooks: Any = None, metadata: Any = None) -> _TensorArgs:
-    if type(storage) is not _StorageId or type(storage_offset) is not int or storage_offset < 0:
+    if type(storage) is not _StorageId or type(storage_offset) is not int or not 0 <= storage_offset < MAX_INT:
         raise BlobError("data.pkl rebuilds a tensor from something other than one stored record")
     if backward_hooks:
         raise BlobError("data.pkl attaches backward hooks to the tensor")
@@ -140,7 +147,7 @@ class _TensorPickle(ScannedUnpickler):
 
     def persistent_load(self, pid: Any) -> _StorageId:
         if (type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage" or type(pid[1]) is not _StorageType
-                or type(pid[2]) is not str or type(pid[4]) is not int or pid[4] < 0):
+                or type(pid[2]) is not str or type(pid[4]) is not int or not 0 <= pid[4] < MAX_INT):
             raise BlobError(f"data.pkl names storage {brief(pid)}, not ('storage', type, key, location, numel)")
         return _StorageId(pid[1].dtype, pid[2], pid[4])
 
@@ -180,10 +187,29 @@ def parse_blob(reader: BlobReader) -> BlobLayout:
         raise BlobError(f"data.pkl names storage record {args.storage.key!r}, which the archive lacks")
     nbytes = args.storage.numel * args.storage.dtype.itemsize
     if record.size != nbytes:
-        raise BlobError(f"storage record {record.name} holds {record.size} bytes but data.pkl declares "
+        raise BlobError(f"storage record {record.name!r} holds {record.size} bytes but data.pkl declares "
                         f"{args.storage.numel} {args.storage.dtype} elements ({nbytes} bytes)")
+    for other in infos.values():  # the small records (version, serialization id...): CRC-checked here
+        if other is not record and other.name != prefix + "data.pkl":
+            if other.size > MAX_PICKLE:
+                raise BlobError(f"record {other.name!r} holds {other.size} bytes; torch.save writes only the "
+                                "storage record that large")
+            small_record(reader, other)
     payload, _ = record_bytes(reader, record)
-    return BlobLayout(args.storage.dtype, payload, args.storage.numel, args.storage_offset, args.size, args.stride)
+    return BlobLayout(args.storage.dtype, payload, args.storage.numel, args.storage_offset, args.size, args.stride,
+                      record.crc)
+
+
+def check_payload_crc(layout: BlobLayout, payload: memoryview | bytes) -> None:
+    """The storage record's bytes match the CRC-32 the zip directory records for them.
+
+    ``zlib.crc32`` runs over bytes the caller already holds (the data pass's window), without the
+    GIL; it is what makes one flipped bit in a genuine Megatron checkpoint, which has no manifest
+    checksums, an error rather than a pass.
+    """
+    if zlib.crc32(payload) != layout.payload_crc:
+        raise BlobError(f"the storage record fails its CRC-32 check (the zip directory says {layout.payload_crc:08x}): "
+                        "its bytes are damaged")
 
 
 def _check_fits(layout: BlobLayout) -> None:

@@ -17,16 +17,18 @@ torch (``inspect`` and ``verify`` run without it: importing torch costs seconds 
 from __future__ import annotations
 
 import io
+import os
+import zlib
 from typing import Any
 
 import numpy as np
 
 from gtp_format.errors import ChunkError
 from gtp_format.model import BYTES, ENC_RAW, Checkpoint, Chunk, Entry, StorageRef
-from gtp_format.reader.blob import BlobLayout, as_tensor, element_view, parse_blob
+from gtp_format.reader.blob import BlobLayout, as_tensor, check_payload_crc, element_view, parse_blob
 from gtp_format.reader.object_blob import load_plain_object
-from gtp_format.reader.storage import read_range
-from gtp_format.reader.zip_blob import BlobError, ViewReader, zip_records
+from gtp_format.reader.storage import open_regular, past_end_message, read_range
+from gtp_format.reader.zip_blob import BlobError, RangeReader, ViewReader, record_bytes, zip_records
 from gtp_format.scan import carrier
 
 
@@ -86,16 +88,55 @@ def chunk_bytes(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> bytearray:
                          file=ref.file) from None
 
 
-def decode_elements(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytes | bytearray | memoryview) -> np.ndarray:
+def check_byte_object(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> None:
+    """A byte object's blob has the zip structure torch.save writes and every record passes its CRC-32.
+
+    Streamed from the file in blocks, never held whole: a byte object's declared range can be as
+    large as its file (a 64 MiB hole nobody wrote was read into memory at once, then passed).
+    Raw (safetensors) layouts store byte objects as they are and are only read for presence.
+    """
+    ref = checked_ref(ckpt, entry, chunk)
+    if ckpt.encoding == ENC_RAW:
+        chunk_bytes(ckpt, entry, chunk)
+        return
+    with open_regular(ckpt.root, ref.file) as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        if ref.offset + ref.length > size:
+            raise ChunkError(f"{entry.key}: {past_end_message(ref.file, ref.offset, ref.length, size)}", key=entry.key,
+                             chunk=chunk.index, file=ref.file)
+        reader = RangeReader(fd, ref.offset, ref.length)
+        try:
+            for rec in zip_records(reader).values():
+                start, stop = record_bytes(reader, rec)
+                crc = 0
+                for pos in range(start, stop, _CRC_BLOCK):
+                    crc = zlib.crc32(os.pread(fd, min(_CRC_BLOCK, stop - pos), ref.offset + pos), crc)
+                if crc != rec.crc:
+                    raise BlobError(f"record {rec.name} fails its CRC-32 check (damaged)")
+        except BlobError as e:
+            raise ChunkError(f"byte object {entry.key} in {ref.file} is not an intact torch.save blob: {e}",
+                             key=entry.key, chunk=chunk.index, file=ref.file) from None
+
+
+_CRC_BLOCK = 1 << 20
+
+
+def decode_elements(ckpt: Checkpoint, entry: Entry, chunk: Chunk, buf: bytes | bytearray | memoryview,
+                    check_crc: bool = True) -> np.ndarray:
     """A tensor chunk's elements as a numpy array of their stored bits (no copy, no torch), checked
-    against the metadata's dtype and shape."""
+    against the metadata's dtype and shape and (unless ``check_crc`` is false: the caller checks the
+    whole file's checksum instead) against the storage record's CRC-32."""
     assert entry.dtype is not None
     view = memoryview(buf)
     if ckpt.encoding == ENC_RAW:
         return np.frombuffer(view, dtype=carrier(entry.dtype)).reshape(chunk.sizes)
     try:
         layout = _checked_layout(view, entry, chunk)
-        return element_view(layout, view[layout.payload_offset:layout.payload_offset + layout.payload_bytes])
+        payload = view[layout.payload_offset:layout.payload_offset + layout.payload_bytes]
+        if check_crc:
+            check_payload_crc(layout, payload)
+        return element_view(layout, payload)
     except BlobError as e:
         raise blob_error(entry, chunk, e) from None
 

@@ -61,17 +61,18 @@ class _Malformed(Exception):
 # a few percent of PyTorch's own metadata read on millions of chunks.
 
 _NONE = type(None)
+_MAX_INT = 1 << 63  # sizes, offsets and lengths fit int64 (torch's own limit); a bigger one is a crafted file
 
 
 def _dims(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or not all(type(d) is int and d >= 0 for d in value):
-        raise _Malformed(f"{what} is {brief(value)}, not a tuple of non-negative ints")
+    if not isinstance(value, (tuple, list)) or not all(type(d) is int and 0 <= d < _MAX_INT for d in value):
+        raise _Malformed(f"{what} is {brief(value)}, not a tuple of non-negative ints below 2**63")
     return tuple(value)
 
 
 def _int(value: Any, what: str) -> int:
-    if type(value) is not int or value < 0:
-        raise _Malformed(f"{what} is {brief(value)}, not a non-negative int")
+    if type(value) is not int or not 0 <= value < _MAX_INT:
+        raise _Malformed(f"{what} is {brief(value)}, not a non-negative int below 2**63")
     return value
 
 
@@ -80,13 +81,13 @@ def _dims_column(values: list[Any], what: Callable[[int], str], none_ok: bool = 
     allowed = {tuple, _NONE} if none_ok else {tuple}
     if set(map(type, values)) <= allowed:
         flat = list(chain.from_iterable(filter(None, values)))
-        if set(map(type, flat)) <= {int} and (not flat or min(flat) >= 0):
+        if set(map(type, flat)) <= {int} and (not flat or (min(flat) >= 0 and max(flat) < _MAX_INT)):
             return values
     return [None if v is None and none_ok else _dims(v, what(i)) for i, v in enumerate(values)]
 
 
 def _int_column(values: list[Any], what: Callable[[int], str]) -> None:
-    if not (set(map(type, values)) <= {int} and (not values or min(values) >= 0)):
+    if not (set(map(type, values)) <= {int} and (not values or (min(values) >= 0 and max(values) < _MAX_INT))):
         for i, v in enumerate(values):
             _int(v, what(i))
 

@@ -189,14 +189,18 @@ def gc_paused() -> Iterator[None]:
 
 
 class ScannedUnpickler(pickle.Unpickler):
-    """The C unpickler over bytes that :func:`check_pickle` accepted; subclasses allow-list globals.
+    """The C unpickler over bytes that :func:`check_pickle` and
+    :func:`~gtp_format.reader.pickle_shape.check_shape` accepted; subclasses allow-list globals.
 
     ``find_class`` must be overridden (the default imports anything); persistent ids are refused,
     since DCP metadata never uses them.
     """
 
     def __init__(self, data: bytes, source: str) -> None:
+        from gtp_format.reader.pickle_shape import check_shape  # it imports PickleScanError from here
+
         check_pickle(data)
+        check_shape(data)  # nesting depth and container count: see pickle_shape
         super().__init__(io.BytesIO(data))
         self.source = source
 

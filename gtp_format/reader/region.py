@@ -3,8 +3,9 @@
 ``show`` prints a region, ``diff`` and ``verify-roundtrip`` compare whole tensors whose two sides
 are cut into different chunks (a resharded or re-laid-out copy), so they share this one assembler.
 Memory is bounded up front: the region's size is computed from metadata and refused over
-``max_bytes`` before anything is allocated, and a chunk that leaves the global shape is refused
-before it is read.
+``max_bytes``, and over the bytes its chunks really store in real files (a declared 2 GB bool
+tensor backed by a 1 KB chunk stayed under the default ``--max-bytes`` and was allocated whole),
+before anything is allocated; a chunk that leaves the global shape is refused before it is read.
 
 Torch is imported inside :func:`assemble` only: :mod:`gtp_format` must import without it.
 """
@@ -18,7 +19,8 @@ from typing import Any
 from gtp_format.check.geometry import check_coverage
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
 from gtp_format.model import Checkpoint, Chunk, Entry
-from gtp_format.reader.chunks import load_chunk
+from gtp_format.reader.chunks import checked_ref, load_chunk
+from gtp_format.reader.storage import file_size
 
 
 @dataclass
@@ -48,6 +50,7 @@ def assemble(ckpt: Checkpoint, entry: Entry, start: int, stop: int, max_bytes: i
         raise FormatError(f"{entry.key}: the requested region is {math.prod(shape)} elements ({nbytes} bytes), over "
                           f"the {max_bytes}-byte limit; pass --slice a:b for fewer rows or raise --max-bytes",
                           EXIT_BAD_INPUT)
+    _check_stored(ckpt, entry, start, stop, nbytes)
     out = torch.zeros(shape, dtype=entry.dtype.torch)
     boxes = []
     read = 0
@@ -72,6 +75,26 @@ def assemble(ckpt: Checkpoint, entry: Entry, start: int, stop: int, max_bytes: i
         out[dst_index].copy_(src)
         boxes.append(((lo - start, *c.offsets[1:]), (hi - lo, *c.sizes[1:])))
     return Assembled(out, start, stop, read, check_coverage(shape, boxes).missing or 0)
+
+
+def _check_stored(ckpt: Checkpoint, entry: Entry, start: int, stop: int, nbytes: int) -> None:
+    """Refuse a region the chunks that hold it cannot back with bytes that exist in real files.
+
+    Each such chunk first passes :func:`checked_ref` (no storage, transforms, a declared size its
+    blob cannot hold: errors that name the chunk), and its file's size comes from the listing or
+    a confined stat (a path outside the folder or a missing file fails here, by name).
+    """
+    assert entry.shape is not None
+    held = [c for c in entry.chunks if len(c.offsets) == len(entry.shape)
+            and (not entry.shape or _intersection(c, start, stop) is not None)]
+    refs = [checked_ref(ckpt, entry, c) for c in held]
+    sizes = {f: ckpt.data_files[f] if f in ckpt.data_files else file_size(ckpt.root, f)
+             for f in {r.file for r in refs}}
+    stored = sum(min(r.length, sizes[r.file]) for r in refs)
+    if nbytes > stored:  # the allocation is sized by metadata: back it by bytes that really exist
+        raise FormatError(f"{entry.key}: the requested region is {nbytes} bytes but the chunks that hold it store only "
+                          f"{stored} bytes in real files; the metadata declares more than was written: run "
+                          "'ckpt verify' on the checkpoint", EXIT_BAD_INPUT)
 
 
 def _intersection(c: Chunk, start: int, stop: int) -> tuple[int, int] | None:

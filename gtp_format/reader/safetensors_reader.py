@@ -35,7 +35,6 @@ Chunk bytes are raw little-endian elements in row-major order (``ENC_RAW``).
 
 from __future__ import annotations
 
-import json
 import struct
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from gtp_format.dtypes import BY_SAFETENSORS, DTYPES, DType
 from gtp_format.errors import FormatError
 from gtp_format.model import TENSOR, Chunk, Entry, Problem, StorageRef
 from gtp_format.names import GTP_INDEX_VERSION
+from gtp_format.reader import safe_json
 from gtp_format.reader.locate import (
     SAFETENSORS_INDEX_FILE,
     SAFETENSORS_SUFFIX,
@@ -85,10 +85,7 @@ def read_header(folder: Path, name: str, size: int) -> tuple[dict[str, Any], int
             "truncated or not a safetensors file (DCP writes byte objects ahead of the header): restore it"
         )
     raw = read_range(folder, name, HEADER_LEN_BYTES, n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{folder / name} has an unparsable safetensors header ({e}); restore the file") from None
+    header = safe_json.loads(raw, f"the safetensors header of {folder / name}", "restore the file")
     if not isinstance(header, dict):
         raise FormatError(f"{folder / name} has a safetensors header that is not a JSON object; restore the file")
     return header, HEADER_LEN_BYTES + n
@@ -101,10 +98,8 @@ def _sharding_info(header: dict[str, Any], where: str) -> dict[str, Any]:
     raw = meta.get(SHARDING_INFO_KEY)
     if raw is None:
         return {}
-    try:
-        info = json.loads(raw) if isinstance(raw, str) else None
-    except json.JSONDecodeError:
-        info = None
+    info = safe_json.loads(raw, f"{where}: __metadata__.{SHARDING_INFO_KEY}", "restore the file") \
+        if isinstance(raw, str) else None
     if not isinstance(info, dict):
         raise FormatError(f"{where}: __metadata__.{SHARDING_INFO_KEY} is not a JSON object; restore the file")
     return info

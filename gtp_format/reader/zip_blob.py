@@ -137,13 +137,39 @@ def zip_records(r: BlobReader) -> dict[str, ZipRecord]:
             size, csize, offset = _zip64_extra(cd[pos + _CENTRAL.size + name_len: stop - comment_len], name,
                                                size, csize, offset)
         if method != 0 or csize != size or size > n or flags & 1:
-            raise BlobError(f"record {name} is compressed, encrypted or larger than the blob ({size} bytes); "
+            raise BlobError(f"record {name!r} is compressed, encrypted or larger than the blob ({size} bytes); "
                             "torch.save never writes that, refusing to inflate it")
         if name in records:
-            raise BlobError(f"record {name} appears twice in the archive")
+            raise BlobError(f"record {name!r} appears twice in the archive")
         records[name] = ZipRecord(name, crc, size, offset)
         pos = stop
+    _check_extents(r, records, cd_offset)
     return records
+
+
+def _check_extents(r: BlobReader, records: dict[str, ZipRecord], cd_start: int) -> None:
+    """Each record has its own local header, under its own name, and its bytes overlap no other record's
+    and stop before the central directory.
+
+    Without this, a central directory entry could point at another record's bytes (or the same
+    bytes twice) and every per-record check would pass on data nobody described.
+    """
+    prev_end, prev_name = 0, None
+    for rec in sorted(records.values(), key=lambda x: x.header_offset):
+        if rec.header_offset < prev_end:
+            raise BlobError(f"record {rec.name!r} at byte {rec.header_offset} overlaps record {prev_name!r}, which "
+                            f"ends at byte {prev_end}")
+        end = rec.header_offset + _LOCAL_HEADER.size
+        if end > cd_start:
+            raise BlobError(f"record {rec.name!r} has no local header before the central directory")
+        sig, _, flags, *_, name_len, extra_len = _LOCAL_HEADER.unpack(r.get(rec.header_offset, end))
+        local = bytes(r.get(end, end + name_len)).decode("utf-8" if flags & 0x800 else "cp437", errors="replace")
+        if sig != _LOCAL_SIG or local != rec.name:
+            raise BlobError(f"the central directory places record {rec.name!r} at byte {rec.header_offset}, where "
+                            f"{'record ' + repr(local[:80]) if sig == _LOCAL_SIG else 'no record'} starts")
+        prev_end, prev_name = end + name_len + extra_len + rec.size, rec.name
+        if prev_end > cd_start:
+            raise BlobError(f"record {rec.name!r} runs into the central directory")
 
 
 def _zip64_extra(extra: bytes | memoryview, name: str, size: int, csize: int, offset: int) -> tuple[int, int, int]:
@@ -165,7 +191,7 @@ def _zip64_extra(extra: bytes | memoryview, name: str, size: int, csize: int, of
                 return values[0], values[1], values[2]
             break
         pos += 4 + length
-    raise BlobError(f"record {name} needs a zip64 extra field that is missing or short")
+    raise BlobError(f"record {name!r} needs a zip64 extra field that is missing or short")
 
 
 def record_bytes(r: BlobReader, rec: ZipRecord) -> tuple[int, int]:
@@ -173,11 +199,11 @@ def record_bytes(r: BlobReader, rec: ZipRecord) -> tuple[int, int]:
     end = rec.header_offset + _LOCAL_HEADER.size
     header = r.get(rec.header_offset, end) if end <= r.length else b""
     if len(header) != _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(header)[0] != _LOCAL_SIG:
-        raise BlobError(f"record {rec.name} has no local header at byte {rec.header_offset}")
+        raise BlobError(f"record {rec.name!r} has no local header at byte {rec.header_offset}")
     *_, name_len, extra_len = _LOCAL_HEADER.unpack(header)
     start = rec.header_offset + _LOCAL_HEADER.size + name_len + extra_len
     if start + rec.size > r.length:
-        raise BlobError(f"record {rec.name} runs past the end of the blob")
+        raise BlobError(f"record {rec.name!r} runs past the end of the blob")
     return start, start + rec.size
 
 
@@ -186,5 +212,5 @@ def small_record(r: BlobReader, rec: ZipRecord) -> bytes:
     start, stop = record_bytes(r, rec)
     data = bytes(r.get(start, stop))
     if zlib.crc32(data) != rec.crc:
-        raise BlobError(f"record {rec.name} fails its CRC-32 check (damaged)")
+        raise BlobError(f"record {rec.name!r} fails its CRC-32 check (damaged)")
     return data

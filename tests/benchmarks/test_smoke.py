@@ -52,6 +52,8 @@ SMOKE = {
     "bench_muon.py": [],
     "bench_data_read.py": ["--dir", "{tmp}/data_read"],
     "convergence.py": ["--out", "{tmp}/convergence"],
+    "bench_record_crc.py": ["--workdir", "{tmp}/record_crc"],
+    "fuzz_readers.py": ["--out", "{tmp}/fuzz"],
 }
 # Not run with --smoke by the test above; each has its own test below.
 OTHERS = {"bench_megatron_save.py", "report_gpu.py", "docs_section.py"}
@@ -211,11 +213,29 @@ def check_convergence(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert s["passed"] and "PASSED" in p.stdout
 
 
+def check_record_crc(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    head, *rows = _table(p.stdout)
+    assert head == ["pass", "s", "GB/s", "vs cat"]
+    assert [r[0] for r in rows] == ["cat", "manifest (file CRC-32C)", "no manifest (record CRC-32)",
+                                    "no manifest, record CRC off"]
+    assert rows[0][3] == "1.00x" and all(_ratio(r[3]) > 0 for r in rows)  # a 0.2 MB fixture: GB/s may round to 0
+    assert (tmp / "record_crc").is_dir() and not list((tmp / "record_crc").iterdir())  # the copy is removed
+
+
+def check_fuzz(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    report = json.loads(p.stdout[p.stdout.index("{"):])
+    assert set(report) == {"pickle", "zip", "safetensors", "json"}
+    for name, stats in report.items():
+        assert stats["runs"] == 10 and stats["ok"] + stats["refused"] + stats["findings"] >= 10, (name, stats)
+        assert stats["findings"] == 0, (name, [f.read_text()[:500] for f in (tmp / "fuzz").glob(f"{name}-*.txt")])
+
+
 CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
     "bench_inspect.py": check_inspect, "bench_migrate.py": check_migrate, "bench_verify.py": check_verify,
     "bench_gpu.py": check_gpu, "bench_reshard.py": check_reshard, "bench_muon.py": check_muon,
     "bench_data_read.py": check_data_read, "convergence.py": check_convergence,
+    "bench_record_crc.py": check_record_crc, "fuzz_readers.py": check_fuzz,
 }
 
 

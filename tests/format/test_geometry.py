@@ -78,3 +78,40 @@ def test_grid_and_scalar():
     assert check_coverage((), [((), ()), ((), ())]).overlap_count == 1
     assert check_coverage((4,), [((0, 0), (4, 1))]).bad_rank == [0]
     assert math.prod(()) == 1
+
+
+def test_identical_boxes_are_counted_without_pairwise_tests(monkeypatch):
+    from gtp_format.check import geometry
+
+    calls = []
+    real = geometry._intersects
+    monkeypatch.setattr(geometry, "_intersects", lambda *a: calls.append(1) or real(*a))
+    n = 3000
+    cov = check_coverage((4, 4), [((0, 0), (4, 4))] * n)
+    assert cov.overlap_count == n * (n - 1) // 2 and cov.count_exact and cov.missing == 0
+    assert len(cov.overlaps) == MAX_REPORTED and not calls
+
+
+def test_nested_overlapping_boxes_stop_at_the_test_budget(monkeypatch):
+    from gtp_format.check import geometry
+
+    calls = []
+    real = geometry._intersects
+    monkeypatch.setattr(geometry, "_intersects", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(geometry, "MAX_TESTS", 10_000)
+    n = 400
+    boxes = [((i, i), (2 * n - 2 * i, 2 * n - 2 * i)) for i in range(n)]
+    cov = check_coverage((2 * n, 2 * n), boxes)
+    assert not cov.count_exact and cov.overlap_count >= len(calls) > 0 and len(calls) <= 10_000
+    assert cov.missing == 0  # the union on the compressed grid is still exact
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5), st.integers(1, 4), st.integers(1, 4)), max_size=12),
+       st.integers(1, 3))
+def test_union_with_repeats_matches_brute_force(raw, repeat):
+    shape = (8, 8)
+    boxes = [((a, b), (c, d)) for a, b, c, d in raw] * repeat
+    cov = check_coverage(shape, boxes)
+    oob, pairs, missing = brute(shape, boxes)
+    assert cov.overlap_count == len(pairs) and cov.missing == missing

@@ -1,0 +1,95 @@
+"""The one JSON parser for untrusted files (manifest, metadata.json, indexes, safetensors headers).
+
+``json.loads`` on a file nobody vouches for fails in ways a one-line error must cover, and some
+of them are not ``JSONDecodeError``:
+
+* an integer of more than 4,300 digits raises ``ValueError`` (CPython's int-conversion limit) and
+  a smaller but still absurd one is a size no checkpoint has; ``1e999`` parses as ``inf``;
+  ``NaN``/``Infinity`` are accepted by default. All are refused here: a size, shape or offset is a
+  plain integer of at most :data:`MAX_INT_DIGITS` digits, and floats are finite;
+* nesting raises ``RecursionError`` at about 1,000 levels;
+* ``"\\ud800"`` decodes to a lone surrogate, a string that cannot be encoded, printed or used as
+  a file name: refused too;
+* a file of empty containers (``[],`` is 3 bytes, a list 56 bytes of memory) amplifies memory
+  about 20 times, so the number of ``[``/``{`` (counted in C, an upper bound) is held to one per
+  :data:`BYTES_PER_CONTAINER` bytes, which genuine files never approach (a safetensors entry
+  spends about 20 bytes per container, a manifest more).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+from gtp_format.errors import FormatError
+
+MAX_INT_DIGITS = 40  # 2**128 has 39 digits; every size, shape and offset is far below
+BYTES_PER_CONTAINER = 6
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+class _Refused(ValueError):
+    pass
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise _Refused(f"an integer of {len(text)} digits (at most {MAX_INT_DIGITS} are accepted)")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    value = float(text) if len(text) <= 64 else math.inf
+    if not math.isfinite(value):
+        raise _Refused(f"the number {text[:24]}{'...' if len(text) > 24 else ''}, which is not a finite float")
+    return value
+
+
+def _constant(text: str) -> Any:
+    raise _Refused(f"{text}, which is not a JSON number")
+
+
+def _has_lone_surrogate(obj: Any) -> bool:
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return False
+
+
+def loads(raw: bytes | bytearray | str, source: str, fix: str) -> Any:
+    """Parse ``raw`` (the whole file, already read within its size limit) or raise one :class:`FormatError`.
+
+    ``source`` names the file (or the file and field) and ``fix`` says what to do, for the message.
+    """
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+    containers = data.count(b"[") + data.count(b"{")
+    if containers > 16 + len(data) // BYTES_PER_CONTAINER:
+        raise FormatError(f"{source} opens {containers} JSON arrays or objects in {len(data)} bytes, more than any "
+                          f"genuine file (it would amplify memory); {fix}")
+    try:
+        text = data.decode("utf-8")
+        obj = json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant)
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{source} is not UTF-8 text (byte {e.start}); {fix}") from None
+    except _Refused as e:
+        raise FormatError(f"{source} holds {e}; {fix}") from None
+    except RecursionError:
+        raise FormatError(f"{source} nests JSON too deeply; {fix}") from None
+    except ValueError as e:  # JSONDecodeError and the rest
+        raise FormatError(f"{source} is not valid JSON ({str(e)[:200]}); {fix}") from None
+    if _ESCAPED_SURROGATE.search(data) and _has_lone_surrogate(obj):
+        raise FormatError(f"{source} holds a string with a lone UTF-16 surrogate (\\ud800-\\udfff), which no "
+                          f"name or value can contain; {fix}")
+    return obj
