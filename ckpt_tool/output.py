@@ -16,7 +16,7 @@ import math
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from enum import Enum
 from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 
@@ -42,6 +42,7 @@ DEFAULT_MAX_BYTES = 2 << 30
 MaxBytesOption = Annotated[
     int, typer.Option("--max-bytes", min=1, help="Refuse to assemble a tensor region larger than this many bytes.")
 ]
+MaxMemoryOption = Annotated[int, typer.Option("--max-memory", min=1 << 24, help="Bytes of tensor data in flight.")]
 
 
 # What a terminal would act on rather than print: C0/C1 controls and DEL (escape sequences can
@@ -163,3 +164,13 @@ def progress(total: int, description: str, enabled: bool) -> Iterator[Callable[[
     with bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
+
+
+def progress_opener(stack: ExitStack, description: str, fmt: OutputFormat
+                    ) -> Callable[[int], Callable[[int], None]]:
+    """For engines that learn their total late: ``open(total)`` starts the bar inside ``stack``
+    (closed with it) and returns its ``advance(n)``."""
+    def open_bar(total: int) -> Callable[[int], None]:
+        return stack.enter_context(progress(total, description, progress_enabled(fmt)))
+
+    return open_bar

@@ -10,13 +10,14 @@ import typer
 
 from ckpt_tool.output import (
     FormatOption,
+    MaxMemoryOption,
     OutputFormat,
     fmt_bytes,
     handle_errors,
     print_json,
-    progress,
-    progress_enabled,
+    progress_opener,
 )
+from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
 
 EPILOG = """Examples:
 
@@ -46,8 +47,7 @@ def export_command(
                          ] = False,
     max_shard_size: Annotated[int, typer.Option("--max-shard-size", min=1, help="hf: bytes per safetensors file.")
                               ] = 5 * 10**9,
-    max_memory: Annotated[int, typer.Option("--max-memory", min=1 << 24, help="Bytes of tensor data in flight.")
-                          ] = 2 << 30,
+    max_memory: MaxMemoryOption = DEFAULT_MAX_MEMORY,
     workers: Annotated[int | None, typer.Option("--workers", min=1, max=64, show_default="one per core, at most 4",
                                                 help="Files written in parallel.")] = None,
     fmt: FormatOption = OutputFormat.table,
@@ -57,9 +57,7 @@ def export_command(
     from ckpt_tool.reshard.export import export
 
     with contextlib.ExitStack() as stack:
-        def bar(total: int):  # noqa: ANN202
-            return stack.enter_context(progress(total, f"exporting to {to}", progress_enabled(fmt)))
-
+        bar = progress_opener(stack, f"exporting to {to}", fmt)
         info = export(src, dst, to, optimizer, max_memory, workers, max_shard_size, bar)
     if fmt == OutputFormat.json:
         print_json({"ok": True, **info})

@@ -10,13 +10,14 @@ import typer
 
 from ckpt_tool.output import (
     FormatOption,
+    MaxMemoryOption,
     OutputFormat,
     fmt_bytes,
     handle_errors,
     print_json,
-    progress,
-    progress_enabled,
+    progress_opener,
 )
+from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
 
 EPILOG = """Examples:
 
@@ -51,8 +52,7 @@ def reshard_command(
     expert_gtp_remat: Annotated[int | None, typer.Option("--expert-gtp-remat", min=1,
                                                          help="GTP_remat size of expert weights.")] = None,
     layout: Annotated[str | None, typer.Option("--layout", help="torch_dist or safetensors (default: SRC's).")] = None,
-    max_memory: Annotated[int, typer.Option("--max-memory", min=1 << 24, help="Bytes of tensor data in flight.")
-                          ] = 2 << 30,
+    max_memory: MaxMemoryOption = DEFAULT_MAX_MEMORY,
     workers: Annotated[int | None, typer.Option("--workers", min=1, max=64, show_default="one per core, at most 4",
                                                 help="Data files written in parallel.")] = None,
     fmt: FormatOption = OutputFormat.table,
@@ -63,9 +63,7 @@ def reshard_command(
     par = target_topology(src, layout, tp=tp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp,
                           expert_gtp_remat=expert_gtp_remat)
     with contextlib.ExitStack() as stack:
-        def bar(total: int):  # noqa: ANN202
-            return stack.enter_context(progress(total, "resharding", progress_enabled(fmt)))
-
+        bar = progress_opener(stack, "resharding", fmt)
         result = reshard(src, dst, par, layout, max_memory, workers, bar)
     if fmt == OutputFormat.json:
         print_json({"ok": True, **result.to_json()})

@@ -5,3 +5,7 @@ writes the data files, :mod:`.engine` runs a reshard atomically, :mod:`.export` 
 The layout arithmetic they use is torch-free and lives in :mod:`gtp_format.params` and
 :mod:`gtp_format.layout.params`.
 """
+
+DEFAULT_MAX_MEMORY = 2 << 30
+"""Bytes of tensor data in flight unless ``--max-memory`` says otherwise (here, not in :mod:`.engine`,
+so that the command modules can name it without importing the engine at CLI start-up)."""

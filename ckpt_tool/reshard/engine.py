@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
 from ckpt_tool.reshard.plan import OutChunk, Plan, plan_target, split_files
 from ckpt_tool.reshard.source import Buffers, Source, open_source
 from ckpt_tool.reshard.writers import (
@@ -65,7 +66,6 @@ from gtp_format.names import (
 )
 from gtp_format.scan import carrier
 
-DEFAULT_MAX_MEMORY = 2 << 30
 MAX_CHUNK = 64 << 20
 MIN_CHUNK = 1 << 20
 DEFAULT_BUCKET_SIZE = 40_000_000

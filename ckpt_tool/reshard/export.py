@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
 from ckpt_tool.reshard.engine import (
     MEGATRON_METADATA,
     Progress,
@@ -210,7 +211,7 @@ def export_torch(source: Source, dst: Path, max_memory: int) -> dict[str, Any]:
     return {"files": 1, "keys": len(state), "bytes": total}
 
 
-def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: int = 2 << 30,
+def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: int = DEFAULT_MAX_MEMORY,
            workers: int | None = None, max_shard: int = DEFAULT_SHARD,
            progress: Callable[[int], Progress] | None = None) -> dict[str, Any]:
     """Export SRC to DST (a new folder; a new file for ``torch``) and return a summary."""
