@@ -7,29 +7,8 @@ case runs the CLI in a fresh interpreter and reports whether torch ended up in `
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).parents[2]
-_PROBE = """
-import json, sys
-from ckpt_tool.cli import app
-try:
-    app(sys.argv[1:])
-except SystemExit as e:
-    code = e.code
-print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
-"""
-
-
-def _run(*args: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", _PROBE, *args], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, check=False)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+from cli_helpers import run_fresh
 
 
 @pytest.mark.parametrize(("args", "code"), [
@@ -44,9 +23,9 @@ def _run(*args: str) -> dict:
     (["migrate-aliased", "fixtures/gtp/aliased_cp2_g2_dp2", "--in-place", "--dry-run"], 1),  # refused: lost moments
 ])
 def test_read_only_commands_do_not_import_torch(args: list[str], code: int):
-    assert _run(*args) == {"code": code, "torch": False}
+    assert run_fresh(*args) == {"code": code, "torch": False}
 
 
 def test_show_still_uses_torch():  # the probe can tell: show builds tensors
     args = ["show", "fixtures/gtp/fold_cp2_g2_dp2", "decoder.layers.0.mlp.linear_fc1.weight", "--format", "json"]
-    assert _run(*args)["torch"] is True
+    assert run_fresh(*args)["torch"] is True

@@ -9,13 +9,11 @@ the per-parameter state must equal SRC's.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+from cli_helpers import run_fresh
 
 from ckpt_tool.reshard.source import WEIGHT, open_source
 from gtp_format.names import STATES
@@ -24,21 +22,6 @@ from gtp_format.reader.checkpoint import open_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 FOLD = REPO / "fixtures" / "gtp" / "fold_cp2_g2_dp2"
-_PROBE = """
-import json, sys
-from ckpt_tool.cli import app
-try:
-    app(sys.argv[1:])
-except SystemExit as e:
-    code = e.code
-print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
-"""
-
-
-def _run(*args: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", _PROBE, *args], cwd=REPO, capture_output=True, text=True,
-                         timeout=300, check=False)
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _dcp_load(folder: Path) -> dict[str, torch.Tensor]:
@@ -56,8 +39,8 @@ def _bits(t: torch.Tensor) -> bytes:
 
 def test_torch_free_reshard_is_read_by_torch_dcp(tmp_path: Path) -> None:
     dst = tmp_path / "dst"
-    assert _run("reshard", str(FOLD), str(dst), "--tp", "2", "--cp", "1", "--no-fold-cp", "--layout", "torch_dist",
-                "--format", "json") == {"code": 0, "torch": False}
+    assert run_fresh("reshard", str(FOLD), str(dst), "--tp", "2", "--cp", "1", "--no-fold-cp", "--layout",
+                     "torch_dist", "--format", "json", timeout=300) == {"code": 0, "torch": False}
     folder = next(dst.glob("iter_*"))
     loaded = _dcp_load(folder)
     ckpt = open_checkpoint(folder)
@@ -77,8 +60,8 @@ def test_torch_free_reshard_is_read_by_torch_dcp(tmp_path: Path) -> None:
 
 def test_torch_free_exports(tmp_path: Path) -> None:
     for to in ("fully_reshardable", "hf"):
-        assert _run("export", str(FOLD), str(tmp_path / to), "--to", to, "--optimizer", "--format", "json") == \
-            {"code": 0, "torch": False}, to
+        assert run_fresh("export", str(FOLD), str(tmp_path / to), "--to", to, "--optimizer", "--format", "json",
+                         timeout=300) == {"code": 0, "torch": False}, to
     loaded = _dcp_load(next((tmp_path / "fully_reshardable").glob("iter_*")))
     source = open_source(FOLD)
     for name, view in source.views.items():

@@ -1,4 +1,5 @@
-"""Helpers shared by the CLI tests: invoke the app, check the one-line error, snapshot a folder."""
+"""Helpers shared by the CLI tests: invoke the app (in process or in a fresh interpreter), check the
+one-line error, snapshot a folder."""
 
 from __future__ import annotations
 
@@ -6,12 +7,32 @@ import hashlib
 import json
 import os
 import pickle
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from typer.testing import CliRunner, Result
 
 from ckpt_tool.cli import app
+
+REPO = Path(__file__).resolve().parents[2]
+_FRESH_PROBE = """
+import json, sys
+from ckpt_tool.cli import app
+try:
+    app(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
+"""
+
+
+def run_fresh(*args: str, timeout: float = 120) -> dict:
+    """``ckpt ARGS`` in a fresh interpreter: its exit code, and whether torch ended up imported."""
+    out = subprocess.run([sys.executable, "-c", _FRESH_PROBE, *args], cwd=REPO, capture_output=True, text=True,
+                         timeout=timeout, check=False)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int, str]]:
