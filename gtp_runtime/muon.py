@@ -196,6 +196,8 @@ class MuonPlan:
 class DistributedMuon(DistributedAdam):
     """Muon for the linears (see the module docstring), AdamW for every other param."""
 
+    DEVICE_UPDATE = False  # the update below takes the clip factor on the host
+
     def __init__(self, model: nn.Module, groups: Groups, adam: AdamConfig | None = None,
                  muon: MuonConfig | None = None, bucket_size: int = 40_000_000) -> None:
         super().__init__(model, groups, adam, bucket_size)

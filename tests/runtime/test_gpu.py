@@ -65,6 +65,29 @@ def test_bf16_muon_parity_two_gpus(tmp_path: Path, topology: str) -> None:
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
+def test_muon_train_step_updates_with_muon(tmp_path: Path) -> None:
+    """The training step (``train_step``, no reference check) updates with Muon on CUDA.
+
+    Its device-side fast path is AdamW's; Muon's update takes the clip factor on the host, so a
+    Muon run that went through it would silently train with AdamW. The losses of a plain Muon run
+    must follow the parity path's (which calls ``step_after_reduce`` itself) much more closely than
+    an AdamW run's do."""
+    small = ["--hidden", "256", "--ffn-hidden", "512", "--num-heads", "4", "--seq-length", "256",
+             "--vocab-size", "1024"]
+    runs = {"muon": ["--optimizer", "muon"], "muon-parity": [*MUON_BF16[2:], "--check-reference"],
+            "adam": []}
+    logs = {}
+    for name, extra in runs.items():
+        r = _train(["--nproc-per-node", "2", "--cp", "2", "--fold-cp", "--bf16", "--device", "cuda", "--steps", "4",
+                    *small, *extra, "--log-json", str(tmp_path / f"{name}.json")])
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        logs[name] = [row["loss"] for row in json.loads((tmp_path / f"{name}.json").read_text())["rows"]]
+    same = max(abs(a - b) for a, b in zip(logs["muon"], logs["muon-parity"], strict=True))
+    other = max(abs(a - b) for a, b in zip(logs["adam"], logs["muon-parity"], strict=True))
+    assert same <= 1e-3 * abs(logs["muon"][0])
+    assert other > 10 * max(same, 1e-6)
+
+
 def test_compiled_regions_match_unfused_bf16(tmp_path: Path) -> None:
     """The compiled fused path trains like the unfused one: same losses and grad norms at bf16
     tolerance, step by step (a wrong fused gradient shows in the losses from step 2 on)."""
