@@ -198,19 +198,36 @@ class GradBuffer:
         bucket order (every rank starts the same buckets in the same order).
         Afterwards ``grad_data[owned_range]`` holds the mean gradient of the owned slice.
         """
+        self.start_remaining()
+        for i in range(len(self.buckets)):
+            self.finish(i)
+        self.seal()
+
+    def start_remaining(self) -> None:
+        """Start the reductions of the buckets :meth:`grad_ready` has not started, in bucket order."""
         for i in range(len(self.buckets)):
             if i not in self._inflight:
                 self._start(i)
-        for i, b in enumerate(self.buckets):
-            work, out, averaged = self._inflight[i]
-            lo, hi = self.owned_range(b)
-            if work is not None:
-                work.wait()  # type: ignore[attr-defined]
-            if out is not None:
-                self.grad_data[lo:hi].copy_(out)
-            if not averaged:
-                self.grad_data[lo:hi].div_(self.divisor)
-        self._inflight = {i: (None, None, True) for i in range(len(self.buckets))}  # late gradients are refused
+
+    def finish(self, i: int) -> None:
+        """Wait for bucket ``i``'s reduction (on CUDA: make the current stream wait) and average it.
+
+        Separate from :meth:`reduce_grads` so the optimizer can queue work on the buckets that are
+        done while the last ones are still in flight.
+        """
+        work, out, averaged = self._inflight[i]
+        lo, hi = self.owned_range(self.buckets[i])
+        if work is not None:
+            work.wait()  # type: ignore[attr-defined]
+        if out is not None:
+            self.grad_data[lo:hi].copy_(out)
+        if not averaged:
+            self.grad_data[lo:hi].div_(self.divisor)
+        self._inflight[i] = (None, None, True)
+
+    def seal(self) -> None:
+        """Every bucket is reduced: a gradient that arrives now is refused (see :meth:`grad_ready`)."""
+        self._inflight = {i: (None, None, True) for i in range(len(self.buckets))}
 
     def zero_grad(self) -> None:
         self.grad_data.zero_()
