@@ -56,7 +56,7 @@ SMOKE = {
     "fuzz_readers.py": ["--out", "{tmp}/fuzz"],
 }
 # Not run with --smoke by the test above; each has its own test below.
-OTHERS = {"bench_megatron_save.py", "report_gpu.py", "docs_section.py"}
+OTHERS = {"bench_megatron_save.py", "report_gpu.py", "docs_section.py", "trace_exposed.py"}
 
 
 def _env() -> dict[str, str]:
@@ -280,6 +280,45 @@ def test_gpu_exposed_communication_arithmetic_against_brute_force():
         assert g._intersect(cu, pu) == len(in_comm & in_comp)
     assert [g.kernel_kind(n) for n in ("ncclDevKernel_AllGather", "flash_fwd_kernel", "sm90_xmma_gemm", "add")] == \
         ["comm", "attention", "gemm", "other"]
+
+
+def _synthetic_trace(rnd: random.Random) -> tuple[list[dict], set[int], set[int], set[int]]:
+    """Random kernels on a compute and a NCCL stream, each with a host launch no later than its start;
+    and, per microsecond, where NCCL ran, where compute ran, and where compute was held back."""
+    events: list[dict] = []
+    comm_t: set[int] = set()
+    comp_t: set[int] = set()
+    for i in range(rnd.randint(0, 12)):
+        s, d = rnd.randint(0, 300), rnd.randint(1, 40)
+        nccl = rnd.random() < 0.4
+        launch = s - rnd.randint(0, 60)
+        events.append({"cat": "kernel", "name": "ncclDevKernel_AllGather" if nccl else "gemm", "ts": float(s),
+                       "dur": float(d), "args": {"correlation": i}})
+        events.append({"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": float(launch), "dur": 0.0,
+                       "args": {"correlation": i}})
+        (comm_t if nccl else comp_t).update(range(s, s + d))
+    held: set[int] = set()
+    launch_of = {e["args"]["correlation"]: e["ts"] for e in events if e["cat"] == "cuda_runtime"}
+    comp = [(e["ts"], launch_of[e["args"]["correlation"]]) for e in events
+            if e["cat"] == "kernel" and e["name"] == "gemm"]
+    for t in range(-100, 400):  # held: between compute kernels, and a next one was launched by t
+        nxt = [s for s, _ in comp if s > t]
+        if t not in comp_t and nxt and any(s <= t for s, _ in comp) and \
+                min(launch for s, launch in comp if s == min(nxt)) <= t:
+            held.add(t)
+    return events, comm_t, comp_t, held
+
+
+def test_trace_exposed_against_brute_force():
+    """trace_exposed.py's two measures against a per-microsecond count on random traces: NCCL time
+    with no compute beside it, and the part of it in which the compute stream held a launched kernel."""
+    tx = _load("trace_exposed.py")
+    rnd = random.Random(1)
+    for _ in range(300):
+        events, comm_t, comp_t, held = _synthetic_trace(rnd)
+        out = tx.analyse(events, min_ms=0.0)
+        assert out["comm_alone_ms"] == round(len(comm_t - comp_t) / 1e3, 3)
+        assert out["comm_wait_ms"] == round(len(comm_t & held) / 1e3, 3)
 
 
 def test_gpu_flop_count_by_hand():
