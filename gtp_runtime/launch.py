@@ -124,6 +124,10 @@ def _entry(rank: int, world: int, port: int, workdir: str, tag: str, timeout: fl
     try:
         device = None
         if backend == "nccl":
+            if os.environ.get("GTP_BIND_CPUS") == "1":  # opt-in: see gtp_runtime/affinity.py
+                from gtp_runtime.affinity import bind_rank, pci_bus_ids
+
+                bind_rank(rank, world, pci_bus_ids(min(world, torch.cuda.device_count())))
             torch.cuda.set_device(rank)
             device = torch.device("cuda", rank)  # binds the communicator to this rank's GPU
         else:
