@@ -55,30 +55,12 @@ def matmul_peak_tflops(n: int = 8192, iters: int = 10) -> float:
     return 2 * n**3 * iters / (time.perf_counter() - t) / 1e12
 
 
-def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
+# Interval arithmetic shared with trace_exposed.py (spans as (start, end) pairs of any number type).
+_union, _intersect = trace_exposed.union, trace_exposed.intersect
 
 
 def _length(iv: list[tuple[int, int]]) -> int:
     return sum(e - s for s, e in iv)
-
-
-def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
-    i = j = total = 0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0, hi - lo)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
 
 
 KERNEL_KINDS = (("comm", ("nccl",)), ("attention", ("fmha", "flash", "attention", "efficient")),

@@ -30,7 +30,7 @@ from typing import Any
 PHASES = ("zero_grad+batch", "forward", "backward", "optimizer")
 
 
-def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[tuple[float, float]] = []
     for s, e in sorted(iv):
         if out and s <= out[-1][1]:
@@ -61,7 +61,7 @@ def _subtract(a: Span, cover: list[Span], starts: list[float]) -> list[Span]:
     return out
 
 
-def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     i = j = 0
     total = 0.0
     while i < len(a) and j < len(b):
@@ -97,7 +97,7 @@ def comm_wait(kernels: list[dict[str, Any]], launches: dict[Any, dict[str, Any]]
             if times and max(end, min(times)) < s:
                 blocked.append((max(end, min(times)), s))
         end = s + k["dur"] if end is None else max(end, s + k["dur"])
-    return _intersect(_union(blocked), _union(comm))
+    return intersect(union(blocked), union(comm))
 
 
 def collective_kind(name: str) -> str:
@@ -111,7 +111,7 @@ def collective_kind(name: str) -> str:
 def analyse(events: list[dict[str, Any]], min_ms: float) -> dict[str, Any]:
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     comm = [e for e in kernels if "nccl" in e["name"].lower()]
-    comp = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()])
+    comp = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()])
     starts = [s for s, _ in comp]
     phases = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                     if e.get("cat") == "user_annotation" and e.get("name") in PHASES)
@@ -155,8 +155,8 @@ def analyse(events: list[dict[str, Any]], min_ms: float) -> dict[str, Any]:
                 stretches.append({"at_ms": round((s - t0) / 1e3, 3), "ms": round(ms, 3), "kind": kind,
                                   "issued_in": phase, "by": launcher(k), "kernel_ms": round(k["dur"] / 1e3, 3)})
     stretches.sort(key=lambda r: r["at_ms"])
-    cu = _union([(e["ts"], e["ts"] + e["dur"]) for e in comm])
-    alone = (sum(e - s for s, e in cu) - _intersect(cu, comp)) / 1e3
+    cu = union([(e["ts"], e["ts"] + e["dur"]) for e in comm])
+    alone = (sum(e - s for s, e in cu) - intersect(cu, comp)) / 1e3
     return {"comm_alone_ms": round(alone, 3), "comm_wait_ms": round(wait_us / 1e3, 3),
             "exposed_ms_by_kernel": round(total, 3), "by_kind": {k: round(v, 3) for k, v in by_kind.items()},
             "by_issuing_phase": {k: round(v, 3) for k, v in by_phase.items()}, "stretches": stretches,
