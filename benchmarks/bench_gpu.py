@@ -295,6 +295,8 @@ def _trace_path(args: argparse.Namespace, name: str) -> str | None:
 def worker(args: argparse.Namespace) -> None:
     """One rank (started by :func:`gtp_runtime.launch.run_local_ranks` with NCCL, one GPU each)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.sm_carveout:  # cuBLAS GEMMs leave this many SMs to the NCCL kernels that run beside them
+        torch._C._set_sm_carveout_experimental(args.sm_carveout)
     if args.prefetch_depth is not None:
         from gtp_runtime import sharding
 
@@ -375,6 +377,8 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace-dir", default=None, help="write each rank's traced steps of each configuration here "
                     "(Chrome trace JSON, for chrome://tracing or Perfetto)")
+    ap.add_argument("--sm-carveout", type=int, default=0,
+                    help="SMs cuBLAS leaves free (torch._C._set_sm_carveout_experimental); 0: none")
     ap.add_argument("--prefetch-depth", type=int, default=None,
                     help="weights gathered ahead (gtp_runtime.sharding.PREFETCH_DEPTH; default: the library's)")
     ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks): every size option tiny")
