@@ -297,10 +297,12 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.sm_carveout:  # cuBLAS GEMMs leave this many SMs to the NCCL kernels that run beside them
         torch._C._set_sm_carveout_experimental(args.sm_carveout)
-    if args.prefetch_depth is not None:
-        from gtp_runtime import sharding
+    from gtp_runtime import sharding
 
+    if args.prefetch_depth is not None:
         sharding.PREFETCH_DEPTH = args.prefetch_depth
+    if args.gather_batch is not None:
+        sharding.GATHER_BATCH = args.gather_batch
     attention = context_parallel.CP_ATTENTION
     torch.backends.cuda.matmul.allow_tf32 = True
     peak = matmul_peak_tflops()
@@ -379,6 +381,8 @@ def main() -> int:
                     "(Chrome trace JSON, for chrome://tracing or Perfetto)")
     ap.add_argument("--sm-carveout", type=int, default=0,
                     help="SMs cuBLAS leaves free (torch._C._set_sm_carveout_experimental); 0: none")
+    ap.add_argument("--gather-batch", type=int, default=None,
+                    help="weights one prefetch gathers together (gtp_runtime.sharding.GATHER_BATCH)")
     ap.add_argument("--prefetch-depth", type=int, default=None,
                     help="weights gathered ahead (gtp_runtime.sharding.PREFETCH_DEPTH; default: the library's)")
     ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks): every size option tiny")

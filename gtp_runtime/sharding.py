@@ -10,6 +10,7 @@ weight gradient. Saving only the shard is what makes the memory saving real.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -76,6 +77,22 @@ def accumulate_wgrad(out: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor)
 
 # How many weights ahead :class:`GTPComm` starts all-gathers (forward and backward).
 PREFETCH_DEPTH = 2
+# How many weights one prefetch starts together (one coalesced NCCL call); 1: each on its own.
+# GTP_GATHER_BATCH sets it for a run (read by each rank at import).
+GATHER_BATCH = int(os.environ.get("GTP_GATHER_BATCH", "1") or 1)
+
+
+class _Batch:
+    """The works of one coalesced start, waited for once by whichever of its weights comes first."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works: list[Any] | None = works
+
+    def wait(self) -> None:
+        if self.works is not None:
+            for w in self.works:
+                w.wait()
+            self.works = None
 
 
 class GTPComm:
@@ -133,13 +150,46 @@ class GTPComm:
         compute stream at the point it is issued, and for SMs a GEMM holds), so the gather of a
         weight is issued one GEMM earlier. Measured only together with other changes (see
         docs/performance.md); the price is one more gathered weight alive at a time.
+
+        With ``GATHER_BATCH`` > 1 a missing weight is started together with the next ones (up to
+        ``GATHER_BATCH`` of the same group) in one coalesced call, so a layer's weights cost the
+        host one collective instead of one each: a folded step issues 64 weight all-gathers, and
+        a host-bound rank pays for each (see docs/performance.md, third round). The price is up
+        to ``GATHER_BATCH + PREFETCH_DEPTH`` gathered weights alive at a time (tested).
         """
         if not self.prefetch:
             return
-        for ahead in range(1, PREFETCH_DEPTH + 1):
-            nxt = idx + ahead * step
-            if 0 <= nxt < len(self.order) and nxt not in self._gathers:
-                self._gathers[nxt] = self._start_gather(self.order[nxt], async_op=True)
+        ahead = [idx + a * step for a in range(1, PREFETCH_DEPTH + 1)]
+        missing = [n for n in ahead if 0 <= n < len(self.order) and n not in self._gathers]
+        if not missing:
+            return
+        if GATHER_BATCH <= 1:
+            for n in missing:
+                self._gathers[n] = self._start_gather(self.order[n], async_op=True)
+            return
+        group: Group = self.order[missing[0]].gtp_group  # type: ignore[attr-defined]
+        batch = []
+        for k in range(GATHER_BATCH):
+            n = missing[0] + k * step
+            if not 0 <= n < len(self.order) or n in self._gathers or self.order[n].gtp_group is not group:  # type: ignore[attr-defined]
+                break
+            batch.append(n)
+        self._start_batch(batch, group)
+
+    def _start_batch(self, batch: list[int], group: Group) -> None:
+        """The gathers of ``batch`` (weights of one group), as one coalesced call on NCCL."""
+        shards = [self.order[n] for n in batch]
+        if group.size == 1 or shards[0].device.type != "cuda":  # gloo does not coalesce: one call each
+            for n in batch:
+                self._gathers[n] = self._start_gather(self.order[n], async_op=True)
+            return
+        outs = [torch.empty((group.size * s.shape[0], *s.shape[1:]), dtype=s.dtype, device=s.device) for s in shards]
+        with dist._coalescing_manager(group=group.handle, device=shards[0].device, async_ops=True) as cm:
+            for out, s in zip(outs, shards):
+                all_gather_raw(out, s.detach().contiguous(), group=group.handle)
+        work = _Batch(list(cm.works))
+        for n, out in zip(batch, outs):
+            self._gathers[n] = (out, work)
 
     def gather(self, shard: torch.Tensor, step: int) -> torch.Tensor:
         """The full (padded) weight of ``shard``; prefetches the neighbour ``step`` (+1 or -1) away."""
