@@ -303,6 +303,8 @@ def worker(args: argparse.Namespace) -> None:
         sharding.PREFETCH_DEPTH = args.prefetch_depth
     if args.gather_batch is not None:
         sharding.GATHER_BATCH = args.gather_batch
+    if args.keep_last is not None:
+        sharding.KEEP_LAST = args.keep_last
     attention = context_parallel.CP_ATTENTION
     torch.backends.cuda.matmul.allow_tf32 = True
     peak = matmul_peak_tflops()
@@ -383,6 +385,8 @@ def main() -> int:
                     help="SMs cuBLAS leaves free (torch._C._set_sm_carveout_experimental); 0: none")
     ap.add_argument("--gather-batch", type=int, default=None,
                     help="weights one prefetch gathers together (gtp_runtime.sharding.GATHER_BATCH)")
+    ap.add_argument("--keep-last", type=int, default=None,
+                    help="last weights kept gathered from forward to backward (gtp_runtime.sharding.KEEP_LAST)")
     ap.add_argument("--prefetch-depth", type=int, default=None,
                     help="weights gathered ahead (gtp_runtime.sharding.PREFETCH_DEPTH; default: the library's)")
     ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks): every size option tiny")

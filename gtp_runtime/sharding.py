@@ -80,6 +80,11 @@ PREFETCH_DEPTH = 2
 # How many weights one prefetch starts together (one coalesced NCCL call); 1: each on its own.
 # GTP_GATHER_BATCH sets it for a run (read by each rank at import).
 GATHER_BATCH = int(os.environ.get("GTP_GATHER_BATCH", "1") or 1)
+# How many of the last weights in forward order keep their forward gather for backward instead
+# of gathering again (GTP_KEEP_LAST sets it for a run). Backward starts with them right after
+# forward ends, so keeping them costs memory only for that short stretch (torchtitan does not
+# reshard its last block after forward for the same reason).
+KEEP_LAST = int(os.environ.get("GTP_KEEP_LAST", "0") or 0)
 
 
 class _Batch:
@@ -127,8 +132,15 @@ class GTPComm:
         self.order.append(shard)
 
     def mark_fresh(self) -> None:
-        """Every ``main_grad`` was just zeroed: the next reduce-scatter of each may overwrite it."""
+        """Every ``main_grad`` was just zeroed: the next reduce-scatter of each may overwrite it.
+
+        Also drops gathers kept from a forward whose backward never ran (an evaluation): the
+        shards may have changed since."""
         self._fresh = set(range(len(self.order)))
+        for _, work in self._gathers.values():
+            if work is not None:  # never leave a collective writing into a freed buffer
+                work.wait()
+        self._gathers.clear()
 
     def _ready(self, shard: torch.Tensor) -> None:
         if self.on_grad_ready is not None:
@@ -191,12 +203,18 @@ class GTPComm:
         for n, out in zip(batch, outs):
             self._gathers[n] = (out, work)
 
-    def gather(self, shard: torch.Tensor, step: int) -> torch.Tensor:
-        """The full (padded) weight of ``shard``; prefetches the neighbour ``step`` (+1 or -1) away."""
+    def gather(self, shard: torch.Tensor, step: int, keep: bool = False) -> torch.Tensor:
+        """The full (padded) weight of ``shard``; prefetches the neighbour ``step`` (+1 or -1) away.
+
+        ``keep`` (a forward whose backward will run): one of the last ``KEEP_LAST`` weights stays
+        gathered for its backward.
+        """
         idx = shard.gtp_index  # type: ignore[attr-defined]
         out, work = self._gathers.pop(idx, None) or self._start_gather(shard, async_op=False)
         if work is not None:
             work.wait()
+        if keep and step > 0 and idx >= len(self.order) - KEEP_LAST:
+            self._gathers[idx] = (out, None)
         self.prefetch_neighbour(idx, step)
         return out
 
@@ -273,7 +291,7 @@ class GTPLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, shard: torch.Tensor, comm: GTPComm, rows: int) -> torch.Tensor:
-        full = comm.gather(shard, +1)[:rows]
+        full = comm.gather(shard, +1, keep=any(ctx.needs_input_grad))[:rows]
         ctx.save_for_backward(x, shard)
         ctx.comm, ctx.rows = comm, rows
         return F.linear(x, full)

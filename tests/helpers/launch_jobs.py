@@ -45,16 +45,18 @@ def tensors(n: int) -> dict:
     return {"rank": dist.get_rank(), "t": [base[i:i + 100].clone() for i in range(0, n, 100)]}
 
 
-def train_with_gather_batch(batch: int, steps: int) -> tuple[list[float], list[list[float]], list[tuple[str, int]]]:
-    """Folded cp2 training with ``sharding.GATHER_BATCH = batch``: the losses, every param's
-    values, and the weight gathers' starts and uses in order."""
+def train_with_gather_batch(batch: int, steps: int, keep_last: int = 0,
+                            evaluate: bool = False) -> tuple[list[float], list[list[float]], list[tuple[str, int]]]:
+    """Folded cp2 training with ``sharding.GATHER_BATCH = batch`` and ``KEEP_LAST = keep_last``
+    (and an evaluation after each step): the losses, every param's values, and the weight
+    gathers' starts and uses in order."""
     import torch
 
     from gtp_format.layout.config import ModelConfig, ParallelConfig
     from gtp_runtime import sharding
     from gtp_runtime.training import TrainConfig, Trainer
 
-    sharding.GATHER_BATCH = batch
+    sharding.GATHER_BATCH, sharding.KEEP_LAST = batch, keep_last
     model = ModelConfig(vocab_size=64, hidden=32, num_layers=3, num_heads=4, ffn_hidden=64, seq_length=16)
     t = Trainer(TrainConfig(par=ParallelConfig(cp=2, fold_cp=True), model=model, micro_batch=2))
     comm = t.model.gtp_comm
@@ -65,12 +67,19 @@ def train_with_gather_batch(batch: int, steps: int) -> tuple[list[float], list[l
         events.append(("start", shard.gtp_index))
         return start(shard, async_op)
 
-    def logged_gather(shard: torch.Tensor, step: int) -> torch.Tensor:
-        out = gather(shard, step)  # waits for its own gather and starts those ahead
+    def logged_gather(shard: torch.Tensor, step: int, keep: bool = False) -> torch.Tensor:
+        out = gather(shard, step, keep)  # waits for its own gather and starts those ahead
         events.append(("use", shard.gtp_index))
         return out
 
     comm._start_gather, comm.gather = logged_start, logged_gather
-    losses = [t.train_step().loss for _ in range(steps)]
+    losses = []
+    for _ in range(steps):
+        losses.append(t.train_step().loss)
+        if evaluate:
+            losses.append(t.evaluate(1))
+            with torch.no_grad():  # shards change after the evaluation (as a checkpoint load would)
+                for p in t.model.parameters():
+                    p.mul_(0.999)
     params = [p.detach().double().flatten().tolist() for p in t.model.parameters()]
     return losses, params, events

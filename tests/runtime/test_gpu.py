@@ -88,18 +88,19 @@ def test_muon_train_step_updates_with_muon(tmp_path: Path) -> None:
     assert other > 10 * max(same, 1e-6)
 
 
-def test_batched_weight_gathers_train_like_single_ones(tmp_path: Path) -> None:
-    """Folded weight gathers started 4 at a time (one coalesced NCCL call, GTP_GATHER_BATCH=4)
-    give the same losses as one at a time."""
+def test_batched_and_kept_weight_gathers_train_like_single_ones(tmp_path: Path) -> None:
+    """Folded weight gathers started 4 at a time (one coalesced NCCL call, GTP_GATHER_BATCH=4), or
+    the last 4 kept from forward to backward (GTP_KEEP_LAST=4), give the same losses as one
+    gather per use."""
     logs = {}
-    for batch in ("1", "4"):
+    for name, env in {"plain": {}, "batch": {"GTP_GATHER_BATCH": "4"}, "keep": {"GTP_KEEP_LAST": "4"}}.items():
         r = _train(["--nproc-per-node", "2", "--cp", "2", "--fold-cp", "--bf16", "--device", "cuda", "--steps", "3",
                     "--hidden", "256", "--ffn-hidden", "512", "--num-heads", "4", "--seq-length", "256",
-                    "--vocab-size", "1024", "--log-json", str(tmp_path / f"{batch}.json")],
-                   env={"GTP_GATHER_BATCH": batch})
+                    "--vocab-size", "1024", "--log-json", str(tmp_path / f"{name}.json")], env=env)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        logs[batch] = [row["loss"] for row in json.loads((tmp_path / f"{batch}.json").read_text())["rows"]]
-    assert max(abs(a - b) for a, b in zip(logs["1"], logs["4"], strict=True)) <= 1e-5 * abs(logs["1"][0])
+        logs[name] = [row["loss"] for row in json.loads((tmp_path / f"{name}.json").read_text())["rows"]]
+    for name in ("batch", "keep"):
+        assert max(abs(a - b) for a, b in zip(logs["plain"], logs[name], strict=True)) <= 1e-5 * abs(logs["plain"][0])
 
 
 def test_compiled_regions_match_unfused_bf16(tmp_path: Path) -> None:
