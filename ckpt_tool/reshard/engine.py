@@ -14,7 +14,7 @@
 
 Memory: the largest array a worker holds is one chunk (``max_memory / (4 * workers)``, at most
 64 MiB: larger chunks bring no speed); a worker holds at most two (the source rows, the chunk
-assembled from them) and its file's two staging buffers of at most one chunk each
+assembled from them) and its file's two staging buffers of at most half a chunk each
 (:func:`.sink.stage_bytes`), so the data in flight stays under ``--max-memory`` whatever SRC's size.
 
 Speed: SRC is read from the page cache, DST must reach the disk (fsync), so the disk's durable
