@@ -7,17 +7,22 @@ save; the values are slices of one random buffer, so generating 4 GB costs no tr
 the same run, each as a fresh subprocess, one after the other:
 
 * ``cp -r SRC COPY`` (the baseline: the same bytes read and written, nothing decoded);
+* ``cp -r SRC COPY; sync`` (context only: ``cp`` leaves its data in dirty pages, while reshard and
+  export fsync every file before they commit, so this is the like-for-like durable copy);
 * ``ckpt reshard SRC DST --tp 2 --cp 1 --no-fold-cp`` (every byte moves to another layout);
 * ``ckpt export SRC DST --to hf --optimizer`` (weights, master weights and both moments: every
   byte of the checkpoint is read and written once);
 * at the largest size, ``ckpt reshard`` again with ``--max-memory 256 MiB``.
 
 Throughput is checkpoint bytes (SRC's data and metadata files) over wall time of the subprocess,
-start-up included; peak memory is the command's own ``VmHWM`` (JSON summary). Page cache is not dropped (the
-files were just written; ``cp`` runs on the same warm cache). ``--write-docs`` replaces the
-section "ckpt reshard and export" of docs/performance.md.
+start-up included; peak memory is the command's own ``VmHWM`` (JSON summary). Page cache is not
+dropped (the files are read once, untimed, after they are written; ``cp`` runs on the same warm
+cache). Before each timed command an untimed ``sync`` writes back what the previous one left
+dirty: without it, the command after ``cp -r`` shared the disk with the kernel writing back
+``cp``'s 4.7 GB and was charged for it. ``--write-docs`` replaces the section "ckpt reshard and
+export" of docs/performance.md.
 
-    python benchmarks/bench_reshard.py --write-docs
+    python benchmarks/bench_reshard.py --layers 4,8,16 --repeats 3 --write-docs
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -59,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--ffn", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of the four commands per size (interleaved); times are medians")
     ap.add_argument("--write-docs", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks): hidden 64, 1 and 2 layers")
     args = ap.parse_args(argv)
@@ -95,18 +103,42 @@ def make_source(root: Path, layers: int, args: argparse.Namespace) -> int:
     folder.mkdir(parents=True)
     write_checkpoint(_fill, manifest, plan_target(manifest, 64 << 20), folder, 2, lambda n: None)
     (root / LATEST_FILE).write_text("1\n")
+    for p in folder.iterdir():  # warm: the writer's O_DIRECT writes leave nothing in the page cache
+        with open(p, "rb", buffering=0) as f:
+            while f.read(16 << 20):
+                pass
     return sum(p.stat().st_size for p in folder.iterdir())
 
 
-def timed(cmd: list[str]) -> tuple[float, int, int]:
-    """Wall seconds, peak RSS and RSS after imports (bytes, from the command's JSON summary)."""
+def timed(cmd: list[str], then_sync: bool = False) -> tuple[float, int, int]:
+    """Wall seconds, peak RSS and RSS after imports (bytes, from the command's JSON summary).
+
+    The disk is synced first (untimed) so no earlier command's writeback runs during this one;
+    ``then_sync``: the time includes a ``sync`` after the command.
+    """
+    os.sync()
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
+    if then_sync:
+        os.sync()
     dt = time.perf_counter() - t0
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed: {r.stderr[-2000:]}")
     doc = json.loads(r.stdout) if cmd[0] != "cp" else {"peak_rss_bytes": 0, "baseline_rss_bytes": 0}
     return dt, int(doc["peak_rss_bytes"]), int(doc["baseline_rss_bytes"])
+
+
+def one_round(src: Path, work: Path, ckpt: list[str]) -> dict[str, tuple[float, int, int]]:
+    """``cp -r``, ``cp -r; sync``, reshard and export of ``src`` once each, outputs removed after each."""
+    out = {}
+    for name, cmd, dst, then_sync in (
+            ("cp", ["cp", "-r", str(src)], "copy", False), ("cps", ["cp", "-r", str(src)], "copy", True),
+            ("rs", [*ckpt, "reshard", str(src)], "rs", False), ("hf", [*ckpt, "export", str(src)], "hf", False)):
+        tail = {"rs": ["--tp", "2", "--cp", "1", "--no-fold-cp", "--format", "json"],
+                "hf": ["--to", "hf", "--optimizer", "--format", "json"]}.get(name, [])
+        out[name] = timed([*cmd, str(work / dst), *tail], then_sync=then_sync)
+        shutil.rmtree(work / dst)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,14 +154,14 @@ def main(argv: list[str] | None = None) -> None:
         src = work / f"src{layers}"
         nbytes = make_source(src, layers, args)
         gb = nbytes / 1e9
-        t_cp, _, _ = timed(["cp", "-r", str(src), str(work / "copy")])
-        t_rs, m_rs, b_rs = timed([*ckpt, "reshard", str(src), str(work / "rs"), "--tp", "2", "--cp", "1",
-                                  "--no-fold-cp", "--format", "json"])
-        t_hf, m_hf, b_hf = timed([*ckpt, "export", str(src), str(work / "hf"), "--to", "hf", "--optimizer",
-                               "--format", "json"])
+        got = [one_round(src, work, ckpt) for _ in range(args.repeats)]
+        t_cp, t_cps, t_rs, t_hf = (statistics.median(r[k][0] for r in got) for k in ("cp", "cps", "rs", "hf"))
+        _, m_rs, b_rs = max((r["rs"] for r in got), key=lambda x: x[1])
+        _, m_hf, b_hf = max((r["hf"] for r in got), key=lambda x: x[1])
         row = {"ckpt GB": round(gb, 2), "layers": layers, "cp -r s": round(t_cp, 2),
-               "cp -r GB/s": round(gb / t_cp, 2), "reshard s": round(t_rs, 2), "reshard GB/s": round(gb / t_rs, 2),
-               "reshard vs cp": f"{t_cp / t_rs:.2f}x", "export hf s": round(t_hf, 2),
+               "cp -r GB/s": round(gb / t_cp, 2), "cp -r + sync s": round(t_cps, 2), "reshard s": round(t_rs, 2),
+               "reshard GB/s": round(gb / t_rs, 2), "reshard vs cp": f"{t_cp / t_rs:.2f}x",
+               "reshard vs cp+sync": f"{t_cps / t_rs:.2f}x", "export hf s": round(t_hf, 2),
                "export GB/s": round(gb / t_hf, 2), "export vs cp": f"{t_cp / t_hf:.2f}x",
                "reshard peak MiB (data)": f"{m_rs >> 20} ({(m_rs - b_rs) >> 20})",
                "export peak MiB (data)": f"{m_hf >> 20} ({(m_hf - b_hf) >> 20})", "budget MiB": 2048}
@@ -139,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
             row["256 MiB budget: reshard s"] = round(t_lo, 2)
             row["256 MiB budget: peak MiB (data)"] = f"{m_lo >> 20} ({(m_lo - b_lo) >> 20})"
         rows.append(row)
-        fits.append((gb, t_rs, t_hf, t_cp))
+        fits.append((gb, t_rs, t_hf, t_cp, t_cps))
         print(json.dumps(row), flush=True)
         for p in ("copy", "rs", "hf", "rs256", f"src{layers}"):
             shutil.rmtree(work / p, ignore_errors=True)
@@ -159,26 +191,32 @@ def _linear(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
 
 def report(rows: list[dict], fits: list[tuple], args: argparse.Namespace) -> str:
     gbs = [f[0] for f in fits]
+    rounds = f"times are medians of {args.repeats} interleaved rounds (peak memory: the largest); " \
+        if args.repeats > 1 else ""
     lines = [
         f"Synthetic `dp_reshardable` checkpoints ({SOURCE.describe()}, hidden {args.hidden}, ffn {args.ffn}, "
         f"vocab {args.vocab}, fp32; "
         "written by the reshard engine's own writer), resharded to tp2-cp1-g2-dp2-nofold and exported to "
         "Hugging Face safetensors with `--optimizer` (every byte read and written once), against `cp -r` of the "
-        "same folder in the same run. Each command is a fresh subprocess, start-up included; warm page cache; "
+        "same folder in the same run (and, for context, `cp -r` followed by `sync`: reshard and export fsync every "
+        "file, `cp` does not). Each command is a fresh subprocess, start-up included; warm page cache; an untimed "
+        "`sync` before each command, so none pays for the previous one's writeback; "
+        f"{rounds}"
         f"default `--max-memory` (2 GiB) and workers. Machine: {os.cpu_count()} CPU cores shared with other jobs "
         f"(1-minute load average {args.load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end), "
         f"{platform.machine()}, Python {platform.python_version()}. No torch is imported by either command "
         "(torch_dist is written by `gtp_format.writer`).",
         "",
         "```",
-        f"python benchmarks/bench_reshard.py --layers {args.layers} --write-docs",
+        f"python benchmarks/bench_reshard.py --layers {args.layers}"
+        + (f" --repeats {args.repeats}" if args.repeats > 1 else "") + " --write-docs",
         "```",
         "",
         tabulate(rows, headers="keys", tablefmt="github"),
         "",
     ]
     if len(fits) >= 2:
-        for name, i in (("reshard", 1), ("export", 2), ("cp -r", 3)):
+        for name, i in (("reshard", 1), ("export", 2), ("cp -r", 3), ("cp -r + sync", 4)):
             a, b, r2 = _linear(gbs, [f[i] for f in fits])
             lines.append(f"- Time against size, {name}: {a:.2f} s per GB + {b:.2f} s, R^2 = {r2:.4f} (least squares "
                          f"over {len(fits)} sizes).")

@@ -13,8 +13,14 @@
    and SRC is only ever read.
 
 Memory: the largest array a worker holds is one chunk (``max_memory / (4 * workers)``, at most
-64 MiB: larger chunks bring no speed); a worker holds at most a few (the source rows, the chunk
-assembled from them), so the data in flight stays under ``--max-memory`` whatever SRC's size.
+64 MiB: larger chunks bring no speed); a worker holds at most two (the source rows, the chunk
+assembled from them) and its file's two staging buffers of at most half a chunk each
+(:func:`.sink.stage_bytes`), so the data in flight stays under ``--max-memory`` whatever SRC's size.
+
+Speed: SRC is read from the page cache, DST must reach the disk (fsync), so the disk's durable
+write rate bounds a reshard: 4.67 GB took 11-12.5 s in-process where ``dd oflag=direct conv=fsync``
+of as many bytes took 8.1-11.4 s (2-core machine, one virtual disk). :mod:`.sink` explains why the
+files are written with ``O_DIRECT`` (was 15-19 s through the page cache).
 No torch is imported: the torch_dist files are written by :mod:`gtp_format.writer`.
 """
 
@@ -37,6 +43,7 @@ import numpy as np
 
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
 from ckpt_tool.reshard.plan import OutChunk, Plan, plan_target, split_files
+from ckpt_tool.reshard.sink import STAGE, stage_bytes
 from ckpt_tool.reshard.source import Buffers, Source, open_source
 from ckpt_tool.reshard.writers import (
     safetensors_index,
@@ -160,11 +167,12 @@ def chunk_data(source: Source, c: OutChunk, bufs: Buffers | None = None) -> np.n
 
 
 def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, plan: Plan, folder: Path,
-                     workers: int, advance: Progress) -> None:
+                     workers: int, advance: Progress, stage: int = STAGE) -> None:
     """Write every data file, the metadata and the manifest of ``target`` into ``folder`` (existing).
 
     ``fill(chunk)`` gives each chunk's stored bits (:func:`chunk_data` for a reshard; the benchmark
-    passes a generator to build synthetic checkpoints of any size).
+    passes a generator to build synthetic checkpoints of any size); ``stage``: each file's staging
+    buffers (:class:`.sink.Sink`).
     """
     parts = split_files(plan.chunks, workers * 2)
     names = [f"__{i}_0.{'distcp' if target.layout == 'torch_dist' else 'safetensors'}" for i in range(len(parts))]
@@ -176,8 +184,8 @@ def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, p
 
     def one(i: int) -> Any:
         if target.layout == "torch_dist":
-            return write_distcp(folder / names[i], parts[i], fill, tick)
-        return write_safetensors(folder / names[i], parts[i], fill, tick), None
+            return write_distcp(folder / names[i], parts[i], fill, tick, stage)
+        return write_safetensors(folder / names[i], parts[i], fill, tick, stage), None
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(one, range(len(parts))))
@@ -309,7 +317,8 @@ def reshard(src: Path, dst: Path, par: ParallelConfig, layout: str | None = None
         advance = progress(plan.nbytes) if progress else (lambda n: None)
         bufs = Buffers()  # thread-local: each worker reads and assembles in its own
         try:
-            write_checkpoint(lambda c: chunk_data(source, c, bufs), target, plan, folder, workers, advance)
+            write_checkpoint(lambda c: chunk_data(source, c, bufs), target, plan, folder, workers, advance,
+                             stage_bytes(chunk_bytes))
         finally:
             source.reader.close()
         write_durable(tmp / LATEST_FILE, f"{target.iteration}\n")

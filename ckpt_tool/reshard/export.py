@@ -14,14 +14,14 @@
 
 All three stream through the per-parameter view (:class:`.source.Source`) in row blocks of at
 most the chunk budget and appear atomically (:func:`.engine.build_atomically`,
-:func:`gtp_format.commit.commit_file`).
+:func:`gtp_format.commit.commit_file`). ``hf`` and ``fully_reshardable`` files go out through
+:class:`.sink.Sink` (``O_DIRECT``, fsynced), as reshard's do.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 import time
 from collections.abc import Callable
@@ -45,6 +45,7 @@ from ckpt_tool.reshard.engine import (
     write_failure,
 )
 from ckpt_tool.reshard.plan import FP32, OutChunk, dtype_of, row_blocks, split_files
+from ckpt_tool.reshard.sink import Sink, stage_bytes
 from ckpt_tool.reshard.source import WEIGHT, Buffers, Source, open_source
 from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata
 from gtp_format.commit import commit_file, fsync_dir, hidden_sibling, write_durable
@@ -104,7 +105,8 @@ def _hf_files(tensors: list[tuple[str, DType, tuple[int, ...], list[OutChunk]]],
     return [(f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
 
 
-def _write_hf_file(path: Path, tensors: list[Any], data: Callable[[OutChunk], np.ndarray], tick: Progress) -> None:
+def _write_hf_file(path: Path, tensors: list[Any], data: Callable[[OutChunk], np.ndarray], tick: Progress,
+                   stage: int) -> None:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     pos = 0
     for name, dt, shape, _ in tensors:
@@ -113,14 +115,13 @@ def _write_hf_file(path: Path, tensors: list[Any], data: Callable[[OutChunk], np
         pos += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(path, "xb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
+    with Sink(path, stage, checksum=False) as out:  # no manifest here: nothing to hash
+        out.write([struct.pack("<Q", len(raw)) + raw])
         for _, _, _, chunks in tensors:
             for c in chunks:
-                f.write(np.ascontiguousarray(data(c)).data)
+                out.write([np.ascontiguousarray(data(c)).reshape(-1).view(np.uint8)])
                 tick(c.nbytes)
-        f.flush()
-        os.fsync(f.fileno())
+        out.close()
 
 
 def export_hf(source: Source, folder: Path, optimizer: bool, max_shard: int, chunk_bytes: int, workers: int,
@@ -146,7 +147,7 @@ def export_hf(source: Source, folder: Path, optimizer: bool, max_shard: int, chu
     bufs = Buffers()  # thread-local: each worker reads into its own reusable buffers
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(lambda job: _write_hf_file(folder / job[0], job[1], lambda c: chunk_data(source, c, bufs),
-                                                 advance), jobs))
+                                                 advance, stage_bytes(chunk_bytes)), jobs))
     fsync_dir(folder)
     return {"files": len(jobs) + len(sets)}
 
@@ -173,7 +174,8 @@ def export_fully_reshardable(source: Source, root: Path, chunk_bytes: int, worke
     bufs = Buffers()
     with ThreadPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(lambda i: write_distcp(folder / names[i], parts[i],
-                                                       lambda c: chunk_data(source, c, bufs), advance),
+                                                       lambda c: chunk_data(source, c, bufs), advance,
+                                                       stage_bytes(chunk_bytes)),
                                 range(len(parts))))
     write_distcp_metadata(folder / ".metadata", shapes,
                           [(n, c, off, ln) for n, r in zip(names, results) for c, off, ln in r[1]])

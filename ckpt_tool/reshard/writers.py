@@ -10,8 +10,10 @@
   ``index.json`` (:mod:`gtp_runtime.checkpoint.safetensors_storage`'s layout). The header is known
   from the plan before any element is read, so the file is streamed without torch.
 
-Each file is written by one thread; the checksum is computed from the bytes as they are written,
-so no file is read back. Every file is fsynced before the folder is committed.
+Each file is written by one thread through a :class:`.sink.Sink` (``O_DIRECT`` from aligned
+staging buffers, a writer thread per file: see there for the measured reason); the checksum is
+computed from the bytes as they are handed in, so no file is read back. Every file is fsynced
+before the folder is committed.
 """
 
 from __future__ import annotations
@@ -27,65 +29,27 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool.reshard.plan import OutChunk
-from gtp_format.hashing import CRCS, HASHERS
-from gtp_format.manifest import HASH_ALGORITHM, FileEntry
+from ckpt_tool.reshard.sink import STAGE, Sink
+from gtp_format.manifest import FileEntry
 from gtp_format.names import GTP_INDEX_VERSION, chunk_tensor_name
 from gtp_format.writer.dcp_metadata import metadata_bytes
 from gtp_format.writer.torch_blob import TensorBlob
 
 DataFn = Callable[[OutChunk], np.ndarray]
-_IOV_MAX = 1024
 
 
-class _Out:
-    """A write-only stream that counts bytes and hashes them (``torch.save`` writes into it)."""
-
-    def __init__(self, f: Any) -> None:
-        self.f, self.pos, self.hasher = f, 0, HASHERS[HASH_ALGORITHM]()
-
-    def write(self, b: Any) -> int:
-        mv = memoryview(b).cast("B")
-        self.f.write(mv)
-        self.hasher.update(mv)
-        self.pos += mv.nbytes
-        return mv.nbytes
-
-    def flush(self) -> None:
-        self.f.flush()
-
-    def entry(self) -> FileEntry:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        return FileEntry(size=self.pos, checksums={HASH_ALGORITHM: self.hasher.hexdigest()})
-
-
-def _write_all(fd: int, parts: list[Any]) -> None:
-    """``writev`` until every byte of ``parts`` is written (a regular file may take fewer)."""
-    views = [memoryview(b).cast("B") for b in parts]
-    while views:
-        n = os.writev(fd, views[:_IOV_MAX])
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-
-
-def write_distcp(path: Path, chunks: list[OutChunk], data: DataFn, advance: Callable[[int], None]
-                 ) -> tuple[FileEntry, list[tuple[OutChunk, int, int]]]:
+def write_distcp(path: Path, chunks: list[OutChunk], data: DataFn, advance: Callable[[int], None],
+                 stage: int = STAGE) -> tuple[FileEntry, list[tuple[OutChunk, int, int]]]:
     """One ``.distcp`` file; returns its entry and ``(chunk, offset, length)`` per blob.
 
     Each blob is :class:`gtp_format.writer.torch_blob.TensorBlob`'s head, the chunk's bytes
-    straight from the array that holds them, and its tail, in one ``writev``; the zip record's
-    CRC-32 and the file's CRC-32C are computed from that array (both release the GIL, so the
-    workers hash in parallel) and nothing is read back.
+    straight from the array that holds them, and its tail, handed to a :class:`.sink.Sink`
+    (``stage`` bytes of staging); the zip record's CRC-32 and the file's CRC-32C are computed from
+    that array (both release the GIL, so the workers hash in parallel) and nothing is read back.
     """
     placed = []
-    crc = CRCS[HASH_ALGORITHM]
-    value = 0
     pos = 0
-    with open(path, "xb", buffering=0) as f:
-        fd = f.fileno()
+    with Sink(path, stage) as out:
         for c in chunks:
             arr = np.ascontiguousarray(data(c))
             if arr.nbytes != c.nbytes:
@@ -93,15 +57,12 @@ def write_distcp(path: Path, chunks: list[OutChunk], data: DataFn, advance: Call
             body = memoryview(arr.reshape(-1).view(np.uint8))
             blob = TensorBlob(c.dtype, c.sizes)
             tail = blob.tail(zlib.crc32(body))
-            _write_all(fd, [blob.head, body, tail])
-            for part in (blob.head, body, tail):
-                value = crc.update(part, value)
+            out.write([blob.head, body, tail])
             length = len(blob.head) + body.nbytes + len(tail)
             placed.append((c, pos, length))
             pos += length
             advance(c.nbytes)
-        os.fsync(fd)
-    return FileEntry(size=pos, checksums={HASH_ALGORITHM: f"{value:08x}"}), placed
+        return out.close(), placed
 
 
 def write_distcp_metadata(path: Path, shapes: dict[str, Any], placed: list[tuple[str, OutChunk, int, int]]) -> None:
@@ -128,19 +89,18 @@ def _st_header(chunks: list[OutChunk]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write_safetensors(path: Path, chunks: list[OutChunk], data: DataFn, advance: Callable[[int], None]
-                      ) -> FileEntry:
+def write_safetensors(path: Path, chunks: list[OutChunk], data: DataFn, advance: Callable[[int], None],
+                      stage: int = STAGE) -> FileEntry:
     """One safetensors data file, header first (known from the plan), then each chunk's bytes."""
-    with open(path, "xb") as f:
-        out = _Out(f)
-        out.write(_st_header(chunks))
+    with Sink(path, stage) as out:
+        out.write([_st_header(chunks)])
         for c in chunks:
             arr = np.ascontiguousarray(data(c))
             if arr.nbytes != c.nbytes:
                 raise AssertionError(f"{c.key}: produced {arr.nbytes} bytes for {c.nbytes}")
-            out.write(arr.data)
+            out.write([arr.reshape(-1).view(np.uint8)])
             advance(c.nbytes)
-        return out.entry()
+        return out.close()
 
 
 def safetensors_index(shapes: dict[str, Any], files: dict[str, list[OutChunk]]) -> bytes:
