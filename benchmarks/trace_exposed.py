@@ -93,7 +93,10 @@ def comm_wait(kernels: list[dict[str, Any]], launches: dict[Any, dict[str, Any]]
         s = k["ts"]
         if end is not None and s > end:
             # the earliest launch among the kernels that start when the gap ends
-            times = [t for t in (launched(x) for x in comp[i:] if x["ts"] == s) if t is not None]
+            j = i
+            while j < len(comp) and comp[j]["ts"] == s:
+                j += 1
+            times = [t for t in map(launched, comp[i:j]) if t is not None]
             if times and max(end, min(times)) < s:
                 blocked.append((max(end, min(times)), s))
         end = s + k["dur"] if end is None else max(end, s + k["dur"])
@@ -111,7 +114,9 @@ def collective_kind(name: str) -> str:
 def analyse(events: list[dict[str, Any]], min_ms: float) -> dict[str, Any]:
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     comm = [e for e in kernels if "nccl" in e["name"].lower()]
-    comp = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()])
+    compute_kernels = [e for e in kernels if "nccl" not in e["name"].lower()]
+    comp = union([(e["ts"], e["ts"] + e["dur"]) for e in compute_kernels])
+    cu = union([(e["ts"], e["ts"] + e["dur"]) for e in comm])
     starts = [s for s, _ in comp]
     phases = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                     if e.get("cat") == "user_annotation" and e.get("name") in PHASES)
@@ -135,8 +140,7 @@ def analyse(events: list[dict[str, Any]], min_ms: float) -> dict[str, Any]:
         useful = [n for n in inside if not n.startswith(("c10d", "nccl:", "record_param_comms", "aten::"))]
         return " > ".join(useful[-2:]) if useful else (inside[0] if inside else "?")
 
-    compute_kernels = [e for e in kernels if "nccl" not in e["name"].lower()]
-    wait_us = comm_wait(compute_kernels, launches, [(e["ts"], e["ts"] + e["dur"]) for e in comm])
+    wait_us = comm_wait(compute_kernels, launches, cu)
     by_kind: dict[str, float] = {}
     by_phase: dict[str, float] = {}
     stretches = []
@@ -155,7 +159,6 @@ def analyse(events: list[dict[str, Any]], min_ms: float) -> dict[str, Any]:
                 stretches.append({"at_ms": round((s - t0) / 1e3, 3), "ms": round(ms, 3), "kind": kind,
                                   "issued_in": phase, "by": launcher(k), "kernel_ms": round(k["dur"] / 1e3, 3)})
     stretches.sort(key=lambda r: r["at_ms"])
-    cu = union([(e["ts"], e["ts"] + e["dur"]) for e in comm])
     alone = (sum(e - s for s, e in cu) - intersect(cu, comp)) / 1e3
     return {"comm_alone_ms": round(alone, 3), "comm_wait_ms": round(wait_us / 1e3, 3),
             "exposed_ms_by_kernel": round(total, 3), "by_kind": {k: round(v, 3) for k, v in by_kind.items()},
