@@ -195,10 +195,9 @@ class GTPComm:
             for n in batch:
                 self._gathers[n] = self._start_gather(self.order[n], async_op=True)
             return
-        outs = [torch.empty((group.size * s.shape[0], *s.shape[1:]), dtype=s.dtype, device=s.device) for s in shards]
+        # Inside the manager each call only queues its collective; the manager's work covers all.
         with dist._coalescing_manager(group=group.handle, device=shards[0].device, async_ops=True) as cm:
-            for out, s in zip(outs, shards):
-                all_gather_raw(out, s.detach().contiguous(), group=group.handle)
+            outs = [self._start_gather(s, async_op=False)[0] for s in shards]
         work = _Batch(list(cm.works))
         for n, out in zip(batch, outs):
             self._gathers[n] = (out, work)
