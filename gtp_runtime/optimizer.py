@@ -54,6 +54,10 @@ class BucketState:
         self.exp_avg_sq = torch.zeros_like(self.param)
         self.count_ranges = buf.count_ranges(bucket)
 
+    def counted(self, buf: GradBuffer) -> list[torch.Tensor]:
+        """The owned gradient elements this rank counts in the norm and zero count (views)."""
+        return [buf.grad_data[self.lo : self.hi][a:b] for a, b in self.count_ranges]
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"param": self.param, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
@@ -146,8 +150,7 @@ class DistributedAdam:
     def _grad_stats_tensor(self) -> torch.Tensor:
         """``[sum of squares, zero count]`` (float64, summed over the world) on the buffers' device."""
         device = self.buffers[0].grad_data.device
-        counted = [buf.grad_data[st.lo : st.hi][a:b] for buf, states in zip(self.buffers, self.state)
-                   for st in states for a, b in st.count_ranges]
+        counted = [g for buf, states in zip(self.buffers, self.state) for st in states for g in st.counted(buf)]
         if device.type == "cuda":
             stats = self._grad_stats_cuda(counted)
         else:
@@ -193,7 +196,7 @@ class DistributedAdam:
         for buf, states in zip(self.buffers, self.state):
             for i, st in enumerate(states):
                 buf.finish(i)
-                counted = [buf.grad_data[st.lo : st.hi][a:b] for a, b in st.count_ranges]
+                counted = st.counted(buf)
                 n, z = _piece_norms(counted)
                 norms += n
                 nonzero += z
