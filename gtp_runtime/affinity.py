@@ -59,16 +59,16 @@ def pci_bus_ids(n: int) -> list[str] | None:
     return out
 
 
-def bind_rank(local_rank: int, local_world: int, pci_bus_ids: list[str] | None = None) -> list[int] | None:
+def bind_rank(local_rank: int, local_world: int, bus_ids: list[str] | None = None) -> list[int] | None:
     """Bind this process to its share of CPUs; the CPUs, or None where binding was skipped.
 
-    ``pci_bus_ids`` are the local ranks' GPUs: ranks whose GPUs list the same local CPUs share
+    ``bus_ids`` are the local ranks' GPUs (:func:`pci_bus_ids`): ranks whose GPUs list the same local CPUs share
     those; otherwise all allowed CPUs are shared out.
     """
     allowed = sorted(os.sched_getaffinity(0))
     pool, peers, me = allowed, list(range(local_world)), local_rank
-    if pci_bus_ids:
-        near = [[c for c in gpu_local_cpus(b) if c in allowed] for b in pci_bus_ids]
+    if bus_ids:
+        near = [[c for c in gpu_local_cpus(b) if c in allowed] for b in bus_ids]
         if all(near) and len(near) == local_world:
             peers = [r for r in range(local_world) if near[r] == near[local_rank]]
             pool, me = near[local_rank], peers.index(local_rank)
