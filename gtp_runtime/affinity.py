@@ -62,8 +62,8 @@ def pci_bus_ids(n: int) -> list[str] | None:
 def bind_rank(local_rank: int, local_world: int, bus_ids: list[str] | None = None) -> list[int] | None:
     """Bind this process to its share of CPUs; the CPUs, or None where binding was skipped.
 
-    ``bus_ids`` are the local ranks' GPUs (:func:`pci_bus_ids`): ranks whose GPUs list the same local CPUs share
-    those; otherwise all allowed CPUs are shared out.
+    ``bus_ids`` are the local ranks' GPUs (:func:`pci_bus_ids`): ranks whose GPUs list the same
+    local CPUs share those; otherwise all allowed CPUs are shared out.
     """
     allowed = sorted(os.sched_getaffinity(0))
     pool, peers, me = allowed, list(range(local_world)), local_rank
