@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from enum import Enum
+from fractions import Fraction
 from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 
 import typer
@@ -38,11 +39,48 @@ FormatOption = Annotated[
 ]
 
 
+# Size units as Hugging Face reads them (``max_shard_size="5GB"``): SI prefixes are powers of 1000,
+# binary ones (KiB, MiB, GiB, TiB) powers of 1024. A bare number is bytes.
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_NAMES = {u.lower(): u for u in ("KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB")}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(text: str | int, minimum: int = 1) -> int:
+    """Bytes of a size written ``5GB``, ``512MiB``, ``1.5GiB`` or ``1000000`` (the one parser of every
+    size option). GB is 10^9 bytes and GiB 2^30, as in Hugging Face's ``max_shard_size``; a lowercase
+    ``b`` after a prefix (``5Gb``) is refused because HF reads it as bits. Raises ``typer.BadParameter``
+    (exit 2, one line) on anything else."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = _SIZE.fullmatch(str(text))
+        unit = m.group(2) if m else ""
+        if m is None or unit.lower() not in _SIZE_UNITS:
+            raise typer.BadParameter(f"{str(text)!r} is not a size: write bytes (1000000) or a number "
+                                     "with a unit (5GB = 5*10^9 bytes, 512MiB = 512*2^20, 1.5GiB)")
+        if len(unit) == 2 and unit.endswith("b"):  # HF: "5Gb" is gigabits; "5gib" is still GiB
+            raise typer.BadParameter(f"{text!r}: a lowercase b means bits in Hugging Face's sizes; write "
+                                     f"{_SIZE_NAMES[unit.lower()]} for bytes")
+        value = int(Fraction(m.group(1)) * _SIZE_UNITS[unit.lower()])
+    if value < minimum:
+        raise typer.BadParameter(f"{text!r} is {value} bytes, less than the smallest allowed, "
+                                 f"{fmt_bytes(minimum)} ({minimum} bytes)")
+    return value
+
+
+def size_option(name: str, help: str, minimum: int = 1) -> Any:
+    """A typer option that takes a size with units (:func:`parse_size`)."""
+    return typer.Option(name, parser=lambda v: parse_size(v, minimum), metavar="SIZE",
+                        help=f"{help} Bytes, or with a unit: 5GB (10^9), 512MiB (2^20).")
+
+
 DEFAULT_MAX_BYTES = 2 << 30
 MaxBytesOption = Annotated[
-    int, typer.Option("--max-bytes", min=1, help="Refuse to assemble a tensor region larger than this many bytes.")
+    int, size_option("--max-bytes", "Refuse to assemble a tensor region larger than this.")
 ]
-MaxMemoryOption = Annotated[int, typer.Option("--max-memory", min=1 << 24, help="Bytes of tensor data in flight.")]
+MaxMemoryOption = Annotated[int, size_option("--max-memory", "Tensor data in flight.", minimum=1 << 24)]
 
 
 # What a terminal would act on rather than print: C0/C1 controls and DEL (escape sequences can

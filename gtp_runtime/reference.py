@@ -73,6 +73,10 @@ class ReferenceGPT:
         return F.gelu(x @ P[prefix + "linear_fc1.weight"].t()) @ P[prefix + "linear_fc2.weight"].t()
 
     def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.logits(tokens).flatten(0, 1), labels.flatten())
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[b, s, vocab] fp32 logits: what an export's consumers (transformers) must reproduce."""
         cfg, P = self.cfg, self.params
         b, s = tokens.shape
         nh, hd = cfg.num_heads, cfg.hidden // cfg.num_heads
@@ -98,8 +102,7 @@ class ReferenceGPT:
             else:
                 x = x + self._mlp(p + "mlp.", h)
         x = self._norm(x, P["decoder.final_layernorm.weight"])
-        logits = x @ P["output_layer.weight"].t()
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return x @ P["output_layer.weight"].t()
 
     def grads(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
         for p in self.params.values():

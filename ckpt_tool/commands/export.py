@@ -16,26 +16,37 @@ from ckpt_tool.output import (
     handle_errors,
     print_json,
     progress_opener,
+    size_option,
 )
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
 
+DEFAULT_SHARD = 5 * 10**9  # Hugging Face's default max_shard_size, "5GB" (not imported: export pulls numpy)
+
 EPILOG = """Examples:
 
-  ckpt export runs/gpt/checkpoints hf_out --to hf
+  ckpt export runs/gpt/checkpoints hf_out --to hf --tokenizer data/corpus.tokenizer.json
 
-  ckpt export CKPT hf_out --to hf --optimizer --max-shard-size 2000000000
+  ckpt export CKPT hf_out --to hf --optimizer --max-shard-size 2GB
+
+  ckpt export MEGATRON_CKPT raw_out --to hf   (megatron-core: Megatron names, weights only)
 
   ckpt export CKPT megatron_fr --to fully_reshardable --format json
 
   ckpt export CKPT model.pt --to torch   (small models: one torch.save file)
 
-hf: model-0000i-of-0000n.safetensors + model.safetensors.index.json, Megatron parameter names,
-full (unsharded, unpadded) shapes, stored dtype; --optimizer adds optimizer-*.safetensors with
-optimizer.state.{param,exp_avg,exp_avg_sq}.<name> (fp32). fully_reshardable: a torch_dist
-checkpoint of Megatron's per-parameter optimizer layout. torch: {key: global tensor} for every
-key of SRC in one torch.save file, as PyTorch's dcp_to_torch_save writes it.
+hf: a folder AutoModelForCausalLM.from_pretrained loads (config.json for ArceeForCausalLM,
+generation_config.json, transformers names, q/k/v split from the fused QKV), model.safetensors or
+model-0000i-of-0000n.safetensors + model.safetensors.index.json, full (unsharded, unpadded)
+shapes, stored dtype. --names megatron keeps the checkpoint's names (no config.json).
+--optimizer adds optimizer*.safetensors with optimizer.state.{param,exp_avg,exp_avg_sq}.<name>
+(fp32). Without --optimizer any checkpoint that holds model weights exports (megatron-core
+dp_reshardable, fully_reshardable, dp_zero_gather_scatter, model-only). fully_reshardable: a
+torch_dist checkpoint of Megatron's per-parameter optimizer layout. torch: {key: global tensor}
+for every key of SRC in one torch.save file, as PyTorch's dcp_to_torch_save writes it.
+Sizes: bytes or with a unit, 5GB = 5*10^9 (as Hugging Face), 512MiB = 512*2^20.
 
-Exit codes: 0 written, 2 unreadable, incomplete or aliased SRC, DST exists, or a write failed."""
+Exit codes: 0 written, 2 unreadable, incomplete or aliased SRC, no matching transformers class,
+DST exists, or a write failed."""
 
 
 @handle_errors
@@ -45,24 +56,32 @@ def export_command(
     to: Annotated[str, typer.Option("--to", help="hf, fully_reshardable or torch.")] = "hf",
     optimizer: Annotated[bool, typer.Option("--optimizer", help="hf: also write master weights and moments.")
                          ] = False,
-    max_shard_size: Annotated[int, typer.Option("--max-shard-size", min=1, help="hf: bytes per safetensors file.")
-                              ] = 5 * 10**9,
+    names: Annotated[str | None, typer.Option("--names", show_default="hf; megatron for megatron-core SRC",
+                                              help="hf: hf (transformers names + config.json) or megatron.")
+                     ] = None,
+    tokenizer: Annotated[Path | None, typer.Option("--tokenizer", help="hf: a tokenizers JSON file to include "
+                                                   "(PREFIX.tokenizer.json of `gtp_runtime.data prepare`).")
+                         ] = None,
+    max_shard_size: Annotated[int, size_option("--max-shard-size", "hf: largest safetensors file.")
+                              ] = DEFAULT_SHARD,
     max_memory: MaxMemoryOption = DEFAULT_MAX_MEMORY,
     workers: Annotated[int | None, typer.Option("--workers", min=1, max=64, show_default="one per core, at most 4",
                                                 help="Files written in parallel.")] = None,
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
-    """Export SRC's weights (and optimizer state) as Hugging Face safetensors, Megatron
+    """Export SRC's weights (and optimizer state) as a Hugging Face model folder, Megatron
     fully_reshardable, or one torch.save file."""
     from ckpt_tool.reshard.export import export
 
     with contextlib.ExitStack() as stack:
         bar = progress_opener(stack, f"exporting to {to}", fmt)
-        info = export(src, dst, to, optimizer, max_memory, workers, max_shard_size, bar)
+        info = export(src, dst, to, optimizer, max_memory, workers, max_shard_size, bar, names, tokenizer)
     if fmt == OutputFormat.json:
         print_json({"ok": True, **info})
     else:
-        typer.echo(f"wrote {info['dst']} ({to}): {info['params']} params, {info['files']} files, "
+        what = f"{info['params']} params" if to != "torch" else f"{info['keys']} keys"
+        typer.echo(f"wrote {info['dst']} ({to}{', ' + info['names'] + ' names' if 'names' in info else ''}): "
+                   f"{what}, {info['files']} files, "
                    f"{fmt_bytes(info['bytes_written'])} in {info['seconds']:.1f} s; peak memory "
                    f"{fmt_bytes(info['peak_rss_bytes'])} (budget {fmt_bytes(info['max_memory'])})")
 

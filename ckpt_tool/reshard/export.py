@@ -1,10 +1,16 @@
 """``ckpt export``: the per-parameter state of a checkpoint in formats other tools load.
 
-* ``hf``: global model weights as Hugging Face sharded safetensors (``model-0000i-of-0000n.
-  safetensors`` + ``model.safetensors.index.json``), under the checkpoint's (Megatron) parameter
-  names, at their full shapes (GTP padding removed), in the stored dtype. ``optimizer=True`` adds
-  ``optimizer-*.safetensors`` holding ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``
-  (fp32 master weights and Adam moments, full shapes).
+* ``hf``: a Hugging Face model folder. For this runtime's checkpoints (``--names hf``, the
+  default) one that ``AutoModelForCausalLM.from_pretrained`` loads with no code: ``config.json``
+  (``ArceeForCausalLM``), ``generation_config.json``, transformers' parameter names with the fused
+  QKV split into q/k/v (:mod:`ckpt_tool.hf.mapping`, the table import reads too), and, from
+  ``--tokenizer FILE``, ``tokenizer.json``. ``--names megatron`` keeps the checkpoint's own names
+  (the only choice for megatron-core checkpoints). Full shapes (GTP padding removed), the stored
+  dtype, HF's file naming (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` and
+  ``model.safetensors.index.json``). ``optimizer=True`` adds ``optimizer*.safetensors`` holding
+  ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>`` (fp32 master weights and Adam moments).
+  Without ``--optimizer`` only model keys are read, so any megatron-core checkpoint that holds
+  model weights exports, whatever its optimizer sharding (:mod:`.weights`).
 * ``fully_reshardable``: Megatron's per-parameter optimizer layout as a torch_dist (DCP)
   checkpoint: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>`` next to the model weights
   ``<name>``, every tensor at its global shape, chunked in row blocks.
@@ -31,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from ckpt_tool.hf import folder as hf_folder
+from ckpt_tool.hf import mapping
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
 from ckpt_tool.reshard.engine import (
     MEGATRON_METADATA,
@@ -57,8 +65,7 @@ from gtp_format.params import ParamView
 
 TARGETS = ("hf", "fully_reshardable", "torch")
 DEFAULT_SHARD = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
-HF_INDEX = "model.safetensors.index.json"
-OPT_INDEX = "optimizer.safetensors.index.json"
+NAMES = ("hf", "megatron")
 
 
 def state_key(state: str, name: str) -> str:
@@ -90,6 +97,21 @@ def param_chunks(view: ParamView, state: str, key: str, max_bytes: int, stacked:
 
 # -- hf ---------------------------------------------------------------------------------------------
 
+def part_chunks(view: ParamView, state: str, key: str, ranges: tuple[tuple[int, int], ...],
+                max_bytes: int) -> list[OutChunk]:
+    """Row blocks of rows ``ranges`` of one parameter's full tensor, back to back as key ``key``."""
+    dt = dtype_of(view.param_dtype) if state == WEIGHT else FP32
+    rest = view.full_shape[1:]
+    zeros = (0,) * len(rest)
+    out, pos = [], 0
+    for ra, rb in ranges:
+        for a, b in row_blocks(rb - ra, math.prod(rest), dt.itemsize, max_bytes):
+            out.append(OutChunk(key, (pos + a, *zeros), (b - a, *rest), dt, view.name, state,
+                                ((ra + a, *zeros), (b - a, *rest))))
+        pos += rb - ra
+    return out
+
+
 def _hf_files(tensors: list[tuple[str, DType, tuple[int, ...], list[OutChunk]]], max_shard: int,
               prefix: str) -> list[tuple[str, list[Any]]]:
     groups: list[list[Any]] = [[]]
@@ -101,8 +123,7 @@ def _hf_files(tensors: list[tuple[str, DType, tuple[int, ...], list[OutChunk]]],
             size = 0
         groups[-1].append(t)
         size += nbytes
-    n = len(groups)
-    return [(f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
+    return list(zip(hf_folder.shard_names(len(groups), prefix), groups))
 
 
 def _write_hf_file(path: Path, tensors: list[Any], data: Callable[[OutChunk], np.ndarray], tick: Progress,
@@ -124,32 +145,64 @@ def _write_hf_file(path: Path, tensors: list[Any], data: Callable[[OutChunk], np
         out.close()
 
 
-def export_hf(source: Source, folder: Path, optimizer: bool, max_shard: int, chunk_bytes: int, workers: int,
-              advance: Progress) -> dict[str, Any]:
+def _hf_table(source: Source, names: str) -> list[tuple[str, ParamView, tuple[tuple[int, int], ...]]]:
+    """(exported name, parameter, its rows) of every weight: HF's names and q/k/v split
+    (:mod:`ckpt_tool.hf.mapping`), or the checkpoint's own names, whole tensors."""
     views = ordered_views(source)
-    sets = [("model", HF_INDEX, [(v.name, WEIGHT) for v in views])]
-    if optimizer:
-        sets.append(("optimizer", OPT_INDEX, [(state_key(s, v.name), s) for v in views for s in STATES]))
+    if names == "megatron":
+        return [(v.name, v, ((0, v.full_shape[0] if v.full_shape else 1),)) for v in views]
+    model = source.manifest.model if source.manifest is not None else None
+    if model is None:
+        raise FormatError(f"{source.root}: a megatron-core checkpoint (no gtp_manifest.json) has no verified "
+                          "transformers mapping here; export its weights under Megatron names with --names megatron")
     by_name = {v.name: v for v in views}
-    jobs = []
-    for prefix, index, names in sets:
+    return [(p.hf, by_name[p.ours], p.ranges) for p in mapping.parts(model, str(source.root))]
+
+
+def _hf_side_files(source: Source, folder: Path, tokenizer: Path | None) -> int:
+    """config.json, generation_config.json and, from ``--tokenizer``, the tokenizer files."""
+    assert source.manifest is not None and source.manifest.model is not None
+    eos, files = None, 2
+    if tokenizer is not None:
+        raw, eos = hf_folder.tokenizer_eos(tokenizer, source.manifest.model.vocab_size)
+        write_durable(folder / hf_folder.TOKENIZER, raw)
+        text = None if eos is None else next(t["content"] for t in json.loads(raw)["added_tokens"]
+                                             if isinstance(t, dict) and t.get("id") == eos)
+        write_durable(folder / hf_folder.TOKENIZER_CONFIG, json.dumps(hf_folder.tokenizer_config(eos, text), indent=2))
+        files += 2
+    param_dtype = source.manifest.param_dtype or "torch.float32"
+    write_durable(folder / hf_folder.CONFIG, json.dumps(mapping.hf_config(source.manifest.model, param_dtype, eos),
+                                                        indent=2))
+    write_durable(folder / hf_folder.GENERATION, json.dumps(mapping.generation_config(eos), indent=2))
+    return files
+
+
+def export_hf(source: Source, folder: Path, optimizer: bool, max_shard: int, chunk_bytes: int, workers: int,
+              advance: Progress, names: str = "hf", tokenizer: Path | None = None) -> dict[str, Any]:
+    table = _hf_table(source, names)
+    sets = [("model", [(name, WEIGHT, v, rows) for name, v, rows in table])]
+    if optimizer:
+        sets.append(("optimizer", [(state_key(s, name), s, v, rows) for name, v, rows in table for s in STATES]))
+    jobs, side = [], 0
+    for prefix, keys in sets:
         tensors = []
-        for key, state in names:
-            view = by_name[key if state == WEIGHT else key.split(".", 3)[3]]
-            chunks = param_chunks(view, state, key, chunk_bytes)
-            tensors.append((key, chunks[0].dtype, view.full_shape, chunks))
+        for key, state, view, rows in keys:
+            chunks = part_chunks(view, state, key, rows, chunk_bytes)
+            shape = (sum(b - a for a, b in rows), *view.full_shape[1:]) if view.full_shape else ()
+            tensors.append((key, chunks[0].dtype, shape, chunks))
         files = _hf_files(tensors, max_shard, prefix)
         total = sum(math.prod(t[2]) * t[1].itemsize for t in tensors)
-        weight_map = {t[0]: name for name, group in files for t in group}
-        write_durable(folder / index, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                 indent=2))
+        side += hf_folder.write_index(folder, prefix, total, {t[0]: name for name, group in files for t in group})
         jobs.extend(files)
+    if names == "hf":
+        side += _hf_side_files(source, folder, tokenizer)
     bufs = Buffers()  # thread-local: each worker reads into its own reusable buffers
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(lambda job: _write_hf_file(folder / job[0], job[1], lambda c: chunk_data(source, c, bufs),
                                                  advance, stage_bytes(chunk_bytes)), jobs))
     fsync_dir(folder)
-    return {"files": len(jobs) + len(sets)}
+    return {"files": len(jobs) + side, "names": names,
+            **({"architecture": mapping.ARCHITECTURE} if names == "hf" else {})}
 
 
 # -- fully_reshardable --------------------------------------------------------------------------------
@@ -215,13 +268,27 @@ def export_torch(source: Source, dst: Path, max_memory: int) -> dict[str, Any]:
 
 def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: int = DEFAULT_MAX_MEMORY,
            workers: int | None = None, max_shard: int = DEFAULT_SHARD,
-           progress: Callable[[int], Progress] | None = None) -> dict[str, Any]:
-    """Export SRC to DST (a new folder; a new file for ``torch``) and return a summary."""
+           progress: Callable[[int], Progress] | None = None, names: str | None = None,
+           tokenizer: Path | None = None) -> dict[str, Any]:
+    """Export SRC to DST (a new folder; a new file for ``torch``) and return a summary.
+
+    ``names`` (hf): ``hf`` (transformers' names, config.json: the default for this runtime's
+    checkpoints) or ``megatron`` (the checkpoint's own names: the default, and the only choice, for
+    a megatron-core checkpoint). ``tokenizer``: a ``tokenizers`` JSON file copied into the folder.
+    """
     if to not in TARGETS:
         raise FormatError(f"--to {to!r}: use one of {', '.join(TARGETS)}")
+    if names is not None and names not in NAMES:
+        raise FormatError(f"--names {names!r}: use one of {', '.join(NAMES)}")
+    if to != "hf" and (names is not None or tokenizer is not None):
+        raise FormatError(f"--names and --tokenizer shape a Hugging Face folder; drop them for --to {to}")
     t0 = time.perf_counter()
     baseline = rss_after_imports("safetensors" if to == "hf" else None)
-    source = open_source(src, megatron=True)
+    weights_only = to == "torch" or (to == "hf" and not optimizer)
+    source = open_source(src, megatron=True, weights_only=weights_only, views=to != "torch")
+    names = names or ("hf" if source.manifest is not None else "megatron")
+    if tokenizer is not None and names != "hf":
+        raise FormatError("--tokenizer goes with --names hf (a folder transformers loads); drop one of them")
     opt_info = source.manifest.optimizer if source.manifest is not None else None
     if opt_info is not None and opt_info.type == "muon" and (optimizer or to == "fully_reshardable"):
         # Megatron's adam names would call Muon's momentum a first moment and its unused zeros a second one.
@@ -243,7 +310,8 @@ def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: i
 
         def body(tmp: Path) -> None:
             if to == "hf":
-                holder.update(export_hf(source, tmp, optimizer, max_shard, chunk_bytes, workers, advance))
+                holder.update(export_hf(source, tmp, optimizer, max_shard, chunk_bytes, workers, advance, names,
+                                        tokenizer))
             else:
                 holder.update(export_fully_reshardable(source, tmp, chunk_bytes, workers, advance))
 

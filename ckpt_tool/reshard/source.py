@@ -98,15 +98,18 @@ class Source:
         return flat.reshape((r1 - r0, *tail))
 
 
-def open_source(path: Path, megatron: bool = False) -> Source:
+def open_source(path: Path, megatron: bool = False, weights_only: bool = False, views: bool = True) -> Source:
     """Open SRC and refuse what cannot be resharded (see the module docstring).
 
     ``megatron=True`` (export) also takes a checkpoint without a manifest, through megatron-core's
     layout rules (:mod:`gtp_format.megatron`, which refuses what they do not cover).
+    ``weights_only=True`` (an export of the model weights alone): a megatron-core checkpoint, whatever
+    its optimizer sharding, is read through its model keys alone (:mod:`.weights`); ``views=False``
+    (``--to torch``, which copies keys, not parameters): no per-parameter view is built at all.
     """
     ckpt = open_checkpoint(path)
     if ckpt.manifest is None and megatron:
-        return _open_megatron(ckpt)
+        return _open_megatron(ckpt, weights_only, views)
     if ckpt.manifest is None:
         raise FormatError(f"{ckpt.root}: no gtp_manifest.json: not a gtp_runtime checkpoint; reshard writes this "
                           "runtime's layout (a genuine megatron-core checkpoint: `ckpt export --to fully_reshardable`)")
@@ -140,7 +143,7 @@ def open_source(path: Path, megatron: bool = False) -> Source:
     return Source(ckpt, manifest, views, BoxReader(ckpt))
 
 
-def _open_megatron(ckpt: Checkpoint) -> Source:
+def _open_megatron(ckpt: Checkpoint, weights_only: bool = False, views: bool = True) -> Source:
     from gtp_format.megatron import megatron_views
 
     errors = [p for p in check_geometry(ckpt) + check_storage(ckpt) if p.severity == "error"]
@@ -148,4 +151,8 @@ def _open_megatron(ckpt: Checkpoint) -> Source:
         e = errors[0]
         raise FormatError(f"{ckpt.root}: incomplete checkpoint ({len(errors)} problems); first: "
                           f"{e.key or e.file or '-'}: {e.message}; run `ckpt verify` on it")
+    if weights_only:
+        from ckpt_tool.reshard.weights import weight_views
+
+        return Source(ckpt, None, weight_views(ckpt) if views else {}, BoxReader(ckpt))
     return Source(ckpt, None, megatron_views(ckpt), BoxReader(ckpt))

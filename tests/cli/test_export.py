@@ -51,7 +51,8 @@ def _unpadded(shown: torch.Tensor, p, tp: int) -> torch.Tensor:  # noqa: ANN001
 def test_hf_export_equals_show_and_loads(which: str, bf16_tp2: Path, tmp_path: Path) -> None:
     src = FOLD if which == "fold_fp32" else bf16_tp2
     out = tmp_path / "hf"
-    r = cli("export", src, out, "--to", "hf", "--optimizer", "--max-shard-size", "20000", "--format", "json")
+    r = cli("export", src, out, "--to", "hf", "--names", "megatron", "--optimizer", "--max-shard-size", "20KB",
+            "--format", "json")
     assert r.exit_code == 0, r.stderr
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted({f for f in index["weight_map"].values()})

@@ -1,0 +1,207 @@
+"""A Hugging Face model folder, both ways: the files ``export --to hf`` writes around the tensors, and
+reading one (``import --from hf``) without trusting it.
+
+Writing: HF's own naming (``save_pretrained``): ``model.safetensors`` when everything fits one file,
+else ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json`` (``total_size`` and a
+``weight_map``); the same for ``optimizer``. A tokenizer is copied only from a file the user names
+(``--tokenizer``): a checkpoint records its data path as information and is never a reason to open it.
+
+Reading: every file is opened by a name that must be a plain file name inside the folder (an index's
+``weight_map`` names files: never a path, never a symlink out), JSON through the size-capped parser,
+each safetensors header checked (size, dtypes, shapes, offsets inside the file, no overlap) before a
+tensor byte is read; tensors are read as numpy memory maps, a box at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gtp_format.commit import write_durable
+from gtp_format.dtypes import DType, by_name
+from gtp_format.errors import FormatError
+from gtp_format.reader.safe_json import loads
+from gtp_format.scan import carrier
+
+CONFIG = "config.json"
+GENERATION = "generation_config.json"
+TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+MAX_JSON = 64 << 20  # a tokenizer.json of a 256k vocabulary is ~20 MB; configs and indexes are far smaller
+MAX_HEADER = 100 << 20  # the safetensors library's own header limit
+ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>")  # gtp_runtime.data prepare's BPE: <|endoftext|>, id 0
+
+
+def shard_names(n: int, prefix: str) -> list[str]:
+    """HF's file names for ``n`` files: ``model.safetensors`` alone, else ``model-0000k-of-0000n``."""
+    if n == 1:
+        return [f"{prefix}.safetensors"]
+    return [f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def index_name(prefix: str) -> str:
+    return f"{prefix}.safetensors.index.json"
+
+
+def write_index(folder: Path, prefix: str, total: int, weight_map: dict[str, str]) -> int:
+    """The index of a sharded set (HF writes none for one file); returns the files written."""
+    if len(set(weight_map.values())) <= 1:
+        return 0
+    write_durable(folder / index_name(prefix), json.dumps({"metadata": {"total_size": total},
+                                                           "weight_map": weight_map}, indent=2))
+    return 1
+
+
+def read_capped(path: Path, what: str, fix: str, follow: bool = False) -> bytes:
+    """A JSON file's bytes, within :data:`MAX_JSON`; a file of a folder being read is never a symlink
+    (``follow``: a file the user named on the command line may be)."""
+    if (path.is_symlink() and not follow) or not path.is_file():
+        raise FormatError(f"{path}: {'a symlink' if path.is_symlink() else 'missing or not a file'}; {fix}")
+    with open(path, "rb") as f:
+        raw = f.read(MAX_JSON + 1)
+    if len(raw) > MAX_JSON:
+        raise FormatError(f"{path}: more than {MAX_JSON} bytes, larger than any genuine {what}; {fix}")
+    return raw
+
+
+def read_json(path: Path, what: str, fix: str) -> Any:
+    return loads(read_capped(path, what, fix), str(path), fix)
+
+
+def tokenizer_eos(path: Path, vocab_size: int) -> tuple[bytes, int | None]:
+    """The bytes of a ``tokenizers`` JSON file named by ``--tokenizer`` and its end-of-text id, if any;
+    refused when it has ids the model cannot embed (a tokenizer of another run)."""
+    fix = "pass the PREFIX.tokenizer.json that `gtp_runtime.data prepare` wrote"
+    raw = read_capped(path, "tokenizer.json", fix, follow=True)
+    doc = loads(raw, str(path), fix)
+    if not isinstance(doc, dict) or not isinstance(doc.get("model"), dict):
+        raise FormatError(f"{path}: not a Hugging Face tokenizers file (no 'model' object); pass the "
+                          "PREFIX.tokenizer.json that `python -m gtp_runtime.data prepare --tokenizer bpe` wrote")
+    vocab = doc["model"].get("vocab")
+    ids = [i for i in (vocab.values() if isinstance(vocab, dict) else []) if isinstance(i, int)]
+    ids += [t["id"] for t in doc.get("added_tokens") or [] if isinstance(t, dict) and isinstance(t.get("id"), int)]
+    if ids and max(ids) >= vocab_size:
+        raise FormatError(f"{path}: has token id {max(ids)}, but the model embeds {vocab_size} tokens; pass the "
+                          "tokenizer of the data this checkpoint was trained on")
+    eos = None
+    for tok in doc.get("added_tokens") or []:
+        if isinstance(tok, dict) and tok.get("content") in EOS_NAMES and isinstance(tok.get("id"), int):
+            eos = tok["id"]
+            break
+    return raw, eos
+
+
+def tokenizer_config(eos: int | None, eos_text: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30}
+    if eos is not None and eos_text is not None:
+        out.update(bos_token=eos_text, eos_token=eos_text)
+    return out
+
+
+# -- reading ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    file: Path
+    dtype: DType
+    shape: tuple[int, ...]
+    offset: int  # of the first byte in the file
+
+    def read_rows(self, a: int, b: int, cols: tuple[int, int] | None = None) -> np.ndarray:
+        """Rows ``[a, b)`` (and columns ``cols`` of a 2-D tensor), stored bits."""
+        row = math.prod(self.shape[1:]) * self.dtype.itemsize
+        mm = np.memmap(self.file, dtype=carrier(self.dtype), mode="r", offset=self.offset + a * row,
+                       shape=(b - a, *self.shape[1:]))
+        out = np.array(mm if cols is None else mm[:, cols[0]:cols[1]])
+        del mm
+        return out
+
+
+def _plain_file(folder: Path, name: Any, where: str) -> Path:
+    if not isinstance(name, str) or not name or os.sep in name or "/" in name or name in (".", "..") \
+            or "\x00" in name:
+        raise FormatError(f"{where}: names the file {name!r}, not a plain file name inside {folder}; an index "
+                          "may only name files of its own folder")
+    path = folder / name
+    if path.is_symlink() or not path.is_file():
+        raise FormatError(f"{where}: names {name}, which is {'a symlink' if path.is_symlink() else 'missing'} in "
+                          f"{folder}; copy the complete model folder")
+    return path
+
+
+def _header(path: Path) -> dict[str, Tensor]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise FormatError(f"{path}: shorter than a safetensors header; the file is truncated")
+        n = struct.unpack("<Q", head)[0]
+        if n > min(MAX_HEADER, size - 8):
+            raise FormatError(f"{path}: header of {n} bytes in a {size}-byte file; not a safetensors file or truncated")
+        doc = loads(f.read(n), str(path), "re-save the model with safetensors")
+    if not isinstance(doc, dict):
+        raise FormatError(f"{path}: the safetensors header is not an object")
+    out, spans = {}, []
+    for name, e in doc.items():
+        if name == "__metadata__":
+            continue
+        ok = isinstance(e, dict) and e.get("dtype") in ST_DTYPES and isinstance(e.get("shape"), list) \
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in e["shape"]) \
+            and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2 \
+            and all(isinstance(d, int) and not isinstance(d, bool) for d in e["data_offsets"])
+        if not ok:
+            raise FormatError(f"{path}: tensor {name!r} has an ill-formed header entry (dtype one of "
+                              f"{', '.join(ST_DTYPES)}, a shape and two data offsets)")
+        dt = by_name(ST_DTYPES[e["dtype"]])
+        a, b = e["data_offsets"]
+        if not 0 <= a <= b <= size - 8 - n or b - a != math.prod(e["shape"]) * dt.itemsize:
+            raise FormatError(f"{path}: tensor {name!r} spans bytes [{a}, {b}), which is not its shape "
+                              f"{e['shape']} of {dt.name} inside the file's {size - 8 - n} data bytes")
+        spans.append((a, b, name))
+        out[name] = Tensor(name, path, dt, tuple(e["shape"]), 8 + n + a)
+    spans.sort()
+    for (_, b0, n0), (a1, _, n1) in zip(spans, spans[1:]):
+        if a1 < b0:
+            raise FormatError(f"{path}: tensors {n0!r} and {n1!r} overlap; the file is damaged")
+    return out
+
+
+def read_folder(folder: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """``config.json`` and every weight tensor of an HF model folder (headers only)."""
+    if not folder.is_dir():
+        raise FormatError(f"{folder}: not a folder; pass the Hugging Face model folder (config.json, "
+                          "model*.safetensors)")
+    fix = "pass a folder written by save_pretrained (safetensors)"
+    cfg = read_json(folder / CONFIG, CONFIG, fix)
+    if not isinstance(cfg, dict):
+        raise FormatError(f"{folder / CONFIG}: not a JSON object; {fix}")
+    index = folder / index_name("model")
+    if index.exists() or index.is_symlink():
+        doc = read_json(index, "index", fix)
+        wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(wmap, dict):
+            raise FormatError(f"{index}: no weight_map object; {fix}")
+        files = sorted({_plain_file(folder, f, str(index)) for f in wmap.values()})
+    else:
+        files = [_plain_file(folder, "model.safetensors", str(folder))]
+    tensors: dict[str, Tensor] = {}
+    for path in files:
+        for name, t in _header(path).items():
+            if name in tensors:
+                raise FormatError(f"{path}: tensor {name!r} is also in {tensors[name].file.name}; the folder is "
+                                  "inconsistent")
+            tensors[name] = t
+    if index.exists():
+        wrong = [k for k, f in wmap.items() if k not in tensors or tensors[k].file.name != f]
+        if wrong:
+            raise FormatError(f"{index}: weight_map puts {wrong[0]!r} in a file that does not hold it; {fix}")
+    return cfg, tensors

@@ -1,0 +1,34 @@
+"""Weights-only views of a megatron-core checkpoint whose optimizer state is not ``dp_reshardable``.
+
+A weights export needs the model keys only, and megatron-core stores those at their global shapes
+whatever the optimizer sharding (``fully_reshardable``, ``dp_zero_gather_scatter``, no optimizer at
+all): DCP assembles any box of a global tensor from its TP/PP chunks. So each module parameter
+becomes a :class:`~gtp_format.params.ParamView` with one primary holder that spans the whole
+tensor (no TP part, no GTP shard, no padding), and the ordinary read path
+(:meth:`.source.Source.read_full_box`) serves its boxes. The module order and key names are
+megatron-core's GPT (local spec), shared with the ``dp_reshardable`` view (:mod:`gtp_format.megatron`).
+Optimizer states are not in these views: ``--optimizer`` and ``--to fully_reshardable`` still need
+``dp_reshardable`` keys.
+"""
+
+from __future__ import annotations
+
+from gtp_format.layout.shard import ShardSpec
+from gtp_format.megatron import _module_params
+from gtp_format.model import Checkpoint
+from gtp_format.params import Holder, KeyRef, ParamView
+
+
+def weight_views(ckpt: Checkpoint) -> dict[str, ParamView]:
+    """One whole-tensor view per module parameter (refuses, in one line, keys that are not the GPT's)."""
+    out: dict[str, ParamView] = {}
+    for name, key, layer in _module_params(ckpt):
+        e = ckpt.entries[key]
+        assert e.shape is not None and e.dtype is not None
+        full = e.shape[1:] if layer is not None else e.shape
+        spec = ShardSpec(full, None, 1, 0, None, 1, 0, 1)
+        ref = KeyRef(0, 0, "", 0, None, 0)  # never read: a weight box reads the model key
+        holder = Holder(ref, 0, spec, (), True)
+        out[name] = ParamView(name, full, full, None, None, False, 0, 0, 0, str(e.dtype), (holder,),
+                              weight_key=None if key == name else key, layer=layer)
+    return out

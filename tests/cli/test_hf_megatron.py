@@ -1,0 +1,98 @@
+"""Weights-only exports of genuine megatron-core checkpoints, whatever their optimizer sharding.
+
+``--to hf`` (Megatron names) and ``--to torch`` read model keys only, so ``fully_reshardable``,
+``dp_zero_gather_scatter`` and model-only checkpoints export as ``dp_reshardable`` ones do. Every
+exported tensor must equal ``ckpt show`` of the same key (the stacked ``decoder.layers.*`` key at
+the layer's index), and the torch file PyTorch's own ``dcp_to_torch_save``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import assert_error_line, cli
+from safetensors.torch import load_file
+
+from gtp_format.megatron import _module_params
+from gtp_format.reader.checkpoint import open_checkpoint
+
+MEGATRON = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
+SHARDINGS = ["tp2_dp2_dp_reshardable", "pp2_dp2_dp_reshardable", "dp2_fully_reshardable",
+             "dp2_dp_zero_gather_scatter", "pair_tp2_dp2_dp_reshardable_fully_reshardable"]
+
+
+def _shown(src: Path, key: str) -> torch.Tensor:
+    r = cli("show", src, key, "--values", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    return torch.tensor(doc["values"], dtype=torch.float64).reshape(doc["global_shape"])
+
+
+def _assert_equals_show(src: Path, exported: dict[str, torch.Tensor]) -> None:
+    params = _module_params(open_checkpoint(src))
+    assert set(exported) == {name for name, _, _ in params}
+    shown: dict[str, torch.Tensor] = {}
+    for name, key, layer in params:
+        full = shown.setdefault(key, _shown(src, key))
+        want = full[layer] if layer is not None else full
+        got = exported[name]
+        assert got.dtype == torch.bfloat16 and torch.equal(got.double(), want), name  # bf16 -> f64 is exact
+
+
+@pytest.mark.parametrize("name", SHARDINGS)
+def test_weights_only_hf_export_equals_show(name: str, tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    r = cli("export", MEGATRON / name, out, "--to", "hf", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["names"] == "megatron"
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    _assert_equals_show(MEGATRON / name, load_file(out / "model.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dp2_fully_reshardable", "dp2_dp_zero_gather_scatter"])
+def test_weights_only_torch_export_equals_pytorch_dcp(name: str, tmp_path: Path) -> None:
+    """Every tensor key, as PyTorch DCP itself loads it (``dcp_to_torch_save`` also pickles the
+    checkpoint's objects, numpy RNG states, which a weights-only ``torch.load`` rightly refuses)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    r = cli("export", MEGATRON / name, tmp_path / "ours.pt", "--to", "torch")
+    assert r.exit_code == 0, r.stderr
+    folder = MEGATRON / name / "iter_0000002"
+    md = dcp.FileSystemReader(folder).read_metadata()
+    theirs = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+              if isinstance(v, TensorStorageMetadata)}
+    dcp.load(theirs, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    ours = torch.load(tmp_path / "ours.pt", weights_only=True)
+    assert ours.keys() == theirs.keys() and any(k.startswith("decoder.layers.") for k in ours)
+    for k in ours:
+        assert ours[k].dtype == theirs[k].dtype and torch.equal(ours[k].view(torch.uint8),
+                                                               theirs[k].view(torch.uint8)), k
+
+
+def test_model_only_checkpoint_exports(tmp_path: Path) -> None:
+    """A checkpoint with model keys and nothing else, saved by PyTorch DCP itself."""
+    import torch.distributed.checkpoint as dcp
+
+    src = MEGATRON / "dp2_dp_zero_gather_scatter"
+    ckpt = open_checkpoint(src)
+    keys = {k for _, k, _ in _module_params(ckpt)}
+    state = {k: _shown(src, k).to(torch.bfloat16) for k in sorted(keys)}
+    folder = tmp_path / "model_only" / "iter_0000002"
+    dcp.save(state, checkpoint_id=folder, no_dist=True)
+    (tmp_path / "model_only" / "latest_checkpointed_iteration.txt").write_text("2")
+    r = cli("export", tmp_path / "model_only", tmp_path / "hf", "--to", "hf")
+    assert r.exit_code == 0, r.stderr
+    _assert_equals_show(src, load_file(tmp_path / "hf" / "model.safetensors"))
+
+
+def test_megatron_names_only_and_no_optimizer_without_its_keys(tmp_path: Path) -> None:
+    r = cli("export", MEGATRON / "dp2_fully_reshardable", tmp_path / "x", "--to", "hf", "--names", "hf")
+    assert_error_line(r, 2, "no verified transformers mapping", "--names megatron")
+    r = cli("export", MEGATRON / "dp2_fully_reshardable", tmp_path / "x", "--to", "hf", "--optimizer")
+    assert_error_line(r, 2, "no dp_reshardable optimizer keys")
+    assert not list(tmp_path.iterdir())
