@@ -53,6 +53,7 @@ from ckpt_tool.reshard.writers import (
 )
 from gtp_format.commit import commit_folder, fsync_dir, hidden_sibling, write_durable
 from gtp_format.errors import FormatError
+from gtp_format.hashing import file_digests
 from gtp_format.layout.config import ConfigError, ParallelConfig
 from gtp_format.layout.params import buffer_layouts
 from gtp_format.manifest import (
@@ -197,9 +198,8 @@ def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, p
     else:
         write_durable(folder / GTP_INDEX_FILE, safetensors_index(plan.shapes, dict(zip(names, parts))))
         meta_name, megatron = GTP_INDEX_FILE, {"sharded_backend": "gtp_safetensors"}
-    from gtp_runtime.checkpoint.manifest import file_entry
-
-    files[meta_name] = file_entry(folder / meta_name)
+    with open(folder / meta_name, "rb") as f:  # the runtime's file_entry, without importing the runtime
+        files[meta_name] = FileEntry((folder / meta_name).stat().st_size, file_digests(f, [HASH_ALGORITHM]))
     write_manifest(folder, replace(target, files=files))
     write_durable(folder / MEGATRON_METADATA_FILE, json.dumps(megatron))
     fsync_dir(folder)

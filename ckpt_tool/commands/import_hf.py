@@ -1,0 +1,84 @@
+"""``ckpt import SRC DST --from hf``: a Hugging Face model folder as a gtp_runtime checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ckpt_tool.output import (
+    FormatOption,
+    MaxMemoryOption,
+    OutputFormat,
+    fmt_bytes,
+    handle_errors,
+    print_json,
+    progress_opener,
+)
+from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
+
+DEFAULT_BUCKET_SIZE = 40_000_000  # gtp_runtime.train's --bucket-size default (elements)
+
+EPILOG = """Examples:
+
+  ckpt import hf_model ckpts/run --from hf --cp 2 --fold-cp --gtp-remat 2 --dp 2
+
+  python -m gtp_runtime.train --nproc-per-node 8 --cp 2 --fold-cp --gtp-remat 2 --vocab-size V \\
+      --hidden H --num-layers L --num-heads A --ffn-hidden F --seq-length S --load ckpts/run
+
+SRC: a folder of ArceeForCausalLM with hidden_act "gelu" (the runtime's GPT: RMSNorm, RoPE base
+10000, non-gated GELU MLP, no bias, untied output layer), as `ckpt export --to hf` writes it or
+save_pretrained does (config.json, model.safetensors or model-*.safetensors + index). DST: a new
+folder holding iter_0000000 and the latest marker, at the topology given: model weights as stored,
+fp32 master weights equal to them, zero Adam moments, step 0. Train it with the model flags that
+`--format json` prints under "model" and the same --bucket-size. Anything else is refused in one
+line naming the config field or tensor.
+
+Exit codes: 0 written, 2 unreadable or unsupported SRC, impossible topology, DST exists, or a
+write failed."""
+
+
+@handle_errors
+def import_command(
+    src: Annotated[Path, typer.Argument(help="Hugging Face model folder.", show_default=False)],
+    dst: Annotated[Path, typer.Argument(help="New folder to create.", show_default=False)],
+    source_format: Annotated[str, typer.Option("--from", help="Source format: hf.")] = "hf",
+    tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size.")] = 1,
+    cp: Annotated[int, typer.Option("--cp", min=1, help="Context-parallel size.")] = 1,
+    gtp_remat: Annotated[int, typer.Option("--gtp-remat", min=1, help="GTP_remat size.")] = 1,
+    dp: Annotated[int, typer.Option("--dp", min=1, help="Data-parallel (replicate) size.")] = 1,
+    fold_cp: Annotated[bool, typer.Option("--fold-cp/--no-fold-cp", help="Shard dense weights over cp x gtp_remat.")
+                       ] = False,
+    layout: Annotated[str, typer.Option("--layout", help="torch_dist or safetensors.")] = "torch_dist",
+    bucket_size: Annotated[int, typer.Option("--bucket-size", min=1, help="Gradient bucket size in elements, as "
+                                             "the training run's --bucket-size.")] = DEFAULT_BUCKET_SIZE,
+    seq_length: Annotated[int | None, typer.Option("--seq-length", min=1, show_default="max_position_embeddings",
+                                                   help="Training sequence length to record.")] = None,
+    max_memory: MaxMemoryOption = DEFAULT_MAX_MEMORY,
+    workers: Annotated[int | None, typer.Option("--workers", min=1, max=64, show_default="one per core, at most 4",
+                                                help="Data files written in parallel.")] = None,
+    fmt: FormatOption = OutputFormat.table,
+) -> None:
+    """Write a Hugging Face model as a step-0 gtp_runtime checkpoint at the given topology."""
+    from ckpt_tool.hf.importer import import_hf
+    from gtp_format.errors import FormatError
+    from gtp_format.layout.config import ParallelConfig
+
+    if source_format != "hf":
+        raise FormatError(f"--from {source_format!r}: ckpt import reads hf (a Hugging Face model folder)")
+    par = ParallelConfig(tp=tp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp)
+    with contextlib.ExitStack() as stack:
+        bar = progress_opener(stack, "importing", fmt)
+        info = import_hf(src, dst, par, layout, bucket_size, seq_length, max_memory, workers, bar)
+    if fmt == OutputFormat.json:
+        print_json({"ok": True, **info})
+    else:
+        typer.echo(f"wrote {info['dst']} ({info['topology']}, {info['layout']}): {info['params']} params, "
+                   f"{info['files']} files, {fmt_bytes(info['bytes_written'])} in {info['seconds']:.1f} s; peak "
+                   f"memory {fmt_bytes(info['peak_rss_bytes'])} (budget {fmt_bytes(info['max_memory'])})")
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="import", epilog=EPILOG)(import_command)

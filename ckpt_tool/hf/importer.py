@@ -1,0 +1,165 @@
+"""``ckpt import --from hf``: a Hugging Face model folder as a gtp_runtime checkpoint at any topology.
+
+The folder is read without trust (:mod:`.folder`), its ``config.json`` mapped to the runtime's
+model config and refused where the runtime's GPT would compute something else
+(:func:`.mapping.model_config`), and every tensor checked against the shape the one name table
+(:func:`.mapping.parts`, the table export writes with) expects before anything is written. The
+checkpoint is then what a run at ``--tp/--cp/--gtp-remat/--dp [--fold-cp]`` would have saved at
+step 0: the model weights as stored (bf16 or fp32), fp32 master weights equal to them, zero Adam
+moments, and a manifest whose bucket layout is the runtime's own rule
+(:func:`gtp_format.layout.params.buffer_layouts`); ``python -m gtp_runtime.train --load DST`` with
+the same model flags and ``--bucket-size`` resumes from it.
+
+It is written by reshard's writer (:func:`ckpt_tool.reshard.engine.write_checkpoint`, the plan of
+:func:`ckpt_tool.reshard.plan.plan_target`): streamed in row blocks of the chunk budget, so memory
+is bounded by ``--max-memory`` and not by the model, through the ``O_DIRECT`` sink, into a hidden
+sibling that appears as DST whole or not at all. No torch: numpy memory maps of the safetensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckpt_tool.hf import mapping
+from ckpt_tool.hf.folder import Tensor, read_folder
+from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
+from ckpt_tool.reshard.engine import (
+    DEFAULT_BUCKET_SIZE,
+    Progress,
+    build_atomically,
+    chunk_budget,
+    default_workers,
+    peak_rss,
+    write_checkpoint,
+)
+from ckpt_tool.reshard.plan import WEIGHT, OutChunk, plan_target
+from ckpt_tool.reshard.sink import stage_bytes
+from gtp_format.commit import write_durable
+from gtp_format.errors import FormatError
+from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
+from gtp_format.layout.params import buffer_layouts, model_params
+from gtp_format.manifest import HASH_ALGORITHM, Manifest, OptimizerInfo
+from gtp_format.names import FORMAT_NAME, LATEST_FILE, LAYOUTS, STATES, iter_dir_name
+from gtp_format.scan import carrier
+
+PARAM_DTYPES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16"}
+
+
+@dataclass(frozen=True)
+class HFModel:
+    root: Path
+    model: ModelConfig
+    param_dtype: str  # "torch.float32" or "torch.bfloat16"
+    parts: dict[str, list[mapping.Part]]  # runtime parameter -> its HF tensors
+    tensors: dict[str, Tensor]
+
+    def read_box(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> np.ndarray:
+        """A box of runtime parameter ``name``'s full tensor, assembled from its HF tensors (stored bits)."""
+        a, n = offsets[0], sizes[0]
+        cols = (offsets[1], offsets[1] + sizes[1]) if len(sizes) == 2 else None
+        out: np.ndarray | None = None
+        for part in self.parts[name]:
+            t = self.tensors[part.hf]
+            for lo, hi, h in part.hf_rows(a, a + n):
+                rows = t.read_rows(h, h + hi - lo, cols)
+                if out is None:
+                    out = np.empty(sizes, dtype=rows.dtype)
+                out[lo - a:hi - a] = rows
+        assert out is not None
+        return out
+
+
+def open_hf(src: Path, seq_length: int | None = None) -> HFModel:
+    """Read and check an HF folder (headers only): config, names, shapes, one float dtype."""
+    cfg, tensors = read_folder(src)
+    model = mapping.model_config(cfg, str(src / "config.json"), seq_length)
+    table = mapping.parts(model, str(src))
+    want = {p.hf: p for p in table}
+    unknown, missing = sorted(set(tensors) - set(want)), sorted(set(want) - set(tensors))
+    if unknown or missing:
+        what = f"has tensor {unknown[0]!r}, which" if unknown else f"lacks tensor {missing[0]!r}, which"
+        raise FormatError(f"{src}: {what} {mapping.ARCHITECTURE} of this config.json "
+                          f"{'does not have' if unknown else 'needs'}; the folder is not that model or incomplete")
+    full = {p.name: p.full_shape for p in model_params(model)}
+    dtypes = {t.dtype.name for t in tensors.values()}
+    for p in table:
+        shape = (p.rows, *full[p.ours][1:])
+        if tensors[p.hf].shape != shape:
+            raise FormatError(f"{tensors[p.hf].file}: tensor {p.hf!r} is {list(tensors[p.hf].shape)}, config.json "
+                              f"implies {list(shape)}; the weights do not belong to this config")
+    if len(dtypes) != 1 or next(iter(dtypes)) not in PARAM_DTYPES:
+        raise FormatError(f"{src}: tensors are {', '.join(sorted(dtypes))}; the runtime trains with one param dtype, "
+                          "float32 or bfloat16 (convert the model first, e.g. model.to(torch.bfloat16))")
+    parts: dict[str, list[mapping.Part]] = {}
+    for p in table:
+        parts.setdefault(p.ours, []).append(p)
+    return HFModel(src, model, PARAM_DTYPES[dtypes.pop()], parts, tensors)
+
+
+def _fp32(bits: np.ndarray, param_dtype: str) -> np.ndarray:
+    """The fp32 master weight of stored weight bits (bf16 widens exactly: its bits are fp32's top half)."""
+    if param_dtype == "torch.float32":
+        return bits
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def fill(hf: HFModel) -> Callable[[OutChunk], np.ndarray]:
+    def one(c: OutChunk) -> np.ndarray:
+        if c.values is not None:
+            return np.asarray(c.values, dtype=np.int64)
+        if c.param is None or c.state in STATES[1:]:  # padding, gaps, and Adam moments at step 0
+            return np.zeros(c.sizes, dtype=carrier(c.dtype))
+        assert c.box is not None
+        bits = hf.read_box(c.param, *c.box)
+        return (bits if c.state == WEIGHT else _fp32(bits, hf.param_dtype)).reshape(c.sizes)
+
+    return one
+
+
+def target(hf: HFModel, par: ParallelConfig, layout: str, bucket_size: int) -> Manifest:
+    try:
+        par.validate()
+        hf.model.validate(par)
+    except ConfigError as e:
+        raise FormatError(f"{hf.root}: cannot import at {par.describe()}: {e}") from None
+    return Manifest(
+        format_version=1, layout=layout, optimizer_sharding=FORMAT_NAME, iteration=0, topology=par, model=hf.model,
+        param_dtype=hf.param_dtype, optimizer=OptimizerInfo("adamw", 0, {}), bucket_size=bucket_size,
+        buffers=buffer_layouts(hf.model, par, bucket_size, hf.param_dtype), hash_algorithm=HASH_ALGORITHM,
+        files={}, notes=[{"tool": "ckpt import", "from": "hf", "architecture": mapping.ARCHITECTURE}])
+
+
+def import_hf(src: Path, dst: Path, par: ParallelConfig, layout: str = "torch_dist",
+              bucket_size: int = DEFAULT_BUCKET_SIZE, seq_length: int | None = None,
+              max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
+              progress: Callable[[int], Progress] | None = None) -> dict[str, Any]:
+    """Write the HF folder SRC as a step-0 checkpoint at ``par`` into the new folder DST."""
+    if layout not in LAYOUTS:
+        raise FormatError(f"--layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    t0 = time.perf_counter()
+    hf = open_hf(src, seq_length)
+    manifest = target(hf, par, layout, bucket_size)
+    workers = workers or default_workers()
+    chunk_bytes = chunk_budget(max_memory, workers)
+    plan = plan_target(manifest, chunk_bytes)
+
+    def body(tmp: Path) -> None:
+        folder = tmp / iter_dir_name(0)
+        folder.mkdir()
+        advance = progress(plan.nbytes) if progress else (lambda n: None)
+        write_checkpoint(fill(hf), manifest, plan, folder, workers, advance, stage_bytes(chunk_bytes))
+        write_durable(tmp / LATEST_FILE, "0\n")
+
+    build_atomically(dst, src, body)
+    out = list((dst / iter_dir_name(0)).iterdir())
+    return {"src": str(src), "dst": str(dst), "from": "hf", "architecture": mapping.ARCHITECTURE,
+            "topology": par.describe(), "layout": layout, "params": len(hf.parts), "param_dtype": hf.param_dtype,
+            "model": hf.model.to_dict(), "bucket_size": bucket_size, "files": len(out),
+            "bytes_written": sum(p.stat().st_size for p in out), "seconds": time.perf_counter() - t0,
+            "max_memory": max_memory, "chunk_bytes": chunk_bytes, "workers": workers, "peak_rss_bytes": peak_rss()}
