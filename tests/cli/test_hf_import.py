@@ -171,3 +171,15 @@ def test_import_refuses_an_existing_destination_and_other_formats(tmp_path: Path
     assert_error_line(cli("import", src, tmp_path / "out"), 2, "already exists")
     assert_error_line(cli("import", src, tmp_path / "o2", "--from", "gguf"), 2, "--from 'gguf'")
     assert list((tmp_path / "out").iterdir()) == [] and not (tmp_path / "o2").exists()
+
+
+def test_import_and_hf_export_import_neither_torch_nor_the_runtime(tmp_path: Path) -> None:
+    src = hf_model(tmp_path / "hf")
+    probe = ("import json, sys\nfrom ckpt_tool.cli import run\ncode = run(sys.argv[1:])\n"
+             "print(json.dumps([code, sorted(m.split('.')[0] for m in sys.modules if m.split('.')[0] in "
+             "('torch', 'gtp_runtime', 'transformers'))]))")
+    for args in (["import", str(src), str(tmp_path / "ckpt"), "--cp", "2", "--fold-cp"],
+                 ["export", str(tmp_path / "ckpt"), str(tmp_path / "back"), "--to", "hf"]):
+        out = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=300,
+                             cwd=Path(__file__).resolve().parents[2], check=False)
+        assert json.loads(out.stdout.strip().splitlines()[-1]) == [0, []], (args, out.stderr[-2000:])
