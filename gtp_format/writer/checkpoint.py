@@ -34,8 +34,10 @@ calls ``add_files``, ``add_file(".metadata")``, ``finish``, ``commit``, ``set_la
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -78,6 +80,31 @@ def file_entry(path: Path) -> FileEntry:
     with open(path, "rb") as f:
         sums = file_digests(f, [HASH_ALGORITHM])
         return FileEntry(size=os.fstat(f.fileno()).st_size, checksums=sums)
+
+
+_WRITE_SIDE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
+def link_or_copy(src: Path, dst: Path) -> bool:
+    """Hard-link ``src`` to the new name ``dst``; copy (and fsync) where a link is impossible. True when linked.
+
+    A full disk during the copy is DST's, but ``shutil.copyfile`` (``sendfile``) names the source in
+    the error; such errors are given DST's name, so the message says which disk is full.
+    """
+    try:
+        os.link(src, dst, follow_symlinks=False)
+        return True
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES):
+            raise
+    try:
+        shutil.copyfile(src, dst, follow_symlinks=False)
+        fsync_file(dst)
+    except OSError as e:
+        if e.errno in _WRITE_SIDE:
+            raise OSError(e.errno, e.strerror, str(dst)) from None
+        raise
+    return False
 
 
 def recoverable_targets(parent: Path) -> frozenset[str]:
@@ -159,14 +186,17 @@ class CheckpointWriter:
         self.files[name] = entry = file_entry(path)
         return entry
 
-    def finish(self, manifest: Manifest | None, metadata: Mapping[str, Any] | bytes | None = None) -> None:
-        """Write the manifest (with :attr:`files`), then ``metadata.json`` (``metadata``: its content,
-        bytes as they are; None: none, for exports that are not checkpoints), then the latest marker of
-        a nested output, and fsync the folders."""
+    def finish(self, manifest: Manifest | None, metadata: Mapping[str, Any] | bytes | Path | None = None) -> None:
+        """Write the manifest (with :attr:`files`), then ``metadata.json`` (``metadata``: its content;
+        bytes as they are; a path: another checkpoint's own file, hard-linked where possible; None:
+        none, for exports that are not checkpoints), then the latest marker of a nested output, and
+        fsync the folders."""
         folder = self.folder
         if manifest is not None:
             write_manifest(folder, dataclasses.replace(manifest, files=dict(self.files)))
-        if metadata is not None:
+        if isinstance(metadata, Path):
+            link_or_copy(metadata, folder / MEGATRON_METADATA_FILE)
+        elif metadata is not None:
             raw = metadata if isinstance(metadata, bytes) else json.dumps(dict(metadata)).encode()
             write_durable(folder / MEGATRON_METADATA_FILE, raw)
         fsync_dir(folder)
