@@ -149,8 +149,8 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
                                                  indent=2))
         jobs.extend(files)
     bufs = Buffers()  # thread-local: each worker reads into its own reusable buffers
-    run_files(lambda i: _write_hf_file(folder / jobs[i][0], jobs[i][1], lambda c: chunk_data(source, c, bufs),
-                                       advance, stage_bytes(chunk_bytes)), len(jobs), workers)
+    run_files(lambda i, tick: _write_hf_file(folder / jobs[i][0], jobs[i][1], lambda c: chunk_data(source, c, bufs),
+                                             tick, stage_bytes(chunk_bytes)), len(jobs), workers, advance)
     writer.finish(None, None)  # not a checkpoint: no manifest, no metadata.json
     return {"files": len(jobs) + len(sets)}
 
@@ -173,8 +173,9 @@ def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_byt
     parts = split_files(chunks, workers * 2)
     names = [data_file_name(i, 0, "torch_dist") for i in range(len(parts))]
     bufs = Buffers()
-    results = run_files(lambda i: write_distcp(folder / names[i], parts[i], lambda c: chunk_data(source, c, bufs),
-                                               advance, stage_bytes(chunk_bytes)), len(parts), workers)
+    results = run_files(lambda i, tick: write_distcp(folder / names[i], parts[i],
+                                                     lambda c: chunk_data(source, c, bufs), tick,
+                                                     stage_bytes(chunk_bytes)), len(parts), workers, advance)
     write_distcp_metadata(folder / DCP_METADATA_FILE, shapes,
                           [(n, c, off, ln) for n, r in zip(names, results) for c, off, ln in r[1]])
     writer.finish(None, megatron_metadata("torch_dist"))  # Megatron's own layout: no manifest
