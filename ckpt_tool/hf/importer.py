@@ -10,10 +10,11 @@ moments, and a manifest whose bucket layout is the runtime's own rule
 (:func:`gtp_format.layout.params.buffer_layouts`); ``python -m gtp_runtime.train --load DST`` with
 the same model flags and ``--bucket-size`` resumes from it.
 
-It is written by reshard's writer (:func:`ckpt_tool.reshard.engine.write_checkpoint`, the plan of
+It is written through the one checkpoint writer (:class:`gtp_format.writer.checkpoint.CheckpointWriter`,
+driven by reshard's :func:`ckpt_tool.reshard.engine.write_checkpoint` over the plan of
 :func:`ckpt_tool.reshard.plan.plan_target`): streamed in row blocks of the chunk budget, so memory
 is bounded by ``--max-memory`` and not by the model, through the ``O_DIRECT`` sink, into a hidden
-sibling that appears as DST whole or not at all. No torch: numpy memory maps of the safetensors.
+work folder that appears as DST whole or not at all. No torch: numpy memory maps of the safetensors.
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ from ckpt_tool.reshard.engine import (
 )
 from ckpt_tool.reshard.plan import WEIGHT, OutChunk, plan_target
 from ckpt_tool.reshard.sink import stage_bytes
-from gtp_format.commit import write_durable
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
 from gtp_format.layout.params import buffer_layouts, model_params
 from gtp_format.manifest import HASH_ALGORITHM, Manifest, OptimizerInfo
-from gtp_format.names import FORMAT_NAME, LATEST_FILE, LAYOUTS, STATES, iter_dir_name
+from gtp_format.names import FORMAT_NAME, LAYOUTS, STATES, iter_dir_name
 from gtp_format.scan import carrier
+from gtp_format.writer.checkpoint import CheckpointWriter
 
 PARAM_DTYPES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16"}
 
@@ -149,14 +150,11 @@ def import_hf(src: Path, dst: Path, par: ParallelConfig, layout: str = "torch_di
     chunk_bytes = chunk_budget(max_memory, workers)
     plan = plan_target(manifest, chunk_bytes)
 
-    def body(tmp: Path) -> None:
-        folder = tmp / iter_dir_name(0)
-        folder.mkdir()
+    def body(writer: CheckpointWriter) -> None:
         advance = progress(plan.nbytes) if progress else (lambda n: None)
-        write_checkpoint(fill(hf), manifest, plan, folder, workers, advance, stage_bytes(chunk_bytes))
-        write_durable(tmp / LATEST_FILE, "0\n")
+        write_checkpoint(fill(hf), manifest, plan, writer, workers, advance, stage_bytes(chunk_bytes))
 
-    build_atomically(dst, src, body)
+    build_atomically(dst, src, body, inner=iter_dir_name(0), latest="0")
     out = list((dst / iter_dir_name(0)).iterdir())
     return {"src": str(src), "dst": str(dst), "from": "hf", "architecture": mapping.ARCHITECTURE,
             "topology": par.describe(), "layout": layout, "params": len(hf.parts), "param_dtype": hf.param_dtype,
