@@ -162,3 +162,66 @@ def model_config(cfg: dict[str, Any], where: str, seq_length: int | None = None)
     return ModelConfig(vocab_size=_field(cfg, "vocab_size", where), hidden=hidden,
                        num_layers=_field(cfg, "num_hidden_layers", where), num_heads=heads,
                        ffn_hidden=_field(cfg, "intermediate_size", where), seq_length=seq, norm_eps=float(eps))
+
+
+# -- megatron-core GPT (local spec) -> GPTBigCodeForCausalLM ------------------------------------------
+#
+# megatron-core's GPT with the local layer spec is GPT-2-like: LayerNorm with bias, learned absolute
+# positions, a bias on every linear, GELU (exact erf: TransformerConfig's activation_func F.gelu), tied
+# output by default, attention scaled by head_dim**-0.5. GPTBigCode with multi_query=False computes it
+# with no transposition and no regrouping: its c_attn output is viewed as (heads, 3 * head_dim), which
+# is megatron's per-head [q_h; k_h; v_h] linear_qkv row layout (GPT-2 would need every linear
+# transposed, Conv1D, and the QKV rows regrouped). Checked against megatron-core 0.19.2's own forward
+# on fixtures/megatron (tests/cli/test_hf_megatron.py; measured 1.2e-7 in fp32).
+
+BIGCODE = "GPTBigCodeForCausalLM"
+MEGATRON_LAYER = {
+    "input_layernorm": "ln_1", "self_attention.linear_qkv": "attn.c_attn", "self_attention.linear_proj": "attn.c_proj",
+    "pre_mlp_layernorm": "ln_2", "mlp.linear_fc1": "mlp.c_fc", "mlp.linear_fc2": "mlp.c_proj",
+}
+MEGATRON_GLOBAL = {
+    "embedding.word_embeddings": "transformer.wte", "embedding.position_embeddings": "transformer.wpe",
+    "decoder.final_layernorm": "transformer.ln_f", "output_layer": "lm_head",
+}
+MEGATRON_LN_EPS = 1e-5  # TransformerConfig.layernorm_epsilon's default: not in the checkpoint's tensors
+
+
+def megatron_name(name: str, where: str) -> str:
+    """The GPTBigCode name of one megatron-core module parameter (``decoder.layers.3.mlp.linear_fc1.bias``)."""
+    module, kind = name.rsplit(".", 1)
+    if module in MEGATRON_GLOBAL:
+        return f"{MEGATRON_GLOBAL[module]}.{kind}"
+    parts = module.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["decoder", "layers"] and parts[3] in MEGATRON_LAYER:
+        return f"transformer.h.{parts[2]}.{MEGATRON_LAYER[parts[3]]}.{kind}"
+    raise FormatError(f"{where}: parameter {name!r} has no {BIGCODE} name; export it with --names megatron")
+
+
+def megatron_config(shapes: dict[str, tuple[int, ...]], dtype: str, num_heads: int | None, where: str,
+                    eos_token_id: int | None = None) -> dict[str, Any]:
+    """``config.json`` of GPTBigCode for a megatron-core GPT, from its parameters' full shapes.
+
+    Every size is read from a shape except the head count (megatron keeps it in ``args``, which this
+    tool does not unpickle): ``num_heads`` is the user's ``--num-heads``.
+    """
+    needed = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+              "decoder.final_layernorm.bias", "decoder.layers.0.self_attention.linear_qkv.bias",
+              "decoder.layers.0.mlp.linear_fc1.weight"]
+    absent = [n for n in needed if n not in shapes]
+    if absent:
+        raise FormatError(f"{where}: no {absent[0]!r}: {BIGCODE} needs learned absolute positions, LayerNorm and "
+                          "linear biases (megatron-core's GPT defaults); export this model with --names megatron")
+    vocab, hidden = shapes[needed[0]]
+    if num_heads is None or hidden % num_heads:
+        raise FormatError(f"{where}: pass --num-heads (Megatron's --num-attention-heads, a divisor of hidden {hidden}):"
+                          " a megatron-core checkpoint does not record it in its tensors")
+    layers = 1 + max(int(n.split(".")[2]) for n in shapes if n.startswith("decoder.layers."))
+    return {
+        "architectures": [BIGCODE], "model_type": "gpt_bigcode", "vocab_size": vocab,
+        "n_positions": shapes[needed[1]][0], "n_embd": hidden, "n_layer": layers, "n_head": num_heads,
+        "n_inner": shapes[needed[4]][0], "activation_function": ACTIVATION, "multi_query": False,
+        "layer_norm_epsilon": MEGATRON_LN_EPS, "scale_attn_weights": True, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0, "tie_word_embeddings": "output_layer.weight" not in shapes, "use_cache": True,
+        "dtype": PARAM_DTYPES[dtype], "bos_token_id": eos_token_id, "eos_token_id": eos_token_id,
+        "pad_token_id": None,
+    }

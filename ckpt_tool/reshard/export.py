@@ -4,13 +4,15 @@
   default) one that ``AutoModelForCausalLM.from_pretrained`` loads with no code: ``config.json``
   (``ArceeForCausalLM``), ``generation_config.json``, transformers' parameter names with the fused
   QKV split into q/k/v (:mod:`ckpt_tool.hf.mapping`, the table import reads too), and, from
-  ``--tokenizer FILE``, ``tokenizer.json``. ``--names megatron`` keeps the checkpoint's own names
-  (the only choice for megatron-core checkpoints). Full shapes (GTP padding removed), the stored
-  dtype, HF's file naming (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` and
-  ``model.safetensors.index.json``). ``optimizer=True`` adds ``optimizer*.safetensors`` holding
-  ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>`` (fp32 master weights and Adam moments).
-  Without ``--optimizer`` only model keys are read, so any megatron-core checkpoint that holds
-  model weights exports, whatever its optimizer sharding (:mod:`.weights`).
+  ``--tokenizer FILE``, ``tokenizer.json``. A megatron-core GPT (local spec) becomes
+  ``GPTBigCodeForCausalLM`` given ``--num-heads``. ``--names megatron`` keeps the checkpoint's
+  own names (the default for megatron-core checkpoints without ``--num-heads``). Full shapes (GTP
+  padding removed), the stored dtype, HF's file naming (``model.safetensors``, or
+  ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``). ``optimizer=True``
+  adds ``optimizer*.safetensors`` holding ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``
+  (fp32 master weights and Adam moments). Without ``--optimizer`` only model keys are read, so
+  any megatron-core checkpoint that holds model weights exports, whatever its optimizer sharding
+  (:mod:`.weights`).
 * ``fully_reshardable``: Megatron's per-parameter optimizer layout as a torch_dist (DCP)
   checkpoint: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>`` next to the model weights
   ``<name>``, every tensor at its global shape, chunked in row blocks.
@@ -155,34 +157,46 @@ def _hf_table(source: Source, names: str) -> list[tuple[str, ParamView, tuple[tu
     if names == "megatron":
         return [(v.name, v, ((0, v.full_shape[0] if v.full_shape else 1),)) for v in views]
     model = source.manifest.model if source.manifest is not None else None
-    if model is None:
-        raise FormatError(f"{source.root}: a megatron-core checkpoint (no gtp_manifest.json) has no verified "
-                          "transformers mapping here; export its weights under Megatron names with --names megatron")
+    if model is None:  # megatron-core: GPTBigCode's names, every tensor whole
+        return [(mapping.megatron_name(v.name, str(source.root)), v, ((0, v.full_shape[0]),)) for v in views]
     by_name = {v.name: v for v in views}
     return [(p.hf, by_name[p.ours], p.ranges) for p in mapping.parts(model, str(source.root))]
 
 
-def _hf_side_files(source: Source, folder: Path, tokenizer: Path | None) -> int:
+def _hf_config(source: Source, num_heads: int | None, eos: int | None = None) -> dict[str, Any]:
+    if source.manifest is not None and source.manifest.model is not None:
+        if num_heads is not None:
+            raise FormatError("--num-heads is for megatron-core checkpoints; this checkpoint's manifest records its "
+                              "own; drop it")
+        return mapping.hf_config(source.manifest.model, source.manifest.param_dtype or "torch.float32", eos)
+    views = source.views.values()
+    dtypes = {v.param_dtype for v in views}
+    return mapping.megatron_config({v.name: v.full_shape for v in views}, dtypes.pop() if len(dtypes) == 1 else "",
+                                   num_heads, str(source.root), eos)
+
+
+def _hf_side_files(source: Source, folder: Path, tokenizer: Path | None, num_heads: int | None) -> int:
     """config.json, generation_config.json and, from ``--tokenizer``, the tokenizer files."""
-    assert source.manifest is not None and source.manifest.model is not None
     eos, files = None, 2
+    config = _hf_config(source, num_heads)  # refuses before anything is written
     if tokenizer is not None:
-        raw, eos = hf_folder.tokenizer_eos(tokenizer, source.manifest.model.vocab_size)
+        raw, eos = hf_folder.tokenizer_eos(tokenizer, config["vocab_size"])
         write_durable(folder / hf_folder.TOKENIZER, raw)
         text = None if eos is None else next(t["content"] for t in json.loads(raw)["added_tokens"]
                                              if isinstance(t, dict) and t.get("id") == eos)
         write_durable(folder / hf_folder.TOKENIZER_CONFIG, json.dumps(hf_folder.tokenizer_config(eos, text), indent=2))
         files += 2
-    param_dtype = source.manifest.param_dtype or "torch.float32"
-    write_durable(folder / hf_folder.CONFIG, json.dumps(mapping.hf_config(source.manifest.model, param_dtype, eos),
-                                                        indent=2))
+    write_durable(folder / hf_folder.CONFIG, json.dumps(_hf_config(source, num_heads, eos), indent=2))
     write_durable(folder / hf_folder.GENERATION, json.dumps(mapping.generation_config(eos), indent=2))
     return files
 
 
 def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_shard: int, chunk_bytes: int,
-              workers: int, advance: Progress, names: str = "hf", tokenizer: Path | None = None) -> dict[str, Any]:
+              workers: int, advance: Progress, names: str = "hf", tokenizer: Path | None = None,
+              num_heads: int | None = None) -> dict[str, Any]:
     folder = writer.folder
+    if names == "hf":
+        _hf_config(source, num_heads)  # refuse a model with no class before a byte is written
     table = _hf_table(source, names)
     sets = [("model", [(name, WEIGHT, v, rows) for name, v, rows in table])]
     if optimizer:
@@ -199,13 +213,13 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
         side += hf_folder.write_index(folder, prefix, total, {t[0]: name for name, group in files for t in group})
         jobs.extend(files)
     if names == "hf":
-        side += _hf_side_files(source, folder, tokenizer)
+        side += _hf_side_files(source, folder, tokenizer, num_heads)
     bufs = Buffers()  # thread-local: each worker reads into its own reusable buffers
     run_files(lambda i, tick: _write_hf_file(folder / jobs[i][0], jobs[i][1], lambda c: chunk_data(source, c, bufs),
                                              tick, stage_bytes(chunk_bytes)), len(jobs), workers, advance)
     writer.finish(None, None)  # not a checkpoint: no manifest, no metadata.json
-    return {"files": len(jobs) + side, "names": names,
-            **({"architecture": mapping.ARCHITECTURE} if names == "hf" else {})}
+    arch = mapping.ARCHITECTURE if source.manifest is not None else mapping.BIGCODE
+    return {"files": len(jobs) + side, "names": names, **({"architecture": arch} if names == "hf" else {})}
 
 
 # -- fully_reshardable --------------------------------------------------------------------------------
@@ -270,24 +284,25 @@ def export_torch(source: Source, dst: Path, max_memory: int) -> dict[str, Any]:
 def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: int = DEFAULT_MAX_MEMORY,
            workers: int | None = None, max_shard: int = DEFAULT_SHARD,
            progress: Callable[[int], Progress] | None = None, names: str | None = None,
-           tokenizer: Path | None = None) -> dict[str, Any]:
+           tokenizer: Path | None = None, num_heads: int | None = None) -> dict[str, Any]:
     """Export SRC to DST (a new folder; a new file for ``torch``) and return a summary.
 
     ``names`` (hf): ``hf`` (transformers' names, config.json: the default for this runtime's
-    checkpoints) or ``megatron`` (the checkpoint's own names: the default, and the only choice, for
-    a megatron-core checkpoint). ``tokenizer``: a ``tokenizers`` JSON file copied into the folder.
+    checkpoints, and for a megatron-core one given ``num_heads``, which its tensors do not record)
+    or ``megatron`` (the checkpoint's own names). ``tokenizer``: a ``tokenizers`` JSON file copied
+    into the folder.
     """
     if to not in TARGETS:
         raise FormatError(f"--to {to!r}: use one of {', '.join(TARGETS)}")
     if names is not None and names not in NAMES:
         raise FormatError(f"--names {names!r}: use one of {', '.join(NAMES)}")
-    if to != "hf" and (names is not None or tokenizer is not None):
-        raise FormatError(f"--names and --tokenizer shape a Hugging Face folder; drop them for --to {to}")
+    if to != "hf" and (names is not None or tokenizer is not None or num_heads is not None):
+        raise FormatError(f"--names, --tokenizer and --num-heads shape a Hugging Face folder; drop them for --to {to}")
     t0 = time.perf_counter()
     baseline = rss_after_imports("safetensors" if to == "hf" else None)
     weights_only = to == "torch" or (to == "hf" and not optimizer)
     source = open_source(src, megatron=True, weights_only=weights_only, views=to != "torch")
-    names = names or ("hf" if source.manifest is not None else "megatron")
+    names = names or ("hf" if source.manifest is not None or num_heads is not None else "megatron")
     if tokenizer is not None and names != "hf":
         raise FormatError("--tokenizer goes with --names hf (a folder transformers loads); drop one of them")
     opt_info = source.manifest.optimizer if source.manifest is not None else None
@@ -312,7 +327,7 @@ def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: i
         def body(writer: CheckpointWriter) -> None:
             if to == "hf":
                 holder.update(export_hf(source, writer, optimizer, max_shard, chunk_bytes, workers, advance, names,
-                                        tokenizer))
+                                        tokenizer, num_heads))
             else:
                 holder.update(export_fully_reshardable(source, writer, chunk_bytes, workers, advance))
 

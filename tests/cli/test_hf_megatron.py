@@ -1,16 +1,23 @@
-"""Weights-only exports of genuine megatron-core checkpoints, whatever their optimizer sharding.
+"""Weights-only exports of genuine megatron-core checkpoints, whatever their optimizer sharding, and
+the GPTBigCode export checked against megatron-core's own forward.
 
 ``--to hf`` (Megatron names) and ``--to torch`` read model keys only, so ``fully_reshardable``,
 ``dp_zero_gather_scatter`` and model-only checkpoints export as ``dp_reshardable`` ones do. Every
 exported tensor must equal ``ckpt show`` of the same key (the stacked ``decoder.layers.*`` key at
-the layer's index), and the torch file PyTorch's own ``dcp_to_torch_save``.
+the layer's index), and the torch file PyTorch's own ``dcp_to_torch_save``. With ``--num-heads``
+the export is a ``GPTBigCodeForCausalLM`` folder whose transformers logits must equal megatron-core
+0.19.2's forward on the same weights and tokens (the megatron venv, ``fixtures/megatron/_venv``;
+skipped cleanly without it).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from cli_helpers import assert_error_line, cli
@@ -19,7 +26,9 @@ from safetensors.torch import load_file
 from gtp_format.megatron import _module_params
 from gtp_format.reader.checkpoint import open_checkpoint
 
-MEGATRON = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
+REPO = Path(__file__).resolve().parents[2]
+MEGATRON = REPO / "fixtures" / "megatron"
+MEGATRON_PY = MEGATRON / "_venv" / "bin" / "python"
 SHARDINGS = ["tp2_dp2_dp_reshardable", "pp2_dp2_dp_reshardable", "dp2_fully_reshardable",
              "dp2_dp_zero_gather_scatter", "pair_tp2_dp2_dp_reshardable_fully_reshardable"]
 
@@ -90,9 +99,39 @@ def test_model_only_checkpoint_exports(tmp_path: Path) -> None:
     _assert_equals_show(src, load_file(tmp_path / "hf" / "model.safetensors"))
 
 
-def test_megatron_names_only_and_no_optimizer_without_its_keys(tmp_path: Path) -> None:
+@pytest.mark.slow
+@pytest.mark.skipif(not MEGATRON_PY.exists(), reason="needs the megatron venv (fixtures/megatron/setup_venv.sh)")
+@pytest.mark.parametrize("name", ["tp2_dp2_dp_reshardable", "dp2_fully_reshardable", "pp2_dp2_dp_reshardable"])
+def test_gpt_bigcode_export_matches_megatron_cores_forward(name: str, tmp_path: Path) -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    transformers = pytest.importorskip("transformers")
+    src, hf, raw = MEGATRON / name, tmp_path / "hf", tmp_path / "raw"
+    r = cli("export", src, hf, "--to", "hf", "--num-heads", "4", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["architecture"] == "GPTBigCodeForCausalLM"
+    assert cli("export", src, raw, "--to", "hf", "--names", "megatron").exit_code == 0
+    np.savez(tmp_path / "w.npz", **{k: v.float().numpy() for k, v in load_file(raw / "model.safetensors").items()})
+    tokens = np.random.default_rng(3).integers(0, 128, (2, 32)).astype(np.int64)
+    np.save(tmp_path / "tokens.npy", tokens)
+    out = subprocess.run([str(MEGATRON_PY), str(REPO / "tests" / "helpers" / "megatron_logits.py"),
+                          str(tmp_path / "w.npz"), str(tmp_path / "tokens.npy"), str(tmp_path / "meg.npy"), "4"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    want = torch.from_numpy(np.load(tmp_path / "meg.npy"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    assert type(model).__name__ == "GPTBigCodeForCausalLM" and model.config.tie_word_embeddings
+    with torch.no_grad():
+        got = model(torch.from_numpy(tokens)).logits
+    assert got.shape == want.shape == (2, 32, 128)
+    err = (got - want).abs().max().item()
+    assert err <= 1e-5 and want.abs().max().item() > 0.05, err
+
+
+def test_megatron_hf_names_need_the_head_count_and_optimizer_its_keys(tmp_path: Path) -> None:
     r = cli("export", MEGATRON / "dp2_fully_reshardable", tmp_path / "x", "--to", "hf", "--names", "hf")
-    assert_error_line(r, 2, "no verified transformers mapping", "--names megatron")
+    assert_error_line(r, 2, "pass --num-heads", "does not record it")
+    r = cli("export", MEGATRON / "dp2_fully_reshardable", tmp_path / "x", "--to", "hf", "--num-heads", "5")
+    assert_error_line(r, 2, "a divisor of hidden 32")
     r = cli("export", MEGATRON / "dp2_fully_reshardable", tmp_path / "x", "--to", "hf", "--optimizer")
     assert_error_line(r, 2, "no dp_reshardable optimizer keys")
     assert not list(tmp_path.iterdir())
