@@ -188,6 +188,15 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def print_written(fmt: OutputFormat, doc: dict[str, Any], line: str) -> None:
+    """The summary of a command that wrote DST (reshard, export, import): the JSON document, or ``line``
+    followed by the memory the run took against its budget (``peak_rss_bytes``, ``max_memory``)."""
+    if fmt == OutputFormat.json:
+        print_json({"ok": True, **doc})
+    else:
+        typer.echo(f"{line}; peak memory {fmt_bytes(doc['peak_rss_bytes'])} (budget {fmt_bytes(doc['max_memory'])})")
+
+
 def progress_enabled(fmt: OutputFormat) -> bool:
     return fmt == OutputFormat.table and sys.stdout.isatty()
 

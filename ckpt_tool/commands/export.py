@@ -14,7 +14,7 @@ from ckpt_tool.output import (
     OutputFormat,
     fmt_bytes,
     handle_errors,
-    print_json,
+    print_written,
     progress_opener,
     size_option,
 )
@@ -83,14 +83,9 @@ def export_command(
     with contextlib.ExitStack() as stack:
         bar = progress_opener(stack, f"exporting to {to}", fmt)
         info = export(src, dst, to, optimizer, max_memory, workers, max_shard_size, bar, names, tokenizer, num_heads)
-    if fmt == OutputFormat.json:
-        print_json({"ok": True, **info})
-    else:
-        what = f"{info['params']} params" if to != "torch" else f"{info['keys']} keys"
-        typer.echo(f"wrote {info['dst']} ({to}{', ' + info['names'] + ' names' if 'names' in info else ''}): "
-                   f"{what}, {info['files']} files, "
-                   f"{fmt_bytes(info['bytes_written'])} in {info['seconds']:.1f} s; peak memory "
-                   f"{fmt_bytes(info['peak_rss_bytes'])} (budget {fmt_bytes(info['max_memory'])})")
+    what = f"{info['params']} params" if to != "torch" else f"{info['keys']} keys"
+    print_written(fmt, info, f"wrote {info['dst']} ({to}{', ' + info['names'] + ' names' if 'names' in info else ''}"
+                  f"): {what}, {info['files']} files, {fmt_bytes(info['bytes_written'])} in {info['seconds']:.1f} s")
 
 
 def register(app: typer.Typer) -> None:

@@ -14,7 +14,7 @@ from ckpt_tool.output import (
     OutputFormat,
     fmt_bytes,
     handle_errors,
-    print_json,
+    print_written,
     progress_opener,
 )
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
@@ -72,12 +72,9 @@ def import_command(
     with contextlib.ExitStack() as stack:
         bar = progress_opener(stack, "importing", fmt)
         info = import_hf(src, dst, par, layout, bucket_size, seq_length, max_memory, workers, bar)
-    if fmt == OutputFormat.json:
-        print_json({"ok": True, **info})
-    else:
-        typer.echo(f"wrote {info['dst']} ({info['topology']}, {info['layout']}): {info['params']} params, "
-                   f"{info['files']} files, {fmt_bytes(info['bytes_written'])} in {info['seconds']:.1f} s; peak "
-                   f"memory {fmt_bytes(info['peak_rss_bytes'])} (budget {fmt_bytes(info['max_memory'])})")
+    print_written(fmt, info, f"imported {info['src']} ({info['architecture']}) as {info['dst']} ({info['topology']}, "
+                  f"{info['layout']}): {info['params']} params, {info['files']} files, "
+                  f"{fmt_bytes(info['bytes_written'])} in {info['seconds']:.1f} s")
 
 
 def register(app: typer.Typer) -> None:

@@ -14,7 +14,7 @@ from ckpt_tool.output import (
     OutputFormat,
     fmt_bytes,
     handle_errors,
-    print_json,
+    print_written,
     progress_opener,
 )
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
@@ -65,12 +65,9 @@ def reshard_command(
     with contextlib.ExitStack() as stack:
         bar = progress_opener(stack, "resharding", fmt)
         result = reshard(src, dst, par, layout, max_memory, workers, bar)
-    if fmt == OutputFormat.json:
-        print_json({"ok": True, **result.to_json()})
-    else:
-        typer.echo(f"wrote {result.dst} ({result.target_topology}, {result.layout}): {result.files} files, "
-                   f"{fmt_bytes(result.bytes_written)} from {result.source_topology} in {result.seconds:.1f} s; "
-                   f"peak memory {fmt_bytes(result.peak_rss_bytes)} (budget {fmt_bytes(result.max_memory)})")
+    print_written(fmt, result.to_json(), f"wrote {result.dst} ({result.target_topology}, {result.layout}): "
+                  f"{result.files} files, {fmt_bytes(result.bytes_written)} from {result.source_topology} in "
+                  f"{result.seconds:.1f} s")
 
 
 def register(app: typer.Typer) -> None:
