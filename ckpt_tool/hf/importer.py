@@ -80,6 +80,18 @@ def open_hf(src: Path, seq_length: int | None = None) -> HFModel:
     """Read and check an HF folder (headers only): config, names, shapes, one float dtype."""
     cfg, tensors = read_folder(src)
     model = mapping.model_config(cfg, str(src / "config.json"), seq_length)
+    # Sizes the config claims are checked against what the files hold before any table is built from
+    # them: the table has a part per layer and a row range per head, so a claimed 10^9 layers must not
+    # cost memory the folder does not back.
+    per_layer = sum(1 for _ in mapping.LAYER)
+    if len(tensors) != len(mapping.HEAD) + len(mapping.TAIL) + per_layer * model.num_layers:
+        raise FormatError(f"{src}: config.json says {model.num_layers} layers, i.e. "
+                          f"{len(mapping.HEAD) + len(mapping.TAIL) + per_layer * model.num_layers} tensors, but the "
+                          f"folder holds {len(tensors)}; the weights do not belong to this config")
+    embed = tensors.get(mapping.HEAD[0][1])
+    if embed is None or embed.shape != (model.vocab_size, model.hidden):
+        raise FormatError(f"{src}: tensor {mapping.HEAD[0][1]!r} is {list(embed.shape) if embed else 'missing'}, "
+                          f"config.json implies {[model.vocab_size, model.hidden]}; the weights do not belong to it")
     table = mapping.parts(model, str(src))
     want = {p.hf: p for p in table}
     unknown, missing = sorted(set(tensors) - set(want)), sorted(set(want) - set(tensors))

@@ -125,8 +125,11 @@ def _edit_config(folder: Path, **change: object) -> None:
     ("tied", ["tie_word_embeddings is True"]),
     ("gqa", ["num_key_value_heads is 2"]),
     ("rope", ["rope_theta is 500000.0"]),
-    ("missing", ["lacks tensor 'lm_head.weight'"]),
-    ("extra", ["has tensor 'model.extra.weight'"]),
+    ("missing", ["19 tensors", "holds 18"]),
+    ("extra", ["19 tensors", "holds 20"]),
+    ("renamed", ["has tensor 'lm_head.weights'"]),
+    ("layers", ["says 1000000000 layers"]),
+    ("vocab", ["'model.embed_tokens.weight' is [96, 32]", "[97, 32]"]),
     ("shape", ["'model.norm.weight' is [31]", "[32]"]),
     ("f16", ["float16", "float32 or bfloat16"]),
     ("index_path", ["'../outside.safetensors'", "plain file name"]),
@@ -137,15 +140,18 @@ def _edit_config(folder: Path, **change: object) -> None:
 def test_import_refusals(case: str, needles: list[str], tmp_path: Path) -> None:
     src = hf_model(tmp_path / "hf", torch.float16 if case == "f16" else torch.float32)
     st = src / "model.safetensors"
-    if case in ("silu", "llama", "tied", "gqa", "rope"):
+    if case in ("silu", "llama", "tied", "gqa", "rope", "layers", "vocab"):
         change = {"silu": {"hidden_act": "silu"}, "llama": {"model_type": "llama"},
                   "tied": {"tie_word_embeddings": True}, "gqa": {"num_key_value_heads": 2},
-                  "rope": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}}[case]
+                  "rope": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+                  "layers": {"num_hidden_layers": 10**9}, "vocab": {"vocab_size": 97}}[case]
         _edit_config(src, **change)
-    elif case in ("missing", "extra", "shape"):
+    elif case in ("missing", "extra", "shape", "renamed"):
         t = load_file(st)
         if case == "missing":
             del t["lm_head.weight"]
+        elif case == "renamed":
+            t["lm_head.weights"] = t.pop("lm_head.weight")
         elif case == "extra":
             t["model.extra.weight"] = torch.zeros(2)
         else:
