@@ -27,6 +27,7 @@ MODEL_TYPE = "arcee"
 ACTIVATION = "gelu"  # transformers' ACT2FN["gelu"] is torch's exact (erf) GELU, as F.gelu in the runtime
 ROPE_THETA = 10000.0  # gtp_runtime.layers.rope's base; the runtime has no flag for another
 PARAM_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16"}
+RUNTIME_EPS = ModelConfig().norm_eps  # the launcher's (it has no --norm-eps flag)
 QKV = "self_attention.linear_qkv.weight"
 
 # (runtime suffix, HF suffix, which third of each head's fused rows or None) of one layer, in HF order.
@@ -155,9 +156,12 @@ def model_config(cfg: dict[str, Any], where: str, seq_length: int | None = None)
         if have != want or isinstance(have, bool) != isinstance(want, bool):
             raise FormatError(f"{where}: config.json {name} is {have!r}; the runtime's GPT computes {want!r} "
                               "(no flag changes it), so this model cannot be imported")
-    eps = cfg.get("rms_norm_eps", 1e-5)
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
-        raise FormatError(f"{where}: config.json rms_norm_eps is {eps!r}, expected a number in (0, 1)")
+    eps = cfg.get("rms_norm_eps", RUNTIME_EPS)
+    if eps != RUNTIME_EPS or isinstance(eps, bool):
+        # ModelConfig takes any eps, but `python -m gtp_runtime.train` has no flag for it, and --load
+        # refuses a checkpoint whose model config differs from the run's.
+        raise FormatError(f"{where}: config.json rms_norm_eps is {eps!r}; python -m gtp_runtime.train runs "
+                          f"norm_eps {RUNTIME_EPS} (no flag changes it), so the imported model could not be resumed")
     seq = seq_length or _field(cfg, "max_position_embeddings", where)
     return ModelConfig(vocab_size=_field(cfg, "vocab_size", where), hidden=hidden,
                        num_layers=_field(cfg, "num_hidden_layers", where), num_heads=heads,

@@ -124,6 +124,7 @@ def _edit_config(folder: Path, **change: object) -> None:
     ("llama", ["model_type 'llama'", "ArceeForCausalLM"]),
     ("tied", ["tie_word_embeddings is True"]),
     ("gqa", ["num_key_value_heads is 2"]),
+    ("eps", ["rms_norm_eps is 1e-06", "no flag"]),
     ("rope", ["rope_theta is 500000.0"]),
     ("missing", ["19 tensors", "holds 18"]),
     ("extra", ["19 tensors", "holds 20"]),
@@ -140,11 +141,12 @@ def _edit_config(folder: Path, **change: object) -> None:
 def test_import_refusals(case: str, needles: list[str], tmp_path: Path) -> None:
     src = hf_model(tmp_path / "hf", torch.float16 if case == "f16" else torch.float32)
     st = src / "model.safetensors"
-    if case in ("silu", "llama", "tied", "gqa", "rope", "layers", "vocab"):
+    if case in ("silu", "llama", "tied", "gqa", "rope", "layers", "vocab", "eps"):
         change = {"silu": {"hidden_act": "silu"}, "llama": {"model_type": "llama"},
                   "tied": {"tie_word_embeddings": True}, "gqa": {"num_key_value_heads": 2},
                   "rope": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
-                  "layers": {"num_hidden_layers": 10**9}, "vocab": {"vocab_size": 97}}[case]
+                  "layers": {"num_hidden_layers": 10**9}, "vocab": {"vocab_size": 97},
+                  "eps": {"rms_norm_eps": 1e-6}}[case]
         _edit_config(src, **change)
     elif case in ("missing", "extra", "shape", "renamed"):
         t = load_file(st)
