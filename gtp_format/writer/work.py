@@ -4,8 +4,8 @@ Every writer builds its output in a hidden sibling of where it will appear (``.{
 and renames it into place. A process killed with SIGKILL cannot remove its work folder: the
 fault-injection campaign found 581 MB of them after 46 killed saves, and up to 61 MB beside a CLI
 destination. So the owner is written into the work folder's *name*, at the ``mkdir`` that creates it:
-``w{host}{boot}-{pid}-{start}-{nonce}`` (a hash of the host name, the kernel's boot id, the process
-id and its start time in clock ticks). A name, not a file inside the folder, because ``mkdir`` is
+``w{host}{boot}-{pid}-{start}-{nonce}`` (a hash of the host name and pid namespace, the kernel's
+boot id, the process id and its start time in clock ticks). A name, not a file inside the folder, because ``mkdir`` is
 atomic (no moment where a folder exists without its owner) and the committed checkpoint must keep
 exactly the files the format defines.
 
@@ -51,7 +51,13 @@ def _boot_id() -> str:
 
 
 def _host_id() -> str:
-    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    """The host name and the pid namespace: containers share the kernel (and its boot id) but not
+    their pids, so a pid is only compared with processes of the namespace that recorded it."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return hashlib.sha256(f"{socket.gethostname()}\0{ns}".encode()).hexdigest()[:8]
 
 
 def start_ticks(pid: int) -> int | None:

@@ -198,3 +198,12 @@ def test_full_disk_during_migrate_names_the_destination_file(tmp_path: Path) -> 
     assert len(lines) == 1 and "File too large" in lines[0], lines
     assert str(out) in lines[0] and str(src) not in lines[0], lines[0]
     assert os.listdir(out) == []
+
+
+def test_reshard_and_export_never_import_the_runtime() -> None:
+    """They write through the format package's writer; the runtime is for training."""
+    probe = ("import sys, ckpt_tool.reshard.engine, ckpt_tool.reshard.export, ckpt_tool.commands.reshard, "
+             "ckpt_tool.commands.export; print(sorted(m for m in sys.modules if m.startswith('gtp_runtime')))")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])
