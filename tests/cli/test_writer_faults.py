@@ -207,3 +207,24 @@ def test_reshard_and_export_never_import_the_runtime() -> None:
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])
+
+
+@pytest.mark.slow
+def test_sigterm_during_verify_roundtrip_removes_its_temporary_folder(tmp_path: Path) -> None:
+    """verify-roundtrip saves into a temporary folder of its own; SIGTERM removes it as an error does."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(scratch)}
+    p = subprocess.Popen([sys.executable, "-m", "ckpt_tool.cli", "verify-roundtrip", "--cp", "2", "--gtp-remat", "1",
+                          "--dp", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 240
+    while not list(scratch.glob("ckpt-roundtrip-*/checkpoints")):  # the ranks run and save
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    rc = p.wait(timeout=120)
+    err = (p.stderr.read() if p.stderr else "").strip().splitlines()
+    assert rc == 143 and len(err) == 1 and "terminated (SIGTERM)" in err[0], (rc, err)
+    time.sleep(1)  # a rank that outlived the launcher would write here now
+    assert not [n for n in os.listdir(scratch) if n.startswith("ckpt-roundtrip-")], os.listdir(scratch)
