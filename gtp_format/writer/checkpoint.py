@@ -54,7 +54,7 @@ from gtp_format.commit import (
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
 from gtp_format.hashing import file_digests
 from gtp_format.manifest import HASH_ALGORITHM, FileEntry, Manifest, write_manifest
-from gtp_format.names import ITER_DIR_RE, LATEST_FILE, MEGATRON_METADATA_FILE
+from gtp_format.names import ITER_DIR_RE, LATEST_FILE, LATEST_RE, MEGATRON_METADATA_FILE
 from gtp_format.writer.work import clean_stale, leftovers, remove_entry, sigterm_raises, work_name
 
 # Megatron's metadata.json: the torch_dist backend (its fields and values, as megatron-core writes
@@ -115,6 +115,14 @@ def recoverable_targets(parent: Path) -> frozenset[str]:
                      if ITER_DIR_RE.match(w.target) and not os.path.lexists(parent / w.target))
 
 
+def check_latest(text: str, target: Path) -> None:
+    """Refuse (before anything is written) a latest marker the reader would refuse: an iteration of
+    more than 12 digits (a manifest may declare up to 2**62), or anything else but ``release``."""
+    if text != "release" and not LATEST_RE.fullmatch(text):
+        raise FormatError(f"{target}: iteration {text[:40]!r} cannot be named by {LATEST_FILE} (at most 12 "
+                          "digits); nothing was written; fix the source's iteration")
+
+
 class DestinationTaken(FormatError):
     """The target appeared while the output was being built: nothing was replaced or deleted."""
 
@@ -138,6 +146,8 @@ class CheckpointWriter:
                  replace: bool = False, backup: Path | None = None, tag: str = "tmp",
                  fault: Fault | None = None) -> None:
         self.target = Path(target)
+        if latest is not None:
+            check_latest(latest, self.target)
         self.inner, self.latest, self.replace, self.backup = inner, latest, replace, backup
         self.tag, self.fault = tag, fault
         self.files: dict[str, FileEntry] = {}
@@ -236,6 +246,7 @@ class CheckpointWriter:
     def set_latest(self, iteration: int | str) -> None:
         """Point the run directory's latest marker at the committed iteration (atomically, durably)."""
         assert self.committed, "the latest marker moves only after the commit"
+        check_latest(str(iteration), self.target)
         write_atomic(self.target.parent / LATEST_FILE, f"{iteration}\n")
 
     def abort(self) -> None:

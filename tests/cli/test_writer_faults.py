@@ -83,6 +83,41 @@ def test_a_dst_created_mid_run_is_refused_and_left_alone(tmp_path: Path, command
     assert (dst / "theirs").read_text() == "keep"
 
 
+def test_export_torch_never_replaces_a_file_that_appeared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from ckpt_tool.reshard.export import export
+
+    out = tmp_path / "out"
+    out.mkdir()
+    dst, real = out / "state.pt", torch.save
+
+    def save(obj: object, f: object) -> None:  # another process writes DST while the state is saved
+        dst.write_text("theirs")
+        real(obj, f)
+
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(FormatError, match="appeared while"):
+        export(FOLD, dst, "torch")
+    assert os.listdir(out) == ["state.pt"] and dst.read_text() == "theirs"
+
+
+@pytest.mark.parametrize("command", [("reshard", "--dp", "1"), ("export", "--to", "fully_reshardable")])
+def test_an_iteration_no_latest_marker_can_name_is_refused_before_writing(tmp_path: Path,
+                                                                          command: tuple[str, ...]) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(FOLD, src)
+    (src / LATEST_FILE).unlink()
+    manifest = src / ITER / "gtp_manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["iteration"] = 2**62  # the manifest allows it; a latest marker holds at most 12 digits
+    manifest.write_text(json.dumps(doc))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert_error_line(cli(command[0], src / ITER, out / "dst", *command[1:]), 2, "cannot be named by", LATEST_FILE)
+    assert os.listdir(out) == []
+
+
 def test_two_reshards_to_one_dst_exactly_one_wins(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
