@@ -54,8 +54,8 @@ from gtp_format.commit import (
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
 from gtp_format.hashing import file_digests
 from gtp_format.manifest import HASH_ALGORITHM, FileEntry, Manifest, write_manifest
-from gtp_format.names import ITER_DIR_RE, LATEST_FILE, LATEST_RE, MEGATRON_METADATA_FILE
-from gtp_format.writer.work import clean_stale, leftovers, remove_entry, sigterm_raises, work_name
+from gtp_format.names import LATEST_FILE, LATEST_RE, MEGATRON_METADATA_FILE, iter_dir_name
+from gtp_format.writer.work import WorkFolder, clean_stale, remove_entry, sigterm_raises, work_name
 
 # Megatron's metadata.json: the torch_dist backend (its fields and values, as megatron-core writes
 # them), and this project's safetensors layout.
@@ -107,12 +107,24 @@ def link_or_copy(src: Path, dst: Path) -> bool:
     return False
 
 
-def recoverable_targets(parent: Path) -> frozenset[str]:
-    """Iteration folders missing in ``parent`` that a hidden copy may still stand for: a crash between
-    the two renames of a portable replace leaves ``iter_N`` missing and its complete copies hidden
-    (the reader recovers them), so their stale copies are not cleaned."""
-    return frozenset(w.target for w in leftovers(parent)
-                     if ITER_DIR_RE.match(w.target) and not os.path.lexists(parent / w.target))
+def needed_for_recovery(parent: Path) -> Callable[[WorkFolder], bool]:
+    """Which stale copies in ``parent`` the reader may still need: the finished copies of the iteration
+    the latest marker names, while that folder is missing (a crash between the two renames of a
+    portable replace leaves it so). Everything else a dead writer left is removed."""
+    named = None
+    try:
+        with open(parent / LATEST_FILE, "rb") as f:
+            text = f.read(64).decode("ascii", errors="replace").strip()
+        if LATEST_RE.fullmatch(text):
+            named = iter_dir_name(int(text))
+    except OSError:
+        pass
+
+    def keep(w: WorkFolder) -> bool:
+        return (named is not None and w.target == named and not os.path.lexists(parent / named)
+                and os.path.isfile(w.path / MEGATRON_METADATA_FILE))
+
+    return keep
 
 
 def check_latest(text: str, target: Path) -> None:
@@ -168,7 +180,7 @@ class CheckpointWriter:
         """Create the hidden work folder (``clean``: first remove dead writers' stale ones); return it."""
         parent = self.target.parent
         if clean:
-            clean_stale(parent, keep=recoverable_targets(parent))
+            clean_stale(parent, keep=needed_for_recovery(parent))
         self._signals = sigterm_raises()
         self._signals.__enter__()
         try:

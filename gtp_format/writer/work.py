@@ -27,7 +27,7 @@ import signal
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,17 +152,17 @@ def remove_entry(path: Path) -> None:
             path.unlink()
 
 
-def clean_stale(parent: Path, keep: frozenset[str] = frozenset()) -> list[Path]:
+def clean_stale(parent: Path, keep: Callable[[WorkFolder], bool] | None = None) -> list[Path]:
     """Remove the stale work entries of dead owners in ``parent``; return what was removed.
 
     Only entries whose name records an owner of this host that is dead are removed; a live
-    owner's, another host's, and one without a recorded owner stay. ``keep``: target names whose
-    stale copies must stay (the reader may still recover a checkpoint from them, see
+    owner's, another host's, and one without a recorded owner stay. ``keep``: stale copies that
+    must stay (the reader may still recover a checkpoint from them, see
     :func:`gtp_format.reader.locate.recover_hidden`).
     """
     removed = []
     for w in leftovers(parent):
-        if w.stale and w.target not in keep:
+        if w.stale and not (keep is not None and keep(w)):
             remove_entry(w.path)
             removed.append(w.path)
     return removed
