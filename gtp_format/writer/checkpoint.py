@@ -1,13 +1,15 @@
 """The one checkpoint writer: every writer of a checkpoint (or an export) lays its output out and commits it here.
 
-Before, the runtime's save, ``reshard``, ``export`` and ``migrate-aliased`` each wrote the file
+Why one: before, the runtime's save, ``reshard``, ``export`` and ``migrate-aliased`` each wrote the file
 names, ``metadata.json``, the manifest's file section, the fsyncs, the commit and the latest marker
 by hand; one copy checked DST once and then committed with a rename that moved aside and deleted a
 DST that appeared meanwhile. Now they all call :class:`CheckpointWriter`:
 
 * ``begin()``: removes stale work folders of dead processes beside the target
-  (:mod:`.work`), creates this writer's hidden work folder (its owner is in its name), and, in the
-  main thread, makes SIGTERM raise, so a terminated writer removes its work as on an error;
+  (:mod:`.work`; only finished copies of the iteration the latest marker names stay while that
+  folder is missing, for the reader to recover), creates this writer's hidden work folder (its
+  owner is in its name), and, in the main thread, makes SIGTERM raise, so a terminated writer
+  removes its work as on an error;
 * the caller writes its data files into ``folder`` (names from :func:`data_file_name`), each one
   fsynced by whoever wrote it, and hands their entries in: ``add_files(entries)`` (size and
   CRC-32C, e.g. gathered from all ranks) or ``add_file(name)`` (computed here, for rank 0's own
@@ -24,9 +26,10 @@ DST that appeared meanwhile. Now they all call :class:`CheckpointWriter`:
 * ``abort()``: removes the work folder (never anything else); leaving the ``with`` block without a
   commit does it.
 
-A runtime save (many ranks): rank 0 calls ``begin()`` and broadcasts ``work`` (every rank writes
-its own ``__{rank}_{k}`` files there, DCP fsyncs them), the entries are all-gathered, and rank 0
-calls ``add_files``, ``add_file(".metadata")``, ``finish``, ``commit``, ``set_latest``. A background
+A runtime save (many ranks): rank 0 calls ``begin()`` and broadcasts ``work``; the other ranks
+``adopt(work)`` and every rank writes its own ``__{rank}_{k}`` files there (DCP fsyncs them); the
+entries are all-gathered, and rank 0 calls ``add_files``, ``add_file(".metadata")``, ``finish``,
+``commit``, ``set_latest`` (``abort`` on any error). A background
 (async) save is the same calls from the thread that does the writing, after the staging copy;
 ``set_latest`` only once every rank's files are durable.
 """
