@@ -66,7 +66,7 @@ from gtp_format.layout.params import model_params
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.params import ParamView
 from gtp_format.writer.checkpoint import CheckpointWriter, DestinationTaken, data_file_name, megatron_metadata
-from gtp_format.writer.work import sigterm_raises
+from gtp_format.writer.work import clean_stale, sigterm_raises
 
 TARGETS = ("hf", "fully_reshardable", "torch")
 DEFAULT_SHARD = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
@@ -264,6 +264,7 @@ def export_torch(source: Source, dst: Path, max_memory: int) -> dict[str, Any]:
         assert e.shape is not None and e.dtype is not None
         arr = source.reader.read_box(key, (0,) * len(e.shape), e.shape)
         state[key] = torch.from_numpy(np.ascontiguousarray(arr)).view(e.dtype.torch)
+    clean_stale(dst.parent)  # what killed exports left beside DST
     tmp = hidden_sibling(dst, "tmp")
     try:
         with sigterm_raises():  # a terminated export removes its partial file, as on an error

@@ -83,6 +83,41 @@ def test_a_dst_created_mid_run_is_refused_and_left_alone(tmp_path: Path, command
     assert (dst / "theirs").read_text() == "keep"
 
 
+def test_export_torch_never_replaces_a_file_that_appeared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from ckpt_tool.reshard.export import export
+
+    out = tmp_path / "out"
+    out.mkdir()
+    dst, real = out / "state.pt", torch.save
+
+    def save(obj: object, f: object) -> None:  # another process writes DST while the state is saved
+        dst.write_text("theirs")
+        real(obj, f)
+
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(FormatError, match="appeared while"):
+        export(FOLD, dst, "torch")
+    assert os.listdir(out) == ["state.pt"] and dst.read_text() == "theirs"
+
+
+@pytest.mark.parametrize("command", [("reshard", "--dp", "1"), ("export", "--to", "fully_reshardable")])
+def test_an_iteration_no_latest_marker_can_name_is_refused_before_writing(tmp_path: Path,
+                                                                          command: tuple[str, ...]) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(FOLD, src)
+    (src / LATEST_FILE).unlink()
+    manifest = src / ITER / "gtp_manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["iteration"] = 2**62  # the manifest allows it; a latest marker holds at most 12 digits
+    manifest.write_text(json.dumps(doc))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert_error_line(cli(command[0], src / ITER, out / "dst", *command[1:]), 2, "cannot be named by", LATEST_FILE)
+    assert os.listdir(out) == []
+
+
 def test_two_reshards_to_one_dst_exactly_one_wins(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -198,3 +233,33 @@ def test_full_disk_during_migrate_names_the_destination_file(tmp_path: Path) -> 
     assert len(lines) == 1 and "File too large" in lines[0], lines
     assert str(out) in lines[0] and str(src) not in lines[0], lines[0]
     assert os.listdir(out) == []
+
+
+def test_reshard_and_export_never_import_the_runtime() -> None:
+    """They write through the format package's writer; the runtime is for training."""
+    probe = ("import sys, ckpt_tool.reshard.engine, ckpt_tool.reshard.export, ckpt_tool.commands.reshard, "
+             "ckpt_tool.commands.export; print(sorted(m for m in sys.modules if m.startswith('gtp_runtime')))")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])
+
+
+@pytest.mark.slow
+def test_sigterm_during_verify_roundtrip_removes_its_temporary_folder(tmp_path: Path) -> None:
+    """verify-roundtrip saves into a temporary folder of its own; SIGTERM removes it as an error does."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(scratch)}
+    p = subprocess.Popen([sys.executable, "-m", "ckpt_tool.cli", "verify-roundtrip", "--cp", "2", "--gtp-remat", "1",
+                          "--dp", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 240
+    while not list(scratch.glob("ckpt-roundtrip-*/checkpoints")):  # the ranks run and save
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    rc = p.wait(timeout=120)
+    err = (p.stderr.read() if p.stderr else "").strip().splitlines()
+    assert rc == 143 and len(err) == 1 and "terminated (SIGTERM)" in err[0], (rc, err)
+    time.sleep(1)  # a rank that outlived the launcher would write here now
+    assert not [n for n in os.listdir(scratch) if n.startswith("ckpt-roundtrip-")], os.listdir(scratch)

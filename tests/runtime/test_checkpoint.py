@@ -16,6 +16,7 @@ from dist_harness import run_ranks
 
 from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_format.names import LATEST_FILE, parse_optimizer_key
+from gtp_format.writer import work
 from gtp_runtime.checkpoint.io import CheckpointError, load_checkpoint, save_checkpoint
 from gtp_runtime.checkpoint.state import optimizer_state
 from gtp_runtime.training import TrainConfig, Trainer
@@ -290,7 +291,13 @@ def test_crash_while_replacing_the_latest_iteration_is_recovered(tmp_path: Path)
     v = subprocess.run([sys.executable, "-m", "ckpt_tool.cli", "verify", str(run), "--data"], capture_output=True,
                        text=True, timeout=300, env={**os.environ})
     assert v.returncode == 0, v.stdout[-2000:] + v.stderr[-2000:]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = run / f".tmp.iter_0000009.w{work._host_id()}{work._boot_id()}-{dead.pid}-1-abcdef"  # a killed save's
+    stale.mkdir()
     r = _train([*args, "--steps", "3", "--load", str(run), "--save", str(run)])
     assert r.returncode == 0, r.stderr[-2000:]
     assert "loaded" in r.stdout and "iteration 2" in r.stdout
     assert (run / LATEST_FILE).read_text().strip() == "3" and (run / "iter_0000003").is_dir()
+    # the next save removed the dead writer's leftover, and kept the copies iter_0000002 still needs
+    assert not stale.exists() and sorted(p for p in run.iterdir() if p.name.startswith(".")) == hidden
