@@ -95,9 +95,18 @@ def parts(model: ModelConfig, where: str = "model") -> list[Part]:
     return out
 
 
-def hf_config(model: ModelConfig, param_dtype: str, eos_token_id: int | None = None) -> dict[str, Any]:
+def config_dtype(param_dtype: str, where: str) -> str:
+    if param_dtype not in PARAM_DTYPES:
+        raise FormatError(f"{where}: parameters are {param_dtype or 'of several dtypes'}; the Hugging Face export "
+                          "writes float32 or bfloat16 models (one dtype); export raw tensors with --names megatron")
+    return PARAM_DTYPES[param_dtype]
+
+
+def hf_config(model: ModelConfig, param_dtype: str, eos_token_id: int | None = None,
+              where: str = "model") -> dict[str, Any]:
     """``config.json`` of ``ArceeForCausalLM`` for ``model`` (every field the forward reads, set explicitly)."""
-    refuse_unmatched(model, "model")
+    refuse_unmatched(model, where)
+    dtype = config_dtype(param_dtype, where)
     return {
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
         "vocab_size": model.vocab_size, "hidden_size": model.hidden, "intermediate_size": model.ffn_hidden,
@@ -106,7 +115,7 @@ def hf_config(model: ModelConfig, param_dtype: str, eos_token_id: int | None = N
         "hidden_act": ACTIVATION, "max_position_embeddings": model.seq_length, "rms_norm_eps": model.norm_eps,
         "rope_theta": ROPE_THETA, "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
         "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
-        "initializer_range": 0.02, "use_cache": True, "dtype": PARAM_DTYPES[param_dtype],
+        "initializer_range": 0.02, "use_cache": True, "dtype": dtype,
         "bos_token_id": eos_token_id, "eos_token_id": eos_token_id, "pad_token_id": None,
     }
 
@@ -226,6 +235,6 @@ def megatron_config(shapes: dict[str, tuple[int, ...]], dtype: str, num_heads: i
         "n_inner": shapes[needed[4]][0], "activation_function": ACTIVATION, "multi_query": False,
         "layer_norm_epsilon": MEGATRON_LN_EPS, "scale_attn_weights": True, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
         "attn_pdrop": 0.0, "tie_word_embeddings": "output_layer.weight" not in shapes, "use_cache": True,
-        "dtype": PARAM_DTYPES[dtype], "bos_token_id": eos_token_id, "eos_token_id": eos_token_id,
+        "dtype": config_dtype(dtype, where), "bos_token_id": eos_token_id, "eos_token_id": eos_token_id,
         "pad_token_id": None,
     }

@@ -168,7 +168,8 @@ def _hf_config(source: Source, num_heads: int | None, eos: int | None = None) ->
         if num_heads is not None:
             raise FormatError("--num-heads is for megatron-core checkpoints; this checkpoint's manifest records its "
                               "own; drop it")
-        return mapping.hf_config(source.manifest.model, source.manifest.param_dtype or "torch.float32", eos)
+        return mapping.hf_config(source.manifest.model, source.manifest.param_dtype or "torch.float32", eos,
+                                 str(source.root))
     views = source.views.values()
     dtypes = {v.param_dtype for v in views}
     return mapping.megatron_config({v.name: v.full_shape for v in views}, dtypes.pop() if len(dtypes) == 1 else "",
