@@ -76,9 +76,9 @@ def read_json(path: Path, what: str, fix: str) -> Any:
     return loads(read_capped(path, what, fix), str(path), fix)
 
 
-def tokenizer_eos(path: Path, vocab_size: int) -> tuple[bytes, int | None]:
-    """The bytes of a ``tokenizers`` JSON file named by ``--tokenizer`` and its end-of-text id, if any;
-    refused when it has ids the model cannot embed (a tokenizer of another run)."""
+def tokenizer_eos(path: Path, vocab_size: int) -> tuple[bytes, int | None, str | None]:
+    """The bytes of a ``tokenizers`` JSON file named by ``--tokenizer`` and its end-of-text token (id and
+    text), if any; refused when it has ids the model cannot embed (a tokenizer of another run)."""
     fix = "pass the PREFIX.tokenizer.json that `gtp_runtime.data prepare` wrote"
     raw = read_capped(path, "tokenizer.json", fix, follow=True)
     doc = loads(raw, str(path), fix)
@@ -91,12 +91,10 @@ def tokenizer_eos(path: Path, vocab_size: int) -> tuple[bytes, int | None]:
     if ids and max(ids) >= vocab_size:
         raise FormatError(f"{path}: has token id {max(ids)}, but the model embeds {vocab_size} tokens; pass the "
                           "tokenizer of the data this checkpoint was trained on")
-    eos = None
     for tok in doc.get("added_tokens") or []:
         if isinstance(tok, dict) and tok.get("content") in EOS_NAMES and isinstance(tok.get("id"), int):
-            eos = tok["id"]
-            break
-    return raw, eos
+            return raw, tok["id"], tok["content"]
+    return raw, None, None
 
 
 def tokenizer_config(eos: int | None, eos_text: str | None) -> dict[str, Any]:

@@ -181,10 +181,8 @@ def _hf_side_files(source: Source, folder: Path, tokenizer: Path | None, num_hea
     eos, files = None, 2
     config = _hf_config(source, num_heads)  # refuses before anything is written
     if tokenizer is not None:
-        raw, eos = hf_folder.tokenizer_eos(tokenizer, config["vocab_size"])
+        raw, eos, text = hf_folder.tokenizer_eos(tokenizer, config["vocab_size"])
         write_durable(folder / hf_folder.TOKENIZER, raw)
-        text = None if eos is None else next(t["content"] for t in json.loads(raw)["added_tokens"]
-                                             if isinstance(t, dict) and t.get("id") == eos)
         write_durable(folder / hf_folder.TOKENIZER_CONFIG, json.dumps(hf_folder.tokenizer_config(eos, text), indent=2))
         files += 2
     write_durable(folder / hf_folder.CONFIG, json.dumps(_hf_config(source, num_heads, eos), indent=2))
