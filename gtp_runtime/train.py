@@ -32,6 +32,7 @@ from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, i
 from gtp_runtime.data.indexed import DataError
 from gtp_runtime.data.source import DataConfig
 from gtp_runtime.launch import RankFailure, run_local_ranks
+from gtp_runtime.lifeline import Terminated
 from gtp_runtime.lr_schedule import LRConfig
 from gtp_runtime.muon import MuonConfig
 from gtp_runtime.optimizer import AdamConfig
@@ -279,6 +280,12 @@ def spawn(args: argparse.Namespace, world: int) -> int:
     except RankFailure as e:
         print(f"error: {e.line()}", file=sys.stderr, flush=True)
         return 2 if e.clean else 1
+    except KeyboardInterrupt as e:  # SIGINT, or SIGTERM (gtp_runtime.lifeline): every rank is stopped
+        term = isinstance(e, Terminated)
+        print(f"error: {'terminated (SIGTERM)' if term else 'interrupted'}: stopped every rank; an iteration "
+              "being saved was not committed" + (f", resume with --load {args.save}" if args.save else ""),
+              file=sys.stderr, flush=True)
+        return 143 if term else 130
     return max(codes)
 
 
