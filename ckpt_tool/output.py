@@ -13,7 +13,6 @@ import errno
 import functools
 import json
 import math
-import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -23,6 +22,7 @@ from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 import typer
 
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
+from gtp_format.text import safe_text
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -43,32 +43,6 @@ MaxBytesOption = Annotated[
     int, typer.Option("--max-bytes", min=1, help="Refuse to assemble a tensor region larger than this many bytes.")
 ]
 MaxMemoryOption = Annotated[int, typer.Option("--max-memory", min=1 << 24, help="Bytes of tensor data in flight.")]
-
-
-# What a terminal would act on rather than print: C0/C1 controls and DEL (escape sequences can
-# retitle the window, move the cursor, erase a line and print a fake "all checks OK"), the bidi and
-# zero-width format characters (text that reads differently than it is stored), lone surrogates
-# (not encodable: printing them raised UnicodeEncodeError) and the tag characters.
-_UNSAFE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\xad\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f"
-                     "\ufeff\ufff9-\ufffb\ud800-\udfff\U000e0000-\U000e007f]")
-_UNSAFE_OR_NEWLINE = re.compile(_UNSAFE.pattern[:-1] + "\n]")
-
-
-def _escape_char(m: re.Match[str]) -> str:
-    c = m.group()
-    n = ord(c)
-    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
-
-
-def safe_text(text: Any, keep_newlines: bool = False) -> str:
-    """``text`` with every control, bidi or unencodable character written as a visible escape (``\\x1b``).
-
-    Idempotent (an escape is plain ASCII), and a no-op on ordinary text, so tables and error lines
-    can pass through it more than once. JSON output needs none of this: ``json.dumps`` escapes
-    them itself, so the document stays exact.
-    """
-    s = text if isinstance(text, str) else str(text)
-    return (_UNSAFE if keep_newlines else _UNSAFE_OR_NEWLINE).sub(_escape_char, s)
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
@@ -126,6 +100,11 @@ def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], title: str | No
     body = tabulate(rows, headers=[safe_text(h) for h in headers], tablefmt="simple", disable_numparse=True) \
         if rows else "(none)"
     return f"{safe_text(title)}\n{body}" if title else body
+
+
+def print_line(text: str) -> None:
+    """Print one summary line for people, every field escaped (a DST name may carry ESC or bidi)."""
+    typer.echo(safe_text(text))
 
 
 def print_blocks(*blocks: str) -> None:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
+from gtp_format.text import safe_text
 from gtp_runtime.data.indexed import DataError
 from gtp_runtime.data.source import DataConfig
 from gtp_runtime.launch import RankFailure, run_local_ranks
@@ -184,7 +185,7 @@ def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
     code = 0
     if args.load:
         folder = load_checkpoint(trainer, args.load, args.optimizer_sharding)
-        say(f"loaded {folder} at iteration {trainer.iteration}", flush=True)
+        say(f"loaded {safe_text(folder)} at iteration {trainer.iteration}", flush=True)
     elif args.save or args.optimizer_sharding != "dp_reshardable":
         check_sharding(trainer, args.optimizer_sharding, "save")
     if args.check_reference:
@@ -211,7 +212,7 @@ def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
             last = trainer.iteration == args.steps
             if args.save and (last or (args.save_interval and trainer.iteration % args.save_interval == 0)):
                 folder = save_checkpoint(trainer, args.save, args.ckpt_layout, args.optimizer_sharding)
-                say(f"saved {folder}", flush=True)
+                say(f"saved {safe_text(folder)}", flush=True)
     if args.log_json:
         # Per-rank peak RSS (KiB on Linux), gathered so rank 0 can log every rank's.
         rss: list[Any] = [None] * dist.get_world_size()
@@ -278,12 +279,12 @@ def spawn(args: argparse.Namespace, world: int) -> int:
                                 deadline=None, backend="nccl" if use_cuda else "gloo", stdout="inherit",
                                 preload=PRELOAD)
     except RankFailure as e:
-        print(f"error: {e.line()}", file=sys.stderr, flush=True)
+        print(f"error: {safe_text(e.line())}", file=sys.stderr, flush=True)
         return 2 if e.clean else 1
     except KeyboardInterrupt as e:  # SIGINT, or SIGTERM (gtp_runtime.lifeline): every rank is stopped
         term = isinstance(e, Terminated)
         print(f"error: {'terminated (SIGTERM)' if term else 'interrupted'}: stopped every rank; an iteration "
-              "being saved was not committed" + (f", resume with --load {args.save}" if args.save else ""),
+              "being saved was not committed" + (f", resume with --load {safe_text(args.save)}" if args.save else ""),
               file=sys.stderr, flush=True)
         return 143 if term else 130
     return max(codes)

@@ -15,6 +15,7 @@ from ckpt_tool.output import (
     fmt_bytes,
     handle_errors,
     print_json,
+    print_line,
     progress_opener,
 )
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
@@ -62,7 +63,7 @@ def export_command(
     if fmt == OutputFormat.json:
         print_json({"ok": True, **info})
     else:
-        typer.echo(f"wrote {info['dst']} ({to}): {info['params']} params, {info['files']} files, "
+        print_line(f"wrote {info['dst']} ({to}): {info['params']} params, {info['files']} files, "
                    f"{fmt_bytes(info['bytes_written'])} in {info['seconds']:.1f} s; peak memory "
                    f"{fmt_bytes(info['peak_rss_bytes'])} (budget {fmt_bytes(info['max_memory'])})")
 

@@ -15,6 +15,7 @@ from ckpt_tool.output import (
     fmt_bytes,
     handle_errors,
     print_json,
+    print_line,
     progress_opener,
 )
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
@@ -68,7 +69,7 @@ def reshard_command(
     if fmt == OutputFormat.json:
         print_json({"ok": True, **result.to_json()})
     else:
-        typer.echo(f"wrote {result.dst} ({result.target_topology}, {result.layout}): {result.files} files, "
+        print_line(f"wrote {result.dst} ({result.target_topology}, {result.layout}): {result.files} files, "
                    f"{fmt_bytes(result.bytes_written)} from {result.source_topology} in {result.seconds:.1f} s; "
                    f"peak memory {fmt_bytes(result.peak_rss_bytes)} (budget {fmt_bytes(result.max_memory)})")
 
