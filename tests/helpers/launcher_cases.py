@@ -160,6 +160,12 @@ CLI_ERRORS = {
     "decay-inside-warmup": (["--lr-decay-style", "linear", "--lr-warmup-iters", "5", "--lr-decay-iters", "5"],
                             ["--lr-decay-iters 5 must exceed --lr-warmup-iters 5"]),
     "eval-without-valid": (["--eval-interval", "2", "--split", "1,0"], ["needs a valid split"]),
+    # Choices that used to fail only after the ranks started, or to write somewhere unexpected.
+    "fully-reshardable-folded": (["--nproc-per-node", "2", "--cp", "2", "--fold-cp", "--optimizer-sharding",
+                                  "fully_reshardable"], ["'fully_reshardable'", "CP-folded", "use 'dp_reshardable'"]),
+    "global-batch-not-the-product": (["--nproc-per-node", "2", "--dp", "2", "--micro-batch-size", "2",
+                                      "--global-batch-size", "8"], ["--global-batch-size 8 != micro-batch 2", "= 4"]),
+    "save-to-a-url": (["--save", "s3://bucket/run"], ["--save 's3://bucket/run' is a URL", "local folder"]),
 }
 
 

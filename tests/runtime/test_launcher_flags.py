@@ -73,6 +73,7 @@ RUN_FLAGS = {
     "optimizer_sharding": ["--optimizer-sharding", "fully_reshardable"],  # test_launcher_checkpoint: refused
     "eval_interval": ["--eval-interval", "2"],  # test_data_launcher: valid_loss on rows 2, 4, 6
     "eval_iters": ["--eval-iters", "3"],  # test_data_launcher: the eval loop reads it (runs use 1)
+    "global_batch_size": ["--global-batch-size", "2"],  # test_config: a mismatch is refused before any rank
 }
 
 
