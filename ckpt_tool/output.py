@@ -38,6 +38,15 @@ FormatOption = Annotated[
 ]
 
 
+# The one spelling of key selection, on every command that selects keys (inspect, diff,
+# verify-roundtrip): repeatable globs, any --keys match selects, any --ignore match drops.
+KeysOption = Annotated[list[str] | None, typer.Option(
+    "--keys", metavar="GLOB", help="Only keys matching this glob (fnmatch; repeatable).", show_default=False)]
+IgnoreOption = Annotated[list[str] | None, typer.Option(
+    "--ignore", metavar="GLOB", help="Skip keys matching this glob (fnmatch; repeatable; wins over --keys).",
+    show_default=False)]
+
+
 DEFAULT_MAX_BYTES = 2 << 30
 MaxBytesOption = Annotated[
     int, typer.Option("--max-bytes", min=1, help="Refuse to assemble a tensor region larger than this many bytes.")

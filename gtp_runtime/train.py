@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gtp_format import __version__
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
 from gtp_format.text import safe_text
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     Megatron command line's parallelism, model, schedule and checkpoint flags carry over as written."""
     ap = argparse.ArgumentParser(prog="python -m gtp_runtime.train", description=__doc__.split("\n\n")[1],
                                  epilog=EXAMPLES, formatter_class=_HelpFormatter)
+    ap.add_argument("--version", action="version", version=f"gtp-train {__version__}")
     g = ap.add_argument_group("parallelism")
     g.add_argument("--nproc-per-node", type=int, default=None, help="ranks to spawn (default: tp*cp*gtp_remat*dp)")
     g.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel size")
@@ -373,5 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     return spawn(args, world)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console-script entry point (``gtp-train`` in pyproject.toml)."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

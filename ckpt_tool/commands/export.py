@@ -43,7 +43,8 @@ Exit codes: 0 written, 2 unreadable, incomplete or aliased SRC, DST exists, or a
 def export_command(
     src: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
     dst: Annotated[Path, typer.Argument(help="New folder (a new file for --to torch).", show_default=False)],
-    to: Annotated[str, typer.Option("--to", help="hf, fully_reshardable or torch.")] = "hf",
+    to: Annotated[str, typer.Option("--to", metavar="hf|fully_reshardable|torch",
+                                           help="What to write.")] = "hf",
     optimizer: Annotated[bool, typer.Option("--optimizer", help="hf: also write master weights and moments.")
                          ] = False,
     max_shard_size: Annotated[int, typer.Option("--max-shard-size", min=1, help="hf: bytes per safetensors file.")

@@ -7,7 +7,6 @@ safe: it parses ``.metadata`` through the allow-list and never opens a ``.distcp
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,6 +15,8 @@ import typer
 
 from ckpt_tool.output import (
     FormatOption,
+    IgnoreOption,
+    KeysOption,
     OutputFormat,
     fmt_bytes,
     fmt_shape,
@@ -45,7 +46,8 @@ def _dtype(d: Any) -> str:
 @handle_errors
 def inspect_command(
     path: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
-    keys: Annotated[str | None, typer.Option("--keys", help="Only keys matching this glob (fnmatch).")] = None,
+    keys: KeysOption = None,
+    ignore: IgnoreOption = None,
     chunks: Annotated[bool, typer.Option("--chunks", help="List every chunk: offsets, sizes, file, bytes.")] = False,
     cp_size: Annotated[
         int | None, typer.Option("--cp-size", min=1, help="CP degree of folded buffers, when no manifest says.")
@@ -55,6 +57,7 @@ def inspect_command(
 ) -> None:
     """Show format, topology, keys and aliasing status of a checkpoint (metadata only)."""
     from gtp_format.check.analysis import BUCKET_NUMEL, MODEL, OPTIMIZER, aliasing, classify_all, topology_view
+    from gtp_format.compare import KeyFilter
     from gtp_format.model import BYTES, TENSOR
     from gtp_format.names import DATA_POSITION_KEY, SCHEDULER_KEY, STATES
     from gtp_format.reader.checkpoint import open_checkpoint
@@ -65,7 +68,8 @@ def inspect_command(
     run_extra = ckpt.manifest.extra if ckpt.manifest is not None else {}  # run state: extra manifest fields
     alias = aliasing(ckpt, classes, topo)
     alias_state = {a.key: ("ALIASED" if a.severity == "error" else "aliased?") for a in alias.aliased}
-    selected = [k for k in ckpt.entries if keys is None or fnmatch.fnmatchcase(k, keys)]
+    select = KeyFilter.of(keys, ignore)
+    selected = [k for k in ckpt.entries if select(k)]
 
     weights, optimizer, objects, chunk_rows = [], [], [], []
     for key in selected:
@@ -103,7 +107,7 @@ def inspect_command(
         "data_file_bytes": sum(ckpt.data_files.values()),
         "per_bucket_numel_objects": sum(c.category == BUCKET_NUMEL for c in classes.values()),
     }
-    if keys is not None:
+    if not select.everything:
         counts["matching_keys"] = len(selected)
     doc = {
         "path": str(ckpt.root), "layout": ckpt.layout, "backend": ckpt.backend, "dcp_version": ckpt.dcp_version,

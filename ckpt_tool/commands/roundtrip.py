@@ -18,6 +18,8 @@ import typer
 
 from ckpt_tool.output import (
     FormatOption,
+    IgnoreOption,
+    KeysOption,
     OutputFormat,
     fail,
     handle_errors,
@@ -131,12 +133,8 @@ def verify_roundtrip_command(
     optimizer: Annotated[Optimizer | None, typer.Option(
         "--optimizer", help="adam (AdamW everywhere) or muon (Muon for the linears, AdamW for the rest) "
                             "(default: adam; with PATH: the checkpoint's).", show_default=False)] = None,
-    keys: Annotated[list[str] | None, typer.Option(
-        "--keys", help="With PATH: compare only keys matching this glob (fnmatch; repeatable).",
-        show_default=False)] = None,
-    ignore: Annotated[list[str] | None, typer.Option(
-        "--ignore", help="With PATH: skip keys matching this glob (fnmatch; repeatable; wins over --keys).",
-        show_default=False)] = None,
+    keys: KeysOption = None,
+    ignore: IgnoreOption = None,
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Save, load in fresh processes and compare bit for bit; exit 1 on any difference."""

@@ -170,6 +170,7 @@ CLI_ERRORS = {
 
 
 HELP = ["--help"]  # test_config runs it: exit 0, usage and examples on stdout
+VERSION = ["--version"]  # test_cli_family runs it: exit 0, the version
 
 
 @dataclass
@@ -212,5 +213,5 @@ def executed_argvs() -> list[list[str]]:
     out += [[*argv, *log] for argv, _ in DATA_RUNS.values()]
     out += [argv for argv, _ in CLI_ERRORS.values()]
     out += [LOAD_REFUSED, CRASH_RUN]
-    out += [HELP]
+    out += [HELP, VERSION]
     return out
