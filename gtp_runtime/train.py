@@ -31,6 +31,7 @@ import torch.distributed as dist
 from gtp_format import __version__
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
+from gtp_format.names import ITER_DIR_RE
 from gtp_format.text import safe_text
 from gtp_runtime.data.indexed import DataError
 from gtp_runtime.data.source import DataConfig
@@ -218,6 +219,20 @@ def refuse_impossible(args: argparse.Namespace, cfg: TrainConfig) -> None:
                               "pass a path (copy to object storage after the run)")
 
 
+def _nothing_to_train(args: argparse.Namespace, it: int | None) -> str | None:
+    """The line to end with when the checkpoint ``--load`` found is already at or past ``--steps``.
+
+    Megatron's ``--train-iters`` counts loaded iterations too, so such a run has nothing to do;
+    it used to start every rank and exit 0 without a word.
+    """
+    if args.check_reference:
+        return None
+    if it is None or it < args.steps:
+        return None
+    return (f"nothing to train: {safe_text(args.load)} is at iteration {it}, already at or past --steps "
+            f"(--train-iters) {args.steps}; pass --steps N with N > {it} to train on")
+
+
 def _device(args: argparse.Namespace, local_rank: int) -> torch.device:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
@@ -243,6 +258,9 @@ def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
     if args.load:
         folder = load_checkpoint(trainer, args.load, args.optimizer_sharding)
         say(f"loaded {safe_text(folder)} at iteration {trainer.iteration}", flush=True)
+        done = _nothing_to_train(args, trainer.iteration)  # under torchrun: the launcher did not check
+        if done:
+            say(done, flush=True)
     elif args.save or args.optimizer_sharding != "dp_reshardable":
         check_sharding(trainer, args.optimizer_sharding, "save")
     if args.check_reference:
@@ -365,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
             # The checkpoint is opened and verified here, before any rank exists; the ranks load
             # the folder found here (a newer ``latest`` written meanwhile does not change it).
             args.load = str(preflight(args.load, cfg, args.optimizer_sharding))
+            m = ITER_DIR_RE.match(os.path.basename(os.path.normpath(args.load)))
+            done = _nothing_to_train(args, int(m.group(1)) if m else None)
+            if done:
+                print(done, flush=True)
+                return 0
     except (ConfigError, CheckpointError, DataError, OSError) as e:
         print(f"error: {describe(e)}", file=sys.stderr)
         return 2
