@@ -121,6 +121,11 @@ def print_blocks(*blocks: str) -> None:
     typer.echo(safe_text("\n\n".join(b for b in blocks if b), keep_newlines=True))
 
 
+def count(n: int, noun: str) -> str:
+    """``1 file``, ``2 files``: a number with its noun, singular or plural."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def fmt_shape(shape: Sequence[int] | None) -> str:
     return "-" if shape is None else "(" + ", ".join(map(str, shape)) + ")"
 

@@ -12,6 +12,7 @@ from ckpt_tool.output import (
     FormatOption,
     MaxMemoryOption,
     OutputFormat,
+    count,
     fmt_bytes,
     handle_errors,
     print_json,
@@ -64,7 +65,7 @@ def export_command(
     if fmt == OutputFormat.json:
         print_json({"ok": True, **info})
     else:
-        print_line(f"wrote {info['dst']} ({to}): {info['params']} params, {info['files']} files, "
+        print_line(f"wrote {info['dst']} ({to}): {count(info['params'], 'param')}, {count(info['files'], 'file')}, "
                    f"{fmt_bytes(info['bytes_written'])} in {info['seconds']:.1f} s; peak memory "
                    f"{fmt_bytes(info['peak_rss_bytes'])} (budget {fmt_bytes(info['max_memory'])})")
 

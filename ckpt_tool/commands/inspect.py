@@ -39,6 +39,37 @@ EPILOG = """Examples:
 Exit codes: 0 ok, 2 unreadable input."""
 
 
+def _words(value: Any) -> str:
+    """Any JSON value as words: ``k v, k v`` for an object, ``a, b`` for a list (no Python reprs)."""
+    if isinstance(value, dict):
+        return ", ".join(f"{str(k).replace('_', ' ')} {_words(v)}" for k, v in value.items())
+    if isinstance(value, list):
+        return ", ".join(_words(v) for v in value)
+    return "-" if value is None else str(value)
+
+
+def data_position_words(position: Any) -> str:
+    """The manifest's data position as a sentence: samples consumed, of which data, where it was."""
+    if not isinstance(position, dict):
+        return _words(position)
+    rest = dict(position)
+    consumed = rest.pop("consumed_train_samples", None)
+    path = rest.pop("path", None)
+    data = rest.pop("dataset", None)
+    parts = [f"{consumed} samples consumed" if consumed is not None else "samples consumed not recorded"]
+    if isinstance(data, dict):
+        d = dict(data)
+        name = d.pop("name", "?")
+        sizes = ", ".join(f"{d.pop(k)} {k}" for k in ("documents", "tokens", "sequences") if k in d)
+        parts.append(f"of {name}" + (f" ({sizes})" if sizes else "") + (f", {_words(d)}" if d else ""))
+    elif data is not None:
+        parts.append(f"of {_words(data)}")
+    parts.append(f"read from {path}" if path else "read from the default corpus (no --data-path)")
+    if rest:
+        parts.append(_words(rest))
+    return "; ".join(parts)
+
+
 def _dtype(d: Any) -> str:
     return str(d).removeprefix("torch.") if d is not None else "-"
 
@@ -168,8 +199,10 @@ def _tables(doc: dict[str, Any]) -> list[str]:
     if oi is not None:
         owned = ", ".join(f"{o} {n} params" for o, n in oi["params"].items())
         summary.append(("optimizer", f"{oi['type']} at step {oi['step']} ({owned})"))
+    if doc.get("data_position") is not None:
+        summary.append(("data position", data_position_words(doc["data_position"])))
     blocks = [table(summary, ("checkpoint", ""))]
-    for title in ("opt_param_scheduler", "data_position"):
+    for title in ("opt_param_scheduler",):
         if isinstance(doc.get(title), dict):
             blocks.append(table([(k, v) for k, v in doc[title].items()], ("field", "value"), title))
     blocks.append(table([(w["key"], fmt_shape(w["shape"]), _dtype(w["dtype"]), w["chunks"]) for w in doc["weights"]],

@@ -12,6 +12,7 @@ from ckpt_tool.output import (
     FormatOption,
     MaxMemoryOption,
     OutputFormat,
+    count,
     fmt_bytes,
     handle_errors,
     print_json,
@@ -70,7 +71,7 @@ def reshard_command(
     if fmt == OutputFormat.json:
         print_json({"ok": True, **result.to_json()})
     else:
-        print_line(f"wrote {result.dst} ({result.target_topology}, {result.layout}): {result.files} files, "
+        print_line(f"wrote {result.dst} ({result.target_topology}, {result.layout}): {count(result.files, 'file')}, "
                    f"{fmt_bytes(result.bytes_written)} from {result.source_topology} in {result.seconds:.1f} s; "
                    f"peak memory {fmt_bytes(result.peak_rss_bytes)} (budget {fmt_bytes(result.max_memory)})")
 

@@ -14,6 +14,7 @@ import typer
 from ckpt_tool.output import (
     FormatOption,
     OutputFormat,
+    count,
     fail,
     handle_errors,
     print_blocks,
@@ -77,8 +78,9 @@ def verify_command(
         status = "OK" if result.ok else "FAILED"
         print_blocks(
             table(rows, ("severity", "check", "key", "chunk", "file", "message"), "Problems"),
-            f"{status}: {len(errors)} errors, {len(warnings)} warnings in {ckpt.root} "
-            f"({result.stats['keys']} keys, {result.stats['chunks']} chunks; checks: {', '.join(result.checks)})",
+            f"{status}: {count(len(errors), 'error')}, {count(len(warnings), 'warning')} in {ckpt.root} "
+            f"({count(result.stats['keys'], 'key')}, {count(result.stats['chunks'], 'chunk')}; checks that ran: "
+            f"{', '.join(result.checks)})",
         )
     line = result.failure_line(ckpt.root)
     if line is not None:
