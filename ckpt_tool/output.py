@@ -13,7 +13,9 @@ import errno
 import functools
 import json
 import math
+import os
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from enum import Enum
@@ -143,20 +145,85 @@ def progress_enabled(fmt: OutputFormat) -> bool:
     return fmt == OutputFormat.table and sys.stdout.isatty()
 
 
+BYTES = "B"  # the unit of engines that move data: shown as MB and MB/s, like `hf download`
+
+
 @contextmanager
-def progress(total: int, description: str, enabled: bool) -> Iterator[Callable[[int], None]]:
-    """Yield an ``advance(n)`` callback; a transient rich bar on stderr when enabled."""
+def progress(total: int, description: str, enabled: bool, unit: str = BYTES) -> Iterator[Callable[[int], None]]:
+    """Yield an ``advance(n)`` callback; a transient rich bar on stderr when enabled.
+
+    The one progress display of every engine. ``unit`` is :data:`BYTES` (done/total in MB and the
+    throughput in MB/s) or a plural noun (``"chunks"``: done/total chunks and chunks/s).
+    """
     if not enabled or total <= 0:
         yield lambda n: None
         return
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        Task,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+    from rich.text import Text
 
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+    class Rate(ProgressColumn):
+        def render(self, task: Task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text(f"{speed:,.1f} {unit}/s" if speed else f"? {unit}/s", style="progress.data.speed")
+
+    amount: tuple[ProgressColumn, ...] = (DownloadColumn(binary_units=False), TransferSpeedColumn()) \
+        if unit == BYTES else (MofNCompleteColumn(), TextColumn(unit), Rate())
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), *amount, TimeRemainingColumn(),
                    console=Console(stderr=True), transient=True)
     with bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
+
+
+@contextmanager
+def follow_bytes_written(folder: str | os.PathLike, advance: Callable[[int], None], total: int,
+                         interval: float = 0.25) -> Iterator[None]:
+    """Advance a bytes bar as files appear under ``folder`` while the block runs (written by other
+    processes: the ranks of ``verify-roundtrip``), then by whatever is left of ``total``.
+
+    Why: a bar that sits at 0 through a minute of loading and saving looks hung; the bytes the
+    ranks have written so far are the one measure of their progress this process can see.
+    """
+    stop = threading.Event()
+    done = [0]
+
+    def size() -> int:
+        n = 0
+        for root, _, files in os.walk(folder):
+            for f in files:
+                try:
+                    n += os.stat(os.path.join(root, f), follow_symlinks=False).st_size
+                except OSError:
+                    pass
+        return n
+
+    def poll() -> None:
+        while not stop.wait(interval):
+            step = min(size(), total) - done[0]
+            if step > 0:
+                done[0] += step
+                advance(step)
+
+    thread = threading.Thread(target=poll, name="ckpt-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+    if total > done[0]:
+        advance(total - done[0])
 
 
 def progress_opener(stack: ExitStack, description: str, fmt: OutputFormat

@@ -88,7 +88,7 @@ def diff_command(
     sa, sb = CheckpointSource(ca), CheckpointSource(cb)
     select.require_match(ca.entries, cb.entries, where=f"{ca.root} or {cb.root}")
     names = selected_keys(sa, sb, select)
-    with progress(work(sa, sb, names), "comparing", progress_enabled(fmt)) as advance:
+    with progress(work(sa, sb, names), "comparing", progress_enabled(fmt), "chunks") as advance:
         report = compare(sa, sb, rule, keys=names, max_bytes=max_bytes, advance=advance)
     only_a, only_b, common = report.only_in_a, report.only_in_b, report.common
     diffs = [_legacy(d) for r in common for d in r.differences]

@@ -154,8 +154,8 @@ def verify_roundtrip_command(
     from gtp_format.compare import KeyFilter
     from gtp_format.layout.config import ConfigError
 
-    def bar(total: int, description: str) -> Any:
-        return progress(total, description, progress_enabled(fmt))
+    def bar(total: int, description: str, unit: str = "steps") -> Any:
+        return progress(total, description, progress_enabled(fmt), unit)
 
     lay = layout.value if layout is not None else None
     if path is not None:

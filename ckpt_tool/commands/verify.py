@@ -64,7 +64,7 @@ def verify_command(
     from gtp_format.reader.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(path)
-    with progress(ckpt.chunk_count() if data else 0, "reading chunks", progress_enabled(fmt)) as advance:
+    with progress(ckpt.chunk_count() if data else 0, "reading chunks", progress_enabled(fmt), "chunks") as advance:
         result = verify(ckpt, data=data, cp_size=cp_size, progress=advance, workers=workers)
     errors = [p for p in result.problems if p.severity == "error"]
     warnings = [p for p in result.problems if p.severity == "warning"]

@@ -62,7 +62,7 @@ def run(cfg: TrainConfig, world: int, layout: str = "torch_dist", steps: int = D
 
     seconds: dict[str, float] = {}
     t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="ckpt-roundtrip-") as tmp, progress(2, "round trip") as advance:
+    with tempfile.TemporaryDirectory(prefix="ckpt-roundtrip-") as tmp, progress(2, "round trip", "phases") as advance:
         root, dump = os.path.join(tmp, "checkpoints"), os.path.join(tmp, "dump")
         os.makedirs(dump)
         phase = "training and saving"
