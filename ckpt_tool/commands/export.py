@@ -12,9 +12,11 @@ from ckpt_tool.output import (
     FormatOption,
     MaxMemoryOption,
     OutputFormat,
+    count,
     fmt_bytes,
     handle_errors,
     print_json,
+    print_line,
     progress_opener,
 )
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
@@ -42,7 +44,8 @@ Exit codes: 0 written, 2 unreadable, incomplete or aliased SRC, DST exists, or a
 def export_command(
     src: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
     dst: Annotated[Path, typer.Argument(help="New folder (a new file for --to torch).", show_default=False)],
-    to: Annotated[str, typer.Option("--to", help="hf, fully_reshardable or torch.")] = "hf",
+    to: Annotated[str, typer.Option("--to", metavar="hf|fully_reshardable|torch",
+                                           help="What to write.")] = "hf",
     optimizer: Annotated[bool, typer.Option("--optimizer", help="hf: also write master weights and moments.")
                          ] = False,
     max_shard_size: Annotated[int, typer.Option("--max-shard-size", min=1, help="hf: bytes per safetensors file.")
@@ -62,7 +65,7 @@ def export_command(
     if fmt == OutputFormat.json:
         print_json({"ok": True, **info})
     else:
-        typer.echo(f"wrote {info['dst']} ({to}): {info['params']} params, {info['files']} files, "
+        print_line(f"wrote {info['dst']} ({to}): {count(info['params'], 'param')}, {count(info['files'], 'file')}, "
                    f"{fmt_bytes(info['bytes_written'])} in {info['seconds']:.1f} s; peak memory "
                    f"{fmt_bytes(info['peak_rss_bytes'])} (budget {fmt_bytes(info['max_memory'])})")
 
