@@ -35,6 +35,7 @@ from gtp_format.commit import write_durable
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
 from gtp_format.layout.shard import ShardSpec
+from gtp_format.layout.topology import ALL_GROUP_KINDS
 from gtp_format.names import LAYOUTS, MANIFEST_FILE, OPTIMIZER_SHARDINGS
 
 FORMAT_TAG = "gtp-ckpt"
@@ -384,11 +385,20 @@ def _buffer(raw: Any, path: str) -> BufferLayout:
         grad_dtype=_str(d.get("grad_dtype", d.get("param_dtype")), f"{path}.grad_dtype"),
         is_expert=_bool(g("is_expert"), f"{path}.is_expert"),
         excludes_cp=_bool(g("excludes_cp"), f"{path}.excludes_cp"),
-        dp_group_kind=_str(g("dp_group_kind"), f"{path}.dp_group_kind"),
+        dp_group_kind=_group_kind(g("dp_group_kind"), f"{path}.dp_group_kind"),
         dp_size=_int(g("dp_size"), f"{path}.dp_size", low=1),
         grad_divisor=_int(d.get("grad_divisor", 1), f"{path}.grad_divisor", low=1),
         example_dp_group_idx=_int(d.get("example_dp_group_idx", 0), f"{path}.example_dp_group_idx"),
         buckets=buckets)
+
+
+def _group_kind(v: Any, path: str) -> str:
+    """A group kind the rank generator knows: an unknown one reached ``Topology.groups`` as a
+    KeyError, the CLI's last-resort "unexpected" line (issue 22)."""
+    kind = _str(v, path)
+    if kind not in ALL_GROUP_KINDS:
+        raise _Bad(path, f"is {_short(kind)}, not a group kind ({', '.join(ALL_GROUP_KINDS)})")
+    return kind
 
 
 def _buffers(raw: Any) -> tuple[BufferLayout, ...]:
