@@ -164,6 +164,17 @@ def stored_bytes(st: os.stat_result) -> int:
     return st.st_size if blocks is None else min(st.st_size, blocks * 512)
 
 
+def is_sparse(st: os.stat_result) -> bool:
+    """A file (over :data:`SPARSE_SLACK`) that stores under half its size: reading it whole would
+    spend time on holes, and sizing anything by it would spend memory on them."""
+    return st.st_size > SPARSE_SLACK and stored_bytes(st) * 2 < st.st_size
+
+
+def sparse_file_message(rel: str, st: os.stat_result) -> str:
+    return (f"{rel} stores only {stored_bytes(st)} of its {st.st_size} bytes (a sparse file: holes nobody wrote); "
+            "restore it from a good copy")
+
+
 def stored_size(root: Path, rel: str) -> int:
     """:func:`stored_bytes` of a regular file inside ``root`` (0 when it is not one: no error)."""
     if unsafe_reason(rel) is not None:

@@ -128,3 +128,24 @@ def test_byte_object_of_many_containers_is_refused_by_the_shape_scan(tmp_path: P
     with pytest.raises(ChunkError) as info:
         load_object(ckpt, ckpt.entries["o"])
     assert "byte object o" in info.value.message and "containers" in info.value.message, info.value.message
+
+
+def test_verify_data_does_not_read_holes(tmp_path: Path) -> None:
+    """A data file grown by 1 TiB of holes, its manifest size edited to match: ``verify --data``
+    would read and hash the terabyte; it names the sparse file instead, at once."""
+    import json
+    import time
+
+    from gtp_format.check.verify import verify
+
+    folder = tmp_path / "iter_0000002"
+    shutil.copytree(DCP, folder)
+    _holes(folder / "__0_0.distcp", 1 << 40)
+    doc = json.loads((folder / "gtp_manifest.json").read_text())
+    doc["files"]["__0_0.distcp"]["size"] = (folder / "__0_0.distcp").stat().st_size
+    (folder / "gtp_manifest.json").write_text(json.dumps(doc))
+    t0 = time.monotonic()
+    result = verify(open_checkpoint(folder), data=True)
+    assert time.monotonic() - t0 < 30
+    errors = [p for p in result.problems if p.severity == "error"]
+    assert errors and all("sparse" in p.message for p in errors), [p.message for p in errors]
