@@ -13,11 +13,16 @@ import io
 import json
 import pickle
 import struct
+import sys
 import zipfile
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # also when run as a script
+
+from sparse_files import grow_sparse  # noqa: E402
 
 SPECS: list[tuple[str, str, str, list[list[str]], bool, Callable[[Any], None], str]] = []
 DATA_SPECS: list[tuple[str, str, Callable[[Path], str]]] = []
@@ -121,15 +126,7 @@ def region_backed_by_holes(c: Any) -> None:
 @spec("time", [["verify", "--data", "{t}"]], False)  # --load reads only its chunks, never the holes
 def data_file_with_16_tib_of_holes(c: Any) -> None:
     """The manifest's size edited to match: hashing the holes would take hours."""
-    path, size = c.it / "__0_0.distcp", 16 << 40
-    base = path.stat().st_size
-    with open(path, "r+b") as f:
-        while True:
-            try:
-                f.truncate(size)
-                break
-            except OSError:  # ext4 stops 4 KiB short of 16 TiB
-                size = size - 4096 if size % (1 << 30) == 0 else max(base, size // 2)
+    size = grow_sparse(c.it / "__0_0.distcp", 16 << 40)
     _edit_manifest(c, lambda doc: doc["files"]["__0_0.distcp"].update(size=size))
 
 
@@ -210,14 +207,8 @@ def idx_sparse_300m_sequences(run: Path) -> str:
 
 @data_spec("memory")
 def flat_bin_sparse_16_tib(run: Path) -> str:
-    path, size = run / "tokens.bin", 16 << 40
-    with open(path, "wb") as f:
-        while True:
-            try:
-                f.truncate(size)
-                break
-            except OSError:  # ext4 stops 4 KiB short of 16 TiB
-                size = size - 4096 if size % (1 << 30) == 0 else size // 2
+    path = run / "tokens.bin"
+    grow_sparse(path, 16 << 40)
     return str(path)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sparse_files import grow_sparse
 
 from gtp_runtime.data.indexed import HEADER_BYTES, INDEX_HEADER, DataError, open_dataset, read_index
 from gtp_runtime.data.sampler import GPTSamples
@@ -48,19 +49,9 @@ def test_sparse_idx_declaring_3e8_sequences(tmp_path: Path) -> None:
     assert "d.idx" in str(info.value) and "sparse" in str(info.value) and "\n" not in str(info.value)
 
 
-def sparse_file(path: Path, size: int) -> int:
-    """A file of ``size`` bytes of holes, or the largest the filesystem allows (ext4: 16 TiB - 4 KiB)."""
-    with open(path, "wb") as f:
-        while True:
-            try:
-                f.truncate(size)
-                return size
-            except OSError:
-                size = size - 4096 if size % (1 << 30) == 0 else size // 2
-
 def test_sparse_flat_bin_of_16_tib(tmp_path: Path) -> None:
     path = tmp_path / "tokens.bin"
-    assert sparse_file(path, 16 << 40) > 1 << 40
+    assert grow_sparse(path, 16 << 40) > 1 << 40
     before = _rss_mb()
     with pytest.raises(DataError) as info:
         open_dataset(path)
