@@ -356,6 +356,9 @@ def _param(raw: Any, path: str) -> ParamLayout:
         tp_mode=_opt_str(d.get("tp_mode"), f"{path}.tp_mode"),
         shard_kind=_opt_str(d.get("shard_kind"), f"{path}.shard_kind"),
         shard_size=_int(g("shard_size"), f"{path}.shard_size", low=1), align=_int(g("align"), f"{path}.align", low=1))
+    if p.tp_mode not in TP_MODES or p.shard_kind not in SHARD_KINDS:  # anything else was read as "replicated"
+        raise _Bad(path, f"has tp_mode {_short(p.tp_mode)} / shard_kind {_short(p.shard_kind)}, not one of "
+                         f"{TP_MODES} / {SHARD_KINDS}")
     if p.start > p.end or p.end - p.start != math.prod(p.local_shape):
         raise _Bad(path, f"has range [{p.start}, {p.end}) for local shape {list(p.local_shape)}")
     return p
@@ -390,6 +393,10 @@ def _buffer(raw: Any, path: str) -> BufferLayout:
         grad_divisor=_int(d.get("grad_divisor", 1), f"{path}.grad_divisor", low=1),
         example_dp_group_idx=_int(d.get("example_dp_group_idx", 0), f"{path}.example_dp_group_idx"),
         buckets=buckets)
+
+
+TP_MODES = (None, "column", "row", "vocab")  # layout/shard.py: ShardSpec
+SHARD_KINDS = (None, "weight", "expert_gtp_remat")  # topology.WEIGHT, topology.EXPERT_GTP
 
 
 def _group_kind(v: Any, path: str) -> str:

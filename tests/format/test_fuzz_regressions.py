@@ -75,3 +75,19 @@ def test_empty_sequence_inside_another_is_no_overlap(tmp_path):
     body = np.array([4, 0, 2], np.int32).tobytes() + np.array([0, 2, 8], np.int64).tobytes()
     (tmp_path / "d.idx").write_bytes(head + body + np.array([0, 3], np.int64).tobytes())
     assert read_index(tmp_path / "d").lengths.tolist() == [4, 0, 2]
+
+
+@pytest.mark.parametrize("field,value", [("tp_mode", "diagonal"), ("shard_kind", "sideways")])
+def test_unknown_tp_mode_or_shard_kind_is_a_manifest_error(field, value):
+    """Finding (issue 22, the same CLI fuzz): an unknown ``tp_mode`` or ``shard_kind`` parsed and
+    was read as TP-replicated / unsharded, so ``inspect --params`` printed a wrong view, exit 0."""
+    import json
+    from pathlib import Path
+
+    from gtp_format.manifest import ManifestError, parse_manifest
+
+    src = Path(__file__).resolve().parents[2] / "fixtures/gtp/fold_cp2_g2_dp2/iter_0000002/gtp_manifest.json"
+    doc = json.loads(src.read_text())
+    doc["buffers"][0]["buckets"][0]["params"][0][field] = value
+    with pytest.raises(ManifestError, match=rf"buffers\[0\].buckets\[0\].params\[0\] has tp_mode .*{value}"):
+        parse_manifest(doc, "gtp_manifest.json", strict=True)
