@@ -182,6 +182,8 @@ class BoxReader:
         """
         order = dense_order(sizes, strides)
         assert order is not None
+        if r1 <= r0:
+            return
         isz = dt.itemsize
         if sizes[0] == 1 or 0 not in order:  # one row: the block is the whole chunk, one range
             outer, inner = [], [d for d in order if d != 0]
