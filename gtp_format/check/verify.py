@@ -8,6 +8,7 @@ not hide the next one: a verify run reports everything it can see.
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -33,7 +34,7 @@ from gtp_format.hashing import HASHERS, file_digests
 from gtp_format.model import ENC_TORCH_SAVE, TENSOR, Checkpoint, Entry, Problem
 from gtp_format.names import OPT_PREFIX, OptimizerKey, dtype_tag, per_bucket_numel_key
 from gtp_format.reader.chunks import declared_size_problem, load_elements, load_plain
-from gtp_format.reader.storage import file_size, open_regular, unsafe_reason
+from gtp_format.reader.storage import file_size, is_sparse, open_regular, sparse_file_message, unsafe_reason
 
 CHEAP_OBJECT_BYTES = 1 << 20  # per_bucket_numel objects below this are decoded even without --data
 
@@ -404,6 +405,9 @@ def check_manifest_files(ckpt: Checkpoint, data: bool,
         if not all(a in have for a in known):
             try:
                 with open_regular(ckpt.root, rel) as f:
+                    st = os.fstat(f.fileno())
+                    if is_sparse(st):  # hashing holes is time spent on bytes nobody wrote
+                        raise ChunkError(sparse_file_message(rel, st), file=rel)
                     have = file_digests(f, known)
             except ChunkError as err:
                 out.append(Problem("error", "checksum", err.message, file=rel))
