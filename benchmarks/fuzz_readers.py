@@ -11,12 +11,15 @@ deletions, truncation, splices of the input with itself) of genuine inputs from 
 * ``zip``: ``torch.save`` blobs of single chunks through the zip-structure parser and the
   tensor decoder (``parse_blob`` + ``decode_elements``);
 * ``safetensors``: whole safetensors checkpoint folders (header length, JSON header, index);
-* ``json``: manifests through ``safe_json`` and the typed manifest parser.
+* ``json``: manifests through ``safe_json`` and the typed manifest parser;
+* ``idx`` and ``layout`` (benchmarks/fuzz_targets.py): Megatron ``.idx`` files through the data
+  reader and sampler, and manifests with hostile topology and bucket-layout values through
+  ``open_checkpoint``, ``verify`` and the per-parameter view.
 
 The contract checked: a reader either succeeds or raises the format's one-line error
-(``FormatError``/``BlobError``); anything else (another exception, a message with a newline, an
-input that takes over ``--slow`` seconds) is a finding, written to ``--out`` with the target,
-the exception and the input bytes. Every finding so far is a regression test in
+(``FormatError``/``BlobError``; the data reader's ``DataError``); anything else (another
+exception, a message with a newline, an input that takes over ``--slow`` seconds) is a finding,
+written to ``--out`` with the target, the exception and the input bytes. Every finding so far is a regression test in
 tests/format/test_fuzz_regressions.py. The last input tried is kept in ``--out/last-*`` so a hard
 crash (a segfault ends the process) can be replayed.
 """
@@ -36,9 +39,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # fuzz_targets, also when this file is imported as a module
+
+import fuzz_targets  # noqa: E402
 
 from gtp_format.errors import FormatError  # noqa: E402
 from gtp_format.reader.zip_blob import BlobError  # noqa: E402
+from gtp_runtime.data.indexed import DataError  # noqa: E402
 
 INTERESTING = [0, 1, 0x7F, 0x80, 0xFF, ord("("), ord("]"), ord("}"), ord("b"), ord("\\"), ord('"'), ord("["), ord("{")]
 
@@ -138,7 +145,8 @@ def json_target() -> tuple[list[bytes], Callable[[bytes], None]]:
     return seeds, run
 
 
-TARGETS = {"pickle": pickle_target, "zip": zip_target, "safetensors": safetensors_target, "json": json_target}
+TARGETS = {"pickle": pickle_target, "zip": zip_target, "safetensors": safetensors_target, "json": json_target,
+           **fuzz_targets.TARGETS}
 
 
 def fuzz(name: str, seconds: float, rng: random.Random, out: Path, slow: float,
@@ -147,14 +155,15 @@ def fuzz(name: str, seconds: float, rng: random.Random, out: Path, slow: float,
     stats = {"runs": 0, "ok": 0, "refused": 0, "findings": 0}
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and (max_runs is None or stats["runs"] < max_runs):
-        data = mutate(rng.choice(seeds), rng)
+        fresh = getattr(run, "fresh", None)  # a structure-aware target makes half its inputs itself
+        data = fresh(rng) if fresh is not None and rng.random() < 0.5 else mutate(rng.choice(seeds), rng)
         (out / f"last-{name}").write_bytes(data)
         t0 = time.monotonic()
         finding = None
         try:
             run(data)
             stats["ok"] += 1
-        except (FormatError, BlobError) as e:
+        except (FormatError, BlobError, DataError) as e:
             stats["refused"] += 1
             message = e.message if isinstance(e, FormatError) else str(e)
             if "\n" in message:

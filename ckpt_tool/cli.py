@@ -11,13 +11,16 @@ format's own dtype table, :mod:`gtp_format.dtypes`), which saves them 2-4 s per 
 from __future__ import annotations
 
 import importlib
+import re
 import sys
+from typing import Annotated, Any
 
 import typer
 from typer import Abort, Exit
 from typer._click.exceptions import NoArgsIsHelpError, UsageError  # typer is pinned to 0.29 (pyproject.toml)
 
 from ckpt_tool.output import os_error_message, safe_text
+from gtp_format import __version__
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
 from gtp_format.reader import pickle_scan
 
@@ -28,24 +31,85 @@ pickle_scan.FREEZE_AFTER_LOAD = True
 COMMAND_MODULES: tuple[str, ...] = ("inspect", "verify", "show", "diff", "roundtrip", "migrate", "reshard", "export",
                                     "import_hf")
 
-app = typer.Typer(
+INTRO = ("Read, check and rewrite gtp_runtime and Megatron checkpoints (torch_dist/DCP and safetensors) "
+         "without trusting them: metadata is read through an allow-list, never with pickle.load.")
+
+class _App(typer.Typer):
+    """Typer, with every flag's help shown without a ``<bool>`` value (see :func:`_flags_without_metavar`)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        command = typer.main.get_command(self)
+        _flags_without_metavar(command)
+        return command(*args, **kwargs)
+
+
+app = _App(
     name="ckpt",
-    help="Inspect, verify, show and diff torch_dist (DCP) checkpoints without trusting them: metadata is "
-    "read through an allow-list, never with pickle.load.",
+    help=INTRO,
     epilog="Exit codes: 0 ok, 1 check failed or checkpoints differ, 2 usage error or unreadable input. "
-    "Run 'ckpt COMMAND --help' for examples.",
+    "Run 'ckpt COMMAND --help' (or -h) for examples. Training and data: gtp-train --help, gtp-data --help.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"ckpt {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True, help="Print the version and exit.")] = False) -> None:
+    """Placeholder: the help text is set from INTRO and the registered commands."""
+
+
+def command_names() -> list[str]:
+    """Every registered command and command group, in registration order."""
+    names = [c.name or (c.callback.__name__ if c.callback else "") for c in app.registered_commands]
+    return names + [g.name or (g.typer_instance.info.name or "") for g in app.registered_groups]
 
 
 def _register_commands() -> None:
     for name in COMMAND_MODULES:
         importlib.import_module(f"ckpt_tool.commands.{name}").register(app)
+    # The description names every command, so a new one cannot be missing from it.
+    app.info.help = f"{INTRO} Commands: {', '.join(command_names())}."
+
+
+def _flags_without_metavar(command: Any) -> None:
+    """An on/off flag takes no value, so its help shows none (Typer would print ``<bool>``)."""
+    for param in getattr(command, "params", []):
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    for sub in getattr(command, "commands", {}).values():
+        _flags_without_metavar(sub)
 
 
 _register_commands()
+
+# Typer's option errors come in pydantic's words; these say the same in plain ones.
+_PLAIN = (
+    (re.compile(r"Input should be greater than or equal to (\S+)"), r"must be at least \1"),
+    (re.compile(r"Input should be less than or equal to (\S+)"), r"must be at most \1"),
+    (re.compile(r"Input should be greater than (\S+)"), r"must be more than \1"),
+    (re.compile(r"Input should be less than (\S+)"), r"must be less than \1"),
+    (re.compile(r"Input should be a valid integer[^(]*"), "must be a whole number "),
+    (re.compile(r"Input should be a valid number[^(]*"), "must be a number "),
+    (re.compile(r"Input should be a valid boolean[^(]*"), "must be true or false "),
+    (re.compile(r"Value error, "), ""),
+    (re.compile(r"Input should be "), "must be "),
+)
+
+
+def plain_words(message: str) -> str:
+    """A usage error's message without pydantic's phrasing."""
+    for pattern, repl in _PLAIN:
+        message = pattern.sub(repl, message)
+    return " ".join(message.split())
 
 
 def _line(message: str) -> None:
@@ -76,7 +140,7 @@ def run(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except UsageError as e:
         where = e.ctx.command_path if e.ctx else "ckpt"
-        _line(f"{e.format_message()} (run '{where} --help' for usage and examples)")
+        _line(f"{plain_words(e.format_message())} (run '{where} --help' for usage and examples)")
         return EXIT_BAD_INPUT
     except Exit as e:
         return e.exit_code

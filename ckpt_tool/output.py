@@ -13,8 +13,10 @@ import errno
 import functools
 import json
 import math
+import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from enum import Enum
@@ -24,6 +26,7 @@ from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 import typer
 
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
+from gtp_format.text import safe_text
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -76,37 +79,20 @@ def size_option(name: str, help: str, minimum: int = 1) -> Any:
                         help=f"{help} Bytes, or with a unit: 5GB (10^9), 512MiB (2^20).")
 
 
+# The one spelling of key selection, on every command that selects keys (inspect, diff,
+# verify-roundtrip): repeatable globs, any --keys match selects, any --ignore match drops.
+KeysOption = Annotated[list[str] | None, typer.Option(
+    "--keys", metavar="GLOB", help="Only keys matching this glob (fnmatch; repeatable).", show_default=False)]
+IgnoreOption = Annotated[list[str] | None, typer.Option(
+    "--ignore", metavar="GLOB", help="Skip keys matching this glob (fnmatch; repeatable; wins over --keys).",
+    show_default=False)]
+
+
 DEFAULT_MAX_BYTES = 2 << 30
 MaxBytesOption = Annotated[
     int, size_option("--max-bytes", "Refuse to assemble a tensor region larger than this.")
 ]
 MaxMemoryOption = Annotated[int, size_option("--max-memory", "Tensor data in flight.", minimum=1 << 24)]
-
-
-# What a terminal would act on rather than print: C0/C1 controls and DEL (escape sequences can
-# retitle the window, move the cursor, erase a line and print a fake "all checks OK"), the bidi and
-# zero-width format characters (text that reads differently than it is stored), lone surrogates
-# (not encodable: printing them raised UnicodeEncodeError) and the tag characters.
-_UNSAFE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\xad\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f"
-                     "\ufeff\ufff9-\ufffb\ud800-\udfff\U000e0000-\U000e007f]")
-_UNSAFE_OR_NEWLINE = re.compile(_UNSAFE.pattern[:-1] + "\n]")
-
-
-def _escape_char(m: re.Match[str]) -> str:
-    c = m.group()
-    n = ord(c)
-    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
-
-
-def safe_text(text: Any, keep_newlines: bool = False) -> str:
-    """``text`` with every control, bidi or unencodable character written as a visible escape (``\\x1b``).
-
-    Idempotent (an escape is plain ASCII), and a no-op on ordinary text, so tables and error lines
-    can pass through it more than once. JSON output needs none of this: ``json.dumps`` escapes
-    them itself, so the document stays exact.
-    """
-    s = text if isinstance(text, str) else str(text)
-    return (_UNSAFE if keep_newlines else _UNSAFE_OR_NEWLINE).sub(_escape_char, s)
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
@@ -170,9 +156,19 @@ def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], title: str | No
     return f"{safe_text(title)}\n{body}" if title else body
 
 
+def print_line(text: str) -> None:
+    """Print one summary line for people, every field escaped (a DST name may carry ESC or bidi)."""
+    typer.echo(safe_text(text))
+
+
 def print_blocks(*blocks: str) -> None:
     """Print text blocks for people; whatever a block holds, no control character reaches the terminal."""
     typer.echo(safe_text("\n\n".join(b for b in blocks if b), keep_newlines=True))
+
+
+def count(n: int, noun: str) -> str:
+    """``1 file``, ``2 files``: a number with its noun, singular or plural."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def fmt_shape(shape: Sequence[int] | None) -> str:
@@ -194,27 +190,92 @@ def print_written(fmt: OutputFormat, doc: dict[str, Any], line: str) -> None:
     if fmt == OutputFormat.json:
         print_json({"ok": True, **doc})
     else:
-        typer.echo(f"{line}; peak memory {fmt_bytes(doc['peak_rss_bytes'])} (budget {fmt_bytes(doc['max_memory'])})")
+        print_line(f"{line}; peak memory {fmt_bytes(doc['peak_rss_bytes'])} (budget {fmt_bytes(doc['max_memory'])})")
 
 
 def progress_enabled(fmt: OutputFormat) -> bool:
     return fmt == OutputFormat.table and sys.stdout.isatty()
 
 
+BYTES = "B"  # the unit of engines that move data: shown as MB and MB/s, like `hf download`
+
+
 @contextmanager
-def progress(total: int, description: str, enabled: bool) -> Iterator[Callable[[int], None]]:
-    """Yield an ``advance(n)`` callback; a transient rich bar on stderr when enabled."""
+def progress(total: int, description: str, enabled: bool, unit: str = BYTES) -> Iterator[Callable[[int], None]]:
+    """Yield an ``advance(n)`` callback; a transient rich bar on stderr when enabled.
+
+    The one progress display of every engine. ``unit`` is :data:`BYTES` (done/total in MB and the
+    throughput in MB/s) or a plural noun (``"chunks"``: done/total chunks and chunks/s).
+    """
     if not enabled or total <= 0:
         yield lambda n: None
         return
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        Task,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+    from rich.text import Text
 
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+    class Rate(ProgressColumn):
+        def render(self, task: Task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text(f"{speed:,.1f} {unit}/s" if speed else f"? {unit}/s", style="progress.data.speed")
+
+    amount: tuple[ProgressColumn, ...] = (DownloadColumn(binary_units=False), TransferSpeedColumn()) \
+        if unit == BYTES else (MofNCompleteColumn(), TextColumn(unit), Rate())
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), *amount, TimeRemainingColumn(),
                    console=Console(stderr=True), transient=True)
     with bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
+
+
+@contextmanager
+def follow_bytes_written(folder: str | os.PathLike, advance: Callable[[int], None], total: int,
+                         interval: float = 0.25) -> Iterator[None]:
+    """Advance a bytes bar as files appear under ``folder`` while the block runs (written by other
+    processes: the ranks of ``verify-roundtrip``), then by whatever is left of ``total``.
+
+    Why: a bar that sits at 0 through a minute of loading and saving looks hung; the bytes the
+    ranks have written so far are the one measure of their progress this process can see.
+    """
+    stop = threading.Event()
+    done = [0]
+
+    def size() -> int:
+        n = 0
+        for root, _, files in os.walk(folder):
+            for f in files:
+                try:
+                    n += os.stat(os.path.join(root, f), follow_symlinks=False).st_size
+                except OSError:
+                    pass
+        return n
+
+    def poll() -> None:
+        while not stop.wait(interval):
+            step = min(size(), total) - done[0]
+            if step > 0:
+                done[0] += step
+                advance(step)
+
+    thread = threading.Thread(target=poll, name="ckpt-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+    if total > done[0]:
+        advance(total - done[0])
 
 
 def progress_opener(stack: ExitStack, description: str, fmt: OutputFormat

@@ -17,3 +17,5 @@ module with torch blocked.
 - :mod:`gtp_format.compare`: the one comparison engine (``diff``, ``verify-roundtrip``, the ranks'
   own checks after a load); torch only for values.
 """
+
+__version__ = "0.1.0"  # the one version: pyproject.toml reads it, `ckpt --version` and `gtp-train --version` print it

@@ -35,6 +35,7 @@ from gtp_format.commit import write_durable
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
 from gtp_format.layout.shard import ShardSpec
+from gtp_format.layout.topology import ALL_GROUP_KINDS
 from gtp_format.names import LAYOUTS, MANIFEST_FILE, OPTIMIZER_SHARDINGS
 
 FORMAT_TAG = "gtp-ckpt"
@@ -355,6 +356,9 @@ def _param(raw: Any, path: str) -> ParamLayout:
         tp_mode=_opt_str(d.get("tp_mode"), f"{path}.tp_mode"),
         shard_kind=_opt_str(d.get("shard_kind"), f"{path}.shard_kind"),
         shard_size=_int(g("shard_size"), f"{path}.shard_size", low=1), align=_int(g("align"), f"{path}.align", low=1))
+    if p.tp_mode not in TP_MODES or p.shard_kind not in SHARD_KINDS:  # anything else was read as "replicated"
+        raise _Bad(path, f"has tp_mode {_short(p.tp_mode)} / shard_kind {_short(p.shard_kind)}, not one of "
+                         f"{TP_MODES} / {SHARD_KINDS}")
     if p.start > p.end or p.end - p.start != math.prod(p.local_shape):
         raise _Bad(path, f"has range [{p.start}, {p.end}) for local shape {list(p.local_shape)}")
     return p
@@ -384,11 +388,24 @@ def _buffer(raw: Any, path: str) -> BufferLayout:
         grad_dtype=_str(d.get("grad_dtype", d.get("param_dtype")), f"{path}.grad_dtype"),
         is_expert=_bool(g("is_expert"), f"{path}.is_expert"),
         excludes_cp=_bool(g("excludes_cp"), f"{path}.excludes_cp"),
-        dp_group_kind=_str(g("dp_group_kind"), f"{path}.dp_group_kind"),
+        dp_group_kind=_group_kind(g("dp_group_kind"), f"{path}.dp_group_kind"),
         dp_size=_int(g("dp_size"), f"{path}.dp_size", low=1),
         grad_divisor=_int(d.get("grad_divisor", 1), f"{path}.grad_divisor", low=1),
         example_dp_group_idx=_int(d.get("example_dp_group_idx", 0), f"{path}.example_dp_group_idx"),
         buckets=buckets)
+
+
+TP_MODES = (None, "column", "row", "vocab")  # layout/shard.py: ShardSpec
+SHARD_KINDS = (None, "weight", "expert_gtp_remat")  # topology.WEIGHT, topology.EXPERT_GTP
+
+
+def _group_kind(v: Any, path: str) -> str:
+    """A group kind the rank generator knows: an unknown one reached ``Topology.groups`` as a
+    KeyError, the CLI's last-resort "unexpected" line (issue 22)."""
+    kind = _str(v, path)
+    if kind not in ALL_GROUP_KINDS:
+        raise _Bad(path, f"is {_short(kind)}, not a group kind ({', '.join(ALL_GROUP_KINDS)})")
+    return kind
 
 
 def _buffers(raw: Any) -> tuple[BufferLayout, ...]:

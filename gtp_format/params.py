@@ -176,8 +176,9 @@ def param_views(manifest: Manifest) -> dict[str, ParamView]:
     """Every parameter of a checkpoint of our runtime, from its manifest (model-weight key = name)."""
     par, buffers = manifest.topology, manifest.buffers
     if par is None or buffers is None:
-        raise FormatError("manifest has no topology or bucket layout: the per-parameter view needs both; "
-                          "restore gtp_manifest.json from the run that wrote the checkpoint")
+        why = f" ({manifest.problems[0]})" if manifest.problems else ""  # a section dropped as ill-formed
+        raise FormatError(f"manifest has no usable topology or bucket layout{why}: the per-parameter view needs "
+                          "both; restore gtp_manifest.json from the run that wrote the checkpoint")
     out: dict[str, ParamView] = {}
     for buf in buffers:
         insts = list(instances(buf, par))

@@ -17,13 +17,12 @@ that log file. ``GTP_TRACEBACK=1`` prints the traceback on stderr as well.
 from __future__ import annotations
 
 import os
-import re
 import sys
 import tempfile
 import traceback
 from pathlib import Path
 
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff\ud800-\udfff]")
+from gtp_format.text import one_line, safe_text
 
 
 def root_cause(e: BaseException) -> BaseException:
@@ -40,11 +39,10 @@ def root_cause(e: BaseException) -> BaseException:
 def describe(e: BaseException, limit: int = 1000) -> str:
     """``e``'s message on one line, escaped and bounded; never raises (``str`` itself can)."""
     try:
-        text = " ".join(str(e).split())
+        text = str(e)
     except Exception:  # noqa: BLE001 - str() itself can fail (an int over 4300 digits)
         text = "(message not printable)"
-    return _UNSAFE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
-                       text[:limit])
+    return one_line(text, limit)
 
 
 def failure_line(rank: int, e: BaseException, known: bool, log: str | os.PathLike | None = None) -> str:
@@ -52,7 +50,7 @@ def failure_line(rank: int, e: BaseException, known: bool, log: str | os.PathLik
     e = root_cause(e)
     if known:
         return f"error: rank {rank}: {describe(e)}"
-    return f"error: rank {rank}: {type(e).__name__}: {describe(e)}" + (f" (full log: {log})" if log else "")
+    return f"error: rank {rank}: {type(e).__name__}: {describe(e)}" + (f" (full log: {safe_text(log)})" if log else "")
 
 
 def report_failure(rank: int, e: BaseException, known: bool) -> int:

@@ -5,7 +5,10 @@ fixture scripts (before this module there were six copies, each failing differen
 forever, some printed every rank's traceback, one lost the failing rank's name).
 
 Each call starts fresh processes with a new process group (gloo, or NCCL with one GPU per rank) on a
-new port. The failure modes are the point of this module:
+new port. The rendezvous store is served by this process (:func:`rendezvous_store`), which binds a
+port and retries with a fresh one when it is taken (``EADDRINUSE``: another launch on the machine won
+the race for the port ``free_port`` found; about one launch in 20 failed so on a busy machine). The
+ranks only connect to it. The failure modes are the point of this module:
 
 * a rank that raises reports ``type: message`` and the parent names that rank in one line; its full
   traceback goes to that rank's log file, never to the console;
@@ -14,7 +17,9 @@ new port. The failure modes are the point of this module:
 * peers left waiting in a collective fail on the process-group timeout
   (``init_process_group(timeout=)``, also the collective timeout) or are terminated by the parent
   ``GRACE_S`` seconds after the first failure, so a failing rank never turns into a hang, and no
-  process outlives the call. With a ``deadline``, a run that never finishes is stopped too.
+  process outlives the call. With a ``deadline``, a run that never finishes is stopped too;
+* no rank outlives the caller, even one killed by SIGKILL: see :mod:`gtp_runtime.lifeline` (the
+  parent-death signal, a pipe the ranks watch, SIGTERM stopping the ranks as SIGINT does).
 
 Children write stderr (and, unless ``stdout="inherit"``, stdout) to ``{workdir}/{tag}.rank{r}.log``,
 so the parent's stdout (a JSON document, perhaps) carries only what the caller chose. Results come
@@ -40,6 +45,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+from gtp_runtime.lifeline import sigterm_as_interrupt, watch_lifeline
+
 TIMEOUT_ENV = "GTP_ROUNDTRIP_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
 GRACE_S = 10.0  # how long peers of a failed rank may take to report before they are terminated
@@ -54,6 +61,7 @@ _PEER_ERROR = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Socket 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "gtp_runtime.training",
            "gtp_runtime.checkpoint.io", "gtp_runtime.roundtrip")
 AUTO = "auto"
+PORT_ATTEMPTS = 20  # fresh ports tried when the one found free is taken before the store binds it
 
 
 @dataclass
@@ -91,6 +99,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rendezvous_store(timeout: float) -> Any:
+    """A ``TCPStore`` served by this process on a free local port, retried on a fresh port while taken.
+
+    A port found free can be taken by another process before it is bound (``free_port`` closes its
+    probe socket); the store binds it here, in one process, so a race costs a retry, not a launch.
+    """
+    import torch.distributed as dist
+
+    for attempt in range(PORT_ATTEMPTS):
+        port = free_port()
+        try:
+            return dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+        except RuntimeError as e:  # DistNetworkError
+            if "EADDRINUSE" not in str(e) or attempt == PORT_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 # User-facing errors (bad flags, a bad checkpoint): reported as their message, not as a crash.
 # Matched by name so that a failing rank need not import the runtime to classify its error.
 KNOWN_ERRORS = frozenset({"gtp_runtime.checkpoint.errors.CheckpointError", "gtp_format.layout.config.ConfigError",
@@ -106,8 +132,9 @@ def log_path(workdir: str | os.PathLike, tag: str, rank: int) -> Path:
 
 
 def _entry(rank: int, world: int, port: int, workdir: str, tag: str, timeout: float, env: dict[str, str],
-           backend: str, stdout: str, conn: Any, fn: Callable[..., Any], args: tuple) -> None:
-    """Body of one rank: redirect output, join the group, run ``fn``, report, leave."""
+           backend: str, stdout: str, conn: Any, lifeline: Any, fn: Callable[..., Any], args: tuple) -> None:
+    """Body of one rank: tie it to the launcher, redirect output, join the group, run ``fn``, report, leave."""
+    watch_lifeline(lifeline)
     # A forkserver child starts with the server's environment, not the caller's current one.
     os.environ.clear()
     os.environ.update(env)
@@ -132,7 +159,8 @@ def _entry(rank: int, world: int, port: int, workdir: str, tag: str, timeout: fl
             device = torch.device("cuda", rank)  # binds the communicator to this rank's GPU
         else:
             torch.set_num_threads(1)
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout),
+        store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=timeout))  # the launcher's
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout),
                                 device_id=device)
         report = {"status": "ok", "value": fn(*args)}
     except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
@@ -286,25 +314,33 @@ def run_local_ranks(world: int, fn: Callable[..., Any], args: Sequence[Any] = ()
     ctx = mp.get_context(START_METHOD)
     if START_METHOD == "forkserver":
         ctx.set_forkserver_preload(list(preload))
-    port = free_port()
+    store = rendezvous_store(timeout)
     child_env = {**os.environ, **(env or {})}
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
-    procs = [ctx.Process(target=_entry, args=(r, world, port, str(work), tag, timeout, child_env, backend, stdout,
-                                              pipes[r][1], fn, tuple(args)), daemon=True) for r in range(world)]
+    # The lifeline: this process keeps the only write end (the ranks get the read end), so however
+    # it dies, every rank sees EOF and ends (gtp_runtime.lifeline).
+    life_recv, life_send = ctx.Pipe(duplex=False)
+    procs = [ctx.Process(target=_entry, args=(r, world, store.port, str(work), tag, timeout, child_env, backend,
+                                              stdout, pipes[r][1], life_recv, fn, tuple(args)), daemon=True)
+             for r in range(world)]
     ranks = _Ranks(procs, [recv for recv, _ in pipes])
     timed_out = False
     try:
-        for p in procs:
-            p.start()
-        for _, send in pipes:
-            send.close()  # the children hold theirs: a rank that dies closes its pipe
-        timed_out = _watch(ranks, limit)
+        with sigterm_as_interrupt():
+            for p in procs:
+                p.start()
+            life_recv.close()
+            for _, send in pipes:
+                send.close()  # the children hold theirs: a rank that dies closes its pipe
+            timed_out = _watch(ranks, limit)
     finally:
         ranks.stop()
         ranks.drain()
         ranks.note_failures()
         for recv, _ in pipes:
             recv.close()
+        life_send.close()
+        del store
     keep = not own
     try:
         if timed_out:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import sys
 from typing import Any
@@ -27,11 +28,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gtp_format import __version__
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
+from gtp_format.names import ITER_DIR_RE
+from gtp_format.text import safe_text
 from gtp_runtime.data.indexed import DataError
 from gtp_runtime.data.source import DataConfig
+from gtp_runtime.data.vocab import tokenizer_vocab_size
 from gtp_runtime.launch import RankFailure, run_local_ranks
+from gtp_runtime.lifeline import Terminated
 from gtp_runtime.lr_schedule import LRConfig
 from gtp_runtime.muon import MuonConfig
 from gtp_runtime.optimizer import AdamConfig
@@ -39,6 +45,7 @@ from gtp_runtime.training import TrainConfig, Trainer
 
 # Imported once by the fork server the ranks are forked from (see gtp_runtime.launch).
 PRELOAD = ("torch", "torch.distributed", "gtp_runtime.training", "gtp_runtime.parity", "gtp_runtime.checkpoint.io")
+DEFAULT_VOCAB = 256  # the byte tokenizer
 COLLECTIVE_TIMEOUT_S = 1800.0  # torch's default process-group timeout; a dead peer is noticed sooner
 
 EXAMPLES = """examples:
@@ -51,57 +58,82 @@ EXAMPLES = """examples:
 """
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Examples kept as written, and ``(default: X)`` on every flag whose help does not say it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default:" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            return f"{text} (default: off)" if isinstance(action, argparse._StoreTrueAction) else text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """Every flag, with help and its default. Where Megatron-LM has a twin, its name is an alias
+    (``--tensor-model-parallel-size`` for ``--tp``, ``--train-iters`` for ``--steps``, ...), so a
+    Megatron command line's parallelism, model, schedule and checkpoint flags carry over as written."""
     ap = argparse.ArgumentParser(prog="python -m gtp_runtime.train", description=__doc__.split("\n\n")[1],
-                                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 epilog=EXAMPLES, formatter_class=_HelpFormatter)
+    ap.add_argument("--version", action="version", version=f"gtp-train {__version__}")
     g = ap.add_argument_group("parallelism")
     g.add_argument("--nproc-per-node", type=int, default=None, help="ranks to spawn (default: tp*cp*gtp_remat*dp)")
-    g.add_argument("--tp", type=int, default=1)
-    g.add_argument("--cp", type=int, default=1)
-    g.add_argument("--gtp-remat", type=int, default=1)
+    g.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel size")
+    g.add_argument("--cp", "--context-parallel-size", type=int, default=1, help="context-parallel size")
+    g.add_argument("--gtp-remat", type=int, default=1,
+                   help="GTP_remat group size: each dense weight is sharded over this many ranks (ZeRO-3 per weight)")
     g.add_argument("--dp", type=int, default=None, help="replicate degree (default: world / (tp*cp*gtp_remat))")
     g.add_argument("--fold-cp", action="store_true", help="shard dense weights over cp x gtp_remat (opt-in)")
-    g.add_argument("--expert-gtp-remat", type=int, default=1)
+    g.add_argument("--expert-gtp-remat", type=int, default=1, help="GTP_remat group size of the expert weights")
     g.add_argument("--average-in-collective", action="store_true",
                    help="average inside the collective (refused with GTP_remat active)")
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: CUDA (NCCL) where there is a GPU, else CPU (gloo)")
     m = ap.add_argument_group("model")
-    m.add_argument("--vocab-size", type=int, default=256)
-    m.add_argument("--hidden", type=int, default=64)
-    m.add_argument("--num-layers", type=int, default=2)
-    m.add_argument("--num-heads", type=int, default=4)
-    m.add_argument("--ffn-hidden", type=int, default=128)
-    m.add_argument("--seq-length", type=int, default=32)
-    m.add_argument("--num-experts", type=int, default=0)
-    m.add_argument("--moe-topk", type=int, default=1)
-    m.add_argument("--gtp-align", type=int, default=16)
-    m.add_argument("--seed", type=int, default=1234)
+    m.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary size (default: the size of PREFIX.tokenizer.json next to --data-path, else 256)")
+    m.add_argument("--hidden", "--hidden-size", type=int, default=64, help="hidden size")
+    m.add_argument("--num-layers", type=int, default=2, help="transformer layers")
+    m.add_argument("--num-heads", "--num-attention-heads", type=int, default=4, help="attention heads")
+    m.add_argument("--ffn-hidden", "--ffn-hidden-size", type=int, default=128, help="MLP hidden size")
+    m.add_argument("--seq-length", type=int, default=32, help="tokens per sequence")
+    m.add_argument("--num-experts", type=int, default=0, help="MoE experts per layer (0: dense MLP)")
+    m.add_argument("--moe-topk", "--moe-router-topk", type=int, default=1, help="experts each token is routed to")
+    m.add_argument("--gtp-align", type=int, default=16, help="rows of a GTP shard are padded to a multiple of this")
+    m.add_argument("--seed", type=int, default=1234, help="initialisation seed")
     m.add_argument("--bf16", action="store_true", help="bf16 params, fp32 grads and optimizer state")
     t = ap.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=5,
-                   help="train until this iteration (Megatron's --train-iters; counts loaded iterations)")
-    t.add_argument("--micro-batch", type=int, default=2)
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--weight-decay", type=float, default=0.01)
-    t.add_argument("--clip-grad", type=float, default=1.0)
+    t.add_argument("--steps", "--train-iters", type=int, default=5,
+                   help="train until this iteration (counts loaded iterations)")
+    t.add_argument("--micro-batch", "--micro-batch-size", type=int, default=2, help="sequences per data lane and step")
+    t.add_argument("--global-batch-size", type=int, default=None,
+                   help="sequences per step; must equal micro-batch x gtp_remat x dp, as there is no gradient "
+                   "accumulation (default: that product)")
+    t.add_argument("--lr", type=float, default=1e-3, help="AdamW's peak learning rate")
+    t.add_argument("--weight-decay", type=float, default=0.01, help="decoupled weight decay")
+    t.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this")
     t.add_argument("--optimizer", choices=("adam", "muon"), default="adam",
                    help="adam: AdamW everywhere; muon: Muon for the linears, AdamW for embeddings, output, norms")
     t.add_argument("--muon-lr", type=float, default=0.02,
                    help="Muon's peak learning rate (--lr is AdamW's; the --lr-* schedule scales both)")
     t.add_argument("--muon-momentum", type=float, default=0.95, help="Muon's (Nesterov) momentum")
     t.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warmup from 0 to --lr over this many steps")
-    t.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant")
-    t.add_argument("--lr-decay-iters", type=int, default=None, help="decay to --min-lr by this step (default --steps)")
-    t.add_argument("--min-lr", type=float, default=0.0)
+    t.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant",
+                   help="learning-rate decay after the warmup")
+    t.add_argument("--lr-decay-iters", type=int, default=None, help="decay to --min-lr by this step (default: --steps)")
+    t.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
     t.add_argument("--eval-interval", type=int, default=0, help="validation loss every N steps (0: never)")
     t.add_argument("--eval-iters", type=int, default=2, help="validation batches per evaluation")
-    t.add_argument("--bucket-size", type=int, default=40_000_000, help="elements per gradient bucket")
+    t.add_argument("--bucket-size", "--ddp-bucket-size", type=int, default=40_000_000,
+                   help="elements per gradient bucket")
     t.add_argument("--no-gather-prefetch", action="store_true",
                    help="gather each GTP weight only when it is needed (no prefetch of the next one)")
     t.add_argument("--no-overlap-grad-reduce", action="store_true",
                    help="finish each weight-gradient reduce-scatter inside backward")
     t.add_argument("--fused", choices=("compile", "liger"), default=None,
-                   help="fused element-wise kernels: torch.compile regions (eager off CUDA) or Liger-Kernel")
+                   help="fused element-wise kernels: torch.compile regions (eager off CUDA) or Liger-Kernel "
+                   "(default: unfused)")
     t.add_argument("--check-reference", action="store_true", help="compare against the fp32 reference")
     t.add_argument("--reference-tol", type=float, default=1e-5,
                    help="max relative error of losses, grad norms and gradients vs the reference")
@@ -111,16 +143,23 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--data-path", default=None,
                    help="PREFIX of PREFIX.bin/.idx (Megatron) or a flat .bin of tokens (default: Python stdlib)")
     d.add_argument("--data-dtype", choices=("uint16", "uint32"), default="uint16", help="tokens of a flat .bin")
-    d.add_argument("--split", default="98,2", help="train,valid document ratio (Megatron's --split)")
+    d.add_argument("--split", default="98,2", help="train,valid document ratio")
     d.add_argument("--data-seed", type=int, default=None, help="document/sample shuffle seed (default: --seed)")
     c = ap.add_argument_group("checkpointing")
-    c.add_argument("--save", default=None, help="folder to save checkpoints under (iter_XXXXXXX/)")
-    c.add_argument("--save-interval", type=int, default=None, help="save every K iterations (and at the end)")
-    c.add_argument("--load", default=None, help="checkpoint folder, or its parent (follows latest)")
-    c.add_argument("--ckpt-layout", choices=("torch_dist", "safetensors"), default="torch_dist")
+    c.add_argument("--save", default=None, help="local folder to save checkpoints under, as iter_XXXXXXX/ "
+                   "(default: no saving)")
+    c.add_argument("--save-interval", type=int, default=None,
+                   help="save every K iterations, and at the end (default: at the end only)")
+    c.add_argument("--load", default=None, help="checkpoint folder, or its parent (follows latest) (default: a "
+                   "fresh start)")
+    c.add_argument("--ckpt-layout", "--ckpt-format", choices=("torch_dist", "safetensors"), default="torch_dist",
+                   help="torch_dist: Megatron's DCP layout; safetensors: the pickle-free layout")
     c.add_argument("--optimizer-sharding", default="dp_reshardable",
-                   choices=("dp_reshardable", "fully_reshardable", "dp_zero_gather_scatter"))
-    t.add_argument("--log-json", default=None, help="write per-step rows and a summary to this file (rank 0)")
+                   choices=("dp_reshardable", "fully_reshardable", "dp_zero_gather_scatter"),
+                   help="Megatron's distributed-optimizer checkpoint formats; only dp_reshardable is implemented "
+                   "(the others are refused before any rank starts)")
+    t.add_argument("--log-json", default=None, help="write per-step rows and a summary to this file (rank 0) "
+                   "(default: none)")
     return ap
 
 
@@ -132,6 +171,8 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
                          expert_gtp_remat=args.expert_gtp_remat, average_in_collective=args.average_in_collective)
     world = world or args.nproc_per_node or par.world_size
     par.validate(world, args.num_experts)
+    if args.vocab_size is None:  # the prepared dataset's tokenizer says it (gtp_runtime.data.vocab)
+        args.vocab_size = (tokenizer_vocab_size(args.data_path) if args.data_path else None) or DEFAULT_VOCAB
     model = ModelConfig(vocab_size=args.vocab_size, hidden=args.hidden, num_layers=args.num_layers,
                         num_heads=args.num_heads, ffn_hidden=args.ffn_hidden, seq_length=args.seq_length,
                         num_experts=args.num_experts, moe_topk=args.moe_topk, gtp_align=args.gtp_align,
@@ -159,6 +200,39 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
     return cfg, world
 
 
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def refuse_impossible(args: argparse.Namespace, cfg: TrainConfig) -> None:
+    """Refuse, before any rank starts, choices that could only fail later (or silently do the wrong thing)."""
+    from gtp_runtime.checkpoint.verified import sharding_refusal
+
+    if args.optimizer_sharding != "dp_reshardable":
+        sharding_refusal(args.optimizer_sharding, cfg.par.fold_cp and cfg.par.cp > 1, "load" if args.load else "save")
+    if args.global_batch_size is not None and args.global_batch_size != cfg.global_batch_size:
+        raise ConfigError(f"--global-batch-size {args.global_batch_size} != micro-batch {cfg.micro_batch} x "
+                          f"gtp_remat {cfg.par.gtp_remat} x dp {cfg.par.dp} = {cfg.global_batch_size}: there is no "
+                          "gradient accumulation; drop it or change --micro-batch-size")
+    for flag, value in (("--save", args.save), ("--load", args.load)):
+        if value and _URL.match(value):
+            raise ConfigError(f"{flag} {value!r} is a URL; checkpoints are read and written in a local folder, so "
+                              "pass a path (copy to object storage after the run)")
+
+
+def _nothing_to_train(args: argparse.Namespace, it: int | None) -> str | None:
+    """The line to end with when the checkpoint ``--load`` found is already at or past ``--steps``.
+
+    Megatron's ``--train-iters`` counts loaded iterations too, so such a run has nothing to do;
+    it used to start every rank and exit 0 without a word.
+    """
+    if args.check_reference:
+        return None
+    if it is None or it < args.steps:
+        return None
+    return (f"nothing to train: {safe_text(args.load)} is at iteration {it}, already at or past --steps "
+            f"(--train-iters) {args.steps}; pass --steps N with N > {it} to train on")
+
+
 def _device(args: argparse.Namespace, local_rank: int) -> torch.device:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
@@ -183,7 +257,10 @@ def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
     code = 0
     if args.load:
         folder = load_checkpoint(trainer, args.load, args.optimizer_sharding)
-        say(f"loaded {folder} at iteration {trainer.iteration}", flush=True)
+        say(f"loaded {safe_text(folder)} at iteration {trainer.iteration}", flush=True)
+        done = _nothing_to_train(args, trainer.iteration)  # under torchrun: the launcher did not check
+        if done:
+            say(done, flush=True)
     elif args.save or args.optimizer_sharding != "dp_reshardable":
         check_sharding(trainer, args.optimizer_sharding, "save")
     if args.check_reference:
@@ -210,7 +287,7 @@ def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
             last = trainer.iteration == args.steps
             if args.save and (last or (args.save_interval and trainer.iteration % args.save_interval == 0)):
                 folder = save_checkpoint(trainer, args.save, args.ckpt_layout, args.optimizer_sharding)
-                say(f"saved {folder}", flush=True)
+                say(f"saved {safe_text(folder)}", flush=True)
     if args.log_json:
         # Per-rank peak RSS (KiB on Linux), gathered so rank 0 can log every rank's.
         rss: list[Any] = [None] * dist.get_world_size()
@@ -237,6 +314,7 @@ def _run_initialised(args: argparse.Namespace) -> int:
     rank = int(os.environ["RANK"])
     try:
         cfg, _ = resolve(args, int(os.environ["WORLD_SIZE"]))
+        refuse_impossible(args, cfg)
         use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         torch.set_num_threads(1) if not use_cuda else None
         dist.init_process_group("nccl" if use_cuda else "gloo")
@@ -277,8 +355,14 @@ def spawn(args: argparse.Namespace, world: int) -> int:
                                 deadline=None, backend="nccl" if use_cuda else "gloo", stdout="inherit",
                                 preload=PRELOAD)
     except RankFailure as e:
-        print(f"error: {e.line()}", file=sys.stderr, flush=True)
+        print(f"error: {safe_text(e.line())}", file=sys.stderr, flush=True)
         return 2 if e.clean else 1
+    except KeyboardInterrupt as e:  # SIGINT, or SIGTERM (gtp_runtime.lifeline): every rank is stopped
+        term = isinstance(e, Terminated)
+        print(f"error: {'terminated (SIGTERM)' if term else 'interrupted'}: stopped every rank; an iteration "
+              "being saved was not committed" + (f", resume with --load {safe_text(args.save)}" if args.save else ""),
+              file=sys.stderr, flush=True)
+        return 143 if term else 130
     return max(codes)
 
 
@@ -293,11 +377,17 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg, world = resolve(args, None)
+        refuse_impossible(args, cfg)
         check_data(cfg, args.eval_interval)
         if args.load:
             # The checkpoint is opened and verified here, before any rank exists; the ranks load
             # the folder found here (a newer ``latest`` written meanwhile does not change it).
             args.load = str(preflight(args.load, cfg, args.optimizer_sharding))
+            m = ITER_DIR_RE.match(os.path.basename(os.path.normpath(args.load)))
+            done = _nothing_to_train(args, int(m.group(1)) if m else None)
+            if done:
+                print(done, flush=True)
+                return 0
     except (ConfigError, CheckpointError, DataError, OSError) as e:
         print(f"error: {describe(e)}", file=sys.stderr)
         return 2
@@ -308,5 +398,10 @@ def main(argv: list[str] | None = None) -> int:
     return spawn(args, world)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console-script entry point (``gtp-train`` in pyproject.toml)."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

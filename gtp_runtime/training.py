@@ -13,7 +13,7 @@ from gtp_format.layout import topology as topo
 from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_runtime.context_parallel import cp_positions, split_for_cp
 from gtp_runtime.data import lane_slice
-from gtp_runtime.data.source import DataConfig, DataSource
+from gtp_runtime.data.source import DataConfig, DataSource, RecordedData, open_source
 from gtp_runtime.groups import Groups, build_groups
 from gtp_runtime.lr_schedule import LRConfig, LRScheduler
 from gtp_runtime.model import GPTModel, is_gtp_dense
@@ -84,14 +84,15 @@ class Trainer:
         self.consumed_train_samples = 0
         """Megatron's data position: the next step reads samples from here on."""
         self.scheduler = LRScheduler(cfg.lr or LRConfig(max_lr=cfg.adam.lr))
-        self._data: DataSource | None = None
+        self._data: DataSource | RecordedData | None = None
 
     @property
-    def data(self) -> DataSource:
-        """Opened on first use: checkpoint-only users of a Trainer never touch the corpus."""
+    def data(self) -> DataSource | RecordedData:
+        """Opened on first use: checkpoint-only users of a Trainer never touch the corpus (and a
+        config carrying a checkpoint's recorded fingerprint never opens a file at all)."""
         if self._data is None:
             m = self.cfg.model
-            self._data = DataSource(self.cfg.data, m.seq_length, m.vocab_size, m.seed)
+            self._data = open_source(self.cfg.data, m.seq_length, m.vocab_size, m.seed)
         return self._data
 
     @property

@@ -3,7 +3,9 @@
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 ruff check .
 # Two to four pytest workers (pytest-xdist), one test file per worker at a time (--dist loadfile keeps a
-# file's module fixtures in one process). Measured on 2 cores, 2026-12-01, 1031 tests: 856 s with two
-# workers; the 80 slowest tests alone take 1,539 s, so one worker would pass 20 minutes.
+# file's module fixtures in one process). On 2 cores with two workers the suite took 14 to 16 minutes
+# (856 s for 1031 tests; 16 min for 1044 passed and 16 skipped in issue 27's run); its slowest tests
+# alone take over 25 minutes of CPU, so one worker would be far slower. The suite grows: count with
+# `pytest --collect-only -q | tail -1` rather than trusting a figure here.
 WORKERS=${PYTEST_WORKERS:-$(python -c "import os; print(max(2, min(4, os.cpu_count() or 2)))")}
 python -m pytest -q -n "$WORKERS" --dist loadfile "$@"

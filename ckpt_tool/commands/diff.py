@@ -17,6 +17,8 @@ import typer
 from ckpt_tool.output import (
     DEFAULT_MAX_BYTES,
     FormatOption,
+    IgnoreOption,
+    KeysOption,
     MaxBytesOption,
     OutputFormat,
     fail,
@@ -69,11 +71,8 @@ def diff_command(
     atol: Annotated[float, typer.Option("--atol", min=0.0, help="Absolute tolerance for values.")] = 0.0,
     bitwise: Annotated[bool, typer.Option(
         "--bitwise", help="Compare stored bits instead of values (byte objects by their stored bytes).")] = False,
-    keys: Annotated[list[str] | None, typer.Option(
-        "--keys", help="Compare only keys matching this glob (fnmatch; repeatable).", show_default=False)] = None,
-    ignore: Annotated[list[str] | None, typer.Option(
-        "--ignore", help="Skip keys matching this glob (fnmatch; repeatable; wins over --keys).",
-        show_default=False)] = None,
+    keys: KeysOption = None,
+    ignore: IgnoreOption = None,
     max_bytes: MaxBytesOption = DEFAULT_MAX_BYTES,
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
@@ -89,7 +88,7 @@ def diff_command(
     sa, sb = CheckpointSource(ca), CheckpointSource(cb)
     select.require_match(ca.entries, cb.entries, where=f"{ca.root} or {cb.root}")
     names = selected_keys(sa, sb, select)
-    with progress(work(sa, sb, names), "comparing", progress_enabled(fmt)) as advance:
+    with progress(work(sa, sb, names), "comparing", progress_enabled(fmt), "chunks") as advance:
         report = compare(sa, sb, rule, keys=names, max_bytes=max_bytes, advance=advance)
     only_a, only_b, common = report.only_in_a, report.only_in_b, report.common
     diffs = [_legacy(d) for r in common for d in r.differences]

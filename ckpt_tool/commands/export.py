@@ -12,6 +12,7 @@ from ckpt_tool.output import (
     FormatOption,
     MaxMemoryOption,
     OutputFormat,
+    count,
     fmt_bytes,
     handle_errors,
     print_written,
@@ -57,7 +58,8 @@ DST exists, or a write failed."""
 def export_command(
     src: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
     dst: Annotated[Path, typer.Argument(help="New folder (a new file for --to torch).", show_default=False)],
-    to: Annotated[str, typer.Option("--to", help="hf, fully_reshardable or torch.")] = "hf",
+    to: Annotated[str, typer.Option("--to", metavar="hf|fully_reshardable|torch",
+                                           help="What to write.")] = "hf",
     optimizer: Annotated[bool, typer.Option("--optimizer", help="hf: also write master weights and moments.")
                          ] = False,
     names: Annotated[str | None, typer.Option("--names", show_default="hf; megatron-core SRC: hf with --num-heads",
@@ -83,9 +85,10 @@ def export_command(
     with contextlib.ExitStack() as stack:
         bar = progress_opener(stack, f"exporting to {to}", fmt)
         info = export(src, dst, to, optimizer, max_memory, workers, max_shard_size, bar, names, tokenizer, num_heads)
-    what = f"{info['params']} params" if to != "torch" else f"{info['keys']} keys"
+    what = count(info["params"], "param") if to != "torch" else count(info["keys"], "key")
     print_written(fmt, info, f"wrote {info['dst']} ({to}{', ' + info['names'] + ' names' if 'names' in info else ''}"
-                  f"): {what}, {info['files']} files, {fmt_bytes(info['bytes_written'])} in {info['seconds']:.1f} s")
+                  f"): {what}, {count(info['files'], 'file')}, {fmt_bytes(info['bytes_written'])} in "
+                  f"{info['seconds']:.1f} s")
 
 
 def register(app: typer.Typer) -> None:

@@ -12,6 +12,7 @@ from ckpt_tool.output import (
     FormatOption,
     MaxMemoryOption,
     OutputFormat,
+    count,
     fmt_bytes,
     handle_errors,
     print_written,
@@ -73,7 +74,7 @@ def import_command(
         bar = progress_opener(stack, "importing", fmt)
         info = import_hf(src, dst, par, layout, bucket_size, seq_length, max_memory, workers, bar)
     print_written(fmt, info, f"imported {info['src']} ({info['architecture']}) as {info['dst']} ({info['topology']}, "
-                  f"{info['layout']}): {info['params']} params, {info['files']} files, "
+                  f"{info['layout']}): {count(info['params'], 'param')}, {count(info['files'], 'file')}, "
                   f"{fmt_bytes(info['bytes_written'])} in {info['seconds']:.1f} s")
 
 

@@ -7,7 +7,6 @@ safe: it parses ``.metadata`` through the allow-list and never opens a ``.distcp
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,6 +15,8 @@ import typer
 
 from ckpt_tool.output import (
     FormatOption,
+    IgnoreOption,
+    KeysOption,
     OutputFormat,
     fmt_bytes,
     fmt_shape,
@@ -38,6 +39,37 @@ EPILOG = """Examples:
 Exit codes: 0 ok, 2 unreadable input."""
 
 
+def _words(value: Any) -> str:
+    """Any JSON value as words: ``k v, k v`` for an object, ``a, b`` for a list (no Python reprs)."""
+    if isinstance(value, dict):
+        return ", ".join(f"{str(k).replace('_', ' ')} {_words(v)}" for k, v in value.items())
+    if isinstance(value, list):
+        return ", ".join(_words(v) for v in value)
+    return "-" if value is None else str(value)
+
+
+def data_position_words(position: Any) -> str:
+    """The manifest's data position as a sentence: samples consumed, of which data, where it was."""
+    if not isinstance(position, dict):
+        return _words(position)
+    rest = dict(position)
+    consumed = rest.pop("consumed_train_samples", None)
+    path = rest.pop("path", None)
+    data = rest.pop("dataset", None)
+    parts = [f"{consumed} samples consumed" if consumed is not None else "samples consumed not recorded"]
+    if isinstance(data, dict):
+        d = dict(data)
+        name = d.pop("name", "?")
+        sizes = ", ".join(f"{d.pop(k)} {k}" for k in ("documents", "tokens", "sequences") if k in d)
+        parts.append(f"of {name}" + (f" ({sizes})" if sizes else "") + (f", {_words(d)}" if d else ""))
+    elif data is not None:
+        parts.append(f"of {_words(data)}")
+    parts.append(f"read from {path}" if path else "read from the default corpus (no --data-path)")
+    if rest:
+        parts.append(_words(rest))
+    return "; ".join(parts)
+
+
 def _dtype(d: Any) -> str:
     return str(d).removeprefix("torch.") if d is not None else "-"
 
@@ -45,7 +77,8 @@ def _dtype(d: Any) -> str:
 @handle_errors
 def inspect_command(
     path: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
-    keys: Annotated[str | None, typer.Option("--keys", help="Only keys matching this glob (fnmatch).")] = None,
+    keys: KeysOption = None,
+    ignore: IgnoreOption = None,
     chunks: Annotated[bool, typer.Option("--chunks", help="List every chunk: offsets, sizes, file, bytes.")] = False,
     cp_size: Annotated[
         int | None, typer.Option("--cp-size", min=1, help="CP degree of folded buffers, when no manifest says.")
@@ -55,6 +88,7 @@ def inspect_command(
 ) -> None:
     """Show format, topology, keys and aliasing status of a checkpoint (metadata only)."""
     from gtp_format.check.analysis import BUCKET_NUMEL, MODEL, OPTIMIZER, aliasing, classify_all, topology_view
+    from gtp_format.compare import KeyFilter
     from gtp_format.model import BYTES, TENSOR
     from gtp_format.names import DATA_POSITION_KEY, SCHEDULER_KEY, STATES
     from gtp_format.reader.checkpoint import open_checkpoint
@@ -65,7 +99,8 @@ def inspect_command(
     run_extra = ckpt.manifest.extra if ckpt.manifest is not None else {}  # run state: extra manifest fields
     alias = aliasing(ckpt, classes, topo)
     alias_state = {a.key: ("ALIASED" if a.severity == "error" else "aliased?") for a in alias.aliased}
-    selected = [k for k in ckpt.entries if keys is None or fnmatch.fnmatchcase(k, keys)]
+    select = KeyFilter.of(keys, ignore)
+    selected = [k for k in ckpt.entries if select(k)]
 
     weights, optimizer, objects, chunk_rows = [], [], [], []
     for key in selected:
@@ -103,7 +138,7 @@ def inspect_command(
         "data_file_bytes": sum(ckpt.data_files.values()),
         "per_bucket_numel_objects": sum(c.category == BUCKET_NUMEL for c in classes.values()),
     }
-    if keys is not None:
+    if not select.everything:
         counts["matching_keys"] = len(selected)
     doc = {
         "path": str(ckpt.root), "layout": ckpt.layout, "backend": ckpt.backend, "dcp_version": ckpt.dcp_version,
@@ -175,8 +210,10 @@ def _tables(doc: dict[str, Any]) -> list[str]:
     if oi is not None:
         owned = ", ".join(f"{o} {n} params" for o, n in oi["params"].items())
         summary.append(("optimizer", f"{oi['type']} at step {oi['step']} ({owned})"))
+    if doc.get("data_position") is not None:
+        summary.append(("data position", data_position_words(doc["data_position"])))
     blocks = [table(summary, ("checkpoint", ""))]
-    for title in ("opt_param_scheduler", "data_position"):
+    for title in ("opt_param_scheduler",):
         if isinstance(doc.get(title), dict):
             blocks.append(table([(k, v) for k, v in doc[title].items()], ("field", "value"), title))
     blocks.append(table([(w["key"], fmt_shape(w["shape"]), _dtype(w["dtype"]), w["chunks"]) for w in doc["weights"]],

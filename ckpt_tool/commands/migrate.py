@@ -117,7 +117,7 @@ def migrate_command(
 
     report = migrate_aliased(src, dst, cp_size=cp_size, in_place=in_place, dry_run=dry_run,
                              reset_lost_moments=reset_lost_moments,
-                             progress=lambda steps: progress(steps, "migrating", progress_enabled(fmt)))
+                             progress=lambda steps: progress(steps, "migrating", progress_enabled(fmt), "steps"))
     _finish(report.doc, fmt, report.verdict)
     if report.error is not None:
         fail(report.error.message, report.error.exit_code)

@@ -12,9 +12,11 @@ from ckpt_tool.output import (
     FormatOption,
     MaxMemoryOption,
     OutputFormat,
+    count,
     fmt_bytes,
     handle_errors,
-    print_written,
+    print_json,
+    print_line,
     progress_opener,
 )
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
@@ -51,7 +53,8 @@ def reshard_command(
                                                  help="Shard dense weights over cp x gtp_remat.")] = None,
     expert_gtp_remat: Annotated[int | None, typer.Option("--expert-gtp-remat", min=1,
                                                          help="GTP_remat size of expert weights.")] = None,
-    layout: Annotated[str | None, typer.Option("--layout", help="torch_dist or safetensors (default: SRC's).")] = None,
+    layout: Annotated[str | None, typer.Option("--layout", metavar="torch_dist|safetensors",
+                                                          help="Layout of DST (default: SRC's).")] = None,
     max_memory: MaxMemoryOption = DEFAULT_MAX_MEMORY,
     workers: Annotated[int | None, typer.Option("--workers", min=1, max=64, show_default="one per core, at most 4",
                                                 help="Data files written in parallel.")] = None,
@@ -65,9 +68,12 @@ def reshard_command(
     with contextlib.ExitStack() as stack:
         bar = progress_opener(stack, "resharding", fmt)
         result = reshard(src, dst, par, layout, max_memory, workers, bar)
-    print_written(fmt, result.to_json(), f"wrote {result.dst} ({result.target_topology}, {result.layout}): "
-                  f"{result.files} files, {fmt_bytes(result.bytes_written)} from {result.source_topology} in "
-                  f"{result.seconds:.1f} s")
+    if fmt == OutputFormat.json:
+        print_json({"ok": True, **result.to_json()})
+    else:
+        print_line(f"wrote {result.dst} ({result.target_topology}, {result.layout}): {count(result.files, 'file')}, "
+                   f"{fmt_bytes(result.bytes_written)} from {result.source_topology} in {result.seconds:.1f} s; "
+                   f"peak memory {fmt_bytes(result.peak_rss_bytes)} (budget {fmt_bytes(result.max_memory)})")
 
 
 def register(app: typer.Typer) -> None:

@@ -18,6 +18,8 @@ import typer
 
 from ckpt_tool.output import (
     FormatOption,
+    IgnoreOption,
+    KeysOption,
     OutputFormat,
     fail,
     handle_errors,
@@ -75,12 +77,22 @@ def _compared(row: dict[str, Any]) -> str:
     return f"{row['keys']} {row['unit']}, {row['elements']} elements"
 
 
+def _skipped(row: dict[str, Any]) -> bool:
+    """A check that compared nothing (the selection has none of its keys) did not pass: it was skipped."""
+    return row["unit"] != "steps" and row["ok"] and not row.get("keys") and not row.get("elements")
+
+
 def _report(outcome: Outcome, fmt: OutputFormat) -> None:
     doc, rows, failed = outcome.doc, outcome.doc["checks"], outcome.failed
+    for r in rows:
+        r["skipped"] = _skipped(r)
+    skipped = sum(r["skipped"] for r in rows)
+    doc["skipped"] = skipped
     if fmt == OutputFormat.json:
         print_json(doc)
     else:
-        body = [(r["check"], r["rank"], "ok" if r["ok"] else "DIFFERS", _compared(r),
+        body = [(r["check"], r["rank"], "skipped" if r["skipped"] else "ok" if r["ok"] else "DIFFERS",
+                 "nothing selected" if r["skipped"] else _compared(r),
                  r["differing"] if r["unit"] not in ("fields", "keys", "chunks") else r["differing_keys"],
                  "-" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.6g}",
                  r["first_difference"] or r["expected"] or "-") for r in rows]
@@ -88,7 +100,9 @@ def _report(outcome: Outcome, fmt: OutputFormat) -> None:
         status = "OK" if not failed else "FAILED"
         print_blocks(outcome.title, table(body, ("check", "rank", "result", "compared", "differing", "max |diff|",
                                                  "first difference / note")),
-                     f"{status}: {len(rows) - len(failed)} of {len(rows)} checks passed, bit-exact "
+                     f"{status}: {len(rows) - len(failed) - skipped} of {len(rows)} checks passed, bit-exact"
+                     + (f", {skipped} skipped (--keys/--ignore selected none of their keys)" if skipped else "")
+                     + " "
                      f"({secs['total']:.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in secs.items() if k != "total")
                      + ")")
     if failed:
@@ -131,12 +145,8 @@ def verify_roundtrip_command(
     optimizer: Annotated[Optimizer | None, typer.Option(
         "--optimizer", help="adam (AdamW everywhere) or muon (Muon for the linears, AdamW for the rest) "
                             "(default: adam; with PATH: the checkpoint's).", show_default=False)] = None,
-    keys: Annotated[list[str] | None, typer.Option(
-        "--keys", help="With PATH: compare only keys matching this glob (fnmatch; repeatable).",
-        show_default=False)] = None,
-    ignore: Annotated[list[str] | None, typer.Option(
-        "--ignore", help="With PATH: skip keys matching this glob (fnmatch; repeatable; wins over --keys).",
-        show_default=False)] = None,
+    keys: KeysOption = None,
+    ignore: IgnoreOption = None,
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Save, load in fresh processes and compare bit for bit; exit 1 on any difference."""
@@ -144,8 +154,8 @@ def verify_roundtrip_command(
     from gtp_format.compare import KeyFilter
     from gtp_format.layout.config import ConfigError
 
-    def bar(total: int, description: str) -> Any:
-        return progress(total, description, progress_enabled(fmt))
+    def bar(total: int, description: str, unit: str = "steps") -> Any:
+        return progress(total, description, progress_enabled(fmt), unit)
 
     lay = layout.value if layout is not None else None
     if path is not None:

@@ -14,6 +14,7 @@ import typer
 from ckpt_tool.output import (
     FormatOption,
     OutputFormat,
+    count,
     fail,
     handle_errors,
     print_blocks,
@@ -63,7 +64,7 @@ def verify_command(
     from gtp_format.reader.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(path)
-    with progress(ckpt.chunk_count() if data else 0, "reading chunks", progress_enabled(fmt)) as advance:
+    with progress(ckpt.chunk_count() if data else 0, "reading chunks", progress_enabled(fmt), "chunks") as advance:
         result = verify(ckpt, data=data, cp_size=cp_size, progress=advance, workers=workers)
     errors = [p for p in result.problems if p.severity == "error"]
     warnings = [p for p in result.problems if p.severity == "warning"]
@@ -77,8 +78,9 @@ def verify_command(
         status = "OK" if result.ok else "FAILED"
         print_blocks(
             table(rows, ("severity", "check", "key", "chunk", "file", "message"), "Problems"),
-            f"{status}: {len(errors)} errors, {len(warnings)} warnings in {ckpt.root} "
-            f"({result.stats['keys']} keys, {result.stats['chunks']} chunks; checks: {', '.join(result.checks)})",
+            f"{status}: {count(len(errors), 'error')}, {count(len(warnings), 'warning')} in {ckpt.root} "
+            f"({count(result.stats['keys'], 'key')}, {count(result.stats['chunks'], 'chunk')}; checks that ran: "
+            f"{', '.join(result.checks)})",
         )
     line = result.failure_line(ckpt.root)
     if line is not None:

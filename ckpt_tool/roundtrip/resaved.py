@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ckpt_tool.output import follow_bytes_written
 from ckpt_tool.roundtrip import jobs
 from ckpt_tool.roundtrip.rows import MANIFEST, Outcome, Progress, no_progress, row
 from gtp_format.compare import (
@@ -74,21 +75,24 @@ def run(path: str | os.PathLike[str], dp: int | None = None, layout: str | None 
     saved_dp = src.manifest.topology.dp if src.manifest.topology else None
     layout = layout or src.layout
     seconds: dict[str, float] = {}
-    with sigterm_raises(), tempfile.TemporaryDirectory(prefix="ckpt-roundtrip-") as tmp, \
-            progress(1 + len(src.entries), "round trip") as advance:  # SIGTERM removes tmp, as an error does
+    data_bytes = sum(src.data_files.values())  # what the ranks write again, about
+    # SIGTERM removes tmp, as an error does
+    with sigterm_raises(), tempfile.TemporaryDirectory(prefix="ckpt-roundtrip-") as tmp:
         t0 = time.perf_counter()
+        out = os.path.join(tmp, "resaved")
         try:
-            folder = launch.run_local_ranks(world, jobs.resave_job,
-                                            (cfg, str(src.root), os.path.join(tmp, "resaved"), layout), tmp,
-                                            "resave")[0]
+            with progress(data_bytes, f"loading and saving on {world} ranks", "B") as advance, \
+                    follow_bytes_written(out, advance, data_bytes):
+                folder = launch.run_local_ranks(world, jobs.resave_job, (cfg, str(src.root), out, layout), tmp,
+                                                "resave")[0]
         except launch.RankFailure as e:
             code = EXIT_BAD_INPUT if e.clean else EXIT_CHECK_FAILED
             raise FormatError(f"loading {src.root} on {world} ranks ({cfg.par.describe()}) and saving it again "
                               f"failed: {e}", code) from None
         seconds["load+save"] = time.perf_counter() - t0
-        advance(1)
         t0 = time.perf_counter()
-        checks = compare_resaved(src, open_checkpoint(folder), cfg.par.dp != saved_dp, select, advance)
+        with progress(len(src.entries), "comparing", "keys") as advance:
+            checks = compare_resaved(src, open_checkpoint(folder), cfg.par.dp != saved_dp, select, advance)
         seconds["compare"] = time.perf_counter() - t0
     seconds["total"] = time.perf_counter() - t_start
     doc = {

@@ -12,13 +12,14 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-# ``progress(total, description)`` -> a context yielding ``advance(n)``: the command draws a bar with
-# it, a library caller passes nothing.
-Progress = Callable[[int, str], AbstractContextManager[Callable[[int], None]]]
+# ``progress(total, description, unit)`` -> a context yielding ``advance(n)``: the command draws a bar
+# with it (``ckpt_tool.output.progress``; unit "B" for bytes, else a plural noun), a library caller
+# passes nothing.
+Progress = Callable[..., AbstractContextManager[Callable[[int], None]]]
 
 
 @contextmanager
-def no_progress(total: int, description: str) -> Iterator[Callable[[int], None]]:
+def no_progress(total: int, description: str, unit: str = "steps") -> Iterator[Callable[[int], None]]:
     yield lambda n: None
 
 

@@ -64,7 +64,7 @@ def run(cfg: TrainConfig, world: int, layout: str = "torch_dist", steps: int = D
     seconds: dict[str, float] = {}
     t_start = time.perf_counter()
     with sigterm_raises(), tempfile.TemporaryDirectory(prefix="ckpt-roundtrip-") as tmp, \
-            progress(2, "round trip") as advance:  # SIGTERM removes tmp, as an error does
+            progress(2, "round trip", "phases") as advance:  # SIGTERM removes tmp, as an error does
         root, dump = os.path.join(tmp, "checkpoints"), os.path.join(tmp, "dump")
         os.makedirs(dump)
         phase = "training and saving"

@@ -41,8 +41,11 @@ def expected_keys(manifest: Manifest) -> tuple[Expected, set[str]] | None:
     t = Topology(manifest.topology)
     out: Expected = {}
     weights: set[str] = set()
+    owners_of: dict[bool, list[int]] = {}  # one pass over the world per kind, not per buffer
     for buf in manifest.buffers:
-        owners = sorted({dp_group_idx(t, r, buf.is_expert) for r in range(t.world_size)})
+        if buf.is_expert not in owners_of:
+            owners_of[buf.is_expert] = sorted({dp_group_idx(t, r, buf.is_expert) for r in range(t.world_size)})
+        owners = owners_of[buf.is_expert]
         cp_ranks: list[int | None] = list(range(t.par.cp)) if buf.excludes_cp else [None]
         for b in buf.buckets:
             for p in b.params:

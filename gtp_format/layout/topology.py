@@ -9,6 +9,7 @@ map a data file's writer rank to its CP rank without ``torch.distributed``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from gtp_format.layout.config import ParallelConfig
 
@@ -118,14 +119,26 @@ class Topology:
         raise KeyError(f"unknown group kind {kind!r}")
 
     def group_of(self, kind: str, rank: int) -> list[int]:
-        for members in self.groups(kind):
-            if rank in members:
-                return members
-        raise AssertionError(f"rank {rank} in no {kind} group")
+        """The group of ``kind`` that holds ``rank``.
+
+        Through a rank -> group index built once per (config, kind): a scan of every group per
+        call made the per-parameter view cost world**2 (one call per key position, each walking
+        the world): 20.5 s against 0.73 s indexed for the fixture's layout over a declared world
+        of 4,096 (cp 1024, measured in one run; issue 22).
+        """
+        members = _group_index(self.par, kind).get(rank)
+        if members is None:
+            raise AssertionError(f"rank {rank} in no {kind} group")
+        return list(members)
 
     def table(self) -> dict[str, list[list[int]]]:
         kinds = [CP, GTP, FOLDED, DP, DP_CP, MP, TP, EXPERT_GTP, EXPERT_DP]
         return {k: self.groups(k) for k in kinds}
+
+
+@lru_cache(maxsize=64)
+def _group_index(par: ParallelConfig, kind: str) -> dict[int, tuple[int, ...]]:
+    return {rank: group for group in map(tuple, Topology(par).groups(kind)) for rank in group}
 
 
 ALL_GROUP_KINDS = (CP, GTP, FOLDED, DP, DP_CP, MP, TP, REPLICATED, EXPERT_GTP, EXPERT_DP)

@@ -2,8 +2,11 @@
 
 A chunk is stored row-major, so rows ``[a, b)`` of a chunk are one contiguous byte range: a box
 read intersects the key's chunks and reads, for each, the row range it needs (then slices the
-other dimensions in memory). Nothing ever reads a whole chunk it only needs part of, which is
-what keeps ``ckpt reshard --max-memory`` true for a parameter larger than the budget.
+other dimensions in memory). A chunk stored in another dimension order (a transposed tensor that
+DCP saved as it was) is read as the runs its rows occupy (:meth:`BoxReader._permuted_rows`), so
+it too costs its own bytes once, however many row blocks ask for it. Nothing ever reads a whole
+chunk it only needs part of, which is what keeps ``ckpt reshard --max-memory`` true for a
+parameter larger than the budget.
 
 ``torch.save`` blobs (torch_dist) are located by parsing the blob's zip structure and its small
 ``data.pkl`` through :func:`gtp_format.reader.blob.parse_blob` over a bounded range reader (the
@@ -27,11 +30,24 @@ import numpy as np
 
 from gtp_format.errors import ChunkError
 from gtp_format.model import ENC_RAW, TENSOR, Checkpoint, Chunk, Entry
-from gtp_format.reader.blob import BlobLayout, parse_blob
-from gtp_format.reader.chunks import blob_error, check_layout, checked_ref, load_elements
+from gtp_format.reader.blob import parse_blob
+from gtp_format.reader.chunks import blob_error, check_layout, checked_ref
 from gtp_format.reader.storage import open_regular, pread_into
 from gtp_format.reader.zip_blob import BlobError, RangeReader
 from gtp_format.scan import carrier
+
+
+def dense_order(sizes: tuple[int, ...], strides: tuple[int, ...]) -> list[int] | None:
+    """The dimensions (of size > 1) from outermost to innermost in storage, when the strides are a
+    dense, gapless permutation of the sizes (what ``torch.clone`` keeps of a transposed tensor);
+    ``None`` for any other strides (gaps, overlaps, broadcasting)."""
+    dims = sorted((d for d in range(len(sizes)) if sizes[d] > 1), key=lambda d: -strides[d])
+    expected = 1
+    for d in reversed(dims):
+        if strides[d] != expected:
+            return None
+        expected *= sizes[d]
+    return dims
 
 
 class Buffer:
@@ -54,7 +70,7 @@ class BoxReader:
 
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
-        self._layouts: dict[tuple[str, int], BlobLayout | None] = {}
+        self._layouts: dict[tuple[str, int], tuple[int, tuple[int, ...] | None]] = {}
         self._lock = threading.Lock()
         self._index: dict[str, tuple[list[Chunk], list[int], list[int]]] = {}
         self._files: dict[str, tuple[Any, int]] = {}  # open data files and their sizes, opened once
@@ -90,29 +106,35 @@ class BoxReader:
         ordered, starts, ends = idx
         return ordered[bisect.bisect_right(ends, lo):bisect.bisect_left(starts, hi)]
 
-    def _payload_start(self, entry: Entry, chunk: Chunk) -> int | None:
-        """Absolute file offset of a chunk's first element, or None when it is not row-major whole."""
+    def _payload_start(self, entry: Entry, chunk: Chunk) -> tuple[int, tuple[int, ...] | None]:
+        """Absolute file offset of a chunk's first element, and its element strides when they are
+        not row-major (``None``: row-major, rows are one byte range)."""
         ref = checked_ref(self.ckpt, entry, chunk)
         if self.ckpt.encoding == ENC_RAW:
-            return ref.offset
+            return ref.offset, None
         cache_key = (entry.key, chunk.index)
         with self._lock:
             if cache_key in self._layouts:
-                layout = self._layouts[cache_key]
-                return None if layout is None else ref.offset + layout.payload_offset + \
-                    layout.storage_offset * layout.dtype.itemsize
+                return self._layouts[cache_key]
         with open_regular(self.ckpt.root, ref.file) as f:
             try:
                 layout = parse_blob(RangeReader(f.fileno(), ref.offset, ref.length))
                 check_layout(layout, entry, chunk)
             except BlobError as e:
                 raise blob_error(entry, chunk, e) from None
-        stride = tuple(math.prod(chunk.sizes[i + 1:]) for i in range(len(chunk.sizes)))
-        usable = layout if layout.stride == stride or math.prod(chunk.sizes) <= 1 else None
+        row_major = tuple(math.prod(chunk.sizes[i + 1:]) for i in range(len(chunk.sizes)))
+        strides: tuple[int, ...] | None = None
+        if layout.stride != row_major and math.prod(chunk.sizes) > 1:
+            if dense_order(chunk.sizes, layout.stride) is None:
+                raise ChunkError(f"{entry.key} chunk {chunk.index} in {ref.file} is a strided view with gaps or "
+                                 f"overlaps (sizes {list(chunk.sizes)}, strides {list(layout.stride)}), which "
+                                 "torch.distributed.checkpoint never writes; re-save the tensor contiguous",
+                                 key=entry.key, chunk=chunk.index, file=ref.file)
+            strides = tuple(layout.stride)
+        got = (ref.offset + layout.payload_offset + layout.storage_offset * layout.dtype.itemsize, strides)
         with self._lock:
-            self._layouts[cache_key] = usable
-        return None if usable is None else ref.offset + usable.payload_offset + \
-            usable.storage_offset * usable.dtype.itemsize
+            self._layouts[cache_key] = got
+        return got
 
     def chunk_rows(self, entry: Entry, chunk: Chunk, r0: int, r1: int, buf: Buffer | None = None,
                    into: np.ndarray | None = None) -> np.ndarray:
@@ -126,12 +148,7 @@ class BoxReader:
         assert entry.dtype is not None
         dt = carrier(entry.dtype)
         row = math.prod(chunk.sizes[1:]) if len(chunk.sizes) > 1 else 1
-        start = self._payload_start(entry, chunk)
-        if start is None:  # an unusual blob (strided view): decode it whole, it is one chunk
-            whole = np.ascontiguousarray(load_elements(self.ckpt, entry, chunk)[r0:r1])
-            if into is not None:
-                into.reshape(-1).view(np.uint8)[:] = whole.reshape(-1).view(np.uint8)
-            return whole
+        start, strides = self._payload_start(entry, chunk)
         n = (r1 - r0) * row
         ref = chunk.storage
         assert ref is not None
@@ -140,12 +157,49 @@ class BoxReader:
             raise ValueError(f"{entry.key}: a {out.nbytes}-byte destination for {n * dt.itemsize} bytes of rows")
         try:
             fd, size = self._file(ref.file)
-            pread_into(fd, ref.file, size, start + r0 * row * dt.itemsize, memoryview(out))
+            if strides is None:
+                pread_into(fd, ref.file, size, start + r0 * row * dt.itemsize, memoryview(out))
+            else:
+                self._permuted_rows(fd, ref.file, size, start, chunk.sizes, strides, r0, r1, dt, out)
         except ChunkError as e:
             raise ChunkError(f"{entry.key} chunk {chunk.index}: {e.message}", key=entry.key, chunk=chunk.index,
                              file=ref.file) from None
         self.bytes_read += out.nbytes
         return out.view(dt).reshape((r1 - r0, *chunk.sizes[1:]))
+
+    @staticmethod
+    def _permuted_rows(fd: int, rel: str, size: int, start: int, sizes: tuple[int, ...], strides: tuple[int, ...],
+                       r0: int, r1: int, dt: np.dtype, out: np.ndarray) -> None:
+        """Rows ``[r0, r1)`` of a dense chunk stored in another dimension order (a transposed weight),
+        read as the runs they occupy and rearranged into ``out`` (row-major).
+
+        Why not decode the whole chunk: that cost the whole chunk's bytes per row block, so a
+        transposed chunk read in B blocks read it B times (quadratic) and held it whole, beyond
+        ``--max-memory`` (issue 22). In storage order the chunk is row-major over its dimensions
+        sorted by stride; rows of dim 0 are, for each index of the dimensions stored outside it,
+        one contiguous run of ``(r1 - r0) * stride[0]`` elements. So a block reads exactly its
+        own bytes, in one ``pread`` per outer index, into one temporary of the block's size.
+        """
+        order = dense_order(sizes, strides)
+        assert order is not None
+        if r1 <= r0:
+            return
+        isz = dt.itemsize
+        if sizes[0] == 1 or 0 not in order:  # one row: the block is the whole chunk, one range
+            outer, inner = [], [d for d in order if d != 0]
+        else:
+            p = order.index(0)
+            outer, inner = order[:p], order[p + 1:]
+        run = (r1 - r0) * (strides[0] if sizes[0] > 1 else math.prod(sizes[d] for d in inner))
+        shape = [sizes[d] for d in outer] + [r1 - r0] + [sizes[d] for d in inner]
+        tmp = np.empty(math.prod(shape) * isz, dtype=np.uint8)
+        view = memoryview(tmp)
+        for k, idx in enumerate(np.ndindex(*[sizes[d] for d in outer])):
+            at = start + (sum(i * strides[d] for i, d in zip(idx, outer)) + r0 * strides[0]) * isz
+            pread_into(fd, rel, size, at, view[k * run * isz:(k + 1) * run * isz])
+        axes = [*outer, 0, *inner]
+        arranged = tmp.view(dt).reshape(shape).transpose(np.argsort(axes))
+        out.view(dt).reshape(r1 - r0, *sizes[1:])[...] = arranged.reshape(r1 - r0, *sizes[1:])
 
     def read_box(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
                  buf: Buffer | None = None) -> np.ndarray:

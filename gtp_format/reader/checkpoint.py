@@ -13,6 +13,7 @@ from gtp_format.errors import ChunkError, FormatError
 from gtp_format.model import ENC_RAW, ENC_TORCH_SAVE, Checkpoint, Problem
 from gtp_format.names import DCP_METADATA_FILE
 from gtp_format.reader.dcp_reader import data_file_sizes, read_dcp_metadata
+from gtp_format.reader.declared import check_declared_counts
 from gtp_format.reader.locate import (
     LAYOUT_SAFETENSORS,
     iteration_from_name,
@@ -69,6 +70,7 @@ def open_checkpoint(path: str | os.PathLike[str], keep_raw_metadata: bool = Fals
                              f"it was replaced); read its complete hidden copy {loc.folder.name} instead"))
     notes.extend(manifest_notes)
     if manifest is not None:
+        check_declared_counts(manifest, entries, str(loc.folder))
         if iteration is not None and manifest.iteration != iteration:
             notes.append(Problem("warning", "manifest", f"manifest says iteration {manifest.iteration} but the folder "
                                  f"is {loc.folder.name}"))

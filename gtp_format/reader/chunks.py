@@ -26,9 +26,11 @@ import numpy as np
 from gtp_format.errors import ChunkError
 from gtp_format.model import BYTES, ENC_RAW, Checkpoint, Chunk, Entry, StorageRef
 from gtp_format.reader.blob import BlobLayout, as_tensor, check_payload_crc, element_view, parse_blob
-from gtp_format.reader.object_blob import load_plain_object
+from gtp_format.reader.object_blob import MAX_OBJECT_PICKLE, load_plain_object
+from gtp_format.reader.pickle_scan import PickleScanError, check_pickle
+from gtp_format.reader.pickle_shape import check_shape
 from gtp_format.reader.storage import open_regular, past_end_message, read_range
-from gtp_format.reader.zip_blob import BlobError, RangeReader, ViewReader, record_bytes, zip_records
+from gtp_format.reader.zip_blob import BlobError, RangeReader, ViewReader, record_bytes, small_record, zip_records
 from gtp_format.scan import carrier
 
 
@@ -56,10 +58,33 @@ def _require_stored_zip(buf: bytes, where: str, key: str, chunk: int, file: str 
     torch ever sees the bytes.
     """
     try:
-        zip_records(ViewReader(memoryview(buf)))
+        records = zip_records(ViewReader(memoryview(buf)))
+        _prescan_data_pkl(ViewReader(memoryview(buf)), records)
     except BlobError as e:
         raise ChunkError(f"{where} is not a torch.save blob torch would write ({e}); refusing to load it",
                          key=key, chunk=chunk, file=file) from None
+
+
+def _prescan_data_pkl(reader: ViewReader, records: dict[str, Any]) -> None:
+    """Bound the blob's ``data.pkl`` before ``torch.load`` unpickles it: at most
+    :data:`MAX_OBJECT_PICKLE` bytes, memo indices behind their opcode, nesting and container count
+    bounded (the pre-scan ``.metadata`` goes through). Why: torch's weights_only unpickler is pure
+    Python and builds what the opcodes ask for; a 5 MB ``data.pkl`` of small containers reached
+    1.37 GB in ``ckpt show`` (issue 22). Genuine ShardedObjects pickle a few KB: tensors sit in
+    records of their own.
+    """
+    pkl = [r for n, r in records.items() if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pkl) != 1:
+        raise BlobError(f"expected one <archive>/data.pkl record, found {len(pkl)}")
+    if pkl[0].size > MAX_OBJECT_PICKLE:
+        raise BlobError(f"its data.pkl is {pkl[0].size} bytes, over the {MAX_OBJECT_PICKLE}-byte limit for a byte "
+                        "object (genuine ones pickle a few KB)")
+    data = small_record(reader, pkl[0])
+    try:
+        check_pickle(data)
+        check_shape(data)
+    except PickleScanError as e:
+        raise BlobError(f"data.pkl: {e}") from None
 
 
 def checked_ref(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> StorageRef:

@@ -36,7 +36,7 @@ from gtp_format.reader.safe_pickle import (
     brief,
     load_metadata_pickle,
 )
-from gtp_format.reader.storage import is_regular_inside, read_small_file
+from gtp_format.reader.storage import is_regular_inside, read_small_file, stored_size
 
 
 def data_file_sizes(folder: Path, names: Sequence[str]) -> dict[str, int]:
@@ -182,7 +182,8 @@ def read_dcp_metadata(loc: Located, data_files: dict[str, int], keep_records: bo
     """
     path = loc.folder / DCP_METADATA_FILE
     fix = f"restore {DCP_METADATA_FILE} from a good copy, or raise {METADATA_LIMIT_ENV} if it is genuine"
-    raw = read_small_file(path, metadata_limit(sum(data_files.values())), "DCP metadata", fix)
+    stored = sum(stored_size(loc.folder, name) for name in data_files)  # not st_size: sparse files are free
+    raw = read_small_file(path, metadata_limit(stored), "DCP metadata", fix)
     with gc_paused():  # millions of small objects, none of them garbage: see gc_paused
         md = load_metadata_pickle(raw, str(path))
         entries, notes, version = _entries(path, raw, md)

@@ -55,7 +55,9 @@ def metadata_limit(data_bytes: int) -> int:
     """Largest checkpoint metadata file (DCP ``.metadata``, a safetensors index) we agree to parse.
 
     A metadata entry is a few hundred bytes per chunk while every chunk's blob is at least about a
-    kilobyte, so metadata larger than all the data it describes is not real.
+    kilobyte, so metadata larger than all the data it describes is not real. ``data_bytes`` is
+    what the data files really store (:func:`gtp_format.reader.storage.stored_bytes`), not their
+    sizes: one sparse 16 TiB data file made a 400 MB ``.metadata`` look plausible (issue 22).
     The floor keeps partial copies (data files missing) readable; the environment variable is the
     escape hatch the error message names.
     """

@@ -20,7 +20,7 @@ from gtp_format.check.geometry import check_coverage
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
 from gtp_format.model import Checkpoint, Chunk, Entry
 from gtp_format.reader.chunks import checked_ref, load_chunk
-from gtp_format.reader.storage import file_size
+from gtp_format.reader.storage import file_size, stored_size
 
 
 @dataclass
@@ -82,15 +82,23 @@ def _check_stored(ckpt: Checkpoint, entry: Entry, start: int, stop: int, nbytes:
 
     Each such chunk first passes :func:`checked_ref` (no storage, transforms, a declared size its
     blob cannot hold: errors that name the chunk), and its file's size comes from the listing or
-    a confined stat (a path outside the folder or a missing file fails here, by name).
+    a confined stat (a path outside the folder or a missing file fails here, by name). The bytes
+    that back the region are counted per file and capped by what the file really stores
+    (:func:`gtp_format.reader.storage.stored_bytes`): a 2 GB region over a sparse 2 GB file passed
+    a check taken from ``st_size`` (issue 22).
     """
     assert entry.shape is not None
     held = [c for c in entry.chunks if len(c.offsets) == len(entry.shape)
             and (not entry.shape or _intersection(c, start, stop) is not None)]
     refs = [checked_ref(ckpt, entry, c) for c in held]
-    sizes = {f: ckpt.data_files[f] if f in ckpt.data_files else file_size(ckpt.root, f)
-             for f in {r.file for r in refs}}
-    stored = sum(min(r.length, sizes[r.file]) for r in refs)
+    per_file: dict[str, int] = {}
+    for r in refs:
+        per_file[r.file] = per_file.get(r.file, 0) + r.length
+    for f in per_file:
+        file_size(ckpt.root, f)  # a path outside the folder or a missing file fails here, by name
+    # Per file, capped by what the file really stores (its blocks, not its size): chunks that all
+    # name one range, or ranges in the holes of a sparse file, cannot back more than that.
+    stored = sum(min(n, stored_size(ckpt.root, f)) for f, n in per_file.items())
     if nbytes > stored:  # the allocation is sized by metadata: back it by bytes that really exist
         raise FormatError(f"{entry.key}: the requested region is {nbytes} bytes but the chunks that hold it store only "
                           f"{stored} bytes in real files; the metadata declares more than was written: run "

@@ -51,7 +51,7 @@ from gtp_format.reader.locate import (
     load_json_object,
     metadata_limit,
 )
-from gtp_format.reader.storage import is_regular_inside, read_range, unsafe_reason
+from gtp_format.reader.storage import is_regular_inside, read_range, stored_size, unsafe_reason
 
 HEADER_LEN_BYTES = 8
 HEADER_LIMIT = 100 << 20  # the safetensors library's own cap on header size
@@ -122,7 +122,8 @@ def read_gtp_index(loc: Located, files: dict[str, int], index_file: str,
                    ) -> tuple[dict[str, Entry], list[Problem]]:
     """Entries and notes of this project's safetensors layout: ``index.json`` plus chunk headers."""
     path = loc.folder / index_file
-    index = load_json_object(path, "the safetensors index", metadata_limit(sum(files.values())))
+    stored = sum(stored_size(loc.folder, name) for name in files)  # not st_size: sparse files are free
+    index = load_json_object(path, "the safetensors index", metadata_limit(stored))
     fix = f"restore {index_file} from a good copy"
     if type(index.get("version")) is not int or index["version"] > GTP_INDEX_VERSION:
         raise FormatError(f"{path} has version {index.get('version')!r}; this ckpt reads version "

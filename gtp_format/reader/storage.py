@@ -15,6 +15,10 @@ anywhere. The rules, enforced here and nowhere else:
   non-blocking so that even the open cannot hang).
 * A byte range is checked against the open file's real size before one byte is read, and a whole
   small file is read only up to its limit, so no size written in a file can make us allocate.
+* What may be *allocated* is bounded by what a file really stores, not by its size: a sparse file
+  (``truncate -s 16T``) has any size for free, and budgets taken from ``st_size`` let every memory
+  class come back behind one (issue 22). :func:`stored_bytes` is ``st_blocks * 512`` capped by
+  ``st_size``; a whole-range read (:func:`read_range`) larger than it is refused.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import BinaryIO
 from gtp_format.errors import ChunkError, FormatError
 
 MAX_LINKS = 8  # symlink hops one path may take inside the folder
+SPARSE_SLACK = 1 << 20  # reads this small are never refused as sparse (tiny files may store inline, in 0 blocks)
 _O_FILE = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 _O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 
@@ -147,6 +152,53 @@ def open_regular(root: Path, rel: str, what: str = "data file") -> BinaryIO:
     return os.fdopen(_open_in(root, rel, what), "rb")
 
 
+def stored_bytes(st: os.stat_result) -> int:
+    """Bytes a file really stores: its allocated blocks (``st_blocks`` counts 512-byte units on
+    Linux and the BSDs), capped by its size. A hole costs the attacker nothing and the reader a
+    zeroed page per 4 KiB, so every budget taken from a file is taken from this, never ``st_size``.
+
+    Filesystems that compress (btrfs, ZFS) or report blocks late (ZFS until its transaction
+    commits) can under-report; the refusals built on this say so and name the fix.
+    """
+    blocks = getattr(st, "st_blocks", None)
+    return st.st_size if blocks is None else min(st.st_size, blocks * 512)
+
+
+def is_sparse(st: os.stat_result) -> bool:
+    """A file (over :data:`SPARSE_SLACK`) that stores under half its size: reading it whole would
+    spend time on holes, and sizing anything by it would spend memory on them."""
+    return st.st_size > SPARSE_SLACK and stored_bytes(st) * 2 < st.st_size
+
+
+def sparse_file_message(rel: str, st: os.stat_result) -> str:
+    return (f"{rel} stores only {stored_bytes(st)} of its {st.st_size} bytes (a sparse file: holes nobody wrote); "
+            "restore it from a good copy")
+
+
+def stored_size(root: Path, rel: str) -> int:
+    """:func:`stored_bytes` of a regular file inside ``root`` (0 when it is not one: no error)."""
+    if unsafe_reason(rel) is not None:
+        return 0
+    try:
+        root_fd = _open_root(root)
+    except FormatError:
+        return 0
+    try:
+        st = _walk(root_fd, rel, want_dir=False, stat_only=True)
+    except (OSError, _Outside):
+        return 0
+    finally:
+        os.close(root_fd)
+    assert isinstance(st, os.stat_result)
+    return stored_bytes(st) if stat.S_ISREG(st.st_mode) else 0
+
+
+def sparse_message(rel: str, length: int, st: os.stat_result) -> str:
+    return (f"{rel}: a {length}-byte read, but the file stores only {stored_bytes(st)} of its {st.st_size} bytes "
+            "(a sparse file: the rest are holes nobody wrote); the metadata declares more than was written: restore "
+            "the file from a good copy (on a compressing filesystem, copy the checkpoint to one that does not)")
+
+
 def file_size(root: Path, rel: str, what: str = "data file") -> int:
     """Size of a regular file inside ``root``, from the descriptor that was opened."""
     fd = _open_in(root, rel, what)
@@ -194,9 +246,11 @@ def read_range(root: Path, rel: str, offset: int, length: int) -> bytearray:
     if not (type(offset) is int and type(length) is int) or offset < 0 or length < 0:
         raise ChunkError(f"byte range offset={offset!r} length={length!r} in {rel} is invalid", file=rel)
     with open_regular(root, rel) as f:
-        size = os.fstat(f.fileno()).st_size
-        if offset + length > size:
-            raise ChunkError(past_end_message(rel, offset, length, size), file=rel)
+        st = os.fstat(f.fileno())
+        if offset + length > st.st_size:
+            raise ChunkError(past_end_message(rel, offset, length, st.st_size), file=rel)
+        if length > max(stored_bytes(st), SPARSE_SLACK):  # the allocation is sized by metadata: back it by real bytes
+            raise ChunkError(sparse_message(rel, length, st), file=rel)
         f.seek(offset)
         buf = bytearray(length)
         got = f.readinto(buf)

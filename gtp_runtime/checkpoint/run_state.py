@@ -79,10 +79,14 @@ def load_run_state(trainer: Trainer, manifest: Manifest, folder: Path) -> None:
         f.put(value, str(folder))
 
 
+MAX_FINGERPRINT_FIELDS = 16  # the runtime writes 7 (name, dtype, sequences, documents, tokens, split, seed)
+
+
 def run_configs(manifest: Manifest) -> tuple[LRConfig | None, DataConfig]:
-    """The schedule and data a checkpoint was trained with, to resume it without its flags
-    (``ckpt roundtrip``); defaults where the manifest predates them. Untrusted input: a bad
-    field raises :class:`ConfigError` naming it."""
+    """The schedule and data a checkpoint was trained with, to load and save it again without its
+    flags (``ckpt verify-roundtrip PATH``); defaults where the manifest predates them. The data is
+    the recorded fingerprint, not the recorded path: no file the checkpoint names is opened.
+    Untrusted input: a bad field raises :class:`ConfigError` naming it."""
     lr = None
     sched = manifest.extra.get(SCHEDULER_KEY)
     if sched is not None:
@@ -99,7 +103,14 @@ def run_configs(manifest: Manifest) -> tuple[LRConfig | None, DataConfig]:
         ds, path = pos["dataset"], pos.get("path")
         if not (path is None or isinstance(path, str)) or not isinstance(ds.get("split", ""), str):
             raise ConfigError(f"manifest {DATA_POSITION_KEY} has an ill-typed path or split")
+        if len(ds) > MAX_FINGERPRINT_FIELDS or not all(
+                isinstance(k, str) and (v is None or type(v) in (int, float, str, bool)) for k, v in ds.items()):
+            raise ConfigError(f"manifest {DATA_POSITION_KEY}.dataset is not a flat object of at most "
+                              f"{MAX_FINGERPRINT_FIELDS} numbers and strings")
         seed = ds.get("seed")
+        # The recorded fingerprint stands in for the data: the path is information, never opened
+        # (gtp_runtime.data.source.RecordedData says why).
         data = DataConfig(path=path, split=ds.get("split", data.split), seed=seed if isinstance(seed, int) else None,
-                          flat_dtype=ds["dtype"] if ds.get("dtype") in FLAT_DTYPES else data.flat_dtype)
+                          flat_dtype=ds["dtype"] if ds.get("dtype") in FLAT_DTYPES else data.flat_dtype,
+                          recorded=tuple(sorted(ds.items())))
     return lr, data

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from gtp_format.errors import FormatError
 from gtp_format.reader.real_pickle import load_real_metadata
+from gtp_format.reader.storage import stored_bytes
 
 MIN_LIMIT = 64 << 20
 
@@ -32,7 +33,8 @@ class UnsafeMetadataError(ValueError):
 
 def safe_load_metadata(path: Path) -> Metadata:
     size = path.stat().st_size
-    data_bytes = sum(p.stat().st_size for p in path.parent.iterdir() if p.is_file() and p != path)
+    # What the data files really store, not their sizes: a sparse data file is free (issue 22).
+    data_bytes = sum(stored_bytes(p.stat()) for p in path.parent.iterdir() if p.is_file() and p != path)
     if size > max(MIN_LIMIT, data_bytes):
         raise UnsafeMetadataError(f"{path}: {size} bytes of metadata for {data_bytes} bytes of data; refusing")
     try:

@@ -68,8 +68,10 @@ def open_verified(path: str | os.PathLike) -> tuple[Checkpoint, Manifest]:
         if line is not None:
             raise CheckpointError(line)
         if ckpt.manifest is None:
-            raise CheckpointError(f"{ckpt.root}: no {fmt.MANIFEST_FILE}, so not a gtp_runtime checkpoint; "
-                                  "convert it or pass a folder that gtp_runtime saved")
+            raise CheckpointError(f"{ckpt.root}: no {fmt.MANIFEST_FILE}, so not a gtp_runtime checkpoint (a "
+                                  "megatron-core one?); bring its weights in with 'ckpt export SRC HF --to hf' then "
+                                  "'ckpt import HF DST --from hf' (optimizer state does not carry over), or pass a "
+                                  "folder that gtp_runtime saved")
         manifest = read_manifest(ckpt.root, strict=True)
     except FormatError as e:
         raise CheckpointError(e.message) from None
@@ -87,8 +89,12 @@ def check_compatible(cfg: TrainConfig, manifest: Manifest, folder: Path) -> None
                for k in ("tp", "cp", "gtp_remat", "fold_cp", "expert_gtp_remat")
                if getattr(saved, k) != getattr(par, k)]
     if changed:
-        raise CheckpointError(f"{folder}: dp_reshardable reshards over DP only, but {'; '.join(changed)}; "
-                              "load with the saved TP/CP/GTP_remat/fold_cp (only --dp may change)")
+        fold = "--fold-cp" if par.fold_cp else "--no-fold-cp"
+        raise CheckpointError(f"{folder}: dp_reshardable reshards over DP only, but {'; '.join(changed)}; reshard "
+                              f"it first: ckpt reshard {folder} NEW --tp {par.tp} --cp {par.cp} --gtp-remat "
+                              f"{par.gtp_remat} {fold} --expert-gtp-remat {par.expert_gtp_remat} --dp {par.dp}, then "
+                              "--load NEW ('ckpt plan' shows what changes), or load with the saved "
+                              "TP/CP/GTP_remat/fold_cp")
     model, stored = cfg.model.to_dict(), manifest.model.to_dict()
     diff = [f"{k}: saved {stored.get(k)} now {v}" for k, v in model.items() if stored.get(k) != v]
     if diff:

@@ -15,8 +15,10 @@
 
 Why so strict: the counts in the header decide how much is read, so a hostile or truncated file
 could claim 2**64 sequences or point past the end of ``.bin``. Every count is checked against the
-real file size *before* anything is mapped by it, and every pointer, length and document index is
-checked in bounds (in blocks, so a 10 GB corpus's index costs a bounded amount of memory). The
+real file size *before* anything is mapped by it, every pointer, length and document index is
+checked in bounds (in blocks, so a 10 GB corpus's index costs a bounded amount of memory), the
+sequences must not overlap in ``.bin`` (so an epoch is at most the ``.bin``), and a file that
+stores under half its size on disk (sparse) is refused (so the sizes themselves are real). The
 ``.bin`` is only ever memory-mapped: a batch reads its own pages and nothing else, so the resident
 memory is the batches in flight, not the corpus (measured in ``benchmarks/bench_data_read.py``).
 
@@ -35,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from gtp_format.reader.storage import SPARSE_SLACK, stored_bytes
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -56,12 +60,24 @@ def code_of(dtype: type[np.number]) -> int:
 
 
 def _regular_size(path: Path) -> int:
+    """Size of a data file that really stores its bytes.
+
+    Why the sparse check: the sizes of ``.idx`` and ``.bin`` decide how many sequences,
+    documents and samples get per-element arrays, and a sparse file has any size for free. A
+    3.6 GB ``.idx`` of holes declaring 3e8 sequences, or a 16 TiB flat ``.bin`` (2.7 GB of
+    pseudo-document arrays), exhausted memory before a batch was read (issue 22). A file that
+    stores under half its size is refused, so every array is bounded by bytes that exist.
+    """
     try:
         st = os.stat(path)
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror}); check --data-path") from None
     if not stat.S_ISREG(st.st_mode):
         raise DataError(f"{path}: not a regular file; point --data-path at a dataset prefix or a .bin file")
+    stored = stored_bytes(st)
+    if st.st_size > SPARSE_SLACK and stored * 2 < st.st_size:
+        raise DataError(f"{path}: {st.st_size} bytes, but only {stored} are stored on disk (a sparse file: the rest "
+                        "are holes nobody wrote); regenerate the dataset, or copy it in full (cp --sparse=never)")
     return st.st_size
 
 
@@ -146,6 +162,7 @@ def read_index(prefix: str | os.PathLike) -> TokenDataset:
             raise DataError(f"{idx}: sequence {i} (pointer {int(pointers[i])}, length {int(lengths[i])} tokens of "
                             f"{itemsize} bytes) lies outside {bin_.name} ({bin_size} bytes); the index does not "
                             "match the .bin")
+    _check_disjoint(idx, bin_.name, lengths, pointers, itemsize)
     if docs[0] != 0 or docs[-1] != n_seq:
         raise DataError(f"{idx}: document indices must run from 0 to {n_seq} (the sequence count), found "
                         f"{int(docs[0])} .. {int(docs[-1])}; the file is corrupt")
@@ -158,6 +175,40 @@ def read_index(prefix: str | os.PathLike) -> TokenDataset:
         raise DataError(f"{bin_}: {bin_size} bytes is not a whole number of {np.dtype(dtype).name} tokens")
     tokens = _map(bin_, dtype, bin_size // itemsize)
     return TokenDataset(Path(prefix).name, tokens, pointers // itemsize if n_seq else pointers, lengths, docs)
+
+
+def _check_disjoint(idx: Path, bin_name: str, lengths: np.ndarray, pointers: np.ndarray, itemsize: int) -> None:
+    """Refuse sequences whose token ranges overlap in ``.bin``.
+
+    Why: every sequence is in bounds on its own, yet a million sequences all naming the whole
+    ``.bin`` made an epoch a million times the file, and the sample permutation (8 bytes per
+    sample) grew with it (issue 22). Disjoint ranges bound the tokens of an epoch, hence its
+    samples, by the ``.bin`` itself. Megatron writes sequences back to back, in order, so the
+    check is a blockwise comparison with the next pointer; only an index out of order is sorted
+    (8 bytes per sequence, bounded by the ``.idx`` that stores 12).
+    """
+    n = len(lengths)
+    ordered = all(not (np.diff(pointers[lo : lo + _BLOCK + 1]) < 0).any() for lo in range(0, n, _BLOCK))
+    order = None if ordered else np.argsort(pointers, kind="stable")
+    reach, reach_seq = -1, -1  # the furthest end of any sequence so far (in pointer order), and whose
+    for lo in range(0, n, _BLOCK):
+        at = np.arange(lo, min(n, lo + _BLOCK)) if order is None else order[lo : lo + _BLOCK]
+        pt = pointers[at]
+        ln = lengths[at].astype(np.int64)
+        ends = pt + ln * itemsize
+        before = np.maximum.accumulate(np.concatenate([[reach], ends[:-1]]))  # furthest end before each
+        bad = (ln > 0) & (before > pt)  # an empty sequence holds no token: it overlaps nothing
+        if bad.any():
+            j = int(np.argmax(bad))
+            prior = np.concatenate([[reach], ends[:j]])
+            k = int(np.argmax(prior))
+            a = reach_seq if k == 0 else int(at[k - 1])
+            raise DataError(f"{idx}: sequences {a} and {int(at[j])} overlap in {bin_name} (the first ends at byte "
+                            f"{int(prior[k])}, the second starts at {int(pt[j])}); every token must belong to one "
+                            "sequence: regenerate the index")
+        k = int(np.argmax(ends))
+        if ends[k] > reach:
+            reach, reach_seq = int(ends[k]), int(at[k])
 
 
 def read_flat(path: str | os.PathLike, dtype_name: str = "uint16") -> TokenDataset:

@@ -25,6 +25,9 @@ class DataConfig:
     split: str = "98,2"
     seed: int | None = None
     """Data-order seed; ``None`` takes the model seed (Megatron uses ``--seed`` for both)."""
+    recorded: tuple[tuple[str, int | float | str | bool | None], ...] | None = None
+    """A checkpoint's recorded data fingerprint, for a run that only loads and saves it
+    (:class:`RecordedData`); ``path`` is then information, never opened."""
 
     def weights(self) -> tuple[float, float]:
         try:
@@ -34,6 +37,37 @@ class DataConfig:
         if len(w) not in (2, 3) or any(x < 0 for x in w) or w[0] <= 0:
             raise ConfigError(f"--split {self.split!r}: give train,valid[,test] weights like 98,2 (train > 0)")
         return w[0], w[1]
+
+
+class RecordedData:
+    """The data a checkpoint records, standing in for it in a run that never reads a batch.
+
+    Why: ``verify-roundtrip PATH`` loads a checkpoint and saves it again; the load compares the
+    data fingerprint and the save writes it back, and nothing else touches the data. Opening the
+    recorded ``data_position.path`` would make every rank open a file the checkpoint names, outside
+    the checkpoint, before any check (a crafted manifest pointed it at a 16 TiB sparse file, and
+    the error line printed that file's size: issue 22). A path in a checkpoint is information: this
+    source reports the recorded fingerprint and refuses to produce tokens.
+    """
+
+    def __init__(self, cfg: DataConfig) -> None:
+        assert cfg.recorded is not None
+        self.cfg = cfg
+
+    def fingerprint(self) -> dict[str, object]:
+        return dict(self.cfg.recorded or ())
+
+    def train_batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise DataError("this run only loads and saves a checkpoint and reads no data; pass --data-path to train")
+
+    valid_batch = train_batch
+
+
+def open_source(cfg: DataConfig, seq_length: int, vocab_size: int, model_seed: int) -> DataSource | RecordedData:
+    """The data of a run: the recorded stand-in when ``cfg.recorded`` is set, else the dataset."""
+    if cfg.recorded is not None:
+        return RecordedData(cfg)
+    return DataSource(cfg, seq_length, vocab_size, model_seed)
 
 
 class DataSource:

@@ -262,3 +262,21 @@ def test_path_mode_compares_only_the_selected_keys(gtp_fixtures: Path, monkeypat
     kept = [k for k in keys if not k.endswith(".exp_avg.cp_rank_0")]
     assert len(kept) < len(keys)
     assert {c["check"]: c["keys"] for c in doc["checks"]}["key set"] == len(kept)
+
+
+@pytest.mark.slow
+def test_path_mode_checks_that_compare_nothing_say_skipped(gtp_fixtures: Path):
+    """``--keys`` selecting only model weights: the optimizer-state check compares no key, so it is
+    reported as skipped, not as passed."""
+    src = gtp_fixtures / "fold_cp2_g2_dp2"
+    result = cli("verify-roundtrip", src, "--keys", "decoder.*weight", "--ignore", "*optimizer*")
+    assert result.exit_code == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert any(r[:3] == ["optimizer", "state", "all"] and r[3] == "skipped" for r in rows if len(r) > 3), \
+        result.stdout
+    assert "skipped (--keys/--ignore selected none of their keys)" in result.stdout
+    doc = _json(cli("verify-roundtrip", src, "--keys", "decoder.*weight", "--ignore", "*optimizer*",
+                    "--format", "json"))
+    skipped = [c["check"] for c in doc["checks"] if c["skipped"]]
+    assert "optimizer state" in skipped and doc["skipped"] == len(skipped)
+    assert all(not c["skipped"] for c in doc["checks"] if c["check"] == "model weights")

@@ -160,10 +160,17 @@ CLI_ERRORS = {
     "decay-inside-warmup": (["--lr-decay-style", "linear", "--lr-warmup-iters", "5", "--lr-decay-iters", "5"],
                             ["--lr-decay-iters 5 must exceed --lr-warmup-iters 5"]),
     "eval-without-valid": (["--eval-interval", "2", "--split", "1,0"], ["needs a valid split"]),
+    # Choices that used to fail only after the ranks started, or to write somewhere unexpected.
+    "fully-reshardable-folded": (["--nproc-per-node", "2", "--cp", "2", "--fold-cp", "--optimizer-sharding",
+                                  "fully_reshardable"], ["'fully_reshardable'", "CP-folded", "use 'dp_reshardable'"]),
+    "global-batch-not-the-product": (["--nproc-per-node", "2", "--dp", "2", "--micro-batch-size", "2",
+                                      "--global-batch-size", "8"], ["--global-batch-size 8 != micro-batch 2", "= 4"]),
+    "save-to-a-url": (["--save", "s3://bucket/run"], ["--save 's3://bucket/run' is a URL", "local folder"]),
 }
 
 
 HELP = ["--help"]  # test_config runs it: exit 0, usage and examples on stdout
+VERSION = ["--version"]  # test_cli_family runs it: exit 0, the version
 
 
 @dataclass
@@ -206,5 +213,5 @@ def executed_argvs() -> list[list[str]]:
     out += [[*argv, *log] for argv, _ in DATA_RUNS.values()]
     out += [argv for argv, _ in CLI_ERRORS.values()]
     out += [LOAD_REFUSED, CRASH_RUN]
-    out += [HELP]
+    out += [HELP, VERSION]
     return out

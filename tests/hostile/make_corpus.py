@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import hostile_bounds  # noqa: E402
 import hostile_files  # noqa: E402
 from hostile_pickles import build_pickles  # noqa: E402
 
@@ -240,7 +241,7 @@ def byte_object_over_a_sparse_hole(c: Ctx) -> None:
 
 def case_specs(only_load: bool = False) -> list[tuple[str, str, int]]:
     """``(name, class, number of ckpt commands)`` of every case, without building anything (for test ids)."""
-    specs = list(CASES) + hostile_files.specs()
+    specs = list(CASES) + hostile_files.specs() + hostile_bounds.specs()
     out = [(name, klass, len(cmds)) for name, klass, base, cmds, load, _, _ in specs
            if not only_load or (load and base == "dcp")]
     return out + [(f"pickle_{name}", klass, 1) for name, (klass, _) in build_pickles("x").items()]
@@ -274,7 +275,7 @@ def build_corpus(root: Path, bases: dict[str, Path] | None = None, canary: Path 
     bases = {**FIXTURE_BASES, **(bases or {})}
     canary = canary or root / "CANARY"
     root.mkdir(parents=True, exist_ok=True)
-    specs = list(CASES) + hostile_files.specs()
+    specs = list(CASES) + hostile_files.specs() + hostile_bounds.specs()
     for name, (klass, data) in build_pickles(str(canary)).items():
         specs.append((f"pickle_{name}", klass, "dcp", VERIFY, True,
                       lambda c, data=data: ((c.it / ".metadata").write_bytes(data), c.drop_checksum(".metadata")),
@@ -299,6 +300,27 @@ def build_corpus(root: Path, bases: dict[str, Path] | None = None, canary: Path 
         t = {"it": it, "run": folder / "run"}[target]
         cmds = [[a.replace("{t}", str(t)).replace("{key}", key) for a in argv] for argv in commands]
         out.append(Case(name, klass, str(t.relative_to(folder)), cmds, load, dir=str(folder)))
+    return out
+
+
+@dataclass
+class DataCase:
+    name: str
+    klass: str
+    dir: str
+    data_path: str
+
+
+def build_data_corpus(root: Path) -> list[DataCase]:
+    """Write every ``--data-path`` case (:data:`hostile_bounds.DATA_SPECS`) under ``root``: the
+    dataset in ``<name>/run/``, an ``outside/`` with the secret beside it."""
+    out = []
+    for name, klass, fn in hostile_bounds.DATA_SPECS:
+        folder = root / name
+        (folder / "run").mkdir(parents=True)
+        (folder / "outside").mkdir()
+        (folder / "outside" / "secret.bin").write_bytes(SECRET.encode() * 64)
+        out.append(DataCase(name, klass, str(folder), fn(folder / "run")))
     return out
 
 

@@ -23,7 +23,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from make_corpus import SECRET, build_corpus, case_specs  # noqa: E402
+from hostile_bounds import DATA_SPECS  # noqa: E402
+from make_corpus import SECRET, build_corpus, build_data_corpus, case_specs  # noqa: E402
 
 MAX_RSS_MB = 512
 CKPT_TIMEOUT_S = 60
@@ -40,8 +41,12 @@ def _snapshot(root: Path) -> dict[str, str]:
             rel = str(p.relative_to(root))
             if stat.S_ISLNK(st.st_mode):
                 out[rel] = "link:" + os.readlink(p)
+            elif stat.S_ISREG(st.st_mode) and st.st_size > (1 << 20) and st.st_blocks * 512 < st.st_size // 2:
+                with open(p, "rb") as f:  # sparse (up to 16 TiB of holes): its size, blocks and stored head
+                    out[rel] = f"sparse:{st.st_size}:{st.st_blocks}:{hashlib.sha256(f.read(1 << 20)).hexdigest()}"
             elif stat.S_ISREG(st.st_mode):
-                out[rel] = f"{st.st_size}:{hashlib.sha256(p.read_bytes()).hexdigest()}"
+                with open(p, "rb") as f:
+                    out[rel] = f"{st.st_size}:{hashlib.file_digest(f, 'sha256').hexdigest()}"
             else:
                 out[rel] = f"mode:{stat.S_IFMT(st.st_mode)}"
     return out
@@ -97,6 +102,17 @@ def load_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return results
 
 
+@pytest.fixture(scope="session")
+def data_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """``train --data-path`` on each crafted dataset (issue 22): one rank, in a forked child."""
+    root = tmp_path_factory.mktemp("hostile-data")
+    cases = build_data_corpus(root)
+    argv = ["--nproc-per-node", "1", "--steps", "1", "--device", "cpu", "--data-path"]
+    results = _run_batch("train", root, cases, lambda c: [[*argv, c.data_path]], LOAD_TIMEOUT_S)
+    results["_canary"] = False
+    return results
+
+
 def _check(r: dict, prefix: str, limit: int, canary: bool) -> None:
     why = f"{r['argv']}\nexit {r['exit']} in {r['seconds']} s, {r['maxrss_mb']} MB\nstdout: {r['stdout'][-1500:]}\n" \
           f"stderr: {r['stderr'][-3000:]}\naudit: {r['audit'][:1500]}"
@@ -115,6 +131,7 @@ def _check(r: dict, prefix: str, limit: int, canary: bool) -> None:
 
 
 CKPT_IDS = [f"{name}-{i}" for name, _, n in case_specs() for i in range(n)]
+DATA_IDS = [f"{name}-0" for name, _, _ in DATA_SPECS]
 LOAD_IDS = [f"{name}-0" for name, _, _ in case_specs(only_load=True)]
 
 
@@ -133,3 +150,8 @@ def test_ckpt_survives(ckpt_results: dict, job: str):
 @pytest.mark.parametrize("job", LOAD_IDS)
 def test_load_survives(load_results: dict, job: str):
     _check(load_results[job], "error: ", LOAD_TIMEOUT_S, load_results["_canary"])
+
+
+@pytest.mark.parametrize("job", DATA_IDS)
+def test_data_path_survives(data_results: dict, job: str):
+    _check(data_results[job], "error: ", LOAD_TIMEOUT_S, False)

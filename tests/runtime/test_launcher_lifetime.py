@@ -1,0 +1,121 @@
+"""No child outlives the launcher (issue 22, class 10), and a taken rendezvous port costs a retry.
+
+The launcher is killed mid-training, with SIGKILL and with SIGTERM; within a bounded time no process
+it started (ranks, fork server, resource tracker: every descendant seen before the kill) may be
+alive, and no iteration may be saved after they are gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import launch_jobs as jobs
+import launcher_cases as lc
+import pytest
+
+from gtp_runtime import launch
+
+STOP_WITHIN_S = 20.0  # a rank's lifeline thread and the parent-death signal act within milliseconds
+
+
+def _proc_stat(pid: int) -> tuple[int, str, int] | None:
+    """(ppid, state, start time) of ``pid`` from /proc, or None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return int(fields[1]), fields[0], int(fields[19])
+
+
+def _descendants(root: int) -> dict[int, int]:
+    """Every live descendant of ``root``: pid -> start time (so a reused pid is not mistaken for it)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (st := _proc_stat(int(entry))) is not None:
+            children.setdefault(st[0], []).append(int(entry))
+    found: dict[int, int] = {}
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found and (st := _proc_stat(child)) is not None:
+                found[child] = st[2]
+                todo.append(child)
+    return found
+
+
+def _alive(procs: dict[int, int]) -> list[int]:
+    return [pid for pid, start in procs.items()
+            if (st := _proc_stat(pid)) is not None and st[2] == start and st[1] not in ("Z", "X")]
+
+
+def _iterations(save: Path) -> set[str]:
+    return {p.name for p in save.glob("iter_*")}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc (Linux)")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_killing_the_launcher_stops_every_child(tmp_path: Path, sig: signal.Signals) -> None:
+    save = tmp_path / "run"
+    cmd = [*lc.LAUNCHER, "--nproc-per-node", "2", "--cp", "2", "--fold-cp", "--device", "cpu", "--steps", "100000",
+           "--save", str(save), "--save-interval", "1"]
+    proc = subprocess.Popen(cmd, cwd=lc.REPO, env={**os.environ, "PYTHONPATH": str(lc.REPO)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while len(_iterations(save)) < 2:  # mid-training: saving every iteration
+            assert proc.poll() is None, f"the launcher ended early: {proc.stderr.read() if proc.stderr else ''}"
+            assert time.monotonic() < deadline, "no iteration saved within 240 s"
+            time.sleep(0.2)
+        children = _descendants(proc.pid)
+        assert len(children) >= 3, f"expected the ranks and the fork server under the launcher, got {children}"
+        before = _iterations(save)
+        proc.send_signal(sig)
+        killed_at = time.monotonic()
+        while _alive(children):
+            assert time.monotonic() - killed_at < STOP_WITHIN_S, \
+                f"still alive {STOP_WITHIN_S:.0f} s after {sig.name} of the launcher: {_alive(children)}"
+            time.sleep(0.1)
+        after = _iterations(save)
+        # A save already under way at the kill may have committed in the milliseconds before the
+        # ranks noticed; nothing later may appear.
+        assert len(after - before) <= 1, f"training went on after the launcher was killed: {sorted(after - before)}"
+        time.sleep(3)
+        assert _iterations(save) == after, "an iteration was saved after every child was gone"
+        code = proc.wait(30)
+        if sig == signal.SIGTERM:
+            err = proc.stderr.read() if proc.stderr else ""
+            assert code == 143, err
+            assert "terminated (SIGTERM): stopped every rank" in err and "Traceback" not in err, err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the session this test started
+            proc.wait(30)
+
+
+def test_a_taken_rendezvous_port_is_retried_on_a_fresh_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    offered: list[int] = []
+    real = launch.free_port
+
+    def racy_free_port() -> int:  # the first port "found free" is the one another process holds
+        port = taken if not offered else real()
+        offered.append(port)
+        return port
+
+    monkeypatch.setattr(launch, "free_port", racy_free_port)
+    try:
+        out = launch.run_local_ranks(2, jobs.whoami, ("x",), timeout=60)
+    finally:
+        held.close()
+    assert [o[:3] for o in out] == [(0, 3, "x"), (1, 3, "x")]
+    assert offered[0] == taken and len(offered) == 2 and offered[1] != taken
