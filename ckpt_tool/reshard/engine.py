@@ -70,6 +70,7 @@ from gtp_format.names import (
     LATEST_FILE,
     MEGATRON_METADATA_FILE,
     iter_dir_name,
+    latest_marker,
 )
 from gtp_format.scan import carrier
 
@@ -319,9 +320,10 @@ def reshard(src: Path, dst: Path, par: ParallelConfig, layout: str | None = None
         try:
             write_checkpoint(lambda c: chunk_data(source, c, bufs), target, plan, folder, workers, advance,
                              stage_bytes(chunk_bytes))
+            source.verify_reads()  # a damaged SRC is refused here, before anything is committed
         finally:
             source.reader.close()
-        write_durable(tmp / LATEST_FILE, f"{target.iteration}\n")
+        write_durable(tmp / LATEST_FILE, latest_marker(target.iteration))
 
     build_atomically(dst, source.root, body)
     out = list((dst / iter_dir_name(target.iteration)).iterdir())

@@ -23,6 +23,7 @@ from gtp_format.check.analysis import (
     classify_all,
     topology_view,
 )
+from gtp_format.check.canonical import check_canonical_layout, check_key_dtypes
 from gtp_format.check.data import check_data
 from gtp_format.check.geometry import check_coverage
 from gtp_format.check.keys import check_manifest_keys
@@ -431,6 +432,8 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
         ("bucket_numel", lambda: check_bucket_numel(ckpt, classes, data)),
         ("manifest_keys", lambda: check_manifest_keys(ckpt)),
         ("param_optimizers", lambda: check_param_optimizers(ckpt)),
+        ("bucket_layout", lambda: check_canonical_layout(ckpt)),
+        ("key_dtype", lambda: check_key_dtypes(ckpt)),
     ]
     for name, step in steps:
         result.checks.append(name)

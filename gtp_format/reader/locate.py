@@ -9,7 +9,6 @@ names must exist, or the user gets one line saying which.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from gtp_format.names import (
     MANIFEST_FILE,
     MEGATRON_METADATA_FILE,
     iter_dir_name,
+    parse_latest,
 )
 from gtp_format.reader import safe_json
 from gtp_format.reader.storage import is_folder_inside, list_dir, read_small_file
@@ -77,8 +77,8 @@ def _read_latest(parent: Path) -> Path:
     text = raw.decode("utf-8", errors="replace").strip()
     if text == RELEASE_DIR:
         folder = parent / RELEASE_DIR
-    elif re.fullmatch(r"\d{1,12}", text):
-        folder = parent / iter_dir_name(int(text))
+    elif (iteration := parse_latest(text)) is not None:
+        folder = parent / iter_dir_name(iteration)
     else:
         raise FormatError(f"{marker} holds {text[:40]!r}, not an iteration number; {fix}")
     if not is_folder_inside(parent, folder.name):
