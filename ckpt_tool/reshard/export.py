@@ -212,7 +212,8 @@ def export_torch(source: Source, dst: Path, max_memory: int) -> dict[str, Any]:
     source.verify_reads()
     tmp = hidden_sibling(dst, "tmp")
     try:
-        torch.save(state, tmp)
+        with open(tmp, "xb") as f:  # a Python file: a failed write raises the OSError (ENOSPC) torch's own
+            torch.save(state, f)  # C++ writer flattens into "unexpected pos N vs M"
         commit_file(tmp, dst)
     except OSError as e:
         tmp.unlink(missing_ok=True)
