@@ -21,6 +21,7 @@ import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -54,9 +55,8 @@ class CheckedReader(BoxReader):
         super().__init__(ckpt)
         self.ledger = ReadLedger(ckpt)
 
-    def chunk_rows(self, entry: Entry, chunk: Chunk, r0: int, r1: int, buf: Buffer | None = None,
-                   into: np.ndarray | None = None) -> np.ndarray:
-        rows = super().chunk_rows(entry, chunk, r0, r1, buf, into)
+    def chunk_rows(self, entry: Entry, chunk: Chunk, r0: int, r1: int, *args: Any, **kwargs: Any) -> np.ndarray:
+        rows = super().chunk_rows(entry, chunk, r0, r1, *args, **kwargs)
         start = self._payload_start(entry, chunk)  # cached by the read above
         if start is not None and chunk.storage is not None and rows.size:
             row_bytes = rows.nbytes // max(1, r1 - r0)
