@@ -61,9 +61,15 @@ def iter_dir_name(iteration: int) -> str:
 
 def check_iteration(iteration: int) -> int:
     """``iteration`` if a latest marker can name it (0..MAX_ITERATION), else ValueError."""
-    if type(iteration) is not int or not 0 <= iteration <= MAX_ITERATION:
-        raise ValueError(f"iteration {iteration!r} is outside 0..{MAX_ITERATION}, which a latest marker can name")
-    return iteration
+    import operator
+
+    try:
+        n = operator.index(iteration)  # ints and numpy integers; not floats or strings
+    except TypeError:
+        raise ValueError(f"iteration {iteration!r} is not an integer") from None
+    if not 0 <= n <= MAX_ITERATION:
+        raise ValueError(f"iteration {n} is outside 0..{MAX_ITERATION}, which a latest marker can name")
+    return n
 
 
 def latest_marker(iteration: int) -> str:

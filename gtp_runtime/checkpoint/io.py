@@ -127,7 +127,7 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
         _fault("before_rename")
         commit_folder(tmp, final)
         _fault("before_latest")
-        write_atomic(root / fmt.LATEST_FILE, f"{it}\n")
+        write_atomic(root / fmt.LATEST_FILE, fmt.latest_marker(it))
     dist.barrier()
     return final
 
