@@ -35,7 +35,7 @@ from gtp_format.commit import write_durable
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
 from gtp_format.layout.shard import ShardSpec
-from gtp_format.names import LAYOUTS, MANIFEST_FILE, MAX_ITERATION, OPTIMIZER_SHARDINGS
+from gtp_format.names import LATEST_FILE, LAYOUTS, MANIFEST_FILE, MAX_ITERATION, OPTIMIZER_SHARDINGS
 
 FORMAT_TAG = "gtp-ckpt"
 MANIFEST_VERSION = 2  # the newest version this tool reads; 2 added ``optimizer.param_optimizers``
@@ -262,7 +262,7 @@ def _int(v: Any, path: str, low: int = 0) -> int:
 def _iteration(v: Any) -> int:
     n = _int(v, "iteration")
     if n > MAX_ITERATION:
-        raise _Bad("iteration", f"is {n}, above {MAX_ITERATION}: no latest marker can name it")
+        raise _Bad("iteration", f"is {n}, which cannot be named by {LATEST_FILE} (at most {MAX_ITERATION})")
     return n
 
 

@@ -59,24 +59,6 @@ def iter_dir_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def check_iteration(iteration: int) -> int:
-    """``iteration`` if a latest marker can name it (0..MAX_ITERATION), else ValueError."""
-    import operator
-
-    try:
-        n = operator.index(iteration)  # ints and numpy integers; not floats or strings
-    except TypeError:
-        raise ValueError(f"iteration {iteration!r} is not an integer") from None
-    if not 0 <= n <= MAX_ITERATION:
-        raise ValueError(f"iteration {n} is outside 0..{MAX_ITERATION}, which a latest marker can name")
-    return n
-
-
-def latest_marker(iteration: int) -> str:
-    """The text of ``latest_checkpointed_iteration.txt`` for ``iteration``: what every writer writes."""
-    return f"{check_iteration(iteration)}\n"
-
-
 def parse_latest(text: str) -> int | None:
     """The iteration a marker's (stripped) text names, or None: ASCII digits only (``\\d`` took Arabic-Indic)."""
     return int(text) if LATEST_RE.fullmatch(text) else None

@@ -31,7 +31,7 @@ from gtp_format.check.verify import check_geometry, check_storage, verify
 from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
 from gtp_format.manifest import Manifest, read_manifest
 from gtp_format.model import Checkpoint, Chunk, Entry
-from gtp_format.names import OPTIMIZER_SHARDINGS
+from gtp_format.names import MANIFEST_FILE, OPTIMIZER_SHARDINGS
 from gtp_format.params import Holder, ParamView, bucket_refs, full_box, param_views
 from gtp_format.reader.boxes import BoxReader, Buffer
 from gtp_format.reader.checkpoint import open_checkpoint
@@ -134,6 +134,8 @@ def open_source(path: Path, megatron: bool = False) -> Source:
     layout rules (:mod:`gtp_format.megatron`, which refuses what they do not cover).
     """
     ckpt = open_checkpoint(path)
+    if ckpt.manifest is None and (ckpt.root / MANIFEST_FILE).is_file():
+        read_manifest(ckpt.root, strict=True)  # ours but unreadable: its own line (exit 2), never "megatron"
     if ckpt.manifest is None and megatron:
         return _open_megatron(ckpt)
     if ckpt.manifest is None:
