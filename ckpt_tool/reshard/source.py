@@ -57,11 +57,14 @@ class CheckedReader(BoxReader):
 
     def chunk_rows(self, entry: Entry, chunk: Chunk, r0: int, r1: int, *args: Any, **kwargs: Any) -> np.ndarray:
         rows = super().chunk_rows(entry, chunk, r0, r1, *args, **kwargs)
-        start = self._payload_start(entry, chunk)  # cached by the read above
-        if start is not None and chunk.storage is not None and rows.size:
+        got = self._payload_start(entry, chunk)  # cached by the read above
+        # an offset (or None: decoded whole), or (offset, strides) where a strided chunk's rows are
+        # gathered from several runs: only rows read as one range are the file's bytes in order
+        start, strides = got if isinstance(got, tuple) else (got, None)
+        if start is not None and strides is None and chunk.storage is not None and rows.size:
             row_bytes = rows.nbytes // max(1, r1 - r0)
             self.ledger.record(chunk.storage.file, start + r0 * row_bytes, rows.reshape(-1).view(np.uint8))
-        return rows  # a chunk read whole through the decoder (None) is CRC-checked there and joined as a gap
+        return rows  # bytes not recorded here are read and checked as gaps when the ledger is joined
 
 
 @dataclass
