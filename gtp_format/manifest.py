@@ -36,7 +36,7 @@ from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.layout.topology import ALL_GROUP_KINDS
-from gtp_format.names import LAYOUTS, MANIFEST_FILE, OPTIMIZER_SHARDINGS
+from gtp_format.names import LATEST_FILE, LAYOUTS, MANIFEST_FILE, MAX_ITERATION, OPTIMIZER_SHARDINGS
 
 FORMAT_TAG = "gtp-ckpt"
 MANIFEST_VERSION = 2  # the newest version this tool reads; 2 added ``optimizer.param_optimizers``
@@ -260,6 +260,13 @@ def _int(v: Any, path: str, low: int = 0) -> int:
     return v
 
 
+def _iteration(v: Any) -> int:
+    n = _int(v, "iteration")
+    if n > MAX_ITERATION:
+        raise _Bad("iteration", f"is {n}, which cannot be named by {LATEST_FILE} (at most {MAX_ITERATION})")
+    return n
+
+
 def _str(v: Any, path: str) -> str:
     if not isinstance(v, str) or len(v) > 4096:
         raise _Bad(path, f"is {_short(v)}, not a string")
@@ -470,7 +477,7 @@ def parse_manifest(obj: Any, source: str, strict: bool = True) -> Manifest:
         if sharding not in OPTIMIZER_SHARDINGS:
             raise _Bad("optimizer_sharding", f"is {sharding!r}, not one of {OPTIMIZER_SHARDINGS}")
         head = dict(format_version=version, layout=layout, optimizer_sharding=sharding,
-                    iteration=_int(_req(d, "iteration", ""), "iteration"),
+                    iteration=_iteration(_req(d, "iteration", "")),
                     hash_algorithm=_str(d.get("hash_algorithm") or LEGACY_HASH_ALGORITHM, "hash_algorithm"),
                     notes=_list(d.get("notes", []), "notes"))
     except _Bad as e:

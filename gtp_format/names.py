@@ -37,10 +37,13 @@ DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 GTP_INDEX_FILE = "index.json"
 GTP_INDEX_VERSION = 1
 GTP_SAFETENSORS_RE = re.compile(r"^__(\d+)_(\d+)\.safetensors$")
-ITER_DIR_RE = re.compile(r"^iter_(\d{7})$")
-# What a latest marker may hold (besides Megatron's "release"): the reader takes at most 12 digits,
-# so the writer never writes a marker the reader would refuse.
-LATEST_RE = re.compile(r"\d{1,12}")
+# Iteration folders and the latest marker: one writer rule, one reader rule, the same numbers.
+# ``iter_dir_name`` pads to 7 digits and grows past them; the marker holds 1-12 ASCII digits, so every
+# iteration a writer may record is 0..MAX_ITERATION (a 13-digit iteration was written by reshard from a
+# manifest's value and then refused by the reader).
+MAX_ITERATION = 10**12 - 1
+ITER_DIR_RE = re.compile(r"^iter_([0-9]{7}|[1-9][0-9]{7,11})$")
+LATEST_RE = re.compile(r"[0-9]{1,12}")
 
 # Run state beside the tensors, in the manifest (Megatron keeps it in common.pt): the learning-rate
 # schedule under Megatron's name, and the data position with what it indexes.
@@ -54,6 +57,11 @@ SHARDED_OBJECT_RE = re.compile(r"^(?P<key>.+)/shard_(?P<offset>[\d.]+)_(?P<shape
 
 def iter_dir_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
+
+
+def parse_latest(text: str) -> int | None:
+    """The iteration a marker's (stripped) text names, or None: ASCII digits only (``\\d`` took Arabic-Indic)."""
+    return int(text) if LATEST_RE.fullmatch(text) else None
 
 
 def dtype_tag(param_dtype: Any, grad_dtype: Any) -> str:

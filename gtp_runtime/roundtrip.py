@@ -170,10 +170,10 @@ def _limit(env: str, default: int) -> int:
 
 
 def approx_params(model: ModelConfig) -> int:
-    """Parameters of the GPT a manifest describes (embeddings, attention, MLPs or experts, norms)."""
-    h, layers, ffn = model.hidden, model.num_layers, model.ffn_hidden
-    experts = max(1, model.num_experts)
-    return model.vocab_size * h + layers * (4 * h * h + 2 * h * ffn * experts + 4 * h) + 2 * h
+    """Parameters of the GPT a manifest describes, exactly (:func:`gtp_format.layout.params.param_count`)."""
+    from gtp_format.layout.params import param_count
+
+    return param_count(model)
 
 
 def check_roundtrip_limits(world: int, model: ModelConfig) -> None:
@@ -186,7 +186,7 @@ def check_roundtrip_limits(world: int, model: ModelConfig) -> None:
                           f"{MAX_WORLD_ENV} to allow more")
     n = approx_params(model)
     if n > max_params:
-        raise ConfigError(f"the manifest describes a model of about {n} parameters, over the limit of {max_params}; "
+        raise ConfigError(f"the manifest describes a model of {n} parameters, over the limit of {max_params}; "
                           f"set {MAX_PARAMS_ENV} to allow more")
 
 

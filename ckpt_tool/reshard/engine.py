@@ -333,6 +333,7 @@ def reshard(src: Path, dst: Path, par: ParallelConfig, layout: str | None = None
         try:
             write_checkpoint(lambda c: chunk_data(source, c, bufs), target, plan, writer, workers, advance,
                              stage_bytes(chunk_bytes))
+            source.verify_reads()  # a damaged SRC is refused here, before anything is committed
         finally:
             source.reader.close()
 

@@ -50,6 +50,7 @@ from ckpt_tool.reshard.engine import (
     chunk_budget,
     chunk_data,
     default_workers,
+    os_cause,
     peak_rss,
     rss_after_imports,
     run_files,
@@ -59,6 +60,8 @@ from ckpt_tool.reshard.plan import FP32, OutChunk, dtype_of, row_blocks, split_f
 from ckpt_tool.reshard.sink import Sink, stage_bytes
 from ckpt_tool.reshard.source import WEIGHT, Buffers, Source, open_source
 from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata
+from gtp_format.check.integrity import stored_bytes
+from gtp_format.check.st_names import refuse_unstorable
 from gtp_format.commit import commit_file, hidden_sibling, write_durable
 from gtp_format.dtypes import DType
 from gtp_format.errors import FormatError
@@ -207,6 +210,7 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
             chunks = part_chunks(view, state, key, rows, chunk_bytes)
             shape = (sum(b - a for a, b in rows), *view.full_shape[1:]) if view.full_shape else ()
             tensors.append((key, chunks[0].dtype, shape, chunks))
+        refuse_unstorable(source.root, ((t[0], t[1]) for t in tensors))
         files = _hf_files(tensors, max_shard, prefix)
         total = sum(math.prod(t[2]) * t[1].itemsize for t in tensors)
         side += hf_folder.write_index(folder, prefix, total, {t[0]: name for name, group in files for t in group})
@@ -258,16 +262,23 @@ def export_torch(source: Source, dst: Path, max_memory: int) -> dict[str, Any]:
     if total > max_memory:
         raise FormatError(f"{source.root}: --to torch holds all {total} bytes in memory, more than --max-memory "
                           f"{max_memory}; use --to hf (streamed) or raise --max-memory")
+    stored = stored_bytes(source.ckpt)
+    if total > stored:  # the bound of its own: what the files hold on disk, not their (sparse) st_size
+        raise FormatError(f"{source.root}: --to torch would hold {total} bytes of tensors in memory, but the data "
+                          f"files store only {stored} bytes on disk (sparse or truncated files); run `ckpt verify "
+                          "--data` on it and export an intact checkpoint")
     state = {}
     for key, e in entries.items():
         assert e.shape is not None and e.dtype is not None
         arr = source.reader.read_box(key, (0,) * len(e.shape), e.shape)
         state[key] = torch.from_numpy(np.ascontiguousarray(arr)).view(e.dtype.torch)
+    source.verify_reads()
     clean_stale(dst.parent)  # what killed exports left beside DST
     tmp = hidden_sibling(dst, "tmp")
     try:
         with sigterm_raises():  # a terminated export removes its partial file, as on an error
-            torch.save(state, tmp)
+            with open(tmp, "xb") as f:  # a Python file: a failed write raises the OSError (ENOSPC) torch's
+                torch.save(state, f)  # own C++ writer flattens into "unexpected pos N vs M"
             commit_file(tmp, dst)
     except FileExistsError:
         tmp.unlink(missing_ok=True)
@@ -275,10 +286,33 @@ def export_torch(source: Source, dst: Path, max_memory: int) -> dict[str, Any]:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise write_failure(dst, e) from None
+    except RuntimeError as e:  # torch.save's C++ writer reports a failed write (a full disk) as RuntimeError
+        tmp.unlink(missing_ok=True)
+        raise torch_save_failure(dst, e, total) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return {"files": 1, "keys": len(state), "bytes": total}
+
+
+def torch_save_failure(dst: Path, e: RuntimeError, nbytes: int) -> FormatError:
+    """One line naming DST and the cause of a failed ``torch.save``: the OS error when Python's file
+    object raised one, else the disk's free space (torch's C++ zip writer only says "file write
+    failed"), else torch's own first line."""
+    import shutil
+
+    cause = os_cause(e)
+    if cause is not None:
+        return write_failure(dst, cause)
+    try:
+        free = shutil.disk_usage(dst.parent).free
+    except OSError:
+        free = None
+    if free is not None and free < nbytes + (1 << 20):
+        return FormatError(f"{dst}: No space left on device while torch.save wrote it ({free} bytes free, "
+                           f"{nbytes} needed; nothing was left behind); free space or write to another disk")
+    first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+    return FormatError(f"{dst}: torch.save could not write it ({first}); nothing was left behind")
 
 
 def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: int = DEFAULT_MAX_MEMORY,
@@ -330,6 +364,7 @@ def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: i
                                         tokenizer, num_heads))
             else:
                 holder.update(export_fully_reshardable(source, writer, chunk_bytes, workers, advance))
+            source.verify_reads()  # a damaged SRC is refused here, before anything is committed
 
         iteration = source.manifest.iteration if source.manifest else (source.ckpt.iteration or 0)
         nested = {"inner": iter_dir_name(iteration), "latest": str(iteration)} if to == "fully_reshardable" else {}

@@ -5,7 +5,14 @@ genuine Megatron checkpoints go through :mod:`ckpt_tool.reshard.megatron`), an a
 (folded keys without ``.cp_rank_{i}``: ``ckpt migrate-aliased`` first), and an incomplete one
 (a missing key, a hole, a chunk without storage, a data file that is gone or short): ``verify``'s
 structural checks run before any byte is copied, so a reshard never writes half a checkpoint
-from a damaged one.
+from a damaged one. Then every other check of ``ckpt verify`` (:func:`gtp_format.check.verify.verify`:
+the ``param_optimizers`` owners, the canonical bucket layout, key dtypes...) with verify's own line
+and exit 1: a copy trusts the manifest exactly as ``--load`` does, so it passes the same gate
+(reshard and export skipped ``param_optimizers`` and wrote Muon momentum as Adam ``exp_avg``).
+
+Data integrity rides on the reads: :class:`CheckedReader` hands every range it reads to a
+:class:`gtp_format.check.integrity.ReadLedger`, and :meth:`Source.verify_reads` (called by every
+copy before it commits) joins them and compares with the checksums the source carries.
 """
 
 from __future__ import annotations
@@ -14,15 +21,17 @@ import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from gtp_format.check.analysis import aliasing, classify_all, topology_view
-from gtp_format.check.verify import check_geometry, check_storage
-from gtp_format.errors import FormatError
+from gtp_format.check.integrity import ReadLedger
+from gtp_format.check.verify import check_geometry, check_storage, verify
+from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
 from gtp_format.manifest import Manifest, read_manifest
-from gtp_format.model import Checkpoint
-from gtp_format.names import OPTIMIZER_SHARDINGS
+from gtp_format.model import Checkpoint, Chunk, Entry
+from gtp_format.names import MANIFEST_FILE, OPTIMIZER_SHARDINGS
 from gtp_format.params import Holder, ParamView, bucket_refs, full_box, param_views
 from gtp_format.reader.boxes import BoxReader, Buffer
 from gtp_format.reader.checkpoint import open_checkpoint
@@ -39,16 +48,39 @@ class Buffers(threading.local):
         self.out, self.scratch = Buffer(), Buffer()
 
 
+class CheckedReader(BoxReader):
+    """A :class:`BoxReader` whose every range read is hashed into ``ledger`` from the buffer it landed in."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        super().__init__(ckpt)
+        self.ledger = ReadLedger(ckpt)
+
+    def chunk_rows(self, entry: Entry, chunk: Chunk, r0: int, r1: int, *args: Any, **kwargs: Any) -> np.ndarray:
+        rows = super().chunk_rows(entry, chunk, r0, r1, *args, **kwargs)
+        got = self._payload_start(entry, chunk)  # cached by the read above
+        # an offset (or None: decoded whole), or (offset, strides) where a strided chunk's rows are
+        # gathered from several runs: only rows read as one range are the file's bytes in order
+        start, strides = got if isinstance(got, tuple) else (got, None)
+        if start is not None and strides is None and chunk.storage is not None and rows.size:
+            row_bytes = rows.nbytes // max(1, r1 - r0)
+            self.ledger.record(chunk.storage.file, start + r0 * row_bytes, rows.reshape(-1).view(np.uint8))
+        return rows  # bytes not recorded here are read and checked as gaps when the ledger is joined
+
+
 @dataclass
 class Source:
     ckpt: Checkpoint
     manifest: Manifest | None  # None: a genuine megatron-core checkpoint (gtp_format.megatron)
     views: dict[str, ParamView]
-    reader: BoxReader
+    reader: CheckedReader
 
     @property
     def root(self) -> Path:
         return self.ckpt.root
+
+    def verify_reads(self) -> None:
+        """Refuse (exit 1) a source whose bytes fail the checksums it carries: call before committing."""
+        self.reader.ledger.finish()
 
     def read_full_box(self, view: ParamView, state: str, offsets: tuple[int, ...],
                       sizes: tuple[int, ...], bufs: Buffers | None = None) -> np.ndarray:
@@ -108,6 +140,8 @@ def open_source(path: Path, megatron: bool = False, weights_only: bool = False, 
     (``--to torch``, which copies keys, not parameters): no per-parameter view is built at all.
     """
     ckpt = open_checkpoint(path)
+    if ckpt.manifest is None and (ckpt.root / MANIFEST_FILE).is_file():
+        read_manifest(ckpt.root, strict=True)  # ours but unreadable: its own line (exit 2), never "megatron"
     if ckpt.manifest is None and megatron:
         return _open_megatron(ckpt, weights_only, views)
     if ckpt.manifest is None:
@@ -127,6 +161,7 @@ def open_source(path: Path, megatron: bool = False, weights_only: bool = False, 
         e = errors[0]
         raise FormatError(f"{ckpt.root}: incomplete checkpoint ({len(errors)} problems); first: "
                           f"{e.key or e.file or '-'}: {e.message}; run `ckpt verify` on it and reshard a complete one")
+    _gate(ckpt)
     views = param_views(manifest)
     missing = [k for ref in bucket_refs(manifest) for k in (ref.key("param"),) if k not in ckpt.entries]
     missing += [name for name in views if name not in ckpt.entries]
@@ -140,7 +175,7 @@ def open_source(path: Path, megatron: bool = False, weights_only: bool = False, 
                 raise FormatError(f"{ckpt.root}: optimizer key {ref.key(state)!r} is "
                                   f"{'missing' if e is None else f'of shape {list(e.shape or ())}'}, the manifest "
                                   f"says ({ref.numel_unpadded},); the checkpoint is incomplete or not this layout")
-    return Source(ckpt, manifest, views, BoxReader(ckpt))
+    return Source(ckpt, manifest, views, CheckedReader(ckpt))
 
 
 def _open_megatron(ckpt: Checkpoint, weights_only: bool = False, views: bool = True) -> Source:
@@ -151,8 +186,16 @@ def _open_megatron(ckpt: Checkpoint, weights_only: bool = False, views: bool = T
         e = errors[0]
         raise FormatError(f"{ckpt.root}: incomplete checkpoint ({len(errors)} problems); first: "
                           f"{e.key or e.file or '-'}: {e.message}; run `ckpt verify` on it")
+    _gate(ckpt)
     if weights_only:
         from ckpt_tool.reshard.weights import weight_views
 
-        return Source(ckpt, None, weight_views(ckpt) if views else {}, BoxReader(ckpt))
-    return Source(ckpt, None, megatron_views(ckpt), BoxReader(ckpt))
+        return Source(ckpt, None, weight_views(ckpt) if views else {}, CheckedReader(ckpt))
+    return Source(ckpt, None, megatron_views(ckpt), CheckedReader(ckpt))
+
+
+def _gate(ckpt: Checkpoint) -> None:
+    """``ckpt verify``'s structural verdict (no data read), refused with its own line, exit 1."""
+    line = verify(ckpt).failure_line(ckpt.root)
+    if line is not None:
+        raise FormatError(f"{line}; reshard and export copy only what verify passes", EXIT_CHECK_FAILED)

@@ -24,6 +24,7 @@ from gtp_format.check.analysis import (
     classify_all,
     topology_view,
 )
+from gtp_format.check.canonical import check_canonical_layout, check_key_dtypes
 from gtp_format.check.data import check_data
 from gtp_format.check.geometry import check_coverage
 from gtp_format.check.keys import check_manifest_keys
@@ -439,6 +440,9 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
         steps.append(("manifest_keys", lambda: check_manifest_keys(ckpt)))
         if m.optimizer is not None and m.buffers is not None:
             steps.append(("param_optimizers", lambda: check_param_optimizers(ckpt)))
+        if m.buffers is not None:
+            steps.append(("bucket_layout", lambda: check_canonical_layout(ckpt)))
+            steps.append(("key_dtype", lambda: check_key_dtypes(ckpt)))
     for name, step in steps:
         result.checks.append(name)
         result.problems += step()

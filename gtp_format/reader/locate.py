@@ -27,11 +27,11 @@ from gtp_format.names import (
     DISTCP_RE,
     ITER_DIR_RE,
     LATEST_FILE,
-    LATEST_RE,
     LAYOUTS,
     MANIFEST_FILE,
     MEGATRON_METADATA_FILE,
     iter_dir_name,
+    parse_latest,
 )
 from gtp_format.reader import safe_json
 from gtp_format.reader.storage import is_folder_inside, list_dir, read_small_file
@@ -124,8 +124,8 @@ def _read_latest(parent: Path) -> Path:
     text = raw.decode("utf-8", errors="replace").strip()
     if text == RELEASE_DIR:
         folder = parent / RELEASE_DIR
-    elif LATEST_RE.fullmatch(text):
-        folder = parent / iter_dir_name(int(text))
+    elif (iteration := parse_latest(text)) is not None:
+        folder = parent / iter_dir_name(iteration)
     else:
         raise FormatError(f"{marker} holds {text[:40]!r}, not an iteration number; {fix}")
     if not is_folder_inside(parent, folder.name):

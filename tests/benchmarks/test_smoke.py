@@ -49,6 +49,7 @@ SMOKE = {
     "bench_verify.py": ["--workdir", "{tmp}/verify", "--clean"],
     "bench_gpu.py": ["--json", "{tmp}/gpu.json"],
     "bench_reshard.py": ["--workdir", "{tmp}/reshard"],
+    "bench_copy_checks.py": ["--workdir", "{tmp}/copy_checks"],
     "bench_muon.py": [],
     "bench_data_read.py": ["--dir", "{tmp}/data_read"],
     "convergence.py": ["--out", "{tmp}/convergence"],
@@ -230,12 +231,22 @@ def check_fuzz(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
         assert stats["findings"] == 0, (name, [f.read_text()[:500] for f in (tmp / "fuzz").glob(f"{name}-*.txt")])
 
 
+def check_copy_checks(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    doc = json.loads(p.stdout.splitlines()[0])
+    assert [r["command"] for r in doc["rows"]] == ["reshard tp2-cp1", "export hf --optimizer",
+                                                   "export hf (weights only)"]
+    assert all(r["ledger s"] > 0 and r["no ledger s"] > 0 for r in doc["rows"]) and doc["cp_r_s"] > 0
+    assert "| command" in p.stdout and "bench_copy_checks.py" in p.stdout
+    assert not (tmp / "copy_checks").exists()  # the work folder is removed
+
+
 CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
     "bench_inspect.py": check_inspect, "bench_migrate.py": check_migrate, "bench_verify.py": check_verify,
     "bench_gpu.py": check_gpu, "bench_reshard.py": check_reshard, "bench_muon.py": check_muon,
     "bench_data_read.py": check_data_read, "convergence.py": check_convergence,
     "bench_record_crc.py": check_record_crc, "fuzz_readers.py": check_fuzz,
+    "bench_copy_checks.py": check_copy_checks,
 }
 
 

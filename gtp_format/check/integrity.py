@@ -1,0 +1,191 @@
+"""Integrity of what a copy reads, checked on the bytes it reads: ``reshard``, ``export``.
+
+Why: a copy re-hashes what it writes, so a source that fails ``verify --data`` came out of
+``reshard``/``export`` with fresh, matching checksums and exit 0 (the red team's "laundering").
+A copy must therefore check its input against the checksums the input carries, and refuse to
+commit when one fails. Reading everything twice (``verify --data``, then the copy) would double
+the source reads; instead each range a copy reads is hashed as it arrives (:meth:`ReadLedger.record`,
+called by the copy's reader on the bytes already in its buffer), and at the end
+(:meth:`ReadLedger.finish`, before the output is committed) the pieces are joined in file order
+with :meth:`gtp_format.hashing.Crc.combine`. Only the bytes no copy read (zip headers, byte
+objects, replicas of a parameter the view reads once) are read then, so the source is read once.
+
+What is checked, as ``verify --data`` does (:mod:`gtp_format.check.data`):
+
+* a data file the manifest checksums (every gtp_runtime file: CRC-32C): that checksum, over the
+  whole file, and its size;
+* a ``torch.save`` file without one (a genuine Megatron checkpoint): the zip directory's CRC-32 of
+  every tensor's storage record, and every record of every byte object;
+* a raw (safetensors) file without one: nothing beyond the structure the reader already checks
+  (its header and offsets): there is no checksum to compare with, which the summary cannot fix.
+
+Pieces may arrive in any order and overlap (two target chunks reading one source row); the join
+takes each byte once: a piece starting before the bytes already joined is skipped, and what it
+alone covered is read as a gap.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+from dataclasses import dataclass
+
+from gtp_format.errors import EXIT_CHECK_FAILED, ChunkError, FormatError
+from gtp_format.hashing import CRCS, HASHERS, Crc, file_digests
+from gtp_format.model import BYTES, ENC_TORCH_SAVE, TENSOR, Checkpoint
+from gtp_format.reader.blob import parse_blob
+from gtp_format.reader.chunks import check_byte_object, checked_ref
+from gtp_format.reader.storage import open_regular
+from gtp_format.reader.storage import stored_bytes as file_stored_bytes
+from gtp_format.reader.zip_blob import BlobError, RangeReader
+
+BLOCK = 8 << 20  # gap reads, bounded whatever the file
+
+
+@dataclass(frozen=True)
+class _Mode:
+    kind: str  # "file": the manifest's CRC over the whole file; "records": zip CRC-32s; "digest": sha256 etc.
+    algorithm: str
+    want: str  # the manifest's hex value ("" for records)
+    size: int | None  # the manifest's size
+
+
+class DamagedSource(FormatError):
+    """The source's bytes fail a checksum they carry: exit 1, as ``verify --data``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, EXIT_CHECK_FAILED)
+
+
+class ReadLedger:
+    """The checksummed ranges one copy has read, per data file; thread-safe."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt = ckpt
+        self._lock = threading.Lock()
+        self._pieces: dict[str, list[tuple[int, int, int]]] = {}  # file -> (offset, length, crc)
+        self.modes: dict[str, _Mode] = {}
+        files = ckpt.manifest.files if ckpt.manifest is not None and ckpt.manifest.files else {}
+        for rel in ckpt.data_files:
+            spec = files.get(rel)
+            sums = {a.lower(): v.lower() for a, v in spec.checksums.items()} if spec is not None else {}
+            crc = next((a for a in ("crc32c", "crc32") if a in sums), None)
+            if crc is not None:
+                self.modes[rel] = _Mode("file", crc, sums[crc], spec.size if spec else None)
+            elif sums:
+                algo = next((a for a in sums if a in HASHERS), None)
+                if algo is None:  # verify's manifest check names the unknown algorithm; refuse here too
+                    raise DamagedSource(f"{ckpt.root / rel}: its manifest checksum uses {sorted(sums)}, none of which "
+                                        "ckpt can compute; its integrity cannot be checked, so it is not copied")
+                self.modes[rel] = _Mode("digest", algo, sums[algo], spec.size if spec else None)
+            elif ckpt.encoding == ENC_TORCH_SAVE:
+                self.modes[rel] = _Mode("records", "crc32", "", None)
+        self.bytes_checked = 0  # hashed as read
+        self.bytes_filled = 0  # read at the end: bytes no copy read
+
+    def _crc(self, rel: str) -> Crc | None:
+        mode = self.modes.get(rel)
+        return CRCS[mode.algorithm] if mode is not None and mode.kind in ("file", "records") else None
+
+    def record(self, rel: str, offset: int, data: object) -> None:
+        """``data`` (a contiguous bytes-like object, e.g. the reader's buffer) was read at ``offset`` of ``rel``."""
+        crc = self._crc(rel)
+        if crc is None:
+            return
+        value = crc.update(data, 0)  # outside the lock: the CRCs release the GIL
+        n = memoryview(data).nbytes  # type: ignore[arg-type]
+        with self._lock:
+            self._pieces.setdefault(rel, []).append((offset, n, value))
+            self.bytes_checked += n
+
+    def finish(self) -> None:
+        """Join every file's pieces, read what no copy read, and compare; raise :class:`DamagedSource`."""
+        for rel in sorted(self.modes):
+            mode = self.modes[rel]
+            with self._lock:
+                self._pieces[rel] = sorted(self._pieces.get(rel, ()))
+            try:
+                with open_regular(self.ckpt.root, rel) as f:
+                    fd = f.fileno()
+                    size = os.fstat(fd).st_size
+                    if mode.size is not None and size != mode.size:
+                        raise DamagedSource(f"{self.ckpt.root / rel}: is {size} bytes but the manifest says "
+                                            f"{mode.size}; the source is damaged (nothing was written)")
+                    if mode.kind == "digest":
+                        got = file_digests(f, [mode.algorithm])[mode.algorithm]
+                        self.bytes_filled += size
+                    elif mode.kind == "file":
+                        got = f"{self._join(fd, rel, 0, size):08x}"
+                    else:
+                        self._check_records(fd, rel, size)
+                        continue
+            except ChunkError as e:
+                raise DamagedSource(f"{self.ckpt.root / rel}: {e.message}") from None
+            if got != mode.want:
+                raise DamagedSource(f"{self.ckpt.root / rel}: {mode.algorithm} is {got} but the manifest says "
+                                    f"{mode.want}: the source's data is damaged, so nothing was written; run "
+                                    "`ckpt verify --data` on it and copy an intact checkpoint")
+
+    def _join(self, fd: int, rel: str, lo: int, hi: int) -> int:
+        """CRC of bytes ``[lo, hi)`` of ``rel``: the recorded pieces inside, gaps read from ``fd``."""
+        crc = self._crc(rel)
+        assert crc is not None
+        pieces = self._pieces.get(rel, [])  # sorted by finish()
+        first = bisect.bisect_left(pieces, (lo, -1, -1))
+        value, at = 0, lo
+        for off, n, piece in pieces[first:]:
+            if off >= hi:
+                break
+            if off < at or off + n > hi:
+                continue  # overlaps what is joined, or leaves the range: its bytes come from the gap reads
+            value = self._gap(fd, rel, crc, value, at, off)
+            value = crc.combine(value, piece, n)
+            at = off + n
+        return self._gap(fd, rel, crc, value, at, hi)
+
+    def _gap(self, fd: int, rel: str, crc: Crc, value: int, lo: int, hi: int) -> int:
+        for pos in range(lo, hi, BLOCK):
+            want = min(BLOCK, hi - pos)
+            block = os.pread(fd, want, pos)
+            if len(block) != want:
+                raise DamagedSource(f"{self.ckpt.root / rel}: shrank while it was copied (read {len(block)} of "
+                                    f"{want} bytes at {pos}); nothing was written: copy a checkpoint nobody writes")
+            value = crc.update(block, value)
+            self.bytes_filled += want
+        return value
+
+    def _check_records(self, fd: int, rel: str, size: int) -> None:
+        for entry in self.ckpt.entries.values():
+            for chunk in entry.chunks:
+                if chunk.storage is None or chunk.storage.file != rel:
+                    continue
+                if entry.kind == BYTES:
+                    check_byte_object(self.ckpt, entry, chunk)
+                    continue
+                if entry.kind != TENSOR:
+                    continue
+                ref = checked_ref(self.ckpt, entry, chunk)
+                try:
+                    layout = parse_blob(RangeReader(fd, ref.offset, ref.length))
+                except BlobError as e:
+                    raise DamagedSource(f"{self.ckpt.root / rel}: {entry.key} chunk {chunk.index} is not an intact "
+                                        f"torch.save blob ({e}); nothing was written") from None
+                start = ref.offset + layout.payload_offset
+                got = self._join(fd, rel, start, start + layout.payload_bytes)
+                if got != layout.payload_crc:
+                    raise DamagedSource(f"{self.ckpt.root / rel}: {entry.key} chunk {chunk.index} fails its zip "
+                                        f"CRC-32 (the record says {layout.payload_crc:08x}, its bytes give {got:08x}): "
+                                        "the source's data is damaged, so nothing was written; run `ckpt verify "
+                                        "--data` on it")
+
+
+def stored_bytes(ckpt: Checkpoint) -> int:
+    """Bytes the data files really hold on disk (:func:`gtp_format.reader.storage.stored_bytes`), not
+    their ``st_size``: a sparse file of any declared size stores almost nothing, so a budget from its
+    size is no budget."""
+    total = 0
+    for rel in ckpt.data_files:
+        with open_regular(ckpt.root, rel) as f:
+            total += file_stored_bytes(os.fstat(f.fileno()))
+    return total
