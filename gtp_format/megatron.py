@@ -29,11 +29,12 @@ refused: PP > 1, MoE (``chained_`` optimizers, experts), several buffers, unknow
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import replace
 
 from gtp_format.errors import FormatError
 from gtp_format.layout.shard import ShardSpec
-from gtp_format.model import TENSOR, Checkpoint, Entry
+from gtp_format.model import TENSOR, Checkpoint, Chunk, Entry
 from gtp_format.names import parse_optimizer_key
 
 VERSIONS = "megatron-core 0.19.2 (fixtures/megatron) and Megatron-LM main (param_and_grad_buffer.py)"
@@ -64,17 +65,45 @@ def _refuse(ckpt: Checkpoint, why: str) -> FormatError:
                        f"(checked against {VERSIONS})")
 
 
-def _module_params(ckpt: Checkpoint) -> list[tuple[str, str, int | None]]:
-    """(module name, checkpoint key, layer or None) in module order, for the keys present."""
+def _layer_index(ckpt: Checkpoint, keys: list[str]) -> dict[str, dict[int, list[Chunk]]]:
+    """Stacked key -> layer -> its chunks, built in one pass over the stored chunks.
+
+    Indexed once so that per-layer lookups cost what the key stores, not layers x chunks (issue
+    22 class 5: a 10-32 MB ``.metadata`` made the per-layer scans quadratic).
+    """
+    out: dict[str, dict[int, list[Chunk]]] = {}
+    for k in keys:
+        by_layer: dict[int, list[Chunk]] = {}
+        for c in ckpt.entries[k].chunks:
+            if c.offsets:
+                by_layer.setdefault(c.offsets[0], []).append(c)
+        out[k] = by_layer
+    return out
+
+
+def _module_params(ckpt: Checkpoint, layer_chunks: dict[str, dict[int, list[Chunk]]]
+                   ) -> list[tuple[str, str, int | None]]:
+    """(module name, checkpoint key, layer or None) in module order, for the keys present.
+
+    The layer count is the stacked keys' declared leading dimension, but the loop runs over the
+    layers whose chunks are *stored*, and every declared layer must have one: a ``.metadata`` that
+    declares 10^9 layers and stores two is refused before any per-layer work (issue 22 class 3).
+    """
     keys = {k for k, e in ckpt.entries.items() if e.kind == TENSOR and not k.startswith("optimizer.")
             and not k.startswith("chained_")}
     out: list[tuple[str, str, int | None]] = [(k, k, None) for k in HEAD if k in keys]
-    stacked = [k for k in keys if k.startswith("decoder.layers.")]
+    stacked = sorted(k for k in keys if k.startswith("decoder.layers."))
     layers = {ckpt.entries[k].shape[0] for k in stacked if ckpt.entries[k].shape}  # type: ignore[index]
     if len(layers) > 1:
         raise _refuse(ckpt, f"stacked layer keys disagree on the layer count ({sorted(layers)})")
     n = layers.pop() if layers else 0
-    for i in range(n):
+    for k in stacked:
+        stored = layer_chunks[k]
+        if len(stored) != n or any(i < 0 or i >= n for i in stored):
+            missing = next((i for i in range(min(n, len(stored) + 1)) if i not in stored), None)
+            raise _refuse(ckpt, f"{k} declares {n} layers but stores chunks for {len(stored)}"
+                          + (f" (layer {missing} has none)" if missing is not None else ""))
+    for i in range(n):  # n <= the chunks stored, checked above
         out += [(f"decoder.layers.{i}.{m}", f"decoder.layers.{k}", i) for m, k in LAYER
                 if f"decoder.layers.{k}" in keys]
     out += [(k, k, None) for k in TAIL if k in keys]
@@ -85,13 +114,12 @@ def _module_params(ckpt: Checkpoint) -> list[tuple[str, str, int | None]]:
     return out
 
 
-def _tp_boxes(ckpt: Checkpoint, entry: Entry, layer: int | None) -> tuple[str | None, tuple[int, ...],
-                                                                          list[tuple[int, ...]]]:
-    """(tp_mode, full shape, per-TP-rank offsets in the full tensor) from a model key's chunks."""
+def _tp_boxes(ckpt: Checkpoint, entry: Entry, layer: int | None, chunks: list[Chunk] | tuple[Chunk, ...]
+              ) -> tuple[str | None, tuple[int, ...], list[tuple[int, ...]]]:
+    """(tp_mode, full shape, per-TP-rank offsets in the full tensor) from a model key's chunks (of one layer)."""
     assert entry.shape is not None
     lead = 0 if layer is None else 1
     full = entry.shape[lead:]
-    chunks = [c for c in entry.chunks if layer is None or c.offsets[0] == layer]
     boxes = sorted((c.offsets[lead:], c.sizes[lead:]) for c in chunks)
     if len(boxes) == 1:
         if boxes[0] != ((0,) * len(full), full):
@@ -119,20 +147,28 @@ def megatron_views(ckpt: Checkpoint) -> dict:  # -> dict[str, ParamView] (import
         raise _refuse(ckpt, "optimizer keys carry cp_rank")
     tp_size = len({o.dp_group_idx for o in opts.values()})
     gbuf, dtag = next((o.gbuf_idx, o.dtype) for o in opts.values())
-    params = _module_params(ckpt)
+    stacked = [k for k, e in ckpt.entries.items() if e.kind == TENSOR and k.startswith("decoder.layers.")]
+    layer_chunks = _layer_index(ckpt, stacked)
+    params = _module_params(ckpt, layer_chunks)
     buckets = sorted({o.bucket_idx for o in opts.values()})
-    numel = {b: ckpt.entries[next(k for k, o in opts.items() if o.bucket_idx == b and o.state == "param")].shape[0]
-             for b in buckets}  # type: ignore[index]
+    numel: dict[int, int] = {}
+    for k, o in opts.items():  # one pass, not one per bucket over all keys (issue 22 class 5)
+        shape = ckpt.entries[k].shape
+        if o.state == "param" and shape:
+            numel.setdefault(o.bucket_idx, shape[0])
+    if set(numel) != set(buckets):
+        raise _refuse(ckpt, f"bucket {min(set(buckets) - set(numel))} has no param state key")
     placed: list[tuple[str, int, int, int]] = []  # name, bucket, start, end (local numel)
     info = {}
     if HEAD[0] not in ckpt.entries:
         raise _refuse(ckpt, f"it has no {HEAD[0]}")
-    vocab_parts = len(_tp_boxes(ckpt, ckpt.entries[HEAD[0]], None)[2])
+    vocab_parts = len(_tp_boxes(ckpt, ckpt.entries[HEAD[0]], None, ckpt.entries[HEAD[0]].chunks)[2])
     if vocab_parts != tp_size:
         raise _refuse(ckpt, f"{tp_size} dp_group_idx values but TP {vocab_parts} (the embedding's parts): "
                       "the model-parallel group spans pipeline stages (PP > 1)")
     for name, key, layer in params:
-        mode, full, offsets = _tp_boxes(ckpt, ckpt.entries[key], layer)
+        entry = ckpt.entries[key]
+        mode, full, offsets = _tp_boxes(ckpt, entry, layer, entry.chunks if layer is None else layer_chunks[key][layer])
         if mode is not None and len(offsets) != tp_size:
             raise _refuse(ckpt, f"{key} has {len(offsets)} TP parts but there are {tp_size} dp_group_idx (PP > 1?)")
         mode = "vocab" if mode == "column" and key == HEAD[0] else mode
@@ -169,14 +205,19 @@ def megatron_views(ckpt: Checkpoint) -> dict:  # -> dict[str, ParamView] (import
 
 
 def _check_chunks(ckpt: Checkpoint, opts: dict, placed: list[tuple[str, int, int, int]]) -> None:
-    """Every stored chunk of every bucket key lies inside one derived param slice or one gap."""
+    """Every stored chunk of every bucket key lies inside one derived param slice or one gap.
+
+    The edges of each bucket are sorted once and each chunk finds the first edge after its start
+    by bisection: chunks x log(edges), where a scan of every edge per chunk was quadratic.
+    """
     edges: dict[int, list[int]] = {}
     for _, b, s, e in placed:
         edges.setdefault(b, []).extend((s, e))
+    cuts_of = {b: sorted(set(v)) for b, v in edges.items()}
     for key, o in opts.items():
-        cuts = sorted(set(edges.get(o.bucket_idx, [])))
+        cuts = cuts_of.get(o.bucket_idx, [])
         for c in ckpt.entries[key].chunks:
             a, z = c.offsets[0], c.offsets[0] + c.sizes[0]
-            if any(a < x < z for x in cuts):
+            i = bisect_right(cuts, a)
+            if i < len(cuts) and cuts[i] < z:
                 raise _refuse(ckpt, f"chunk [{a}, {z}) of {key} straddles a derived parameter edge")
-

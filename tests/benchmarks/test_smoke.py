@@ -45,6 +45,7 @@ SMOKE = {
     "bench_fold_cpu.py": [],
     "bench_hash.py": [],
     "bench_inspect.py": ["--workdir", "{tmp}/inspect"],
+    "bench_megatron_inspect.py": ["--workdir", "{tmp}/megatron_inspect"],
     "bench_migrate.py": ["--workdir", "{tmp}/migrate"],
     "bench_verify.py": ["--workdir", "{tmp}/verify", "--clean"],
     "bench_gpu.py": ["--json", "{tmp}/gpu.json"],
