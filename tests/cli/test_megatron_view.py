@@ -10,6 +10,7 @@ own fully_reshardable key set, global shapes and dtypes.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -22,12 +23,22 @@ from gtp_format.names import STATES, parse_optimizer_key
 from gtp_format.reader.checkpoint import open_checkpoint
 
 MEGATRON = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
-DENSE = ["tp2_dp2_dp_reshardable", "cp2_dp2_dp_reshardable"]
+DENSE = ["tp2_dp2_dp_reshardable", "cp2_dp2_dp_reshardable", "pp2_dp2_dp_reshardable"]
+
+
+def _global_name(name: str, stage: int, layers_per_stage: int) -> str:
+    """expected.json names module params as megatron's modules do: layers numbered per stage."""
+    m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
+    if m is None:
+        return "embedding.word_embeddings.weight" if name == "output_layer.weight" and stage > 0 else name
+    return f"decoder.layers.{int(m.group(1)) + stage * layers_per_stage}.{m.group(2)}"
 
 
 @pytest.mark.parametrize("name", DENSE)
 def test_layout_equals_megatron_buffers(name: str) -> None:
     expected = json.loads((MEGATRON / name / "expected.json").read_text())
+    topo = expected["topology"]
+    per_stage = expected["model"]["num_layers"] // topo["pp"]
     src = open_source(MEGATRON / name, megatron=True)
     checked = 0
     for k in expected["keys"]:
@@ -35,12 +46,24 @@ def test_layout_equals_megatron_buffers(name: str) -> None:
         if opt is None or opt.state != "param":
             continue
         for p in k["params_in_bucket"]:
-            view = src.views[p["param"]]
+            view = src.views[_global_name(p["param"], opt.dp_group_idx // topo["tp"], per_stage)]
             holder = next(h for h in view.holders if h.ref.dp_group_idx == opt.dp_group_idx)
-            got = (view.bucket_idx, holder.start, holder.start + holder.numel)
+            got = (holder.ref.bucket_idx, holder.start, holder.start + holder.numel)
             assert got == (opt.bucket_idx, p["start"], p["end"]), p["param"]
             checked += 1
-    assert checked == len(src.views) * len({h.ref.dp_group_idx for v in src.views.values() for h in v.holders})
+    assert checked == sum(len(v.holders) for v in src.views.values())
+
+
+def test_tied_output_layer_of_the_last_stage_holds_the_embeddings_state() -> None:
+    """PP2, tied: the last stage's output_layer.weight has its own bucket slot (no key of its own);
+    the view reads it as a replica of the word embeddings, which megatron keeps bit-identical
+    (its gradients are all-reduced over the embedding group before every step)."""
+    src = open_source(MEGATRON / "pp2_dp2_dp_reshardable", megatron=True)
+    view = src.views["embedding.word_embeddings.weight"]
+    assert [(h.ref.dp_group_idx, h.ref.bucket_idx, h.primary) for h in view.holders] == [(0, 1, True), (1, 0, False)]
+    for state in STATES:
+        rows = [src.reader.read_box(h.ref.key(state), (h.start,), (h.numel,)) for h in view.holders]
+        assert rows[0].tobytes() == rows[1].tobytes(), state
 
 
 @pytest.mark.parametrize("name", DENSE)
@@ -92,8 +115,7 @@ def test_hf_export_of_megatron_loads(tmp_path: Path) -> None:
     assert loaded["embedding.word_embeddings.weight"].dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("name,needle", [("pp2_dp2_dp_reshardable", "PP > 1"),
-                                         ("moe_ep2_dp4_dp_reshardable", "chained_"),
+@pytest.mark.parametrize("name,needle", [("moe_ep2_dp4_dp_reshardable", "chained_"),
                                          ("dp2_fully_reshardable", "no dp_reshardable optimizer keys")])
 def test_uncovered_megatron_checkpoints_are_refused(name: str, needle: str, tmp_path: Path) -> None:
     assert_error_line(cli("inspect", MEGATRON / name, "--params"), 2, needle)
