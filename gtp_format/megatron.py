@@ -290,3 +290,48 @@ def _check_chunks(ckpt: Checkpoint, opts: dict, placed: list[tuple[str, int, int
             i = bisect_right(cuts, a)
             if i < len(cuts) and cuts[i] < z:
                 raise _refuse(ckpt, f"chunk [{a}, {z}) of {key} straddles a derived parameter edge")
+
+
+def padding_ranges(ckpt: Checkpoint) -> dict[str, list[tuple[int, int]]]:
+    """Optimizer key -> its alignment gaps ``[a, z)``: elements that belong to no parameter.
+
+    megatron-core allocates its buffers with ``torch.empty``, so these hold whatever memory held
+    (NaN and 1e35s in the fixtures); NaN counts and statistics leave them out. Empty when the
+    layout cannot be established (the refusal is ``inspect --params``'s to report).
+    """
+    try:
+        views = megatron_views(ckpt)
+    except FormatError:
+        return {}
+    used: dict[str, list[tuple[int, int]]] = {}
+    for v in views.values():
+        for h in v.holders:
+            used.setdefault(h.ref.key("param"), []).append((h.start, h.start + h.numel))
+    out: dict[str, list[tuple[int, int]]] = {}
+    for key, e in ckpt.entries.items():
+        o = parse_optimizer_key(key) if e.kind == TENSOR else None
+        if o is None or not e.shape:
+            continue
+        spans = sorted(used.get(key.rsplit(".", 1)[0] + ".param", []))
+        gaps, pos = [], 0
+        for a, z in spans:
+            if a > pos:
+                gaps.append((pos, a))
+            pos = max(pos, z)
+        if pos < e.shape[0]:
+            gaps.append((pos, e.shape[0]))
+        out[key] = gaps
+    return out
+
+
+def padding_chunks(ckpt: Checkpoint) -> frozenset[tuple[str, int]]:
+    """(key, chunk index) of every stored chunk that lies wholly in an alignment gap."""
+    out = set()
+    for key, gaps in padding_ranges(ckpt).items():
+        starts = [a for a, _ in gaps]
+        for c in ckpt.entries[key].chunks:
+            a, z = c.offsets[0], c.offsets[0] + c.sizes[0]
+            i = bisect_right(starts, a) - 1
+            if i >= 0 and gaps[i][0] <= a and z <= gaps[i][1]:
+                out.add((key, c.index))
+    return frozenset(out)

@@ -443,6 +443,12 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
     }
     digests = None
     if data:
+        if ckpt.manifest is None and not ckpt.padding_chunks:
+            from gtp_format.megatron import padding_chunks
+            from gtp_format.megatron_topology import is_megatron_core
+
+            if is_megatron_core(ckpt):
+                ckpt.padding_chunks = padding_chunks(ckpt)
         report = check_data(ckpt, manifest_algorithms(ckpt), progress, workers)
         result.problems += report.problems
         result.stats["nonfinite"] = report.nonfinite
