@@ -23,7 +23,10 @@ from gtp_format.names import STATES, parse_optimizer_key
 from gtp_format.reader.checkpoint import open_checkpoint
 
 MEGATRON = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
-DENSE = ["tp2_dp2_dp_reshardable", "cp2_dp2_dp_reshardable", "pp2_dp2_dp_reshardable"]
+DENSE = ["tp2_dp2_dp_reshardable", "cp2_dp2_dp_reshardable", "pp2_dp2_dp_reshardable",
+         "pair_pp2_tp2_dp_reshardable", "pair_pp4_dp_reshardable"]
+EMB = "embedding.word_embeddings.weight"
+PAIRS = ["pair_tp2_dp2_dp_reshardable", "pair_pp2_tp2_dp_reshardable", "pair_pp4_dp_reshardable"]
 
 
 def _global_name(name: str, stage: int, layers_per_stage: int) -> str:
@@ -125,17 +128,23 @@ def test_uncovered_megatron_checkpoints_are_refused(name: str, needle: str, tmp_
     assert not list(tmp_path.iterdir())
 
 
-def test_export_equals_megatrons_own_fully_reshardable_save_of_the_same_state(tmp_path: Path) -> None:
-    """fixtures/megatron/pair_tp2_dp2_*: one megatron-core training state saved as dp_reshardable and
-    as fully_reshardable. Exporting the first must give the second's optimizer.state.* tensors, bit
-    for bit (compared here directly: `ckpt diff --keys` is not on this branch)."""
+@pytest.mark.parametrize("pair", PAIRS)
+def test_export_equals_megatrons_own_fully_reshardable_save_of_the_same_state(pair: str, tmp_path: Path) -> None:
+    """fixtures/megatron/pair_*: one megatron-core training state saved as dp_reshardable and as
+    fully_reshardable. Exporting the first must give the second's optimizer.state.* tensors, bit
+    for bit (compared here directly: `ckpt diff --keys` is not on this branch).
+
+    One exception, megatron-core's own: in PP4 x DP1 its fully_reshardable save writes the tied
+    word embeddings' fp32 state 64 elements (one alignment) off, with 64 zeros at the end, so
+    its ``param`` does not even round to its own bf16 weight, while the dp_reshardable buffer
+    (and our export of it) does. That key is checked for exactly this shift."""
     from gtp_format.reader.boxes import BoxReader
 
-    src = MEGATRON / "pair_tp2_dp2_dp_reshardable"
+    src = MEGATRON / pair
     out = tmp_path / "fr"
     r = cli("export", src, out, "--to", "fully_reshardable")
     assert r.exit_code == 0, r.stderr
-    ours, theirs = open_checkpoint(out), open_checkpoint(MEGATRON / "pair_tp2_dp2_dp_reshardable_fully_reshardable")
+    ours, theirs = open_checkpoint(out), open_checkpoint(MEGATRON / f"{pair}_fully_reshardable")
     keys = sorted(k for k in theirs.entries if k.startswith("optimizer.state."))
     assert keys and keys == sorted(k for k in ours.entries if k.startswith("optimizer.state."))
     ra, rb = BoxReader(ours), BoxReader(theirs)
@@ -143,4 +152,13 @@ def test_export_equals_megatrons_own_fully_reshardable_save_of_the_same_state(tm
         shape = theirs.entries[k].shape
         assert shape is not None and ours.entries[k].shape == shape, k
         a, b = ra.read_box(k, (0,) * len(shape), shape), rb.read_box(k, (0,) * len(shape), shape)
+        if pair == "pair_pp4_dp_reshardable" and k.startswith("optimizer.state.") and k.endswith(EMB):
+            flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+            assert flat_b[:-64].tobytes() == flat_a[64:].tobytes() and not flat_b[-64:].any(), k
+            continue
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), k
+    if pair == "pair_pp4_dp_reshardable":  # ours rounds to the model weight, megatron's own save does not
+        w = torch.from_numpy(rb.read_box(EMB, (0, 0), (128, 32)).copy()).view(torch.bfloat16)
+        for reader, rounds in ((ra, True), (rb, False)):
+            p = torch.from_numpy(reader.read_box(f"optimizer.state.param.{EMB}", (0, 0), (128, 32)).copy())
+            assert torch.equal(p.to(torch.bfloat16), w) is rounds
