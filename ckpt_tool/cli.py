@@ -25,7 +25,8 @@ from gtp_format.reader import pickle_scan
 # while it runs, so the cyclic GC need not walk them (see pickle_scan.gc_paused).
 pickle_scan.FREEZE_AFTER_LOAD = True
 
-COMMAND_MODULES: tuple[str, ...] = ("inspect", "verify", "show", "diff", "roundtrip", "migrate", "reshard", "export")
+COMMAND_MODULES: tuple[str, ...] = ("inspect", "verify", "show", "diff", "roundtrip", "migrate", "reshard", "export",
+                                    "plan")
 
 app = typer.Typer(
     name="ckpt",
