@@ -19,12 +19,10 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from gtp_format.errors import ChunkError
 from gtp_format.model import Checkpoint, Entry
-from gtp_format.reader.blob import load_data_pkl
-from gtp_format.reader.chunks import chunk_bytes
-from gtp_format.reader.object_blob import MAX_OBJECT_PICKLE, _BytesIO, _ObjectPickle
-from gtp_format.reader.zip_blob import BlobError, BlobReader, ViewReader, zip_records
+from gtp_format.reader.chunks import load_plain
+from gtp_format.reader.object_blob import _ObjectPickle
+from gtp_format.reader.zip_blob import BlobError
 
 _SCALARS = (int, float, bool, str, bytes, type(None))
 MAX_GLOBALS = 256  # distinct globals one blob may name; megatron's common_state names one (argparse.Namespace)
@@ -90,26 +88,9 @@ class _InertPickle(_ObjectPickle):
         return StorageRecord(pid)
 
 
-def load_inert_object(reader: BlobReader, nested: bool = False) -> Any:
-    """The object in a torch.save blob, every class in it an inert record."""
-    _, obj = load_data_pkl(reader, zip_records(reader), _InertPickle, MAX_OBJECT_PICKLE)
-    if type(obj) is _BytesIO:
-        if nested:
-            raise BlobError("the blob wraps a blob that wraps another; torch.save was applied more than twice")
-        return load_inert_object(ViewReader(memoryview(obj.value)), nested=True)
-    return obj
-
-
 def load_record(ckpt: Checkpoint, entry: Entry) -> Any:
     """A byte object of ``ckpt`` decoded as inert records (see the module docstring)."""
-    first = entry.chunks[0]
-    file = first.storage.file if first.storage else None
-    buf = chunk_bytes(ckpt, entry, first)
-    try:
-        return load_inert_object(ViewReader(memoryview(buf)))
-    except BlobError as e:
-        raise ChunkError(f"byte object {entry.key} in {file or '?'} does not decode as a torch.save object: {e}",
-                         key=entry.key, chunk=0, file=file) from None
+    return load_plain(ckpt, entry, _InertPickle)
 
 
 def flatten(obj: Any, path: str = "", limit: int = 2000) -> list[tuple[str, str, str]]:
