@@ -75,3 +75,12 @@ def test_topology_without_common_state_comes_from_keys() -> None:
         topo = derive(open_checkpoint(MEGATRON / name), read_common_state=False)
         assert (topo.tp, topo.pp, topo.dp_cp) == (tp, pp, dp_cp), name
         assert "dp x cp" in topo.describe() and "not folded" in topo.describe()
+
+
+def test_migrate_aliased_does_not_treat_a_megatron_checkpoint_as_aliased(tmp_path: Path) -> None:
+    from cli_helpers import assert_error_line
+
+    for args in ((), ("--cp-size", "2")):
+        assert_error_line(cli("migrate-aliased", MEGATRON / "cp2_dp2_dp_reshardable", tmp_path / "dst", *args), 2,
+                          "megatron-core does not fold CP", "nothing to migrate")
+    assert not list(tmp_path.iterdir())
