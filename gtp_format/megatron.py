@@ -47,8 +47,9 @@ from dataclasses import replace
 
 from gtp_format.errors import FormatError
 from gtp_format.layout.shard import ShardSpec
+from gtp_format.megatron_moe import EXPERT_PREFIX, expert_keys, expert_views
 from gtp_format.model import TENSOR, Checkpoint, Chunk, Entry
-from gtp_format.names import parse_optimizer_key
+from gtp_format.names import OPT_PREFIX, parse_optimizer_key
 
 VERSIONS = "megatron-core 0.19.2 (fixtures/megatron) and Megatron-LM main (param_and_grad_buffer.py)"
 PARAM_ALIGN = 64
@@ -63,6 +64,8 @@ LAYER = (
     ("self_attention.linear_qkv.bias", "self_attention.linear_qkv.bias"),
     ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
     ("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"),
+    ("mlp.router.weight", "mlp.router.weight"),  # MoE layers: the router is a dense parameter
+    ("mlp.router.bias", "mlp.router.bias"),
     ("mlp.linear_fc1.weight", "mlp.linear_fc1.weight"),
     ("mlp.linear_fc1.bias", "mlp.linear_fc1.bias"),
     ("mlp.linear_fc2.weight", "mlp.linear_fc2.weight"),
@@ -103,7 +106,7 @@ def _module_params(ckpt: Checkpoint, layer_chunks: dict[str, dict[int, list[Chun
     declares 10^9 layers and stores two is refused before any per-layer work (issue 22 class 3).
     """
     keys = {k for k, e in ckpt.entries.items() if e.kind == TENSOR and not k.startswith("optimizer.")
-            and not k.startswith("chained_")}
+            and not k.startswith("chained_") and not k.startswith(EXPERT_PREFIX)}
     out: list[tuple[str, str, int | None]] = [(k, k, None) for k in HEAD if k in keys]
     stacked = sorted(k for k in keys if k.startswith("decoder.layers."))
     layers = {ckpt.entries[k].shape[0] for k in stacked if ckpt.entries[k].shape}  # type: ignore[index]
@@ -175,16 +178,31 @@ def _stages(ckpt: Checkpoint, params: list[tuple[str, str, int | None]], pp: int
             for name, _, layer in params}
 
 
-def megatron_views(ckpt: Checkpoint) -> dict:  # -> dict[str, ParamView] (imported lazily: no cycle)
-    """Every parameter of a megatron-core GPT ``dp_reshardable`` checkpoint, TP x PP (see the module docstring)."""
+def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict:  # -> dict[str, ParamView] (lazy: no cycle)
+    """Every parameter of a megatron-core GPT ``dp_reshardable`` checkpoint, TP x PP (see the module docstring).
+
+    ``experts``: also MoE checkpoints (:mod:`gtp_format.megatron_moe`); only ``inspect --params``
+    and the padding map ask, since the readers of export and reshard index stacked keys by layer
+    alone, not by (layer, expert).
+    """
     from gtp_format.params import Holder, KeyRef, ParamView
 
     opts = {k: parse_optimizer_key(k) for k, e in ckpt.entries.items() if e.kind == TENSOR}
     opts = {k: o for k, o in opts.items() if o is not None}
     if not opts:
         raise FormatError(f"{ckpt.root}: no dp_reshardable optimizer keys; the per-parameter view needs them")
-    if any(o.prefix != "optimizer.distributed" for o in opts.values()):
-        raise _refuse(ckpt, "it has several (chained_) optimizers, as MoE models do")
+    prefixes = sorted({o.prefix for o in opts.values()})
+    moe = bool(expert_keys(ckpt))
+    if moe and prefixes == [f"chained_{i}.{OPT_PREFIX}" for i in range(2)]:
+        if not experts:
+            raise _refuse(ckpt, "it is MoE (chained_ optimizers): 'ckpt inspect --params' shows its view, but "
+                          "export and reshard do not read expert keys yet")
+        expert_opts = {k: o for k, o in opts.items() if o.prefix == prefixes[1]}
+        opts = {k: o for k, o in opts.items() if o.prefix == prefixes[0]}
+    elif prefixes != [OPT_PREFIX] or moe:
+        raise _refuse(ckpt, f"its optimizer keys start with {prefixes[:3]}" + (" and it has expert keys" if moe else "")
+                      + ": not one optimizer, nor MoE's chained dense + expert pair")
+    prefix = next(iter(opts.values())).prefix
     if len({(o.gbuf_idx, o.dtype) for o in opts.values()}) != 1:
         raise _refuse(ckpt, "it has several gradient buffers")
     if any(o.cp_rank is not None for o in opts.values()):
@@ -260,7 +278,7 @@ def megatron_views(ckpt: Checkpoint) -> dict:  # -> dict[str, ParamView] (import
         holders = []
         for t in range(tp_size):
             spec = ShardSpec(full, mode, tp_size, t if mode else 0, None, 1, 0, 1)
-            ref = KeyRef(stage * tp_size + t, gbuf, dtag, bucket, None, numel[(stage * tp_size, bucket)])
+            ref = KeyRef(stage * tp_size + t, gbuf, dtag, bucket, None, numel[(stage * tp_size, bucket)], prefix)
             holders.append(Holder(ref, start, spec, (), not replica and (mode is not None or t == 0)))
         if replica:
             replicas += tuple(holders)
@@ -270,7 +288,15 @@ def megatron_views(ckpt: Checkpoint) -> dict:  # -> dict[str, ParamView] (import
     if replicas:
         views[HEAD[0]] = replace(views[HEAD[0]], holders=views[HEAD[0]].holders + replicas)
     order = [name for name, _, _ in params if name in views]
-    return {name: views[name] for name in order}  # module order
+    out = {name: views[name] for name in order}  # module order
+    if moe:
+        if pp != 1:
+            raise _refuse(ckpt, "it is MoE with PP > 1, which these rules do not cover")
+        layers = max((ln for _, _, ln in params if ln is not None), default=-1) + 1
+        ev, eplaced = expert_views(ckpt, expert_opts, prefixes[1], layers, lambda why: _refuse(ckpt, why))
+        _check_chunks(ckpt, expert_opts, eplaced, 1)
+        out.update(ev)
+    return out
 
 
 def _check_chunks(ckpt: Checkpoint, opts: dict, placed: list[tuple[str, int, int, int, int]], tp: int) -> None:
@@ -300,7 +326,7 @@ def padding_ranges(ckpt: Checkpoint) -> dict[str, list[tuple[int, int]]]:
     layout cannot be established (the refusal is ``inspect --params``'s to report).
     """
     try:
-        views = megatron_views(ckpt)
+        views = megatron_views(ckpt, experts=True)
     except FormatError:
         return {}
     used: dict[str, list[tuple[int, int]]] = {}

@@ -13,7 +13,8 @@ from gtp_format.megatron import padding_ranges
 from gtp_format.reader.checkpoint import open_checkpoint
 
 MEGATRON = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
-BUCKETED = ["tp2_dp2_dp_reshardable", "cp2_dp2_dp_reshardable", "pp2_dp2_dp_reshardable"]
+BUCKETED = ["tp2_dp2_dp_reshardable", "cp2_dp2_dp_reshardable", "pp2_dp2_dp_reshardable",
+            "moe_ep2_dp4_dp_reshardable", "pair_pp2_tp2_dp_reshardable", "pair_pp4_dp_reshardable"]
 
 
 @pytest.mark.parametrize("name", BUCKETED)
