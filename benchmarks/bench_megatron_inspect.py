@@ -56,7 +56,8 @@ def generate(folder: Path, layers: int, h: int = 8, f: int = 16, declared: int |
     """
     shapes = shapes_of(declared or layers, h, f, 128, 32)
     order: list[tuple[str, int | None]] = [(k, None) for k in HEAD]
-    order += [(f"decoder.layers.{k}", i) for i in range(layers) for _, k in LAYER]
+    order += [(f"decoder.layers.{k}", i) for i in range(layers) for _, k in LAYER
+              if f"decoder.layers.{k}" in shapes]  # dense layers: no router
     order += [("decoder.final_layernorm.weight", None), ("decoder.final_layernorm.bias", None)]
     placed: list[tuple[str, str, tuple[int, ...], tuple[int, ...], int, int]] = []
     end = 0
