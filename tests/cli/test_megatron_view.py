@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -37,6 +38,16 @@ def _global_name(name: str, stage: int, layers_per_stage: int) -> str:
     return f"decoder.layers.{int(m.group(1)) + stage * layers_per_stage}.{m.group(2)}"
 
 
+def _recorded_slices(expected: dict) -> list[tuple[Any, str, dict]]:
+    """(parsed key, key, slice) of every parameter slice the generator read from megatron's buffers."""
+    out = []
+    for k in expected["keys"]:
+        opt = parse_optimizer_key(k["key"])
+        if opt is not None and opt.state == "param":
+            out += [(opt, k["key"], p) for p in k["params_in_bucket"]]
+    return out
+
+
 @pytest.mark.parametrize("name", DENSE)
 def test_layout_equals_megatron_buffers(name: str) -> None:
     expected = json.loads((MEGATRON / name / "expected.json").read_text())
@@ -44,16 +55,12 @@ def test_layout_equals_megatron_buffers(name: str) -> None:
     per_stage = expected["model"]["num_layers"] // topo["pp"]
     src = open_source(MEGATRON / name, megatron=True)
     checked = 0
-    for k in expected["keys"]:
-        opt = parse_optimizer_key(k["key"])
-        if opt is None or opt.state != "param":
-            continue
-        for p in k["params_in_bucket"]:
-            view = src.views[_global_name(p["param"], opt.dp_group_idx // topo["tp"], per_stage)]
-            holder = next(h for h in view.holders if h.ref.dp_group_idx == opt.dp_group_idx)
-            got = (holder.ref.bucket_idx, holder.start, holder.start + holder.numel)
-            assert got == (opt.bucket_idx, p["start"], p["end"]), p["param"]
-            checked += 1
+    for opt, _, p in _recorded_slices(expected):
+        view = src.views[_global_name(p["param"], opt.dp_group_idx // topo["tp"], per_stage)]
+        holder = next(h for h in view.holders if h.ref.dp_group_idx == opt.dp_group_idx)
+        got = (holder.ref.bucket_idx, holder.start, holder.start + holder.numel)
+        assert got == (opt.bucket_idx, p["start"], p["end"]), p["param"]
+        checked += 1
     assert checked == sum(len(v.holders) for v in src.views.values())
 
 
@@ -131,17 +138,13 @@ def test_moe_layout_equals_megatron_buffers() -> None:
     views = param_views_of(ckpt)
     per = expected["topology"]["num_moe_experts"] // expected["topology"]["ep"]
     checked = 0
-    for k in expected["keys"]:
-        opt = parse_optimizer_key(k["key"])
-        if opt is None or opt.state != "param":
-            continue
-        for p in k["params_in_bucket"]:
-            m = re.match(r"^(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.(\d+)\.(.*)$", p["param"])
-            ours = f"{m.group(1)}.{opt.dp_group_idx * per + int(m.group(2))}.{m.group(3)}" if m else p["param"]
-            holder = next(h for h in views[ours].holders if h.ref.key("param") == k["key"])
-            assert (holder.ref.bucket_idx, holder.start, holder.start + holder.numel) == (
-                opt.bucket_idx, p["start"], p["end"]), p["param"]
-            checked += 1
+    for opt, key, p in _recorded_slices(expected):
+        m = re.match(r"^(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.(\d+)\.(.*)$", p["param"])
+        ours = f"{m.group(1)}.{opt.dp_group_idx * per + int(m.group(2))}.{m.group(3)}" if m else p["param"]
+        holder = next(h for h in views[ours].holders if h.ref.key("param") == key)
+        assert (holder.ref.bucket_idx, holder.start, holder.start + holder.numel) == (
+            opt.bucket_idx, p["start"], p["end"]), p["param"]
+        checked += 1
     assert checked == sum(len(v.holders) for v in views.values())
     reader = BoxReader(ckpt)
     for v in views.values():

@@ -24,6 +24,7 @@ SAVED = ["--cp", "2", "--dp", "2", "--fold-cp"]
 
 def _train(argv: list[str], counter: Path | None = None) -> subprocess.CompletedProcess[str]:
     path = [str(COUNTER), str(REPO)] if counter is not None else [str(REPO)]
+    path += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]  # the caller's, after ours
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
     if counter is not None:
         env["READ_COUNTER_OUT"] = str(counter)
