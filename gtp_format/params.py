@@ -31,7 +31,7 @@ from gtp_format.layout.config import ParallelConfig
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.manifest import BucketLayout, BufferLayout, Manifest, ParamLayout
 from gtp_format.model import Checkpoint
-from gtp_format.names import optimizer_key, per_bucket_numel_key
+from gtp_format.names import OPT_PREFIX, optimizer_key, per_bucket_numel_key
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,11 @@ class KeyRef:
     bucket_idx: int
     cp_rank: int | None
     numel_unpadded: int  # the key's global shape is (numel_unpadded,)
+    prefix: str = OPT_PREFIX  # megatron-core's chained optimizers (MoE): ``chained_{i}.optimizer.distributed``
 
     def key(self, state: str) -> str:
-        return optimizer_key(self.dp_group_idx, self.gbuf_idx, self.dtype, self.bucket_idx, state, self.cp_rank)
+        key = optimizer_key(self.dp_group_idx, self.gbuf_idx, self.dtype, self.bucket_idx, state, self.cp_rank)
+        return key if self.prefix == OPT_PREFIX else self.prefix + key[len(OPT_PREFIX):]
 
 
 @dataclass(frozen=True)
@@ -249,4 +251,4 @@ def param_views_of(ckpt: Checkpoint) -> dict[str, ParamView]:
         return param_views(ckpt.manifest)
     from gtp_format.megatron import megatron_views
 
-    return megatron_views(ckpt)
+    return megatron_views(ckpt, experts=True)

@@ -1,8 +1,10 @@
 """``ckpt inspect``: what a checkpoint holds, from its metadata alone.
 
 Inspecting is what people do first with a checkpoint they do not trust, so it must be cheap and
-safe: it parses ``.metadata`` through the allow-list and never opens a ``.distcp`` data file
-(only ``stat``), which keeps it fast on multi-TB checkpoints too.
+safe: it parses ``.metadata`` through the allow-list and reads no tensor data (only ``stat``), which
+keeps it fast on multi-TB checkpoints too. The one exception is a genuine megatron-core checkpoint's
+``common_state`` byte object (about 2 KiB, at most 1 MiB read), decoded as inert records for the
+parallel sizes and optimizer format megatron recorded there (:mod:`gtp_format.megatron_topology`).
 """
 
 from __future__ import annotations
@@ -83,11 +85,23 @@ def inspect_command(
     cp_size: Annotated[
         int | None, typer.Option("--cp-size", min=1, help="CP degree of folded buffers, when no manifest says.")
     ] = None,
+    folded: Annotated[
+        bool, typer.Option("--folded", help="With --cp-size N: declare CP folded even for a megatron-core "
+                           "checkpoint (megatron-core itself never folds).")
+    ] = False,
     params: Annotated[bool, typer.Option("--params", help="Per parameter: bucket, offset, ranks, CP ranks.")] = False,
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Show format, topology, keys and aliasing status of a checkpoint (metadata only)."""
-    from gtp_format.check.analysis import BUCKET_NUMEL, MODEL, OPTIMIZER, aliasing, classify_all, topology_view
+    from gtp_format.check.analysis import (
+        BUCKET_NUMEL,
+        FULL_STATE_PREFIX,
+        MODEL,
+        OPTIMIZER,
+        aliasing,
+        classify_all,
+        topology_view,
+    )
     from gtp_format.compare import KeyFilter
     from gtp_format.model import BYTES, TENSOR
     from gtp_format.names import DATA_POSITION_KEY, SCHEDULER_KEY, STATES
@@ -95,17 +109,19 @@ def inspect_command(
 
     ckpt = open_checkpoint(path)
     classes = classify_all(ckpt)
-    topo = topology_view(ckpt.manifest, cp_size)
+    topo = topology_view(ckpt.manifest, cp_size, ckpt=ckpt, folded=folded)
     run_extra = ckpt.manifest.extra if ckpt.manifest is not None else {}  # run state: extra manifest fields
     alias = aliasing(ckpt, classes, topo)
     alias_state = {a.key: ("ALIASED" if a.severity == "error" else "aliased?") for a in alias.aliased}
     select = KeyFilter.of(keys, ignore)
     selected = [k for k in ckpt.entries if select(k)]
 
-    weights, optimizer, objects, chunk_rows = [], [], [], []
+    weights, optimizer, opt_state, objects, chunk_rows = [], [], [], [], []
     for key in selected:
         e, cls = ckpt.entries[key], classes[key]
-        if cls.category == MODEL:
+        if cls.category == MODEL and key.startswith(FULL_STATE_PREFIX):  # fully_reshardable: not a model weight
+            opt_state.append({"key": key, "shape": e.shape, "dtype": str(e.dtype), "chunks": len(e.chunks)})
+        elif cls.category == MODEL:
             weights.append({"key": key, "shape": e.shape, "dtype": str(e.dtype), "chunks": len(e.chunks)})
         elif cls.category == OPTIMIZER and cls.opt is not None:
             o = cls.opt
@@ -145,6 +161,8 @@ def inspect_command(
         "iteration": ckpt.iteration, "topology": topo.describe(),
         "parallel_config": topo.par.to_dict() if topo.par else None,
         "manifest": ckpt.manifest is not None, "megatron_metadata": ckpt.megatron_metadata,
+        "optimizer_format": _optimizer_format(ckpt, topo),
+        "megatron_topology": topo.megatron.to_dict() if topo.megatron is not None else None,
         "counts": counts,
         # Run state (gtp manifests only): the lr schedule under Megatron's name and the data position.
         "opt_param_scheduler": run_extra.get(SCHEDULER_KEY),
@@ -153,7 +171,7 @@ def inspect_command(
                      "keys": [{"key": a.key, "severity": a.severity, "reason": a.reason, "kept": a.kept_summary(),
                                "survivors": [asdict(s) for s in a.survivors]} for a in alias.aliased]},
         "optimizer_info": _optimizer_info(ckpt.manifest),
-        "weights": weights, "optimizer": optimizer, "objects": objects,
+        "weights": weights, "optimizer": optimizer, "optimizer_state": opt_state, "objects": objects,
         "notes": [p.to_dict() for p in ckpt.notes + topo.notes],
     }
     doc["leftovers"] = _leftovers(Path(path), ckpt.root)
@@ -182,6 +200,15 @@ def _leftovers(given: Path, root: Path) -> list[dict[str, Any]]:
             for spot in spots for w in leftovers(spot) if w.path != root]
 
 
+def _optimizer_format(ckpt: Any, topo: Any) -> str | None:
+    """The optimizer format's name: as megatron-core recorded it, else as the keys show it."""
+    if topo.megatron is not None:
+        return topo.megatron.format
+    from gtp_format.megatron_topology import key_format
+
+    return key_format(ckpt)
+
+
 def _optimizer_info(manifest: Any) -> dict[str, Any] | None:
     """The manifest's optimizer: type, step, and how many params each optimizer owns (Muon's
     ``exp_avg`` is its momentum; its ``exp_avg_sq`` is unused)."""
@@ -200,6 +227,7 @@ def _tables(doc: dict[str, Any]) -> list[str]:
         ("path", doc["path"]), ("layout", f"{doc['layout']} ({doc['backend']})"),
         ("iteration", doc["iteration"] if doc["iteration"] is not None else "-"),
         ("topology", doc["topology"]), ("manifest", "yes" if doc["manifest"] else "no"),
+        ("optimizer format", doc["optimizer_format"] or "-"),
         ("keys", f"{c['keys']} ({c['tensors']} tensors, {c['byte_objects']} byte objects)"
                  + (f", {c['matching_keys']} matching" if "matching_keys" in c else "")),
         ("chunks", c["chunks"]), ("stored", fmt_bytes(c["stored_bytes"])),
@@ -218,13 +246,18 @@ def _tables(doc: dict[str, Any]) -> list[str]:
             blocks.append(table([(k, v) for k, v in doc[title].items()], ("field", "value"), title))
     blocks.append(table([(w["key"], fmt_shape(w["shape"]), _dtype(w["dtype"]), w["chunks"]) for w in doc["weights"]],
                         ("key", "global shape", "dtype", "chunks"), "Model weights"))
-    blocks.append(table(
-        [(o["dp_group_idx"], o["gbuf_idx"], o["dtype"], o["bucket_idx"], o["state"],
-          "-" if o["cp_rank"] is None else o["cp_rank"], "yes" if o["folded"] else "no", o["aliasing"],
-          fmt_shape(o["shape"]), _dtype(o["tensor_dtype"]), o["chunks"]) for o in doc["optimizer"]],
-        ("dp_group", "gbuf", "dtype", "bucket", "state", "cp_rank", "folded", "aliasing", "shape", "stored as",
-         "chunks"),
-        "Optimizer (dp_reshardable)"))
+    if doc["optimizer"] or not doc["optimizer_state"]:
+        blocks.append(table(
+            [(o["dp_group_idx"], o["gbuf_idx"], o["dtype"], o["bucket_idx"], o["state"],
+              "-" if o["cp_rank"] is None else o["cp_rank"], "yes" if o["folded"] else "no", o["aliasing"],
+              fmt_shape(o["shape"]), _dtype(o["tensor_dtype"]), o["chunks"]) for o in doc["optimizer"]],
+            ("dp_group", "gbuf", "dtype", "bucket", "state", "cp_rank", "folded", "aliasing", "shape", "stored as",
+             "chunks"),
+            "Optimizer (dp_reshardable)"))
+    if doc["optimizer_state"]:
+        blocks.append(table([(w["key"], fmt_shape(w["shape"]), _dtype(w["dtype"]), w["chunks"])
+                             for w in doc["optimizer_state"]], ("key", "global shape", "dtype", "chunks"),
+                            f"Optimizer state per parameter ({doc['optimizer_format'] or 'fully_reshardable'})"))
     blocks.append(table([(o["key"], o["category"], fmt_shape(o["shape"]), fmt_bytes(o["bytes"]))
                          for o in doc["objects"]], ("key", "category", "shape", "stored"), "Other objects"))
     for a in doc["aliasing"]["keys"]:

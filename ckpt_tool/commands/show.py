@@ -69,6 +69,23 @@ def resolve_entry(ckpt: Checkpoint, key: str, cp_rank: int | None) -> Entry:
     raise FormatError(f"no cp_rank {cp_rank} copy of {key!r} in {ckpt.root}; cp ranks present: {ranks or 'none'}")
 
 
+def _stacked(ckpt: Checkpoint, name: str) -> tuple[Entry, int] | None:
+    """megatron-core's stacked layer key for a per-layer name ``decoder.layers.<i>.<rest>`` that
+    ``inspect --params`` prints, narrowed to layer ``i`` (rows ``[i, i+1)`` of the leading axis)."""
+    import re
+
+    from gtp_format.megatron import LAYER
+
+    m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
+    if m is None:
+        return None
+    rest = dict(LAYER).get(m.group(2), m.group(2))
+    e = ckpt.entries.get(f"decoder.layers.{rest}")
+    if e is None or not e.shape or int(m.group(1)) >= e.shape[0]:
+        return None
+    return e, int(m.group(1))
+
+
 @handle_errors
 def show_command(
     path: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
@@ -88,7 +105,11 @@ def show_command(
     from gtp_format.reader.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(path)
-    entry = resolve_entry(ckpt, key, cp_rank)
+    stacked = _stacked(ckpt, key) if key not in ckpt.entries and cp_rank is None else None
+    if stacked is not None and slice_ is not None:
+        raise FormatError(f"{key} is layer {stacked[1]} of the stacked key {stacked[0].key}; drop --slice, or "
+                          f"show {stacked[0].key!r} with --slice")
+    entry = stacked[0] if stacked is not None else resolve_entry(ckpt, key, cp_rank)
     if entry.kind == BYTES:
         _show_object(ckpt, entry, fmt)
         return
@@ -98,8 +119,13 @@ def show_command(
     if not entry.shape and slice_ is not None:
         raise FormatError(f"{entry.key} is 0-dimensional; drop --slice")
     start, stop = parse_slice(slice_, entry.shape[0]) if entry.shape else (0, 0)
+    if stacked is not None:
+        start, stop = stacked[1], stacked[1] + 1
     got = assemble(ckpt, entry, start, stop, max_bytes)
-    info = summary(got.tensor)
+    gaps = _padding_in(ckpt, entry.key, start, stop)
+    info = summary(_without(got.tensor, gaps, start) if gaps else got.tensor)
+    info["shape"] = list(got.tensor.shape)
+    info["padding"] = sum(z - a for a, z in gaps)
     doc: dict[str, Any] = {"key": entry.key, "global_shape": list(entry.shape or ()), "dtype": str(entry.dtype),
                            "slice": [start, stop] if entry.shape else None, "chunks": len(entry.chunks),
                            "chunks_read": got.chunks_read, "uncovered": got.missing, **info}
@@ -115,6 +141,8 @@ def show_command(
                 ("dtype", str(entry.dtype).removeprefix("torch.")),
                 ("chunks read", f"{got.chunks_read} of {len(entry.chunks)}"),
                 *[(k, "-" if info[k] is None else info[k]) for k in ("min", "max", "mean", "std", "nan", "inf")],
+                ("padding", f"{info['padding']} elements (alignment gaps, left out of the statistics)"
+                 if info["padding"] else "-"),
                 ("uncovered", got.missing)]
         blocks = [table(rows, ("tensor", ""))]
         if values:
@@ -125,18 +153,43 @@ def show_command(
              "run 'ckpt verify' for the holes", EXIT_CHECK_FAILED)
 
 
-def _show_object(ckpt: Checkpoint, entry: Entry, fmt: OutputFormat) -> None:
-    from gtp_format.reader.chunks import load_object
+def _padding_in(ckpt: Checkpoint, key: str, start: int, stop: int) -> list[tuple[int, int]]:
+    """The alignment gaps of a megatron-core optimizer key inside rows [start, stop)."""
+    from gtp_format.megatron_topology import is_megatron_core
+    from gtp_format.names import parse_optimizer_key
 
-    obj = load_object(ckpt, entry)
+    if parse_optimizer_key(key) is None or not is_megatron_core(ckpt):
+        return []
+    from gtp_format.megatron import padding_ranges
+
+    gaps = padding_ranges(ckpt).get(key, [])
+    return [(max(a, start), min(z, stop)) for a, z in gaps if a < stop and start < z]
+
+
+def _without(t: Any, gaps: list[tuple[int, int]], start: int) -> Any:
+    import torch
+
+    keep = torch.ones(t.shape[0], dtype=torch.bool)
+    for a, z in gaps:
+        keep[a - start:z - start] = False
+    return t[keep]
+
+
+def _show_object(ckpt: Checkpoint, entry: Entry, fmt: OutputFormat) -> None:
+    """A byte object as inert records (nothing in it runs): one row per field path."""
+    from gtp_format.reader.inert_object import flatten, load_record
+
+    obj = load_record(ckpt, entry)
+    rows = flatten(obj)
     text = repr(obj)
     doc = {"key": entry.key, "kind": "bytes", "stored_bytes": entry.stored_bytes, "type": type(obj).__name__,
-           "repr": text[:10_000]}
+           "repr": text[:10_000], "fields": [{"path": p, "type": t, "value": v} for p, t, v in rows]}
     if fmt == OutputFormat.json:
         print_json(doc)
     else:
         print_blocks(table([("key", entry.key), ("stored bytes", entry.stored_bytes), ("type", type(obj).__name__)],
-                           ("object", "")), text[:10_000])
+                           ("object", "")), table(rows, ("path", "type", "value"), "Fields (inert records)"),
+                     *([f"value: {text}"] if len(text) <= 400 else []))
 
 
 def register(app: typer.Typer) -> None:

@@ -52,6 +52,10 @@ def verify_command(
         int | None,
         typer.Option("--cp-size", min=1, help="CP degree the folded buffers were saved with; >1 declares folding."),
     ] = None,
+    folded: Annotated[
+        bool, typer.Option("--folded", help="With --cp-size N: declare CP folded even for a megatron-core "
+                           "checkpoint (megatron-core itself never folds).")
+    ] = False,
     workers: Annotated[
         int | None,
         typer.Option("--workers", min=1, max=64, show_default="one per core, at most 8",
@@ -65,7 +69,8 @@ def verify_command(
 
     ckpt = open_checkpoint(path)
     with progress(ckpt.chunk_count() if data else 0, "reading chunks", progress_enabled(fmt), "chunks") as advance:
-        result = verify(ckpt, data=data, cp_size=cp_size, progress=advance, workers=workers)
+        result = verify(ckpt, data=data, cp_size=cp_size, progress=advance, workers=workers,
+                        folded=folded)
     errors = [p for p in result.problems if p.severity == "error"]
     warnings = [p for p in result.problems if p.severity == "warning"]
     if fmt == OutputFormat.json:

@@ -170,6 +170,11 @@ def plan_migration(src: Path, cp_size: int | None, reset_lost_moments: bool) -> 
     classes = classify_all(ckpt)
     cpless = [k for k, c in classes.items() if c.category == OPTIMIZER and c.opt is not None and c.opt.cp_rank is None]
     if ckpt.manifest is None:
+        from gtp_format.megatron_topology import is_megatron_core
+
+        if is_megatron_core(ckpt):  # no false alarm: --cp-size is a CP size there, not a declaration of folding
+            raise FormatError(f"{folder} is a megatron-core checkpoint: megatron-core does not fold CP, so its "
+                              "optimizer keys cannot be aliased; nothing to migrate")
         raise FormatError(_no_manifest_message(folder, cp_size, cpless, classes))
     view = topology_view(ckpt.manifest, None)
     par = view.par

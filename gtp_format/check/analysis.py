@@ -2,8 +2,11 @@
 
 Key names are parsed only through :mod:`gtp_format.names`, the single definition of
 the format. The topology comes from the manifest's ``topology`` (gtp_runtime writes the
-ParallelConfig fields there) or from ``--cp-size``. A ``--cp-size N`` with N > 1 declares the
-checkpoint folded with that CP degree, since only folded buffers depend on CP in their keys.
+ParallelConfig fields there), from a genuine megatron-core checkpoint itself
+(:mod:`gtp_format.megatron_topology`; megatron-core never folds, so there ``--cp-size`` is only a
+CP size and ``--folded`` declares folding), or from ``--cp-size``: on a checkpoint that is neither
+(a pre-manifest save of our runtime) ``--cp-size N`` with N > 1 declares the checkpoint folded
+with that CP degree, since only folded buffers depend on CP in their keys.
 
 Aliasing (domain reference, section 5): keys of folded buffers must carry the CP rank, or CP
 peers write the same key and offset and DCP silently keeps one copy. A key does not say whether
@@ -26,6 +29,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
+from typing import TYPE_CHECKING
 
 from gtp_format.layout.config import ParallelConfig
 from gtp_format.layout.topology import Topology
@@ -38,10 +42,14 @@ from gtp_format.names import (
     parse_per_bucket_numel_key,
 )
 
+if TYPE_CHECKING:
+    from gtp_format.megatron_topology import MegatronTopology
+
 MODEL = "model"
 OPTIMIZER = "optimizer"
 BUCKET_NUMEL = "per_bucket_numel"
 OBJECT = "object"
+FULL_STATE_PREFIX = "optimizer.state."  # fully_reshardable / fully_sharded_model_space: one key per param state
 
 MANIFEST_TOPOLOGY_KEY = "topology"
 # DCP's HuggingFaceStorageWriter names files shard-{rank+1:05d}-model-...; ours (.distcp and
@@ -93,21 +101,49 @@ class TopologyView:
     source: str = "none"
     folded_gbufs: dict[int, bool] = field(default_factory=dict)  # gbuf_idx -> excludes_cp, from the manifest
     notes: list[Problem] = field(default_factory=list)
+    megatron: MegatronTopology | None = None  # derived from a genuine megatron-core checkpoint
 
     def describe(self) -> str:
+        if self.megatron is not None:
+            return self.megatron.describe()
         if self.par is not None:
             return f"{self.par.describe()} (from {self.source})"
         if self.cp is not None:
             return f"cp={self.cp}, {'folded' if self.folded else 'not folded'} (from {self.source})"
-        return "unknown (no manifest topology; pass --cp-size)"
+        return "unknown (no manifest topology; --cp-size N declares folded buffers saved with CP=N)"
 
 
-def topology_view(manifest: Manifest | None, cp_size: int | None) -> TopologyView:
-    """Combine the manifest topology with ``--cp-size`` (which wins, with a note on conflict)."""
+def topology_view(manifest: Manifest | None, cp_size: int | None, *, ckpt: Checkpoint | None = None,
+                  folded: bool = False) -> TopologyView:
+    """Combine the manifest topology with ``--cp-size`` (which wins, with a note on conflict).
+
+    Folding is declared only by our manifest, by ``--cp-size`` on a checkpoint that is neither ours
+    nor megatron-core's (a pre-manifest save of our runtime), or by ``folded``. A genuine
+    megatron-core checkpoint (``ckpt`` given, see :mod:`gtp_format.megatron_topology`) takes its
+    topology from itself; there ``--cp-size`` is only a CP size: megatron-core never folds CP, and
+    reading it as folding raised a false aliasing alarm on every megatron CP > 1 checkpoint.
+    """
     view = TopologyView(folded_gbufs={b.gbuf_idx: b.excludes_cp for b in (manifest.buffers or ())} if manifest else {})
     par = manifest.topology if manifest is not None else None
     if par is not None:
         view.par, view.cp, view.folded, view.source = par, par.cp, par.fold_cp and par.cp > 1, "manifest"
+    if ckpt is not None and manifest is None and not folded:
+        from gtp_format.megatron_topology import derive, is_megatron_core
+
+        if is_megatron_core(ckpt):
+            meg = derive(ckpt)
+            view.megatron, view.cp, view.folded, view.source = meg, meg.cp, False, "checkpoint (megatron-core)"
+            view.notes += [Problem("warning", "topology", n) for n in meg.notes]
+            if cp_size is not None:
+                if meg.cp is not None and meg.cp != cp_size:
+                    view.notes.append(Problem("warning", "topology", f"--cp-size {cp_size} but the checkpoint records "
+                                              f"cp={meg.cp} ({meg.sources.get('cp', 'keys')}); using {meg.cp}"))
+                else:
+                    view.cp = cp_size
+                    view.notes.append(Problem("info", "topology", f"--cp-size {cp_size} taken as the CP size only: "
+                                              "megatron-core does not fold CP, so it declares no folding (pass "
+                                              "--folded to declare it)"))
+            return view
     if cp_size is not None:
         if par is not None and par.cp != cp_size:
             view.notes.append(Problem("warning", "topology", f"manifest says cp={par.cp} but --cp-size "
@@ -115,6 +151,11 @@ def topology_view(manifest: Manifest | None, cp_size: int | None) -> TopologyVie
             view.par = None
         view.cp, view.folded = cp_size, cp_size > 1
         view.source = "--cp-size" if view.par is None else "manifest and --cp-size"
+        if folded:
+            view.source += " --folded"
+    elif folded:
+        view.notes.append(Problem("warning", "topology", "--folded needs --cp-size N (the CP degree it was saved "
+                                  "with); nothing was declared"))
     return view
 
 
@@ -208,6 +249,9 @@ def aliasing(ckpt: Checkpoint, classes: dict[str, KeyClass], topo: TopologyView)
                            "buffers are not folded")
     if topo.folded is False and folded_buffers:
         return AliasReport("inconsistent", f"keys carry cp_rank but the topology ({topo.source}) is not folded")
+    if topo.megatron is not None and not folded_buffers:
+        return AliasReport("not_folded", "megatron-core checkpoint: megatron-core does not fold CP, its optimizer "
+                           "keys hold the dp x cp group's shards and cannot alias")
     if folded_buffers:
         return AliasReport("ok", f"{len(folded_buffers)} folded buffers; their keys carry cp_rank")
     if topo.folded is False:

@@ -117,6 +117,14 @@ class _Found:
         self.ticks += other.ticks
 
 
+PADDING_TAG = "\x00padding"  # tally key suffix of padding-only chunks (no key can hold NUL)
+
+
+def tally_key(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> str:
+    """Where a chunk's NaN/Inf count goes: its key, or its key's alignment padding."""
+    return entry.key + PADDING_TAG if (entry.key, chunk.index) in ckpt.padding_chunks else entry.key
+
+
 def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Progress | None = None,
                workers: int | None = None) -> DataReport:
     """Decode every chunk, count NaN/Inf per key, and hash the listed files, in one read of each file.
@@ -150,13 +158,20 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
     n = workers or default_workers()
     with ThreadPoolExecutor(n, "ckpt-data") as pool:
         _run(passes, pool, IN_FLIGHT * n, total, report, tick)
+    padding: dict[str, dict[str, int]] = {}
     for key in sorted(total.nan.keys() | total.inf.keys()):
         nan, inf = total.nan[key], total.inf[key]
         if nan or inf:
-            report.nonfinite[key] = {"nan": nan, "inf": inf}
+            if key.endswith(PADDING_TAG):
+                padding[key.removesuffix(PADDING_TAG)] = {"nan": nan, "inf": inf}
+            else:
+                report.nonfinite[key] = {"nan": nan, "inf": inf}
     report.problems = total.problems + [
         Problem("warning", "nonfinite", f"{v['nan']} NaN and {v['inf']} Inf values", key=k)
-        for k, v in report.nonfinite.items()]
+        for k, v in report.nonfinite.items()] + [
+        Problem("info", "padding", f"{v['nan']} NaN and {v['inf']} Inf values in alignment padding (no "
+                "parameter's elements; megatron-core leaves it uninitialised), not counted as data", key=k)
+        for k, v in padding.items()]
     return report
 
 
@@ -213,7 +228,7 @@ def _random_access(ckpt: Checkpoint, entry: Entry, chunk: Chunk, found: _Found) 
         if entry.kind == BYTES:
             check_byte_object(ckpt, entry, chunk)
         else:
-            found.add(entry.key, load_elements(ckpt, entry, chunk), entry.dtype)
+            found.add(tally_key(ckpt, entry, chunk), load_elements(ckpt, entry, chunk), entry.dtype)
     except ChunkError as err:
         found.error(err, entry, chunk)
 
@@ -409,7 +424,8 @@ class _FilePass:
                 hi = min(b, lo + WINDOW)
                 inside = layout is not None and lo_payload <= lo and hi <= hi_payload
                 scan = inside and can_hold_nonfinite(layout.dtype)
-                action = _payload_action(it.entry.key, layout.dtype, scan, acc) if inside else _ignore
+                tally = tally_key(self.ckpt, it.entry, it.chunk)
+                action = _payload_action(tally, layout.dtype, scan, acc) if inside else _ignore
                 steps.append(_Step(lo, hi, action))
         return steps
 
@@ -423,7 +439,7 @@ def _window_action(ckpt: Checkpoint, start: int, stop: int, items: list[_Item], 
                 try:
                     elements = decode_elements(ckpt, it.entry, it.chunk, window[it.start - start: it.stop - start],
                                                record_crc)
-                    found.add(it.entry.key, elements, it.entry.dtype)
+                    found.add(tally_key(ckpt, it.entry, it.chunk), elements, it.entry.dtype)
                     del elements
                 except ChunkError as err:
                     found.error(err, it.entry, it.chunk)

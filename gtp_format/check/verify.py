@@ -423,11 +423,11 @@ def check_manifest_files(ckpt: Checkpoint, data: bool,
 
 
 def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
-           progress: Progress | None = None, workers: int | None = None) -> VerifyResult:
+           progress: Progress | None = None, workers: int | None = None, folded: bool = False) -> VerifyResult:
     """Run every check that applies; with ``data`` also decode all chunks and hash files (on ``workers`` threads)."""
     result = VerifyResult()
     classes = classify_all(ckpt)
-    topo = topology_view(ckpt.manifest, cp_size)
+    topo = topology_view(ckpt.manifest, cp_size, ckpt=ckpt, folded=folded)
     steps: list[tuple[str, Callable[[], list[Problem]]]] = [
         ("metadata", lambda: list(ckpt.notes)),
         ("geometry", lambda: check_geometry(ckpt)),
@@ -454,6 +454,12 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
     }
     digests = None
     if data:
+        if ckpt.manifest is None and not ckpt.padding_chunks:
+            from gtp_format.megatron import padding_chunks
+            from gtp_format.megatron_topology import is_megatron_core
+
+            if is_megatron_core(ckpt):
+                ckpt.padding_chunks = padding_chunks(ckpt)
         report = check_data(ckpt, manifest_algorithms(ckpt), progress, workers)
         result.problems += report.problems
         result.stats["nonfinite"] = report.nonfinite

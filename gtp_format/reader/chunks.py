@@ -201,19 +201,21 @@ def load_elements(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> np.ndarray:
     return decode_elements(ckpt, entry, chunk, chunk_bytes(ckpt, entry, chunk))
 
 
-def load_plain(ckpt: Checkpoint, entry: Entry) -> Any:
+def load_plain(ckpt: Checkpoint, entry: Entry, unpickler: Any = None) -> Any:
     """A byte object made only of containers, numbers and dtypes, decoded without torch.
 
     :mod:`gtp_format.reader.object_blob` explains what is accepted; anything else is a
-    :class:`ChunkError` naming the key (``load_object`` decodes more, with torch).
+    :class:`ChunkError` naming the key (``load_object`` decodes more, with torch). ``unpickler``:
+    another subclass of its unpickler (the inert records of ``ckpt show``).
     """
     first = entry.chunks[0]
     file = first.storage.file if first.storage else None
     buf = chunk_bytes(ckpt, entry, first)
     try:
-        return load_plain_object(ViewReader(memoryview(buf)))
+        return load_plain_object(ViewReader(memoryview(buf)), unpickler=unpickler)
     except BlobError as e:
-        raise ChunkError(f"byte object {entry.key} in {file or '?'} does not decode as a plain torch.save object: "
+        what = "plain " if unpickler is None else ""
+        raise ChunkError(f"byte object {entry.key} in {file or '?'} does not decode as a {what}torch.save object: "
                          f"{e}", key=entry.key, chunk=0, file=file) from None
 
 

@@ -76,11 +76,13 @@ class _ObjectPickle(ScannedUnpickler):
         raise BlobError("data.pkl holds a tensor or storage; only plain objects are decoded here")
 
 
-def load_plain_object(reader: BlobReader, nested: bool = False) -> Any:
-    """The object in a torch.save blob, built only from allow-listed plain types."""
-    _, obj = load_data_pkl(reader, zip_records(reader), _ObjectPickle, MAX_OBJECT_PICKLE)
+def load_plain_object(reader: BlobReader, nested: bool = False,
+                      unpickler: type[_ObjectPickle] | None = None) -> Any:
+    """The object in a torch.save blob, built only from allow-listed plain types (or, with
+    ``unpickler``, what that subclass builds: :mod:`gtp_format.reader.inert_object`'s records)."""
+    _, obj = load_data_pkl(reader, zip_records(reader), unpickler or _ObjectPickle, MAX_OBJECT_PICKLE)
     if type(obj) is _BytesIO:
         if nested:
             raise BlobError("the blob wraps a blob that wraps another; torch.save was applied more than twice")
-        return load_plain_object(ViewReader(memoryview(obj.value)), nested=True)
+        return load_plain_object(ViewReader(memoryview(obj.value)), True, unpickler)
     return obj

@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -45,6 +46,7 @@ SMOKE = {
     "bench_fold_cpu.py": [],
     "bench_hash.py": [],
     "bench_inspect.py": ["--workdir", "{tmp}/inspect"],
+    "bench_megatron_inspect.py": ["--workdir", "{tmp}/megatron_inspect"],
     "bench_migrate.py": ["--workdir", "{tmp}/migrate"],
     "bench_verify.py": ["--workdir", "{tmp}/verify", "--clean"],
     "bench_gpu.py": ["--json", "{tmp}/gpu.json"],
@@ -154,6 +156,13 @@ def check_inspect(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert not (tmp / "inspect").exists()  # the generated checkpoints are removed
 
 
+def check_megatron_inspect(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    m = re.search(r"layers 20: 19 keys, (\d+) chunks.*\ninspect [\d.]+ s, inspect --params [\d.]+ s, ratio ([\d.]+)",
+                  p.stdout)
+    assert m is not None and int(m.group(1)) > 20 * 12 and float(m.group(2)) > 0, p.stdout
+    assert not (tmp / "megatron_inspect").exists()  # the generated checkpoint is removed
+
+
 def check_migrate(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     doc = _last_json(p.stdout)
     (row,), (phases,) = doc["rows"], doc["phases"]
@@ -247,6 +256,7 @@ CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_data_read.py": check_data_read, "convergence.py": check_convergence,
     "bench_record_crc.py": check_record_crc, "fuzz_readers.py": check_fuzz,
     "bench_copy_checks.py": check_copy_checks,
+    "bench_megatron_inspect.py": check_megatron_inspect,
 }
 
 

@@ -16,6 +16,9 @@ from cli_helpers import run_fresh
     (["verify", "fixtures/gtp/fold_cp2_g2_dp2", "--data", "--format", "json"], 0),
     (["verify", "fixtures/gtp/fold_cp2_g2_dp2_st", "--data"], 0),
     (["verify", "fixtures/megatron/cp2_dp2_dp_reshardable", "--data"], 0),
+    (["inspect", "fixtures/megatron/pp2_dp2_dp_reshardable", "--params"], 0),  # common_state decoded torch-free
+    (["plan", "fixtures/gtp/fold_cp2_g2_dp2", "--cp", "2", "--gtp-remat", "2", "--dp", "1", "--read-gbps", "1"], 0),
+    (["plan", "fixtures/megatron/pp2_dp2_dp_reshardable", "--pp", "2", "--dp", "2"], 0),
     (["verify", "fixtures/gtp/aliased_cp2_g2_dp2"], 1),  # per_bucket_numel objects decoded torch-free too
     # the migration plan is torch-free: only writing rebuilds tensors (DST is never created by a dry run)
     (["migrate-aliased", "fixtures/gtp/aliased_cp2_g2_dp2", "/nonexistent-dst", "--dry-run", "--reset-lost-moments",

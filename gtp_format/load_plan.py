@@ -1,0 +1,206 @@
+"""``ckpt plan``: a resume rehearsal. Whether a load at a target topology works, and what each rank reads.
+
+Before any GPU is allocated: from the checkpoint's metadata alone, say whether loading it at
+``tp x pp x cp x dp (x ep)`` works as is, needs ``ckpt reshard`` (the exact command), or cannot
+work (why); and, where it works as is, which keys and stored chunks every rank reads, its bytes,
+its peak host memory and the load time at a read bandwidth.
+
+What a rank reads follows how this project's runtime loads (``gtp_runtime/checkpoint/io.py``):
+each rank asks DCP for the boxes it holds at the target topology (its weight shard of every
+parameter, its DP slice of every optimizer bucket key of its model-parallel position, and the
+``per_bucket_numel_unpadded`` tensor of its ``dp_group_idx``), and its reader decodes every stored chunk
+that overlaps one of those boxes once, whole, and frees it before the next. So the bytes of a rank
+are the stored lengths of the distinct chunks its boxes overlap; its peak host memory is what it
+loads into (the boxes) plus its largest chunk. The boxes come from the same layout functions the
+runtime builds its buffers with (:mod:`gtp_format.layout`), and a test compares the prediction
+with the bytes a real ``--load`` on gloo ranks reads.
+
+megatron-core checkpoints: the verdict only (megatron-core's own loader decides what it reads).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+from gtp_format.errors import FormatError
+from gtp_format.layout import topology as topo
+from gtp_format.layout.config import ConfigError, ParallelConfig
+from gtp_format.layout.params import buffer_layouts
+from gtp_format.manifest import Manifest, param_shard_spec
+from gtp_format.model import Checkpoint, Entry
+from gtp_format.names import STATES, per_bucket_numel_key
+
+AS_IS, RESHARD, IMPOSSIBLE = "works_as_is", "needs_reshard", "impossible"
+
+
+@dataclass
+class RankReads:
+    rank: int
+    keys: int = 0
+    chunks: int = 0
+    bytes: int = 0
+    load_bytes: int = 0  # what the rank's state tensors hold once loaded (the boxes)
+    largest_chunk: int = 0
+
+    @property
+    def peak_host_bytes(self) -> int:
+        return self.load_bytes + self.largest_chunk
+
+
+@dataclass
+class LoadPlan:
+    verdict: str
+    reason: str
+    source: dict[str, Any]
+    target: dict[str, Any]
+    commands: list[str] = field(default_factory=list)
+    ranks: list[RankReads] = field(default_factory=list)
+    rank_keys: dict[int, list[str]] = field(default_factory=dict)
+
+
+class _Boxes:
+    """The stored chunks of one key, sorted on dim 0, to find those a box overlaps."""
+
+    def __init__(self, entry: Entry) -> None:
+        self.entry = entry
+        self.chunks = sorted(entry.chunks, key=lambda c: c.offsets[0] if c.offsets else 0)
+        self.starts = [c.offsets[0] if c.offsets else 0 for c in self.chunks]
+        self.longest = max((c.sizes[0] for c in self.chunks if c.sizes), default=0)
+
+    def overlapping(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[int]:
+        if not offsets:
+            return list(range(len(self.chunks)))
+        lo = bisect.bisect_left(self.starts, offsets[0] - self.longest + 1)
+        hi = bisect.bisect_left(self.starts, offsets[0] + sizes[0])
+        out = []
+        for i in range(lo, hi):
+            c = self.chunks[i]
+            if all(o < co + cs and co < o + s for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes)):
+                out.append(i)
+        return out
+
+
+def _target_par(src: ParallelConfig, tp: int, cp: int, dp: int, gtp_remat: int | None) -> ParallelConfig:
+    return ParallelConfig(tp=tp, cp=cp, gtp_remat=gtp_remat or src.gtp_remat, dp=dp, fold_cp=src.fold_cp,
+                          expert_gtp_remat=src.expert_gtp_remat)
+
+
+def plan_ours(ckpt: Checkpoint, manifest: Manifest, tp: int, pp: int, cp: int, dp: int, ep: int | None,
+              gtp_remat: int | None, src_arg: str) -> LoadPlan:
+    """The plan for a checkpoint of this project's runtime (it has a manifest)."""
+    par, model = manifest.topology, manifest.model
+    if par is None or model is None or manifest.buffers is None:
+        raise FormatError(f"{ckpt.root}: the manifest has no topology, model or bucket layout; a plan needs them")
+    tgt = _target_par(par, tp, cp, dp, gtp_remat)
+    source, target = par.to_dict(), {**tgt.to_dict(), "pp": pp}
+    if pp != 1:
+        return LoadPlan(IMPOSSIBLE, "gtp_runtime has no pipeline parallelism: its checkpoints load at PP 1 only",
+                        source, target)
+    if ep not in (None, 1):
+        return LoadPlan(IMPOSSIBLE, "gtp_runtime shards experts over --expert-gtp-remat, not expert parallelism; "
+                        "drop --ep", source, target)
+    try:
+        tgt.validate(num_experts=model.num_experts)
+        model.validate(tgt)
+    except ConfigError as e:
+        return LoadPlan(IMPOSSIBLE, f"the model does not fit {tgt.describe()}: {e}", source, target)
+    changed = [k for k in ("tp", "cp", "gtp_remat") if getattr(par, k) != getattr(tgt, k)]
+    if changed:
+        cmd = (f"ckpt reshard {src_arg} DST --tp {tgt.tp} --cp {tgt.cp} --gtp-remat {tgt.gtp_remat} --dp {tgt.dp} "
+               + ("--fold-cp" if tgt.fold_cp else "--no-fold-cp"))
+        return LoadPlan(RESHARD, f"dp_reshardable loads over a new DP only; {', '.join(changed)} changed",
+                        source, target, [cmd, f"python -m gtp_runtime.train --nproc-per-node {tgt.world_size} "
+                                              f"... --load DST"])
+    plan = LoadPlan(AS_IS, "same TP/CP/GTP_remat" + ("" if par.dp == tgt.dp else f"; DP {par.dp} -> {tgt.dp} "
+                    "is resharded by the load itself"), source, target)
+    _rank_reads(ckpt, manifest, tgt, plan)
+    return plan
+
+
+def _rank_reads(ckpt: Checkpoint, manifest: Manifest, par: ParallelConfig, plan: LoadPlan) -> None:
+    from gtp_format.params import KeyRef, _dp_members, instances
+
+    assert manifest.model is not None
+    bucket_size = manifest.bucket_size or 40_000_000
+    buffers = buffer_layouts(manifest.model, par, bucket_size, manifest.param_dtype)
+    grid = topo.Topology(par)
+    boxes: dict[str, _Boxes] = {}
+    wanted: list[dict[str, list[tuple[tuple[int, ...], tuple[int, ...], int]]]] = [
+        {} for _ in range(par.world_size)]
+
+    def want(rank: int, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], itemsize: int) -> None:
+        if key not in ckpt.entries:
+            raise FormatError(f"{ckpt.root}: the load at {par.describe()} reads {key}, which is not stored; "
+                              "run 'ckpt verify'")
+        wanted[rank].setdefault(key, []).append((offsets, sizes, itemsize))
+
+    for buf in buffers:
+        for inst in instances(buf, par):
+            members = _dp_members(par, buf.dp_group_kind, inst.anchor)
+            for b in buf.buckets:
+                ref = KeyRef(inst.dp_group_idx, buf.gbuf_idx, buf.dtype, b.bucket_idx, inst.cp_rank, b.numel_unpadded)
+                n = b.numel // len(members)
+                for i, m in enumerate(members):
+                    a, z = i * n, min((i + 1) * n, b.numel_unpadded)
+                    for state in STATES:
+                        want(m, ref.key(state), (a,), (max(0, z - a),), 4)
+            for m in members:  # the load reads _unpadded only: padded sizes depend on the DP size
+                k = per_bucket_numel_key(inst.dp_group_idx, True)
+                e = ckpt.entries.get(k)
+                if e is not None and e.shape is not None and k not in wanted[m]:
+                    want(m, k, (0,) * len(e.shape), e.shape, e.itemsize)
+        for b in buf.buckets:
+            for p in b.params:
+                itemsize = ckpt.entries[p.name].itemsize if p.name in ckpt.entries else 0
+                for r in range(par.world_size):
+                    c = grid.coords(r)
+                    shard = {topo.WEIGHT: grid.weight_group_rank(r), topo.EXPERT_GTP: c.expert_gtp}.get(
+                        p.shard_kind or "", 0)
+                    spec = param_shard_spec(p, par, c.tp if p.tp_mode else 0, shard)
+                    want(r, p.name, spec.global_offset, spec.local_shape, itemsize)
+    for rank, keys in enumerate(wanted):
+        rr = RankReads(rank, keys=len(keys))
+        for key, reqs in keys.items():
+            bx = boxes.get(key) or boxes.setdefault(key, _Boxes(ckpt.entries[key]))
+            seen: set[int] = set()
+            for offsets, sizes, itemsize in reqs:
+                n = 1
+                for s in sizes:
+                    n *= s
+                rr.load_bytes += n * itemsize
+                seen.update(bx.overlapping(offsets, sizes) if offsets else range(len(bx.chunks)))
+            for i in seen:
+                st = bx.chunks[i].storage
+                length = st.length if st is not None else 0
+                rr.bytes += length
+                rr.largest_chunk = max(rr.largest_chunk, length)
+            rr.chunks += len(seen)
+        plan.ranks.append(rr)
+        plan.rank_keys[rank] = sorted(keys)
+
+
+def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int | None, src_arg: str) -> LoadPlan:
+    """The verdict for a genuine megatron-core checkpoint, from the topology it records."""
+    from gtp_format.megatron_topology import derive
+
+    meg = derive(ckpt)
+    source = meg.to_dict()
+    target = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "ep": ep or 1}
+    export = f"ckpt export {src_arg} DST --to fully_reshardable"
+    if meg.format in ("fully_reshardable", "fully_sharded_model_space"):
+        return LoadPlan(AS_IS, f"{meg.format}: megatron-core loads it at any TP/PP/DP (0.19.2 with torch's AdamW "
+                        "needs its KeyError 'step' worked around)", source, target)
+    if meg.format != "dp_reshardable":
+        return LoadPlan(IMPOSSIBLE, f"{meg.format or 'this optimizer format'}: ckpt cannot convert it; load it at "
+                        "its own topology with megatron-core", source, target)
+    same = all(getattr(meg, k) is None or getattr(meg, k) == v for k, v in (("tp", tp), ("pp", pp), ("ep", ep or 1)))
+    if same and meg.dp_cp is not None and meg.dp_cp == dp * cp:
+        return LoadPlan(AS_IS, "same TP/PP/EP and the same dp x cp optimizer group", source, target)
+    if same:
+        return LoadPlan(AS_IS, f"same TP/PP/EP; dp x cp {meg.dp_cp} -> {dp * cp}: dp_reshardable is meant to reshard "
+                        "over DP (not run with megatron-core's loader here)", source, target)
+    return LoadPlan(RESHARD, "megatron-core's dp_reshardable load refuses another TP/PP/EP ('Global shape mismatch'); "
+                    "ckpt reshard does not write megatron-core checkpoints yet, its fully_reshardable export loads "
+                    "at any topology", source, target, [export])

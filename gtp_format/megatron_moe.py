@@ -1,0 +1,104 @@
+"""The expert half of a megatron-core MoE checkpoint's per-parameter view (``SequentialMLP``, EP).
+
+With experts, ``get_megatron_optimizer`` returns a ``ChainedOptimizer`` of a dense and an expert
+``DistributedOptimizer``, so every optimizer key gets ``chained_{i}.``: ``chained_0`` holds the
+dense parameters (the router among them) exactly as :mod:`gtp_format.megatron` lays them out, and
+``chained_1`` one buffer per expert-parallel rank, under ``dp_group_idx`` = that rank (TP 1, PP 1;
+the expert DP group shards it). An EP rank holds experts ``ep_rank * E/EP + j`` for ``j <
+E/EP``, laid out by the same rules (reverse module order, 64-aligned starts): per layer, per
+local expert, ``linear_fc1.weight``, ``linear_fc1.bias``, ``linear_fc2.weight``,
+``linear_fc2.bias``. The stacked keys ``decoder.layers.mlp.experts.experts.*`` have two leading
+axes (layer, expert) and one chunk per (layer, expert). Checked against megatron-core 0.19.2's
+``moe_ep2_dp4_dp_reshardable`` fixture (``tests/cli/test_megatron_view.py``); expert TP > 1 and
+MoE with PP > 1 are refused.
+
+The view names an expert parameter ``decoder.layers.<l>.mlp.experts.<e>.<linear_fc1.weight>``
+with the global expert index ``e`` (megatron's modules say ``local_experts.<j>``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gtp_format.errors import FormatError
+from gtp_format.layout.shard import ShardSpec
+from gtp_format.model import TENSOR, Checkpoint
+
+EXPERT_PREFIX = "decoder.layers.mlp.experts.experts."
+EXPERT = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
+ALIGN = 64
+
+
+def expert_keys(ckpt: Checkpoint) -> list[str]:
+    return [k for k, e in ckpt.entries.items() if e.kind == TENSOR and k.startswith(EXPERT_PREFIX)]
+
+
+def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse: Callable[[str], FormatError],
+                 ) -> tuple[dict[str, Any], list[tuple[str, int, int, int, int]]]:
+    """Views of every expert parameter and the placed slices (name, ep rank, bucket, start, end)."""
+    from gtp_format.params import Holder, KeyRef, ParamView
+
+    keys = {s: EXPERT_PREFIX + s for s in EXPERT if EXPERT_PREFIX + s in ckpt.entries}
+    unknown = sorted(set(expert_keys(ckpt)) - set(keys.values()))
+    if unknown:
+        raise refuse(f"expert key {unknown[0]!r} is not a SequentialMLP expert parameter")
+    shapes = {s: ckpt.entries[k].shape or () for s, k in keys.items()}
+    if any(len(sh) < 3 or sh[0] != layers for sh in shapes.values()) or len({sh[1] for sh in shapes.values()}) != 1:
+        raise refuse("expert keys disagree on (layers, experts)")
+    n_exp = next(iter(shapes.values()))[1]
+    ranks = sorted({o.dp_group_idx for o in opts.values()})
+    ep = len(ranks)
+    if ranks != list(range(ep)) or n_exp % ep:
+        raise refuse(f"the expert optimizer has dp_group_idx {ranks[:8]}, not EP ranks dividing {n_exp} experts")
+    for s, k in keys.items():
+        e = ckpt.entries[k]
+        full = shapes[s][2:]
+        whole = {(c.offsets[0], c.offsets[1]) for c in e.chunks
+                 if tuple(c.offsets[2:]) == (0,) * len(full) and tuple(c.sizes) == (1, 1, *full)}
+        if len(e.chunks) != layers * n_exp or len(whole) != layers * n_exp:
+            raise refuse(f"{k} is not one whole chunk per (layer, expert): expert TP > 1 is not covered")
+    dtags = {(o.gbuf_idx, o.dtype) for o in opts.values()}
+    if len(dtags) != 1:
+        raise refuse("the expert optimizer has several gradient buffers")
+    gbuf, dtag = dtags.pop()
+    numel = {(o.dp_group_idx, o.bucket_idx): (ckpt.entries[k].shape or (0,))[0]
+             for k, o in opts.items() if o.state == "param"}
+    per = n_exp // ep
+    placed: list[tuple[str, int, int, int, int]] = []
+    info: dict[str, tuple[str, int, tuple[int, ...]]] = {}
+    for r in ranks:
+        names = []
+        for layer in range(layers):
+            for j in range(per):
+                for s in EXPERT:
+                    if s in keys:
+                        name = f"decoder.layers.{layer}.mlp.experts.{r * per + j}.{s}"
+                        names.append(name)
+                        info[name] = (keys[s], layer, shapes[s][2:])
+        b, pos = 0, 0
+        for name in reversed(names):
+            n = 1
+            for d in info[name][2]:
+                n *= d
+            start = -(-pos // ALIGN) * ALIGN
+            have = numel.get((r, b))
+            if have is None or start + n > have:
+                raise refuse(f"{name} does not fit bucket {b} of EP rank {r} ({have} elements unpadded)")
+            placed.append((name, r, b, start, start + n))
+            pos = start + n
+            if pos == have:
+                b, pos = b + 1, 0
+        if pos or b != len({bb for (rr, bb) in numel if rr == r}):
+            raise refuse(f"the experts of EP rank {r} do not fill its buckets")
+    pdt = dtag.strip("()").split(",")[0].strip()
+    views: dict[str, Any] = {}
+    for name, r, bucket, start, _ in reversed(placed):
+        key, layer, full = info[name]
+        spec = ShardSpec(full, None, 1, 0, None, 1, 0, 1)
+        holder = Holder(KeyRef(r, gbuf, dtag, bucket, None, numel[(r, bucket)], prefix), start, spec, (), True)
+        views[name] = ParamView(name, full, full, None, None, True, gbuf, bucket, start, pdt, (holder,),
+                                weight_key=key, layer=layer)
+    order = [f"decoder.layers.{layer}.mlp.experts.{e}.{s}" for layer in range(layers) for e in range(n_exp)
+             for s in EXPERT]
+    return {name: views[name] for name in order if name in views}, placed

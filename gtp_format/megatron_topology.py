@@ -1,0 +1,217 @@
+"""The parallel layout and the optimizer format of a genuine megatron-core checkpoint, from the checkpoint.
+
+megatron-core writes no manifest. What it does write fixes most of the topology, and this module
+reads it back, metadata first (checked against megatron-core 0.19.2, ``fixtures/megatron``):
+
+* **TP and PP**: ``rng_state/shard_<pp>.<tp>_<PP>.<TP>`` is one ShardedObject per (pp, tp) rank,
+  so its global shape *is* (PP, TP). Without it: TP = the number of vocab parts of
+  ``embedding.word_embeddings.weight``, PP = the ``dp_group_idx`` count / TP.
+* **world size**: the ``__<rank>_0.distcp`` files (every rank writes one), so DP x CP = world /
+  (TP x PP).
+* **DP, CP, EP** cannot be told apart by keys: megatron-core's distributed optimizer shards over
+  the dp x cp group and stores one key set for it (no CP in the key, which is why it never
+  aliases). ``common_state``'s ``args`` record them (``context_parallel_size``,
+  ``data_parallel_size``, ``expert_model_parallel_size``); it is decoded as inert records
+  (:mod:`gtp_format.reader.inert_object`, a ~2 KiB byte object, nothing run). Where ``args`` lack
+  a size, EP comes from the expert optimizer's ``dp_group_idx`` count (``chained_1``) / (TP x PP),
+  and CP stays unknown ("dp x cp = 4").
+* **the optimizer format**: ``common_state``'s ``content_metadata.distrib_optim_sharding_type``
+  where recorded, else the key pattern: bucket keys (dp_reshardable), ``optimizer.state.*``
+  tensors (fully_reshardable or fully_sharded_model_space), ``param_state`` byte objects
+  (dp_zero_gather_scatter).
+
+**Folding is never inferred.** megatron-core does not fold CP into the weight-sharding group;
+only this project's runtime does, and it records that in its manifest. A CP size given on the
+command line is therefore a CP size, not a declaration of folding, for a megatron-core
+checkpoint; ``--folded`` declares it explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gtp_format.check.analysis import writer_rank
+from gtp_format.errors import ChunkError, FormatError
+from gtp_format.model import BYTES, TENSOR, Checkpoint
+from gtp_format.names import SHARDED_OBJECT_RE, parse_optimizer_key
+
+MEGATRON_FORMATS = ("dp_reshardable", "fully_reshardable", "dp_zero_gather_scatter", "fully_sharded_model_space")
+COMMON_STATE = "common_state"
+RNG_STATE = "rng_state"
+MAX_COMMON_STATE_BYTES = 1 << 20  # megatron's is 2 KiB; a larger one is not decoded (its sizes stay unknown)
+_ARGS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+         "cp": "context_parallel_size", "dp": "data_parallel_size", "ep": "expert_model_parallel_size"}
+
+
+@dataclass
+class MegatronTopology:
+    """What the checkpoint itself says of the run that wrote it; ``None`` where it does not say."""
+
+    world: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    cp: int | None = None
+    ep: int | None = None
+    dp_cp: int | None = None  # the distributed optimizer's group (dense params): dp x cp
+    format: str | None = None
+    sources: dict[str, str] = field(default_factory=dict)  # size -> where it was read
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        def size(name: str) -> str:
+            value = getattr(self, name)
+            return f"{name}{value}" if value is not None else f"{name}?"
+
+        parts = [size(n) for n in ("tp", "pp", "cp", "dp")]
+        if self.ep is not None and self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        text = " ".join(parts)
+        if (self.cp is None or self.dp is None) and self.dp_cp is not None:
+            text += f" (dp x cp = {self.dp_cp})"
+        world = f", world {self.world}" if self.world is not None else ""
+        return f"{text}{world}, megatron-core, not folded (from the checkpoint: {', '.join(self._where())})"
+
+    def _where(self) -> list[str]:
+        seen: list[str] = []
+        for src in self.sources.values():
+            if src not in seen:
+                seen.append(src)
+        return seen or ["keys"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"world": self.world, "tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp, "ep": self.ep,
+                "dp_cp": self.dp_cp, "format": self.format, "folded": False, "sources": dict(self.sources),
+                "notes": list(self.notes)}
+
+
+def _object_base(key: str) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
+    m = SHARDED_OBJECT_RE.match(key)
+    if m is None:
+        return None
+    try:
+        offset = tuple(int(x) for x in m.group("offset").split("."))
+        shape = tuple(int(x) for x in m.group("shape").split("."))
+    except ValueError:
+        return None
+    return m.group("key"), offset, shape
+
+
+def is_megatron_core(ckpt: Checkpoint) -> bool:
+    """No manifest of ours, and the byte objects only megatron-core's save writes (common/rng state)."""
+    if ckpt.manifest is not None:
+        return False
+    for key, e in ckpt.entries.items():
+        if e.kind == BYTES:
+            base = _object_base(key)
+            if base is not None and base[0] in (COMMON_STATE, RNG_STATE):
+                return True
+    return False
+
+
+def common_state(ckpt: Checkpoint) -> dict[str, Any] | None:
+    """The decoded ``common_state`` dict (inert records), or ``None`` if absent, too large or undecodable."""
+    from gtp_format.reader.inert_object import load_record
+
+    keys = [k for k, e in ckpt.entries.items() if e.kind == BYTES and (_object_base(k) or ("",))[0] == COMMON_STATE]
+    if len(keys) != 1:
+        return None
+    entry = ckpt.entries[keys[0]]
+    if not entry.chunks or entry.stored_bytes > MAX_COMMON_STATE_BYTES:
+        return None
+    try:
+        obj = load_record(ckpt, entry)
+    except (ChunkError, FormatError):
+        return None
+    if isinstance(obj, list) and len(obj) == 1:
+        obj = obj[0]  # the ShardedObject wrapper
+    return obj if isinstance(obj, dict) else None
+
+
+def _args_sizes(state: dict[str, Any] | None) -> dict[str, int]:
+    from gtp_format.reader.inert_object import InertObject
+
+    args = state.get("args") if state else None
+    fields = args.fields() if isinstance(args, InertObject) else args if isinstance(args, dict) else {}
+    out = {}
+    for short, name in _ARGS.items():
+        value = fields.get(name)
+        if type(value) is int and 0 < value <= 1 << 20:
+            out[short] = value
+    return out
+
+
+def _recorded_format(state: dict[str, Any] | None) -> str | None:
+    meta = state.get("content_metadata") if state else None
+    value = meta.get("distrib_optim_sharding_type") if isinstance(meta, dict) else None
+    return value if value in MEGATRON_FORMATS else None
+
+
+def key_format(ckpt: Checkpoint) -> str | None:
+    """The optimizer format the keys show (``fully_reshardable`` also stands for fully_sharded_model_space)."""
+    for key, e in ckpt.entries.items():
+        if e.kind == TENSOR and parse_optimizer_key(key) is not None:
+            return "dp_reshardable"
+    if any(e.kind == TENSOR and ".optimizer.state." in f".{k}" for k, e in ckpt.entries.items()):
+        return "fully_reshardable"
+    if any(e.kind == BYTES and (_object_base(k) or ("",))[0].endswith(".param_state") for k, e in ckpt.entries.items()):
+        return "dp_zero_gather_scatter"
+    return None
+
+
+def derive(ckpt: Checkpoint, *, read_common_state: bool = True) -> MegatronTopology:
+    """Everything :class:`MegatronTopology` holds, from keys, shapes, files and (optionally) common_state."""
+    topo = MegatronTopology()
+    ranks = {writer_rank(name) for name in ckpt.data_files}
+    ranks.discard(None)
+    if ranks:
+        topo.world = max(r for r in ranks if r is not None) + 1
+        topo.sources["world"] = "data file names"
+    for key, e in ckpt.entries.items():
+        base = _object_base(key) if e.kind == BYTES else None
+        if base is not None and base[0] == RNG_STATE and len(base[2]) == 2:
+            topo.pp, topo.tp = base[2]
+            topo.sources["tp"] = topo.sources["pp"] = "rng_state shape"
+            break
+    opts = [o for k, e in ckpt.entries.items() if e.kind == TENSOR and (o := parse_optimizer_key(k)) is not None]
+    prefixes = sorted({o.prefix for o in opts})
+    if topo.tp is None:
+        emb = ckpt.entries.get("embedding.word_embeddings.weight")
+        if emb is not None and emb.chunks:
+            topo.tp = len({c.offsets[0] for c in emb.chunks})
+            topo.sources["tp"] = "embedding vocab parts"
+    if topo.pp is None and topo.tp and prefixes:
+        n = len({o.dp_group_idx for o in opts if o.prefix == prefixes[0]})
+        if n % topo.tp == 0:
+            topo.pp = n // topo.tp
+            topo.sources["pp"] = "dp_group_idx count / tp"
+    state = common_state(ckpt) if read_common_state else None
+    recorded = _args_sizes(state)
+    for short, value in recorded.items():
+        mine = getattr(topo, short)
+        if mine is not None and mine != value:
+            topo.notes.append(f"common_state args say {_ARGS[short]}={value} but the keys give {mine}; using the keys")
+            continue
+        setattr(topo, short, value)
+        topo.sources.setdefault(short, "common_state args")
+    if topo.world and topo.tp and topo.pp and topo.world % (topo.tp * topo.pp) == 0:
+        topo.dp_cp = topo.world // (topo.tp * topo.pp)
+        if topo.cp is not None and topo.dp is None and topo.dp_cp % topo.cp == 0:
+            topo.dp = topo.dp_cp // topo.cp
+        if topo.dp is not None and topo.cp is None and topo.dp_cp % topo.dp == 0:
+            topo.cp = topo.dp_cp // topo.dp
+        if topo.dp is not None and topo.cp is not None and topo.dp * topo.cp != topo.dp_cp:
+            topo.notes.append(f"common_state args give dp {topo.dp} x cp {topo.cp}, but world {topo.world} / "
+                              f"(tp {topo.tp} x pp {topo.pp}) = {topo.dp_cp}")
+    if topo.ep is None and len(prefixes) > 1 and topo.tp and topo.pp:
+        n = len({o.dp_group_idx for o in opts if o.prefix == prefixes[-1]})
+        if n % (topo.tp * topo.pp) == 0:
+            topo.ep = n // (topo.tp * topo.pp)
+            topo.sources["ep"] = "expert optimizer dp_group_idx count"
+    if topo.ep is None and not any(".experts." in k for k in ckpt.entries):
+        topo.ep = 1
+    topo.format = _recorded_format(state) or key_format(ckpt)
+    if _recorded_format(state):
+        topo.sources["format"] = "common_state content_metadata"
+    return topo

@@ -1,0 +1,89 @@
+"""``ckpt plan``: the verdicts, and the predicted bytes per rank against what a real load reads.
+
+The real load is this project's runtime (``python -m gtp_runtime.train --load``) on gloo ranks, with
+``tests/helpers/read_counter`` counting every stored chunk each rank's verified reader decodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from cli_helpers import assert_error_line, cli
+
+REPO = Path(__file__).resolve().parents[2]
+COUNTER = REPO / "tests" / "helpers" / "read_counter"
+MEGATRON = REPO / "fixtures" / "megatron"
+SAVED = ["--cp", "2", "--dp", "2", "--fold-cp"]
+
+
+def _train(argv: list[str], counter: Path | None = None) -> subprocess.CompletedProcess[str]:
+    path = [str(COUNTER), str(REPO)] if counter is not None else [str(REPO)]
+    path += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]  # the caller's, after ours
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
+    if counter is not None:
+        env["READ_COUNTER_OUT"] = str(counter)
+    return subprocess.run([sys.executable, "-m", "gtp_runtime.train", *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("plan") / "ck"
+    r = _train(["--nproc-per-node", "4", *SAVED, "--steps", "2", "--save", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def _read_by_rank(counter: Path) -> dict[int, int]:
+    total: dict[int, int] = defaultdict(int)
+    for f in counter.glob("*.txt"):
+        for line in f.read_text().splitlines():
+            rank, _key, _chunk, length = line.split("\t")
+            total[int(rank)] += int(length)
+    return dict(total)
+
+
+@pytest.mark.parametrize("target", [("--cp", "2", "--dp", "2"), ("--cp", "2", "--dp", "1")])
+def test_predicted_bytes_equal_what_the_load_reads(saved: Path, target: tuple[str, ...], tmp_path: Path) -> None:
+    r = cli("plan", saved, *target, "--read-gbps", "1", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["verdict"] == "works_as_is"
+    predicted = {row["rank"]: row["bytes"] for row in doc["ranks"]}
+    world = len(predicted)
+    counter = tmp_path / "reads"
+    counter.mkdir()
+    run = _train(["--nproc-per-node", str(world), *target, "--fold-cp", "--steps", "3", "--load", str(saved)],
+                 counter)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert _read_by_rank(counter) == predicted
+    assert doc["estimated_load_seconds"] == pytest.approx(sum(predicted.values()) / 1e9)
+
+
+def test_other_topologies_need_a_reshard_or_cannot_load(saved: Path) -> None:
+    doc = json.loads(cli("plan", saved, "--tp", "2", "--cp", "2", "--dp", "1", "--format", "json").stdout)
+    assert doc["verdict"] == "needs_reshard" and not doc["ranks"]
+    assert doc["commands"][0] == f"ckpt reshard {saved} DST --tp 2 --cp 2 --gtp-remat 1 --dp 1 --fold-cp"
+    doc = json.loads(cli("plan", saved, "--pp", "2", "--cp", "2", "--format", "json").stdout)
+    assert doc["verdict"] == "impossible" and "pipeline" in doc["reason"]
+
+
+def test_megatron_verdicts() -> None:
+    src = MEGATRON / "pair_pp2_tp2_dp_reshardable"
+    same = json.loads(cli("plan", src, "--tp", "2", "--pp", "2", "--format", "json").stdout)
+    assert same["verdict"] == "works_as_is" and same["source"]["pp"] == 2 and same["source"]["tp"] == 2
+    other = json.loads(cli("plan", src, "--tp", "1", "--pp", "2", "--dp", "2", "--format", "json").stdout)
+    assert other["verdict"] == "needs_reshard"
+    assert other["commands"] == [f"ckpt export {src} DST --to fully_reshardable"]
+    full = json.loads(cli("plan", MEGATRON / "dp2_fully_reshardable", "--tp", "2", "--format", "json").stdout)
+    assert full["verdict"] == "works_as_is"
+
+
+def test_bad_input_is_one_line(tmp_path: Path) -> None:
+    assert_error_line(cli("plan", tmp_path / "nothing", "--tp", "2"), 2, "nothing")
