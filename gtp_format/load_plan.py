@@ -198,9 +198,11 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
     same = all(getattr(meg, k) is None or getattr(meg, k) == v for k, v in (("tp", tp), ("pp", pp), ("ep", ep or 1)))
     if same and meg.dp_cp is not None and meg.dp_cp == dp * cp:
         return LoadPlan(AS_IS, "same TP/PP/EP and the same dp x cp optimizer group", source, target)
-    if same:
-        return LoadPlan(AS_IS, f"same TP/PP/EP; dp x cp {meg.dp_cp} -> {dp * cp}: dp_reshardable is meant to reshard "
-                        "over DP (not run with megatron-core's loader here)", source, target)
+    if same:  # not promised: megatron-core's loader was never run here at another DP x CP
+        return LoadPlan(RESHARD, f"same TP/PP/EP, but dp x cp {meg.dp_cp} -> {dp * cp}: a dp_reshardable load at "
+                        "another DP x CP is not established (megatron-core 0.19.2 refused other topologies with "
+                        "'Global shape mismatch'); its fully_reshardable export loads at any topology",
+                        source, target, [export])
     return LoadPlan(RESHARD, "megatron-core's dp_reshardable load refuses another TP/PP/EP ('Global shape mismatch'); "
                     "ckpt reshard does not write megatron-core checkpoints yet, its fully_reshardable export loads "
                     "at any topology", source, target, [export])

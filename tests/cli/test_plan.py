@@ -81,6 +81,9 @@ def test_megatron_verdicts() -> None:
     other = json.loads(cli("plan", src, "--tp", "1", "--pp", "2", "--dp", "2", "--format", "json").stdout)
     assert other["verdict"] == "needs_reshard"
     assert other["commands"] == [f"ckpt export {src} DST --to fully_reshardable"]
+    # Same TP/PP at another DP: not promised, since megatron-core's loader was not run there.
+    dp = json.loads(cli("plan", src, "--tp", "2", "--pp", "2", "--dp", "2", "--format", "json").stdout)
+    assert dp["verdict"] == "needs_reshard" and "not established" in dp["reason"]
     full = json.loads(cli("plan", MEGATRON / "dp2_fully_reshardable", "--tp", "2", "--format", "json").stdout)
     assert full["verdict"] == "works_as_is"
 
