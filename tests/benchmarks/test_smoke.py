@@ -44,6 +44,7 @@ SMOKE = {
     "bench_ckpt_cpu.py": [],
     "bench_fold_cpu.py": [],
     "bench_hash.py": [],
+    "bench_chunk_hash.py": [],
     "bench_inspect.py": ["--workdir", "{tmp}/inspect"],
     "bench_migrate.py": ["--workdir", "{tmp}/migrate"],
     "bench_verify.py": ["--workdir", "{tmp}/verify", "--clean"],
@@ -145,6 +146,13 @@ def check_hash(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows)
 
 
+def check_chunk_hash(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    head, *rows = _table(p.stdout)
+    assert head[0] == "read + hash" and [r[0] for r in rows[:2]] == ["cat", "dd bs=2M"]
+    assert rows[0][2] == "1.00x" and len(rows) == 5  # cat against itself, then dd and the three candidates
+    assert all(float(r[1]) > 0 for r in rows) and all(float(r[3]) > 0 for r in rows[2:])
+
+
 def check_inspect(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     (row,) = _last_json(p.stdout)["rows"]
     head = _table(p.stdout)[0]
@@ -232,6 +240,7 @@ def check_fuzz(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
 
 CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
+    "bench_chunk_hash.py": check_chunk_hash,
     "bench_inspect.py": check_inspect, "bench_migrate.py": check_migrate, "bench_verify.py": check_verify,
     "bench_gpu.py": check_gpu, "bench_reshard.py": check_reshard, "bench_muon.py": check_muon,
     "bench_data_read.py": check_data_read, "convergence.py": check_convergence,
