@@ -1,0 +1,96 @@
+"""Value statistics of one chunk from its stored elements, with numpy, by dtype (bfloat16 included).
+
+Counts of NaN, +Inf, -Inf and zeros (``-0.0`` is a zero), and over the *finite* values the min, the
+max and the sum of squares accumulated in fp64. Finite-only, so that one NaN does not erase the
+range of everything else, and so ``inspect --stats`` can show both "3 NaN" and the scale of the
+rest. Dtypes without a numeric view here (float8, complex, bit containers) get no statistics:
+their hash is still recorded.
+
+Why blocks: converting a whole chunk to fp64 would allocate 4x a bf16 chunk; ``BLOCK`` elements
+at a time keeps memory flat and the block in cache for the five cheap passes (astype, dot, min,
+max, count_nonzero). The common case has one test for "no NaN/Inf": the fp64 sum of squares of
+a float32/bf16/fp16 block is finite exactly when every element is (their squares cannot overflow
+fp64); only a block where it is not takes the exact counting path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gtp_format.dtypes import BOOL, FLOAT, SIGNED, UNSIGNED, DType
+
+BLOCK = 1 << 18  # elements per pass: 2 MiB of fp64, inside a core's L2/L3
+
+
+@dataclass(frozen=True)
+class ChunkStats:
+    numel: int
+    nan: int
+    posinf: int
+    neginf: int
+    zeros: int
+    min: float | None  # over finite values; None when there are none
+    max: float | None
+    sumsq: float  # fp64 sum of squares of the finite values
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nan + self.posinf + self.neginf
+
+    def to_json(self) -> dict[str, Any]:
+        return {"numel": self.numel, "nan": self.nan, "posinf": self.posinf, "neginf": self.neginf,
+                "zeros": self.zeros, "min": self.min, "max": self.max,
+                "sumsq": self.sumsq if math.isfinite(self.sumsq) else None}  # None: it overflowed fp64
+
+    def merge(self, other: ChunkStats) -> ChunkStats:
+        """The statistics of two chunks together (``inspect --stats`` per key)."""
+        lo = [v for v in (self.min, other.min) if v is not None]
+        hi = [v for v in (self.max, other.max) if v is not None]
+        return ChunkStats(self.numel + other.numel, self.nan + other.nan, self.posinf + other.posinf,
+                          self.neginf + other.neginf, self.zeros + other.zeros, min(lo) if lo else None,
+                          max(hi) if hi else None, self.sumsq + other.sumsq)
+
+
+def has_stats(dtype: DType) -> bool:
+    return dtype.name in ("float32", "float64", "float16", "bfloat16") or dtype.kind in (SIGNED, UNSIGNED, BOOL)
+
+
+def _as_numbers(block: np.ndarray, dtype: DType) -> np.ndarray:
+    """A block of stored elements (the :func:`gtp_format.scan.carrier` view) as numpy numbers."""
+    if dtype.name == "bfloat16":  # the top half of a float32: widen the bits, no rounding
+        return (block.astype(np.uint32) << 16).view(np.float32)
+    if dtype.name == "float16":
+        return block.view("<f2")
+    return block
+
+
+def element_stats(elements: np.ndarray, dtype: DType) -> ChunkStats | None:
+    """Statistics of stored elements viewed through :func:`gtp_format.scan.carrier`; None for other dtypes."""
+    if not has_stats(dtype):
+        return None
+    flat = elements.reshape(-1)
+    floating = dtype.kind == FLOAT
+    nan = posinf = neginf = zeros = 0
+    lo, hi, sumsq = math.inf, -math.inf, 0.0
+    for i in range(0, flat.size, BLOCK):
+        x = _as_numbers(flat[i:i + BLOCK], dtype)
+        x64 = x.astype(np.float64)
+        s = float(np.dot(x64, x64))
+        if floating and not math.isfinite(s):  # a NaN/Inf in the block, or an fp64 square that overflows
+            finite = np.isfinite(x64)
+            bad = x64[~finite]
+            nan += int(np.count_nonzero(np.isnan(bad)))
+            posinf += int(np.count_nonzero(bad == np.inf))
+            neginf += int(np.count_nonzero(bad == -np.inf))
+            x64 = x64[finite]
+            s = float(np.dot(x64, x64)) if x64.size else 0.0
+        zeros += int(x64.size - np.count_nonzero(x64))
+        if x64.size:
+            lo, hi = min(lo, float(x64.min())), max(hi, float(x64.max()))
+        sumsq += s
+    some = lo <= hi
+    return ChunkStats(int(flat.size), nan, posinf, neginf, zeros, lo if some else None, hi if some else None, sumsq)
