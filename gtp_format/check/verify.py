@@ -23,13 +23,16 @@ from gtp_format.check.analysis import (
     classify_all,
     topology_view,
 )
-from gtp_format.check.data import check_data
+from gtp_format.check.data import DataReport, check_data
 from gtp_format.check.geometry import check_coverage
+from gtp_format.check.hashes import match_records
 from gtp_format.check.keys import check_manifest_keys
 from gtp_format.check.owners import check_param_optimizers
+from gtp_format.check.values import check_padding, nonfinite_problem, stats_nonfinite
 from gtp_format.dtypes import DType
 from gtp_format.errors import ChunkError, FormatError
 from gtp_format.hashing import HASHERS, file_digests
+from gtp_format.integrity.records import ChunkRecord, read_records
 from gtp_format.model import ENC_TORCH_SAVE, TENSOR, Checkpoint, Entry, Problem
 from gtp_format.names import OPT_PREFIX, OptimizerKey, dtype_tag, per_bucket_numel_key
 from gtp_format.reader.chunks import declared_size_problem, load_elements, load_plain
@@ -417,6 +420,12 @@ def check_manifest_files(ckpt: Checkpoint, data: bool,
     return out
 
 
+def _counts(report: DataReport, key: str) -> tuple[int, int, None]:
+    """(NaN, Inf, None) of a key the data pass counted: it does not tell the signs of Inf apart."""
+    got = report.nonfinite.get(key, {})
+    return got.get("nan", 0), got.get("inf", 0), None
+
+
 def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
            progress: Progress | None = None, workers: int | None = None) -> VerifyResult:
     """Run every check that applies; with ``data`` also decode all chunks and hash files (on ``workers`` threads)."""
@@ -442,9 +451,20 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
         "topology": topo.describe(),
     }
     digests = None
+    records = read_records(ckpt)
+    matched: dict[tuple[str, int], ChunkRecord] = {}
+    if records is not None:
+        result.checks.append("chunk_records")
+        matched, found = match_records(ckpt, records)
+        result.problems += found
+        if not data:  # --data counts every element instead
+            result.problems += stats_nonfinite(records, classes)
     if data:
-        report = check_data(ckpt, manifest_algorithms(ckpt), progress, workers)
-        result.problems += report.problems
+        report = check_data(ckpt, manifest_algorithms(ckpt), progress, workers, matched)
+        result.problems += [nonfinite_problem(p.key, *_counts(report, p.key), classes.get(p.key), "counted now")
+                            if p.check == "nonfinite" and p.key else p for p in report.problems]
+        result.checks.append("padding")
+        result.problems += check_padding(ckpt)
         result.stats["nonfinite"] = report.nonfinite
         result.stats["bytes_read"] = report.bytes_read
         digests = report.digests
