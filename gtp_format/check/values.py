@@ -29,17 +29,21 @@ from gtp_format.reader.boxes import BoxReader
 WEIGHT_STATES = ("param",)  # optimizer states that are weights (fp32 masters); the rest are moments
 
 
-def nonfinite_severity(cls: KeyClass | None) -> str:
-    """``error`` for model weights and master weights, ``warning`` for moments and anything else."""
-    if cls is None:
+def nonfinite_severity(cls: KeyClass | None, roles_known: bool) -> str:
+    """``error`` for model weights and master weights, ``warning`` for moments and anything else.
+
+    ``roles_known``: the checkpoint is ours or Megatron's (a manifest or ``metadata.json``), so a key
+    that is not optimizer state is a model weight; in a foreign DCP checkpoint it may be anything.
+    """
+    if cls is None or not roles_known:
         return "warning"
     if cls.category == MODEL or (cls.category == OPTIMIZER and cls.opt is not None and cls.opt.state in WEIGHT_STATES):
         return "error"
     return "warning"
 
 
-def _what(cls: KeyClass | None) -> str:
-    if cls is not None and cls.category == MODEL:
+def _what(cls: KeyClass | None, roles_known: bool) -> str:
+    if cls is not None and cls.category == MODEL and roles_known:
         return "model weight"
     if cls is not None and cls.opt is not None:
         return "master weight" if cls.opt.state in WEIGHT_STATES else f"optimizer moment {cls.opt.state}"
@@ -47,12 +51,13 @@ def _what(cls: KeyClass | None) -> str:
 
 
 def nonfinite_problem(key: str, nan: int, posinf: int, neginf: int | None, cls: KeyClass | None,
-                      source: str) -> Problem:
+                      source: str, roles_known: bool = True) -> Problem:
     """One line per key; ``neginf`` None: ``posinf`` counts infinities of both signs."""
-    sev = nonfinite_severity(cls)
+    sev = nonfinite_severity(cls, roles_known)
     fix = "; the run diverged before this save: resume from an earlier checkpoint" if sev == "error" else ""
     inf = f"{posinf} Inf" if neginf is None else f"{posinf} +Inf and {neginf} -Inf"
-    return Problem(sev, "nonfinite", f"{_what(cls)} holds {nan} NaN and {inf} values ({source}){fix}", key=key)
+    what = _what(cls, roles_known)
+    return Problem(sev, "nonfinite", f"{what} holds {nan} NaN and {inf} values ({source}){fix}", key=key)
 
 
 def stats_nonfinite(records: Records, classes: dict[str, KeyClass]) -> list[Problem]:

@@ -461,7 +461,8 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
             result.problems += stats_nonfinite(records, classes)
     if data:
         report = check_data(ckpt, manifest_algorithms(ckpt), progress, workers, matched)
-        result.problems += [nonfinite_problem(p.key, *_counts(report, p.key), classes.get(p.key), "counted now")
+        known = ckpt.manifest is not None or ckpt.megatron_metadata is not None
+        result.problems += [nonfinite_problem(p.key, *_counts(report, p.key), classes.get(p.key), "counted now", known)
                             if p.check == "nonfinite" and p.key else p for p in report.problems]
         result.checks.append("padding")
         result.problems += check_padding(ckpt)
