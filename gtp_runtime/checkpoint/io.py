@@ -1,11 +1,14 @@
 """Save and load ``dp_reshardable`` checkpoints through DCP, with an atomic commit.
 
-Save: every rank writes its chunks into ``.tmp.iter_{N}.{nonce}/`` (fsynced), rank 0 adds the
-manifest and Megatron's ``metadata.json``, fsyncs the folder, renames it to ``iter_{N:07d}``, and
-only then replaces ``latest_checkpointed_iteration.txt`` (write to a temporary file, fsync,
+Save: through the one checkpoint writer (:class:`gtp_format.writer.checkpoint.CheckpointWriter`):
+rank 0 creates the hidden work folder ``.tmp.iter_{N}.w{owner}/``, every rank writes its chunks
+there (fsynced), rank 0 adds the manifest and Megatron's ``metadata.json``, fsyncs the folder,
+renames it to ``iter_{N:07d}`` (exchanged atomically with an existing one when an iteration is
+re-saved), and only then replaces ``latest_checkpointed_iteration.txt`` (temporary file, fsync,
 ``os.replace``). A crash before the rename leaves only a ``.tmp.*`` folder that no reader treats
-as a checkpoint; a crash after it leaves a complete new checkpoint and, at worst, ``latest``
-still naming the previous one. Nothing ever looks complete without being complete.
+as a checkpoint (the next save removes it once its owner is dead); a crash after it leaves a
+complete new checkpoint and, at worst, ``latest`` still naming the previous one. Nothing ever
+looks complete without being complete.
 
 Load: the checkpoint is opened and verified the way ``ckpt verify`` does it, and its manifest is
 checked against the running topology (DP may differ; TP, CP, GTP_remat, fold_cp, expert sizes and
@@ -15,9 +18,7 @@ needs, then DCP reads exactly the boxes this rank needs, through the verified mo
 
 from __future__ import annotations
 
-import json
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +28,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from gtp_format import names as fmt
-from gtp_format.commit import commit_folder, write_atomic, write_durable
 from gtp_format.errors import FormatError
-from gtp_format.integrity.records import ChunkRecord, section, write_records
+from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.config import ConfigError
-from gtp_format.manifest import FileEntry, write_manifest
+from gtp_format.manifest import FileEntry
+from gtp_format.writer.checkpoint import CheckpointWriter, megatron_metadata
 from gtp_runtime.checkpoint.chunk_records import record_own_files, state_stats
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
 from gtp_runtime.checkpoint.errors import CheckpointError
-from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, file_entry, optimizer_info
+from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, optimizer_info
 from gtp_runtime.checkpoint.run_state import load_run_state, save_run_state
 from gtp_runtime.checkpoint.safetensors_storage import INDEX_FILE, SafetensorsWriter
 from gtp_runtime.checkpoint.state import (
@@ -46,9 +47,6 @@ from gtp_runtime.checkpoint.state import (
 )
 from gtp_runtime.checkpoint.verified import VerifiedReader, check_compatible, open_verified, sharding_refusal
 from gtp_runtime.training import Trainer
-
-MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                     "common_backend": "torch", "common_backend_version": 1}
 
 
 def _fault(point: str) -> None:
@@ -85,13 +83,29 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
     root = Path(root)
     rank = dist.get_rank()
     it = trainer.iteration
-    name = [f".tmp.{fmt.iter_dir_name(it)}.{uuid.uuid4().hex[:8]}" if rank == 0 else None]
-    dist.broadcast_object_list(name, src=0)
-    tmp, final = root / name[0], root / fmt.iter_dir_name(it)
+    final = root / fmt.iter_dir_name(it)
+    writer = CheckpointWriter(final, replace=True, fault=_fault)
+    name = [None]
     if rank == 0:
-        tmp.mkdir(parents=True)
+        root.mkdir(parents=True, exist_ok=True)
+        name = [writer.begin().name]
+    dist.broadcast_object_list(name, src=0)
+    writer.adopt(root / name[0])
     dist.barrier()
+    try:
+        _write_and_commit(trainer, writer, layout, sharding, aliased, writer_threads)
+    except BaseException:
+        if rank == 0:
+            writer.abort()
+        raise
+    dist.barrier()
+    return final
 
+
+def _write_and_commit(trainer: Trainer, writer: CheckpointWriter, layout: str, sharding: str, aliased: bool,
+                      writer_threads: int | None) -> None:
+    """Every rank writes its files into the writer's work folder; rank 0 finishes and commits it."""
+    rank, it, tmp = dist.get_rank(), trainer.iteration, writer.folder
     sd: dict[str, Any] = {}
     sd.update(model_state(trainer.model, trainer.groups, for_load=False))
     sd.update(optimizer_state(trainer.optimizer, trainer.groups, aliased=aliased))
@@ -101,9 +115,9 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
     # Several writer threads per rank (files __{rank}_0.., __{rank}_1..): torch.save releases the
     # GIL while it copies and writes, and measured on 2 cores this doubles DCP's save rate.
     threads = writer_threads or max(1, min(4, os.cpu_count() or 1))
-    writer = (dcp.FileSystemWriter(tmp, sync_files=True, thread_count=threads) if layout == "torch_dist"
-              else SafetensorsWriter(tmp))
-    metadata = dcp.save(sd, storage_writer=writer, planner=ChunkSavePlanner())
+    storage = (dcp.FileSystemWriter(tmp, sync_files=True, thread_count=threads) if layout == "torch_dist"
+               else SafetensorsWriter(tmp))
+    metadata = dcp.save(sd, storage_writer=storage, planner=ChunkSavePlanner())
     _fault("after_write")
 
     # one read-back of each file this rank wrote: its CRC-32C and the hash of every chunk in it
@@ -111,34 +125,24 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
     everything: list[tuple[dict[str, FileEntry], list[ChunkRecord]] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everything, mine)
     if rank == 0:
-        files: dict[str, FileEntry] = {}
-        records: list[ChunkRecord] = []
         for part in everything:
-            files.update(part[0] if part else {})
-            records += part[1] if part else []
-        write_records(tmp, records)
-        files[fmt.CHUNK_RECORDS_FILE] = file_entry(tmp / fmt.CHUNK_RECORDS_FILE)
-        meta = tmp / (fmt.DCP_METADATA_FILE if layout == "torch_dist" else INDEX_FILE)
-        files[meta.name] = file_entry(meta)
+            writer.add_files(part[0] if part else {})
+            writer.add_records(part[1] if part else [])
+        writer.add_file(fmt.DCP_METADATA_FILE if layout == "torch_dist" else INDEX_FILE)
         cfg = trainer.cfg
         manifest = build_manifest(
             layout=layout, sharding=sharding, iteration=it, par=cfg.par, model=cfg.model,
             optimizer=optimizer_info(trainer.optimizer, cfg.adam, cfg.muon, trainer.optimizer.step_count),
             buffers=buffer_layout(trainer.optimizer, trainer.groups),
-            files=files, param_dtype=str(cfg.param_dtype), bucket_size=cfg.bucket_size)
+            files={}, param_dtype=str(cfg.param_dtype), bucket_size=cfg.bucket_size)
         manifest.extra.update(save_run_state(trainer))
-        manifest.extra[fmt.CHUNK_RECORDS_SECTION] = section(len(records))
         if aliased:
             manifest.notes.append("written by the pre-fix (aliased) writer: folded keys lack .cp_rank_{i}")
-        write_manifest(tmp, manifest)
-        megatron = MEGATRON_METADATA if layout == "torch_dist" else {"sharded_backend": "gtp_safetensors"}
-        write_durable(tmp / fmt.MEGATRON_METADATA_FILE, json.dumps(megatron))
+        writer.finish(manifest, megatron_metadata(layout))
         _fault("before_rename")
-        commit_folder(tmp, final)
+        writer.commit()
         _fault("before_latest")
-        write_atomic(root / fmt.LATEST_FILE, f"{it}\n")
-    dist.barrier()
-    return final
+        writer.set_latest(it)
 
 
 def _check_keys(sd: dict[str, Any], stored: dict[str, Any], folder: Path) -> None:
