@@ -18,45 +18,19 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from dist_harness import run_ranks
+from integrity_ckpts import NAN_WEIGHT, save_all
 
 from gtp_format.check.verify import verify
-from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_format.names import CHUNK_RECORDS_FILE, parse_optimizer_key
 from gtp_format.params import param_views
 from gtp_format.reader.checkpoint import open_checkpoint
 from gtp_format.reader.chunks import load_elements
 from gtp_runtime.checkpoint.chunk_records import device_stats, tensor_stats
-from gtp_runtime.checkpoint.io import save_checkpoint
-from gtp_runtime.training import TrainConfig, Trainer
-
-MODEL = ModelConfig(hidden=32, num_layers=1, num_heads=4, ffn_hidden=48, seq_length=16)
-PAR = ParallelConfig(gtp_remat=2)
-NAN_WEIGHT = "decoder.layers.0.mlp.linear_fc2.weight"
-
-
-def _save(root: str, layout: str, poison: bool) -> None:
-    t = Trainer(TrainConfig(par=PAR, model=MODEL, micro_batch=1, bucket_size=100000))
-    t.iteration = 1
-    if poison:  # a diverged run: NaN in a weight on rank 0, Inf in an Adam moment on every rank
-        with torch.no_grad():
-            if torch.distributed.get_rank() == 0:
-                dict(t.model.named_parameters())[NAN_WEIGHT].view(-1)[3] = math.nan
-            for states in t.optimizer.state:
-                for st in states:
-                    st.tensors()["exp_avg_sq"].view(-1)[0] = math.inf
-    save_checkpoint(t, root, layout=layout)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("integrity")
-    out = {}
-    for name, layout, poison in (("dist", "torch_dist", False), ("st", "safetensors", False),
-                                 ("nan", "torch_dist", True)):
-        run_ranks(PAR.world_size, _save, str(base / name), layout, poison)
-        out[name] = base / name / "iter_0000001"
-    return out
+    return save_all(tmp_path_factory.mktemp("integrity"))
 
 
 def _copy(src: Path, tmp_path: Path) -> Path:
