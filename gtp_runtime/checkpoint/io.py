@@ -37,6 +37,7 @@ from gtp_runtime.checkpoint.chunk_records import record_own_files, state_stats
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
 from gtp_runtime.checkpoint.errors import CheckpointError
 from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, optimizer_info
+from gtp_runtime.checkpoint.replicas import check_replicas
 from gtp_runtime.checkpoint.run_state import load_run_state, save_run_state
 from gtp_runtime.checkpoint.safetensors_storage import INDEX_FILE, SafetensorsWriter
 from gtp_runtime.checkpoint.state import (
@@ -110,6 +111,8 @@ def _write_and_commit(trainer: Trainer, writer: CheckpointWriter, layout: str, s
     sd.update(model_state(trainer.model, trainer.groups, for_load=False))
     sd.update(optimizer_state(trainer.optimizer, trainer.groups, aliased=aliased))
     sd.update(bucket_numel_state(trainer.optimizer, trainer.groups, for_load=False))
+    # every copy of replicated state must agree before one of them is written (all ranks' copies)
+    check_replicas(trainer, [model_state(trainer.model, trainer.groups, for_load=True), sd])
     stats = state_stats(sd)  # on CUDA: on the device, before DCP copies the chunks to the host
     _fault("before_write")
     # Several writer threads per rank (files __{rank}_0.., __{rank}_1..): torch.save releases the

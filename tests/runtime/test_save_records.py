@@ -18,14 +18,18 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from integrity_ckpts import NAN_WEIGHT, save_all
+from dist_harness import run_ranks
+from integrity_ckpts import MODEL, NAN_WEIGHT, save_all
 
 from gtp_format.check.verify import verify
+from gtp_format.layout.config import ParallelConfig
 from gtp_format.names import CHUNK_RECORDS_FILE, parse_optimizer_key
 from gtp_format.params import param_views
 from gtp_format.reader.checkpoint import open_checkpoint
 from gtp_format.reader.chunks import load_elements
 from gtp_runtime.checkpoint.chunk_records import device_stats, tensor_stats
+from gtp_runtime.checkpoint.io import save_checkpoint
+from gtp_runtime.training import TrainConfig, Trainer
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +170,32 @@ def test_device_stats_on_cuda_match_cpu():
     x = torch.randn(1 << 20, dtype=torch.bfloat16)
     x[7] = math.nan
     assert device_stats(x.cuda()) == tensor_stats(x)
+
+
+def _save_with_corrupt_replica(root: str, bad_rank: int) -> str:
+    """One rank: a save where ``bad_rank``'s copy of a replicated chunk has one flipped bit."""
+    import os
+
+    from gtp_runtime.checkpoint.errors import CheckpointError
+    from gtp_runtime.checkpoint.replicas import FAULT_ENV
+
+    os.environ[FAULT_ENV] = str(bad_rank)
+    t = Trainer(TrainConfig(par=ParallelConfig(gtp_remat=2, dp=2), model=MODEL, micro_batch=1, bucket_size=100000))
+    t.iteration = 1
+    try:
+        save_checkpoint(t, root)
+    except CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad_rank", [0, 3])
+def test_a_replica_corrupted_on_one_rank_fails_that_save_on_every_rank(tmp_path: Path, bad_rank: int):
+    messages = run_ranks(4, _save_with_corrupt_replica, str(tmp_path), bad_rank)
+    assert len(set(messages)) == 1, messages  # every rank reaches the same verdict
+    (msg,) = set(messages)
+    assert msg.startswith("save refused: ") and f"ranks [{bad_rank}] differ" in msg, msg
+    key = msg.removeprefix("save refused: ").split(" at offsets")[0]
+    assert key.startswith(("decoder.", "embedding.", "output_layer.")), key  # a model parameter (replicated)
+    assert not list(tmp_path.glob("iter_*")) and not (tmp_path / "latest_checkpointed_iteration.txt").exists()
