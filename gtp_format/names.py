@@ -32,6 +32,7 @@ MEGATRON_METADATA_FILE = "metadata.json"
 MANIFEST_FILE = "gtp_manifest.json"
 CHUNK_RECORDS_FILE = "gtp_chunks.json"  # per-chunk hashes and statistics (gtp_format/integrity/records.py)
 CHUNK_RECORDS_SECTION = "chunk_records"  # the manifest section that announces it
+MEGATRON_INTEGRITY_FILE = "integrity.json"  # megatron-core's opt-in SHA-256 per file (verify_integrity)
 COMMON_FILE = "common.pt"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")

@@ -27,6 +27,7 @@ from gtp_format.check.data import DataReport, check_data
 from gtp_format.check.geometry import check_coverage
 from gtp_format.check.hashes import match_records
 from gtp_format.check.keys import check_manifest_keys
+from gtp_format.check.megatron_integrity import check_integrity, integrity_algorithms, read_integrity
 from gtp_format.check.owners import check_param_optimizers
 from gtp_format.check.values import check_padding, nonfinite_problem, stats_nonfinite
 from gtp_format.dtypes import DType
@@ -459,8 +460,13 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
         result.problems += found
         if not data:  # --data counts every element instead
             result.problems += stats_nonfinite(records, classes)
+    listing, found = read_integrity(ckpt)  # megatron-core's integrity.json, when the save wrote one
+    result.problems += found
     if data:
-        report = check_data(ckpt, manifest_algorithms(ckpt), progress, workers, matched)
+        algorithms = manifest_algorithms(ckpt)
+        for rel, extra in integrity_algorithms(ckpt, listing).items():
+            algorithms[rel] = [*algorithms.get(rel, []), *extra]
+        report = check_data(ckpt, algorithms, progress, workers, matched)
         known = ckpt.manifest is not None or ckpt.megatron_metadata is not None
         result.problems += [nonfinite_problem(p.key, *_counts(report, p.key), classes.get(p.key), "counted now", known)
                             if p.check == "nonfinite" and p.key else p for p in report.problems]
@@ -471,6 +477,9 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
         digests = report.digests
     result.checks.append("manifest_files")
     result.problems += check_manifest_files(ckpt, data, digests)
+    if listing is not None:
+        result.checks.append("megatron_integrity")
+        result.problems += check_integrity(ckpt, listing, data, digests)
     if data:
         result.checks.append("data")
     order = {s: i for i, s in enumerate(("error", "warning", "info"))}
