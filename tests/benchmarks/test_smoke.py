@@ -45,6 +45,7 @@ SMOKE = {
     "bench_fold_cpu.py": [],
     "bench_hash.py": [],
     "bench_chunk_hash.py": [],
+    "bench_save_integrity.py": [],
     "bench_inspect.py": ["--workdir", "{tmp}/inspect"],
     "bench_migrate.py": ["--workdir", "{tmp}/migrate"],
     "bench_verify.py": ["--workdir", "{tmp}/verify", "--clean"],
@@ -153,6 +154,12 @@ def check_chunk_hash(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert all(float(r[1]) > 0 for r in rows) and all(float(r[3]) > 0 for r in rows[2:])
 
 
+def check_save_integrity(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    head, row = _table(p.stdout)
+    assert head[:4] == ["GB", "save without s", "save with s", "added"] and len(row) == len(head) == 8
+    assert float(row[0]) > 0 and all(float(v) >= 0 for v in row[4:]) and row[3].endswith("%")
+
+
 def check_inspect(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     (row,) = _last_json(p.stdout)["rows"]
     head = _table(p.stdout)[0]
@@ -241,6 +248,7 @@ def check_fuzz(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
 CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
     "bench_chunk_hash.py": check_chunk_hash,
+    "bench_save_integrity.py": check_save_integrity,
     "bench_inspect.py": check_inspect, "bench_migrate.py": check_migrate, "bench_verify.py": check_verify,
     "bench_gpu.py": check_gpu, "bench_reshard.py": check_reshard, "bench_muon.py": check_muon,
     "bench_data_read.py": check_data_read, "convergence.py": check_convergence,
