@@ -10,13 +10,17 @@ written would cost a second pass over every element.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import numpy as np
+
+from gtp_format.dtypes import DType
 from gtp_format.hashing import BLOCK, CRCS
 from gtp_format.integrity.hash import chunk_hasher
 from gtp_format.integrity.records import ChunkRecord
-from gtp_format.integrity.stats import ChunkStats
+from gtp_format.integrity.stats import ChunkStats, element_stats
 from gtp_format.manifest import HASH_ALGORITHM, FileEntry
+from gtp_format.scan import carrier
 
 
 class Span(NamedTuple):
@@ -61,3 +65,19 @@ def record_file(path: Path, rel: str, spans: list[Span]) -> tuple[FileEntry, lis
     entry = FileEntry(size=pos, checksums={HASH_ALGORITHM: f"{value:08x}"})
     return entry, [ChunkRecord(s.key, tuple(s.offsets), rel, s.offset, s.length, h.hexdigest(), s.stats)
                    for s, h in zip(spans, hashers)]
+
+
+def record_parts(key: str, offsets: tuple[int, ...], rel: str, offset: int, parts: list[Any],
+                 elements: np.ndarray, dtype: DType) -> ChunkRecord:
+    """The record of one chunk a streaming writer (reshard, export) is handing to its file as ``parts``:
+    hashed from those bytes and its statistics from ``elements`` (the chunk's stored elements, any
+    numpy view of their bits), so nothing is read back."""
+    h = chunk_hasher()
+    length = 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        h.update(view)
+        length += view.nbytes
+    flat = elements.reshape(-1)
+    stats = element_stats(flat.view(carrier(dtype)), dtype) if flat.dtype.itemsize == dtype.itemsize else None
+    return ChunkRecord(key, tuple(offsets), rel, offset, length, h.hexdigest(), stats)

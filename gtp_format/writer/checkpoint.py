@@ -212,6 +212,11 @@ class CheckpointWriter:
             self.add_file(CHUNK_RECORDS_FILE)
             manifest = dataclasses.replace(manifest, extra={**manifest.extra, CHUNK_RECORDS_SECTION:
                                                             section(len(self.records))})
+        elif manifest is not None and CHUNK_RECORDS_SECTION in manifest.extra:
+            # a manifest carried over from a source (migrate) announces the source's records, which name
+            # the source's chunks: an output without records of its own must not claim any
+            extra = {k: v for k, v in manifest.extra.items() if k != CHUNK_RECORDS_SECTION}
+            manifest = dataclasses.replace(manifest, extra=extra)
         if manifest is not None:
             write_manifest(folder, dataclasses.replace(manifest, files=dict(self.files)))
         if isinstance(metadata, Path):

@@ -100,3 +100,23 @@ def test_inspect_stats_per_key_and_per_chunk_without_reading_data(saved: dict[st
 
 def test_verify_fails_on_a_saved_nan_in_one_line_naming_the_weight(saved: dict[str, Path]):
     assert_error_line(cli("verify", saved["nan"]), 1, NAN_WEIGHT)
+
+
+@pytest.mark.parametrize("layout", ["torch_dist", "safetensors"])
+def test_reshard_records_every_chunk_through_the_writer(saved: dict[str, Path], tmp_path: Path, layout: str):
+    out = tmp_path / "resharded"
+    assert cli("reshard", saved["dist"], out, "--gtp-remat", "1", "--dp", "2", "--layout", layout).exit_code == 0
+    folder = next(out.glob("iter_*"))
+    ckpt = open_checkpoint(folder)
+    records = read_records(ckpt)
+    assert records is not None and not records.problems and len(records.by_chunk) == ckpt.chunk_count()
+    assert cli("verify", folder, "--data").exit_code == 0
+    rec = max(records.by_chunk.values(), key=lambda r: r.length)
+    with open(folder / rec.file, "r+b") as f:
+        f.seek(rec.offset + rec.length - 8)
+        b = f.read(1)
+        f.seek(rec.offset + rec.length - 8)
+        f.write(bytes([b[0] ^ 0x80]))
+    doc = json.loads(cli("verify", folder, "--data", "--format", "json").stdout)
+    named = [p for p in doc["problems"] if p["check"] == "chunk_hash"]
+    assert [(p["key"], p["file"]) for p in named] == [(rec.key, rec.file)]
