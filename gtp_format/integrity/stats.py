@@ -7,10 +7,10 @@ rest. Dtypes without a numeric view here (float8, complex, bit containers) get n
 their hash is still recorded.
 
 Why blocks: converting a whole chunk to fp64 would allocate 4x a bf16 chunk; ``BLOCK`` elements
-at a time keeps memory flat and the block in cache for the five cheap passes (astype, dot, min,
-max, count_nonzero). The common case has one test for "no NaN/Inf": the fp64 sum of squares of
-a float32/bf16/fp16 block is finite exactly when every element is (their squares cannot overflow
-fp64); only a block where it is not takes the exact counting path.
+at a time keeps memory flat and the block in cache for the cheap passes (min, max, count_nonzero,
+astype, square, sum). The common case has one test for "no NaN/Inf": ``min`` and ``max``
+propagate NaN, so both finite means the block has neither; only a block where one is not takes
+the exact counting path.
 """
 
 from __future__ import annotations
@@ -78,19 +78,26 @@ def element_stats(elements: np.ndarray, dtype: DType) -> ChunkStats | None:
     lo, hi, sumsq = math.inf, -math.inf, 0.0
     for i in range(0, flat.size, BLOCK):
         x = _as_numbers(flat[i:i + BLOCK], dtype)
-        x64 = x.astype(np.float64)
-        s = float(np.dot(x64, x64))
-        if floating and not math.isfinite(s):  # a NaN/Inf in the block, or an fp64 square that overflows
-            finite = np.isfinite(x64)
-            bad = x64[~finite]
+        if x.size == 0:
+            continue
+        b_lo, b_hi = float(x.min()), float(x.max())  # min and max propagate NaN: finite both means no NaN/Inf
+        if floating and not (math.isfinite(b_lo) and math.isfinite(b_hi)):
+            finite = np.isfinite(x)
+            bad = x[~finite]
             nan += int(np.count_nonzero(np.isnan(bad)))
             posinf += int(np.count_nonzero(bad == np.inf))
             neginf += int(np.count_nonzero(bad == -np.inf))
-            x64 = x64[finite]
-            s = float(np.dot(x64, x64)) if x64.size else 0.0
-        zeros += int(x64.size - np.count_nonzero(x64))
-        if x64.size:
-            lo, hi = min(lo, float(x64.min())), max(hi, float(x64.max()))
-        sumsq += s
+            x = x[finite]
+            if not x.size:
+                continue
+            b_lo, b_hi = float(x.min()), float(x.max())
+        zeros += int(x.size - np.count_nonzero(x))
+        lo, hi = min(lo, b_lo), max(hi, b_hi)
+        # fp64 squares summed without BLAS: a BLAS dot spawns threads, which on a loaded machine (ranks
+        # sharing cores with torch's own threads) made it 60x slower than this, measured on the save
+        x64 = x.astype(np.float64)
+        np.square(x64, out=x64)
+        with np.errstate(over="ignore"):  # float64 data can overflow fp64: the sum is then inf ("overflow")
+            sumsq += float(x64.sum())
     some = lo <= hi
     return ChunkStats(int(flat.size), nan, posinf, neginf, zeros, lo if some else None, hi if some else None, sumsq)

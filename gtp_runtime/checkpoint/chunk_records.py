@@ -10,6 +10,8 @@ already does for the manifest's CRC-32C, so the bytes hashed are the bytes on di
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,37 @@ def state_stats(sd: dict[str, Any]) -> dict[ChunkId, ChunkStats | None]:
             elif isinstance(value, torch.Tensor):
                 out[(key, (0,) * value.dim())] = tensor_stats(value)
     return out
+
+
+def start_state_stats(sd: dict[str, Any]) -> Callable[[], dict[ChunkId, ChunkStats | None]]:
+    """Start :func:`state_stats`; call the result (after the write) to get them.
+
+    On CUDA they are computed now, on the device, before DCP copies anything to the host. On CPU
+    they run on a thread while DCP writes: numpy releases the GIL, and the write spends most of its
+    time in ``torch.save``'s copy and the fsyncs, so the statistics mostly fill idle time instead of
+    adding to the save (``benchmarks/bench_save_integrity.py``). The tensors are only read by both.
+    """
+    if any(t.is_cuda for v in sd.values() if isinstance(v, Chunks) for t in v.chunks.values()):
+        done = state_stats(sd)
+        return lambda: done
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["stats"] = state_stats(sd)
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="gtp-chunk-stats", daemon=True)
+    thread.start()
+
+    def join() -> dict[ChunkId, ChunkStats | None]:
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["stats"]
+
+    return join
 
 
 def _spans(folder: Path, layout: str, metadata: Any, files: list[str],

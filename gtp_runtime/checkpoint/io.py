@@ -33,7 +33,7 @@ from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.config import ConfigError
 from gtp_format.manifest import FileEntry
 from gtp_format.writer.checkpoint import CheckpointWriter, file_entry, megatron_metadata
-from gtp_runtime.checkpoint.chunk_records import record_own_files, state_stats
+from gtp_runtime.checkpoint.chunk_records import record_own_files, start_state_stats
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
 from gtp_runtime.checkpoint.errors import CheckpointError
 from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, optimizer_info
@@ -118,14 +118,18 @@ def _write_and_commit(trainer: Trainer, writer: CheckpointWriter, layout: str, s
     # Not for the pre-fix writer: its folded keys collide across CP peers on purpose (fixtures of the bug).
     if integrity and not aliased:
         check_replicas(trainer, [model_state(trainer.model, trainer.groups, for_load=True), sd])
-    stats = state_stats(sd) if integrity else {}  # on CUDA: on the device, before DCP copies the chunks to the host
+    # statistics: on CUDA now, on the device, before DCP copies the chunks; on CPU on a thread during the write
+    stats_of = start_state_stats(sd) if integrity else dict
     _fault("before_write")
     # Several writer threads per rank (files __{rank}_0.., __{rank}_1..): torch.save releases the
     # GIL while it copies and writes, and measured on 2 cores this doubles DCP's save rate.
     threads = writer_threads or max(1, min(4, os.cpu_count() or 1))
     storage = (dcp.FileSystemWriter(tmp, sync_files=True, thread_count=threads) if layout == "torch_dist"
                else SafetensorsWriter(tmp))
-    metadata = dcp.save(sd, storage_writer=storage, planner=ChunkSavePlanner())
+    try:
+        metadata = dcp.save(sd, storage_writer=storage, planner=ChunkSavePlanner())
+    finally:
+        stats = stats_of()  # joined even when the write fails: no thread outlives the save
     _fault("after_write")
 
     # one read-back of each file this rank wrote: its CRC-32C and the hash of every chunk in it

@@ -155,9 +155,10 @@ def check_chunk_hash(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
 
 
 def check_save_integrity(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
-    head, row = _table(p.stdout)
+    head, row, vhead, vrow = _table(p.stdout)  # the save table, then the verify table
     assert head[:4] == ["GB", "save without s", "save with s", "added"] and len(row) == len(head) == 8
     assert float(row[0]) > 0 and all(float(v) >= 0 for v in row[4:]) and row[3].endswith("%")
+    assert vhead[0] == "cat GB/s" and len(vrow) == len(vhead) == 5 and all(float(v.rstrip("x")) > 0 for v in vrow)
 
 
 def check_inspect(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
