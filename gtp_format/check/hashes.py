@@ -106,3 +106,27 @@ class StreamedHash:
         self.left -= len(piece)
         if self.left == 0 and self.hasher.hexdigest() != self.rec.digest:
             problems.append(mismatch(self.entry, self.chunk, self.rec, self.hasher.hexdigest()))
+
+
+def covered_files(ckpt: Checkpoint, matched: dict[tuple[str, int], ChunkRecord]) -> set[str]:
+    """Data files whose every byte lies in exactly one matched chunk record (a DCP ``.distcp`` file is
+    a run of whole ``torch.save`` blobs, one per chunk).
+
+    For those, the chunk hashes check every byte the file checksum would, with 128 bits instead of
+    32, so ``verify --data`` does not compute the CRC-32C as well: one hash per byte read, not two,
+    which is what keeps the pass at the rate it had with file checksums alone (docs/performance.md).
+    """
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for rec in matched.values():
+        spans.setdefault(rec.file, []).append((rec.offset, rec.offset + rec.length))
+    out = set()
+    for rel, ranges in spans.items():
+        pos = 0
+        for a, b in sorted(ranges):
+            if a != pos:
+                break
+            pos = b
+        else:
+            if pos == ckpt.data_files.get(rel, -1) and pos > 0:
+                out.add(rel)
+    return out

@@ -25,7 +25,7 @@ from gtp_format.check.analysis import (
 )
 from gtp_format.check.data import DataReport, check_data
 from gtp_format.check.geometry import check_coverage
-from gtp_format.check.hashes import match_records
+from gtp_format.check.hashes import covered_files, match_records
 from gtp_format.check.keys import check_manifest_keys
 from gtp_format.check.megatron_integrity import check_integrity, integrity_algorithms, read_integrity
 from gtp_format.check.owners import check_param_optimizers
@@ -367,12 +367,14 @@ def manifest_algorithms(ckpt: Checkpoint) -> dict[str, list[str]]:
             if rel in ckpt.data_files and unsafe_reason(rel) is None}
 
 
-def check_manifest_files(ckpt: Checkpoint, data: bool,
-                         digests: dict[str, dict[str, str]] | None = None) -> list[Problem]:
+def check_manifest_files(ckpt: Checkpoint, data: bool, digests: dict[str, dict[str, str]] | None = None,
+                         covered: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
     """Sizes (always) and checksums (with --data) of the files the manifest lists.
 
     ``digests`` holds what the data pass already computed while reading the data files; the
-    other listed files (``.metadata``, side files) are hashed here.
+    other listed files (``.metadata``, side files) are hashed here. ``covered``: data files whose
+    every byte the chunk hashes checked (:func:`gtp_format.check.hashes.covered_files`); their file
+    checksum is not computed again.
     """
     files = ckpt.manifest.files if ckpt.manifest is not None else None
     if files is None:
@@ -391,7 +393,7 @@ def check_manifest_files(ckpt: Checkpoint, data: bool,
         if spec.size != size:
             out.append(Problem("error", "size", f"file is {size} bytes but the manifest says {spec.size}",
                                file=rel))
-        if not data:
+        if not data or rel in covered:
             continue
         algos = list(spec.checksums)
         for a in algos:
@@ -462,8 +464,9 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
             result.problems += stats_nonfinite(records, classes)
     listing, found = read_integrity(ckpt)  # megatron-core's integrity.json, when the save wrote one
     result.problems += found
+    covered = covered_files(ckpt, matched) if data else set()  # every byte under a chunk hash
     if data:
-        algorithms = manifest_algorithms(ckpt)
+        algorithms = {rel: algos for rel, algos in manifest_algorithms(ckpt).items() if rel not in covered}
         for rel, extra in integrity_algorithms(ckpt, listing).items():
             algorithms[rel] = [*algorithms.get(rel, []), *extra]
         report = check_data(ckpt, algorithms, progress, workers, matched)
@@ -476,7 +479,7 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
         result.stats["bytes_read"] = report.bytes_read
         digests = report.digests
     result.checks.append("manifest_files")
-    result.problems += check_manifest_files(ckpt, data, digests)
+    result.problems += check_manifest_files(ckpt, data, digests, covered)
     if listing is not None:
         result.checks.append("megatron_integrity")
         result.problems += check_integrity(ckpt, listing, data, digests)
