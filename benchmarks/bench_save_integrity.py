@@ -25,20 +25,13 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
+from bench_ckpt_cpu import _timed  # the same save timing between barriers as the CPU save benchmark
 
 from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_runtime.launch import run_local_ranks
 from gtp_runtime.training import TrainConfig, Trainer
 
 TITLE = "Checkpoint save on CPU: cost of chunk records and the replica cross-check"
-
-
-def _timed(fn: object) -> float:
-    dist.barrier()
-    t = time.perf_counter()
-    fn()  # type: ignore[operator]
-    dist.barrier()
-    return time.perf_counter() - t
 
 
 def _parts(trainer: Trainer, folder: Path) -> dict[str, float]:
@@ -156,17 +149,14 @@ def main() -> int:
     print(text)
     if args.write_docs:
         sys.path.insert(0, os.path.dirname(__file__))
-        from docs_section import write_section
+        from docs_section import write_report
 
-        cmd = "python benchmarks/bench_save_integrity.py " + " ".join(sys.argv[1:])
-        body = "\n".join([
-            f"Two gloo ranks (GTP_remat 2), model hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
-            "fp32, torch_dist; the same trainer state saved alternately with and without the chunk records and the "
-            f"replica cross-check, fastest of {args.repeat} each. The parts are rank 0's, each timed alone. "
-            "Second table: `verify(data=True)` (the library) of the last checkpoint, warm, with its chunk-hash "
-            "checks and without them (the pass as it was: file checksums only), against `cat` of the same files.", "",
-            "```", cmd.strip(), "```", "", text, ""])
-        write_section(TITLE, body)
+        intro = (f"Two gloo ranks (GTP_remat 2), model hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
+                 "fp32, torch_dist; the same trainer state saved alternately with and without the chunk records and "
+                 f"the replica cross-check, fastest of {args.repeat} each. The parts are rank 0's, each timed alone. "
+                 "Second table: `verify(data=True)` (the library) of the last checkpoint, warm, with its chunk-hash "
+                 "checks and without them (the pass as it was: file checksums only), against `cat` of the same files.")
+        write_report(TITLE, intro, "python benchmarks/bench_save_integrity.py " + " ".join(sys.argv[1:]), text, [])
     return 0
 
 
