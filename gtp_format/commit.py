@@ -22,9 +22,8 @@ import contextlib
 import ctypes
 import errno
 import os
-import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from gtp_format.writer.work import work_name
@@ -86,20 +85,6 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str, durable: bool 
         raise
     if durable:
         fsync_dir(path.parent)
-
-
-@contextlib.contextmanager
-def building(final: Path, tag: str) -> Iterator[Path]:
-    """A hidden sibling of ``final`` to build a folder in; removed on the way out unless it was committed.
-
-    A sibling, so that the commit is a ``rename`` on one filesystem. The caller creates it.
-    """
-    tmp = hidden_sibling(final, tag)
-    try:
-        yield tmp
-    finally:
-        if os.path.lexists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2

@@ -41,6 +41,9 @@ GTP_INDEX_FILE = "index.json"
 GTP_INDEX_VERSION = 1
 GTP_SAFETENSORS_RE = re.compile(r"^__(\d+)_(\d+)\.safetensors$")
 ITER_DIR_RE = re.compile(r"^iter_(\d{7})$")
+# What a latest marker may hold (besides Megatron's "release"): the reader takes at most 12 digits,
+# so the writer never writes a marker the reader would refuse.
+LATEST_RE = re.compile(r"\d{1,12}")
 
 # Run state beside the tensors, in the manifest (Megatron keeps it in common.pt): the learning-rate
 # schedule under Megatron's name, and the data position with what it indexes.

@@ -174,20 +174,15 @@ def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, p
     folder = writer.folder
     parts = split_files(plan.chunks, workers * 2)
     names = [data_file_name(i, 0, target.layout) for i in range(len(parts))]
-    lock = threading.Lock()
-
-    def tick(n: int) -> None:
-        with lock:
-            advance(n)
 
     records: list[list[ChunkRecord]] = [[] for _ in parts]  # one list per file: each written by one thread
 
-    def one(i: int) -> Any:
+    def one(i: int, tick: Progress) -> Any:
         if target.layout == "torch_dist":
             return write_distcp(folder / names[i], parts[i], fill, tick, stage, records[i])
         return write_safetensors(folder / names[i], parts[i], fill, tick, stage, records[i]), None
 
-    results = run_files(one, len(parts), workers)
+    results = run_files(one, len(parts), workers, advance)
     writer.add_files({n: r[0] for n, r in zip(names, results)})
     writer.add_records([r for rs in records for r in rs])
     if target.layout == "torch_dist":
@@ -200,14 +195,32 @@ def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, p
     writer.finish(target, megatron_metadata(target.layout))
 
 
-def run_files(one: Callable[[int], Any], n: int, workers: int) -> list[Any]:
-    """``one(i)`` for every file ``i`` on ``workers`` threads; on an error or an interrupt (SIGTERM) the
-    files not started are cancelled and the running ones waited for, so that nothing writes into the
-    work folder while the writer removes it."""
+class Stopped(Exception):
+    """A worker's file was abandoned because another failed or the run was interrupted."""
+
+
+def run_files(one: Callable[[int, Progress], Any], n: int, workers: int, advance: Progress) -> list[Any]:
+    """``one(i, tick)`` for every file ``i`` on ``workers`` threads (``tick(bytes)`` after each chunk).
+
+    On an error or an interrupt (SIGTERM, Ctrl-C) the files not started are cancelled and the running
+    ones stop at their next chunk (``tick`` raises), so nothing writes into the work folder once the
+    writer removes it, and a terminated run ends within a chunk's time, not a file's.
+    """
+    lock, stop = threading.Lock(), threading.Event()
+
+    def tick(nbytes: int) -> None:
+        if stop.is_set():
+            raise Stopped("stopped")
+        with lock:
+            advance(nbytes)
+
     pool = ThreadPoolExecutor(max_workers=workers)
     try:
-        futures = [pool.submit(one, i) for i in range(n)]
+        futures = [pool.submit(one, i, tick) for i in range(n)]
         return [f.result() for f in futures]
+    except BaseException:
+        stop.set()
+        raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 

@@ -56,7 +56,7 @@ from gtp_format.layout.params import model_params
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.params import ParamView
 from gtp_format.writer.checkpoint import CheckpointWriter, DestinationTaken, data_file_name, megatron_metadata
-from gtp_format.writer.work import sigterm_raises
+from gtp_format.writer.work import clean_stale, sigterm_raises
 
 TARGETS = ("hf", "fully_reshardable", "torch")
 DEFAULT_SHARD = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
@@ -149,8 +149,8 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
                                                  indent=2))
         jobs.extend(files)
     bufs = Buffers()  # thread-local: each worker reads into its own reusable buffers
-    run_files(lambda i: _write_hf_file(folder / jobs[i][0], jobs[i][1], lambda c: chunk_data(source, c, bufs),
-                                       advance, stage_bytes(chunk_bytes)), len(jobs), workers)
+    run_files(lambda i, tick: _write_hf_file(folder / jobs[i][0], jobs[i][1], lambda c: chunk_data(source, c, bufs),
+                                             tick, stage_bytes(chunk_bytes)), len(jobs), workers, advance)
     writer.finish(None, None)  # not a checkpoint: no manifest, no metadata.json
     return {"files": len(jobs) + len(sets)}
 
@@ -173,8 +173,9 @@ def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_byt
     parts = split_files(chunks, workers * 2)
     names = [data_file_name(i, 0, "torch_dist") for i in range(len(parts))]
     bufs = Buffers()
-    results = run_files(lambda i: write_distcp(folder / names[i], parts[i], lambda c: chunk_data(source, c, bufs),
-                                               advance, stage_bytes(chunk_bytes)), len(parts), workers)
+    results = run_files(lambda i, tick: write_distcp(folder / names[i], parts[i],
+                                                     lambda c: chunk_data(source, c, bufs), tick,
+                                                     stage_bytes(chunk_bytes)), len(parts), workers, advance)
     write_distcp_metadata(folder / DCP_METADATA_FILE, shapes,
                           [(n, c, off, ln) for n, r in zip(names, results) for c, off, ln in r[1]])
     writer.finish(None, megatron_metadata("torch_dist"))  # Megatron's own layout: no manifest
@@ -196,6 +197,7 @@ def export_torch(source: Source, dst: Path, max_memory: int) -> dict[str, Any]:
         assert e.shape is not None and e.dtype is not None
         arr = source.reader.read_box(key, (0,) * len(e.shape), e.shape)
         state[key] = torch.from_numpy(np.ascontiguousarray(arr)).view(e.dtype.torch)
+    clean_stale(dst.parent)  # what killed exports left beside DST
     tmp = hidden_sibling(dst, "tmp")
     try:
         with sigterm_raises():  # a terminated export removes its partial file, as on an error

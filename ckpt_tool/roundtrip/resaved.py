@@ -40,6 +40,7 @@ from gtp_format.compare import (
 from gtp_format.compare.records import CHUNKS, CONTENT_CODES, KEY_SET_CODES, METADATA_CODES
 from gtp_format.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, FormatError
 from gtp_format.model import Checkpoint
+from gtp_format.writer.work import sigterm_raises
 
 _DP_DEPENDENT_TOPOLOGY = ("dp", "world_size", "expert_dp")
 _DP_DEPENDENT_BUFFER = ("dp_size", "grad_divisor")
@@ -73,8 +74,8 @@ def run(path: str | os.PathLike[str], dp: int | None = None, layout: str | None 
     saved_dp = src.manifest.topology.dp if src.manifest.topology else None
     layout = layout or src.layout
     seconds: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="ckpt-roundtrip-") as tmp, \
-            progress(1 + len(src.entries), "round trip") as advance:
+    with sigterm_raises(), tempfile.TemporaryDirectory(prefix="ckpt-roundtrip-") as tmp, \
+            progress(1 + len(src.entries), "round trip") as advance:  # SIGTERM removes tmp, as an error does
         t0 = time.perf_counter()
         try:
             folder = launch.run_local_ranks(world, jobs.resave_job,

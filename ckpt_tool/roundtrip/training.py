@@ -17,6 +17,7 @@ from ckpt_tool.roundtrip import jobs
 from ckpt_tool.roundtrip.rows import Outcome, Progress, no_progress, row
 from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
+from gtp_format.writer.work import sigterm_raises
 from gtp_runtime.lr_schedule import LRConfig
 from gtp_runtime.optimizer import AdamConfig
 from gtp_runtime.training import TrainConfig
@@ -62,7 +63,8 @@ def run(cfg: TrainConfig, world: int, layout: str = "torch_dist", steps: int = D
 
     seconds: dict[str, float] = {}
     t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="ckpt-roundtrip-") as tmp, progress(2, "round trip") as advance:
+    with sigterm_raises(), tempfile.TemporaryDirectory(prefix="ckpt-roundtrip-") as tmp, \
+            progress(2, "round trip") as advance:  # SIGTERM removes tmp, as an error does
         root, dump = os.path.join(tmp, "checkpoints"), os.path.join(tmp, "dump")
         os.makedirs(dump)
         phase = "training and saving"

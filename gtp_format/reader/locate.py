@@ -15,7 +15,6 @@ finished hidden copy is used instead (:func:`recover_hidden`), with a note sayin
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from gtp_format.names import (
     DISTCP_RE,
     ITER_DIR_RE,
     LATEST_FILE,
+    LATEST_RE,
     LAYOUTS,
     MANIFEST_FILE,
     MEGATRON_METADATA_FILE,
@@ -122,7 +122,7 @@ def _read_latest(parent: Path) -> Path:
     text = raw.decode("utf-8", errors="replace").strip()
     if text == RELEASE_DIR:
         folder = parent / RELEASE_DIR
-    elif re.fullmatch(r"\d{1,12}", text):
+    elif LATEST_RE.fullmatch(text):
         folder = parent / iter_dir_name(int(text))
     else:
         raise FormatError(f"{marker} holds {text[:40]!r}, not an iteration number; {fix}")

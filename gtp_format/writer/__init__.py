@@ -1,2 +1,5 @@
-"""Writers of the formats torch reads, without torch: ``torch.save``'s archive of one tensor and DCP's
-``.metadata`` pickle. ``ckpt reshard`` and ``ckpt export`` write torch_dist checkpoints through them."""
+"""The write side of the format, without torch: :mod:`.checkpoint` is the one checkpoint writer every
+writer (the runtime's save, ``reshard``, ``export``, ``migrate-aliased``) lays out and commits its
+output through, :mod:`.work` its work folders and their owners; ``torch.save``'s archive of one
+tensor (:mod:`.torch_blob`) and DCP's ``.metadata`` pickle (:mod:`.dcp_metadata`) are how ``ckpt
+reshard`` and ``ckpt export`` write torch_dist files."""

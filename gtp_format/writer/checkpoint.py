@@ -1,13 +1,15 @@
 """The one checkpoint writer: every writer of a checkpoint (or an export) lays its output out and commits it here.
 
-Before, the runtime's save, ``reshard``, ``export`` and ``migrate-aliased`` each wrote the file
+Why one: before, the runtime's save, ``reshard``, ``export`` and ``migrate-aliased`` each wrote the file
 names, ``metadata.json``, the manifest's file section, the fsyncs, the commit and the latest marker
 by hand; one copy checked DST once and then committed with a rename that moved aside and deleted a
 DST that appeared meanwhile. Now they all call :class:`CheckpointWriter`:
 
 * ``begin()``: removes stale work folders of dead processes beside the target
-  (:mod:`.work`), creates this writer's hidden work folder (its owner is in its name), and, in the
-  main thread, makes SIGTERM raise, so a terminated writer removes its work as on an error;
+  (:mod:`.work`; only finished copies of the iteration the latest marker names stay while that
+  folder is missing, for the reader to recover), creates this writer's hidden work folder (its
+  owner is in its name), and, in the main thread, makes SIGTERM raise, so a terminated writer
+  removes its work as on an error;
 * the caller writes its data files into ``folder`` (names from :func:`data_file_name`), each one
   fsynced by whoever wrote it, and hands their entries in: ``add_files(entries)`` (size and
   CRC-32C, e.g. gathered from all ranks) or ``add_file(name)`` (computed here, for rank 0's own
@@ -24,9 +26,10 @@ DST that appeared meanwhile. Now they all call :class:`CheckpointWriter`:
 * ``abort()``: removes the work folder (never anything else); leaving the ``with`` block without a
   commit does it.
 
-A runtime save (many ranks): rank 0 calls ``begin()`` and broadcasts ``work`` (every rank writes
-its own ``__{rank}_{k}`` files there, DCP fsyncs them), the entries are all-gathered, and rank 0
-calls ``add_files``, ``add_file(".metadata")``, ``finish``, ``commit``, ``set_latest``. A background
+A runtime save (many ranks): rank 0 calls ``begin()`` and broadcasts ``work``; the other ranks
+``adopt(work)`` and every rank writes its own ``__{rank}_{k}`` files there (DCP fsyncs them); the
+entries are all-gathered, and rank 0 calls ``add_files``, ``add_file(".metadata")``, ``finish``,
+``commit``, ``set_latest`` (``abort`` on any error). A background
 (async) save is the same calls from the thread that does the writing, after the staging copy;
 ``set_latest`` only once every rank's files are durable.
 """
@@ -58,11 +61,12 @@ from gtp_format.manifest import HASH_ALGORITHM, FileEntry, Manifest, write_manif
 from gtp_format.names import (
     CHUNK_RECORDS_FILE,
     CHUNK_RECORDS_SECTION,
-    ITER_DIR_RE,
     LATEST_FILE,
+    LATEST_RE,
     MEGATRON_METADATA_FILE,
+    iter_dir_name,
 )
-from gtp_format.writer.work import clean_stale, leftovers, remove_entry, sigterm_raises, work_name
+from gtp_format.writer.work import WorkFolder, clean_stale, remove_entry, sigterm_raises, work_name
 
 # Megatron's metadata.json: the torch_dist backend (its fields and values, as megatron-core writes
 # them), and this project's safetensors layout.
@@ -114,12 +118,32 @@ def link_or_copy(src: Path, dst: Path) -> bool:
     return False
 
 
-def recoverable_targets(parent: Path) -> frozenset[str]:
-    """Iteration folders missing in ``parent`` that a hidden copy may still stand for: a crash between
-    the two renames of a portable replace leaves ``iter_N`` missing and its complete copies hidden
-    (the reader recovers them), so their stale copies are not cleaned."""
-    return frozenset(w.target for w in leftovers(parent)
-                     if ITER_DIR_RE.match(w.target) and not os.path.lexists(parent / w.target))
+def needed_for_recovery(parent: Path) -> Callable[[WorkFolder], bool]:
+    """Which stale copies in ``parent`` the reader may still need: the finished copies of the iteration
+    the latest marker names, while that folder is missing (a crash between the two renames of a
+    portable replace leaves it so). Everything else a dead writer left is removed."""
+    named = None
+    try:
+        with open(parent / LATEST_FILE, "rb") as f:
+            text = f.read(64).decode("ascii", errors="replace").strip()
+        if LATEST_RE.fullmatch(text):
+            named = iter_dir_name(int(text))
+    except OSError:
+        pass
+
+    def keep(w: WorkFolder) -> bool:
+        return (named is not None and w.target == named and not os.path.lexists(parent / named)
+                and os.path.isfile(w.path / MEGATRON_METADATA_FILE))
+
+    return keep
+
+
+def check_latest(text: str, target: Path) -> None:
+    """Refuse (before anything is written) a latest marker the reader would refuse: an iteration of
+    more than 12 digits (a manifest may declare up to 2**62), or anything else but ``release``."""
+    if text != "release" and not LATEST_RE.fullmatch(text):
+        raise FormatError(f"{target}: iteration {text[:40]!r} cannot be named by {LATEST_FILE} (at most 12 "
+                          "digits); nothing was written; fix the source's iteration")
 
 
 class DestinationTaken(FormatError):
@@ -145,6 +169,8 @@ class CheckpointWriter:
                  replace: bool = False, backup: Path | None = None, tag: str = "tmp",
                  fault: Fault | None = None) -> None:
         self.target = Path(target)
+        if latest is not None:
+            check_latest(latest, self.target)
         self.inner, self.latest, self.replace, self.backup = inner, latest, replace, backup
         self.tag, self.fault = tag, fault
         self.files: dict[str, FileEntry] = {}
@@ -166,7 +192,7 @@ class CheckpointWriter:
         """Create the hidden work folder (``clean``: first remove dead writers' stale ones); return it."""
         parent = self.target.parent
         if clean:
-            clean_stale(parent, keep=recoverable_targets(parent))
+            clean_stale(parent, keep=needed_for_recovery(parent))
         self._signals = sigterm_raises()
         self._signals.__enter__()
         try:
@@ -261,6 +287,7 @@ class CheckpointWriter:
     def set_latest(self, iteration: int | str) -> None:
         """Point the run directory's latest marker at the committed iteration (atomically, durably)."""
         assert self.committed, "the latest marker moves only after the commit"
+        check_latest(str(iteration), self.target)
         write_atomic(self.target.parent / LATEST_FILE, f"{iteration}\n")
 
     def abort(self) -> None:

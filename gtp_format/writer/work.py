@@ -4,8 +4,8 @@ Every writer builds its output in a hidden sibling of where it will appear (``.{
 and renames it into place. A process killed with SIGKILL cannot remove its work folder: the
 fault-injection campaign found 581 MB of them after 46 killed saves, and up to 61 MB beside a CLI
 destination. So the owner is written into the work folder's *name*, at the ``mkdir`` that creates it:
-``w{host}{boot}-{pid}-{start}-{nonce}`` (a hash of the host name, the kernel's boot id, the process
-id and its start time in clock ticks). A name, not a file inside the folder, because ``mkdir`` is
+``w{host}{boot}-{pid}-{start}-{nonce}`` (a hash of the host name and pid namespace, the kernel's
+boot id, the process id and its start time in clock ticks). A name, not a file inside the folder, because ``mkdir`` is
 atomic (no moment where a folder exists without its owner) and the committed checkpoint must keep
 exactly the files the format defines.
 
@@ -27,7 +27,7 @@ import signal
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +51,13 @@ def _boot_id() -> str:
 
 
 def _host_id() -> str:
-    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    """The host name and the pid namespace: containers share the kernel (and its boot id) but not
+    their pids, so a pid is only compared with processes of the namespace that recorded it."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return hashlib.sha256(f"{socket.gethostname()}\0{ns}".encode()).hexdigest()[:8]
 
 
 def start_ticks(pid: int) -> int | None:
@@ -146,17 +152,17 @@ def remove_entry(path: Path) -> None:
             path.unlink()
 
 
-def clean_stale(parent: Path, keep: frozenset[str] = frozenset()) -> list[Path]:
+def clean_stale(parent: Path, keep: Callable[[WorkFolder], bool] | None = None) -> list[Path]:
     """Remove the stale work entries of dead owners in ``parent``; return what was removed.
 
     Only entries whose name records an owner of this host that is dead are removed; a live
-    owner's, another host's, and one without a recorded owner stay. ``keep``: target names whose
-    stale copies must stay (the reader may still recover a checkpoint from them, see
+    owner's, another host's, and one without a recorded owner stay. ``keep``: stale copies that
+    must stay (the reader may still recover a checkpoint from them, see
     :func:`gtp_format.reader.locate.recover_hidden`).
     """
     removed = []
     for w in leftovers(parent):
-        if w.stale and w.target not in keep:
+        if w.stale and not (keep is not None and keep(w)):
             remove_entry(w.path)
             removed.append(w.path)
     return removed

@@ -181,12 +181,17 @@ def test_stale_work_of_dead_owners_is_cleaned_never_a_live_ones(tmp_path: Path) 
     assert sorted(os.listdir(tmp_path)) == sorted(["iter_0000001", "new", live.name, other_host.name, legacy.name])
 
 
-def test_stale_copies_of_a_missing_iteration_are_kept_for_recovery(tmp_path: Path) -> None:
+def test_only_finished_copies_of_the_missing_latest_iteration_are_kept(tmp_path: Path) -> None:
+    (tmp_path / LATEST_FILE).write_text("5\n")
     kept = _foreign(tmp_path, "iter_0000005", _dead_pid(), 1)
+    (kept / MEGATRON_METADATA_FILE).write_text("{}")  # finished: written last
+    unfinished = _foreign(tmp_path, "iter_0000005", _dead_pid(), 1, tag="old")
+    other = _foreign(tmp_path, "iter_0000004", _dead_pid(), 1)  # finished, but no marker names it
+    (other / MEGATRON_METADATA_FILE).write_text("{}")
     with CheckpointWriter(tmp_path / "iter_0000006", replace=True) as w:
         w.finish(None, None)
         w.commit()
-    assert kept.exists()
+    assert kept.exists() and not unfinished.exists() and not other.exists()
 
 
 SIGTERM_CHILD = """
