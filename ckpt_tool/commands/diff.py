@@ -5,6 +5,12 @@ printing. Where both sides cut a tensor into the same chunks, chunk pairs are co
 time; where the layouts differ (a resharded checkpoint), the key is assembled whole on both
 sides, bounded by ``--max-bytes``. Chunk layout itself is not a difference here: a torch_dist
 checkpoint and its safetensors copy are equal when their keys, shapes, dtypes and values are.
+
+Hashes first: where both checkpoints carry chunk records (``gtp_chunks.json``), a chunk pair with
+equal hashes is not read, so comparing two copies reads almost nothing (``data_bytes_read`` in
+the JSON summary). The records are trusted as the files' own description here; ``verify --data``
+is what checks them against the bytes, and ``--read-all`` ignores them. Checkpoints without
+records (Megatron's, older ones) are read as before.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ EPILOG = """Examples:
 
   ckpt diff A B --bitwise   (stored bits: -0.0 differs from 0.0, NaNs only match the same NaN)
 
+  ckpt diff A B --first   (stop at the first differing key, chunk and element; print both values)
+
 Values match when |a - b| <= atol + rtol * |b| (NaN equals NaN); the default is exact. --keys and
 --ignore are fnmatch globs on whole key names, each repeatable; a key is compared when it matches
 some --keys (or none is given) and no --ignore. A selection that matches no key is an error.
@@ -54,11 +62,17 @@ some --keys (or none is given) and no --ignore. A selection that matches no key 
 Exit codes: 0 identical, 1 different, 2 unreadable input or a selection that matches nothing."""
 
 
+def _usable(records: Any) -> Any:
+    """Records to trust for skipping: none when reading them found problems (read everything then)."""
+    return records if records is not None and not records.problems else None
+
+
 def _legacy(d: Difference) -> dict[str, Any]:
-    """One difference as ``diff --format json`` has always printed it."""
+    """One difference as ``diff --format json`` has always printed it (``--first``: with both values)."""
     if d.code == "values":
-        return {"key": d.key, "what": "values", "mismatches": d.differing, "max_abs_diff": d.max_abs_diff,
-                "first_mismatch": list(d.first_index) if d.first_index is not None else None}
+        out = {"key": d.key, "what": "values", "mismatches": d.differing, "max_abs_diff": d.max_abs_diff,
+               "first_mismatch": list(d.first_index) if d.first_index is not None else None}
+        return out | ({"a": d.a, "b": d.b} if d.a is not None else {})
     a, b = (fmt_shape(d.a), fmt_shape(d.b)) if d.code == "shape" else (d.a, d.b)
     return {"key": d.key, "what": d.code, "a": a, "b": b}
 
@@ -74,10 +88,15 @@ def diff_command(
     keys: KeysOption = None,
     ignore: IgnoreOption = None,
     max_bytes: MaxBytesOption = DEFAULT_MAX_BYTES,
+    first: Annotated[bool, typer.Option(
+        "--first", help="Stop at the first differing (key, chunk, element) and print both values.")] = False,
+    read_all: Annotated[bool, typer.Option(
+        "--read-all", help="Read every chunk even where both chunk records give equal hashes.")] = False,
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Compare key sets, shapes, dtypes and values of two checkpoints; exit 1 when they differ."""
     from gtp_format.compare import CheckpointSource, KeyFilter, Rule, compare, selected_keys, work
+    from gtp_format.integrity.records import read_records
     from gtp_format.reader.checkpoint import open_checkpoint
 
     if bitwise and (rtol or atol):
@@ -85,22 +104,27 @@ def diff_command(
     rule = Rule.bits() if bitwise else Rule.tolerance(rtol, atol)
     select = KeyFilter.of(keys, ignore)
     ca, cb = open_checkpoint(a), open_checkpoint(b)
-    sa, sb = CheckpointSource(ca), CheckpointSource(cb)
+    sa, sb = (CheckpointSource(c, records=None if read_all else _usable(read_records(c))) for c in (ca, cb))
     select.require_match(ca.entries, cb.entries, where=f"{ca.root} or {cb.root}")
     names = selected_keys(sa, sb, select)
     with progress(work(sa, sb, names), "comparing", progress_enabled(fmt), "chunks") as advance:
-        report = compare(sa, sb, rule, keys=names, max_bytes=max_bytes, advance=advance)
+        report = compare(sa, sb, rule, keys=names, max_bytes=max_bytes, advance=advance, first=first)
     only_a, only_b, common = report.only_in_a, report.only_in_b, report.common
     diffs = [_legacy(d) for r in common for d in r.differences]
     equal = report.ok
     if fmt == OutputFormat.json:
         print_json({"a": str(ca.root), "b": str(cb.root), "equal": equal, "rtol": rtol, "atol": atol,
                     "rule": report.rule, "selection": select.to_dict(), "compared": len(common),
-                    "only_in_a": only_a, "only_in_b": only_b, "differences": diffs})
+                    "only_in_a": only_a, "only_in_b": only_b, "differences": diffs, "first": first,
+                    "data_bytes_read": sa.bytes_read + sb.bytes_read,
+                    "data_bytes": sum(e.stored_bytes for c in (ca, cb) for e in c.entries.values()),
+                    "chunk_hashes": sa.records is not None and sb.records is not None})
     else:
         rows = [(k, "only in A", "") for k in only_a] + [(k, "only in B", "") for k in only_b]
         for d in diffs:
-            if d["what"] == "values":
+            if d["what"] == "values" and "a" in d:
+                detail = f"first difference at {d['first_mismatch']}: A {d['a']!r}  B {d['b']!r}"
+            elif d["what"] == "values":
                 detail = (f"{d['mismatches']} elements differ, max |a-b| {d['max_abs_diff']}, "
                           f"first at {d['first_mismatch']}")
             else:

@@ -38,6 +38,8 @@ EPILOG = """Examples:
 
   ckpt inspect CKPT --params   (each parameter's bucket, offset, ranks and CP ranks)
 
+  ckpt inspect CKPT --stats   (NaN/Inf/zeros, min, max, RMS per key, recorded at save; --format json: per chunk)
+
 Exit codes: 0 ok, 2 unreadable input."""
 
 
@@ -90,6 +92,8 @@ def inspect_command(
                            "checkpoint (megatron-core itself never folds).")
     ] = False,
     params: Annotated[bool, typer.Option("--params", help="Per parameter: bucket, offset, ranks, CP ranks.")] = False,
+    stats: Annotated[bool, typer.Option("--stats", help="Value statistics per key recorded at save (no data read); "
+                                        "per chunk with --format json.")] = False,
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Show format, topology, keys and aliasing status of a checkpoint (metadata only)."""
@@ -175,6 +179,7 @@ def inspect_command(
         "notes": [p.to_dict() for p in ckpt.notes + topo.notes],
     }
     doc["leftovers"] = _leftovers(Path(path), ckpt.root)
+    _integrity(doc, ckpt, set(selected), stats)
     if chunks:
         doc["chunks"] = chunk_rows
     if params:
@@ -188,6 +193,21 @@ def inspect_command(
         print_json(doc)
         return
     print_blocks(*_tables(doc))
+
+
+def _integrity(doc: dict[str, Any], ckpt: Any, selected: set[str], stats: bool) -> None:
+    """The integrity line (from the manifest), and with ``stats`` the recorded statistics per key and per chunk
+    (from ``gtp_chunks.json``: read only then, it is one record per chunk)."""
+    from gtp_format.integrity.records import read_records
+    from gtp_format.integrity.summary import chunk_stats_rows, integrity_line, key_stats
+
+    records = read_records(ckpt) if stats else None
+    doc["integrity"] = integrity_line(ckpt, records)
+    if stats:
+        per_key = key_stats(records, selected) if records is not None else {}
+        doc["stats"] = {k: v.to_json() for k, v in per_key.items()}
+        doc["chunk_stats"] = chunk_stats_rows(ckpt, records, selected) if records is not None else []
+        doc["notes"] += [p.to_dict() for p in records.problems] if records is not None else []
 
 
 def _leftovers(given: Path, root: Path) -> list[dict[str, Any]]:
@@ -233,6 +253,7 @@ def _tables(doc: dict[str, Any]) -> list[str]:
         ("chunks", c["chunks"]), ("stored", fmt_bytes(c["stored_bytes"])),
         ("data files", f"{c['data_files']} ({fmt_bytes(c['data_file_bytes'])})"),
         ("aliasing", f"{doc['aliasing']['status']}: {doc['aliasing']['message']}"),
+        ("integrity", doc["integrity"]),
     ]
     oi = doc["optimizer_info"]
     if oi is not None:
@@ -268,6 +289,11 @@ def _tables(doc: dict[str, Any]) -> list[str]:
               "-" if r["byte_offset"] is None else f"[{r['byte_offset']}, {r['byte_offset'] + r['length']})")
              for r in doc["chunks"]],
             ("key", "chunk", "offsets", "sizes", "file", "bytes"), "Chunks"))
+    if "stats" in doc:
+        blocks.append(table([(k, s["numel"], s["nan"], s["posinf"], s["neginf"], s["zeros"], _num(s["min"]),
+                              _num(s["max"]), _rms(s)) for k, s in doc["stats"].items()],
+                            ("key", "elements", "NaN", "+Inf", "-Inf", "zeros", "min", "max", "RMS"),
+                            f"Statistics recorded at save ({doc['integrity']})"))
     if "params" in doc:
         blocks.append(table(
             [(r["name"], fmt_shape(r["full_shape"]), r["gbuf_idx"], r["bucket_idx"], r["offset"], len(r["holders"]),
@@ -283,6 +309,18 @@ def _tables(doc: dict[str, Any]) -> list[str]:
     for n in doc["notes"]:
         blocks.append(f"{n['severity']}: {n['message']}")
     return blocks
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.6g}"
+
+
+def _rms(s: dict[str, Any]) -> str:
+    """Root mean square of the finite values, from the fp64 sum of squares."""
+    finite = s["numel"] - s["nan"] - s["posinf"] - s["neginf"]
+    if s["sumsq"] is None:
+        return "overflow"
+    return "-" if finite <= 0 else f"{(s['sumsq'] / finite) ** 0.5:.6g}"
 
 
 def _ranks(values: list[int]) -> str:

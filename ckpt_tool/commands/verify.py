@@ -39,7 +39,10 @@ Checks: chunks in bounds and tiling each tensor (no overlap, no hole); storage p
 the folder and within its file; per_bucket_numel against the bucket keys; folded buffers have
 every cp_rank; aliasing (cp-less optimizer keys in a folded checkpoint); manifest file sizes;
 every key the manifest's bucket layout implies is stored, with its shape.
---data adds: every chunk decodes to its declared dtype and shape, NaN/Inf counts, checksums.
+chunk records (gtp_chunks.json): one per chunk, naming its bytes; NaN/Inf they recorded (error in
+weights and fp32 masters, warning in moments); megatron-core's integrity.json where present.
+--data adds: every chunk decodes to its declared dtype and shape, its xxh3-128 matches its record,
+NaN/Inf counts, zero GTP tail padding, checksums (CRC-32C, SHA-256 of integrity.json).
 
 Exit codes: 0 no errors, 1 errors found, 2 unreadable input."""
 

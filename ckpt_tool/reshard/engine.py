@@ -53,6 +53,7 @@ from ckpt_tool.reshard.writers import (
 )
 from gtp_format.commit import write_durable
 from gtp_format.errors import FormatError
+from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.config import ConfigError, ParallelConfig
 from gtp_format.layout.params import buffer_layouts
 from gtp_format.manifest import (
@@ -174,13 +175,16 @@ def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, p
     parts = split_files(plan.chunks, workers * 2)
     names = [data_file_name(i, 0, target.layout) for i in range(len(parts))]
 
+    records: list[list[ChunkRecord]] = [[] for _ in parts]  # one list per file: each written by one thread
+
     def one(i: int, tick: Progress) -> Any:
         if target.layout == "torch_dist":
-            return write_distcp(folder / names[i], parts[i], fill, tick, stage)
-        return write_safetensors(folder / names[i], parts[i], fill, tick, stage), None
+            return write_distcp(folder / names[i], parts[i], fill, tick, stage, records[i])
+        return write_safetensors(folder / names[i], parts[i], fill, tick, stage, records[i]), None
 
     results = run_files(one, len(parts), workers, advance)
     writer.add_files({n: r[0] for n, r in zip(names, results)})
+    writer.add_records([r for rs in records for r in rs])
     if target.layout == "torch_dist":
         placed = [(n, c, off, ln) for n, r in zip(names, results) for c, off, ln in r[1]]
         write_distcp_metadata(folder / DCP_METADATA_FILE, plan.shapes, placed)

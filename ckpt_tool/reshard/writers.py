@@ -30,6 +30,8 @@ import numpy as np
 
 from ckpt_tool.reshard.plan import OutChunk
 from ckpt_tool.reshard.sink import STAGE, Sink
+from gtp_format.integrity.record_file import record_parts
+from gtp_format.integrity.records import ChunkRecord
 from gtp_format.manifest import FileEntry
 from gtp_format.names import GTP_INDEX_VERSION, chunk_tensor_name
 from gtp_format.writer.dcp_metadata import metadata_bytes
@@ -39,13 +41,15 @@ DataFn = Callable[[OutChunk], np.ndarray]
 
 
 def write_distcp(path: Path, chunks: list[OutChunk], data: DataFn, advance: Callable[[int], None],
-                 stage: int = STAGE) -> tuple[FileEntry, list[tuple[OutChunk, int, int]]]:
+                 stage: int = STAGE, records: list[ChunkRecord] | None = None
+                 ) -> tuple[FileEntry, list[tuple[OutChunk, int, int]]]:
     """One ``.distcp`` file; returns its entry and ``(chunk, offset, length)`` per blob.
 
     Each blob is :class:`gtp_format.writer.torch_blob.TensorBlob`'s head, the chunk's bytes
     straight from the array that holds them, and its tail, handed to a :class:`.sink.Sink`
     (``stage`` bytes of staging); the zip record's CRC-32 and the file's CRC-32C are computed from
     that array (both release the GIL, so the workers hash in parallel) and nothing is read back.
+    ``records``: each chunk's record (hash of its blob, statistics of its elements) is appended.
     """
     placed = []
     pos = 0
@@ -58,6 +62,8 @@ def write_distcp(path: Path, chunks: list[OutChunk], data: DataFn, advance: Call
             blob = TensorBlob(c.dtype, c.sizes)
             tail = blob.tail(zlib.crc32(body))
             out.write([blob.head, body, tail])
+            if records is not None:
+                records.append(record_parts(c.key, c.offsets, path.name, pos, [blob.head, body, tail], arr, c.dtype))
             length = len(blob.head) + body.nbytes + len(tail)
             placed.append((c, pos, length))
             pos += length
@@ -90,15 +96,22 @@ def _st_header(chunks: list[OutChunk]) -> bytes:
 
 
 def write_safetensors(path: Path, chunks: list[OutChunk], data: DataFn, advance: Callable[[int], None],
-                      stage: int = STAGE) -> FileEntry:
-    """One safetensors data file, header first (known from the plan), then each chunk's bytes."""
+                      stage: int = STAGE, records: list[ChunkRecord] | None = None) -> FileEntry:
+    """One safetensors data file, header first (known from the plan), then each chunk's bytes
+    (``records``: each chunk's record is appended)."""
     with Sink(path, stage) as out:
-        out.write([_st_header(chunks)])
+        header = _st_header(chunks)
+        out.write([header])
+        pos = len(header)
         for c in chunks:
             arr = np.ascontiguousarray(data(c))
             if arr.nbytes != c.nbytes:
                 raise AssertionError(f"{c.key}: produced {arr.nbytes} bytes for {c.nbytes}")
-            out.write([arr.reshape(-1).view(np.uint8)])
+            body = arr.reshape(-1).view(np.uint8)
+            out.write([body])
+            if records is not None:
+                records.append(record_parts(c.key, c.offsets, path.name, pos, [body], arr, c.dtype))
+            pos += c.nbytes
             advance(c.nbytes)
         return out.close()
 

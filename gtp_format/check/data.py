@@ -37,9 +37,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gtp_format.check.hashes import StreamedHash, check_bytes, check_range
 from gtp_format.dtypes import DType
 from gtp_format.errors import ChunkError
 from gtp_format.hashing import CRCS, HASHERS, Crc, Hasher
+from gtp_format.integrity.records import ChunkRecord
 from gtp_format.model import BYTES, ENC_TORCH_SAVE, Checkpoint, Chunk, Entry, Problem
 from gtp_format.reader.blob import parse_blob
 from gtp_format.reader.chunks import (
@@ -47,6 +49,7 @@ from gtp_format.reader.chunks import (
     check_byte_object,
     check_layout,
     checked_ref,
+    chunk_bytes,
     decode_elements,
     load_elements,
 )
@@ -80,6 +83,7 @@ class _Item:
     chunk: Chunk
     start: int
     stop: int
+    record: ChunkRecord | None = None  # its chunk hash, when the checkpoint has records
 
 
 class _Found:
@@ -97,6 +101,7 @@ class _Found:
         self.crc = 0
         self.data: bytes = b""  # kept only for order-dependent digests
         self.payload_parts: list[tuple[_PayloadCrc, int, int]] = []  # (chunk, CRC-32 of a piece, its length)
+        self.hash_parts: list[tuple[StreamedHash, memoryview]] = []  # pieces of large chunks, for their hashes
 
     def add(self, key: str, elements: np.ndarray, dtype: DType) -> None:
         nan, inf = count_nonfinite(elements, dtype)
@@ -126,14 +131,16 @@ def tally_key(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> str:
 
 
 def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Progress | None = None,
-               workers: int | None = None) -> DataReport:
+               workers: int | None = None, records: dict[tuple[str, int], ChunkRecord] | None = None) -> DataReport:
     """Decode every chunk, count NaN/Inf per key, and hash the listed files, in one read of each file.
 
     ``hash_files`` maps data files to the manifest's algorithms for them; the digests come back in
     :attr:`DataReport.digests` (files that could not be read are absent). ``workers`` threads read,
     hash and scan windows in parallel (default: :func:`default_workers`); the report does not
-    depend on it.
+    depend on it. ``records`` (``(key, chunk index) -> record``, :func:`gtp_format.check.hashes.match_records`):
+    those chunks' hashes are checked from the same read.
     """
+    records = records or {}
     report = DataReport()
     total = _Found()
     tick = progress or (lambda n: None)
@@ -142,7 +149,7 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
         for c in e.chunks:
             if e.kind == BYTES or ckpt.encoding != ENC_TORCH_SAVE:
                 found = _Found()
-                _random_access(ckpt, e, c, found)  # byte objects and raw layouts: small or not torch.save
+                _random_access(ckpt, e, c, found, records.get((e.key, c.index)))  # byte objects and raw layouts
                 total.merge(found)
                 tick(1)
                 continue
@@ -152,7 +159,7 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
                 total.error(err, e, c)
                 tick(1)
                 continue
-            by_file[ref.file].append(_Item(e, c, ref.offset, ref.offset + ref.length))
+            by_file[ref.file].append(_Item(e, c, ref.offset, ref.offset + ref.length, records.get((e.key, c.index))))
     passes = [_FilePass(ckpt, rel, sorted(by_file.get(rel, []), key=lambda i: (i.start, i.stop)),
                         hash_files.get(rel, [])) for rel in sorted(by_file.keys() | hash_files.keys())]
     n = workers or default_workers()
@@ -223,10 +230,16 @@ def _run(passes: list[_FilePass], pool: ThreadPoolExecutor, in_flight: int, tota
             fp.close(None)
 
 
-def _random_access(ckpt: Checkpoint, entry: Entry, chunk: Chunk, found: _Found) -> None:
+def _random_access(ckpt: Checkpoint, entry: Entry, chunk: Chunk, found: _Found, rec: ChunkRecord | None) -> None:
     try:
         if entry.kind == BYTES:
             check_byte_object(ckpt, entry, chunk)
+            if rec is not None:
+                check_range(ckpt, entry, chunk, rec, found.problems)
+        elif rec is not None:  # one read for both: hash the bytes, then decode them
+            buf = chunk_bytes(ckpt, entry, chunk)
+            check_bytes(entry, chunk, rec, buf, found.problems)
+            found.add(tally_key(ckpt, entry, chunk), decode_elements(ckpt, entry, chunk, buf), entry.dtype)
         else:
             found.add(tally_key(ckpt, entry, chunk), load_elements(ckpt, entry, chunk), entry.dtype)
     except ChunkError as err:
@@ -258,8 +271,9 @@ class _FilePass:
         # (SHA-256, or several algorithms) is fed window by window on the main thread
         self.crc: Crc | None = CRCS[algorithms[0]] if len(algorithms) == 1 and algorithms[0] in CRCS else None
         # each zip record's own CRC-32 is what catches a flipped bit in a file the manifest has no checksum
-        # for (every genuine Megatron checkpoint); a file the manifest checksums is covered by that already
-        self.record_crc = not algorithms
+        # for (every genuine Megatron checkpoint); a file the manifest checksums is covered by that already,
+        # and one whose chunks all have records by their hashes (zlib's CRC-32 would be the slowest pass)
+        self.record_crc = not algorithms and not (items and all(it.record is not None for it in items))
         self.hashers: dict[str, Hasher] = {} if self.crc else {a: HASHERS[a]() for a in algorithms}
         self.value = 0  # the CRC so far
         self.planned: _Found | None = _Found()  # what planning found: merged before the first step
@@ -309,6 +323,9 @@ class _FilePass:
         planned, self.planned = self.planned, None
         for acc, crc, n in found.payload_parts:  # pieces of one large chunk's payload, joined in file order
             acc.add(crc, n, found)
+        for streamed, piece in found.hash_parts:
+            streamed.add(piece, found.problems)
+        found.hash_parts = []
         if self.crc is not None and step is not None:
             self.value = self.crc.combine(self.value, found.crc, found.nbytes)
         for h in self.hashers.values():
@@ -419,6 +436,7 @@ class _FilePass:
         cuts = sorted({it.start, it.stop, lo_payload, hi_payload, *range(lo_payload, hi_payload, WINDOW)})
         acc = _PayloadCrc(layout.payload_crc, it.entry, it.chunk, layout.payload_bytes) \
             if layout is not None and self.record_crc else None
+        streamed = StreamedHash(it.entry, it.chunk, it.record) if it.record is not None and not steps else None
         for a, b in zip(cuts, cuts[1:]):
             for lo in range(a, b, WINDOW):
                 hi = min(b, lo + WINDOW)
@@ -426,7 +444,7 @@ class _FilePass:
                 scan = inside and can_hold_nonfinite(layout.dtype)
                 tally = tally_key(self.ckpt, it.entry, it.chunk)
                 action = _payload_action(tally, layout.dtype, scan, acc) if inside else _ignore
-                steps.append(_Step(lo, hi, action))
+                steps.append(_Step(lo, hi, _hashed(action, streamed) if streamed else action))
         return steps
 
 
@@ -434,11 +452,13 @@ def _window_action(ckpt: Checkpoint, start: int, stop: int, items: list[_Item], 
     def action(window: memoryview, found: _Found) -> None:
         for it in items:
             if it.stop > stop:  # overlaps the next window's chunk: decode it on its own
-                _random_access(ckpt, it.entry, it.chunk, found)
+                _random_access(ckpt, it.entry, it.chunk, found, it.record)
             else:
                 try:
-                    elements = decode_elements(ckpt, it.entry, it.chunk, window[it.start - start: it.stop - start],
-                                               record_crc)
+                    own = window[it.start - start: it.stop - start]
+                    if it.record is not None:
+                        check_bytes(it.entry, it.chunk, it.record, own, found.problems)
+                    elements = decode_elements(ckpt, it.entry, it.chunk, own, record_crc)
                     found.add(tally_key(ckpt, it.entry, it.chunk), elements, it.entry.dtype)
                     del elements
                 except ChunkError as err:
@@ -451,7 +471,7 @@ def _window_action(ckpt: Checkpoint, start: int, stop: int, items: list[_Item], 
 def _fallback_action(ckpt: Checkpoint, items: list[_Item]) -> Action:
     def action(_: memoryview, found: _Found) -> None:
         for it in items:
-            _random_access(ckpt, it.entry, it.chunk, found)
+            _random_access(ckpt, it.entry, it.chunk, found, it.record)
             found.ticks += 1
 
     return action
@@ -484,6 +504,14 @@ def _payload_action(key: str, dtype: DType, scan: bool, acc: _PayloadCrc | None)
             found.add(key, np.frombuffer(view, dtype=kind), dtype)
 
     return action
+
+
+def _hashed(action: Action, streamed: StreamedHash) -> Action:
+    def both(view: memoryview, found: _Found) -> None:
+        found.hash_parts.append((streamed, view))  # hashed in file order by the main thread
+        action(view, found)
+
+    return both
 
 
 def _ignore(_: memoryview, __: _Found) -> None:

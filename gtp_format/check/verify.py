@@ -25,13 +25,17 @@ from gtp_format.check.analysis import (
     topology_view,
 )
 from gtp_format.check.canonical import check_canonical_layout, check_key_dtypes
-from gtp_format.check.data import check_data
+from gtp_format.check.data import DataReport, check_data
 from gtp_format.check.geometry import check_coverage
+from gtp_format.check.hashes import covered_files, match_records
 from gtp_format.check.keys import check_manifest_keys
+from gtp_format.check.megatron_integrity import check_integrity, integrity_algorithms, read_integrity
 from gtp_format.check.owners import check_param_optimizers
+from gtp_format.check.values import check_padding, nonfinite_problem, stats_nonfinite
 from gtp_format.dtypes import DType
 from gtp_format.errors import ChunkError, FormatError
 from gtp_format.hashing import HASHERS, file_digests
+from gtp_format.integrity.records import ChunkRecord, read_records
 from gtp_format.model import ENC_TORCH_SAVE, TENSOR, Checkpoint, Entry, Problem
 from gtp_format.names import OPT_PREFIX, OptimizerKey, dtype_tag, per_bucket_numel_key
 from gtp_format.reader.chunks import declared_size_problem, load_elements, load_plain
@@ -365,12 +369,14 @@ def manifest_algorithms(ckpt: Checkpoint) -> dict[str, list[str]]:
             if rel in ckpt.data_files and unsafe_reason(rel) is None}
 
 
-def check_manifest_files(ckpt: Checkpoint, data: bool,
-                         digests: dict[str, dict[str, str]] | None = None) -> list[Problem]:
+def check_manifest_files(ckpt: Checkpoint, data: bool, digests: dict[str, dict[str, str]] | None = None,
+                         covered: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
     """Sizes (always) and checksums (with --data) of the files the manifest lists.
 
     ``digests`` holds what the data pass already computed while reading the data files; the
-    other listed files (``.metadata``, side files) are hashed here.
+    other listed files (``.metadata``, side files) are hashed here. ``covered``: data files whose
+    every byte the chunk hashes checked (:func:`gtp_format.check.hashes.covered_files`); their file
+    checksum is not computed again.
     """
     files = ckpt.manifest.files if ckpt.manifest is not None else None
     if files is None:
@@ -389,7 +395,7 @@ def check_manifest_files(ckpt: Checkpoint, data: bool,
         if spec.size != size:
             out.append(Problem("error", "size", f"file is {size} bytes but the manifest says {spec.size}",
                                file=rel))
-        if not data:
+        if not data or rel in covered:
             continue
         algos = list(spec.checksums)
         for a in algos:
@@ -420,6 +426,12 @@ def check_manifest_files(ckpt: Checkpoint, data: bool,
     for name in sorted(ckpt.data_files.keys() - files.keys()):
         out.append(Problem("warning", "manifest", "data file is not listed in the manifest", file=name))
     return out
+
+
+def _counts(report: DataReport, key: str) -> tuple[int, int, None]:
+    """(NaN, Inf, None) of a key the data pass counted: it does not tell the signs of Inf apart."""
+    got = report.nonfinite.get(key, {})
+    return got.get("nan", 0), got.get("inf", 0), None
 
 
 def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
@@ -453,6 +465,17 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
         "topology": topo.describe(),
     }
     digests = None
+    records = read_records(ckpt)
+    matched: dict[tuple[str, int], ChunkRecord] = {}
+    if records is not None:
+        result.checks.append("chunk_records")
+        matched, found = match_records(ckpt, records)
+        result.problems += found
+        if not data:  # --data counts every element instead
+            result.problems += stats_nonfinite(records, classes)
+    listing, found = read_integrity(ckpt)  # megatron-core's integrity.json, when the save wrote one
+    result.problems += found
+    covered = covered_files(ckpt, matched) if data else set()  # every byte under a chunk hash
     if data:
         if ckpt.manifest is None and not ckpt.padding_chunks:
             from gtp_format.megatron import padding_chunks
@@ -460,14 +483,24 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
 
             if is_megatron_core(ckpt):
                 ckpt.padding_chunks = padding_chunks(ckpt)
-        report = check_data(ckpt, manifest_algorithms(ckpt), progress, workers)
-        result.problems += report.problems
+        algorithms = {rel: algos for rel, algos in manifest_algorithms(ckpt).items() if rel not in covered}
+        for rel, extra in integrity_algorithms(ckpt, listing).items():
+            algorithms[rel] = [*algorithms.get(rel, []), *extra]
+        report = check_data(ckpt, algorithms, progress, workers, matched)
+        known = ckpt.manifest is not None or ckpt.megatron_metadata is not None
+        result.problems += [nonfinite_problem(p.key, *_counts(report, p.key), classes.get(p.key), "counted now", known)
+                            if p.check == "nonfinite" and p.key else p for p in report.problems]
+        result.checks.append("tail_padding")
+        result.problems += check_padding(ckpt)
         result.stats["nonfinite"] = report.nonfinite
         result.stats["bytes_read"] = report.bytes_read
         digests = report.digests
     if m is not None and m.files is not None:
         result.checks.append("manifest_files")
-        result.problems += check_manifest_files(ckpt, data, digests)
+        result.problems += check_manifest_files(ckpt, data, digests, covered)
+    if listing is not None:
+        result.checks.append("megatron_integrity")
+        result.problems += check_integrity(ckpt, listing, data, digests)
     if data:
         result.checks.append("data")
     order = {s: i for i, s in enumerate(("error", "warning", "info"))}

@@ -41,7 +41,7 @@ from gtp_format.compare.select import EVERYTHING
 from gtp_format.compare.sources import Source
 from gtp_format.compare.values import EXACT, Rule, compare_values, unravel
 from gtp_format.errors import ChunkError
-from gtp_format.model import BYTES, Entry
+from gtp_format.model import BYTES, Chunk, Entry
 
 DEFAULT_MAX_BYTES = 2 << 30
 Advance = Callable[[int], None]
@@ -64,23 +64,32 @@ def work(a: Source, b: Source, keys: Iterable[str]) -> int:
 
 def compare(a: Source, b: Source, rule: Rule = EXACT, *, select: Callable[[str], bool] = EVERYTHING,
             chunks: bool = False, values: bool = True, max_bytes: int = DEFAULT_MAX_BYTES,
-            advance: Advance | None = None, keys: Iterable[str] | None = None) -> Report:
+            advance: Advance | None = None, keys: Iterable[str] | None = None, first: bool = False) -> Report:
     """Compare side ``a`` with side ``b``, key by key; see the module docstring.
 
     ``chunks``: report a different chunk layout (code ``chunks``); values are compared anyway.
     ``values``: read and compare data (``False``: metadata only, torch-free). ``keys``: the keys to
-    visit when the caller already computed :func:`selected_keys`.
+    visit when the caller already computed :func:`selected_keys`. ``first``: stop at the first key that
+    differs, and within it at the first differing chunk (in offset order); its ``values`` difference
+    carries both sides' values at the first differing element in ``a`` and ``b``.
+
+    Chunk pairs whose sources both give a recorded hash (:meth:`Source.digest`), and equal ones,
+    are not read: equal hashes of the stored bytes mean equal bytes, so equal values.
     """
     step = advance or (lambda n: None)
     report = Report(rule=rule.describe())
     for key in (selected_keys(a, b, select) if keys is None else keys):
-        report.results.append(compare_key(a, b, key, rule, chunks=chunks, values=values, max_bytes=max_bytes,
-                                          advance=step))
+        result = compare_key(a, b, key, rule, chunks=chunks, values=values, max_bytes=max_bytes, advance=step,
+                             first=first)
+        report.results.append(result)
+        if first and result.differences:
+            break
     return report
 
 
 def compare_key(a: Source, b: Source, key: str, rule: Rule, *, chunks: bool = False, values: bool = True,
-                max_bytes: int = DEFAULT_MAX_BYTES, advance: Advance = lambda n: None) -> KeyResult:
+                max_bytes: int = DEFAULT_MAX_BYTES, advance: Advance = lambda n: None,
+                first: bool = False) -> KeyResult:
     """Compare one key (present on at least one side)."""
     ea, eb = a.entries.get(key), b.entries.get(key)
     if ea is None or eb is None:
@@ -101,7 +110,7 @@ def compare_key(a: Source, b: Source, key: str, rule: Rule, *, chunks: bool = Fa
             content = _objects(a, ea, b, eb, rule)
             advance(len(ea.chunks) + len(eb.chunks))
         else:
-            content = _tensors(a, ea, b, eb, rule, max_bytes, advance)
+            content = _tensors(a, ea, b, eb, rule, max_bytes, advance, first)
         found += [content] if content is not None else []
     return KeyResult(key, numel, len(ea.chunks), tuple(found))
 
@@ -124,7 +133,7 @@ def _metadata(ea: Entry, eb: Entry) -> Difference | None:
 def _objects(a: Source, ea: Entry, b: Source, eb: Entry, rule: Rule) -> Difference | None:
     """Byte objects: equal stored bytes; with a tolerance rule, equal decoded objects will do
     (``torch.save`` blobs of equal objects can differ byte-wise, e.g. in their archive name)."""
-    if a.object_bytes(ea) == b.object_bytes(eb):
+    if _same_digests(a, ea, b, eb) or a.object_bytes(ea) == b.object_bytes(eb):
         return None
     detail = "stored bytes differ"
     if not rule.bitwise:
@@ -137,14 +146,34 @@ def _objects(a: Source, ea: Entry, b: Source, eb: Entry, rule: Rule) -> Differen
     return Difference(OBJECT, ea.key, detail, a=ea.stored_bytes, b=eb.stored_bytes, numel=1, differing=1)
 
 
+def _digest(src: Source, e: Entry, c: Chunk) -> str | None:
+    """A source's recorded hash of a chunk; sources without :meth:`Source.digest` have none."""
+    get = getattr(src, "digest", None)
+    return get(e, c) if get is not None else None
+
+
+def _same_digests(a: Source, ea: Entry, b: Source, eb: Entry) -> bool:
+    if len(ea.chunks) != len(eb.chunks):
+        return False
+    pairs = [(_digest(a, ea, x), _digest(b, eb, y)) for x, y in zip(ea.chunks, eb.chunks)]
+    return all(da is not None and da == db for da, db in pairs)
+
+
 def _tensors(a: Source, ea: Entry, b: Source, eb: Entry, rule: Rule, max_bytes: int,
-             advance: Advance) -> Difference | None:
+             advance: Advance, stop_first: bool = False) -> Difference | None:
     assert ea.shape is not None
     count, max_abs, first = 0, None, None
+    values: tuple[object, object] = (None, None)
     boxes_b = {(c.offsets, c.sizes): c for c in eb.chunks}
     if _boxes(ea) == _boxes(eb):
-        for c in ea.chunks:
-            vd = compare_values(a.chunk(ea, c), b.chunk(eb, boxes_b[(c.offsets, c.sizes)]), rule)
+        for c in sorted(ea.chunks, key=lambda c: c.offsets) if stop_first else ea.chunks:
+            cb = boxes_b[(c.offsets, c.sizes)]
+            da = _digest(a, ea, c)
+            if da is not None and da == _digest(b, eb, cb):  # equal stored bytes: not read
+                advance(2)
+                continue
+            ta, tb = a.chunk(ea, c), b.chunk(eb, cb)
+            vd = compare_values(ta, tb, rule)
             advance(2)
             if not vd.differing:
                 continue
@@ -154,6 +183,9 @@ def _tensors(a: Source, ea: Entry, b: Source, eb: Entry, rule: Rule, max_bytes: 
             assert vd.first is not None
             where = tuple(o + i for o, i in zip(c.offsets, unravel(vd.first, c.sizes)))
             first = where if first is None else min(first, where)
+            if stop_first:
+                values = (ta.reshape(-1)[vd.first].item(), tb.reshape(-1)[vd.first].item())
+                break
     else:
         vd = compare_values(a.whole(ea, max_bytes), b.whole(eb, max_bytes), rule)
         advance(len(ea.chunks) + len(eb.chunks))
@@ -162,5 +194,8 @@ def _tensors(a: Source, ea: Entry, b: Source, eb: Entry, rule: Rule, max_bytes: 
     if not count:
         return None
     assert first is not None
-    return Difference(VALUES, ea.key, f"{count} of {ea.numel} elements differ, first at index {fmt_index(first)}",
-                      numel=ea.numel, differing=count, max_abs_diff=max_abs, first_index=first)
+    detail = f"{count} of {ea.numel} elements differ, first at index {fmt_index(first)}"
+    if stop_first and values[0] is not None:
+        detail = f"first difference at index {fmt_index(first)}: {values[0]!r} vs {values[1]!r}"
+    return Difference(VALUES, ea.key, detail, a=values[0], b=values[1], numel=ea.numel, differing=count,
+                      max_abs_diff=max_abs, first_index=first)

@@ -11,9 +11,12 @@ runtime's ranks run after a load are one engine, with one meaning of "equal".
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gtp_format.model import TENSOR, Checkpoint, Chunk, Entry
+
+if TYPE_CHECKING:
+    from gtp_format.integrity.records import Records
 
 
 class Source(Protocol):
@@ -34,30 +37,50 @@ class Source(Protocol):
     def load_object(self, entry: Entry) -> Any:
         """A byte object, decoded."""
 
+    def digest(self, entry: Entry, chunk: Chunk) -> str | None:
+        """The chunk's recorded content hash, or None when there is none to trust."""
+
 
 class CheckpointSource:
-    """A checkpoint folder, read through :mod:`gtp_format.reader` (bounded, confined reads)."""
+    """A checkpoint folder, read through :mod:`gtp_format.reader` (bounded, confined reads).
 
-    def __init__(self, ckpt: Checkpoint, name: str | None = None) -> None:
+    ``records``: its chunk records (:func:`gtp_format.integrity.records.read_records`); with them the
+    engine skips chunk pairs whose hashes are equal. ``bytes_read`` counts the data bytes fetched.
+    """
+
+    def __init__(self, ckpt: Checkpoint, name: str | None = None, records: Records | None = None) -> None:
         self.ckpt = ckpt
         self.name = name or str(ckpt.root)
         self.entries: Mapping[str, Entry] = ckpt.entries
+        self.records = records
+        self.bytes_read = 0
 
     def chunk(self, entry: Entry, chunk: Chunk) -> Any:
         from gtp_format.reader.chunks import load_chunk
 
+        self.bytes_read += chunk.storage.length if chunk.storage else 0
         return load_chunk(self.ckpt, entry, chunk)
 
     def whole(self, entry: Entry, max_bytes: int) -> Any:
         from gtp_format.reader.region import assemble
 
         rows = entry.shape[0] if entry.shape else 0
+        self.bytes_read += entry.stored_bytes
         return assemble(self.ckpt, entry, 0, rows, max_bytes).tensor
 
     def object_bytes(self, entry: Entry) -> bytes:
         from gtp_format.reader.chunks import chunk_bytes
 
+        self.bytes_read += entry.stored_bytes
         return bytes(chunk_bytes(self.ckpt, entry, entry.chunks[0]))
+
+    def digest(self, entry: Entry, chunk: Chunk) -> str | None:
+        """The record's hash, when it names exactly the bytes the metadata gives this chunk."""
+        rec = self.records.get(entry.key, chunk.offsets) if self.records is not None else None
+        s = chunk.storage
+        if rec is None or s is None or (rec.file, rec.offset, rec.length) != (s.file, s.offset, s.length):
+            return None
+        return rec.digest
 
     def load_object(self, entry: Entry) -> Any:
         from gtp_format.reader.chunks import load_object
@@ -92,3 +115,6 @@ class TensorSource:
 
     def load_object(self, entry: Entry) -> Any:
         raise TypeError(f"{entry.key} is a tensor, not a byte object")
+
+    def digest(self, entry: Entry, chunk: Chunk) -> str | None:
+        return None  # tensors in memory carry no recorded hash

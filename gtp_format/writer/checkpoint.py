@@ -56,8 +56,16 @@ from gtp_format.commit import (
 )
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
 from gtp_format.hashing import file_digests
+from gtp_format.integrity.records import ChunkRecord, section, write_records
 from gtp_format.manifest import HASH_ALGORITHM, FileEntry, Manifest, write_manifest
-from gtp_format.names import LATEST_FILE, LATEST_RE, MEGATRON_METADATA_FILE, iter_dir_name
+from gtp_format.names import (
+    CHUNK_RECORDS_FILE,
+    CHUNK_RECORDS_SECTION,
+    LATEST_FILE,
+    LATEST_RE,
+    MEGATRON_METADATA_FILE,
+    iter_dir_name,
+)
 from gtp_format.writer.work import WorkFolder, clean_stale, remove_entry, sigterm_raises, work_name
 
 # Megatron's metadata.json: the torch_dist backend (its fields and values, as megatron-core writes
@@ -166,6 +174,7 @@ class CheckpointWriter:
         self.inner, self.latest, self.replace, self.backup = inner, latest, replace, backup
         self.tag, self.fault = tag, fault
         self.files: dict[str, FileEntry] = {}
+        self.records: list[ChunkRecord] | None = None  # chunk records handed in (None: this output has none)
         self.work: Path | None = None
         self.committed = False
         self._signals: Any = None
@@ -204,6 +213,13 @@ class CheckpointWriter:
         """Entries of data files already written (and fsynced) into :attr:`folder`."""
         self.files.update(entries)
 
+    def add_records(self, records: list[ChunkRecord]) -> None:
+        """Chunk records (hash and statistics per chunk) of data files in :attr:`folder`; :meth:`finish`
+        writes them to ``gtp_chunks.json``, lists it in the manifest and announces it there. The one place
+        every writer's records go through, so every output records them alike
+        (:func:`gtp_format.integrity.record_file.record_file` computes them from the file's read-back)."""
+        self.records = (self.records or []) + list(records)
+
     def add_file(self, name: str) -> FileEntry:
         """Fsync the file ``name`` of :attr:`folder` and record its entry (computed here)."""
         path = self.folder / name
@@ -217,6 +233,16 @@ class CheckpointWriter:
         none, for exports that are not checkpoints), then the latest marker of a nested output, and
         fsync the folders."""
         folder = self.folder
+        if manifest is not None and self.records is not None:
+            write_records(folder, self.records)
+            self.add_file(CHUNK_RECORDS_FILE)
+            manifest = dataclasses.replace(manifest, extra={**manifest.extra, CHUNK_RECORDS_SECTION:
+                                                            section(len(self.records))})
+        elif manifest is not None and CHUNK_RECORDS_SECTION in manifest.extra:
+            # a manifest carried over from a source (migrate) announces the source's records, which name
+            # the source's chunks: an output without records of its own must not claim any
+            extra = {k: v for k, v in manifest.extra.items() if k != CHUNK_RECORDS_SECTION}
+            manifest = dataclasses.replace(manifest, extra=extra)
         if manifest is not None:
             write_manifest(folder, dataclasses.replace(manifest, files=dict(self.files)))
         if isinstance(metadata, Path):

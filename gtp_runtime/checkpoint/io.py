@@ -29,12 +29,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from gtp_format import names as fmt
 from gtp_format.errors import FormatError
+from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.config import ConfigError
 from gtp_format.manifest import FileEntry
 from gtp_format.writer.checkpoint import CheckpointWriter, file_entry, megatron_metadata
+from gtp_runtime.checkpoint.chunk_records import record_own_files, start_state_stats
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
 from gtp_runtime.checkpoint.errors import CheckpointError
 from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, optimizer_info
+from gtp_runtime.checkpoint.replicas import check_replicas
 from gtp_runtime.checkpoint.run_state import load_run_state, save_run_state
 from gtp_runtime.checkpoint.safetensors_storage import INDEX_FILE, SafetensorsWriter
 from gtp_runtime.checkpoint.state import (
@@ -68,12 +71,15 @@ def _own_files(folder: Path, layout: str, rank: int) -> list[Path]:
 
 
 def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "torch_dist",
-                    sharding: str = fmt.FORMAT_NAME, aliased: bool = False, writer_threads: int | None = None) -> Path:
+                    sharding: str = fmt.FORMAT_NAME, aliased: bool = False, writer_threads: int | None = None,
+                    integrity: bool = True) -> Path:
     """Save ``trainer`` at its current iteration under ``root``; return the committed folder.
 
     ``aliased=True`` is the pre-fix writer (see :func:`state.optimizer_state`), for fixtures only.
     ``writer_threads`` (torch_dist): files per rank, written in parallel; by default one per core, at
-    most 4. Fixtures pin it so that their file list does not depend on the machine.
+    most 4. Fixtures pin it so that their file list does not depend on the machine. ``integrity=False``
+    leaves out the replica cross-check and the chunk records: only ``benchmarks/bench_save_integrity.py``
+    uses it, to measure what they cost against the same run's save without them.
     """
     check_sharding(trainer, sharding, "save")
     if layout not in fmt.LAYOUTS:
@@ -91,7 +97,7 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
     writer.adopt(root / name[0])
     dist.barrier()
     try:
-        _write_and_commit(trainer, writer, layout, sharding, aliased, writer_threads)
+        _write_and_commit(trainer, writer, layout, sharding, aliased, writer_threads, integrity)
     except BaseException:
         if rank == 0:
             writer.abort()
@@ -101,28 +107,42 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
 
 
 def _write_and_commit(trainer: Trainer, writer: CheckpointWriter, layout: str, sharding: str, aliased: bool,
-                      writer_threads: int | None) -> None:
+                      writer_threads: int | None, integrity: bool = True) -> None:
     """Every rank writes its files into the writer's work folder; rank 0 finishes and commits it."""
     rank, it, tmp = dist.get_rank(), trainer.iteration, writer.folder
     sd: dict[str, Any] = {}
     sd.update(model_state(trainer.model, trainer.groups, for_load=False))
     sd.update(optimizer_state(trainer.optimizer, trainer.groups, aliased=aliased))
     sd.update(bucket_numel_state(trainer.optimizer, trainer.groups, for_load=False))
+    # every copy of replicated state must agree before one of them is written (all ranks' copies).
+    # Not for the pre-fix writer: its folded keys collide across CP peers on purpose (fixtures of the bug).
+    if integrity and not aliased:
+        check_replicas(trainer, [model_state(trainer.model, trainer.groups, for_load=True), sd])
+    # statistics: on CUDA now, on the device, before DCP copies the chunks; on CPU on a thread during the write
+    stats_of = start_state_stats(sd) if integrity else dict
     _fault("before_write")
     # Several writer threads per rank (files __{rank}_0.., __{rank}_1..): torch.save releases the
     # GIL while it copies and writes, and measured on 2 cores this doubles DCP's save rate.
     threads = writer_threads or max(1, min(4, os.cpu_count() or 1))
     storage = (dcp.FileSystemWriter(tmp, sync_files=True, thread_count=threads) if layout == "torch_dist"
                else SafetensorsWriter(tmp))
-    dcp.save(sd, storage_writer=storage, planner=ChunkSavePlanner())
+    try:
+        metadata = dcp.save(sd, storage_writer=storage, planner=ChunkSavePlanner())
+    finally:
+        stats = stats_of()  # joined even when the write fails: no thread outlives the save
     _fault("after_write")
 
-    mine = {p.name: file_entry(p) for p in _own_files(tmp, layout, rank)}
-    everything: list[dict[str, FileEntry] | None] = [None] * dist.get_world_size()
+    # one read-back of each file this rank wrote: its CRC-32C and the hash of every chunk in it
+    own = _own_files(tmp, layout, rank)
+    mine = record_own_files(tmp, layout, metadata, own, stats) if integrity else ({p.name: file_entry(p) for p in own},
+                                                                                  None)
+    everything: list[tuple[dict[str, FileEntry], list[ChunkRecord] | None] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everything, mine)
     if rank == 0:
         for part in everything:
-            writer.add_files(part or {})
+            writer.add_files(part[0] if part else {})
+            if part and part[1] is not None:
+                writer.add_records(part[1])
         writer.add_file(fmt.DCP_METADATA_FILE if layout == "torch_dist" else INDEX_FILE)
         cfg = trainer.cfg
         manifest = build_manifest(

@@ -45,6 +45,8 @@ SMOKE = {
     "bench_ckpt_cpu.py": [],
     "bench_fold_cpu.py": [],
     "bench_hash.py": [],
+    "bench_chunk_hash.py": [],
+    "bench_save_integrity.py": [],
     "bench_inspect.py": ["--workdir", "{tmp}/inspect"],
     "bench_megatron_inspect.py": ["--workdir", "{tmp}/megatron_inspect"],
     "bench_migrate.py": ["--workdir", "{tmp}/migrate"],
@@ -146,6 +148,20 @@ def check_hash(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert head[0] == "algorithm" and len(rows) == 4
     assert rows[0][0] == "crc32 (zlib)" and rows[0][2] == "1.00x"  # the baseline against itself
     assert all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows)
+
+
+def check_chunk_hash(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    head, *rows = _table(p.stdout)
+    assert head[0] == "read + hash" and [r[0] for r in rows[:2]] == ["cat", "dd bs=2M"]
+    assert rows[0][2] == "1.00x" and len(rows) == 5  # cat against itself, then dd and the three candidates
+    assert all(float(r[1]) > 0 for r in rows) and all(float(r[3]) > 0 for r in rows[2:])
+
+
+def check_save_integrity(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    head, row, vhead, vrow = _table(p.stdout)  # the save table, then the verify table
+    assert head[:4] == ["GB", "save without s", "save with s", "added"] and len(row) == len(head) == 8
+    assert float(row[0]) > 0 and all(float(v) >= 0 for v in row[4:]) and row[3].endswith("%")
+    assert vhead[0] == "cat GB/s" and len(vrow) == len(vhead) == 5 and all(float(v.rstrip("x")) > 0 for v in vrow)
 
 
 def check_inspect(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
@@ -251,6 +267,8 @@ def check_copy_checks(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
 
 CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
+    "bench_chunk_hash.py": check_chunk_hash,
+    "bench_save_integrity.py": check_save_integrity,
     "bench_inspect.py": check_inspect, "bench_migrate.py": check_migrate, "bench_verify.py": check_verify,
     "bench_gpu.py": check_gpu, "bench_reshard.py": check_reshard, "bench_muon.py": check_muon,
     "bench_data_read.py": check_data_read, "convergence.py": check_convergence,

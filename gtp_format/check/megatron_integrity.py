@@ -1,0 +1,96 @@
+"""Megatron's own integrity file, where a checkpoint has one: ``integrity.json`` (SHA-256 per file).
+
+megatron-core writes it when a save is asked to (``dist_checkpointing.save(...,
+verify_integrity=True)``, ``--verify-integrity`` in Megatron-LM; PR #4305): after the save, rank 0
+hashes every regular file at the top of the checkpoint folder except this one and writes
+``{"algorithm": "sha256", "files": {name: hex digest}}``. Its own check runs only inside a load.
+
+Here: without ``--data``, every listed name is a plain file name inside the folder and exists, and
+files the save did not list are named (a warning: added afterwards); with ``--data``, each listed
+file is hashed, the data files in the data pass's single read (SHA-256 is fed window by window in
+file order), the rest here. The file is untrusted input like any other: read through the bounded
+JSON reader, names checked before anything is opened.
+"""
+
+from __future__ import annotations
+
+from gtp_format.errors import ChunkError, FormatError
+from gtp_format.hashing import file_digests
+from gtp_format.model import Checkpoint, Problem
+from gtp_format.names import MEGATRON_INTEGRITY_FILE as FILE
+from gtp_format.reader.storage import file_size, is_regular_inside, list_dir, open_regular, unsafe_reason
+
+ALGORITHM = "sha256"
+_HEX = set("0123456789abcdef")
+
+
+def read_integrity(ckpt: Checkpoint) -> tuple[dict[str, str] | None, list[Problem]]:
+    """The listing ``name -> sha256`` when the folder has ``integrity.json``; problems when it is unusable."""
+    if is_regular_inside(ckpt.root, FILE) is None:
+        return None, []
+    from gtp_format.reader.locate import load_json_object
+
+    def bad(message: str) -> tuple[None, list[Problem]]:
+        return None, [Problem("error", "megatron_integrity", f"{message}; restore {FILE} from the save that wrote it "
+                              "or remove it", file=FILE)]
+
+    try:
+        body = load_json_object(ckpt.root / FILE, "Megatron's integrity manifest")
+    except FormatError as e:
+        return bad(e.message)
+    if body.get("algorithm", ALGORITHM) != ALGORITHM:
+        return bad(f"algorithm {body.get('algorithm')!r} is not {ALGORITHM!r}, the only one megatron-core writes")
+    files = body.get("files")
+    if not isinstance(files, dict):
+        return bad("it has no 'files' object")
+    out: dict[str, str] = {}
+    problems: list[Problem] = []
+    for name, digest in files.items():
+        reason = unsafe_reason(name)
+        if reason is None and "/" in name:
+            reason = f"{name!r} is not a file name at the top of the checkpoint folder"
+        if reason is not None:
+            problems.append(Problem("error", "megatron_integrity", f"{FILE} lists {reason}", file=FILE))
+        elif not (isinstance(digest, str) and len(digest) == 64 and set(digest.lower()) <= _HEX):
+            problems.append(Problem("error", "megatron_integrity", f"{FILE} gives {name} a digest that is not "
+                                    "SHA-256 hex", file=name))
+        else:
+            out[name] = digest.lower()
+    return out, problems
+
+
+def integrity_algorithms(ckpt: Checkpoint, listing: dict[str, str] | None) -> dict[str, list[str]]:
+    """Data files the data pass should also SHA-256 for the integrity file."""
+    return {name: [ALGORITHM] for name in listing or {} if name in ckpt.data_files}
+
+
+def check_integrity(ckpt: Checkpoint, listing: dict[str, str], data: bool,
+                    digests: dict[str, dict[str, str]] | None) -> list[Problem]:
+    """Listed files exist (and with ``data`` hash as listed); files the save did not list are named."""
+    out: list[Problem] = []
+    for name, want in sorted(listing.items()):
+        try:
+            file_size(ckpt.root, name, "file")
+        except ChunkError as err:
+            out.append(Problem("error", "megatron_integrity", f"{FILE} lists it, but {err.message}", file=name))
+            continue
+        if not data:
+            continue
+        got = (digests or {}).get(name, {}).get(ALGORITHM)
+        if got is None:
+            try:
+                with open_regular(ckpt.root, name, "file") as f:
+                    got = file_digests(f, [ALGORITHM])[ALGORITHM]
+            except ChunkError as err:
+                out.append(Problem("error", "megatron_integrity", err.message, file=name))
+                continue
+        if got != want:
+            out.append(Problem("error", "megatron_integrity", f"sha256 is {got} but {FILE} says {want}: the file "
+                               "changed after the save; restore it from a good copy", file=name))
+    try:
+        present = {n for n in list_dir(ckpt.root) if n != FILE and is_regular_inside(ckpt.root, n) is not None}
+    except (ChunkError, FormatError, OSError):
+        present = set()
+    for name in sorted(present - listing.keys()):
+        out.append(Problem("warning", "megatron_integrity", f"not listed in {FILE}: added after the save", file=name))
+    return out

@@ -1,0 +1,169 @@
+"""Chunk records: one per stored chunk, in the side file ``gtp_chunks.json`` that the manifest checksums.
+
+Why a side file and not the manifest: a large checkpoint has millions of chunks, and every command
+reads the manifest (``inspect`` on every start); the records are read only by ``verify``,
+``inspect --stats`` and ``diff``. The manifest says the records exist (section ``chunk_records``:
+format version, hash name, count) and lists ``gtp_chunks.json`` in ``files`` with its CRC-32C like
+any other file, so damage to it is caught the way damage to ``.metadata`` is. The file name is
+fixed here, never read from a file. Checkpoints written before the records have neither; they
+still load and verify on their file checksums, and ``inspect`` says so.
+
+A record names its chunk by key and global offsets (what the metadata's chunk index is built from,
+stable across readers), and its bytes by file and byte range, so a mismatch can be reported as
+"key, chunk, file, [start, stop)" without the metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from gtp_format.commit import write_durable
+from gtp_format.errors import FormatError
+from gtp_format.integrity.hash import CHUNK_HASH, DIGEST_CHARS
+from gtp_format.integrity.stats import ChunkStats
+from gtp_format.manifest import Manifest
+from gtp_format.model import Checkpoint, Problem
+from gtp_format.names import CHUNK_RECORDS_FILE
+from gtp_format.names import CHUNK_RECORDS_SECTION as SECTION
+
+RECORDS_VERSION = 1  # the newest side-file version this tool reads
+BYTES_PER_RECORD = 1024  # read limit: a generous bound on one record's JSON, times the chunk count
+NO_RECORDS = "file-level checksums, no chunk hashes"
+
+
+class ChunkRecord(NamedTuple):
+    key: str
+    offsets: tuple[int, ...]
+    file: str
+    offset: int  # byte range [offset, offset + length) of the chunk's stored bytes in ``file``
+    length: int
+    digest: str  # CHUNK_HASH of those bytes, lowercase hex
+    stats: ChunkStats | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "offsets": list(self.offsets), "file": self.file, "offset": self.offset,
+                "length": self.length, CHUNK_HASH: self.digest,
+                "stats": None if self.stats is None else self.stats.to_json()}
+
+    def where(self) -> str:
+        return f"{self.file} bytes [{self.offset}, {self.offset + self.length})"
+
+
+@dataclass
+class Records:
+    """The records of one checkpoint, by (key, offsets); ``problems`` for what could not be used."""
+
+    by_chunk: dict[tuple[str, tuple[int, ...]], ChunkRecord] = field(default_factory=dict)
+    problems: list[Problem] = field(default_factory=list)
+
+    def get(self, key: str, offsets: tuple[int, ...]) -> ChunkRecord | None:
+        return self.by_chunk.get((key, tuple(offsets)))
+
+
+def section(count: int) -> dict[str, Any]:
+    """The manifest's ``chunk_records`` section for ``count`` records (goes into ``Manifest.extra``)."""
+    return {"version": RECORDS_VERSION, "hash": CHUNK_HASH, "count": count}
+
+
+def write_records(folder: Path, records: list[ChunkRecord]) -> None:
+    """Write ``gtp_chunks.json`` into a folder being built (fsynced; listed in the manifest by the caller)."""
+    body = {"version": RECORDS_VERSION, "hash": CHUNK_HASH,
+            "chunks": [r.to_json() for r in sorted(records, key=lambda r: (r.key, r.offsets))]}
+    write_durable(folder / CHUNK_RECORDS_FILE, json.dumps(body, separators=(",", ":"), allow_nan=False))
+
+
+def has_records(manifest: Manifest | None) -> bool:
+    return manifest is not None and SECTION in manifest.extra
+
+
+def read_records(ckpt: Checkpoint) -> Records | None:
+    """The checkpoint's records, or None when its manifest announces none (written before them, or foreign).
+
+    Untrusted input: every field is type-checked; a damaged file is one ``error`` problem naming it,
+    and a record that fails its checks is left out with a problem (its chunk then goes unhashed).
+    """
+    if not has_records(ckpt.manifest):
+        return None
+    assert ckpt.manifest is not None
+    out = Records()
+
+    def bad(message: str) -> Records:
+        out.problems.append(Problem("error", "chunk_records", f"{message}; restore {CHUNK_RECORDS_FILE} from the "
+                                    "run that wrote the checkpoint", file=CHUNK_RECORDS_FILE))
+        return out
+
+    head = ckpt.manifest.extra[SECTION]
+    if not isinstance(head, dict) or type(head.get("version")) is not int or type(head.get("count")) is not int:
+        return bad(f"the manifest's {SECTION} section is not {{version, hash, count}}")
+    if head["version"] > RECORDS_VERSION:
+        out.problems.append(Problem("warning", "chunk_records", f"chunk records version {head['version']} is newer "
+                                    f"than this tool ({RECORDS_VERSION}); chunk hashes are not checked: upgrade "
+                                    "gtp-ckpt", file=CHUNK_RECORDS_FILE))
+        return out
+    if head.get("hash") != CHUNK_HASH:
+        return bad(f"chunk hash {head.get('hash')!r} is not one this tool computes ({CHUNK_HASH})")
+    from gtp_format.reader.locate import load_json_object
+
+    limit = (1 << 20) + BYTES_PER_RECORD * max(head["count"], ckpt.chunk_count())
+    try:
+        body = load_json_object(ckpt.root / CHUNK_RECORDS_FILE, "the chunk records", limit=limit)
+    except FormatError as e:
+        return bad(e.message)
+    chunks = body.get("chunks")
+    if body.get("version") != head["version"] or body.get("hash") != CHUNK_HASH or not isinstance(chunks, list):
+        return bad(f"{CHUNK_RECORDS_FILE} does not match the manifest's {SECTION} section")
+    if len(chunks) != head["count"]:
+        return bad(f"{CHUNK_RECORDS_FILE} holds {len(chunks)} records, the manifest says {head['count']}")
+    for i, raw in enumerate(chunks):
+        rec = _record(raw)
+        if rec is None:
+            bad(f"record {i} of {CHUNK_RECORDS_FILE} is ill-formed")
+        elif (rec.key, rec.offsets) in out.by_chunk:
+            bad(f"record {i} of {CHUNK_RECORDS_FILE} repeats {rec.key} at {list(rec.offsets)}")
+        else:
+            out.by_chunk[(rec.key, rec.offsets)] = rec
+    return out
+
+
+def _count(v: Any) -> bool:
+    return type(v) is int and 0 <= v <= 1 << 62
+
+
+def _number(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _stats(raw: Any) -> ChunkStats | None | bool:
+    """Parsed statistics, None when the record has none, False when ill-formed."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        return False
+    counts = [raw.get(k) for k in ("numel", "nan", "posinf", "neginf", "zeros")]
+    lo, hi, sumsq = raw.get("min"), raw.get("max"), raw.get("sumsq")
+    if not all(_count(c) for c in counts) or not (sumsq is None or _number(sumsq)):
+        return False
+    if (lo is None) != (hi is None) or (lo is not None and not (_number(lo) and _number(hi))):
+        return False
+    return ChunkStats(*counts, None if lo is None else float(lo), None if hi is None else float(hi),
+                      math.inf if sumsq is None else float(sumsq))
+
+
+def _record(raw: Any) -> ChunkRecord | None:
+    if not isinstance(raw, dict):
+        return None
+    key, offsets, file, digest = raw.get("key"), raw.get("offsets"), raw.get("file"), raw.get(CHUNK_HASH)
+    if not (isinstance(key, str) and isinstance(file, str) and isinstance(offsets, list) and len(offsets) <= 64
+            and all(_count(o) for o in offsets) and _count(raw.get("offset")) and _count(raw.get("length"))):
+        return None
+    if not (isinstance(digest, str) and len(digest) == DIGEST_CHARS
+            and all(c in "0123456789abcdef" for c in digest)):
+        return None
+    stats = _stats(raw.get("stats"))
+    if stats is False:
+        return None
+    return ChunkRecord(key, tuple(offsets), file, raw["offset"], raw["length"], digest, stats or None)
