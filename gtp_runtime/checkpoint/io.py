@@ -15,8 +15,11 @@ needs, then DCP reads exactly the boxes this rank needs, through the verified mo
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -25,14 +28,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.storage import StorageWriter
 
 from gtp_format import names as fmt
 from gtp_format.commit import commit_folder, write_atomic, write_durable
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError
-from gtp_format.manifest import FileEntry, write_manifest
+from gtp_format.manifest import FileEntry, Manifest, write_manifest
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
-from gtp_runtime.checkpoint.errors import CheckpointError
+from gtp_runtime.checkpoint.errors import CheckpointError, CheckpointSaveError
 from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, file_entry, optimizer_info
 from gtp_runtime.checkpoint.run_state import load_run_state, save_run_state
 from gtp_runtime.checkpoint.safetensors_storage import INDEX_FILE, SafetensorsWriter
@@ -43,20 +47,42 @@ from gtp_runtime.checkpoint.state import (
     optimizer_state,
 )
 from gtp_runtime.checkpoint.verified import VerifiedReader, check_compatible, open_verified, sharding_refusal
+from gtp_runtime.last_resort import describe, root_cause
 from gtp_runtime.training import Trainer
 
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                      "common_backend": "torch", "common_backend_version": 1}
 
 
-def _fault(point: str) -> None:
+def _fault(point: str, folder: Path | None = None) -> None:
     """Fault injection for crash tests: ``GTP_FAULT_INJECT=point:rank`` kills that rank there
-    (exit 17, no report); ``point:rank:raise`` makes it raise instead (a crash with a traceback)."""
+    (exit 17, no report); ``point:rank:raise`` makes it raise instead (a crash with a traceback);
+    ``point:rank:enospc`` raises the ``OSError`` a full disk gives, and ``point:rank:rmtree`` removes
+    ``folder`` (the save's work folder) as an operator's ``rm -r`` would, so the next write fails."""
     spec = os.environ.get("GTP_FAULT_INJECT", "").split(":")
     if len(spec) >= 2 and spec[0] == point and int(spec[1]) == dist.get_rank():
         if spec[2:] == ["raise"]:
             raise RuntimeError(f"injected fault at {point}")
+        if spec[2:] == ["enospc"]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
+        if spec[2:] == ["rmtree"] and folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+            return
         os._exit(17)
+
+
+def _hooked(writer: StorageWriter, folder: Path) -> StorageWriter:
+    """``during_write`` fault point inside DCP's write step, where a real write error is raised, so
+    that an injected fault travels the same path (DCP gathers it to every rank) as a full disk."""
+    if os.environ.get("GTP_FAULT_INJECT", "").startswith("during_write:"):
+        write = writer.write_data
+
+        def write_data(plan: Any, planner: Any) -> Any:
+            _fault("during_write", folder)
+            return write(plan, planner)
+
+        writer.write_data = write_data  # type: ignore[method-assign]
+    return writer
 
 
 def check_sharding(trainer: Trainer, sharding: str, action: str) -> None:
@@ -69,67 +95,158 @@ def _own_files(folder: Path, layout: str, rank: int) -> list[Path]:
     return sorted(folder.glob(f"__{rank}_*{suffix}"))
 
 
+def prepare_folder(trainer: Trainer, root: Path, layout: str, sharding: str) -> tuple[Path, Path]:
+    """Refuse a bad request, then make the hidden work folder (collective): ``(tmp, final)``."""
+    check_sharding(trainer, sharding, "save")
+    if layout not in fmt.LAYOUTS:
+        raise CheckpointError(f"unknown --ckpt-layout {layout!r}; use one of {fmt.LAYOUTS}")
+    rank = dist.get_rank()
+    it = trainer.iteration
+    name = [f".tmp.{fmt.iter_dir_name(it)}.{uuid.uuid4().hex[:8]}" if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    tmp, final = root / name[0], root / fmt.iter_dir_name(it)
+    err: list[str | None] = [None]
+    if rank == 0:
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            err[0] = describe(e)
+    dist.broadcast_object_list(err, src=0)
+    if err[0] is not None:
+        raise CheckpointSaveError(f"cannot save {final}: {err[0]}; {_latest_text(root)}")
+    return tmp, final
+
+
+def rank_state(trainer: Trainer, aliased: bool = False) -> dict[str, Any]:
+    """This rank's sharded state dict: views of the live tensors (stage them before training on)."""
+    sd: dict[str, Any] = {}
+    sd.update(model_state(trainer.model, trainer.groups, for_load=False))
+    sd.update(optimizer_state(trainer.optimizer, trainer.groups, aliased=aliased))
+    sd.update(bucket_numel_state(trainer.optimizer, trainer.groups, for_load=False))
+    return sd
+
+
+def manifest_now(trainer: Trainer, layout: str, sharding: str, aliased: bool) -> Manifest:
+    """The manifest as of this moment (iteration, step, schedule and data position), files still empty:
+    an async save takes it when it stages, not when the files are done and training has moved on."""
+    cfg = trainer.cfg
+    manifest = build_manifest(
+        layout=layout, sharding=sharding, iteration=trainer.iteration, par=cfg.par, model=cfg.model,
+        optimizer=optimizer_info(trainer.optimizer, cfg.adam, cfg.muon, trainer.optimizer.step_count),
+        buffers=buffer_layout(trainer.optimizer, trainer.groups),
+        files={}, param_dtype=str(cfg.param_dtype), bucket_size=cfg.bucket_size)
+    manifest.extra.update(save_run_state(trainer))
+    if aliased:
+        manifest.notes.append("written by the pre-fix (aliased) writer: folded keys lack .cp_rank_{i}")
+    return manifest
+
+
+def write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | None,
+                     group: dist.ProcessGroup | None = None) -> dict[str, FileEntry]:
+    """Write this rank's chunks into ``tmp`` (DCP, over ``group``) and return its files' entries.
+
+    An async save runs this on its background thread, over its own process group, never the training one.
+    """
+    # Several writer threads per rank (files __{rank}_0.., __{rank}_1..): torch.save releases the
+    # GIL while it copies and writes, and measured on 2 cores this doubles DCP's save rate.
+    threads = threads or max(1, min(4, os.cpu_count() or 1))
+    writer = (dcp.FileSystemWriter(tmp, sync_files=True, thread_count=threads) if layout == "torch_dist"
+              else SafetensorsWriter(tmp))
+    dcp.save(sd, storage_writer=_hooked(writer, tmp), planner=ChunkSavePlanner(), process_group=group)
+    _fault("after_write")
+    return {p.name: file_entry(p) for p in _own_files(tmp, layout, dist.get_rank())}
+
+
+def try_write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | None,
+                         group: dist.ProcessGroup | None = None) -> dict[str, FileEntry] | str:
+    """:func:`write_rank_files`, a failure returned as its one-line cause (for :func:`finish_save`)."""
+    try:
+        return write_rank_files(sd, tmp, layout, threads, group)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            raise
+        return _cause(e)
+
+
+def _latest_text(root: Path) -> str:
+    """What a failed save leaves as the latest checkpoint, for its one-line error."""
+    try:
+        with open(root / fmt.LATEST_FILE, "rb") as f:
+            it = f.read(64).decode(errors="replace").strip()
+    except OSError:
+        return "no checkpoint is marked latest"
+    return f"the latest checkpoint is still iteration {describe(RuntimeError(it), 40)}"
+
+
+def _cause(e: BaseException) -> str:
+    """One short cause: DCP's wrapper unwrapped, an ``OSError`` as its strerror and file."""
+    e = root_cause(e)
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}" + (f" ({e.filename})" if e.filename else "")
+    return describe(e, 300) or type(e).__name__
+
+
+def finish_save(trainer_root: Path, tmp: Path, final: Path, manifest: Manifest | None,
+                result: dict[str, FileEntry] | str) -> Path:
+    """Collective end of a save: every rank's outcome (its file entries, or why it failed) is
+    gathered; only if all wrote, rank 0 adds the manifest and Megatron's ``metadata.json``, commits
+    and moves the latest marker. Otherwise the work folder is removed (a rerun must not fail on a
+    disk this save filled) and every rank raises :class:`CheckpointSaveError` with the first cause."""
+    rank = dist.get_rank()
+    everything: list[dict[str, FileEntry] | str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, result)
+    failed = next(((r, x) for r, x in enumerate(everything) if not isinstance(x, dict)), None)
+    err: list[str | None] = [None]
+    if failed is not None:
+        err[0] = f"rank {failed[0]}: {failed[1]}"
+    elif rank == 0:
+        assert manifest is not None
+        try:
+            _commit(trainer_root, tmp, final, manifest, everything)
+        except OSError as e:
+            err[0] = f"rank 0: {_cause(e)}"
+    if failed is None:
+        dist.broadcast_object_list(err, src=0)
+    if err[0] is not None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointSaveError(f"saving {final} failed on {err[0]}; {_latest_text(trainer_root)}")
+    return final
+
+
+def _commit(root: Path, tmp: Path, final: Path, manifest: Manifest, everything: list[Any]) -> None:
+    """Rank 0: manifest (with every rank's file entries), ``metadata.json``, rename, latest marker."""
+    files: dict[str, FileEntry] = {}
+    for part in everything:
+        files.update(part or {})
+    meta = tmp / (fmt.DCP_METADATA_FILE if manifest.layout == "torch_dist" else INDEX_FILE)
+    files[meta.name] = file_entry(meta)
+    write_manifest(tmp, dataclasses.replace(manifest, files=files))
+    megatron = MEGATRON_METADATA if manifest.layout == "torch_dist" else {"sharded_backend": "gtp_safetensors"}
+    write_durable(tmp / fmt.MEGATRON_METADATA_FILE, json.dumps(megatron))
+    _fault("before_rename")
+    commit_folder(tmp, final)
+    _fault("before_latest")
+    write_atomic(root / fmt.LATEST_FILE, f"{manifest.iteration}\n")
+
+
 def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "torch_dist",
                     sharding: str = fmt.FORMAT_NAME, aliased: bool = False, writer_threads: int | None = None) -> Path:
     """Save ``trainer`` at its current iteration under ``root``; return the committed folder.
 
     ``aliased=True`` is the pre-fix writer (see :func:`state.optimizer_state`), for fixtures only.
     ``writer_threads`` (torch_dist): files per rank, written in parallel; by default one per core, at
-    most 4. Fixtures pin it so that their file list does not depend on the machine.
+    most 4. Fixtures pin it so that their file list does not depend on the machine. A write that
+    fails on any rank (a full disk, a removed folder) raises :class:`CheckpointSaveError` on every
+    rank, naming the folder and the cause, and leaves no work folder behind. For a save that
+    returns before the files are written see :class:`gtp_runtime.checkpoint.async_save.AsyncCheckpointer`.
     """
-    check_sharding(trainer, sharding, "save")
-    if layout not in fmt.LAYOUTS:
-        raise CheckpointError(f"unknown --ckpt-layout {layout!r}; use one of {fmt.LAYOUTS}")
     root = Path(root)
-    rank = dist.get_rank()
-    it = trainer.iteration
-    name = [f".tmp.{fmt.iter_dir_name(it)}.{uuid.uuid4().hex[:8]}" if rank == 0 else None]
-    dist.broadcast_object_list(name, src=0)
-    tmp, final = root / name[0], root / fmt.iter_dir_name(it)
-    if rank == 0:
-        tmp.mkdir(parents=True)
-    dist.barrier()
-
-    sd: dict[str, Any] = {}
-    sd.update(model_state(trainer.model, trainer.groups, for_load=False))
-    sd.update(optimizer_state(trainer.optimizer, trainer.groups, aliased=aliased))
-    sd.update(bucket_numel_state(trainer.optimizer, trainer.groups, for_load=False))
+    tmp, final = prepare_folder(trainer, root, layout, sharding)
+    sd = rank_state(trainer, aliased)
+    manifest = manifest_now(trainer, layout, sharding, aliased) if dist.get_rank() == 0 else None
     _fault("before_write")
-    # Several writer threads per rank (files __{rank}_0.., __{rank}_1..): torch.save releases the
-    # GIL while it copies and writes, and measured on 2 cores this doubles DCP's save rate.
-    threads = writer_threads or max(1, min(4, os.cpu_count() or 1))
-    writer = (dcp.FileSystemWriter(tmp, sync_files=True, thread_count=threads) if layout == "torch_dist"
-              else SafetensorsWriter(tmp))
-    dcp.save(sd, storage_writer=writer, planner=ChunkSavePlanner())
-    _fault("after_write")
-
-    mine = {p.name: file_entry(p) for p in _own_files(tmp, layout, rank)}
-    everything: list[dict[str, FileEntry] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, mine)
-    if rank == 0:
-        files: dict[str, FileEntry] = {}
-        for part in everything:
-            files.update(part or {})
-        meta = tmp / (fmt.DCP_METADATA_FILE if layout == "torch_dist" else INDEX_FILE)
-        files[meta.name] = file_entry(meta)
-        cfg = trainer.cfg
-        manifest = build_manifest(
-            layout=layout, sharding=sharding, iteration=it, par=cfg.par, model=cfg.model,
-            optimizer=optimizer_info(trainer.optimizer, cfg.adam, cfg.muon, trainer.optimizer.step_count),
-            buffers=buffer_layout(trainer.optimizer, trainer.groups),
-            files=files, param_dtype=str(cfg.param_dtype), bucket_size=cfg.bucket_size)
-        manifest.extra.update(save_run_state(trainer))
-        if aliased:
-            manifest.notes.append("written by the pre-fix (aliased) writer: folded keys lack .cp_rank_{i}")
-        write_manifest(tmp, manifest)
-        megatron = MEGATRON_METADATA if layout == "torch_dist" else {"sharded_backend": "gtp_safetensors"}
-        write_durable(tmp / fmt.MEGATRON_METADATA_FILE, json.dumps(megatron))
-        _fault("before_rename")
-        commit_folder(tmp, final)
-        _fault("before_latest")
-        write_atomic(root / fmt.LATEST_FILE, f"{it}\n")
-    dist.barrier()
-    return final
+    return finish_save(root, tmp, final, manifest, try_write_rank_files(sd, tmp, layout, writer_threads))
 
 
 def _check_keys(sd: dict[str, Any], stored: dict[str, Any], folder: Path) -> None:
