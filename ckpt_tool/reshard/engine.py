@@ -15,7 +15,7 @@
 Memory: the largest array a worker holds is one chunk (``max_memory / (4 * workers)``, at most
 64 MiB: larger chunks bring no speed); a worker holds at most two (the source rows, the chunk
 assembled from them) and its file's two staging buffers of at most half a chunk each
-(:func:`.sink.stage_bytes`), so the data in flight stays under ``--max-memory`` whatever SRC's size.
+(:func:`gtp_format.writer.sink.stage_bytes`), so the data in flight stays under ``--max-memory`` whatever SRC's size.
 
 Speed: SRC is read from the page cache, DST must reach the disk (fsync), so the disk's durable
 write rate bounds a reshard: 4.67 GB took 11-12.5 s in-process where ``dd oflag=direct conv=fsync``
@@ -43,7 +43,6 @@ import numpy as np
 
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
 from ckpt_tool.reshard.plan import OutChunk, Plan, plan_target, split_files
-from ckpt_tool.reshard.sink import STAGE, stage_bytes
 from ckpt_tool.reshard.source import Buffers, Source, open_source
 from ckpt_tool.reshard.writers import (
     safetensors_index,
@@ -72,6 +71,7 @@ from gtp_format.names import (
     iter_dir_name,
 )
 from gtp_format.scan import carrier
+from gtp_format.writer.sink import STAGE, stage_bytes
 
 MAX_CHUNK = 64 << 20
 MIN_CHUNK = 1 << 20
@@ -172,7 +172,7 @@ def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, p
 
     ``fill(chunk)`` gives each chunk's stored bits (:func:`chunk_data` for a reshard; the benchmark
     passes a generator to build synthetic checkpoints of any size); ``stage``: each file's staging
-    buffers (:class:`.sink.Sink`).
+    buffers (:class:`gtp_format.writer.sink.Sink`).
     """
     parts = split_files(plan.chunks, workers * 2)
     names = [f"__{i}_0.{'distcp' if target.layout == 'torch_dist' else 'safetensors'}" for i in range(len(parts))]

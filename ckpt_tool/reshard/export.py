@@ -15,7 +15,7 @@
 All three stream through the per-parameter view (:class:`.source.Source`) in row blocks of at
 most the chunk budget and appear atomically (:func:`.engine.build_atomically`,
 :func:`gtp_format.commit.commit_file`). ``hf`` and ``fully_reshardable`` files go out through
-:class:`.sink.Sink` (``O_DIRECT``, fsynced), as reshard's do.
+:class:`gtp_format.writer.sink.Sink` (``O_DIRECT``, fsynced), as reshard's do.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from ckpt_tool.reshard.engine import (
     write_failure,
 )
 from ckpt_tool.reshard.plan import FP32, OutChunk, dtype_of, row_blocks, split_files
-from ckpt_tool.reshard.sink import Sink, stage_bytes
 from ckpt_tool.reshard.source import WEIGHT, Buffers, Source, open_source
 from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata
 from gtp_format.commit import commit_file, fsync_dir, hidden_sibling, write_durable
@@ -54,6 +53,7 @@ from gtp_format.errors import FormatError
 from gtp_format.layout.params import model_params
 from gtp_format.names import LATEST_FILE, MEGATRON_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.params import ParamView
+from gtp_format.writer.sink import Sink, stage_bytes
 
 TARGETS = ("hf", "fully_reshardable", "torch")
 DEFAULT_SHARD = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
