@@ -50,8 +50,9 @@ from ckpt_tool.reshard.plan import OutChunk, plan_target  # noqa: E402
 from gtp_format.layout.config import ModelConfig, ParallelConfig  # noqa: E402
 from gtp_format.layout.params import buffer_layouts  # noqa: E402
 from gtp_format.manifest import HASH_ALGORITHM, Manifest, OptimizerInfo, format_version_for  # noqa: E402
-from gtp_format.names import LATEST_FILE, iter_dir_name  # noqa: E402
+from gtp_format.names import iter_dir_name  # noqa: E402
 from gtp_format.scan import carrier  # noqa: E402
+from gtp_format.writer.checkpoint import CheckpointWriter  # noqa: E402
 
 SECTION = "ckpt reshard and export"
 SOURCE = ParallelConfig(cp=2, gtp_remat=2, dp=2, fold_cp=True)
@@ -100,9 +101,11 @@ def make_source(root: Path, layers: int, args: argparse.Namespace) -> int:
                         buffers=buffer_layouts(model, SOURCE, bucket, "torch.float32"),
                         hash_algorithm=HASH_ALGORITHM, files={})
     folder = root / iter_dir_name(1)
-    folder.mkdir(parents=True)
-    write_checkpoint(_fill, manifest, plan_target(manifest, 64 << 20), folder, 2, lambda n: None)
-    (root / LATEST_FILE).write_text("1\n")
+    root.mkdir(parents=True, exist_ok=True)
+    with CheckpointWriter(folder) as writer:
+        write_checkpoint(_fill, manifest, plan_target(manifest, 64 << 20), writer, 2, lambda n: None)
+        writer.commit()
+        writer.set_latest(1)
     for p in folder.iterdir():  # warm: the writer's O_DIRECT writes leave nothing in the page cache
         with open(p, "rb", buffering=0) as f:
             while f.read(16 << 20):

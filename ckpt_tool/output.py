@@ -93,8 +93,12 @@ def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(func)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        from gtp_format.writer.work import Terminated
+
         try:
             return func(*args, **kwargs)
+        except Terminated:  # SIGTERM during a write: the writer already removed its work folder
+            fail("terminated (SIGTERM); nothing was written, the partial output was removed", 128 + 15)
         except FormatError as e:
             fail(e.message, e.exit_code)
         except OSError as e:

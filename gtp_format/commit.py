@@ -7,9 +7,13 @@ synced), and make it visible with one ``rename``. A reader then sees the old sta
 new one, never a part. ``save_checkpoint``, the safetensors writer, the manifest, the latest marker,
 ``ckpt migrate-aliased``/``reshard``/``export`` and the launcher's rank reports all go through here.
 
-A tool that derives a new checkpoint from an old one builds it in :func:`building` (a hidden
-sibling, removed unless committed) and makes it visible with :func:`commit_new_folder` (never
-replaces anything) or :func:`swap_in_folder` (replaces, keeping the old folder as a backup).
+These are the primitives; writers use them through :class:`gtp_format.writer.checkpoint.CheckpointWriter`,
+which lays out a whole checkpoint. A commit never replaces or deletes what its writer did not
+create: :func:`commit_new_folder` and :func:`commit_file` refuse (``FileExistsError``) when the name
+appeared meanwhile, atomically (Linux ``renameat2(RENAME_NOREPLACE)``; elsewhere an exclusive
+``mkdir`` or ``link`` claims the name first). Where a replace is really wanted (the runtime re-saving
+an iteration, ``migrate-aliased --in-place``), :func:`swap_in_folder` exchanges the two folders in one
+step (``RENAME_EXCHANGE``), so a reader never finds the name missing.
 """
 
 from __future__ import annotations
@@ -18,11 +22,11 @@ import contextlib
 import ctypes
 import errno
 import os
-import shutil
 import sys
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
+
+from gtp_format.writer.work import work_name
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -58,8 +62,9 @@ def write_durable(path: str | os.PathLike[str], data: bytes | str) -> None:
 
 
 def hidden_sibling(path: Path, tag: str) -> Path:
-    """A unique dot-name next to ``path`` that no reader takes for a checkpoint or a marker."""
-    return path.with_name(f".{tag}.{path.name}.{uuid.uuid4().hex[:8]}")
+    """A unique dot-name next to ``path`` that no reader takes for a checkpoint or a marker; it records
+    this process as its owner (:mod:`gtp_format.writer.work`), so a later writer can clean it up."""
+    return work_name(path, tag)
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes | str, durable: bool = True) -> None:
@@ -82,44 +87,15 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str, durable: bool 
         fsync_dir(path.parent)
 
 
-def commit_folder(tmp: Path, final: Path) -> None:
-    """Rename a complete, fsynced folder ``tmp`` to ``final``, replacing an existing one.
-
-    An existing ``final`` is first moved aside to a hidden name and removed only after the new
-    folder is in place, so a crash between the two renames leaves the old copy recoverable, never
-    a mix.
-    """
-    fsync_dir(tmp)
-    old = None
-    if final.exists():
-        old = hidden_sibling(final, "old")
-        os.rename(final, old)
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def building(final: Path, tag: str) -> Iterator[Path]:
-    """A hidden sibling of ``final`` to build a folder in; removed on the way out unless it was committed.
-
-    A sibling, so that the commit is a ``rename`` on one filesystem. The caller creates it.
-    """
-    tmp = hidden_sibling(final, tag)
-    try:
-        yield tmp
-    finally:
-        if os.path.lexists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
 
 
 def _renameat2(a: Path, b: Path, flags: int) -> bool:
-    """Linux ``renameat2(a, b, flags)``; False where the kernel, libc or filesystem lacks it."""
-    if not sys.platform.startswith("linux"):
+    """Linux ``renameat2(a, b, flags)``; False where the kernel, libc or filesystem lacks it.
+
+    ``GTP_NO_RENAMEAT2=1`` takes the portable path, so that crash tests reach its two-rename moment.
+    """
+    if not sys.platform.startswith("linux") or os.environ.get("GTP_NO_RENAMEAT2") == "1":
         return False
     try:
         fn = ctypes.CDLL(None, use_errno=True).renameat2
@@ -145,18 +121,24 @@ def commit_new_folder(tmp: Path, final: Path) -> None:
     """
     fsync_dir(tmp)
     if not _renameat2(tmp, final, _RENAME_NOREPLACE):
-        if os.path.lexists(final):
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(final))
-        os.rename(tmp, final)
+        os.mkdir(final)  # claims the name (FileExistsError if taken); rename() may replace an empty folder
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.rmdir(final)  # ours, and still empty (rmdir removes nothing else)
+            raise
     fsync_dir(final.parent)
 
 
-def swap_in_folder(tmp: Path, final: Path, backup: Path) -> None:
+def swap_in_folder(tmp: Path, final: Path, backup: Path, between: Callable[[], None] | None = None) -> None:
     """Put the complete folder ``tmp`` at ``final``; the old ``final`` is kept at ``backup`` (must not exist).
 
     Where the kernel can exchange two paths atomically (Linux ``renameat2``), readers of ``final``
     see the old or the new folder, never none; elsewhere there is a moment between two renames,
-    and a failed second rename puts the old folder back.
+    and a failed second rename puts the old folder back (a crash there leaves both complete copies
+    hidden, which :func:`gtp_format.reader.locate.locate` recovers). ``between``: a fault-injection
+    hook called in that moment.
     """
     fsync_dir(tmp)
     if _renameat2(tmp, final, _RENAME_EXCHANGE):
@@ -164,6 +146,8 @@ def swap_in_folder(tmp: Path, final: Path, backup: Path) -> None:
     else:
         os.rename(final, backup)
         try:
+            if between is not None:
+                between()
             os.rename(tmp, final)
         except OSError:
             os.rename(backup, final)
@@ -173,11 +157,11 @@ def swap_in_folder(tmp: Path, final: Path, backup: Path) -> None:
 def commit_file(tmp: Path, final: Path) -> None:
     """Make a complete file ``tmp`` (written next to ``final``) durable and visible as ``final``.
 
-    Refuses to replace an existing ``final`` (``FileExistsError``): exports never overwrite.
+    Refuses to replace an existing ``final`` (``FileExistsError``): exports never overwrite. Without
+    ``renameat2``, ``link`` is the no-replace primitive (it fails on an existing name).
     """
     fsync_file(tmp)
     if not _renameat2(tmp, final, _RENAME_NOREPLACE):
-        if os.path.lexists(final):
-            raise FileExistsError(errno.EEXIST, "already exists", str(final))
-        os.rename(tmp, final)
+        os.link(tmp, final)
+        os.unlink(tmp)
     fsync_dir(final.parent)

@@ -121,6 +121,7 @@ def inspect_command(
         "weights": weights, "optimizer": optimizer, "objects": objects,
         "notes": [p.to_dict() for p in ckpt.notes + topo.notes],
     }
+    doc["leftovers"] = _leftovers(Path(path), ckpt.root)
     if chunks:
         doc["chunks"] = chunk_rows
     if params:
@@ -134,6 +135,16 @@ def inspect_command(
         print_json(doc)
         return
     print_blocks(*_tables(doc))
+
+
+def _leftovers(given: Path, root: Path) -> list[dict[str, Any]]:
+    """Hidden work folders of writers beside the checkpoint (in the run directory and PATH): a killed
+    save or command leaves them; the next writer there removes those whose owner is dead."""
+    from gtp_format.writer.work import leftovers
+
+    spots = sorted({given, root.parent} if given.is_dir() else {root.parent})
+    return [{"path": str(w.path), "target": w.target, "pid": w.pid, "owner": w.state}
+            for spot in spots for w in leftovers(spot) if w.path != root]
 
 
 def _optimizer_info(manifest: Any) -> dict[str, Any] | None:
@@ -193,6 +204,12 @@ def _tables(doc: dict[str, Any]) -> list[str]:
               _ranks(r["ranks"]), _ranks(r["cp_ranks"]), r["optimizer"] or "-") for r in doc["params"]],
             ("param", "full shape", "gbuf", "bucket", "offset", "copies", "ranks", "cp_rank", "optimizer"),
             "Parameters"))
+    if doc["leftovers"]:
+        blocks.append(table([(w["path"], w["target"], "-" if w["pid"] is None else w["pid"],
+                              {"dead": "dead (stale: the next writer here removes it)", "live": "live (being written)",
+                               "unknown": "unknown (another host, or not recorded)"}[w["owner"]])
+                             for w in doc["leftovers"]], ("hidden work folder", "for", "pid", "owner"),
+                            "Leftovers of unfinished writes"))
     for n in doc["notes"]:
         blocks.append(f"{n['severity']}: {n['message']}")
     return blocks

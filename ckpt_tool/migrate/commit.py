@@ -2,8 +2,9 @@
 
 The migrated folder is built in a hidden sibling of where it will appear (same filesystem, so
 the last step is a rename), checked with ``ckpt verify``'s structural checks, and only then made
-visible. A failure anywhere leaves no trace but SRC, untouched. The durable-write and commit
-steps are :mod:`gtp_format.commit`'s, shared by every writer of a checkpoint.
+visible. A failure anywhere (SIGTERM included) leaves no trace but SRC, untouched. The layout and
+commit are the one checkpoint writer's (:class:`gtp_format.writer.checkpoint.CheckpointWriter`):
+a DST that appeared meanwhile is refused and left alone; ``--in-place`` exchanges the folders.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from pathlib import Path
 
 from ckpt_tool.migrate.plan import Plan, check_destination
 from ckpt_tool.migrate.write import Outcome, Progress, build_migrated
-from gtp_format.commit import building, commit_new_folder, swap_in_folder, write_durable
 from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
-from gtp_format.names import LATEST_FILE
 from gtp_format.reader.checkpoint import open_checkpoint
+from gtp_format.writer.checkpoint import CheckpointWriter
 
 TAG = "migrate"  # the hidden build folder is .migrate.<name>.<nonce>
 
@@ -36,10 +36,10 @@ def self_check(folder: Path) -> None:
                         f"{p.message}); nothing was committed, please report this", EXIT_CHECK_FAILED)
 
 
-def _build_and_check(plan: Plan, out: Path, final: Path, progress: Progress) -> Outcome:
-    outcome = build_migrated(plan, out, Path(os.path.abspath(final)), progress)
+def _build_and_check(plan: Plan, writer: CheckpointWriter, final: Path, progress: Progress) -> Outcome:
+    outcome = build_migrated(plan, writer, Path(os.path.abspath(final)), progress)
     t = time.perf_counter()
-    self_check(out)
+    self_check(writer.folder)
     outcome.timings["self_check"] = time.perf_counter() - t
     return outcome
 
@@ -55,13 +55,10 @@ def migrate_to(plan: Plan, dst: Path, progress: Progress) -> Outcome:
     check_destination(dst, src)
     nested = src.parent is not None
     final_iter = dst / src.folder.name if nested else dst
-    with building(dst, TAG) as tmp:
-        if nested:
-            tmp.mkdir()
-        outcome = _build_and_check(plan, tmp / src.folder.name if nested else tmp, final_iter, progress)
-        if nested:
-            write_durable(tmp / LATEST_FILE, f"{src.latest_text}\n")
-        commit_new_folder(tmp, dst)
+    with CheckpointWriter(dst, inner=src.folder.name if nested else None,
+                          latest=src.latest_text if nested else None, tag=TAG) as writer:
+        outcome = _build_and_check(plan, writer, final_iter, progress)
+        writer.commit()
     outcome.destination = final_iter
     return outcome
 
@@ -77,8 +74,8 @@ def migrate_in_place(plan: Plan, progress: Progress) -> Outcome:
     backup = folder.parent / f"{folder.name}.pre-migrate-{stamp}"
     while os.path.lexists(backup):
         backup = folder.parent / f"{folder.name}.pre-migrate-{stamp}-{uuid.uuid4().hex[:4]}"
-    with building(folder, TAG) as tmp:
-        outcome = _build_and_check(plan, tmp, folder, progress)
-        swap_in_folder(tmp, folder, backup)
+    with CheckpointWriter(folder, replace=True, backup=backup, tag=TAG) as writer:
+        outcome = _build_and_check(plan, writer, folder, progress)
+        writer.commit()
     outcome.destination, outcome.backup = folder, backup
     return outcome

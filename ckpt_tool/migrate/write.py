@@ -6,15 +6,15 @@ new: the rebuilt and zeroed chunks, and two small files. The new chunks go to on
 outside the world, so it can never be taken for a rank's file. Each chunk in it is a complete
 ``torch.save`` blob, exactly as DCP's FileSystemWriter writes, and the file's checksum is computed
 as it is written (a zeroed chunk's CRC is combined, not recomputed; its zero run becomes a hole).
-Every file is made durable through :mod:`gtp_format.commit`; the folder is committed by
+Every file is made durable through :mod:`gtp_format.commit`; the folder is the one checkpoint
+writer's (:class:`gtp_format.writer.checkpoint.CheckpointWriter`), which writes the manifest and then
+``metadata.json`` last (its presence says the folder is finished) and is committed by
 :mod:`ckpt_tool.migrate.commit`.
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import shutil
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -28,12 +28,13 @@ from ckpt_tool.migrate.metadata import build_metadata, encode, source_records
 from ckpt_tool.migrate.plan import REBUILD, RESET, Plan
 from ckpt_tool.migrate.record import migrated_manifest
 from ckpt_tool.migrate.weights import ShardCache, rebuild_master
-from gtp_format.commit import fsync_dir, fsync_file, write_durable
+from gtp_format.commit import fsync_file, write_durable
 from gtp_format.errors import FormatError
 from gtp_format.hashing import CRCS, Crc, gf2_times
-from gtp_format.manifest import HASH_ALGORITHM, write_manifest
-from gtp_format.names import DCP_METADATA_FILE, MANIFEST_FILE
+from gtp_format.manifest import HASH_ALGORITHM
+from gtp_format.names import DCP_METADATA_FILE, MANIFEST_FILE, MEGATRON_METADATA_FILE
 from gtp_format.reader.safe_pickle import MetadataRecord
+from gtp_format.writer.checkpoint import CheckpointWriter, data_file_name, link_or_copy
 
 Progress = Callable[[int], None]
 
@@ -119,9 +120,9 @@ class CountingWriter:
 def new_data_file_name(names: set[str], world: int) -> str:
     """``__{world}_{k}.distcp`` with the first ``k`` not taken: a rank outside the world never clashes."""
     k = 0
-    while f"__{world}_{k}.distcp" in names:
+    while data_file_name(world, k, "torch_dist") in names:
         k += 1
-    return f"__{world}_{k}.distcp"
+    return data_file_name(world, k, "torch_dist")
 
 
 @dataclass
@@ -138,19 +139,6 @@ class Outcome:
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase (benchmarks read them)
 
 
-def _link_or_copy(src: Path, dst: Path) -> bool:
-    """Hard-link ``src`` to ``dst``; copy (and fsync) where a link is impossible. True when linked."""
-    try:
-        os.link(src, dst, follow_symlinks=False)
-        return True
-    except OSError as e:
-        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES):
-            raise
-    shutil.copyfile(src, dst, follow_symlinks=False)
-    fsync_file(dst)
-    return False
-
-
 def _carry_files_over(src: Path, names: list[str], out: Path, outcome: Outcome, progress: Progress) -> None:
     """Every file of SRC but the two rewritten ones, linked (or copied) into ``out``."""
     for name in names:
@@ -160,7 +148,10 @@ def _carry_files_over(src: Path, names: list[str], out: Path, outcome: Outcome, 
         if p.is_symlink() or not p.is_file():
             raise FormatError(f"{p} is not a regular file; migrate-aliased only carries the files of a checkpoint "
                             "folder over; move it out of the folder first")
-        if _link_or_copy(p, out / name):
+        if name == MEGATRON_METADATA_FILE:  # the writer's finish() links it, last
+            progress(1)
+            continue
+        if link_or_copy(p, out / name):
             outcome.linked += 1
         else:
             outcome.copied += 1
@@ -179,32 +170,37 @@ def _write_lost_state(plan: Plan, md: MetadataRecord, path: Path, stream: Crc,
     order = {k: i for i, k in enumerate(md.get("state_dict_metadata"))}
     written.sort(key=lambda c: (order[c.source_key], c.cp_rank, c.offsets))
     where: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}
-    with open(path, "wb") as f:
-        w = CountingWriter(f, stream)
-        for c in written:
-            start = w.pos
-            if c.action == REBUILD:
-                torch.save(rebuild_master(plan, c, shards), w)
-            else:
-                w.write_blob(zeros.get(c.sizes))
-            where[(c.new_key, c.offsets)] = (start, w.pos - start)
-            progress(1)
-        w.close_out()
-    fsync_file(path)
+    try:
+        with open(path, "wb") as f:
+            w = CountingWriter(f, stream)
+            for c in written:
+                start = w.pos
+                if c.action == REBUILD:
+                    torch.save(rebuild_master(plan, c, shards), w)
+                else:
+                    w.write_blob(zeros.get(c.sizes))
+                where[(c.new_key, c.offsets)] = (start, w.pos - start)
+                progress(1)
+            w.close_out()
+        fsync_file(path)
+    except OSError as e:  # write() names no file: a full disk must name the one being written
+        if e.filename is None:
+            e.filename = str(path)
+        raise
     return where, w.pos, w.crc
 
 
-def build_migrated(plan: Plan, out: Path, checkpoint_id: Path, progress: Progress) -> Outcome:
-    """Write the migrated iteration folder ``out`` (must not exist). Reads SRC, never writes it.
+def build_migrated(plan: Plan, writer: CheckpointWriter, checkpoint_id: Path, progress: Progress) -> Outcome:
+    """Write the migrated iteration into the writer's (new, empty) folder and finish it. Reads SRC,
+    never writes it.
 
     ``checkpoint_id`` is where the folder will be once committed (DCP records it in ``.metadata``).
     """
     assert plan.par is not None and plan.manifest is not None
-    src = plan.ckpt.root
+    src, out = plan.ckpt.root, writer.folder
     names = sorted(os.listdir(src))
     clock = time.perf_counter()
     md = source_records(plan.ckpt)
-    out.mkdir()
     outcome = Outcome(out, None, 0, 0, 0)
 
     def lap(name: str) -> None:
@@ -228,8 +224,12 @@ def build_migrated(plan: Plan, out: Path, checkpoint_id: Path, progress: Progres
 
     write_durable(out / DCP_METADATA_FILE, encode(build_metadata(plan, md, new_file, lost_storage, checkpoint_id)))
     manifest = migrated_manifest(plan, out, outcome.new_data_file, crc)
-    write_manifest(out, manifest)
+    writer.add_files(manifest.files)
+    megatron = src / MEGATRON_METADATA_FILE if MEGATRON_METADATA_FILE in names else None
+    writer.finish(manifest, megatron)  # SRC's own metadata.json, linked last
+    if megatron is not None:
+        linked = os.stat(megatron).st_ino == os.stat(out / MEGATRON_METADATA_FILE).st_ino
+        outcome.linked, outcome.copied = outcome.linked + linked, outcome.copied + (not linked)
     outcome.notes = list(manifest.notes[-1:])
-    fsync_dir(out)
     lap("metadata")
     return outcome

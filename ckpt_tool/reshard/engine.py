@@ -8,9 +8,11 @@
    each chunk needs (:class:`gtp_format.reader.boxes.BoxReader`); numpy copies and file I/O release
    the GIL, so threads run in parallel;
 5. metadata, manifest (with every file's size and CRC-32C), ``metadata.json``, the latest marker,
-   all in a hidden sibling folder that :func:`gtp_format.commit.commit_folder` renames to DST.
-   On any failure (a full disk included) the sibling is removed: DST appears whole or not at all,
-   and SRC is only ever read.
+   all through the one checkpoint writer (:class:`gtp_format.writer.checkpoint.CheckpointWriter`):
+   built in a hidden sibling and renamed to DST without ever replacing anything, so a DST that
+   appeared meanwhile (another process, a second reshard) is refused and left alone. On any failure
+   (a full disk, SIGTERM included) the sibling is removed: DST appears whole or not at all, and SRC
+   is only ever read.
 
 Memory: the largest array a worker holds is one chunk (``max_memory / (4 * workers)``, at most
 64 MiB: larger chunks bring no speed); a worker holds at most two (the source rows, the chunk
@@ -27,15 +29,13 @@ No torch is imported: the torch_dist files are written by :mod:`gtp_format.write
 from __future__ import annotations
 
 import errno
-import json
 import os
 import resource
-import shutil
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,34 +50,29 @@ from ckpt_tool.reshard.writers import (
     write_distcp_metadata,
     write_safetensors,
 )
-from gtp_format.commit import commit_folder, fsync_dir, hidden_sibling, write_durable
+from gtp_format.commit import write_durable
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ParallelConfig
 from gtp_format.layout.params import buffer_layouts
 from gtp_format.manifest import (
     HASH_ALGORITHM,
-    FileEntry,
     Manifest,
     derive_bucket_size,
     format_version_for,
-    write_manifest,
 )
 from gtp_format.names import (
     DCP_METADATA_FILE,
     FORMAT_NAME,
     GTP_INDEX_FILE,
-    LATEST_FILE,
-    MEGATRON_METADATA_FILE,
     iter_dir_name,
 )
 from gtp_format.scan import carrier
+from gtp_format.writer.checkpoint import CheckpointWriter, data_file_name, megatron_metadata
 from gtp_format.writer.sink import STAGE, stage_bytes
 
 MAX_CHUNK = 64 << 20
 MIN_CHUNK = 1 << 20
 DEFAULT_BUCKET_SIZE = 40_000_000
-MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                     "common_backend": "torch", "common_backend_version": 1}
 Progress = Callable[[int], None]
 
 
@@ -166,43 +161,64 @@ def chunk_data(source: Source, c: OutChunk, bufs: Buffers | None = None) -> np.n
     return arr.reshape(c.sizes)
 
 
-def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, plan: Plan, folder: Path,
-                     workers: int, advance: Progress, stage: int = STAGE) -> None:
-    """Write every data file, the metadata and the manifest of ``target`` into ``folder`` (existing).
+def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, plan: Plan,
+                     writer: CheckpointWriter, workers: int, advance: Progress, stage: int = STAGE) -> None:
+    """Write every data file, the metadata and the manifest of ``target`` into ``writer.folder`` and
+    finish it (the caller commits).
 
     ``fill(chunk)`` gives each chunk's stored bits (:func:`chunk_data` for a reshard; the benchmark
     passes a generator to build synthetic checkpoints of any size); ``stage``: each file's staging
     buffers (:class:`gtp_format.writer.sink.Sink`).
     """
+    folder = writer.folder
     parts = split_files(plan.chunks, workers * 2)
-    names = [f"__{i}_0.{'distcp' if target.layout == 'torch_dist' else 'safetensors'}" for i in range(len(parts))]
-    lock = threading.Lock()
+    names = [data_file_name(i, 0, target.layout) for i in range(len(parts))]
 
-    def tick(n: int) -> None:
-        with lock:
-            advance(n)
-
-    def one(i: int) -> Any:
+    def one(i: int, tick: Progress) -> Any:
         if target.layout == "torch_dist":
             return write_distcp(folder / names[i], parts[i], fill, tick, stage)
         return write_safetensors(folder / names[i], parts[i], fill, tick, stage), None
 
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(one, range(len(parts))))
-    files: dict[str, FileEntry] = {n: r[0] for n, r in zip(names, results)}
+    results = run_files(one, len(parts), workers, advance)
+    writer.add_files({n: r[0] for n, r in zip(names, results)})
     if target.layout == "torch_dist":
         placed = [(n, c, off, ln) for n, r in zip(names, results) for c, off, ln in r[1]]
         write_distcp_metadata(folder / DCP_METADATA_FILE, plan.shapes, placed)
-        meta_name, megatron = DCP_METADATA_FILE, MEGATRON_METADATA
+        writer.add_file(DCP_METADATA_FILE)
     else:
         write_durable(folder / GTP_INDEX_FILE, safetensors_index(plan.shapes, dict(zip(names, parts))))
-        meta_name, megatron = GTP_INDEX_FILE, {"sharded_backend": "gtp_safetensors"}
-    from gtp_runtime.checkpoint.manifest import file_entry
+        writer.add_file(GTP_INDEX_FILE)
+    writer.finish(target, megatron_metadata(target.layout))
 
-    files[meta_name] = file_entry(folder / meta_name)
-    write_manifest(folder, replace(target, files=files))
-    write_durable(folder / MEGATRON_METADATA_FILE, json.dumps(megatron))
-    fsync_dir(folder)
+
+class Stopped(Exception):
+    """A worker's file was abandoned because another failed or the run was interrupted."""
+
+
+def run_files(one: Callable[[int, Progress], Any], n: int, workers: int, advance: Progress) -> list[Any]:
+    """``one(i, tick)`` for every file ``i`` on ``workers`` threads (``tick(bytes)`` after each chunk).
+
+    On an error or an interrupt (SIGTERM, Ctrl-C) the files not started are cancelled and the running
+    ones stop at their next chunk (``tick`` raises), so nothing writes into the work folder once the
+    writer removes it, and a terminated run ends within a chunk's time, not a file's.
+    """
+    lock, stop = threading.Lock(), threading.Event()
+
+    def tick(nbytes: int) -> None:
+        if stop.is_set():
+            raise Stopped("stopped")
+        with lock:
+            advance(nbytes)
+
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        futures = [pool.submit(one, i, tick) for i in range(n)]
+        return [f.result() for f in futures]
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def os_cause(e: BaseException) -> OSError | None:
@@ -236,16 +252,16 @@ def write_failure(dst: Path, e: OSError) -> FormatError:
     return FormatError(f"{dst}: cannot write ({e.strerror or e}); nothing was left behind")
 
 
-def build_atomically(dst: Path, src_root: Path, body: Callable[[Path], None]) -> None:
-    """Run ``body(tmp)`` on a hidden sibling of ``dst`` and rename it into place; remove it on failure."""
+def build_atomically(dst: Path, src_root: Path, body: Callable[[CheckpointWriter], None],
+                     inner: str | None = None, latest: str | None = None) -> None:
+    """Run ``body(writer)`` (which writes and finishes) on a new :class:`CheckpointWriter` for ``dst`` and
+    commit it; the work folder is removed on any failure, and a DST that appeared meanwhile is refused."""
     check_destination(dst, src_root)
-    tmp = hidden_sibling(dst, "tmp")
-    tmp.mkdir()
     try:
-        body(tmp)
-        commit_folder(tmp, dst)
+        with CheckpointWriter(dst, inner=inner, latest=latest) as writer:
+            body(writer)
+            writer.commit()
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         cause = os_cause(e)
         if cause is None or isinstance(e, FormatError):
             raise
@@ -311,19 +327,16 @@ def reshard(src: Path, dst: Path, par: ParallelConfig, layout: str | None = None
     chunk_bytes = chunk_budget(max_memory, workers)
     plan = plan_target(target, chunk_bytes)
 
-    def body(tmp: Path) -> None:
-        folder = tmp / iter_dir_name(target.iteration)
-        folder.mkdir()
+    def body(writer: CheckpointWriter) -> None:
         advance = progress(plan.nbytes) if progress else (lambda n: None)
         bufs = Buffers()  # thread-local: each worker reads and assembles in its own
         try:
-            write_checkpoint(lambda c: chunk_data(source, c, bufs), target, plan, folder, workers, advance,
+            write_checkpoint(lambda c: chunk_data(source, c, bufs), target, plan, writer, workers, advance,
                              stage_bytes(chunk_bytes))
         finally:
             source.reader.close()
-        write_durable(tmp / LATEST_FILE, f"{target.iteration}\n")
 
-    build_atomically(dst, source.root, body)
+    build_atomically(dst, source.root, body, inner=iter_dir_name(target.iteration), latest=str(target.iteration))
     out = list((dst / iter_dir_name(target.iteration)).iterdir())
     return Result(str(source.root), str(dst), source.manifest.topology.describe(), par.describe(), target.layout,
                   len(out), len(plan.chunks), sum(p.stat().st_size for p in out), source.reader.bytes_read,

@@ -13,8 +13,10 @@
   refused above ``--max-memory`` (small models only, as upstream says of its own function).
 
 All three stream through the per-parameter view (:class:`.source.Source`) in row blocks of at
-most the chunk budget and appear atomically (:func:`.engine.build_atomically`,
-:func:`gtp_format.commit.commit_file`). ``hf`` and ``fully_reshardable`` files go out through
+most the chunk budget and appear atomically through the one checkpoint writer
+(:class:`gtp_format.writer.checkpoint.CheckpointWriter` via :func:`.engine.build_atomically`;
+``torch``'s single file through :func:`gtp_format.commit.commit_file`): never replacing a DST that
+appeared meanwhile. ``hf`` and ``fully_reshardable`` files go out through
 :class:`gtp_format.writer.sink.Sink` (``O_DIRECT``, fsynced), as reshard's do.
 """
 
@@ -25,7 +27,6 @@ import math
 import struct
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,6 @@ import numpy as np
 
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
 from ckpt_tool.reshard.engine import (
-    MEGATRON_METADATA,
     Progress,
     build_atomically,
     check_destination,
@@ -42,18 +42,21 @@ from ckpt_tool.reshard.engine import (
     default_workers,
     peak_rss,
     rss_after_imports,
+    run_files,
     write_failure,
 )
 from ckpt_tool.reshard.plan import FP32, OutChunk, dtype_of, row_blocks, split_files
 from ckpt_tool.reshard.source import WEIGHT, Buffers, Source, open_source
 from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata
-from gtp_format.commit import commit_file, fsync_dir, hidden_sibling, write_durable
+from gtp_format.commit import commit_file, hidden_sibling, write_durable
 from gtp_format.dtypes import DType
 from gtp_format.errors import FormatError
 from gtp_format.layout.params import model_params
-from gtp_format.names import LATEST_FILE, MEGATRON_METADATA_FILE, STATES, iter_dir_name
+from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.params import ParamView
+from gtp_format.writer.checkpoint import CheckpointWriter, DestinationTaken, data_file_name, megatron_metadata
 from gtp_format.writer.sink import Sink, stage_bytes
+from gtp_format.writer.work import clean_stale, sigterm_raises
 
 TARGETS = ("hf", "fully_reshardable", "torch")
 DEFAULT_SHARD = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
@@ -124,8 +127,9 @@ def _write_hf_file(path: Path, tensors: list[Any], data: Callable[[OutChunk], np
         out.close()
 
 
-def export_hf(source: Source, folder: Path, optimizer: bool, max_shard: int, chunk_bytes: int, workers: int,
-              advance: Progress) -> dict[str, Any]:
+def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_shard: int, chunk_bytes: int,
+              workers: int, advance: Progress) -> dict[str, Any]:
+    folder = writer.folder
     views = ordered_views(source)
     sets = [("model", HF_INDEX, [(v.name, WEIGHT) for v in views])]
     if optimizer:
@@ -145,20 +149,17 @@ def export_hf(source: Source, folder: Path, optimizer: bool, max_shard: int, chu
                                                  indent=2))
         jobs.extend(files)
     bufs = Buffers()  # thread-local: each worker reads into its own reusable buffers
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        list(pool.map(lambda job: _write_hf_file(folder / job[0], job[1], lambda c: chunk_data(source, c, bufs),
-                                                 advance, stage_bytes(chunk_bytes)), jobs))
-    fsync_dir(folder)
+    run_files(lambda i, tick: _write_hf_file(folder / jobs[i][0], jobs[i][1], lambda c: chunk_data(source, c, bufs),
+                                             tick, stage_bytes(chunk_bytes)), len(jobs), workers, advance)
+    writer.finish(None, None)  # not a checkpoint: no manifest, no metadata.json
     return {"files": len(jobs) + len(sets)}
 
 
 # -- fully_reshardable --------------------------------------------------------------------------------
 
-def export_fully_reshardable(source: Source, root: Path, chunk_bytes: int, workers: int,
+def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_bytes: int, workers: int,
                              advance: Progress) -> dict[str, Any]:
-    iteration = source.manifest.iteration if source.manifest else (source.ckpt.iteration or 0)
-    folder = root / iter_dir_name(iteration)
-    folder.mkdir()
+    folder = writer.folder
     chunks: list[OutChunk] = []
     shapes: dict[str, Any] = {}
     for v in ordered_views(source):
@@ -170,18 +171,14 @@ def export_fully_reshardable(source: Source, root: Path, chunk_bytes: int, worke
             shapes[key] = (entry_shape or v.full_shape, part[0].dtype)
             chunks.extend(part)
     parts = split_files(chunks, workers * 2)
-    names = [f"__{i}_0.distcp" for i in range(len(parts))]
+    names = [data_file_name(i, 0, "torch_dist") for i in range(len(parts))]
     bufs = Buffers()
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(lambda i: write_distcp(folder / names[i], parts[i],
-                                                       lambda c: chunk_data(source, c, bufs), advance,
-                                                       stage_bytes(chunk_bytes)),
-                                range(len(parts))))
-    write_distcp_metadata(folder / ".metadata", shapes,
+    results = run_files(lambda i, tick: write_distcp(folder / names[i], parts[i],
+                                                     lambda c: chunk_data(source, c, bufs), tick,
+                                                     stage_bytes(chunk_bytes)), len(parts), workers, advance)
+    write_distcp_metadata(folder / DCP_METADATA_FILE, shapes,
                           [(n, c, off, ln) for n, r in zip(names, results) for c, off, ln in r[1]])
-    write_durable(folder / MEGATRON_METADATA_FILE, json.dumps(MEGATRON_METADATA))
-    fsync_dir(folder)
-    write_durable(root / LATEST_FILE, f"{iteration}\n")
+    writer.finish(None, megatron_metadata("torch_dist"))  # Megatron's own layout: no manifest
     return {"files": len(parts) + 2}
 
 
@@ -200,10 +197,15 @@ def export_torch(source: Source, dst: Path, max_memory: int) -> dict[str, Any]:
         assert e.shape is not None and e.dtype is not None
         arr = source.reader.read_box(key, (0,) * len(e.shape), e.shape)
         state[key] = torch.from_numpy(np.ascontiguousarray(arr)).view(e.dtype.torch)
+    clean_stale(dst.parent)  # what killed exports left beside DST
     tmp = hidden_sibling(dst, "tmp")
     try:
-        torch.save(state, tmp)
-        commit_file(tmp, dst)
+        with sigterm_raises():  # a terminated export removes its partial file, as on an error
+            torch.save(state, tmp)
+            commit_file(tmp, dst)
+    except FileExistsError:
+        tmp.unlink(missing_ok=True)
+        raise DestinationTaken(dst) from None
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise write_failure(dst, e) from None
@@ -241,14 +243,16 @@ def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: i
     else:
         holder: dict[str, Any] = {}
 
-        def body(tmp: Path) -> None:
+        def body(writer: CheckpointWriter) -> None:
             if to == "hf":
-                holder.update(export_hf(source, tmp, optimizer, max_shard, chunk_bytes, workers, advance))
+                holder.update(export_hf(source, writer, optimizer, max_shard, chunk_bytes, workers, advance))
             else:
-                holder.update(export_fully_reshardable(source, tmp, chunk_bytes, workers, advance))
+                holder.update(export_fully_reshardable(source, writer, chunk_bytes, workers, advance))
 
+        iteration = source.manifest.iteration if source.manifest else (source.ckpt.iteration or 0)
+        nested = {"inner": iter_dir_name(iteration), "latest": str(iteration)} if to == "fully_reshardable" else {}
         try:
-            build_atomically(dst, source.root, body)
+            build_atomically(dst, source.root, body, **nested)
         finally:
             source.reader.close()
         info = holder

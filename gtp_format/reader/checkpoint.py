@@ -63,6 +63,10 @@ def open_checkpoint(path: str | os.PathLike[str], keep_raw_metadata: bool = Fals
         referenced = {c.storage.file for e in entries.values() for c in e.chunks if c.storage}
         files.update(_referenced_sizes(loc.folder, referenced - files.keys()))
     iteration = iteration_from_name(loc.folder)
+    if loc.recovered is not None:
+        iteration = iteration_from_name(Path(loc.recovered))
+        notes.append(Problem("warning", "recovered", f"{loc.folder.parent / loc.recovered} is missing (a crash while "
+                             f"it was replaced); read its complete hidden copy {loc.folder.name} instead"))
     notes.extend(manifest_notes)
     if manifest is not None:
         if iteration is not None and manifest.iteration != iteration:

@@ -4,6 +4,12 @@ Users pass either an ``iter_XXXXXXX`` folder or the run's checkpoint directory h
 ``latest_checkpointed_iteration.txt``, the way Megatron resumes. The marker file is input like
 any other: its content must be an iteration number (or Megatron's ``release``) and the folder it
 names must exist, or the user gets one line saying which.
+
+What a crash leaves is read too (the writer's rules, :mod:`gtp_format.writer.checkpoint`): a
+hidden work folder pointed at directly is a checkpoint only once its writer finished it
+(``metadata.json``, written last, is there) and its owner is gone; and where the marker names an
+iteration that is missing because a crash fell between the two renames of a portable replace, its
+finished hidden copy is used instead (:func:`recover_hidden`), with a note saying so.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from gtp_format.names import (
 )
 from gtp_format.reader import safe_json
 from gtp_format.reader.storage import is_folder_inside, list_dir, read_small_file
+from gtp_format.writer.work import leftovers, parse_work
 
 LAYOUT_TORCH_DIST, LAYOUT_SAFETENSORS = LAYOUTS
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -68,6 +75,44 @@ class Located:
     folder: Path
     layout: str
     names: tuple[str, ...]  # entries of the folder, sorted
+    recovered: str | None = None  # the iteration folder the marker names, when a hidden copy stands in for it
+
+
+# Which hidden copy stands in for a missing iteration: the finished new one first, then the old one.
+_RECOVERY_ORDER = {"tmp": 0, "migrate": 1, "old": 2}
+
+
+def recover_hidden(parent: Path, name: str) -> Path | None:
+    """A finished hidden copy of the missing ``parent/name`` whose writer is gone, or None.
+
+    Finished: ``metadata.json`` is there (the writer writes it last, after every other file was
+    fsynced). A live writer's copy is left to it: it is about to be renamed.
+    """
+    best: tuple[int, str, Path] | None = None
+    for w in leftovers(parent):
+        if w.target != name or w.state == "live" or not is_folder_inside(parent, w.path.name):
+            continue
+        try:
+            names = list_dir(w.path)
+        except FormatError:
+            continue
+        if MEGATRON_METADATA_FILE in names and _layout_of(names) is not None:
+            rank = (_RECOVERY_ORDER.get(w.tag, 3), w.path.name, w.path)
+            best = rank if best is None or rank < best else best
+    return best[2] if best else None
+
+
+def _check_work_folder(p: Path, names: list[str]) -> None:
+    """Refuse a hidden work folder that is not a finished checkpoint (pointed at directly)."""
+    w = parse_work(p)
+    if w is None:
+        return
+    if w.state == "live" and w.pid != os.getpid():  # a writer may check its own work (migrate's self-check)
+        raise FormatError(f"{p}: a hidden work folder that process {w.pid} is still writing; wait for it, "
+                          f"then use {p.with_name(w.target)}")
+    if MEGATRON_METADATA_FILE not in names:
+        raise FormatError(f"{p}: a hidden work folder its writer never finished (no {MEGATRON_METADATA_FILE}, "
+                          "written last): not a checkpoint; use a committed iter_XXXXXXX folder")
 
 
 def _read_latest(parent: Path) -> Path:
@@ -82,6 +127,10 @@ def _read_latest(parent: Path) -> Path:
     else:
         raise FormatError(f"{marker} holds {text[:40]!r}, not an iteration number; {fix}")
     if not is_folder_inside(parent, folder.name):
+        if not os.path.lexists(folder):
+            hidden = recover_hidden(parent, folder.name)
+            if hidden is not None:
+                return hidden
         what = ("missing" if not os.path.lexists(folder) else "a file" if folder.is_file() and not folder.is_symlink()
                 else "not a folder inside the run directory")
         raise FormatError(f"{marker} names iteration {text} but {folder} is {what}; {fix}")
@@ -105,10 +154,15 @@ def locate(path: str | os.PathLike[str]) -> Located:
         raise FormatError(f"{p} is a file, expected a checkpoint folder; pass the iter_XXXXXXX folder or its parent")
     names = list_dir(p)
     layout = _layout_of(names)
+    recovered = None
     if layout is None and LATEST_FILE in names:
-        p = _read_latest(p)
+        named = _read_latest(p)
+        hidden = parse_work(named)
+        recovered = hidden.target if hidden is not None else None
+        p = named
         names = list_dir(p)
         layout = _layout_of(names)
+    _check_work_folder(p, names)
     if layout is None:
         if any(DISTCP_RE.match(n) for n in names) or MEGATRON_METADATA_FILE in names:
             raise FormatError(
@@ -121,7 +175,7 @@ def locate(path: str | os.PathLike[str]) -> Located:
                               f"e.g. {p / iters[-1]}")
         what = "is empty" if not names else "has no .metadata, *.safetensors or " + LATEST_FILE
         raise FormatError(f"{p} {what}: not a checkpoint folder; pass an iter_XXXXXXX folder or its parent")
-    return Located(folder=p, layout=layout, names=tuple(names))
+    return Located(folder=p, layout=layout, names=tuple(names), recovered=recovered)
 
 
 def load_json_object(path: Path, what: str, limit: int = JSON_LIMIT) -> dict[str, Any]:

@@ -21,7 +21,6 @@ Megatron's ``--async-save`` and torchtitan's async mode do the same; the rules h
 
 from __future__ import annotations
 
-import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from gtp_format import names as fmt
 from gtp_format.manifest import FileEntry, Manifest
+from gtp_format.writer.checkpoint import CheckpointWriter
 from gtp_runtime.checkpoint.io import finish_save, manifest_now, prepare_folder, rank_state, try_write_rank_files
 from gtp_runtime.checkpoint.staging import Staging
 from gtp_runtime.training import Trainer
@@ -41,9 +41,7 @@ from gtp_runtime.training import Trainer
 @dataclass
 class _InFlight:
     future: Future[dict[str, FileEntry] | str]
-    root: Path
-    tmp: Path
-    final: Path
+    writer: CheckpointWriter
     manifest: Manifest | None  # rank 0's, taken when the state was staged
     device: torch.device
 
@@ -67,7 +65,7 @@ class AsyncCheckpointer:
     @property
     def in_flight(self) -> Path | None:
         """The folder the save in flight will commit to, if any."""
-        return self._pending.final if self._pending else None
+        return self._pending.writer.target if self._pending else None
 
     def save(self, trainer: Trainer, root: str | Path, layout: str = "torch_dist",
              sharding: str = fmt.FORMAT_NAME) -> tuple[Path, Path | None]:
@@ -77,19 +75,19 @@ class AsyncCheckpointer:
         start = time.perf_counter()
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
-        root = Path(root)
-        tmp, final = prepare_folder(trainer, root, layout, sharding)
+        writer = prepare_folder(trainer, Path(root), layout, sharding)
         try:
             staged = self.staging.stage(rank_state(trainer), self._group)
+            manifest = manifest_now(trainer, layout, sharding, False) if dist.get_rank() == 0 else None
         except BaseException:
             if dist.get_rank() == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+                writer.abort()
             raise
-        manifest = manifest_now(trainer, layout, sharding, False) if dist.get_rank() == 0 else None
-        future = self._pool.submit(try_write_rank_files, staged, tmp, layout, self.writer_threads, self._group)
-        self._pending = _InFlight(future, root, tmp, final, manifest, trainer.device)
+        future = self._pool.submit(try_write_rank_files, staged, writer.folder, layout, self.writer_threads,
+                                   self._group)
+        self._pending = _InFlight(future, writer, manifest, trainer.device)
         self.blocking_s = time.perf_counter() - start
-        return final, committed
+        return writer.target, committed
 
     def poll(self) -> Path | None:
         """After a step: commit the save in flight if every rank has written its files; the folder
@@ -108,7 +106,12 @@ class AsyncCheckpointer:
         p, self._pending = self._pending, None
         if p is None:
             return None
-        return finish_save(p.root, p.tmp, p.final, p.manifest, p.future.result())
+        try:
+            return finish_save(p.writer, p.manifest, p.future.result())
+        except BaseException:
+            if dist.get_rank() == 0:
+                p.writer.abort()
+            raise
 
     def close(self) -> Path | None:
         """End of training: :meth:`finalize`, then stop the writer thread."""

@@ -1,11 +1,14 @@
 """Save and load ``dp_reshardable`` checkpoints through DCP, with an atomic commit.
 
-Save: every rank writes its chunks into ``.tmp.iter_{N}.{nonce}/`` (fsynced), rank 0 adds the
-manifest and Megatron's ``metadata.json``, fsyncs the folder, renames it to ``iter_{N:07d}``, and
-only then replaces ``latest_checkpointed_iteration.txt`` (write to a temporary file, fsync,
+Save: through the one checkpoint writer (:class:`gtp_format.writer.checkpoint.CheckpointWriter`):
+rank 0 creates the hidden work folder ``.tmp.iter_{N}.w{owner}/``, every rank writes its chunks
+there (fsynced), rank 0 adds the manifest and Megatron's ``metadata.json``, fsyncs the folder,
+renames it to ``iter_{N:07d}`` (exchanged atomically with an existing one when an iteration is
+re-saved), and only then replaces ``latest_checkpointed_iteration.txt`` (temporary file, fsync,
 ``os.replace``). A crash before the rename leaves only a ``.tmp.*`` folder that no reader treats
-as a checkpoint; a crash after it leaves a complete new checkpoint and, at worst, ``latest``
-still naming the previous one. Nothing ever looks complete without being complete.
+as a checkpoint (the next save removes it once its owner is dead); a crash after it leaves a
+complete new checkpoint and, at worst, ``latest`` still naming the previous one. Nothing ever
+looks complete without being complete.
 
 Load: the checkpoint is opened and verified the way ``ckpt verify`` does it, and its manifest is
 checked against the running topology (DP may differ; TP, CP, GTP_remat, fold_cp, expert sizes and
@@ -15,12 +18,9 @@ needs, then DCP reads exactly the boxes this rank needs, through the verified mo
 
 from __future__ import annotations
 
-import dataclasses
 import errno
-import json
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +31,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.storage import StorageWriter
 
 from gtp_format import names as fmt
-from gtp_format.commit import commit_folder, write_atomic, write_durable
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError
-from gtp_format.manifest import FileEntry, Manifest, write_manifest
+from gtp_format.manifest import FileEntry, Manifest
+from gtp_format.writer.checkpoint import CheckpointWriter, file_entry, megatron_metadata
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
+from gtp_runtime.checkpoint.direct_fs import direct_writer
 from gtp_runtime.checkpoint.errors import CheckpointError, CheckpointSaveError
-from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, file_entry, optimizer_info
+from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, optimizer_info
 from gtp_runtime.checkpoint.run_state import load_run_state, save_run_state
 from gtp_runtime.checkpoint.safetensors_storage import INDEX_FILE, SafetensorsWriter
 from gtp_runtime.checkpoint.state import (
@@ -49,9 +50,6 @@ from gtp_runtime.checkpoint.state import (
 from gtp_runtime.checkpoint.verified import VerifiedReader, check_compatible, open_verified, sharding_refusal
 from gtp_runtime.last_resort import describe, root_cause
 from gtp_runtime.training import Trainer
-
-MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                     "common_backend": "torch", "common_backend_version": 1}
 
 
 def _fault(point: str, folder: Path | None = None) -> None:
@@ -66,7 +64,10 @@ def _fault(point: str, folder: Path | None = None) -> None:
         if spec[2:] == ["enospc"]:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
         if spec[2:] == ["rmtree"] and folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
+            # renamed first, so that no peer creates a file in it between rmtree's listing and its rmdir
+            gone = folder.with_name(folder.name + ".removed")
+            os.rename(folder, gone)
+            shutil.rmtree(gone)
             return
         os._exit(17)
 
@@ -95,26 +96,28 @@ def _own_files(folder: Path, layout: str, rank: int) -> list[Path]:
     return sorted(folder.glob(f"__{rank}_*{suffix}"))
 
 
-def prepare_folder(trainer: Trainer, root: Path, layout: str, sharding: str) -> tuple[Path, Path]:
-    """Refuse a bad request, then make the hidden work folder (collective): ``(tmp, final)``."""
+def prepare_folder(trainer: Trainer, root: Path, layout: str, sharding: str) -> CheckpointWriter:
+    """Refuse a bad request, then start the one checkpoint writer (collective): rank 0 creates the
+    hidden work folder and every rank adopts it. A folder that cannot be created (a full disk, no
+    permission) is one :class:`CheckpointSaveError` on every rank."""
     check_sharding(trainer, sharding, "save")
     if layout not in fmt.LAYOUTS:
         raise CheckpointError(f"unknown --ckpt-layout {layout!r}; use one of {fmt.LAYOUTS}")
-    rank = dist.get_rank()
-    it = trainer.iteration
-    name = [f".tmp.{fmt.iter_dir_name(it)}.{uuid.uuid4().hex[:8]}" if rank == 0 else None]
-    dist.broadcast_object_list(name, src=0)
-    tmp, final = root / name[0], root / fmt.iter_dir_name(it)
-    err: list[str | None] = [None]
-    if rank == 0:
+    final = root / fmt.iter_dir_name(trainer.iteration)
+    writer = CheckpointWriter(final, replace=True, fault=_fault)
+    name: list[str | None] = [None, None]  # the work folder's name, or why it could not be made
+    if dist.get_rank() == 0:
         try:
-            tmp.mkdir(parents=True)
+            root.mkdir(parents=True, exist_ok=True)
+            name[0] = writer.begin().name
         except OSError as e:
-            err[0] = describe(e)
-    dist.broadcast_object_list(err, src=0)
-    if err[0] is not None:
-        raise CheckpointSaveError(f"cannot save {final}: {err[0]}; {_latest_text(root)}")
-    return tmp, final
+            name[1] = _cause(e)
+    dist.broadcast_object_list(name, src=0)
+    if name[0] is None:
+        raise CheckpointSaveError(f"cannot save {final}: {name[1]}; {_latest_text(root)}")
+    if dist.get_rank() != 0:
+        writer.adopt(root / name[0])
+    return writer
 
 
 def rank_state(trainer: Trainer, aliased: bool = False) -> dict[str, Any]:
@@ -145,27 +148,38 @@ def write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | 
                      group: dist.ProcessGroup | None = None) -> dict[str, FileEntry]:
     """Write this rank's chunks into ``tmp`` (DCP, over ``group``) and return its files' entries.
 
-    An async save runs this on its background thread, over its own process group, never the training one.
+    ``torch_dist`` data files go through the ``O_DIRECT`` sink (:mod:`direct_fs`), which fsyncs
+    each and computes its CRC-32C as it writes: nothing is read back. An async save runs this on
+    its background thread, over its own process group, never the training one.
     """
     # Several writer threads per rank (files __{rank}_0.., __{rank}_1..): torch.save releases the
     # GIL while it copies and writes, and measured on 2 cores this doubles DCP's save rate.
     threads = threads or max(1, min(4, os.cpu_count() or 1))
-    writer = (dcp.FileSystemWriter(tmp, sync_files=True, thread_count=threads) if layout == "torch_dist"
-              else SafetensorsWriter(tmp))
-    dcp.save(sd, storage_writer=_hooked(writer, tmp), planner=ChunkSavePlanner(), process_group=group)
+    if layout == "torch_dist":
+        writer, fs = direct_writer(tmp, threads)
+        dcp.save(sd, storage_writer=_hooked(writer, tmp), planner=ChunkSavePlanner(), process_group=group)
+        _fault("after_write")
+        own = {p.name for p in _own_files(tmp, layout, dist.get_rank())}
+        if own != set(fs.entries):
+            raise CheckpointError(f"{tmp}: this rank wrote {sorted(fs.entries)} but {sorted(own)} are there")
+        return dict(fs.entries)
+    dcp.save(sd, storage_writer=_hooked(SafetensorsWriter(tmp), tmp), planner=ChunkSavePlanner(), process_group=group)
     _fault("after_write")
     return {p.name: file_entry(p) for p in _own_files(tmp, layout, dist.get_rank())}
 
 
 def try_write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | None,
                          group: dist.ProcessGroup | None = None) -> dict[str, FileEntry] | str:
-    """:func:`write_rank_files`, a failure returned as its one-line cause (for :func:`finish_save`)."""
+    """:func:`write_rank_files`, a failure returned as ``rank R: cause`` (for :func:`finish_save`);
+    DCP hands every rank the failures of all, so R is the first rank that raised, not this one."""
     try:
         return write_rank_files(sd, tmp, layout, threads, group)
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         if isinstance(e, KeyboardInterrupt | SystemExit):
             raise
-        return _cause(e)
+        failures = getattr(e, "failures", None)
+        origin = min(failures) if isinstance(failures, dict) and failures else dist.get_rank()
+        return f"rank {origin}: {_cause(e)}"
 
 
 def _latest_text(root: Path) -> str:
@@ -186,8 +200,7 @@ def _cause(e: BaseException) -> str:
     return describe(e, 300) or type(e).__name__
 
 
-def finish_save(trainer_root: Path, tmp: Path, final: Path, manifest: Manifest | None,
-                result: dict[str, FileEntry] | str) -> Path:
+def finish_save(writer: CheckpointWriter, manifest: Manifest | None, result: dict[str, FileEntry] | str) -> Path:
     """Collective end of a save: every rank's outcome (its file entries, or why it failed) is
     gathered; only if all wrote, rank 0 adds the manifest and Megatron's ``metadata.json``, commits
     and moves the latest marker. Otherwise the work folder is removed (a rerun must not fail on a
@@ -198,36 +211,32 @@ def finish_save(trainer_root: Path, tmp: Path, final: Path, manifest: Manifest |
     failed = next(((r, x) for r, x in enumerate(everything) if not isinstance(x, dict)), None)
     err: list[str | None] = [None]
     if failed is not None:
-        err[0] = f"rank {failed[0]}: {failed[1]}"
+        err[0] = str(failed[1])
     elif rank == 0:
         assert manifest is not None
         try:
-            _commit(trainer_root, tmp, final, manifest, everything)
+            _commit(writer, manifest, everything)
         except OSError as e:
             err[0] = f"rank 0: {_cause(e)}"
     if failed is None:
         dist.broadcast_object_list(err, src=0)
     if err[0] is not None:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointSaveError(f"saving {final} failed on {err[0]}; {_latest_text(trainer_root)}")
-    return final
+            writer.abort()
+        raise CheckpointSaveError(f"saving {writer.target} failed on {err[0]}; {_latest_text(writer.target.parent)}")
+    return writer.target
 
 
-def _commit(root: Path, tmp: Path, final: Path, manifest: Manifest, everything: list[Any]) -> None:
+def _commit(writer: CheckpointWriter, manifest: Manifest, everything: list[Any]) -> None:
     """Rank 0: manifest (with every rank's file entries), ``metadata.json``, rename, latest marker."""
-    files: dict[str, FileEntry] = {}
     for part in everything:
-        files.update(part or {})
-    meta = tmp / (fmt.DCP_METADATA_FILE if manifest.layout == "torch_dist" else INDEX_FILE)
-    files[meta.name] = file_entry(meta)
-    write_manifest(tmp, dataclasses.replace(manifest, files=files))
-    megatron = MEGATRON_METADATA if manifest.layout == "torch_dist" else {"sharded_backend": "gtp_safetensors"}
-    write_durable(tmp / fmt.MEGATRON_METADATA_FILE, json.dumps(megatron))
+        writer.add_files(part or {})
+    writer.add_file(fmt.DCP_METADATA_FILE if manifest.layout == "torch_dist" else INDEX_FILE)
+    writer.finish(manifest, megatron_metadata(manifest.layout))
     _fault("before_rename")
-    commit_folder(tmp, final)
+    writer.commit()
     _fault("before_latest")
-    write_atomic(root / fmt.LATEST_FILE, f"{manifest.iteration}\n")
+    writer.set_latest(manifest.iteration)
 
 
 def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "torch_dist",
@@ -241,12 +250,16 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
     rank, naming the folder and the cause, and leaves no work folder behind. For a save that
     returns before the files are written see :class:`gtp_runtime.checkpoint.async_save.AsyncCheckpointer`.
     """
-    root = Path(root)
-    tmp, final = prepare_folder(trainer, root, layout, sharding)
-    sd = rank_state(trainer, aliased)
-    manifest = manifest_now(trainer, layout, sharding, aliased) if dist.get_rank() == 0 else None
-    _fault("before_write")
-    return finish_save(root, tmp, final, manifest, try_write_rank_files(sd, tmp, layout, writer_threads))
+    writer = prepare_folder(trainer, Path(root), layout, sharding)
+    try:
+        sd = rank_state(trainer, aliased)
+        manifest = manifest_now(trainer, layout, sharding, aliased) if dist.get_rank() == 0 else None
+        _fault("before_write")
+        return finish_save(writer, manifest, try_write_rank_files(sd, writer.folder, layout, writer_threads))
+    except BaseException:
+        if dist.get_rank() == 0:
+            writer.abort()
+        raise
 
 
 def _check_keys(sd: dict[str, Any], stored: dict[str, Any], folder: Path) -> None:

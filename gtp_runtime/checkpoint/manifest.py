@@ -8,10 +8,8 @@ not disagree about a field.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
-from gtp_format.hashing import file_digests
 from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_format.manifest import (
     HASH_ALGORITHM,
@@ -24,13 +22,6 @@ from gtp_format.manifest import (
     format_version_for,
 )
 from gtp_format.names import dtype_tag
-
-
-def file_entry(path: Path) -> FileEntry:
-    """Size and CRC-32C of a file this rank just wrote."""
-    with open(path, "rb") as f:
-        sums = file_digests(f, [HASH_ALGORITHM])
-    return FileEntry(size=path.stat().st_size, checksums=sums)
 
 
 def buffer_layout(opt: Any, groups: Any) -> tuple[BufferLayout, ...]:

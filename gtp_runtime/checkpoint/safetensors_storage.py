@@ -38,6 +38,7 @@ from gtp_format.commit import fsync_file, write_durable  # noqa: E402
 from gtp_format.names import GTP_INDEX_FILE as INDEX_FILE  # noqa: E402
 from gtp_format.names import GTP_INDEX_VERSION as INDEX_VERSION  # noqa: E402
 from gtp_format.names import chunk_tensor_name as tensor_name  # noqa: E402
+from gtp_format.writer.checkpoint import data_file_name  # noqa: E402
 
 
 def _done(value: Any) -> torch.futures.Future:
@@ -68,7 +69,7 @@ class SafetensorsWriter(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
-        file = f"__{self.rank}_0.safetensors"
+        file = data_file_name(self.rank, 0, "safetensors")
         tensors: dict[str, torch.Tensor] = {}
         results = []
         for item in plan.items:

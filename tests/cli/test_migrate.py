@@ -344,6 +344,10 @@ def test_metadata_is_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     src = _copy(tmp_path / "src")
     plan = plan_migration(src, None, True)
     assert plan.ckpt.raw_metadata is not None
-    build_migrated(plan, tmp_path / "out", tmp_path / "out", lambda n: None)
+    from gtp_format.writer.checkpoint import CheckpointWriter
+
+    with CheckpointWriter(tmp_path / "out") as writer:
+        build_migrated(plan, writer, tmp_path / "out", lambda n: None)
+        writer.commit()
     assert unpickled == [str(src / ITER / ".metadata")]
     assert (tmp_path / "out" / "__8_0.distcp").is_file()

@@ -1,4 +1,5 @@
-"""The folder-commit helpers tools use to publish a derived checkpoint (gtp_format.commit)."""
+"""The rename primitives under the one checkpoint writer (gtp_format.commit); the writer itself is
+tested in test_writer.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gtp_format import commit
-from gtp_format.commit import building, commit_new_folder, swap_in_folder
+from gtp_format.commit import commit_file, commit_new_folder, hidden_sibling, swap_in_folder
 
 
 def _folder(path: Path, text: str) -> Path:
@@ -25,34 +26,34 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     return request.param
 
 
-def test_building_removes_what_was_not_committed(tmp_path: Path):
-    final = tmp_path / "out"
-    with pytest.raises(RuntimeError), building(final, "test") as tmp:
-        _folder(tmp, "half")
-        assert tmp.parent == tmp_path and tmp.name.startswith(".test.out.")
-        raise RuntimeError("crash while building")
-    assert os.listdir(tmp_path) == []
-
-
 def test_commit_new_folder_never_replaces(tmp_path: Path, kernel: str):
     final = tmp_path / "out"
-    with building(final, "test") as tmp:
-        _folder(tmp, "new")
-        commit_new_folder(tmp, final)
+    tmp = _folder(hidden_sibling(final, "test"), "new")
+    commit_new_folder(tmp, final)
     assert (final / "f").read_text() == "new" and os.listdir(tmp_path) == ["out"]
     (tmp_path / "taken").mkdir()  # empty: a bare rename() would silently replace it
-    with building(tmp_path / "taken", "test") as tmp:
-        _folder(tmp, "new")
-        with pytest.raises(FileExistsError):
-            commit_new_folder(tmp, tmp_path / "taken")
-    assert os.listdir(tmp_path / "taken") == [] and sorted(os.listdir(tmp_path)) == ["out", "taken"]
+    tmp = _folder(hidden_sibling(tmp_path / "taken", "test"), "new")
+    with pytest.raises(FileExistsError):
+        commit_new_folder(tmp, tmp_path / "taken")
+    assert os.listdir(tmp_path / "taken") == [] and (tmp / "f").read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == sorted(["out", "taken", tmp.name])
+
+
+def test_commit_file_never_replaces(tmp_path: Path, kernel: str):
+    final = tmp_path / "out.pt"
+    tmp = hidden_sibling(final, "test")
+    tmp.write_text("new")
+    commit_file(tmp, final)
+    assert final.read_text() == "new" and os.listdir(tmp_path) == ["out.pt"]
+    tmp.write_text("newer")
+    with pytest.raises(FileExistsError):
+        commit_file(tmp, final)
+    assert final.read_text() == "new"
 
 
 def test_swap_keeps_the_old_folder_as_backup(tmp_path: Path, kernel: str):
     final = _folder(tmp_path / "iter", "old")
-    with building(final, "test") as tmp:
-        _folder(tmp, "new")
-        swap_in_folder(tmp, final, tmp_path / "iter.bak")
+    swap_in_folder(_folder(hidden_sibling(final, "test"), "new"), final, tmp_path / "iter.bak")
     assert (final / "f").read_text() == "new" and (tmp_path / "iter.bak" / "f").read_text() == "old"
     assert sorted(os.listdir(tmp_path)) == ["iter", "iter.bak"]
 
@@ -68,7 +69,7 @@ def test_swap_puts_the_old_folder_back_when_the_second_rename_fails(tmp_path: Pa
         real_rename(a, b)
 
     monkeypatch.setattr(os, "rename", rename)
-    with pytest.raises(OSError), building(final, "test") as tmp:
-        _folder(tmp, "new")
+    tmp = _folder(hidden_sibling(final, "test"), "new")
+    with pytest.raises(OSError):
         swap_in_folder(tmp, final, tmp_path / "iter.bak")
-    assert (final / "f").read_text() == "old" and os.listdir(tmp_path) == ["iter"]
+    assert (final / "f").read_text() == "old" and sorted(os.listdir(tmp_path)) == sorted(["iter", tmp.name])

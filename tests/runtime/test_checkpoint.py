@@ -258,3 +258,39 @@ def test_runtime_reads_its_own_metadata_safely() -> None:
     folder = Path(__file__).parents[2] / "fixtures" / "gtp" / "fold_cp2_g2_dp2" / "iter_0000002"
     md = safe_load_metadata(folder / ".metadata")
     assert any(".cp_rank_1" in k for k in md.state_dict_metadata)
+
+
+@pytest.mark.slow
+def test_crash_while_replacing_the_latest_iteration_is_recovered(tmp_path: Path) -> None:
+    """Issue 22 class 11: ``--load DIR/iter_1 --save DIR`` re-saves iteration 2, which ``latest`` names.
+
+    Without ``renameat2`` the replace is two renames; rank 0 is killed between them
+    (``GTP_FAULT_INJECT=mid_replace:0``), so ``iter_0000002`` is missing and its two complete copies
+    are hidden. ``ckpt verify`` and ``--load`` then read the finished new copy, bit for bit the state
+    the first run saved at iteration 2, and training goes on from it.
+    """
+    import os
+
+    args = ["--nproc-per-node", "2", "--dp", "2", *SMALL]
+    run = tmp_path / "run"
+    r = _train([*args, "--steps", "1", "--save", str(run)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _train([*args, "--steps", "2", "--load", str(run), "--save", str(run)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    original = _final_tensors(run / "iter_0000002")
+    r = _train([*args, "--steps", "2", "--load", str(run / "iter_0000001"), "--save", str(run)],
+               env={"GTP_FAULT_INJECT": "mid_replace:0", "GTP_NO_RENAMEAT2": "1"})
+    assert r.returncode != 0
+    assert (run / LATEST_FILE).read_text().strip() == "2" and not (run / "iter_0000002").exists()
+    hidden = sorted(p for p in run.iterdir() if p.name.startswith("."))
+    assert [p.name.split(".")[1] for p in hidden] == ["old", "tmp"], hidden
+    new = hidden[1]
+    resaved = _final_tensors(new)
+    assert resaved.keys() == original.keys() and all(torch.equal(resaved[k], original[k]) for k in original)
+    v = subprocess.run([sys.executable, "-m", "ckpt_tool.cli", "verify", str(run), "--data"], capture_output=True,
+                       text=True, timeout=300, env={**os.environ})
+    assert v.returncode == 0, v.stdout[-2000:] + v.stderr[-2000:]
+    r = _train([*args, "--steps", "3", "--load", str(run), "--save", str(run)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "loaded" in r.stdout and "iteration 2" in r.stdout
+    assert (run / LATEST_FILE).read_text().strip() == "3" and (run / "iter_0000003").is_dir()

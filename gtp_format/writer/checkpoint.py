@@ -1,0 +1,257 @@
+"""The one checkpoint writer: every writer of a checkpoint (or an export) lays its output out and commits it here.
+
+Before, the runtime's save, ``reshard``, ``export`` and ``migrate-aliased`` each wrote the file
+names, ``metadata.json``, the manifest's file section, the fsyncs, the commit and the latest marker
+by hand; one copy checked DST once and then committed with a rename that moved aside and deleted a
+DST that appeared meanwhile. Now they all call :class:`CheckpointWriter`:
+
+* ``begin()``: removes stale work folders of dead processes beside the target
+  (:mod:`.work`), creates this writer's hidden work folder (its owner is in its name), and, in the
+  main thread, makes SIGTERM raise, so a terminated writer removes its work as on an error;
+* the caller writes its data files into ``folder`` (names from :func:`data_file_name`), each one
+  fsynced by whoever wrote it, and hands their entries in: ``add_files(entries)`` (size and
+  CRC-32C, e.g. gathered from all ranks) or ``add_file(name)`` (computed here, for rank 0's own
+  ``.metadata``);
+* ``finish(manifest)``: the manifest with every file's entry, then Megatron's ``metadata.json``
+  (always the last file: its presence says the folder is finished), the latest marker for a
+  nested output, and an fsync of the folders;
+* ``commit()``: one rename into place that never replaces anything (``renameat2(RENAME_NOREPLACE)``,
+  or an exclusive ``mkdir`` first): if the target appeared meanwhile it refuses with
+  :class:`DestinationTaken` and leaves what is there alone. ``replace=True`` (the runtime, which
+  re-saves the iteration its ``latest`` names) exchanges the folders atomically (``RENAME_EXCHANGE``)
+  and removes the old copy only after;
+* ``set_latest()``: the run directory's latest marker, replaced atomically, after the commit;
+* ``abort()``: removes the work folder (never anything else); leaving the ``with`` block without a
+  commit does it.
+
+A runtime save (many ranks): rank 0 calls ``begin()`` and broadcasts ``work`` (every rank writes
+its own ``__{rank}_{k}`` files there, DCP fsyncs them), the entries are all-gathered, and rank 0
+calls ``add_files``, ``add_file(".metadata")``, ``finish``, ``commit``, ``set_latest``. A background
+(async) save is the same calls from the thread that does the writing, after the staging copy;
+``set_latest`` only once every rank's files are durable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from gtp_format.commit import (
+    commit_new_folder,
+    fsync_dir,
+    fsync_file,
+    swap_in_folder,
+    write_atomic,
+    write_durable,
+)
+from gtp_format.errors import EXIT_BAD_INPUT, FormatError
+from gtp_format.hashing import file_digests
+from gtp_format.manifest import HASH_ALGORITHM, FileEntry, Manifest, write_manifest
+from gtp_format.names import ITER_DIR_RE, LATEST_FILE, MEGATRON_METADATA_FILE
+from gtp_format.writer.work import clean_stale, leftovers, remove_entry, sigterm_raises, work_name
+
+# Megatron's metadata.json: the torch_dist backend (its fields and values, as megatron-core writes
+# them), and this project's safetensors layout.
+TORCH_DIST_METADATA: dict[str, Any] = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                       "common_backend": "torch", "common_backend_version": 1}
+SAFETENSORS_METADATA: dict[str, Any] = {"sharded_backend": "gtp_safetensors"}
+Fault = Callable[[str], None]
+
+
+def megatron_metadata(layout: str) -> dict[str, Any]:
+    """``metadata.json`` of a checkpoint in ``layout`` (``torch_dist`` or ``safetensors``)."""
+    return dict(TORCH_DIST_METADATA if layout == "torch_dist" else SAFETENSORS_METADATA)
+
+
+def data_file_name(rank: int, index: int, layout: str) -> str:
+    """``__{rank}_{index}.distcp`` (DCP's own naming) or ``__{rank}_{index}.safetensors``."""
+    return f"__{rank}_{index}.{'distcp' if layout == 'torch_dist' else 'safetensors'}"
+
+
+def file_entry(path: Path) -> FileEntry:
+    """Size and CRC-32C of a finished file (read once, front to back)."""
+    with open(path, "rb") as f:
+        sums = file_digests(f, [HASH_ALGORITHM])
+        return FileEntry(size=os.fstat(f.fileno()).st_size, checksums=sums)
+
+
+_WRITE_SIDE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
+def link_or_copy(src: Path, dst: Path) -> bool:
+    """Hard-link ``src`` to the new name ``dst``; copy (and fsync) where a link is impossible. True when linked.
+
+    A full disk during the copy is DST's, but ``shutil.copyfile`` (``sendfile``) names the source in
+    the error; such errors are given DST's name, so the message says which disk is full.
+    """
+    try:
+        os.link(src, dst, follow_symlinks=False)
+        return True
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES):
+            raise
+    try:
+        shutil.copyfile(src, dst, follow_symlinks=False)
+        fsync_file(dst)
+    except OSError as e:
+        if e.errno in _WRITE_SIDE:
+            raise OSError(e.errno, e.strerror, str(dst)) from None
+        raise
+    return False
+
+
+def recoverable_targets(parent: Path) -> frozenset[str]:
+    """Iteration folders missing in ``parent`` that a hidden copy may still stand for: a crash between
+    the two renames of a portable replace leaves ``iter_N`` missing and its complete copies hidden
+    (the reader recovers them), so their stale copies are not cleaned."""
+    return frozenset(w.target for w in leftovers(parent)
+                     if ITER_DIR_RE.match(w.target) and not os.path.lexists(parent / w.target))
+
+
+class DestinationTaken(FormatError):
+    """The target appeared while the output was being built: nothing was replaced or deleted."""
+
+    def __init__(self, target: Path) -> None:
+        super().__init__(f"{target}: appeared while this was being written (another writer?); nothing there was "
+                         "replaced or deleted and nothing was written; pick a new folder", EXIT_BAD_INPUT)
+
+
+class CheckpointWriter:
+    """Builds ``target`` in a hidden work folder beside it and commits it there; see the module docstring.
+
+    ``inner``: the output is a run directory holding the checkpoint folder ``inner`` and a latest
+    marker naming ``latest`` (``reshard``, ``export --to fully_reshardable``, a nested
+    ``migrate-aliased``); None: the output is the checkpoint folder itself (the runtime, ``export --to
+    hf``). ``replace``: an existing ``target`` is exchanged for the new one (the runtime only).
+    ``backup``: with ``replace``, keep the old folder there instead of removing it. ``fault``: the
+    runtime's fault-injection hook, called at ``mid_replace``. ``tag``: the work folder's prefix.
+    """
+
+    def __init__(self, target: Path, *, inner: str | None = None, latest: str | None = None,
+                 replace: bool = False, backup: Path | None = None, tag: str = "tmp",
+                 fault: Fault | None = None) -> None:
+        self.target = Path(target)
+        self.inner, self.latest, self.replace, self.backup = inner, latest, replace, backup
+        self.tag, self.fault = tag, fault
+        self.files: dict[str, FileEntry] = {}
+        self.work: Path | None = None
+        self.committed = False
+        self._signals: Any = None
+
+    @property
+    def folder(self) -> Path:
+        """Where the checkpoint's files go."""
+        if self.work is None:
+            raise RuntimeError("CheckpointWriter.begin() was not called")
+        return self.work / self.inner if self.inner else self.work
+
+    # -- the steps --------------------------------------------------------------------------------
+
+    def begin(self, clean: bool = True) -> Path:
+        """Create the hidden work folder (``clean``: first remove dead writers' stale ones); return it."""
+        parent = self.target.parent
+        if clean:
+            clean_stale(parent, keep=recoverable_targets(parent))
+        self._signals = sigterm_raises()
+        self._signals.__enter__()
+        try:
+            self.work = work_name(self.target, self.tag)
+            self.work.mkdir()
+            if self.inner:
+                (self.work / self.inner).mkdir()
+        except BaseException:
+            self.abort()
+            raise
+        return self.work
+
+    def adopt(self, work: Path) -> None:
+        """Use a work folder another process created with :meth:`begin` (rank 0 finishing what all ranks wrote)."""
+        self.work = Path(work)
+
+    def add_files(self, entries: Mapping[str, FileEntry]) -> None:
+        """Entries of data files already written (and fsynced) into :attr:`folder`."""
+        self.files.update(entries)
+
+    def add_file(self, name: str) -> FileEntry:
+        """Fsync the file ``name`` of :attr:`folder` and record its entry (computed here)."""
+        path = self.folder / name
+        fsync_file(path)
+        self.files[name] = entry = file_entry(path)
+        return entry
+
+    def finish(self, manifest: Manifest | None, metadata: Mapping[str, Any] | bytes | Path | None = None) -> None:
+        """Write the manifest (with :attr:`files`), then ``metadata.json`` (``metadata``: its content;
+        bytes as they are; a path: another checkpoint's own file, hard-linked where possible; None:
+        none, for exports that are not checkpoints), then the latest marker of a nested output, and
+        fsync the folders."""
+        folder = self.folder
+        if manifest is not None:
+            write_manifest(folder, dataclasses.replace(manifest, files=dict(self.files)))
+        if isinstance(metadata, Path):
+            link_or_copy(metadata, folder / MEGATRON_METADATA_FILE)
+        elif metadata is not None:
+            raw = metadata if isinstance(metadata, bytes) else json.dumps(dict(metadata)).encode()
+            write_durable(folder / MEGATRON_METADATA_FILE, raw)
+        fsync_dir(folder)
+        if self.inner:
+            assert self.work is not None
+            if self.latest is not None:
+                write_durable(self.work / LATEST_FILE, f"{self.latest}\n")
+            fsync_dir(self.work)
+
+    def commit(self) -> Path:
+        """Rename the work folder to ``target``; refuse (:class:`DestinationTaken`) if it appeared meanwhile."""
+        assert self.work is not None and not self.committed
+        if self.replace:
+            self._replace()
+        else:
+            try:
+                commit_new_folder(self.work, self.target)
+            except FileExistsError:
+                raise DestinationTaken(self.target) from None
+        self.committed = True
+        self._release()
+        return self.target
+
+    def _replace(self) -> None:
+        assert self.work is not None
+        try:
+            commit_new_folder(self.work, self.target)
+            return
+        except FileExistsError:
+            pass
+        old = self.backup or work_name(self.target, "old")
+        swap_in_folder(self.work, self.target, old, between=(lambda: self.fault("mid_replace")) if self.fault else None)
+        fsync_dir(self.target.parent)
+        if self.backup is None:
+            remove_entry(old)  # the iteration this writer replaces: the caller asked for exactly that
+
+    def set_latest(self, iteration: int | str) -> None:
+        """Point the run directory's latest marker at the committed iteration (atomically, durably)."""
+        assert self.committed, "the latest marker moves only after the commit"
+        write_atomic(self.target.parent / LATEST_FILE, f"{iteration}\n")
+
+    def abort(self) -> None:
+        """Remove the work folder unless it was committed; never anything else."""
+        if self.work is not None and not self.committed and os.path.lexists(self.work):
+            remove_entry(self.work)
+        self._release()
+
+    def _release(self) -> None:
+        if self._signals is not None:
+            signals, self._signals = self._signals, None
+            signals.__exit__(None, None, None)
+
+    def __enter__(self) -> CheckpointWriter:
+        self.begin()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.abort()
