@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from cli_helpers import cli
 from dist_harness import run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
@@ -187,3 +188,27 @@ def test_root_cause_unwraps_dcp_pairs() -> None:
     assert root_cause(e) is inner
     assert root_cause(CheckpointException("save", {0: inner})) is inner
     assert root_cause(inner) is inner
+
+
+def _cuda_stage() -> dict:
+    from gtp_runtime.checkpoint.dcp_chunks import Chunks
+    from gtp_runtime.checkpoint.staging import Staging
+
+    torch.cuda.set_device(0)
+    src = torch.randn(1 << 20, device="cuda")
+    c = Chunks((2 << 20,), torch.float32)
+    c.add((0,), src)
+    staging = Staging()
+    first = staging.stage({"w": c}, dist.group.WORLD)["w"].chunks[(0,)]
+    ok1 = first.is_pinned() and torch.equal(first, src.cpu())
+    src.mul_(3.0)  # the training step after the save returns
+    second = staging.stage({"w": c}, dist.group.WORLD)["w"].chunks[(0,)]
+    return {"pinned_exact": ok1, "reused": second.data_ptr() == first.data_ptr(),
+            "exact_again": torch.equal(second, src.cpu())}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_staging_is_pinned_reused_and_exact() -> None:
+    (r,) = run_ranks(1, _cuda_stage)
+    assert r == {"pinned_exact": True, "reused": True, "exact_again": True}
