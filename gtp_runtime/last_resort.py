@@ -27,12 +27,15 @@ from gtp_format.text import one_line, safe_text
 
 def root_cause(e: BaseException) -> BaseException:
     """DCP wraps what its ranks raised in ``CheckpointException`` (every rank's traceback as its text):
-    the first rank's exception instead."""
+    the first failing rank's exception instead. DCP stores each rank's failure as an ``(exception,
+    traceback)`` pair (torch 2.13 ``_wrap_exception``); a bare exception is taken as well."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
-        inner = next(iter(failures.values()))
+        inner = failures[min(failures)] if all(isinstance(r, int) for r in failures) else next(iter(failures.values()))
+        if isinstance(inner, tuple) and inner:
+            inner = inner[0]
         if isinstance(inner, BaseException):
-            return inner
+            return root_cause(inner) if inner is not e else inner
     return e
 
 

@@ -154,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "fresh start)")
     c.add_argument("--ckpt-layout", "--ckpt-format", choices=("torch_dist", "safetensors"), default="torch_dist",
                    help="torch_dist: Megatron's DCP layout; safetensors: the pickle-free layout")
+    c.add_argument("--async-save", action="store_true",
+                   help="return from a save once this rank's state is copied to host memory (pinned on CUDA) and "
+                        "write the files in the background; the latest marker moves once every rank's are durable "
+                        "(default: off)")
+    c.add_argument("--async-save-staging", default=None, metavar="SIZE",
+                   help="most host memory for --async-save's staging buffers, e.g. 24G (default: the rank's "
+                        "checkpoint bytes); allocated once, reused by every save")
     c.add_argument("--optimizer-sharding", default="dp_reshardable",
                    choices=("dp_reshardable", "fully_reshardable", "dp_zero_gather_scatter"),
                    help="Megatron's distributed-optimizer checkpoint formats; only dp_reshardable is implemented "
@@ -178,6 +185,13 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
                         num_experts=args.num_experts, moe_topk=args.moe_topk, gtp_align=args.gtp_align,
                         seed=args.seed)
     model.validate(par)
+    if args.async_save_staging is not None:
+        from gtp_runtime.checkpoint.staging import parse_size
+
+        try:
+            parse_size(args.async_save_staging)
+        except ValueError as e:
+            raise ConfigError(f"--async-save-staging: {e}") from None
     if args.micro_batch < 1 or args.steps < 0:
         raise ConfigError(f"--micro-batch must be positive and --steps non-negative, got {args.micro_batch} and "
                           f"{args.steps}")
@@ -243,7 +257,9 @@ def _device(args: argparse.Namespace, local_rank: int) -> torch.device:
 
 def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
     """Body of one rank once the default process group exists. Returns the exit code."""
+    from gtp_runtime.checkpoint.async_save import AsyncCheckpointer
     from gtp_runtime.checkpoint.io import check_sharding, load_checkpoint, save_checkpoint
+    from gtp_runtime.checkpoint.staging import parse_size
     from gtp_runtime.parity import check_against_reference
 
     rank = dist.get_rank()
@@ -276,8 +292,14 @@ def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
             f"({worst.what}, {worst.name or '-'})", flush=True)
         code = 0 if ok else 1
     else:
+        saver = None
+        if args.save and args.async_save:
+            staging = args.async_save_staging
+            saver = AsyncCheckpointer(parse_size(staging) if staging is not None else None)
         while trainer.iteration < args.steps:
             r = trainer.train_step()
+            if saver and (done := saver.poll()):
+                say(f"saved {safe_text(done)}", flush=True)
             say(f"step {r.step:4d} | loss {r.loss:.6f} | grad_norm {r.grad_norm:.6f} | zeros {r.num_zeros} "
                 f"| lr {r.lr:.3e} | {r.seconds * 1e3:.1f} ms", flush=True)
             rows.append(vars(r))
@@ -286,8 +308,17 @@ def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
                 say(f"step {r.step:4d} | validation loss {rows[-1]['valid_loss']:.6f}", flush=True)
             last = trainer.iteration == args.steps
             if args.save and (last or (args.save_interval and trainer.iteration % args.save_interval == 0)):
-                folder = save_checkpoint(trainer, args.save, args.ckpt_layout, args.optimizer_sharding)
-                say(f"saved {safe_text(folder)}", flush=True)
+                if saver:
+                    folder, done = saver.save(trainer, args.save, args.ckpt_layout, args.optimizer_sharding)
+                    if done:
+                        say(f"saved {safe_text(done)}", flush=True)
+                    say(f"saving {safe_text(folder)} in the background ({saver.blocking_s * 1e3:.0f} ms blocked)",
+                        flush=True)
+                else:
+                    folder = save_checkpoint(trainer, args.save, args.ckpt_layout, args.optimizer_sharding)
+                    say(f"saved {safe_text(folder)}", flush=True)
+        if saver and (done := saver.close()):
+            say(f"saved {safe_text(done)}", flush=True)
     if args.log_json:
         # Per-rank peak RSS (KiB on Linux), gathered so rank 0 can log every rank's.
         rss: list[Any] = [None] * dist.get_world_size()
@@ -308,6 +339,7 @@ def _spawned_rank(args: argparse.Namespace) -> int:
 
 def _run_initialised(args: argparse.Namespace) -> int:
     """One rank started by torchrun: join its group, run, and fail with one line naming this rank."""
+    from gtp_runtime.checkpoint.errors import CheckpointSaveError
     from gtp_runtime.checkpoint.io import CheckpointError
     from gtp_runtime.last_resort import report_failure
 
@@ -319,6 +351,9 @@ def _run_initialised(args: argparse.Namespace) -> int:
         torch.set_num_threads(1) if not use_cuda else None
         dist.init_process_group("nccl" if use_cuda else "gloo")
         return run_rank(args, cfg)
+    except CheckpointSaveError as e:  # every rank raises the same gathered line: rank 0 prints it; a failure, exit 1
+        report_failure(rank, e, known=True)
+        return 1
     except (CheckpointError, ConfigError, FormatError, DataError) as e:
         return report_failure(rank, e, known=True)
     except (KeyboardInterrupt, SystemExit):

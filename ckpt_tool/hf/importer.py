@@ -40,7 +40,6 @@ from ckpt_tool.reshard.engine import (
     write_checkpoint,
 )
 from ckpt_tool.reshard.plan import WEIGHT, OutChunk, plan_target
-from ckpt_tool.reshard.sink import stage_bytes
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
 from gtp_format.layout.params import buffer_layouts, model_params
@@ -48,6 +47,7 @@ from gtp_format.manifest import HASH_ALGORITHM, Manifest, OptimizerInfo
 from gtp_format.names import FORMAT_NAME, LAYOUTS, STATES, iter_dir_name
 from gtp_format.scan import carrier
 from gtp_format.writer.checkpoint import CheckpointWriter
+from gtp_format.writer.sink import stage_bytes
 
 PARAM_DTYPES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16"}
 

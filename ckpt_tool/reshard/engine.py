@@ -17,7 +17,7 @@
 Memory: the largest array a worker holds is one chunk (``max_memory / (4 * workers)``, at most
 64 MiB: larger chunks bring no speed); a worker holds at most two (the source rows, the chunk
 assembled from them) and its file's two staging buffers of at most half a chunk each
-(:func:`.sink.stage_bytes`), so the data in flight stays under ``--max-memory`` whatever SRC's size.
+(:func:`gtp_format.writer.sink.stage_bytes`), so the data in flight stays under ``--max-memory`` whatever SRC's size.
 
 Speed: SRC is read from the page cache, DST must reach the disk (fsync), so the disk's durable
 write rate bounds a reshard: 4.67 GB took 11-12.5 s in-process where ``dd oflag=direct conv=fsync``
@@ -43,7 +43,6 @@ import numpy as np
 
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
 from ckpt_tool.reshard.plan import OutChunk, Plan, plan_target, split_files
-from ckpt_tool.reshard.sink import STAGE, stage_bytes
 from ckpt_tool.reshard.source import Buffers, Source, open_source
 from ckpt_tool.reshard.writers import (
     safetensors_index,
@@ -70,6 +69,7 @@ from gtp_format.names import (
 )
 from gtp_format.scan import carrier
 from gtp_format.writer.checkpoint import CheckpointWriter, data_file_name, megatron_metadata
+from gtp_format.writer.sink import STAGE, stage_bytes
 
 MAX_CHUNK = 64 << 20
 MIN_CHUNK = 1 << 20
@@ -169,7 +169,7 @@ def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, p
 
     ``fill(chunk)`` gives each chunk's stored bits (:func:`chunk_data` for a reshard; the benchmark
     passes a generator to build synthetic checkpoints of any size); ``stage``: each file's staging
-    buffers (:class:`.sink.Sink`).
+    buffers (:class:`gtp_format.writer.sink.Sink`).
     """
     folder = writer.folder
     parts = split_files(plan.chunks, workers * 2)

@@ -25,7 +25,7 @@ most the chunk budget and appear atomically through the one checkpoint writer
 (:class:`gtp_format.writer.checkpoint.CheckpointWriter` via :func:`.engine.build_atomically`;
 ``torch``'s single file through :func:`gtp_format.commit.commit_file`): never replacing a DST that
 appeared meanwhile. ``hf`` and ``fully_reshardable`` files go out through
-:class:`.sink.Sink` (``O_DIRECT``, fsynced), as reshard's do.
+:class:`gtp_format.writer.sink.Sink` (``O_DIRECT``, fsynced), as reshard's do.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ from ckpt_tool.reshard.engine import (
     write_failure,
 )
 from ckpt_tool.reshard.plan import FP32, OutChunk, dtype_of, row_blocks, split_files
-from ckpt_tool.reshard.sink import Sink, stage_bytes
 from ckpt_tool.reshard.source import WEIGHT, Buffers, Source, open_source
 from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata
 from gtp_format.check.integrity import stored_bytes
@@ -69,6 +68,7 @@ from gtp_format.layout.params import model_params
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.params import ParamView
 from gtp_format.writer.checkpoint import CheckpointWriter, DestinationTaken, data_file_name, megatron_metadata
+from gtp_format.writer.sink import Sink, stage_bytes
 from gtp_format.writer.work import clean_stale, sigterm_raises
 
 TARGETS = ("hf", "fully_reshardable", "torch")

@@ -10,7 +10,7 @@
   ``index.json`` (:mod:`gtp_runtime.checkpoint.safetensors_storage`'s layout). The header is known
   from the plan before any element is read, so the file is streamed without torch.
 
-Each file is written by one thread through a :class:`.sink.Sink` (``O_DIRECT`` from aligned
+Each file is written by one thread through a :class:`gtp_format.writer.sink.Sink` (``O_DIRECT`` from aligned
 staging buffers, a writer thread per file: see there for the measured reason); the checksum is
 computed from the bytes as they are handed in, so no file is read back. Every file is fsynced
 before the folder is committed.
@@ -29,12 +29,12 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool.reshard.plan import OutChunk
-from ckpt_tool.reshard.sink import STAGE, Sink
 from gtp_format.integrity.record_file import record_parts
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.manifest import FileEntry
 from gtp_format.names import GTP_INDEX_VERSION, chunk_tensor_name
 from gtp_format.writer.dcp_metadata import metadata_bytes
+from gtp_format.writer.sink import STAGE, Sink
 from gtp_format.writer.torch_blob import TensorBlob
 
 DataFn = Callable[[OutChunk], np.ndarray]
@@ -46,7 +46,7 @@ def write_distcp(path: Path, chunks: list[OutChunk], data: DataFn, advance: Call
     """One ``.distcp`` file; returns its entry and ``(chunk, offset, length)`` per blob.
 
     Each blob is :class:`gtp_format.writer.torch_blob.TensorBlob`'s head, the chunk's bytes
-    straight from the array that holds them, and its tail, handed to a :class:`.sink.Sink`
+    straight from the array that holds them, and its tail, handed to a :class:`gtp_format.writer.sink.Sink`
     (``stage`` bytes of staging); the zip record's CRC-32 and the file's CRC-32C are computed from
     that array (both release the GIL, so the workers hash in parallel) and nothing is read back.
     ``records``: each chunk's record (hash of its blob, statistics of its elements) is appended.

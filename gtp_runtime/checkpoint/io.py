@@ -18,7 +18,9 @@ needs, then DCP reads exactly the boxes this rank needs, through the verified mo
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +28,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.storage import StorageWriter
 
 from gtp_format import names as fmt
 from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.config import ConfigError
-from gtp_format.manifest import FileEntry
+from gtp_format.manifest import FileEntry, Manifest
 from gtp_format.writer.checkpoint import CheckpointWriter, file_entry, megatron_metadata
 from gtp_runtime.checkpoint.chunk_records import record_own_files, start_state_stats
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
-from gtp_runtime.checkpoint.errors import CheckpointError
+from gtp_runtime.checkpoint.direct_fs import direct_writer
+from gtp_runtime.checkpoint.errors import CheckpointError, CheckpointSaveError
 from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, optimizer_info
 from gtp_runtime.checkpoint.replicas import check_replicas
 from gtp_runtime.checkpoint.run_state import load_run_state, save_run_state
@@ -47,17 +51,42 @@ from gtp_runtime.checkpoint.state import (
     optimizer_state,
 )
 from gtp_runtime.checkpoint.verified import VerifiedReader, check_compatible, open_verified, sharding_refusal
+from gtp_runtime.last_resort import describe, root_cause
 from gtp_runtime.training import Trainer
 
 
-def _fault(point: str) -> None:
+def _fault(point: str, folder: Path | None = None) -> None:
     """Fault injection for crash tests: ``GTP_FAULT_INJECT=point:rank`` kills that rank there
-    (exit 17, no report); ``point:rank:raise`` makes it raise instead (a crash with a traceback)."""
+    (exit 17, no report); ``point:rank:raise`` makes it raise instead (a crash with a traceback);
+    ``point:rank:enospc`` raises the ``OSError`` a full disk gives, and ``point:rank:rmtree`` removes
+    ``folder`` (the save's work folder) as an operator's ``rm -r`` would, so the next write fails."""
     spec = os.environ.get("GTP_FAULT_INJECT", "").split(":")
     if len(spec) >= 2 and spec[0] == point and int(spec[1]) == dist.get_rank():
         if spec[2:] == ["raise"]:
             raise RuntimeError(f"injected fault at {point}")
+        if spec[2:] == ["enospc"]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
+        if spec[2:] == ["rmtree"] and folder is not None:
+            # renamed first, so that no peer creates a file in it between rmtree's listing and its rmdir
+            gone = folder.with_name(folder.name + ".removed")
+            os.rename(folder, gone)
+            shutil.rmtree(gone)
+            return
         os._exit(17)
+
+
+def _hooked(writer: StorageWriter, folder: Path) -> StorageWriter:
+    """``during_write`` fault point inside DCP's write step, where a real write error is raised, so
+    that an injected fault travels the same path (DCP gathers it to every rank) as a full disk."""
+    if os.environ.get("GTP_FAULT_INJECT", "").startswith("during_write:"):
+        write = writer.write_data
+
+        def write_data(plan: Any, planner: Any) -> Any:
+            _fault("during_write", folder)
+            return write(plan, planner)
+
+        writer.write_data = write_data  # type: ignore[method-assign]
+    return writer
 
 
 def check_sharding(trainer: Trainer, sharding: str, action: str) -> None:
@@ -70,6 +99,180 @@ def _own_files(folder: Path, layout: str, rank: int) -> list[Path]:
     return sorted(folder.glob(f"__{rank}_*{suffix}"))
 
 
+def prepare_folder(trainer: Trainer, root: Path, layout: str, sharding: str) -> CheckpointWriter:
+    """Refuse a bad request, then start the one checkpoint writer (collective): rank 0 creates the
+    hidden work folder and every rank adopts it. A folder that cannot be created (a full disk, no
+    permission) is one :class:`CheckpointSaveError` on every rank."""
+    check_sharding(trainer, sharding, "save")
+    if layout not in fmt.LAYOUTS:
+        raise CheckpointError(f"unknown --ckpt-layout {layout!r}; use one of {fmt.LAYOUTS}")
+    final = root / fmt.iter_dir_name(trainer.iteration)
+    writer = CheckpointWriter(final, replace=True, fault=_fault)
+    name: list[str | None] = [None, None]  # the work folder's name, or why it could not be made
+    if dist.get_rank() == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            name[0] = writer.begin().name
+        except OSError as e:
+            name[1] = _cause(e)
+    dist.broadcast_object_list(name, src=0)
+    if name[0] is None:
+        raise CheckpointSaveError(f"cannot save {final}: {name[1]}; {_latest_text(root)}")
+    if dist.get_rank() != 0:
+        writer.adopt(root / name[0])
+    return writer
+
+
+def rank_state(trainer: Trainer, aliased: bool = False, integrity: bool = True) -> dict[str, Any]:
+    """This rank's sharded state dict: views of the live tensors (stage them before training on).
+
+    With ``integrity`` (collective, on the training thread): every copy of replicated state must agree
+    before one of them is written (:func:`replicas.check_replicas`, all ranks' copies). Not for the
+    pre-fix writer: its folded keys collide across CP peers on purpose (fixtures of the bug).
+    """
+    sd: dict[str, Any] = {}
+    sd.update(model_state(trainer.model, trainer.groups, for_load=False))
+    sd.update(optimizer_state(trainer.optimizer, trainer.groups, aliased=aliased))
+    sd.update(bucket_numel_state(trainer.optimizer, trainer.groups, for_load=False))
+    if integrity and not aliased:
+        check_replicas(trainer, [model_state(trainer.model, trainer.groups, for_load=True), sd])
+    return sd
+
+
+def manifest_now(trainer: Trainer, layout: str, sharding: str, aliased: bool) -> Manifest:
+    """The manifest as of this moment (iteration, step, schedule and data position), files still empty:
+    an async save takes it when it stages, not when the files are done and training has moved on."""
+    cfg = trainer.cfg
+    manifest = build_manifest(
+        layout=layout, sharding=sharding, iteration=trainer.iteration, par=cfg.par, model=cfg.model,
+        optimizer=optimizer_info(trainer.optimizer, cfg.adam, cfg.muon, trainer.optimizer.step_count),
+        buffers=buffer_layout(trainer.optimizer, trainer.groups),
+        files={}, param_dtype=str(cfg.param_dtype), bucket_size=cfg.bucket_size)
+    manifest.extra.update(save_run_state(trainer))
+    if aliased:
+        manifest.notes.append("written by the pre-fix (aliased) writer: folded keys lack .cp_rank_{i}")
+    return manifest
+
+
+RankFiles = tuple[dict[str, FileEntry], list[ChunkRecord] | None]
+
+
+def write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | None,
+                     group: dist.ProcessGroup | None = None, integrity: bool = True) -> RankFiles:
+    """Write this rank's chunks into ``tmp`` (DCP, over ``group``); return its files' entries and,
+    with ``integrity``, the chunk records (hash and statistics of every chunk) of those files.
+
+    ``torch_dist`` data files go through the ``O_DIRECT`` sink (:mod:`direct_fs`), which fsyncs
+    each and computes its CRC-32C as it writes. The chunk records need one read-back of each file
+    (:func:`chunk_records.record_own_files`, which hashes the stored bytes); its CRC-32C must then
+    equal the one computed as written, so a write the disk did not keep fails the save. The
+    statistics run on a thread during the write. An async save runs this on its background thread,
+    over its own process group, never the training one.
+    """
+    # Several writer threads per rank (files __{rank}_0.., __{rank}_1..): torch.save releases the
+    # GIL while it copies and writes, and measured on 2 cores this doubles DCP's save rate.
+    threads = threads or max(1, min(4, os.cpu_count() or 1))
+    stats_of = start_state_stats(sd) if integrity else dict
+    written: dict[str, FileEntry] | None = None
+    try:
+        if layout == "torch_dist":
+            writer, fs = direct_writer(tmp, threads)
+            metadata = dcp.save(sd, storage_writer=_hooked(writer, tmp), planner=ChunkSavePlanner(),
+                                process_group=group)
+            written = dict(fs.entries)
+        else:
+            metadata = dcp.save(sd, storage_writer=_hooked(SafetensorsWriter(tmp), tmp), planner=ChunkSavePlanner(),
+                                process_group=group)
+    finally:
+        stats = stats_of()  # joined even when the write fails: no thread outlives the save
+    _fault("after_write")
+    own = _own_files(tmp, layout, dist.get_rank())
+    if written is not None and {p.name for p in own} != set(written):
+        raise CheckpointError(f"{tmp}: this rank wrote {sorted(written)} but {sorted(p.name for p in own)} are there")
+    if not integrity:
+        return (written if written is not None else {p.name: file_entry(p) for p in own}), None
+    entries, records = record_own_files(tmp, layout, metadata, own, stats)
+    for name, entry in (written or {}).items():
+        if entries[name] != entry:
+            raise CheckpointError(f"{tmp / name}: read back as {entries[name]}, written as {entry}: the disk did "
+                                  "not keep what was written")
+    return entries, records
+
+
+def try_write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | None,
+                         group: dist.ProcessGroup | None = None, integrity: bool = True) -> RankFiles | str:
+    """:func:`write_rank_files`, a failure returned as ``rank R: cause`` (for :func:`finish_save`);
+    DCP hands every rank the failures of all, so R is the first rank that raised, not this one."""
+    try:
+        return write_rank_files(sd, tmp, layout, threads, group, integrity)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            raise
+        failures = getattr(e, "failures", None)
+        origin = min(failures) if isinstance(failures, dict) and failures else dist.get_rank()
+        return f"rank {origin}: {_cause(e)}"
+
+
+def _latest_text(root: Path) -> str:
+    """What a failed save leaves as the latest checkpoint, for its one-line error."""
+    try:
+        with open(root / fmt.LATEST_FILE, "rb") as f:
+            it = f.read(64).decode(errors="replace").strip()
+    except OSError:
+        return "no checkpoint is marked latest"
+    return f"the latest checkpoint is still iteration {describe(RuntimeError(it), 40)}"
+
+
+def _cause(e: BaseException) -> str:
+    """One short cause: DCP's wrapper unwrapped, an ``OSError`` as its strerror and file."""
+    e = root_cause(e)
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}" + (f" ({e.filename})" if e.filename else "")
+    return describe(e, 300) or type(e).__name__
+
+
+def finish_save(writer: CheckpointWriter, manifest: Manifest | None, result: RankFiles | str) -> Path:
+    """Collective end of a save: every rank's outcome (its file entries, or why it failed) is
+    gathered; only if all wrote, rank 0 adds the manifest and Megatron's ``metadata.json``, commits
+    and moves the latest marker. Otherwise the work folder is removed (a rerun must not fail on a
+    disk this save filled) and every rank raises :class:`CheckpointSaveError` with the first cause."""
+    rank = dist.get_rank()
+    everything: list[RankFiles | str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, result)
+    failed = next(((r, x) for r, x in enumerate(everything) if not isinstance(x, tuple)), None)
+    err: list[str | None] = [None]
+    if failed is not None:
+        err[0] = str(failed[1])
+    elif rank == 0:
+        assert manifest is not None
+        try:
+            _commit(writer, manifest, everything)
+        except OSError as e:
+            err[0] = f"rank 0: {_cause(e)}"
+    if failed is None:
+        dist.broadcast_object_list(err, src=0)
+    if err[0] is not None:
+        if rank == 0:
+            writer.abort()
+        raise CheckpointSaveError(f"saving {writer.target} failed on {err[0]}; {_latest_text(writer.target.parent)}")
+    return writer.target
+
+
+def _commit(writer: CheckpointWriter, manifest: Manifest, everything: list[Any]) -> None:
+    """Rank 0: manifest (with every rank's file entries and chunk records), ``metadata.json``, rename,
+    latest marker."""
+    for entries, records in everything:
+        writer.add_files(entries)
+        if records is not None:
+            writer.add_records(records)
+    writer.add_file(fmt.DCP_METADATA_FILE if manifest.layout == "torch_dist" else INDEX_FILE)
+    writer.finish(manifest, megatron_metadata(manifest.layout))
+    _fault("before_rename")
+    writer.commit()
+    _fault("before_latest")
+    writer.set_latest(manifest.iteration)
+
+
 def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "torch_dist",
                     sharding: str = fmt.FORMAT_NAME, aliased: bool = False, writer_threads: int | None = None,
                     integrity: bool = True) -> Path:
@@ -77,87 +280,25 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
 
     ``aliased=True`` is the pre-fix writer (see :func:`state.optimizer_state`), for fixtures only.
     ``writer_threads`` (torch_dist): files per rank, written in parallel; by default one per core, at
-    most 4. Fixtures pin it so that their file list does not depend on the machine. ``integrity=False``
-    leaves out the replica cross-check and the chunk records: only ``benchmarks/bench_save_integrity.py``
-    uses it, to measure what they cost against the same run's save without them.
+    most 4. Fixtures pin it so that their file list does not depend on the machine. A write that
+    fails on any rank (a full disk, a removed folder) raises :class:`CheckpointSaveError` on every
+    rank, naming the folder and the cause, and leaves no work folder behind. For a save that
+    returns before the files are written see :class:`gtp_runtime.checkpoint.async_save.AsyncCheckpointer`.
+    ``integrity=False`` leaves out the replica cross-check and the chunk records: only
+    ``benchmarks/bench_save_integrity.py`` uses it, to measure what they cost against the same run's
+    save without them.
     """
-    check_sharding(trainer, sharding, "save")
-    if layout not in fmt.LAYOUTS:
-        raise CheckpointError(f"unknown --ckpt-layout {layout!r}; use one of {fmt.LAYOUTS}")
-    root = Path(root)
-    rank = dist.get_rank()
-    it = trainer.iteration
-    final = root / fmt.iter_dir_name(it)
-    writer = CheckpointWriter(final, replace=True, fault=_fault)
-    name = [None]
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        name = [writer.begin().name]
-    dist.broadcast_object_list(name, src=0)
-    writer.adopt(root / name[0])
-    dist.barrier()
+    writer = prepare_folder(trainer, Path(root), layout, sharding)
     try:
-        _write_and_commit(trainer, writer, layout, sharding, aliased, writer_threads, integrity)
+        sd = rank_state(trainer, aliased, integrity)
+        manifest = manifest_now(trainer, layout, sharding, aliased) if dist.get_rank() == 0 else None
+        _fault("before_write")
+        return finish_save(writer, manifest, try_write_rank_files(sd, writer.folder, layout, writer_threads,
+                                                                  integrity=integrity))
     except BaseException:
-        if rank == 0:
+        if dist.get_rank() == 0:
             writer.abort()
         raise
-    dist.barrier()
-    return final
-
-
-def _write_and_commit(trainer: Trainer, writer: CheckpointWriter, layout: str, sharding: str, aliased: bool,
-                      writer_threads: int | None, integrity: bool = True) -> None:
-    """Every rank writes its files into the writer's work folder; rank 0 finishes and commits it."""
-    rank, it, tmp = dist.get_rank(), trainer.iteration, writer.folder
-    sd: dict[str, Any] = {}
-    sd.update(model_state(trainer.model, trainer.groups, for_load=False))
-    sd.update(optimizer_state(trainer.optimizer, trainer.groups, aliased=aliased))
-    sd.update(bucket_numel_state(trainer.optimizer, trainer.groups, for_load=False))
-    # every copy of replicated state must agree before one of them is written (all ranks' copies).
-    # Not for the pre-fix writer: its folded keys collide across CP peers on purpose (fixtures of the bug).
-    if integrity and not aliased:
-        check_replicas(trainer, [model_state(trainer.model, trainer.groups, for_load=True), sd])
-    # statistics: on CUDA now, on the device, before DCP copies the chunks; on CPU on a thread during the write
-    stats_of = start_state_stats(sd) if integrity else dict
-    _fault("before_write")
-    # Several writer threads per rank (files __{rank}_0.., __{rank}_1..): torch.save releases the
-    # GIL while it copies and writes, and measured on 2 cores this doubles DCP's save rate.
-    threads = writer_threads or max(1, min(4, os.cpu_count() or 1))
-    storage = (dcp.FileSystemWriter(tmp, sync_files=True, thread_count=threads) if layout == "torch_dist"
-               else SafetensorsWriter(tmp))
-    try:
-        metadata = dcp.save(sd, storage_writer=storage, planner=ChunkSavePlanner())
-    finally:
-        stats = stats_of()  # joined even when the write fails: no thread outlives the save
-    _fault("after_write")
-
-    # one read-back of each file this rank wrote: its CRC-32C and the hash of every chunk in it
-    own = _own_files(tmp, layout, rank)
-    mine = record_own_files(tmp, layout, metadata, own, stats) if integrity else ({p.name: file_entry(p) for p in own},
-                                                                                  None)
-    everything: list[tuple[dict[str, FileEntry], list[ChunkRecord] | None] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, mine)
-    if rank == 0:
-        for part in everything:
-            writer.add_files(part[0] if part else {})
-            if part and part[1] is not None:
-                writer.add_records(part[1])
-        writer.add_file(fmt.DCP_METADATA_FILE if layout == "torch_dist" else INDEX_FILE)
-        cfg = trainer.cfg
-        manifest = build_manifest(
-            layout=layout, sharding=sharding, iteration=it, par=cfg.par, model=cfg.model,
-            optimizer=optimizer_info(trainer.optimizer, cfg.adam, cfg.muon, trainer.optimizer.step_count),
-            buffers=buffer_layout(trainer.optimizer, trainer.groups),
-            files={}, param_dtype=str(cfg.param_dtype), bucket_size=cfg.bucket_size)
-        manifest.extra.update(save_run_state(trainer))
-        if aliased:
-            manifest.notes.append("written by the pre-fix (aliased) writer: folded keys lack .cp_rank_{i}")
-        writer.finish(manifest, megatron_metadata(layout))
-        _fault("before_rename")
-        writer.commit()
-        _fault("before_latest")
-        writer.set_latest(it)
 
 
 def _check_keys(sd: dict[str, Any], stored: dict[str, Any], folder: Path) -> None:

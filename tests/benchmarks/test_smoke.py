@@ -43,6 +43,7 @@ PARALLEL = 3
 # Scripts run with --smoke, and the extra arguments each needs ({tmp}: this session's scratch folder).
 SMOKE = {
     "bench_ckpt_cpu.py": [],
+    "bench_ckpt_async.py": ["--dir", "{tmp}"],
     "bench_fold_cpu.py": [],
     "bench_hash.py": [],
     "bench_chunk_hash.py": [],
@@ -124,6 +125,15 @@ def check_ckpt_cpu(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert head[:2] == ["layout", "GB"] and "save ratio" in head and "load ratio" in head
     assert [r[0] for r in rows] == ["torch_dist", "safetensors"]
     assert all(float(r[head.index("save ratio")]) > 0 and float(r[head.index("load ratio")]) > 0 for r in rows)
+
+
+def check_ckpt_async(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    (row,) = json.loads(p.stdout[p.stdout.index("["):])
+    for k in ("async_blocking_s", "save_gbps", "dd_direct_write_gbps", "load_gbps", "dd_cold_read_gbps",
+              "torch_load_gbps", "step_ms", "step_ms_during_write", "staging_gib", "dcp_save_gbps"):
+        assert k in row, k
+    assert len(row["staging_gib"]) == 2 and row["staging_gib"][0] == row["staging_gib"][1] > 0, "staging grew"
+    assert row["async_blocking_s"] < row["async_durable_s"] and row["save_gbps"] > 0 and row["dcp_save_gbps"] > 0
 
 
 def check_fold_cpu(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
@@ -266,7 +276,8 @@ def check_copy_checks(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
 
 
 CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
-    "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
+    "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_ckpt_async.py": check_ckpt_async,
+    "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
     "bench_chunk_hash.py": check_chunk_hash,
     "bench_save_integrity.py": check_save_integrity,
     "bench_inspect.py": check_inspect, "bench_migrate.py": check_migrate, "bench_verify.py": check_verify,

@@ -1,4 +1,4 @@
-"""The reshard writers' output file (:class:`ckpt_tool.reshard.sink.Sink`) against brute force: for
+"""The reshard writers' output file (:class:`gtp_format.writer.sink.Sink`) against brute force: for
 any split of any bytes into writes, any staging size, direct or buffered, and a direct write that
 comes back short or is refused part-way, the file holds exactly the concatenation and the entry
 has its size and CRC-32C; a full disk propagates and leaves no open descriptor."""
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckpt_tool.reshard import sink as sink_mod
-from ckpt_tool.reshard.sink import ALIGN, Sink, stage_bytes
+from gtp_format.writer import sink as sink_mod
+from gtp_format.writer.sink import ALIGN, Sink, stage_bytes
 
 SIZES = st.lists(st.integers(0, 3 * ALIGN + 17), max_size=12)
 

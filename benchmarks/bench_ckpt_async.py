@@ -1,0 +1,237 @@
+"""Async and sync checkpoint save/load against the machine's limits, all measured in one run.
+
+    python benchmarks/bench_ckpt_async.py --write-docs            # CPU, 2 gloo ranks
+    python benchmarks/bench_ckpt_async.py --device cuda --nproc 1  # one GPU (pinned staging)
+
+Rows (issue 23's fields): ``async_blocking_s`` (from the save call until the staging copy is done,
+i.e. until the optimizer may update again), ``async_durable_s`` (until the slowest rank's files
+are written and fsynced; the commit follows at the next step), ``save_gbps`` (sync save), ``load_gbps``, ``step_ms`` and
+``step_ms_during_write`` (median step without / while a background write is in flight),
+``staging_gib`` (after every one of the async saves: it must not grow), ``dcp_save_gbps`` (PyTorch
+DCP's ``dcp.save`` of the same tensors as a plain dict), ``dcp_async_blocking_s`` /
+``dcp_async_durable_s`` (``dcp.async_save`` with its ``DefaultStager``, pinned on CUDA),
+``torch_save_gbps`` / ``torch_load_gbps`` (the same tensors, one ``torch.save`` file per rank, fsynced)
+and the baselines ``dd_direct_write_gbps`` (``dd oflag=direct conv=fdatasync`` of the whole
+checkpoint's size) and ``dd_cold_read_gbps`` (``dd iflag=direct``: the page cache cannot help).
+Ratios, not absolute figures, are what carries between machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gtp_format.layout.config import ModelConfig, ParallelConfig
+from gtp_format.names import iter_dir_name
+from gtp_runtime.launch import run_local_ranks
+from gtp_runtime.training import TrainConfig, Trainer
+
+TITLE = "Async checkpoint save on CPU (blocking time, background write, dd and DCP baselines)"
+JSON = Path(__file__).resolve().parents[1] / "docs" / "ckpt_async_cpu.json"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Any, device: torch.device) -> float:
+    _sync(device)
+    dist.barrier()
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    dist.barrier()
+    return time.perf_counter() - t
+
+
+def _max(x: float) -> float:
+    """The slowest rank's figure (a save is done when the last rank is)."""
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_GLOO[0])
+    return float(t.item())
+
+
+def _sum(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, group=_GLOO[0])
+    return float(t.item())
+
+
+_GLOO: list[Any] = []
+
+
+def _dd(path: Path, nbytes: int) -> tuple[float, float]:
+    """``dd`` direct write (fdatasync) and direct read of ``nbytes``: GB/s each."""
+    bs = 16 << 20
+    count = max(1, nbytes // bs)
+    t = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={bs}", f"count={count}", "oflag=direct",
+                    "conv=fdatasync"], check=True, capture_output=True)
+    w = time.perf_counter() - t
+    t = time.perf_counter()
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", f"bs={bs}", "iflag=direct"], check=True, capture_output=True)
+    r = time.perf_counter() - t
+    path.unlink()
+    return count * bs / 1e9 / w, count * bs / 1e9 / r
+
+
+def _plain(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This rank's chunks as a plain dict of tensors (what DCP's own stager and torch.save take)."""
+    from gtp_runtime.checkpoint.io import rank_state
+
+    return {f"{k}@{o}": v.clone() for k, c in rank_state(trainer).items() for o, v in c.chunks.items()}
+
+
+def _steps(trainer: Trainer, n: int, saver: Any = None) -> tuple[list[float], list[float]]:
+    """``n`` step times (ms): those that started while ``saver``'s write was in flight, and the rest."""
+    during, other = [], []
+    for _ in range(n):
+        busy = bool(saver and saver._pending and not saver._pending.future.done())
+        _sync(trainer.device)
+        t = time.perf_counter()
+        trainer.train_step()
+        _sync(trainer.device)
+        (during if busy else other).append((time.perf_counter() - t) * 1e3)
+    return during, other
+
+
+def worker(args: argparse.Namespace, out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from gtp_runtime.checkpoint.async_save import AsyncCheckpointer
+    from gtp_runtime.checkpoint.io import load_checkpoint, save_checkpoint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _GLOO.append(dist.new_group(backend="gloo"))
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    model = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, num_layers=args.layers, num_heads=8,
+                        ffn_hidden=4 * args.hidden, seq_length=args.seq)
+    par = ParallelConfig(cp=2, fold_cp=True) if world == 2 else ParallelConfig(dp=world)
+    trainer = Trainer(TrainConfig(par=par, model=model, micro_batch=1), device=device)
+    root = Path(out)
+    _steps(trainer, 2)
+    step_ms = statistics.median(_steps(trainer, args.steps)[1])
+
+    sync_s = _timed(lambda: save_checkpoint(trainer, root / "sync"), device)
+    folder = root / "sync" / iter_dir_name(trainer.iteration)
+    nbytes = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    load_s = _timed(lambda: load_checkpoint(trainer, root / "sync"), device)
+
+    saver = AsyncCheckpointer()
+    blocking, durable, during, staging = [], [], [], []
+    for i in range(args.saves):
+        dist.barrier()
+        t = time.perf_counter()
+        saver.save(trainer, root / "async")
+        blocking.append(_max(saver.blocking_s))
+        staging.append(_max(saver.staging.nbytes) / 2**30)
+        written: list[float] = []
+        saver._pending.future.add_done_callback(lambda _f, w=written: w.append(time.perf_counter()))
+        times, _ = _steps(trainer, args.steps, saver)
+        during.extend(times)
+        saver.finalize()
+        durable.append(_max(written[0] - t))  # files written and fsynced on the slowest rank
+        if rank == 0 and i < args.saves - 1:  # keep the disk's use at one checkpoint per kind
+            shutil.rmtree(root / "async" / iter_dir_name(trainer.iteration - args.steps), ignore_errors=True)
+    saver.close()
+
+    plain = _plain(trainer)
+    dcp_s = _timed(lambda: dcp.save(plain, checkpoint_id=str(root / "dcp")), device)
+    opts = StagingOptions(use_pinned_memory=device.type == "cuda", use_shared_memory=False,
+                          use_async_staging=False, use_non_blocking_copy=device.type == "cuda")
+    stager = DefaultStager(opts)
+    dist.barrier()
+    t = time.perf_counter()
+    fut = dcp.async_save(plain, checkpoint_id=str(root / "dcp_async"), async_stager=stager, process_group=_GLOO[0])
+    dcp_block = _max(time.perf_counter() - t)
+    (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
+    dcp_durable = _max(time.perf_counter() - t)
+    stager.close()
+
+    tpath = root / f"torch_save_{rank}.pt"
+
+    def tsave() -> None:
+        torch.save(plain, tpath)
+        with open(tpath, "rb+") as f:
+            os.fsync(f.fileno())
+
+    tsave_s = _timed(tsave, device)
+    tbytes = _sum(tpath.stat().st_size)
+    tload_s = _timed(lambda: torch.load(tpath, map_location=device, weights_only=True), device)
+    dist.barrier()
+    if rank == 0:
+        ddw, ddr = _dd(root / "dd.bin", nbytes)
+        gb = nbytes / 1e9
+        row = {"device": device.type, "ranks": world, "ckpt_gb": round(gb, 3),
+               "async_blocking_s": round(max(blocking), 3), "async_durable_s": round(max(durable), 3),
+               "save_gbps": round(gb / sync_s, 3), "async_write_gbps": round(gb / max(durable), 3),
+               "dd_direct_write_gbps": round(ddw, 3), "load_gbps": round(gb / load_s, 3),
+               "dd_cold_read_gbps": round(ddr, 3), "torch_save_gbps": round(tbytes / 1e9 / tsave_s, 3),
+               "torch_load_gbps": round(tbytes / 1e9 / tload_s, 3), "step_ms": round(step_ms, 1),
+               "step_ms_during_write": round(statistics.median(during), 1) if during else None,
+               "staging_gib": [round(s, 4) for s in staging], "dcp_save_gbps": round(gb / dcp_s, 3),
+               "dcp_async_blocking_s": round(dcp_block, 3), "dcp_async_durable_s": round(dcp_durable, 3)}
+        (root / "rows.json").write_text(json.dumps([row]))
+    dist.barrier()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=3, help="steps timed without, and after each save with, a write")
+    ap.add_argument("--saves", type=int, default=3, help="async saves (staging must not grow over them)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--dir", default=None, help="folder to write in (default: a temporary one); removed after")
+    ap.add_argument("--write-docs", action="store_true", help=f"write {JSON.name} and docs/performance.md")
+    ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.hidden, args.layers, args.vocab, args.seq, args.steps, args.saves = 64, 1, 256, 32, 1, 2
+    if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
+        print(f"error: --device cuda needs {args.nproc} CUDA device(s); found {torch.cuda.device_count()}",
+              file=sys.stderr)
+        return 2
+    out = tempfile.mkdtemp(prefix="gtp_ckpt_async_", dir=args.dir)
+    try:
+        run_local_ranks(args.nproc, worker, (args, out), tag="bench_ckpt_async", deadline=None,
+                        backend="nccl" if args.device == "cuda" else "gloo")
+        rows = json.loads((Path(out) / "rows.json").read_text())
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    print(json.dumps(rows, indent=1))
+    if args.write_docs:
+        from docs_section import write_section
+        from tabulate import tabulate
+
+        cmd = "python benchmarks/bench_ckpt_async.py " + " ".join(sys.argv[1:])
+        JSON.write_text(json.dumps({"command": cmd.strip(), "rows": rows}, indent=1) + "\n")
+        flat = [{k: (v[-1] if isinstance(v, list) else v) for k, v in r.items()} for r in rows]
+        body = "\n".join([
+            f"{rows[0]['ranks']} gloo ranks, model hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
+            f"fp32 (weights, masters, both Adam moments); {args.saves} async saves. Every figure of a row is "
+            f"from the same run; all rows in `docs/{JSON.name}` (`staging_gib` per save).", "",
+            "```", cmd.strip(), "```", "", tabulate(flat, headers="keys", tablefmt="github"), ""])
+        write_section(TITLE, body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

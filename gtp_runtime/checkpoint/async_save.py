@@ -1,0 +1,121 @@
+"""``--async-save``: the step blocks only while this rank's state is copied to host memory.
+
+Megatron's ``--async-save`` and torchtitan's async mode do the same; the rules here:
+
+* :meth:`AsyncCheckpointer.save` copies the rank's chunks into staging buffers allocated once
+  (:mod:`staging`; pinned when the state is on a GPU) and returns; a background thread writes the
+  files into the hidden work folder with the sync save's own writer (:func:`io.write_rank_files`),
+  so an async checkpoint is byte-for-byte the format of a sync one.
+* At most one save is in flight: the next save and the end of training (:meth:`finalize`) wait.
+* The background thread never runs a collective on the training process group: DCP's planning
+  gathers go over a gloo group of its own, made once. The completion check across ranks is done
+  from the training thread: :meth:`poll` after every step (one all-reduce of a done flag, only
+  while a save is in flight), then :func:`io.finish_save` gathers every rank's outcome, and only if
+  every rank's files are durable (fsynced) does rank 0 write the manifest, commit the folder and
+  move the latest marker, as Megatron's async finalize does.
+* A rank whose background write failed makes every rank raise ``CheckpointSaveError`` at that
+  check: one line naming the folder and the cause; the work folder is removed and the previous
+  checkpoint stays the latest. A rank killed meanwhile leaves only the hidden work folder, which no
+  reader takes for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gtp_format import names as fmt
+from gtp_format.manifest import FileEntry, Manifest
+from gtp_format.writer.checkpoint import CheckpointWriter
+from gtp_runtime.checkpoint.io import finish_save, manifest_now, prepare_folder, rank_state, try_write_rank_files
+from gtp_runtime.checkpoint.staging import Staging
+from gtp_runtime.training import Trainer
+
+
+@dataclass
+class _InFlight:
+    future: Future[dict[str, FileEntry] | str]
+    writer: CheckpointWriter
+    manifest: Manifest | None  # rank 0's, taken when the state was staged
+    device: torch.device
+
+
+class AsyncCheckpointer:
+    """One per training run (it owns the staging buffers and the writer thread).
+
+    ``staging_bytes``: ``--async-save-staging`` (``None``: the rank's checkpoint bytes).
+    ``writer_threads``: as :func:`io.save_checkpoint`'s. ``blocking_s`` is the last save's
+    blocked time: from the call until the staging copy was complete.
+    """
+
+    def __init__(self, staging_bytes: int | None = None, writer_threads: int | None = None) -> None:
+        self.staging = Staging(staging_bytes)
+        self.writer_threads = writer_threads
+        self.blocking_s = 0.0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-async")
+        self._group: Any = None
+        self._pending: _InFlight | None = None
+
+    @property
+    def in_flight(self) -> Path | None:
+        """The folder the save in flight will commit to, if any."""
+        return self._pending.writer.target if self._pending else None
+
+    def save(self, trainer: Trainer, root: str | Path, layout: str = "torch_dist",
+             sharding: str = fmt.FORMAT_NAME) -> tuple[Path, Path | None]:
+        """Stage ``trainer``'s state and start writing it; ``(folder it will commit to, folder the
+        previous save committed now or None)``. Collective: every rank calls it at the same step."""
+        committed = self.finalize()
+        start = time.perf_counter()
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        writer = prepare_folder(trainer, Path(root), layout, sharding)
+        try:
+            staged = self.staging.stage(rank_state(trainer), self._group)
+            manifest = manifest_now(trainer, layout, sharding, False) if dist.get_rank() == 0 else None
+        except BaseException:
+            if dist.get_rank() == 0:
+                writer.abort()
+            raise
+        future = self._pool.submit(try_write_rank_files, staged, writer.folder, layout, self.writer_threads,
+                                   self._group)
+        self._pending = _InFlight(future, writer, manifest, trainer.device)
+        self.blocking_s = time.perf_counter() - start
+        return writer.target, committed
+
+    def poll(self) -> Path | None:
+        """After a step: commit the save in flight if every rank has written its files; the folder
+        committed, or None (nothing in flight, or some rank still writing). Collective."""
+        p = self._pending
+        if p is None:
+            return None
+        flag = torch.tensor([1 if p.future.done() else 0], dtype=torch.int32, device=p.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return self.finalize() if int(flag.item()) else None
+
+    def finalize(self) -> Path | None:
+        """Wait for the save in flight, then the completion check and commit (collective); the
+        folder committed, or None if nothing was in flight. Raises ``CheckpointSaveError`` if any
+        rank failed to write."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return None
+        try:
+            return finish_save(p.writer, p.manifest, p.future.result())
+        except BaseException:
+            if dist.get_rank() == 0:
+                p.writer.abort()
+            raise
+
+    def close(self) -> Path | None:
+        """End of training: :meth:`finalize`, then stop the writer thread."""
+        try:
+            return self.finalize()
+        finally:
+            self._pool.shutdown(wait=True)

@@ -1,0 +1,93 @@
+"""DCP's ``FileSystemWriter`` with its data files written through the format package's ``O_DIRECT`` sink.
+
+Why: DCP writes each ``.distcp`` file through Python's buffered file object, so every byte is
+copied into the page cache and written back by the kernel, and the runtime then read every file
+back to compute the manifest's CRC-32C. Measured on this 2-core machine for ``ckpt reshard``
+(``gtp_format/writer/sink.py``): ``dd oflag=direct`` writes 0.53 GB/s where the page-cache path
+reaches 0.35-0.45 GB/s and spends a third of the CPU in copies and writeback. The sink writes from
+two aligned staging buffers with ``O_DIRECT`` (the page cache is bypassed, the fsync at the end
+only flushes the disk cache), computes the CRC-32C of the bytes as they pass, so nothing is read
+back, and falls back to buffered writes where the file system refuses ``O_DIRECT``.
+
+Only the byte stream's sink changes: DCP still plans, serialises every item with ``torch.save`` into
+the stream, records offsets and writes ``.metadata``, so the files are byte-for-byte DCP's own
+(``ckpt verify --data`` and PyTorch's ``FileSystemReader`` read them). The writer's ``thread_count``
+still writes several files of a rank in parallel, each with its own sink.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+
+from gtp_format.manifest import FileEntry
+from gtp_format.writer.sink import STAGE, Sink
+
+
+class _SinkStream(io.RawIOBase):
+    """A write-only stream over a :class:`Sink`: ``tell`` is the bytes handed in (DCP's offsets)."""
+
+    def __init__(self, sink: Sink) -> None:
+        super().__init__()
+        self.sink = sink
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        n = memoryview(b).nbytes
+        if n:
+            self.sink.write([b])
+        return n
+
+    def tell(self) -> int:
+        return self.sink.pos
+
+
+class DirectFileSystem(FileSystem):
+    """DCP's local file system, except that data files (``.distcp``) are written through a sink.
+
+    ``entries`` collects each data file's size and CRC-32C, computed while it was written.
+    """
+
+    def __init__(self, stage: int = STAGE) -> None:
+        super().__init__()
+        self.stage = stage
+        self.entries: dict[str, FileEntry] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        path = Path(path)
+        if mode != "wb" or path.suffix != ".distcp":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        sink = Sink(path, self.stage)
+        try:
+            yield _SinkStream(sink)
+        except BaseException:
+            sink.abort()
+            raise
+        entry = sink.close()  # writes the tail, cuts the padding, fsyncs
+        with self._lock:
+            self.entries[path.name] = entry
+
+
+def direct_writer(folder: Path, threads: int) -> tuple[FileSystemWriter, DirectFileSystem]:
+    """A DCP writer for ``folder`` whose data files go through :class:`DirectFileSystem`.
+
+    ``sync_files=False``: each sink fsyncs its own file when it closes (DCP's own fsync would come
+    before the sink's last buffer is written); ``.metadata`` is fsynced by the commit.
+    """
+    writer = FileSystemWriter(folder, sync_files=False, thread_count=threads)
+    fs = DirectFileSystem()
+    writer.fs = fs
+    return writer, fs
