@@ -144,13 +144,24 @@ def _str(s: str) -> bytes:
     return b"X" + struct.pack("<I", len(raw)) + raw  # BINUNICODE
 
 
-def extra_objects(ckpt: Checkpoint) -> dict[str, bytes]:
-    """Every byte object of the export, by key: ``_extra_state`` as stored, ``common_state`` rewritten."""
+def extra_objects(ckpt: Checkpoint, max_bytes: int) -> dict[str, bytes]:
+    """Every byte object of the export, by key: ``_extra_state`` as stored (after its zip records
+    pass their CRC-32: a damaged source is refused, not copied), ``common_state`` rewritten. They
+    are held in memory together, so more than ``max_bytes`` of them (the export's chunk budget;
+    megatron-core's are a few KiB each) is refused in one line."""
     root = str(ckpt.root)
+    wanted = [(k, e) for k, e in ckpt.entries.items() if e.kind == "bytes" and e.chunks
+              and ("._extra_state/" in k or k == COMMON or k.endswith(".optimizer/shard_0_1"))]
+    total = sum(e.chunks[0].storage.length for _, e in wanted if e.chunks[0].storage is not None)
+    if total > max_bytes:
+        raise FormatError(f"{root}: its byte objects (common_state, _extra_state) declare {total} bytes, more than "
+                          f"the {max_bytes}-byte chunk budget; raise --max-memory")
     out: dict[str, bytes] = {}
-    for key, e in ckpt.entries.items():
-        if e.kind == "bytes" and "._extra_state/" in key:
-            out[key] = bytes(chunk_bytes(ckpt, e, e.chunks[0]))
+    for key, e in wanted:
+        if "._extra_state/" in key:
+            blob = bytes(chunk_bytes(ckpt, e, e.chunks[0]))
+            _records(root, key, blob)
+            out[key] = blob
     common = ckpt.entries.get(COMMON)
     opt = [k for k, e in ckpt.entries.items() if e.kind == "bytes" and k.startswith("optimizer.distributed.")
            and k.endswith(".optimizer/shard_0_1")]

@@ -62,3 +62,19 @@ def test_common_state_of_another_structure_is_refused(tmp_path: Path) -> None:
         fully_reshardable_common("src", blob, blob, "dp_reshardable")
     assert_error_line(cli("export", MEGATRON / "dp2_fully_reshardable", tmp_path / "x", "--to",
                           "fully_reshardable"), 2, "dp_reshardable")
+
+
+@pytest.mark.parametrize("key", ["common_state/shard_0_1", "decoder.layers.mlp.linear_fc1._extra_state/shard_1_2"])
+def test_damaged_byte_object_is_refused_not_copied(key: str, tmp_path: Path) -> None:
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(MEGATRON / "pair_tp2_dp2_dp_reshardable", src)
+    ref = open_checkpoint(src).entries[key].chunks[0].storage
+    assert ref is not None
+    path = src / "iter_0000002" / ref.file
+    raw = bytearray(path.read_bytes())
+    raw[ref.offset + 70] ^= 0x01  # inside data.pkl: its CRC-32 no longer matches
+    path.write_bytes(bytes(raw))
+    assert_error_line(cli("export", src, tmp_path / "fr", "--to", "fully_reshardable"), 2, key)
+    assert not (tmp_path / "fr").exists()
