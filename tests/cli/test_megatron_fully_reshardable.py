@@ -43,6 +43,8 @@ def test_export_has_every_key_of_megatrons_own_save(pair: str, tmp_path: Path) -
     assert mine["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
     assert repr(_plain(mine)) == repr(_plain(own))  # param_groups (step 2.0), scheduler, iteration
     assert '"rng_state_dropped"' in r.stdout
+    line = cli("export", MEGATRON / pair, tmp_path / "fr2", "--to", "fully_reshardable").stdout
+    assert f"{len(rng)} rng_state" in line and "--no-load-rng" in line, line
     v = cli("verify", out, "--data")
     assert v.exit_code == 0 and "0 errors, 0 warnings" in v.stdout, v.stdout
 
