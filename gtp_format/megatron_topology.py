@@ -165,7 +165,11 @@ def derive(ckpt: Checkpoint, *, read_common_state: bool = True) -> MegatronTopol
     topo = MegatronTopology()
     ranks = {writer_rank(name) for name in ckpt.data_files}
     ranks.discard(None)
-    if ranks:
+    # `ckpt export --to fully_reshardable` writes whole tensors in row blocks, files by worker and no
+    # rng_state: its file names and chunks say how it was written, not the run; common_state's args do.
+    exported = not any(e.kind == BYTES and k.startswith(f"{RNG_STATE}/") for k, e in ckpt.entries.items()) \
+        and key_format(ckpt) == "fully_reshardable"
+    if ranks and not exported:
         topo.world = max(r for r in ranks if r is not None) + 1
         topo.sources["world"] = "data file names"
     for key, e in ckpt.entries.items():
@@ -176,7 +180,7 @@ def derive(ckpt: Checkpoint, *, read_common_state: bool = True) -> MegatronTopol
             break
     opts = [o for k, e in ckpt.entries.items() if e.kind == TENSOR and (o := parse_optimizer_key(k)) is not None]
     prefixes = sorted({o.prefix for o in opts})
-    if topo.tp is None:
+    if topo.tp is None and not exported:
         emb = ckpt.entries.get("embedding.word_embeddings.weight")
         if emb is not None and emb.chunks:
             topo.tp = len({c.offsets[0] for c in emb.chunks})

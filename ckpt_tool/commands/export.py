@@ -86,6 +86,10 @@ def export_command(
         bar = progress_opener(stack, f"exporting to {to}", fmt)
         info = export(src, dst, to, optimizer, max_memory, workers, max_shard_size, bar, names, tokenizer, num_heads)
     what = count(info["params"], "param") if to != "torch" else count(info["keys"], "key")
+    if info.get("objects"):  # megatron-core's byte objects: what came along and what did not
+        what += (f", {count(info['objects'], 'byte object')} (common_state, _extra_state; "
+                 f"{count(info['rng_state_dropped'], 'rng_state')} of the source topology left out: "
+                 "resume with --no-load-rng)")
     print_written(fmt, info, f"wrote {info['dst']} ({to}{', ' + info['names'] + ' names' if 'names' in info else ''}"
                   f"): {what}, {count(info['files'], 'file')}, {fmt_bytes(info['bytes_written'])} in "
                   f"{info['seconds']:.1f} s")

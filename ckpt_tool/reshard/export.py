@@ -56,9 +56,10 @@ from ckpt_tool.reshard.engine import (
     run_files,
     write_failure,
 )
+from ckpt_tool.reshard.megatron_objects import extra_objects
 from ckpt_tool.reshard.plan import FP32, OutChunk, dtype_of, row_blocks, split_files
 from ckpt_tool.reshard.source import WEIGHT, Buffers, Source, open_source
-from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata
+from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata, write_objects
 from gtp_format.check.integrity import stored_bytes
 from gtp_format.check.st_names import refuse_unstorable
 from gtp_format.commit import commit_file, hidden_sibling, write_durable
@@ -240,16 +241,23 @@ def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_byt
             entry_shape = source.ckpt.entries[mk].shape if stacked else None
             shapes[key] = (entry_shape or v.full_shape, part[0].dtype)
             chunks.extend(part)
+    objects = extra_objects(source.ckpt, chunk_bytes) if source.manifest is None else {}  # megatron-core's
     parts = split_files(chunks, workers * 2)
-    names = [data_file_name(i, 0, "torch_dist") for i in range(len(parts))]
+    names = [data_file_name(i, 0, "torch_dist") for i in range(len(parts) + (1 if objects else 0))]
     bufs = Buffers()
     results = run_files(lambda i, tick: write_distcp(folder / names[i], parts[i],
                                                      lambda c: chunk_data(source, c, bufs), tick,
                                                      stage_bytes(chunk_bytes)), len(parts), workers, advance)
-    write_distcp_metadata(folder / DCP_METADATA_FILE, shapes,
-                          [(n, c, off, ln) for n, r in zip(names, results) for c, off, ln in r[1]])
+    placed: list[tuple[str, Any, int, int]] = [(n, c, off, ln) for n, r in zip(names, results) for c, off, ln in r[1]]
+    if objects:
+        placed.extend(write_objects(folder / names[-1], objects))
+    write_distcp_metadata(folder / DCP_METADATA_FILE, shapes, placed, list(objects))
     writer.finish(None, megatron_metadata("torch_dist"))  # Megatron's own layout: no manifest
-    return {"files": len(parts) + 2}
+    info: dict[str, Any] = {"files": len(names) + 2}
+    if objects:
+        dropped = sorted(k for k, e in source.ckpt.entries.items() if e.kind == "bytes" and k.startswith("rng_state/"))
+        info.update(objects=len(objects), rng_state_dropped=len(dropped))
+    return info
 
 
 # -- torch ------------------------------------------------------------------------------------------

@@ -71,10 +71,27 @@ def write_distcp(path: Path, chunks: list[OutChunk], data: DataFn, advance: Call
         return out.close(), placed
 
 
-def write_distcp_metadata(path: Path, shapes: dict[str, Any], placed: list[tuple[str, OutChunk, int, int]]) -> None:
+def write_objects(path: Path, objects: dict[str, bytes]) -> list[tuple[str, str, int, int]]:
+    """One ``.distcp`` file of byte objects (each a whole ``torch.save`` blob, as DCP stores them);
+    returns ``(file, key, offset, length)`` per object."""
+    placed, pos = [], 0
+    with Sink(path, STAGE) as out:
+        for key, blob in objects.items():
+            out.write([blob])
+            placed.append((path.name, key, pos, len(blob)))
+            pos += len(blob)
+        out.close()
+    return placed
+
+
+def write_distcp_metadata(path: Path, shapes: dict[str, Any], placed: list[tuple[str, Any, int, int]],
+                          objects: list[str] | None = None) -> None:
     """``.metadata``: the pickled DCP ``Metadata`` that ``FileSystemWriter.finish`` writes
-    (:mod:`gtp_format.writer.dcp_metadata`), without torch."""
-    raw = metadata_bytes(shapes, [(file, c.key, c.offsets, c.sizes, off, length) for file, c, off, length in placed])
+    (:mod:`gtp_format.writer.dcp_metadata`), without torch. ``placed`` holds ``(file, chunk, offset,
+    length)`` per tensor chunk and ``(file, key, offset, length)`` per byte object in ``objects``."""
+    rows = [(file, c, None, None, off, length) if isinstance(c, str) else
+            (file, c.key, c.offsets, c.sizes, off, length) for file, c, off, length in placed]
+    raw = metadata_bytes(shapes, rows, objects or [])
     with open(path, "xb") as f:
         f.write(raw)
         f.flush()

@@ -96,13 +96,18 @@ class _Emitter:
 
 
 def metadata_bytes(shapes: dict[str, tuple[tuple[int, ...], DType]],
-                   placed: Iterable[tuple[str, str, tuple[int, ...], tuple[int, ...], int, int]]) -> bytes:
+                   placed: Iterable[tuple[str, str, tuple[int, ...] | None, tuple[int, ...] | None, int, int]],
+                   objects: Iterable[str] = ()) -> bytes:
     """The pickled ``Metadata`` of tensors ``shapes`` (key -> global shape, dtype), whose chunks are
-    ``placed`` as ``(file, key, offsets, sizes, byte offset, byte length)``, in that order."""
+    ``placed`` as ``(file, key, offsets, sizes, byte offset, byte length)``, in that order, and of
+    the byte objects ``objects`` (a ``BytesStorageMetadata`` each; placed with offsets ``None``, as
+    DCP indexes a byte object by its name alone)."""
     placed = list(placed)
+    objects = list(objects)
     by_key: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {k: [] for k in shapes}
     for _, key, offsets, sizes, _, _ in placed:
-        by_key[key].append((offsets, sizes))
+        if key in by_key and offsets is not None and sizes is not None:
+            by_key[key].append((offsets, sizes))
     e = _Emitter()
     e.new(_MD, "Metadata")
     e.out.append(P.EMPTY_DICT + P.MARK)
@@ -137,9 +142,15 @@ def metadata_bytes(shapes: dict[str, tuple[tuple[int, ...], DType]],
             e.size(sizes)
             e.out.append(P.SETITEMS + P.BUILD)
         e.out.append(P.APPENDS + P.SETITEMS + P.BUILD + P.SETITEMS)  # chunks, TSM state, TSM, sdm[key]
+    for key in objects:  # BytesStorageMetadata has no fields: pickle writes no state for it
+        e.out.append(P.MARK)
+        e.str(key)
+        e.memoize(("key", key))
+        e.new(_MD, "BytesStorageMetadata")
+        e.out.append(P.SETITEMS)
     e.field("planner_data")
     e.out.append(P.EMPTY_DICT)
-    for key in shapes:
+    for key in [*shapes, *objects]:
         e.out.append(P.MARK)
         e.get(("key", key))
         e.get(("key", key))
@@ -155,7 +166,10 @@ def metadata_bytes(shapes: dict[str, tuple[tuple[int, ...], DType]],
         e.field("index")
         e.out.append(P.NONE)
         e.field("offset")
-        e.size(offsets)
+        if offsets is None:
+            e.out.append(P.NONE)
+        else:
+            e.size(offsets)
         e.out.append(P.SETITEMS + P.BUILD)
         e.new("torch.distributed.checkpoint.filesystem", "_StorageInfo")
         e.out.append(P.EMPTY_DICT + P.MARK)

@@ -135,30 +135,17 @@ def new_serialization_id() -> str:
     return f"{a:020d}{b:020d}"
 
 
-class TensorBlob:
-    """One blob's structure around ``nbytes`` of elements: :attr:`head` goes before them, and
-    :meth:`tail` (which needs their ``zlib.crc32``) after; the three together are the blob."""
+class _ZipBuilder:
+    """The zip structure ``PyTorchStreamWriter`` writes: 64-aligned local headers with data
+    descriptors, then the central directory and the zip64 and classic end records."""
 
-    def __init__(self, dtype: DType, sizes: tuple[int, ...], serialization_id: str | None = None) -> None:
-        self.nbytes = dtype.itemsize
-        for s in sizes:
-            self.nbytes *= s
+    def __init__(self, prefix: str = PREFIX) -> None:
+        self.prefix = prefix
         self._records: list[list[Any]] = []  # [name bytes, header offset, crc, size]
         self._pos = 0
-        head = bytearray()
-        for name, data in (("data.pkl", data_pkl(dtype, sizes)), (".format_version", b"1"),
-                           (".storage_alignment", b"64"), ("byteorder", b"little")):
-            head += self._whole(name, data)
-        head += self._local("data/0")
-        self.head = bytes(head)
-        if self.nbytes == 0:
-            raise ValueError("an empty tensor: torch.save writes no data record for it; not supported here")
-        if self._pos + self.nbytes > _LIMIT:
-            raise ValueError(f"a {self.nbytes}-byte tensor needs zip64 sizes; cut it into smaller chunks")
-        self._sid = (serialization_id or new_serialization_id()).encode()
 
     def _local(self, name: str) -> bytes:
-        raw = (PREFIX + name).encode()
+        raw = (self.prefix + name).encode()
         pad = -(self._pos + _LOCAL.size + len(raw) + 4) % ALIGN
         extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
         self._records.append([raw, self._pos, 0, 0])
@@ -175,20 +162,57 @@ class TensorBlob:
         head = self._local(name)
         return head + data + self._descriptor(zlib.crc32(data), len(data))
 
+    def _directory(self) -> bytes:
+        cd = bytearray()
+        for raw, at, c, n in self._records:
+            cd += _CENTRAL.pack(0x02014B50, 0, 0, FLAGS, 0, 0, 0, c, n, n, len(raw), 0, 0, 0, 0, 0, at) + raw
+        k, cd_at = len(self._records), self._pos
+        out = bytes(cd)
+        out += _EOCD64.pack(0x06064B50, _EOCD64.size - 12, 0x031E, 0x002D, 0, 0, k, k, len(cd), cd_at)
+        out += _LOC64.pack(0x07064B50, 0, cd_at + len(cd), 1)
+        out += _EOCD.pack(0x06054B50, 0, 0, k, k, len(cd), cd_at, 0)
+        return out
+
+
+class TensorBlob(_ZipBuilder):
+    """One blob's structure around ``nbytes`` of elements: :attr:`head` goes before them, and
+    :meth:`tail` (which needs their ``zlib.crc32``) after; the three together are the blob."""
+
+    def __init__(self, dtype: DType, sizes: tuple[int, ...], serialization_id: str | None = None) -> None:
+        super().__init__()
+        self.nbytes = dtype.itemsize
+        for s in sizes:
+            self.nbytes *= s
+        head = bytearray()
+        for name, data in (("data.pkl", data_pkl(dtype, sizes)), (".format_version", b"1"),
+                           (".storage_alignment", b"64"), ("byteorder", b"little")):
+            head += self._whole(name, data)
+        head += self._local("data/0")
+        self.head = bytes(head)
+        if self.nbytes == 0:
+            raise ValueError("an empty tensor: torch.save writes no data record for it; not supported here")
+        if self._pos + self.nbytes > _LIMIT:
+            raise ValueError(f"a {self.nbytes}-byte tensor needs zip64 sizes; cut it into smaller chunks")
+        self._sid = (serialization_id or new_serialization_id()).encode()
+
     def tail(self, crc: int) -> bytes:
         """Everything after the elements, given their CRC-32; call once."""
         out = bytearray(self._descriptor(crc, self.nbytes))
         out += self._whole("version", b"3\n")
         out += self._whole(".data/serialization_id", self._sid)
-        cd = bytearray()
-        for raw, at, c, n in self._records:
-            cd += _CENTRAL.pack(0x02014B50, 0, 0, FLAGS, 0, 0, 0, c, n, n, len(raw), 0, 0, 0, 0, 0, at) + raw
-        k, cd_at = len(self._records), self._pos
-        out += cd
-        out += _EOCD64.pack(0x06064B50, _EOCD64.size - 12, 0x031E, 0x002D, 0, 0, k, k, len(cd), cd_at)
-        out += _LOC64.pack(0x07064B50, 0, cd_at + len(cd), 1)
-        out += _EOCD.pack(0x06054B50, 0, 0, k, k, len(cd), cd_at, 0)
-        return bytes(out)
+        return bytes(out + self._directory())
+
+
+def object_blob(prefix: str, records: list[tuple[str, bytes]]) -> bytes:
+    """A ``torch.save`` blob of a tensor-free object (what a DCP byte object stores): ``records``
+    (name below ``prefix``, bytes) in order, ``data.pkl`` first, each 64-aligned as torch writes them."""
+    z = _ZipBuilder(prefix)
+    out = bytearray()
+    for name, data in records:
+        if z._pos + len(data) > _LIMIT:
+            raise ValueError(f"a {len(data)}-byte record needs zip64 sizes; not supported here")
+        out += z._whole(name, data)
+    return bytes(out + z._directory())
 
 
 def tensor_blob(dtype: DType, sizes: tuple[int, ...], data: Any, serialization_id: str | None = None) -> bytes:

@@ -93,13 +93,14 @@ def test_fully_reshardable_export_has_megatrons_own_keys_and_shapes(tmp_path: Pa
     r = cli("export", MEGATRON / "cp2_dp2_dp_reshardable", out, "--to", "fully_reshardable")
     assert r.exit_code == 0, r.stderr
     ours, theirs = open_checkpoint(out), open_checkpoint(MEGATRON / "dp2_fully_reshardable")
-    shape = {k: (e.shape, e.dtype) for k, e in ours.entries.items()}
+    shape = {k: (e.shape, e.dtype) for k, e in ours.entries.items() if e.kind == "tensor"}
     assert shape == {k: (e.shape, e.dtype) for k, e in theirs.entries.items() if e.kind == "tensor"}
     import torch.distributed.checkpoint as dcp
 
     folder = out / "iter_0000002"
     md = dcp.FileSystemReader(folder).read_metadata()
-    sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()}
+    sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+          if hasattr(v, "size")}  # the byte objects (common_state, _extra_state) are not loaded here
     dcp.load(sd, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
     src = open_source(MEGATRON / "cp2_dp2_dp_reshardable", megatron=True)
     for view in src.views.values():

@@ -59,3 +59,22 @@ def test_allow_listing_reader_reads_it() -> None:
     assert list(sdm) == list(SHAPES)
     assert [tuple(c.get("sizes")) for c in sdm["a"].get("chunks")] == [(4, 4), (4, 4)]
     assert len(md.get("storage_data")) == len(PLACED)
+
+
+def test_byte_objects_unpickle_as_dcp_writes_them() -> None:
+    """Byte objects (megatron-core's common_state, _extra_state): a ``BytesStorageMetadata`` each,
+    indexed by name alone (``MetadataIndex(fqn)``, offset None), as DCP's planner writes them."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    objects = ["common_state/shard_0_1", "x._extra_state/shard_1_2"]
+    placed = [*PLACED, ("__2_0.distcp", objects[0], None, None, 0, 3000),
+              ("__2_0.distcp", objects[1], None, None, 3000, 700)]
+    ours = pickle.loads(metadata_bytes(SHAPES, placed, objects))
+    theirs = _torch_metadata()
+    theirs.state_dict_metadata.update({k: BytesStorageMetadata() for k in objects})
+    theirs.planner_data.update({k: (k,) for k in objects})
+    theirs.storage_data.update({MetadataIndex(objects[0]): _StorageInfo("__2_0.distcp", 0, 3000),
+                                MetadataIndex(objects[1]): _StorageInfo("__2_0.distcp", 3000, 700)})
+    assert ours == theirs and list(ours.state_dict_metadata) == list(theirs.state_dict_metadata)
+    md = load_metadata_pickle(metadata_bytes(SHAPES, placed, objects), ".metadata")
+    assert list(md.get("state_dict_metadata")) == [*SHAPES, *objects]

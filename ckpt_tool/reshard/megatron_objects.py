@@ -1,0 +1,176 @@
+"""The byte objects of a megatron-core ``fully_reshardable`` checkpoint, taken from a ``dp_reshardable`` one.
+
+megatron-core's own ``fully_reshardable`` save holds, besides the tensors, ``common_state`` (args,
+iteration, the optimizer's non-sharded part, the scheduler, ``content_metadata``), one
+``<module>._extra_state/shard_<layer>_<layers>`` per layer of every linear layer, and one
+``rng_state`` per (pp, tp). The export writes them as follows, never unpickling any of them:
+
+* ``_extra_state``: copied as the bytes they are (identical in both formats: the same module's
+  ``[None]`` with the local spec, Transformer Engine's fp8 metadata otherwise).
+* ``common_state``: the source's blob with two edits made on its pickle *opcodes*
+  (:mod:`pickletools` decodes them without running anything): every string equal to the source's
+  sharding type becomes ``fully_reshardable`` (``optimizer.param_state_sharding_type`` and
+  ``content_metadata.distrib_optim_sharding_type``: megatron-core's loader takes the sharding
+  type from the checkpoint's common state, not from the caller), and the inner optimizer's
+  ``param_groups`` (lr, betas, ``step``), which ``dp_reshardable`` stores in the byte object
+  ``optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1``, are spliced in as
+  ``optimizer.optimizer``, where megatron-core's ``fully_reshardable`` save keeps them (it writes
+  rank 0's, whose model-parallel index is 0; its loader asserts one ``step`` across them).
+  ``content_metadata`` also gets megatron's ``distrib_optim_fully_reshardable_mem_efficient:
+  False`` (the save it stands for gathers on DP rank 0). ``args`` are left as they are
+  (``dist_ckpt_optim_fully_reshardable`` still says False: megatron's loader reads the format
+  from ``content_metadata``).
+* ``rng_state``: dropped. It is per (pp, tp) of the *source* topology, and a load at another
+  one (the point of this format) cannot use it; megatron-core loads without it when told
+  ``--no-load-rng``, which a topology change needs anyway.
+
+A common state of another structure (chained optimizers, a protocol other than torch.save's 2,
+persistent ids) is refused in one line.
+"""
+
+from __future__ import annotations
+
+import pickletools
+import struct
+from typing import Any
+
+from gtp_format.errors import FormatError
+from gtp_format.reader.checkpoint import Checkpoint
+from gtp_format.reader.chunks import chunk_bytes
+from gtp_format.reader.zip_blob import BlobError, ViewReader, small_record, zip_records
+from gtp_format.writer.torch_blob import object_blob
+
+COMMON = "common_state/shard_0_1"
+TARGET = "fully_reshardable"
+MEM_EFFICIENT = "distrib_optim_fully_reshardable_mem_efficient"
+_PUT = ("BINPUT", "LONG_BINPUT")
+_GET = ("BINGET", "LONG_BINGET")
+_STR = ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE")
+_REFUSED = ("MEMOIZE", "FRAME", "PERSID", "BINPERSID", "PROTO")
+
+
+def _records(root: str, key: str, blob: bytes) -> tuple[str, list[tuple[str, bytes]]]:
+    """(prefix, [(name, bytes)]) of a torch.save blob's records, CRC-checked, in stored order."""
+    reader = ViewReader(memoryview(blob))
+    try:
+        recs = sorted(zip_records(reader).values(), key=lambda r: r.header_offset)
+        out = [(r.name, small_record(reader, r)) for r in recs]
+    except BlobError as e:
+        raise FormatError(f"{root}: byte object {key} is not an intact torch.save blob ({e}); run `ckpt verify "
+                          "--data` on it") from None
+    pkl = [n for n, _ in out if n.endswith("/data.pkl")]
+    if len(pkl) != 1:
+        raise FormatError(f"{root}: byte object {key} has no data.pkl record; it is not a torch.save blob")
+    prefix = pkl[0][: -len("data.pkl")]
+    return prefix, [(n[len(prefix):], data) for n, data in out]
+
+
+def _ops(root: str, key: str, pkl: bytes) -> list[tuple[str, Any, bytes]]:
+    """(opcode name, argument, raw bytes) of every opcode, decoded without being run."""
+    try:
+        decoded = list(pickletools.genops(pkl))
+    except (ValueError, struct.error) as e:
+        raise FormatError(f"{root}: byte object {key}'s pickle does not decode ({e})") from None
+    ends = [pos for _, _, pos in decoded[1:]] + [len(pkl)]
+    out = [(op.name, arg, pkl[pos:end]) for (op, arg, pos), end in zip(decoded, ends)]
+    if not out or out[0][0] != "PROTO" or out[0][1] != 2:
+        raise FormatError(f"{root}: byte object {key} is not a protocol-2 pickle as torch.save writes it; "
+                          "export of this common state is not supported")
+    if any(name in _REFUSED for name, _, _ in out[1:]):
+        raise FormatError(f"{root}: byte object {key} holds opcodes torch.save's object pickles do not "
+                          "(memo frames or persistent ids); export of this common state is not supported")
+    return out
+
+
+def _memo_op(name: str, index: int) -> bytes:
+    return (b"r" if name in _PUT else b"j") + struct.pack("<I", index)  # LONG_BINPUT / LONG_BINGET
+
+
+def _param_groups(root: str, key: str, pkl: bytes, base: int) -> bytes:
+    """The opcodes of the one object in ``[obj]`` (ShardedObject's wrapper), memo renumbered from ``base``."""
+    ops = _ops(root, key, pkl)
+    names = [n for n, _, _ in ops]
+    first_key = next((a for n, a, _ in ops[4:] if n in _STR), None)
+    if (names[1] != "EMPTY_LIST" or names[2] not in _PUT or names[3] != "EMPTY_DICT"
+            or names[-2:] != ["APPEND", "STOP"] or first_key != "param_groups"):
+        raise FormatError(f"{root}: byte object {key} is not a one-element list of {{'param_groups': ...}}; export "
+                          "of this optimizer state is not supported")
+    return b"".join(_memo_op(n, base + a) if n in _PUT + _GET else raw for n, a, raw in ops[3:-2])
+
+
+def fully_reshardable_common(root: str, common: bytes, optimizer: bytes, source_type: str) -> bytes:
+    """``common_state``'s blob for ``fully_reshardable`` from a ``dp_reshardable`` one and its optimizer object."""
+    prefix, records = _records(root, COMMON, common)
+    _, opt_records = _records(root, "optimizer", optimizer)
+    pkl = dict(records)["data.pkl"]
+    ops = _ops(root, COMMON, pkl)
+    base = 1 + max((a for n, a, _ in ops if n in _PUT), default=0)
+    groups = _param_groups(root, "optimizer.distributed.dp_group_idx_0.optimizer", dict(opt_records)["data.pkl"],
+                           base)
+    out, spliced = [], 0
+    flag = _flag_after(ops)
+    for i, (name, arg, raw) in enumerate(ops):
+        out.append(_str(TARGET) if name in _STR and arg == source_type else raw)
+        if i == flag:  # megatron's fully_reshardable save records the (default) memory-efficiency flag too
+            out.append(_str(MEM_EFFICIENT) + b"\x89")  # NEWFALSE
+        # `'optimizer': {}` (the string, its memo put, the dict, its memo put): fill the new dict first
+        if (name in _PUT and i >= 3 and ops[i - 1][0] == "EMPTY_DICT" and ops[i - 3][0] in _STR
+                and ops[i - 3][1] == "optimizer"):
+            out.append(_str("optimizer") + groups + b"s")  # SETITEM: value['optimizer'] = {param_groups}
+            spliced += 1
+    if spliced != 1 or not any(n in _STR and a == source_type for n, a, _ in ops):
+        raise FormatError(f"{root}: {COMMON} has {spliced} optimizer entries of the expected form (one "
+                          f"{{'param_state_sharding_type': {source_type!r}}} dict); export of this common state "
+                          "(chained optimizers?) is not supported")
+    return object_blob(prefix, [(n, b"".join(out) if n == "data.pkl" else d) for n, d in records])
+
+
+def _flag_after(ops: list[tuple[str, Any, bytes]]) -> int | None:
+    """The opcode after which ``content_metadata`` gets ``MEM_EFFICIENT: False``: the end of the
+    ``distrib_optim_sharding_type`` value, when that key opens a ``MARK ... SETITEMS`` batch (so a
+    pair more is just two more items) and the flag is not there yet."""
+    if any(n in _STR and a == MEM_EFFICIENT for n, a, _ in ops):
+        return None
+    for j, (n, a, _) in enumerate(ops):
+        if n in _STR and a == "distrib_optim_sharding_type" and j > 0 and ops[j - 1][0] == "MARK":
+            k = j + (2 if j + 1 < len(ops) and ops[j + 1][0] in _PUT else 1)  # the value
+            if k < len(ops) and ops[k][0] in _STR + _GET:
+                return k + (1 if ops[k][0] in _STR and k + 1 < len(ops) and ops[k + 1][0] in _PUT else 0)
+    return None
+
+
+def _str(s: str) -> bytes:
+    raw = s.encode()
+    return b"X" + struct.pack("<I", len(raw)) + raw  # BINUNICODE
+
+
+def extra_objects(ckpt: Checkpoint, max_bytes: int) -> dict[str, bytes]:
+    """Every byte object of the export, by key: ``_extra_state`` as stored (after its zip records
+    pass their CRC-32: a damaged source is refused, not copied), ``common_state`` rewritten. They
+    are held in memory together, so more than ``max_bytes`` of them (the export's chunk budget;
+    megatron-core's are a few KiB each) is refused in one line."""
+    root = str(ckpt.root)
+    wanted = [(k, e) for k, e in ckpt.entries.items() if e.kind == "bytes" and e.chunks
+              and ("._extra_state/" in k or k == COMMON or k.endswith(".optimizer/shard_0_1"))]
+    total = sum(e.chunks[0].storage.length for _, e in wanted if e.chunks[0].storage is not None)
+    if total > max_bytes:
+        raise FormatError(f"{root}: its byte objects (common_state, _extra_state) declare {total} bytes, more than "
+                          f"the {max_bytes}-byte chunk budget; raise --max-memory")
+    out: dict[str, bytes] = {}
+    for key, e in wanted:
+        if "._extra_state/" in key:
+            blob = bytes(chunk_bytes(ckpt, e, e.chunks[0]))
+            _records(root, key, blob)
+            out[key] = blob
+    common = ckpt.entries.get(COMMON)
+    opt = [k for k, e in ckpt.entries.items() if e.kind == "bytes" and k.startswith("optimizer.distributed.")
+           and k.endswith(".optimizer/shard_0_1")]
+    first = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
+    if common is not None:
+        if first not in opt:
+            raise FormatError(f"{root}: {COMMON} is there but {first} (the optimizer's param_groups) is not; "
+                              "export of this common state is not supported")
+        o = ckpt.entries[first]
+        out[COMMON] = fully_reshardable_common(root, bytes(chunk_bytes(ckpt, common, common.chunks[0])),
+                                               bytes(chunk_bytes(ckpt, o, o.chunks[0])), "dp_reshardable")
+    return out

@@ -1,0 +1,144 @@
+"""megatron-core's own loader on a ``fully_reshardable`` checkpoint, at a topology of our choice (megatron venv).
+
+``python megatron_load.py CKPT_ITER_DIR OUT_DIR TP PP DP NUM_LAYERS`` spawns TP x PP x DP gloo CPU
+ranks. Each builds the fixtures' model and optimizer (``fixtures/megatron/make_megatron_fixtures.py``:
+its CPU shims, ``MODEL`` and optimizer settings; local spec, bf16, megatron DDP with the
+distributed optimizer), wipes the model weights and optimizer state to zeros, and loads CKPT the
+way ``megatron/training/checkpointing.py:load_checkpoint`` does for ``torch_dist``
+(``sharded_state_dict(is_loading=True)`` with the ``fully_reshardable`` metadata,
+``dist_checkpointing.load``, ``model.load_state_dict``, ``optimizer.load_state_dict``). Two
+workarounds for megatron-core 0.19.2 on CPU with torch's AdamW (issue 24):
+
+* ``_init_optimizer_states_with_dummy_values()`` first: a fresh optimizer has no state, and
+  ``load_state_dict`` asserts one ``step`` across it (``distrib_optimizer.py:838``);
+* ``_set_main_param_and_optimizer_states`` is given AdamW's already-restored ``step`` when the
+  gathered tensors lack it (else ``KeyError: 'step'``, on megatron's own save too).
+
+Rank ``r`` writes ``OUT_DIR/rank{r}.npz``: every model parameter (by module name, bf16 as raw
+int16) and the fp32 master, ``exp_avg`` and ``exp_avg_sq`` of every local optimizer shard, in
+the optimizer's order, plus ``step`` of each (compared separately by the test).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
+
+
+def _build(tp: int, pp: int, num_layers: int) -> tuple[Any, Any]:
+    import torch
+    from make_megatron_fixtures import MODEL, SEED
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    config = TransformerConfig(
+        num_layers=num_layers, hidden_size=MODEL["hidden_size"], ffn_hidden_size=MODEL["ffn_hidden_size"],
+        num_attention_heads=MODEL["num_attention_heads"], tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
+        persist_layer_norm=False)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                     vocab_size=MODEL["vocab_size"], max_sequence_length=MODEL["seq_length"],
+                     pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
+    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                        use_distributed_optimizer=True, check_for_nan_in_grad=False)
+    model = DistributedDataParallel(config=config, ddp_config=ddp, module=Float16Module(config, model))
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=1e-3, min_lr=1e-5, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, bf16=True,
+        params_dtype=torch.bfloat16, use_distributed_optimizer=True, clip_grad=1.0), [model])
+    return model, optimizer
+
+
+def _pass_step_through() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    orig = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
+        if "step" not in tensors:
+            tensors = {**tensors, "step": None}  # not a tensor: left as load_state_dict restored it
+        orig(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: int, num_layers: int) -> None:
+    sys.path.insert(0, str(FIXTURES))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    import numpy as np
+    import torch
+    from make_megatron_fixtures import _optimizer_tensors, install_cpu_shims, sharded_sd_metadata_for
+
+    torch.set_num_threads(1)
+    install_cpu_shims()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as mpu
+    from megatron.core.utils import unwrap_model
+
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model, optimizer = _build(tp, pp, num_layers)
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        opt._init_optimizer_states_with_dummy_values()
+    _pass_step_through()
+    module = unwrap_model(model)
+    with torch.no_grad():  # nothing of the fresh model survives: every value compared comes from CKPT
+        for p in module.parameters():
+            p.zero_()
+        for t in _optimizer_tensors(optimizer):
+            t.zero_()
+    metadata = sharded_sd_metadata_for("fully_reshardable")
+    sharded = {"model": module.sharded_state_dict(metadata=metadata)}
+    sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True, metadata=metadata)
+    state = dist_checkpointing.load(sharded, ckpt)
+    module.load_state_dict(state["model"], strict=True)
+    optimizer.load_state_dict(state["optimizer"])
+
+    arrays: dict[str, Any] = {}
+    for name, p in module.named_parameters():
+        arrays[f"model.{name}"] = p.detach().view(torch.int16).numpy() if p.dtype == torch.bfloat16 else p.numpy()
+    for i, t in enumerate(_optimizer_tensors(optimizer)):
+        arrays[f"opt.{i}"] = t.detach().numpy()
+    steps = [float(o.optimizer.state[p]["step"]) for o in getattr(optimizer, "chained_optimizers", [optimizer])
+             for g in o.optimizer.param_groups for p in g["params"]]
+    arrays["step"] = np.array(steps)
+    np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(ckpt: str, out: str, tp: int, pp: int, dp: int, num_layers: int) -> None:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = tp * pp * dp
+    mp.spawn(worker, args=(world, port, ckpt, out, tp, pp, num_layers), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    main(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), int(a[5]))
