@@ -89,12 +89,27 @@ def _layer_index(ckpt: Checkpoint, keys: list[str]) -> dict[str, dict[int, list[
     """
     out: dict[str, dict[int, list[Chunk]]] = {}
     for k in keys:
+        e = ckpt.entries[k]
+        itemsize = e.dtype.itemsize if e.dtype is not None else 1
         by_layer: dict[int, list[Chunk]] = {}
-        for c in ckpt.entries[k].chunks:
-            if c.offsets:
-                by_layer.setdefault(c.offsets[0], []).append(c)
+        for c in e.chunks:
+            if not c.offsets:
+                continue
+            # megatron-core stores one chunk per layer; a plain DCP save (a model-only checkpoint) one
+            # chunk for all of them. A chunk is listed under every layer it covers only as far as its
+            # stored bytes hold them, so a declared span costs no more than the bytes behind it.
+            span = c.sizes[0] if c.storage is not None and c.numel * itemsize <= c.storage.length else 1
+            for layer in range(c.offsets[0], c.offsets[0] + max(1, span)):
+                by_layer.setdefault(layer, []).append(c)
         out[k] = by_layer
     return out
+
+
+def module_params(ckpt: Checkpoint) -> list[tuple[str, str, int | None]]:
+    """:func:`_module_params` with its own layer index: the module parameters of a megatron-core GPT
+    checkpoint, whatever its optimizer sharding (the weights-only export's view)."""
+    stacked = [k for k, e in ckpt.entries.items() if e.kind == TENSOR and k.startswith("decoder.layers.")]
+    return _module_params(ckpt, _layer_index(ckpt, stacked))
 
 
 def _module_params(ckpt: Checkpoint, layer_chunks: dict[str, dict[int, list[Chunk]]]
@@ -135,6 +150,8 @@ def _tp_boxes(ckpt: Checkpoint, entry: Entry, layer: int | None, chunks: list[Ch
     """(tp_mode, full shape, per-TP-rank offsets in the full tensor) from a model key's chunks (of one layer)."""
     assert entry.shape is not None
     lead = 0 if layer is None else 1
+    if lead and any(c.sizes[0] != 1 for c in chunks):  # megatron-core writes one chunk per layer
+        raise _refuse(ckpt, f"{entry.key} stores several layers in one chunk")
     full = entry.shape[lead:]
     boxes = sorted((c.offsets[lead:], c.sizes[lead:]) for c in chunks)
     if len(boxes) == 1:

@@ -14,7 +14,7 @@ Optimizer states are not in these views: ``--optimizer`` and ``--to fully_reshar
 from __future__ import annotations
 
 from gtp_format.layout.shard import ShardSpec
-from gtp_format.megatron import _module_params
+from gtp_format.megatron import module_params
 from gtp_format.model import Checkpoint
 from gtp_format.params import Holder, KeyRef, ParamView
 
@@ -22,7 +22,7 @@ from gtp_format.params import Holder, KeyRef, ParamView
 def weight_views(ckpt: Checkpoint) -> dict[str, ParamView]:
     """One whole-tensor view per module parameter (refuses, in one line, keys that are not the GPT's)."""
     out: dict[str, ParamView] = {}
-    for name, key, layer in _module_params(ckpt):
+    for name, key, layer in module_params(ckpt):
         e = ckpt.entries[key]
         assert e.shape is not None and e.dtype is not None
         full = e.shape[1:] if layer is not None else e.shape

@@ -23,7 +23,7 @@ import torch
 from cli_helpers import assert_error_line, cli
 from safetensors.torch import load_file
 
-from gtp_format.megatron import _module_params
+from gtp_format.megatron import module_params
 from gtp_format.reader.checkpoint import open_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ def _shown(src: Path, key: str) -> torch.Tensor:
 
 
 def _assert_equals_show(src: Path, exported: dict[str, torch.Tensor]) -> None:
-    params = _module_params(open_checkpoint(src))
+    params = module_params(open_checkpoint(src))
     assert set(exported) == {name for name, _, _ in params}
     shown: dict[str, torch.Tensor] = {}
     for name, key, layer in params:
@@ -89,7 +89,7 @@ def test_model_only_checkpoint_exports(tmp_path: Path) -> None:
 
     src = MEGATRON / "dp2_dp_zero_gather_scatter"
     ckpt = open_checkpoint(src)
-    keys = {k for _, k, _ in _module_params(ckpt)}
+    keys = {k for _, k, _ in module_params(ckpt)}
     state = {k: _shown(src, k).to(torch.bfloat16) for k in sorted(keys)}
     folder = tmp_path / "model_only" / "iter_0000002"
     dcp.save(state, checkpoint_id=folder, no_dist=True)

@@ -263,14 +263,21 @@ def test_streaming_pass_gives_the_same_results_with_tiny_windows(run: Path, monk
     default = _verify_summary(run)
     monkeypatch.setattr(data_check, "WINDOW", 4096)
     assert _verify_summary(run) == default
-    # and NaN/Inf counts equal those of decoding each chunk on its own
+    # and NaN/Inf counts equal those of decoding each chunk on its own, megatron-core's alignment
+    # padding (uninitialised memory, counted apart as an info line) left out
+    from gtp_format.megatron import padding_chunks
+    from gtp_format.megatron_topology import is_megatron_core
+
     ckpt = open_checkpoint(run)
+    padding = padding_chunks(ckpt) if ckpt.manifest is None and is_megatron_core(ckpt) else frozenset()
     want = {}
     for e in ckpt.entries.values():
         if e.kind != TENSOR:
             continue
         nan = inf = 0
         for c in e.chunks:
+            if (e.key, c.index) in padding:
+                continue
             try:
                 t = load_chunk(ckpt, e, c)
             except ChunkError:
