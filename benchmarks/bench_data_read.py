@@ -100,12 +100,12 @@ def report(result: dict, write_docs: bool) -> None:
     from tabulate import tabulate
 
     size, cat_s = result["bytes"], result["cat_s"]
-    rows = [("cat", f"{size / 1e9:.2f}", f"{cat_s:.1f}", f"{size / cat_s / 1e6:.0f}", "1x", "-", "-", "-", "-", "-")]
+    rows = [("cat", f"{size / 1e9:.2f}", f"{cat_s:.3g}", f"{size / cat_s / 1e6:.0f}", "1x", "-", "-", "-", "-", "-")]
     for r in result["runs"]:
         anon = (r["peak_kib"]["RssAnon"] - r["base_kib"]["RssAnon"]) / 1024
         mapped = (r["peak_kib"]["RssFile"] - r["base_kib"]["RssFile"]) / 1024
         gb_read = r["bytes_read"] / 1e9
-        rows.append((r["mode"], f"{gb_read:.2f}", f"{r['seconds']:.1f}", f"{gb_read * 1e3 / r['seconds']:.1f}",
+        rows.append((r["mode"], f"{gb_read:.2f}", f"{r['seconds']:.3g}", f"{gb_read * 1e3 / r['seconds']:.1f}",
                      f"{(r['seconds'] / gb_read) / (cat_s / (size / 1e9)):.0f}x",
                      f"{r['base_kib']['RssAnon'] / 1024:.0f}", f"{anon:.1f}",
                      f"{r['batch_bytes'] / 2**20:.1f}", f"{mapped:.0f}", f"{r['open_s']:.2f}"))

@@ -232,11 +232,12 @@ class _Ranks:
             [c for r, c in enumerate(self.conns) if r not in self.reports]
 
     def stop(self) -> None:
+        started = [p for p in self.procs if p.pid is not None]  # a start that raised leaves the rest unstarted
         for r, p in enumerate(self.procs):
-            if p.is_alive():
+            if p.pid is not None and p.is_alive():
                 self.stopped.add(r)
                 p.terminate()
-        for p in self.procs:
+        for p in started:
             p.join(5)
             if p.is_alive():
                 p.kill()

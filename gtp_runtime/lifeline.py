@@ -33,12 +33,10 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
+from gtp_format.writer.work import Terminated  # the one SIGTERM exception: the launcher's and the writer's
+
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 EXIT_LAUNCHER_GONE = 143  # as if SIGTERM ended the rank: it did not finish on its own
-
-
-class Terminated(KeyboardInterrupt):
-    """The launcher got SIGTERM; raised like Ctrl-C so the same cleanup stops every rank."""
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
@@ -79,7 +77,7 @@ def sigterm_as_interrupt() -> Iterator[None]:
         return
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        raise Terminated(f"signal {signum}")
+        raise Terminated("terminated (SIGTERM)")
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:

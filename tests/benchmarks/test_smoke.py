@@ -62,7 +62,7 @@ SMOKE = {
     "fuzz_readers.py": ["--out", "{tmp}/fuzz"],
 }
 # Not run with --smoke by the test above; each has its own test below.
-OTHERS = {"bench_megatron_save.py", "report_gpu.py", "docs_section.py", "trace_exposed.py"}
+OTHERS = {"bench_megatron_save.py", "report_gpu.py", "docs_section.py", "trace_exposed.py", "fuzz_targets.py"}
 
 
 def _env() -> dict[str, str]:

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -245,10 +246,12 @@ def test_reshard_and_export_never_import_the_runtime() -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_during_verify_roundtrip_removes_its_temporary_folder(tmp_path: Path) -> None:
+def test_sigterm_during_verify_roundtrip_removes_its_temporary_folder(request: pytest.FixtureRequest) -> None:
     """verify-roundtrip saves into a temporary folder of its own; SIGTERM removes it as an error does."""
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
+    # A short TMPDIR: the forkserver's AF_UNIX socket lives there, and a path over 107 bytes (an
+    # xdist worker's tmp_path is that deep) refuses it before any rank starts.
+    scratch = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
     env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(scratch)}
     p = subprocess.Popen([sys.executable, "-m", "ckpt_tool.cli", "verify-roundtrip", "--cp", "2", "--gtp-remat", "1",
                           "--dp", "1"],
