@@ -14,17 +14,16 @@ import functools
 import json
 import math
 import os
-import re
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from enum import Enum
-from fractions import Fraction
 from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 
 import typer
 
+from gtp_format import sizes
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
 from gtp_format.text import safe_text
 
@@ -42,35 +41,13 @@ FormatOption = Annotated[
 ]
 
 
-# Size units as Hugging Face reads them (``max_shard_size="5GB"``): SI prefixes are powers of 1000,
-# binary ones (KiB, MiB, GiB, TiB) powers of 1024. A bare number is bytes.
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE_NAMES = {u.lower(): u for u in ("KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB")}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
-
-
 def parse_size(text: str | int, minimum: int = 1) -> int:
-    """Bytes of a size written ``5GB``, ``512MiB``, ``1.5GiB`` or ``1000000`` (the one parser of every
-    size option). GB is 10^9 bytes and GiB 2^30, as in Hugging Face's ``max_shard_size``; a lowercase
-    ``b`` after a prefix (``5Gb``) is refused because HF reads it as bits. Raises ``typer.BadParameter``
-    (exit 2, one line) on anything else."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        m = _SIZE.fullmatch(str(text))
-        unit = m.group(2) if m else ""
-        if m is None or unit.lower() not in _SIZE_UNITS:
-            raise typer.BadParameter(f"{str(text)!r} is not a size: write bytes (1000000) or a number "
-                                     "with a unit (5GB = 5*10^9 bytes, 512MiB = 512*2^20, 1.5GiB)")
-        if len(unit) == 2 and unit.endswith("b"):  # HF: "5Gb" is gigabits; "5gib" is still GiB
-            raise typer.BadParameter(f"{text!r}: a lowercase b means bits in Hugging Face's sizes; write "
-                                     f"{_SIZE_NAMES[unit.lower()]} for bytes")
-        value = int(Fraction(m.group(1)) * _SIZE_UNITS[unit.lower()])
-    if value < minimum:
-        raise typer.BadParameter(f"{text!r} is {value} bytes, less than the smallest allowed, "
-                                 f"{fmt_bytes(minimum)} ({minimum} bytes)")
-    return value
+    """:func:`gtp_format.sizes.parse_size` (the one parser of every size option, the launcher's too),
+    its error as ``typer.BadParameter`` (exit 2, one line)."""
+    try:
+        return sizes.parse_size(text, minimum)
+    except sizes.SizeError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 def size_option(name: str, help: str, minimum: int = 1) -> Any:

@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "write the files in the background; the latest marker moves once every rank's are durable "
                         "(default: off)")
     c.add_argument("--async-save-staging", default=None, metavar="SIZE",
-                   help="most host memory for --async-save's staging buffers, e.g. 24G (default: the rank's "
+                   help="most host memory for --async-save's staging buffers, e.g. 24GiB or 25GB (default: the rank's "
                         "checkpoint bytes); allocated once, reused by every save")
     c.add_argument("--optimizer-sharding", default="dp_reshardable",
                    choices=("dp_reshardable", "fully_reshardable", "dp_zero_gather_scatter"),
@@ -186,7 +186,7 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
                         seed=args.seed)
     model.validate(par)
     if args.async_save_staging is not None:
-        from gtp_runtime.checkpoint.staging import parse_size
+        from gtp_format.sizes import parse_size
 
         try:
             parse_size(args.async_save_staging)
@@ -257,9 +257,9 @@ def _device(args: argparse.Namespace, local_rank: int) -> torch.device:
 
 def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
     """Body of one rank once the default process group exists. Returns the exit code."""
+    from gtp_format.sizes import parse_size
     from gtp_runtime.checkpoint.async_save import AsyncCheckpointer
     from gtp_runtime.checkpoint.io import check_sharding, load_checkpoint, save_checkpoint
-    from gtp_runtime.checkpoint.staging import parse_size
     from gtp_runtime.parity import check_against_reference
 
     rank = dist.get_rank()

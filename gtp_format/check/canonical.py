@@ -45,6 +45,8 @@ def overlapping_slices(buffers: tuple[BufferLayout, ...]) -> list[Problem]:
                     out.append(Problem("error", LAYOUT, f"{where}: param {p.name!r} slice [{p.start}, {p.end}) "
                                        f"leaves the bucket's {b.numel_unpadded} elements; the manifest was edited",
                                        key=p.name))
+                elif p.end == p.start:  # an empty slice holds no element, so it overlaps nothing
+                    continue
                 elif prev is not None and p.start < prev.end:
                     out.append(Problem("error", LAYOUT, f"{where}: params {prev.name!r} [{prev.start}, {prev.end}) and "
                                        f"{p.name!r} [{p.start}, {p.end}) overlap, so one would be read as the other; "

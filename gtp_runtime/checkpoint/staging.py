@@ -19,7 +19,6 @@ parameters again. CPU: a plain copy; nothing is asynchronous about it.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -27,18 +26,6 @@ import torch.distributed as dist
 
 from gtp_runtime.checkpoint.dcp_chunks import Chunks
 from gtp_runtime.checkpoint.errors import CheckpointError
-
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*", re.IGNORECASE)
-_UNIT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """``--async-save-staging`` value: bytes, or a number with K/M/G/T (binary: ``4G`` = 4 GiB)."""
-    m = _SIZE.fullmatch(text)
-    if not m or (m.group(3) and not m.group(2)):
-        raise ValueError(f"{text!r} is not a size; use bytes or a number with K, M, G or T (e.g. 24G)")
-    return int(float(m.group(1)) * _UNIT[m.group(2).lower()])
-
 
 Layout = tuple[tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype, str], ...]
 

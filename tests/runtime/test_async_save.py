@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import launcher_cases as lc
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,10 +20,10 @@ from typer.testing import Result
 
 from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_format.names import LATEST_FILE
+from gtp_format.sizes import parse_size
 from gtp_runtime.checkpoint.async_save import AsyncCheckpointer
 from gtp_runtime.checkpoint.errors import CheckpointError
 from gtp_runtime.checkpoint.io import load_checkpoint
-from gtp_runtime.checkpoint.staging import parse_size
 from gtp_runtime.last_resort import root_cause
 from gtp_runtime.training import TrainConfig, Trainer
 
@@ -76,7 +77,7 @@ def test_async_checkpoint_is_the_sync_format_and_resumes_bit_exact(tmp_path: Pat
     assert not [p for p in asy.iterdir() if p.name.startswith(".")], "no work folder left behind"
     # resume the async checkpoint of iteration 2 (asynchronously again) and compare with the uninterrupted run
     r = _train([*TOPO, "--steps", "4", "--load", str(asy / "iter_0000002"), "--save", str(tmp_path / "resumed"),
-                "--async-save", "--log-json", str(tmp_path / "r.json")])
+                *lc.ASYNC_SAVE, "--log-json", str(tmp_path / "r.json")])
     assert r.returncode == 0, r.stderr[-2000:]
     full = json.loads((tmp_path / "s.json").read_text())["rows"]
     resumed = json.loads((tmp_path / "r.json").read_text())["rows"]
@@ -132,7 +133,8 @@ def test_staging_budget_is_refused_on_every_rank_before_writing(tmp_path: Path) 
 
 
 def test_parse_size() -> None:
-    assert parse_size("1024") == 1024 and parse_size("24G") == 24 << 30 and parse_size("1.5MiB") == 3 << 19
+    assert parse_size("1024") == 1024 and parse_size("24GiB") == 24 << 30 and parse_size("1.5MiB") == 3 << 19
+    assert parse_size("25GB") == 25 * 10**9  # the same reading as ckpt's size options (HF's units)
     with pytest.raises(ValueError, match="not a size"):
         parse_size("lots")
 

@@ -74,6 +74,8 @@ RUN_FLAGS = {
     "eval_interval": ["--eval-interval", "2"],  # test_data_launcher: valid_loss on rows 2, 4, 6
     "eval_iters": ["--eval-iters", "3"],  # test_data_launcher: the eval loop reads it (runs use 1)
     "global_batch_size": ["--global-batch-size", "2"],  # test_config: a mismatch is refused before any rank
+    "async_save": ["--async-save"],  # test_async_save: saves return first, same files as a sync save
+    "async_save_staging": ["--async-save-staging", "1GiB"],  # test_async_save: a cap too small is refused
 }
 
 
