@@ -144,7 +144,9 @@ def worker(args: argparse.Namespace, out: str) -> None:
         times, _ = _steps(trainer, args.steps, saver)
         during.extend(times)
         saver.finalize()
-        durable.append(_max(written[0] - t))  # files written and fsynced on the slowest rank
+        # files written and fsynced on the slowest rank. result() can return before the done-callback
+        # ran (concurrent.futures notifies waiters first), so a missing stamp is now: an upper bound
+        durable.append(_max((written[0] if written else time.perf_counter()) - t))
         if rank == 0 and i < args.saves - 1:  # keep the disk's use at one checkpoint per kind
             shutil.rmtree(root / "async" / iter_dir_name(trainer.iteration - args.steps), ignore_errors=True)
     saver.close()
@@ -211,7 +213,8 @@ def main() -> int:
         return 2
     out = tempfile.mkdtemp(prefix="gtp_ckpt_async_", dir=args.dir)
     try:
-        run_local_ranks(args.nproc, worker, (args, out), tag="bench_ckpt_async", deadline=None,
+        # the smoke run is bounded (a hung rank fails it in minutes, naming the rank); a real run is not
+        run_local_ranks(args.nproc, worker, (args, out), tag="bench_ckpt_async", deadline=600 if args.smoke else None,
                         backend="nccl" if args.device == "cuda" else "gloo")
         rows = json.loads((Path(out) / "rows.json").read_text())
     finally:
