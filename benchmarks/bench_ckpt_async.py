@@ -38,8 +38,9 @@ from gtp_format.names import iter_dir_name
 from gtp_runtime.launch import run_local_ranks
 from gtp_runtime.training import TrainConfig, Trainer
 
-TITLE = "Async checkpoint save on CPU (blocking time, background write, dd and DCP baselines)"
-JSON = Path(__file__).resolve().parents[1] / "docs" / "ckpt_async_cpu.json"
+TITLE = "Async checkpoint save on {where} (blocking time, background write, dd and DCP baselines)"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+JSON = {"cpu": DOCS / "ckpt_async_cpu.json", "cuda": DOCS / "gpu_ckpt_results.json"}  # issue 23 names the GPU one
 
 
 def _sync(device: torch.device) -> None:
@@ -88,6 +89,22 @@ def _dd(path: Path, nbytes: int) -> tuple[float, float]:
     return count * bs / 1e9 / w, count * bs / 1e9 / r
 
 
+_T0 = [time.perf_counter()]
+
+
+def _say(what: str) -> None:
+    """Progress on rank 0 (a run cut short by a time limit still shows how far each phase got)."""
+    if dist.get_rank() == 0:
+        print(f"bench_ckpt_async {time.perf_counter() - _T0[0]:7.1f} s: {what}", flush=True)
+
+
+def _rm(folder: Path) -> None:
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    dist.barrier()
+
+
 def _plain(trainer: Trainer) -> dict[str, torch.Tensor]:
     """This rank's chunks as a plain dict of tensors (what DCP's own stager and torch.save take)."""
     from gtp_runtime.checkpoint.io import rank_state
@@ -121,17 +138,27 @@ def worker(args: argparse.Namespace, out: str) -> None:
     model = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, num_layers=args.layers, num_heads=8,
                         ffn_hidden=4 * args.hidden, seq_length=args.seq)
     par = ParallelConfig(cp=2, fold_cp=True) if world == 2 else ParallelConfig(dp=world)
-    trainer = Trainer(TrainConfig(par=par, model=model, micro_batch=1), device=device)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32  # bf16 weights, fp32 masters and moments
+    trainer = Trainer(TrainConfig(par=par, model=model, micro_batch=1, param_dtype=dtype), device=device)
     root = Path(out)
+    _say("model built")
     _steps(trainer, 2)
     step_ms = statistics.median(_steps(trainer, args.steps)[1])
 
+    _say(f"step {step_ms:.1f} ms")
     sync_s = _timed(lambda: save_checkpoint(trainer, root / "sync"), device)
     folder = root / "sync" / iter_dir_name(trainer.iteration)
     nbytes = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    _say(f"sync save {nbytes / 1e9:.2f} GB in {sync_s:.2f} s")
     load_s = _timed(lambda: load_checkpoint(trainer, root / "sync"), device)
+    _say(f"load {load_s:.2f} s")
+    _rm(root / "sync")  # the disk holds one checkpoint at a time (26 GB each on the H200 shape)
 
     saver = AsyncCheckpointer()
+    t = time.perf_counter()
+    saver.prepare(trainer)  # as the launcher does: staging allocated before the first save
+    reserve_s = _max(time.perf_counter() - t)
+    _say(f"staging reserved in {reserve_s:.2f} s")
     blocking, durable, during, staging = [], [], [], []
     for i in range(args.saves):
         dist.barrier()
@@ -147,12 +174,17 @@ def worker(args: argparse.Namespace, out: str) -> None:
         # files written and fsynced on the slowest rank. result() can return before the done-callback
         # ran (concurrent.futures notifies waiters first), so a missing stamp is now: an upper bound
         durable.append(_max((written[0] if written else time.perf_counter()) - t))
+        _say(f"async save {i}: blocked {blocking[-1]:.3f} s, durable {durable[-1]:.2f} s, "
+             f"staging {staging[-1]:.2f} GiB")
         if rank == 0 and i < args.saves - 1:  # keep the disk's use at one checkpoint per kind
             shutil.rmtree(root / "async" / iter_dir_name(trainer.iteration - args.steps), ignore_errors=True)
     saver.close()
+    _rm(root / "async")
 
     plain = _plain(trainer)
     dcp_s = _timed(lambda: dcp.save(plain, checkpoint_id=str(root / "dcp")), device)
+    _rm(root / "dcp")
+    _say(f"dcp.save {dcp_s:.2f} s")
     opts = StagingOptions(use_pinned_memory=device.type == "cuda", use_shared_memory=False,
                           use_async_staging=False, use_non_blocking_copy=device.type == "cuda")
     stager = DefaultStager(opts)
@@ -163,6 +195,8 @@ def worker(args: argparse.Namespace, out: str) -> None:
     (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
     dcp_durable = _max(time.perf_counter() - t)
     stager.close()
+    _rm(root / "dcp_async")
+    _say(f"dcp.async_save blocked {dcp_block:.2f} s, durable {dcp_durable:.2f} s")
 
     tpath = root / f"torch_save_{rank}.pt"
 
@@ -173,13 +207,18 @@ def worker(args: argparse.Namespace, out: str) -> None:
 
     tsave_s = _timed(tsave, device)
     tbytes = _sum(tpath.stat().st_size)
+    _say(f"torch.save {tsave_s:.2f} s")
     tload_s = _timed(lambda: torch.load(tpath, map_location=device, weights_only=True), device)
+    dist.barrier()
+    tpath.unlink()
+    plain.clear()  # frees the clones (26 GB on the H200 shape)
     dist.barrier()
     if rank == 0:
         ddw, ddr = _dd(root / "dd.bin", nbytes)
         gb = nbytes / 1e9
         row = {"device": device.type, "ranks": world, "ckpt_gb": round(gb, 3),
-               "async_blocking_s": round(max(blocking), 3), "async_durable_s": round(max(durable), 3),
+               "async_blocking_s": round(max(blocking), 3), "staging_reserve_s": round(reserve_s, 3),
+               "async_durable_s": round(max(durable), 3),
                "save_gbps": round(gb / sync_s, 3), "async_write_gbps": round(gb / max(durable), 3),
                "dd_direct_write_gbps": round(ddw, 3), "load_gbps": round(gb / load_s, 3),
                "dd_cold_read_gbps": round(ddr, 3), "torch_save_gbps": round(tbytes / 1e9 / tsave_s, 3),
@@ -191,6 +230,22 @@ def worker(args: argparse.Namespace, out: str) -> None:
     dist.barrier()
 
 
+ASYNC_CONFIG = "async save (bench_ckpt_async)"
+
+
+def _write_json(path: Path, cmd: str, rows: list[dict[str, Any]]) -> None:
+    """The GPU file also holds ``bench_gpu.py --ckpt``'s rows (``report_gpu.py`` reads them): keep those,
+    replace this benchmark's own."""
+    doc: dict[str, Any] = {"command": cmd, "rows": []}
+    if path.name == "gpu_ckpt_results.json" and path.exists():
+        doc = json.loads(path.read_text())
+        doc["rows"] = [r for r in doc["rows"] if r.get("config") != ASYNC_CONFIG]
+        doc["async_command"] = cmd
+        rows = [{"config": ASYNC_CONFIG, **r} for r in rows]
+    doc["rows"] += rows
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=1024)
@@ -200,9 +255,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3, help="steps timed without, and after each save with, a write")
     ap.add_argument("--saves", type=int, default=3, help="async saves (staging must not grow over them)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--bf16", action="store_true", help="bf16 params (the GPU shape of issue 23); fp32 otherwise")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--dir", default=None, help="folder to write in (default: a temporary one); removed after")
-    ap.add_argument("--write-docs", action="store_true", help=f"write {JSON.name} and docs/performance.md")
+    ap.add_argument("--write-docs", action="store_true",
+                    help="write docs/ckpt_async_cpu.json (cuda: docs/gpu_ckpt_results.json) and docs/performance.md")
     ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks)")
     args = ap.parse_args()
     if args.smoke:
@@ -215,7 +272,7 @@ def main() -> int:
     try:
         # the smoke run is bounded (a hung rank fails it in minutes, naming the rank); a real run is not
         run_local_ranks(args.nproc, worker, (args, out), tag="bench_ckpt_async", deadline=600 if args.smoke else None,
-                        backend="nccl" if args.device == "cuda" else "gloo")
+                        backend="nccl" if args.device == "cuda" else "gloo", stdout="inherit")
         rows = json.loads((Path(out) / "rows.json").read_text())
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -225,14 +282,17 @@ def main() -> int:
         from tabulate import tabulate
 
         cmd = "python benchmarks/bench_ckpt_async.py " + " ".join(sys.argv[1:])
-        JSON.write_text(json.dumps({"command": cmd.strip(), "rows": rows}, indent=1) + "\n")
+        _write_json(JSON[args.device], cmd.strip(), rows)
         flat = [{k: (v[-1] if isinstance(v, list) else v) for k, v in r.items()} for r in rows]
+        ranks = f"{rows[0]['ranks']} {'NCCL' if args.device == 'cuda' else 'gloo'} ranks"
+        dtypes = "bf16 weights, fp32 masters and both Adam moments" if args.bf16 else \
+            "fp32 (weights, masters, both Adam moments)"
         body = "\n".join([
-            f"{rows[0]['ranks']} gloo ranks, model hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
-            f"fp32 (weights, masters, both Adam moments); {args.saves} async saves. Every figure of a row is "
-            f"from the same run; all rows in `docs/{JSON.name}` (`staging_gib` per save).", "",
+            f"{ranks}, model hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, seq {args.seq}, "
+            f"{dtypes}; {args.saves} async saves. Every figure of a row is from the same run; all rows in "
+            f"`docs/{JSON[args.device].name}` (`staging_gib` per save).", "",
             "```", cmd.strip(), "```", "", tabulate(flat, headers="keys", tablefmt="github"), ""])
-        write_section(TITLE, body)
+        write_section(TITLE.format(where="one GPU" if args.device == "cuda" else "CPU"), body)
     return 0
 
 

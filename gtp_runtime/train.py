@@ -131,9 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gather each GTP weight only when it is needed (no prefetch of the next one)")
     t.add_argument("--no-overlap-grad-reduce", action="store_true",
                    help="finish each weight-gradient reduce-scatter inside backward")
-    t.add_argument("--fused", choices=("compile", "liger"), default=None,
-                   help="fused element-wise kernels: torch.compile regions (eager off CUDA) or Liger-Kernel "
-                   "(default: unfused)")
+    t.add_argument("--fused", choices=("auto", "none", "compile", "liger"), default="auto",
+                   help="fused element-wise kernels: torch.compile regions, Liger-Kernel, or none; auto is "
+                   "compile on CUDA (50%% MFU on 2 x H200 against 43%% unfused) and none on CPU, where the "
+                   "fp32 path stays exact (default: auto)")
     t.add_argument("--check-reference", action="store_true", help="compare against the fp32 reference")
     t.add_argument("--reference-tol", type=float, default=1e-5,
                    help="max relative error of losses, grad norms and gradients vs the reference")
@@ -210,8 +211,17 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
                       micro_batch=args.micro_batch, bucket_size=args.bucket_size, data=data, lr=lr,
                       param_dtype=torch.bfloat16 if args.bf16 else torch.float32,
                       prefetch=not args.no_gather_prefetch, overlap_grad_reduce=not args.no_overlap_grad_reduce,
-                      fused=args.fused)
+                      fused=_fused(args))
     return cfg, world
+
+
+def _fused(args: argparse.Namespace) -> str | None:
+    """``--fused auto``: compile where the ranks run on CUDA (the bf16 parity and the compiled-vs-unfused
+    losses hold there: tests/runtime/test_gpu_one.py), unfused on CPU (the exact fp32 path)."""
+    if args.fused == "auto":
+        cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        return "compile" if cuda else None
+    return None if args.fused == "none" else args.fused
 
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -296,6 +306,7 @@ def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
         if args.save and args.async_save:
             staging = args.async_save_staging
             saver = AsyncCheckpointer(parse_size(staging) if staging is not None else None)
+            saver.prepare(trainer)  # pinning happens here, once, not inside the first save's step
         while trainer.iteration < args.steps:
             r = trainer.train_step()
             if saver and (done := saver.poll()):

@@ -62,6 +62,14 @@ class AsyncCheckpointer:
         self._group: Any = None
         self._pending: _InFlight | None = None
 
+    def prepare(self, trainer: Trainer) -> None:
+        """Allocate the staging buffers for ``trainer``'s state now (collective; see
+        :meth:`Staging.reserve`), so that no save pays for pinning. Optional: without it the first
+        save allocates them."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        self.staging.reserve(rank_state(trainer, integrity=False), self._group)
+
     @property
     def in_flight(self) -> Path | None:
         """The folder the save in flight will commit to, if any."""

@@ -114,12 +114,13 @@ def start_state_stats(sd: dict[str, Any]) -> Callable[[], dict[ChunkId, ChunkSta
     return join
 
 
-def _spans(folder: Path, layout: str, metadata: Any, files: list[str],
+def _spans(folder: Path, layout: str, storage: Any, files: list[str],
            stats: dict[ChunkId, ChunkStats | None]) -> dict[str, list[Span]]:
-    """Each of ``files``' chunks with its byte range: DCP's storage metadata, or our safetensors headers."""
+    """Each of ``files``' chunks with its byte range: the storage records of this rank's DCP write
+    (``{MetadataIndex: _StorageInfo}``), or our safetensors headers."""
     out: dict[str, list[Span]] = {f: [] for f in files}
     if layout == "torch_dist":
-        for index, info in metadata.storage_data.items():
+        for index, info in storage.items():
             key, offsets = index.fqn, tuple(index.offset or ())
             if info.relative_path in out:
                 out[info.relative_path].append(Span(key, offsets, info.offset, info.length, stats.get((key, offsets))))
@@ -136,10 +137,10 @@ def _spans(folder: Path, layout: str, metadata: Any, files: list[str],
     return out
 
 
-def record_own_files(folder: Path, layout: str, metadata: Any, files: list[Path],
+def record_own_files(folder: Path, layout: str, storage: Any, files: list[Path],
                      stats: dict[ChunkId, ChunkStats | None]) -> tuple[dict[str, FileEntry], list[ChunkRecord]]:
     """The manifest entries and chunk records of the data files this rank wrote (one read of each)."""
-    spans = _spans(folder, layout, metadata, [p.name for p in files], stats)
+    spans = _spans(folder, layout, storage, [p.name for p in files], stats)
     entries: dict[str, FileEntry] = {}
     records: list[ChunkRecord] = []
     for p in files:

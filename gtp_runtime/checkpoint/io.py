@@ -89,6 +89,22 @@ def _hooked(writer: StorageWriter, folder: Path) -> StorageWriter:
     return writer
 
 
+def _own_results(writer: StorageWriter, into: dict[Any, Any]) -> StorageWriter:
+    """Collect this rank's own write results (where each chunk went: file, offset, length) into
+    ``into``. The chunk records need only this rank's chunks, and the metadata ``dcp.save`` returns
+    does not carry them on every torch release: torch 2.11's came back with ``storage_data`` None
+    (found on the lent H200, whose image has 2.11), where 2.13's has every rank's."""
+    write = writer.write_data
+
+    def write_data(plan: Any, planner: Any) -> Any:
+        fut = write(plan, planner)
+        fut.add_done_callback(lambda f: into.update({r.index: r.storage_data for r in f.value()}))
+        return fut
+
+    writer.write_data = write_data  # type: ignore[method-assign]
+    return writer
+
+
 def check_sharding(trainer: Trainer, sharding: str, action: str) -> None:
     """Refuse what would write (or read) a wrong checkpoint."""
     sharding_refusal(sharding, any(buf.key.excludes_cp for buf in trainer.optimizer.buffers), action)
@@ -174,15 +190,16 @@ def write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | 
     threads = threads or max(1, min(4, os.cpu_count() or 1))
     stats_of = start_state_stats(sd) if integrity else dict
     written: dict[str, FileEntry] | None = None
+    storage: dict[Any, Any] = {}
     try:
         if layout == "torch_dist":
             writer, fs = direct_writer(tmp, threads)
-            metadata = dcp.save(sd, storage_writer=_hooked(writer, tmp), planner=ChunkSavePlanner(),
-                                process_group=group)
+            dcp.save(sd, storage_writer=_own_results(_hooked(writer, tmp), storage), planner=ChunkSavePlanner(),
+                     process_group=group)
             written = dict(fs.entries)
         else:
-            metadata = dcp.save(sd, storage_writer=_hooked(SafetensorsWriter(tmp), tmp), planner=ChunkSavePlanner(),
-                                process_group=group)
+            dcp.save(sd, storage_writer=_hooked(SafetensorsWriter(tmp), tmp), planner=ChunkSavePlanner(),
+                     process_group=group)
     finally:
         stats = stats_of()  # joined even when the write fails: no thread outlives the save
     _fault("after_write")
@@ -191,7 +208,7 @@ def write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | 
         raise CheckpointError(f"{tmp}: this rank wrote {sorted(written)} but {sorted(p.name for p in own)} are there")
     if not integrity:
         return (written if written is not None else {p.name: file_entry(p) for p in own}), None
-    entries, records = record_own_files(tmp, layout, metadata, own, stats)
+    entries, records = record_own_files(tmp, layout, storage, own, stats)
     for name, entry in (written or {}).items():
         if entries[name] != entry:
             raise CheckpointError(f"{tmp / name}: read back as {entries[name]}, written as {entry}: the disk did "

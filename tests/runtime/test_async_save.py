@@ -117,6 +117,28 @@ def test_staging_is_allocated_once_and_does_not_grow(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"iter_000000{i}" for i in range(1, 6)] + [LATEST_FILE]
 
 
+def _prepared(root: str) -> dict:
+    """``prepare`` (what the launcher calls before training) allocates what every later save reuses."""
+    t = Trainer(TrainConfig(par=ParallelConfig(cp=2, fold_cp=True), model=MODEL, micro_batch=1, bucket_size=3000))
+    saver = AsyncCheckpointer()
+    saver.prepare(t)
+    reserved = saver.staging.nbytes
+    ptrs = sorted(x.data_ptr() for c in saver.staging._bufs.values() for x in c.chunks.values())
+    same = []
+    for _ in range(2):
+        t.train_step()
+        saver.save(t, root)
+        same.append(sorted(x.data_ptr() for c in saver.staging._bufs.values() for x in c.chunks.values()) == ptrs)
+    saver.close()
+    return {"reserved": reserved, "after": saver.staging.nbytes, "same": same}
+
+
+def test_prepare_reserves_the_staging_every_save_reuses(tmp_path: Path) -> None:
+    for r in run_ranks(2, _prepared, str(tmp_path)):
+        assert r["reserved"] > 0 and r["after"] == r["reserved"] and r["same"] == [True, True]
+    assert (tmp_path / LATEST_FILE).read_text().strip() == "2"
+
+
 def _over_budget(root: str) -> str:
     t = Trainer(TrainConfig(par=ParallelConfig(dp=2), model=MODEL, micro_batch=1))
     try:

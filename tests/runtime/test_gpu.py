@@ -38,7 +38,7 @@ CASES.append(pytest.param("cp2-fold-g1", "liger", id="cp2-fold-g1-liger"))
 def test_bf16_parity_two_gpus(tmp_path: Path, topology: str, fused: str | None) -> None:
     if fused == "liger":
         pytest.importorskip("liger_kernel")
-    extra = ["--fused", fused] if fused else []
+    extra = ["--fused", fused or "none"]  # no flag on CUDA would be the compiled default
     r = _train(["--nproc-per-node", "2", *TOPOLOGIES[topology], *BF16, *extra, "--steps", "3", "--check-reference",
                 "--log-json", str(tmp_path / "log.json")])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -107,7 +107,7 @@ def test_compiled_regions_match_unfused_bf16(tmp_path: Path) -> None:
     """The compiled fused path trains like the unfused one: same losses and grad norms at bf16
     tolerance, step by step (a wrong fused gradient shows in the losses from step 2 on)."""
     logs = {}
-    for name, extra in {"unfused": [], "fused": ["--fused", "compile"]}.items():
+    for name, extra in {"unfused": ["--fused", "none"], "fused": ["--fused", "compile"]}.items():
         r = _train(["--nproc-per-node", "2", "--cp", "2", "--fold-cp", "--bf16", "--device", "cuda", "--steps", "4",
                     "--hidden", "256", "--ffn-hidden", "512", "--num-heads", "4", "--seq-length", "256",
                     "--vocab-size", "1024", *extra, "--log-json", str(tmp_path / f"{name}.json")])

@@ -146,3 +146,13 @@ def test_every_args_attribute_read_is_registered():
     """Reading ``args.x`` for a flag nobody registered fails only at run time; catch it here."""
     dests = {a.dest for a in actions()}
     assert _args_reads(skip=set()) <= dests
+
+
+def test_fused_auto_is_compile_on_cuda_and_none_on_cpu(monkeypatch):
+    """``--fused auto`` (the default): the compiled regions where the ranks run on CUDA, the exact
+    unfused fp32 path on CPU; ``--fused none`` is unfused everywhere."""
+    assert resolved([]).fused is None and resolved(["--device", "cpu"]).fused is None
+    assert resolved(["--fused", "none", "--device", "cuda"]).fused is None
+    assert resolved(["--device", "cuda"]).fused == "compile"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolved([]).fused == "compile" and resolved(["--device", "cpu"]).fused is None
