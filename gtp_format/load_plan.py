@@ -28,7 +28,8 @@ from gtp_format.errors import FormatError
 from gtp_format.layout import topology as topo
 from gtp_format.layout.config import ConfigError, ParallelConfig
 from gtp_format.layout.params import buffer_layouts
-from gtp_format.manifest import Manifest, param_shard_spec
+from gtp_format.layout.schema import param_shard_spec
+from gtp_format.manifest import Manifest
 from gtp_format.model import Checkpoint, Entry
 from gtp_format.names import STATES, per_bucket_numel_key
 

@@ -28,8 +28,9 @@ from functools import cache
 from gtp_format.errors import FormatError
 from gtp_format.layout import topology as topo
 from gtp_format.layout.config import ParallelConfig
+from gtp_format.layout.schema import BucketLayout, BufferLayout, ParamLayout
 from gtp_format.layout.shard import ShardSpec
-from gtp_format.manifest import BucketLayout, BufferLayout, Manifest, ParamLayout
+from gtp_format.manifest import Manifest
 from gtp_format.model import Checkpoint
 from gtp_format.names import OPT_PREFIX, optimizer_key, per_bucket_numel_key
 

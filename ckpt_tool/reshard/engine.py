@@ -55,12 +55,8 @@ from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.config import ConfigError, ParallelConfig
 from gtp_format.layout.params import buffer_layouts
-from gtp_format.manifest import (
-    HASH_ALGORITHM,
-    Manifest,
-    derive_bucket_size,
-    format_version_for,
-)
+from gtp_format.layout.schema import derive_bucket_size
+from gtp_format.manifest import HASH_ALGORITHM, Manifest, format_version_for
 from gtp_format.names import (
     DCP_METADATA_FILE,
     FORMAT_NAME,
