@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any
 
 FORMAT_NAME = "dp_reshardable"
@@ -177,3 +178,9 @@ def folded_refusal(sharding: str) -> str:
         f"optimizer sharding {sharding!r} is refused with CP-folded GTP buffers: it gathers every buffer "
         "over the DP x CP group and would mix different CP peers' shards; use 'dp_reshardable'"
     )
+
+
+def iteration_from_name(folder: PurePath) -> int | None:
+    """The iteration an ``iter_XXXXXXX`` folder name encodes."""
+    m = ITER_DIR_RE.match(folder.name)
+    return int(m.group(1)) if m else None
