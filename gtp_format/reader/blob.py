@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from gtp_format.dtypes import BY_STORAGE, DTYPES, DType
-from gtp_format.reader.pickle_scan import ScannedUnpickler
 from gtp_format.reader.safe_pickle import brief
+from gtp_format.reader.unpickler import ScannedUnpickler
 from gtp_format.reader.zip_blob import BlobError, BlobReader, ZipRecord, record_bytes, small_record, zip_records
 from gtp_format.scan import carrier
 

@@ -23,7 +23,6 @@ from gtp_format.errors import FormatError
 from gtp_format.model import BYTES, TENSOR, Chunk, Entry, Problem, StorageRef
 from gtp_format.names import DCP_METADATA_FILE, DISTCP_RE
 from gtp_format.reader.locate import Located
-from gtp_format.reader.pickle_scan import gc_paused
 from gtp_format.reader.safe_pickle import (
     BytesStorageRecord,
     ChunkRecord,
@@ -43,6 +42,7 @@ from gtp_format.reader.storage import (
     read_small_file,
     stored_size,
 )
+from gtp_format.reader.unpickler import gc_paused
 
 
 def data_file_sizes(folder: Path, names: Sequence[str]) -> dict[str, int]:
