@@ -121,7 +121,8 @@ def plan_ours(ckpt: Checkpoint, manifest: Manifest, tp: int, pp: int, cp: int, d
 
 
 def _rank_reads(ckpt: Checkpoint, manifest: Manifest, par: ParallelConfig, plan: LoadPlan) -> None:
-    from gtp_format.params import KeyRef, _dp_members, instances
+    from gtp_format.views.ours import _dp_members, instances
+    from gtp_format.views.records import KeyRef
 
     assert manifest.model is not None
     bucket_size = manifest.bucket_size or 40_000_000

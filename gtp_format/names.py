@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import PurePath
+from pathlib import PurePath, PurePosixPath
 from typing import Any
 
 FORMAT_NAME = "dp_reshardable"
@@ -165,6 +165,23 @@ def distcp_writer_rank(file_name: str) -> int | None:
     """The global rank that wrote ``__{rank}_{k}.distcp`` or ``__{rank}_{k}.safetensors``."""
     m = DISTCP_RE.match(file_name) or GTP_SAFETENSORS_RE.match(file_name)
     return int(m.group(1)) if m else None
+
+
+# DCP's HuggingFaceStorageWriter names files shard-{rank+1:05d}-model-...; ours (.distcp and
+# __{rank}_{k}.safetensors) are parsed by distcp_writer_rank.
+_HF_SHARD_RE = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
+
+
+def writer_rank(file: str | None) -> int | None:
+    """Global rank that wrote a data file, from its DCP file name."""
+    if file is None:
+        return None
+    name = PurePosixPath(file).name
+    rank = distcp_writer_rank(name)
+    if rank is not None:
+        return rank
+    m = _HF_SHARD_RE.match(name)
+    return int(m.group(1)) - 1 if m else None
 
 
 def chunk_tensor_name(fqn: str, offsets: tuple[int, ...]) -> str:

@@ -124,7 +124,7 @@ def target_manifest(src: Manifest, par: ParallelConfig, layout: str) -> Manifest
 
 
 def _check_same_params(source: Source, target: Manifest) -> None:
-    from gtp_format.params import param_views
+    from gtp_format.views.ours import param_views
 
     want = {n: (v.full_shape, v.param_dtype) for n, v in param_views(target).items()}
     have = {n: (v.full_shape, v.param_dtype) for n, v in source.views.items()}

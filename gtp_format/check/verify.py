@@ -478,8 +478,8 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
     covered = covered_files(ckpt, matched) if data else set()  # every byte under a chunk hash
     if data:
         if ckpt.manifest is None and not ckpt.padding_chunks:
-            from gtp_format.megatron import padding_chunks
             from gtp_format.megatron_topology import is_megatron_core
+            from gtp_format.views.megatron import padding_chunks
 
             if is_megatron_core(ckpt):
                 ckpt.padding_chunks = padding_chunks(ckpt)
