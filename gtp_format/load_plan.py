@@ -26,6 +26,7 @@ from typing import Any
 
 from gtp_format.errors import FormatError
 from gtp_format.layout import topology as topo
+from gtp_format.layout.boxes import overlaps
 from gtp_format.layout.config import ConfigError, ParallelConfig
 from gtp_format.layout.params import buffer_layouts
 from gtp_format.layout.schema import param_shard_spec
@@ -78,7 +79,7 @@ class _Boxes:
         out = []
         for i in range(lo, hi):
             c = self.chunks[i]
-            if all(o < co + cs and co < o + s for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes)):
+            if overlaps((offsets, sizes), (c.offsets, c.sizes)):
                 out.append(i)
         return out
 
