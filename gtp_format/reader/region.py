@@ -21,6 +21,7 @@ from gtp_format.layout.boxes import check_coverage, intersection
 from gtp_format.model import Checkpoint, Chunk, Entry
 from gtp_format.reader.chunks import checked_ref, load_chunk
 from gtp_format.reader.storage import file_size, stored_size
+from gtp_format.torch_adapter import load_torch
 
 
 @dataclass
@@ -41,7 +42,7 @@ def region_bytes(entry: Entry, start: int, stop: int) -> int:
 
 def assemble(ckpt: Checkpoint, entry: Entry, start: int, stop: int, max_bytes: int) -> Assembled:
     """Rows ``[start, stop)`` of dim 0 (the whole tensor when 0-D), reading only chunks that meet them."""
-    import torch
+    torch = load_torch()
 
     assert entry.shape is not None and entry.dtype is not None
     shape = (stop - start, *entry.shape[1:]) if entry.shape else ()
