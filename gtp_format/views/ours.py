@@ -1,11 +1,11 @@
-"""The per-parameter view of a ``dp_reshardable`` checkpoint: where every piece of every parameter is.
+"""The per-parameter view of our ``dp_reshardable`` checkpoints, from the manifest's bucket layout.
 
 A ``dp_reshardable`` optimizer key holds one bucket of one gradient buffer as seen by one
 model-parallel rank (``dp_group_idx``), and for folded buffers one CP rank (``.cp_rank_{i}``): a
 flat fp32 vector in which each parameter of the bucket is a contiguous slice, the rank's shard of
 it, row-major, followed by tail padding rows. This module turns the manifest's bucket layout into,
-for each parameter, the list of :class:`Holder` s: which key, which flat range, and which box of
-the parameter's full (unsharded, unpadded) tensor those elements are. Assembling the full fp32
+for each parameter, the list of holders (:mod:`gtp_format.views.records`): which key, which flat
+range, and which box of the parameter's full (unsharded, unpadded) tensor those elements are. Assembling the full fp32
 master weight or Adam moment of a parameter is then a copy of each primary holder's valid rows
 into its box; writing a checkpoint for another topology is the same map read the other way.
 
