@@ -97,8 +97,9 @@ def idx_target() -> tuple[list[bytes], Callable[[bytes], None]]:
 
 def layout_target() -> tuple[list[bytes], Callable[[bytes], None]]:
     from gtp_format.check.verify import verify
-    from gtp_format.params import describe, param_views
     from gtp_format.reader.checkpoint import open_checkpoint
+    from gtp_format.views.ours import param_views
+    from gtp_format.views.records import describe
 
     src = REPO / "fixtures/gtp/fold_cp2_g2_dp2/iter_0000002"
     work = Path(tempfile.mkdtemp(prefix="fuzz-layout-")) / src.name

@@ -22,11 +22,11 @@ from typer._click.exceptions import NoArgsIsHelpError, UsageError  # typer is pi
 from ckpt_tool.output import os_error_message, safe_text
 from gtp_format import __version__
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
-from gtp_format.reader import pickle_scan
+from gtp_format.reader import unpickler
 
 # A ckpt process lives for one command: the metadata's millions of objects are never garbage
-# while it runs, so the cyclic GC need not walk them (see pickle_scan.gc_paused).
-pickle_scan.FREEZE_AFTER_LOAD = True
+# while it runs, so the cyclic GC need not walk them (see unpickler.gc_paused).
+unpickler.FREEZE_AFTER_LOAD = True
 
 COMMAND_MODULES: tuple[str, ...] = ("inspect", "verify", "show", "diff", "roundtrip", "migrate", "reshard", "export",
                                     "import_hf", "plan")

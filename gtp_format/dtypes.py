@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gtp_format.torch_adapter import torch_attr
+
 FLOAT, COMPLEX, SIGNED, UNSIGNED, BOOL, OTHER = "float", "complex", "signed", "unsigned", "bool", "other"
 
 
@@ -51,9 +53,7 @@ class DType:
     @property
     def torch(self) -> Any:
         """The ``torch.dtype`` (imports torch: only for code that builds tensors)."""
-        import torch
-
-        return getattr(torch, self.name)
+        return torch_attr(self.name)
 
 
 _TABLE: tuple[DType, ...] = (

@@ -26,9 +26,11 @@ from typing import Any
 
 from gtp_format.errors import FormatError
 from gtp_format.layout import topology as topo
+from gtp_format.layout.boxes import overlaps
 from gtp_format.layout.config import ConfigError, ParallelConfig
 from gtp_format.layout.params import buffer_layouts
-from gtp_format.manifest import Manifest, param_shard_spec
+from gtp_format.layout.schema import param_shard_spec
+from gtp_format.manifest import Manifest
 from gtp_format.model import Checkpoint, Entry
 from gtp_format.names import STATES, per_bucket_numel_key
 
@@ -77,7 +79,7 @@ class _Boxes:
         out = []
         for i in range(lo, hi):
             c = self.chunks[i]
-            if all(o < co + cs and co < o + s for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes)):
+            if overlaps((offsets, sizes), (c.offsets, c.sizes)):
                 out.append(i)
         return out
 
@@ -120,7 +122,8 @@ def plan_ours(ckpt: Checkpoint, manifest: Manifest, tp: int, pp: int, cp: int, d
 
 
 def _rank_reads(ckpt: Checkpoint, manifest: Manifest, par: ParallelConfig, plan: LoadPlan) -> None:
-    from gtp_format.params import KeyRef, _dp_members, instances
+    from gtp_format.views.ours import _dp_members, instances
+    from gtp_format.views.records import KeyRef
 
     assert manifest.model is not None
     bucket_size = manifest.bucket_size or 40_000_000

@@ -31,10 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gtp_format.check.analysis import writer_rank
 from gtp_format.errors import ChunkError, FormatError
 from gtp_format.model import BYTES, TENSOR, Checkpoint
-from gtp_format.names import SHARDED_OBJECT_RE, parse_optimizer_key
+from gtp_format.names import SHARDED_OBJECT_RE, parse_optimizer_key, writer_rank
 
 MEGATRON_FORMATS = ("dp_reshardable", "fully_reshardable", "dp_zero_gather_scatter", "fully_sharded_model_space")
 COMMON_STATE = "common_state"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import PurePath, PurePosixPath
 from typing import Any
 
 FORMAT_NAME = "dp_reshardable"
@@ -166,6 +167,23 @@ def distcp_writer_rank(file_name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+# DCP's HuggingFaceStorageWriter names files shard-{rank+1:05d}-model-...; ours (.distcp and
+# __{rank}_{k}.safetensors) are parsed by distcp_writer_rank.
+_HF_SHARD_RE = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
+
+
+def writer_rank(file: str | None) -> int | None:
+    """Global rank that wrote a data file, from its DCP file name."""
+    if file is None:
+        return None
+    name = PurePosixPath(file).name
+    rank = distcp_writer_rank(name)
+    if rank is not None:
+        return rank
+    m = _HF_SHARD_RE.match(name)
+    return int(m.group(1)) - 1 if m else None
+
+
 def chunk_tensor_name(fqn: str, offsets: tuple[int, ...]) -> str:
     """Name of one chunk inside a safetensors data file of our layout: ``{key}@{offsets}``."""
     return f"{fqn}@{','.join(map(str, offsets))}"
@@ -177,3 +195,9 @@ def folded_refusal(sharding: str) -> str:
         f"optimizer sharding {sharding!r} is refused with CP-folded GTP buffers: it gathers every buffer "
         "over the DP x CP group and would mix different CP peers' shards; use 'dp_reshardable'"
     )
+
+
+def iteration_from_name(folder: PurePath) -> int | None:
+    """The iteration an ``iter_XXXXXXX`` folder name encodes."""
+    m = ITER_DIR_RE.match(folder.name)
+    return int(m.group(1)) if m else None

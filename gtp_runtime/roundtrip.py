@@ -29,7 +29,8 @@ import torch.distributed as dist
 from gtp_format.compare import BITWISE, Tally, TensorSource, compare
 from gtp_format.dtypes import from_repr
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
-from gtp_format.manifest import Manifest, derive_bucket_size
+from gtp_format.layout.schema import derive_bucket_size
+from gtp_format.manifest import Manifest
 from gtp_format.names import dtype_tag, optimizer_key
 from gtp_runtime.checkpoint.io import load_checkpoint, save_checkpoint
 from gtp_runtime.checkpoint.run_state import run_configs

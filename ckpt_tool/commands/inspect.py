@@ -183,7 +183,8 @@ def inspect_command(
     if chunks:
         doc["chunks"] = chunk_rows
     if params:
-        from gtp_format.params import describe, param_views_of
+        from gtp_format.views.checkpoint import param_views_of
+        from gtp_format.views.records import describe
 
         doc["params"] = describe(param_views_of(ckpt))
         opt = ckpt.manifest.optimizer if ckpt.manifest is not None else None

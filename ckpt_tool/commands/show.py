@@ -74,7 +74,7 @@ def _stacked(ckpt: Checkpoint, name: str) -> tuple[Entry, int] | None:
     ``inspect --params`` prints, narrowed to layer ``i`` (rows ``[i, i+1)`` of the leading axis)."""
     import re
 
-    from gtp_format.megatron import LAYER
+    from gtp_format.views.megatron import LAYER
 
     m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
     if m is None:
@@ -160,7 +160,7 @@ def _padding_in(ckpt: Checkpoint, key: str, start: int, stop: int) -> list[tuple
 
     if parse_optimizer_key(key) is None or not is_megatron_core(ckpt):
         return []
-    from gtp_format.megatron import padding_ranges
+    from gtp_format.views.megatron import padding_ranges
 
     gaps = padding_ranges(ckpt).get(key, [])
     return [(max(a, start), min(z, stop)) for a, z in gaps if a < stop and start < z]

@@ -20,9 +20,10 @@ from gtp_format.dtypes import DTYPES
 from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
 from gtp_format.layout import topology as topo
 from gtp_format.layout.config import ParallelConfig
+from gtp_format.layout.schema import BucketLayout, BufferLayout, ParamLayout, param_shard_spec
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.layout.topology import Topology
-from gtp_format.manifest import BucketLayout, BufferLayout, Manifest, ParamLayout, param_shard_spec, read_manifest
+from gtp_format.manifest import Manifest, read_manifest
 from gtp_format.model import TENSOR, Checkpoint
 from gtp_format.names import LATEST_FILE, MANIFEST_FILE, STATES, OptimizerKey, distcp_writer_rank
 from gtp_format.reader.checkpoint import open_checkpoint

@@ -18,6 +18,7 @@ import torch
 
 from ckpt_tool.migrate.plan import LostChunk, Plan, lost_shard_spec, pieces
 from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
+from gtp_format.layout.boxes import intersection
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.model import Checkpoint, Entry
 from gtp_format.names import parse_optimizer_key
@@ -33,10 +34,10 @@ def read_box(ckpt: Checkpoint, entry: Entry, offsets: tuple[int, ...], sizes: tu
     out = torch.zeros(sizes, dtype=entry.dtype.torch)
     covered = 0
     for c in entry.chunks:
-        lo = [max(o, co) for o, co in zip(offsets, c.offsets)]
-        hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes)]
-        if any(a >= b for a, b in zip(lo, hi)):
+        cut = intersection((offsets, sizes), (c.offsets, c.sizes))
+        if cut is None:
             continue
+        lo, hi = cut
         t = load_chunk(ckpt, entry, c)
         src = t[tuple(slice(a - co, b - co) for a, b, co in zip(lo, hi, c.offsets))]
         out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))] = src

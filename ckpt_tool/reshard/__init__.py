@@ -2,7 +2,7 @@
 
 :mod:`.source` opens and checks SRC, :mod:`.plan` lists every target chunk, :mod:`.writers`
 writes the data files, :mod:`.engine` runs a reshard atomically, :mod:`.export` the exports.
-The layout arithmetic they use is torch-free and lives in :mod:`gtp_format.params` and
+The layout arithmetic they use is torch-free and lives in :mod:`gtp_format.views` and
 :mod:`gtp_format.layout.params`.
 """
 

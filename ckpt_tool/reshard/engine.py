@@ -55,12 +55,8 @@ from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.config import ConfigError, ParallelConfig
 from gtp_format.layout.params import buffer_layouts
-from gtp_format.manifest import (
-    HASH_ALGORITHM,
-    Manifest,
-    derive_bucket_size,
-    format_version_for,
-)
+from gtp_format.layout.schema import derive_bucket_size
+from gtp_format.manifest import HASH_ALGORITHM, Manifest, format_version_for
 from gtp_format.names import (
     DCP_METADATA_FILE,
     FORMAT_NAME,
@@ -128,7 +124,7 @@ def target_manifest(src: Manifest, par: ParallelConfig, layout: str) -> Manifest
 
 
 def _check_same_params(source: Source, target: Manifest) -> None:
-    from gtp_format.params import param_views
+    from gtp_format.views.ours import param_views
 
     want = {n: (v.full_shape, v.param_dtype) for n, v in param_views(target).items()}
     have = {n: (v.full_shape, v.param_dtype) for n, v in source.views.items()}

@@ -67,7 +67,7 @@ from gtp_format.dtypes import DType
 from gtp_format.errors import FormatError
 from gtp_format.layout.params import model_params
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
-from gtp_format.params import ParamView
+from gtp_format.views.records import ParamView
 from gtp_format.writer.checkpoint import CheckpointWriter, DestinationTaken, data_file_name, megatron_metadata
 from gtp_format.writer.sink import Sink, stage_bytes
 from gtp_format.writer.work import clean_stale, sigterm_raises

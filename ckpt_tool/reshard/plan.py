@@ -1,6 +1,6 @@
 """What a reshard writes: every chunk of the target checkpoint, and where its elements come from.
 
-The plan is pure arithmetic over two per-parameter views (:mod:`gtp_format.params`), source and
+The plan is pure arithmetic over two per-parameter views (:mod:`gtp_format.views`), source and
 target, and reads no data. Each :class:`OutChunk` is either a box of one parameter's full tensor
 (for one state: fp32 master ``param``, ``exp_avg``, ``exp_avg_sq``, or the model ``weight``),
 zeros (GTP tail padding rows, alignment gaps between params in a bucket), or a small vector of
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from gtp_format.dtypes import DType, by_name
 from gtp_format.manifest import Manifest
 from gtp_format.names import STATES
-from gtp_format.params import Holder, ParamView, bucket_numels, bucket_refs, full_box, param_views
+from gtp_format.views.ours import bucket_numels, bucket_refs, param_views
+from gtp_format.views.records import Holder, ParamView, full_box
 
 WEIGHT = "weight"
 FP32 = by_name("float32")

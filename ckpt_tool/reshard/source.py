@@ -32,9 +32,10 @@ from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
 from gtp_format.manifest import Manifest, read_manifest
 from gtp_format.model import Checkpoint, Chunk, Entry
 from gtp_format.names import MANIFEST_FILE, OPTIMIZER_SHARDINGS
-from gtp_format.params import Holder, ParamView, bucket_refs, full_box, param_views
 from gtp_format.reader.boxes import BoxReader, Buffer
 from gtp_format.reader.checkpoint import open_checkpoint
+from gtp_format.views.ours import bucket_refs, param_views
+from gtp_format.views.records import Holder, ParamView, full_box
 
 WEIGHT = "weight"  # the model-weight "state" of a parameter, next to param / exp_avg / exp_avg_sq
 
@@ -70,7 +71,7 @@ class CheckedReader(BoxReader):
 @dataclass
 class Source:
     ckpt: Checkpoint
-    manifest: Manifest | None  # None: a genuine megatron-core checkpoint (gtp_format.megatron)
+    manifest: Manifest | None  # None: a genuine megatron-core checkpoint (gtp_format.views.megatron)
     views: dict[str, ParamView]
     reader: CheckedReader
 
@@ -134,7 +135,7 @@ def open_source(path: Path, megatron: bool = False, weights_only: bool = False, 
     """Open SRC and refuse what cannot be resharded (see the module docstring).
 
     ``megatron=True`` (export) also takes a checkpoint without a manifest, through megatron-core's
-    layout rules (:mod:`gtp_format.megatron`, which refuses what they do not cover).
+    layout rules (:mod:`gtp_format.views.megatron`, which refuses what they do not cover).
     ``weights_only=True`` (an export of the model weights alone): a megatron-core checkpoint, whatever
     its optimizer sharding, is read through its model keys alone (:mod:`.weights`); ``views=False``
     (``--to torch``, which copies keys, not parameters): no per-parameter view is built at all.
@@ -179,7 +180,7 @@ def open_source(path: Path, megatron: bool = False, weights_only: bool = False, 
 
 
 def _open_megatron(ckpt: Checkpoint, weights_only: bool = False, views: bool = True) -> Source:
-    from gtp_format.megatron import megatron_views
+    from gtp_format.views.megatron import megatron_views
 
     errors = [p for p in check_geometry(ckpt) + check_storage(ckpt) if p.severity == "error"]
     if errors:

@@ -3,10 +3,10 @@
 A weights export needs the model keys only, and megatron-core stores those at their global shapes
 whatever the optimizer sharding (``fully_reshardable``, ``dp_zero_gather_scatter``, no optimizer at
 all): DCP assembles any box of a global tensor from its TP/PP chunks. So each module parameter
-becomes a :class:`~gtp_format.params.ParamView` with one primary holder that spans the whole
+becomes a :class:`~gtp_format.views.records.ParamView` with one primary holder that spans the whole
 tensor (no TP part, no GTP shard, no padding), and the ordinary read path
 (:meth:`.source.Source.read_full_box`) serves its boxes. The module order and key names are
-megatron-core's GPT (local spec), shared with the ``dp_reshardable`` view (:mod:`gtp_format.megatron`).
+megatron-core's GPT (local spec), shared with the ``dp_reshardable`` view (:mod:`gtp_format.views.megatron`).
 Optimizer states are not in these views: ``--optimizer`` and ``--to fully_reshardable`` still need
 ``dp_reshardable`` keys.
 """
@@ -14,9 +14,9 @@ Optimizer states are not in these views: ``--optimizer`` and ``--to fully_reshar
 from __future__ import annotations
 
 from gtp_format.layout.shard import ShardSpec
-from gtp_format.megatron import module_params
 from gtp_format.model import Checkpoint
-from gtp_format.params import Holder, KeyRef, ParamView
+from gtp_format.views.megatron import module_params
+from gtp_format.views.records import Holder, KeyRef, ParamView
 
 
 def weight_views(ckpt: Checkpoint) -> dict[str, ParamView]:

@@ -25,10 +25,8 @@ gtp_runtime writes it). The rules, first match wins:
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
 from gtp_format.layout.config import ParallelConfig
@@ -37,9 +35,9 @@ from gtp_format.manifest import Manifest
 from gtp_format.model import BYTES, TENSOR, Checkpoint, Entry, Problem
 from gtp_format.names import (
     OptimizerKey,
-    distcp_writer_rank,
     parse_optimizer_key,
     parse_per_bucket_numel_key,
+    writer_rank,
 )
 
 if TYPE_CHECKING:
@@ -52,9 +50,6 @@ OBJECT = "object"
 FULL_STATE_PREFIX = "optimizer.state."  # fully_reshardable / fully_sharded_model_space: one key per param state
 
 MANIFEST_TOPOLOGY_KEY = "topology"
-# DCP's HuggingFaceStorageWriter names files shard-{rank+1:05d}-model-...; ours (.distcp and
-# __{rank}_{k}.safetensors) are parsed by format.distcp_writer_rank.
-_HF_SHARD_RE = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
 
 
 @dataclass(frozen=True)
@@ -77,18 +72,6 @@ def classify(entry: Entry) -> KeyClass:
 
 def classify_all(ckpt: Checkpoint) -> dict[str, KeyClass]:
     return {k: classify(e) for k, e in ckpt.entries.items()}
-
-
-def writer_rank(file: str | None) -> int | None:
-    """Global rank that wrote a data file, from its DCP file name."""
-    if file is None:
-        return None
-    name = PurePosixPath(file).name
-    rank = distcp_writer_rank(name)
-    if rank is not None:
-        return rank
-    m = _HF_SHARD_RE.match(name)
-    return int(m.group(1)) - 1 if m else None
 
 
 @dataclass

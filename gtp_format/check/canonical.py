@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from gtp_format.layout.config import ConfigError
 from gtp_format.layout.params import buffer_layouts
-from gtp_format.manifest import BufferLayout, derive_bucket_size
+from gtp_format.layout.schema import BufferLayout, derive_bucket_size
 from gtp_format.model import TENSOR, Checkpoint, Problem
 from gtp_format.names import parse_optimizer_key, parse_per_bucket_numel_key
 

@@ -23,8 +23,9 @@ from gtp_format.errors import ChunkError, FormatError
 from gtp_format.integrity.records import Records
 from gtp_format.model import Checkpoint, Problem
 from gtp_format.names import STATES
-from gtp_format.params import ParamView, param_views
 from gtp_format.reader.boxes import BoxReader
+from gtp_format.views.ours import param_views
+from gtp_format.views.records import ParamView
 
 WEIGHT_STATES = ("param",)  # optimizer states that are weights (fp32 masters); the rest are moments
 

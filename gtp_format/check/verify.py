@@ -26,7 +26,6 @@ from gtp_format.check.analysis import (
 )
 from gtp_format.check.canonical import check_canonical_layout, check_key_dtypes
 from gtp_format.check.data import DataReport, check_data
-from gtp_format.check.geometry import check_coverage
 from gtp_format.check.hashes import covered_files, match_records
 from gtp_format.check.keys import check_manifest_keys
 from gtp_format.check.megatron_integrity import check_integrity, integrity_algorithms, read_integrity
@@ -36,6 +35,7 @@ from gtp_format.dtypes import DType
 from gtp_format.errors import ChunkError, FormatError
 from gtp_format.hashing import HASHERS, file_digests
 from gtp_format.integrity.records import ChunkRecord, read_records
+from gtp_format.layout.boxes import check_coverage
 from gtp_format.model import ENC_TORCH_SAVE, TENSOR, Checkpoint, Entry, Problem
 from gtp_format.names import OPT_PREFIX, OptimizerKey, dtype_tag, per_bucket_numel_key
 from gtp_format.reader.chunks import declared_size_problem, load_elements, load_plain
@@ -478,8 +478,8 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
     covered = covered_files(ckpt, matched) if data else set()  # every byte under a chunk hash
     if data:
         if ckpt.manifest is None and not ckpt.padding_chunks:
-            from gtp_format.megatron import padding_chunks
             from gtp_format.megatron_topology import is_megatron_core
+            from gtp_format.views.megatron import padding_chunks
 
             if is_megatron_core(ckpt):
                 ckpt.padding_chunks = padding_chunks(ckpt)

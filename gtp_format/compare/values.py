@@ -14,13 +14,16 @@ NaN payloads are compared exactly. The first differing element is reported as a 
 index into the compared piece, and ``max_abs_diff`` is the largest *finite* ``|a - b|`` among the
 differing elements (a NaN or infinity on one side has no finite distance).
 
-This module imports torch inside its functions only: :mod:`gtp_format` must import without it.
+This module asks :mod:`gtp_format.torch_adapter` for torch inside its functions only: :mod:`gtp_format` must
+import without it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+from gtp_format.torch_adapter import load_torch
 
 _INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
@@ -74,7 +77,7 @@ SAME = ValueDiff(0, None, None)
 
 def _carriers(t: Any) -> Any:
     """The stored bits as integers, one row per element (a complex element has two parts)."""
-    import torch
+    torch = load_torch()
 
     t = t.detach().contiguous().reshape(-1)
     t = torch.view_as_real(t) if t.is_complex() else t.reshape(-1, 1)
@@ -82,7 +85,7 @@ def _carriers(t: Any) -> Any:
 
 
 def _wide(t: Any) -> Any:
-    import torch
+    torch = load_torch()
 
     t = t.detach().reshape(-1)
     return t.to(torch.complex128) if t.is_complex() else t.to(torch.float64)
@@ -90,7 +93,7 @@ def _wide(t: Any) -> Any:
 
 def _distance(xa: Any, xb: Any) -> Any:
     """``|a - b|`` as float64, for 1-D pieces of one dtype; integers are subtracted exactly first."""
-    import torch
+    torch = load_torch()
 
     if xa.is_complex() or xa.is_floating_point() or xa.dtype == torch.uint64:
         return (_wide(xa) - _wide(xb)).abs()
@@ -104,7 +107,7 @@ def _distance(xa: Any, xb: Any) -> Any:
 
 def compare_values(a: Any, b: Any, rule: Rule) -> ValueDiff:
     """Compare two same-shape, same-dtype ``torch.Tensor`` pieces under ``rule``."""
-    import torch
+    torch = load_torch()
 
     if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
         raise ValueError(f"compare_values needs equal shapes and dtypes, got {tuple(a.shape)} {a.dtype} and "

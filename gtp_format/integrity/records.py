@@ -106,7 +106,7 @@ def read_records(ckpt: Checkpoint) -> Records | None:
         return out
     if head.get("hash") != CHUNK_HASH:
         return bad(f"chunk hash {head.get('hash')!r} is not one this tool computes ({CHUNK_HASH})")
-    from gtp_format.reader.locate import load_json_object
+    from gtp_format.reader.safe_json import load_json_object
 
     limit = (1 << 20) + BYTES_PER_RECORD * max(head["count"], ckpt.chunk_count())
     try:

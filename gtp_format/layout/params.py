@@ -18,8 +18,8 @@ from gtp_format.layout import topology as topo
 from gtp_format.layout.buckets import lay_out
 from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_format.layout.election import dp_group_idx
+from gtp_format.layout.schema import BucketLayout, BufferLayout, ParamLayout
 from gtp_format.layout.shard import ShardSpec
-from gtp_format.manifest import BucketLayout, BufferLayout, ParamLayout
 
 GRAD_DTYPE = "torch.float32"  # gradients and optimizer state are fp32 whatever the param dtype
 

@@ -54,7 +54,8 @@ from typing import Any
 
 from gtp_format.dtypes import DTYPES, LAYOUTS, MEMORY_FORMATS
 from gtp_format.errors import FormatError
-from gtp_format.reader.pickle_scan import PickleScanError, ScannedUnpickler
+from gtp_format.reader.pickle_scan import PickleScanError
+from gtp_format.reader.unpickler import ScannedUnpickler
 
 MAX_DIMS = 64
 MAX_PATH = 4096

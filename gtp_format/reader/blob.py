@@ -23,8 +23,6 @@ against ``torch.load`` on every fixture chunk.
 from __future__ import annotations
 
 import math
-import threading
-import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -32,10 +30,11 @@ from typing import Any
 import numpy as np
 
 from gtp_format.dtypes import BY_STORAGE, DTYPES, DType
-from gtp_format.reader.pickle_scan import ScannedUnpickler
 from gtp_format.reader.safe_pickle import brief
+from gtp_format.reader.unpickler import ScannedUnpickler
 from gtp_format.reader.zip_blob import BlobError, BlobReader, ZipRecord, record_bytes, small_record, zip_records
 from gtp_format.scan import carrier
+from gtp_format.torch_adapter import load_torch
 
 MAX_PICKLE = 1 << 20  # data.pkl of one tensor is ~150 bytes
 MAX_DIMS = 64
@@ -237,35 +236,12 @@ def element_view(layout: BlobLayout, payload: memoryview | bytes) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(base[layout.storage_offset:], layout.size, strides, writeable=False)
 
 
-_TORCH_LOCK = threading.Lock()
-_TORCH_READY = False
-
-
-def _torch() -> Any:
-    """torch, imported on first use, with its once-per-process "array is not writable" warning spent.
-
-    Payloads are often immutable ``bytes`` and the tensors made over them are only read, so the
-    warning would be noise on a user's terminal. Torch emits it once, from whichever thread is
-    first; it is spent here, under a lock, because ``catch_warnings`` is not thread-safe.
-    """
-    import torch
-
-    global _TORCH_READY
-    with _TORCH_LOCK:
-        if not _TORCH_READY:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                torch.from_numpy(np.frombuffer(b"\0", dtype=np.uint8))
-            _TORCH_READY = True
-    return torch
-
-
 def as_tensor(elements: np.ndarray, dtype: DType) -> Any:
     """The ``torch.Tensor`` over the same memory as ``elements`` (from :func:`element_view`), no copy.
 
     Only ``show``, ``diff`` and ``migrate-aliased`` need tensors, so only they import torch. The
     carrier's bits are reinterpreted as the real dtype (uint16 as bfloat16, say): same width.
     """
-    torch = _torch()
+    torch = load_torch()
     t = torch.from_numpy(elements)
     return t if t.dtype == dtype.torch else t.view(dtype.torch)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from gtp_format.errors import ChunkError
+from gtp_format.layout.boxes import intersection
 from gtp_format.model import ENC_RAW, TENSOR, Checkpoint, Chunk, Entry
 from gtp_format.reader.blob import parse_blob
 from gtp_format.reader.chunks import blob_error, check_layout, checked_ref
@@ -224,10 +225,10 @@ class BoxReader:
             buf.get(math.prod(sizes) * dt.itemsize).view(dt).reshape(sizes)
         covered = 0
         for c in near:
-            lo = [max(o, co) for o, co in zip(offsets, c.offsets)]
-            hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes)]
-            if any(a >= b for a, b in zip(lo, hi)):
+            cut = intersection((offsets, sizes), (c.offsets, c.sizes))
+            if cut is None:
                 continue
+            lo, hi = cut
             if sizes and all((co, cs) == (o, s) for o, s, co, cs in zip(offsets[1:], sizes[1:], c.offsets[1:],
                                                                            c.sizes[1:])):
                 self.chunk_rows(entry, c, lo[0] - c.offsets[0], hi[0] - c.offsets[0],

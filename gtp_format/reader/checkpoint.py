@@ -11,15 +11,10 @@ from pathlib import Path
 
 from gtp_format.errors import ChunkError, FormatError
 from gtp_format.model import ENC_RAW, ENC_TORCH_SAVE, Checkpoint, Problem
-from gtp_format.names import DCP_METADATA_FILE
+from gtp_format.names import DCP_METADATA_FILE, iteration_from_name
 from gtp_format.reader.dcp_reader import data_file_sizes, read_dcp_metadata
 from gtp_format.reader.declared import check_declared_counts
-from gtp_format.reader.locate import (
-    LAYOUT_SAFETENSORS,
-    iteration_from_name,
-    load_side_files,
-    locate,
-)
+from gtp_format.reader.locate import LAYOUT_SAFETENSORS, load_side_files, locate
 from gtp_format.reader.safetensors_reader import read_gtp_index, read_safetensors_metadata, safetensors_files
 from gtp_format.reader.storage import file_size
 

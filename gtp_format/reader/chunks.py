@@ -32,6 +32,7 @@ from gtp_format.reader.pickle_shape import check_shape
 from gtp_format.reader.storage import open_regular, past_end_message, read_range
 from gtp_format.reader.zip_blob import BlobError, RangeReader, ViewReader, record_bytes, small_record, zip_records
 from gtp_format.scan import carrier
+from gtp_format.torch_adapter import load_torch
 
 
 def declared_size_problem(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> str | None:
@@ -230,7 +231,7 @@ def load_object(ckpt: Checkpoint, entry: Entry) -> Any:
     first = entry.chunks[0]
     file = first.storage.file if first.storage else None
     buf = chunk_bytes(ckpt, entry, first)
-    import torch
+    torch = load_torch()
 
     try:
         _require_stored_zip(buf, f"byte object {entry.key}", entry.key, 0, file)

@@ -22,8 +22,7 @@ from gtp_format.dtypes import DType
 from gtp_format.errors import FormatError
 from gtp_format.model import BYTES, TENSOR, Chunk, Entry, Problem, StorageRef
 from gtp_format.names import DCP_METADATA_FILE, DISTCP_RE
-from gtp_format.reader.locate import METADATA_LIMIT_ENV, Located, metadata_limit
-from gtp_format.reader.pickle_scan import gc_paused
+from gtp_format.reader.locate import Located
 from gtp_format.reader.safe_pickle import (
     BytesStorageRecord,
     ChunkRecord,
@@ -36,7 +35,14 @@ from gtp_format.reader.safe_pickle import (
     brief,
     load_metadata_pickle,
 )
-from gtp_format.reader.storage import is_regular_inside, read_small_file, stored_size
+from gtp_format.reader.storage import (
+    METADATA_LIMIT_ENV,
+    is_regular_inside,
+    metadata_limit,
+    read_small_file,
+    stored_size,
+)
+from gtp_format.reader.unpickler import gc_paused
 
 
 def data_file_sizes(folder: Path, names: Sequence[str]) -> dict[str, int]:

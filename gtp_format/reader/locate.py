@@ -33,7 +33,7 @@ from gtp_format.names import (
     iter_dir_name,
     parse_latest,
 )
-from gtp_format.reader import safe_json
+from gtp_format.reader.safe_json import load_json_object
 from gtp_format.reader.storage import is_folder_inside, list_dir, read_small_file
 from gtp_format.writer.work import leftovers, parse_work
 
@@ -42,32 +42,6 @@ SAFETENSORS_SUFFIX = ".safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 RELEASE_DIR = "release"
 
-# metadata.json and the manifest are small (a manifest spends ~200 bytes per parameter: 1 MiB for
-# thousands); JSON amplifies memory at most ~12x once safe_json holds containers to one per 6 bytes.
-JSON_LIMIT = 16 << 20
-
-METADATA_LIMIT_ENV = "CKPT_MAX_METADATA_BYTES"
-METADATA_FLOOR = 1 << 20  # genuine fixtures' .metadata are 13-106 KB; the env variable covers the rest
-METADATA_CEILING = 4 << 30
-
-
-def metadata_limit(data_bytes: int) -> int:
-    """Largest checkpoint metadata file (DCP ``.metadata``, a safetensors index) we agree to parse.
-
-    A metadata entry is a few hundred bytes per chunk while every chunk's blob is at least about a
-    kilobyte, so metadata larger than all the data it describes is not real. ``data_bytes`` is
-    what the data files really store (:func:`gtp_format.reader.storage.stored_bytes`), not their
-    sizes: one sparse 16 TiB data file made a 400 MB ``.metadata`` look plausible (issue 22).
-    The floor keeps partial copies (data files missing) readable; the environment variable is the
-    escape hatch the error message names.
-    """
-    override = os.environ.get(METADATA_LIMIT_ENV)
-    if override is not None:
-        try:
-            return max(0, int(override))
-        except ValueError:
-            raise FormatError(f"{METADATA_LIMIT_ENV}={override!r} is not a byte count; set it to an integer") from None
-    return min(METADATA_CEILING, max(METADATA_FLOOR, data_bytes))
 
 
 @dataclass(frozen=True)
@@ -180,16 +154,6 @@ def locate(path: str | os.PathLike[str]) -> Located:
     return Located(folder=p, layout=layout, names=tuple(names), recovered=recovered)
 
 
-def load_json_object(path: Path, what: str, limit: int = JSON_LIMIT) -> dict[str, Any]:
-    """A JSON file that must hold an object (metadata.json, the manifest, an index)."""
-    fix = f"fix or remove {path.name}"
-    raw = read_small_file(path, limit, what, fix)
-    obj = safe_json.loads(raw, str(path), fix)
-    if not isinstance(obj, dict):
-        raise FormatError(f"{path} holds a JSON {type(obj).__name__}, expected an object; {fix}")
-    return obj
-
-
 def load_side_files(loc: Located) -> tuple[dict[str, Any] | None, Manifest | None, list[Problem]]:
     """Megatron's ``metadata.json`` and our ``gtp_manifest.json`` (parsed leniently), when present.
 
@@ -210,9 +174,3 @@ def load_side_files(loc: Located) -> tuple[dict[str, Any] | None, Manifest | Non
     return megatron, manifest, [
         Problem("error" if p.startswith("files") else "warning", "manifest", f"{path}: {p}; the section is ignored",
                 file=MANIFEST_FILE) for p in manifest.problems]
-
-
-def iteration_from_name(folder: Path) -> int | None:
-    """The iteration an ``iter_XXXXXXX`` folder name encodes."""
-    m = ITER_DIR_RE.match(folder.name)
-    return int(m.group(1)) if m else None

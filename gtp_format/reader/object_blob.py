@@ -23,7 +23,7 @@ from typing import Any
 from gtp_format.dtypes import DTYPES
 from gtp_format.reader.allow_list import CopyBudget, brief
 from gtp_format.reader.blob import load_data_pkl
-from gtp_format.reader.pickle_scan import ScannedUnpickler
+from gtp_format.reader.unpickler import ScannedUnpickler
 from gtp_format.reader.zip_blob import BlobError, BlobReader, ViewReader, zip_records
 
 MAX_OBJECT_PICKLE = 1 << 20

@@ -28,15 +28,9 @@ drops to Python only for the rare opcodes whose argument is a newline-terminated
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import io
-import pickle
 import re
 import struct
 import sys
-from collections.abc import Iterator
-from typing import Any
 
 _ZERO_ARG = b"\x94\x85\x86\x87()}]\x81Rbeu0N\x88\x89atl\x8f\x90\x91\x93\x92do12sQ\x97\x98"
 _ARG1 = b"hKq\x80\x82"  # BINGET, BININT1, BINPUT (index < 256: harmless), PROTO, EXT1
@@ -155,61 +149,3 @@ def _check_memo_index(index: int, pos: int) -> None:
     if index > pos:
         raise PickleScanError(f"memo index {index} at byte {pos} is larger than any pickler could have "
                               "assigned by then (a memo bomb: the C unpickler would allocate for it)")
-
-
-FREEZE_AFTER_LOAD = False
-"""Set by short-lived command-line processes (``ckpt``); see :func:`gc_paused`."""
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while a large object graph is built.
-
-    Unpickling a DCP ``.metadata`` creates millions of container objects and none of them is
-    garbage yet, but every 700 allocations the collector walks the young generation and now and
-    then all of them: measured on a 100,000-chunk file, the C unpickle takes 0.4 s with it paused
-    and 1.7 s with it running. Re-enabled on exit only if it was enabled on entry.
-
-    Once re-enabled, the collector would still walk every one of those objects a few times as
-    they age through its generations: about 5 s at a million chunks. With
-    :data:`FREEZE_AFTER_LOAD` set (the ``ckpt`` CLI does; a library caller decides for its own
-    process) the objects are moved to the permanent generation (``gc.freeze``) first, so it never
-    walks them; they are still freed by reference counting when dropped (the metadata holds no
-    reference cycles), only cycles among them would never be collected.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if FREEZE_AFTER_LOAD:
-            gc.freeze()
-        if was_enabled:
-            gc.enable()
-
-
-class ScannedUnpickler(pickle.Unpickler):
-    """The C unpickler over bytes that :func:`check_pickle` and
-    :func:`~gtp_format.reader.pickle_shape.check_shape` accepted; subclasses allow-list globals.
-
-    ``find_class`` must be overridden (the default imports anything); persistent ids are refused,
-    since DCP metadata never uses them.
-    """
-
-    def __init__(self, data: bytes, source: str) -> None:
-        from gtp_format.reader.pickle_shape import check_shape  # it imports PickleScanError from here
-
-        check_pickle(data)
-        check_shape(data)  # nesting depth and container count: see pickle_shape
-        super().__init__(io.BytesIO(data))
-        self.source = source
-
-    def load(self) -> Any:
-        with gc_paused():
-            return super().load()
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise NotImplementedError("subclasses allow-list the globals they resolve")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError(f"{self.source} uses pickle persistent ids, which DCP metadata never does")

@@ -26,20 +26,15 @@ from typing import Any
 
 from gtp_format.errors import FormatError
 from gtp_format.reader.allow_list import DCP_META, Allowed, Kind, layout_name, path_parts, size_dims, unpickle
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch
+from gtp_format.torch_adapter import load_torch
 
 
 def _size(dims: Any = ()) -> Any:
-    return _torch().Size(size_dims(dims))
+    return load_torch().Size(size_dims(dims))
 
 
 def _get_layout(name: Any) -> Any:
-    return getattr(_torch(), layout_name(name))
+    return getattr(load_torch(), layout_name(name))
 
 
 def _path(cls: type[pathlib.PurePath]) -> Any:
@@ -55,7 +50,7 @@ def real(entry: Allowed) -> Any:
     if kind in (Kind.CLASS, Kind.ENUM):
         return getattr(importlib.import_module(entry.module), entry.name)
     if kind in (Kind.DTYPE, Kind.CONSTANT):
-        return getattr(_torch(), entry.name)
+        return getattr(load_torch(), entry.name)
     if kind is Kind.SIZE:
         return _size
     if kind is Kind.GET_LAYOUT:

@@ -16,11 +16,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from gtp_format.check.geometry import check_coverage
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
+from gtp_format.layout.boxes import check_coverage, intersection
 from gtp_format.model import Checkpoint, Chunk, Entry
 from gtp_format.reader.chunks import checked_ref, load_chunk
 from gtp_format.reader.storage import file_size, stored_size
+from gtp_format.torch_adapter import load_torch
 
 
 @dataclass
@@ -41,7 +42,7 @@ def region_bytes(entry: Entry, start: int, stop: int) -> int:
 
 def assemble(ckpt: Checkpoint, entry: Entry, start: int, stop: int, max_bytes: int) -> Assembled:
     """Rows ``[start, stop)`` of dim 0 (the whole tensor when 0-D), reading only chunks that meet them."""
-    import torch
+    torch = load_torch()
 
     assert entry.shape is not None and entry.dtype is not None
     shape = (stop - start, *entry.shape[1:]) if entry.shape else ()
@@ -107,5 +108,5 @@ def _check_stored(ckpt: Checkpoint, entry: Entry, start: int, stop: int, nbytes:
 
 def _intersection(c: Chunk, start: int, stop: int) -> tuple[int, int] | None:
     """Rows of ``[start, stop)`` this chunk holds, or ``None`` (empty chunks hold none)."""
-    lo, hi = max(start, c.offsets[0]), min(stop, c.offsets[0] + c.sizes[0])
-    return (lo, hi) if lo < hi and c.numel else None
+    cut = intersection(((start,), (stop - start,)), (c.offsets[:1], c.sizes[:1]))
+    return (cut[0][0], cut[1][0]) if cut is not None and c.numel else None

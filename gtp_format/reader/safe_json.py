@@ -21,13 +21,18 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 from gtp_format.errors import FormatError
+from gtp_format.reader.storage import read_small_file
 
 MAX_INT_DIGITS = 40  # 2**128 has 39 digits; every size, shape and offset is far below
 BYTES_PER_CONTAINER = 6
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# metadata.json and the manifest are small (a manifest spends ~200 bytes per parameter: 1 MiB for
+# thousands); JSON amplifies memory at most ~12x once safe_json holds containers to one per 6 bytes.
+JSON_LIMIT = 16 << 20
 
 
 class _Refused(ValueError):
@@ -92,4 +97,14 @@ def loads(raw: bytes | bytearray | str, source: str, fix: str) -> Any:
     if _ESCAPED_SURROGATE.search(data) and _has_lone_surrogate(obj):
         raise FormatError(f"{source} holds a string with a lone UTF-16 surrogate (\\ud800-\\udfff), which no "
                           f"name or value can contain; {fix}")
+    return obj
+
+
+def load_json_object(path: Path, what: str, limit: int = JSON_LIMIT) -> dict[str, Any]:
+    """A JSON file that must hold an object (metadata.json, the manifest, an index)."""
+    fix = f"fix or remove {path.name}"
+    raw = read_small_file(path, limit, what, fix)
+    obj = loads(raw, str(path), fix)
+    if not isinstance(obj, dict):
+        raise FormatError(f"{path} holds a JSON {type(obj).__name__}, expected an object; {fix}")
     return obj

@@ -39,6 +39,7 @@ from gtp_format.reader.allow_list import (
 from gtp_format.reader.allow_list import (
     UnsafePickle as UnsafePickle,  # re-exported: callers catch it from here
 )
+from gtp_format.torch_adapter import torch_attr
 
 MAX_FIELDS = 64  # a record with (dict, slots) state: DCP classes have fewer than 10 fields
 
@@ -179,9 +180,7 @@ class TorchConstant:
     @property
     def torch(self) -> Any:
         """The real constant, for code that rebuilds DCP objects (imports torch)."""
-        import torch
-
-        return getattr(torch, self.name)
+        return torch_attr(self.name)
 
 
 _RECORDS: dict[str, type[Record]] = {cls.kind: cls for cls in (

@@ -193,6 +193,30 @@ def stored_size(root: Path, rel: str) -> int:
     return stored_bytes(st) if stat.S_ISREG(st.st_mode) else 0
 
 
+METADATA_LIMIT_ENV = "CKPT_MAX_METADATA_BYTES"
+METADATA_FLOOR = 1 << 20  # genuine fixtures' .metadata are 13-106 KB; the env variable covers the rest
+METADATA_CEILING = 4 << 30
+
+
+def metadata_limit(data_bytes: int) -> int:
+    """Largest checkpoint metadata file (DCP ``.metadata``, a safetensors index) we agree to parse.
+
+    A metadata entry is a few hundred bytes per chunk while every chunk's blob is at least about a
+    kilobyte, so metadata larger than all the data it describes is not real. ``data_bytes`` is
+    what the data files really store (:func:`gtp_format.reader.storage.stored_bytes`), not their
+    sizes: one sparse 16 TiB data file made a 400 MB ``.metadata`` look plausible (issue 22).
+    The floor keeps partial copies (data files missing) readable; the environment variable is the
+    escape hatch the error message names.
+    """
+    override = os.environ.get(METADATA_LIMIT_ENV)
+    if override is not None:
+        try:
+            return max(0, int(override))
+        except ValueError:
+            raise FormatError(f"{METADATA_LIMIT_ENV}={override!r} is not a byte count; set it to an integer") from None
+    return min(METADATA_CEILING, max(METADATA_FLOOR, data_bytes))
+
+
 def sparse_message(rel: str, length: int, st: os.stat_result) -> str:
     return (f"{rel}: a {length}-byte read, but the file stores only {stored_bytes(st)} of its {st.st_size} bytes "
             "(a sparse file: the rest are holes nobody wrote); the metadata declares more than was written: restore "

@@ -11,16 +11,8 @@ import dataclasses
 from typing import Any
 
 from gtp_format.layout.config import ModelConfig, ParallelConfig
-from gtp_format.manifest import (
-    HASH_ALGORITHM,
-    BucketLayout,
-    BufferLayout,
-    FileEntry,
-    Manifest,
-    OptimizerInfo,
-    ParamLayout,
-    format_version_for,
-)
+from gtp_format.layout.schema import BucketLayout, BufferLayout, ParamLayout
+from gtp_format.manifest import HASH_ALGORITHM, FileEntry, Manifest, OptimizerInfo, format_version_for
 from gtp_format.names import dtype_tag
 
 

@@ -127,8 +127,8 @@ def test_moe_layout_equals_megatron_buffers() -> None:
     """MoE EP2 x DP4: the dense (chained_0) and expert (chained_1, one buffer per EP rank) buffers
     are where megatron's own buffers had them, and every fp32 master rounds to its bf16 weight
     (experts read straight from the stacked (layer, expert) key)."""
-    from gtp_format.params import param_views_of
     from gtp_format.reader.boxes import BoxReader
+    from gtp_format.views.checkpoint import param_views_of
 
     name = "moe_ep2_dp4_dp_reshardable"
     expected = json.loads((MEGATRON / name / "expected.json").read_text())

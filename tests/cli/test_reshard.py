@@ -16,9 +16,9 @@ from ckpt_tool.reshard.source import WEIGHT, Source, open_source
 from gtp_format.check.verify import verify
 from gtp_format.layout.config import ParallelConfig as P
 from gtp_format.names import STATES
-from gtp_format.params import full_box
 from gtp_format.reader.boxes import BoxReader
 from gtp_format.reader.checkpoint import open_checkpoint
+from gtp_format.views.records import full_box
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "gtp"
 FOLD8 = P(cp=2, gtp_remat=2, dp=2, fold_cp=True)

@@ -29,7 +29,7 @@ from gtp_format.dtypes import by_name
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ModelConfig
 from gtp_format.layout.params import model_params, param_count
-from gtp_format.manifest import BucketLayout, BufferLayout, ParamLayout
+from gtp_format.layout.schema import BucketLayout, BufferLayout, ParamLayout
 from gtp_format.names import MAX_ITERATION, iter_dir_name, parse_latest
 from gtp_format.reader.checkpoint import open_checkpoint
 from gtp_format.reader.locate import locate

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -36,3 +37,43 @@ def test_the_probe_can_fail():
     code = BLOCK_TORCH.replace("import gtp_format\n", "import gtp_format\nimport gtp_runtime.checkpoint.io\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "torch is blocked" in proc.stderr
+
+
+ADAPTER = "gtp_format/torch_adapter.py"
+
+
+def torch_imports(source: str, path: str = "<source>") -> list[int]:
+    """Lines that import torch (any submodule, at any depth: module level or inside a function),
+    by statement or by a literal ``importlib.import_module``/``__import__`` call."""
+    lines = []
+    for node in ast.walk(ast.parse(source, path)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                   or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__")))):
+            names = [node.args[0].value]
+        if any(n == "torch" or n.startswith("torch.") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_adapter_imports_torch():
+    """Every torch touch in gtp_format goes through gtp_format/torch_adapter.py (load_torch)."""
+    found = {str(f.relative_to(REPO)): torch_imports(f.read_text(), str(f))
+             for f in sorted((REPO / "gtp_format").rglob("*.py"))}
+    assert found.pop(ADAPTER), "the adapter itself imports torch"
+    elsewhere = [f"{f}:{line}" for f, lines in found.items() for line in lines]
+    assert not elsewhere, f"torch imported outside {ADAPTER} (use gtp_format.torch_adapter.load_torch): {elsewhere}"
+
+
+def test_the_torch_scan_sees_every_form():
+    source = ("import os\nimport torch.distributed as dist\nfrom torch import nn\n"
+              "def f():\n    import torch\n    from torch.serialization import safe_globals\n"
+              "    import importlib\n    importlib.import_module('torch.nn')\n    __import__('torch')\n"
+              "import torchvision\nfrom torchlike import x\n")
+    assert torch_imports(source) == [2, 3, 5, 6, 8, 9]

@@ -44,8 +44,8 @@ def test_unknown_dp_group_kind_is_a_manifest_error(tmp_path):
 
     from gtp_format.errors import FormatError
     from gtp_format.manifest import ManifestError, parse_manifest
-    from gtp_format.params import param_views
     from gtp_format.reader.checkpoint import open_checkpoint
+    from gtp_format.views.ours import param_views
 
     src = Path(__file__).resolve().parents[2] / "fixtures/gtp/fold_cp2_g2_dp2/iter_0000002"
     folder = tmp_path / src.name

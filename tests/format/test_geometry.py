@@ -1,4 +1,4 @@
-"""The chunk-coverage checker against a cell-by-cell brute force."""
+"""The box arithmetic of gtp_format/layout/boxes.py (intersection, overlap, coverage) against a brute force."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gtp_format.check.geometry import MAX_REPORTED, Box, check_coverage
+from gtp_format.layout.boxes import MAX_REPORTED, Box, check_coverage, intersection, overlaps
 
 
 def brute(shape: tuple[int, ...], boxes: list[Box]):
@@ -49,6 +49,32 @@ def test_matches_brute_force(case):
     assert cov.ok == (not oob and not pairs and missing == 0)
 
 
+def _cells(box: Box) -> set[tuple[int, ...]]:
+    return set(itertools.product(*(range(o, o + s) for o, s in zip(*box))))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from([0, 1, 2, 3]).flatmap(lambda n: st.tuples(boxes_for(n), boxes_for(n))))
+def test_intersection_and_overlap_match_brute_force(pair):
+    """The one intersection every box read uses is exactly the shared cells; ``overlaps`` agrees with
+    it whenever neither box is empty, and on empty boxes keeps DCP's planner's span test."""
+    for a in pair[0]:
+        for b in pair[1]:
+            shared = _cells(a) & _cells(b)
+            cut = intersection(a, b)
+            if not shared:
+                assert cut is None
+                continue
+            assert cut is not None and _cells((cut[0], tuple(h - lo for lo, h in zip(*cut)))) == shared
+            assert intersection(b, a) == cut
+    for a in pair[0]:
+        for b in pair[1]:
+            if all(a[1]) and all(b[1]):
+                assert overlaps(a, b) == bool(_cells(a) & _cells(b))
+            spans = all(o < p + t and p < o + s for o, s, p, t in zip(a[0], a[1], b[0], b[1]))
+            assert overlaps(a, b) == spans
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(1, 5), min_size=1, max_size=12), st.randoms())
 def test_exact_1d_tiling_is_ok_in_any_order(sizes, rnd):
@@ -81,11 +107,11 @@ def test_grid_and_scalar():
 
 
 def test_identical_boxes_are_counted_without_pairwise_tests(monkeypatch):
-    from gtp_format.check import geometry
+    from gtp_format.layout import boxes
 
     calls = []
-    real = geometry._intersects
-    monkeypatch.setattr(geometry, "_intersects", lambda *a: calls.append(1) or real(*a))
+    real = boxes.overlaps
+    monkeypatch.setattr(boxes, "overlaps", lambda *a: calls.append(1) or real(*a))
     n = 3000
     cov = check_coverage((4, 4), [((0, 0), (4, 4))] * n)
     assert cov.overlap_count == n * (n - 1) // 2 and cov.count_exact and cov.missing == 0
@@ -93,12 +119,12 @@ def test_identical_boxes_are_counted_without_pairwise_tests(monkeypatch):
 
 
 def test_nested_overlapping_boxes_stop_at_the_test_budget(monkeypatch):
-    from gtp_format.check import geometry
+    from gtp_format.layout import boxes
 
     calls = []
-    real = geometry._intersects
-    monkeypatch.setattr(geometry, "_intersects", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(geometry, "MAX_TESTS", 10_000)
+    real = boxes.overlaps
+    monkeypatch.setattr(boxes, "overlaps", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(boxes, "MAX_TESTS", 10_000)
     n = 400
     boxes = [((i, i), (2 * n - 2 * i, 2 * n - 2 * i)) for i in range(n)]
     cov = check_coverage((2 * n, 2 * n), boxes)

@@ -99,7 +99,7 @@ LAYOUT_FIXTURES = sorted(p.parent for p in (FIXTURES.parent).glob("*/*/iter_*/gt
 @pytest.mark.parametrize("folder", LAYOUT_FIXTURES, ids=lambda p: p.parent.name)
 def test_param_shard_spec_places_every_rank_where_the_writer_put_it(folder: Path):
     """The boxes param_shard_spec gives all (tp_rank, shard_rank) are exactly the chunks the runtime saved."""
-    from gtp_format.manifest import param_shard_spec
+    from gtp_format.layout.schema import param_shard_spec
     from gtp_format.reader.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(folder)
@@ -118,7 +118,7 @@ def test_param_shard_spec_places_every_rank_where_the_writer_put_it(folder: Path
 
 def test_param_shard_spec_refuses_ranks_outside_the_groups():
     from gtp_format.layout.config import ParallelConfig
-    from gtp_format.manifest import param_shard_spec
+    from gtp_format.layout.schema import param_shard_spec
 
     m = parse_manifest(_raw(), "m", strict=True)
     sharded = next(p for b in m.buffers for k in b.buckets for p in k.params if p.shard_kind)

@@ -175,20 +175,20 @@ def test_gc_paused_freezes_only_when_asked(monkeypatch: pytest.MonkeyPatch):
     import subprocess
     import sys
 
-    from gtp_format.reader import pickle_scan
+    from gtp_format.reader import unpickler
 
-    code = ("import gtp_format.reader.pickle_scan as p; a = p.FREEZE_AFTER_LOAD; import ckpt_tool.cli; "
+    code = ("import gtp_format.reader.unpickler as p; a = p.FREEZE_AFTER_LOAD; import ckpt_tool.cli; "
             "print(a, p.FREEZE_AFTER_LOAD)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "True"]
-    monkeypatch.setattr(pickle_scan, "FREEZE_AFTER_LOAD", False)
+    monkeypatch.setattr(unpickler, "FREEZE_AFTER_LOAD", False)
     try:
         before = gc.get_freeze_count()
-        with pickle_scan.gc_paused():
+        with unpickler.gc_paused():
             kept = [[i] for i in range(1000)]
         assert gc.get_freeze_count() == before and gc.isenabled()
-        monkeypatch.setattr(pickle_scan, "FREEZE_AFTER_LOAD", True)
-        with pickle_scan.gc_paused():
+        monkeypatch.setattr(unpickler, "FREEZE_AFTER_LOAD", True)
+        with unpickler.gc_paused():
             kept += [[i] for i in range(1000)]
         assert gc.get_freeze_count() >= before + 1000 and gc.isenabled()
     finally:

@@ -9,11 +9,12 @@ import ckpt_factory as F
 import pytest
 import torch
 
-from gtp_format.check.analysis import aliasing, classify_all, topology_view, writer_rank
+from gtp_format.check.analysis import aliasing, classify_all, topology_view
 from gtp_format.dtypes import DTYPES
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ParallelConfig
 from gtp_format.model import BYTES, ENC_RAW, ENC_TORCH_SAVE, TENSOR
+from gtp_format.names import writer_rank
 from gtp_format.reader.checkpoint import open_checkpoint
 from gtp_format.reader.chunks import load_chunk, load_object, load_plain
 

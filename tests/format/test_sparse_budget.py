@@ -25,9 +25,8 @@ import torch.distributed.checkpoint as dcp
 from gtp_format.errors import ChunkError, FormatError
 from gtp_format.reader.checkpoint import open_checkpoint
 from gtp_format.reader.chunks import load_object
-from gtp_format.reader.locate import metadata_limit
 from gtp_format.reader.region import assemble
-from gtp_format.reader.storage import read_range, stored_bytes, stored_size
+from gtp_format.reader.storage import metadata_limit, read_range, stored_bytes, stored_size
 
 ROOT = Path(__file__).resolve().parents[2]
 DCP = ROOT / "fixtures/gtp/fold_cp2_g2_dp2/iter_0000002"

@@ -11,7 +11,8 @@ import torch
 from fake_groups import fake_groups
 
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
-from gtp_format.manifest import derive_bucket_size, parse_manifest
+from gtp_format.layout.schema import derive_bucket_size
+from gtp_format.manifest import parse_manifest
 from gtp_runtime.buffers import build_buffers
 from gtp_runtime.checkpoint.manifest import buffer_layout
 from gtp_runtime.model import GPTModel

@@ -24,9 +24,9 @@ from integrity_ckpts import MODEL, NAN_WEIGHT, save_all
 from gtp_format.check.verify import verify
 from gtp_format.layout.config import ParallelConfig
 from gtp_format.names import CHUNK_RECORDS_FILE, parse_optimizer_key
-from gtp_format.params import param_views
 from gtp_format.reader.checkpoint import open_checkpoint
 from gtp_format.reader.chunks import load_elements
+from gtp_format.views.ours import param_views
 from gtp_runtime.checkpoint.chunk_records import device_stats, tensor_stats
 from gtp_runtime.checkpoint.io import save_checkpoint
 from gtp_runtime.training import TrainConfig, Trainer

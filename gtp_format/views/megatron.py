@@ -47,9 +47,10 @@ from dataclasses import replace
 
 from gtp_format.errors import FormatError
 from gtp_format.layout.shard import ShardSpec
-from gtp_format.megatron_moe import EXPERT_PREFIX, expert_keys, expert_views
 from gtp_format.model import TENSOR, Checkpoint, Chunk, Entry
 from gtp_format.names import OPT_PREFIX, parse_optimizer_key
+from gtp_format.views.megatron_moe import EXPERT_PREFIX, expert_keys, expert_views
+from gtp_format.views.records import Holder, KeyRef, ParamView
 
 VERSIONS = "megatron-core 0.19.2 (fixtures/megatron) and Megatron-LM main (param_and_grad_buffer.py)"
 PARAM_ALIGN = 64
@@ -172,7 +173,7 @@ def _stages(ckpt: Checkpoint, params: list[tuple[str, str, int | None]], pp: int
     so stage = rank // (world / PP)); stages must hold ascending, contiguous layer ranges."""
     if pp == 1:
         return {name: 0 for name, _, _ in params}
-    from gtp_format.check.analysis import writer_rank
+    from gtp_format.names import writer_rank
 
     ranks = [r for r in (writer_rank(f) for f in ckpt.data_files) if r is not None]
     world = max(ranks) + 1 if ranks else 0
@@ -195,15 +196,13 @@ def _stages(ckpt: Checkpoint, params: list[tuple[str, str, int | None]], pp: int
             for name, _, layer in params}
 
 
-def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict:  # -> dict[str, ParamView] (lazy: no cycle)
+def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamView]:
     """Every parameter of a megatron-core GPT ``dp_reshardable`` checkpoint, TP x PP (see the module docstring).
 
-    ``experts``: also MoE checkpoints (:mod:`gtp_format.megatron_moe`); only ``inspect --params``
+    ``experts``: also MoE checkpoints (:mod:`gtp_format.views.megatron_moe`); only ``inspect --params``
     and the padding map ask, since the readers of export and reshard index stacked keys by layer
     alone, not by (layer, expert).
     """
-    from gtp_format.params import Holder, KeyRef, ParamView
-
     opts = {k: parse_optimizer_key(k) for k, e in ckpt.entries.items() if e.kind == TENSOR}
     opts = {k: o for k, o in opts.items() if o is not None}
     if not opts:

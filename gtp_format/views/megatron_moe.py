@@ -2,7 +2,7 @@
 
 With experts, ``get_megatron_optimizer`` returns a ``ChainedOptimizer`` of a dense and an expert
 ``DistributedOptimizer``, so every optimizer key gets ``chained_{i}.``: ``chained_0`` holds the
-dense parameters (the router among them) exactly as :mod:`gtp_format.megatron` lays them out, and
+dense parameters (the router among them) exactly as :mod:`gtp_format.views.megatron` lays them out, and
 ``chained_1`` one buffer per expert-parallel rank, under ``dp_group_idx`` = that rank (TP 1, PP 1;
 the expert DP group shards it). An EP rank holds experts ``ep_rank * E/EP + j`` for ``j <
 E/EP``, laid out by the same rules (reverse module order, 64-aligned starts): per layer, per
@@ -24,6 +24,7 @@ from typing import Any
 from gtp_format.errors import FormatError
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.model import TENSOR, Checkpoint
+from gtp_format.views.records import Holder, KeyRef, ParamView
 
 EXPERT_PREFIX = "decoder.layers.mlp.experts.experts."
 EXPERT = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
@@ -37,8 +38,6 @@ def expert_keys(ckpt: Checkpoint) -> list[str]:
 def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse: Callable[[str], FormatError],
                  ) -> tuple[dict[str, Any], list[tuple[str, int, int, int, int]]]:
     """Views of every expert parameter and the placed slices (name, ep rank, bucket, start, end)."""
-    from gtp_format.params import Holder, KeyRef, ParamView
-
     keys = {s: EXPERT_PREFIX + s for s in EXPERT if EXPERT_PREFIX + s in ckpt.entries}
     unknown = sorted(set(expert_keys(ckpt)) - set(keys.values()))
     if unknown:

@@ -1,5 +1,12 @@
-"""Do a tensor's chunk boxes tile its global shape exactly: in bounds, no overlap, no hole?
+"""Box arithmetic, once: where two boxes meet, whether they overlap, and whether a set tiles a shape.
 
+Every caller that intersects boxes uses :func:`intersection` and :func:`overlaps` (the box reads of
+``reshard``, migrate's weight reads, the load plan, the chunk reads of ``show``), and every
+coverage check uses :func:`check_coverage` (``ckpt verify``'s geometry, ``show``'s assembled
+region). Why here: the intersection was written out three times, and the reader imported the
+coverage check from ``check/``; layout is below both.
+
+Do a tensor's chunk boxes tile its global shape exactly: in bounds, no overlap, no hole?
 This is the check behind DCP's silent failure modes: a writer election that picks two ranks
 leaves an overlap, one that picks none leaves a hole, and DCP saves both without a word.
 
@@ -53,7 +60,24 @@ class Coverage:
         return not (self.bad_rank or self.out_of_bounds or self.overlap_count) and self.missing == 0
 
 
-def _intersects(a: Box, b: Box, skip: int) -> bool:
+def intersection(a: Box, b: Box) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The elements boxes ``a`` and ``b`` share, as corners ``(lo, hi)`` (``hi`` exclusive), or ``None``.
+
+    An empty box shares nothing; two 0-D boxes (scalars) share their one element: ``((), ())``.
+    """
+    lo = tuple(max(o, p) for o, p in zip(a[0], b[0]))
+    hi = tuple(min(o + s, p + t) for o, s, p, t in zip(a[0], a[1], b[0], b[1]))
+    return None if any(x >= y for x, y in zip(lo, hi)) else (lo, hi)
+
+
+def overlaps(a: Box, b: Box, skip: int = -1) -> bool:
+    """Whether the spans of ``a`` and ``b`` cross in every dimension but ``skip`` (one the caller knows).
+
+    For boxes with no empty dimension this is ``intersection(a, b) is not None``, without building
+    it. An empty box strictly inside another's span counts as overlapping, which is what DCP's load
+    planner does (``_check_shard_metadata_pair_overlap``), so :mod:`gtp_format.load_plan` counts the
+    chunks a load really reads; :func:`find_overlaps` drops empty boxes before it asks.
+    """
     (ao, asz), (bo, bsz) = a, b
     for d in range(len(ao)):
         if d != skip and not (ao[d] < bo[d] + bsz[d] and bo[d] < ao[d] + asz[d]):
@@ -106,18 +130,15 @@ def find_overlaps(boxes: Sequence[Box], ndim: int) -> tuple[list[tuple[int, int]
         if tests > MAX_TESTS:
             return pairs, count, False
         for _, h in active:
-            if _intersects(box, uniq[h][0], dim):
+            if overlaps(box, uniq[h][0], dim):
                 add(members, uniq[h][1])
         heapq.heappush(active, (start + box[1][dim], g))
     return pairs, count, True
 
 
 def _clip(box: Box, shape: Sequence[int]) -> Box | None:
-    lo = tuple(max(0, o) for o in box[0])
-    hi = tuple(min(n, o + s) for o, s, n in zip(box[0], box[1], shape, strict=True))
-    if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
-        return None
-    return lo, tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True))
+    cut = intersection(box, ((0,) * len(shape), tuple(shape)))
+    return None if cut is None else (cut[0], tuple(h - lo for lo, h in zip(*cut, strict=True)))
 
 
 def _merge_1d(boxes: Sequence[Box], length: int) -> tuple[int, list[tuple[int, int]]]:
