@@ -19,7 +19,7 @@ import pytest
 import torch
 import xxhash
 from dist_harness import run_ranks
-from integrity_ckpts import MODEL, NAN_WEIGHT, save_all
+from integrity_ckpts import MODEL, NAN_WEIGHT, PAR, save_all
 
 from gtp_format.check.verify import verify
 from gtp_format.layout.config import ParallelConfig
@@ -202,3 +202,46 @@ def test_a_replica_corrupted_on_one_rank_fails_that_save_on_every_rank(tmp_path:
     key = msg.removeprefix("save refused: ").split(" at offsets")[0]
     assert key.startswith(("decoder.", "embedding.", "output_layer.")), key  # a model parameter (replicated)
     assert not list(tmp_path.glob("iter_*")) and not (tmp_path / "latest_checkpointed_iteration.txt").exists()
+
+
+def _save_reading_nothing_back(root: str) -> int:
+    """One rank: a torch_dist save with two files per rank; returns how many files were read back."""
+    import gtp_runtime.checkpoint.chunk_records as chunk_records
+
+    reads = []
+    real = chunk_records.record_file
+    chunk_records.record_file = lambda *a, **k: (reads.append(a[1]), real(*a, **k))[1]  # type: ignore[assignment]
+    try:
+        t = Trainer(TrainConfig(par=PAR, model=MODEL, micro_batch=1, bucket_size=100000))
+        t.iteration = 1
+        save_checkpoint(t, root, writer_threads=2)
+    finally:
+        chunk_records.record_file = real  # type: ignore[assignment]
+    return len(reads)
+
+
+@pytest.mark.slow
+def test_records_hashed_as_written_equal_the_read_back_of_the_same_files(tmp_path: Path):
+    """The sink's records (hashed on the way out, nothing read back) are bit-identical to the records
+    :func:`record_file` computes by reading the committed files, the path every save took before."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from gtp_format.integrity.record_file import record_file
+    from gtp_format.integrity.records import read_records
+    from gtp_runtime.checkpoint.chunk_records import _spans
+
+    assert run_ranks(PAR.world_size, _save_reading_nothing_back, str(tmp_path)) == [0, 0]
+    folder = tmp_path / "iter_0000001"
+    ckpt = open_checkpoint(folder)
+    saved = read_records(ckpt)
+    assert saved is not None and not saved.problems and len(saved.by_chunk) == ckpt.chunk_count()
+    files = sorted(p.name for p in folder.glob("__*.distcp"))
+    assert len(files) == 2 * PAR.world_size
+    stats = {k: r.stats for k, r in saved.by_chunk.items()}  # statistics come from the tensors either way
+    metadata = FileSystemReader(folder).read_metadata()
+    again = {}
+    for rel, spans in _spans(folder, "torch_dist", metadata, files, stats).items():
+        entry, recs = record_file(folder / rel, rel, spans)
+        assert entry == ckpt.manifest.files[rel]  # the CRC-32C computed as written is the file's
+        again.update({(r.key, r.offsets): r for r in recs})
+    assert again == saved.by_chunk
