@@ -175,6 +175,30 @@ def test_device_stats_on_cuda_match_cpu():
     assert got.sumsq == pytest.approx(want.sumsq, rel=1e-12)  # fp64 sums in another order
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_save_of_cuda_chunks_takes_their_statistics_on_the_device(monkeypatch: pytest.MonkeyPatch):
+    """The save's dispatch (:func:`start_state_stats`): CUDA chunks are reduced on the GPU before any
+    copy (numpy is never called on them) and give the CPU path's figures."""
+    import gtp_runtime.checkpoint.chunk_records as chunk_records
+    from gtp_runtime.checkpoint.dcp_chunks import Chunks
+
+    g = torch.Generator().manual_seed(2)
+    host = {(0,): torch.randn(3000, generator=g), (3000,): torch.zeros(1000)}
+    host[(0,)][[1, 2]] = torch.tensor([math.nan, -math.inf])
+    c = Chunks((4000,), torch.float32)
+    for off, t in host.items():
+        c.add(off, t.cuda())
+    monkeypatch.setattr(chunk_records, "element_stats", lambda *a: pytest.fail("numpy ran on a CUDA chunk"))
+    got = chunk_records.start_state_stats({"w": c})()
+    monkeypatch.undo()
+    for off, t in host.items():
+        want, have = tensor_stats(t), got[("w", off)]
+        assert (have.numel, have.nan, have.neginf, have.zeros, have.min, have.max) == \
+            (want.numel, want.nan, want.neginf, want.zeros, want.min, want.max)
+        assert have.sumsq == pytest.approx(want.sumsq, rel=1e-12)
+
+
 def _save_with_corrupt_replica(root: str, bad_rank: int) -> str:
     """One rank: a save where ``bad_rank``'s copy of a replicated chunk has one flipped bit."""
     import os
