@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from cli_helpers import assert_error_line, cli
+from damage import flip_inside_a_chunk
 from reshard_cases import DENSE, make_source
 from safetensors.torch import load_file
 
@@ -111,6 +112,35 @@ def test_fully_reshardable_loads_with_dcp_and_equals_view(tmp_path: Path) -> Non
         for state, key in [(WEIGHT, name), *((s, f"optimizer.state.{s}.{name}") for s in STATES)]:
             want = source.read_full_box(view, state, (0,) * len(view.full_shape), view.full_shape)
             assert np.ascontiguousarray(sd[key].numpy()).tobytes() == want.tobytes(), key
+
+
+def test_fully_reshardable_export_records_every_chunk_and_verify_names_a_damaged_one(tmp_path: Path) -> None:
+    """Megatron's layout has no manifest, so the records stand alone (``gtp_chunks.json``); every chunk,
+    byte objects included, has one, and a flipped byte is named by key, chunk, file and range."""
+    import xxhash
+
+    from gtp_format.check.verify import verify
+    from gtp_format.integrity.records import read_records
+    from gtp_format.reader.checkpoint import open_checkpoint
+
+    out = tmp_path / "fr"
+    assert cli("export", FOLD, out, "--to", "fully_reshardable").exit_code == 0
+    folder = out / "iter_0000002"
+    ckpt = open_checkpoint(folder)
+    records = read_records(ckpt)
+    assert records is not None and not records.problems and len(records.by_chunk) == ckpt.chunk_count()
+    for rec in records.by_chunk.values():  # independent of the writer: the bytes the record names
+        with open(folder / rec.file, "rb") as f:
+            f.seek(rec.offset)
+            assert xxhash.xxh3_128_hexdigest(f.read(rec.length)) == rec.digest, rec.key
+    ok = verify(ckpt, data=True)
+    assert ok.ok and "chunk_records" in ok.checks, [p.message for p in ok.problems]
+    key, index, file, start, stop = flip_inside_a_chunk(folder)
+    found = [p for p in verify(open_checkpoint(folder), data=True).problems if p.check == "chunk_hash"]
+    assert [(p.key, p.chunk, p.file) for p in found] == [(key, index, file)]
+    assert f"[{start}, {stop})" in found[0].message
+    r = cli("verify", folder, "--data")
+    assert r.exit_code == 1 and key in r.stdout + r.stderr
 
 
 def test_export_refusals(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from damage import flip
 from dist_harness import run_ranks
 from integrity_ckpts import MODEL, NAN_WEIGHT, PAR, save_all
 
@@ -41,14 +42,6 @@ def _copy(src: Path, tmp_path: Path) -> Path:
     dst = tmp_path / src.parent.name / src.name
     shutil.copytree(src, dst)
     return dst
-
-
-def _flip(path: Path, pos: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def _errors(folder: Path, check: str) -> list:
@@ -97,7 +90,7 @@ def test_a_flipped_byte_is_named_by_key_chunk_file_and_range(saved: dict[str, Pa
     key, index, r = _first_chunk(folder, ".exp_avg_sq")
     # the torch.save blob of a chunk starts with its zip record headers; the elements are its last part
     pos = r["offset"] + 40 if where == "zip header" else r["offset"] + r["length"] - 300
-    _flip(folder / r["file"], pos)
+    flip(folder / r["file"], pos)
     (p,) = _errors(folder, "chunk_hash")
     assert (p.key, p.chunk, p.file) == (key, index, r["file"])
     assert f"[{r['offset']}, {r['offset'] + r['length']})" in p.message
