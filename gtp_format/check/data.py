@@ -253,8 +253,10 @@ class _FilePass:
         self.crc: Crc | None = CRCS[algorithms[0]] if len(algorithms) == 1 and algorithms[0] in CRCS else None
         # each zip record's own CRC-32 is what catches a flipped bit in a file the manifest has no checksum
         # for (every genuine Megatron checkpoint); a file the manifest checksums is covered by that already,
-        # and one whose chunks all have records by their hashes (zlib's CRC-32 would be the slowest pass)
-        self.record_crc = not algorithms and not (items and all(it.record is not None for it in items))
+        # and one whose chunks all have records by their hashes (zlib's CRC-32 would be the slowest pass), if a
+        # manifest checksums those records: a side file nothing checksums (Megatron's layout) replaces no check
+        self.record_crc = not algorithms and not (ckpt.manifest is not None and items
+                                                  and all(it.record is not None for it in items))
         self.hashers: dict[str, Hasher] = {} if self.crc else {a: HASHERS[a]() for a in algorithms}
         self.value = 0  # the CRC so far
         self.planned: _Found | None = _Found()  # what planning found: merged before the first step
