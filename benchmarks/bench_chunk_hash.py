@@ -21,21 +21,20 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import blake3
-import google_crc32c
 import xxhash
+from bench_hash import ALGORITHMS, on_threads
 from tabulate import tabulate
 
 TITLE = "Chunk hash"
 PIECE = 2 << 20
 
 HASHES: dict[str, Callable[[bytes], object]] = {
-    "crc32c (google-crc32c)": google_crc32c.value,
+    "crc32c (google-crc32c)": ALGORITHMS["crc32c (google-crc32c)"],
     "xxh3-128 (xxhash)": xxhash.xxh3_128_digest,
     "blake3 (blake3, 1 thread per hasher)": lambda b: blake3.blake3(b).digest(),
 }
@@ -59,11 +58,7 @@ def _read_hash(path: Path, fn: Callable[[bytes], object], threads: int) -> None:
             for off in range(k * PIECE, size, threads * PIECE):
                 fn(os.pread(fd, PIECE, off))
 
-        workers = [threading.Thread(target=run, args=(k,)) for k in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
+        on_threads(threads, run)
     finally:
         os.close(fd)
 

@@ -17,7 +17,7 @@ from typing import Any
 from ckpt_tool.migrate.plan import MIGRATION_VERSION, RESET, TOOL, Plan, lost_dict
 from gtp_format.hashing import HASHERS, file_digests
 from gtp_format.manifest import FileEntry, Manifest
-from gtp_format.names import DCP_METADATA_FILE
+from gtp_format.names import CHUNK_RECORDS_FILE, DCP_METADATA_FILE
 
 
 def checksums(path: Path, algorithms: list[str], streamed: tuple[str, int] | None = None) -> dict[str, str]:
@@ -43,7 +43,7 @@ def migrated_manifest(plan: Plan, out: Path, new_data_file: str | None, new_crc:
     """SRC's manifest for the folder ``out``, whose ``.metadata`` (and new data file, if any) are written."""
     src = plan.manifest
     assert src is not None
-    files = dict(src.files or {})
+    files = {k: v for k, v in (src.files or {}).items() if k != CHUNK_RECORDS_FILE}  # the output's own, if any
     for name in [DCP_METADATA_FILE] + ([new_data_file] if new_data_file else []):
         path = out / name
         crc = new_crc if name == new_data_file else None

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ckpt_tool.migrate.chunk_records import migrated_records
 from ckpt_tool.migrate.metadata import build_metadata, encode, source_records
 from ckpt_tool.migrate.plan import REBUILD, RESET, Plan
 from ckpt_tool.migrate.record import migrated_manifest
@@ -32,7 +33,7 @@ from gtp_format.commit import fsync_file, write_durable
 from gtp_format.errors import FormatError
 from gtp_format.hashing import CRCS, Crc, gf2_times
 from gtp_format.manifest import HASH_ALGORITHM
-from gtp_format.names import DCP_METADATA_FILE, MANIFEST_FILE, MEGATRON_METADATA_FILE
+from gtp_format.names import CHUNK_RECORDS_FILE, DCP_METADATA_FILE, MANIFEST_FILE, MEGATRON_METADATA_FILE
 from gtp_format.reader.safe_pickle import MetadataRecord
 from gtp_format.writer.checkpoint import CheckpointWriter, data_file_name, link_or_copy
 
@@ -143,7 +144,7 @@ def _carry_files_over(src: Path, names: list[str], out: Path, outcome: Outcome, 
     """Every file of SRC but the two rewritten ones, linked (or copied) into ``out``."""
     for name in names:
         p = src / name
-        if name in (DCP_METADATA_FILE, MANIFEST_FILE):
+        if name in (DCP_METADATA_FILE, MANIFEST_FILE, CHUNK_RECORDS_FILE):  # rewritten (never through a link)
             continue
         if p.is_symlink() or not p.is_file():
             raise FormatError(f"{p} is not a regular file; migrate-aliased only carries the files of a checkpoint "
@@ -222,9 +223,14 @@ def build_migrated(plan: Plan, writer: CheckpointWriter, checkpoint_id: Path, pr
         outcome.new_data_file = new_file
     lap("lost_state")
 
-    write_durable(out / DCP_METADATA_FILE, encode(build_metadata(plan, md, new_file, lost_storage, checkpoint_id)))
+    metadata = build_metadata(plan, md, new_file, lost_storage, checkpoint_id)
+    write_durable(out / DCP_METADATA_FILE, encode(metadata))
     manifest = migrated_manifest(plan, out, outcome.new_data_file, crc)
     writer.add_files(manifest.files)
+    records = migrated_records(plan.ckpt, out, metadata, manifest.files, outcome.new_data_file)
+    if records is not None:
+        writer.add_records(records)
+    lap("chunk_records")
     megatron = src / MEGATRON_METADATA_FILE if MEGATRON_METADATA_FILE in names else None
     writer.finish(manifest, megatron)  # SRC's own metadata.json, linked last
     if megatron is not None:

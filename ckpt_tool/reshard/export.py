@@ -65,6 +65,7 @@ from gtp_format.check.st_names import refuse_unstorable
 from gtp_format.commit import commit_file, hidden_sibling, write_durable
 from gtp_format.dtypes import DType
 from gtp_format.errors import FormatError
+from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.params import model_params
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.views.records import ParamView
@@ -245,13 +246,16 @@ def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_byt
     parts = split_files(chunks, workers * 2)
     names = [data_file_name(i, 0, "torch_dist") for i in range(len(parts) + (1 if objects else 0))]
     bufs = Buffers()
+    records: list[list[ChunkRecord]] = [[] for _ in range(len(parts) + 1)]  # one list per file (one thread each)
     results = run_files(lambda i, tick: write_distcp(folder / names[i], parts[i],
                                                      lambda c: chunk_data(source, c, bufs), tick,
-                                                     stage_bytes(chunk_bytes)), len(parts), workers, advance)
+                                                     stage_bytes(chunk_bytes), records[i]), len(parts), workers,
+                        advance)
     placed: list[tuple[str, Any, int, int]] = [(n, c, off, ln) for n, r in zip(names, results) for c, off, ln in r[1]]
     if objects:
-        placed.extend(write_objects(folder / names[-1], objects))
+        placed.extend(write_objects(folder / names[-1], objects, records[-1]))
     write_distcp_metadata(folder / DCP_METADATA_FILE, shapes, placed, list(objects))
+    writer.add_records([r for rs in records for r in rs])  # hashed as written: verify --data checks every chunk
     writer.finish(None, megatron_metadata("torch_dist"))  # Megatron's own layout: no manifest
     info: dict[str, Any] = {"files": len(names) + 2}
     if objects:

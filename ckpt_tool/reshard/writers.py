@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool.reshard.plan import OutChunk
+from gtp_format.integrity.hash import chunk_digest
 from gtp_format.integrity.record_file import record_parts
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.manifest import FileEntry
@@ -71,13 +72,17 @@ def write_distcp(path: Path, chunks: list[OutChunk], data: DataFn, advance: Call
         return out.close(), placed
 
 
-def write_objects(path: Path, objects: dict[str, bytes]) -> list[tuple[str, str, int, int]]:
+def write_objects(path: Path, objects: dict[str, bytes], records: list[ChunkRecord] | None = None
+                  ) -> list[tuple[str, str, int, int]]:
     """One ``.distcp`` file of byte objects (each a whole ``torch.save`` blob, as DCP stores them);
-    returns ``(file, key, offset, length)`` per object."""
+    returns ``(file, key, offset, length)`` per object (``records``: each object's record is appended:
+    the hash of its blob, no statistics)."""
     placed, pos = [], 0
     with Sink(path, STAGE) as out:
         for key, blob in objects.items():
             out.write([blob])
+            if records is not None:
+                records.append(ChunkRecord(key, (), path.name, pos, len(blob), chunk_digest(blob), None))
             placed.append((path.name, key, pos, len(blob)))
             pos += len(blob)
         out.close()

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gtp_format.check.hashes import StreamedHash, check_bytes, check_range
+from gtp_format.check.hashes import StreamedHash, check_bytes, check_range, hashed
+from gtp_format.check.padding import split_padding, tally_key
 from gtp_format.dtypes import DType
 from gtp_format.errors import ChunkError
 from gtp_format.hashing import CRCS, HASHERS, Crc, Hasher
@@ -122,14 +123,6 @@ class _Found:
         self.ticks += other.ticks
 
 
-PADDING_TAG = "\x00padding"  # tally key suffix of padding-only chunks (no key can hold NUL)
-
-
-def tally_key(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> str:
-    """Where a chunk's NaN/Inf count goes: its key, or its key's alignment padding."""
-    return entry.key + PADDING_TAG if (entry.key, chunk.index) in ckpt.padding_chunks else entry.key
-
-
 def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Progress | None = None,
                workers: int | None = None, records: dict[tuple[str, int], ChunkRecord] | None = None) -> DataReport:
     """Decode every chunk, count NaN/Inf per key, and hash the listed files, in one read of each file.
@@ -165,20 +158,8 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
     n = workers or default_workers()
     with ThreadPoolExecutor(n, "ckpt-data") as pool:
         _run(passes, pool, IN_FLIGHT * n, total, report, tick)
-    padding: dict[str, dict[str, int]] = {}
-    for key in sorted(total.nan.keys() | total.inf.keys()):
-        nan, inf = total.nan[key], total.inf[key]
-        if nan or inf:
-            if key.endswith(PADDING_TAG):
-                padding[key.removesuffix(PADDING_TAG)] = {"nan": nan, "inf": inf}
-            else:
-                report.nonfinite[key] = {"nan": nan, "inf": inf}
-    report.problems = total.problems + [
-        Problem("warning", "nonfinite", f"{v['nan']} NaN and {v['inf']} Inf values", key=k)
-        for k, v in report.nonfinite.items()] + [
-        Problem("info", "padding", f"{v['nan']} NaN and {v['inf']} Inf values in alignment padding (no "
-                "parameter's elements; megatron-core leaves it uninitialised), not counted as data", key=k)
-        for k, v in padding.items()]
+    report.nonfinite, found = split_padding(total.nan, total.inf)
+    report.problems = total.problems + found
     return report
 
 
@@ -272,8 +253,10 @@ class _FilePass:
         self.crc: Crc | None = CRCS[algorithms[0]] if len(algorithms) == 1 and algorithms[0] in CRCS else None
         # each zip record's own CRC-32 is what catches a flipped bit in a file the manifest has no checksum
         # for (every genuine Megatron checkpoint); a file the manifest checksums is covered by that already,
-        # and one whose chunks all have records by their hashes (zlib's CRC-32 would be the slowest pass)
-        self.record_crc = not algorithms and not (items and all(it.record is not None for it in items))
+        # and one whose chunks all have records by their hashes (zlib's CRC-32 would be the slowest pass), if a
+        # manifest checksums those records: a side file nothing checksums (Megatron's layout) replaces no check
+        self.record_crc = not algorithms and not (ckpt.manifest is not None and items
+                                                  and all(it.record is not None for it in items))
         self.hashers: dict[str, Hasher] = {} if self.crc else {a: HASHERS[a]() for a in algorithms}
         self.value = 0  # the CRC so far
         self.planned: _Found | None = _Found()  # what planning found: merged before the first step
@@ -444,7 +427,7 @@ class _FilePass:
                 scan = inside and can_hold_nonfinite(layout.dtype)
                 tally = tally_key(self.ckpt, it.entry, it.chunk)
                 action = _payload_action(tally, layout.dtype, scan, acc) if inside else _ignore
-                steps.append(_Step(lo, hi, _hashed(action, streamed) if streamed else action))
+                steps.append(_Step(lo, hi, hashed(action, streamed) if streamed else action))
         return steps
 
 
@@ -504,14 +487,6 @@ def _payload_action(key: str, dtype: DType, scan: bool, acc: _PayloadCrc | None)
             found.add(key, np.frombuffer(view, dtype=kind), dtype)
 
     return action
-
-
-def _hashed(action: Action, streamed: StreamedHash) -> Action:
-    def both(view: memoryview, found: _Found) -> None:
-        found.hash_parts.append((streamed, view))  # hashed in file order by the main thread
-        action(view, found)
-
-    return both
 
 
 def _ignore(_: memoryview, __: _Found) -> None:

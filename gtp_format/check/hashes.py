@@ -14,6 +14,7 @@ same file and byte range as the metadata. A record that names other bytes is its
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from gtp_format.errors import ChunkError
@@ -106,6 +107,16 @@ class StreamedHash:
         self.left -= len(piece)
         if self.left == 0 and self.hasher.hexdigest() != self.rec.digest:
             problems.append(mismatch(self.entry, self.chunk, self.rec, self.hasher.hexdigest()))
+
+
+def hashed(action: Callable[[memoryview, Any], None], streamed: StreamedHash) -> Callable[[memoryview, Any], None]:
+    """A data-pass step's action (window bytes, the step's findings) that also hands its piece to a large
+    chunk's :class:`StreamedHash`; the main thread feeds the pieces in file order."""
+    def both(view: memoryview, found: Any) -> None:
+        found.hash_parts.append((streamed, view))
+        action(view, found)
+
+    return both
 
 
 def covered_files(ckpt: Checkpoint, matched: dict[tuple[str, int], ChunkRecord]) -> set[str]:

@@ -25,12 +25,12 @@ from gtp_format.check.analysis import (
     topology_view,
 )
 from gtp_format.check.canonical import check_canonical_layout, check_key_dtypes
-from gtp_format.check.data import DataReport, check_data
 from gtp_format.check.hashes import covered_files, match_records
 from gtp_format.check.keys import check_manifest_keys
-from gtp_format.check.megatron_integrity import check_integrity, integrity_algorithms, read_integrity
+from gtp_format.check.megatron_integrity import check_integrity, read_integrity
 from gtp_format.check.owners import check_param_optimizers
-from gtp_format.check.values import check_padding, nonfinite_problem, stats_nonfinite
+from gtp_format.check.values import stats_nonfinite
+from gtp_format.check.verify_data import data_steps
 from gtp_format.dtypes import DType
 from gtp_format.errors import ChunkError, FormatError
 from gtp_format.hashing import HASHERS, file_digests
@@ -360,15 +360,6 @@ def _compare_buckets(ckpt: Checkpoint, classes: dict[str, KeyClass], prefix: str
     return out
 
 
-def manifest_algorithms(ckpt: Checkpoint) -> dict[str, list[str]]:
-    """Data file -> the known checksum algorithms the manifest lists for it (hashed by the data pass)."""
-    files = ckpt.manifest.files if ckpt.manifest is not None else None
-    if not files:
-        return {}
-    return {rel: [a for a in spec.checksums if a in HASHERS] for rel, spec in files.items()
-            if rel in ckpt.data_files and unsafe_reason(rel) is None}
-
-
 def check_manifest_files(ckpt: Checkpoint, data: bool, digests: dict[str, dict[str, str]] | None = None,
                          covered: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
     """Sizes (always) and checksums (with --data) of the files the manifest lists.
@@ -428,12 +419,6 @@ def check_manifest_files(ckpt: Checkpoint, data: bool, digests: dict[str, dict[s
     return out
 
 
-def _counts(report: DataReport, key: str) -> tuple[int, int, None]:
-    """(NaN, Inf, None) of a key the data pass counted: it does not tell the signs of Inf apart."""
-    got = report.nonfinite.get(key, {})
-    return got.get("nan", 0), got.get("inf", 0), None
-
-
 def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
            progress: Progress | None = None, workers: int | None = None, folded: bool = False) -> VerifyResult:
     """Run every check that applies; with ``data`` also decode all chunks and hash files (on ``workers`` threads)."""
@@ -477,24 +462,7 @@ def verify(ckpt: Checkpoint, *, data: bool = False, cp_size: int | None = None,
     result.problems += found
     covered = covered_files(ckpt, matched) if data else set()  # every byte under a chunk hash
     if data:
-        if ckpt.manifest is None and not ckpt.padding_chunks:
-            from gtp_format.megatron_topology import is_megatron_core
-            from gtp_format.views.megatron import padding_chunks
-
-            if is_megatron_core(ckpt):
-                ckpt.padding_chunks = padding_chunks(ckpt)
-        algorithms = {rel: algos for rel, algos in manifest_algorithms(ckpt).items() if rel not in covered}
-        for rel, extra in integrity_algorithms(ckpt, listing).items():
-            algorithms[rel] = [*algorithms.get(rel, []), *extra]
-        report = check_data(ckpt, algorithms, progress, workers, matched)
-        known = ckpt.manifest is not None or ckpt.megatron_metadata is not None
-        result.problems += [nonfinite_problem(p.key, *_counts(report, p.key), classes.get(p.key), "counted now", known)
-                            if p.check == "nonfinite" and p.key else p for p in report.problems]
-        result.checks.append("tail_padding")
-        result.problems += check_padding(ckpt)
-        result.stats["nonfinite"] = report.nonfinite
-        result.stats["bytes_read"] = report.bytes_read
-        digests = report.digests
+        digests = data_steps(ckpt, result, classes, matched, covered, listing, progress, workers)
     if m is not None and m.files is not None:
         result.checks.append("manifest_files")
         result.problems += check_manifest_files(ckpt, data, digests, covered)

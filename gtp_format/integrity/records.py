@@ -8,6 +8,11 @@ any other file, so damage to it is caught the way damage to ``.metadata`` is. Th
 fixed here, never read from a file. Checkpoints written before the records have neither; they
 still load and verify on their file checksums, and ``inspect`` says so.
 
+An output in Megatron's own layout (``ckpt export --to fully_reshardable``) has no manifest, since
+megatron-core would not know one: its records are found by the fixed name alone, and the side file
+then checks itself (its JSON and every field are validated, and a damaged record names its chunk
+as a mismatch, never a pass).
+
 A record names its chunk by key and global offsets (what the metadata's chunk index is built from,
 stable across readers), and its bytes by file and byte range, so a mismatch can be reported as
 "key, chunk, file, [start, stop)" without the metadata.
@@ -80,15 +85,25 @@ def has_records(manifest: Manifest | None) -> bool:
     return manifest is not None and SECTION in manifest.extra
 
 
+def _unannounced(ckpt: Checkpoint) -> dict[str, Any] | None:
+    """The section a manifest-less folder's side file stands for (Megatron's layout), or None."""
+    from gtp_format.reader.storage import is_regular_inside
+
+    if ckpt.manifest is not None or is_regular_inside(ckpt.root, CHUNK_RECORDS_FILE) is None:
+        return None
+    return {"version": RECORDS_VERSION, "hash": CHUNK_HASH, "count": None}
+
+
 def read_records(ckpt: Checkpoint) -> Records | None:
-    """The checkpoint's records, or None when its manifest announces none (written before them, or foreign).
+    """The checkpoint's records, or None when its manifest announces none (written before them, or foreign)
+    and, without a manifest, the folder has no side file.
 
     Untrusted input: every field is type-checked; a damaged file is one ``error`` problem naming it,
     and a record that fails its checks is left out with a problem (its chunk then goes unhashed).
     """
-    if not has_records(ckpt.manifest):
+    head = _unannounced(ckpt)
+    if head is None and not has_records(ckpt.manifest):
         return None
-    assert ckpt.manifest is not None
     out = Records()
 
     def bad(message: str) -> Records:
@@ -96,9 +111,11 @@ def read_records(ckpt: Checkpoint) -> Records | None:
                                     "run that wrote the checkpoint", file=CHUNK_RECORDS_FILE))
         return out
 
-    head = ckpt.manifest.extra[SECTION]
-    if not isinstance(head, dict) or type(head.get("version")) is not int or type(head.get("count")) is not int:
-        return bad(f"the manifest's {SECTION} section is not {{version, hash, count}}")
+    if head is None:
+        assert ckpt.manifest is not None
+        head = ckpt.manifest.extra[SECTION]
+        if not isinstance(head, dict) or type(head.get("version")) is not int or type(head.get("count")) is not int:
+            return bad(f"the manifest's {SECTION} section is not {{version, hash, count}}")
     if head["version"] > RECORDS_VERSION:
         out.problems.append(Problem("warning", "chunk_records", f"chunk records version {head['version']} is newer "
                                     f"than this tool ({RECORDS_VERSION}); chunk hashes are not checked: upgrade "
@@ -108,15 +125,16 @@ def read_records(ckpt: Checkpoint) -> Records | None:
         return bad(f"chunk hash {head.get('hash')!r} is not one this tool computes ({CHUNK_HASH})")
     from gtp_format.reader.safe_json import load_json_object
 
-    limit = (1 << 20) + BYTES_PER_RECORD * max(head["count"], ckpt.chunk_count())
+    limit = (1 << 20) + BYTES_PER_RECORD * max(head["count"] or 0, ckpt.chunk_count())
     try:
         body = load_json_object(ckpt.root / CHUNK_RECORDS_FILE, "the chunk records", limit=limit)
     except FormatError as e:
         return bad(e.message)
     chunks = body.get("chunks")
     if body.get("version") != head["version"] or body.get("hash") != CHUNK_HASH or not isinstance(chunks, list):
-        return bad(f"{CHUNK_RECORDS_FILE} does not match the manifest's {SECTION} section")
-    if len(chunks) != head["count"]:
+        return bad(f"{CHUNK_RECORDS_FILE} does not match the manifest's {SECTION} section" if head["count"] is not None
+                   else f"{CHUNK_RECORDS_FILE} is not version {RECORDS_VERSION} {CHUNK_HASH} chunk records")
+    if head["count"] is not None and len(chunks) != head["count"]:
         return bad(f"{CHUNK_RECORDS_FILE} holds {len(chunks)} records, the manifest says {head['count']}")
     for i, raw in enumerate(chunks):
         rec = _record(raw)

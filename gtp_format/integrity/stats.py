@@ -91,7 +91,7 @@ def element_stats(elements: np.ndarray, dtype: DType) -> ChunkStats | None:
             if not x.size:
                 continue
             b_lo, b_hi = float(x.min()), float(x.max())
-        zeros += int(x.size - np.count_nonzero(x))
+        zeros += int(np.count_nonzero(x == 0))  # same count as size - count_nonzero(x); 7 ms not 30 per 256 MB fp32
         lo, hi = min(lo, b_lo), max(hi, b_hi)
         # fp64 squares summed without BLAS: a BLAS dot spawns threads, which on a loaded machine (ranks
         # sharing cores with torch's own threads) made it 60x slower than this, measured on the save

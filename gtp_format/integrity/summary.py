@@ -13,6 +13,7 @@ from gtp_format.integrity.hash import CHUNK_HASH
 from gtp_format.integrity.records import NO_RECORDS, Records
 from gtp_format.integrity.stats import ChunkStats
 from gtp_format.model import Checkpoint
+from gtp_format.names import CHUNK_RECORDS_FILE
 from gtp_format.names import CHUNK_RECORDS_SECTION as SECTION
 
 
@@ -20,9 +21,15 @@ def integrity_line(ckpt: Checkpoint, records: Records | None) -> str:
     """One line: which integrity records the checkpoint carries (``records``: read, or None to use the
     manifest's announcement alone)."""
     head = ckpt.manifest.extra.get(SECTION) if ckpt.manifest is not None else None
-    if head is None:
+    if head is None and ckpt.manifest is None and records is None:
+        from gtp_format.reader.storage import is_regular_inside
+
+        if is_regular_inside(ckpt.root, CHUNK_RECORDS_FILE) is not None:  # Megatron's layout, written by ckpt export
+            return f"{CHUNK_HASH} per chunk ({CHUNK_RECORDS_FILE}, no manifest)"
+    if head is None and records is None:
         return NO_RECORDS if ckpt.manifest is not None and ckpt.manifest.files else "no manifest checksums"
     if records is None:
+        assert head is not None
         count = head.get("count") if isinstance(head, dict) else None
         return f"{head.get('hash') if isinstance(head, dict) else '?'} per chunk ({count} chunk records)"
     if records.problems and not records.by_chunk:

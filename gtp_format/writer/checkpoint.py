@@ -216,8 +216,10 @@ class CheckpointWriter:
     def add_records(self, records: list[ChunkRecord]) -> None:
         """Chunk records (hash and statistics per chunk) of data files in :attr:`folder`; :meth:`finish`
         writes them to ``gtp_chunks.json``, lists it in the manifest and announces it there. The one place
-        every writer's records go through, so every output records them alike
-        (:func:`gtp_format.integrity.record_file.record_file` computes them from the file's read-back)."""
+        every writer's records go through, so every output records them alike (writers hash the bytes
+        they hand their sink: :func:`gtp_format.integrity.record_file.record_parts`, or the sink's own
+        segments). An output without a manifest (Megatron's layout: ``export --to fully_reshardable``)
+        gets the side file alone, found by its fixed name (:func:`gtp_format.integrity.records.read_records`)."""
         self.records = (self.records or []) + list(records)
 
     def add_file(self, name: str) -> FileEntry:
@@ -233,7 +235,9 @@ class CheckpointWriter:
         none, for exports that are not checkpoints), then the latest marker of a nested output, and
         fsync the folders."""
         folder = self.folder
-        if manifest is not None and self.records is not None:
+        if self.records is not None and manifest is None:
+            write_records(folder, self.records)  # fsynced; no manifest to list it in
+        elif manifest is not None and self.records is not None:
             write_records(folder, self.records)
             self.add_file(CHUNK_RECORDS_FILE)
             manifest = dataclasses.replace(manifest, extra={**manifest.extra, CHUNK_RECORDS_SECTION:

@@ -23,7 +23,10 @@ bytes and the checksum are the same either way. A full disk (``ENOSPC``, ``EDQUO
 any other error propagate as before: the caller removes the partial output.
 
 The CRC-32C of the file (the manifest's checksum) is computed from the bytes as they are handed
-in, so nothing is read back.
+in, so nothing is read back. With ``segments``, so is the xxh3-128 of every run of bytes between
+two :meth:`Sink.cut` calls: the runtime's DCP stream cuts where DCP asks for its offset, at the
+start and end of every item, so each chunk's record hash is computed as its bytes pass
+(:mod:`gtp_runtime.checkpoint.direct_fs`) and the save reads nothing back.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from gtp_format.hashing import CRCS
+from gtp_format.integrity.hash import chunk_hasher
 from gtp_format.manifest import HASH_ALGORITHM, FileEntry
 
 ALIGN = 4096
@@ -99,14 +103,19 @@ class Sink:
     for the CPU work between two writes); the caller counts ``2 * stage`` in its memory budget.
     ``direct``: ``O_DIRECT`` if the file system takes it (default: for stages of at least
     :data:`DIRECT_MIN`), else through the page cache from the start; ``checksum=False`` skips the
-    CRC-32C (a file no manifest lists: the entry's checksums are then empty).
+    CRC-32C (a file no manifest lists: the entry's checksums are then empty). ``segments``: also hash
+    each run of bytes between two :meth:`cut` calls into :attr:`segments` (``(start, stop) -> xxh3-128
+    hex``, the chunk hash of :mod:`gtp_format.integrity.hash`).
     """
 
-    def __init__(self, path: Path, stage: int, direct: bool | None = None, checksum: bool = True) -> None:
+    def __init__(self, path: Path, stage: int, direct: bool | None = None, checksum: bool = True,
+                 segments: bool = False) -> None:
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
         self.pos = 0  # bytes handed in
         self._crc, self._value = (CRCS[HASH_ALGORITHM] if checksum else None), 0
+        self.segments: dict[tuple[int, int], str] = {}
+        self._seg, self._seg_start = (chunk_hasher() if segments else None), 0
         if direct is None:
             direct = stage >= DIRECT_MIN
         self.direct = direct and _try_direct(self.fd)
@@ -126,6 +135,8 @@ class Sink:
         for v in views:
             if self._crc is not None:
                 self._value = self._crc.update(v, self._value)
+            if self._seg is not None:
+                self._seg.update(v)
             self.pos += v.nbytes
         if not self._staged:
             _write_all(self.fd, views)
@@ -141,6 +152,14 @@ class Sink:
                 at += n
                 if self._fill == buf.size:
                     self._flip(final=False)
+
+    def cut(self) -> int:
+        """End the current segment here (recorded if it holds bytes) and start the next; the position."""
+        if self._seg is not None and self.pos > self._seg_start:
+            self.segments[(self._seg_start, self.pos)] = self._seg.hexdigest()
+            self._seg.reset()
+        self._seg_start = self.pos
+        return self.pos
 
     def _flip(self, final: bool) -> None:
         """Hand the current buffer's whole blocks (everything, if ``final``) to the writer thread and
@@ -189,6 +208,10 @@ class Sink:
             if os.fstat(self.fd).st_size != self.pos:  # the last block went out padded
                 os.ftruncate(self.fd, self.pos)
             os.fsync(self.fd)
+            self.cut()
+            size = os.fstat(self.fd).st_size
+            if size != self.pos:  # what the read-back once caught, for the price of one fstat (see direct_fs)
+                raise OSError(errno.EIO, f"{size} bytes on disk after fsync, {self.pos} written", str(self.path))
         finally:
             self.abort()
         sums = {HASH_ALGORITHM: f"{self._value:08x}"} if self._crc is not None else {}

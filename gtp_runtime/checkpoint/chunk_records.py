@@ -1,11 +1,14 @@
-"""Chunk records at save: statistics from the tensors before the write, hashes on the read-back.
+"""Chunk records at save: statistics from the tensors before the write, hashes as the bytes are written.
 
 Statistics are taken from the state the save is about to write, where the elements already are:
 on CPU through the format package's numpy code (:func:`gtp_format.integrity.stats.element_stats`,
 a zero-copy view of the tensor), on CUDA with torch on the device *before* DCP copies the chunk to
 the host, so the GPU reduces and one small tensor of results crosses PCIe per chunk. The hashes
-are computed by :func:`gtp_format.integrity.record_file.record_file` on the read-back every save
-already does for the manifest's CRC-32C, so the bytes hashed are the bytes on disk.
+of ``torch_dist`` files are computed by the ``O_DIRECT`` sink from the bytes it writes
+(:mod:`gtp_runtime.checkpoint.direct_fs`, :func:`records_from_segments`): nothing is read back.
+The safetensors layout (written by the ``safetensors`` library, not the sink) still reads each file
+back once (:func:`record_own_files`, :func:`gtp_format.integrity.record_file.record_file`), as
+both did before; that read is the reference the sink's records are tested against.
 """
 
 from __future__ import annotations
@@ -147,3 +150,25 @@ def record_own_files(folder: Path, layout: str, storage: Any, files: list[Path],
         entries[p.name], recs = record_file(p, p.name, spans[p.name])
         records += recs
     return entries, records
+
+
+def records_from_segments(folder: Path, storage: Any, files: list[str],
+                          segments: dict[str, dict[tuple[int, int], str]],
+                          stats: dict[ChunkId, ChunkStats | None]) -> list[ChunkRecord]:
+    """The chunk records of ``torch_dist`` files the sink hashed as it wrote them (``segments``: per file,
+    ``(start, stop) -> xxh3-128``). A chunk whose byte range is not one segment (DCP asked for its
+    offset inside an item, which torch 2.13 does not do) is hashed from the file, so a record is
+    always the hash of exactly its bytes."""
+    records: list[ChunkRecord] = []
+    for rel, spans in _spans(folder, "torch_dist", storage, files, stats).items():
+        cut = segments.get(rel, {})
+        late = []
+        for s in spans:
+            digest = cut.get((s.offset, s.offset + s.length))
+            if digest is None:
+                late.append(s)
+            else:
+                records.append(ChunkRecord(s.key, s.offsets, rel, s.offset, s.length, digest, s.stats))
+        if late:
+            records += record_file(folder / rel, rel, late)[1]
+    return records

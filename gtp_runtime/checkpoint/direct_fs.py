@@ -13,6 +13,18 @@ Only the byte stream's sink changes: DCP still plans, serialises every item with
 the stream, records offsets and writes ``.metadata``, so the files are byte-for-byte DCP's own
 (``ckpt verify --data`` and PyTorch's ``FileSystemReader`` read them). The writer's ``thread_count``
 still writes several files of a rank in parallel, each with its own sink.
+
+Chunk hashes on the way out: DCP asks the stream for its position (``tell``) right before and right
+after it serialises each item, so the stream cuts the sink's segment hash there
+(:meth:`gtp_format.writer.sink.Sink.cut`) and every item's bytes get their xxh3-128 on the writer
+thread that already holds them (xxhash releases the GIL for large buffers). The save then matches
+those segments to DCP's storage metadata (:func:`chunk_records.records_from_segments`) instead of
+reading each file back. What the read-back also checked, the file's CRC-32C read from disk against
+the one computed as written, caught only a sink that wrote other bytes than it was handed (its
+staging, padding and fallback logic; ``tests/cli/test_reshard_sink.py`` checks those against brute
+force) or a file cut short; the sink now checks the size on disk after its fsync (one ``fstat``). A
+disk that loses acknowledged writes is beyond any check at save time: ``verify --data`` finds it by
+the chunk hashes. Measured in ``benchmarks/bench_save_integrity.py`` (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -48,19 +60,23 @@ class _SinkStream(io.RawIOBase):
         return n
 
     def tell(self) -> int:
-        return self.sink.pos
+        return self.sink.cut()  # DCP asks at both ends of every item: a chunk hash per item
 
 
 class DirectFileSystem(FileSystem):
     """DCP's local file system, except that data files (``.distcp``) are written through a sink.
 
-    ``entries`` collects each data file's size and CRC-32C, computed while it was written.
+    ``entries`` collects each data file's size and CRC-32C, computed while it was written; with
+    ``segments``, :attr:`segments` each file's ``(start, stop) -> xxh3-128`` of the bytes between
+    two ``tell`` calls.
     """
 
-    def __init__(self, stage: int = STAGE) -> None:
+    def __init__(self, stage: int = STAGE, segments: bool = False) -> None:
         super().__init__()
         self.stage = stage
+        self.hash_segments = segments
         self.entries: dict[str, FileEntry] = {}
+        self.segments: dict[str, dict[tuple[int, int], str]] = {}
         self._lock = threading.Lock()
 
     @contextmanager
@@ -70,7 +86,7 @@ class DirectFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        sink = Sink(path, self.stage)
+        sink = Sink(path, self.stage, segments=self.hash_segments)
         try:
             yield _SinkStream(sink)
         except BaseException:
@@ -79,15 +95,16 @@ class DirectFileSystem(FileSystem):
         entry = sink.close()  # writes the tail, cuts the padding, fsyncs
         with self._lock:
             self.entries[path.name] = entry
+            self.segments[path.name] = sink.segments
 
 
-def direct_writer(folder: Path, threads: int) -> tuple[FileSystemWriter, DirectFileSystem]:
+def direct_writer(folder: Path, threads: int, segments: bool = False) -> tuple[FileSystemWriter, DirectFileSystem]:
     """A DCP writer for ``folder`` whose data files go through :class:`DirectFileSystem`.
 
     ``sync_files=False``: each sink fsyncs its own file when it closes (DCP's own fsync would come
     before the sink's last buffer is written); ``.metadata`` is fsynced by the commit.
     """
     writer = FileSystemWriter(folder, sync_files=False, thread_count=threads)
-    fs = DirectFileSystem()
+    fs = DirectFileSystem(segments=segments)
     writer.fs = fs
     return writer, fs

@@ -36,7 +36,7 @@ from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.config import ConfigError
 from gtp_format.manifest import FileEntry, Manifest
 from gtp_format.writer.checkpoint import CheckpointWriter, file_entry, megatron_metadata
-from gtp_runtime.checkpoint.chunk_records import record_own_files, start_state_stats
+from gtp_runtime.checkpoint.chunk_records import record_own_files, records_from_segments, start_state_stats
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
 from gtp_runtime.checkpoint.direct_fs import direct_writer
 from gtp_runtime.checkpoint.errors import CheckpointError, CheckpointSaveError
@@ -179,9 +179,9 @@ def write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | 
     with ``integrity``, the chunk records (hash and statistics of every chunk) of those files.
 
     ``torch_dist`` data files go through the ``O_DIRECT`` sink (:mod:`direct_fs`), which fsyncs
-    each and computes its CRC-32C as it writes. The chunk records need one read-back of each file
-    (:func:`chunk_records.record_own_files`, which hashes the stored bytes); its CRC-32C must then
-    equal the one computed as written, so a write the disk did not keep fails the save. The
+    each and computes its CRC-32C and every chunk's xxh3-128 as it writes, so nothing is read back
+    (:func:`chunk_records.records_from_segments`; why no read-back is needed: :mod:`direct_fs`).
+    Safetensors files are read back once for both (:func:`chunk_records.record_own_files`). The
     statistics run on a thread during the write. An async save runs this on its background thread,
     over its own process group, never the training one.
     """
@@ -193,7 +193,7 @@ def write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | 
     storage: dict[Any, Any] = {}
     try:
         if layout == "torch_dist":
-            writer, fs = direct_writer(tmp, threads)
+            writer, fs = direct_writer(tmp, threads, segments=integrity)
             dcp.save(sd, storage_writer=_own_results(_hooked(writer, tmp), storage), planner=ChunkSavePlanner(),
                      process_group=group)
             written = dict(fs.entries)
@@ -208,12 +208,9 @@ def write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | 
         raise CheckpointError(f"{tmp}: this rank wrote {sorted(written)} but {sorted(p.name for p in own)} are there")
     if not integrity:
         return (written if written is not None else {p.name: file_entry(p) for p in own}), None
-    entries, records = record_own_files(tmp, layout, storage, own, stats)
-    for name, entry in (written or {}).items():
-        if entries[name] != entry:
-            raise CheckpointError(f"{tmp / name}: read back as {entries[name]}, written as {entry}: the disk did "
-                                  "not keep what was written")
-    return entries, records
+    if written is not None:
+        return written, records_from_segments(tmp, storage, sorted(written), fs.segments, stats)
+    return record_own_files(tmp, layout, storage, own, stats)
 
 
 def try_write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | None,

@@ -52,6 +52,7 @@ SMOKE = {
     "bench_megatron_inspect.py": ["--workdir", "{tmp}/megatron_inspect"],
     "bench_migrate.py": ["--workdir", "{tmp}/migrate"],
     "bench_verify.py": ["--workdir", "{tmp}/verify", "--clean"],
+    "bench_verify_cold.py": ["--workdir", "{tmp}/verify_cold"],
     "bench_gpu.py": ["--json", "{tmp}/gpu.json"],
     "bench_reshard.py": ["--workdir", "{tmp}/reshard"],
     "bench_copy_checks.py": ["--workdir", "{tmp}/copy_checks"],
@@ -169,9 +170,17 @@ def check_chunk_hash(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
 
 def check_save_integrity(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     head, row, vhead, vrow = _table(p.stdout)  # the save table, then the verify table
-    assert head[:4] == ["GB", "save without s", "save with s", "added"] and len(row) == len(head) == 8
-    assert float(row[0]) > 0 and all(float(v) >= 0 for v in row[4:]) and row[3].endswith("%")
+    assert head[:5] == ["GB", "save without s", "save with s", "added (fastest)", "added (median)"]
+    assert len(row) == len(head) == 10 and "sink xxh3 from memory s" in head
+    assert float(row[0]) > 0 and all(float(v) >= 0 for v in row[5:]) and row[3].endswith("%") and row[4].endswith("%")
     assert vhead[0] == "cat GB/s" and len(vrow) == len(vhead) == 5 and all(float(v.rstrip("x")) > 0 for v in vrow)
+
+
+def check_verify_cold(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    head, *rows = _table(p.stdout)
+    assert head == ["what", "median s", "min s", "GB/s (median)", "vs cat cold"]
+    assert [r[0] for r in rows] == ["cat", "verify CLI", "verify lib", "cat warm"] and rows[0][4] == "1.00x"
+    assert all(float(r[1]) > 0 and _ratio(r[4]) > 0 for r in rows)
 
 
 def check_inspect(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
@@ -286,6 +295,7 @@ CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_record_crc.py": check_record_crc, "fuzz_readers.py": check_fuzz,
     "bench_copy_checks.py": check_copy_checks,
     "bench_megatron_inspect.py": check_megatron_inspect,
+    "bench_verify_cold.py": check_verify_cold,
 }
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from cli_helpers import assert_error_line, cli
+from damage import flip, flip_inside_a_chunk
 from reshard_cases import DENSE, make_source
 from safetensors.torch import load_file
 
@@ -111,6 +112,54 @@ def test_fully_reshardable_loads_with_dcp_and_equals_view(tmp_path: Path) -> Non
         for state, key in [(WEIGHT, name), *((s, f"optimizer.state.{s}.{name}") for s in STATES)]:
             want = source.read_full_box(view, state, (0,) * len(view.full_shape), view.full_shape)
             assert np.ascontiguousarray(sd[key].numpy()).tobytes() == want.tobytes(), key
+
+
+def test_fully_reshardable_export_records_every_chunk_and_verify_names_a_damaged_one(tmp_path: Path) -> None:
+    """Megatron's layout has no manifest, so the records stand alone (``gtp_chunks.json``); every chunk,
+    byte objects included, has one, and a flipped byte is named by key, chunk, file and range."""
+    import xxhash
+
+    from gtp_format.check.verify import verify
+    from gtp_format.integrity.records import read_records
+    from gtp_format.reader.checkpoint import open_checkpoint
+
+    out = tmp_path / "fr"
+    assert cli("export", FOLD, out, "--to", "fully_reshardable").exit_code == 0
+    folder = out / "iter_0000002"
+    ckpt = open_checkpoint(folder)
+    records = read_records(ckpt)
+    assert records is not None and not records.problems and len(records.by_chunk) == ckpt.chunk_count()
+    for rec in records.by_chunk.values():  # independent of the writer: the bytes the record names
+        with open(folder / rec.file, "rb") as f:
+            f.seek(rec.offset)
+            assert xxhash.xxh3_128_hexdigest(f.read(rec.length)) == rec.digest, rec.key
+    ok = verify(ckpt, data=True)
+    assert ok.ok and "chunk_records" in ok.checks, [p.message for p in ok.problems]
+    line = json.loads(cli("inspect", folder, "--format", "json").stdout)["integrity"]
+    assert line == "xxh3_128 per chunk (gtp_chunks.json, no manifest)", line
+    line = json.loads(cli("inspect", folder, "--stats", "--format", "json").stdout)["integrity"]
+    assert line.startswith(f"xxh3_128 per chunk ({ckpt.chunk_count()} chunks, statistics for "), line
+    key, index, file, start, stop = flip_inside_a_chunk(folder)
+    found = [p for p in verify(open_checkpoint(folder), data=True).problems if p.check == "chunk_hash"]
+    assert [(p.key, p.chunk, p.file) for p in found] == [(key, index, file)]
+    assert f"[{start}, {stop})" in found[0].message
+    r = cli("verify", folder, "--data")
+    assert r.exit_code == 1 and key in r.stdout + r.stderr
+    # laundering: a byte of the largest chunk's elements flipped, then the records rewritten to match the
+    # damaged bytes. Nothing checksums a manifest-less side file, so it must not replace the zip records'
+    # own CRC-32 there (the flip above may sit in zip bytes no CRC covers: it is the chunk hash's alone)
+    big = max((r for r in read_records(open_checkpoint(folder)).by_chunk.values()), key=lambda r: r.length)
+    assert big.length > 8192  # about 1.5 KiB of zip around 16 KiB of elements: its middle is an element
+    flip(folder / big.file, big.offset + big.length // 2, 0x10)
+    body = json.loads((folder / "gtp_chunks.json").read_text())
+    for raw in body["chunks"]:
+        with open(folder / raw["file"], "rb") as f:
+            f.seek(raw["offset"])
+            raw["xxh3_128"] = xxhash.xxh3_128_hexdigest(f.read(raw["length"]))
+    (folder / "gtp_chunks.json").write_text(json.dumps(body))
+    res = verify(open_checkpoint(folder), data=True)
+    assert not [p for p in res.problems if p.check == "chunk_hash"]
+    assert [p.key for p in res.problems if p.severity == "error"] == [big.key], [p.message for p in res.problems]
 
 
 def test_export_refusals(tmp_path: Path) -> None:

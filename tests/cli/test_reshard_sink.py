@@ -12,6 +12,7 @@ from pathlib import Path
 
 import google_crc32c
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -48,6 +49,32 @@ def test_any_writes_give_the_concatenation(tmp_path: Path, sizes: list[list[int]
             out.write(parts)
         entry = out.close()
     _check(path, [p for parts in calls for p in parts], entry)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(SIZES, max_size=6), cuts=st.lists(st.booleans(), max_size=6),
+       stage=st.sampled_from([1, ALIGN, 3 * ALIGN + 5]), direct=st.booleans(), seed=st.integers(0, 250))
+def test_segment_hashes_are_the_hashes_of_the_bytes_between_cuts(tmp_path: Path, sizes: list[list[int]],
+                                                                 cuts: list[bool], stage: int, direct: bool,
+                                                                 seed: int) -> None:
+    """What the runtime's save records instead of reading its files back: for any writes and any cuts
+    between them (a cut twice at one place included), each non-empty run between two cuts, the last
+    one ended by ``close``, has the xxh3-128 of exactly those bytes of the file."""
+    path = tmp_path / f"f{len(list(tmp_path.iterdir()))}"
+    calls = [_payload(s, seed + i) for i, s in enumerate(sizes)]
+    marks = {0}
+    with Sink(path, stage, direct=direct, segments=True) as out:
+        for i, parts in enumerate(calls):
+            out.write(parts)
+            if i < len(cuts) and cuts[i]:
+                marks.add(out.cut())
+                marks.add(out.cut())
+        entry = out.close()
+    data = path.read_bytes()
+    _check(path, [p for parts in calls for p in parts], entry)
+    bounds = sorted(marks | {len(data)})
+    want = {(a, b): xxhash.xxh3_128_hexdigest(data[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a}
+    assert out.segments == want
 
 
 def test_direct_is_used_where_the_file_system_takes_it(tmp_path: Path) -> None:
@@ -114,6 +141,21 @@ def test_full_disk_propagates_and_closes(tmp_path: Path, monkeypatch: pytest.Mon
         assert out.fd == -1
         with pytest.raises(OSError):
             os.fstat(fd)
+
+
+def test_a_file_cut_short_after_its_fsync_fails_its_close(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The size check that replaced the save's read-back: a file whose size on disk is not what was
+    handed in (here: cut by a second ftruncate) fails ``close`` with the file's name."""
+    real = os.ftruncate
+    monkeypatch.setattr(sink_mod.os, "ftruncate", lambda fd, n: real(fd, n - 1))
+    path = tmp_path / "f"
+    with pytest.raises(OSError) as info:
+        with Sink(path, ALIGN, direct=True) as out:
+            if not out.direct:
+                pytest.skip("this file system refuses O_DIRECT: no padded last block to cut")
+            out.write([b"z" * (ALIGN + 5)])
+            out.close()
+    assert info.value.errno == errno.EIO and info.value.filename == str(path)
 
 
 def test_two_stages_take_at_most_one_chunk() -> None:

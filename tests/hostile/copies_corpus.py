@@ -16,6 +16,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from damage import flip
 from make_corpus import FIXTURE_BASES, SECRET, Case, Ctx
 
 COPY_TARGETS = (["--to", "hf"], ["--to", "hf", "--optimizer"], ["--to", "fully_reshardable"], ["--to", "torch"])
@@ -40,14 +41,6 @@ def _write_manifest(c: Ctx, doc: dict) -> None:
     (c.it / "gtp_manifest.json").write_text(json.dumps(doc))
 
 
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x10]))
-
-
 def flip_element(it: Path, key: str, index: int) -> Path:
     """Flip one bit of element ``index`` (flat, 1-D keys) of ``key`` where it is stored; the file flipped."""
     from gtp_format.reader.blob import parse_blob
@@ -63,7 +56,7 @@ def flip_element(it: Path, key: str, index: int) -> Path:
     if ckpt.encoding != "raw":
         layout = parse_blob(ViewReader(memoryview(bytes(chunk_bytes(ckpt, entry, chunk)))))
         at += layout.payload_offset + layout.storage_offset * entry.dtype.itemsize
-    _flip(it / ref.file, at)
+    flip(it / ref.file, at, 0x10)
     return it / ref.file
 
 

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from damage import flip
 from dist_harness import run_ranks
-from integrity_ckpts import MODEL, NAN_WEIGHT, save_all
+from integrity_ckpts import MODEL, NAN_WEIGHT, PAR, save_all
 
 from gtp_format.check.verify import verify
 from gtp_format.layout.config import ParallelConfig
@@ -41,14 +42,6 @@ def _copy(src: Path, tmp_path: Path) -> Path:
     dst = tmp_path / src.parent.name / src.name
     shutil.copytree(src, dst)
     return dst
-
-
-def _flip(path: Path, pos: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def _errors(folder: Path, check: str) -> list:
@@ -97,7 +90,7 @@ def test_a_flipped_byte_is_named_by_key_chunk_file_and_range(saved: dict[str, Pa
     key, index, r = _first_chunk(folder, ".exp_avg_sq")
     # the torch.save blob of a chunk starts with its zip record headers; the elements are its last part
     pos = r["offset"] + 40 if where == "zip header" else r["offset"] + r["length"] - 300
-    _flip(folder / r["file"], pos)
+    flip(folder / r["file"], pos)
     (p,) = _errors(folder, "chunk_hash")
     assert (p.key, p.chunk, p.file) == (key, index, r["file"])
     assert f"[{r['offset']}, {r['offset'] + r['length']})" in p.message
@@ -175,6 +168,30 @@ def test_device_stats_on_cuda_match_cpu():
     assert got.sumsq == pytest.approx(want.sumsq, rel=1e-12)  # fp64 sums in another order
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_save_of_cuda_chunks_takes_their_statistics_on_the_device(monkeypatch: pytest.MonkeyPatch):
+    """The save's dispatch (:func:`start_state_stats`): CUDA chunks are reduced on the GPU before any
+    copy (numpy is never called on them) and give the CPU path's figures."""
+    import gtp_runtime.checkpoint.chunk_records as chunk_records
+    from gtp_runtime.checkpoint.dcp_chunks import Chunks
+
+    g = torch.Generator().manual_seed(2)
+    host = {(0,): torch.randn(3000, generator=g), (3000,): torch.zeros(1000)}
+    host[(0,)][[1, 2]] = torch.tensor([math.nan, -math.inf])
+    c = Chunks((4000,), torch.float32)
+    for off, t in host.items():
+        c.add(off, t.cuda())
+    monkeypatch.setattr(chunk_records, "element_stats", lambda *a: pytest.fail("numpy ran on a CUDA chunk"))
+    got = chunk_records.start_state_stats({"w": c})()
+    monkeypatch.undo()
+    for off, t in host.items():
+        want, have = tensor_stats(t), got[("w", off)]
+        assert (have.numel, have.nan, have.neginf, have.zeros, have.min, have.max) == \
+            (want.numel, want.nan, want.neginf, want.zeros, want.min, want.max)
+        assert have.sumsq == pytest.approx(want.sumsq, rel=1e-12)
+
+
 def _save_with_corrupt_replica(root: str, bad_rank: int) -> str:
     """One rank: a save where ``bad_rank``'s copy of a replicated chunk has one flipped bit."""
     import os
@@ -202,3 +219,46 @@ def test_a_replica_corrupted_on_one_rank_fails_that_save_on_every_rank(tmp_path:
     key = msg.removeprefix("save refused: ").split(" at offsets")[0]
     assert key.startswith(("decoder.", "embedding.", "output_layer.")), key  # a model parameter (replicated)
     assert not list(tmp_path.glob("iter_*")) and not (tmp_path / "latest_checkpointed_iteration.txt").exists()
+
+
+def _save_reading_nothing_back(root: str) -> int:
+    """One rank: a torch_dist save with two files per rank; returns how many files were read back."""
+    import gtp_runtime.checkpoint.chunk_records as chunk_records
+
+    reads = []
+    real = chunk_records.record_file
+    chunk_records.record_file = lambda *a, **k: (reads.append(a[1]), real(*a, **k))[1]  # type: ignore[assignment]
+    try:
+        t = Trainer(TrainConfig(par=PAR, model=MODEL, micro_batch=1, bucket_size=100000))
+        t.iteration = 1
+        save_checkpoint(t, root, writer_threads=2)
+    finally:
+        chunk_records.record_file = real  # type: ignore[assignment]
+    return len(reads)
+
+
+@pytest.mark.slow
+def test_records_hashed_as_written_equal_the_read_back_of_the_same_files(tmp_path: Path):
+    """The sink's records (hashed on the way out, nothing read back) are bit-identical to the records
+    :func:`record_file` computes by reading the committed files, the path every save took before."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from gtp_format.integrity.record_file import record_file
+    from gtp_format.integrity.records import read_records
+    from gtp_runtime.checkpoint.chunk_records import _spans
+
+    assert run_ranks(PAR.world_size, _save_reading_nothing_back, str(tmp_path)) == [0, 0]
+    folder = tmp_path / "iter_0000001"
+    ckpt = open_checkpoint(folder)
+    saved = read_records(ckpt)
+    assert saved is not None and not saved.problems and len(saved.by_chunk) == ckpt.chunk_count()
+    files = sorted(p.name for p in folder.glob("__*.distcp"))
+    assert len(files) == 2 * PAR.world_size
+    stats = {k: r.stats for k, r in saved.by_chunk.items()}  # statistics come from the tensors either way
+    metadata = FileSystemReader(folder).read_metadata()
+    again = {}
+    for rel, spans in _spans(folder, "torch_dist", metadata, files, stats).items():
+        entry, recs = record_file(folder / rel, rel, spans)
+        assert entry == ckpt.manifest.files[rel]  # the CRC-32C computed as written is the file's
+        again.update({(r.key, r.offsets): r for r in recs})
+    assert again == saved.by_chunk
