@@ -218,6 +218,10 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
         jobs.extend(files)
     if names == "hf":
         side += _hf_side_files(source, folder, tokenizer, num_heads)
+    model_keys = list(dict.fromkeys(view.model_key for _, view, _ in table))  # in the order they are read
+    source.reader.prefetch_layouts(model_keys if not optimizer else [*model_keys, *source.ckpt.entries])
+    if not optimizer:  # the ledger reads the optimizer state (to check the file CRCs) beside the copy
+        source.reader.ledger.fill_except(model_keys)
     bufs = Buffers()  # thread-local: each worker reads into its own reusable buffers
     run_files(lambda i, tick: _write_hf_file(folder / jobs[i][0], jobs[i][1], lambda c: chunk_data(source, c, bufs),
                                              tick, stage_bytes(chunk_bytes)), len(jobs), workers, advance)
