@@ -17,10 +17,8 @@ copy before it commits) joins them and compares with the checksums the source ca
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ from gtp_format.check.integrity import ReadLedger
 from gtp_format.check.verify import check_geometry, check_storage, verify
 from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
 from gtp_format.manifest import Manifest, read_manifest
-from gtp_format.model import ENC_RAW, Checkpoint, Chunk, Entry
+from gtp_format.model import Checkpoint, Chunk, Entry
 from gtp_format.names import MANIFEST_FILE, OPTIMIZER_SHARDINGS
 from gtp_format.params import Holder, ParamView, bucket_refs, full_box, param_views
 from gtp_format.reader.boxes import BoxReader, Buffer
@@ -56,8 +54,6 @@ class CheckedReader(BoxReader):
     def __init__(self, ckpt: Checkpoint) -> None:
         super().__init__(ckpt)
         self.ledger = ReadLedger(ckpt)
-        self._prefetch: ThreadPoolExecutor | None = None
-        self._stop = threading.Event()
 
     def chunk_rows(self, entry: Entry, chunk: Chunk, r0: int, r1: int, *args: Any, **kwargs: Any) -> np.ndarray:
         rows = super().chunk_rows(entry, chunk, r0, r1, *args, **kwargs)
@@ -70,34 +66,7 @@ class CheckedReader(BoxReader):
             self.ledger.record(chunk.storage.file, start + r0 * row_bytes, rows.reshape(-1).view(np.uint8))
         return rows  # bytes not recorded here are read and checked as gaps when the ledger is joined
 
-    def prefetch_layouts(self, keys: list[str], threads: int = 4) -> None:
-        """Parse, on background threads, the ``torch.save`` structure of every chunk of ``keys`` in
-        that order, ahead of the copy that will read them (the parse is cached per chunk).
-
-        Why: each blob's structure is four or five small reads far apart (end record, central
-        directory, local headers, ``data.pkl``); from a cold page cache each waits for the disk, and
-        a profile (py-spy) of a weights-only 4.67 GB export put 30 % of its one writer's time there.
-        Errors are left to the copy's own read, which reports them in its words.
-        """
-        if self.ckpt.encoding == ENC_RAW or self._prefetch is not None:
-            return
-        chunks = [(self.ckpt.entries[k], c) for k in keys if k in self.ckpt.entries
-                  for c in self.ckpt.entries[k].chunks if c.storage is not None]
-
-        def one(i: int) -> None:
-            if not self._stop.is_set():
-                with contextlib.suppress(Exception):
-                    self._payload_start(*chunks[i])
-
-        self._prefetch = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="layouts")
-        for i in range(len(chunks)):
-            self._prefetch.submit(one, i)
-
     def close(self) -> None:
-        self._stop.set()
-        if self._prefetch is not None:
-            self._prefetch.shutdown(wait=True, cancel_futures=True)
-            self._prefetch = None
         self.ledger.cancel()  # a copy that stopped early: its background fill stops too
         super().close()
 
