@@ -68,7 +68,8 @@ def import_command(
                                                 help="Data files written in parallel.")] = None,
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
-    """Write a Hugging Face model as a step-0 gtp_runtime checkpoint at the given topology."""
+    """Write a Hugging Face model as a gtp_runtime checkpoint at the given topology (step 0, or the run
+    `export --optimizer` came from, with its optimizer state)."""
     from ckpt_tool.hf.importer import import_hf
     from gtp_format.errors import FormatError
     from gtp_format.layout.config import ParallelConfig
