@@ -43,6 +43,12 @@ class _NoLedger:
     def finish(self) -> None:
         pass
 
+    def fill_except(self, keys: object) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
 
 class PlainReader(BoxReader):
     """The reader the copies used before the ledger: same reads, nothing hashed or joined."""

@@ -360,6 +360,15 @@ def _optimizer(raw: Any) -> OptimizerInfo:
                          param_optimizers=owners)
 
 
+def parse_optimizer(raw: Any, where: str) -> OptimizerInfo:
+    """The manifest's ``optimizer`` section parsed on its own (``ckpt import`` reads one that
+    ``ckpt export --optimizer`` carried in a safetensors header), with the manifest's own checks."""
+    try:
+        return _optimizer(raw)
+    except _Bad as e:
+        raise FormatError(f"{where}: {e}") from None
+
+
 # name -> (parser, required when strict). Sections parse independently, so a lenient read keeps
 # every good one.
 _SECTIONS: dict[str, Any] = {

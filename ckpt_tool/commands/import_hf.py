@@ -33,9 +33,12 @@ SRC: a folder of ArceeForCausalLM with hidden_act "gelu" (the runtime's GPT: RMS
 10000, non-gated GELU MLP, no bias, untied output layer), as `ckpt export --to hf` writes it or
 save_pretrained does (config.json, model.safetensors or model-*.safetensors + index). DST: a new
 folder holding iter_0000000 and the latest marker, at the topology given: model weights as stored,
-fp32 master weights equal to them, zero Adam moments, step 0. Train it with the model flags that
-`--format json` prints under "model" and the same --bucket-size. Anything else is refused in one
-line naming the config field or tensor.
+fp32 master weights equal to them, zero Adam moments, step 0. If SRC has the optimizer files of
+`ckpt export --to hf --optimizer` (optimizer*.safetensors), the master weights and Adam moments
+come from them, and the iteration, Adam step, lr schedule and data position from their metadata:
+DST (iter_N) resumes the exported run (--no-optimizer: ignore them, start at step 0). Train it with
+the model flags that `--format json` prints under "model" and the same --bucket-size. Anything
+else is refused in one line naming the config field or tensor.
 
 Exit codes: 0 written, 2 unreadable or unsupported SRC, impossible topology, DST exists, or a
 write failed."""
@@ -57,12 +60,16 @@ def import_command(
                                              "the training run's --bucket-size.")] = DEFAULT_BUCKET_SIZE,
     seq_length: Annotated[int | None, typer.Option("--seq-length", min=1, show_default="max_position_embeddings",
                                                    help="Training sequence length to record.")] = None,
+    optimizer: Annotated[bool, typer.Option("--optimizer/--no-optimizer", help="Restore master weights, Adam "
+                                            "moments and step from SRC's optimizer files, if it has them.")
+                         ] = True,
     max_memory: MaxMemoryOption = DEFAULT_MAX_MEMORY,
     workers: Annotated[int | None, typer.Option("--workers", min=1, max=64, show_default="one per core, at most 4",
                                                 help="Data files written in parallel.")] = None,
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
-    """Write a Hugging Face model as a step-0 gtp_runtime checkpoint at the given topology."""
+    """Write a Hugging Face model as a gtp_runtime checkpoint at the given topology (step 0, or the run
+    `export --optimizer` came from, with its optimizer state)."""
     from ckpt_tool.hf.importer import import_hf
     from gtp_format.errors import FormatError
     from gtp_format.layout.config import ParallelConfig
@@ -72,9 +79,10 @@ def import_command(
     par = ParallelConfig(tp=tp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp)
     with contextlib.ExitStack() as stack:
         bar = progress_opener(stack, "importing", fmt)
-        info = import_hf(src, dst, par, layout, bucket_size, seq_length, max_memory, workers, bar)
+        info = import_hf(src, dst, par, layout, bucket_size, seq_length, max_memory, workers, bar, optimizer)
     print_written(fmt, info, f"imported {info['src']} ({info['architecture']}) as {info['dst']} ({info['topology']}, "
-                  f"{info['layout']}): {count(info['params'], 'param')}, {count(info['files'], 'file')}, "
+                  f"{info['layout']}, iteration {info['iteration']}, optimizer {info['optimizer']}): "
+                  f"{count(info['params'], 'param')}, {count(info['files'], 'file')}, "
                   f"{fmt_bytes(info['bytes_written'])} in {info['seconds']:.1f} s")
 
 

@@ -136,7 +136,7 @@ def _plain_file(folder: Path, name: Any, where: str) -> Path:
     return path
 
 
-def _header(path: Path) -> dict[str, Tensor]:
+def _header(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -148,6 +148,9 @@ def _header(path: Path) -> dict[str, Tensor]:
         doc = loads(f.read(n), str(path), "re-save the model with safetensors")
     if not isinstance(doc, dict):
         raise FormatError(f"{path}: the safetensors header is not an object")
+    meta = doc.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise FormatError(f"{path}: the safetensors __metadata__ is not an object of strings; the file is damaged")
     out, spans = {}, []
     for name, e in doc.items():
         if name == "__metadata__":
@@ -170,7 +173,40 @@ def _header(path: Path) -> dict[str, Tensor]:
     for (_, b0, n0), (a1, _, n1) in zip(spans, spans[1:]):
         if a1 < b0:
             raise FormatError(f"{path}: tensors {n0!r} and {n1!r} overlap; the file is damaged")
-    return out
+    return out, meta
+
+
+def read_set(folder: Path, prefix: str, fix: str) -> tuple[dict[str, Tensor], list[dict[str, str]]] | None:
+    """Every tensor of the set ``prefix`` (``model``, ``optimizer``; headers only) and each file's
+    ``__metadata__``; ``None`` when the folder has neither ``PREFIX.safetensors`` nor its index."""
+    index = folder / index_name(prefix)
+    single = folder / f"{prefix}.safetensors"
+    wmap: dict[str, Any] = {}
+    if index.exists() or index.is_symlink():
+        doc = read_json(index, "index", fix)
+        got = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(got, dict):
+            raise FormatError(f"{index}: no weight_map object; {fix}")
+        wmap = got
+        files = sorted({_plain_file(folder, f, str(index)) for f in wmap.values()})
+    elif single.exists() or single.is_symlink():
+        files = [_plain_file(folder, single.name, str(folder))]
+    else:
+        return None
+    tensors: dict[str, Tensor] = {}
+    metas = []
+    for path in files:
+        got_tensors, meta = _header(path)
+        metas.append(meta)
+        for name, t in got_tensors.items():
+            if name in tensors:
+                raise FormatError(f"{path}: tensor {name!r} is also in {tensors[name].file.name}; the folder is "
+                                  "inconsistent")
+            tensors[name] = t
+    wrong = [k for k, f in wmap.items() if k not in tensors or tensors[k].file.name != f]
+    if wrong:
+        raise FormatError(f"{index}: weight_map puts {wrong[0]!r} in a file that does not hold it; {fix}")
+    return tensors, metas
 
 
 def read_folder(folder: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
@@ -182,24 +218,8 @@ def read_folder(folder: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     cfg = read_json(folder / CONFIG, CONFIG, fix)
     if not isinstance(cfg, dict):
         raise FormatError(f"{folder / CONFIG}: not a JSON object; {fix}")
-    index = folder / index_name("model")
-    if index.exists() or index.is_symlink():
-        doc = read_json(index, "index", fix)
-        wmap = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(wmap, dict):
-            raise FormatError(f"{index}: no weight_map object; {fix}")
-        files = sorted({_plain_file(folder, f, str(index)) for f in wmap.values()})
-    else:
-        files = [_plain_file(folder, "model.safetensors", str(folder))]
-    tensors: dict[str, Tensor] = {}
-    for path in files:
-        for name, t in _header(path).items():
-            if name in tensors:
-                raise FormatError(f"{path}: tensor {name!r} is also in {tensors[name].file.name}; the folder is "
-                                  "inconsistent")
-            tensors[name] = t
-    if index.exists():
-        wrong = [k for k, f in wmap.items() if k not in tensors or tensors[k].file.name != f]
-        if wrong:
-            raise FormatError(f"{index}: weight_map puts {wrong[0]!r} in a file that does not hold it; {fix}")
-    return cfg, tensors
+    got = read_set(folder, "model", fix)
+    if got is None:
+        raise FormatError(f"{folder}: names model.safetensors, which is missing in {folder}; copy the complete "
+                          "model folder")
+    return cfg, got[0]

@@ -10,6 +10,13 @@ moments, and a manifest whose bucket layout is the runtime's own rule
 (:func:`gtp_format.layout.params.buffer_layouts`); ``python -m gtp_runtime.train --load DST`` with
 the same model flags and ``--bucket-size`` resumes from it.
 
+A folder with the optimizer files ``ckpt export --to hf --optimizer`` writes
+(``optimizer*.safetensors``: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<HF name>``, fp32, in
+the same name table) is imported with them: the fp32 master weights and both Adam moments are
+read from those files instead, and the iteration, Adam step, lr schedule and data position from
+their ``__metadata__`` (:mod:`.run_state`), so the checkpoint resumes the exported run, not a
+new one. ``optimizer=False`` (``--no-optimizer``) ignores them.
+
 It is written through the one checkpoint writer (:class:`gtp_format.writer.checkpoint.CheckpointWriter`,
 driven by reshard's :func:`ckpt_tool.reshard.engine.write_checkpoint` over the plan of
 :func:`ckpt_tool.reshard.plan.plan_target`): streamed in row blocks of the chunk budget, so memory
@@ -28,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool.hf import mapping
-from ckpt_tool.hf.folder import Tensor, read_folder
+from ckpt_tool.hf import run_state as hf_run_state
+from ckpt_tool.hf.folder import Tensor, read_folder, read_set
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
 from ckpt_tool.reshard.engine import (
     DEFAULT_BUCKET_SIZE,
@@ -43,7 +51,7 @@ from ckpt_tool.reshard.plan import WEIGHT, OutChunk, plan_target
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
 from gtp_format.layout.params import buffer_layouts, model_params
-from gtp_format.manifest import HASH_ALGORITHM, Manifest, OptimizerInfo
+from gtp_format.manifest import HASH_ALGORITHM, Manifest, OptimizerInfo, format_version_for
 from gtp_format.names import FORMAT_NAME, LAYOUTS, STATES, iter_dir_name
 from gtp_format.scan import carrier
 from gtp_format.writer.checkpoint import CheckpointWriter
@@ -59,14 +67,22 @@ class HFModel:
     param_dtype: str  # "torch.float32" or "torch.bfloat16"
     parts: dict[str, list[mapping.Part]]  # runtime parameter -> its HF tensors
     tensors: dict[str, Tensor]
+    optimizer: dict[str, Tensor] | None = None  # optimizer.state.<state>.<HF name> -> tensor
+    run: hf_run_state.RunState | None = None
 
-    def read_box(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> np.ndarray:
-        """A box of runtime parameter ``name``'s full tensor, assembled from its HF tensors (stored bits)."""
+    def read_box(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                 state: str = WEIGHT) -> np.ndarray:
+        """A box of runtime parameter ``name``'s full tensor for ``state`` (the weight, or an optimizer
+        state from the optimizer files), assembled from its HF tensors (stored bits)."""
         a, n = offsets[0], sizes[0]
         cols = (offsets[1], offsets[1] + sizes[1]) if len(sizes) == 2 else None
         out: np.ndarray | None = None
         for part in self.parts[name]:
-            t = self.tensors[part.hf]
+            if state == WEIGHT:
+                t = self.tensors[part.hf]
+            else:
+                assert self.optimizer is not None
+                t = self.optimizer[optimizer_key(state, part.hf)]
             for lo, hi, h in part.hf_rows(a, a + n):
                 rows = t.read_rows(h, h + hi - lo, cols)
                 if out is None:
@@ -76,8 +92,37 @@ class HFModel:
         return out
 
 
-def open_hf(src: Path, seq_length: int | None = None) -> HFModel:
-    """Read and check an HF folder (headers only): config, names, shapes, one float dtype."""
+def optimizer_key(state: str, hf_name: str) -> str:
+    """The name ``ckpt export --optimizer`` gives one optimizer state of one HF tensor."""
+    return f"optimizer.state.{state}.{hf_name}"
+
+
+def _open_optimizer(src: Path, table: list[mapping.Part], full: dict[str, tuple[int, ...]]
+                    ) -> tuple[dict[str, Tensor], hf_run_state.RunState] | None:
+    """The optimizer files of ``src``, checked against the name table, and their run state; ``None``
+    if the folder has none."""
+    fix = "pass a folder written by `ckpt export --to hf --optimizer`, or --no-optimizer"
+    got = read_set(src, "optimizer", fix)
+    if got is None:
+        return None
+    tensors, metas = got
+    want = {optimizer_key(s, p.hf): (p.rows, *full[p.ours][1:]) for p in table for s in STATES}
+    unknown, missing = sorted(set(tensors) - set(want)), sorted(set(want) - set(tensors))
+    if unknown or missing:
+        what = f"has tensor {unknown[0]!r}, which" if unknown else f"lacks tensor {missing[0]!r}, which"
+        raise FormatError(f"{src}: its optimizer files {what} this model's optimizer state "
+                          f"{'does not have' if unknown else 'needs'}; {fix}")
+    for name, shape in want.items():
+        t = tensors[name]
+        if t.shape != shape or t.dtype.name != "float32":
+            raise FormatError(f"{t.file}: tensor {name!r} is {list(t.shape)} {t.dtype.name}, the model implies "
+                              f"{list(shape)} float32 (fp32 optimizer state); {fix}")
+    return tensors, hf_run_state.parse(metas, str(src / "optimizer*.safetensors"))
+
+
+def open_hf(src: Path, seq_length: int | None = None, optimizer: bool = True) -> HFModel:
+    """Read and check an HF folder (headers only): config, names, shapes, one float dtype; and its
+    optimizer files, if any (unless ``optimizer`` is false)."""
     cfg, tensors = read_folder(src)
     model = mapping.model_config(cfg, str(src / "config.json"), seq_length)
     # Sizes the config claims are checked against what the files hold before any table is built from
@@ -112,7 +157,8 @@ def open_hf(src: Path, seq_length: int | None = None) -> HFModel:
     parts: dict[str, list[mapping.Part]] = {}
     for p in table:
         parts.setdefault(p.ours, []).append(p)
-    return HFModel(src, model, PARAM_DTYPES[dtypes.pop()], parts, tensors)
+    opt = _open_optimizer(src, table, full) if optimizer else None
+    return HFModel(src, model, PARAM_DTYPES[dtypes.pop()], parts, tensors, *(opt or (None, None)))
 
 
 def _fp32(bits: np.ndarray, param_dtype: str) -> np.ndarray:
@@ -126,9 +172,11 @@ def fill(hf: HFModel) -> Callable[[OutChunk], np.ndarray]:
     def one(c: OutChunk) -> np.ndarray:
         if c.values is not None:
             return np.asarray(c.values, dtype=np.int64)
-        if c.param is None or c.state in STATES[1:]:  # padding, gaps, and Adam moments at step 0
+        if c.param is None or (c.state in STATES[1:] and hf.optimizer is None):  # padding, gaps, moments at 0
             return np.zeros(c.sizes, dtype=carrier(c.dtype))
-        assert c.box is not None
+        assert c.box is not None and c.state is not None
+        if c.state != WEIGHT and hf.optimizer is not None:
+            return hf.read_box(c.param, *c.box, state=c.state).reshape(c.sizes)
         bits = hf.read_box(c.param, *c.box)
         return (bits if c.state == WEIGHT else _fp32(bits, hf.param_dtype)).reshape(c.sizes)
 
@@ -141,22 +189,27 @@ def target(hf: HFModel, par: ParallelConfig, layout: str, bucket_size: int) -> M
         hf.model.validate(par)
     except ConfigError as e:
         raise FormatError(f"{hf.root}: cannot import at {par.describe()}: {e}") from None
+    opt = hf.run.optimizer if hf.run is not None else OptimizerInfo("adamw", 0, {})
     return Manifest(
-        format_version=1, layout=layout, optimizer_sharding=FORMAT_NAME, iteration=0, topology=par, model=hf.model,
-        param_dtype=hf.param_dtype, optimizer=OptimizerInfo("adamw", 0, {}), bucket_size=bucket_size,
+        format_version=format_version_for(opt), layout=layout, optimizer_sharding=FORMAT_NAME,
+        iteration=hf.run.iteration if hf.run is not None else 0, topology=par, model=hf.model,
+        param_dtype=hf.param_dtype, optimizer=opt, bucket_size=bucket_size,
         buffers=buffer_layouts(hf.model, par, bucket_size, hf.param_dtype), hash_algorithm=HASH_ALGORITHM,
-        files={}, notes=[{"tool": "ckpt import", "from": "hf", "architecture": mapping.ARCHITECTURE}])
+        files={}, notes=[{"tool": "ckpt import", "from": "hf", "architecture": mapping.ARCHITECTURE,
+                          "optimizer": "restored" if hf.run is not None else "moments at zero"}],
+        extra=dict(hf.run.extra) if hf.run is not None else {})
 
 
 def import_hf(src: Path, dst: Path, par: ParallelConfig, layout: str = "torch_dist",
               bucket_size: int = DEFAULT_BUCKET_SIZE, seq_length: int | None = None,
               max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
-              progress: Callable[[int], Progress] | None = None) -> dict[str, Any]:
-    """Write the HF folder SRC as a step-0 checkpoint at ``par`` into the new folder DST."""
+              progress: Callable[[int], Progress] | None = None, optimizer: bool = True) -> dict[str, Any]:
+    """Write the HF folder SRC as a checkpoint at ``par`` into the new folder DST: step 0, or the
+    exported run's step with its optimizer state (``optimizer`` and optimizer files present)."""
     if layout not in LAYOUTS:
         raise FormatError(f"--layout {layout!r}: use one of {', '.join(LAYOUTS)}")
     t0 = time.perf_counter()
-    hf = open_hf(src, seq_length)
+    hf = open_hf(src, seq_length, optimizer)
     manifest = target(hf, par, layout, bucket_size)
     workers = workers or default_workers()
     chunk_bytes = chunk_budget(max_memory, workers)
@@ -166,10 +219,11 @@ def import_hf(src: Path, dst: Path, par: ParallelConfig, layout: str = "torch_di
         advance = progress(plan.nbytes) if progress else (lambda n: None)
         write_checkpoint(fill(hf), manifest, plan, writer, workers, advance, stage_bytes(chunk_bytes))
 
-    build_atomically(dst, src, body, inner=iter_dir_name(0), latest="0")
-    out = list((dst / iter_dir_name(0)).iterdir())
+    build_atomically(dst, src, body, inner=iter_dir_name(manifest.iteration), latest=str(manifest.iteration))
+    out = list((dst / iter_dir_name(manifest.iteration)).iterdir())
     return {"src": str(src), "dst": str(dst), "from": "hf", "architecture": mapping.ARCHITECTURE,
             "topology": par.describe(), "layout": layout, "params": len(hf.parts), "param_dtype": hf.param_dtype,
             "model": hf.model.to_dict(), "bucket_size": bucket_size, "files": len(out),
             "bytes_written": sum(p.stat().st_size for p in out), "seconds": time.perf_counter() - t0,
+            "optimizer": "restored" if hf.run is not None else "moments at zero", "iteration": manifest.iteration,
             "max_memory": max_memory, "chunk_bytes": chunk_bytes, "workers": workers, "peak_rss_bytes": peak_rss()}

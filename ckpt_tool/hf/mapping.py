@@ -68,10 +68,40 @@ class Part:
         return out
 
 
+# Why MoE checkpoints are refused (checked against transformers 5.24.0: every MoE *ForCausalLM class
+# in transformers/models, about sixty, read for its position embedding, norm and expert MLP). None
+# computes either MoE GPT here:
+# * this runtime's MoE layer: a bias-free router, softmax over the top-k logits, and *non-gated*
+#   GELU experts ``fc2(gelu(fc1(x)))``; every transformers MoE class has gated (GLU) experts
+#   (``down(act(gate(x)) * up(x))``: Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE, DBRX, JetMoE, DeepSeek,
+#   GPT-OSS...; Doge's "MoE" is a product-key memory beside a gated MLP), and the dense Arcee has
+#   no router;
+# * megatron-core's local-spec MoE GPT (fixtures/megatron/moe_ep2_dp4_dp_reshardable): learned
+#   absolute position embeddings, LayerNorm with bias, a router with a bias, non-gated GELU experts
+#   with biases; no transformers MoE class has a learned position table (all use rotary, relative
+#   or no positions: ``tests/cli/test_hf_megatron.py`` checks that against the installed
+#   transformers, so a new class that has one shows up), and GPTBigCode (its dense counterpart) has
+#   no experts.
+# A mapping onto any of them would load and compute another function, which is worse than a refusal.
+MOE_NO_CLASS = ("no transformers architecture computes it (every transformers MoE causal LM has gated GLU experts "
+                "and rotary or no positions{extra}); export the raw tensors with --names megatron")
+
+
 def refuse_unmatched(model: ModelConfig, where: str) -> None:
     if model.num_experts:
-        raise FormatError(f"{where}: a MoE model (--num-experts {model.num_experts}) has no matching transformers "
-                          "architecture here (ArceeForCausalLM is dense); export raw tensors with --names megatron")
+        raise FormatError(f"{where}: a MoE model (--num-experts {model.num_experts}, non-gated GELU experts) has no "
+                          "Hugging Face export: " + MOE_NO_CLASS.format(extra="; ArceeForCausalLM is dense"))
+
+
+def refuse_megatron_moe(shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """A megatron-core MoE GPT (router and experts in its module names) is refused, saying why."""
+    router = next((n for n in shapes if ".mlp.router." in n), None)
+    if router is None and not any(".mlp.experts." in n for n in shapes):
+        return
+    experts = f"{shapes[router][0]} experts" if router and shapes[router] else "experts"
+    raise FormatError(f"{where}: a megatron-core MoE GPT (a router and {experts} per layer, learned absolute "
+                      "positions, LayerNorm with bias, non-gated GELU experts with biases) has no Hugging Face "
+                      "export: " + MOE_NO_CLASS.format(extra="; GPTBigCode, its dense match, has no experts"))
 
 
 def parts(model: ModelConfig, where: str = "model") -> list[Part]:
@@ -217,6 +247,7 @@ def megatron_config(shapes: dict[str, tuple[int, ...]], dtype: str, num_heads: i
     Every size is read from a shape except the head count (megatron keeps it in ``args``, which this
     tool does not unpickle): ``num_heads`` is the user's ``--num-heads``.
     """
+    refuse_megatron_moe(shapes, where)
     needed = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
               "decoder.final_layernorm.bias", "decoder.layers.0.self_attention.linear_qkv.bias",
               "decoder.layers.0.mlp.linear_fc1.weight"]

@@ -42,6 +42,7 @@ import numpy as np
 
 from ckpt_tool.hf import folder as hf_folder
 from ckpt_tool.hf import mapping
+from ckpt_tool.hf import run_state as hf_run_state
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
 from ckpt_tool.reshard.engine import (
     Progress,
@@ -137,8 +138,8 @@ def _hf_files(tensors: list[tuple[str, DType, tuple[int, ...], list[OutChunk]]],
 
 
 def _write_hf_file(path: Path, tensors: list[Any], data: Callable[[OutChunk], np.ndarray], tick: Progress,
-                   stage: int) -> None:
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+                   stage: int, meta: dict[str, str] | None = None) -> None:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(meta or {})}}
     pos = 0
     for name, dt, shape, _ in tensors:
         n = math.prod(shape) * dt.itemsize
@@ -206,6 +207,7 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
     if optimizer:
         sets.append(("optimizer", [(state_key(s, name), s, v, rows) for name, v, rows in table for s in STATES]))
     jobs, side = [], 0
+    metas = {"optimizer": hf_run_state.metadata(source.manifest)}  # what import needs to resume the moments
     for prefix, keys in sets:
         tensors = []
         for key, state, view, rows in keys:
@@ -216,12 +218,16 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
         files = _hf_files(tensors, max_shard, prefix)
         total = sum(math.prod(t[2]) * t[1].itemsize for t in tensors)
         side += hf_folder.write_index(folder, prefix, total, {t[0]: name for name, group in files for t in group})
-        jobs.extend(files)
+        jobs.extend((name, group, metas.get(prefix)) for name, group in files)
     if names == "hf":
         side += _hf_side_files(source, folder, tokenizer, num_heads)
+    model_keys = list(dict.fromkeys(view.model_key for _, view, _ in table))  # in the order they are read
+    source.reader.prefetch_layouts(model_keys if not optimizer else [*model_keys, *source.ckpt.entries])
+    if not optimizer:  # the ledger reads the optimizer state (to check the file CRCs) beside the copy
+        source.reader.ledger.fill_except(model_keys)
     bufs = Buffers()  # thread-local: each worker reads into its own reusable buffers
     run_files(lambda i, tick: _write_hf_file(folder / jobs[i][0], jobs[i][1], lambda c: chunk_data(source, c, bufs),
-                                             tick, stage_bytes(chunk_bytes)), len(jobs), workers, advance)
+                                             tick, stage_bytes(chunk_bytes), jobs[i][2]), len(jobs), workers, advance)
     writer.finish(None, None)  # not a checkpoint: no manifest, no metadata.json
     arch = mapping.ARCHITECTURE if source.manifest is not None else mapping.BIGCODE
     return {"files": len(jobs) + side, "names": names, **({"architecture": arch} if names == "hf" else {})}

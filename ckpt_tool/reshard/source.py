@@ -67,6 +67,10 @@ class CheckedReader(BoxReader):
             self.ledger.record(chunk.storage.file, start + r0 * row_bytes, rows.reshape(-1).view(np.uint8))
         return rows  # bytes not recorded here are read and checked as gaps when the ledger is joined
 
+    def close(self) -> None:
+        self.ledger.cancel()  # a copy that stopped early: its background fill stops too
+        super().close()
+
 
 @dataclass
 class Source:

@@ -21,9 +21,11 @@ bit-exact whatever the dtype. No torch.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -76,6 +78,8 @@ class BoxReader:
         self._index: dict[str, tuple[list[Chunk], list[int], list[int]]] = {}
         self._files: dict[str, tuple[Any, int]] = {}  # open data files and their sizes, opened once
         self.bytes_read = 0
+        self._prefetch: ThreadPoolExecutor | None = None
+        self._stop = threading.Event()
 
     def _file(self, rel: str) -> tuple[int, int]:
         """Descriptor and size of a data file, opened (confined to the folder) on first use."""
@@ -87,11 +91,39 @@ class BoxReader:
         return got[0].fileno(), got[1]
 
     def close(self) -> None:
-        """Close the data files this reader keeps open (reading again reopens them)."""
+        """Close the data files this reader keeps open (reading again reopens them); stop a prefetch."""
+        self._stop.set()
+        if self._prefetch is not None:
+            self._prefetch.shutdown(wait=True, cancel_futures=True)
+            self._prefetch = None
         with self._lock:
             files, self._files = self._files, {}
         for f, _ in files.values():
             f.close()
+
+    def prefetch_layouts(self, keys: list[str], threads: int = 4) -> None:
+        """Parse, on background threads, the ``torch.save`` structure of every chunk of ``keys`` in
+        that order, ahead of the copy that will read them (the parse is cached per chunk).
+
+        Why: each blob's structure is four or five small reads far apart (end record, central
+        directory, local headers, ``data.pkl``); from a cold page cache each waits for the disk, and
+        a profile (py-spy) of a weights-only 4.67 GB export put 30 % of its one writer's time there.
+        Errors are left to the copy's own read, which reports them in its words.
+        """
+        if self.ckpt.encoding == ENC_RAW or self._prefetch is not None:
+            return
+        self._stop.clear()
+        entries = [self.ckpt.entries[k] for k in keys if k in self.ckpt.entries]
+        chunks = [(e, c) for e in entries if e.kind == TENSOR for c in e.chunks if c.storage is not None]
+
+        def one(i: int) -> None:
+            if not self._stop.is_set():
+                with contextlib.suppress(Exception):
+                    self._payload_start(*chunks[i])
+
+        self._prefetch = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="layouts")
+        for i in range(len(chunks)):
+            self._prefetch.submit(one, i)
 
     def _chunks_near(self, entry: Entry, lo: int, hi: int) -> list[Chunk]:
         """Chunks whose dim-0 range may meet ``[lo, hi)``: bisection, not a scan of every chunk."""

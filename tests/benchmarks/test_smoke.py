@@ -56,6 +56,7 @@ SMOKE = {
     "bench_gpu.py": ["--json", "{tmp}/gpu.json"],
     "bench_reshard.py": ["--workdir", "{tmp}/reshard"],
     "bench_copy_checks.py": ["--workdir", "{tmp}/copy_checks"],
+    "bench_export_hf.py": ["--workdir", "{tmp}/export_hf"],
     "bench_muon.py": [],
     "bench_data_read.py": ["--dir", "{tmp}/data_read"],
     "convergence.py": ["--out", "{tmp}/convergence"],
@@ -284,6 +285,15 @@ def check_copy_checks(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert not (tmp / "copy_checks").exists()  # the work folder is removed
 
 
+def check_export_hf(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    head, *rows = _table(p.stdout)
+    assert head[0] == "command" and [r[0] for r in rows] == ["cp -r", "export hf", "export hf --optimizer"]
+    times = _last_json(p.stdout)["times"]
+    assert all(len(ts) == 1 and ts[0] > 0 for ts in times.values())
+    assert all(_ratio(r[head.index("vs cp -r (medians)")]) > 0 for r in rows)
+    assert not (tmp / "export_hf").exists()  # the synthetic checkpoint is removed
+
+
 CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_ckpt_async.py": check_ckpt_async,
     "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
@@ -293,7 +303,7 @@ CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_gpu.py": check_gpu, "bench_reshard.py": check_reshard, "bench_muon.py": check_muon,
     "bench_data_read.py": check_data_read, "convergence.py": check_convergence,
     "bench_record_crc.py": check_record_crc, "fuzz_readers.py": check_fuzz,
-    "bench_copy_checks.py": check_copy_checks,
+    "bench_copy_checks.py": check_copy_checks, "bench_export_hf.py": check_export_hf,
     "bench_megatron_inspect.py": check_megatron_inspect,
     "bench_verify_cold.py": check_verify_cold,
 }

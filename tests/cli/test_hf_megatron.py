@@ -135,3 +135,42 @@ def test_megatron_hf_names_need_the_head_count_and_optimizer_its_keys(tmp_path: 
     r = cli("export", MEGATRON / "dp2_fully_reshardable", tmp_path / "x", "--to", "hf", "--optimizer")
     assert_error_line(r, 2, "no dp_reshardable optimizer keys")
     assert not list(tmp_path.iterdir())
+
+
+def test_megatron_moe_is_refused_saying_why(tmp_path: Path) -> None:
+    """The MoE fixture (router, 4 experts, EP 2) has no transformers class: refused in one line that
+    names the reason, with or without --num-heads, before anything is written."""
+    src = MEGATRON / "moe_ep2_dp4_dp_reshardable"
+    for extra in (["--num-heads", "4"], ["--names", "hf"]):
+        r = cli("export", src, tmp_path / "x", "--to", "hf", *extra)
+        assert_error_line(r, 2, "MoE GPT", "4 experts", "learned absolute positions", "gated GLU experts",
+                          "--names megatron")
+    assert not list(tmp_path.iterdir())
+
+
+def test_no_transformers_moe_causal_lm_has_learned_positions() -> None:
+    """The refusal's reason, checked against the installed transformers: no causal-LM class with
+    experts creates a learned absolute position table (what megatron-core's MoE GPT has), and every
+    one of them has gated experts or no expert MLP class (this runtime's experts are non-gated). A
+    transformers release that adds a matching class fails this test, and the mapping can be written."""
+    import re
+
+    transformers = pytest.importorskip("transformers")
+    models = Path(transformers.__file__).parent / "models"
+    table = re.compile(r"nn\.Embedding\(\s*(?:config\.|self\.config\.)?(?:max_position_embeddings|n_positions|"
+                       r"max_seq_len|max_sequence_length)")
+    block = r"class \w*(?:Experts|MoE|Moe|Sparse)\w*\(.*?\):\n(.*?)(?=\nclass |\Z)"
+    moe, positions, non_gated = [], [], []
+    for f in sorted(models.glob("*/modeling_*.py")):
+        src = f.read_text()
+        if "ForCausalLM(" not in src or not re.search(r"\bexperts\b", src):
+            continue
+        moe.append(f.parent.name)
+        if table.search(src):
+            positions.append(f.parent.name)
+        # the expert MLPs and the MoE blocks that call them
+        blocks = [m.group(1) for m in re.finditer(block, src, re.S)]
+        if not any(re.search(r"gate_up|chunk\(2|\bw3\b|\bv1\b|gate_proj|glu|\* up", b, re.I) for b in blocks):
+            non_gated.append(f.parent.name)
+    assert len(moe) >= 10 and "mixtral" in moe  # the scan found them
+    assert positions == [] and non_gated == [], (positions, non_gated)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 import warnings
 from pathlib import Path
 
@@ -100,3 +101,27 @@ def test_strided_view_with_gaps_is_one_line(tmp_path: Path, monkeypatch: pytest.
         reader.chunk_rows(entry, entry.chunks[0], 0, 2)
     assert "w chunk 0" in info.value.message and "strided view with gaps" in info.value.message
     assert "\n" not in info.value.message
+
+
+def test_prefetched_layouts_equal_the_lazy_ones() -> None:
+    """``prefetch_layouts`` (background threads, export's cold-cache read-ahead) caches exactly what each
+    read would have parsed itself, for every chunk of the keys given and no other; ``close`` stops it."""
+    fold = Path(__file__).resolve().parents[2] / "fixtures/gtp/fold_cp2_g2_dp2"
+    ckpt = open_checkpoint(fold)
+    keys = sorted(ckpt.entries)[::2]
+    ahead = BoxReader(ckpt)
+    ahead.prefetch_layouts(keys, threads=3)
+    assert ahead._prefetch is not None
+    ahead._prefetch.shutdown(wait=True)  # let every queued parse finish
+    lazy = BoxReader(ckpt)
+    want = {(k, c.index): lazy._payload_start(ckpt.entries[k], c) for k in keys for c in ckpt.entries[k].chunks
+            if ckpt.entries[k].kind == "tensor" and c.storage is not None}
+    assert want and ahead._layouts == want
+    ahead.close()
+    assert ahead._prefetch is None
+    stopped = BoxReader(ckpt)
+    stopped.prefetch_layouts(sorted(ckpt.entries))
+    stopped.close()  # cancels what has not started and waits for what has: nothing runs after it
+    n = len(stopped._layouts)
+    time.sleep(0.2)
+    assert len(stopped._layouts) == n and stopped._prefetch is None

@@ -57,20 +57,24 @@ def _pieces(draw: st.DrawFn, size: int) -> list[tuple[int, int]]:
 
 
 @st.composite
-def reads(draw: st.DrawFn) -> tuple[str, list[tuple[int, int]], int | None]:
+def reads(draw: st.DrawFn) -> tuple[str, list[tuple[int, int]], int | None, int | None]:
     names = sorted(p.name for p in FOLD.glob("*.distcp"))
     name = draw(st.sampled_from(names))
     size = (FOLD / name).stat().st_size
     flip = draw(st.one_of(st.none(), st.integers(0, size - 1)))
-    return name, _pieces(draw, size), flip
+    fill = draw(st.one_of(st.none(), st.integers(0, 2**16)))  # the seed of the keys a background fill skips
+    return name, _pieces(draw, size), flip, fill
 
 
 @SLOW
 @given(case=reads())
-def test_ledger_joins_any_pieces_to_the_file_crc(fold: Path, case: tuple[str, list[tuple[int, int]], int | None]
-                                                 ) -> None:
-    """Brute force: the file's CRC-32C over its bytes; the ledger must agree from any set of pieces."""
-    name, pieces, flip = case
+def test_ledger_joins_any_pieces_to_the_file_crc(fold: Path, case: tuple[str, list[tuple[int, int]], int | None,
+                                                                          int | None]) -> None:
+    """Brute force: the file's CRC-32C over its bytes; the ledger must agree from any set of pieces, with
+    or without a background fill around any set of keys (whose ranges the pieces may overlap)."""
+    import random
+
+    name, pieces, flip, fill = case
     path = fold / name
     raw = bytearray((FOLD / name).read_bytes())
     if flip is not None:
@@ -80,13 +84,17 @@ def test_ledger_joins_any_pieces_to_the_file_crc(fold: Path, case: tuple[str, li
         ckpt = open_checkpoint(fold)
         ledger = ReadLedger(ckpt)
         assert ledger.modes[name].want == f"{google_crc32c.value(bytes((FOLD / name).read_bytes())):08x}"
+        if fill is not None:
+            keys = sorted(ckpt.entries)
+            ledger.fill_except(random.Random(fill).sample(keys, random.Random(fill).randint(0, len(keys))))
         for a, n in pieces:
             ledger.record(name, a, memoryview(raw)[a:a + n])
         if flip is None:
             ledger.finish()
             covered = set().union(*(range(a, a + n) for a, n in pieces)) if pieces else set()
             others = sum(p.stat().st_size for p in FOLD.glob("*.distcp") if p.name != name)  # read whole: no piece
-            assert len(raw) - len(covered) + others <= ledger.bytes_filled <= len(raw) + others
+            most = len(raw) + others if fill is None else 2 * (len(raw) + others)  # a fill piece may be re-read
+            assert len(raw) - len(covered) + others <= ledger.bytes_filled <= most
             assert ledger.bytes_checked == sum(n for _, n in pieces)
         else:
             with pytest.raises(DamagedSource, match=name):
