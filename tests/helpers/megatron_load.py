@@ -1,11 +1,11 @@
 """megatron-core's own loader on a ``fully_reshardable`` checkpoint, at a topology of our choice (megatron venv).
 
-``python megatron_load.py CKPT_ITER_DIR OUT_DIR TP PP DP NUM_LAYERS`` spawns TP x PP x DP gloo CPU
+``python megatron_load.py CKPT_ITER_DIR OUT_DIR TP PP DP NUM_LAYERS [SHARDING]`` spawns TP x PP x DP gloo CPU
 ranks. Each builds the fixtures' model and optimizer (``fixtures/megatron/make_megatron_fixtures.py``:
 its CPU shims, ``MODEL`` and optimizer settings; local spec, bf16, megatron DDP with the
 distributed optimizer), wipes the model weights and optimizer state to zeros, and loads CKPT the
 way ``megatron/training/checkpointing.py:load_checkpoint`` does for ``torch_dist``
-(``sharded_state_dict(is_loading=True)`` with the ``fully_reshardable`` metadata,
+(``sharded_state_dict(is_loading=True)`` with the ``fully_reshardable`` metadata, or SHARDING's,
 ``dist_checkpointing.load``, ``model.load_state_dict``, ``optimizer.load_state_dict``). Two
 workarounds for megatron-core 0.19.2 on CPU with torch's AdamW (issue 24):
 
@@ -76,7 +76,8 @@ def _pass_step_through() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
-def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: int, num_layers: int) -> None:
+def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: int, num_layers: int,
+           sharding: str = "fully_reshardable") -> None:
     sys.path.insert(0, str(FIXTURES))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -109,7 +110,7 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: i
             p.zero_()
         for t in _optimizer_tensors(optimizer):
             t.zero_()
-    metadata = sharded_sd_metadata_for("fully_reshardable")
+    metadata = sharded_sd_metadata_for(sharding)
     sharded = {"model": module.sharded_state_dict(metadata=metadata)}
     sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True, metadata=metadata)
     state = dist_checkpointing.load(sharded, ckpt)
@@ -129,16 +130,17 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: i
     dist.destroy_process_group()
 
 
-def main(ckpt: str, out: str, tp: int, pp: int, dp: int, num_layers: int) -> None:
+def main(ckpt: str, out: str, tp: int, pp: int, dp: int, num_layers: int, sharding: str = "fully_reshardable"
+         ) -> None:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     world = tp * pp * dp
-    mp.spawn(worker, args=(world, port, ckpt, out, tp, pp, num_layers), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, port, ckpt, out, tp, pp, num_layers, sharding), nprocs=world, join=True)
 
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), int(a[5]))
+    main(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), int(a[5]), *a[6:7])
