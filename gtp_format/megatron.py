@@ -198,9 +198,9 @@ def _stages(ckpt: Checkpoint, params: list[tuple[str, str, int | None]], pp: int
 def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict:  # -> dict[str, ParamView] (lazy: no cycle)
     """Every parameter of a megatron-core GPT ``dp_reshardable`` checkpoint, TP x PP (see the module docstring).
 
-    ``experts``: also MoE checkpoints (:mod:`gtp_format.megatron_moe`); only ``inspect --params``
-    and the padding map ask, since the readers of export and reshard index stacked keys by layer
-    alone, not by (layer, expert).
+    ``experts``: also MoE checkpoints (:mod:`gtp_format.megatron_moe`): ``inspect --params``, the
+    padding map and ``export --to fully_reshardable`` ask (expert keys are indexed by (layer, expert),
+    :attr:`gtp_format.params.ParamView.lead`); reshard does not lay experts out for another EP yet.
     """
     from gtp_format.params import Holder, KeyRef, ParamView
 
@@ -212,8 +212,8 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict:  # -> dict[
     moe = bool(expert_keys(ckpt))
     if moe and prefixes == [f"chained_{i}.{OPT_PREFIX}" for i in range(2)]:
         if not experts:
-            raise _refuse(ckpt, "it is MoE (chained_ optimizers): 'ckpt inspect --params' shows its view, but "
-                          "export and reshard do not read expert keys yet")
+            raise _refuse(ckpt, "it is MoE (chained_ optimizers): 'ckpt inspect --params' and 'export --to "
+                          "fully_reshardable' read it, but reshard and the Hugging Face export do not move experts")
         expert_opts = {k: o for k, o in opts.items() if o.prefix == prefixes[1]}
         opts = {k: o for k, o in opts.items() if o.prefix == prefixes[0]}
     elif prefixes != [OPT_PREFIX] or moe:

@@ -66,7 +66,7 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
              for k, o in opts.items() if o.state == "param"}
     per = n_exp // ep
     placed: list[tuple[str, int, int, int, int]] = []
-    info: dict[str, tuple[str, int, tuple[int, ...]]] = {}
+    info: dict[str, tuple[str, int, tuple[int, ...], int]] = {}
     for r in ranks:
         names = []
         for layer in range(layers):
@@ -75,7 +75,7 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
                     if s in keys:
                         name = f"decoder.layers.{layer}.mlp.experts.{r * per + j}.{s}"
                         names.append(name)
-                        info[name] = (keys[s], layer, shapes[s][2:])
+                        info[name] = (keys[s], layer, shapes[s][2:], r * per + j)
         b, pos = 0, 0
         for name in reversed(names):
             n = 1
@@ -94,11 +94,11 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
     pdt = dtag.strip("()").split(",")[0].strip()
     views: dict[str, Any] = {}
     for name, r, bucket, start, _ in reversed(placed):
-        key, layer, full = info[name]
+        key, layer, full, expert = info[name]
         spec = ShardSpec(full, None, 1, 0, None, 1, 0, 1)
         holder = Holder(KeyRef(r, gbuf, dtag, bucket, None, numel[(r, bucket)], prefix), start, spec, (), True)
         views[name] = ParamView(name, full, full, None, None, True, gbuf, bucket, start, pdt, (holder,),
-                                weight_key=key, layer=layer)
+                                weight_key=key, layer=layer, expert=expert)
     order = [f"decoder.layers.{layer}.mlp.experts.{e}.{s}" for layer in range(layers) for e in range(n_exp)
              for s in EXPERT]
     return {name: views[name] for name in order if name in views}, placed

@@ -195,7 +195,7 @@ def _weight_chunks(v: ParamView, spec: ShardSpec, max_bytes: int) -> list[OutChu
     """One TP part of a model weight in row blocks (one block per layer and part at megatron's sizes)."""
     dt = dtype_of(v.param_dtype)
     (o0, *orest), (n0, *nrest) = full_box(spec)
-    lead, one = ((v.layer,), (1,)) if v.layer is not None else ((), ())
+    lead, one = v.lead, (1,) * len(v.lead)
     return [OutChunk(v.model_key, (*lead, o0 + a, *orest), (*one, b - a, *nrest), dt, v.name, WEIGHT,
                      ((o0 + a, *orest), (b - a, *nrest)))
             for a, b in row_blocks(n0, math.prod(nrest), dt.itemsize, max_bytes)]
