@@ -307,10 +307,10 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict:  # -> dict[
     order = [name for name, _, _ in params if name in views]
     out = {name: views[name] for name in order}  # module order
     if moe:
-        if pp != 1:
-            raise _refuse(ckpt, "it is MoE with PP > 1, which these rules do not cover")
         layers = max((ln for _, _, ln in params if ln is not None), default=-1) + 1
-        ev, eplaced = expert_views(ckpt, expert_opts, prefixes[1], layers, lambda why: _refuse(ckpt, why))
+        layer_stage = {ln: stage_of[name] for name, _, ln in params if ln is not None}
+        ev, eplaced = expert_views(ckpt, expert_opts, prefixes[1], layers, lambda why: _refuse(ckpt, why),
+                                   layer_stage, pp)
         _check_chunks(ckpt, expert_opts, eplaced, 1)
         out.update(ev)
     return out

@@ -124,3 +124,68 @@ def test_what_reshard_cannot_do_for_megatron_is_refused_in_one_line(src: str, fl
                                                                     tmp_path: Path) -> None:
     assert_error_line(cli("reshard", MEGATRON / src, tmp_path / "x", *flags), 2, needle)
     assert not list(tmp_path.iterdir())
+
+
+def test_moe_with_expert_tp_is_refused_in_one_line() -> None:
+    """Expert TP > 1 (each (layer, expert) of an expert key stored in parts; megatron-core 0.19.2 writes
+    it only with Transformer Engine, so the MoE pair's expert chunks are split in two here, in memory):
+    the view names what it does not cover in one line."""
+    import dataclasses
+
+    from gtp_format.errors import FormatError
+    from gtp_format.megatron import megatron_views
+
+    ckpt = open_checkpoint(MEGATRON / "pair_moe_ep2_dp_reshardable")
+    key = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    e = ckpt.entries[key]
+    halves = []
+    for c in e.chunks:
+        half = c.sizes[2] // 2
+        for i in range(2):
+            halves.append(c._replace(index=len(halves), offsets=(*c.offsets[:2], i * half, *c.offsets[3:]),
+                                     sizes=(*c.sizes[:2], half, *c.sizes[3:])))
+    ckpt.entries[key] = dataclasses.replace(e, chunks=tuple(halves))
+    with pytest.raises(FormatError, match="expert TP > 1") as err:
+        megatron_views(ckpt, experts=True)
+    assert "\n" not in str(err.value)
+
+
+def test_moe_with_pp_exports_and_verifies_but_is_not_resharded(tmp_path: Path) -> None:
+    """MoE at PP 2 (megatron-core's own save): its view is established (so verify --data leaves the
+    uninitialised padding out: no NaN alarm), the fully_reshardable export holds every parameter's
+    state as the view reads it, and reshard refuses MoE in one line."""
+    src = MEGATRON / "moe_pp2_ep2_dp_reshardable"
+    v = cli("verify", src, "--data")
+    assert v.exit_code == 0 and "0 errors, 0 warnings" in v.stdout, v.stdout
+    r = cli("export", src, tmp_path / "fr", "--to", "fully_reshardable")
+    assert r.exit_code == 0, r.stderr
+    a, b = open_source(src, megatron=True, experts=True), open_checkpoint(tmp_path / "fr")
+    from gtp_format.reader.boxes import BoxReader
+
+    rb = BoxReader(b)
+    assert any(v.is_expert for v in a.views.values())
+    for v in a.views.values():
+        for state in STATES:
+            key = f"optimizer.state.{state}.{v.model_key}"
+            lead = v.lead
+            got = rb.read_box(key, (*lead, *(0,) * len(v.full_shape)), (*(1,) * len(lead), *v.full_shape))
+            want = a.read_full_box(v, state, (0,) * len(v.full_shape), v.full_shape)
+            assert got.tobytes() == want.tobytes(), (v.name, state)
+    assert_error_line(cli("reshard", src, tmp_path / "rs", "--pp", "1"), 2, "MoE")
+
+
+def test_several_gradient_buffers_are_refused_in_one_line() -> None:
+    """A buffer per (param dtype, grad dtype): the view lays out one. A second buffer (here the TP1
+    rank's keys relabelled as dp_group_idx 0's gbuf 1 in fp32, in memory) is refused, naming it."""
+    import dataclasses
+
+    from gtp_format.errors import FormatError
+    from gtp_format.megatron import megatron_views
+
+    ckpt = open_checkpoint(MEGATRON / "tp2_dp2_dp_reshardable")
+    a = "dp_group_idx_1.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32)"
+    b = "dp_group_idx_0.gbuf_idx_1.dtype_(torch.float32, torch.float32)"
+    ckpt.entries = {k.replace(a, b): dataclasses.replace(e, key=e.key.replace(a, b)) for k, e in ckpt.entries.items()}
+    with pytest.raises(FormatError, match="several gradient buffers") as err:
+        megatron_views(ckpt)
+    assert "\n" not in str(err.value)

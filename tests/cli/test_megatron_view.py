@@ -125,22 +125,30 @@ def test_hf_export_of_megatron_loads(tmp_path: Path) -> None:
     assert loaded["embedding.word_embeddings.weight"].dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("name", ["moe_ep2_dp4_dp_reshardable", "pair_moe_ep2_dp_reshardable"])
+@pytest.mark.parametrize("name", ["moe_ep2_dp4_dp_reshardable", "pair_moe_ep2_dp_reshardable",
+                                  "moe_pp2_ep2_dp_reshardable"])
 def test_moe_layout_equals_megatron_buffers(name: str) -> None:
-    """MoE EP2 x DP4: the dense (chained_0) and expert (chained_1, one buffer per EP rank) buffers
-    are where megatron's own buffers had them, and every fp32 master rounds to its bf16 weight
-    (experts read straight from the stacked (layer, expert) key)."""
+    """MoE EP2 (x DP4, x DP2, x PP2): the dense (chained_0) and expert (chained_1, one buffer per
+    (stage, EP rank)) buffers are where megatron's own buffers had them, and every fp32 master
+    rounds to its bf16 weight (experts read straight from the stacked (layer, expert) key)."""
     from gtp_format.params import param_views_of
     from gtp_format.reader.boxes import BoxReader
 
     expected = json.loads((MEGATRON / name / "expected.json").read_text())
     ckpt = open_checkpoint(MEGATRON / name)
     views = param_views_of(ckpt)
-    per = expected["topology"]["num_moe_experts"] // expected["topology"]["ep"]
+    topo = expected["topology"]
+    per, ep, tp = topo["num_moe_experts"] // topo["ep"], topo["ep"], topo["tp"]
+    per_stage = expected["model"]["num_layers"] // topo["pp"]
     checked = 0
     for opt, key, p in _recorded_slices(expected):
-        m = re.match(r"^(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.(\d+)\.(.*)$", p["param"])
-        ours = f"{m.group(1)}.{opt.dp_group_idx * per + int(m.group(2))}.{m.group(3)}" if m else p["param"]
+        m = re.match(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.*)$", p["param"])
+        if m:  # expert buffers: dp_group_idx = pp_rank * EP + ep_rank; megatron numbers layers per stage
+            stage, ep_rank = divmod(opt.dp_group_idx, ep)
+            ours = (f"decoder.layers.{int(m.group(1)) + stage * per_stage}.mlp.experts."
+                    f"{ep_rank * per + int(m.group(2))}.{m.group(3)}")
+        else:
+            ours = _global_name(p["param"], opt.dp_group_idx // tp, per_stage)
         holder = next(h for h in views[ours].holders if h.ref.key("param") == key)
         assert (holder.ref.bucket_idx, holder.start, holder.start + holder.numel) == (
             opt.bucket_idx, p["start"], p["end"]), p["param"]
