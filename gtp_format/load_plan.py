@@ -201,12 +201,13 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
     if same and meg.dp_cp is not None and meg.dp_cp == dp * cp:
         return LoadPlan(AS_IS, "same TP/PP/EP and the same dp x cp optimizer group", source, target)
     moe = any(".experts." in k for k in ckpt.entries)
-    if moe:  # ckpt reshard refuses MoE sources (gtp_format.megatron); the export loads at any topology
+    if moe and tp > 1:  # ckpt reshard moves experts at expert TP 1 only; the export loads at any topology
         return LoadPlan(RESHARD, "megatron-core's dp_reshardable load refuses another TP/PP/EP/DP x CP ('Global shape "
-                        "mismatch'), and ckpt reshard does not reshard MoE yet; its fully_reshardable export loads at "
-                        "any topology", source, target, [export])
+                        "mismatch'), and ckpt reshard does not write MoE at TP > 1 (expert TP follows TP); its "
+                        "fully_reshardable export loads at any topology", source, target, [export])
     reshard = f"ckpt reshard {src_arg} DST --tp {tp} --pp {pp} --cp {cp} --dp {dp}"
-    why = (f"dp x cp {meg.dp_cp} -> {dp * cp}" if same else "another TP/PP")
+    reshard += f" --ep {ep or 1}" if moe else ""
+    why = (f"dp x cp {meg.dp_cp} -> {dp * cp}" if same else "another TP/PP/EP")
     return LoadPlan(RESHARD, f"{why}: megatron-core's dp_reshardable load refuses another layout of its buckets "
                     "('Global shape mismatch'); ckpt reshard writes the dp_reshardable checkpoint megatron-core saves "
                     "at the target (its loader takes it with no other flag), or export to fully_reshardable",

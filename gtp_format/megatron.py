@@ -200,7 +200,7 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict:  # -> dict[
 
     ``experts``: also MoE checkpoints (:mod:`gtp_format.megatron_moe`): ``inspect --params``, the
     padding map and ``export --to fully_reshardable`` ask (expert keys are indexed by (layer, expert),
-    :attr:`gtp_format.params.ParamView.lead`); reshard does not lay experts out for another EP yet.
+    :attr:`gtp_format.params.ParamView.lead`) and ``ckpt reshard``; the Hugging Face export does not.
     """
     from gtp_format.params import Holder, KeyRef, ParamView
 
@@ -212,8 +212,8 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict:  # -> dict[
     moe = bool(expert_keys(ckpt))
     if moe and prefixes == [f"chained_{i}.{OPT_PREFIX}" for i in range(2)]:
         if not experts:
-            raise _refuse(ckpt, "it is MoE (chained_ optimizers): 'ckpt inspect --params' and 'export --to "
-                          "fully_reshardable' read it, but reshard and the Hugging Face export do not move experts")
+            raise _refuse(ckpt, "it is MoE (chained_ optimizers): 'ckpt inspect --params', 'export --to "
+                          "fully_reshardable' and 'reshard' read it, but the Hugging Face export has no experts")
         expert_opts = {k: o for k, o in opts.items() if o.prefix == prefixes[1]}
         opts = {k: o for k, o in opts.items() if o.prefix == prefixes[0]}
     elif prefixes != [OPT_PREFIX] or moe:

@@ -6,8 +6,8 @@ shape mismatch" (the bucket keys' shapes are the buffers of the topology that sa
 megatron-core would have saved at the target, from the source's per-parameter view:
 
 1. the source view (:func:`gtp_format.megatron.megatron_views`: every parameter's slices derived
-   from megatron-core's bucket rules and checked against the stored chunks; what they do not
-   cover, MoE included, is refused in one line);
+   from megatron-core's bucket rules and checked against the stored chunks, MoE's dense and
+   expert buffers included; what they do not cover is refused in one line);
 2. the target layout (:mod:`gtp_format.megatron_layout`: megatron-core's own bucket rules at the
    target, TP splits of the GPT local spec, layers split evenly over the stages);
 3. every chunk: model weights (stacked layer keys, one chunk per layer and TP part, as megatron
@@ -80,6 +80,9 @@ def _modes(source: Source, tp: int) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     src_tp = max(h.spec.tp_size for v in source.views.values() for h in v.holders)
     for v in source.views.values():
+        if v.is_expert:
+            out[v.name] = None  # expert TP 1 (the view refuses split expert keys)
+            continue
         mode = tp_mode_of(v.name)
         seen = v.tp_mode if src_tp > 1 else mode
         if (seen is None) != (mode is None):
@@ -97,7 +100,7 @@ def _modes(source: Source, tp: int) -> dict[str, str | None]:
 
 def target_params(source: Source, tp: int, pp: int) -> list[list[TargetParam]]:
     """Each target stage's parameters in module order (the tied output layer last on the last stage)."""
-    views = list(source.views.values())
+    views = [v for v in source.views.values() if not v.is_expert]
     layers = {v.layer for v in views if v.layer is not None}
     n = max(layers) + 1 if layers else 0
     if n % pp:
@@ -121,21 +124,21 @@ def _source_bucket_size(source: Source) -> None:
     per_key: dict[tuple[int, int], set[str]] = {}
     for v in source.views.values():
         for h in v.holders:
-            per_key.setdefault((h.ref.dp_group_idx, h.ref.bucket_idx), set()).add(v.name)
-    plain: dict[int, int] = {}
-    for (n, _b), names in per_key.items():
+            per_key.setdefault((h.ref.prefix, h.ref.dp_group_idx, h.ref.bucket_idx), set()).add(v.name)
+    plain: dict[tuple[str, int], int] = {}
+    for (prefix, n, _b), names in per_key.items():
         if not names <= {HEAD[0], OUTPUT}:
-            plain[n] = plain.get(n, 0) + 1
+            plain[prefix, n] = plain.get((prefix, n), 0) + 1
     if any(c > 1 for c in plain.values()):
         raise FormatError(f"{source.root}: its buffers are split into buckets (a run with overlap_grad_reduce); pass "
                           "--bucket-size as the target run's --ddp-bucket-size (megatron's default max(40000000, "
                           "1000000 x dp x cp))")
 
 
-def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int | None, max_bytes: int
-                  ) -> tuple[dict[int, list[OutChunk]], dict[str, Any], dict[str, dict[int, tuple[list[int],
-                                                                                                   list[int]]]]]:
-    """(chunks per target rank, key -> (global shape, dtype), numels per dp_group_idx) of the target."""
+def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int | None, max_bytes: int,
+                  ep: int = 1) -> tuple[dict[int, list[OutChunk]], dict[str, Any],
+                                        dict[str, dict[int, tuple[list[int], list[int]]]]]:
+    """(chunks per target rank, key -> (global shape, dtype), numels per prefix and dp_group_idx) of the target."""
     if bucket_size is None:
         _source_bucket_size(source)
     first = next(iter(source.views.values())).holders[0].ref
@@ -147,7 +150,8 @@ def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int
     def rank(t: int, dc: int, stage: int) -> int:
         return t + tp * (dc + dp_cp * stage)
 
-    for stage, params in enumerate(target_params(source, tp, pp)):
+    stages = target_params(source, tp, pp)
+    for stage, params in enumerate(stages):
         slots, buckets = lay_out_stage(params, stage, dp_cp, bucket_size)
         for t in range(tp):
             numels[stage * tp + t] = ([b.numel for b in buckets], [b.numel_unpadded for b in buckets])
@@ -157,12 +161,63 @@ def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int
             if p.name != p.source:
                 continue
             v = source.views[p.name]
-            key = v.model_key
-            entry = source.ckpt.entries[key]
-            shapes[key] = (entry.shape, dtype_of(v.param_dtype))
+            shapes[v.model_key] = (source.ckpt.entries[v.model_key].shape, dtype_of(v.param_dtype))
             for t in range(tp if modes[v.name] else 1):
                 files[rank(t, 0, stage)].extend(_weight_chunks(v, _spec(v, modes[v.name], tp, t), max_bytes))
-    return files, shapes, {first.prefix: numels}
+    out = {first.prefix: numels}
+    experts = [v for v in source.views.values() if v.is_expert]
+    if experts:
+        out[experts[0].holders[0].ref.prefix] = _expert_chunks(source, experts, stages, tp, pp, dp_cp, ep,
+                                                               bucket_size, max_bytes, files, shapes)
+    return files, shapes, out
+
+
+def _expert_chunks(source: Source, experts: list[ParamView], stages: list[list[TargetParam]], tp: int, pp: int,
+                   dp_cp: int, ep: int, bucket_size: int | None, max_bytes: int, files: dict[int, list[OutChunk]],
+                   shapes: dict[str, Any]) -> dict[int, tuple[list[int], list[int]]]:
+    """The expert optimizer's buffers (megatron-core MoE, expert TP 1): one per (stage, EP rank) under
+    ``dp_group_idx = pp_rank * EP + ep_rank``, sharded over the expert DP group of ``tp x dp x cp / EP``
+    ranks (rank order within a stage: ep fastest, then expert DP), each holding its stage's layers'
+    experts ``ep_rank * E/EP + j`` in module order (per layer, per local expert)."""
+    n_exp = 1 + max(v.expert or 0 for v in experts)
+    if tp > 1:
+        raise FormatError(f"{source.root}: MoE at TP {tp}: megatron-core's expert TP follows TP by default, and "
+                          "expert TP > 1 is not supported; reshard MoE at --tp 1")
+    if n_exp % ep or (dp_cp * tp) % ep:
+        raise FormatError(f"{source.root}: --ep {ep} does not divide its {n_exp} experts and the {dp_cp * tp} ranks "
+                          "of a pipeline stage; pick an EP that divides both")
+    edp, per = dp_cp * tp // ep, n_exp // ep
+    layer_stage = {p_.name: p_.stage for params in stages for p_ in params}
+    ref0 = experts[0].holders[0].ref
+    numels: dict[int, tuple[list[int], list[int]]] = {}
+    by_name = {v.name: v for v in experts}
+    for stage in range(pp):
+        for e in range(ep):
+            params = [TargetParam(v.name, v.name, stage, v.numel) for v in experts
+                      if layer_stage.get(f"{v.name.split('.mlp.')[0]}.input_layernorm.weight", -1) == stage
+                      and (v.expert or 0) // per == e]
+            params.sort(key=lambda p_: (by_name[p_.name].layer or 0, by_name[p_.name].expert or 0))
+            slots, buckets = lay_out_stage(params, stage, edp, bucket_size)
+            n = stage * ep + e
+            numels[n] = ([b.numel for b in buckets], [b.numel_unpadded for b in buckets])
+            refs = [KeyRef(n, ref0.gbuf_idx, ref0.dtype, b.index, None, b.numel_unpadded, ref0.prefix)
+                    for b in buckets]
+            used: dict[int, list[tuple[int, int]]] = {}
+
+            def owner(off: int, b: Bucket, e: int = e, stage: int = stage) -> int:
+                return stage * dp_cp * tp + e + ep * (off // (b.numel // edp))
+
+            for s in slots:
+                v = by_name[s.param.name]
+                h = Holder(refs[s.bucket], s.start, _spec(v, None, 1, 0), (), True)
+                used.setdefault(s.bucket, []).append((s.start, s.start + h.numel))
+                for state in STATES:
+                    for c in _holder_chunks(v, h, state, max_bytes, math.prod(v.full_shape[1:])):
+                        files[owner(c.offsets[0], buckets[s.bucket])].append(c)
+                shapes[v.model_key] = (source.ckpt.entries[v.model_key].shape, dtype_of(v.param_dtype))
+                files[owner(0, buckets[s.bucket])].extend(_weight_chunks(v, _spec(v, None, 1, 0), max_bytes))
+            _gap_chunks(buckets, refs, used, max_bytes, shapes, lambda off, b: files[owner(off, b)].append)
+    return numels
 
 
 def _bucket_chunks(source: Source, slots: list[Slot], buckets: list[Bucket], modes: dict[str, str | None], tp: int,
@@ -181,14 +236,20 @@ def _bucket_chunks(source: Source, slots: list[Slot], buckets: list[Bucket], mod
             for state in STATES:
                 for c in _holder_chunks(v, h, state, max_bytes, row):
                     sink(t, c.offsets[0], buckets[s.bucket])(c)
-        for b, ref in zip(buckets, refs):
-            for state in STATES:
-                shapes[ref.key(state)] = ((b.numel_unpadded,), FP32)
-            step = max(1, max_bytes // FP32.itemsize)
-            for a, z in _gaps(b.numel_unpadded, used.get(b.index, [])):
-                for s0 in range(a, z, step):
-                    for state in STATES:
-                        sink(t, s0, b)(OutChunk(ref.key(state), (s0,), (min(z, s0 + step) - s0,), FP32))
+        _gap_chunks(buckets, refs, used, max_bytes, shapes, lambda off, b, t=t: sink(t, off, b))
+
+
+def _gap_chunks(buckets: list[Bucket], refs: list[KeyRef], used: dict[int, list[tuple[int, int]]], max_bytes: int,
+                shapes: dict[str, Any], sink: Callable[[int, Bucket], Callable[[OutChunk], None]]) -> None:
+    """Each bucket key's shape, and its alignment gaps (no parameter's) as zero chunks."""
+    step = max(1, max_bytes // FP32.itemsize)
+    for b, ref in zip(buckets, refs):
+        for state in STATES:
+            shapes[ref.key(state)] = ((b.numel_unpadded,), FP32)
+        for a, z in _gaps(b.numel_unpadded, used.get(b.index, [])):
+            for s0 in range(a, z, step):
+                for state in STATES:
+                    sink(s0, b)(OutChunk(ref.key(state), (s0,), (min(z, s0 + step) - s0,), FP32))
 
 
 def _weight_chunks(v: ParamView, spec: ShardSpec, max_bytes: int) -> list[OutChunk]:
@@ -209,23 +270,25 @@ def reshard_megatron(src: Path, dst: Path, tp: int | None, pp: int | None, cp: i
 
     t0 = time.perf_counter()
     baseline = rss_after_imports("torch_dist")
-    source = open_source(src, megatron=True)
+    source = open_source(src, megatron=True, experts=True)
     try:
         meg = derive(source.ckpt)
         if meg.format != "dp_reshardable":
             raise FormatError(f"{source.root}: its optimizer format is {meg.format}; reshard reads dp_reshardable "
                               "(a fully_reshardable checkpoint loads at any topology as it is)")
-        if ep not in (None, 1):
+        moe = any(v.is_expert for v in source.views.values())
+        if ep not in (None, 1) and not moe:
             raise FormatError(f"--ep {ep}: {source.root} has no experts; drop --ep")
+        ep = ep or meg.ep or 1
         src_tp, src_pp = meg.tp or 1, meg.pp or 1
         src_cp, src_dp = meg.cp or 1, meg.dp or meg.dp_cp or 1
         tp, pp, cp = tp or src_tp, pp or src_pp, cp or src_cp
         dp = dp or max(1, (meg.dp_cp or src_dp * src_cp) // cp)
         workers = workers or default_workers()
         chunk_bytes = chunk_budget(max_memory, workers)
-        files, shapes, numels = plan_megatron(source, tp, pp, dp * cp, bucket_size, chunk_bytes)
+        files, shapes, numels = plan_megatron(source, tp, pp, dp * cp, bucket_size, chunk_bytes, ep)
         sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
-                 "data_parallel_size": dp, "world_size": tp * pp * cp * dp}
+                 "data_parallel_size": dp, "world_size": tp * pp * cp * dp, "expert_model_parallel_size": ep}
         objects, dropped = target_objects(source.ckpt, numels, sizes, chunk_bytes)
         iteration = source.ckpt.iteration or 0
         ranks = sorted(files)

@@ -172,7 +172,7 @@ def test_uncovered_megatron_checkpoints_are_refused(name: str, needle: str, tmp_
         assert_error_line(cli("inspect", MEGATRON / name, "--params"), 2, needle)
     # --optimizer needs the per-parameter view; a weights-only export does not (tests/cli/test_hf_megatron.py)
     assert_error_line(cli("export", MEGATRON / name, tmp_path / "x", "--to", "hf", "--optimizer"), 2, needle)
-    assert_error_line(cli("reshard", MEGATRON / name, tmp_path / "y", "--tp", "1"), 2, needle)
+    assert_error_line(cli("reshard", MEGATRON / name, tmp_path / "y", "--tp", "2"), 2, needle)
     assert not list(tmp_path.iterdir())
 
 

@@ -88,7 +88,10 @@ def test_megatron_verdicts() -> None:
     assert dp["commands"][0] == f"ckpt reshard {src} DST --tp 2 --pp 2 --cp 1 --dp 2"
     moe = MEGATRON / "moe_ep2_dp4_dp_reshardable"
     doc = json.loads(cli("plan", moe, "--tp", "1", "--dp", "2", "--ep", "2", "--format", "json").stdout)
-    assert doc["verdict"] == "needs_reshard" and doc["commands"] == [f"ckpt export {moe} DST --to fully_reshardable"]
+    assert doc["verdict"] == "needs_reshard"
+    assert doc["commands"][0] == f"ckpt reshard {moe} DST --tp 1 --pp 1 --cp 1 --dp 2 --ep 2"
+    doc = json.loads(cli("plan", moe, "--tp", "2", "--dp", "2", "--ep", "2", "--format", "json").stdout)
+    assert doc["commands"] == [f"ckpt export {moe} DST --to fully_reshardable"]
     full = json.loads(cli("plan", MEGATRON / "dp2_fully_reshardable", "--tp", "2", "--format", "json").stdout)
     assert full["verdict"] == "works_as_is"
 
