@@ -15,7 +15,9 @@ loads into (the boxes) plus its largest chunk. The boxes come from the same layo
 runtime builds its buffers with (:mod:`gtp_format.layout`), and a test compares the prediction
 with the bytes a real ``--load`` on gloo ranks reads.
 
-megatron-core checkpoints: the verdict only (megatron-core's own loader decides what it reads).
+megatron-core checkpoints: the verdict only (megatron-core's own loader decides what it reads); a
+dense ``dp_reshardable`` one at another topology gets the ``ckpt reshard`` command that writes it
+for that topology (:mod:`ckpt_tool.reshard.megatron_dp`).
 """
 
 from __future__ import annotations
@@ -201,11 +203,15 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
     same = all(getattr(meg, k) is None or getattr(meg, k) == v for k, v in (("tp", tp), ("pp", pp), ("ep", ep or 1)))
     if same and meg.dp_cp is not None and meg.dp_cp == dp * cp:
         return LoadPlan(AS_IS, "same TP/PP/EP and the same dp x cp optimizer group", source, target)
-    if same:  # not promised: megatron-core's loader was never run here at another DP x CP
-        return LoadPlan(RESHARD, f"same TP/PP/EP, but dp x cp {meg.dp_cp} -> {dp * cp}: a dp_reshardable load at "
-                        "another DP x CP is not established (megatron-core 0.19.2 refused other topologies with "
-                        "'Global shape mismatch'); its fully_reshardable export loads at any topology",
-                        source, target, [export])
-    return LoadPlan(RESHARD, "megatron-core's dp_reshardable load refuses another TP/PP/EP ('Global shape mismatch'); "
-                    "ckpt reshard does not write megatron-core checkpoints yet, its fully_reshardable export loads "
-                    "at any topology", source, target, [export])
+    moe = any(".experts." in k for k in ckpt.entries)
+    if moe and tp > 1:  # ckpt reshard moves experts at expert TP 1 only; the export loads at any topology
+        return LoadPlan(RESHARD, "megatron-core's dp_reshardable load refuses another TP/PP/EP/DP x CP ('Global shape "
+                        "mismatch'), and ckpt reshard does not write MoE at TP > 1 (expert TP follows TP); its "
+                        "fully_reshardable export loads at any topology", source, target, [export])
+    reshard = f"ckpt reshard {src_arg} DST --tp {tp} --pp {pp} --cp {cp} --dp {dp}"
+    reshard += f" --ep {ep or 1}" if moe else ""
+    why = (f"dp x cp {meg.dp_cp} -> {dp * cp}" if same else "another TP/PP/EP")
+    return LoadPlan(RESHARD, f"{why}: megatron-core's dp_reshardable load refuses another layout of its buckets "
+                    "('Global shape mismatch'); ckpt reshard writes the dp_reshardable checkpoint megatron-core saves "
+                    "at the target (its loader takes it with no other flag), or export to fully_reshardable",
+                    source, target, [reshard, export])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -20,6 +20,7 @@ from ckpt_tool.output import (
     progress_opener,
 )
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
+from gtp_format.errors import FormatError
 
 EPILOG = """Examples:
 
@@ -31,11 +32,15 @@ EPILOG = """Examples:
 
   python -m gtp_runtime.train --nproc-per-node 4 --cp 4 --fold-cp --load runs/b/checkpoints
 
+  ckpt reshard MEGATRON/ckpt MEGATRON/ckpt_tp1pp2 --tp 1 --pp 2 --dp 2   (a megatron-core dp_reshardable one)
+
 Every size not given keeps SRC's value. DST is a new folder holding iter_XXXXXXX and the latest
 marker: `python -m gtp_runtime.train ... --load DST` at the new topology resumes from it with no
 other flag. Model weights, fp32 master weights and Adam moments move bit-exactly; the manifest
 is rewritten. SRC is only read; DST appears whole or not at all. Aliased sources are refused
-(run `ckpt migrate-aliased` first).
+(run `ckpt migrate-aliased` first). A megatron-core dp_reshardable SRC becomes the dp_reshardable
+checkpoint megatron-core saves at --tp --pp --cp --dp (its common_state records them; rng_state is
+dropped): megatron-core's loader takes it at that topology with no other flag.
 
 Exit codes: 0 written, 2 unreadable, incomplete or aliased SRC, impossible topology, DST exists,
 or a write failed (a full disk)."""
@@ -46,6 +51,7 @@ def reshard_command(
     src: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
     dst: Annotated[Path, typer.Argument(help="New folder to create.", show_default=False)],
     tp: Annotated[int | None, typer.Option("--tp", min=1, help="Tensor-parallel size.")] = None,
+    pp: Annotated[int | None, typer.Option("--pp", min=1, help="Pipeline-parallel size (megatron-core).")] = None,
     cp: Annotated[int | None, typer.Option("--cp", min=1, help="Context-parallel size.")] = None,
     gtp_remat: Annotated[int | None, typer.Option("--gtp-remat", min=1, help="GTP_remat size.")] = None,
     dp: Annotated[int | None, typer.Option("--dp", min=1, help="Data-parallel (replicate) size.")] = None,
@@ -55,6 +61,9 @@ def reshard_command(
                                                          help="GTP_remat size of expert weights.")] = None,
     layout: Annotated[str | None, typer.Option("--layout", metavar="torch_dist|safetensors",
                                                           help="Layout of DST (default: SRC's).")] = None,
+    ep: Annotated[int | None, typer.Option("--ep", min=1, help="Expert-parallel size (megatron-core sources).")] = None,
+    bucket_size: Annotated[int | None, typer.Option("--bucket-size", min=1, help="The target run's --ddp-bucket-size "
+                                                    "(megatron-core sources split into buckets).")] = None,
     max_memory: MaxMemoryOption = DEFAULT_MAX_MEMORY,
     workers: Annotated[int | None, typer.Option("--workers", min=1, max=64, show_default="one per core, at most 4",
                                                 help="Data files written in parallel.")] = None,
@@ -62,18 +71,41 @@ def reshard_command(
 ) -> None:
     """Write SRC's model and optimizer state for another topology into DST."""
     from ckpt_tool.reshard.engine import reshard, target_topology
+    from ckpt_tool.reshard.megatron_dp import is_megatron_source, reshard_megatron
 
+    if is_megatron_source(src):
+        ours = {"--gtp-remat": gtp_remat, "--fold-cp": fold_cp, "--expert-gtp-remat": expert_gtp_remat,
+                "--layout": layout}
+        given = [k for k, v in ours.items() if v is not None]
+        if given:
+            raise FormatError(f"{given[0]}: is for this runtime's checkpoints; {src} is megatron-core's "
+                              "(reshard takes --tp --pp --cp --dp there)")
+        with contextlib.ExitStack() as stack:
+            bar = progress_opener(stack, "resharding", fmt)
+            result = reshard_megatron(src, dst, tp, pp, cp, dp, ep, bucket_size, max_memory, workers, bar)
+        _report(result, fmt)
+        return
+    for flag, value in (("--pp", pp), ("--ep", ep), ("--bucket-size", bucket_size)):
+        if value is not None:
+            raise FormatError(f"{flag}: is for megatron-core sources; {src} is this runtime's checkpoint (it has no "
+                              "pipeline stages; experts follow --expert-gtp-remat)")
     par = target_topology(src, layout, tp=tp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp,
                           expert_gtp_remat=expert_gtp_remat)
     with contextlib.ExitStack() as stack:
         bar = progress_opener(stack, "resharding", fmt)
         result = reshard(src, dst, par, layout, max_memory, workers, bar)
+    _report(result, fmt)
+
+
+def _report(result: Any, fmt: OutputFormat) -> None:
     if fmt == OutputFormat.json:
         print_json({"ok": True, **result.to_json()})
     else:
         print_line(f"wrote {result.dst} ({result.target_topology}, {result.layout}): {count(result.files, 'file')}, "
                    f"{fmt_bytes(result.bytes_written)} from {result.source_topology} in {result.seconds:.1f} s; "
                    f"peak memory {fmt_bytes(result.peak_rss_bytes)} (budget {fmt_bytes(result.max_memory)})")
+        for note in result.notes:
+            print_line(f"note: {note}")
 
 
 def register(app: typer.Typer) -> None:

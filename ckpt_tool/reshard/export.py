@@ -99,8 +99,8 @@ def param_chunks(view: ParamView, state: str, key: str, max_bytes: int, stacked:
     """
     dt = dtype_of(view.param_dtype) if state == WEIGHT else FP32
     shape, rest = view.full_shape, view.full_shape[1:]
-    lead: tuple[int, ...] = (view.layer,) if stacked and view.layer is not None else ()
-    one: tuple[int, ...] = (1,) if lead else ()
+    lead: tuple[int, ...] = view.lead if stacked else ()
+    one: tuple[int, ...] = (1,) * len(lead)
     return [OutChunk(key, (*lead, a, *(0,) * len(rest)), (*one, b - a, *rest), dt, view.name, state,
                      ((a, *(0,) * len(rest)), (b - a, *rest)))
             for a, b in row_blocks(shape[0] if shape else 1, math.prod(rest), dt.itemsize, max_bytes)]
@@ -353,7 +353,8 @@ def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: i
     t0 = time.perf_counter()
     baseline = rss_after_imports("safetensors" if to == "hf" else None)
     weights_only = to == "torch" or (to == "hf" and not optimizer)
-    source = open_source(src, megatron=True, weights_only=weights_only, views=to != "torch")
+    source = open_source(src, megatron=True, weights_only=weights_only, views=to != "torch",
+                         experts=to == "fully_reshardable")
     names = names or ("hf" if source.manifest is not None or num_heads is not None else "megatron")
     if tokenizer is not None and names != "hf":
         raise FormatError("--tokenizer goes with --names hf (a folder transformers loads); drop one of them")

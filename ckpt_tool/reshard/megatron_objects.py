@@ -24,7 +24,7 @@ iteration, the optimizer's non-sharded part, the scheduler, ``content_metadata``
   one (the point of this format) cannot use it; megatron-core loads without it when told
   ``--no-load-rng``, which a topology change needs anyway.
 
-A common state of another structure (chained optimizers, a protocol other than torch.save's 2,
+A common state of another structure (a protocol other than torch.save's 2,
 persistent ids) is refused in one line.
 """
 
@@ -46,6 +46,7 @@ MEM_EFFICIENT = "distrib_optim_fully_reshardable_mem_efficient"
 _PUT = ("BINPUT", "LONG_BINPUT")
 _GET = ("BINGET", "LONG_BINGET")
 _STR = ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE")
+_INT = ("BININT", "BININT1", "BININT2")
 _REFUSED = ("MEMOIZE", "FRAME", "PERSID", "BINPERSID", "PROTO")
 
 
@@ -98,30 +99,52 @@ def _param_groups(root: str, key: str, pkl: bytes, base: int) -> bytes:
     return b"".join(_memo_op(n, base + a) if n in _PUT + _GET else raw for n, a, raw in ops[3:-2])
 
 
-def fully_reshardable_common(root: str, common: bytes, optimizer: bytes, source_type: str) -> bytes:
-    """``common_state``'s blob for ``fully_reshardable`` from a ``dp_reshardable`` one and its optimizer object."""
+def fully_reshardable_common(root: str, common: bytes, optimizers: list[bytes], source_type: str) -> bytes:
+    """``common_state``'s blob for ``fully_reshardable`` from a ``dp_reshardable`` one and its optimizer
+    objects: one, or one per chained optimizer (MoE: dense, expert), whose common part megatron-core
+    keeps as ``'optimizer': {0: {...}, 1: {...}}``."""
     prefix, records = _records(root, COMMON, common)
-    _, opt_records = _records(root, "optimizer", optimizer)
     pkl = dict(records)["data.pkl"]
     ops = _ops(root, COMMON, pkl)
     base = 1 + max((a for n, a, _ in ops if n in _PUT), default=0)
-    groups = _param_groups(root, "optimizer.distributed.dp_group_idx_0.optimizer", dict(opt_records)["data.pkl"],
-                           base)
+    groups = []
+    for i, optimizer in enumerate(optimizers):
+        _, opt_records = _records(root, "optimizer", optimizer)
+        opt_pkl = dict(opt_records)["data.pkl"]
+        groups.append(_param_groups(root, f"optimizer {i}'s param_groups", opt_pkl, base))
+        base += 1 + max((a for n, a, _ in _ops(root, "optimizer", opt_pkl) if n in _PUT), default=0)
+    chained = len(optimizers) > 1
+    strings = {ops[j + 1][1]: a for j, (n, a, _) in enumerate(ops[:-1]) if n in _STR and ops[j + 1][0] in _PUT}
+
+    def names(j: int, text: str) -> bool:  # opcode j pushes the string ``text`` (or its memo entry)
+        n, a, _ = ops[j]
+        return (n in _STR and a == text) or (n in _GET and strings.get(a) == text)
+
     out, spliced = [], 0
     flag = _flag_after(ops)
     for i, (name, arg, raw) in enumerate(ops):
         out.append(_str(TARGET) if name in _STR and arg == source_type else raw)
         if i == flag:  # megatron's fully_reshardable save records the (default) memory-efficiency flag too
             out.append(_str(MEM_EFFICIENT) + b"\x89")  # NEWFALSE
-        # `'optimizer': {}` (the string, its memo put, the dict, its memo put): fill the new dict first
-        if (name in _PUT and i >= 3 and ops[i - 1][0] == "EMPTY_DICT" and ops[i - 3][0] in _STR
-                and ops[i - 3][1] == "optimizer"):
-            out.append(_str("optimizer") + groups + b"s")  # SETITEM: value['optimizer'] = {param_groups}
-            spliced += 1
-    if spliced != 1 or not any(n in _STR and a == source_type for n, a, _ in ops):
+        # `'optimizer': {}` (the string, its memo put, the dict, its memo put), or a chained optimizer's
+        # `<i>: {}` followed by its `param_state_sharding_type`: fill the new dict first
+        if name not in _PUT or i < 3 or ops[i - 1][0] != "EMPTY_DICT":
+            continue
+        if not chained and ops[i - 3][0] in _STR and ops[i - 3][1] == "optimizer":
+            index = 0
+        elif chained and ops[i - 2][0] in _INT and i + 1 < len(ops) and names(i + 1, "param_state_sharding_type"):
+            index = ops[i - 2][1]
+        else:
+            continue
+        if not 0 <= index < len(groups):
+            raise FormatError(f"{root}: {COMMON} names optimizer {index} of {len(groups)}; export of this common "
+                              "state is not supported")
+        out.append(_str("optimizer") + groups[index] + b"s")  # SETITEM: value['optimizer'] = {param_groups}
+        spliced += 1
+    if spliced != len(groups) or not any(n in _STR and a == source_type for n, a, _ in ops):
         raise FormatError(f"{root}: {COMMON} has {spliced} optimizer entries of the expected form (one "
-                          f"{{'param_state_sharding_type': {source_type!r}}} dict); export of this common state "
-                          "(chained optimizers?) is not supported")
+                          f"{{'param_state_sharding_type': {source_type!r}}} dict per optimizer, {len(groups)} "
+                          "optimizers); export of this common state is not supported")
     return object_blob(prefix, [(n, b"".join(out) if n == "data.pkl" else d) for n, d in records])
 
 
@@ -163,14 +186,16 @@ def extra_objects(ckpt: Checkpoint, max_bytes: int) -> dict[str, bytes]:
             _records(root, key, blob)
             out[key] = blob
     common = ckpt.entries.get(COMMON)
-    opt = [k for k, e in ckpt.entries.items() if e.kind == "bytes" and k.startswith("optimizer.distributed.")
-           and k.endswith(".optimizer/shard_0_1")]
     first = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
+    chained = sorted({k.split(".", 1)[0] for k in ckpt.entries if k.startswith("chained_")},
+                     key=lambda p: int(p[len("chained_"):]) if p[len("chained_"):].isdigit() else -1)
+    firsts = [f"{c}.{first}" for c in chained] if chained else [first]
     if common is not None:
-        if first not in opt:
-            raise FormatError(f"{root}: {COMMON} is there but {first} (the optimizer's param_groups) is not; "
-                              "export of this common state is not supported")
-        o = ckpt.entries[first]
-        out[COMMON] = fully_reshardable_common(root, bytes(chunk_bytes(ckpt, common, common.chunks[0])),
-                                               bytes(chunk_bytes(ckpt, o, o.chunks[0])), "dp_reshardable")
+        missing = [k for k in firsts if k not in ckpt.entries or ckpt.entries[k].kind != "bytes"]
+        if missing or (chained and chained != [f"chained_{i}" for i in range(len(chained))]):
+            raise FormatError(f"{root}: {COMMON} is there but {(missing or firsts)[0]} (the optimizer's param_groups) "
+                              "is not; export of this common state is not supported")
+        blobs = [bytes(chunk_bytes(ckpt, ckpt.entries[k], ckpt.entries[k].chunks[0])) for k in firsts]
+        out[COMMON] = fully_reshardable_common(root, bytes(chunk_bytes(ckpt, common, common.chunks[0])), blobs,
+                                               "dp_reshardable")
     return out

@@ -128,27 +128,31 @@ class Source:
             g = h.spec.global_offset
             if view.layer is None:
                 return self.reader.read_box(view.model_key, (g[0] + r0, *g[1:]), (r1 - r0, *tail), buf)
-            box = self.reader.read_box(view.model_key, (view.layer, g[0] + r0, *g[1:]), (1, r1 - r0, *tail), buf)
+            lead = view.lead
+            box = self.reader.read_box(view.model_key, (*lead, g[0] + r0, *g[1:]), (*(1,) * len(lead), r1 - r0, *tail),
+                                       buf)
             return box.reshape((r1 - r0, *tail))
         row = math.prod(tail)
         flat = self.reader.read_box(h.ref.key(state), (h.start + r0 * row,), ((r1 - r0) * row,), buf)
         return flat.reshape((r1 - r0, *tail))
 
 
-def open_source(path: Path, megatron: bool = False, weights_only: bool = False, views: bool = True) -> Source:
+def open_source(path: Path, megatron: bool = False, weights_only: bool = False, views: bool = True,
+                experts: bool = False) -> Source:
     """Open SRC and refuse what cannot be resharded (see the module docstring).
 
     ``megatron=True`` (export) also takes a checkpoint without a manifest, through megatron-core's
     layout rules (:mod:`gtp_format.views.megatron`, which refuses what they do not cover).
     ``weights_only=True`` (an export of the model weights alone): a megatron-core checkpoint, whatever
-    its optimizer sharding, is read through its model keys alone (:mod:`.weights`); ``views=False``
+    its optimizer sharding, is read through its model keys alone (:mod:`.weights`); ``experts=True``
+    (``export --to fully_reshardable``): a megatron-core MoE checkpoint too; ``views=False``
     (``--to torch``, which copies keys, not parameters): no per-parameter view is built at all.
     """
     ckpt = open_checkpoint(path)
     if ckpt.manifest is None and (ckpt.root / MANIFEST_FILE).is_file():
         read_manifest(ckpt.root, strict=True)  # ours but unreadable: its own line (exit 2), never "megatron"
     if ckpt.manifest is None and megatron:
-        return _open_megatron(ckpt, weights_only, views)
+        return _open_megatron(ckpt, weights_only, views, experts)
     if ckpt.manifest is None:
         raise FormatError(f"{ckpt.root}: no gtp_manifest.json: not a gtp_runtime checkpoint; reshard writes this "
                           "runtime's layout (a genuine megatron-core checkpoint: `ckpt export --to fully_reshardable`)")
@@ -183,7 +187,8 @@ def open_source(path: Path, megatron: bool = False, weights_only: bool = False, 
     return Source(ckpt, manifest, views, CheckedReader(ckpt))
 
 
-def _open_megatron(ckpt: Checkpoint, weights_only: bool = False, views: bool = True) -> Source:
+def _open_megatron(ckpt: Checkpoint, weights_only: bool = False, views: bool = True, experts: bool = False
+                   ) -> Source:
     from gtp_format.views.megatron import megatron_views
 
     errors = [p for p in check_geometry(ckpt) + check_storage(ckpt) if p.severity == "error"]
@@ -196,7 +201,7 @@ def _open_megatron(ckpt: Checkpoint, weights_only: bool = False, views: bool = T
         from ckpt_tool.reshard.weights import weight_views
 
         return Source(ckpt, None, weight_views(ckpt) if views else {}, CheckedReader(ckpt))
-    return Source(ckpt, None, megatron_views(ckpt), CheckedReader(ckpt))
+    return Source(ckpt, None, megatron_views(ckpt, experts=experts), CheckedReader(ckpt))
 
 
 def _gate(ckpt: Checkpoint) -> None:

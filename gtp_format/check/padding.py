@@ -2,7 +2,7 @@
 
 Why apart: megatron-core pads each distributed-optimizer bucket to an alignment and leaves those
 elements uninitialised, so a genuine checkpoint's padding can hold NaN bit patterns that belong to
-no parameter (:func:`gtp_format.megatron.padding_chunks` finds the chunks that are padding only).
+no parameter (:func:`gtp_format.views.megatron.padding_chunks` finds the chunks that are padding only).
 Counting them as the key's NaN would flag every such checkpoint; ignoring them would hide a
 writer that filled its padding. So the data pass tallies them under a tagged key
 (:func:`tally_key`) and :func:`split_padding` reports them as one ``info`` line per key.

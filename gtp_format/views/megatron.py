@@ -199,9 +199,9 @@ def _stages(ckpt: Checkpoint, params: list[tuple[str, str, int | None]], pp: int
 def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamView]:
     """Every parameter of a megatron-core GPT ``dp_reshardable`` checkpoint, TP x PP (see the module docstring).
 
-    ``experts``: also MoE checkpoints (:mod:`gtp_format.views.megatron_moe`); only ``inspect --params``
-    and the padding map ask, since the readers of export and reshard index stacked keys by layer
-    alone, not by (layer, expert).
+    ``experts``: also MoE checkpoints (:mod:`gtp_format.views.megatron_moe`): ``inspect --params``, the
+    padding map and ``export --to fully_reshardable`` ask (expert keys are indexed by (layer, expert),
+    :attr:`gtp_format.views.records.ParamView.lead`) and ``ckpt reshard``; the Hugging Face export does not.
     """
     opts = {k: parse_optimizer_key(k) for k, e in ckpt.entries.items() if e.kind == TENSOR}
     opts = {k: o for k, o in opts.items() if o is not None}

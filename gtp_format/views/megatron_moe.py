@@ -36,8 +36,14 @@ def expert_keys(ckpt: Checkpoint) -> list[str]:
 
 
 def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse: Callable[[str], FormatError],
+                 layer_stage: dict[int, int] | None = None, pp: int = 1,
                  ) -> tuple[dict[str, Any], list[tuple[str, int, int, int, int]]]:
-    """Views of every expert parameter and the placed slices (name, ep rank, bucket, start, end)."""
+    """Views of every expert parameter and the placed slices (name, dp_group_idx, bucket, start, end).
+
+    With PP > 1 the expert optimizer's ``dp_group_idx`` is ``pp_rank * EP + ep_rank`` (its rank in
+    the expert model-parallel group, rank order tp-cp-ep-dp-pp), and a stage's buffer holds the
+    experts of its own layers (``layer_stage``: the dense view's stage of each layer).
+    """
     keys = {s: EXPERT_PREFIX + s for s in EXPERT if EXPERT_PREFIX + s in ckpt.entries}
     unknown = sorted(set(expert_keys(ckpt)) - set(keys.values()))
     if unknown:

@@ -71,10 +71,18 @@ class ParamView:
     holders: tuple[Holder, ...]
     weight_key: str | None = None  # the model-weight key when it is not ``name`` (megatron-core: stacked layers)
     layer: int | None = None  # index along the stacked key's leading layer axis
+    expert: int | None = None  # megatron-core MoE: index along the expert axis after the layer axis
 
     @property
     def model_key(self) -> str:
         return self.weight_key or self.name
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """The stacked key's leading indices of this parameter: (), (layer,) or (layer, expert)."""
+        if self.layer is None:
+            return ()
+        return (self.layer,) if self.expert is None else (self.layer, self.expert)
 
     @property
     def primaries(self) -> tuple[Holder, ...]:

@@ -17,7 +17,8 @@ from gtp_format.reader.checkpoint import open_checkpoint
 from gtp_format.reader.chunks import chunk_bytes
 
 MEGATRON = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
-PAIRS = ["pair_tp2_dp2_dp_reshardable", "pair_pp2_tp2_dp_reshardable", "pair_pp4_dp_reshardable"]
+PAIRS = ["pair_tp2_dp2_dp_reshardable", "pair_pp2_tp2_dp_reshardable", "pair_pp4_dp_reshardable",
+         "pair_moe_ep2_dp_reshardable", "pair_untied_pp2_dp_reshardable"]
 
 
 def _plain(state: dict[str, Any]) -> dict[str, Any]:
@@ -39,7 +40,10 @@ def test_export_has_every_key_of_megatrons_own_save(pair: str, tmp_path: Path) -
             assert chunk_bytes(ours, e, e.chunks[0]) == chunk_bytes(theirs, t, t.chunks[0]), k
     mine, own = common_state(ours), common_state(theirs)
     assert mine is not None and own is not None
-    assert mine["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    chained = "pair_moe" in pair  # MoE: {0: dense, 1: experts}, each with its own param_groups
+    assert chained == (sorted(mine["optimizer"]) == [0, 1])
+    for sub in (mine["optimizer"].values() if chained else [mine["optimizer"]]):
+        assert sub["param_state_sharding_type"] == "fully_reshardable" and sub["optimizer"]["param_groups"]
     assert mine["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
     assert repr(_plain(mine)) == repr(_plain(own))  # param_groups (step 2.0), scheduler, iteration
     assert '"rng_state_dropped"' in r.stdout
@@ -59,9 +63,9 @@ def test_common_state_of_another_structure_is_refused(tmp_path: Path) -> None:
     e = ckpt.entries["optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"]
     opt = bytes(chunk_bytes(ckpt, e, e.chunks[0]))
     with pytest.raises(FormatError, match="not supported"):  # the common state given twice: no sharding type
-        fully_reshardable_common("src", blob, opt, "fully_sharded_model_space")
+        fully_reshardable_common("src", blob, [opt], "fully_sharded_model_space")
     with pytest.raises(FormatError, match="not a one-element list|optimizer entries"):
-        fully_reshardable_common("src", blob, blob, "dp_reshardable")
+        fully_reshardable_common("src", blob, [blob], "dp_reshardable")
     assert_error_line(cli("export", MEGATRON / "dp2_fully_reshardable", tmp_path / "x", "--to",
                           "fully_reshardable"), 2, "dp_reshardable")
 

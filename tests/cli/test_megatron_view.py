@@ -25,9 +25,10 @@ from gtp_format.reader.checkpoint import open_checkpoint
 
 MEGATRON = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
 DENSE = ["tp2_dp2_dp_reshardable", "cp2_dp2_dp_reshardable", "pp2_dp2_dp_reshardable",
-         "pair_pp2_tp2_dp_reshardable", "pair_pp4_dp_reshardable"]
+         "pair_pp2_tp2_dp_reshardable", "pair_pp4_dp_reshardable", "pair_untied_pp2_dp_reshardable"]
 EMB = "embedding.word_embeddings.weight"
-PAIRS = ["pair_tp2_dp2_dp_reshardable", "pair_pp2_tp2_dp_reshardable", "pair_pp4_dp_reshardable"]
+PAIRS = ["pair_tp2_dp2_dp_reshardable", "pair_pp2_tp2_dp_reshardable", "pair_pp4_dp_reshardable",
+         "pair_moe_ep2_dp_reshardable", "pair_untied_pp2_dp_reshardable"]
 
 
 def _global_name(name: str, stage: int, layers_per_stage: int) -> str:
@@ -56,7 +57,8 @@ def test_layout_equals_megatron_buffers(name: str) -> None:
     src = open_source(MEGATRON / name, megatron=True)
     checked = 0
     for opt, _, p in _recorded_slices(expected):
-        view = src.views[_global_name(p["param"], opt.dp_group_idx // topo["tp"], per_stage)]
+        own = p["param"] == "output_layer.weight" and p["param"] in src.views  # untied: a parameter of its own
+        view = src.views[p["param"] if own else _global_name(p["param"], opt.dp_group_idx // topo["tp"], per_stage)]
         holder = next(h for h in view.holders if h.ref.dp_group_idx == opt.dp_group_idx)
         got = (holder.ref.bucket_idx, holder.start, holder.start + holder.numel)
         assert got == (opt.bucket_idx, p["start"], p["end"]), p["param"]
@@ -123,22 +125,30 @@ def test_hf_export_of_megatron_loads(tmp_path: Path) -> None:
     assert loaded["embedding.word_embeddings.weight"].dtype == torch.bfloat16
 
 
-def test_moe_layout_equals_megatron_buffers() -> None:
-    """MoE EP2 x DP4: the dense (chained_0) and expert (chained_1, one buffer per EP rank) buffers
-    are where megatron's own buffers had them, and every fp32 master rounds to its bf16 weight
-    (experts read straight from the stacked (layer, expert) key)."""
+@pytest.mark.parametrize("name", ["moe_ep2_dp4_dp_reshardable", "pair_moe_ep2_dp_reshardable",
+                                  "moe_pp2_ep2_dp_reshardable"])
+def test_moe_layout_equals_megatron_buffers(name: str) -> None:
+    """MoE EP2 (x DP4, x DP2, x PP2): the dense (chained_0) and expert (chained_1, one buffer per
+    (stage, EP rank)) buffers are where megatron's own buffers had them, and every fp32 master
+    rounds to its bf16 weight (experts read straight from the stacked (layer, expert) key)."""
     from gtp_format.reader.boxes import BoxReader
     from gtp_format.views.checkpoint import param_views_of
 
-    name = "moe_ep2_dp4_dp_reshardable"
     expected = json.loads((MEGATRON / name / "expected.json").read_text())
     ckpt = open_checkpoint(MEGATRON / name)
     views = param_views_of(ckpt)
-    per = expected["topology"]["num_moe_experts"] // expected["topology"]["ep"]
+    topo = expected["topology"]
+    per, ep, tp = topo["num_moe_experts"] // topo["ep"], topo["ep"], topo["tp"]
+    per_stage = expected["model"]["num_layers"] // topo["pp"]
     checked = 0
     for opt, key, p in _recorded_slices(expected):
-        m = re.match(r"^(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.(\d+)\.(.*)$", p["param"])
-        ours = f"{m.group(1)}.{opt.dp_group_idx * per + int(m.group(2))}.{m.group(3)}" if m else p["param"]
+        m = re.match(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.*)$", p["param"])
+        if m:  # expert buffers: dp_group_idx = pp_rank * EP + ep_rank; megatron numbers layers per stage
+            stage, ep_rank = divmod(opt.dp_group_idx, ep)
+            ours = (f"decoder.layers.{int(m.group(1)) + stage * per_stage}.mlp.experts."
+                    f"{ep_rank * per + int(m.group(2))}.{m.group(3)}")
+        else:
+            ours = _global_name(p["param"], opt.dp_group_idx // tp, per_stage)
         holder = next(h for h in views[ours].holders if h.ref.key("param") == key)
         assert (holder.ref.bucket_idx, holder.start, holder.start + holder.numel) == (
             opt.bucket_idx, p["start"], p["end"]), p["param"]
@@ -162,8 +172,7 @@ def test_uncovered_megatron_checkpoints_are_refused(name: str, needle: str, tmp_
         assert_error_line(cli("inspect", MEGATRON / name, "--params"), 2, needle)
     # --optimizer needs the per-parameter view; a weights-only export does not (tests/cli/test_hf_megatron.py)
     assert_error_line(cli("export", MEGATRON / name, tmp_path / "x", "--to", "hf", "--optimizer"), 2, needle)
-    assert_error_line(cli("reshard", MEGATRON / "tp2_dp2_dp_reshardable", tmp_path / "y", "--tp", "1"), 2,
-                      "not a gtp_runtime checkpoint")
+    assert_error_line(cli("reshard", MEGATRON / name, tmp_path / "y", "--tp", "2"), 2, needle)
     assert not list(tmp_path.iterdir())
 
 
@@ -171,7 +180,9 @@ def test_uncovered_megatron_checkpoints_are_refused(name: str, needle: str, tmp_
 def test_export_equals_megatrons_own_fully_reshardable_save_of_the_same_state(pair: str, tmp_path: Path) -> None:
     """fixtures/megatron/pair_*: one megatron-core training state saved as dp_reshardable and as
     fully_reshardable. Exporting the first must give the second's optimizer.state.* tensors, bit
-    for bit (compared here directly: `ckpt diff --keys` is not on this branch).
+    for bit (compared here directly: `ckpt diff --keys` is not on this branch). MoE (EP2: the
+    chained dense + expert optimizer, expert keys stacked by (layer, expert)) and untied embeddings
+    (PP2: the output layer a key and a parameter of its own) included.
 
     One exception, megatron-core's own: in PP4 x DP1 its fully_reshardable save writes the tied
     word embeddings' fp32 state 64 elements (one alignment) off, with 64 zeros at the end, so

@@ -80,12 +80,34 @@ def test_megatron_verdicts() -> None:
     assert same["verdict"] == "works_as_is" and same["source"]["pp"] == 2 and same["source"]["tp"] == 2
     other = json.loads(cli("plan", src, "--tp", "1", "--pp", "2", "--dp", "2", "--format", "json").stdout)
     assert other["verdict"] == "needs_reshard"
-    assert other["commands"] == [f"ckpt export {src} DST --to fully_reshardable"]
-    # Same TP/PP at another DP: not promised, since megatron-core's loader was not run there.
+    assert other["commands"] == [f"ckpt reshard {src} DST --tp 1 --pp 2 --cp 1 --dp 2",
+                                 f"ckpt export {src} DST --to fully_reshardable"]
+    # Same TP/PP at another DP x CP: the buckets' padding (lcm(dp x cp, 128)) and DP slices change
     dp = json.loads(cli("plan", src, "--tp", "2", "--pp", "2", "--dp", "2", "--format", "json").stdout)
-    assert dp["verdict"] == "needs_reshard" and "not established" in dp["reason"]
+    assert dp["verdict"] == "needs_reshard" and "dp x cp 1 -> 2" in dp["reason"]
+    assert dp["commands"][0] == f"ckpt reshard {src} DST --tp 2 --pp 2 --cp 1 --dp 2"
+    moe = MEGATRON / "moe_ep2_dp4_dp_reshardable"
+    doc = json.loads(cli("plan", moe, "--tp", "1", "--dp", "2", "--ep", "2", "--format", "json").stdout)
+    assert doc["verdict"] == "needs_reshard"
+    assert doc["commands"][0] == f"ckpt reshard {moe} DST --tp 1 --pp 1 --cp 1 --dp 2 --ep 2"
+    doc = json.loads(cli("plan", moe, "--tp", "2", "--dp", "2", "--ep", "2", "--format", "json").stdout)
+    assert doc["commands"] == [f"ckpt export {moe} DST --to fully_reshardable"]
     full = json.loads(cli("plan", MEGATRON / "dp2_fully_reshardable", "--tp", "2", "--format", "json").stdout)
     assert full["verdict"] == "works_as_is"
+
+
+def test_megatron_reshard_command_from_the_plan_gives_a_checkpoint_that_loads_as_is(tmp_path: Path) -> None:
+    """The command ``ckpt plan`` prints, run as printed (DST filled in), yields a checkpoint whose plan at
+    that topology is works_as_is (megatron-core's loader on it: tests/cli/test_megatron_load.py)."""
+    src = MEGATRON / "pair_pp2_tp2_dp_reshardable"
+    doc = json.loads(cli("plan", src, "--tp", "1", "--pp", "2", "--dp", "2", "--format", "json").stdout)
+    words = doc["commands"][0].split()
+    assert words[:2] == ["ckpt", "reshard"] and words[3] == "DST"
+    dst = tmp_path / "dst"
+    r = cli(*words[1:3], dst, *words[4:])
+    assert r.exit_code == 0, r.stderr
+    again = json.loads(cli("plan", dst, "--tp", "1", "--pp", "2", "--dp", "2", "--format", "json").stdout)
+    assert again["verdict"] == "works_as_is", again["reason"]
 
 
 def test_bad_input_is_one_line(tmp_path: Path) -> None:

@@ -1,11 +1,12 @@
 """megatron-core's own loader on a ``fully_reshardable`` checkpoint, at a topology of our choice (megatron venv).
 
-``python megatron_load.py CKPT_ITER_DIR OUT_DIR TP PP DP NUM_LAYERS`` spawns TP x PP x DP gloo CPU
-ranks. Each builds the fixtures' model and optimizer (``fixtures/megatron/make_megatron_fixtures.py``:
-its CPU shims, ``MODEL`` and optimizer settings; local spec, bf16, megatron DDP with the
-distributed optimizer), wipes the model weights and optimizer state to zeros, and loads CKPT the
-way ``megatron/training/checkpointing.py:load_checkpoint`` does for ``torch_dist``
-(``sharded_state_dict(is_loading=True)`` with the ``fully_reshardable`` metadata,
+``python megatron_load.py CKPT_ITER_DIR OUT_DIR TP PP DP NUM_LAYERS [SHARDING [EP EXPERTS]]`` spawns
+TP x PP x DP gloo CPU ranks. Each builds the fixtures' model (MoE given EP and EXPERTS) and
+optimizer (``fixtures/megatron/make_megatron_fixtures.py``: its CPU shims, ``MODEL`` and optimizer
+settings; local spec, bf16, megatron DDP with the distributed optimizer), wipes the model weights
+and optimizer state to zeros, and loads CKPT the way
+``megatron/training/checkpointing.py:load_checkpoint`` does for ``torch_dist``
+(``sharded_state_dict(is_loading=True)`` with the ``fully_reshardable`` metadata, or SHARDING's,
 ``dist_checkpointing.load``, ``model.load_state_dict``, ``optimizer.load_state_dict``). Two
 workarounds for megatron-core 0.19.2 on CPU with torch's AdamW (issue 24):
 
@@ -30,7 +31,7 @@ from typing import Any
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
 
 
-def _build(tp: int, pp: int, num_layers: int) -> tuple[Any, Any]:
+def _build(tp: int, pp: int, num_layers: int, ep: int = 1, experts: int = 0) -> tuple[Any, Any]:
     import torch
     from make_megatron_fixtures import MODEL, SEED
     from megatron.core import parallel_state as mpu
@@ -43,14 +44,17 @@ def _build(tp: int, pp: int, num_layers: int) -> tuple[Any, Any]:
     from megatron.core.transformer.module import Float16Module
 
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    moe = dict(num_moe_experts=experts, expert_model_parallel_size=ep, moe_ffn_hidden_size=32, moe_router_topk=2,
+               moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0) if experts else {}
     config = TransformerConfig(
         num_layers=num_layers, hidden_size=MODEL["hidden_size"], ffn_hidden_size=MODEL["ffn_hidden_size"],
         num_attention_heads=MODEL["num_attention_heads"], tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
-        persist_layer_norm=False)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+        persist_layer_norm=False, **moe)
+    spec = get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False)
+    model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=MODEL["vocab_size"], max_sequence_length=MODEL["seq_length"],
                      pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
@@ -76,7 +80,8 @@ def _pass_step_through() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
-def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: int, num_layers: int) -> None:
+def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: int, num_layers: int,
+           sharding: str = "fully_reshardable", ep: int = 1, experts: int = 0) -> None:
     sys.path.insert(0, str(FIXTURES))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -98,8 +103,9 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: i
     from megatron.core import parallel_state as mpu
     from megatron.core.utils import unwrap_model
 
-    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    model, optimizer = _build(tp, pp, num_layers)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  expert_model_parallel_size=ep)
+    model, optimizer = _build(tp, pp, num_layers, ep, experts)
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         opt._init_optimizer_states_with_dummy_values()
     _pass_step_through()
@@ -109,7 +115,7 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: i
             p.zero_()
         for t in _optimizer_tensors(optimizer):
             t.zero_()
-    metadata = sharded_sd_metadata_for("fully_reshardable")
+    metadata = sharded_sd_metadata_for(sharding)
     sharded = {"model": module.sharded_state_dict(metadata=metadata)}
     sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True, metadata=metadata)
     state = dist_checkpointing.load(sharded, ckpt)
@@ -129,16 +135,18 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: i
     dist.destroy_process_group()
 
 
-def main(ckpt: str, out: str, tp: int, pp: int, dp: int, num_layers: int) -> None:
+def main(ckpt: str, out: str, tp: int, pp: int, dp: int, num_layers: int, sharding: str = "fully_reshardable",
+         ep: int = 1, experts: int = 0) -> None:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     world = tp * pp * dp
-    mp.spawn(worker, args=(world, port, ckpt, out, tp, pp, num_layers), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, port, ckpt, out, tp, pp, num_layers, sharding, ep, experts), nprocs=world,
+             join=True)
 
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), int(a[5]))
+    main(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), int(a[5]), *a[6:7], *map(int, a[7:9]))

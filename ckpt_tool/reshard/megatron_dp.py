@@ -1,0 +1,323 @@
+"""``ckpt reshard`` of a genuine megatron-core ``dp_reshardable`` checkpoint to another TP x PP x DP x CP.
+
+megatron-core itself cannot: its ``dp_reshardable`` load at another topology fails with "Global
+shape mismatch" (the bucket keys' shapes are the buffers of the topology that saved), and its
+``load_checkpoint`` refuses another (TP, PP) for that format outright. This writes the checkpoint
+megatron-core would have saved at the target, from the source's per-parameter view:
+
+1. the source view (:func:`gtp_format.views.megatron.megatron_views`: every parameter's slices derived
+   from megatron-core's bucket rules and checked against the stored chunks, MoE's dense and
+   expert buffers included; what they do not cover is refused in one line);
+2. the target layout (:mod:`gtp_format.megatron_layout`: megatron-core's own bucket rules at the
+   target, TP splits of the GPT local spec, layers split evenly over the stages);
+3. every chunk: model weights (stacked layer keys, one chunk per layer and TP part, as megatron
+   writes them), each target bucket's fp32 master / ``exp_avg`` / ``exp_avg_sq`` slices copied
+   from the source's bits (:func:`ckpt_tool.reshard.plan._holder_chunks`, the reshard's own),
+   alignment gaps as zeros; each chunk in the data file of the target rank that would have written
+   it (``__<rank>_0.distcp``, rank order tp-cp-ep-dp-pp), so the output's own view reads back;
+4. the byte objects (:mod:`.megatron_dp_objects`: ``common_state`` edited on its opcodes,
+   ``per_bucket_numel`` per target rank, ``rng_state`` dropped);
+5. streamed within the chunk budget and committed atomically through the one writer
+   (:func:`.engine.build_atomically`), after the source's reads passed their checksums.
+
+``bucket_size``: a run with ``overlap_grad_reduce`` splits the first stage's buffer into buckets of
+its ``--ddp-bucket-size`` (default ``max(4e7, 1e6 x dp x cp)``); the checkpoint does not record it.
+A source whose stages each have one bucket (apart from the shared embedding's) was written without
+a split, and the target is laid out so (``None``); any other source needs ``--bucket-size``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
+from ckpt_tool.reshard.engine import (
+    Progress,
+    Result,
+    build_atomically,
+    chunk_budget,
+    chunk_data,
+    default_workers,
+    peak_rss,
+    rss_after_imports,
+    run_files,
+)
+from ckpt_tool.reshard.megatron_dp_objects import target_objects
+from ckpt_tool.reshard.plan import FP32, OutChunk, _gaps, _holder_chunks, dtype_of, row_blocks
+from ckpt_tool.reshard.source import WEIGHT, Buffers, Source, open_source
+from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata, write_objects
+from gtp_format.errors import FormatError
+from gtp_format.layout.shard import ShardSpec
+from gtp_format.megatron_layout import Bucket, Slot, TargetParam, lay_out_stage, stage_of_layer, tp_mode_of
+from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
+from gtp_format.views.megatron import HEAD
+from gtp_format.views.records import Holder, KeyRef, ParamView, full_box
+from gtp_format.writer.checkpoint import CheckpointWriter, megatron_metadata
+from gtp_format.writer.sink import stage_bytes
+
+OUTPUT = "output_layer.weight"
+
+
+def is_megatron_source(src: Path) -> bool:
+    """No manifest of ours in SRC (its folder as ``locate`` finds it): megatron-core's, or refused as neither."""
+    from gtp_format.names import MANIFEST_FILE
+    from gtp_format.reader.locate import locate
+
+    return not (locate(src).folder / MANIFEST_FILE).is_file()
+
+
+def _spec(view: ParamView, mode: str | None, tp: int, t: int) -> ShardSpec:
+    return ShardSpec(view.full_shape, mode, tp, t if mode else 0, None, 1, 0, 1)
+
+
+def _modes(source: Source, tp: int) -> dict[str, str | None]:
+    """Each parameter's TP split: megatron's GPT table, checked against the source where its TP shows it."""
+    out: dict[str, str | None] = {}
+    src_tp = max(h.spec.tp_size for v in source.views.values() for h in v.holders)
+    for v in source.views.values():
+        if v.is_expert:
+            out[v.name] = None  # expert TP 1 (the view refuses split expert keys)
+            continue
+        mode = tp_mode_of(v.name)
+        seen = v.tp_mode if src_tp > 1 else mode
+        if (seen is None) != (mode is None):
+            raise FormatError(f"{source.root}: {v.name} is {'split' if seen else 'not split'} over TP {src_tp} in "
+                              "the checkpoint, unlike megatron-core's GPT (local spec); reshard of this model is not "
+                              "supported")
+        if mode is not None:
+            axis = 1 if mode == "row" else 0
+            if len(v.full_shape) <= axis or v.full_shape[axis] % tp:
+                raise FormatError(f"{source.root}: {v.name} {list(v.full_shape)} does not split over TP {tp} "
+                                  f"(dimension {axis}); pick a TP that divides it")
+        out[v.name] = mode
+    return out
+
+
+def target_params(source: Source, tp: int, pp: int) -> list[list[TargetParam]]:
+    """Each target stage's parameters in module order (the tied output layer last on the last stage)."""
+    views = [v for v in source.views.values() if not v.is_expert]
+    layers = {v.layer for v in views if v.layer is not None}
+    n = max(layers) + 1 if layers else 0
+    if n % pp:
+        raise FormatError(f"{source.root}: {n} layers do not split evenly over PP {pp} (megatron-core's default "
+                          "stage split); pick a PP that divides them")
+    tied = OUTPUT not in source.views
+    modes = _modes(source, tp)
+    stages: list[list[TargetParam]] = [[] for _ in range(pp)]
+    for v in views:
+        stage = stage_of_layer(v.layer, n, pp) if v.layer is not None else 0 if v.name in HEAD else pp - 1
+        local = math.prod(_spec(v, modes[v.name], tp, 0).local_shape)
+        stages[stage].append(TargetParam(v.name, v.name, stage, local, tied and pp > 1 and v.name == HEAD[0]))
+    if tied and pp > 1:  # the last stage's copy of the word embeddings: its own slot, the same state
+        emb = stages[0][[p.name for p in stages[0]].index(HEAD[0])]
+        stages[-1].append(TargetParam(OUTPUT, HEAD[0], pp - 1, emb.numel, True))
+    return stages
+
+
+def _source_bucket_size(source: Source) -> None:
+    """``None`` when every source stage has one bucket besides a shared embedding's; else refused."""
+    per_key: dict[tuple[int, int], set[str]] = {}
+    for v in source.views.values():
+        for h in v.holders:
+            per_key.setdefault((h.ref.prefix, h.ref.dp_group_idx, h.ref.bucket_idx), set()).add(v.name)
+    plain: dict[tuple[str, int], int] = {}
+    for (prefix, n, _b), names in per_key.items():
+        if not names <= {HEAD[0], OUTPUT}:
+            plain[prefix, n] = plain.get((prefix, n), 0) + 1
+    if any(c > 1 for c in plain.values()):
+        raise FormatError(f"{source.root}: its buffers are split into buckets (a run with overlap_grad_reduce); pass "
+                          "--bucket-size as the target run's --ddp-bucket-size (megatron's default max(40000000, "
+                          "1000000 x dp x cp))")
+
+
+def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int | None, max_bytes: int,
+                  ep: int = 1) -> tuple[dict[int, list[OutChunk]], dict[str, Any],
+                                        dict[str, dict[int, tuple[list[int], list[int]]]]]:
+    """(chunks per target rank, key -> (global shape, dtype), numels per prefix and dp_group_idx) of the target."""
+    if bucket_size is None:
+        _source_bucket_size(source)
+    first = next(iter(source.views.values())).holders[0].ref
+    modes = _modes(source, tp)
+    files: dict[int, list[OutChunk]] = {r: [] for r in range(tp * dp_cp * pp)}
+    shapes: dict[str, Any] = {}
+    numels: dict[int, tuple[list[int], list[int]]] = {}
+
+    def rank(t: int, dc: int, stage: int) -> int:
+        return t + tp * (dc + dp_cp * stage)
+
+    stages = target_params(source, tp, pp)
+    for stage, params in enumerate(stages):
+        slots, buckets = lay_out_stage(params, stage, dp_cp, bucket_size)
+        for t in range(tp):
+            numels[stage * tp + t] = ([b.numel for b in buckets], [b.numel_unpadded for b in buckets])
+        _bucket_chunks(source, slots, buckets, modes, tp, first, max_bytes, shapes,
+                       lambda t, off, b, s=stage: files[rank(t, off // (b.numel // dp_cp), s)].append)
+        for p in params:
+            if p.name != p.source:
+                continue
+            v = source.views[p.name]
+            shapes[v.model_key] = (source.ckpt.entries[v.model_key].shape, dtype_of(v.param_dtype))
+            for t in range(tp if modes[v.name] else 1):
+                files[rank(t, 0, stage)].extend(_weight_chunks(v, _spec(v, modes[v.name], tp, t), max_bytes))
+    out = {first.prefix: numels}
+    experts = [v for v in source.views.values() if v.is_expert]
+    if experts:
+        out[experts[0].holders[0].ref.prefix] = _expert_chunks(source, experts, stages, tp, pp, dp_cp, ep,
+                                                               bucket_size, max_bytes, files, shapes)
+    return files, shapes, out
+
+
+def _expert_chunks(source: Source, experts: list[ParamView], stages: list[list[TargetParam]], tp: int, pp: int,
+                   dp_cp: int, ep: int, bucket_size: int | None, max_bytes: int, files: dict[int, list[OutChunk]],
+                   shapes: dict[str, Any]) -> dict[int, tuple[list[int], list[int]]]:
+    """The expert optimizer's buffers (megatron-core MoE, expert TP 1): one per (stage, EP rank) under
+    ``dp_group_idx = pp_rank * EP + ep_rank``, sharded over the expert DP group of ``tp x dp x cp / EP``
+    ranks (rank order within a stage: ep fastest, then expert DP), each holding its stage's layers'
+    experts ``ep_rank * E/EP + j`` in module order (per layer, per local expert)."""
+    n_exp = 1 + max(v.expert or 0 for v in experts)
+    if tp > 1:
+        raise FormatError(f"{source.root}: MoE at TP {tp}: megatron-core's expert TP follows TP by default, and "
+                          "expert TP > 1 is not supported; reshard MoE at --tp 1")
+    if n_exp % ep or (dp_cp * tp) % ep:
+        raise FormatError(f"{source.root}: --ep {ep} does not divide its {n_exp} experts and the {dp_cp * tp} ranks "
+                          "of a pipeline stage; pick an EP that divides both")
+    edp, per = dp_cp * tp // ep, n_exp // ep
+    layer_stage = {p_.name: p_.stage for params in stages for p_ in params}
+    ref0 = experts[0].holders[0].ref
+    numels: dict[int, tuple[list[int], list[int]]] = {}
+    by_name = {v.name: v for v in experts}
+    for stage in range(pp):
+        for e in range(ep):
+            params = [TargetParam(v.name, v.name, stage, v.numel) for v in experts
+                      if layer_stage.get(f"{v.name.split('.mlp.')[0]}.input_layernorm.weight", -1) == stage
+                      and (v.expert or 0) // per == e]
+            params.sort(key=lambda p_: (by_name[p_.name].layer or 0, by_name[p_.name].expert or 0))
+            slots, buckets = lay_out_stage(params, stage, edp, bucket_size)
+            n = stage * ep + e
+            numels[n] = ([b.numel for b in buckets], [b.numel_unpadded for b in buckets])
+            refs = [KeyRef(n, ref0.gbuf_idx, ref0.dtype, b.index, None, b.numel_unpadded, ref0.prefix)
+                    for b in buckets]
+            used: dict[int, list[tuple[int, int]]] = {}
+
+            def owner(off: int, b: Bucket, e: int = e, stage: int = stage) -> int:
+                return stage * dp_cp * tp + e + ep * (off // (b.numel // edp))
+
+            for s in slots:
+                v = by_name[s.param.name]
+                h = Holder(refs[s.bucket], s.start, _spec(v, None, 1, 0), (), True)
+                used.setdefault(s.bucket, []).append((s.start, s.start + h.numel))
+                for state in STATES:
+                    for c in _holder_chunks(v, h, state, max_bytes, math.prod(v.full_shape[1:])):
+                        files[owner(c.offsets[0], buckets[s.bucket])].append(c)
+                shapes[v.model_key] = (source.ckpt.entries[v.model_key].shape, dtype_of(v.param_dtype))
+                files[owner(0, buckets[s.bucket])].extend(_weight_chunks(v, _spec(v, None, 1, 0), max_bytes))
+            _gap_chunks(buckets, refs, used, max_bytes, shapes, lambda off, b: files[owner(off, b)].append)
+    return numels
+
+
+def _bucket_chunks(source: Source, slots: list[Slot], buckets: list[Bucket], modes: dict[str, str | None], tp: int,
+                   first: KeyRef, max_bytes: int, shapes: dict[str, Any],
+                   sink: Callable[[int, int, Bucket], Callable[[OutChunk], None]]) -> None:
+    """Every chunk of one stage's bucket keys: each slot's states from its source parameter, gaps zero."""
+    for t in range(tp):
+        refs = [KeyRef(b.stage * tp + t, first.gbuf_idx, first.dtype, b.index, None, b.numel_unpadded, first.prefix)
+                for b in buckets]
+        used: dict[int, list[tuple[int, int]]] = {}
+        for s in slots:
+            v = source.views[s.param.source]
+            h = Holder(refs[s.bucket], s.start, _spec(v, modes[v.name], tp, t), (), True)
+            used.setdefault(s.bucket, []).append((s.start, s.start + h.numel))
+            row = math.prod(v.full_shape[1:])
+            for state in STATES:
+                for c in _holder_chunks(v, h, state, max_bytes, row):
+                    sink(t, c.offsets[0], buckets[s.bucket])(c)
+        _gap_chunks(buckets, refs, used, max_bytes, shapes, lambda off, b, t=t: sink(t, off, b))
+
+
+def _gap_chunks(buckets: list[Bucket], refs: list[KeyRef], used: dict[int, list[tuple[int, int]]], max_bytes: int,
+                shapes: dict[str, Any], sink: Callable[[int, Bucket], Callable[[OutChunk], None]]) -> None:
+    """Each bucket key's shape, and its alignment gaps (no parameter's) as zero chunks."""
+    step = max(1, max_bytes // FP32.itemsize)
+    for b, ref in zip(buckets, refs):
+        for state in STATES:
+            shapes[ref.key(state)] = ((b.numel_unpadded,), FP32)
+        for a, z in _gaps(b.numel_unpadded, used.get(b.index, [])):
+            for s0 in range(a, z, step):
+                for state in STATES:
+                    sink(s0, b)(OutChunk(ref.key(state), (s0,), (min(z, s0 + step) - s0,), FP32))
+
+
+def _weight_chunks(v: ParamView, spec: ShardSpec, max_bytes: int) -> list[OutChunk]:
+    """One TP part of a model weight in row blocks (one block per layer and part at megatron's sizes)."""
+    dt = dtype_of(v.param_dtype)
+    (o0, *orest), (n0, *nrest) = full_box(spec)
+    lead, one = v.lead, (1,) * len(v.lead)
+    return [OutChunk(v.model_key, (*lead, o0 + a, *orest), (*one, b - a, *nrest), dt, v.name, WEIGHT,
+                     ((o0 + a, *orest), (b - a, *nrest)))
+            for a, b in row_blocks(n0, math.prod(nrest), dt.itemsize, max_bytes)]
+
+
+def reshard_megatron(src: Path, dst: Path, tp: int | None, pp: int | None, cp: int | None, dp: int | None,
+                     ep: int | None = None, bucket_size: int | None = None, max_memory: int = DEFAULT_MAX_MEMORY,
+                     workers: int | None = None, progress: Callable[[int], Progress] | None = None) -> Result:
+    """Reshard a megatron-core ``dp_reshardable`` SRC to TP x PP x CP x DP into the new folder DST."""
+    from gtp_format.megatron_topology import derive
+
+    t0 = time.perf_counter()
+    baseline = rss_after_imports("torch_dist")
+    source = open_source(src, megatron=True, experts=True)
+    try:
+        meg = derive(source.ckpt)
+        if meg.format != "dp_reshardable":
+            raise FormatError(f"{source.root}: its optimizer format is {meg.format}; reshard reads dp_reshardable "
+                              "(a fully_reshardable checkpoint loads at any topology as it is)")
+        moe = any(v.is_expert for v in source.views.values())
+        if ep not in (None, 1) and not moe:
+            raise FormatError(f"--ep {ep}: {source.root} has no experts; drop --ep")
+        ep = ep or meg.ep or 1
+        src_tp, src_pp = meg.tp or 1, meg.pp or 1
+        src_cp, src_dp = meg.cp or 1, meg.dp or meg.dp_cp or 1
+        tp, pp, cp = tp or src_tp, pp or src_pp, cp or src_cp
+        dp = dp or max(1, (meg.dp_cp or src_dp * src_cp) // cp)
+        workers = workers or default_workers()
+        chunk_bytes = chunk_budget(max_memory, workers)
+        files, shapes, numels = plan_megatron(source, tp, pp, dp * cp, bucket_size, chunk_bytes, ep)
+        sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
+                 "data_parallel_size": dp, "world_size": tp * pp * cp * dp, "expert_model_parallel_size": ep}
+        objects, dropped = target_objects(source.ckpt, numels, sizes, chunk_bytes)
+        iteration = source.ckpt.iteration or 0
+        ranks = sorted(files)
+        names = [f"__{r}_0.distcp" for r in ranks]
+        total = sum(c.nbytes for cs in files.values() for c in cs)
+
+        def body(writer: CheckpointWriter) -> None:
+            folder = writer.folder
+            advance = progress(total) if progress else (lambda n: None)
+            bufs = Buffers()
+            results = run_files(lambda i, tick: write_distcp(folder / names[i], files[ranks[i]],
+                                                             lambda c: chunk_data(source, c, bufs), tick,
+                                                             stage_bytes(chunk_bytes)),
+                                len(ranks), workers, advance)
+            placed: list[tuple[str, Any, int, int]] = [(n, c, off, ln) for n, r in zip(names, results)
+                                                       for c, off, ln in r[1]]
+            placed.extend(write_objects(folder / "__0_1.distcp", objects))
+            write_distcp_metadata(folder / DCP_METADATA_FILE, shapes, placed, list(objects))
+            source.verify_reads()  # a damaged SRC is refused here, before anything is committed
+            writer.finish(None, megatron_metadata("torch_dist"))  # megatron-core's layout: no manifest
+
+        build_atomically(dst, source.root, body, inner=iter_dir_name(iteration), latest=str(iteration))
+    finally:
+        source.reader.close()
+    out = list((dst / iter_dir_name(iteration)).iterdir())
+    before = f"tp{src_tp} pp{src_pp} cp{src_cp} dp{src_dp} (megatron-core dp_reshardable)"
+    result = Result(str(source.root), str(dst), before, f"tp{tp} pp{pp} cp{cp} dp{dp} (megatron-core dp_reshardable)",
+                    "torch_dist", len(out), sum(len(c) for c in files.values()), sum(p.stat().st_size for p in out),
+                    source.reader.bytes_read, time.perf_counter() - t0, max_memory, chunk_bytes, workers, peak_rss(),
+                    baseline)
+    return replace(result, notes=[f"rng_state dropped ({len([k for k in dropped if k.startswith('rng_state/')])} "
+                                  "objects; args.no_save_rng set, so megatron-core starts fresh RNG streams)"])

@@ -1,0 +1,165 @@
+"""The byte objects of a megatron-core ``dp_reshardable`` checkpoint resharded to another topology.
+
+Never unpickled; each is the source's blob, copied or edited on its pickle *opcodes*
+(:mod:`pickletools` decodes them without running anything, as :mod:`.megatron_objects` does for the
+``fully_reshardable`` export):
+
+* ``_extra_state``: copied as stored (per layer, not per rank: the same at any TP/PP).
+* ``optimizer.distributed.dp_group_idx_{N}.per_bucket_numel[_unpadded]/shard_0_1``: one pair per
+  target model-parallel rank ``N``; the source's blob (``[[{(param dtype, grad dtype): [n, ...]}]]``)
+  with its list of numels replaced by the target's. megatron-core's load asserts the unpadded list
+  equal to the one it computes.
+* ``optimizer.distributed.dp_group_idx_{N}.optimizer/shard_0_1``: the source's rank-0 blob (its
+  ``param_groups``: lr, betas, weight decay, ``step``) for every ``N``; megatron-core's load takes
+  each group's hyper-parameters from it by the group's identity (``wd_mult``, ``lr_mult``, ...)
+  and the params from the live optimizer, so the groups, not their param lists, must match.
+* ``common_state``: ``args``' ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
+  ``context_parallel_size``, ``data_parallel_size`` and ``world_size`` set to the target's
+  (megatron's ``load_checkpoint`` refuses a ``dp_reshardable`` optimizer whose recorded (TP, PP)
+  differ from the run's), and ``no_save_rng = True``.
+* ``rng_state``: dropped. It is per (pp, tp) rank of the *source*; copied onto other ranks it
+  would give two TP ranks one dropout stream. With ``args.no_save_rng`` megatron's loader does
+  not ask for it (as after a save with ``--no-save-rng``), so no ``--no-load-rng`` is needed.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from ckpt_tool.reshard.megatron_objects import COMMON, _ops, _records, _str
+from gtp_format.errors import FormatError
+from gtp_format.reader.checkpoint import Checkpoint
+from gtp_format.reader.chunks import chunk_bytes
+from gtp_format.writer.torch_blob import object_blob
+
+_PUT = ("BINPUT", "LONG_BINPUT")
+_INT = ("BININT", "BININT1", "BININT2", "LONG1")
+_STR = ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE")
+ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+        "data_parallel_size", "world_size")
+NO_SAVE_RNG = "no_save_rng"
+
+
+def _int(v: int) -> bytes:
+    if 0 <= v < 256:
+        return b"K" + bytes((v,))
+    if 0 <= v < 65536:
+        return b"M" + struct.pack("<H", v)
+    if -(1 << 31) <= v < (1 << 31):
+        return b"J" + struct.pack("<i", v)
+    raw = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes((len(raw),)) + raw
+
+
+def _blob(ckpt: Checkpoint, key: str) -> bytes:
+    e = ckpt.entries.get(key)
+    if e is None or e.kind != "bytes" or not e.chunks:
+        raise FormatError(f"{ckpt.root}: byte object {key} is missing; reshard of this checkpoint is not supported")
+    return bytes(chunk_bytes(ckpt, e, e.chunks[0]))
+
+
+def numel_blob(root: str, key: str, blob: bytes, numels: list[int]) -> bytes:
+    """``blob`` (one buffer's ``[[{dtypes: [n, ...]}]]``) with its innermost list replaced by ``numels``."""
+    prefix, records = _records(root, key, blob)
+    ops = _ops(root, key, dict(records)["data.pkl"])
+    names = [n for n, _, _ in ops]
+    lists = [i for i, n in enumerate(names) if n == "EMPTY_LIST"]
+    i = lists[-1] if len(lists) == 3 else -1
+    j = names.index("SETITEM", i) if i >= 0 and "SETITEM" in names[i:] else -1
+    body = set(names[i + 2:j]) if j > 0 else {"?"}
+    if j < 0 or names[i + 1] not in _PUT or not body <= {*_INT, "MARK", "APPEND", "APPENDS"} \
+            or names[j:] != ["SETITEM", "APPEND", "APPEND", "STOP"]:
+        raise FormatError(f"{root}: byte object {key} is not one buffer's [[{{dtypes: [numel, ...]}}]]; "
+                          "reshard of several gradient buffers is not supported")
+    raw = [r for _, _, r in ops]
+    new = b"".join(raw[:i + 2]) + b"(" + b"".join(_int(n) for n in numels) + b"e" + b"".join(raw[j:])
+    return object_blob(prefix, [(n, new if n == "data.pkl" else d) for n, d in records])
+
+
+def common_blob(root: str, blob: bytes, sizes: dict[str, int]) -> bytes:
+    """``common_state`` with ``args``' parallel sizes set to ``sizes`` and ``no_save_rng`` True."""
+    prefix, records = _records(root, COMMON, blob)
+    ops = _ops(root, COMMON, dict(records)["data.pkl"])
+    out = [raw for _, _, raw in ops]
+    found: dict[str, int] = {}
+    for i, (name, arg, _) in enumerate(ops):
+        if name in _STR and arg in sizes and arg not in found:
+            k = i + (2 if i + 1 < len(ops) and ops[i + 1][0] in _PUT else 1)
+            if k >= len(ops) or ops[k][0] not in _INT:
+                raise FormatError(f"{root}: {COMMON}'s args.{arg} is not an int; reshard of this common state is "
+                                  "not supported")
+            out[k] = _int(sizes[arg])
+            found[arg] = k
+        elif name in _STR and arg == NO_SAVE_RNG:
+            k = i + (2 if i + 1 < len(ops) and ops[i + 1][0] in _PUT else 1)
+            if k >= len(ops) or ops[k][0] not in ("NEWTRUE", "NEWFALSE"):
+                raise FormatError(f"{root}: {COMMON}'s args.{NO_SAVE_RNG} is not a bool; reshard of this common "
+                                  "state is not supported")
+            out[k] = b"\x88"  # NEWTRUE
+            found[NO_SAVE_RNG] = k
+    first = found.get(ARGS[0])
+    if first is None or ARGS[1] not in found:
+        raise FormatError(f"{root}: {COMMON}'s args record no {ARGS[0]} / {ARGS[1]}; megatron-core's loader "
+                          "would not know the topology; reshard of this common state is not supported")
+    if NO_SAVE_RNG not in found:
+        if first + 1 < len(ops) and ops[first + 1][0] == "SETITEM":
+            raise FormatError(f"{root}: {COMMON}'s args are not stored as a batch of items; reshard of this common "
+                              "state is not supported")
+        out[first] += _str(NO_SAVE_RNG) + b"\x88"  # one more (key, True) in the same SETITEMS batch
+    return object_blob(prefix, [(n, b"".join(out) if n == "data.pkl" else d) for n, d in records])
+
+
+def target_objects(ckpt: Checkpoint, numels: dict[str, dict[int, tuple[list[int], list[int]]]],
+                   sizes: dict[str, int], max_bytes: int) -> tuple[dict[str, bytes], list[str]]:
+    """Every byte object of the resharded checkpoint, by key, and the source keys left out.
+
+    ``numels``: optimizer prefix -> target ``dp_group_idx`` -> (padded, unpadded) bucket numels.
+    More than ``max_bytes`` of source objects (megatron-core's are a few KiB each) is refused.
+    """
+    root = str(ckpt.root)
+    objects = [(k, e) for k, e in ckpt.entries.items() if e.kind == "bytes"]
+    total = sum(e.chunks[0].storage.length for _, e in objects if e.chunks and e.chunks[0].storage is not None)
+    if total > max_bytes:
+        raise FormatError(f"{root}: its byte objects declare {total} bytes, more than the {max_bytes}-byte chunk "
+                          "budget; raise --max-memory")
+    out: dict[str, bytes] = {}
+    dropped: list[str] = []
+    known = [f"{p}.dp_group_idx_{{}}.{s}/shard_0_1" for p in numels for s in
+             ("per_bucket_numel", "per_bucket_numel_unpadded", "optimizer")]
+    for key, _ in objects:
+        if "._extra_state/" in key:
+            blob = _blob(ckpt, key)
+            _records(root, key, blob)  # CRC-checked: a damaged source is refused, not copied
+            out[key] = blob
+        elif key == COMMON:
+            out[key] = common_blob(root, _blob(ckpt, key), sizes)
+        elif not any(_matches(key, k) for k in known):
+            dropped.append(key)
+    if COMMON not in out:
+        raise FormatError(f"{root}: it has no {COMMON}; megatron-core's loader needs one; reshard is not supported")
+    for prefix, ranks in numels.items():
+        src = {s: _blob(ckpt, f"{prefix}.dp_group_idx_0.{s}/shard_0_1")
+               for s in ("per_bucket_numel", "per_bucket_numel_unpadded", "optimizer")}
+        _records(root, f"{prefix}.dp_group_idx_0.optimizer", src["optimizer"])  # CRC-checked before it is copied
+        for n, (padded, unpadded) in sorted(ranks.items()):
+            base = f"{prefix}.dp_group_idx_{n}"
+            out[f"{base}.per_bucket_numel/shard_0_1"] = numel_blob(root, f"{base}.per_bucket_numel",
+                                                                   src["per_bucket_numel"], padded)
+            out[f"{base}.per_bucket_numel_unpadded/shard_0_1"] = numel_blob(
+                root, f"{base}.per_bucket_numel_unpadded", src["per_bucket_numel_unpadded"], unpadded)
+            out[f"{base}.optimizer/shard_0_1"] = src["optimizer"]
+    return out, dropped
+
+
+def _matches(key: str, pattern: str) -> bool:
+    head, tail = pattern.split("{}")
+    mid = key[len(head):len(key) - len(tail)] if key.startswith(head) and key.endswith(tail) else ""
+    return mid.isdigit()
+
+
+def describe(objects: dict[str, Any]) -> dict[str, int]:
+    kinds = {"common_state": 0, "_extra_state": 0, "optimizer": 0}
+    for k in objects:
+        kinds["common_state" if k == COMMON else "_extra_state" if "._extra_state/" in k else "optimizer"] += 1
+    return kinds

@@ -1,0 +1,114 @@
+"""megatron-core's distributed-optimizer bucket layout for a topology of our choice (``ckpt reshard``).
+
+:mod:`gtp_format.views.megatron` reads the layout a checkpoint *has* (bucket boundaries from its keys'
+shapes); this module computes the layout megatron-core *will build* at a target TP x PP x (DP x CP),
+so that a ``dp_reshardable`` checkpoint written for it passes megatron-core's load (which checks
+every bucket key's global shape and asserts ``per_bucket_numel_unpadded`` equal to its own). The
+rules, from megatron-core 0.19.2 (``DistributedOptimizer._compute_per_buffer_param_layout``,
+``optimizer/param_layout.py``, ``DistributedDataParallel.__init__``, ``LanguageModule.
+setup_embeddings_and_output_layer``; Megatron-LM main has the same):
+
+1. one buffer per (param dtype, grad dtype) per model-parallel rank, ``dp_group_idx = pp_rank * TP
+   + tp_rank``; its params in module order, laid out **in reverse**;
+2. each param starts at a multiple of 64 elements (``pad_param_start``);
+3. a bucket closes after the param that brings it to ``bucket_size`` elements; stages other than
+   the first never split (DDP sets ``bucket_size = None`` for ``pp_rank > 0``), and neither does a
+   run without ``overlap_grad_reduce`` (``bucket_size = None`` everywhere);
+4. with tied embeddings and PP > 1 the *shared embedding* (``word_embeddings`` on the first stage,
+   ``output_layer`` on the last) closes the bucket before it and its own;
+5. a bucket's end is padded to ``lcm(dp x cp, 128)`` (``pad_bucket_end``; not stored: the key's
+   global shape is the unpadded numel, and the next bucket starts after the padding).
+
+Layers split evenly over the stages (``num_layers / PP`` each, megatron's default without an
+uneven first/last stage). A parameter's numel per TP rank comes from its TP split
+(:data:`TP_MODES`, megatron's GPT local spec: which linear is column- or row-parallel).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+PARAM_ALIGN = 64
+BUCKET_ALIGN = 128
+
+# module-name suffix -> TP split of megatron-core's GPT (local spec); every other param is replicated
+TP_MODES = (
+    ("embedding.word_embeddings.weight", "vocab"),
+    ("output_layer.weight", "column"),
+    ("self_attention.linear_qkv.weight", "column"),
+    ("self_attention.linear_qkv.bias", "column"),
+    ("mlp.linear_fc1.weight", "column"),
+    ("mlp.linear_fc1.bias", "column"),
+    ("self_attention.linear_proj.weight", "row"),
+    ("mlp.linear_fc2.weight", "row"),
+)
+
+
+def tp_mode_of(name: str) -> str | None:
+    """The TP split of a dense GPT parameter, by its module name."""
+    return next((mode for suffix, mode in TP_MODES if name.endswith(suffix)), None)
+
+
+@dataclass(frozen=True)
+class TargetParam:
+    """One parameter of one pipeline stage, as the target's buffer holds it (per TP rank)."""
+
+    name: str  # the module parameter (``output_layer.weight`` for the last stage's tied copy)
+    source: str  # the parameter whose state it holds (the tied copy: the word embeddings)
+    stage: int
+    numel: int  # elements per TP rank
+    shared: bool = False  # megatron's ``shared_embedding``: a bucket of its own
+
+
+@dataclass(frozen=True)
+class Slot:
+    param: TargetParam
+    bucket: int
+    start: int  # bucket-relative first element
+
+
+@dataclass(frozen=True)
+class Bucket:
+    stage: int
+    index: int
+    numel_unpadded: int  # the key's global shape
+    numel: int  # padded to lcm(dp x cp, 128): ``per_bucket_numel``
+
+
+def stage_of_layer(layer: int, num_layers: int, pp: int) -> int:
+    return layer // (num_layers // pp)
+
+
+def lay_out_stage(params: list[TargetParam], stage: int, dp_cp: int, bucket_size: int | None
+                  ) -> tuple[list[Slot], list[Bucket]]:
+    """The buckets of one stage's buffer and each param's place (``params`` in module order)."""
+    divisor = math.lcm(dp_cp, BUCKET_ALIGN)
+    size = bucket_size if stage == 0 else None
+    slots: list[Slot] = []
+    buckets: list[Bucket] = []
+    start = bucket_start = 0
+    open_params = 0
+    end = 0
+
+    def close(param_end: int) -> int:
+        padded = -(-param_end // divisor) * divisor
+        buckets.append(Bucket(stage, len(buckets), param_end - bucket_start, padded - bucket_start))
+        return padded
+
+    for p in reversed(params):
+        start = -(-start // PARAM_ALIGN) * PARAM_ALIGN
+        if p.shared and open_params:
+            bucket_start = start = close(start)
+            open_params = 0
+        end = start + p.numel
+        slots.append(Slot(p, len(buckets), start - bucket_start))
+        open_params += 1
+        if (size is not None and end - bucket_start >= size) or p.shared:
+            bucket_start = start = close(end)
+            open_params = 0
+        else:
+            start = end
+    if open_params:
+        close(end)
+    return slots, buckets
