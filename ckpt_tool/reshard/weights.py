@@ -13,14 +13,23 @@ Optimizer states are not in these views: ``--optimizer`` and ``--to fully_reshar
 
 from __future__ import annotations
 
+from gtp_format.errors import FormatError
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.model import Checkpoint
 from gtp_format.views.megatron import module_params
+from gtp_format.views.megatron_moe import EXPERT_PREFIX, expert_keys
 from gtp_format.views.records import Holder, KeyRef, ParamView
 
 
 def weight_views(ckpt: Checkpoint) -> dict[str, ParamView]:
-    """One whole-tensor view per module parameter (refuses, in one line, keys that are not the GPT's)."""
+    """One whole-tensor view per module parameter (refuses, in one line, keys that are not the GPT's).
+
+    MoE: each expert parameter too, read from its stacked (layer, expert) key and named as the
+    megatron-core MoE view names it (``decoder.layers.<l>.mlp.experts.<e>.<param>``).
+    :func:`module_params` lists the dense GPT's parameters only, and before this the experts were
+    left out without a word (found exporting the MoE EP2 fixture ``--to hf --names megatron``: 24
+    params written, no expert).
+    """
     out: dict[str, ParamView] = {}
     for name, key, layer in module_params(ckpt):
         e = ckpt.entries[key]
@@ -31,4 +40,17 @@ def weight_views(ckpt: Checkpoint) -> dict[str, ParamView]:
         holder = Holder(ref, 0, spec, (), True)
         out[name] = ParamView(name, full, full, None, None, False, 0, 0, 0, str(e.dtype), (holder,),
                               weight_key=None if key == name else key, layer=layer)
+    for key in expert_keys(ckpt):
+        e = ckpt.entries[key]
+        if e.shape is None or e.dtype is None or len(e.shape) < 3:
+            raise FormatError(f"{ckpt.root}: expert key {key} has shape {e.shape}, not (layers, experts, ...)")
+        layers, experts, full = e.shape[0], e.shape[1], tuple(e.shape[2:])
+        spec = ShardSpec(full, None, 1, 0, None, 1, 0, 1)
+        holder = Holder(KeyRef(0, 0, "", 0, None, 0), 0, spec, (), True)
+        param = key[len(EXPERT_PREFIX):]
+        for layer in range(layers):
+            for ex in range(experts):
+                name = f"decoder.layers.{layer}.mlp.experts.{ex}.{param}"
+                out[name] = ParamView(name, full, full, None, None, True, 0, 0, 0, str(e.dtype), (holder,),
+                                      weight_key=key, layer=layer, expert=ex)
     return out

@@ -23,6 +23,7 @@ import torch
 from cli_helpers import assert_error_line, cli
 from safetensors.torch import load_file
 
+from gtp_format.model import TENSOR
 from gtp_format.reader.checkpoint import open_checkpoint
 from gtp_format.views.megatron import module_params
 
@@ -174,3 +175,28 @@ def test_no_transformers_moe_causal_lm_has_learned_positions() -> None:
             non_gated.append(f.parent.name)
     assert len(moe) >= 10 and "mixtral" in moe  # the scan found them
     assert positions == [] and non_gated == [], (positions, non_gated)
+
+
+def test_megatron_moe_weights_under_megatron_names_keep_every_expert(tmp_path: Path) -> None:
+    """``--to hf --names megatron`` (the raw tensors the MoE refusal points to) of the MoE fixture: every
+    dense parameter and every (layer, expert) slice of the stacked expert keys, equal to what ``ckpt
+    show`` reads from the source (the experts were once dropped without a word)."""
+    src = MEGATRON / "moe_ep2_dp4_dp_reshardable"
+    r = cli("export", src, tmp_path / "hf", "--to", "hf", "--names", "megatron")
+    assert r.exit_code == 0, r.stderr
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    ckpt = open_checkpoint(src)
+    dense = {name for name, _, _ in module_params(ckpt)}
+    stacked = sorted(k for k, e in ckpt.entries.items() if k.startswith("decoder.layers.mlp.experts.experts.")
+                     and e.kind == TENSOR)
+    assert stacked and dense <= set(exported)
+    experts = set(exported) - dense
+    for key in stacked:
+        full = _shown(src, key)
+        layers, n = full.shape[:2]
+        for layer in range(layers):
+            for e in range(n):
+                name = f"decoder.layers.{layer}.mlp.experts.{e}.{key.rsplit('experts.', 1)[1]}"
+                experts.discard(name)
+                assert torch.equal(exported[name].double(), full[layer, e]), name
+    assert not experts, f"unexpected tensors: {sorted(experts)[:3]}"
