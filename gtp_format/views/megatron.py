@@ -211,8 +211,8 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
     moe = bool(expert_keys(ckpt))
     if moe and prefixes == [f"chained_{i}.{OPT_PREFIX}" for i in range(2)]:
         if not experts:
-            raise _refuse(ckpt, "it is MoE (chained_ optimizers): 'ckpt inspect --params' shows its view, but "
-                          "export and reshard do not read expert keys yet")
+            raise _refuse(ckpt, "it is MoE (chained_ optimizers): 'ckpt inspect --params', 'export --to "
+                          "fully_reshardable' and 'reshard' read it, but the Hugging Face export has no experts")
         expert_opts = {k: o for k, o in opts.items() if o.prefix == prefixes[1]}
         opts = {k: o for k, o in opts.items() if o.prefix == prefixes[0]}
     elif prefixes != [OPT_PREFIX] or moe:
@@ -306,10 +306,10 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
     order = [name for name, _, _ in params if name in views]
     out = {name: views[name] for name in order}  # module order
     if moe:
-        if pp != 1:
-            raise _refuse(ckpt, "it is MoE with PP > 1, which these rules do not cover")
         layers = max((ln for _, _, ln in params if ln is not None), default=-1) + 1
-        ev, eplaced = expert_views(ckpt, expert_opts, prefixes[1], layers, lambda why: _refuse(ckpt, why))
+        layer_stage = {ln: stage_of[name] for name, _, ln in params if ln is not None}
+        ev, eplaced = expert_views(ckpt, expert_opts, prefixes[1], layers, lambda why: _refuse(ckpt, why),
+                                   layer_stage, pp)
         _check_chunks(ckpt, expert_opts, eplaced, 1)
         out.update(ev)
     return out

@@ -9,8 +9,10 @@ E/EP``, laid out by the same rules (reverse module order, 64-aligned starts): pe
 local expert, ``linear_fc1.weight``, ``linear_fc1.bias``, ``linear_fc2.weight``,
 ``linear_fc2.bias``. The stacked keys ``decoder.layers.mlp.experts.experts.*`` have two leading
 axes (layer, expert) and one chunk per (layer, expert). Checked against megatron-core 0.19.2's
-``moe_ep2_dp4_dp_reshardable`` fixture (``tests/cli/test_megatron_view.py``); expert TP > 1 and
-MoE with PP > 1 are refused.
+``moe_ep2_dp4_dp_reshardable`` and ``pair_moe_ep2_dp_reshardable`` fixtures and, with PP 2 (each
+stage's expert buffer under ``dp_group_idx = pp_rank * EP + ep_rank``, holding its own layers'
+experts), ``moe_pp2_ep2_dp_reshardable`` (``tests/cli/test_megatron_view.py``); expert TP > 1 is
+refused.
 
 The view names an expert parameter ``decoder.layers.<l>.mlp.experts.<e>.<linear_fc1.weight>``
 with the global expert index ``e`` (megatron's modules say ``local_experts.<j>``).
@@ -53,9 +55,11 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
         raise refuse("expert keys disagree on (layers, experts)")
     n_exp = next(iter(shapes.values()))[1]
     ranks = sorted({o.dp_group_idx for o in opts.values()})
-    ep = len(ranks)
-    if ranks != list(range(ep)) or n_exp % ep:
-        raise refuse(f"the expert optimizer has dp_group_idx {ranks[:8]}, not EP ranks dividing {n_exp} experts")
+    ep = len(ranks) // pp
+    if ranks != list(range(len(ranks))) or len(ranks) % pp or n_exp % ep:
+        raise refuse(f"the expert optimizer has dp_group_idx {ranks[:8]}, not PP {pp} x EP ranks dividing {n_exp} "
+                     "experts")
+    stage_of = layer_stage or {layer: 0 for layer in range(layers)}
     for s, k in keys.items():
         e = ckpt.entries[k]
         full = shapes[s][2:]
@@ -71,16 +75,17 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
              for k, o in opts.items() if o.state == "param"}
     per = n_exp // ep
     placed: list[tuple[str, int, int, int, int]] = []
-    info: dict[str, tuple[str, int, tuple[int, ...]]] = {}
+    info: dict[str, tuple[str, int, tuple[int, ...], int]] = {}
     for r in ranks:
         names = []
-        for layer in range(layers):
+        stage, ep_rank = divmod(r, ep)
+        for layer in (ln for ln in range(layers) if stage_of.get(ln) == stage):
             for j in range(per):
                 for s in EXPERT:
                     if s in keys:
-                        name = f"decoder.layers.{layer}.mlp.experts.{r * per + j}.{s}"
+                        name = f"decoder.layers.{layer}.mlp.experts.{ep_rank * per + j}.{s}"
                         names.append(name)
-                        info[name] = (keys[s], layer, shapes[s][2:])
+                        info[name] = (keys[s], layer, shapes[s][2:], ep_rank * per + j)
         b, pos = 0, 0
         for name in reversed(names):
             n = 1
@@ -99,11 +104,11 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
     pdt = dtag.strip("()").split(",")[0].strip()
     views: dict[str, Any] = {}
     for name, r, bucket, start, _ in reversed(placed):
-        key, layer, full = info[name]
+        key, layer, full, expert = info[name]
         spec = ShardSpec(full, None, 1, 0, None, 1, 0, 1)
         holder = Holder(KeyRef(r, gbuf, dtag, bucket, None, numel[(r, bucket)], prefix), start, spec, (), True)
         views[name] = ParamView(name, full, full, None, None, True, gbuf, bucket, start, pdt, (holder,),
-                                weight_key=key, layer=layer)
+                                weight_key=key, layer=layer, expert=expert)
     order = [f"decoder.layers.{layer}.mlp.experts.{e}.{s}" for layer in range(layers) for e in range(n_exp)
              for s in EXPERT]
     return {name: views[name] for name in order if name in views}, placed

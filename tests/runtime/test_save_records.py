@@ -257,7 +257,7 @@ def test_records_hashed_as_written_equal_the_read_back_of_the_same_files(tmp_pat
     stats = {k: r.stats for k, r in saved.by_chunk.items()}  # statistics come from the tensors either way
     metadata = FileSystemReader(folder).read_metadata()
     again = {}
-    for rel, spans in _spans(folder, "torch_dist", metadata, files, stats).items():
+    for rel, spans in _spans(folder, "torch_dist", metadata.storage_data, files, stats).items():
         entry, recs = record_file(folder / rel, rel, spans)
         assert entry == ckpt.manifest.files[rel]  # the CRC-32C computed as written is the file's
         again.update({(r.key, r.offsets): r for r in recs})
