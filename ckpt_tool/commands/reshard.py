@@ -62,12 +62,14 @@ def reshard_command(
 ) -> None:
     """Write SRC's model and optimizer state for another topology into DST."""
     from ckpt_tool.reshard.engine import reshard, target_topology
+    from ckpt_tool.reshard.source import open_source
 
-    par = target_topology(src, layout, tp=tp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp,
+    source = open_source(src)  # located, parsed, gated and viewed once for both calls below
+    par = target_topology(source, layout, tp=tp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp,
                           expert_gtp_remat=expert_gtp_remat)
     with contextlib.ExitStack() as stack:
         bar = progress_opener(stack, "resharding", fmt)
-        result = reshard(src, dst, par, layout, max_memory, workers, bar)
+        result = reshard(source, dst, par, layout, max_memory, workers, bar)
     if fmt == OutputFormat.json:
         print_json({"ok": True, **result.to_json()})
     else:

@@ -29,22 +29,22 @@ import numpy as np
 
 from ckpt_tool.hf import mapping
 from ckpt_tool.hf.folder import Tensor, read_folder
-from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
+from ckpt_tool.reshard import DEFAULT_MAX_MEMORY, WEIGHT_STATE
 from ckpt_tool.reshard.engine import (
-    DEFAULT_BUCKET_SIZE,
-    Progress,
     build_atomically,
     chunk_budget,
     default_workers,
     peak_rss,
     write_checkpoint,
 )
-from ckpt_tool.reshard.plan import WEIGHT, OutChunk, plan_target
+from ckpt_tool.reshard.plan import OutChunk, plan_target
 from gtp_format.errors import FormatError
+from gtp_format.layout.buckets import DEFAULT_BUCKET_SIZE
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
 from gtp_format.layout.params import buffer_layouts, model_params
 from gtp_format.manifest import HASH_ALGORITHM, Manifest, OptimizerInfo
 from gtp_format.names import FORMAT_NAME, LAYOUTS, STATES, iter_dir_name
+from gtp_format.progress import ProgressOpener
 from gtp_format.scan import carrier
 from gtp_format.writer.checkpoint import CheckpointWriter
 from gtp_format.writer.sink import stage_bytes
@@ -130,7 +130,7 @@ def fill(hf: HFModel) -> Callable[[OutChunk], np.ndarray]:
             return np.zeros(c.sizes, dtype=carrier(c.dtype))
         assert c.box is not None
         bits = hf.read_box(c.param, *c.box)
-        return (bits if c.state == WEIGHT else _fp32(bits, hf.param_dtype)).reshape(c.sizes)
+        return (bits if c.state == WEIGHT_STATE else _fp32(bits, hf.param_dtype)).reshape(c.sizes)
 
     return one
 
@@ -151,7 +151,7 @@ def target(hf: HFModel, par: ParallelConfig, layout: str, bucket_size: int) -> M
 def import_hf(src: Path, dst: Path, par: ParallelConfig, layout: str = "torch_dist",
               bucket_size: int = DEFAULT_BUCKET_SIZE, seq_length: int | None = None,
               max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
-              progress: Callable[[int], Progress] | None = None) -> dict[str, Any]:
+              progress: ProgressOpener | None = None) -> dict[str, Any]:
     """Write the HF folder SRC as a step-0 checkpoint at ``par`` into the new folder DST."""
     if layout not in LAYOUTS:
         raise FormatError(f"--layout {layout!r}: use one of {', '.join(LAYOUTS)}")

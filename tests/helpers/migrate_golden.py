@@ -10,8 +10,9 @@ its output change from run to run or from Python to Python, and nothing else may
 So ``.metadata`` is compared as its decoded records (through the allow-listing unpickler), minus
 those two fields; the manifest as JSON, minus those fields; every other file by its bytes, and
 every chunk by the hash of its stored bytes. ``tests/cli/golden/migrate_aliased.json`` was
-recorded from the output of ``ckpt_tool/migrate_core.py`` as of commits 57bff73 and b432bb3
-(identical output), before migrate became a package; 101e36d wrote the same bytes too.
+recorded from the output of the former ``migrate_core.py`` of ``ckpt_tool`` (since split into
+``ckpt_tool/migrate/``) as of commits 57bff73 and b432bb3 (identical output), before migrate
+became a package; 101e36d wrote the same bytes too.
 """
 
 from __future__ import annotations
