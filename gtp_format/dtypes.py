@@ -97,9 +97,10 @@ DTYPES: dict[str, DType] = {d.name: d for d in _TABLE}
 BY_STORAGE: dict[str, DType] = {d.storage: d for d in _TABLE if d.storage}
 BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in _TABLE if d.safetensors}
 
-# Layouts and memory formats, which DCP's TensorProperties also records; kept as names.
-LAYOUTS = frozenset({"strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn",
-                     "jagged"})
+# Tensor layouts (torch.strided...; not a checkpoint layout, gtp_format.names.LAYOUTS) and memory
+# formats, which DCP's TensorProperties also records; kept as names.
+TENSOR_LAYOUTS = frozenset({"strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn",
+                            "jagged"})
 MEMORY_FORMATS = frozenset({"contiguous_format", "channels_last", "channels_last_3d", "preserve_format"})
 
 

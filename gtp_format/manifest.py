@@ -112,6 +112,15 @@ class Manifest:
     notes: list[Any] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # fields this version does not know, kept verbatim
     problems: list[str] = field(default_factory=list)  # lenient parse: what was ill-formed and dropped
+    # The strict verdict of the same parse: the line strict=True would have raised, or None. One
+    # parse serves both (open_checkpoint's lenient read, then gtp_format.check.gate's strict refusal).
+    strict_error: str | None = field(default=None, repr=False, compare=False)
+
+    def strict(self) -> Manifest:
+        """This manifest, when a strict parse would have accepted it; else its strict line (exit 2)."""
+        if self.strict_error is not None:
+            raise ManifestError(self.strict_error)
+        return self
 
     @property
     def world_size(self) -> int | None:
@@ -407,18 +416,20 @@ def parse_manifest(obj: Any, source: str, strict: bool = True) -> Manifest:
         raise ManifestError(f"{source}: {e}; {fix}") from None
     parsed: dict[str, Any] = {}
     problems: list[str] = []
+    strict_error = None
     for name, parse in _SECTIONS.items():
         try:
-            if name not in d and (strict and name != "bucket_size"):
-                raise _Bad(name, "is missing")
+            if name not in d and name != "bucket_size":
+                strict_error = strict_error or f"{source}: {_Bad(name, 'is missing')}; {fix}"
             parsed[name] = parse(d[name]) if name in d else None
         except _Bad as e:
-            if strict:
-                raise ManifestError(f"{source}: {e}; {fix}") from None
+            strict_error = strict_error or f"{source}: {e}; {fix}"
             problems.append(str(e))
             parsed[name] = None
+        if strict and strict_error is not None:
+            raise ManifestError(strict_error)
     extra = {k: v for k, v in d.items() if k not in _KNOWN}
-    return Manifest(**head, **parsed, extra=extra, problems=problems)
+    return Manifest(**head, **parsed, extra=extra, problems=problems, strict_error=strict_error)
 
 
 def read_manifest(folder: Path, strict: bool = True) -> Manifest:

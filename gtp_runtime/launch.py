@@ -45,7 +45,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-from gtp_runtime.lifeline import sigterm_as_interrupt, watch_lifeline
+from gtp_format.writer.work import sigterm_raises
+from gtp_runtime.lifeline import watch_lifeline
 
 TIMEOUT_ENV = "GTP_ROUNDTRIP_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -62,6 +63,29 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "gtp_ru
            "gtp_runtime.checkpoint.io", "gtp_runtime.roundtrip")
 AUTO = "auto"
 PORT_ATTEMPTS = 20  # fresh ports tried when the one found free is taken before the store binds it
+
+
+class LaunchError(Exception):
+    """The ranks could not be started at all (no rank ran): one line naming the cause and the fix."""
+
+
+def _start(procs: list[Any]) -> None:
+    """Start every rank; the fork server's socket path that AF_UNIX cannot hold is named as TMPDIR.
+
+    The fork server listens on a socket under ``TMPDIR`` (``$TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX``);
+    AF_UNIX paths hold 107 bytes, so a TMPDIR longer than about 70 bytes failed the first
+    ``start()`` with a bare ``OSError: AF_UNIX path too long`` and a traceback.
+    """
+    try:
+        for p in procs:
+            p.start()
+    except OSError as e:
+        if "AF_UNIX path too long" not in str(e):
+            raise
+        tmp = tempfile.gettempdir()
+        raise LaunchError(f"cannot start the ranks: TMPDIR={tmp} ({len(os.fsencode(tmp))} bytes) is too long for the "
+                          "fork server's socket path (AF_UNIX allows 107 bytes); set TMPDIR to a shorter folder, "
+                          "e.g. TMPDIR=/tmp") from None
 
 
 @dataclass
@@ -327,13 +351,16 @@ def run_local_ranks(world: int, fn: Callable[..., Any], args: Sequence[Any] = ()
     ranks = _Ranks(procs, [recv for recv, _ in pipes])
     timed_out = False
     try:
-        with sigterm_as_interrupt():
-            for p in procs:
-                p.start()
+        with sigterm_raises(replace=True):  # SIGTERM as SIGINT: the finally below stops every rank
+            _start(procs)
             life_recv.close()
             for _, send in pipes:
                 send.close()  # the children hold theirs: a rank that dies closes its pipe
             timed_out = _watch(ranks, limit)
+    except LaunchError:  # no rank ran: nothing in the work folder is worth keeping
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+        raise
     finally:
         ranks.stop()
         ranks.drain()

@@ -13,9 +13,11 @@ default action, so the ranks must notice by themselves:
 * **``PR_SET_PDEATHSIG``** (Linux): the kernel sends SIGKILL to a rank when its parent, the fork
   server, exits, which the fork server does as soon as the launcher is gone (it watches a pipe of
   its own). A second path that needs no thread to be scheduled.
-* **SIGTERM handled like SIGINT** in the launcher: :func:`sigterm_as_interrupt` turns it into
-  :class:`Terminated` (a ``KeyboardInterrupt``), so the launcher's ``finally`` stops every rank
-  and reports, instead of the default action, which ends the launcher alone.
+* **SIGTERM handled like SIGINT** in the launcher:
+  :func:`gtp_format.writer.work.sigterm_raises` (``replace=True``; the writer's own context
+  manager) turns it into :class:`gtp_format.writer.work.Terminated` (a ``KeyboardInterrupt``), so
+  the launcher's ``finally`` stops every rank and reports, instead of the default action, which
+  ends the launcher alone.
 
 The resource tracker needs nothing: it exits when the last process holding its pipe is gone.
 """
@@ -28,12 +30,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from types import FrameType
 from typing import Any
-
-from gtp_format.writer.work import Terminated  # the one SIGTERM exception: the launcher's and the writer's
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 EXIT_LAUNCHER_GONE = 143  # as if SIGTERM ended the rank: it did not finish on its own
@@ -67,20 +64,3 @@ def watch_lifeline(conn: Any) -> None:
     if conn.poll(0):
         os._exit(EXIT_LAUNCHER_GONE)
     threading.Thread(target=wait, name="gtp-lifeline", daemon=True).start()
-
-
-@contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """While the block runs, SIGTERM raises :class:`Terminated` in the main thread (no-op elsewhere)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise Terminated("terminated (SIGTERM)")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from gtp_format.compare import BITWISE, Tally, TensorSource, compare
 from gtp_format.dtypes import from_repr
+from gtp_format.layout.buckets import DEFAULT_BUCKET_SIZE
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
 from gtp_format.layout.schema import derive_bucket_size
 from gtp_format.manifest import Manifest
@@ -42,7 +43,6 @@ from gtp_runtime.training import TrainConfig, Trainer
 MODEL_PREFIX = "model."
 OPTIMIZER_PREFIX = "optimizer."
 META_PREFIX = "meta."
-DEFAULT_BUCKET_SIZE = TrainConfig.bucket_size
 
 # -- snapshots and bitwise comparison ---------------------------------------------------------------
 

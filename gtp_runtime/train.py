@@ -12,7 +12,7 @@ traceback is in its log file, whose path the line gives. ``--load`` opens and ve
 checkpoint (the checks of ``ckpt verify``) before any rank starts, and refuses it in one line.
 
 Every flag is parsed here and nowhere else, and every flag is exercised by a test through this
-command line (upstream once read a flag that was never registered with its parser).
+command line (upstream, NVIDIA/Megatron-LM#6886 as reviewed, read a flag that was never registered with its parser).
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
 from gtp_format.names import ITER_DIR_RE
 from gtp_format.text import safe_text
+from gtp_format.writer.work import Terminated
 from gtp_runtime.data.indexed import DataError
 from gtp_runtime.data.source import DataConfig
 from gtp_runtime.data.vocab import tokenizer_vocab_size
-from gtp_runtime.launch import RankFailure, run_local_ranks
-from gtp_runtime.lifeline import Terminated
+from gtp_runtime.launch import LaunchError, RankFailure, run_local_ranks
 from gtp_runtime.lr_schedule import LRConfig
 from gtp_runtime.muon import MuonConfig
 from gtp_runtime.optimizer import AdamConfig
@@ -403,6 +403,9 @@ def spawn(args: argparse.Namespace, world: int) -> int:
     except RankFailure as e:
         print(f"error: {safe_text(e.line())}", file=sys.stderr, flush=True)
         return 2 if e.clean else 1
+    except LaunchError as e:  # no rank ran (a TMPDIR too long for the fork server's socket)
+        print(f"error: {safe_text(str(e))}", file=sys.stderr, flush=True)
+        return 2
     except KeyboardInterrupt as e:  # SIGINT, or SIGTERM (gtp_runtime.lifeline): every rank is stopped
         term = isinstance(e, Terminated)
         print(f"error: {'terminated (SIGTERM)' if term else 'interrupted'}: stopped every rank; an iteration "

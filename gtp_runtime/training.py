@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from gtp_format.layout import topology as topo
+from gtp_format.layout.buckets import DEFAULT_BUCKET_SIZE
 from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_runtime.context_parallel import cp_positions, split_for_cp
 from gtp_runtime.data import lane_slice
@@ -30,7 +31,7 @@ class TrainConfig:
     """``"adam"`` (AdamW for every param) or ``"muon"`` (Muon for the linears, AdamW for the rest)."""
     muon: MuonConfig = field(default_factory=MuonConfig)
     micro_batch: int = 2
-    bucket_size: int = 40_000_000
+    bucket_size: int = DEFAULT_BUCKET_SIZE
     param_dtype: torch.dtype = torch.float32
     prefetch: bool = True
     """Start the next GTP weight's all-gather while the current GEMM runs."""

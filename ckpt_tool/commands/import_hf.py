@@ -19,8 +19,7 @@ from ckpt_tool.output import (
     progress_opener,
 )
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
-
-DEFAULT_BUCKET_SIZE = 40_000_000  # gtp_runtime.train's --bucket-size default (elements)
+from gtp_format.layout.buckets import DEFAULT_BUCKET_SIZE
 
 EPILOG = """Examples:
 

@@ -56,8 +56,9 @@ and exits as the real run would. A checkpoint with no aliased key is left alone 
 A gtp_manifest.json is required: only it says which buffers folded, maps writer ranks to CP
 ranks and holds the bucket layout; --cp-size is checked against it.
 
-Exit codes: 0 migrated (or nothing to do), 1 lost moments without --reset-lost-moments, or the
-migrated copy failed its own verify (nothing committed), 2 bad input, DST exists."""
+Exit codes: 0 migrated (or nothing to do), 1 SRC fails verify apart from its aliasing, lost moments
+without --reset-lost-moments, or the migrated copy failed its own verify (nothing committed), 2 bad
+input, DST exists."""
 
 
 def _print_table(doc: dict[str, Any], verdict: str) -> None:

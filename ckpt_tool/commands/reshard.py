@@ -89,11 +89,14 @@ def reshard_command(
         if value is not None:
             raise FormatError(f"{flag}: is for megatron-core sources; {src} is this runtime's checkpoint (it has no "
                               "pipeline stages; experts follow --expert-gtp-remat)")
-    par = target_topology(src, layout, tp=tp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp,
+    from ckpt_tool.reshard.source import open_source
+
+    source = open_source(src)  # located, parsed, gated and viewed once for both calls below
+    par = target_topology(source, layout, tp=tp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp,
                           expert_gtp_remat=expert_gtp_remat)
     with contextlib.ExitStack() as stack:
         bar = progress_opener(stack, "resharding", fmt)
-        result = reshard(src, dst, par, layout, max_memory, workers, bar)
+        result = reshard(source, dst, par, layout, max_memory, workers, bar)
     _report(result, fmt)
 
 

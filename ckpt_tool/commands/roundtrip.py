@@ -174,7 +174,7 @@ def verify_roundtrip_command(
              "compared; drop them")
     try:
         cfg, world = training.train_config(tp, cp, gtp_remat, dp, fold_cp, nproc,
-                                           bucket_size or training.DEFAULT_BUCKET_SIZE,
+                                           bucket_size or training.SELF_TEST_BUCKET_SIZE,
                                            optimizer.value if optimizer is not None else "adam")
     except ConfigError as e:
         hint = " (verify-roundtrip folds by default: pass --no-fold-cp)" if fold_cp is None and "fold" in str(e) else ""

@@ -28,6 +28,7 @@ from gtp_format.commit import write_durable
 from gtp_format.dtypes import DType, by_name
 from gtp_format.errors import FormatError
 from gtp_format.reader.safe_json import loads
+from gtp_format.reader.safetensors_reader import nonnegative_ints
 from gtp_format.scan import carrier
 
 CONFIG = "config.json"
@@ -155,20 +156,19 @@ def _header(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     for name, e in doc.items():
         if name == "__metadata__":
             continue
-        ok = isinstance(e, dict) and e.get("dtype") in ST_DTYPES and isinstance(e.get("shape"), list) \
-            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in e["shape"]) \
-            and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2 \
-            and all(isinstance(d, int) and not isinstance(d, bool) for d in e["data_offsets"])
-        if not ok:
+        shape = nonnegative_ints(e.get("shape")) if isinstance(e, dict) else None
+        span = nonnegative_ints(e.get("data_offsets")) if isinstance(e, dict) else None
+        if not isinstance(e, dict) or e.get("dtype") not in ST_DTYPES or shape is None or span is None \
+                or len(span) != 2:
             raise FormatError(f"{path}: tensor {name!r} has an ill-formed header entry (dtype one of "
                               f"{', '.join(ST_DTYPES)}, a shape and two data offsets)")
         dt = by_name(ST_DTYPES[e["dtype"]])
-        a, b = e["data_offsets"]
-        if not 0 <= a <= b <= size - 8 - n or b - a != math.prod(e["shape"]) * dt.itemsize:
+        a, b = span
+        if not a <= b <= size - 8 - n or b - a != math.prod(shape) * dt.itemsize:
             raise FormatError(f"{path}: tensor {name!r} spans bytes [{a}, {b}), which is not its shape "
-                              f"{e['shape']} of {dt.name} inside the file's {size - 8 - n} data bytes")
+                              f"{list(shape)} of {dt.name} inside the file's {size - 8 - n} data bytes")
         spans.append((a, b, name))
-        out[name] = Tensor(name, path, dt, tuple(e["shape"]), 8 + n + a)
+        out[name] = Tensor(name, path, dt, shape, 8 + n + a)
     spans.sort()
     for (_, b0, n0), (a1, _, n1) in zip(spans, spans[1:]):
         if a1 < b0:

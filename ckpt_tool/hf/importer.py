@@ -37,22 +37,22 @@ import numpy as np
 from ckpt_tool.hf import mapping
 from ckpt_tool.hf import run_state as hf_run_state
 from ckpt_tool.hf.folder import Tensor, read_folder, read_set
-from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
+from ckpt_tool.reshard import DEFAULT_MAX_MEMORY, WEIGHT_STATE
 from ckpt_tool.reshard.engine import (
-    DEFAULT_BUCKET_SIZE,
-    Progress,
     build_atomically,
     chunk_budget,
     default_workers,
     peak_rss,
     write_checkpoint,
 )
-from ckpt_tool.reshard.plan import WEIGHT, OutChunk, plan_target
+from ckpt_tool.reshard.plan import OutChunk, plan_target
 from gtp_format.errors import FormatError
+from gtp_format.layout.buckets import DEFAULT_BUCKET_SIZE
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
 from gtp_format.layout.params import buffer_layouts, model_params
 from gtp_format.manifest import HASH_ALGORITHM, Manifest, OptimizerInfo, format_version_for
 from gtp_format.names import FORMAT_NAME, LAYOUTS, STATES, iter_dir_name
+from gtp_format.progress import ProgressOpener
 from gtp_format.scan import carrier
 from gtp_format.writer.checkpoint import CheckpointWriter
 from gtp_format.writer.sink import stage_bytes
@@ -71,14 +71,14 @@ class HFModel:
     run: hf_run_state.RunState | None = None
 
     def read_box(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
-                 state: str = WEIGHT) -> np.ndarray:
+                 state: str = WEIGHT_STATE) -> np.ndarray:
         """A box of runtime parameter ``name``'s full tensor for ``state`` (the weight, or an optimizer
         state from the optimizer files), assembled from its HF tensors (stored bits)."""
         a, n = offsets[0], sizes[0]
         cols = (offsets[1], offsets[1] + sizes[1]) if len(sizes) == 2 else None
         out: np.ndarray | None = None
         for part in self.parts[name]:
-            if state == WEIGHT:
+            if state == WEIGHT_STATE:
                 t = self.tensors[part.hf]
             else:
                 assert self.optimizer is not None
@@ -175,10 +175,10 @@ def fill(hf: HFModel) -> Callable[[OutChunk], np.ndarray]:
         if c.param is None or (c.state in STATES[1:] and hf.optimizer is None):  # padding, gaps, moments at 0
             return np.zeros(c.sizes, dtype=carrier(c.dtype))
         assert c.box is not None and c.state is not None
-        if c.state != WEIGHT and hf.optimizer is not None:
+        if c.state != WEIGHT_STATE and hf.optimizer is not None:
             return hf.read_box(c.param, *c.box, state=c.state).reshape(c.sizes)
         bits = hf.read_box(c.param, *c.box)
-        return (bits if c.state == WEIGHT else _fp32(bits, hf.param_dtype)).reshape(c.sizes)
+        return (bits if c.state == WEIGHT_STATE else _fp32(bits, hf.param_dtype)).reshape(c.sizes)
 
     return one
 
@@ -203,7 +203,7 @@ def target(hf: HFModel, par: ParallelConfig, layout: str, bucket_size: int) -> M
 def import_hf(src: Path, dst: Path, par: ParallelConfig, layout: str = "torch_dist",
               bucket_size: int = DEFAULT_BUCKET_SIZE, seq_length: int | None = None,
               max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
-              progress: Callable[[int], Progress] | None = None, optimizer: bool = True) -> dict[str, Any]:
+              progress: ProgressOpener | None = None, optimizer: bool = True) -> dict[str, Any]:
     """Write the HF folder SRC as a checkpoint at ``par`` into the new folder DST: step 0, or the
     exported run's step with its optimizer state (``optimizer`` and optimizer files present)."""
     if layout not in LAYOUTS:

@@ -15,9 +15,10 @@ import time
 import uuid
 from pathlib import Path
 
-from ckpt_tool.migrate.plan import Plan, check_destination
-from ckpt_tool.migrate.write import Outcome, Progress, build_migrated
+from ckpt_tool.migrate.plan import Plan
+from ckpt_tool.migrate.write import Outcome, build_migrated
 from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
+from gtp_format.progress import Progress
 from gtp_format.reader.checkpoint import open_checkpoint
 from gtp_format.writer.checkpoint import CheckpointWriter
 
@@ -52,7 +53,7 @@ def migrate_to(plan: Plan, dst: Path, progress: Progress) -> Outcome:
     (same folder name) and its own ``latest_checkpointed_iteration.txt``.
     """
     src = plan.source
-    check_destination(dst, src)
+    src.refuse_destination(dst)
     nested = src.parent is not None
     final_iter = dst / src.folder.name if nested else dst
     with CheckpointWriter(dst, inner=src.folder.name if nested else None,

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ckpt_tool.migrate.plan import Plan
-from gtp_format.dtypes import LAYOUTS, DType
+from gtp_format.dtypes import TENSOR_LAYOUTS, DType
 from gtp_format.errors import FormatError
 from gtp_format.model import Checkpoint
 from gtp_format.names import DCP_METADATA_FILE
@@ -69,7 +69,8 @@ def _properties(rec: Any, where: str) -> Any:
     enc = rec.get("memory_format")
     fmt = _MEMORY_FORMATS.get(enc.value) if isinstance(enc, MemFormatEncodingRecord) else None
     layout, dtype = rec.get("layout"), rec.get("dtype")
-    if fmt is None or type(layout) is not TorchConstant or layout.name not in LAYOUTS or type(dtype) is not DType:
+    if (fmt is None or type(layout) is not TorchConstant or layout.name not in TENSOR_LAYOUTS
+            or type(dtype) is not DType):
         raise FormatError(f"{where}: properties have an unknown memory format, layout or dtype")
     return TensorProperties(dtype=dtype.torch, layout=layout.torch, requires_grad=bool(rec.get("requires_grad", False)),
                             memory_format=fmt, pin_memory=bool(rec.get("pin_memory", False)))

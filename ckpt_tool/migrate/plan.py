@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gtp_format.check.analysis import OPTIMIZER, classify_all, topology_view
+from gtp_format.check.gate import REPAIR, no_manifest_line, open_gated, run_checks
 from gtp_format.dtypes import DTYPES
 from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
 from gtp_format.layout import topology as topo
@@ -23,12 +24,12 @@ from gtp_format.layout.config import ParallelConfig
 from gtp_format.layout.schema import BucketLayout, BufferLayout, ParamLayout, param_shard_spec
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.layout.topology import Topology
-from gtp_format.manifest import Manifest, read_manifest
+from gtp_format.manifest import Manifest
 from gtp_format.model import TENSOR, Checkpoint
 from gtp_format.names import LATEST_FILE, MANIFEST_FILE, STATES, OptimizerKey, distcp_writer_rank
-from gtp_format.reader.checkpoint import open_checkpoint
 from gtp_format.reader.locate import LAYOUT_TORCH_DIST, locate
 from gtp_format.reader.storage import read_small_file
+from gtp_format.writer.checkpoint import check_destination
 
 MIGRATION_VERSION = 1
 TOOL = "ckpt migrate-aliased"
@@ -49,6 +50,10 @@ class Source:
     parent: Path | None  # SRC was a parent holding latest_checkpointed_iteration.txt
     latest_text: str | None
 
+    def refuse_destination(self, dst: Path) -> None:
+        """DST must be new, have an existing parent, and lie outside SRC (by either of its names)."""
+        check_destination(dst, (self.given, self.folder), "migrate-aliased", "pass a new DST, or --in-place")
+
 
 def locate_source(path: Path) -> Source:
     loc = locate(path)
@@ -60,19 +65,6 @@ def locate_source(path: Path) -> Source:
     marker = Path(path) / LATEST_FILE
     text = read_small_file(marker, 64, "an iteration marker", f"fix {LATEST_FILE}").decode("utf-8", "replace")
     return Source(Path(path), loc.folder, Path(path), text.strip())
-
-
-def check_destination(dst: Path, src: Source) -> None:
-    """DST must be new, have an existing parent, and lie outside SRC."""
-    if os.path.lexists(dst):
-        raise FormatError(f"{dst} already exists; migrate-aliased never overwrites: pass a new DST, or --in-place")
-    if not dst.parent.is_dir():
-        raise FormatError(f"{dst.parent} (the parent of DST) does not exist; create it first")
-    inner = Path(os.path.realpath(dst.parent)) / dst.name
-    for root in (src.given, src.folder):
-        real = Path(os.path.realpath(root))
-        if inner == real or real in inner.parents:
-            raise FormatError(f"{dst} is inside SRC {root}; SRC is never modified, pick a DST outside it")
 
 
 # -- the plan ---------------------------------------------------------------------------------------
@@ -107,8 +99,9 @@ class LostChunk:
 
 
 @dataclass
-class AliasedKey:
-    """An aliased key: its new key per CP rank, and its surviving chunks."""
+class KeyRename:
+    """The rename of one aliased key (:class:`gtp_format.check.analysis.AliasFinding` says why it is
+    aliased): its new key per CP rank, and its surviving chunks."""
 
     source_key: str
     opt: OptimizerKey
@@ -125,7 +118,7 @@ class Plan:
     par: ParallelConfig | None
     status: str  # "aliased" | "not_aliased"
     message: str
-    keys: list[AliasedKey] = field(default_factory=list)
+    keys: list[KeyRename] = field(default_factory=list)
     lost: list[LostChunk] = field(default_factory=list)
     buffers: dict[int, BufferLayout] = field(default_factory=dict)
     manifest: Manifest | None = None  # parsed strictly: the migrated manifest is built from it
@@ -159,25 +152,32 @@ class Plan:
         }
 
 
+REPAIR_REST = "; migrate-aliased repairs only the aliasing: repair the rest first"
+
+
 def plan_migration(src: Path, cp_size: int | None, reset_lost_moments: bool) -> Plan:
     """Work out every rename and every lost chunk from metadata and the manifest.
 
     Reads no tensor data except the tiny ``per_bucket_numel`` ones that verify's structural checks
-    decode; every refusal (exit 2) happens here, before anything is written.
+    decode; every refusal happens here, before anything is written: exit 2 for unusable input, exit 1
+    with verify's own line (:func:`gtp_format.check.gate.run_checks`) for a source that fails
+    verify apart from the aliasing it repairs.
     """
     source = locate_source(src)
-    ckpt = open_checkpoint(source.folder, keep_raw_metadata=True)  # .metadata is read here, and only here
+    # .metadata is read here, and only here; verify runs below, only where keys are aliased
+    gated = open_gated(source.folder, aliased=REPAIR, checks=False, keep_raw_metadata=True)
+    ckpt, manifest = gated.ckpt, gated.manifest
     folder = ckpt.root
     classes = classify_all(ckpt)
     cpless = [k for k, c in classes.items() if c.category == OPTIMIZER and c.opt is not None and c.opt.cp_rank is None]
-    if ckpt.manifest is None:
+    if manifest is None:
         from gtp_format.megatron_topology import is_megatron_core
 
         if is_megatron_core(ckpt):  # no false alarm: --cp-size is a CP size there, not a declaration of folding
             raise FormatError(f"{folder} is a megatron-core checkpoint: megatron-core does not fold CP, so its "
                               "optimizer keys cannot be aliased; nothing to migrate")
         raise FormatError(_no_manifest_message(folder, cp_size, cpless, classes))
-    view = topology_view(ckpt.manifest, None)
+    view = topology_view(manifest, None)
     par = view.par
     if par is None:
         why = "; ".join(p.message for p in view.notes) or "it has no topology"
@@ -186,7 +186,6 @@ def plan_migration(src: Path, cp_size: int | None, reset_lost_moments: bool) -> 
     if cp_size is not None and cp_size != par.cp:
         raise FormatError(f"--cp-size {cp_size} contradicts {folder / MANIFEST_FILE} (cp={par.cp}); drop --cp-size or "
                         "fix the manifest")
-    manifest = read_manifest(folder, strict=True)
     buffers = {b.gbuf_idx: b for b in manifest.buffers or ()}
     plan = Plan(source, ckpt, par, "not_aliased", "", buffers=buffers, manifest=manifest,
                 reset_lost_moments=reset_lost_moments)
@@ -198,7 +197,7 @@ def plan_migration(src: Path, cp_size: int | None, reset_lost_moments: bool) -> 
     if not aliased:
         plan.message = "no folded optimizer key lacks .cp_rank_{i}"
         return plan
-    _refuse_structural_problems(ckpt)
+    run_checks(ckpt, allow_aliased=True, refusal_suffix=REPAIR_REST)
     present = {(c.opt.bucket_id, c.opt.state, c.opt.cp_rank): k for k, c in classes.items()
                if c.opt is not None and c.opt.cp_rank is not None}
     grid = Topology(par)
@@ -228,26 +227,13 @@ def _no_manifest_message(folder: Path, cp_size: int | None, cpless: list[str], c
                 "the manifest says which of those buffers folded (replicated params never do)")
     else:
         hint = f"--cp-size {cp_size} marks its {len(cpless)} cp-less optimizer keys as folded"
-    return (f"{folder} has no {MANIFEST_FILE}: {hint}, but mapping each chunk's writer rank to its CP rank and "
-            "rebuilding the lost CP ranks' fp32 masters need the manifest's topology and bucket layout; restore "
-            f"{MANIFEST_FILE} from the run (migrate-aliased refuses to guess)")
-
-
-def _refuse_structural_problems(ckpt: Checkpoint) -> None:
-    """SRC must be sound apart from the aliasing itself: verify's structural checks, metadata only."""
-    from gtp_format.check.verify import verify
-
-    result = verify(ckpt)
-    errors = [p for p in result.problems if p.severity == "error" and p.check != "aliasing"]
-    if errors:
-        p = errors[0]
-        where = p.key or p.file or str(ckpt.root)
-        raise FormatError(f"{ckpt.root} has {len(errors)} problems besides the aliasing, first: {where}: {p.message}; "
-                        "run 'ckpt verify' on it and repair it first")
+    return no_manifest_line(folder, f"{hint}, but mapping each chunk's writer rank to its CP rank and rebuilding the "
+                            "lost CP ranks' fp32 masters need the manifest's topology and bucket layout; restore "
+                            f"{MANIFEST_FILE} from the run (migrate-aliased refuses to guess)")
 
 
 def _plan_key(ckpt: Checkpoint, key: str, opt: OptimizerKey, buffers: dict[int, BufferLayout], grid: Topology,
-              present: dict[tuple[Any, ...], str]) -> AliasedKey:
+              present: dict[tuple[Any, ...], str]) -> KeyRename:
     par = grid.par
     folder = ckpt.root
     entry = ckpt.entries[key]
@@ -272,7 +258,7 @@ def _plan_key(ckpt: Checkpoint, key: str, opt: OptimizerKey, buffers: dict[int, 
             raise FormatError(f"{key} is aliased but {clash} exists too: a half-migrated checkpoint; migrate from the "
                             "original aliased copy")
     local = bucket.numel // buf.dp_size
-    ak = AliasedKey(key, opt, new_keys)
+    ak = KeyRename(key, opt, new_keys)
     for c in entry.chunks:
         file = c.storage.file if c.storage else ""
         rank = distcp_writer_rank(os.path.basename(file))
@@ -303,7 +289,7 @@ def pieces(bucket: BucketLayout, lo: int, hi: int) -> list[tuple[ParamLayout, in
     return [(p, max(lo, p.start), min(hi, p.end)) for p in bucket.params if max(lo, p.start) < min(hi, p.end)]
 
 
-def _lost_chunk(plan: Plan, ak: AliasedKey, kept: KeptChunk, j: int, grid: Topology) -> LostChunk:
+def _lost_chunk(plan: Plan, ak: KeyRename, kept: KeptChunk, j: int, grid: Topology) -> LostChunk:
     opt = ak.opt
     if opt.state != "param":
         action = RESET if plan.reset_lost_moments else LOST

@@ -19,7 +19,6 @@ from ckpt_tool.migrate.plan import (
     REBUILD,
     RESET,
     Plan,
-    check_destination,
     fail_if_moments_lost,
     lost_dict,
     plan_migration,
@@ -73,7 +72,7 @@ def migrate_aliased(src: Path, dst: Path | None, *, cp_size: int | None, in_plac
     doc.update(mode="dry_run" if dry_run else ("in_place" if in_place else "copy"), written=False,
                destination=None if dst is None else str(dst), backup=None, files=None, notes=[])
     if dst is not None:
-        check_destination(dst, plan.source)
+        plan.source.refuse_destination(dst)
     if plan.status != "aliased":
         return Report(doc, f"nothing to migrate: {plan.message}; nothing written")
     try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,10 +33,9 @@ from gtp_format.errors import FormatError
 from gtp_format.hashing import CRCS, Crc, gf2_times
 from gtp_format.manifest import HASH_ALGORITHM
 from gtp_format.names import CHUNK_RECORDS_FILE, DCP_METADATA_FILE, MANIFEST_FILE, MEGATRON_METADATA_FILE
+from gtp_format.progress import Progress
 from gtp_format.reader.safe_pickle import MetadataRecord
 from gtp_format.writer.checkpoint import CheckpointWriter, data_file_name, link_or_copy
-
-Progress = Callable[[int], None]
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ from ckpt_tool.reshard.writers import (
 from gtp_format.commit import write_durable
 from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
+from gtp_format.layout.buckets import DEFAULT_BUCKET_SIZE
 from gtp_format.layout.config import ConfigError, ParallelConfig
 from gtp_format.layout.params import buffer_layouts
 from gtp_format.layout.schema import derive_bucket_size
@@ -63,14 +64,16 @@ from gtp_format.names import (
     GTP_INDEX_FILE,
     iter_dir_name,
 )
+from gtp_format.progress import Progress, ProgressOpener
 from gtp_format.scan import carrier
-from gtp_format.writer.checkpoint import CheckpointWriter, data_file_name, megatron_metadata
+from gtp_format.views.ours import param_views
+from gtp_format.views.records import ParamView
+from gtp_format.writer.checkpoint import CheckpointWriter, check_destination, data_file_name, megatron_metadata
 from gtp_format.writer.sink import STAGE, stage_bytes
 
 MAX_CHUNK = 64 << 20
 MIN_CHUNK = 1 << 20
-DEFAULT_BUCKET_SIZE = 40_000_000
-Progress = Callable[[int], None]
+COPIES = "reshard and export"  # who refuses an existing DST (gtp_format.writer.checkpoint.check_destination)
 
 
 @dataclass
@@ -123,25 +126,13 @@ def target_manifest(src: Manifest, par: ParallelConfig, layout: str) -> Manifest
         hash_algorithm=HASH_ALGORITHM, files={}, notes=[*src.notes, note], extra=dict(src.extra))
 
 
-def _check_same_params(source: Source, target: Manifest) -> None:
-    from gtp_format.views.ours import param_views
-
-    want = {n: (v.full_shape, v.param_dtype) for n, v in param_views(target).items()}
+def _check_same_params(source: Source, target_views: dict[str, ParamView]) -> None:
+    want = {n: (v.full_shape, v.param_dtype) for n, v in target_views.items()}
     have = {n: (v.full_shape, v.param_dtype) for n, v in source.views.items()}
     if want != have:
         diff = sorted(set(want.items()) ^ set(have.items()))
         raise FormatError(f"{source.root}: its parameters do not match the model its manifest names (e.g. "
                           f"{diff[0][0]}); the manifest's bucket layout was not written by this runtime's rules")
-
-
-def check_destination(dst: Path, src: Path) -> None:
-    if dst.exists() or dst.is_symlink():
-        raise FormatError(f"{dst}: already exists; reshard and export never overwrite, pick a new folder")
-    if not dst.parent.is_dir():
-        raise FormatError(f"{dst.parent}: no such folder to create {dst.name} in; create it first")
-    s, d = src.resolve(), dst.parent.resolve() / dst.name
-    if d == s or s in d.parents:
-        raise FormatError(f"{dst}: is inside the source checkpoint {src}; write it elsewhere")
 
 
 def chunk_data(source: Source, c: OutChunk, bufs: Buffers | None = None) -> np.ndarray:
@@ -256,7 +247,7 @@ def build_atomically(dst: Path, src_root: Path, body: Callable[[CheckpointWriter
                      inner: str | None = None, latest: str | None = None) -> None:
     """Run ``body(writer)`` (which writes and finishes) on a new :class:`CheckpointWriter` for ``dst`` and
     commit it; the work folder is removed on any failure, and a DST that appeared meanwhile is refused."""
-    check_destination(dst, src_root)
+    check_destination(dst, (src_root,), COPIES)
     try:
         with CheckpointWriter(dst, inner=inner, latest=latest) as writer:
             body(writer)
@@ -291,21 +282,21 @@ def rss_after_imports(layout: str | None) -> int:
     return peak_rss()
 
 
-def target_topology(src: Path, layout: str | None, **asked: int | bool | None) -> ParallelConfig:
-    """SRC's saved topology with the sizes the user gave (``None``: keep SRC's)."""
+def target_topology(src: Path | Source, layout: str | None, **asked: int | bool | None) -> ParallelConfig:
+    """SRC's saved topology with the sizes the user gave (``None``: keep SRC's).
+
+    ``src`` an opened :class:`Source` (``ckpt reshard`` opens it once, for this and :func:`reshard`)
+    or a path, opened here through the gate.
+    """
     import dataclasses
 
-    from gtp_format.manifest import read_manifest
-    from gtp_format.names import LAYOUTS, MANIFEST_FILE
-    from gtp_format.reader.locate import locate
+    from gtp_format.names import LAYOUTS
 
     if layout is not None and layout not in LAYOUTS:
         raise FormatError(f"--layout {layout!r}: use one of {', '.join(LAYOUTS)}")
-    folder = locate(src).folder
-    if not (folder / MANIFEST_FILE).is_file():
-        raise FormatError(f"{folder}: no gtp_manifest.json: not a gtp_runtime checkpoint; reshard writes this "
-                          "runtime's layout (a genuine megatron-core checkpoint: `ckpt export --to fully_reshardable`)")
-    saved = read_manifest(folder, strict=True).topology
+    source = src if isinstance(src, Source) else open_source(src)
+    assert source.manifest is not None  # open_source without megatron=True needs one
+    saved = source.manifest.topology
     assert saved is not None
     par = dataclasses.replace(saved, **{k: v for k, v in asked.items() if v is not None})
     if par.cp == 1 and asked.get("fold_cp") is None:
@@ -313,19 +304,21 @@ def target_topology(src: Path, layout: str | None, **asked: int | bool | None) -
     return par
 
 
-def reshard(src: Path, dst: Path, par: ParallelConfig, layout: str | None = None,
+def reshard(src: Path | Source, dst: Path, par: ParallelConfig, layout: str | None = None,
             max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
-            progress: Callable[[int], Progress] | None = None) -> Result:
-    """Reshard SRC to topology ``par`` into the new folder DST (``DST/iter_N`` + latest marker)."""
+            progress: ProgressOpener | None = None) -> Result:
+    """Reshard SRC (a path, or the :class:`Source` already opened) to topology ``par`` into the new
+    folder DST (``DST/iter_N`` + latest marker)."""
     t0 = time.perf_counter()
     baseline = rss_after_imports(layout)
-    source = open_source(src)
+    source = src if isinstance(src, Source) else open_source(src)
     assert source.manifest is not None and source.manifest.topology is not None
     target = target_manifest(source.manifest, par, layout or source.manifest.layout)
-    _check_same_params(source, target)
+    target_views = param_views(target)
+    _check_same_params(source, target_views)
     workers = workers or default_workers()
     chunk_bytes = chunk_budget(max_memory, workers)
-    plan = plan_target(target, chunk_bytes)
+    plan = plan_target(target, chunk_bytes, target_views)
 
     def body(writer: CheckpointWriter) -> None:
         advance = progress(plan.nbytes) if progress else (lambda n: None)

@@ -18,7 +18,8 @@
   ``<name>``, every tensor at its global shape, chunked in row blocks.
 * ``torch``: one ``torch.save`` file of ``{key: global tensor}`` for every key of SRC, as
   PyTorch's ``dcp_to_torch_save`` writes it; the whole state is in memory at once, so it is
-  refused above ``--max-memory`` (small models only, as upstream says of its own function).
+  refused above ``--max-memory`` (small models only: PyTorch's own ``dcp_to_torch_save``, added in
+  pytorch/pytorch#119814, holds the whole state too, and its docstring warns of running out of memory).
 
 All three stream through the per-parameter view (:class:`.source.Source`) in row blocks of at
 most the chunk budget and appear atomically through the one checkpoint writer
@@ -43,9 +44,9 @@ import numpy as np
 from ckpt_tool.hf import folder as hf_folder
 from ckpt_tool.hf import mapping
 from ckpt_tool.hf import run_state as hf_run_state
-from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
+from ckpt_tool.reshard import DEFAULT_MAX_MEMORY, WEIGHT_STATE
 from ckpt_tool.reshard.engine import (
-    Progress,
+    COPIES,
     build_atomically,
     check_destination,
     chunk_budget,
@@ -59,7 +60,7 @@ from ckpt_tool.reshard.engine import (
 )
 from ckpt_tool.reshard.megatron_objects import extra_objects
 from ckpt_tool.reshard.plan import FP32, OutChunk, dtype_of, row_blocks, split_files
-from ckpt_tool.reshard.source import WEIGHT, Buffers, Source, open_source
+from ckpt_tool.reshard.source import Buffers, Source, open_source
 from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata, write_objects
 from gtp_format.check.integrity import stored_bytes
 from gtp_format.check.st_names import refuse_unstorable
@@ -69,6 +70,7 @@ from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.params import model_params
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
+from gtp_format.progress import Progress, ProgressOpener
 from gtp_format.views.records import ParamView
 from gtp_format.writer.checkpoint import CheckpointWriter, DestinationTaken, data_file_name, megatron_metadata
 from gtp_format.writer.sink import Sink, stage_bytes
@@ -97,7 +99,7 @@ def param_chunks(view: ParamView, state: str, key: str, max_bytes: int, stacked:
 
     ``stacked``: the key has a leading layer axis (megatron-core) and the chunk sits at ``view.layer``.
     """
-    dt = dtype_of(view.param_dtype) if state == WEIGHT else FP32
+    dt = dtype_of(view.param_dtype) if state == WEIGHT_STATE else FP32
     shape, rest = view.full_shape, view.full_shape[1:]
     lead: tuple[int, ...] = view.lead if stacked else ()
     one: tuple[int, ...] = (1,) * len(lead)
@@ -111,7 +113,7 @@ def param_chunks(view: ParamView, state: str, key: str, max_bytes: int, stacked:
 def part_chunks(view: ParamView, state: str, key: str, ranges: tuple[tuple[int, int], ...],
                 max_bytes: int) -> list[OutChunk]:
     """Row blocks of rows ``ranges`` of one parameter's full tensor, back to back as key ``key``."""
-    dt = dtype_of(view.param_dtype) if state == WEIGHT else FP32
+    dt = dtype_of(view.param_dtype) if state == WEIGHT_STATE else FP32
     rest = view.full_shape[1:]
     zeros = (0,) * len(rest)
     out, pos = [], 0
@@ -203,7 +205,7 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
     if names == "hf":
         _hf_config(source, num_heads)  # refuse a model with no class before a byte is written
     table = _hf_table(source, names)
-    sets = [("model", [(name, WEIGHT, v, rows) for name, v, rows in table])]
+    sets = [("model", [(name, WEIGHT_STATE, v, rows) for name, v, rows in table])]
     if optimizer:
         sets.append(("optimizer", [(state_key(s, name), s, v, rows) for name, v, rows in table for s in STATES]))
     jobs, side = [], 0
@@ -243,7 +245,7 @@ def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_byt
     for v in ordered_views(source):
         stacked = v.layer is not None
         mk = v.model_key
-        for state, key in [(WEIGHT, mk), *((s, state_key(s, mk)) for s in STATES)]:
+        for state, key in [(WEIGHT_STATE, mk), *((s, state_key(s, mk)) for s in STATES)]:
             part = param_chunks(v, state, key, chunk_bytes, stacked)
             entry_shape = source.ckpt.entries[mk].shape if stacked else None
             shapes[key] = (entry_shape or v.full_shape, part[0].dtype)
@@ -335,7 +337,7 @@ def torch_save_failure(dst: Path, e: RuntimeError, nbytes: int) -> FormatError:
 
 def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: int = DEFAULT_MAX_MEMORY,
            workers: int | None = None, max_shard: int = DEFAULT_SHARD,
-           progress: Callable[[int], Progress] | None = None, names: str | None = None,
+           progress: ProgressOpener | None = None, names: str | None = None,
            tokenizer: Path | None = None, num_heads: int | None = None) -> dict[str, Any]:
     """Export SRC to DST (a new folder; a new file for ``torch``) and return a summary.
 
@@ -372,7 +374,7 @@ def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: i
     total = weights + (states if (optimizer or to == "fully_reshardable") else 0)
     advance = progress(total) if progress and to != "torch" else (lambda n: None)
     if to == "torch":
-        check_destination(dst, source.root)
+        check_destination(dst, (source.root,), COPIES)
         info = export_torch(source, dst, max_memory)
     else:
         holder: dict[str, Any] = {}

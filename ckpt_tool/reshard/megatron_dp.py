@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
+from ckpt_tool.reshard import DEFAULT_MAX_MEMORY, WEIGHT_STATE
 from ckpt_tool.reshard.engine import (
     Progress,
     Result,
@@ -49,7 +49,7 @@ from ckpt_tool.reshard.engine import (
 )
 from ckpt_tool.reshard.megatron_dp_objects import target_objects
 from ckpt_tool.reshard.plan import FP32, OutChunk, _gaps, _holder_chunks, dtype_of, row_blocks
-from ckpt_tool.reshard.source import WEIGHT, Buffers, Source, open_source
+from ckpt_tool.reshard.source import Buffers, Source, open_source
 from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata, write_objects
 from gtp_format.errors import FormatError
 from gtp_format.layout.shard import ShardSpec
@@ -257,7 +257,7 @@ def _weight_chunks(v: ParamView, spec: ShardSpec, max_bytes: int) -> list[OutChu
     dt = dtype_of(v.param_dtype)
     (o0, *orest), (n0, *nrest) = full_box(spec)
     lead, one = v.lead, (1,) * len(v.lead)
-    return [OutChunk(v.model_key, (*lead, o0 + a, *orest), (*one, b - a, *nrest), dt, v.name, WEIGHT,
+    return [OutChunk(v.model_key, (*lead, o0 + a, *orest), (*one, b - a, *nrest), dt, v.name, WEIGHT_STATE,
                      ((o0 + a, *orest), (b - a, *nrest)))
             for a, b in row_blocks(n0, math.prod(nrest), dt.itemsize, max_bytes)]
 

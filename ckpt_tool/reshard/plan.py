@@ -17,13 +17,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ckpt_tool.reshard import WEIGHT_STATE
 from gtp_format.dtypes import DType, by_name
 from gtp_format.manifest import Manifest
 from gtp_format.names import STATES
 from gtp_format.views.ours import bucket_numels, bucket_refs, param_views
 from gtp_format.views.records import Holder, ParamView, full_box
 
-WEIGHT = "weight"
 FP32 = by_name("float32")
 INT64 = by_name("int64")
 
@@ -68,19 +68,19 @@ def row_blocks(rows: int, row_elems: int, itemsize: int, max_bytes: int) -> list
 
 
 def _holder_chunks(view: ParamView, h: Holder, state: str, max_bytes: int, full_row: int) -> list[OutChunk]:
-    """Chunks of one holder's slice of one optimizer key (1-D) or, for WEIGHT, of the model key."""
+    """Chunks of one holder's slice of one optimizer key (1-D) or, for WEIGHT_STATE, of the model key."""
     tail = h.spec.local_shape[1:]
     row = math.prod(tail)
     fo, fs = full_box(h.spec)
     rows, valid = h.spec.local_shape[0], h.spec.valid_rows
     out = []
-    weight = state == WEIGHT
+    weight = state == WEIGHT_STATE
     dt = dtype_of(view.param_dtype) if weight else FP32
     g = h.spec.global_offset
     for a, b in row_blocks(valid, full_row, dt.itemsize, max_bytes):
         box = ((fo[0] + a, *fo[1:]), (b - a, *fs[1:]))
         if weight:
-            out.append(OutChunk(view.name, (g[0] + a, *g[1:]), (b - a, *tail), dt, view.name, WEIGHT, box))
+            out.append(OutChunk(view.name, (g[0] + a, *g[1:]), (b - a, *tail), dt, view.name, WEIGHT_STATE, box))
         else:
             out.append(OutChunk(h.ref.key(state), (h.start + a * row,), ((b - a) * row,), dt, view.name, state, box))
     for a, b in row_blocks(rows - valid, full_row, dt.itemsize, max_bytes):
@@ -103,9 +103,13 @@ def _gaps(numel: int, used: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def plan_target(target: Manifest, max_chunk_bytes: int) -> Plan:
-    """Every chunk of a ``dp_reshardable`` checkpoint laid out as ``target`` says."""
-    views = param_views(target)
+def plan_target(target: Manifest, max_chunk_bytes: int, views: dict[str, ParamView] | None = None) -> Plan:
+    """Every chunk of a ``dp_reshardable`` checkpoint laid out as ``target`` says.
+
+    ``views``: ``target``'s per-parameter views when the caller built them already (reshard
+    compares them with the source's first), so they are built once per run.
+    """
+    views = param_views(target) if views is None else views
     chunks: list[OutChunk] = []
     shapes: dict[str, tuple[tuple[int, ...], DType]] = {}
     used: dict[str, list[tuple[int, int]]] = {}
@@ -113,7 +117,7 @@ def plan_target(target: Manifest, max_chunk_bytes: int) -> Plan:
         full_row = math.prod(view.full_shape[1:])
         shapes[view.name] = (view.global_shape, dtype_of(view.param_dtype))
         for h in view.primaries:
-            chunks.extend(_holder_chunks(view, h, WEIGHT, max_chunk_bytes, full_row))
+            chunks.extend(_holder_chunks(view, h, WEIGHT_STATE, max_chunk_bytes, full_row))
         for h in view.holders:
             used.setdefault(h.ref.key(STATES[0]), []).append((h.start, h.start + h.numel))
             for state in STATES:

@@ -1,14 +1,14 @@
 """The checkpoint being read by ``reshard``/``export``: opened, checked, and read per parameter box.
 
-Refusals come first and name the fix: a source without a manifest or bucket layout (not ours:
-genuine Megatron checkpoints go through :mod:`ckpt_tool.reshard.megatron`), an aliased source
-(folded keys without ``.cp_rank_{i}``: ``ckpt migrate-aliased`` first), and an incomplete one
-(a missing key, a hole, a chunk without storage, a data file that is gone or short): ``verify``'s
-structural checks run before any byte is copied, so a reshard never writes half a checkpoint
-from a damaged one. Then every other check of ``ckpt verify`` (:func:`gtp_format.check.verify.verify`:
-the ``param_optimizers`` owners, the canonical bucket layout, key dtypes...) with verify's own line
-and exit 1: a copy trusts the manifest exactly as ``--load`` does, so it passes the same gate
-(reshard and export skipped ``param_optimizers`` and wrote Muon momentum as Adam ``exp_avg``).
+Refusals come first and name the fix, all from the one gate (:func:`gtp_format.check.gate.open_gated`):
+a source without a manifest (not ours: export reads a genuine megatron-core checkpoint through
+:mod:`gtp_format.megatron`), a broken manifest (the strict parser's line), an aliased source (folded
+keys without ``.cp_rank_{i}``: ``ckpt migrate-aliased`` first), then every structural check of
+``ckpt verify`` (a missing key the layout implies, a hole, a chunk without storage, a data file that
+is gone or short, the ``param_optimizers`` owners, the canonical bucket layout, key dtypes...) with
+verify's own line and exit 1, before any byte is copied: a copy trusts the manifest exactly as
+``--load`` does, so it passes the same gate (reshard and export once skipped ``param_optimizers``
+and wrote Muon momentum as Adam ``exp_avg``).
 
 Data integrity rides on the reads: :class:`CheckedReader` hands every range it reads to a
 :class:`gtp_format.check.integrity.ReadLedger`, and :meth:`Source.verify_reads` (called by every
@@ -25,19 +25,16 @@ from typing import Any
 
 import numpy as np
 
-from gtp_format.check.analysis import aliasing, classify_all, topology_view
+from ckpt_tool.reshard import WEIGHT_STATE
+from gtp_format.check.gate import REFUSE, open_gated
 from gtp_format.check.integrity import ReadLedger
-from gtp_format.check.verify import check_geometry, check_storage, verify
-from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
-from gtp_format.manifest import Manifest, read_manifest
+from gtp_format.errors import FormatError
+from gtp_format.manifest import Manifest
 from gtp_format.model import Checkpoint, Chunk, Entry
-from gtp_format.names import MANIFEST_FILE, OPTIMIZER_SHARDINGS
+from gtp_format.names import OPTIMIZER_SHARDINGS
 from gtp_format.reader.boxes import BoxReader, Buffer
-from gtp_format.reader.checkpoint import open_checkpoint
-from gtp_format.views.ours import bucket_refs, param_views
+from gtp_format.views.ours import param_views
 from gtp_format.views.records import Holder, ParamView, full_box
-
-WEIGHT = "weight"  # the model-weight "state" of a parameter, next to param / exp_avg / exp_avg_sq
 
 
 class Buffers(threading.local):
@@ -124,7 +121,7 @@ class Source:
                      buf: Buffer | None = None) -> np.ndarray:
         """Rows ``[r0, r1)`` of a holder's valid rows, full width of its shard."""
         tail = h.spec.local_shape[1:]
-        if state == WEIGHT:
+        if state == WEIGHT_STATE:
             g = h.spec.global_offset
             if view.layer is None:
                 return self.reader.read_box(view.model_key, (g[0] + r0, *g[1:]), (r1 - r0, *tail), buf)
@@ -137,9 +134,14 @@ class Source:
         return flat.reshape((r1 - r0, *tail))
 
 
+RESHARD_NEEDS = ("reshard writes this runtime's layout from the manifest's bucket layout (a genuine megatron-core "
+                 "checkpoint: `ckpt export --to fully_reshardable`)")
+COPY_SUFFIX = "; reshard and export copy only what verify passes"
+
+
 def open_source(path: Path, megatron: bool = False, weights_only: bool = False, views: bool = True,
                 experts: bool = False) -> Source:
-    """Open SRC and refuse what cannot be resharded (see the module docstring).
+    """Open SRC through the one gate and refuse what cannot be resharded (see the module docstring).
 
     ``megatron=True`` (export) also takes a checkpoint without a manifest, through megatron-core's
     layout rules (:mod:`gtp_format.views.megatron`, which refuses what they do not cover).
@@ -148,64 +150,31 @@ def open_source(path: Path, megatron: bool = False, weights_only: bool = False, 
     (``export --to fully_reshardable``): a megatron-core MoE checkpoint too; ``views=False``
     (``--to torch``, which copies keys, not parameters): no per-parameter view is built at all.
     """
-    ckpt = open_checkpoint(path)
-    if ckpt.manifest is None and (ckpt.root / MANIFEST_FILE).is_file():
-        read_manifest(ckpt.root, strict=True)  # ours but unreadable: its own line (exit 2), never "megatron"
-    if ckpt.manifest is None and megatron:
+    gated = open_gated(path, needs_manifest=None if megatron else RESHARD_NEEDS, aliased=REFUSE,
+                       copy=True, refusal_suffix=COPY_SUFFIX)
+    ckpt, manifest = gated.ckpt, gated.manifest
+    if manifest is None:
         return _open_megatron(ckpt, weights_only, views, experts)
-    if ckpt.manifest is None:
-        raise FormatError(f"{ckpt.root}: no gtp_manifest.json: not a gtp_runtime checkpoint; reshard writes this "
-                          "runtime's layout (a genuine megatron-core checkpoint: `ckpt export --to fully_reshardable`)")
-    manifest = read_manifest(ckpt.root, strict=True)  # open_checkpoint's parse is lenient; we need it all
     if manifest.optimizer_sharding != OPTIMIZER_SHARDINGS[0]:
         raise FormatError(f"{ckpt.root}: optimizer sharding is {manifest.optimizer_sharding!r}; reshard reads "
                           "dp_reshardable checkpoints")
-    report = aliasing(ckpt, classify_all(ckpt), topology_view(manifest, None))
-    if report.status in ("aliased", "possibly_aliased", "inconsistent"):
-        first = report.aliased[0].key if report.aliased else "-"
-        raise FormatError(f"{ckpt.root}: {report.message} (e.g. {first}); run `ckpt migrate-aliased` on it first, "
-                          "then reshard the migrated copy")
-    errors = [p for p in check_geometry(ckpt) + check_storage(ckpt) if p.severity == "error"]
-    if errors:
-        e = errors[0]
-        raise FormatError(f"{ckpt.root}: incomplete checkpoint ({len(errors)} problems); first: "
-                          f"{e.key or e.file or '-'}: {e.message}; run `ckpt verify` on it and reshard a complete one")
-    _gate(ckpt)
-    views = param_views(manifest)
-    missing = [k for ref in bucket_refs(manifest) for k in (ref.key("param"),) if k not in ckpt.entries]
-    missing += [name for name in views if name not in ckpt.entries]
+    # verify's manifest_keys check (gtp_format.check.keys) has refused every missing or misshapen key
+    # the layout implies, except model weights when not one is stored: the views read those.
+    params = param_views(manifest)
+    missing = [name for name in params if name not in ckpt.entries]
     if missing:
         raise FormatError(f"{ckpt.root}: incomplete checkpoint: {len(missing)} keys the manifest implies are "
                           f"missing, e.g. {missing[0]!r}; run `ckpt verify` and reshard a complete one")
-    for ref in bucket_refs(manifest):
-        for state in ("param", "exp_avg", "exp_avg_sq"):
-            e = ckpt.entries.get(ref.key(state))
-            if e is None or e.shape != (ref.numel_unpadded,):
-                raise FormatError(f"{ckpt.root}: optimizer key {ref.key(state)!r} is "
-                                  f"{'missing' if e is None else f'of shape {list(e.shape or ())}'}, the manifest "
-                                  f"says ({ref.numel_unpadded},); the checkpoint is incomplete or not this layout")
-    return Source(ckpt, manifest, views, CheckedReader(ckpt))
+    return Source(ckpt, manifest, params, CheckedReader(ckpt))
 
 
 def _open_megatron(ckpt: Checkpoint, weights_only: bool = False, views: bool = True, experts: bool = False
                    ) -> Source:
+    """A checkpoint without a manifest, already through the gate: megatron-core's layout rules."""
     from gtp_format.views.megatron import megatron_views
 
-    errors = [p for p in check_geometry(ckpt) + check_storage(ckpt) if p.severity == "error"]
-    if errors:
-        e = errors[0]
-        raise FormatError(f"{ckpt.root}: incomplete checkpoint ({len(errors)} problems); first: "
-                          f"{e.key or e.file or '-'}: {e.message}; run `ckpt verify` on it")
-    _gate(ckpt)
     if weights_only:
         from ckpt_tool.reshard.weights import weight_views
 
         return Source(ckpt, None, weight_views(ckpt) if views else {}, CheckedReader(ckpt))
     return Source(ckpt, None, megatron_views(ckpt, experts=experts), CheckedReader(ckpt))
-
-
-def _gate(ckpt: Checkpoint) -> None:
-    """``ckpt verify``'s structural verdict (no data read), refused with its own line, exit 1."""
-    line = verify(ckpt).failure_line(ckpt.root)
-    if line is not None:
-        raise FormatError(f"{line}; reshard and export copy only what verify passes", EXIT_CHECK_FAILED)

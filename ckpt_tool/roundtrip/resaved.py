@@ -2,11 +2,11 @@
 
 Order matters, and is the reason this module exists apart from the ranks' code:
 
-1. PATH goes through ``ckpt verify``'s reader and structural checks
-   (:func:`gtp_format.check.gate.open_verified`) and is refused with verify's own line and exit
-   code before any rank starts. The ranks' DCP loader unpickles ``.metadata`` and opens the
-   storage paths it names; measured on 101e36d, a storage path with ``..`` was opened by the ranks
-   before the parent refused it.
+1. PATH goes through the one gate (:func:`gtp_format.check.gate.open_gated`: ``ckpt verify``'s
+   reader, the strict manifest verdict of its single parse, the structural checks) and is refused
+   with verify's own line and exit code before any rank starts. The ranks' DCP loader unpickles
+   ``.metadata`` and opens the storage paths it names; measured on 101e36d, a storage path with
+   ``..`` was opened by the ranks before the parent refused it.
 2. The manifest gives the topology, model and bucket layout (:func:`config_from_manifest`);
    ``--dp`` may change (``dp_reshardable`` reshards over DP), nothing else may.
 3. Ranks load and save into a temporary folder (nothing is written next to PATH), and the two
@@ -27,7 +27,7 @@ from typing import Any
 
 from ckpt_tool.output import follow_bytes_written
 from ckpt_tool.roundtrip import jobs
-from ckpt_tool.roundtrip.rows import MANIFEST, Outcome, Progress, no_progress, row
+from ckpt_tool.roundtrip.rows import MANIFEST, Outcome, ProgressBars, no_progress, row
 from gtp_format.compare import (
     BITWISE,
     EVERYTHING,
@@ -45,29 +45,29 @@ from gtp_format.writer.work import sigterm_raises
 
 _DP_DEPENDENT_TOPOLOGY = ("dp", "world_size", "expert_dp")
 _DP_DEPENDENT_BUFFER = ("dp_size", "grad_divisor")
+ROUNDTRIP_NEEDS = ("verify-roundtrip needs the manifest's topology, model and bucket layout to load a checkpoint; "
+                   "only gtp_runtime checkpoints can be round-tripped (run it without PATH to test the runtime "
+                   "itself)")
 MAX_BYTES = 2 << 30  # one key assembled whole when the two sides cut it differently
 
 
 def run(path: str | os.PathLike[str], dp: int | None = None, layout: str | None = None,
-        select: KeyFilter = EVERYTHING, progress: Progress = no_progress) -> Outcome:
+        select: KeyFilter = EVERYTHING, progress: ProgressBars = no_progress) -> Outcome:
     """Round-trip the checkpoint at ``path``; raises :class:`FormatError` (exit 2 unusable input, 1
     refused by verify or a rank failed) before or instead of a report."""
-    from gtp_format.check.gate import open_verified
+    from gtp_format.check.gate import open_gated
     from gtp_format.layout.config import ConfigError
-    from gtp_format.manifest import read_manifest
     from gtp_format.names import MANIFEST_FILE
     from gtp_format.reader.checkpoint import open_checkpoint
     from gtp_runtime import launch
     from gtp_runtime.roundtrip import config_from_manifest
 
     t_start = time.perf_counter()
-    src, _ = open_verified(path)
-    if src.manifest is None:
-        raise FormatError(f"{src.root} has no {MANIFEST_FILE}: verify-roundtrip needs the manifest's topology, model "
-                          "and bucket layout to load a checkpoint; only gtp_runtime checkpoints can be round-tripped "
-                          "(run it without PATH to test the runtime itself)")
+    gated = open_gated(path, needs_manifest=ROUNDTRIP_NEEDS)
+    src, manifest = gated.ckpt, gated.manifest
+    assert manifest is not None  # needs_manifest
     try:
-        cfg = config_from_manifest(read_manifest(src.root, strict=True), dp)
+        cfg = config_from_manifest(manifest, dp)
     except ConfigError as e:
         raise FormatError(f"{src.root / MANIFEST_FILE}: {e}") from None
     select.require_match(src.entries, where=str(src.root))
@@ -85,6 +85,8 @@ def run(path: str | os.PathLike[str], dp: int | None = None, layout: str | None 
                     follow_bytes_written(out, advance, data_bytes):
                 folder = launch.run_local_ranks(world, jobs.resave_job, (cfg, str(src.root), out, layout), tmp,
                                                 "resave")[0]
+        except launch.LaunchError as e:
+            raise FormatError(str(e)) from None
         except launch.RankFailure as e:
             code = EXIT_BAD_INPUT if e.clean else EXIT_CHECK_FAILED
             raise FormatError(f"loading {src.root} on {world} ranks ({cfg.par.describe()}) and saving it again "

@@ -12,14 +12,17 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-# ``progress(total, description, unit)`` -> a context yielding ``advance(n)``: the command draws a bar
-# with it (``ckpt_tool.output.progress``; unit "B" for bytes, else a plural noun), a library caller
-# passes nothing.
-Progress = Callable[..., AbstractContextManager[Callable[[int], None]]]
+from gtp_format.progress import Progress
+
+# ``progress(total, description, unit)`` -> a context yielding the phase's ``advance(n)``
+# (:data:`gtp_format.progress.Progress`): a round trip has several phases (load and save, compare),
+# each with its own bar; the command draws them (``ckpt_tool.output.progress``; unit "B" for bytes,
+# else a plural noun), a library caller passes nothing.
+ProgressBars = Callable[..., AbstractContextManager[Progress]]
 
 
 @contextmanager
-def no_progress(total: int, description: str, unit: str = "steps") -> Iterator[Callable[[int], None]]:
+def no_progress(total: int, description: str, unit: str = "steps") -> Iterator[Progress]:
     yield lambda n: None
 
 

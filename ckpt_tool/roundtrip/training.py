@@ -14,7 +14,7 @@ import tempfile
 import time
 
 from ckpt_tool.roundtrip import jobs
-from ckpt_tool.roundtrip.rows import Outcome, Progress, no_progress, row
+from ckpt_tool.roundtrip.rows import Outcome, ProgressBars, no_progress, row
 from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
 from gtp_format.writer.work import sigterm_raises
@@ -24,14 +24,13 @@ from gtp_runtime.training import TrainConfig
 
 DEFAULT_STEPS = 3
 DEFAULT_RESUME_STEPS = 2
-DEFAULT_BUCKET_SIZE = 10_000
+SELF_TEST_BUCKET_SIZE = 10_000  # small buckets, so the self-test's tiny model spans several
 DEFAULT_TOPOLOGY = {"tp": 1, "cp": 2, "gtp_remat": 2, "dp": 2}
-LAYOUTS = ("torch_dist", "safetensors")
 
 
 def train_config(tp: int | None = None, cp: int | None = None, gtp_remat: int | None = None, dp: int | None = None,
                  fold_cp: bool | None = None, nproc: int | None = None,
-                 bucket_size: int = DEFAULT_BUCKET_SIZE, optimizer: str = "adam") -> tuple[TrainConfig, int]:
+                 bucket_size: int = SELF_TEST_BUCKET_SIZE, optimizer: str = "adam") -> tuple[TrainConfig, int]:
     """The run's config and world size: the launcher's model and optimizer defaults, sizes given or
     :data:`DEFAULT_TOPOLOGY` (``dp`` from ``nproc`` when only that is given), folded unless
     ``fold_cp`` is False; ``optimizer`` ``adam`` or ``muon`` (the launcher's ``--optimizer``). Refusals
@@ -56,7 +55,7 @@ def train_config(tp: int | None = None, cp: int | None = None, gtp_remat: int | 
 
 
 def run(cfg: TrainConfig, world: int, layout: str = "torch_dist", steps: int = DEFAULT_STEPS,
-        more: int = DEFAULT_RESUME_STEPS, progress: Progress = no_progress) -> Outcome:
+        more: int = DEFAULT_RESUME_STEPS, progress: ProgressBars = no_progress) -> Outcome:
     """Train ``steps``, save, load in fresh ranks, resume ``more`` steps; raises :class:`FormatError`
     (exit 1) naming the failing rank when a rank fails."""
     from gtp_runtime import launch
@@ -78,6 +77,8 @@ def run(cfg: TrainConfig, world: int, layout: str = "torch_dist", steps: int = D
             reports = launch.run_local_ranks(world, jobs.resume_job, (cfg, root, dump), tmp, "resume")
             seconds["load+resume"] = time.perf_counter() - t0
             advance(1)
+        except launch.LaunchError as e:
+            raise FormatError(str(e)) from None
         except launch.RankFailure as e:
             raise FormatError(f"round trip failed while {phase} ({cfg.par.describe()}, {world} ranks): {e}",
                               EXIT_CHECK_FAILED) from None

@@ -22,6 +22,7 @@ manifest's ``param_dtype``, optimizer states in float32, ``per_bucket_numel`` in
 
 from __future__ import annotations
 
+from gtp_format.layout.buckets import DEFAULT_BUCKET_SIZE
 from gtp_format.layout.config import ConfigError
 from gtp_format.layout.params import buffer_layouts
 from gtp_format.layout.schema import BufferLayout, derive_bucket_size
@@ -30,7 +31,6 @@ from gtp_format.names import parse_optimizer_key, parse_per_bucket_numel_key
 
 LAYOUT = "bucket_layout"
 DTYPE = "key_dtype"
-DEFAULT_BUCKET_SIZE = 40_000_000  # the runtime's default, for manifests that do not record it
 
 
 def overlapping_slices(buffers: tuple[BufferLayout, ...]) -> list[Problem]:

@@ -44,6 +44,7 @@ from gtp_format.errors import ChunkError
 from gtp_format.hashing import CRCS, HASHERS, Crc, Hasher
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.model import BYTES, ENC_TORCH_SAVE, Checkpoint, Chunk, Entry, Problem
+from gtp_format.progress import Progress
 from gtp_format.reader.blob import parse_blob
 from gtp_format.reader.chunks import (
     blob_error,
@@ -62,7 +63,6 @@ WINDOW = 2 << 20
 MAX_WORKERS = 8
 IN_FLIGHT = 4  # windows read or being checked, per worker: enough that one slow window stalls nobody
 
-Progress = Callable[[int], None]
 
 
 def default_workers() -> int:

@@ -38,12 +38,12 @@ from gtp_format.integrity.records import ChunkRecord, read_records
 from gtp_format.layout.boxes import check_coverage
 from gtp_format.model import ENC_TORCH_SAVE, TENSOR, Checkpoint, Entry, Problem
 from gtp_format.names import OPT_PREFIX, OptimizerKey, dtype_tag, per_bucket_numel_key
+from gtp_format.progress import Progress
 from gtp_format.reader.chunks import declared_size_problem, load_elements, load_plain
 from gtp_format.reader.storage import file_size, is_sparse, open_regular, sparse_file_message, unsafe_reason
 
 CHEAP_OBJECT_BYTES = 1 << 20  # per_bucket_numel objects below this are decoded even without --data
 
-Progress = Callable[[int], None]
 
 
 @dataclass

@@ -8,7 +8,7 @@ multiple of ``lcm(dp_size, BUCKET_PAD)`` so every DP rank owns an equal contiguo
 Why here and not in the runtime: ``ckpt reshard`` must know the bucket layout of a topology no
 process runs, and the runtime's :class:`~gtp_runtime.buffers.GradBuffer` builds its buffers with
 this same function, so the layout a reshard writes is the one a training run at the target
-topology expects (``tests/format/test_param_layout.py`` compares both for many topologies).
+topology expects (``tests/runtime/test_param_layout.py`` compares both for many topologies).
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# The bucket size (elements) gtp_runtime.train's --bucket-size defaults to: the one value every tool
+# assumes where a manifest does not record it (Megatron's default, 40M elements) or a command asks for one.
+DEFAULT_BUCKET_SIZE = 40_000_000
 PARAM_ALIGN = 64
 BUCKET_PAD = 64
 

@@ -2,7 +2,8 @@
 
 Each check raises :class:`ConfigError` with one line that says what to change. The checks live
 here, not in the launcher, so the library, the launcher and the ``ckpt`` CLI refuse the same
-shapes with the same words (upstream once validated a flag in one entry point and not another).
+shapes with the same words (upstream, NVIDIA/Megatron-LM#6886 as reviewed, validated a flag in one entry point and
+not another).
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ class ParallelConfig:
         """True when dense weights are sharded at all.
 
         Folding alone makes dense GTP active: at ``gtp_remat == 1`` with ``fold_cp`` the weight
-        group is the CP group. Upstream's validation looked at ``gtp_remat > 1`` only and missed
-        exactly this shape.
+        group is the CP group. Upstream's validation (NVIDIA/Megatron-LM#6886, as reviewed) looked at ``gtp_remat > 1``
+        only and missed exactly this shape.
         """
         return self.weight_group_size > 1
 
@@ -157,7 +158,7 @@ def check_buffer_cp_degrees(buffer_name: str, degrees: set[int]) -> int:
     """Return the single CP degree of a buffer's params, or refuse a mix.
 
     The gradient divisor is per buffer; a buffer whose params disagree on it cannot be scaled
-    right. Upstream's review caught a silent ``max()`` over such a set.
+    right. The review of the upstream CP-folding PR (NVIDIA/Megatron-LM#6886) caught a silent ``max()`` over such a set.
     """
     if len(degrees) != 1:
         raise ConfigError(

@@ -73,10 +73,11 @@ def model_params(cfg: ModelConfig) -> list[ParamDecl]:
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """Exactly ``sum(numel)`` over :func:`model_params` (``tests/format/test_param_count.py`` checks it
-    against that sum), in closed form: a manifest declares the layer count, so a count that walked
-    the layers would be a loop as long as a 4 KB edit asks for. The output layer is untied (its own
-    ``vocab x hidden``), which an estimate that left it out undercounted by up to 2x."""
+    """Exactly ``sum(numel)`` over :func:`model_params`
+    (``tests/format/test_copy_checks.py:test_param_count_is_exact`` checks it against that sum), in
+    closed form: a manifest declares the layer count, so a count that walked the layers would be a
+    loop as long as a 4 KB edit asks for. The output layer is untied (its own ``vocab x hidden``),
+    which an estimate that left it out undercounted by up to 2x."""
     h, layers, ffn, experts = cfg.hidden, cfg.num_layers, cfg.ffn_hidden, cfg.num_experts
     moe = layers // cfg.moe_every if experts > 0 and cfg.moe_every > 0 else 0
     per_layer = 2 * h + 4 * h * h  # two norms, qkv (3h x h) and proj (h x h)

@@ -1,13 +1,14 @@
 """The one allow-list of globals a DCP ``.metadata`` pickle may reference, and what each one is.
 
-Two readers unpickle ``.metadata``: ``ckpt`` wants inert records it can inspect without torch
-(:mod:`gtp_format.reader.safe_pickle`), and ``--load`` wants the real DCP classes to hand to
-``dcp.load`` (:mod:`gtp_format.reader.real_pickle`). They used to keep a table each, and the
-tables drifted: Python 3.13 pickles paths as ``pathlib._local.PosixPath``, which one table listed
-and the other did not, so ``--load`` refused the runtime's own checkpoints on 3.13. Now there is
-one table, :data:`ALLOWED`, from the name a pickle writes (module, qualified name) to an
-:class:`Allowed` entry saying what the global *is*: its :class:`Kind` and its canonical home.
-Each reader is then only a resolver, a function from an entry to the object the unpickler gets.
+One reader unpickles ``.metadata``, for ``ckpt`` and ``--load`` alike: the inert records of
+:mod:`gtp_format.reader.safe_pickle`, which ``--load`` hands to DCP as a storage reader built from
+the checked model (:mod:`gtp_runtime.checkpoint.verified`), so no real DCP class is ever built from
+a file. There used to be two readers with a table each, and the tables drifted: Python 3.13
+pickles paths as ``pathlib._local.PosixPath``, which one table listed and the other did not, so
+``--load`` refused the runtime's own checkpoints on 3.13. Now there is one table, :data:`ALLOWED`,
+from the name a pickle writes (module, qualified name) to an :class:`Allowed` entry saying what the
+global *is*: its :class:`Kind` and its canonical home. The reader is a resolver, a function from an
+entry to the object the unpickler gets.
 
 What a torch 2.13 ``.metadata`` references (found by unpickling a real multi-rank save with a
 recording ``find_class``)::
@@ -33,7 +34,7 @@ mcore 0.15) or ``MCoreSavePlan`` (a ``SavePlan`` subclass, older versions); curr
 empty dummy classes of those names only so that old files still load. Their canonical home is the
 DCP base class: nothing the readers use lives in the subclass.
 
-Resource guards shared by both resolvers, because a small hostile file can still ask for a lot of
+Resource guards, because a small hostile file can still ask for a lot of
 memory or time: :class:`AllowListUnpickler` runs only after
 :func:`gtp_format.reader.pickle_scan.check_pickle` has walked the stream; ``torch.Size`` takes at
 most :data:`MAX_DIMS` ints and a path at most :data:`MAX_PATH` characters (:func:`size_dims`,
@@ -52,7 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gtp_format.dtypes import DTYPES, LAYOUTS, MEMORY_FORMATS
+from gtp_format.dtypes import DTYPES, MEMORY_FORMATS, TENSOR_LAYOUTS
 from gtp_format.errors import FormatError
 from gtp_format.reader.pickle_scan import PickleScanError
 from gtp_format.reader.unpickler import ScannedUnpickler
@@ -106,7 +107,7 @@ def _build() -> dict[tuple[str, str], Allowed]:
     add(Kind.SIZE, "torch", "Size")
     add(Kind.GET_LAYOUT, "torch.serialization", "_get_layout")
     add(Kind.DTYPE, "torch", *DTYPES)
-    add(Kind.CONSTANT, "torch", *LAYOUTS, *MEMORY_FORMATS)
+    add(Kind.CONSTANT, "torch", *TENSOR_LAYOUTS, *MEMORY_FORMATS)
     add(Kind.CONTAINER, "builtins", "set", "frozenset")
     add(Kind.CONTAINER, "collections", "OrderedDict")
     for module in ("pathlib", "pathlib._local"):  # Python 3.13 moved the classes to pathlib._local
@@ -158,7 +159,7 @@ def path_parts(parts: tuple[Any, ...]) -> tuple[str, ...]:
 
 def layout_name(name: Any) -> str:
     """``_get_layout``'s argument (``"torch.strided"``) as a layout name from the table."""
-    if not isinstance(name, str) or not name.startswith("torch.") or name.removeprefix("torch.") not in LAYOUTS:
+    if not isinstance(name, str) or not name.startswith("torch.") or name.removeprefix("torch.") not in TENSOR_LAYOUTS:
         raise pickle.UnpicklingError(f"unknown torch layout {brief(name)}")
     return name.removeprefix("torch.")
 

@@ -7,8 +7,8 @@ with the *inert* resolver: nothing from torch is imported or constructed. Every 
 to an inert :class:`Record` that only stores the state the pickle hands it, so no
 ``__setstate__`` or ``__init__`` of a third-party class ever runs; dtypes become
 :class:`~gtp_format.dtypes.DType` values and paths plain strings. The readers then validate the
-records' contents. (``--load`` reads the same table with the real classes:
-:mod:`gtp_format.reader.real_pickle`.)
+records' contents. ``--load`` reads through the same records: DCP gets metadata built from the
+checked model (:class:`gtp_runtime.checkpoint.verified.VerifiedReader`), never the file's own classes.
 
 Beyond the table's shared guards, ``BUILD`` hands a record its state dict, which the record keeps
 by reference rather than copying: a crafted file that passes one large dict to many ``BUILD``

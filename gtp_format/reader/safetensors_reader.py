@@ -107,7 +107,9 @@ def _dtype_from_str(name: Any) -> DType | None:
     return DTYPES.get(name.removeprefix("torch."))
 
 
-def _ints(value: Any) -> tuple[int, ...] | None:
+def nonnegative_ints(value: Any) -> tuple[int, ...] | None:
+    """A JSON list of ints >= 0 (no bools) as a tuple, else None: the one shape check of a
+    safetensors header's ``shape`` and ``data_offsets`` (this reader's and ``ckpt import``'s)."""
     if isinstance(value, list) and all(type(v) is int and v >= 0 for v in value):
         return tuple(value)
     return None
@@ -131,14 +133,14 @@ def read_gtp_index(loc: Located, files: dict[str, int], index_file: str,
     entries: dict[str, Entry] = {}
     for key, spec in keys.items():
         dtype = _dtype_from_str(spec.get("dtype")) if isinstance(spec, dict) else None
-        shape = _ints(spec.get("shape")) if isinstance(spec, dict) else None
+        shape = nonnegative_ints(spec.get("shape")) if isinstance(spec, dict) else None
         raw_chunks = spec.get("chunks") if isinstance(spec, dict) else None
         if dtype is None or shape is None or not isinstance(raw_chunks, list):
             raise FormatError(f"{path}: key {key!r} has no valid dtype, shape and chunks; {fix}")
         chunks = []
         for i, c in enumerate(raw_chunks):
-            offsets = _ints(c.get("offsets")) if isinstance(c, dict) else None
-            sizes = _ints(c.get("sizes")) if isinstance(c, dict) else None
+            offsets = nonnegative_ints(c.get("offsets")) if isinstance(c, dict) else None
+            sizes = nonnegative_ints(c.get("sizes")) if isinstance(c, dict) else None
             named = isinstance(c, dict) and isinstance(c.get("file"), str) and isinstance(c.get("name"), str)
             if offsets is None or sizes is None or not named:
                 raise FormatError(f"{path}: key {key!r} chunk {i} lacks offsets, sizes, file or name; {fix}")
@@ -167,11 +169,12 @@ def _locate_named(loc: Located, files: dict[str, int], headers: dict[str, tuple[
         return None, f"chunk cannot be located: {got}"
     header, data_start = got
     spec = header.get(name)
-    span = _ints(spec.get("data_offsets")) if isinstance(spec, dict) else None
+    span = nonnegative_ints(spec.get("data_offsets")) if isinstance(spec, dict) else None
     if span is None or len(span) != 2 or span[0] > span[1]:
         return None, f"{file} has no tensor named {name!r}"
     code = spec.get("dtype")
-    if not isinstance(code, str) or BY_SAFETENSORS.get(code) is not dtype or _ints(spec.get("shape")) != sizes:
+    if (not isinstance(code, str) or BY_SAFETENSORS.get(code) is not dtype
+            or nonnegative_ints(spec.get("shape")) != sizes):
         return None, (f"{file}:{name} is {spec.get('dtype')} {spec.get('shape')} but the index says {dtype} "
                       f"{list(sizes)}")
     return StorageRef(file=file, offset=data_start + span[0], length=span[1] - span[0]), None
@@ -193,13 +196,14 @@ def read_safetensors_metadata(loc: Located, files: dict[str, int]) -> tuple[dict
                 raise FormatError(f"{where}: header entry {key!r} is not a JSON object; restore the file")
             dtype_name = spec.get("dtype")
             dtype = BY_SAFETENSORS.get(dtype_name) if isinstance(dtype_name, str) else None
-            shape = _ints(spec.get("shape"))
-            span = _ints(spec.get("data_offsets"))
+            shape = nonnegative_ints(spec.get("shape"))
+            span = nonnegative_ints(spec.get("data_offsets"))
             if dtype is None or shape is None or span is None or len(span) != 2 or span[0] > span[1]:
                 raise FormatError(f"{where}: header entry {key!r} has a bad dtype, shape or data_offsets "
                                   f"({spec!r}); restore the file")
             sharding = info.get(key, {})
-            offsets = _ints(sharding.get(SAVED_OFFSETS_KEY)) if isinstance(sharding, dict) and sharding else None
+            offsets = (nonnegative_ints(sharding.get(SAVED_OFFSETS_KEY)) if isinstance(sharding, dict) and sharding
+                       else None)
             if offsets is None:
                 if key in info:
                     raise FormatError(f"{where}: {SHARDING_INFO_KEY}[{key!r}] has no valid saved_offsets; "

@@ -146,6 +146,26 @@ def check_latest(text: str, target: Path) -> None:
                           "digits); nothing was written; fix the source's iteration")
 
 
+def check_destination(dst: Path, sources: tuple[Path, ...], tool: str, fix: str = "pick a new folder") -> None:
+    """Refuse, before anything is built, a DST that exists, has no parent folder, or lies inside a source.
+
+    The one check of every command that writes a new folder (reshard, export, import,
+    migrate-aliased); the writer itself refuses a DST that appears later (:class:`DestinationTaken`).
+    ``sources``: every path the source was named by (a run folder and its iteration folder).
+    """
+    if os.path.lexists(dst):
+        raise FormatError(f"{dst} already exists; {tool} never overwrites: {fix}")
+    if not dst.parent.is_dir():
+        raise FormatError(f"{dst.parent} (the parent of DST) does not exist: no such folder to create {dst.name} in; "
+                          "create it first")
+    inner = Path(os.path.realpath(dst.parent)) / dst.name
+    for root in sources:
+        real = Path(os.path.realpath(root))
+        if inner == real or real in inner.parents:
+            raise FormatError(f"{dst} is inside SRC, the source checkpoint {root}, which is never modified; write "
+                              "it elsewhere")
+
+
 class DestinationTaken(FormatError):
     """The target appeared while the output was being built: nothing was replaced or deleted."""
 

@@ -173,11 +173,17 @@ class Terminated(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """While inside, SIGTERM raises :class:`Terminated` in the main thread (where its default action,
-    ending the process at once, is still set); elsewhere nothing changes."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+def sigterm_raises(replace: bool = False) -> Iterator[None]:
+    """While inside, SIGTERM raises :class:`Terminated` in the main thread; elsewhere nothing changes.
+
+    The one SIGTERM context manager, for the writer (its clean-up runs as on an error) and the
+    launcher (its ``finally`` stops every rank; :mod:`gtp_runtime.lifeline`). By default only where
+    SIGTERM's default action (ending the process at once) is still set, so a handler the program
+    installed (or an outer use of this one) stays in charge; ``replace=True`` (the launcher)
+    installs it over any handler. The previous handler is restored on the way out.
+    """
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or (previous is not signal.SIG_DFL and not replace):
         yield
         return
 
@@ -188,4 +194,4 @@ def sigterm_raises() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, previous)

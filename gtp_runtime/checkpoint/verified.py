@@ -6,11 +6,11 @@ the checkpoint, train on them and exit 0, while ``ckpt verify`` refused the same
 (in the launcher's parent process, before any rank starts, and again on every rank before it
 allocates or reads anything):
 
-1. opens the checkpoint with :func:`gtp_format.reader.checkpoint.open_checkpoint` (latest-marker
-   resolution, confined metadata reads, the inert pickle reader);
-2. runs :func:`gtp_format.check.verify.verify` (the metadata checks; not ``--data``) and refuses on
-   the first error with the line ``ckpt verify`` prints;
-3. checks the strict manifest against the running configuration.
+1. passes the one gate, :func:`gtp_format.check.gate.open_gated`: the reader of ``ckpt`` (latest-marker
+   resolution, confined metadata reads, the inert pickle reader), the strict manifest verdict of
+   that same single parse, and ``ckpt verify``'s metadata checks (not ``--data``), refused on the
+   first error with the line ``ckpt verify`` prints;
+2. checks the strict manifest against the running configuration.
 
 The tensors are then read by :class:`VerifiedReader`: DCP plans the reads against metadata built
 from that same verified model (``.metadata`` is parsed once, by one parser, so no second reader can
@@ -38,14 +38,17 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from gtp_format import names as fmt
-from gtp_format.check.verify import verify
+from gtp_format.check.gate import open_gated
 from gtp_format.errors import FormatError
-from gtp_format.manifest import Manifest, read_manifest
+from gtp_format.manifest import Manifest
 from gtp_format.model import TENSOR, Checkpoint, Chunk, Entry
-from gtp_format.reader.checkpoint import open_checkpoint
 from gtp_format.reader.chunks import load_chunk
 from gtp_runtime.checkpoint.errors import CheckpointError
 from gtp_runtime.training import TrainConfig
+
+LOAD_NEEDS = ("--load resumes from the manifest's topology and bucket layout (a megatron-core one? bring its "
+              "weights in with 'ckpt export SRC HF --to hf' then 'ckpt import HF DST --from hf'; optimizer state "
+              "does not carry over), or pass a folder that gtp_runtime saved")
 
 
 def sharding_refusal(sharding: str, folded: bool, action: str) -> None:
@@ -61,20 +64,13 @@ def sharding_refusal(sharding: str, folded: bool, action: str) -> None:
 
 
 def open_verified(path: str | os.PathLike) -> tuple[Checkpoint, Manifest]:
-    """The checkpoint at ``path`` (or its latest iteration) and its strict manifest, after ``verify``."""
+    """The checkpoint at ``path`` (or its latest iteration) and its strict manifest, through the one gate."""
     try:
-        ckpt = open_checkpoint(path)
-        line = verify(ckpt).failure_line(ckpt.root)
-        if line is not None:
-            raise CheckpointError(line)
-        if ckpt.manifest is None:
-            raise CheckpointError(f"{ckpt.root}: no {fmt.MANIFEST_FILE}, so not a gtp_runtime checkpoint (a "
-                                  "megatron-core one?); bring its weights in with 'ckpt export SRC HF --to hf' then "
-                                  "'ckpt import HF DST --from hf' (optimizer state does not carry over), or pass a "
-                                  "folder that gtp_runtime saved")
-        manifest = read_manifest(ckpt.root, strict=True)
+        gated = open_gated(path, needs_manifest=LOAD_NEEDS)
     except FormatError as e:
         raise CheckpointError(e.message) from None
+    ckpt, manifest = gated.ckpt, gated.manifest
+    assert manifest is not None  # needs_manifest
     if manifest.layout != ckpt.layout:
         raise CheckpointError(f"{ckpt.root}: the manifest says layout {manifest.layout!r} but the folder holds "
                               f"{ckpt.layout!r} files; the manifest belongs to another checkpoint")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from cli_helpers import cli
 
-from ckpt_tool.commands.inspect import data_position_words
 from ckpt_tool.output import count
+from ckpt_tool.report_tables import data_position_words
 
 REPO = Path(__file__).resolve().parents[2]
 MEGATRON = REPO / "fixtures" / "megatron" / "tp2_dp2_dp_reshardable"

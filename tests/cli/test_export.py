@@ -15,7 +15,8 @@ from damage import flip, flip_inside_a_chunk
 from reshard_cases import DENSE, make_source
 from safetensors.torch import load_file
 
-from ckpt_tool.reshard.source import WEIGHT, open_source
+from ckpt_tool.reshard import WEIGHT_STATE
+from ckpt_tool.reshard.source import open_source
 from gtp_format.layout.config import ParallelConfig as P
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.names import STATES
@@ -109,7 +110,7 @@ def test_fully_reshardable_loads_with_dcp_and_equals_view(tmp_path: Path) -> Non
     source = open_source(FOLD)
     assert len(sd) == 4 * len(source.views)
     for name, view in source.views.items():
-        for state, key in [(WEIGHT, name), *((s, f"optimizer.state.{s}.{name}") for s in STATES)]:
+        for state, key in [(WEIGHT_STATE, name), *((s, f"optimizer.state.{s}.{name}") for s in STATES)]:
             want = source.read_full_box(view, state, (0,) * len(view.full_shape), view.full_shape)
             assert np.ascontiguousarray(sd[key].numpy()).tobytes() == want.tobytes(), key
 

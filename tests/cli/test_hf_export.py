@@ -18,7 +18,8 @@ from cli_helpers import assert_error_line, cli
 from reshard_cases import MOE, make_source
 from safetensors.torch import load_file
 
-from ckpt_tool.reshard.source import WEIGHT, open_source
+from ckpt_tool.reshard import WEIGHT_STATE
+from ckpt_tool.reshard.source import open_source
 from gtp_format.layout.config import ModelConfig
 from gtp_format.layout.config import ParallelConfig as P
 from gtp_format.names import STATES
@@ -54,7 +55,7 @@ def reference_of(src: Path, device: str = "cpu"):  # noqa: ANN201
     ref = ReferenceGPT(source.manifest.model, torch.device(device))
     with torch.no_grad():
         for name, v in source.views.items():
-            full = source.read_full_box(v, WEIGHT, (0,) * len(v.full_shape), v.full_shape)
+            full = source.read_full_box(v, WEIGHT_STATE, (0,) * len(v.full_shape), v.full_shape)
             ref.params[name] = torch.from_numpy(full.copy()).view(torch.float32).to(device)
     return ref
 
@@ -127,12 +128,12 @@ def test_sharded_files_index_and_optimizer_under_hf_names(trained: Path, tmp_pat
     hd = MODEL.hidden // MODEL.num_heads
     for i in range(MODEL.num_layers):
         v = source.views[f"decoder.layers.{i}.self_attention.linear_qkv.weight"]
-        for state in (WEIGHT, *STATES):
+        for state in (WEIGHT_STATE, *STATES):
             fused = torch.from_numpy(source.read_full_box(v, state, (0, 0), v.full_shape).copy())
             per_head = fused.view(MODEL.num_heads, 3, hd, MODEL.hidden)  # the runtime's (heads, 3, head_dim) rows
             for j, proj in enumerate("qkv"):
                 name = f"model.layers.{i}.self_attn.{proj}_proj.weight"
-                got = weights[name] if state == WEIGHT else opt[f"optimizer.state.{state}.{name}"]
+                got = weights[name] if state == WEIGHT_STATE else opt[f"optimizer.state.{state}.{name}"]
                 assert torch.equal(got, per_head[:, j].reshape(MODEL.hidden, MODEL.hidden)), (name, state)
     assert len(opt) == 3 * len(weights)
 

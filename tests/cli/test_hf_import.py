@@ -21,7 +21,8 @@ import torch
 from cli_helpers import assert_error_line, cli
 from safetensors.torch import load_file, save_file
 
-from ckpt_tool.reshard.source import WEIGHT, open_source
+from ckpt_tool.reshard import WEIGHT_STATE
+from ckpt_tool.reshard.source import open_source
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
@@ -70,7 +71,7 @@ def test_hf_import_export_round_trip_is_bit_identical(dtype: torch.dtype, shard:
     assert source.manifest.iteration == 0 and source.manifest.optimizer.step == 0
     for v in source.views.values():
         box = ((0,) * len(v.full_shape), v.full_shape)
-        w = source.read_full_box(v, WEIGHT, *box).copy()
+        w = source.read_full_box(v, WEIGHT_STATE, *box).copy()
         w32 = torch.from_numpy(w.view(np.int16) if dtype == torch.bfloat16 else w).view(dtype).float()
         assert torch.equal(torch.from_numpy(source.read_full_box(v, "param", *box).copy()), w32), v.name
         for state in ("exp_avg", "exp_avg_sq"):

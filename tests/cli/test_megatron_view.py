@@ -19,7 +19,8 @@ import pytest
 import torch
 from cli_helpers import assert_error_line, cli
 
-from ckpt_tool.reshard.source import WEIGHT, open_source
+from ckpt_tool.reshard import WEIGHT_STATE
+from ckpt_tool.reshard.source import open_source
 from gtp_format.names import STATES, parse_optimizer_key
 from gtp_format.reader.checkpoint import open_checkpoint
 
@@ -84,7 +85,7 @@ def test_master_weights_round_to_the_model_weights(name: str) -> None:
     for view in src.views.values():
         full = (0,) * len(view.full_shape), view.full_shape
         master = torch.from_numpy(src.read_full_box(view, "param", *full).copy())
-        weight = torch.from_numpy(src.read_full_box(view, WEIGHT, *full).copy()).view(torch.bfloat16)
+        weight = torch.from_numpy(src.read_full_box(view, WEIGHT_STATE, *full).copy()).view(torch.bfloat16)
         assert torch.equal(master.to(torch.bfloat16), weight), view.name
         for state in ("exp_avg_sq",):
             assert (src.read_full_box(view, state, *full) != 0).any(), view.name  # trained: moments are set

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from reshard_cases import DENSE, MOE, live_state, make_source
 
+from ckpt_tool.reshard import WEIGHT_STATE
 from ckpt_tool.reshard.engine import reshard
-from ckpt_tool.reshard.source import WEIGHT, Source, open_source
+from ckpt_tool.reshard.source import Source, open_source
 from gtp_format.check.verify import verify
 from gtp_format.layout.config import ParallelConfig as P
 from gtp_format.names import STATES
@@ -58,7 +59,7 @@ def all_tensors(path: Path) -> dict[str, np.ndarray]:
 def per_param(src: Source) -> dict[tuple[str, str], np.ndarray]:
     out = {}
     for name, view in src.views.items():
-        for state in (*STATES, WEIGHT):
+        for state in (*STATES, WEIGHT_STATE):
             out[(name, state)] = src.read_full_box(view, state, (0,) * len(view.full_shape), view.full_shape)
     return out
 

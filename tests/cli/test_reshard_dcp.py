@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from cli_helpers import run_fresh
 
-from ckpt_tool.reshard.source import WEIGHT, open_source
+from ckpt_tool.reshard import WEIGHT_STATE
+from ckpt_tool.reshard.source import open_source
 from gtp_format.names import STATES
 from gtp_format.reader.boxes import BoxReader
 from gtp_format.reader.checkpoint import open_checkpoint
@@ -52,7 +53,7 @@ def test_torch_free_reshard_is_read_by_torch_dcp(tmp_path: Path) -> None:
         assert _bits(t) == np.ascontiguousarray(reader.read_box(key, (0,) * len(e.shape), e.shape)).tobytes(), key
     src, out = open_source(FOLD), open_source(dst)
     for name, view in src.views.items():
-        for state in (*STATES, WEIGHT):
+        for state in (*STATES, WEIGHT_STATE):
             box = ((0,) * len(view.full_shape), view.full_shape)
             assert src.read_full_box(view, state, *box).tobytes() == \
                 out.read_full_box(out.views[name], state, *box).tobytes(), (name, state)

@@ -1,12 +1,13 @@
-"""One allow-list, two resolvers: ``.metadata`` pickled by every supported Python reads both ways.
+"""One allow-list: ``.metadata`` pickled by every supported Python reads, for ``ckpt`` and ``--load``.
 
 Python 3.10-3.12 pickle ``PosixPath("/tmp/ck/iter_1")`` as ``pathlib.PosixPath`` called with its
 parts; 3.13 as ``pathlib._local.PosixPath`` called with one string. DCP stores such a path in
 ``StorageMeta.checkpoint_id``, so a checkpoint saved on 3.13 references ``pathlib._local``.
 The test crafts both forms on whatever interpreter runs it (:class:`_PathsAs`, checked byte for
 byte against what the real interpreters write) and feeds a full ``.metadata`` through the inert
-resolver (``ckpt``), the real resolver and the runtime's ``--load`` reader. Before the tables were
-unified, the runtime refused the 3.13 form.
+resolver and the reader both ``ckpt`` and ``--load`` open a checkpoint with, checked against
+torch's own reader of the same (trusted) fixture. Before the tables were unified, the runtime
+refused the 3.13 form.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 from gtp_format.errors import FormatError
 from gtp_format.reader.allow_list import ALLOWED, Kind
-from gtp_format.reader.real_pickle import load_real_metadata, real
+from gtp_format.reader.checkpoint import open_checkpoint
 from gtp_format.reader.safe_pickle import MetadataRecord, StorageMetaRecord, inert, load_metadata_pickle
 
 FIXTURE = Path(__file__).parents[2] / "fixtures" / "gtp" / "fold_cp2_g2_dp2" / "iter_0000002"
@@ -73,10 +74,17 @@ def test_crafted_path_pickle_is_what_that_python_writes(form: str):
     assert _dumps(PosixPath("/tmp/ck/iter_1"), form) == WRITTEN_BY[form]
 
 
+def _fixture_metadata() -> object:
+    """The fixture's ``.metadata`` as torch's own reader gives it (our own file: trusted; the reference)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(str(FIXTURE)).read_metadata()
+
+
 def _metadata(form: str, checkpoint_id: PurePosixPath) -> bytes:
-    """The fixture's real ``.metadata`` (our own file: trusted), its checkpoint path pickled as ``form``."""
-    md = load_real_metadata((FIXTURE / ".metadata").read_bytes(), "fixture")
-    md.storage_meta.checkpoint_id = checkpoint_id
+    """The fixture's real ``.metadata``, its checkpoint path pickled as ``form``."""
+    md = _fixture_metadata()
+    md.storage_meta.checkpoint_id = checkpoint_id  # type: ignore[attr-defined]
     data = _dumps(md, form)
     assert (PATH_FORMS[form][0].encode() + b"\x94\x8c") in data  # the path class really is in there
     return data
@@ -84,54 +92,38 @@ def _metadata(form: str, checkpoint_id: PurePosixPath) -> bytes:
 
 @pytest.mark.parametrize("cls", [PosixPath, PurePosixPath])
 @pytest.mark.parametrize("form", PATH_FORMS)
-def test_every_python_path_form_reads_through_both_resolvers(form: str, cls: type, tmp_path: Path):
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    from gtp_runtime.checkpoint.safe_metadata import safe_load_metadata
-
+def test_every_python_path_form_reads_through_the_one_reader(form: str, cls: type, tmp_path: Path):
     path = cls("/runs/ckpt/iter_0000002")
     data = _metadata(form, path)
+    reference = _fixture_metadata()
 
-    record = load_metadata_pickle(data, "inert/.metadata")  # ckpt inspect / verify
+    record = load_metadata_pickle(data, "inert/.metadata")
     assert isinstance(record, MetadataRecord) and isinstance(record.get("storage_meta"), StorageMetaRecord)
     assert record.get("storage_meta").get("checkpoint_id") == "/runs/ckpt/iter_0000002"
+    assert record.get("state_dict_metadata").keys() == reference.state_dict_metadata.keys()  # type: ignore[attr-defined]
 
-    md = load_real_metadata(data, "real/.metadata")  # --load
-    assert type(md) is Metadata and md.storage_meta.checkpoint_id == path
-    assert type(md.storage_meta.checkpoint_id) is cls
-    assert md.state_dict_metadata.keys() == record.get("state_dict_metadata").keys()
-
-    (tmp_path / ".metadata").write_bytes(data)  # the runtime's reader, as --load calls it
+    (tmp_path / ".metadata").write_bytes(data)  # the folder as ckpt and --load open it
     for src in FIXTURE.glob("*.distcp"):
         (tmp_path / src.name).write_bytes(src.read_bytes())
-    assert safe_load_metadata(tmp_path / ".metadata").storage_meta.checkpoint_id == path
+    ckpt = open_checkpoint(tmp_path)
+    assert ckpt.entries.keys() == reference.state_dict_metadata.keys()  # type: ignore[attr-defined]
 
 
-def test_both_resolvers_cover_the_whole_table():
-    """Every entry resolves both ways on the installed torch: a torch that renames a class fails here."""
+def test_the_table_names_what_the_installed_torch_has():
+    """Every class and enum entry exists where the table says: a torch that renames a class fails here."""
+    import importlib
+
     for (module, name), entry in ALLOWED.items():
         if entry.kind is Kind.CONTAINER:
             continue  # charged to a per-file budget by the unpickler itself
         assert inert(entry) is not None, (module, name)
-        obj = real(entry)
         if entry.kind in (Kind.CLASS, Kind.ENUM):
+            obj = getattr(importlib.import_module(entry.module), entry.name)
             assert isinstance(obj, type) and obj.__name__ == entry.name, (module, name)
             assert module == entry.module or module.startswith("megatron."), (module, name)
 
 
-@pytest.mark.parametrize("load", [load_metadata_pickle, load_real_metadata])
-def test_both_resolvers_refuse_the_same_way(load):
+def test_a_global_outside_the_table_is_refused_unrun():
     data = b"\x80\x04\x8c\x02os\x94\x8c\x06system\x94\x93\x94\x8c\x04true\x94\x85\x94R\x94."
     with pytest.raises(FormatError, match=r"references the global os\.system.*nothing in the file was executed"):
-        load(data, "x/.metadata")
-
-
-def test_real_resolver_bounds_what_it_builds():
-    size = b"\x8c\x05torch\x94\x8c\x04Size\x94\x93\x94"
-    with pytest.raises(FormatError, match="torch.Size holds"):
-        load_real_metadata(b"\x80\x04" + size + b"J\xff\xff\xff\xff\x85\x94\x85\x94R\x94.", "s/.metadata")
-    path = b"\x8c\x07pathlib\x94\x8c\tPosixPath\x94\x93\x94"
-    with pytest.raises(FormatError, match="path parts"):
-        load_real_metadata(b"\x80\x04" + path + b"K\x01\x85\x94R\x94.", "p/.metadata")
-    with pytest.raises(FormatError, match="not DCP Metadata"):
-        load_real_metadata(pickle.dumps({"a": 1}), "d/.metadata")
+        load_metadata_pickle(data, "x/.metadata")

@@ -7,7 +7,7 @@ import torch
 from torch.storage import _dtype_to_storage_type_map
 
 from gtp_format import dtypes
-from gtp_format.dtypes import DTYPES, LAYOUTS, MEMORY_FORMATS, from_torch
+from gtp_format.dtypes import DTYPES, MEMORY_FORMATS, TENSOR_LAYOUTS, from_torch
 
 
 def _torch_dtypes() -> dict[str, torch.dtype]:
@@ -41,7 +41,8 @@ def test_safetensors_codes_match_the_safetensors_library():
 
 
 def test_layout_and_memory_format_names_match_torch():
-    assert LAYOUTS == {str(v).removeprefix("torch.") for v in vars(torch).values() if isinstance(v, torch.layout)}
+    assert TENSOR_LAYOUTS == {str(v).removeprefix("torch.") for v in vars(torch).values()
+                              if isinstance(v, torch.layout)}
     assert MEMORY_FORMATS == {str(v).removeprefix("torch.") for v in vars(torch).values()
                               if isinstance(v, torch.memory_format)}
 

@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gtp_format.errors import FormatError
+from gtp_format.reader.checkpoint import open_checkpoint
 from gtp_format.reader.pickle_scan import PickleScanError, check_pickle
 from gtp_format.reader.safe_pickle import MetadataRecord, load_metadata_pickle
-from gtp_runtime.checkpoint.safe_metadata import UnsafeMetadataError, safe_load_metadata
 
 _leaves = (st.none() | st.booleans() | st.integers() | st.integers(min_value=2**60, max_value=2**600)
            | st.floats(allow_nan=False) | st.text(max_size=300) | st.binary(max_size=300))
@@ -91,12 +91,13 @@ def _ru_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def test_runtime_reader_refuses_a_memo_bomb(tmp_path: Path):
+def test_the_load_path_refuses_a_memo_bomb(tmp_path: Path):
+    """``open_checkpoint`` is how ``ckpt`` and ``--load`` both read ``.metadata``."""
     (tmp_path / "__0_0.distcp").write_bytes(b"\0" * 1024)
     (tmp_path / ".metadata").write_bytes(b"\x80\x04Nr" + struct.pack("<I", 2**31) + b".")
     before = _ru_kib()
-    with pytest.raises(UnsafeMetadataError, match="memo index"):
-        safe_load_metadata(tmp_path / ".metadata")
+    with pytest.raises(FormatError, match="memo index"):
+        open_checkpoint(tmp_path)
     assert _ru_kib() - before < 64 * 1024
 
 

@@ -10,8 +10,9 @@ its output change from run to run or from Python to Python, and nothing else may
 So ``.metadata`` is compared as its decoded records (through the allow-listing unpickler), minus
 those two fields; the manifest as JSON, minus those fields; every other file by its bytes, and
 every chunk by the hash of its stored bytes. ``tests/cli/golden/migrate_aliased.json`` was
-recorded from the output of ``ckpt_tool/migrate_core.py`` as of commits 57bff73 and b432bb3
-(identical output), before migrate became a package; 101e36d wrote the same bytes too. The chunk
+recorded from the output of the former ``migrate_core.py`` of ``ckpt_tool`` (since split into
+``ckpt_tool/migrate/``) as of commits 57bff73 and b432bb3 (identical output), before migrate
+became a package; 101e36d wrote the same bytes too. The chunk
 records (``gtp_chunks.json`` and the manifest's ``chunk_records`` section and file entry), which
 migrate writes since issue 26, are left out of the summary: everything else must stay as recorded,
 and ``tests/cli/test_migrate.py`` checks the records against the chunks' bytes.

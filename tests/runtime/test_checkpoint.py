@@ -239,7 +239,8 @@ def test_runtime_load_refuses_code_in_metadata(tmp_path: Path) -> None:
     """--load of a crafted .metadata: refused before anything in it runs."""
     import pickle
 
-    from gtp_runtime.checkpoint.safe_metadata import UnsafeMetadataError, safe_load_metadata
+    from gtp_runtime.checkpoint.errors import CheckpointError
+    from gtp_runtime.checkpoint.verified import open_verified
 
     marker = tmp_path / "pwned"
 
@@ -248,17 +249,18 @@ def test_runtime_load_refuses_code_in_metadata(tmp_path: Path) -> None:
             return (exec, (f"open({str(marker)!r}, 'w').write('x')",))
 
     (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
-    with pytest.raises(UnsafeMetadataError, match="builtins.exec"):
-        safe_load_metadata(tmp_path / ".metadata")
+    (tmp_path / "__0_0.distcp").write_bytes(b"\0" * 64)
+    with pytest.raises(CheckpointError, match="builtins.exec"):
+        open_verified(tmp_path)  # what --load opens a checkpoint with, in the launcher and on every rank
     assert not marker.exists()
 
 
 def test_runtime_reads_its_own_metadata_safely() -> None:
-    from gtp_runtime.checkpoint.safe_metadata import safe_load_metadata
+    from gtp_runtime.checkpoint.verified import open_verified
 
     folder = Path(__file__).parents[2] / "fixtures" / "gtp" / "fold_cp2_g2_dp2" / "iter_0000002"
-    md = safe_load_metadata(folder / ".metadata")
-    assert any(".cp_rank_1" in k for k in md.state_dict_metadata)
+    ckpt, manifest = open_verified(folder)
+    assert any(".cp_rank_1" in k for k in ckpt.entries) and manifest.topology is not None
 
 
 @pytest.mark.slow

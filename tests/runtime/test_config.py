@@ -56,7 +56,7 @@ def test_average_in_collective_refused_with_gtp_remat():
 
 
 def test_average_in_collective_refused_with_fold_at_gtp_remat_1():
-    """The shape upstream missed: gtp_remat == 1 but folding makes dense GTP active."""
+    """The shape upstream missed (NVIDIA/Megatron-LM#6886): gtp_remat == 1 but folding makes dense GTP active."""
     par = ParallelConfig(cp=2, gtp_remat=1, fold_cp=True, average_in_collective=True)
     assert par.dense_gtp_active and par.weight_group_size == 2
     msg = refused(par.validate, 2)

@@ -3,7 +3,7 @@
 On the CPU the regions run eagerly (torch.compile is applied on CUDA only), so these tests check
 their math: the norm and RoPE regions equal the layers bit for bit, the chunked linear
 cross-entropy matches F.linear + F.cross_entropy in loss, input gradient and fp32 weight gradient
-for any chunk size. tests/test_gpu.py checks the compiled kernels against the unfused path.
+for any chunk size. tests/runtime/test_gpu.py checks the compiled kernels against the unfused path.
 """
 
 from __future__ import annotations

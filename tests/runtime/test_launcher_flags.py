@@ -1,7 +1,7 @@
 """Every launcher flag is registered, exercised by the suite, and actually consumed.
 
-Upstream once read a flag that was never registered with its parser, and validated a flag in one
-entry point and not another; these tests make both mistakes fail here.
+Upstream (NVIDIA/Megatron-LM#6886, as reviewed) read a flag that was never registered with its parser, and validated
+a flag in one entry point and not another; these tests make both mistakes fail here.
 """
 
 from __future__ import annotations

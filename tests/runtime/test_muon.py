@@ -1,7 +1,7 @@
 """Muon's pieces without processes: Newton-Schulz, owner balance, who holds what, the manifest.
 
 Distributed parity (8 gloo ranks against the fp32 reference) is in ``test_parity.py`` (the
-``muon-*`` cases of ``launcher_cases.PARITY``); checkpoints in ``tests/cli/test_muon_cli.py``.
+``muon-*`` cases of ``launcher_cases.PARITY``); checkpoints in ``tests/runtime/test_muon_checkpoint.py``.
 """
 
 from __future__ import annotations
