@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import sys
 from typing import Any
@@ -32,6 +31,7 @@ from gtp_format import __version__
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
 from gtp_format.names import ITER_DIR_RE
+from gtp_format.storage.location import local_path
 from gtp_format.text import safe_text
 from gtp_runtime.data.indexed import DataError
 from gtp_runtime.data.source import DataConfig
@@ -214,9 +214,6 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
     return cfg, world
 
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
 def refuse_impossible(args: argparse.Namespace, cfg: TrainConfig) -> None:
     """Refuse, before any rank starts, choices that could only fail later (or silently do the wrong thing)."""
     from gtp_runtime.checkpoint.verified import sharding_refusal
@@ -228,9 +225,12 @@ def refuse_impossible(args: argparse.Namespace, cfg: TrainConfig) -> None:
                           f"gtp_remat {cfg.par.gtp_remat} x dp {cfg.par.dp} = {cfg.global_batch_size}: there is no "
                           "gradient accumulation; drop it or change --micro-batch-size")
     for flag, value in (("--save", args.save), ("--load", args.load)):
-        if value and _URL.match(value):
-            raise ConfigError(f"{flag} {value!r} is a URL; checkpoints are read and written in a local folder, so "
-                              "pass a path (copy to object storage after the run)")
+        if value:  # the one location parser: a URL is refused here, never turned into a local folder's name
+            try:
+                local_path(value, flag, "the launcher saves and loads local folders only; use a local "
+                           "folder and copy it to the bucket after the run")
+            except FormatError as e:
+                raise ConfigError(e.message) from None
 
 
 def _nothing_to_train(args: argparse.Namespace, it: int | None) -> str | None:

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ckpt_tool.locations import local_arg
 from ckpt_tool.output import (
     FormatOption,
     IgnoreOption,
@@ -80,7 +81,8 @@ def _dtype(d: Any) -> str:
 
 @handle_errors
 def inspect_command(
-    path: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
+    path: Annotated[Path, typer.Argument(
+        parser=local_arg("PATH"), help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
     keys: KeysOption = None,
     ignore: IgnoreOption = None,
     chunks: Annotated[bool, typer.Option("--chunks", help="List every chunk: offsets, sizes, file, bytes.")] = False,

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from ckpt_tool.locations import local_arg
 from ckpt_tool.output import (
     FormatOption,
     MaxMemoryOption,
@@ -43,8 +44,10 @@ or a write failed (a full disk)."""
 
 @handle_errors
 def reshard_command(
-    src: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
-    dst: Annotated[Path, typer.Argument(help="New folder to create.", show_default=False)],
+    src: Annotated[Path, typer.Argument(
+        parser=local_arg("SRC"), help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
+    dst: Annotated[Path, typer.Argument(
+        parser=local_arg("DST"), help="New folder to create.", show_default=False)],
     tp: Annotated[int | None, typer.Option("--tp", min=1, help="Tensor-parallel size.")] = None,
     cp: Annotated[int | None, typer.Option("--cp", min=1, help="Context-parallel size.")] = None,
     gtp_remat: Annotated[int | None, typer.Option("--gtp-remat", min=1, help="GTP_remat size.")] = None,

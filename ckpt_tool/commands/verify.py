@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from ckpt_tool.locations import local_arg
 from ckpt_tool.output import (
     FormatOption,
     OutputFormat,
@@ -49,7 +50,8 @@ Exit codes: 0 no errors, 1 errors found, 2 unreadable input."""
 
 @handle_errors
 def verify_command(
-    path: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
+    path: Annotated[Path, typer.Argument(
+        parser=local_arg("PATH"), help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
     data: Annotated[bool, typer.Option("--data", help="Also decode every chunk and check file checksums.")] = False,
     cp_size: Annotated[
         int | None,
