@@ -15,7 +15,7 @@ from pathlib import Path
 
 import typer
 
-from gtp_format.storage.location import LocationError, local_path
+from gtp_format.storage.location import Location, LocationError, local_path, parse_location
 
 NOT_YET = "object stores are not supported by ckpt yet; copy the checkpoint to a local folder first"
 
@@ -26,6 +26,20 @@ def local_arg(what: str, why: str = NOT_YET) -> Callable[[str], Path]:
     def parse(value: str) -> Path:
         try:
             return local_path(value, "", why)
+        except LocationError as e:
+            raise typer.BadParameter(e.message) from None
+
+    parse.__name__ = f"parse_{what.lower()}"
+    return parse
+
+
+def checkpoint_arg(what: str) -> Callable[[str], Location]:
+    """A Typer ``parser`` for a checkpoint the command reads from a folder or a bucket (``s3://``):
+    a local ``Path``, or an :class:`ObjectURL` that the one reader (``open_checkpoint``) takes."""
+
+    def parse(value: str) -> Location:
+        try:
+            return parse_location(value, "")
         except LocationError as e:
             raise typer.BadParameter(e.message) from None
 

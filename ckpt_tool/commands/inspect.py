@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ckpt_tool.locations import local_arg
+from ckpt_tool.locations import checkpoint_arg
 from ckpt_tool.output import (
     FormatOption,
     IgnoreOption,
@@ -28,6 +28,7 @@ from ckpt_tool.output import (
     print_json,
     table,
 )
+from gtp_format.storage.location import ObjectURL
 
 EPILOG = """Examples:
 
@@ -81,8 +82,9 @@ def _dtype(d: Any) -> str:
 
 @handle_errors
 def inspect_command(
-    path: Annotated[Path, typer.Argument(
-        parser=local_arg("PATH"), help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
+    path: Annotated[object, typer.Argument(  # a Location (Path or ObjectURL): Typer refuses Union annotations
+        parser=checkpoint_arg("PATH"), help="Checkpoint folder (iter_XXXXXXX) or its parent, or s3://BUCKET/PREFIX.",
+        show_default=False)],
     keys: KeysOption = None,
     ignore: IgnoreOption = None,
     chunks: Annotated[bool, typer.Option("--chunks", help="List every chunk: offsets, sizes, file, bytes.")] = False,
@@ -180,7 +182,8 @@ def inspect_command(
         "weights": weights, "optimizer": optimizer, "optimizer_state": opt_state, "objects": objects,
         "notes": [p.to_dict() for p in ckpt.notes + topo.notes],
     }
-    doc["leftovers"] = _leftovers(Path(path), ckpt.root)
+    # a bucket has no work folders: its writer's commit is the object written last (docs/object-stores.md)
+    doc["leftovers"] = [] if isinstance(ckpt.root, ObjectURL) else _leftovers(Path(path), ckpt.root)
     _integrity(doc, ckpt, set(selected), stats)
     if chunks:
         doc["chunks"] = chunk_rows

@@ -68,6 +68,7 @@ from gtp_format.names import (
     iter_dir_name,
 )
 from gtp_format.scan import carrier
+from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter, data_file_name, megatron_metadata
 from gtp_format.writer.sink import STAGE, stage_bytes
 
@@ -138,11 +139,13 @@ def _check_same_params(source: Source, target: Manifest) -> None:
                           f"{diff[0][0]}); the manifest's bucket layout was not written by this runtime's rules")
 
 
-def check_destination(dst: Path, src: Path) -> None:
+def check_destination(dst: Path, src: Path | ObjectURL) -> None:
     if dst.exists() or dst.is_symlink():
         raise FormatError(f"{dst}: already exists; reshard and export never overwrite, pick a new folder")
     if not dst.parent.is_dir():
         raise FormatError(f"{dst.parent}: no such folder to create {dst.name} in; create it first")
+    if isinstance(src, ObjectURL):  # a bucket's source cannot hold a local destination
+        return
     s, d = src.resolve(), dst.parent.resolve() / dst.name
     if d == s or s in d.parents:
         raise FormatError(f"{dst}: is inside the source checkpoint {src}; write it elsewhere")

@@ -35,6 +35,7 @@ from gtp_format.names import (
 )
 from gtp_format.reader import safe_json
 from gtp_format.reader.storage import is_folder_inside, list_dir, read_small_file
+from gtp_format.storage.location import ObjectURL, parse_location
 from gtp_format.writer.work import leftovers, parse_work
 
 LAYOUT_TORCH_DIST, LAYOUT_SAFETENSORS = LAYOUTS
@@ -74,7 +75,7 @@ def metadata_limit(data_bytes: int) -> int:
 class Located:
     """A checkpoint folder and what was found in it."""
 
-    folder: Path
+    folder: Path | ObjectURL  # a bucket's prefix for s3:// (gtp_format.storage.location)
     layout: str
     names: tuple[str, ...]  # entries of the folder, sorted
     recovered: str | None = None  # the iteration folder the marker names, when a hidden copy stands in for it
@@ -117,7 +118,7 @@ def _check_work_folder(p: Path, names: list[str]) -> None:
                           "written last): not a checkpoint; use a committed iter_XXXXXXX folder")
 
 
-def _read_latest(parent: Path) -> Path:
+def _read_latest(parent: Path | ObjectURL) -> Path | ObjectURL:
     marker = parent / LATEST_FILE
     fix = f"write the iteration number into {LATEST_FILE} or pass the iter_XXXXXXX folder itself"
     raw = read_small_file(marker, 64, "an iteration marker", fix)
@@ -129,6 +130,8 @@ def _read_latest(parent: Path) -> Path:
     else:
         raise FormatError(f"{marker} holds {text[:40]!r}, not an iteration number; {fix}")
     if not is_folder_inside(parent, folder.name):
+        if isinstance(folder, ObjectURL):  # a bucket has no hidden copies to recover: its writer commits last
+            raise FormatError(f"{marker} names iteration {text} but no object lies below {folder}; {fix}")
         if not os.path.lexists(folder):
             hidden = recover_hidden(parent, folder.name)
             if hidden is not None:
@@ -147,12 +150,13 @@ def _layout_of(names: list[str]) -> str | None:
     return None
 
 
-def locate(path: str | os.PathLike[str]) -> Located:
-    """Resolve PATH to a checkpoint folder, following ``latest_checkpointed_iteration.txt``."""
-    p = Path(path)
-    if not p.exists():
+def locate(path: str | os.PathLike[str] | ObjectURL) -> Located:
+    """Resolve PATH (a folder, or an ``s3://`` URL: :func:`parse_location`) to a checkpoint folder,
+    following ``latest_checkpointed_iteration.txt``."""
+    p = parse_location(path) if isinstance(path, str | ObjectURL) else Path(path)
+    if not isinstance(p, ObjectURL) and not p.exists():
         raise FormatError(f"{p} does not exist; pass a checkpoint folder (iter_XXXXXXX) or its parent")
-    if not p.is_dir():
+    if not isinstance(p, ObjectURL) and not p.is_dir():
         raise FormatError(f"{p} is a file, expected a checkpoint folder; pass the iter_XXXXXXX folder or its parent")
     names = list_dir(p)
     layout = _layout_of(names)
@@ -180,7 +184,7 @@ def locate(path: str | os.PathLike[str]) -> Located:
     return Located(folder=p, layout=layout, names=tuple(names), recovered=recovered)
 
 
-def load_json_object(path: Path, what: str, limit: int = JSON_LIMIT) -> dict[str, Any]:
+def load_json_object(path: Path | ObjectURL, what: str, limit: int = JSON_LIMIT) -> dict[str, Any]:
     """A JSON file that must hold an object (metadata.json, the manifest, an index)."""
     fix = f"fix or remove {path.name}"
     raw = read_small_file(path, limit, what, fix)
@@ -212,7 +216,7 @@ def load_side_files(loc: Located) -> tuple[dict[str, Any] | None, Manifest | Non
                 file=MANIFEST_FILE) for p in manifest.problems]
 
 
-def iteration_from_name(folder: Path) -> int | None:
+def iteration_from_name(folder: Path | ObjectURL) -> int | None:
     """The iteration an ``iter_XXXXXXX`` folder name encodes."""
     m = ITER_DIR_RE.match(folder.name)
     return int(m.group(1)) if m else None

@@ -62,6 +62,30 @@ class ObjectURL:
         """The object key of ``rel`` (a plain relative name) below the prefix."""
         return "/".join(p for p in (self.prefix, rel) if p)
 
+    # The few path operations the readers and the writer use, so that a bucket and a folder are the same
+    # code above the storage functions. ``os.fspath`` raises: no local open, stat or ``Path()`` can take a
+    # URL for a local path by accident (``Path("s3://b/r")`` is the local ``s3:/b/r``).
+
+    def __truediv__(self, rel: str) -> ObjectURL:
+        parts = [p for p in str(rel).split("/") if p]
+        if any(p in (".", "..") for p in parts):
+            raise LocationError(f"{self}: {rel!r} would leave the prefix")
+        return ObjectURL(self.scheme, self.bucket, "/".join([*([self.prefix] if self.prefix else []), *parts]))
+
+    @property
+    def name(self) -> str:
+        return self.prefix.rsplit("/", 1)[-1] if self.prefix else ""
+
+    @property
+    def parent(self) -> ObjectURL:
+        return ObjectURL(self.scheme, self.bucket, self.prefix.rsplit("/", 1)[0] if "/" in self.prefix else "")
+
+    def with_name(self, name: str) -> ObjectURL:
+        return self.parent / name
+
+    def __fspath__(self) -> str:
+        raise TypeError(f"{self} is an object-store location, not a local path")
+
 
 Location = Path | ObjectURL
 

@@ -60,6 +60,7 @@ SMOKE = {
     "convergence.py": ["--out", "{tmp}/convergence"],
     "bench_record_crc.py": ["--workdir", "{tmp}/record_crc"],
     "fuzz_readers.py": ["--out", "{tmp}/fuzz"],
+    "bench_s3.py": [],
 }
 # Not run with --smoke by the test above; each has its own test below.
 OTHERS = {"bench_megatron_save.py", "report_gpu.py", "docs_section.py", "trace_exposed.py", "fuzz_targets.py"}
@@ -275,6 +276,16 @@ def check_copy_checks(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert not (tmp / "copy_checks").exists()  # the work folder is removed
 
 
+def check_s3(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    """Every client ran every workload (each run checks sizes itself), with a ratio against boto3's."""
+    rows = _table(p.stdout)
+    assert rows[0][:2] == ["workload", "client"]
+    got = {(r[0], r[1]): _ratio(r[4]) for r in rows[1:]}
+    assert set(got) == {(w, c) for w in ("write", "read whole", "ranged read") for c in ("boto3", "s3fs", "obstore")}
+    assert all(got[(w, "boto3")] == 1.0 for w in ("write", "read whole", "ranged read"))
+    assert all(v > 0 for v in got.values())
+
+
 CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_ckpt_async.py": check_ckpt_async,
     "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
@@ -286,6 +297,7 @@ CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_record_crc.py": check_record_crc, "fuzz_readers.py": check_fuzz,
     "bench_copy_checks.py": check_copy_checks,
     "bench_megatron_inspect.py": check_megatron_inspect,
+    "bench_s3.py": check_s3,
 }
 
 
