@@ -67,6 +67,7 @@ from gtp_format.names import (
     GTP_INDEX_FILE,
     iter_dir_name,
 )
+from gtp_format.reader.storage import is_regular_inside
 from gtp_format.scan import carrier
 from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter, data_file_name, megatron_metadata
@@ -139,7 +140,13 @@ def _check_same_params(source: Source, target: Manifest) -> None:
                           f"{diff[0][0]}); the manifest's bucket layout was not written by this runtime's rules")
 
 
-def check_destination(dst: Path, src: Path | ObjectURL) -> None:
+def check_destination(dst: Path | ObjectURL, src: Path | ObjectURL) -> None:
+    if isinstance(dst, ObjectURL):  # a bucket: no-replace is the upload's (storage/upload.py); refused early here
+        from gtp_format.storage import objects, upload
+
+        if objects.is_prefix(dst):
+            raise upload.Taken(dst)
+        return
     if dst.exists() or dst.is_symlink():
         raise FormatError(f"{dst}: already exists; reshard and export never overwrite, pick a new folder")
     if not dst.parent.is_dir():
@@ -275,6 +282,15 @@ def build_atomically(dst: Path, src_root: Path, body: Callable[[CheckpointWriter
         raise write_failure(dst, cause) from None
 
 
+def written_sizes(folder: Path | ObjectURL) -> list[int]:
+    """Sizes of the files a committed output holds (a bucket's: as the store lists them)."""
+    if isinstance(folder, ObjectURL):
+        from gtp_format.storage import objects
+
+        return [n for n in objects.list_names(folder).values() if n is not None]
+    return [p.stat().st_size for p in folder.iterdir()]
+
+
 def peak_rss() -> int:
     """This process's peak RSS in bytes: ``VmHWM`` (Linux), else ``ru_maxrss``.
 
@@ -309,7 +325,7 @@ def target_topology(src: Path, layout: str | None, **asked: int | bool | None) -
     if layout is not None and layout not in LAYOUTS:
         raise FormatError(f"--layout {layout!r}: use one of {', '.join(LAYOUTS)}")
     folder = locate(src).folder
-    if not (folder / MANIFEST_FILE).is_file():
+    if is_regular_inside(folder, MANIFEST_FILE) is None:
         raise FormatError(f"{folder}: no gtp_manifest.json: not a gtp_runtime checkpoint; reshard writes this "
                           "runtime's layout (a genuine megatron-core checkpoint: `ckpt export --to fully_reshardable`)")
     saved = read_manifest(folder, strict=True).topology
@@ -345,8 +361,8 @@ def reshard(src: Path, dst: Path, par: ParallelConfig, layout: str | None = None
             source.reader.close()
 
     build_atomically(dst, source.root, body, inner=iter_dir_name(target.iteration), latest=str(target.iteration))
-    out = list((dst / iter_dir_name(target.iteration)).iterdir())
+    out = written_sizes(dst / iter_dir_name(target.iteration))
     return Result(str(source.root), str(dst), source.manifest.topology.describe(), par.describe(), target.layout,
-                  len(out), len(plan.chunks), sum(p.stat().st_size for p in out), source.reader.bytes_read,
+                  len(out), len(plan.chunks), sum(out), source.reader.bytes_read,
                   time.perf_counter() - t0, max_memory, chunk_bytes, workers,
                   peak_rss(), baseline)

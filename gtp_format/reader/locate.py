@@ -169,6 +169,10 @@ def locate(path: str | os.PathLike[str] | ObjectURL) -> Located:
         names = list_dir(p)
         layout = _layout_of(names)
     _check_work_folder(p, names)
+    if isinstance(p, ObjectURL) and layout is not None and MEGATRON_METADATA_FILE not in names:
+        # the bucket writer's commit object, uploaded last (gtp_format/storage/upload.py)
+        raise FormatError(f"{p}: no {MEGATRON_METADATA_FILE}, the object a writer uploads last: an unfinished upload, "
+                          "not a checkpoint; use a committed prefix (or copy metadata.json in if the upload finished)")
     if layout is None:
         if any(DISTCP_RE.match(n) for n in names) or MEGATRON_METADATA_FILE in names:
             raise FormatError(

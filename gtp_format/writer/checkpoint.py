@@ -66,6 +66,8 @@ from gtp_format.names import (
     MEGATRON_METADATA_FILE,
     iter_dir_name,
 )
+from gtp_format.storage import upload
+from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.work import WorkFolder, clean_stale, remove_entry, sigterm_raises, work_name
 
 # Megatron's metadata.json: the torch_dist backend (its fields and values, as megatron-core writes
@@ -165,10 +167,14 @@ class CheckpointWriter:
     runtime's fault-injection hook, called at ``mid_replace``. ``tag``: the work folder's prefix.
     """
 
-    def __init__(self, target: Path, *, inner: str | None = None, latest: str | None = None,
+    def __init__(self, target: Path | ObjectURL, *, inner: str | None = None, latest: str | None = None,
                  replace: bool = False, backup: Path | None = None, tag: str = "tmp",
                  fault: Fault | None = None) -> None:
-        self.target = Path(target)
+        # an s3:// target is built in local staging and committed by an ordered upload (storage/upload.py)
+        self.target: Any = target if isinstance(target, ObjectURL) else Path(target)
+        if isinstance(target, ObjectURL) and replace:
+            raise FormatError(f"{target}: re-saving an iteration in a bucket is not supported; save under a new "
+                              "prefix", EXIT_BAD_INPUT)
         if latest is not None:
             check_latest(latest, self.target)
         self.inner, self.latest, self.replace, self.backup = inner, latest, replace, backup
@@ -190,13 +196,14 @@ class CheckpointWriter:
 
     def begin(self, clean: bool = True) -> Path:
         """Create the hidden work folder (``clean``: first remove dead writers' stale ones); return it."""
-        parent = self.target.parent
+        bucket = isinstance(self.target, ObjectURL)
+        parent = upload.staging_dir() if bucket else self.target.parent
         if clean:
-            clean_stale(parent, keep=needed_for_recovery(parent))
+            clean_stale(parent, keep=None if bucket else needed_for_recovery(parent))
         self._signals = sigterm_raises()
         self._signals.__enter__()
         try:
-            self.work = work_name(self.target, self.tag)
+            self.work = work_name(parent / self.target.name if bucket else self.target, self.tag)
             self.work.mkdir()
             if self.inner:
                 (self.work / self.inner).mkdir()
@@ -260,7 +267,9 @@ class CheckpointWriter:
     def commit(self) -> Path:
         """Rename the work folder to ``target``; refuse (:class:`DestinationTaken`) if it appeared meanwhile."""
         assert self.work is not None and not self.committed
-        if self.replace:
+        if isinstance(self.target, ObjectURL):
+            self._upload()
+        elif self.replace:
             self._replace()
         else:
             try:
@@ -270,6 +279,17 @@ class CheckpointWriter:
         self.committed = True
         self._release()
         return self.target
+
+    def _upload(self) -> None:
+        """The bucket's commit: the ordered upload of the finished work folder, then the local copy goes."""
+        assert self.work is not None
+        up = upload.Upload(self.target, self.fault)
+        try:
+            up.run(self.work)
+        except BaseException:
+            up.undo()
+            raise
+        remove_entry(self.work)
 
     def _replace(self) -> None:
         assert self.work is not None
@@ -288,6 +308,9 @@ class CheckpointWriter:
         """Point the run directory's latest marker at the committed iteration (atomically, durably)."""
         assert self.committed, "the latest marker moves only after the commit"
         check_latest(str(iteration), self.target)
+        if isinstance(self.target, ObjectURL):
+            upload.put_marker(self.target, f"{iteration}\n")
+            return
         write_atomic(self.target.parent / LATEST_FILE, f"{iteration}\n")
 
     def abort(self) -> None:

@@ -39,7 +39,7 @@ URLS = [("s3://bucket/run", "object stores are not supported by ckpt yet"),
 
 # Commands that read a checkpoint from a bucket (tests/s3/): only their unsupported URLs are refused here.
 READS_BUCKETS = {("inspect", "PATH"), ("verify", "PATH"), ("show", "PATH"), ("diff", "A"), ("diff", "B"),
-                 ("export", "SRC")}
+                 ("export", "SRC"), ("reshard", "SRC"), ("reshard", "DST")}
 CASES = [(argv, name, url, words) for argv, name in COMMANDS for url, words in URLS
          if not (url.startswith("s3://") and (argv[0], name) in READS_BUCKETS)]
 
