@@ -58,15 +58,15 @@ def test_every_command_refuses_urls(argv, name, url, words, tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize(("flag", "url", "words"), [
-    ("--save", "s3://bucket/run", "local folders only"),
-    ("--load", "s3://bucket/run", "local folders only"),
+    ("--save", "s3://bucket/run --async-save", "--async-save writes local folders only"),
+    ("--load", "s3://Bucket/run", "not a bucket name"),
     ("--save", "s3:/bucket/run", "two slashes"),
     ("--save", "msc://profile/run", "msc:// is not supported"),
 ])
 def test_launcher_refuses_urls(flag, url, words, tmp_path):
     """Through the real launcher, in an empty working directory: exit 2, one line, nothing created there."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "gtp_runtime.train", "--steps", "1", flag, url], cwd=tmp_path,
+    p = subprocess.run([sys.executable, "-m", "gtp_runtime.train", "--steps", "1", flag, *url.split()], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, (p.stdout, p.stderr)
     lines = p.stderr.strip().splitlines()
