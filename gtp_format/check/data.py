@@ -425,7 +425,7 @@ class _FilePass:
 
     def _big(self, it: _Item) -> list[_Step]:
         """A chunk larger than a window: structure from its ends now, elements window by window later."""
-        assert self.fd is not None
+        assert self.fd is not None or self.obj is not None
         layout = None
         try:
             layout = parse_blob(RangeReader(self.obj or self.fd, it.start, it.stop - it.start))

@@ -154,3 +154,15 @@ def test_export_hf_streams_from_a_bucket(s3, capsys, tmp_path, reads):
     b = {p.name: p.read_bytes() for p in (tmp_path / "from_folder").iterdir()}
     assert a == b and any(n.endswith(".safetensors") for n in a)
     assert max(n for _, _, n in reads) <= objects.PIECE
+
+
+def test_verify_data_with_chunks_larger_than_a_window(s3, capsys, monkeypatch):
+    """Chunks over ``WINDOW`` are parsed from their ends and read window by window: the same on a bucket."""
+    from gtp_format.check import data as data_check
+
+    monkeypatch.setattr(data_check, "WINDOW", 4096)
+    url = upload(s3, FIXTURES["dcp"], "runs/w")
+    code, out, err = ckpt(capsys, "verify", url, "--data", "--format", "json")
+    assert code == 0, (out, err)
+    code, here, _ = ckpt(capsys, "verify", str(FIXTURES["dcp"]), "--data", "--format", "json")
+    assert json.loads(out)["stats"] == json.loads(here)["stats"]
