@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             f"on the same files and objects. Best of {args.rounds} rounds, each workload beside its baseline. "
             f"Machine: {os.cpu_count()} CPU cores shared with other jobs, {platform.machine()}, Python "
             f"{platform.python_version()}.",
-            "python benchmarks/bench_s3_ckpt.py --write-docs", table,
+            f"python benchmarks/bench_s3_ckpt.py --hidden {args.hidden} --layers {args.layers} --rounds {args.rounds} "
+            "--write-docs", table,
             ["- *verify --data* and *export* do all of their work (decode, hash, NaN counts; write the HF folder) "
              "on top of the transfer; the baseline is the download alone.",
              "- The server (moto on werkzeug) shares the 2 cores, so these ratios say little about a real store."])
