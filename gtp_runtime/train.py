@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import sys
 from typing import Any
@@ -32,6 +31,8 @@ from gtp_format import __version__
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
 from gtp_format.names import ITER_DIR_RE
+from gtp_format.storage.location import ObjectURL, local_path, parse_location
+from gtp_format.storage.objects import credentials_problem
 from gtp_format.text import safe_text
 from gtp_format.writer.work import Terminated
 from gtp_runtime.data.indexed import DataError
@@ -147,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--split", default="98,2", help="train,valid document ratio")
     d.add_argument("--data-seed", type=int, default=None, help="document/sample shuffle seed (default: --seed)")
     c = ap.add_argument_group("checkpointing")
-    c.add_argument("--save", default=None, help="local folder to save checkpoints under, as iter_XXXXXXX/ "
-                   "(default: no saving)")
+    c.add_argument("--save", default=None, help="folder (or s3://BUCKET/PREFIX) to save checkpoints under, as "
+                   "iter_XXXXXXX/ (default: no saving)")
     c.add_argument("--save-interval", type=int, default=None,
                    help="save every K iterations, and at the end (default: at the end only)")
     c.add_argument("--load", default=None, help="checkpoint folder, or its parent (follows latest) (default: a "
@@ -224,9 +225,6 @@ def _fused(args: argparse.Namespace) -> str | None:
     return None if args.fused == "none" else args.fused
 
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
 def refuse_impossible(args: argparse.Namespace, cfg: TrainConfig) -> None:
     """Refuse, before any rank starts, choices that could only fail later (or silently do the wrong thing)."""
     from gtp_runtime.checkpoint.verified import sharding_refusal
@@ -238,9 +236,16 @@ def refuse_impossible(args: argparse.Namespace, cfg: TrainConfig) -> None:
                           f"gtp_remat {cfg.par.gtp_remat} x dp {cfg.par.dp} = {cfg.global_batch_size}: there is no "
                           "gradient accumulation; drop it or change --micro-batch-size")
     for flag, value in (("--save", args.save), ("--load", args.load)):
-        if value and _URL.match(value):
-            raise ConfigError(f"{flag} {value!r} is a URL; checkpoints are read and written in a local folder, so "
-                              "pass a path (copy to object storage after the run)")
+        if value:  # the one location parser: a bad URL is refused here, never turned into a local folder's name
+            try:
+                if flag == "--save" and args.async_save:
+                    local_path(value, flag, "--async-save writes local folders only; drop --async-save to save "
+                               "to a bucket, or save locally and copy")
+                elif isinstance(where := parse_location(value, flag), ObjectURL) and \
+                        (problem := credentials_problem(where.bucket)) is not None:
+                    raise ConfigError(f"{flag} {where}: {problem}")  # before any rank trains for nothing
+            except FormatError as e:
+                raise ConfigError(e.message) from None
 
 
 def _nothing_to_train(args: argparse.Namespace, it: int | None) -> str | None:

@@ -6,7 +6,7 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import gtp_runtime, ckpt_tool, torch, typer, pytest, xdist, hypothesis, tokenizers, transformers, xxhash, blake3" 2>/dev/null; then
+if ! .venv/bin/python -c "import gtp_runtime, ckpt_tool, torch, typer, pytest, xdist, hypothesis, tokenizers, transformers, xxhash, blake3, moto, boto3, obstore, s3fs" 2>/dev/null; then
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
 fi
 export PATH="$PWD/.venv/bin:$PATH"

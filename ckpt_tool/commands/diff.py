@@ -15,11 +15,11 @@ records (Megatron's, older ones) are read as before.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from ckpt_tool.locations import checkpoint_arg
 from ckpt_tool.output import (
     DEFAULT_MAX_BYTES,
     FormatOption,
@@ -79,8 +79,10 @@ def _legacy(d: Difference) -> dict[str, Any]:
 
 @handle_errors
 def diff_command(
-    a: Annotated[Path, typer.Argument(help="First checkpoint (folder or its parent).", show_default=False)],
-    b: Annotated[Path, typer.Argument(help="Second checkpoint (folder or its parent).", show_default=False)],
+    a: Annotated[object, typer.Argument(  # a Location: Typer refuses Union annotations
+        parser=checkpoint_arg("A"), help="First checkpoint (folder or its parent).", show_default=False)],
+    b: Annotated[object, typer.Argument(  # a Location: Typer refuses Union annotations
+        parser=checkpoint_arg("B"), help="Second checkpoint (folder or its parent).", show_default=False)],
     rtol: Annotated[float, typer.Option("--rtol", min=0.0, help="Relative tolerance for values.")] = 0.0,
     atol: Annotated[float, typer.Option("--atol", min=0.0, help="Absolute tolerance for values.")] = 0.0,
     bitwise: Annotated[bool, typer.Option(

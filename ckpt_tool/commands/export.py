@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from ckpt_tool.locations import checkpoint_arg, local_arg
 from ckpt_tool.output import (
     FormatOption,
     MaxMemoryOption,
@@ -56,8 +57,10 @@ DST exists, or a write failed."""
 
 @handle_errors
 def export_command(
-    src: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
-    dst: Annotated[Path, typer.Argument(help="New folder (a new file for --to torch).", show_default=False)],
+    src: Annotated[object, typer.Argument(  # a Location: Typer refuses Union annotations
+        parser=checkpoint_arg("SRC"), help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
+    dst: Annotated[Path, typer.Argument(
+        parser=local_arg("DST"), help="New folder (a new file for --to torch).", show_default=False)],
     to: Annotated[str, typer.Option("--to", metavar="hf|fully_reshardable|torch",
                                            help="What to write.")] = "hf",
     optimizer: Annotated[bool, typer.Option("--optimizer", help="hf: also write master weights and moments.")

@@ -9,11 +9,11 @@ parallel sizes and optimizer format megatron recorded there (:mod:`gtp_format.me
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from ckpt_tool.locations import checkpoint_arg
 from ckpt_tool.output import (
     FormatOption,
     IgnoreOption,
@@ -41,7 +41,9 @@ Exit codes: 0 ok, 2 unreadable input."""
 
 @handle_errors
 def inspect_command(
-    path: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
+    path: Annotated[object, typer.Argument(  # a Location (Path or ObjectURL): Typer refuses Union annotations
+        parser=checkpoint_arg("PATH"), help="Checkpoint folder (iter_XXXXXXX) or its parent, or s3://BUCKET/PREFIX.",
+        show_default=False)],
     keys: KeysOption = None,
     ignore: IgnoreOption = None,
     chunks: Annotated[bool, typer.Option("--chunks", help="List every chunk: offsets, sizes, file, bytes.")] = False,

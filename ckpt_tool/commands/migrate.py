@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ckpt_tool.locations import local_arg
 from ckpt_tool.output import (
     FormatOption,
     OutputFormat,
@@ -98,10 +99,12 @@ def _print_table(doc: dict[str, Any], verdict: str) -> None:
 
 @handle_errors
 def migrate_command(
-    src: Annotated[Path, typer.Argument(help="Aliased checkpoint: iter_XXXXXXX folder or its parent.",
-                                        show_default=False)],
-    dst: Annotated[Path | None, typer.Argument(help="Where the migrated checkpoint appears (must not exist); "
-                                               "omit with --in-place.", show_default=False)] = None,
+    src: Annotated[Path, typer.Argument(
+        parser=local_arg("SRC"), help="Aliased checkpoint: iter_XXXXXXX folder or its parent.",
+        show_default=False)],
+    dst: Annotated[Path | None, typer.Argument(
+        parser=local_arg("DST"), help="Where the migrated checkpoint appears (must not exist); "
+        "omit with --in-place.", show_default=False)] = None,
     cp_size: Annotated[
         int | None, typer.Option("--cp-size", min=1, help="CP degree of the run; checked against the manifest.")
     ] = None,

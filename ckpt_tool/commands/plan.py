@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ckpt_tool.locations import local_arg
 from ckpt_tool.output import FormatOption, OutputFormat, fmt_bytes, handle_errors, print_blocks, print_json, table
 
 EPILOG = """Examples:
@@ -51,7 +52,8 @@ def _probe_gbps(ckpt: Any) -> float | None:
 
 @handle_errors
 def plan_command(
-    path: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
+    path: Annotated[Path, typer.Argument(
+        parser=local_arg("PATH"), help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
     tp: Annotated[int, typer.Option("--tp", min=1, help="Target tensor-parallel size.")] = 1,
     pp: Annotated[int, typer.Option("--pp", min=1, help="Target pipeline-parallel size.")] = 1,
     cp: Annotated[int, typer.Option("--cp", min=1, help="Target context-parallel size.")] = 1,

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from ckpt_tool.locations import checkpoint_arg
 from ckpt_tool.output import (
     FormatOption,
     MaxMemoryOption,
@@ -48,8 +48,11 @@ or a write failed (a full disk)."""
 
 @handle_errors
 def reshard_command(
-    src: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
-    dst: Annotated[Path, typer.Argument(help="New folder to create.", show_default=False)],
+    src: Annotated[object, typer.Argument(  # a Location: Typer refuses Union annotations
+        parser=checkpoint_arg("SRC"), help="Checkpoint folder (iter_XXXXXXX), its parent, or s3://BUCKET/PREFIX.",
+        show_default=False)],
+    dst: Annotated[object, typer.Argument(  # a Location: Typer refuses Union annotations
+        parser=checkpoint_arg("DST"), help="New folder (or s3://BUCKET/PREFIX) to create.", show_default=False)],
     tp: Annotated[int | None, typer.Option("--tp", min=1, help="Tensor-parallel size.")] = None,
     pp: Annotated[int | None, typer.Option("--pp", min=1, help="Pipeline-parallel size (megatron-core).")] = None,
     cp: Annotated[int | None, typer.Option("--cp", min=1, help="Context-parallel size.")] = None,

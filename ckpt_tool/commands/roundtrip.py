@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from ckpt_tool.locations import local_arg
 from ckpt_tool.output import (
     FormatOption,
     IgnoreOption,
@@ -114,7 +115,7 @@ def _report(outcome: Outcome, fmt: OutputFormat) -> None:
 
 @handle_errors
 def verify_roundtrip_command(
-    path: Annotated[Path | None, typer.Argument(
+    path: Annotated[Path | None, typer.Argument(parser=local_arg("PATH"),
         help="A gtp_runtime checkpoint (iter_XXXXXXX or its parent) to load and save again. Without it, "
              "train on local ranks and round-trip that.", show_default=False)] = None,
     tp: Annotated[int | None, typer.Option("--tp", help="Tensor parallel size (default: 1).",

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from ckpt_tool.locations import checkpoint_arg
 from ckpt_tool.output import (
     DEFAULT_MAX_BYTES,
     FormatOption,
@@ -88,7 +88,8 @@ def _stacked(ckpt: Checkpoint, name: str) -> tuple[Entry, int] | None:
 
 @handle_errors
 def show_command(
-    path: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
+    path: Annotated[object, typer.Argument(  # a Location: Typer refuses Union annotations
+        parser=checkpoint_arg("PATH"), help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
     key: Annotated[str, typer.Argument(help="Key to show (quote it: keys contain parentheses).", show_default=False)],
     cp_rank: Annotated[
         int | None, typer.Option("--cp-rank", min=0, help="For a folded optimizer key: which CP rank's copy.")

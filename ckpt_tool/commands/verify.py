@@ -6,11 +6,11 @@ summary on stderr so a script sees why without parsing the report.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from ckpt_tool.locations import checkpoint_arg
 from ckpt_tool.output import (
     FormatOption,
     OutputFormat,
@@ -49,7 +49,9 @@ Exit codes: 0 no errors, 1 errors found, 2 unreadable input."""
 
 @handle_errors
 def verify_command(
-    path: Annotated[Path, typer.Argument(help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
+    path: Annotated[object, typer.Argument(  # a Location (Path or ObjectURL): Typer refuses Union annotations
+        parser=checkpoint_arg("PATH"), help="Checkpoint folder (iter_XXXXXXX) or its parent, or s3://BUCKET/PREFIX.",
+        show_default=False)],
     data: Annotated[bool, typer.Option("--data", help="Also decode every chunk and check file checksums.")] = False,
     cp_size: Annotated[
         int | None,

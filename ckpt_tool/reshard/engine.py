@@ -66,6 +66,7 @@ from gtp_format.names import (
 )
 from gtp_format.progress import Progress, ProgressOpener
 from gtp_format.scan import carrier
+from gtp_format.storage.location import ObjectURL
 from gtp_format.views.ours import param_views
 from gtp_format.views.records import ParamView
 from gtp_format.writer.checkpoint import CheckpointWriter, check_destination, data_file_name, megatron_metadata
@@ -259,6 +260,15 @@ def build_atomically(dst: Path, src_root: Path, body: Callable[[CheckpointWriter
         raise write_failure(dst, cause) from None
 
 
+def written_sizes(folder: Path | ObjectURL) -> list[int]:
+    """Sizes of the files a committed output holds (a bucket's: as the store lists them)."""
+    if isinstance(folder, ObjectURL):
+        from gtp_format.storage import objects
+
+        return [n for n in objects.list_names(folder).values() if n is not None]
+    return [p.stat().st_size for p in folder.iterdir()]
+
+
 def peak_rss() -> int:
     """This process's peak RSS in bytes: ``VmHWM`` (Linux), else ``ru_maxrss``.
 
@@ -331,8 +341,8 @@ def reshard(src: Path | Source, dst: Path, par: ParallelConfig, layout: str | No
             source.reader.close()
 
     build_atomically(dst, source.root, body, inner=iter_dir_name(target.iteration), latest=str(target.iteration))
-    out = list((dst / iter_dir_name(target.iteration)).iterdir())
+    out = written_sizes(dst / iter_dir_name(target.iteration))
     return Result(str(source.root), str(dst), source.manifest.topology.describe(), par.describe(), target.layout,
-                  len(out), len(plan.chunks), sum(p.stat().st_size for p in out), source.reader.bytes_read,
+                  len(out), len(plan.chunks), sum(out), source.reader.bytes_read,
                   time.perf_counter() - t0, max_memory, chunk_bytes, workers,
                   peak_rss(), baseline)

@@ -28,6 +28,7 @@ are the same as decoding each chunk on its own; only the speed differs.
 
 from __future__ import annotations
 
+import functools
 import os
 import zlib
 from collections import defaultdict, deque
@@ -58,6 +59,7 @@ from gtp_format.reader.chunks import (
 from gtp_format.reader.storage import is_sparse, open_regular, past_end_message, sparse_file_message
 from gtp_format.reader.zip_blob import BlobError, RangeReader
 from gtp_format.scan import can_hold_nonfinite, carrier, count_nonfinite
+from gtp_format.storage.objects import ObjectFile
 
 WINDOW = 2 << 20
 MAX_WORKERS = 8
@@ -261,6 +263,7 @@ class _FilePass:
         self.value = 0  # the CRC so far
         self.planned: _Found | None = _Found()  # what planning found: merged before the first step
         self.fd: int | None = None
+        self.obj: ObjectFile | None = None
         self.remaining = 0
         self.failed = False
 
@@ -277,6 +280,11 @@ class _FilePass:
             self.failed = True
             self.remaining = 1
             return []
+        if isinstance(f, ObjectFile):  # a bucket's object: ranged reads, its size the store's (no holes)
+            self.obj, self.size = f, f.size
+            steps = self._plan()
+            self.remaining = max(1, len(steps))
+            return steps
         st = os.fstat(f.fileno())
         if is_sparse(st):
             # Holes: reading (and hashing) them costs time for bytes nobody wrote; a 16 TiB sparse
@@ -350,10 +358,10 @@ class _FilePass:
 
     def _pread(self, start: int, stop: int) -> bytes:
         """The bytes ``[start, stop)`` as one immutable ``bytes`` (what google-crc32c hashes without the GIL)."""
-        assert self.fd is not None
-        data = os.pread(self.fd, stop - start, start)
+        read = self.obj.pread if self.obj is not None else functools.partial(os.pread, self.fd)
+        data = read(stop - start, start)
         while len(data) < stop - start:  # short reads happen only at the end of a file that shrank
-            more = os.pread(self.fd, stop - start - len(data), start + len(data))
+            more = read(stop - start - len(data), start + len(data))
             if not more:
                 raise ChunkError(f"data file {self.rel} shrank while reading [{start}, {stop})", file=self.rel)
             data += more
@@ -400,10 +408,10 @@ class _FilePass:
 
     def _big(self, it: _Item) -> list[_Step]:
         """A chunk larger than a window: structure from its ends now, elements window by window later."""
-        assert self.fd is not None
+        assert self.fd is not None or self.obj is not None
         layout = None
         try:
-            layout = parse_blob(RangeReader(self.fd, it.start, it.stop - it.start))
+            layout = parse_blob(RangeReader(self.obj or self.fd, it.start, it.stop - it.start))
             check_layout(layout, it.entry, it.chunk)
         except BlobError as e:
             self.planned.error(blob_error(it.entry, it.chunk, e), it.entry, it.chunk)

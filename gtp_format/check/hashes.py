@@ -13,7 +13,6 @@ same file and byte range as the metadata. A record that names other bytes is its
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +22,7 @@ from gtp_format.integrity.hash import chunk_digest, chunk_hasher
 from gtp_format.integrity.records import ChunkRecord, Records
 from gtp_format.model import Checkpoint, Chunk, Entry, Problem
 from gtp_format.names import CHUNK_RECORDS_FILE
-from gtp_format.reader.storage import open_regular
+from gtp_format.reader.storage import open_regular, pread, source_of
 
 MAX_LISTED = 3  # chunks without a record named one by one; the rest are counted
 
@@ -79,10 +78,10 @@ def check_range(ckpt: Checkpoint, entry: Entry, chunk: Chunk, rec: ChunkRecord, 
     h = chunk_hasher()
     try:
         with open_regular(ckpt.root, rec.file) as f:
-            fd = f.fileno()
+            fd = source_of(f)
             for pos in range(rec.offset, rec.offset + rec.length, BLOCK):
                 want = min(BLOCK, rec.offset + rec.length - pos)
-                piece = os.pread(fd, want, pos)
+                piece = pread(fd, want, pos)
                 if len(piece) != want:
                     raise ChunkError(f"data file {rec.file} ends inside {rec.where()}", file=rec.file)
                 h.update(piece)

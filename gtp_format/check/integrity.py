@@ -45,9 +45,10 @@ from gtp_format.hashing import CRCS, HASHERS, Crc, file_digests
 from gtp_format.model import BYTES, ENC_TORCH_SAVE, TENSOR, Checkpoint
 from gtp_format.reader.blob import parse_blob
 from gtp_format.reader.chunks import check_byte_object, checked_ref
-from gtp_format.reader.storage import open_regular
+from gtp_format.reader.storage import Source, open_regular, pread, size_of, source_of
 from gtp_format.reader.storage import stored_bytes as file_stored_bytes
 from gtp_format.reader.zip_blob import BlobError, RangeReader
+from gtp_format.storage.objects import ObjectFile
 
 BLOCK = 8 << 20  # gap reads, bounded whatever the file
 FILL_TASK = 64 << 20  # background fill: ranges are cut into tasks of this size, read BLOCK at a time
@@ -191,8 +192,7 @@ class ReadLedger:
                 self._pieces[rel] = sorted(self._pieces.get(rel, ()))
             try:
                 with open_regular(self.ckpt.root, rel) as f:
-                    fd = f.fileno()
-                    size = os.fstat(fd).st_size
+                    fd, size = source_of(f), size_of(f)
                     if mode.size is not None and size != mode.size:
                         raise DamagedSource(f"{self.ckpt.root / rel}: is {size} bytes but the manifest says "
                                             f"{mode.size}; the source is damaged (nothing was written)")
@@ -211,7 +211,7 @@ class ReadLedger:
                                     f"{mode.want}: the source's data is damaged, so nothing was written; run "
                                     "`ckpt verify --data` on it and copy an intact checkpoint")
 
-    def _join(self, fd: int, rel: str, lo: int, hi: int) -> int:
+    def _join(self, fd: Source, rel: str, lo: int, hi: int) -> int:
         """CRC of bytes ``[lo, hi)`` of ``rel``: the recorded pieces inside, gaps read from ``fd``."""
         crc = self._crc(rel)
         assert crc is not None
@@ -228,10 +228,10 @@ class ReadLedger:
             at = off + n
         return self._gap(fd, rel, crc, value, at, hi)
 
-    def _gap(self, fd: int, rel: str, crc: Crc, value: int, lo: int, hi: int) -> int:
+    def _gap(self, fd: Source, rel: str, crc: Crc, value: int, lo: int, hi: int) -> int:
         for pos in range(lo, hi, BLOCK):
             want = min(BLOCK, hi - pos)
-            block = os.pread(fd, want, pos)
+            block = pread(fd, want, pos)
             if len(block) != want:
                 raise DamagedSource(f"{self.ckpt.root / rel}: shrank while it was copied (read {len(block)} of "
                                     f"{want} bytes at {pos}); nothing was written: copy a checkpoint nobody writes")
@@ -239,7 +239,7 @@ class ReadLedger:
             self.bytes_filled += want
         return value
 
-    def _check_records(self, fd: int, rel: str, size: int) -> None:
+    def _check_records(self, fd: Source, rel: str, size: int) -> None:
         for entry in self.ckpt.entries.values():
             for chunk in entry.chunks:
                 if chunk.storage is None or chunk.storage.file != rel:
@@ -270,6 +270,6 @@ def stored_bytes(ckpt: Checkpoint) -> int:
     size is no budget."""
     total = 0
     for rel in ckpt.data_files:
-        with open_regular(ckpt.root, rel) as f:
-            total += file_stored_bytes(os.fstat(f.fileno()))
+        with open_regular(ckpt.root, rel) as f:  # an object in a bucket stores every byte of its size
+            total += size_of(f) if isinstance(f, ObjectFile) else file_stored_bytes(os.fstat(f.fileno()))
     return total

@@ -41,6 +41,7 @@ from gtp_format.names import OPT_PREFIX, OptimizerKey, dtype_tag, per_bucket_num
 from gtp_format.progress import Progress
 from gtp_format.reader.chunks import declared_size_problem, load_elements, load_plain
 from gtp_format.reader.storage import file_size, is_sparse, open_regular, sparse_file_message, unsafe_reason
+from gtp_format.storage.objects import ObjectFile
 
 CHEAP_OBJECT_BYTES = 1 << 20  # per_bucket_numel objects below this are decoded even without --data
 
@@ -403,8 +404,8 @@ def check_manifest_files(ckpt: Checkpoint, data: bool, digests: dict[str, dict[s
         if not all(a in have for a in known):
             try:
                 with open_regular(ckpt.root, rel) as f:
-                    st = os.fstat(f.fileno())
-                    if is_sparse(st):  # hashing holes is time spent on bytes nobody wrote
+                    st = None if isinstance(f, ObjectFile) else os.fstat(f.fileno())  # an object has no holes
+                    if st is not None and is_sparse(st):  # hashing holes is time spent on bytes nobody wrote
                         raise ChunkError(sparse_file_message(rel, st), file=rel)
                     have = file_digests(f, known)
             except ChunkError as err:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -35,7 +34,7 @@ from gtp_format.layout.boxes import intersection
 from gtp_format.model import ENC_RAW, TENSOR, Checkpoint, Chunk, Entry
 from gtp_format.reader.blob import parse_blob
 from gtp_format.reader.chunks import blob_error, check_layout, checked_ref
-from gtp_format.reader.storage import open_regular, pread_into
+from gtp_format.reader.storage import Source, open_regular, pread_into, size_of, source_of
 from gtp_format.reader.zip_blob import BlobError, RangeReader
 from gtp_format.scan import carrier
 
@@ -81,14 +80,14 @@ class BoxReader:
         self._prefetch: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
 
-    def _file(self, rel: str) -> tuple[int, int]:
+    def _file(self, rel: str) -> tuple[Source, int]:
         """Descriptor and size of a data file, opened (confined to the folder) on first use."""
         with self._lock:
             got = self._files.get(rel)
             if got is None:
                 f = open_regular(self.ckpt.root, rel)
-                got = self._files[rel] = (f, os.fstat(f.fileno()).st_size)
-        return got[0].fileno(), got[1]
+                got = self._files[rel] = (f, size_of(f))
+        return source_of(got[0]), got[1]
 
     def close(self) -> None:
         """Close the data files this reader keeps open (reading again reopens them); stop a prefetch."""
@@ -151,7 +150,7 @@ class BoxReader:
                 return self._layouts[cache_key]
         with open_regular(self.ckpt.root, ref.file) as f:
             try:
-                layout = parse_blob(RangeReader(f.fileno(), ref.offset, ref.length))
+                layout = parse_blob(RangeReader(source_of(f), ref.offset, ref.length))
                 check_layout(layout, entry, chunk)
             except BlobError as e:
                 raise blob_error(entry, chunk, e) from None

@@ -17,7 +17,6 @@ torch (``inspect`` and ``verify`` run without it: importing torch costs seconds 
 from __future__ import annotations
 
 import io
-import os
 import zlib
 from typing import Any
 
@@ -29,7 +28,7 @@ from gtp_format.reader.blob import BlobLayout, as_tensor, check_payload_crc, ele
 from gtp_format.reader.object_blob import MAX_OBJECT_PICKLE, load_plain_object
 from gtp_format.reader.pickle_scan import PickleScanError, check_pickle
 from gtp_format.reader.pickle_shape import check_shape
-from gtp_format.reader.storage import open_regular, past_end_message, read_range
+from gtp_format.reader.storage import open_regular, past_end_message, pread, read_range, size_of, source_of
 from gtp_format.reader.zip_blob import BlobError, RangeReader, ViewReader, record_bytes, small_record, zip_records
 from gtp_format.scan import carrier
 from gtp_format.torch_adapter import load_torch
@@ -126,8 +125,7 @@ def check_byte_object(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> None:
         chunk_bytes(ckpt, entry, chunk)
         return
     with open_regular(ckpt.root, ref.file) as f:
-        fd = f.fileno()
-        size = os.fstat(fd).st_size
+        fd, size = source_of(f), size_of(f)
         if ref.offset + ref.length > size:
             raise ChunkError(f"{entry.key}: {past_end_message(ref.file, ref.offset, ref.length, size)}", key=entry.key,
                              chunk=chunk.index, file=ref.file)
@@ -137,7 +135,7 @@ def check_byte_object(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> None:
                 start, stop = record_bytes(reader, rec)
                 crc = 0
                 for pos in range(start, stop, _CRC_BLOCK):
-                    crc = zlib.crc32(os.pread(fd, min(_CRC_BLOCK, stop - pos), ref.offset + pos), crc)
+                    crc = zlib.crc32(pread(fd, min(_CRC_BLOCK, stop - pos), ref.offset + pos), crc)
                 if crc != rec.crc:
                     raise BlobError(f"record {rec.name} fails its CRC-32 check (damaged)")
         except BlobError as e:

@@ -35,6 +35,7 @@ from gtp_format.names import (
 )
 from gtp_format.reader.safe_json import load_json_object
 from gtp_format.reader.storage import is_folder_inside, list_dir, read_small_file
+from gtp_format.storage.location import ObjectURL, parse_location
 from gtp_format.writer.work import leftovers, parse_work
 
 LAYOUT_TORCH_DIST, LAYOUT_SAFETENSORS = LAYOUTS
@@ -48,7 +49,7 @@ RELEASE_DIR = "release"
 class Located:
     """A checkpoint folder and what was found in it."""
 
-    folder: Path
+    folder: Path | ObjectURL  # a bucket's prefix for s3:// (gtp_format.storage.location)
     layout: str
     names: tuple[str, ...]  # entries of the folder, sorted
     recovered: str | None = None  # the iteration folder the marker names, when a hidden copy stands in for it
@@ -91,7 +92,7 @@ def _check_work_folder(p: Path, names: list[str]) -> None:
                           "written last): not a checkpoint; use a committed iter_XXXXXXX folder")
 
 
-def _read_latest(parent: Path) -> Path:
+def _read_latest(parent: Path | ObjectURL) -> Path | ObjectURL:
     marker = parent / LATEST_FILE
     fix = f"write the iteration number into {LATEST_FILE} or pass the iter_XXXXXXX folder itself"
     raw = read_small_file(marker, 64, "an iteration marker", fix)
@@ -103,6 +104,8 @@ def _read_latest(parent: Path) -> Path:
     else:
         raise FormatError(f"{marker} holds {text[:40]!r}, not an iteration number; {fix}")
     if not is_folder_inside(parent, folder.name):
+        if isinstance(folder, ObjectURL):  # a bucket has no hidden copies to recover: its writer commits last
+            raise FormatError(f"{marker} names iteration {text} but no object lies below {folder}; {fix}")
         if not os.path.lexists(folder):
             hidden = recover_hidden(parent, folder.name)
             if hidden is not None:
@@ -121,12 +124,13 @@ def _layout_of(names: list[str]) -> str | None:
     return None
 
 
-def locate(path: str | os.PathLike[str]) -> Located:
-    """Resolve PATH to a checkpoint folder, following ``latest_checkpointed_iteration.txt``."""
-    p = Path(path)
-    if not p.exists():
+def locate(path: str | os.PathLike[str] | ObjectURL) -> Located:
+    """Resolve PATH (a folder, or an ``s3://`` URL: :func:`parse_location`) to a checkpoint folder,
+    following ``latest_checkpointed_iteration.txt``."""
+    p = parse_location(path) if isinstance(path, str | ObjectURL) else Path(path)
+    if not isinstance(p, ObjectURL) and not p.exists():
         raise FormatError(f"{p} does not exist; pass a checkpoint folder (iter_XXXXXXX) or its parent")
-    if not p.is_dir():
+    if not isinstance(p, ObjectURL) and not p.is_dir():
         raise FormatError(f"{p} is a file, expected a checkpoint folder; pass the iter_XXXXXXX folder or its parent")
     names = list_dir(p)
     layout = _layout_of(names)
@@ -139,6 +143,10 @@ def locate(path: str | os.PathLike[str]) -> Located:
         names = list_dir(p)
         layout = _layout_of(names)
     _check_work_folder(p, names)
+    if isinstance(p, ObjectURL) and layout is not None and MEGATRON_METADATA_FILE not in names:
+        # the bucket writer's commit object, uploaded last (gtp_format/storage/upload.py)
+        raise FormatError(f"{p}: no {MEGATRON_METADATA_FILE}, the object a writer uploads last: an unfinished upload, "
+                          "not a checkpoint; use a committed prefix (or copy metadata.json in if the upload finished)")
     if layout is None:
         if any(DISTCP_RE.match(n) for n in names) or MEGATRON_METADATA_FILE in names:
             raise FormatError(

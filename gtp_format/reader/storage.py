@@ -19,6 +19,11 @@ anywhere. The rules, enforced here and nowhere else:
   (``truncate -s 16T``) has any size for free, and budgets taken from ``st_size`` let every memory
   class come back behind one (issue 22). :func:`stored_bytes` is ``st_blocks * 512`` capped by
   ``st_size``; a whole-range read (:func:`read_range`) larger than it is refused.
+
+A root that is an object-store URL (:class:`gtp_format.storage.location.ObjectURL`) is served by
+:mod:`gtp_format.storage.objects` under the same rules in the store's terms (keys confined to the
+prefix, sizes from the store, bounded requests): each public function here hands it over first, so
+the readers above are the same code for a folder and a bucket.
 """
 
 from __future__ import annotations
@@ -27,29 +32,18 @@ import errno
 import os
 import posixpath
 import stat
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import BinaryIO
 
 from gtp_format.errors import ChunkError, FormatError
+from gtp_format.storage import objects
+from gtp_format.storage.location import ObjectURL
+from gtp_format.storage.paths import past_end_message, unsafe_reason
 
 MAX_LINKS = 8  # symlink hops one path may take inside the folder
 SPARSE_SLACK = 1 << 20  # reads this small are never refused as sparse (tiny files may store inline, in 0 blocks)
 _O_FILE = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 _O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-
-
-def unsafe_reason(rel: object) -> str | None:
-    """Why a recorded storage path is not a plain relative path, or ``None`` if it is one."""
-    if not isinstance(rel, str) or not rel:
-        return f"storage path {rel!r} is not a non-empty string"
-    if "\x00" in rel or "\\" in rel:
-        return f"storage path {rel!r} contains a NUL or backslash"
-    p = PurePosixPath(rel)
-    if p.is_absolute() or (len(rel) > 1 and rel[1] == ":"):
-        return f"storage path {rel!r} is absolute"
-    if ".." in p.parts:
-        return f"storage path {rel!r} contains '..'"
-    return None
 
 
 def _open_at(name: str, flags: int, dir_fd: int) -> int:
@@ -147,8 +141,11 @@ def _open_in(root: Path, rel: str, what: str, want_dir: bool = False) -> int:
     return fd
 
 
-def open_regular(root: Path, rel: str, what: str = "data file") -> BinaryIO:
-    """Open a regular file inside ``root`` for reading (see the module docstring for the rules)."""
+def open_regular(root: Path | ObjectURL, rel: str, what: str = "data file") -> BinaryIO:
+    """Open a regular file inside ``root`` for reading (see the module docstring for the rules); an
+    object for ranged reads (:class:`gtp_format.storage.objects.ObjectFile`) when ``root`` is a bucket."""
+    if isinstance(root, ObjectURL):
+        return objects.ObjectFile(root, rel, what)  # type: ignore[return-value]
     return os.fdopen(_open_in(root, rel, what), "rb")
 
 
@@ -175,10 +172,12 @@ def sparse_file_message(rel: str, st: os.stat_result) -> str:
             "restore it from a good copy")
 
 
-def stored_size(root: Path, rel: str) -> int:
+def stored_size(root: Path | ObjectURL, rel: str) -> int:
     """:func:`stored_bytes` of a regular file inside ``root`` (0 when it is not one: no error)."""
     if unsafe_reason(rel) is not None:
         return 0
+    if isinstance(root, ObjectURL):  # an object stores every byte the store reports
+        return objects.head_size(root, rel) or 0
     try:
         root_fd = _open_root(root)
     except FormatError:
@@ -223,8 +222,10 @@ def sparse_message(rel: str, length: int, st: os.stat_result) -> str:
             "the file from a good copy (on a compressing filesystem, copy the checkpoint to one that does not)")
 
 
-def file_size(root: Path, rel: str, what: str = "data file") -> int:
-    """Size of a regular file inside ``root``, from the descriptor that was opened."""
+def file_size(root: Path | ObjectURL, rel: str, what: str = "data file") -> int:
+    """Size of a regular file inside ``root``, from the descriptor that was opened (an object: ``HEAD``)."""
+    if isinstance(root, ObjectURL):
+        return objects.object_size(root, rel, what)
     fd = _open_in(root, rel, what)
     try:
         return os.fstat(fd).st_size
@@ -232,13 +233,15 @@ def file_size(root: Path, rel: str, what: str = "data file") -> int:
         os.close(fd)
 
 
-def is_regular_inside(root: Path, rel: str) -> int | None:
+def is_regular_inside(root: Path | ObjectURL, rel: str) -> int | None:
     """Size of ``rel`` if it is a regular file reachable inside ``root``, else ``None`` (no error).
 
     Stats without opening: listing a folder's data files must not open them.
     """
     if unsafe_reason(rel) is not None:
         return None
+    if isinstance(root, ObjectURL):
+        return objects.head_size(root, rel)
     try:
         root_fd = _open_root(root)
     except FormatError:
@@ -253,8 +256,11 @@ def is_regular_inside(root: Path, rel: str) -> int | None:
     return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
-def is_folder_inside(root: Path, rel: str) -> bool:
-    """Whether ``rel`` is a folder reachable inside ``root`` (symlinks resolved inside only)."""
+def is_folder_inside(root: Path | ObjectURL, rel: str) -> bool:
+    """Whether ``rel`` is a folder reachable inside ``root`` (symlinks resolved inside only; in a bucket: a
+    prefix that holds objects)."""
+    if isinstance(root, ObjectURL):
+        return unsafe_reason(rel) is None and objects.is_prefix(root, rel)
     try:
         os.close(_open_in(root, rel, "folder", want_dir=True))
     except FormatError:
@@ -262,11 +268,13 @@ def is_folder_inside(root: Path, rel: str) -> bool:
     return True
 
 
-def read_range(root: Path, rel: str, offset: int, length: int) -> bytearray:
+def read_range(root: Path | ObjectURL, rel: str, offset: int, length: int) -> bytearray:
     """Exactly ``length`` bytes at ``offset`` of a data file, after checking the range fits.
 
     A ``bytearray``: writable, so tensors can be viewed over it without a copy.
     """
+    if isinstance(root, ObjectURL):
+        return objects.read_range(root, rel, offset, length)
     if not (type(offset) is int and type(length) is int) or offset < 0 or length < 0:
         raise ChunkError(f"byte range offset={offset!r} length={length!r} in {rel} is invalid", file=rel)
     with open_regular(root, rel) as f:
@@ -283,13 +291,34 @@ def read_range(root: Path, rel: str, offset: int, length: int) -> bytearray:
     return buf
 
 
-def pread_into(fd: int, rel: str, size: int, offset: int, out: memoryview) -> None:
+Source = int | objects.ObjectFile  # what a reader keeps open: a local descriptor or a bucket's object
+
+
+def source_of(f: BinaryIO) -> Source:
+    """The descriptor of a file :func:`open_regular` opened, or the object itself when it is a bucket's."""
+    return f if isinstance(f, objects.ObjectFile) else f.fileno()
+
+
+def size_of(f: BinaryIO) -> int:
+    """Size of a file :func:`open_regular` opened: ``fstat``'s, or the store's for an object."""
+    return f.size if isinstance(f, objects.ObjectFile) else os.fstat(f.fileno()).st_size
+
+
+def pread(src: Source, n: int, offset: int) -> bytes:
+    """``os.pread`` on a descriptor; one bounded ranged read on an object (fewer bytes only at its end)."""
+    return src.pread(n, offset) if isinstance(src, objects.ObjectFile) else os.pread(src, n, offset)
+
+
+def pread_into(fd: Source, rel: str, size: int, offset: int, out: memoryview) -> None:
     """Fill ``out`` from ``offset`` of an open data file of ``size`` bytes (its size when opened),
     checking the range first; a file that shrank since is a :class:`ChunkError`, never a short read.
 
     For readers that keep a file open across many reads (:class:`gtp_format.reader.boxes.BoxReader`):
     the bytes land straight in the caller's buffer, with no allocation and no re-open per read.
     """
+    if isinstance(fd, objects.ObjectFile):
+        objects.read_into(fd.root, fd.rel, size, offset, out)
+        return
     length = out.nbytes
     if type(offset) is not int or offset < 0 or offset + length > size:
         raise ChunkError(past_end_message(rel, offset, length, size), file=rel)
@@ -301,13 +330,10 @@ def pread_into(fd: int, rel: str, size: int, offset: int, out: memoryview) -> No
         done += got
 
 
-def past_end_message(rel: str, offset: int, length: int, size: int) -> str:
-    return (f"byte range [{offset}, {offset + length}) of {rel} runs past its end ({size} bytes): "
-            "the file is truncated or the metadata is wrong")
-
-
-def read_small_file(path: Path, limit: int, what: str, fix: str) -> bytes:
+def read_small_file(path: Path | ObjectURL, limit: int, what: str, fix: str) -> bytes:
     """A whole metadata-like file ``path`` (confined to its folder), refusing anything over ``limit`` bytes."""
+    if isinstance(path, ObjectURL):
+        return objects.read_small(path, limit, what, fix)
     try:
         fd = _open_in(path.parent, path.name, what)
     except ChunkError as e:
@@ -331,8 +357,15 @@ def read_small_file(path: Path, limit: int, what: str, fix: str) -> bytes:
     return b"".join(parts)
 
 
-def list_dir(path: Path) -> list[str]:
-    """Sorted entry names of a folder, as a one-line error when it cannot be listed."""
+def list_dir(path: Path | ObjectURL) -> list[str]:
+    """Sorted entry names of a folder, as a one-line error when it cannot be listed (a bucket's prefix: its
+    objects and sub-prefixes, one level)."""
+    if isinstance(path, ObjectURL):
+        names = objects.list_names(path)
+        if not names:
+            raise FormatError(f"{path} does not exist (no object below it); pass a checkpoint prefix "
+                              "(iter_XXXXXXX) or its parent")
+        return sorted(names)
     try:
         return sorted(os.listdir(path))
     except NotADirectoryError:

@@ -14,10 +14,11 @@ against every other worker. Parsing the few fixed-size records directly is about
 
 from __future__ import annotations
 
-import os
 import struct
 import zlib
 from dataclasses import dataclass
+
+from gtp_format.reader.storage import Source, pread
 
 MAX_STRUCTURE = 1 << 20  # the largest structural read from a file range (data.pkl of one tensor is ~150 bytes)
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
@@ -59,14 +60,14 @@ class ViewReader(BlobReader):
 class RangeReader(BlobReader):
     """``[start, start + length)`` of an open file, by ``os.pread`` (for blobs too big to hold)."""
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
+    def __init__(self, fd: Source, start: int, length: int) -> None:
         super().__init__(length)
         self._fd, self._start = fd, start
 
     def _bytes(self, start: int, stop: int) -> bytes:
         if stop - start > MAX_STRUCTURE:
             raise BlobError(f"a {stop - start}-byte structural read; torch.save writes no such record")
-        data = os.pread(self._fd, stop - start, self._start + start)
+        data = pread(self._fd, stop - start, self._start + start)
         if len(data) != stop - start:
             raise BlobError(f"the file ends inside the blob (wanted bytes [{start}, {stop}))")
         return data

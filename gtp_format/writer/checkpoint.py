@@ -66,6 +66,8 @@ from gtp_format.names import (
     MEGATRON_METADATA_FILE,
     iter_dir_name,
 )
+from gtp_format.storage import upload
+from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.work import WorkFolder, clean_stale, remove_entry, sigterm_raises, work_name
 
 # Megatron's metadata.json: the torch_dist backend (its fields and values, as megatron-core writes
@@ -146,13 +148,22 @@ def check_latest(text: str, target: Path) -> None:
                           "digits); nothing was written; fix the source's iteration")
 
 
-def check_destination(dst: Path, sources: tuple[Path, ...], tool: str, fix: str = "pick a new folder") -> None:
+def check_destination(dst: Path | ObjectURL, sources: tuple[Path | ObjectURL, ...], tool: str,
+                      fix: str = "pick a new folder") -> None:
     """Refuse, before anything is built, a DST that exists, has no parent folder, or lies inside a source.
 
     The one check of every command that writes a new folder (reshard, export, import,
     migrate-aliased); the writer itself refuses a DST that appears later (:class:`DestinationTaken`).
     ``sources``: every path the source was named by (a run folder and its iteration folder).
+    A bucket DST: refused if any object is under its prefix (the upload refuses one that appears
+    later, ``storage/upload.py``); a bucket source cannot hold a local DST.
     """
+    if isinstance(dst, ObjectURL):
+        from gtp_format.storage import objects
+
+        if objects.is_prefix(dst):
+            raise upload.Taken(dst)
+        return
     if os.path.lexists(dst):
         raise FormatError(f"{dst} already exists; {tool} never overwrites: {fix}")
     if not dst.parent.is_dir():
@@ -160,6 +171,8 @@ def check_destination(dst: Path, sources: tuple[Path, ...], tool: str, fix: str 
                           "create it first")
     inner = Path(os.path.realpath(dst.parent)) / dst.name
     for root in sources:
+        if isinstance(root, ObjectURL):
+            continue
         real = Path(os.path.realpath(root))
         if inner == real or real in inner.parents:
             raise FormatError(f"{dst} is inside SRC, the source checkpoint {root}, which is never modified; write "
@@ -185,10 +198,14 @@ class CheckpointWriter:
     runtime's fault-injection hook, called at ``mid_replace``. ``tag``: the work folder's prefix.
     """
 
-    def __init__(self, target: Path, *, inner: str | None = None, latest: str | None = None,
+    def __init__(self, target: Path | ObjectURL, *, inner: str | None = None, latest: str | None = None,
                  replace: bool = False, backup: Path | None = None, tag: str = "tmp",
                  fault: Fault | None = None) -> None:
-        self.target = Path(target)
+        # an s3:// target is built in local staging and committed by an ordered upload (storage/upload.py)
+        self.target: Any = target if isinstance(target, ObjectURL) else Path(target)
+        if isinstance(target, ObjectURL) and replace:
+            raise FormatError(f"{target}: re-saving an iteration in a bucket is not supported; save under a new "
+                              "prefix", EXIT_BAD_INPUT)
         if latest is not None:
             check_latest(latest, self.target)
         self.inner, self.latest, self.replace, self.backup = inner, latest, replace, backup
@@ -210,13 +227,14 @@ class CheckpointWriter:
 
     def begin(self, clean: bool = True) -> Path:
         """Create the hidden work folder (``clean``: first remove dead writers' stale ones); return it."""
-        parent = self.target.parent
+        bucket = isinstance(self.target, ObjectURL)
+        parent = upload.staging_dir() if bucket else self.target.parent
         if clean:
-            clean_stale(parent, keep=needed_for_recovery(parent))
+            clean_stale(parent, keep=None if bucket else needed_for_recovery(parent))
         self._signals = sigterm_raises()
         self._signals.__enter__()
         try:
-            self.work = work_name(self.target, self.tag)
+            self.work = work_name(parent / self.target.name if bucket else self.target, self.tag)
             self.work.mkdir()
             if self.inner:
                 (self.work / self.inner).mkdir()
@@ -284,7 +302,9 @@ class CheckpointWriter:
     def commit(self) -> Path:
         """Rename the work folder to ``target``; refuse (:class:`DestinationTaken`) if it appeared meanwhile."""
         assert self.work is not None and not self.committed
-        if self.replace:
+        if isinstance(self.target, ObjectURL):
+            self._upload()
+        elif self.replace:
             self._replace()
         else:
             try:
@@ -294,6 +314,17 @@ class CheckpointWriter:
         self.committed = True
         self._release()
         return self.target
+
+    def _upload(self) -> None:
+        """The bucket's commit: the ordered upload of the finished work folder, then the local copy goes."""
+        assert self.work is not None
+        up = upload.Upload(self.target, self.fault)
+        try:
+            up.run(self.work)
+        except BaseException:
+            up.undo()
+            raise
+        remove_entry(self.work)
 
     def _replace(self) -> None:
         assert self.work is not None
@@ -312,6 +343,9 @@ class CheckpointWriter:
         """Point the run directory's latest marker at the committed iteration (atomically, durably)."""
         assert self.committed, "the latest marker moves only after the commit"
         check_latest(str(iteration), self.target)
+        if isinstance(self.target, ObjectURL):
+            upload.put_marker(self.target, f"{iteration}\n")
+            return
         write_atomic(self.target.parent / LATEST_FILE, f"{iteration}\n")
 
     def abort(self) -> None:

@@ -35,6 +35,8 @@ from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.config import ConfigError
 from gtp_format.manifest import FileEntry, Manifest
+from gtp_format.reader.storage import read_small_file
+from gtp_format.storage.location import ObjectURL, parse_location
 from gtp_format.writer.checkpoint import CheckpointWriter, file_entry, megatron_metadata
 from gtp_runtime.checkpoint.chunk_records import record_own_files, records_from_segments, start_state_stats
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
@@ -115,27 +117,31 @@ def _own_files(folder: Path, layout: str, rank: int) -> list[Path]:
     return sorted(folder.glob(f"__{rank}_*{suffix}"))
 
 
-def prepare_folder(trainer: Trainer, root: Path, layout: str, sharding: str) -> CheckpointWriter:
+def prepare_folder(trainer: Trainer, root: Path | ObjectURL, layout: str, sharding: str) -> CheckpointWriter:
     """Refuse a bad request, then start the one checkpoint writer (collective): rank 0 creates the
     hidden work folder and every rank adopts it. A folder that cannot be created (a full disk, no
-    permission) is one :class:`CheckpointSaveError` on every rank."""
+    permission) is one :class:`CheckpointSaveError` on every rank. A bucket (``s3://``): the work folder
+    is local staging that the ranks of this host share, and rank 0's commit is the ordered upload
+    (:mod:`gtp_format.storage.upload`); an iteration already in the bucket is not replaced."""
     check_sharding(trainer, sharding, "save")
     if layout not in fmt.LAYOUTS:
         raise CheckpointError(f"unknown --ckpt-layout {layout!r}; use one of {fmt.LAYOUTS}")
     final = root / fmt.iter_dir_name(trainer.iteration)
-    writer = CheckpointWriter(final, replace=True, fault=_fault)
-    name: list[str | None] = [None, None]  # the work folder's name, or why it could not be made
+    bucket = isinstance(root, ObjectURL)
+    writer = CheckpointWriter(final, replace=not bucket, fault=_fault)
+    name: list[str | None] = [None, None]  # the work folder's path, or why it could not be made
     if dist.get_rank() == 0:
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            name[0] = writer.begin().name
-        except OSError as e:
-            name[1] = _cause(e)
+            if not bucket:
+                root.mkdir(parents=True, exist_ok=True)
+            name[0] = str(writer.begin())
+        except (OSError, FormatError) as e:
+            name[1] = e.message if isinstance(e, FormatError) else _cause(e)
     dist.broadcast_object_list(name, src=0)
     if name[0] is None:
         raise CheckpointSaveError(f"cannot save {final}: {name[1]}; {_latest_text(root)}")
     if dist.get_rank() != 0:
-        writer.adopt(root / name[0])
+        writer.adopt(Path(name[0]))
     return writer
 
 
@@ -227,12 +233,15 @@ def try_write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: in
         return f"rank {origin}: {_cause(e)}"
 
 
-def _latest_text(root: Path) -> str:
+def _latest_text(root: Path | ObjectURL) -> str:
     """What a failed save leaves as the latest checkpoint, for its one-line error."""
     try:
-        with open(root / fmt.LATEST_FILE, "rb") as f:
-            it = f.read(64).decode(errors="replace").strip()
-    except OSError:
+        if isinstance(root, ObjectURL):
+            it = read_small_file(root / fmt.LATEST_FILE, 64, "the latest marker", "").decode(errors="replace").strip()
+        else:
+            with open(root / fmt.LATEST_FILE, "rb") as f:
+                it = f.read(64).decode(errors="replace").strip()
+    except (OSError, FormatError):
         return "no checkpoint is marked latest"
     return f"the latest checkpoint is still iteration {describe(RuntimeError(it), 40)}"
 
@@ -263,6 +272,8 @@ def finish_save(writer: CheckpointWriter, manifest: Manifest | None, result: Ran
             _commit(writer, manifest, everything)
         except OSError as e:
             err[0] = f"rank 0: {_cause(e)}"
+        except FormatError as e:  # a bucket's upload: the store's one line (storage/objects.py)
+            err[0] = f"rank 0: {e.message}"
     if failed is None:
         dist.broadcast_object_list(err, src=0)
     if err[0] is not None:
@@ -287,7 +298,7 @@ def _commit(writer: CheckpointWriter, manifest: Manifest, everything: list[Any])
     writer.set_latest(manifest.iteration)
 
 
-def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "torch_dist",
+def save_checkpoint(trainer: Trainer, root: str | os.PathLike | ObjectURL, layout: str = "torch_dist",
                     sharding: str = fmt.FORMAT_NAME, aliased: bool = False, writer_threads: int | None = None,
                     integrity: bool = True) -> Path:
     """Save ``trainer`` at its current iteration under ``root``; return the committed folder.
@@ -302,7 +313,8 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike, layout: str = "to
     ``benchmarks/bench_save_integrity.py`` uses it, to measure what they cost against the same run's
     save without them.
     """
-    writer = prepare_folder(trainer, Path(root), layout, sharding)
+    where = parse_location(root) if isinstance(root, str) else root
+    writer = prepare_folder(trainer, where if isinstance(where, ObjectURL) else Path(where), layout, sharding)
     try:
         sd = rank_state(trainer, aliased, integrity)
         manifest = manifest_now(trainer, layout, sharding, aliased) if dist.get_rank() == 0 else None

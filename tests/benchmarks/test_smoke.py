@@ -62,6 +62,8 @@ SMOKE = {
     "convergence.py": ["--out", "{tmp}/convergence"],
     "bench_record_crc.py": ["--workdir", "{tmp}/record_crc"],
     "fuzz_readers.py": ["--out", "{tmp}/fuzz"],
+    "bench_s3.py": [],
+    "bench_s3_ckpt.py": [],
 }
 # Not run with --smoke by the test above; each has its own test below.
 OTHERS = {"bench_megatron_save.py", "report_gpu.py", "docs_section.py", "trace_exposed.py", "fuzz_targets.py"}
@@ -294,6 +296,24 @@ def check_export_hf(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert not (tmp / "export_hf").exists()  # the synthetic checkpoint is removed
 
 
+def check_s3(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    """Every client ran every workload (each run checks sizes itself), with a ratio against boto3's."""
+    rows = _table(p.stdout)
+    assert rows[0][:2] == ["workload", "client"]
+    got = {(r[0], r[1]): _ratio(r[4]) for r in rows[1:]}
+    assert set(got) == {(w, c) for w in ("write", "read whole", "ranged read") for c in ("boto3", "s3fs", "obstore")}
+    assert all(got[(w, "boto3")] == 1.0 for w in ("write", "read whole", "ranged read"))
+    assert all(v > 0 for v in got.values())
+
+
+def check_s3_ckpt(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    """The three workloads against their boto3 baselines (each run checks its own exit code)."""
+    rows = _table(p.stdout)
+    assert [r[0] for r in rows[1:]] == ["upload (save's commit)", "verify --data", "export --to hf"]
+    assert all(_ratio(r[3]) > 0 for r in rows[1:])
+    assert '"ok"' not in p.stdout  # the commands' own output is not mixed into the report
+
+
 CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_ckpt_async.py": check_ckpt_async,
     "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
@@ -306,6 +326,8 @@ CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_copy_checks.py": check_copy_checks, "bench_export_hf.py": check_export_hf,
     "bench_megatron_inspect.py": check_megatron_inspect,
     "bench_verify_cold.py": check_verify_cold,
+    "bench_s3.py": check_s3,
+    "bench_s3_ckpt.py": check_s3_ckpt,
 }
 
 

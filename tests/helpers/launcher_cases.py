@@ -165,7 +165,11 @@ CLI_ERRORS = {
                                   "fully_reshardable"], ["'fully_reshardable'", "CP-folded", "use 'dp_reshardable'"]),
     "global-batch-not-the-product": (["--nproc-per-node", "2", "--dp", "2", "--micro-batch-size", "2",
                                       "--global-batch-size", "8"], ["--global-batch-size 8 != micro-batch 2", "= 4"]),
-    "save-to-a-url": (["--save", "s3://bucket/run"], ["--save 's3://bucket/run' is a URL", "local folder"]),
+    "async-save-to-a-bucket": (["--save", "s3://bucket/run", "--async-save"],
+                               ["--save s3://bucket/run", "--async-save writes local folders only"]),
+    "load-from-a-bad-bucket": (["--load", "s3://Bucket/run"], ["'Bucket' is not a bucket name"]),
+    "save-to-a-one-slash-url": (["--save", "s3:/bucket/run"], ["two slashes", "./s3:/bucket/run"]),
+    "save-to-another-scheme": (["--save", "gs://bucket/run"], ["gs:// is not supported"]),
 }
 
 

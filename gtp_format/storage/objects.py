@@ -1,0 +1,310 @@
+"""Confined, bounded reads of a checkpoint in an object store (``s3://bucket/prefix``), through obstore.
+
+The local rules of :mod:`gtp_format.reader.storage` carry over, in the store's terms:
+
+* A recorded path is checked by the same :func:`unsafe_reason` (plain relative, no ``..``) and its
+  key is the prefix joined with it, so no key outside the checkpoint's prefix is ever asked for;
+  listing a "folder" asks for ``prefix/`` with a delimiter, so ``iter_1`` never lists ``iter_10``.
+* Every size a check or an allocation uses comes from the store (``HEAD`` or the listing), never from
+  a file: a byte range is checked against the object's real size before it is requested, a whole
+  small object is read only if the store says it is under its limit, and what comes back must be as
+  long as what was asked for. An object stores every byte it reports (there are no holes), so the
+  store's size is also the bound on what a read may allocate.
+* Memory per request is bounded: a range is fetched in pieces of at most :data:`PIECE` bytes into
+  the caller's one buffer.
+* Faults are one line naming the key: a missing object, refused credentials, and a server that
+  stops answering (connect and request timeouts, :data:`RETRIES` retries with backoff for the
+  transient errors obstore retries: 5xx, dropped connections, timeouts of read-only requests).
+
+Why obstore: ``benchmarks/bench_s3.py`` measured it against s3fs (fsspec) and boto3's transfer
+manager on the same objects in the same run (docs/performance.md, "Object-store clients"); it was
+the fastest at writes, whole reads and ranged reads. Endpoint and credentials come from the standard
+AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_REGION``...), which obstore reads.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+from gtp_format.errors import ChunkError, FormatError
+from gtp_format.storage.location import ObjectURL
+from gtp_format.storage.paths import past_end_message, unsafe_reason
+
+PIECE = 64 << 20  # largest single ranged GET: bounds the memory one request holds in flight
+RETRIES = 3  # transient errors retried with exponential backoff, within RETRY_TIMEOUT_S
+CONNECT_TIMEOUT_S = 5.0
+TIMEOUT_ENV = "CKPT_S3_TIMEOUT_S"  # per-request timeout, seconds
+DEFAULT_TIMEOUT_S = 60.0
+RETRY_TIMEOUT_S = 30.0
+
+
+def _timeout() -> float:
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise FormatError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds; set it to e.g. 60")
+    return value
+
+
+def _endpoint() -> str | None:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+# Where obstore may take credentials from besides the access-key pair: web identity (EKS, CI OIDC) and
+# the container credential endpoint (ECS). Anything else would make it ask the EC2 instance-metadata
+# address, which is not this machine's to ask and hangs where there is none.
+_OTHER_CREDENTIALS = ("AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                      "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+
+
+def credentials_problem(bucket: str) -> str | None:
+    """Why no request may be sent for ``bucket`` (no credentials in the environment), or None."""
+    env = os.environ
+    if env.get("AWS_SKIP_SIGNATURE", "").lower() in ("1", "true", "yes"):
+        return None  # a public bucket, read unsigned
+    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        return None
+    if any(env.get(k) for k in _OTHER_CREDENTIALS):
+        return None
+    return (f"s3://{bucket}: no credentials in the environment; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+            "(and AWS_ENDPOINT_URL for a local or private store), or AWS_SKIP_SIGNATURE=true for a public bucket")
+
+
+@functools.lru_cache(maxsize=16)
+def _store_for(bucket: str, endpoint: str | None, timeout: float, *credentials: str | None) -> Any:
+    """One client per bucket and configuration (``credentials`` only key the cache: obstore reads the
+    environment itself, and a test that changes it must get a new client)."""
+    try:
+        from obstore.store import S3Store
+    except ImportError:
+        raise FormatError("s3:// needs the obstore package: pip install 'gtp-ckpt[s3]'") from None
+    client: dict[str, Any] = {"connect_timeout": timedelta(seconds=CONNECT_TIMEOUT_S),
+                              "timeout": timedelta(seconds=timeout)}
+    if endpoint is not None and endpoint.startswith("http://"):
+        client["allow_http"] = True  # a local or private endpoint the user named
+    retry = {"max_retries": RETRIES, "retry_timeout": timedelta(seconds=RETRY_TIMEOUT_S),
+             "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=4),
+                         "base": 2}}
+    kwargs: dict[str, Any] = {"client_options": client, "retry_config": retry}
+    if endpoint is not None:
+        kwargs["endpoint"] = endpoint
+    try:
+        return S3Store(bucket, **kwargs)
+    except Exception as e:  # noqa: BLE001 - obstore raises its own configuration errors
+        raise FormatError(f"s3://{bucket}: cannot configure the S3 client: {_first_line(e)}") from None
+
+
+def store(url: ObjectURL) -> Any:
+    """The obstore client of ``url``'s bucket (one per bucket, endpoint, credentials and timeout)."""
+    problem = credentials_problem(url.bucket)
+    if problem is not None:
+        raise FormatError(problem)
+    env = os.environ
+    return _store_for(url.bucket, _endpoint(), _timeout(), env.get("AWS_ACCESS_KEY_ID"),
+                      env.get("AWS_SECRET_ACCESS_KEY"), env.get("AWS_SESSION_TOKEN"))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return " ".join(text[0].split())[:300] if text else type(e).__name__
+
+
+def describe_error(e: BaseException, where: str) -> FormatError:
+    """One line for an obstore error at ``where`` (a URL): what happened and the fix."""
+    from obstore import exceptions as ox
+
+    text = str(e)
+    if isinstance(e, ox.NotFoundError | FileNotFoundError):  # obstore raises the builtin for a 404
+        return ChunkError(f"{where} is missing from the bucket", file=where)
+    if isinstance(e, ox.UnauthenticatedError | ox.PermissionDeniedError) or "InvalidAccessKeyId" in text \
+            or "SignatureDoesNotMatch" in text or "AccessDenied" in text or "403" in text:
+        return FormatError(f"{where}: the store refused the credentials ({_first_line(e)}); check "
+                           "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL")
+    if "NoSuchBucket" in text:
+        return FormatError(f"{where}: the bucket does not exist; check the URL and AWS_ENDPOINT_URL")
+    if "timed out" in text.lower() or "timeout" in text.lower() or "connect" in text.lower():
+        return FormatError(f"{where}: the store did not answer ({_first_line(e)}) after {RETRIES} retries; check "
+                           f"AWS_ENDPOINT_URL and the network, or raise {TIMEOUT_ENV}")
+    return FormatError(f"{where}: the store failed: {_first_line(e)}")
+
+
+def _call(where: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except FormatError:
+        raise
+    except Exception as e:  # noqa: BLE001 - every obstore error becomes one line naming the key
+        raise describe_error(e, where) from None
+
+
+def _key(root: ObjectURL, rel: str) -> str:
+
+    reason = unsafe_reason(rel)
+    if reason is not None or any(p in ("", ".") for p in rel.split("/")):
+        raise ChunkError(f"{reason or f'storage path {rel!r} has an empty component'}: refusing to read outside "
+                         f"{root}", file=str(rel))
+    return root.key(rel)
+
+
+def head_size(root: ObjectURL, rel: str) -> int | None:
+    """The size the store reports for ``rel`` below ``root``, or None if there is no such object."""
+    import obstore
+    from obstore import exceptions as ox
+
+    key = _key(root, rel)
+    try:
+        meta = obstore.head(store(root), key)
+    except (ox.NotFoundError, FileNotFoundError):
+        return None
+    except Exception as e:  # noqa: BLE001
+        raise describe_error(e, str(root / rel)) from None
+    return int(meta["size"])
+
+
+def object_size(root: ObjectURL, rel: str, what: str = "data file") -> int:
+    """:func:`head_size`, a missing object a :class:`ChunkError` naming it (as a missing local file)."""
+    size = head_size(root, rel)
+    if size is None:
+        raise ChunkError(f"{what} {rel} is missing from {root}", file=rel)
+    return size
+
+
+def is_prefix(root: ObjectURL, rel: str = "") -> bool:
+    """Whether any object lies below ``root/rel/`` (a "folder" of the store)."""
+    import obstore
+
+    prefix = (root / rel).key() if rel else root.key()
+    page = _call(str(root / rel) if rel else str(root), obstore.list_with_delimiter, store(root),
+                 prefix + "/" if prefix else None)
+    return bool(page["objects"] or page["common_prefixes"])
+
+
+def list_names(root: ObjectURL) -> dict[str, int | None]:
+    """The entries of the "folder" ``root``: object names with their sizes, sub-prefixes with None."""
+    import obstore
+
+    prefix = root.key()
+    want = prefix + "/" if prefix else ""
+    page = _call(str(root), obstore.list_with_delimiter, store(root), want or None)
+    out: dict[str, int | None] = {}
+    for meta in page["objects"]:
+        name = str(meta["path"])[len(want):]
+        if name and "/" not in name:
+            out[name] = int(meta["size"])
+    for p in page["common_prefixes"]:
+        name = str(p)[len(want):].strip("/")
+        if name and "/" not in name:
+            out.setdefault(name, None)
+    return out
+
+
+def read_into(root: ObjectURL, rel: str, size: int, offset: int, out: memoryview) -> None:
+    """Fill ``out`` from ``offset`` of the object ``rel`` whose store-reported size is ``size``, in
+    pieces of at most :data:`PIECE` bytes; a short answer is a :class:`ChunkError`, never a short read."""
+    import obstore
+
+
+    length = out.nbytes
+    if type(offset) is not int or offset < 0 or offset + length > size:
+        raise ChunkError(past_end_message(rel, offset, length, size), file=rel)
+    key, where = _key(root, rel), str(root / rel)
+    done = 0
+    while done < length:
+        n = min(PIECE, length - done)
+        got = memoryview(_call(where, obstore.get_range, store(root), key, start=offset + done,
+                               length=n)).cast("B")
+        if got.nbytes != n:
+            raise ChunkError(f"{where}: asked for {n} bytes at {offset + done}, the store sent {got.nbytes} (the "
+                             "object changed while it was read?)", file=rel)
+        out[done:done + n] = got
+        done += n
+
+
+def read_range(root: ObjectURL, rel: str, offset: int, length: int) -> bytearray:
+    """Exactly ``length`` bytes at ``offset`` of ``rel``, after checking the range against the store's size."""
+    if not (type(offset) is int and type(length) is int) or offset < 0 or length < 0:
+        raise ChunkError(f"byte range offset={offset!r} length={length!r} in {rel} is invalid", file=rel)
+    size = object_size(root, rel)
+    if offset + length > size:
+
+        raise ChunkError(past_end_message(rel, offset, length, size), file=rel)
+    buf = bytearray(length)
+    read_into(root, rel, size, offset, memoryview(buf))
+    return buf
+
+
+def read_small(path: ObjectURL, limit: int, what: str, fix: str) -> bytes:
+    """A whole metadata-like object, refused if the store reports it over ``limit`` bytes."""
+    try:
+        size = object_size(path.parent, path.name, what)
+    except ChunkError as e:
+        raise FormatError(f"{e.message}; {fix}") from None
+    if size > limit:
+        raise FormatError(f"{path} is {size} bytes, over the {limit}-byte limit for {what}; {fix}")
+    buf = bytearray(size)
+    read_into(path.parent, path.name, size, 0, memoryview(buf))
+    return bytes(buf)
+
+
+class ObjectFile:
+    """An object opened for ranged reads: what :func:`gtp_format.reader.storage.open_regular` gives for a
+    bucket. Its size is the store's, taken once when opened; :meth:`pread` is one bounded ranged read."""
+
+    def __init__(self, root: ObjectURL, rel: str, what: str = "data file") -> None:
+        self.root, self.rel = root, rel
+        self.size = object_size(root, rel, what)
+        self._pos = 0
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Up to ``n`` bytes at ``offset`` (fewer only at the end), like ``os.pread``."""
+        n = max(0, min(n, self.size - offset))
+        if n == 0:
+            return b""
+        buf = bytearray(n)
+        read_into(self.root, self.rel, self.size, offset, memoryview(buf))
+        return bytes(buf)
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.pread(self.size - self._pos if n < 0 else n, self._pos)
+        self._pos += len(data)
+        return data
+
+    def readinto(self, out: Any) -> int:
+        view = memoryview(out).cast("B")
+        n = max(0, min(view.nbytes, self.size - self._pos))
+        read_into(self.root, self.rel, self.size, self._pos, view[:n])
+        self._pos += n
+        return n
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else self.size + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def fileno(self) -> int:
+        raise OSError(f"{self.root / self.rel} is an object in a bucket, not a local file")
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> ObjectFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def pieces(self, block: int) -> Iterator[bytes]:
+        """The whole object front to back, ``block`` bytes per request (hashing a file as it streams)."""
+        for at in range(0, self.size, block):
+            yield self.pread(block, at)

@@ -1,0 +1,29 @@
+"""The rules a recorded storage path obeys, and the one wording of a read past a file's end.
+
+Shared by the local folder reader (:mod:`gtp_format.reader.storage`) and the bucket reader
+(:mod:`gtp_format.storage.objects`): both refuse the same paths with the same words, and neither
+may import the other (the import-graph test).
+"""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+
+
+def unsafe_reason(rel: object) -> str | None:
+    """Why a recorded storage path is not a plain relative path, or ``None`` if it is one."""
+    if not isinstance(rel, str) or not rel:
+        return f"storage path {rel!r} is not a non-empty string"
+    if "\x00" in rel or "\\" in rel:
+        return f"storage path {rel!r} contains a NUL or backslash"
+    p = PurePosixPath(rel)
+    if p.is_absolute() or (len(rel) > 1 and rel[1] == ":"):
+        return f"storage path {rel!r} is absolute"
+    if ".." in p.parts:
+        return f"storage path {rel!r} contains '..'"
+    return None
+
+
+def past_end_message(rel: str, offset: int, length: int, size: int) -> str:
+    return (f"byte range [{offset}, {offset + length}) of {rel} runs past its end ({size} bytes): "
+            "the file is truncated or the metadata is wrong")

@@ -1,0 +1,123 @@
+"""The bucket side of the one writer: a finished local work folder uploaded in commit order.
+
+:class:`gtp_format.writer.checkpoint.CheckpointWriter` builds every output in a hidden work folder
+and commits it with one no-replace rename. A bucket has no rename, so for an ``s3://`` target the
+work folder is local staging (``CKPT_S3_STAGING``, default the temp directory) and the commit is the
+upload, in an order that makes every interrupted state invisible:
+
+1. refuse if anything already lies below the target prefix (no-replace: never mix files with an
+   existing checkpoint);
+2. the data objects, each a multipart upload: an upload that is not completed is invisible to every
+   listing and read;
+3. ``.metadata`` (or the index), the chunk records and the manifest;
+4. ``metadata.json`` last, as a conditional create (``If-None-Match: *``): the *commit object*. The
+   reader takes a bucket prefix for a checkpoint only once it exists
+   (:func:`gtp_format.reader.locate.locate`), and a writer that finds it taken refuses, leaving it;
+5. a nested output's latest marker after the commit, and the run's latest marker (``set_latest``)
+   after that.
+
+On a failure the objects this upload created are deleted (never others); a writer killed
+mid-way leaves data objects without a commit object, which no reader takes for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gtp_format.errors import FormatError
+from gtp_format.names import CHUNK_RECORDS_FILE, DCP_METADATA_FILE, GTP_INDEX_FILE, LATEST_FILE, MANIFEST_FILE
+from gtp_format.names import MEGATRON_METADATA_FILE as COMMIT_OBJECT
+from gtp_format.storage import objects
+from gtp_format.storage.location import ObjectURL
+
+STAGING_ENV = "CKPT_S3_STAGING"
+PART = 16 << 20  # multipart part size; obstore uploads parts of one object concurrently
+CONCURRENCY = 8
+_SIDE = (DCP_METADATA_FILE, GTP_INDEX_FILE, CHUNK_RECORDS_FILE, MANIFEST_FILE)  # uploaded after the data
+
+
+def staging_dir() -> Path:
+    """Where an ``s3://`` output is built before its upload."""
+    return Path(os.environ.get(STAGING_ENV) or tempfile.gettempdir())
+
+
+def commit_order(folder: Path) -> list[str]:
+    """Relative names of ``folder``'s files: data first, then the side files, the commit object last."""
+    names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    def rank(n: str) -> tuple[int, str]:
+        base = n.rsplit("/", 1)[-1]
+        return (2 if base == COMMIT_OBJECT else 3 if base == LATEST_FILE else 1 if base in _SIDE else 0, n)
+    return sorted(names, key=rank)
+
+
+class Upload:
+    """One output's upload to ``target``; :meth:`run` does steps 1-5, :meth:`undo` removes what it created."""
+
+    def __init__(self, target: ObjectURL, fault: Callable[[str], None] | None = None) -> None:
+        self.target, self.fault = target, fault
+        self.created: list[str] = []
+
+    def _put(self, local: Path, rel: str, create: bool = False) -> None:
+        import obstore
+
+        key = self.target.key(rel)
+        mode = "create" if create else "overwrite"
+        try:
+            obstore.put(objects.store(self.target), key, local, mode=mode, chunk_size=PART,
+                        max_concurrency=CONCURRENCY)
+        except Exception as e:  # noqa: BLE001 - one line naming the object
+            from obstore import exceptions as ox
+
+            if isinstance(e, ox.AlreadyExistsError):
+                raise Taken(self.target) from None
+            raise objects.describe_error(e, str(self.target / rel)) from None
+        self.created.append(key)
+
+    def run(self, work: Path) -> None:
+        if objects.is_prefix(self.target):
+            raise Taken(self.target)
+        for rel in commit_order(work):
+            base = rel.rsplit("/", 1)[-1]
+            if base == COMMIT_OBJECT and self.fault is not None:
+                self.fault("before_commit_object")
+            self._put(work / rel, rel, create=base == COMMIT_OBJECT)
+
+    def undo(self) -> None:
+        """Delete the objects this upload created (best effort: a store that stopped answering keeps them,
+        and without their commit object no reader takes them for a checkpoint)."""
+        import obstore
+
+        if not self.created:
+            return
+        created, self.created = self.created, []
+        try:
+            obstore.delete(objects.store(self.target), created)
+        except Exception:  # noqa: BLE001, S110 - best effort, see the docstring
+            pass
+
+
+class Taken(FormatError):
+    """The target prefix holds objects already (or its commit object appeared meanwhile)."""
+
+    def __init__(self, target: ObjectURL) -> None:
+        super().__init__(f"{target}: objects already exist under this prefix (or appeared while this was written); "
+                         "nothing there was replaced or deleted; pick a new prefix")
+
+
+def put_marker(url: ObjectURL, text: str) -> None:
+    """The run's latest marker below ``url``'s parent, replaced (a single PUT is atomic on S3)."""
+    import obstore
+
+    marker = url.parent / LATEST_FILE
+    try:
+        obstore.put(objects.store(url), marker.key(), text.encode(), mode="overwrite")
+    except Exception as e:  # noqa: BLE001
+        raise objects.describe_error(e, str(marker)) from None
+
+
+def is_bucket(target: Any) -> bool:
+    return isinstance(target, ObjectURL)

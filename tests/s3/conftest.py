@@ -1,0 +1,51 @@
+"""Fixtures of the object-store tests: one local S3-API server per session, emptied for every test.
+
+``s3`` sets ``AWS_ENDPOINT_URL`` and dummy credentials in the environment (monkeypatched, so that
+subprocesses the test starts, the launcher's ranks and ``ckpt``, reach the same server) and yields
+a boto3 client with a fresh bucket :data:`BUCKET`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import s3_server
+
+BUCKET = "ckpt-test"
+
+
+@dataclass
+class S3:
+    endpoint: str
+    client: Any  # a boto3 S3 client: the tests' independent view of what is in the bucket
+    bucket: str = BUCKET
+
+    def url(self, prefix: str) -> str:
+        return f"s3://{self.bucket}/{prefix}"
+
+    def keys(self, prefix: str = "") -> list[str]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+        return sorted(o["Key"] for p in pages for o in p.get("Contents", []))
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    with s3_server.moto_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3:
+    import boto3
+
+    s3_server.reset(s3_endpoint)
+    for k in s3_server.UNSET:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in s3_server.environment(s3_endpoint).items():
+        monkeypatch.setenv(k, v)
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    client.create_bucket(Bucket=BUCKET)
+    return S3(s3_endpoint, client)
