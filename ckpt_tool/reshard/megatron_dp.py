@@ -55,6 +55,7 @@ from gtp_format.errors import FormatError
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.megatron_layout import Bucket, Slot, TargetParam, lay_out_stage, stage_of_layer, tp_mode_of
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
+from gtp_format.storage.location import ObjectURL
 from gtp_format.views.megatron import HEAD
 from gtp_format.views.records import Holder, KeyRef, ParamView, full_box
 from gtp_format.writer.checkpoint import CheckpointWriter, megatron_metadata
@@ -63,12 +64,14 @@ from gtp_format.writer.sink import stage_bytes
 OUTPUT = "output_layer.weight"
 
 
-def is_megatron_source(src: Path) -> bool:
-    """No manifest of ours in SRC (its folder as ``locate`` finds it): megatron-core's, or refused as neither."""
+def is_megatron_source(src: Path | ObjectURL) -> bool:
+    """No manifest of ours in SRC (its folder as ``locate`` finds it): megatron-core's, or refused as neither.
+    Asked through the confined stat (a folder or a bucket alike), never by following the name."""
     from gtp_format.names import MANIFEST_FILE
     from gtp_format.reader.locate import locate
+    from gtp_format.reader.storage import is_regular_inside
 
-    return not (locate(src).folder / MANIFEST_FILE).is_file()
+    return is_regular_inside(locate(src).folder, MANIFEST_FILE) is None
 
 
 def _spec(view: ParamView, mode: str | None, tp: int, t: int) -> ShardSpec:
