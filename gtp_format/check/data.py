@@ -30,35 +30,37 @@ from __future__ import annotations
 
 import functools
 import os
-import zlib
 from collections import defaultdict, deque
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from gtp_format.check.hashes import StreamedHash, check_bytes, check_range, hashed
+from gtp_format.check.data_steps import (
+    Action,
+    Found,
+    Item,
+    PayloadCrc,
+    fallback_action,
+    ignore_bytes,
+    payload_action,
+    random_access,
+    window_action,
+)
+from gtp_format.check.hashes import StreamedHash, hashed
 from gtp_format.check.padding import split_padding, tally_key
-from gtp_format.dtypes import DType
 from gtp_format.errors import ChunkError
 from gtp_format.hashing import CRCS, HASHERS, Crc, Hasher
 from gtp_format.integrity.records import ChunkRecord
-from gtp_format.model import BYTES, ENC_TORCH_SAVE, Checkpoint, Chunk, Entry, Problem
+from gtp_format.model import BYTES, ENC_TORCH_SAVE, Checkpoint, Problem
 from gtp_format.progress import Progress
 from gtp_format.reader.blob import parse_blob
 from gtp_format.reader.chunks import (
     blob_error,
-    check_byte_object,
     check_layout,
     checked_ref,
-    chunk_bytes,
-    decode_elements,
-    load_elements,
 )
 from gtp_format.reader.storage import is_sparse, open_regular, past_end_message, sparse_file_message
 from gtp_format.reader.zip_blob import BlobError, RangeReader
-from gtp_format.scan import can_hold_nonfinite, carrier, count_nonfinite
+from gtp_format.scan import can_hold_nonfinite
 from gtp_format.storage.objects import ObjectFile
 
 WINDOW = 2 << 20
@@ -80,51 +82,6 @@ class DataReport:
     bytes_read: int = 0
 
 
-@dataclass(frozen=True)
-class _Item:
-    entry: Entry
-    chunk: Chunk
-    start: int
-    stop: int
-    record: ChunkRecord | None = None  # its chunk hash, when the checkpoint has records
-
-
-class _Found:
-    """What one step found: NaN/Inf counts, problems, chunks done, and the window's bytes and CRC.
-
-    Workers fill their own; the main thread merges them in file order, so nothing is shared.
-    """
-
-    def __init__(self) -> None:
-        self.nan: dict[str, int] = defaultdict(int)
-        self.inf: dict[str, int] = defaultdict(int)
-        self.problems: list[Problem] = []
-        self.ticks = 0
-        self.nbytes = 0
-        self.crc = 0
-        self.data: bytes = b""  # kept only for order-dependent digests
-        self.payload_parts: list[tuple[_PayloadCrc, int, int]] = []  # (chunk, CRC-32 of a piece, its length)
-        self.hash_parts: list[tuple[StreamedHash, memoryview]] = []  # pieces of large chunks, for their hashes
-
-    def add(self, key: str, elements: np.ndarray, dtype: DType) -> None:
-        nan, inf = count_nonfinite(elements, dtype)
-        if nan:
-            self.nan[key] += nan
-        if inf:
-            self.inf[key] += inf
-
-    def error(self, err: ChunkError, entry: Entry, chunk: Chunk) -> None:
-        self.problems.append(Problem("error", "decode", err.message, key=entry.key, chunk=chunk.index, file=err.file))
-
-    def merge(self, other: _Found) -> None:
-        for key, n in other.nan.items():
-            self.nan[key] += n
-        for key, n in other.inf.items():
-            self.inf[key] += n
-        self.problems += other.problems
-        self.ticks += other.ticks
-
-
 def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Progress | None = None,
                workers: int | None = None, records: dict[tuple[str, int], ChunkRecord] | None = None) -> DataReport:
     """Decode every chunk, count NaN/Inf per key, and hash the listed files, in one read of each file.
@@ -137,14 +94,14 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
     """
     records = records or {}
     report = DataReport()
-    total = _Found()
+    total = Found()
     tick = progress or (lambda n: None)
-    by_file: dict[str, list[_Item]] = defaultdict(list)
+    by_file: dict[str, list[Item]] = defaultdict(list)
     for e in ckpt.entries.values():
         for c in e.chunks:
             if e.kind == BYTES or ckpt.encoding != ENC_TORCH_SAVE:
-                found = _Found()
-                _random_access(ckpt, e, c, found, records.get((e.key, c.index)))  # byte objects and raw layouts
+                found = Found()
+                random_access(ckpt, e, c, found, records.get((e.key, c.index)))  # byte objects and raw layouts
                 total.merge(found)
                 tick(1)
                 continue
@@ -154,7 +111,7 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
                 total.error(err, e, c)
                 tick(1)
                 continue
-            by_file[ref.file].append(_Item(e, c, ref.offset, ref.offset + ref.length, records.get((e.key, c.index))))
+            by_file[ref.file].append(Item(e, c, ref.offset, ref.offset + ref.length, records.get((e.key, c.index))))
     passes = [_FilePass(ckpt, rel, sorted(by_file.get(rel, []), key=lambda i: (i.start, i.stop)),
                         hash_files.get(rel, [])) for rel in sorted(by_file.keys() | hash_files.keys())]
     n = workers or default_workers()
@@ -165,17 +122,17 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
     return report
 
 
-def _run(passes: list[_FilePass], pool: ThreadPoolExecutor, in_flight: int, total: _Found, report: DataReport,
+def _run(passes: list[_FilePass], pool: ThreadPoolExecutor, in_flight: int, total: Found, report: DataReport,
          tick: Progress) -> None:
     """Submit every file's steps in order, at most ``in_flight`` ahead; merge results in the same order."""
-    pending: deque[tuple[_FilePass, _Step | None, Future[_Found]]] = deque()
+    pending: deque[tuple[_FilePass, _Step | None, Future[Found]]] = deque()
 
     def finish() -> None:
         fp, step, fut = pending.popleft()
         try:
             found = fut.result()
         except ChunkError as err:  # the file changed under us: report it once, and do not trust its hash
-            found = _Found()
+            found = Found()
             if not fp.failed:
                 fp.failed = True
                 found.problems.append(Problem("error", "data_file", err.message, file=fp.rel))
@@ -199,8 +156,8 @@ def _run(passes: list[_FilePass], pool: ThreadPoolExecutor, in_flight: int, tota
                 while len(pending) >= in_flight:
                     finish()
                 if step is None:
-                    fut: Future[_Found] = Future()
-                    fut.set_result(_Found())
+                    fut: Future[Found] = Future()
+                    fut.set_result(Found())
                 else:
                     fut = pool.submit(fp.work, step)
                 pending.append((fp, step, fut))
@@ -211,25 +168,6 @@ def _run(passes: list[_FilePass], pool: ThreadPoolExecutor, in_flight: int, tota
             fut.cancel() or fut.exception()
         for fp in passes:
             fp.close(None)
-
-
-def _random_access(ckpt: Checkpoint, entry: Entry, chunk: Chunk, found: _Found, rec: ChunkRecord | None) -> None:
-    try:
-        if entry.kind == BYTES:
-            check_byte_object(ckpt, entry, chunk)
-            if rec is not None:
-                check_range(ckpt, entry, chunk, rec, found.problems)
-        elif rec is not None:  # one read for both: hash the bytes, then decode them
-            buf = chunk_bytes(ckpt, entry, chunk)
-            check_bytes(entry, chunk, rec, buf, found.problems)
-            found.add(tally_key(ckpt, entry, chunk), decode_elements(ckpt, entry, chunk, buf), entry.dtype)
-        else:
-            found.add(tally_key(ckpt, entry, chunk), load_elements(ckpt, entry, chunk), entry.dtype)
-    except ChunkError as err:
-        found.error(err, entry, chunk)
-
-
-Action = Callable[[memoryview, _Found], None]
 
 
 @dataclass(frozen=True)
@@ -248,7 +186,7 @@ class _FilePass:
     only :meth:`absorb` (main thread, file order) carries state from one window to the next.
     """
 
-    def __init__(self, ckpt: Checkpoint, rel: str, items: list[_Item], algorithms: list[str]) -> None:
+    def __init__(self, ckpt: Checkpoint, rel: str, items: list[Item], algorithms: list[str]) -> None:
         self.ckpt, self.rel, self.items = ckpt, rel, items
         # one CRC alone is hashed per window on the workers and combined in order; anything else
         # (SHA-256, or several algorithms) is fed window by window on the main thread
@@ -261,7 +199,7 @@ class _FilePass:
                                                   and all(it.record is not None for it in items))
         self.hashers: dict[str, Hasher] = {} if self.crc else {a: HASHERS[a]() for a in algorithms}
         self.value = 0  # the CRC so far
-        self.planned: _Found | None = _Found()  # what planning found: merged before the first step
+        self.planned: Found | None = Found()  # what planning found: merged before the first step
         self.fd: int | None = None
         self.obj: ObjectFile | None = None
         self.remaining = 0
@@ -309,7 +247,7 @@ class _FilePass:
 
     # -- main thread, in file order ---------------------------------------------------------------
 
-    def absorb(self, step: _Step | None, found: _Found) -> _Found | None:
+    def absorb(self, step: _Step | None, found: Found) -> Found | None:
         """Fold one finished step into the file's digest; returns what planning found, the first time."""
         planned, self.planned = self.planned, None
         for acc, crc, n in found.payload_parts:  # pieces of one large chunk's payload, joined in file order
@@ -342,8 +280,8 @@ class _FilePass:
 
     # -- workers ---------------------------------------------------------------------------------
 
-    def work(self, step: _Step) -> _Found:
-        found = _Found()
+    def work(self, step: _Step) -> Found:
+        found = Found()
         view = memoryview(b"")
         if step.stop > step.start:
             data = self._pread(step.start, step.stop)
@@ -376,7 +314,7 @@ class _FilePass:
         pos, i, n = 0, 0, len(items)
         while i < n or pos < end:
             if i < n and items[i].start < pos:  # shares bytes with a chunk already planned
-                steps.append(_Step(pos, pos, _fallback_action(self.ckpt, [items[i]])))
+                steps.append(_Step(pos, pos, fallback_action(self.ckpt, [items[i]])))
                 i += 1
                 continue
             if i < n and items[i].start == pos and items[i].stop - pos > WINDOW:
@@ -391,13 +329,13 @@ class _FilePass:
             if k < n and pos < items[k].start < stop:  # the window would cut items[k]: end before it
                 stop = items[k].start
             if stop <= pos:  # nothing left to read; only empty chunks remain
-                steps.append(_Step(pos, pos, _fallback_action(self.ckpt, items[i:])))
+                steps.append(_Step(pos, pos, fallback_action(self.ckpt, items[i:])))
                 break
-            steps.append(_Step(pos, stop, _window_action(self.ckpt, pos, stop, items[i:k], self.record_crc)))
+            steps.append(_Step(pos, stop, window_action(self.ckpt, pos, stop, items[i:k], self.record_crc)))
             pos, i = stop, k
         return steps
 
-    def _in_file(self, it: _Item) -> bool:
+    def _in_file(self, it: Item) -> bool:
         if it.stop <= self.size:
             return True
         self.planned.error(ChunkError(f"{it.entry.key} chunk {it.chunk.index}: "
@@ -406,7 +344,7 @@ class _FilePass:
         self.planned.ticks += 1
         return False
 
-    def _big(self, it: _Item) -> list[_Step]:
+    def _big(self, it: Item) -> list[_Step]:
         """A chunk larger than a window: structure from its ends now, elements window by window later."""
         assert self.fd is not None or self.obj is not None
         layout = None
@@ -418,14 +356,14 @@ class _FilePass:
             layout = None
         steps = []
         if layout is not None and not layout.contiguous_whole:
-            steps.append(_Step(it.start, it.start, _fallback_action(self.ckpt, [it])))  # a view into a larger storage
+            steps.append(_Step(it.start, it.start, fallback_action(self.ckpt, [it])))  # a view into a larger storage
             layout = None
         else:
             self.planned.ticks += 1
         lo_payload = it.start + (layout.payload_offset if layout else 0)
         hi_payload = lo_payload + (layout.payload_bytes if layout else 0)
         cuts = sorted({it.start, it.stop, lo_payload, hi_payload, *range(lo_payload, hi_payload, WINDOW)})
-        acc = _PayloadCrc(layout.payload_crc, it.entry, it.chunk, layout.payload_bytes) \
+        acc = PayloadCrc(layout.payload_crc, it.entry, it.chunk, layout.payload_bytes) \
             if layout is not None and self.record_crc else None
         streamed = StreamedHash(it.entry, it.chunk, it.record) if it.record is not None and not steps else None
         for a, b in zip(cuts, cuts[1:]):
@@ -434,68 +372,6 @@ class _FilePass:
                 inside = layout is not None and lo_payload <= lo and hi <= hi_payload
                 scan = inside and can_hold_nonfinite(layout.dtype)
                 tally = tally_key(self.ckpt, it.entry, it.chunk)
-                action = _payload_action(tally, layout.dtype, scan, acc) if inside else _ignore
+                action = payload_action(tally, layout.dtype, scan, acc) if inside else ignore_bytes
                 steps.append(_Step(lo, hi, hashed(action, streamed) if streamed else action))
         return steps
-
-
-def _window_action(ckpt: Checkpoint, start: int, stop: int, items: list[_Item], record_crc: bool) -> Action:
-    def action(window: memoryview, found: _Found) -> None:
-        for it in items:
-            if it.stop > stop:  # overlaps the next window's chunk: decode it on its own
-                _random_access(ckpt, it.entry, it.chunk, found, it.record)
-            else:
-                try:
-                    own = window[it.start - start: it.stop - start]
-                    if it.record is not None:
-                        check_bytes(it.entry, it.chunk, it.record, own, found.problems)
-                    elements = decode_elements(ckpt, it.entry, it.chunk, own, record_crc)
-                    found.add(tally_key(ckpt, it.entry, it.chunk), elements, it.entry.dtype)
-                    del elements
-                except ChunkError as err:
-                    found.error(err, it.entry, it.chunk)
-            found.ticks += 1
-
-    return action
-
-
-def _fallback_action(ckpt: Checkpoint, items: list[_Item]) -> Action:
-    def action(_: memoryview, found: _Found) -> None:
-        for it in items:
-            _random_access(ckpt, it.entry, it.chunk, found, it.record)
-            found.ticks += 1
-
-    return action
-
-
-class _PayloadCrc:
-    """The CRC-32 of one large chunk's payload, joined piece by piece in file order (main thread)."""
-
-    def __init__(self, expected: int, entry: Entry, chunk: Chunk, nbytes: int) -> None:
-        self.expected, self.entry, self.chunk, self.left = expected, entry, chunk, nbytes
-        self.value = 0
-
-    def add(self, crc: int, nbytes: int, found: _Found) -> None:
-        self.value = CRCS["crc32"].combine(self.value, crc, nbytes)
-        self.left -= nbytes
-        if self.left == 0 and self.value != self.expected:
-            found.problems.append(Problem(
-                "error", "decode", f"{self.entry.key} chunk {self.chunk.index}: the storage record fails its CRC-32 "
-                f"check (the zip directory says {self.expected:08x}): its bytes are damaged", key=self.entry.key,
-                chunk=self.chunk.index, file=self.chunk.storage.file if self.chunk.storage else None))
-
-
-def _payload_action(key: str, dtype: DType, scan: bool, acc: _PayloadCrc | None) -> Action:
-    kind = carrier(dtype)
-
-    def action(view: memoryview, found: _Found) -> None:  # windows of a payload hold whole elements
-        if acc is not None:
-            found.payload_parts.append((acc, zlib.crc32(view), len(view)))
-        if scan:
-            found.add(key, np.frombuffer(view, dtype=kind), dtype)
-
-    return action
-
-
-def _ignore(_: memoryview, __: _Found) -> None:
-    pass
