@@ -216,12 +216,17 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
     return cfg, world
 
 
+def uses_cuda(args: argparse.Namespace) -> bool:
+    """Whether the ranks run on CUDA: ``--device cuda``, or ``auto`` where a GPU is there (one rule for
+    the device, the NCCL backend, the launcher's GPU count and ``--fused auto``)."""
+    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+
+
 def _fused(args: argparse.Namespace) -> str | None:
     """``--fused auto``: compile where the ranks run on CUDA (the bf16 parity and the compiled-vs-unfused
     losses hold there: tests/runtime/test_gpu_one.py), unfused on CPU (the exact fp32 path)."""
     if args.fused == "auto":
-        cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-        return "compile" if cuda else None
+        return "compile" if uses_cuda(args) else None
     return None if args.fused == "none" else args.fused
 
 
@@ -263,7 +268,7 @@ def _nothing_to_train(args: argparse.Namespace, it: int | None) -> str | None:
 
 
 def _device(args: argparse.Namespace, local_rank: int) -> torch.device:
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    use_cuda = uses_cuda(args)
     if use_cuda:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
@@ -363,7 +368,7 @@ def _run_initialised(args: argparse.Namespace) -> int:
     try:
         cfg, _ = resolve(args, int(os.environ["WORLD_SIZE"]))
         refuse_impossible(args, cfg)
-        use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        use_cuda = uses_cuda(args)
         torch.set_num_threads(1) if not use_cuda else None
         dist.init_process_group("nccl" if use_cuda else "gloo")
         return run_rank(args, cfg)
@@ -400,7 +405,7 @@ def spawn(args: argparse.Namespace, world: int) -> int:
     a failing rank is reported in one line naming it, its traceback kept in its log file.
     Training has no deadline; a failed rank's peers are stopped a few seconds after it.
     """
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    use_cuda = uses_cuda(args)
     try:
         codes = run_local_ranks(world, _spawned_rank, (args,), tag="train", timeout=COLLECTIVE_TIMEOUT_S,
                                 deadline=None, backend="nccl" if use_cuda else "gloo", stdout="inherit",
