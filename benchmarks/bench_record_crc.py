@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 SMOKE_FIXTURE = "fixtures/gtp/nofold_cp2_g2_dp2/iter_0000002"
 sys.path.insert(0, str(REPO))
 
-from gtp_format.check import data as data_pass  # noqa: E402
+from gtp_format.check import data_steps  # noqa: E402
 from gtp_format.check.verify import verify  # noqa: E402
 from gtp_format.reader import chunks  # noqa: E402
 from gtp_format.reader.checkpoint import open_checkpoint  # noqa: E402
@@ -62,15 +62,15 @@ def main() -> None:
         shutil.copytree(src, bare)
         (bare / "gtp_manifest.json").unlink()
     total = sum(f.stat().st_size for f in src.iterdir() if f.is_file())
-    real_check, real_action = chunks.check_payload_crc, data_pass._PayloadCrc.add
+    real_check, real_action = chunks.check_payload_crc, data_steps.PayloadCrc.add
 
     def crc_off() -> float:
         chunks.check_payload_crc = lambda *a: None
-        data_pass._PayloadCrc.add = lambda *a: None
+        data_steps.PayloadCrc.add = lambda *a: None
         try:
             return _lib(bare)
         finally:
-            chunks.check_payload_crc, data_pass._PayloadCrc.add = real_check, real_action
+            chunks.check_payload_crc, data_steps.PayloadCrc.add = real_check, real_action
 
     rows: dict[str, list[float]] = {"cat": [], "manifest (file CRC-32C)": [], "no manifest (record CRC-32)": [],
                                     "no manifest, record CRC off": []}
