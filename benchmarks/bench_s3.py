@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         write_report(
             "Object-store clients (S3 API)",
             f"{args.objects} objects of {args.object_mib} MiB each, random bytes, on moto's S3 server "
-            f"(`moto[server]`) at 127.0.0.1; ranged reads of {args.range_mib} MiB. boto3 "
+            f"(`ThreadedMotoServer`) at 127.0.0.1; ranged reads of {args.range_mib} MiB. boto3 "
             f"{boto3.__version__} (transfer manager, {THREADS} threads), s3fs {s3fs.__version__}, obstore "
             f"{obstore.__version__}; best of {args.rounds} interleaved rounds. Machine: {os.cpu_count()} CPU cores "
             f"shared with other jobs, {platform.machine()}, Python {platform.python_version()}.",
