@@ -3,16 +3,20 @@ without them.
 
     python benchmarks/bench_save_integrity.py --write-docs
 
-Two gloo ranks (GTP_remat 2, DP 1: norms are replicated, so the cross-check has work) save the same
+Two gloo ranks (GTP_remat 2, DP 1: norms are replicated, so the cross-check has work), after
+``--steps`` training steps (so Adam's moments are not the zeros the statistics skip), save the same
 trainer state alternately with ``integrity=True`` (the default: replica cross-check, statistics of
 every chunk, xxh3-128 of every chunk in the O_DIRECT sink as it writes) and ``integrity=False``
-(only the file CRC-32C the sink computes anyway), ``--repeat`` times each, interleaved so that both
-see the same machine; the fastest and the median of each are the figures (a shared machine only
+(only the file CRC-32C the sink computes anyway), ``--repeat`` times each, interleaved (the order flipped every
+round) so that both see the same machine; the fastest and the median of each are the figures (a shared machine only
 ever slows a run down). Rank 0 also times each part on its own state: the replica check, the
 statistics, the xxh3-128 of its files' bytes from memory (what the sink adds to its writer
 threads), and the read-back of its files with the chunk hashes that the save did before the sink
 hashed (``record_file``), which the save no longer pays; and ``verify --data``'s rate (the
 library, warm) on the saved checkpoint with and without its chunk-hash checks, against ``cat``.
+Inside every save, :mod:`save_stages`' timers take each stage's CPU seconds (what the records add
+is CPU; on a shared machine that is what shows in the wall time), and each numpy pass of the
+statistics is run alone over rank 0's float32 chunks.
 """
 
 from __future__ import annotations
@@ -154,6 +158,8 @@ def worker(args: argparse.Namespace, out: str) -> None:
     model = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, num_layers=args.layers, num_heads=16,
                         ffn_hidden=4 * args.hidden, seq_length=32)
     trainer = Trainer(TrainConfig(par=ParallelConfig(gtp_remat=2), model=model, micro_batch=1))
+    for _ in range(args.steps):  # the state a run saves: Adam's moments are zero before the first step
+        trainer.train_step()
     root = Path(out)
     times: dict[bool, list[float]] = {True: [], False: []}
     cpu: dict[bool, list[float]] = {True: [], False: []}
@@ -168,7 +174,7 @@ def worker(args: argparse.Namespace, out: str) -> None:
             cpu[integrity].append(_cpu_s() - c)
             for k, v in save_stages.reset().items():
                 stages[integrity][k] = stages[integrity].get(k, 0.0) + v
-            folder = target / "iter_0000000"
+            folder = target / f"iter_{trainer.iteration:07d}"
             size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
             last = i == args.repeat - 1 and integrity
             if last:
@@ -208,6 +214,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--repeat", type=int, default=3, help="saves of each kind; the fastest is kept")
+    ap.add_argument("--steps", type=int, default=1, help="training steps before the saves (0: zero moments, "
+                    "which the statistics skip as all-zero blocks)")
     ap.add_argument("--write-docs", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny run (tests/benchmarks): hidden 64, one layer, once")
     args = ap.parse_args()
@@ -231,11 +239,14 @@ def main() -> int:
         from docs_section import write_report
 
         intro = (f"Two gloo ranks (GTP_remat 2), model hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
-                 "fp32, torch_dist; the same trainer state saved alternately with and without the chunk records and "
-                 f"the replica cross-check, fastest and median of {args.repeat} each. The parts are rank 0's, each "
-                 "timed alone. "
+                 f"fp32, torch_dist, after {args.steps} training step(s); the same trainer state saved with and "
+                 f"without the chunk records and the replica cross-check, {args.repeat} of each interleaved (the "
+                 "order flipped every round), fastest and median of each. The parts are rank 0's, each timed alone. "
                  "Second table: `verify(data=True)` (the library) of the last checkpoint, warm, with its chunk-hash "
-                 "checks and without them (the pass as it was: file checksums only), against `cat` of the same files.")
+                 "checks and without them (the pass as it was: file checksums only), against `cat` of the same files. "
+                 "Third: rank 0's CPU seconds per save by stage, from timers inside the saves "
+                 "(`benchmarks/save_stages.py`). Fourth: each numpy pass of the statistics over rank 0's float32 "
+                 "chunks, run alone (CPU seconds).")
         write_report(TITLE, intro, "python benchmarks/bench_save_integrity.py " + " ".join(sys.argv[1:]), text, [])
     return 0
 
