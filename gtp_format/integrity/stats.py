@@ -78,17 +78,37 @@ class _Scratch:
         self.f64 = np.empty(size, np.float64)
         self.hits = np.empty(size, np.bool_)
         self.wide = np.empty(size, np.uint32) if dtype.name == "bfloat16" else None
+        self.half = np.empty(size, np.float32) if dtype.name == "float16" else None
 
-    def numbers(self, block: np.ndarray, dtype: DType) -> np.ndarray:
-        """A block of stored elements (the :func:`gtp_format.scan.carrier` view) as numpy numbers."""
+    def numbers(self, block: np.ndarray, dtype: DType) -> tuple[np.ndarray, np.ndarray | None]:
+        """A block of stored elements (the :func:`gtp_format.scan.carrier` view) as numpy numbers, and for
+        float16 the block as float16 too (:meth:`range`).
+
+        float16 is widened to float32 (exact) because numpy has no vector loops for float16 here: the
+        min of 64 M elements took 422 ms of CPU (float32: 4.4 ms), the widening 155 ms; a float16
+        chunk's statistics 513 ms per 32 M elements before, 115 ms widened (one run, one thread).
+        """
         if self.wide is not None:  # bfloat16: the top half of a float32: widen the bits, no rounding
             wide = self.wide[:block.size]
             np.copyto(wide, block, casting="unsafe")
             np.left_shift(wide, 16, out=wide)
-            return wide.view(np.float32)
-        if dtype.name == "float16":
-            return block.view("<f2")
-        return block
+            return wide.view(np.float32), None
+        if self.half is not None:
+            native = block.view("<f2")
+            half = self.half[:block.size]
+            np.copyto(half, native)
+            return half, native
+        return block, None
+
+    @staticmethod
+    def range(x: np.ndarray, native: np.ndarray | None) -> tuple[float, float]:
+        """``x``'s min and max (NaN if it holds one). A zero result is taken again from ``native`` (the
+        same elements as float16): which of ``0.0`` and ``-0.0`` a min or max returns depends on the
+        loop that compares them, and the figure recorded is float16's own loop's."""
+        lo, hi = float(x.min()), float(x.max())
+        if native is not None and (lo == 0 or hi == 0):
+            lo, hi = (float(native.min()) if lo == 0 else lo), (float(native.max()) if hi == 0 else hi)
+        return lo, hi
 
     def zeros(self, x: np.ndarray, lo: float, hi: float) -> int:
         """How many of the (finite) ``x`` are zero (``-0.0`` included), given their min and max: none
@@ -127,10 +147,10 @@ def element_stats(elements: np.ndarray, dtype: DType) -> ChunkStats | None:
     lo, hi, sumsq = math.inf, -math.inf, 0.0
     scratch = _Scratch(min(BLOCK, flat.size), dtype)
     for i in range(0, flat.size, BLOCK):
-        x = scratch.numbers(flat[i:i + BLOCK], dtype)
+        x, native = scratch.numbers(flat[i:i + BLOCK], dtype)
         if x.size == 0:
             continue
-        b_lo, b_hi = float(x.min()), float(x.max())  # min and max propagate NaN: finite both means no NaN/Inf
+        b_lo, b_hi = scratch.range(x, native)  # min and max propagate NaN: finite both means no NaN/Inf
         if floating and not (math.isfinite(b_lo) and math.isfinite(b_hi)):
             finite = np.isfinite(x)
             bad = x[~finite]
@@ -140,7 +160,7 @@ def element_stats(elements: np.ndarray, dtype: DType) -> ChunkStats | None:
             x = x[finite]
             if not x.size:
                 continue
-            b_lo, b_hi = float(x.min()), float(x.max())
+            b_lo, b_hi = scratch.range(x, None if native is None else native[finite])
         zeros += scratch.zeros(x, b_lo, b_hi)
         lo, hi = min(lo, b_lo), max(hi, b_hi)
         sumsq += scratch.sumsq(x, b_lo, b_hi)
