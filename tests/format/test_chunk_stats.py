@@ -40,33 +40,32 @@ def _numbers(block: np.ndarray, dtype: DType) -> np.ndarray:
 
 
 def _before(elements: np.ndarray, dtype: DType, block: int) -> ChunkStats:
-    """The statistics as computed before (one allocating numpy pass each, per block)."""
+    """The statistics as defined before: per block, the non-finite counted and dropped, then numpy's min,
+    max, zero count and pairwise fp64 sum of squares over what is left, each its own allocating pass."""
     flat = elements.reshape(-1)
-    nan = posinf = neginf = zeros = 0
-    lo, hi, sumsq = math.inf, -math.inf, 0.0
+    counts = [0, 0, 0, 0]  # nan, +inf, -inf, zeros
+    lows: list[float] = []
+    highs: list[float] = []
+    sumsq = 0.0
     for i in range(0, flat.size, block):
         x = _numbers(flat[i:i + block], dtype)
-        if x.size == 0:
-            continue
-        b_lo, b_hi = float(x.min()), float(x.max())
-        if dtype.kind == FLOAT and not (math.isfinite(b_lo) and math.isfinite(b_hi)):
-            finite = np.isfinite(x)
-            bad = x[~finite]
-            nan += int(np.count_nonzero(np.isnan(bad)))
-            posinf += int(np.count_nonzero(bad == np.inf))
-            neginf += int(np.count_nonzero(bad == -np.inf))
-            x = x[finite]
-            if not x.size:
-                continue
-            b_lo, b_hi = float(x.min()), float(x.max())
-        zeros += int(np.count_nonzero(x == 0))
-        lo, hi = min(lo, b_lo), max(hi, b_hi)
-        with np.errstate(over="ignore"):
-            x64 = x.astype(np.float64)
-            np.square(x64, out=x64)
-            sumsq += float(x64.sum())
-    some = lo <= hi
-    return ChunkStats(int(flat.size), nan, posinf, neginf, zeros, lo if some else None, hi if some else None, sumsq)
+        if dtype.kind == FLOAT and not np.isfinite(x).all():
+            counts[0] += int(np.isnan(x).sum())
+            counts[1] += int(np.isposinf(x).sum())
+            counts[2] += int(np.isneginf(x).sum())
+            x = x[np.isfinite(x)]
+        if x.size:
+            lows.append(float(x.min()))
+            highs.append(float(x.max()))
+            counts[3] += int((x == 0).sum())
+            with np.errstate(over="ignore"):
+                sumsq += float(np.square(x.astype(np.float64)).sum())
+    lo = hi = None
+    for v in lows:  # Python's min and max keep the first of equal values, as the blocks' merge does
+        lo = v if lo is None else min(lo, v)
+    for v in highs:
+        hi = v if hi is None else max(hi, v)
+    return ChunkStats(int(flat.size), *counts, lo, hi, sumsq)
 
 
 def _loop(values: list[float]) -> tuple[int, int, int, int, int, float | None, float | None, float]:
