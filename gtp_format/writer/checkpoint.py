@@ -354,6 +354,12 @@ class CheckpointWriter:
             remove_entry(self.work)
         self._release()
 
+    def hand_off(self) -> None:
+        """Before another thread commits (an async save's background upload): give SIGTERM back its
+        previous action here, since only the main thread may set a handler. A writer terminated during
+        such an upload leaves objects without their commit object, which no reader takes."""
+        self._release()
+
     def _release(self) -> None:
         if self._signals is not None:
             signals, self._signals = self._signals, None

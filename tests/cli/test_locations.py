@@ -58,7 +58,7 @@ def test_every_command_refuses_urls(argv, name, url, words, tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize(("flag", "url", "words"), [
-    ("--save", "s3://bucket/run --async-save", "--async-save writes local folders only"),
+    ("--save", "gs://bucket/run --async-save", "gs:// is not supported"),
     ("--load", "s3://Bucket/run", "not a bucket name"),
     ("--save", "s3:/bucket/run", "two slashes"),
     ("--save", "msc://profile/run", "msc:// is not supported"),
