@@ -161,7 +161,7 @@ def check_destination(dst: Path | ObjectURL, sources: tuple[Path | ObjectURL, ..
     if isinstance(dst, ObjectURL):
         from gtp_format.storage import objects
 
-        if objects.is_prefix(dst):
+        if objects.is_prefix(dst) or (dst.prefix and objects.head_size(dst.parent, dst.name) is not None):
             raise upload.Taken(dst)
         return
     if os.path.lexists(dst):
@@ -213,6 +213,9 @@ class CheckpointWriter:
         self.files: dict[str, FileEntry] = {}
         self.records: list[ChunkRecord] | None = None  # chunk records handed in (None: this output has none)
         self.work: Path | None = None
+        # a bucket's commit object for an output without metadata.json (a Hugging Face folder sets its
+        # config.json): uploaded last, as a conditional create (storage/upload.py); None: metadata.json
+        self.commit_object: str | None = None
         self.committed = False
         self._signals: Any = None
 
@@ -318,7 +321,7 @@ class CheckpointWriter:
     def _upload(self) -> None:
         """The bucket's commit: the ordered upload of the finished work folder, then the local copy goes."""
         assert self.work is not None
-        up = upload.Upload(self.target, self.fault)
+        up = upload.Upload(self.target, self.fault, self.commit_object)
         try:
             up.run(self.work)
         except BaseException:
