@@ -19,7 +19,8 @@ The local rules of :mod:`gtp_format.reader.storage` carry over, in the store's t
 Why obstore: ``benchmarks/bench_s3.py`` measured it against s3fs (fsspec) and boto3's transfer
 manager on the same objects in the same run (docs/performance.md, "Object-store clients"); it was
 the fastest at writes, whole reads and ranged reads. Endpoint and credentials come from the standard
-AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_REGION``...), which obstore reads.
+AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_REGION``...) and, below it, the
+AWS profile of the shared files (:mod:`gtp_format.storage.profiles`), passed to obstore explicitly.
 """
 
 from __future__ import annotations
