@@ -382,6 +382,8 @@ def export(src: Path | ObjectURL, dst: Path | ObjectURL, to: str, optimizer: boo
         raise FormatError(f"--names {names!r}: use one of {', '.join(NAMES)}")
     if to != "hf" and (names is not None or tokenizer is not None or num_heads is not None):
         raise FormatError(f"--names, --tokenizer and --num-heads shape a Hugging Face folder; drop them for --to {to}")
+    if to == "torch" and isinstance(dst, ObjectURL) and not dst.prefix:
+        raise FormatError(f"{dst}: --to torch writes one object; name it, e.g. {dst}/model.pt")
     t0 = time.perf_counter()
     baseline = rss_after_imports("safetensors" if to == "hf" else None)
     weights_only = to == "torch" or (to == "hf" and not optimizer)

@@ -237,7 +237,9 @@ class CheckpointWriter:
         self._signals = sigterm_raises()
         self._signals.__enter__()
         try:
-            self.work = work_name(parent / self.target.name if bucket else self.target, self.tag)
+            # a bucket's top level (an empty prefix) has no name: the work folder is named after the bucket
+            self.work = work_name(parent / (self.target.name or self.target.bucket) if bucket else self.target,
+                                  self.tag)
             self.work.mkdir()
             if self.inner:
                 (self.work / self.inner).mkdir()

@@ -141,3 +141,17 @@ def test_plan_reads_a_bucket_src(s3, capsys):
     a, b = json.loads(local), json.loads(remote)
     assert b.pop("path") == f"{url}/iter_0000002" and a.pop("path") == str(SRC / "iter_0000002")
     assert a == b
+
+
+def test_the_bucket_top_level_as_dst(s3, capsys, tmp_path, monkeypatch):
+    """An empty prefix: a folder output goes to the bucket's top level (its work folder, named after the
+    bucket, stays inside the staging folder); ``--to torch`` needs an object name, refused in one line."""
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    monkeypatch.setenv("CKPT_S3_STAGING", str(staging))
+    code, _, err = ckpt(capsys, "export", str(SRC), f"s3://{s3.bucket}", "--to", "torch")
+    assert code == 2 and err.count("\n") == 1 and f"s3://{s3.bucket}/model.pt" in err, err
+    code, _, err = ckpt(capsys, "export", str(SRC), f"s3://{s3.bucket}", "--to", "hf")
+    assert code == 0, err
+    assert "config.json" in s3.keys() and list(staging.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["staging"], "nothing written beside the staging folder"
