@@ -30,6 +30,7 @@ from __future__ import annotations
 import configparser
 import functools
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,13 +74,22 @@ def _parse(path: Path, what: str, env: str, profile: str) -> configparser.Config
     """The file's sections, or None if there is no such file; a file that does not parse: one line."""
     fix = f"fix it, or point {env} at another file"
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_FILE + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO named so must not hang the client
     except FileNotFoundError:
         return None
     except OSError as e:
         raise FormatError(f"{path} (the AWS {what} file, profile {profile!r}): cannot be read "
                           f"({e.strerror or e}); {fix}") from None
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):  # a file, or /dev/null (no file)
+        os.close(fd)
+        raise FormatError(f"{path} (the AWS {what} file, profile {profile!r}) is not a regular file; {fix}")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            raw = f.read(MAX_FILE + 1)
+        except OSError as e:
+            raise FormatError(f"{path} (the AWS {what} file, profile {profile!r}): cannot be read "
+                              f"({e.strerror or e}); {fix}") from None
     if len(raw) > MAX_FILE:
         raise FormatError(f"{path} (the AWS {what} file, profile {profile!r}) is over {MAX_FILE} bytes: not an "
                           f"AWS {what} file; {fix}")

@@ -126,6 +126,19 @@ def test_a_file_that_does_not_parse_is_one_line_naming_it(files, monkeypatch, wh
     assert "\n" not in msg
 
 
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_config_path_that_is_no_file_is_one_line(files, tmp_path, monkeypatch, kind):
+    """A directory or a FIFO where the config file should be: one line, never a hang on the FIFO."""
+    import os
+
+    odd = tmp_path / "odd"
+    odd.mkdir() if kind == "directory" else os.mkfifo(odd)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(odd))
+    with pytest.raises(FormatError) as e:
+        profiles.settings()
+    assert str(odd) in e.value.message and "'default'" in e.value.message and "\n" not in e.value.message
+
+
 def test_no_files_and_no_profile_is_no_credentials(files):
     s = profiles.settings()
     assert s == profiles.Settings()
