@@ -31,7 +31,7 @@ from gtp_format import __version__
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
 from gtp_format.names import ITER_DIR_RE
-from gtp_format.storage.location import ObjectURL, local_path, parse_location
+from gtp_format.storage.location import ObjectURL, parse_location
 from gtp_format.storage.objects import credentials_problem
 from gtp_format.text import safe_text
 from gtp_format.writer.work import Terminated
@@ -158,8 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch_dist: Megatron's DCP layout; safetensors: the pickle-free layout")
     c.add_argument("--async-save", action="store_true",
                    help="return from a save once this rank's state is copied to host memory (pinned on CUDA) and "
-                        "write the files in the background; the latest marker moves once every rank's are durable "
-                        "(default: off)")
+                        "write the files in the background (for s3://, the upload too); the latest marker moves once "
+                        "every rank's are durable and uploaded (default: off)")
     c.add_argument("--async-save-staging", default=None, metavar="SIZE",
                    help="most host memory for --async-save's staging buffers, e.g. 24GiB or 25GB (default: the rank's "
                         "checkpoint bytes); allocated once, reused by every save")
@@ -243,10 +243,7 @@ def refuse_impossible(args: argparse.Namespace, cfg: TrainConfig) -> None:
     for flag, value in (("--save", args.save), ("--load", args.load)):
         if value:  # the one location parser: a bad URL is refused here, never turned into a local folder's name
             try:
-                if flag == "--save" and args.async_save:
-                    local_path(value, flag, "--async-save writes local folders only; drop --async-save to save "
-                               "to a bucket, or save locally and copy")
-                elif isinstance(where := parse_location(value, flag), ObjectURL) and \
+                if isinstance(where := parse_location(value, flag), ObjectURL) and \
                         (problem := credentials_problem(where.bucket)) is not None:
                     raise ConfigError(f"{flag} {where}: {problem}")  # before any rank trains for nothing
             except FormatError as e:

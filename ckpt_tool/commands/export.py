@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ckpt_tool.locations import checkpoint_arg, local_arg
+from ckpt_tool.locations import checkpoint_arg
 from ckpt_tool.output import (
     FormatOption,
     MaxMemoryOption,
@@ -59,8 +59,9 @@ DST exists, or a write failed."""
 def export_command(
     src: Annotated[object, typer.Argument(  # a Location: Typer refuses Union annotations
         parser=checkpoint_arg("SRC"), help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
-    dst: Annotated[Path, typer.Argument(
-        parser=local_arg("DST"), help="New folder (a new file for --to torch).", show_default=False)],
+    dst: Annotated[object, typer.Argument(  # a Location: Typer refuses Union annotations
+        parser=checkpoint_arg("DST"), help="New folder or s3://BUCKET/PREFIX (a new file or object for --to torch).",
+        show_default=False)],
     to: Annotated[str, typer.Option("--to", metavar="hf|fully_reshardable|torch",
                                            help="What to write.")] = "hf",
     optimizer: Annotated[bool, typer.Option("--optimizer", help="hf: also write master weights and moments.")

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ckpt_tool.locations import local_arg
+from ckpt_tool.locations import checkpoint_arg, local_arg
 from ckpt_tool.output import (
     FormatOption,
     MaxMemoryOption,
@@ -48,8 +48,8 @@ write failed."""
 def import_command(
     src: Annotated[Path, typer.Argument(
         parser=local_arg("SRC"), help="Hugging Face model folder.", show_default=False)],
-    dst: Annotated[Path, typer.Argument(
-        parser=local_arg("DST"), help="New folder to create.", show_default=False)],
+    dst: Annotated[object, typer.Argument(  # a Location: Typer refuses Union annotations
+        parser=checkpoint_arg("DST"), help="New folder (or s3://BUCKET/PREFIX) to create.", show_default=False)],
     source_format: Annotated[str, typer.Option("--from", help="Source format: hf.")] = "hf",
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size.")] = 1,
     cp: Annotated[int, typer.Option("--cp", min=1, help="Context-parallel size.")] = 1,

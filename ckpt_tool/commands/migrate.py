@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ckpt_tool.locations import local_arg
+from ckpt_tool.locations import checkpoint_arg, local_arg
 from ckpt_tool.output import (
     FormatOption,
     OutputFormat,
@@ -102,9 +102,9 @@ def migrate_command(
     src: Annotated[Path, typer.Argument(
         parser=local_arg("SRC"), help="Aliased checkpoint: iter_XXXXXXX folder or its parent.",
         show_default=False)],
-    dst: Annotated[Path | None, typer.Argument(
-        parser=local_arg("DST"), help="Where the migrated checkpoint appears (must not exist); "
-        "omit with --in-place.", show_default=False)] = None,
+    dst: Annotated[object | None, typer.Argument(  # a Location: Typer refuses Union annotations
+        parser=checkpoint_arg("DST"), help="Where the migrated checkpoint appears (must not exist): a folder or "
+        "s3://BUCKET/PREFIX; omit with --in-place.", show_default=False)] = None,
     cp_size: Annotated[
         int | None, typer.Option("--cp-size", min=1, help="CP degree of the run; checked against the manifest.")
     ] = None,

@@ -8,12 +8,11 @@ overstates it, so pass the storage's real figure for a cold start).
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from ckpt_tool.locations import local_arg
+from ckpt_tool.locations import checkpoint_arg
 from ckpt_tool.output import FormatOption, OutputFormat, fmt_bytes, handle_errors, print_blocks, print_json, table
 
 EPILOG = """Examples:
@@ -52,8 +51,9 @@ def _probe_gbps(ckpt: Any) -> float | None:
 
 @handle_errors
 def plan_command(
-    path: Annotated[Path, typer.Argument(
-        parser=local_arg("PATH"), help="Checkpoint folder (iter_XXXXXXX) or its parent.", show_default=False)],
+    path: Annotated[object, typer.Argument(  # a Location: Typer refuses Union annotations
+        parser=checkpoint_arg("PATH"), help="Checkpoint folder (iter_XXXXXXX) or its parent, or s3://BUCKET/PREFIX.",
+        show_default=False)],
     tp: Annotated[int, typer.Option("--tp", min=1, help="Target tensor-parallel size.")] = 1,
     pp: Annotated[int, typer.Option("--pp", min=1, help="Target pipeline-parallel size.")] = 1,
     cp: Annotated[int, typer.Option("--cp", min=1, help="Target context-parallel size.")] = 1,

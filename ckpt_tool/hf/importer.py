@@ -44,6 +44,7 @@ from ckpt_tool.reshard.engine import (
     default_workers,
     peak_rss,
     write_checkpoint,
+    written_sizes,
 )
 from ckpt_tool.reshard.plan import OutChunk, plan_target
 from gtp_format.errors import FormatError
@@ -54,6 +55,7 @@ from gtp_format.manifest import HASH_ALGORITHM, Manifest, OptimizerInfo, format_
 from gtp_format.names import FORMAT_NAME, LAYOUTS, STATES, iter_dir_name
 from gtp_format.progress import ProgressOpener
 from gtp_format.scan import carrier
+from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter
 from gtp_format.writer.sink import stage_bytes
 
@@ -200,7 +202,7 @@ def target(hf: HFModel, par: ParallelConfig, layout: str, bucket_size: int) -> M
         extra=dict(hf.run.extra) if hf.run is not None else {})
 
 
-def import_hf(src: Path, dst: Path, par: ParallelConfig, layout: str = "torch_dist",
+def import_hf(src: Path, dst: Path | ObjectURL, par: ParallelConfig, layout: str = "torch_dist",
               bucket_size: int = DEFAULT_BUCKET_SIZE, seq_length: int | None = None,
               max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
               progress: ProgressOpener | None = None, optimizer: bool = True) -> dict[str, Any]:
@@ -220,10 +222,10 @@ def import_hf(src: Path, dst: Path, par: ParallelConfig, layout: str = "torch_di
         write_checkpoint(fill(hf), manifest, plan, writer, workers, advance, stage_bytes(chunk_bytes))
 
     build_atomically(dst, src, body, inner=iter_dir_name(manifest.iteration), latest=str(manifest.iteration))
-    out = list((dst / iter_dir_name(manifest.iteration)).iterdir())
+    out = written_sizes(dst / iter_dir_name(manifest.iteration))
     return {"src": str(src), "dst": str(dst), "from": "hf", "architecture": mapping.ARCHITECTURE,
             "topology": par.describe(), "layout": layout, "params": len(hf.parts), "param_dtype": hf.param_dtype,
             "model": hf.model.to_dict(), "bucket_size": bucket_size, "files": len(out),
-            "bytes_written": sum(p.stat().st_size for p in out), "seconds": time.perf_counter() - t0,
+            "bytes_written": sum(out), "seconds": time.perf_counter() - t0,
             "optimizer": "restored" if hf.run is not None else "moments at zero", "iteration": manifest.iteration,
             "max_memory": max_memory, "chunk_bytes": chunk_bytes, "workers": workers, "peak_rss_bytes": peak_rss()}

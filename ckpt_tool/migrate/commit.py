@@ -20,6 +20,7 @@ from ckpt_tool.migrate.write import Outcome, build_migrated
 from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
 from gtp_format.progress import Progress
 from gtp_format.reader.checkpoint import open_checkpoint
+from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter
 
 TAG = "migrate"  # the hidden build folder is .migrate.<name>.<nonce>
@@ -37,16 +38,19 @@ def self_check(folder: Path) -> None:
                         f"{p.message}); nothing was committed, please report this", EXIT_CHECK_FAILED)
 
 
-def _build_and_check(plan: Plan, writer: CheckpointWriter, final: Path, progress: Progress) -> Outcome:
-    outcome = build_migrated(plan, writer, Path(os.path.abspath(final)), progress)
+def _build_and_check(plan: Plan, writer: CheckpointWriter, final: Path | ObjectURL, progress: Progress) -> Outcome:
+    # DCP records where the folder will be (a bucket's URL as text: no local path names it)
+    where = str(final) if isinstance(final, ObjectURL) else Path(os.path.abspath(final))
+    outcome = build_migrated(plan, writer, where, progress)
     t = time.perf_counter()
     self_check(writer.folder)
     outcome.timings["self_check"] = time.perf_counter() - t
     return outcome
 
 
-def migrate_to(plan: Plan, dst: Path, progress: Progress) -> Outcome:
-    """Build the migrated checkpoint in a hidden sibling of ``dst`` and rename it to ``dst``.
+def migrate_to(plan: Plan, dst: Path | ObjectURL, progress: Progress) -> Outcome:
+    """Build the migrated checkpoint in a hidden sibling of ``dst`` and rename it to ``dst`` (a bucket:
+    built and self-checked in local staging, then the writer's ordered upload).
 
     SRC an iteration folder: ``dst`` is the migrated iteration folder. SRC a parent with
     ``latest_checkpointed_iteration.txt``: ``dst`` becomes a parent holding the migrated iteration

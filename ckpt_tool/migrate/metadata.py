@@ -91,7 +91,7 @@ def source_records(ckpt: Checkpoint) -> MetadataRecord:
 
 
 def build_metadata(plan: Plan, md: Any, new_file: str, lost_storage: dict[tuple[str, tuple[int, ...]], tuple[int, int]],
-                   checkpoint_id: Path) -> Any:
+                   checkpoint_id: Path | str) -> Any:
     """The migrated ``Metadata``: aliased keys split per CP rank, storage pointed at kept or new data."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (

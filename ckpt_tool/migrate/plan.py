@@ -29,6 +29,7 @@ from gtp_format.model import TENSOR, Checkpoint
 from gtp_format.names import LATEST_FILE, MANIFEST_FILE, STATES, OptimizerKey, distcp_writer_rank
 from gtp_format.reader.locate import LAYOUT_TORCH_DIST, locate
 from gtp_format.reader.storage import read_small_file
+from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import check_destination
 
 MIGRATION_VERSION = 1
@@ -50,7 +51,7 @@ class Source:
     parent: Path | None  # SRC was a parent holding latest_checkpointed_iteration.txt
     latest_text: str | None
 
-    def refuse_destination(self, dst: Path) -> None:
+    def refuse_destination(self, dst: Path | ObjectURL) -> None:
         """DST must be new, have an existing parent, and lie outside SRC (by either of its names)."""
         check_destination(dst, (self.given, self.folder), "migrate-aliased", "pass a new DST, or --in-place")
 

@@ -25,6 +25,7 @@ from ckpt_tool.migrate.plan import (
 )
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
 from gtp_format.names import DCP_METADATA_FILE, MANIFEST_FILE
+from gtp_format.storage.location import ObjectURL
 
 if TYPE_CHECKING:
     from ckpt_tool.migrate.write import Outcome
@@ -60,7 +61,7 @@ def plan_doc(plan: Plan) -> dict[str, Any]:
     }
 
 
-def migrate_aliased(src: Path, dst: Path | None, *, cp_size: int | None, in_place: bool, dry_run: bool,
+def migrate_aliased(src: Path, dst: Path | ObjectURL | None, *, cp_size: int | None, in_place: bool, dry_run: bool,
                     reset_lost_moments: bool, progress: ProgressFactory) -> Report:
     """Migrate SRC to DST (or in place); raises :class:`FormatError` for bad input (exit 2)."""
     if in_place and dst is not None:
@@ -91,7 +92,7 @@ def migrate_aliased(src: Path, dst: Path | None, *, cp_size: int | None, in_plac
     return Report(doc, f"MIGRATED: {outcome.destination}{where}")
 
 
-def _write(plan: Plan, dst: Path | None, in_place: bool, progress: ProgressFactory) -> Outcome:
+def _write(plan: Plan, dst: Path | ObjectURL | None, in_place: bool, progress: ProgressFactory) -> Outcome:
     from ckpt_tool.migrate.commit import migrate_in_place, migrate_to  # torch: a real run only
 
     carried = [n for n in os.listdir(plan.ckpt.root) if n not in (DCP_METADATA_FILE, MANIFEST_FILE)]

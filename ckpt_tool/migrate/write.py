@@ -35,6 +35,7 @@ from gtp_format.manifest import HASH_ALGORITHM
 from gtp_format.names import CHUNK_RECORDS_FILE, DCP_METADATA_FILE, MANIFEST_FILE, MEGATRON_METADATA_FILE
 from gtp_format.progress import Progress
 from gtp_format.reader.safe_pickle import MetadataRecord
+from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter, data_file_name, link_or_copy
 
 
@@ -128,7 +129,7 @@ def new_data_file_name(names: set[str], world: int) -> str:
 class Outcome:
     """What a migration wrote, for the report (and the benchmark's phase timings)."""
 
-    destination: Path
+    destination: Path | ObjectURL
     new_data_file: str | None
     new_bytes: int
     linked: int
@@ -189,7 +190,7 @@ def _write_lost_state(plan: Plan, md: MetadataRecord, path: Path, stream: Crc,
     return where, w.pos, w.crc
 
 
-def build_migrated(plan: Plan, writer: CheckpointWriter, checkpoint_id: Path, progress: Progress) -> Outcome:
+def build_migrated(plan: Plan, writer: CheckpointWriter, checkpoint_id: Path | str, progress: Progress) -> Outcome:
     """Write the migrated iteration into the writer's (new, empty) folder and finish it. Reads SRC,
     never writes it.
 

@@ -57,6 +57,7 @@ from ckpt_tool.reshard.engine import (
     rss_after_imports,
     run_files,
     write_failure,
+    written_sizes,
 )
 from ckpt_tool.reshard.megatron_objects import extra_objects
 from ckpt_tool.reshard.plan import FP32, OutChunk, dtype_of, row_blocks, split_files
@@ -71,6 +72,8 @@ from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.params import model_params
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.progress import Progress, ProgressOpener
+from gtp_format.storage import objects, upload
+from gtp_format.storage.location import ObjectURL
 from gtp_format.views.records import ParamView
 from gtp_format.writer.checkpoint import CheckpointWriter, DestinationTaken, data_file_name, megatron_metadata
 from gtp_format.writer.sink import Sink, stage_bytes
@@ -231,8 +234,20 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
     run_files(lambda i, tick: _write_hf_file(folder / jobs[i][0], jobs[i][1], lambda c: chunk_data(source, c, bufs),
                                              tick, stage_bytes(chunk_bytes), jobs[i][2]), len(jobs), workers, advance)
     writer.finish(None, None)  # not a checkpoint: no manifest, no metadata.json
+    writer.commit_object = commit_object(names, [name for name, _, _ in jobs])
     arch = mapping.ARCHITECTURE if source.manifest is not None else mapping.BIGCODE
     return {"files": len(jobs) + side, "names": names, **({"architecture": arch} if names == "hf" else {})}
+
+
+def commit_object(names: str, files: list[str]) -> str:
+    """What a bucket's upload of a Hugging Face folder puts last, as a conditional create (its commit
+    object, as ``metadata.json`` is a checkpoint's): ``config.json`` (``--names hf``; transformers reads it
+    first), else the weights index, else the one weights file. A reader of such a folder in a bucket
+    takes it as finished only once that object is there."""
+    if names == "hf":
+        return hf_folder.CONFIG
+    index = hf_folder.index_name("model")
+    return index if len([f for f in files if f.startswith("model")]) > 1 else hf_folder.shard_names(1, "model")[0]
 
 
 # -- fully_reshardable --------------------------------------------------------------------------------
@@ -274,7 +289,7 @@ def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_byt
 
 # -- torch ------------------------------------------------------------------------------------------
 
-def export_torch(source: Source, dst: Path, max_memory: int) -> dict[str, Any]:
+def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int) -> dict[str, Any]:
     import torch
 
     entries = {k: e for k, e in source.ckpt.entries.items() if e.shape is not None and e.dtype is not None}
@@ -293,22 +308,28 @@ def export_torch(source: Source, dst: Path, max_memory: int) -> dict[str, Any]:
         arr = source.reader.read_box(key, (0,) * len(e.shape), e.shape)
         state[key] = torch.from_numpy(np.ascontiguousarray(arr)).view(e.dtype.torch)
     source.verify_reads()
-    clean_stale(dst.parent)  # what killed exports left beside DST
-    tmp = hidden_sibling(dst, "tmp")
+    bucket = isinstance(dst, ObjectURL)  # built in local staging, then uploaded as one object
+    local = upload.staging_dir() / dst.name if bucket else dst
+    clean_stale(local.parent)  # what killed exports left beside DST
+    tmp = hidden_sibling(local, "tmp")
     try:
         with sigterm_raises():  # a terminated export removes its partial file, as on an error
             with open(tmp, "xb") as f:  # a Python file: a failed write raises the OSError (ENOSPC) torch's
                 torch.save(state, f)  # own C++ writer flattens into "unexpected pos N vs M"
-            commit_file(tmp, dst)
+            if bucket:
+                upload.Upload(dst).run_file(tmp)
+                tmp.unlink()
+            else:
+                commit_file(tmp, dst)
     except FileExistsError:
         tmp.unlink(missing_ok=True)
         raise DestinationTaken(dst) from None
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise write_failure(dst, e) from None
+        raise write_failure(local, e) from None
     except RuntimeError as e:  # torch.save's C++ writer reports a failed write (a full disk) as RuntimeError
         tmp.unlink(missing_ok=True)
-        raise torch_save_failure(dst, e, total) from None
+        raise torch_save_failure(local, e, total) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -335,8 +356,17 @@ def torch_save_failure(dst: Path, e: RuntimeError, nbytes: int) -> FormatError:
     return FormatError(f"{dst}: torch.save could not write it ({first}); nothing was left behind")
 
 
-def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: int = DEFAULT_MAX_MEMORY,
-           workers: int | None = None, max_shard: int = DEFAULT_SHARD,
+def output_bytes(dst: Path | ObjectURL, inner: str | None) -> int:
+    """Bytes of the committed output: a file, a folder's files, or a bucket's objects (as listed)."""
+    if isinstance(dst, ObjectURL):
+        if not dst.prefix or objects.head_size(dst.parent, dst.name) is None:
+            return sum(written_sizes(dst)) + (sum(written_sizes(dst / inner)) if inner else 0)
+        return objects.object_size(dst.parent, dst.name)
+    return dst.stat().st_size if dst.is_file() else sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
+
+
+def export(src: Path | ObjectURL, dst: Path | ObjectURL, to: str, optimizer: bool = False,
+           max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None, max_shard: int = DEFAULT_SHARD,
            progress: ProgressOpener | None = None, names: str | None = None,
            tokenizer: Path | None = None, num_heads: int | None = None) -> dict[str, Any]:
     """Export SRC to DST (a new folder; a new file for ``torch``) and return a summary.
@@ -352,6 +382,8 @@ def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: i
         raise FormatError(f"--names {names!r}: use one of {', '.join(NAMES)}")
     if to != "hf" and (names is not None or tokenizer is not None or num_heads is not None):
         raise FormatError(f"--names, --tokenizer and --num-heads shape a Hugging Face folder; drop them for --to {to}")
+    if to == "torch" and isinstance(dst, ObjectURL) and not dst.prefix:
+        raise FormatError(f"{dst}: --to torch writes one object; name it, e.g. {dst}/model.pt")
     t0 = time.perf_counter()
     baseline = rss_after_imports("safetensors" if to == "hf" else None)
     weights_only = to == "torch" or (to == "hf" and not optimizer)
@@ -373,6 +405,7 @@ def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: i
     states = sum(v.numel * 4 * len(STATES) for v in views)
     total = weights + (states if (optimizer or to == "fully_reshardable") else 0)
     advance = progress(total) if progress and to != "torch" else (lambda n: None)
+    nested: dict[str, str] = {}
     if to == "torch":
         check_destination(dst, (source.root,), COPIES)
         info = export_torch(source, dst, max_memory)
@@ -388,13 +421,14 @@ def export(src: Path, dst: Path, to: str, optimizer: bool = False, max_memory: i
             source.verify_reads()  # a damaged SRC is refused here, before anything is committed
 
         iteration = source.manifest.iteration if source.manifest else (source.ckpt.iteration or 0)
-        nested = {"inner": iter_dir_name(iteration), "latest": str(iteration)} if to == "fully_reshardable" else {}
+        if to == "fully_reshardable":
+            nested = {"inner": iter_dir_name(iteration), "latest": str(iteration)}
         try:
             build_atomically(dst, source.root, body, **nested)
         finally:
             source.reader.close()
         info = holder
-    written = dst.stat().st_size if dst.is_file() else sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
+    written = output_bytes(dst, nested.get("inner") if to != "torch" else None)
     return {"src": str(source.root), "dst": str(dst), "to": to, "optimizer": optimizer, **info,
             "params": len(source.views), "bytes_written": written, "bytes_read": source.reader.bytes_read,
             "seconds": time.perf_counter() - t0, "max_memory": max_memory, "chunk_bytes": chunk_bytes,

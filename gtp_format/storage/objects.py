@@ -19,7 +19,8 @@ The local rules of :mod:`gtp_format.reader.storage` carry over, in the store's t
 Why obstore: ``benchmarks/bench_s3.py`` measured it against s3fs (fsspec) and boto3's transfer
 manager on the same objects in the same run (docs/performance.md, "Object-store clients"); it was
 the fastest at writes, whole reads and ranged reads. Endpoint and credentials come from the standard
-AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_REGION``...), which obstore reads.
+AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_REGION``...) and, below it, the
+AWS profile of the shared files (:mod:`gtp_format.storage.profiles`), passed to obstore explicitly.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from datetime import timedelta
 from typing import Any
 
 from gtp_format.errors import ChunkError, FormatError
+from gtp_format.storage import profiles
 from gtp_format.storage.location import ObjectURL
 from gtp_format.storage.paths import past_end_message, unsafe_reason
 
@@ -55,8 +57,6 @@ def _timeout() -> float:
     return value
 
 
-def _endpoint() -> str | None:
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
 # Where obstore may take credentials from besides the access-key pair: web identity (EKS, CI OIDC) and
@@ -75,14 +75,22 @@ def credentials_problem(bucket: str) -> str | None:
         return None
     if any(env.get(k) for k in _OTHER_CREDENTIALS):
         return None
-    return (f"s3://{bucket}: no credentials in the environment; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-            "(and AWS_ENDPOINT_URL for a local or private store), or AWS_SKIP_SIGNATURE=true for a public bucket")
+    found = profiles.settings()  # a named profile that is absent, or a file that does not parse: one line
+    if found.access_key_id is not None:
+        return None
+    if found.no_keys_why is not None:
+        return f"s3://{bucket}: {found.no_keys_why}"
+    return (f"s3://{bucket}: no credentials in the environment or the AWS profile; set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for a local or private store), or AWS_PROFILE naming a "
+            f"profile of {profiles.credentials_file()}, or AWS_SKIP_SIGNATURE=true for a public bucket")
 
 
 @functools.lru_cache(maxsize=16)
-def _store_for(bucket: str, endpoint: str | None, timeout: float, *credentials: str | None) -> Any:
-    """One client per bucket and configuration (``credentials`` only key the cache: obstore reads the
-    environment itself, and a test that changes it must get a new client)."""
+def _store_for(bucket: str, endpoint: str | None, timeout: float, region: str | None = None,
+               *credentials: str | None) -> Any:
+    """One client per bucket and configuration. ``region`` and ``credentials`` (key, secret, token) as
+    :func:`profiles.settings` resolved them (the environment first, then the AWS profile), passed
+    explicitly where set; obstore reads the rest of the environment itself."""
     try:
         from obstore.store import S3Store
     except ImportError:
@@ -97,6 +105,11 @@ def _store_for(bucket: str, endpoint: str | None, timeout: float, *credentials: 
     kwargs: dict[str, Any] = {"client_options": client, "retry_config": retry}
     if endpoint is not None:
         kwargs["endpoint"] = endpoint
+    if region is not None:
+        kwargs["region"] = region
+    for name, value in zip(("access_key_id", "secret_access_key", "session_token"), credentials):
+        if value is not None:
+            kwargs[name] = value
     try:
         return S3Store(bucket, **kwargs)
     except Exception as e:  # noqa: BLE001 - obstore raises its own configuration errors
@@ -108,9 +121,9 @@ def store(url: ObjectURL) -> Any:
     problem = credentials_problem(url.bucket)
     if problem is not None:
         raise FormatError(problem)
-    env = os.environ
-    return _store_for(url.bucket, _endpoint(), _timeout(), env.get("AWS_ACCESS_KEY_ID"),
-                      env.get("AWS_SECRET_ACCESS_KEY"), env.get("AWS_SESSION_TOKEN"))
+    found = profiles.settings()
+    return _store_for(url.bucket, found.endpoint, _timeout(), found.region, found.access_key_id,
+                      found.secret_access_key, found.session_token)
 
 
 def _first_line(e: BaseException) -> str:

@@ -45,20 +45,27 @@ def staging_dir() -> Path:
     return Path(os.environ.get(STAGING_ENV) or tempfile.gettempdir())
 
 
-def commit_order(folder: Path) -> list[str]:
-    """Relative names of ``folder``'s files: data first, then the side files, the commit object last."""
+def commit_order(folder: Path, commit: str | None = None) -> list[str]:
+    """Relative names of ``folder``'s files: data first, then the side files, the commit object, the
+    latest marker last. ``commit``: the commit object's relative name for an output without
+    ``metadata.json`` (a Hugging Face folder: its ``config.json``); default every ``metadata.json``."""
     names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
     def rank(n: str) -> tuple[int, str]:
         base = n.rsplit("/", 1)[-1]
-        return (2 if base == COMMIT_OBJECT else 3 if base == LATEST_FILE else 1 if base in _SIDE else 0, n)
+        last = n == commit if commit is not None else base == COMMIT_OBJECT
+        return (2 if last else 3 if base == LATEST_FILE else 1 if base in _SIDE else 0, n)
     return sorted(names, key=rank)
 
 
 class Upload:
-    """One output's upload to ``target``; :meth:`run` does steps 1-5, :meth:`undo` removes what it created."""
+    """One output's upload to ``target``; :meth:`run` does steps 1-5, :meth:`undo` removes what it created.
 
-    def __init__(self, target: ObjectURL, fault: Callable[[str], None] | None = None) -> None:
-        self.target, self.fault = target, fault
+    ``commit``: see :func:`commit_order`; ``fault``: the runtime's fault hook (``before_commit_object``)."""
+
+    def __init__(self, target: ObjectURL, fault: Callable[[str], None] | None = None,
+                 commit: str | None = None) -> None:
+        self.target, self.fault, self.commit = target, fault, commit
         self.created: list[str] = []
 
     def _put(self, local: Path, rel: str, create: bool = False) -> None:
@@ -80,11 +87,22 @@ class Upload:
     def run(self, work: Path) -> None:
         if objects.is_prefix(self.target):
             raise Taken(self.target)
-        for rel in commit_order(work):
-            base = rel.rsplit("/", 1)[-1]
-            if base == COMMIT_OBJECT and self.fault is not None:
+        for rel in commit_order(work, self.commit):
+            last = rel == self.commit if self.commit is not None else rel.rsplit("/", 1)[-1] == COMMIT_OBJECT
+            if last and self.fault is not None:
                 self.fault("before_commit_object")
-            self._put(work / rel, rel, create=base == COMMIT_OBJECT)
+            self._put(work / rel, rel, create=last)
+
+    def run_file(self, local: Path) -> None:
+        """One file as the one object ``target`` (``export --to torch``), created only where nothing is
+        (``If-None-Match: *``); its upload is its commit: a multipart upload that was not completed is
+        invisible, so a killed one leaves nothing."""
+        if objects.is_prefix(self.target) or (self.target.prefix and
+                                              objects.head_size(self.target.parent, self.target.name) is not None):
+            raise Taken(self.target)
+        if self.fault is not None:
+            self.fault("before_commit_object")
+        self._put(local, "", create=True)
 
     def undo(self) -> None:
         """Delete the objects this upload created (best effort: a store that stopped answering keeps them,

@@ -161,7 +161,7 @@ def check_destination(dst: Path | ObjectURL, sources: tuple[Path | ObjectURL, ..
     if isinstance(dst, ObjectURL):
         from gtp_format.storage import objects
 
-        if objects.is_prefix(dst):
+        if objects.is_prefix(dst) or (dst.prefix and objects.head_size(dst.parent, dst.name) is not None):
             raise upload.Taken(dst)
         return
     if os.path.lexists(dst):
@@ -213,6 +213,9 @@ class CheckpointWriter:
         self.files: dict[str, FileEntry] = {}
         self.records: list[ChunkRecord] | None = None  # chunk records handed in (None: this output has none)
         self.work: Path | None = None
+        # a bucket's commit object for an output without metadata.json (a Hugging Face folder sets its
+        # config.json): uploaded last, as a conditional create (storage/upload.py); None: metadata.json
+        self.commit_object: str | None = None
         self.committed = False
         self._signals: Any = None
 
@@ -234,7 +237,9 @@ class CheckpointWriter:
         self._signals = sigterm_raises()
         self._signals.__enter__()
         try:
-            self.work = work_name(parent / self.target.name if bucket else self.target, self.tag)
+            # a bucket's top level (an empty prefix) has no name: the work folder is named after the bucket
+            self.work = work_name(parent / (self.target.name or self.target.bucket) if bucket else self.target,
+                                  self.tag)
             self.work.mkdir()
             if self.inner:
                 (self.work / self.inner).mkdir()
@@ -318,7 +323,7 @@ class CheckpointWriter:
     def _upload(self) -> None:
         """The bucket's commit: the ordered upload of the finished work folder, then the local copy goes."""
         assert self.work is not None
-        up = upload.Upload(self.target, self.fault)
+        up = upload.Upload(self.target, self.fault, self.commit_object)
         try:
             up.run(self.work)
         except BaseException:
@@ -352,6 +357,12 @@ class CheckpointWriter:
         """Remove the work folder unless it was committed; never anything else."""
         if self.work is not None and not self.committed and os.path.lexists(self.work):
             remove_entry(self.work)
+        self._release()
+
+    def hand_off(self) -> None:
+        """Before another thread commits (an async save's background upload): give SIGTERM back its
+        previous action here, since only the main thread may set a handler. A writer terminated during
+        such an upload leaves objects without their commit object, which no reader takes."""
         self._release()
 
     def _release(self) -> None:

@@ -17,6 +17,15 @@ Megatron's ``--async-save`` and torchtitan's async mode do the same; the rules h
   check: one line naming the folder and the cause; the work folder is removed and the previous
   checkpoint stays the latest. A rank killed meanwhile leaves only the hidden work folder, which no
   reader takes for a checkpoint.
+* A bucket (``s3://``): the ranks write into local staging as for a folder; once every rank's files
+  are durable, rank 0 adds the manifest and ``metadata.json`` there (on the training thread, a few
+  small files) and hands the ordered upload (:mod:`gtp_format.storage.upload`: data objects, side
+  files, the commit object, then the latest marker) to the same background thread. The save stays
+  in flight until the upload is done: :meth:`poll` checks rank 0's upload as it checked the writes,
+  the next save and :meth:`finalize` wait for it. A failed upload removes the objects it created,
+  the latest marker does not move, and every rank raises ``CheckpointSaveError`` (one line).
+  Why the upload is not left to the training thread: it is the slow part (the whole checkpoint over
+  the network), and a sync bucket save blocks the step for all of it.
 """
 
 from __future__ import annotations
@@ -32,8 +41,17 @@ import torch.distributed as dist
 
 from gtp_format import names as fmt
 from gtp_format.manifest import FileEntry, Manifest
+from gtp_format.storage.location import ObjectURL, parse_location
 from gtp_format.writer.checkpoint import CheckpointWriter
-from gtp_runtime.checkpoint.io import finish_save, manifest_now, prepare_folder, rank_state, try_write_rank_files
+from gtp_runtime.checkpoint.io import (
+    finish_save,
+    manifest_now,
+    prepare_folder,
+    raise_save_failed,
+    rank_state,
+    try_write_rank_files,
+    upload_outcome,
+)
 from gtp_runtime.checkpoint.staging import Staging
 from gtp_runtime.training import Trainer
 
@@ -44,6 +62,8 @@ class _InFlight:
     writer: CheckpointWriter
     manifest: Manifest | None  # rank 0's, taken when the state was staged
     device: torch.device
+    upload: Future[str | None] | None = None  # rank 0's upload of a bucket save (None elsewhere)
+    uploading: bool = False  # the write phase is over: what is in flight is the upload
 
 
 class AsyncCheckpointer:
@@ -71,19 +91,20 @@ class AsyncCheckpointer:
         self.staging.reserve(rank_state(trainer, integrity=False), self._group)
 
     @property
-    def in_flight(self) -> Path | None:
+    def in_flight(self) -> Path | ObjectURL | None:
         """The folder the save in flight will commit to, if any."""
         return self._pending.writer.target if self._pending else None
 
-    def save(self, trainer: Trainer, root: str | Path, layout: str = "torch_dist",
-             sharding: str = fmt.FORMAT_NAME) -> tuple[Path, Path | None]:
+    def save(self, trainer: Trainer, root: str | Path | ObjectURL, layout: str = "torch_dist",
+             sharding: str = fmt.FORMAT_NAME) -> tuple[Path | ObjectURL, Path | ObjectURL | None]:
         """Stage ``trainer``'s state and start writing it; ``(folder it will commit to, folder the
         previous save committed now or None)``. Collective: every rank calls it at the same step."""
         committed = self.finalize()
         start = time.perf_counter()
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
-        writer = prepare_folder(trainer, Path(root), layout, sharding)
+        where = parse_location(root) if isinstance(root, str) else root
+        writer = prepare_folder(trainer, where if isinstance(where, ObjectURL) else Path(where), layout, sharding)
         try:
             staged = self.staging.stage(rank_state(trainer), self._group)
             manifest = manifest_now(trainer, layout, sharding, False) if dist.get_rank() == 0 else None
@@ -97,31 +118,65 @@ class AsyncCheckpointer:
         self.blocking_s = time.perf_counter() - start
         return writer.target, committed
 
-    def poll(self) -> Path | None:
-        """After a step: commit the save in flight if every rank has written its files; the folder
-        committed, or None (nothing in flight, or some rank still writing). Collective."""
+    def poll(self) -> Path | ObjectURL | None:
+        """After a step: commit the save in flight if every rank has written its files (for a bucket:
+        start its upload, then report it once the upload is done); the location committed, or None
+        (nothing in flight, or still writing or uploading). Collective."""
         p = self._pending
         if p is None:
             return None
-        flag = torch.tensor([1 if p.future.done() else 0], dtype=torch.int32, device=p.device)
+        if p.uploading:
+            done = p.upload is None or p.upload.done()  # only rank 0 uploads
+        else:
+            done = p.future.done()
+        flag = torch.tensor([1 if done else 0], dtype=torch.int32, device=p.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return self.finalize() if int(flag.item()) else None
+        return self._advance() if int(flag.item()) else None
 
-    def finalize(self) -> Path | None:
-        """Wait for the save in flight, then the completion check and commit (collective); the
-        folder committed, or None if nothing was in flight. Raises ``CheckpointSaveError`` if any
-        rank failed to write."""
-        p, self._pending = self._pending, None
-        if p is None:
-            return None
+    def finalize(self) -> Path | ObjectURL | None:
+        """Wait for the save in flight (its writes, then a bucket's upload), then the completion check
+        and commit (collective); the location committed, or None if nothing was in flight. Raises
+        ``CheckpointSaveError`` if any rank failed to write or the upload failed."""
+        out = None
+        while self._pending is not None:
+            out = self._advance()
+        return out
+
+    def _advance(self) -> Path | ObjectURL | None:
+        """The next phase of the save in flight, waiting for the current one (collective): the writes'
+        completion check and commit (a bucket: the start of the upload, None), or the upload's outcome."""
+        p = self._pending
+        assert p is not None
         try:
-            return finish_save(p.writer, p.manifest, p.future.result())
+            if p.uploading:
+                self._pending = None
+                return self._uploaded(p)
+            result = p.future.result()
+            if not isinstance(p.writer.target, ObjectURL):
+                self._pending = None
+                return finish_save(p.writer, p.manifest, result)
+            p.uploading = True
+            finish_save(p.writer, p.manifest, result, publish=lambda w, m: self._start_upload(p, w, m))
+            return None
         except BaseException:
+            self._pending = None
             if dist.get_rank() == 0:
                 p.writer.abort()
             raise
 
-    def close(self) -> Path | None:
+    def _start_upload(self, p: _InFlight, writer: CheckpointWriter, manifest: Manifest) -> None:
+        writer.hand_off()
+        p.upload = self._pool.submit(upload_outcome, writer, manifest)
+
+    def _uploaded(self, p: _InFlight) -> Path | ObjectURL:
+        """Rank 0's upload outcome, told to every rank: the location, or every rank raises."""
+        err: list[str | None] = [p.upload.result() if p.upload is not None else None]
+        dist.broadcast_object_list(err, src=0)
+        if err[0] is not None:
+            raise_save_failed(p.writer, err[0])
+        return p.writer.target
+
+    def close(self) -> Path | ObjectURL | None:
         """End of training: :meth:`finalize`, then stop the writer thread."""
         try:
             return self.finalize()

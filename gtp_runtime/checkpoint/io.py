@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -254,11 +255,18 @@ def _cause(e: BaseException) -> str:
     return describe(e, 300) or type(e).__name__
 
 
-def finish_save(writer: CheckpointWriter, manifest: Manifest | None, result: RankFiles | str) -> Path:
+Publish = Callable[[CheckpointWriter, Manifest], None]
+
+
+def finish_save(writer: CheckpointWriter, manifest: Manifest | None, result: RankFiles | str,
+                publish: Publish | None = None) -> Path:
     """Collective end of a save: every rank's outcome (its file entries, or why it failed) is
     gathered; only if all wrote, rank 0 adds the manifest and Megatron's ``metadata.json``, commits
     and moves the latest marker. Otherwise the work folder is removed (a rerun must not fail on a
-    disk this save filled) and every rank raises :class:`CheckpointSaveError` with the first cause."""
+    disk this save filled) and every rank raises :class:`CheckpointSaveError` with the first cause.
+
+    ``publish``: rank 0 hands the finished folder to it instead of committing here (an async save to
+    a bucket runs the upload, then the latest marker, on its background thread: :func:`upload_outcome`)."""
     rank = dist.get_rank()
     everything: list[RankFiles | str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everything, result)
@@ -269,7 +277,8 @@ def finish_save(writer: CheckpointWriter, manifest: Manifest | None, result: Ran
     elif rank == 0:
         assert manifest is not None
         try:
-            _commit(writer, manifest, everything)
+            _assemble(writer, manifest, everything)
+            (publish or _publish)(writer, manifest)
         except OSError as e:
             err[0] = f"rank 0: {_cause(e)}"
         except FormatError as e:  # a bucket's upload: the store's one line (storage/objects.py)
@@ -277,25 +286,49 @@ def finish_save(writer: CheckpointWriter, manifest: Manifest | None, result: Ran
     if failed is None:
         dist.broadcast_object_list(err, src=0)
     if err[0] is not None:
-        if rank == 0:
-            writer.abort()
-        raise CheckpointSaveError(f"saving {writer.target} failed on {err[0]}; {_latest_text(writer.target.parent)}")
+        raise_save_failed(writer, err[0])
     return writer.target
 
 
-def _commit(writer: CheckpointWriter, manifest: Manifest, everything: list[Any]) -> None:
-    """Rank 0: manifest (with every rank's file entries and chunk records), ``metadata.json``, rename,
-    latest marker."""
+def raise_save_failed(writer: CheckpointWriter, cause: str) -> None:
+    """Every rank: the one line of a failed save (rank 0 first removes its work folder)."""
+    if dist.get_rank() == 0:
+        writer.abort()
+    raise CheckpointSaveError(f"saving {writer.target} failed on {cause}; {_latest_text(writer.target.parent)}")
+
+
+def _assemble(writer: CheckpointWriter, manifest: Manifest, everything: list[Any]) -> None:
+    """Rank 0: the manifest (with every rank's file entries and chunk records) and ``metadata.json``."""
     for entries, records in everything:
         writer.add_files(entries)
         if records is not None:
             writer.add_records(records)
     writer.add_file(fmt.DCP_METADATA_FILE if manifest.layout == "torch_dist" else INDEX_FILE)
     writer.finish(manifest, megatron_metadata(manifest.layout))
+
+
+def _publish(writer: CheckpointWriter, manifest: Manifest) -> None:
+    """Rank 0: the commit (a rename, or a bucket's ordered upload), then the latest marker."""
     _fault("before_rename")
     writer.commit()
     _fault("before_latest")
     writer.set_latest(manifest.iteration)
+
+
+def upload_outcome(writer: CheckpointWriter, manifest: Manifest) -> str | None:
+    """Rank 0's background thread (async save to a bucket): :func:`_publish`, a failure as ``rank 0:
+    cause`` (the upload removed what it created; the latest marker did not move), None when committed."""
+    try:
+        _publish(writer, manifest)
+    except OSError as e:
+        return f"rank 0: {_cause(e)}"
+    except FormatError as e:
+        return f"rank 0: {e.message}"
+    except BaseException as e:  # noqa: BLE001 - one line on every rank, whatever the upload raised
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            raise
+        return f"rank 0: {_cause(e)}"
+    return None
 
 
 def save_checkpoint(trainer: Trainer, root: str | os.PathLike | ObjectURL, layout: str = "torch_dist",

@@ -37,9 +37,11 @@ URLS = [("s3://bucket/run", "object stores are not supported by ckpt yet"),
         ("file:///tmp/run", "file:// URLs are not taken")]
 
 
-# Commands that read a checkpoint from a bucket (tests/s3/): only their unsupported URLs are refused here.
+# Commands that read a checkpoint from a bucket or write one into it (tests/s3/): only their unsupported
+# URLs are refused here.
 READS_BUCKETS = {("inspect", "PATH"), ("verify", "PATH"), ("show", "PATH"), ("diff", "A"), ("diff", "B"),
-                 ("export", "SRC"), ("reshard", "SRC"), ("reshard", "DST")}
+                 ("plan", "PATH"), ("export", "SRC"), ("export", "DST"), ("reshard", "SRC"), ("reshard", "DST"),
+                 ("migrate-aliased", "DST"), ("import", "DST")}
 CASES = [(argv, name, url, words) for argv, name in COMMANDS for url, words in URLS
          if not (url.startswith("s3://") and (argv[0], name) in READS_BUCKETS)]
 
@@ -58,7 +60,7 @@ def test_every_command_refuses_urls(argv, name, url, words, tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize(("flag", "url", "words"), [
-    ("--save", "s3://bucket/run --async-save", "--async-save writes local folders only"),
+    ("--save", "gs://bucket/run --async-save", "gs:// is not supported"),
     ("--load", "s3://Bucket/run", "not a bucket name"),
     ("--save", "s3:/bucket/run", "two slashes"),
     ("--save", "msc://profile/run", "msc:// is not supported"),

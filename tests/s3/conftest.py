@@ -49,3 +49,19 @@ def s3(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3:
     client = boto3.client("s3", endpoint_url=s3_endpoint)
     client.create_bucket(Bucket=BUCKET)
     return S3(s3_endpoint, client)
+
+
+@pytest.fixture
+def puts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The relative names the writer's upload puts, in order."""
+    from gtp_format.storage import upload as up
+
+    order: list[str] = []
+    real = up.Upload._put
+
+    def spy(self: Any, local: Any, rel: str, create: bool = False) -> None:
+        real(self, local, rel, create)
+        order.append(rel)
+
+    monkeypatch.setattr(up.Upload, "_put", spy)
+    return order

@@ -15,20 +15,6 @@ from test_read import FIXTURES, ckpt
 from gtp_format.storage import upload as up
 
 
-@pytest.fixture
-def puts(monkeypatch):
-    """The relative names the upload puts, in order."""
-    order: list[str] = []
-    real = up.Upload._put
-
-    def spy(self, local, rel, create=False):
-        real(self, local, rel, create)
-        order.append(rel)
-
-    monkeypatch.setattr(up.Upload, "_put", spy)
-    return order
-
-
 @pytest.mark.parametrize("layout", sorted(FIXTURES))
 def test_reshard_into_a_bucket(s3, capsys, tmp_path, puts, layout):
     dst = s3.url("out/run")
@@ -86,9 +72,9 @@ def test_a_killed_upload_is_not_a_checkpoint(s3, capsys, monkeypatch):
         raise KeyboardInterrupt  # stands in for SIGKILL at the point the commit object would go up
 
     monkeypatch.setattr(up.Upload, "undo", lambda self: None)  # a killed process cleans nothing
-    monkeypatch.setattr(up.Upload, "__init__", lambda self, target, fault=None: (
-        setattr(self, "target", target), setattr(self, "fault", lambda p: killed(self, p)),
-        setattr(self, "created", []))[-1])
+    real_init = up.Upload.__init__
+    monkeypatch.setattr(up.Upload, "__init__", lambda self, target, fault=None, commit=None: real_init(
+        self, target, lambda p: killed(self, p), commit))
     code, _, err = ckpt(capsys, "reshard", str(FIXTURES["dcp"]), s3.url("half/run"), "--dp", "1")
     assert code != 0
     keys = s3.keys("half/")
