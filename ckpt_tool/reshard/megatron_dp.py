@@ -53,7 +53,15 @@ from ckpt_tool.reshard.source import Buffers, Source, open_source
 from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata, write_objects
 from gtp_format.errors import FormatError
 from gtp_format.layout.shard import ShardSpec
-from gtp_format.megatron_layout import Bucket, Slot, TargetParam, lay_out_stage, stage_of_layer, tp_mode_of
+from gtp_format.megatron_layout import (
+    Bucket,
+    Slot,
+    TargetParam,
+    buffers_of,
+    lay_out_stage,
+    stage_of_layer,
+    tp_mode_of,
+)
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.storage.location import ObjectURL
 from gtp_format.views.megatron import HEAD
@@ -115,32 +123,35 @@ def target_params(source: Source, tp: int, pp: int) -> list[list[TargetParam]]:
     for v in views:
         stage = stage_of_layer(v.layer, n, pp) if v.layer is not None else 0 if v.name in HEAD else pp - 1
         local = math.prod(_spec(v, modes[v.name], tp, 0).local_shape)
-        stages[stage].append(TargetParam(v.name, v.name, stage, local, tied and pp > 1 and v.name == HEAD[0]))
+        stages[stage].append(TargetParam(v.name, v.name, stage, local, tied and pp > 1 and v.name == HEAD[0],
+                                         v.holders[0].ref.dtype))
     if tied and pp > 1:  # the last stage's copy of the word embeddings: its own slot, the same state
         emb = stages[0][[p.name for p in stages[0]].index(HEAD[0])]
-        stages[-1].append(TargetParam(OUTPUT, HEAD[0], pp - 1, emb.numel, True))
+        stages[-1].append(TargetParam(OUTPUT, HEAD[0], pp - 1, emb.numel, True, emb.dtype))
     return stages
 
 
 def _source_bucket_size(source: Source) -> None:
     """``None`` when every source stage has one bucket besides a shared embedding's; else refused."""
-    per_key: dict[tuple[int, int], set[str]] = {}
+    per_key: dict[tuple[str, int, int, int], set[str]] = {}
     for v in source.views.values():
         for h in v.holders:
-            per_key.setdefault((h.ref.prefix, h.ref.dp_group_idx, h.ref.bucket_idx), set()).add(v.name)
-    plain: dict[tuple[str, int], int] = {}
-    for (prefix, n, _b), names in per_key.items():
+            per_key.setdefault((h.ref.prefix, h.ref.dp_group_idx, h.ref.gbuf_idx, h.ref.bucket_idx), set()).add(v.name)
+    plain: dict[tuple[str, int, int], int] = {}
+    for (prefix, n, g, _b), names in per_key.items():
         if not names <= {HEAD[0], OUTPUT}:
-            plain[prefix, n] = plain.get((prefix, n), 0) + 1
+            plain[prefix, n, g] = plain.get((prefix, n, g), 0) + 1
     if any(c > 1 for c in plain.values()):
         raise FormatError(f"{source.root}: its buffers are split into buckets (a run with overlap_grad_reduce); pass "
                           "--bucket-size as the target run's --ddp-bucket-size (megatron's default max(40000000, "
                           "1000000 x dp x cp))")
 
 
+Numels = dict[int, list[tuple[str, list[int], list[int]]]]  # dp_group_idx -> per gbuf: (dtype tag, padded, unpadded)
+
+
 def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int | None, max_bytes: int,
-                  ep: int = 1) -> tuple[dict[int, list[OutChunk]], dict[str, Any],
-                                        dict[str, dict[int, tuple[list[int], list[int]]]]]:
+                  ep: int = 1) -> tuple[dict[int, list[OutChunk]], dict[str, Any], dict[str, Numels]]:
     """(chunks per target rank, key -> (global shape, dtype), numels per prefix and dp_group_idx) of the target."""
     if bucket_size is None:
         _source_bucket_size(source)
@@ -148,18 +159,21 @@ def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int
     modes = _modes(source, tp)
     files: dict[int, list[OutChunk]] = {r: [] for r in range(tp * dp_cp * pp)}
     shapes: dict[str, Any] = {}
-    numels: dict[int, tuple[list[int], list[int]]] = {}
+    numels: Numels = {}
 
     def rank(t: int, dc: int, stage: int) -> int:
         return t + tp * (dc + dp_cp * stage)
 
     stages = target_params(source, tp, pp)
     for stage, params in enumerate(stages):
-        slots, buckets = lay_out_stage(params, stage, dp_cp, bucket_size)
         for t in range(tp):
-            numels[stage * tp + t] = ([b.numel for b in buckets], [b.numel_unpadded for b in buckets])
-        _bucket_chunks(source, slots, buckets, modes, tp, first, max_bytes, shapes,
-                       lambda t, off, b, s=stage: files[rank(t, off // (b.numel // dp_cp), s)].append)
+            numels[stage * tp + t] = []
+        for gbuf, (dtag, members) in enumerate(buffers_of(params)):
+            slots, buckets = lay_out_stage(members, stage, dp_cp, bucket_size)
+            for t in range(tp):
+                numels[stage * tp + t].append((dtag, [b.numel for b in buckets], [b.numel_unpadded for b in buckets]))
+            _bucket_chunks(source, slots, buckets, modes, tp, replace(first, gbuf_idx=gbuf, dtype=dtag), max_bytes,
+                           shapes, lambda t, off, b, s=stage: files[rank(t, off // (b.numel // dp_cp), s)].append)
         for p in params:
             if p.name != p.source:
                 continue
@@ -177,7 +191,7 @@ def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int
 
 def _expert_chunks(source: Source, experts: list[ParamView], stages: list[list[TargetParam]], tp: int, pp: int,
                    dp_cp: int, ep: int, bucket_size: int | None, max_bytes: int, files: dict[int, list[OutChunk]],
-                   shapes: dict[str, Any]) -> dict[int, tuple[list[int], list[int]]]:
+                   shapes: dict[str, Any]) -> Numels:
     """The expert optimizer's buffers (megatron-core MoE, expert TP 1): one per (stage, EP rank) under
     ``dp_group_idx = pp_rank * EP + ep_rank``, sharded over the expert DP group of ``tp x dp x cp / EP``
     ranks (rank order within a stage: ep fastest, then expert DP), each holding its stage's layers'
@@ -192,7 +206,7 @@ def _expert_chunks(source: Source, experts: list[ParamView], stages: list[list[T
     edp, per = dp_cp * tp // ep, n_exp // ep
     layer_stage = {p_.name: p_.stage for params in stages for p_ in params}
     ref0 = experts[0].holders[0].ref
-    numels: dict[int, tuple[list[int], list[int]]] = {}
+    numels: Numels = {}
     by_name = {v.name: v for v in experts}
     for stage in range(pp):
         for e in range(ep):
@@ -202,7 +216,7 @@ def _expert_chunks(source: Source, experts: list[ParamView], stages: list[list[T
             params.sort(key=lambda p_: (by_name[p_.name].layer or 0, by_name[p_.name].expert or 0))
             slots, buckets = lay_out_stage(params, stage, edp, bucket_size)
             n = stage * ep + e
-            numels[n] = ([b.numel for b in buckets], [b.numel_unpadded for b in buckets])
+            numels[n] = [(ref0.dtype, [b.numel for b in buckets], [b.numel_unpadded for b in buckets])]
             refs = [KeyRef(n, ref0.gbuf_idx, ref0.dtype, b.index, None, b.numel_unpadded, ref0.prefix)
                     for b in buckets]
             used: dict[int, list[tuple[int, int]]] = {}

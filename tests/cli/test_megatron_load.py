@@ -24,14 +24,18 @@ LOADER = ROOT / "tests" / "helpers" / "megatron_load.py"
 
 # (pair, saved at, loaded at (tp, pp, dp), layers)
 CASES = [("pair_tp2_dp2_dp_reshardable", "tp2 pp1 dp2", (1, 2, 2), 2),
-         ("pair_pp2_tp2_dp_reshardable", "tp2 pp2 dp1", (1, 1, 4), 2)]
+         ("pair_pp2_tp2_dp_reshardable", "tp2 pp2 dp1", (1, 1, 4), 2),
+         # two buffers, (bf16, fp32) and (fp32, fp32): at PP2 the second stage's buffers are the other way round
+         ("pair_fp32norm_dp2_dp_reshardable", "tp1 pp1 dp2", (1, 2, 1), 2)]
+# the model variant tests/helpers/megatron_load.py builds for a pair (the generator's spec)
+VARIANT = {"pair_fp32norm_dp2_dp_reshardable": "fp32norm"}
 
 
 def _load(ckpt: Path, out: Path, topo: tuple[int, int, int], layers: int, sharding: str = "fully_reshardable",
-          moe: tuple[int, int] = (1, 0)) -> list[dict[str, np.ndarray]]:
+          moe: tuple[int, int] = (1, 0), variant: str = "plain") -> list[dict[str, np.ndarray]]:
     out.mkdir()
     r = subprocess.run([str(MEGATRON_PY), str(LOADER), str(ckpt / "iter_0000002"), str(out), *map(str, topo),
-                        str(layers), sharding, *map(str, moe)], capture_output=True, text=True, timeout=900)
+                        str(layers), sharding, *map(str, moe), variant], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = []
     for i in range(topo[0] * topo[1] * topo[2]):
@@ -47,8 +51,9 @@ def test_megatron_loads_our_export_at_another_topology(pair: str, saved: str, to
     export = tmp_path / "fr"
     r = cli("export", MEGATRON / pair, export, "--to", "fully_reshardable")
     assert r.exit_code == 0, r.stderr
-    ours = _load(export, tmp_path / "ours", topo, layers)
-    theirs = _load(MEGATRON / f"{pair}_fully_reshardable", tmp_path / "theirs", topo, layers)
+    variant = VARIANT.get(pair, "plain")
+    ours = _load(export, tmp_path / "ours", topo, layers, variant=variant)
+    theirs = _load(MEGATRON / f"{pair}_fully_reshardable", tmp_path / "theirs", topo, layers, variant=variant)
     for rank, (a, b) in enumerate(zip(ours, theirs)):
         assert sorted(a) == sorted(b), rank
         assert any(k.startswith("model.") for k in a) and any(k.startswith("opt.") for k in a), rank
@@ -78,8 +83,10 @@ def test_megatron_loads_our_dp_reshardable_reshard_at_its_target(pair: str, save
     tp, pp, dp = topo
     r = cli("reshard", MEGATRON / pair, out, "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--ep", str(moe[0]))
     assert r.exit_code == 0, r.stderr
-    ours = _load(out, tmp_path / "ours", topo, layers, "dp_reshardable", moe)
-    theirs = _load(MEGATRON / f"{pair}_fully_reshardable", tmp_path / "theirs", topo, layers, "fully_reshardable", moe)
+    variant = VARIANT.get(pair, "plain")
+    ours = _load(out, tmp_path / "ours", topo, layers, "dp_reshardable", moe, variant)
+    theirs = _load(MEGATRON / f"{pair}_fully_reshardable", tmp_path / "theirs", topo, layers, "fully_reshardable", moe,
+                   variant)
     for rank, (a, b) in enumerate(zip(ours, theirs)):
         assert sorted(a) == sorted(b), rank
         for k in a:

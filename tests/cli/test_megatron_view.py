@@ -26,11 +26,12 @@ from gtp_format.reader.checkpoint import open_checkpoint
 
 MEGATRON = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
 DENSE = ["tp2_dp2_dp_reshardable", "cp2_dp2_dp_reshardable", "pp2_dp2_dp_reshardable",
-         "pair_pp2_tp2_dp_reshardable", "pair_pp4_dp_reshardable", "pair_untied_pp2_dp_reshardable"]
+         "pair_pp2_tp2_dp_reshardable", "pair_pp4_dp_reshardable", "pair_untied_pp2_dp_reshardable",
+         "pair_fp32norm_dp2_dp_reshardable"]
 EMB = "embedding.word_embeddings.weight"
 PAIRS = ["pair_tp2_dp2_dp_reshardable", "pair_pp2_tp2_dp_reshardable", "pair_pp4_dp_reshardable",
          "pair_moe_ep2_dp_reshardable", "pair_untied_pp2_dp_reshardable", "pair_pp2_dp2_dp_reshardable",
-         "pair_cp2_dp2_dp_reshardable"]
+         "pair_cp2_dp2_dp_reshardable", "pair_fp32norm_dp2_dp_reshardable"]
 
 
 # megatron-core's own fully_reshardable saves that shift the tied embedding's fp32 state by 64 elements
@@ -90,8 +91,9 @@ def test_master_weights_round_to_the_model_weights(name: str) -> None:
     for view in src.views.values():
         full = (0,) * len(view.full_shape), view.full_shape
         master = torch.from_numpy(src.read_full_box(view, "param", *full).copy())
-        weight = torch.from_numpy(src.read_full_box(view, WEIGHT_STATE, *full).copy()).view(torch.bfloat16)
-        assert torch.equal(master.to(torch.bfloat16), weight), view.name
+        dtype = getattr(torch, view.param_dtype.removeprefix("torch."))  # fp32norm: the layernorms are fp32
+        weight = torch.from_numpy(src.read_full_box(view, WEIGHT_STATE, *full).copy()).view(dtype)
+        assert torch.equal(master.to(dtype), weight), view.name
         for state in ("exp_avg_sq",):
             assert (src.read_full_box(view, state, *full) != 0).any(), view.name  # trained: moments are set
 
@@ -219,3 +221,38 @@ def test_export_equals_megatrons_own_fully_reshardable_save_of_the_same_state(pa
         for reader, rounds in ((ra, True), (rb, False)):
             p = torch.from_numpy(reader.read_box(f"optimizer.state.param.{EMB}", (0, 0), (128, 32)).copy())
             assert torch.equal(p.to(torch.bfloat16), w) is rounds
+
+
+def test_several_buffers_follow_megatrons_dtype_grouping() -> None:
+    """fp32norm: megatron-core made a (bf16, fp32) and an (fp32, fp32) buffer (gbuf 0 and 1, in order
+    of first appearance); every bf16 parameter sits in the first, every layernorm in the second, and
+    the fp32 buffer's master is the fp32 model weight itself (megatron's optimizer steps it in place)."""
+    src = open_source(MEGATRON / "pair_fp32norm_dp2_dp_reshardable", megatron=True)
+    for v in src.views.values():
+        norm = "layernorm" in v.name
+        assert (v.gbuf_idx, v.param_dtype) == ((1, "torch.float32") if norm else (0, "torch.bfloat16")), v.name
+        assert {h.ref.dtype for h in v.holders} == {f"({v.param_dtype}, torch.float32)"}, v.name
+        if norm:
+            full = (0,) * len(v.full_shape), v.full_shape
+            assert src.read_full_box(v, "param", *full).tobytes() == src.read_full_box(v, WEIGHT_STATE, *full).tobytes()
+
+
+def test_buffers_out_of_megatrons_order_are_refused_in_one_line() -> None:
+    """megatron-core numbers a stage's buffers in order of first appearance; the fp32norm pair with its
+    two gbuf indices swapped (in memory) is not what it writes, and is refused naming both orders."""
+    import dataclasses
+
+    from gtp_format.errors import FormatError
+    from gtp_format.views.megatron import megatron_views
+
+    ckpt = open_checkpoint(MEGATRON / "pair_fp32norm_dp2_dp_reshardable")
+    swap = {"gbuf_idx_0.dtype_(torch.bfloat16": "gbuf_idx_1.dtype_(torch.bfloat16",
+            "gbuf_idx_1.dtype_(torch.float32": "gbuf_idx_0.dtype_(torch.float32"}
+
+    def renamed(k: str) -> str:
+        return next((k.replace(a, b) for a, b in swap.items() if a in k), k)
+
+    ckpt.entries = {renamed(k): dataclasses.replace(e, key=renamed(e.key)) for k, e in ckpt.entries.items()}
+    with pytest.raises(FormatError, match="hold param dtypes") as err:
+        megatron_views(ckpt)
+    assert "\n" not in str(err.value)
