@@ -186,7 +186,8 @@ def _rank_reads(ckpt: Checkpoint, manifest: Manifest, par: ParallelConfig, plan:
         plan.rank_keys[rank] = sorted(keys)
 
 
-def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int | None, src_arg: str) -> LoadPlan:
+def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int | None, src_arg: str,
+                  etp: int | None = None) -> LoadPlan:
     """The verdict for a genuine megatron-core checkpoint, from the topology it records."""
     from gtp_format.megatron_topology import derive
 
@@ -204,12 +205,18 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
     if same and meg.dp_cp is not None and meg.dp_cp == dp * cp:
         return LoadPlan(AS_IS, "same TP/PP/EP and the same dp x cp optimizer group", source, target)
     moe = any(".experts." in k for k in ckpt.entries)
-    if moe and tp > 1:  # ckpt reshard moves experts at expert TP 1 only; the export loads at any topology
+    etp = etp or tp  # megatron-core's default expert TP: the TP size
+    biases = any(k.startswith("decoder.layers.mlp.experts.") and k.endswith(".bias") for k in ckpt.entries)
+    why_not = ("its experts have biases, which megatron-core allows only at expert TP 1 (pass --etp 1)"
+               if moe and etp > 1 and biases else
+               "at EP 1 with expert TP = TP megatron-core keeps the experts in the dense buffers, which ckpt reshard "
+               "does not write" if moe and (ep or 1) == 1 and etp == tp else None)
+    if why_not:  # the export loads at any topology
         return LoadPlan(RESHARD, "megatron-core's dp_reshardable load refuses another TP/PP/EP/DP x CP ('Global shape "
-                        "mismatch'), and ckpt reshard does not write MoE at TP > 1 (expert TP follows TP); its "
-                        "fully_reshardable export loads at any topology", source, target, [export])
+                        f"mismatch'), and {why_not}; its fully_reshardable export loads at any topology", source,
+                        target, [export])
     reshard = f"ckpt reshard {src_arg} DST --tp {tp} --pp {pp} --cp {cp} --dp {dp}"
-    reshard += f" --ep {ep or 1}" if moe else ""
+    reshard += (f" --ep {ep or 1}" + (f" --etp {etp}" if etp != tp else "")) if moe else ""
     why = (f"dp x cp {meg.dp_cp} -> {dp * cp}" if same else "another TP/PP/EP")
     return LoadPlan(RESHARD, f"{why}: megatron-core's dp_reshardable load refuses another layout of its buckets "
                     "('Global shape mismatch'); ckpt reshard writes the dp_reshardable checkpoint megatron-core saves "

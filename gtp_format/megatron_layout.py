@@ -9,7 +9,8 @@ rules, from megatron-core 0.19.2 (``DistributedOptimizer._compute_per_buffer_par
 setup_embeddings_and_output_layer``; Megatron-LM main has the same):
 
 1. one buffer per (param dtype, grad dtype) per model-parallel rank, ``dp_group_idx = pp_rank * TP
-   + tp_rank``; its params in module order, laid out **in reverse**;
+   + tp_rank``, numbered in order of first appearance (:func:`buffers_of`); its params in module
+   order, laid out **in reverse**; every rule below holds per buffer;
 2. each param starts at a multiple of 64 elements (``pad_param_start``);
 3. a bucket closes after the param that brings it to ``bucket_size`` elements; stages other than
    the first never split (DDP sets ``bucket_size = None`` for ``pp_rank > 0``), and neither does a
@@ -59,6 +60,7 @@ class TargetParam:
     stage: int
     numel: int  # elements per TP rank
     shared: bool = False  # megatron's ``shared_embedding``: a bucket of its own
+    dtype: str = ""  # the buffer's key tag ``(param dtype, grad dtype)``: one buffer per tag
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,20 @@ class Bucket:
     index: int
     numel_unpadded: int  # the key's global shape
     numel: int  # padded to lcm(dp x cp, 128): ``per_bucket_numel``
+
+
+def buffers_of(params: list[TargetParam]) -> list[tuple[str, list[TargetParam]]]:
+    """One stage's buffers in ``gbuf_idx`` order: (dtype tag, its params in module order).
+
+    megatron-core's ``group_params_for_buffers`` keys a buffer by (param dtype, grad dtype) in the
+    order each first appears in ``named_parameters()``: a stage that starts with an fp32 layernorm
+    has its fp32 buffer first (checked on ``fixtures/megatron/pair_fp32norm_dp2_dp_reshardable``
+    resharded to PP 2 and loaded by megatron-core).
+    """
+    out: dict[str, list[TargetParam]] = {}
+    for p in params:
+        out.setdefault(p.dtype, []).append(p)
+    return list(out.items())
 
 
 def stage_of_layer(layer: int, num_layers: int, pp: int) -> int:

@@ -59,6 +59,9 @@ def plan_command(
     cp: Annotated[int, typer.Option("--cp", min=1, help="Target context-parallel size.")] = 1,
     dp: Annotated[int, typer.Option("--dp", min=1, help="Target data-parallel size.")] = 1,
     ep: Annotated[int | None, typer.Option("--ep", min=1, help="Target expert-parallel size (megatron).")] = None,
+    etp: Annotated[int | None, typer.Option("--etp", "--expert-tensor-parallel-size", min=1,
+                                            help="Target expert tensor-parallel size (megatron MoE; default: --tp)."
+                                            )] = None,
     gtp_remat: Annotated[int | None, typer.Option("--gtp-remat", min=1, help="Target GTP_remat (ours; default: "
                                                   "the checkpoint's).")] = None,
     nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", min=1,
@@ -75,7 +78,7 @@ def plan_command(
     if ckpt.manifest is not None:
         plan = plan_ours(ckpt, ckpt.manifest, tp, pp, cp, dp, ep, gtp_remat, str(path))
     else:
-        plan = plan_megatron(ckpt, tp, pp, cp, dp, ep, str(path))
+        plan = plan_megatron(ckpt, tp, pp, cp, dp, ep, str(path), etp)
     gbps = read_gbps if read_gbps is not None else (_probe_gbps(ckpt) if plan.ranks else None)
     per_node = nproc_per_node or max(1, len(plan.ranks))
     nodes: dict[int, int] = {}

@@ -65,6 +65,9 @@ def reshard_command(
     layout: Annotated[str | None, typer.Option("--layout", metavar="torch_dist|safetensors",
                                                           help="Layout of DST (default: SRC's).")] = None,
     ep: Annotated[int | None, typer.Option("--ep", min=1, help="Expert-parallel size (megatron-core sources).")] = None,
+    etp: Annotated[int | None, typer.Option("--etp", "--expert-tensor-parallel-size", min=1,
+                                            help="Expert tensor-parallel size (megatron-core MoE sources; default: "
+                                            "--tp, megatron-core's default).")] = None,
     bucket_size: Annotated[int | None, typer.Option("--bucket-size", min=1, help="The target run's --ddp-bucket-size "
                                                     "(megatron-core sources split into buckets).")] = None,
     max_memory: MaxMemoryOption = DEFAULT_MAX_MEMORY,
@@ -85,10 +88,10 @@ def reshard_command(
                               "(reshard takes --tp --pp --cp --dp there)")
         with contextlib.ExitStack() as stack:
             bar = progress_opener(stack, "resharding", fmt)
-            result = reshard_megatron(src, dst, tp, pp, cp, dp, ep, bucket_size, max_memory, workers, bar)
+            result = reshard_megatron(src, dst, tp, pp, cp, dp, ep, bucket_size, max_memory, workers, bar, etp)
         _report(result, fmt)
         return
-    for flag, value in (("--pp", pp), ("--ep", ep), ("--bucket-size", bucket_size)):
+    for flag, value in (("--pp", pp), ("--ep", ep), ("--etp", etp), ("--bucket-size", bucket_size)):
         if value is not None:
             raise FormatError(f"{flag}: is for megatron-core sources; {src} is this runtime's checkpoint (it has no "
                               "pipeline stages; experts follow --expert-gtp-remat)")

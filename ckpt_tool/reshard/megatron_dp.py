@@ -53,7 +53,15 @@ from ckpt_tool.reshard.source import Buffers, Source, open_source
 from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata, write_objects
 from gtp_format.errors import FormatError
 from gtp_format.layout.shard import ShardSpec
-from gtp_format.megatron_layout import Bucket, Slot, TargetParam, lay_out_stage, stage_of_layer, tp_mode_of
+from gtp_format.megatron_layout import (
+    Bucket,
+    Slot,
+    TargetParam,
+    buffers_of,
+    lay_out_stage,
+    stage_of_layer,
+    tp_mode_of,
+)
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.storage.location import ObjectURL
 from gtp_format.views.megatron import HEAD
@@ -115,32 +123,35 @@ def target_params(source: Source, tp: int, pp: int) -> list[list[TargetParam]]:
     for v in views:
         stage = stage_of_layer(v.layer, n, pp) if v.layer is not None else 0 if v.name in HEAD else pp - 1
         local = math.prod(_spec(v, modes[v.name], tp, 0).local_shape)
-        stages[stage].append(TargetParam(v.name, v.name, stage, local, tied and pp > 1 and v.name == HEAD[0]))
+        stages[stage].append(TargetParam(v.name, v.name, stage, local, tied and pp > 1 and v.name == HEAD[0],
+                                         v.holders[0].ref.dtype))
     if tied and pp > 1:  # the last stage's copy of the word embeddings: its own slot, the same state
         emb = stages[0][[p.name for p in stages[0]].index(HEAD[0])]
-        stages[-1].append(TargetParam(OUTPUT, HEAD[0], pp - 1, emb.numel, True))
+        stages[-1].append(TargetParam(OUTPUT, HEAD[0], pp - 1, emb.numel, True, emb.dtype))
     return stages
 
 
 def _source_bucket_size(source: Source) -> None:
     """``None`` when every source stage has one bucket besides a shared embedding's; else refused."""
-    per_key: dict[tuple[int, int], set[str]] = {}
+    per_key: dict[tuple[str, int, int, int], set[str]] = {}
     for v in source.views.values():
         for h in v.holders:
-            per_key.setdefault((h.ref.prefix, h.ref.dp_group_idx, h.ref.bucket_idx), set()).add(v.name)
-    plain: dict[tuple[str, int], int] = {}
-    for (prefix, n, _b), names in per_key.items():
+            per_key.setdefault((h.ref.prefix, h.ref.dp_group_idx, h.ref.gbuf_idx, h.ref.bucket_idx), set()).add(v.name)
+    plain: dict[tuple[str, int, int], int] = {}
+    for (prefix, n, g, _b), names in per_key.items():
         if not names <= {HEAD[0], OUTPUT}:
-            plain[prefix, n] = plain.get((prefix, n), 0) + 1
+            plain[prefix, n, g] = plain.get((prefix, n, g), 0) + 1
     if any(c > 1 for c in plain.values()):
         raise FormatError(f"{source.root}: its buffers are split into buckets (a run with overlap_grad_reduce); pass "
                           "--bucket-size as the target run's --ddp-bucket-size (megatron's default max(40000000, "
                           "1000000 x dp x cp))")
 
 
+Numels = dict[int, list[tuple[str, list[int], list[int]]]]  # dp_group_idx -> per gbuf: (dtype tag, padded, unpadded)
+
+
 def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int | None, max_bytes: int,
-                  ep: int = 1) -> tuple[dict[int, list[OutChunk]], dict[str, Any],
-                                        dict[str, dict[int, tuple[list[int], list[int]]]]]:
+                  ep: int = 1, etp: int = 1) -> tuple[dict[int, list[OutChunk]], dict[str, Any], dict[str, Numels]]:
     """(chunks per target rank, key -> (global shape, dtype), numels per prefix and dp_group_idx) of the target."""
     if bucket_size is None:
         _source_bucket_size(source)
@@ -148,18 +159,21 @@ def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int
     modes = _modes(source, tp)
     files: dict[int, list[OutChunk]] = {r: [] for r in range(tp * dp_cp * pp)}
     shapes: dict[str, Any] = {}
-    numels: dict[int, tuple[list[int], list[int]]] = {}
+    numels: Numels = {}
 
     def rank(t: int, dc: int, stage: int) -> int:
         return t + tp * (dc + dp_cp * stage)
 
     stages = target_params(source, tp, pp)
     for stage, params in enumerate(stages):
-        slots, buckets = lay_out_stage(params, stage, dp_cp, bucket_size)
         for t in range(tp):
-            numels[stage * tp + t] = ([b.numel for b in buckets], [b.numel_unpadded for b in buckets])
-        _bucket_chunks(source, slots, buckets, modes, tp, first, max_bytes, shapes,
-                       lambda t, off, b, s=stage: files[rank(t, off // (b.numel // dp_cp), s)].append)
+            numels[stage * tp + t] = []
+        for gbuf, (dtag, members) in enumerate(buffers_of(params)):
+            slots, buckets = lay_out_stage(members, stage, dp_cp, bucket_size)
+            for t in range(tp):
+                numels[stage * tp + t].append((dtag, [b.numel for b in buckets], [b.numel_unpadded for b in buckets]))
+            _bucket_chunks(source, slots, buckets, modes, tp, replace(first, gbuf_idx=gbuf, dtype=dtag), max_bytes,
+                           shapes, lambda t, off, b, s=stage: files[rank(t, off // (b.numel // dp_cp), s)].append)
         for p in params:
             if p.name != p.source:
                 continue
@@ -170,56 +184,83 @@ def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int
     out = {first.prefix: numels}
     experts = [v for v in source.views.values() if v.is_expert]
     if experts:
-        out[experts[0].holders[0].ref.prefix] = _expert_chunks(source, experts, stages, tp, pp, dp_cp, ep,
+        out[experts[0].holders[0].ref.prefix] = _expert_chunks(source, experts, stages, tp, pp, dp_cp, ep, etp,
                                                                bucket_size, max_bytes, files, shapes)
     return files, shapes, out
 
 
+def _expert_modes(source: Source, experts: list[ParamView], etp: int) -> dict[str, str | None]:
+    """Each expert parameter's split over the target's expert TP (megatron-core's ``SequentialMLP``:
+    ``linear_fc1`` column-parallel, ``linear_fc2.weight`` row-parallel, its bias replicated)."""
+    if etp > 1 and any(v.name.endswith(".bias") for v in experts):
+        raise FormatError(f"{source.root}: its MoE experts have biases, and megatron-core allows those only at "
+                          "expert TP 1 ('Bias in Moe is only supported when ETP==1', transformer_config.py); pass "
+                          "--etp 1")
+    out: dict[str, str | None] = {}
+    for v in experts:
+        mode = "column" if ".linear_fc1." in v.name else "row" if v.name.endswith("linear_fc2.weight") else None
+        axis = 1 if mode == "row" else 0
+        if etp > 1 and mode and v.full_shape[axis] % etp:
+            raise FormatError(f"{source.root}: {v.name} {list(v.full_shape)} does not split over expert TP {etp} "
+                              f"(dimension {axis}); pick an --etp that divides it")
+        out[v.name] = mode if etp > 1 else None
+    return out
+
+
 def _expert_chunks(source: Source, experts: list[ParamView], stages: list[list[TargetParam]], tp: int, pp: int,
-                   dp_cp: int, ep: int, bucket_size: int | None, max_bytes: int, files: dict[int, list[OutChunk]],
-                   shapes: dict[str, Any]) -> dict[int, tuple[list[int], list[int]]]:
-    """The expert optimizer's buffers (megatron-core MoE, expert TP 1): one per (stage, EP rank) under
-    ``dp_group_idx = pp_rank * EP + ep_rank``, sharded over the expert DP group of ``tp x dp x cp / EP``
-    ranks (rank order within a stage: ep fastest, then expert DP), each holding its stage's layers'
-    experts ``ep_rank * E/EP + j`` in module order (per layer, per local expert)."""
+                   dp_cp: int, ep: int, etp: int, bucket_size: int | None, max_bytes: int,
+                   files: dict[int, list[OutChunk]], shapes: dict[str, Any]) -> Numels:
+    """The expert optimizer's buffers (megatron-core MoE): one per (stage, EP rank, expert-TP rank) under
+    ``dp_group_idx = pp_rank * EP * ETP + ep_rank * ETP + etp_rank`` (the rank in the expert
+    tensor-model-pipeline group; checked on ``pair_moe_tp2_etp2_dp_reshardable``), sharded over the
+    expert DP group of ``tp x dp x cp / (EP x ETP)`` ranks (rank order within a stage: etp fastest,
+    then ep, then expert DP), each holding its stage's layers' experts ``ep_rank * E/EP + j`` in
+    module order (per layer, per local expert), each in its expert-TP part."""
     n_exp = 1 + max(v.expert or 0 for v in experts)
-    if tp > 1:
-        raise FormatError(f"{source.root}: MoE at TP {tp}: megatron-core's expert TP follows TP by default, and "
-                          "expert TP > 1 is not supported; reshard MoE at --tp 1")
-    if n_exp % ep or (dp_cp * tp) % ep:
-        raise FormatError(f"{source.root}: --ep {ep} does not divide its {n_exp} experts and the {dp_cp * tp} ranks "
-                          "of a pipeline stage; pick an EP that divides both")
-    edp, per = dp_cp * tp // ep, n_exp // ep
+    if n_exp % ep or (dp_cp * tp) % (ep * etp):
+        raise FormatError(f"{source.root}: --ep {ep} does not divide its {n_exp} experts and, times expert TP {etp}, "
+                          f"the {dp_cp * tp} ranks of a pipeline stage; pick an EP (and --etp) that divide both")
+    if ep == 1 and etp == tp:
+        raise FormatError(f"{source.root}: at EP 1 with expert TP = TP ({tp}) megatron-core keeps the experts in the "
+                          "dense optimizer's buffers (they all-reduce like dense params, tensor_parallel/layers.py), "
+                          "a layout reshard does not write; pick --ep > 1 or an --etp other than --tp")
+    modes = _expert_modes(source, experts, etp)
+    edp, per = dp_cp * tp // (ep * etp), n_exp // ep
     layer_stage = {p_.name: p_.stage for params in stages for p_ in params}
     ref0 = experts[0].holders[0].ref
-    numels: dict[int, tuple[list[int], list[int]]] = {}
+    numels: Numels = {}
     by_name = {v.name: v for v in experts}
     for stage in range(pp):
         for e in range(ep):
-            params = [TargetParam(v.name, v.name, stage, v.numel) for v in experts
-                      if layer_stage.get(f"{v.name.split('.mlp.')[0]}.input_layernorm.weight", -1) == stage
-                      and (v.expert or 0) // per == e]
-            params.sort(key=lambda p_: (by_name[p_.name].layer or 0, by_name[p_.name].expert or 0))
+            names = [v.name for v in experts
+                     if layer_stage.get(f"{v.name.split('.mlp.')[0]}.input_layernorm.weight", -1) == stage
+                     and (v.expert or 0) // per == e]
+            names.sort(key=lambda n_: (by_name[n_].layer or 0, by_name[n_].expert or 0))
+            params = [TargetParam(n_, n_, stage, math.prod(_spec(by_name[n_], modes[n_], etp, 0).local_shape))
+                      for n_ in names]
             slots, buckets = lay_out_stage(params, stage, edp, bucket_size)
-            n = stage * ep + e
-            numels[n] = ([b.numel for b in buckets], [b.numel_unpadded for b in buckets])
-            refs = [KeyRef(n, ref0.gbuf_idx, ref0.dtype, b.index, None, b.numel_unpadded, ref0.prefix)
-                    for b in buckets]
-            used: dict[int, list[tuple[int, int]]] = {}
+            for t in range(etp):
+                n = (stage * ep + e) * etp + t
+                numels[n] = [(ref0.dtype, [b.numel for b in buckets], [b.numel_unpadded for b in buckets])]
+                refs = [KeyRef(n, ref0.gbuf_idx, ref0.dtype, b.index, None, b.numel_unpadded, ref0.prefix)
+                        for b in buckets]
+                used: dict[int, list[tuple[int, int]]] = {}
 
-            def owner(off: int, b: Bucket, e: int = e, stage: int = stage) -> int:
-                return stage * dp_cp * tp + e + ep * (off // (b.numel // edp))
+                def owner(off: int, b: Bucket, e: int = e, stage: int = stage, t: int = t) -> int:
+                    return stage * dp_cp * tp + t + etp * (e + ep * (off // (b.numel // edp)))
 
-            for s in slots:
-                v = by_name[s.param.name]
-                h = Holder(refs[s.bucket], s.start, _spec(v, None, 1, 0), (), True)
-                used.setdefault(s.bucket, []).append((s.start, s.start + h.numel))
-                for state in STATES:
-                    for c in _holder_chunks(v, h, state, max_bytes, math.prod(v.full_shape[1:])):
-                        files[owner(c.offsets[0], buckets[s.bucket])].append(c)
-                shapes[v.model_key] = (source.ckpt.entries[v.model_key].shape, dtype_of(v.param_dtype))
-                files[owner(0, buckets[s.bucket])].extend(_weight_chunks(v, _spec(v, None, 1, 0), max_bytes))
-            _gap_chunks(buckets, refs, used, max_bytes, shapes, lambda off, b: files[owner(off, b)].append)
+                for s in slots:
+                    v = by_name[s.param.name]
+                    spec = _spec(v, modes[v.name], etp, t)
+                    h = Holder(refs[s.bucket], s.start, spec, (), True)
+                    used.setdefault(s.bucket, []).append((s.start, s.start + h.numel))
+                    for state in STATES:
+                        for c in _holder_chunks(v, h, state, max_bytes, math.prod(v.full_shape[1:])):
+                            files[owner(c.offsets[0], buckets[s.bucket])].append(c)
+                    shapes[v.model_key] = (source.ckpt.entries[v.model_key].shape, dtype_of(v.param_dtype))
+                    if modes[v.name] or t == 0:
+                        files[owner(0, buckets[s.bucket])].extend(_weight_chunks(v, spec, max_bytes))
+                _gap_chunks(buckets, refs, used, max_bytes, shapes, lambda off, b: files[owner(off, b)].append)
     return numels
 
 
@@ -267,7 +308,8 @@ def _weight_chunks(v: ParamView, spec: ShardSpec, max_bytes: int) -> list[OutChu
 
 def reshard_megatron(src: Path, dst: Path, tp: int | None, pp: int | None, cp: int | None, dp: int | None,
                      ep: int | None = None, bucket_size: int | None = None, max_memory: int = DEFAULT_MAX_MEMORY,
-                     workers: int | None = None, progress: Callable[[int], Progress] | None = None) -> Result:
+                     workers: int | None = None, progress: Callable[[int], Progress] | None = None,
+                     etp: int | None = None) -> Result:
     """Reshard a megatron-core ``dp_reshardable`` SRC to TP x PP x CP x DP into the new folder DST."""
     from gtp_format.megatron_topology import derive
 
@@ -282,6 +324,8 @@ def reshard_megatron(src: Path, dst: Path, tp: int | None, pp: int | None, cp: i
         moe = any(v.is_expert for v in source.views.values())
         if ep not in (None, 1) and not moe:
             raise FormatError(f"--ep {ep}: {source.root} has no experts; drop --ep")
+        if etp not in (None, 1) and not moe:
+            raise FormatError(f"--etp {etp}: {source.root} has no experts; drop --etp")
         ep = ep or meg.ep or 1
         src_tp, src_pp = meg.tp or 1, meg.pp or 1
         src_cp, src_dp = meg.cp or 1, meg.dp or meg.dp_cp or 1
@@ -289,9 +333,11 @@ def reshard_megatron(src: Path, dst: Path, tp: int | None, pp: int | None, cp: i
         dp = dp or max(1, (meg.dp_cp or src_dp * src_cp) // cp)
         workers = workers or default_workers()
         chunk_bytes = chunk_budget(max_memory, workers)
-        files, shapes, numels = plan_megatron(source, tp, pp, dp * cp, bucket_size, chunk_bytes, ep)
+        etp = etp or tp  # megatron-core's default --expert-tensor-parallel-size: the TP size
+        files, shapes, numels = plan_megatron(source, tp, pp, dp * cp, bucket_size, chunk_bytes, ep, etp)
         sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
-                 "data_parallel_size": dp, "world_size": tp * pp * cp * dp, "expert_model_parallel_size": ep}
+                 "data_parallel_size": dp, "world_size": tp * pp * cp * dp, "expert_model_parallel_size": ep,
+                 "expert_tensor_parallel_size": etp}
         objects, dropped = target_objects(source.ckpt, numels, sizes, chunk_bytes)
         iteration = source.ckpt.iteration or 0
         ranks = sorted(files)
@@ -322,5 +368,9 @@ def reshard_megatron(src: Path, dst: Path, tp: int | None, pp: int | None, cp: i
                     "torch_dist", len(out), sum(len(c) for c in files.values()), sum(p.stat().st_size for p in out),
                     source.reader.bytes_read, time.perf_counter() - t0, max_memory, chunk_bytes, workers, peak_rss(),
                     baseline)
-    return replace(result, notes=[f"rng_state dropped ({len([k for k in dropped if k.startswith('rng_state/')])} "
-                                  "objects; args.no_save_rng set, so megatron-core starts fresh RNG streams)"])
+    notes = [f"rng_state dropped ({len([k for k in dropped if k.startswith('rng_state/')])} objects; "
+             "args.no_save_rng set, so megatron-core starts fresh RNG streams)"]
+    if moe and tp > 1:
+        notes.append(f"MoE at TP {tp}, expert TP {etp}: megatron-core trains it only with --sequence-parallel, and "
+                     f"with --expert-tensor-parallel-size {etp}")
+    return replace(result, notes=notes)

@@ -6,9 +6,9 @@ Never unpickled; each is the source's blob, copied or edited on its pickle *opco
 
 * ``_extra_state``: copied as stored (per layer, not per rank: the same at any TP/PP).
 * ``optimizer.distributed.dp_group_idx_{N}.per_bucket_numel[_unpadded]/shard_0_1``: one pair per
-  target model-parallel rank ``N``; the source's blob (``[[{(param dtype, grad dtype): [n, ...]}]]``)
-  with its list of numels replaced by the target's. megatron-core's load asserts the unpadded list
-  equal to the one it computes.
+  target model-parallel rank ``N``; the source's blob with its pickle written anew as the target's
+  ``[[{(param dtype, grad dtype): [n, ...]}, ...]]`` (one dict per gbuf, in the target stage's
+  buffer order). megatron-core's load asserts the unpadded lists equal to the ones it computes.
 * ``optimizer.distributed.dp_group_idx_{N}.optimizer/shard_0_1``: the source's rank-0 blob (its
   ``param_groups``: lr, betas, weight decay, ``step``) for every ``N``; megatron-core's load takes
   each group's hyper-parameters from it by the group's identity (``wd_mult``, ``lr_mult``, ...)
@@ -59,21 +59,41 @@ def _blob(ckpt: Checkpoint, key: str) -> bytes:
     return bytes(chunk_bytes(ckpt, e, e.chunks[0]))
 
 
-def numel_blob(root: str, key: str, blob: bytes, numels: list[int]) -> bytes:
-    """``blob`` (one buffer's ``[[{dtypes: [n, ...]}]]``) with its innermost list replaced by ``numels``."""
+_DTYPES = ("bfloat16", "float16", "float32", "float64", "uint8")  # megatron-core's buffer dtypes (uint8: fp8 storage)
+
+
+def _dtype_global(root: str, key: str, name: str) -> bytes:
+    """The pickle GLOBAL of ``torch.<name>`` (``torch.bfloat16`` from a key tag), as torch.save writes a dtype."""
+    bare = name.removeprefix("torch.")
+    if bare not in _DTYPES:
+        raise FormatError(f"{root}: {key}: buffer dtype {name!r} is not one megatron-core keeps a buffer in")
+    return b"ctorch\n" + bare.encode() + b"\n"
+
+
+def numel_blob(root: str, key: str, blob: bytes, buffers: list[tuple[str, list[int]]]) -> bytes:
+    """``blob`` (a ``[[{dtypes: [n, ...]}, ...]]`` object) with its pickle written anew for ``buffers``.
+
+    ``buffers``: per gbuf, its key tag ``(torch.bfloat16, torch.float32)`` and bucket numels. Written
+    anew, not edited, because a target stage can hold the source's buffers in another order (a stage
+    that starts with an fp32 layernorm has its fp32 buffer first). The source must be such an object
+    (dtype GLOBALs, ints, lists, dicts: nothing else), so its other records are kept as they are.
+    """
     prefix, records = _records(root, key, blob)
     ops = _ops(root, key, dict(records)["data.pkl"])
-    names = [n for n, _, _ in ops]
-    lists = [i for i, n in enumerate(names) if n == "EMPTY_LIST"]
-    i = lists[-1] if len(lists) == 3 else -1
-    j = names.index("SETITEM", i) if i >= 0 and "SETITEM" in names[i:] else -1
-    body = set(names[i + 2:j]) if j > 0 else {"?"}
-    if j < 0 or names[i + 1] not in _PUT or not body <= {*_INT, "MARK", "APPEND", "APPENDS"} \
-            or names[j:] != ["SETITEM", "APPEND", "APPEND", "STOP"]:
-        raise FormatError(f"{root}: byte object {key} is not one buffer's [[{{dtypes: [numel, ...]}}]]; "
-                          "reshard of several gradient buffers is not supported")
-    raw = [r for _, _, r in ops]
-    new = b"".join(raw[:i + 2]) + b"(" + b"".join(_int(n) for n in numels) + b"e" + b"".join(raw[j:])
+    allowed = {"PROTO", "EMPTY_LIST", "EMPTY_DICT", "MARK", "TUPLE2", "APPEND", "APPENDS", "SETITEM", "SETITEMS",
+               "STOP", "GLOBAL", *_PUT, "BINGET", "LONG_BINGET", *_INT}
+    bad = next((n for n, a, _ in ops if n not in allowed or (n == "GLOBAL" and not str(a).startswith("torch "))), None)
+    if bad is not None or len(ops) < 3 or ops[1][0] != "EMPTY_LIST":
+        raise FormatError(f"{root}: byte object {key} is not a list of {{(param dtype, grad dtype): [numel, ...]}} "
+                          f"per gbuf ({bad or 'another structure'}); reshard of this optimizer state is not supported")
+    body = b""
+    for dtag, numels in buffers:
+        names = [d.strip() for d in dtag.strip("()").split(",")]
+        if len(names) != 2:
+            raise FormatError(f"{root}: {key}: buffer tag {dtag!r} is not (param dtype, grad dtype)")
+        body += (b"}" + _dtype_global(root, key, names[0]) + _dtype_global(root, key, names[1]) + b"\x86]("
+                 + b"".join(_int(n) for n in numels) + b"es")  # {(pd, gd): [n, ...]}
+    new = b"\x80\x02]](" + body + b"ea."  # [[buffer, ...]]
     return object_blob(prefix, [(n, new if n == "data.pkl" else d) for n, d in records])
 
 
@@ -110,11 +130,11 @@ def common_blob(root: str, blob: bytes, sizes: dict[str, int]) -> bytes:
     return object_blob(prefix, [(n, b"".join(out) if n == "data.pkl" else d) for n, d in records])
 
 
-def target_objects(ckpt: Checkpoint, numels: dict[str, dict[int, tuple[list[int], list[int]]]],
+def target_objects(ckpt: Checkpoint, numels: dict[str, dict[int, list[tuple[str, list[int], list[int]]]]],
                    sizes: dict[str, int], max_bytes: int) -> tuple[dict[str, bytes], list[str]]:
     """Every byte object of the resharded checkpoint, by key, and the source keys left out.
 
-    ``numels``: optimizer prefix -> target ``dp_group_idx`` -> (padded, unpadded) bucket numels.
+    ``numels``: optimizer prefix -> target ``dp_group_idx`` -> per gbuf (dtype tag, padded, unpadded) bucket numels.
     More than ``max_bytes`` of source objects (megatron-core's are a few KiB each) is refused.
     """
     root = str(ckpt.root)
@@ -142,12 +162,11 @@ def target_objects(ckpt: Checkpoint, numels: dict[str, dict[int, tuple[list[int]
         src = {s: _blob(ckpt, f"{prefix}.dp_group_idx_0.{s}/shard_0_1")
                for s in ("per_bucket_numel", "per_bucket_numel_unpadded", "optimizer")}
         _records(root, f"{prefix}.dp_group_idx_0.optimizer", src["optimizer"])  # CRC-checked before it is copied
-        for n, (padded, unpadded) in sorted(ranks.items()):
+        for n, bufs in sorted(ranks.items()):
             base = f"{prefix}.dp_group_idx_{n}"
-            out[f"{base}.per_bucket_numel/shard_0_1"] = numel_blob(root, f"{base}.per_bucket_numel",
-                                                                   src["per_bucket_numel"], padded)
-            out[f"{base}.per_bucket_numel_unpadded/shard_0_1"] = numel_blob(
-                root, f"{base}.per_bucket_numel_unpadded", src["per_bucket_numel_unpadded"], unpadded)
+            for i, name in enumerate(("per_bucket_numel", "per_bucket_numel_unpadded")):
+                out[f"{base}.{name}/shard_0_1"] = numel_blob(root, f"{base}.{name}", src[name],
+                                                             [(d, nums[i]) for d, *nums in bufs])
             out[f"{base}.optimizer/shard_0_1"] = src["optimizer"]
     return out, dropped
 

@@ -6,7 +6,8 @@ megatron-core's bucketing rules (``_ParamAndGradBuffer.__init__`` in
 (the version that wrote ``fixtures/megatron``) and the Megatron-LM main branch source:
 
 1. a buffer holds the params of one (param dtype, grad dtype) in module order, and lays them out
-   **in reverse order**;
+   **in reverse order**; a stage with params of several dtypes has one buffer each, numbered in
+   order of first appearance (:func:`_stage_buffers`), and every rule below holds per buffer;
 2. with the distributed optimizer each param **starts at a multiple of 64** elements;
 3. a bucket closes after the param that brings it to ``bucket_size`` elements, and is padded at
    its end to ``lcm(dp, 128)``, which is not stored (the key's shape is the unpadded numel);
@@ -36,7 +37,7 @@ Every derived slice is then checked against the optimizer key's chunks: megatron
 chunk per parameter slice (split only at DP-rank boundaries) and one per alignment gap, so a
 chunk that straddles a derived parameter edge, or a bucket that does not end where its last
 parameter ends, means the rules do not describe this checkpoint: refused with one line. Also
-refused: MoE (``chained_`` optimizers, experts), several buffers, unknown parameter keys, a layer
+refused: MoE (``chained_`` optimizers, experts), unknown parameter keys, a layer
 written by ranks of two stages, stages out of order.
 """
 
@@ -219,11 +220,12 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
         raise _refuse(ckpt, f"its optimizer keys start with {prefixes[:3]}" + (" and it has expert keys" if moe else "")
                       + ": not one optimizer, nor MoE's chained dense + expert pair")
     prefix = next(iter(opts.values())).prefix
-    if len({(o.gbuf_idx, o.dtype) for o in opts.values()}) != 1:
-        raise _refuse(ckpt, "it has several gradient buffers")
+    dtags: dict[tuple[int, int], str] = {}
+    for o in opts.values():
+        if dtags.setdefault((o.dp_group_idx, o.gbuf_idx), o.dtype) != o.dtype:
+            raise _refuse(ckpt, f"gbuf_idx_{o.gbuf_idx} of dp_group_idx_{o.dp_group_idx} has keys of two dtypes")
     if any(o.cp_rank is not None for o in opts.values()):
         raise _refuse(ckpt, "optimizer keys carry cp_rank")
-    gbuf, dtag = next((o.gbuf_idx, o.dtype) for o in opts.values())
     if HEAD[0] not in ckpt.entries:
         raise _refuse(ckpt, f"it has no {HEAD[0]}")
     stacked = [k for k, e in ckpt.entries.items() if e.kind == TENSOR and k.startswith("decoder.layers.")]
@@ -240,11 +242,11 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
     if tied:  # the last stage's output layer: a replica of the word embeddings with its own buffer slot
         params.append(("output_layer.weight", HEAD[0], None))
     stage_of = _stages(ckpt, params, pp, layer_chunks)
-    numel: dict[tuple[int, int], int] = {}
+    numel: dict[tuple[int, int, int], int] = {}
     for k, o in opts.items():  # one pass, not one per bucket over all keys (issue 22 class 5)
         shape = ckpt.entries[k].shape
         if o.state == "param" and shape:
-            numel.setdefault((o.dp_group_idx, o.bucket_idx), shape[0])
+            numel.setdefault((o.dp_group_idx, o.gbuf_idx, o.bucket_idx), shape[0])
     info = {}
     for name, key, layer in params:
         entry = ckpt.entries[key]
@@ -254,52 +256,27 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
         mode = "vocab" if mode == "column" and key == HEAD[0] else mode
         info[name] = (key, layer, mode, full)
     shared = {HEAD[0], "output_layer.weight"} if tied else set()
-    placed: list[tuple[str, int, int, int, int]] = []  # name, stage, bucket, start, end (local numel)
+    placed: list[tuple[str, int, int, int, int, int]] = []  # name, stage, gbuf, bucket, start, end (local numel)
     for stage in range(pp):
         names = [name for name, _, _ in params if stage_of[name] == stage]
-        buckets = sorted(b for (n, b) in numel if n == stage * tp_size)
-        for t in range(1, tp_size):
-            if sorted(b for (n, b) in numel if n == stage * tp_size + t) != buckets or any(
-                    numel[(stage * tp_size + t, b)] != numel[(stage * tp_size, b)] for b in buckets):
-                raise _refuse(ckpt, f"TP ranks of pipeline stage {stage} disagree on their buckets")
-        if buckets != list(range(len(buckets))):
-            raise _refuse(ckpt, f"pipeline stage {stage} has buckets {buckets[:8]}, not 0..{len(buckets) - 1}")
-        b, pos = 0, 0
-        for name in reversed(names):
-            key, layer, mode, full = info[name]
-            n = 1
-            for d in ShardSpec(full, mode, tp_size, 0, None, 1, 0, 1).local_shape:
-                n *= d
-            if name in shared and pos:  # megatron-core: the shared embedding gets a bucket of its own
-                raise _refuse(ckpt, f"{name} shares bucket {b} of stage {stage} with other parameters")
-            start = -(-pos // PARAM_ALIGN) * PARAM_ALIGN
-            have = numel.get((stage * tp_size, b))
-            if have is None or start + n > have:
-                raise _refuse(ckpt, f"{name} does not fit bucket {b} of stage {stage} ({have} elements unpadded)")
-            placed.append((name, stage, b, start, start + n))
-            pos = start + n
-            if pos == have:
-                b, pos = b + 1, 0
-            elif name in shared:
-                raise _refuse(ckpt, f"{name} does not fill bucket {b} of stage {stage} alone")
-        if b != len(buckets) or pos:
-            raise _refuse(ckpt, f"the parameters of stage {stage} fill {b} buckets, the checkpoint has {len(buckets)}")
+        for gbuf, _dtag, members in _stage_buffers(ckpt, names, info, dtags, stage, tp_size):
+            _place_buffer(ckpt, members, info, numel, shared, stage, gbuf, tp_size, placed)
     _check_chunks(ckpt, opts, placed, tp_size)
-    pdt = dtag.strip("()").split(",")[0].strip()
     views: dict[str, ParamView] = {}
     replicas: tuple[Holder, ...] = ()
-    for name, stage, bucket, start, _ in reversed(placed):
+    for name, stage, gbuf, bucket, start, _ in reversed(placed):
         key, layer, mode, full = info[name]
+        dtag = dtags[(stage * tp_size, gbuf)]
         replica = name == "output_layer.weight" and tied
         holders = []
         for t in range(tp_size):
             spec = ShardSpec(full, mode, tp_size, t if mode else 0, None, 1, 0, 1)
-            ref = KeyRef(stage * tp_size + t, gbuf, dtag, bucket, None, numel[(stage * tp_size, bucket)], prefix)
+            ref = KeyRef(stage * tp_size + t, gbuf, dtag, bucket, None, numel[(stage * tp_size, gbuf, bucket)], prefix)
             holders.append(Holder(ref, start, spec, (), not replica and (mode is not None or t == 0)))
         if replica:
             replicas += tuple(holders)
             continue
-        views[name] = replace(ParamView(name, full, full, mode, None, False, gbuf, bucket, start, pdt,
+        views[name] = replace(ParamView(name, full, full, mode, None, False, gbuf, bucket, start, _param_dtype(dtag),
                                         tuple(holders)), weight_key=key, layer=layer)
     if replicas:
         views[HEAD[0]] = replace(views[HEAD[0]], holders=views[HEAD[0]].holders + replicas)
@@ -310,23 +287,93 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
         layer_stage = {ln: stage_of[name] for name, _, ln in params if ln is not None}
         ev, eplaced = expert_views(ckpt, expert_opts, prefixes[1], layers, lambda why: _refuse(ckpt, why),
                                    layer_stage, pp)
-        _check_chunks(ckpt, expert_opts, eplaced, 1)
+        egbuf = next(iter(expert_opts.values())).gbuf_idx
+        _check_chunks(ckpt, expert_opts, [(n, r, egbuf, b, a, z) for n, r, b, a, z in eplaced], 1)
         out.update(ev)
     return out
 
 
-def _check_chunks(ckpt: Checkpoint, opts: dict, placed: list[tuple[str, int, int, int, int]], tp: int) -> None:
+def _param_dtype(dtag: str) -> str:
+    """``torch.bfloat16`` of the key tag ``(torch.bfloat16, torch.float32)`` (param dtype, grad dtype)."""
+    return dtag.strip("()").split(",")[0].strip()
+
+
+def _stage_buffers(ckpt: Checkpoint, names: list[str], info: dict, dtags: dict[tuple[int, int], str], stage: int,
+                   tp: int) -> list[tuple[int, str, list[str]]]:
+    """(gbuf_idx, dtype tag, its params in module order) of one stage's buffers.
+
+    megatron-core (``group_params_for_buffers``) makes one buffer per (param dtype, grad dtype) in
+    the order each first appears in ``named_parameters()`` (module order), and ``grad_reduce_in_fp32``
+    gives every buffer one grad dtype, so a param's buffer is the one of its model key's dtype: with
+    the layernorms kept in fp32 after the bf16 cast, stage 0 (embeddings first) has ``gbuf_idx_0``
+    (bf16, fp32) and ``gbuf_idx_1`` (fp32, fp32), a stage that starts with a layernorm the reverse
+    (``fixtures/megatron/pair_fp32norm_dp2_dp_reshardable``). What the keys hold must be exactly
+    that, on every TP rank of the stage, or the rules do not describe this checkpoint.
+    """
+    order: list[str] = []
+    members: dict[str, list[str]] = {}
+    for name in names:
+        dt = str(ckpt.entries[info[name][0]].dtype)
+        if dt not in members:
+            order.append(dt)
+        members.setdefault(dt, []).append(name)
+    for t in range(tp):
+        have = {g: d for (n, g), d in dtags.items() if n == stage * tp + t}
+        want = [_param_dtype(have.get(g, "")) for g in range(len(have))]
+        if want != order:
+            raise _refuse(ckpt, f"the buffers of dp_group_idx_{stage * tp + t} hold param dtypes {want}, but its "
+                          f"model keys in module order give {order} (one buffer per dtype, in order of appearance)")
+    return [(g, dtags[(stage * tp, g)], members[dt]) for g, dt in enumerate(order)]
+
+
+def _place_buffer(ckpt: Checkpoint, names: list[str], info: dict, numel: dict[tuple[int, int, int], int],
+                  shared: set[str], stage: int, gbuf: int, tp_size: int,
+                  placed: list[tuple[str, int, int, int, int, int]]) -> None:
+    """Lay out one buffer's params (module order) in its buckets, by the rules of the module docstring."""
+    n0 = stage * tp_size
+    buckets = sorted(b for (n, g, b) in numel if n == n0 and g == gbuf)
+    for t in range(1, tp_size):
+        if sorted(b for (n, g, b) in numel if n == n0 + t and g == gbuf) != buckets or any(
+                numel[(n0 + t, gbuf, b)] != numel[(n0, gbuf, b)] for b in buckets):
+            raise _refuse(ckpt, f"TP ranks of pipeline stage {stage} disagree on the buckets of gbuf_idx_{gbuf}")
+    if buckets != list(range(len(buckets))):
+        raise _refuse(ckpt, f"gbuf_idx_{gbuf} of pipeline stage {stage} has buckets {buckets[:8]}, not "
+                      f"0..{len(buckets) - 1}")
+    b, pos = 0, 0
+    where = f"of gbuf_idx_{gbuf} of stage {stage}"
+    for name in reversed(names):
+        _key, _layer, mode, full = info[name]
+        n = 1
+        for d in ShardSpec(full, mode, tp_size, 0, None, 1, 0, 1).local_shape:
+            n *= d
+        if name in shared and pos:  # megatron-core: the shared embedding gets a bucket of its own
+            raise _refuse(ckpt, f"{name} shares bucket {b} {where} with other parameters")
+        start = -(-pos // PARAM_ALIGN) * PARAM_ALIGN
+        have = numel.get((n0, gbuf, b))
+        if have is None or start + n > have:
+            raise _refuse(ckpt, f"{name} does not fit bucket {b} {where} ({have} elements unpadded)")
+        placed.append((name, stage, gbuf, b, start, start + n))
+        pos = start + n
+        if pos == have:
+            b, pos = b + 1, 0
+        elif name in shared:
+            raise _refuse(ckpt, f"{name} does not fill bucket {b} {where} alone")
+    if b != len(buckets) or pos:
+        raise _refuse(ckpt, f"the parameters {where} fill {b} buckets, the checkpoint has {len(buckets)}")
+
+
+def _check_chunks(ckpt: Checkpoint, opts: dict, placed: list[tuple[str, int, int, int, int, int]], tp: int) -> None:
     """Every stored chunk of every bucket key lies inside one derived param slice or one gap.
 
-    The edges of each (stage, bucket) are sorted once and each chunk finds the first edge after
+    The edges of each (stage, gbuf, bucket) are sorted once and each chunk finds the first edge after
     its start by bisection: chunks x log(edges), where a scan of every edge per chunk was quadratic.
     """
-    edges: dict[tuple[int, int], list[int]] = {}
-    for _, stage, b, s, e in placed:
-        edges.setdefault((stage, b), []).extend((s, e))
+    edges: dict[tuple[int, int, int], list[int]] = {}
+    for _, stage, g, b, s, e in placed:
+        edges.setdefault((stage, g, b), []).extend((s, e))
     cuts_of = {sb: sorted(set(v)) for sb, v in edges.items()}
     for key, o in opts.items():
-        cuts = cuts_of.get((o.dp_group_idx // tp, o.bucket_idx), [])
+        cuts = cuts_of.get((o.dp_group_idx // tp, o.gbuf_idx, o.bucket_idx), [])
         for c in ckpt.entries[key].chunks:
             a, z = c.offsets[0], c.offsets[0] + c.sizes[0]
             i = bisect_right(cuts, a)

@@ -11,8 +11,14 @@ local expert, ``linear_fc1.weight``, ``linear_fc1.bias``, ``linear_fc2.weight``,
 axes (layer, expert) and one chunk per (layer, expert). Checked against megatron-core 0.19.2's
 ``moe_ep2_dp4_dp_reshardable`` and ``pair_moe_ep2_dp_reshardable`` fixtures and, with PP 2 (each
 stage's expert buffer under ``dp_group_idx = pp_rank * EP + ep_rank``, holding its own layers'
-experts), ``moe_pp2_ep2_dp_reshardable`` (``tests/cli/test_megatron_view.py``); expert TP > 1 is
-refused.
+experts), ``moe_pp2_ep2_dp_reshardable`` (``tests/cli/test_megatron_view.py``).
+
+Expert TP > 1 (``pair_moe_tp2_etp2_dp_reshardable``, TP2 x expert TP2 x EP2): each (layer, expert)
+is stored in ETP equal chunks, ``linear_fc1`` split along its output axis (column) and
+``linear_fc2.weight`` along its input axis (row), and the expert buffers are keyed by the rank in
+the expert tensor-model-pipeline group, ``dp_group_idx = pp_rank * EP * ETP + ep_rank * ETP +
+etp_rank``; each holds its part of its experts, so an expert parameter has one holder per
+expert-TP rank. ETP is read from the chunks (:func:`_expert_split`), never assumed.
 
 The view names an expert parameter ``decoder.layers.<l>.mlp.experts.<e>.<linear_fc1.weight>``
 with the global expert index ``e`` (megatron's modules say ``local_experts.<j>``).
@@ -55,18 +61,18 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
         raise refuse("expert keys disagree on (layers, experts)")
     n_exp = next(iter(shapes.values()))[1]
     ranks = sorted({o.dp_group_idx for o in opts.values()})
-    ep = len(ranks) // pp
-    if ranks != list(range(len(ranks))) or len(ranks) % pp or n_exp % ep:
-        raise refuse(f"the expert optimizer has dp_group_idx {ranks[:8]}, not PP {pp} x EP ranks dividing {n_exp} "
-                     "experts")
+    if ranks != list(range(len(ranks))) or len(ranks) % pp:
+        raise refuse(f"the expert optimizer has dp_group_idx {ranks[:8]}, not PP {pp} x EP x expert TP ranks")
     stage_of = layer_stage or {layer: 0 for layer in range(layers)}
-    for s, k in keys.items():
-        e = ckpt.entries[k]
-        full = shapes[s][2:]
-        whole = {(c.offsets[0], c.offsets[1]) for c in e.chunks
-                 if tuple(c.offsets[2:]) == (0,) * len(full) and tuple(c.sizes) == (1, 1, *full)}
-        if len(e.chunks) != layers * n_exp or len(whole) != layers * n_exp:
-            raise refuse(f"{k} is not one whole chunk per (layer, expert): expert TP > 1 is not covered")
+    modes = {s: _expert_split(ckpt, k, layers, n_exp, shapes[s][2:], refuse) for s, k in keys.items()}
+    etps = {n for _, n in modes.values() if n > 1} or {1}
+    if len(etps) != 1 or len(ranks) % (pp * next(iter(etps))):
+        raise refuse(f"expert keys are split in {sorted(etps)} parts, not one expert TP size dividing the expert "
+                     f"optimizer's {len(ranks)} dp_group_idx values over PP {pp}")
+    etp = etps.pop()
+    ep = len(ranks) // (pp * etp)
+    if n_exp % ep:
+        raise refuse(f"EP {ep} does not divide {n_exp} experts")
     dtags = {(o.gbuf_idx, o.dtype) for o in opts.values()}
     if len(dtags) != 1:
         raise refuse("the expert optimizer has several gradient buffers")
@@ -75,21 +81,22 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
              for k, o in opts.items() if o.state == "param"}
     per = n_exp // ep
     placed: list[tuple[str, int, int, int, int]] = []
-    info: dict[str, tuple[str, int, tuple[int, ...], int]] = {}
+    info: dict[str, tuple[str, int, tuple[int, ...], int, str]] = {}
     for r in ranks:
         names = []
-        stage, ep_rank = divmod(r, ep)
+        stage, rest = divmod(r, ep * etp)
+        ep_rank = rest // etp  # expert model-parallel rank: etp fastest, then ep, then pp (rank order tp-ep-dp-pp)
         for layer in (ln for ln in range(layers) if stage_of.get(ln) == stage):
             for j in range(per):
                 for s in EXPERT:
                     if s in keys:
                         name = f"decoder.layers.{layer}.mlp.experts.{ep_rank * per + j}.{s}"
                         names.append(name)
-                        info[name] = (keys[s], layer, shapes[s][2:], ep_rank * per + j)
+                        info[name] = (keys[s], layer, shapes[s][2:], ep_rank * per + j, s)
         b, pos = 0, 0
         for name in reversed(names):
             n = 1
-            for d in info[name][2]:
+            for d in ShardSpec(info[name][2], modes[info[name][4]][0], etp, 0, None, 1, 0, 1).local_shape:
                 n *= d
             start = -(-pos // ALIGN) * ALIGN
             have = numel.get((r, b))
@@ -103,12 +110,46 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
             raise refuse(f"the experts of EP rank {r} do not fill its buckets")
     pdt = dtag.strip("()").split(",")[0].strip()
     views: dict[str, Any] = {}
+    holders: dict[str, list[Holder]] = {}
     for name, r, bucket, start, _ in reversed(placed):
-        key, layer, full, expert = info[name]
-        spec = ShardSpec(full, None, 1, 0, None, 1, 0, 1)
-        holder = Holder(KeyRef(r, gbuf, dtag, bucket, None, numel[(r, bucket)], prefix), start, spec, (), True)
-        views[name] = ParamView(name, full, full, None, None, True, gbuf, bucket, start, pdt, (holder,),
-                                weight_key=key, layer=layer, expert=expert)
+        key, layer, full, expert, s = info[name]
+        mode = modes[s][0]
+        spec = ShardSpec(full, mode, etp, r % etp if mode else 0, None, 1, 0, 1)
+        ref = KeyRef(r, gbuf, dtag, bucket, None, numel[(r, bucket)], prefix)
+        holders.setdefault(name, []).append(Holder(ref, start, spec, (), mode is not None or r % etp == 0))
+        first = holders[name][0]
+        views[name] = ParamView(name, full, full, mode, None, True, gbuf, first.ref.bucket_idx, first.start, pdt,
+                                tuple(sorted(holders[name], key=lambda h: h.ref.dp_group_idx)), weight_key=key,
+                                layer=layer, expert=expert)
     order = [f"decoder.layers.{layer}.mlp.experts.{e}.{s}" for layer in range(layers) for e in range(n_exp)
              for s in EXPERT]
     return {name: views[name] for name in order if name in views}, placed
+
+
+def _expert_split(ckpt: Checkpoint, key: str, layers: int, n_exp: int, full: tuple[int, ...],
+                  refuse: Callable[[str], FormatError]) -> tuple[str | None, int]:
+    """(TP mode, parts) of a stacked expert key: megatron-core writes one chunk per (layer, expert)
+    and expert-TP part, split along the expert linear's output (``linear_fc1``: column) or input
+    (``linear_fc2.weight``: row) axis, ``parts`` equal pieces; every (layer, expert) the same."""
+    e = ckpt.entries[key]
+    boxes: dict[tuple[int, int], list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    for c in e.chunks:
+        if len(c.offsets) != 2 + len(full) or tuple(c.sizes[:2]) != (1, 1):
+            raise refuse(f"{key} stores several (layer, expert) pairs in one chunk")
+        boxes.setdefault((c.offsets[0], c.offsets[1]), []).append((tuple(c.offsets[2:]), tuple(c.sizes[2:])))
+    if len(boxes) != layers * n_exp:
+        raise refuse(f"{key} stores chunks for {len(boxes)} of its {layers * n_exp} (layer, expert) pairs")
+    parts = {len(v) for v in boxes.values()}
+    n = parts.pop() if len(parts) == 1 else 0
+    axes = {i for v in boxes.values() for _, sz in v for i, (a, f) in enumerate(zip(sz, full)) if a != f}
+    if n == 0 or (n == 1) != (not axes) or len(axes) > 1 or (axes and next(iter(axes)) > 1):
+        raise refuse(f"{key} is not one chunk per (layer, expert), nor split in equal parts along one of its first "
+                     "two axes (expert TP)")
+    if n == 1:
+        return None, 1
+    axis = axes.pop()
+    want = [tuple(i * full[axis] // n if d == axis else 0 for d in range(len(full))) for i in range(n)]
+    size = tuple(f // n if d == axis else f for d, f in enumerate(full))
+    if full[axis] % n or any(sorted(v) != [(o, size) for o in want] for v in boxes.values()):
+        raise refuse(f"{key} is not split in {n} equal parts along axis {axis} for every (layer, expert)")
+    return ("column" if axis == 0 else "row"), n

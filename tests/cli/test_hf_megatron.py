@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 MEGATRON = REPO / "fixtures" / "megatron"
 MEGATRON_PY = MEGATRON / "_venv" / "bin" / "python"
 SHARDINGS = ["tp2_dp2_dp_reshardable", "pp2_dp2_dp_reshardable", "dp2_fully_reshardable",
-             "dp2_dp_zero_gather_scatter", "pair_tp2_dp2_dp_reshardable_fully_reshardable"]
+             "dp2_dp_zero_gather_scatter", "pair_tp2_dp2_dp_reshardable_fully_reshardable",
+             "pair_fp32norm_dp2_dp_reshardable"]  # the last: two buffers, its layernorms fp32
 
 
 def _shown(src: Path, key: str) -> torch.Tensor:
@@ -42,14 +43,17 @@ def _shown(src: Path, key: str) -> torch.Tensor:
 
 
 def _assert_equals_show(src: Path, exported: dict[str, torch.Tensor]) -> None:
-    params = module_params(open_checkpoint(src))
+    ckpt = open_checkpoint(src)
+    params = module_params(ckpt)
     assert set(exported) == {name for name, _, _ in params}
     shown: dict[str, torch.Tensor] = {}
     for name, key, layer in params:
         full = shown.setdefault(key, _shown(src, key))
         want = full[layer] if layer is not None else full
         got = exported[name]
-        assert got.dtype == torch.bfloat16 and torch.equal(got.double(), want), name  # bf16 -> f64 is exact
+        dtype = ckpt.entries[key].dtype
+        assert dtype is not None and got.dtype == dtype.torch, name  # bf16, or fp32 where megatron kept it so
+        assert torch.equal(got.double(), want), name  # bf16 / fp32 -> f64 is exact
 
 
 @pytest.mark.parametrize("name", SHARDINGS)
@@ -63,7 +67,8 @@ def test_weights_only_hf_export_equals_show(name: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp2_fully_reshardable", "dp2_dp_zero_gather_scatter"])
+@pytest.mark.parametrize("name", ["dp2_fully_reshardable", "dp2_dp_zero_gather_scatter",
+                                  "pair_fp32norm_dp2_dp_reshardable"])
 def test_weights_only_torch_export_equals_pytorch_dcp(name: str, tmp_path: Path) -> None:
     """Every tensor key, as PyTorch DCP itself loads it (``dcp_to_torch_save`` also pickles the
     checkpoint's objects, numpy RNG states, which a weights-only ``torch.load`` rightly refuses)."""

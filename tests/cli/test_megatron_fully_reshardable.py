@@ -19,7 +19,7 @@ from gtp_format.reader.chunks import chunk_bytes
 MEGATRON = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
 PAIRS = ["pair_tp2_dp2_dp_reshardable", "pair_pp2_tp2_dp_reshardable", "pair_pp4_dp_reshardable",
          "pair_moe_ep2_dp_reshardable", "pair_untied_pp2_dp_reshardable", "pair_pp2_dp2_dp_reshardable",
-         "pair_cp2_dp2_dp_reshardable"]
+         "pair_cp2_dp2_dp_reshardable", "pair_fp32norm_dp2_dp_reshardable", "pair_moe_tp2_etp2_dp_reshardable"]
 
 
 def _plain(state: dict[str, Any]) -> dict[str, Any]:

@@ -24,14 +24,19 @@ LOADER = ROOT / "tests" / "helpers" / "megatron_load.py"
 
 # (pair, saved at, loaded at (tp, pp, dp), layers)
 CASES = [("pair_tp2_dp2_dp_reshardable", "tp2 pp1 dp2", (1, 2, 2), 2),
-         ("pair_pp2_tp2_dp_reshardable", "tp2 pp2 dp1", (1, 1, 4), 2)]
+         ("pair_pp2_tp2_dp_reshardable", "tp2 pp2 dp1", (1, 1, 4), 2),
+         # two buffers, (bf16, fp32) and (fp32, fp32): at PP2 the second stage's buffers are the other way round
+         ("pair_fp32norm_dp2_dp_reshardable", "tp1 pp1 dp2", (1, 2, 1), 2)]
+# the model variant tests/helpers/megatron_load.py builds for a pair (the generator's spec)
+VARIANT = {"pair_fp32norm_dp2_dp_reshardable": "fp32norm", "pair_moe_tp2_etp2_dp_reshardable": "sp"}
 
 
 def _load(ckpt: Path, out: Path, topo: tuple[int, int, int], layers: int, sharding: str = "fully_reshardable",
-          moe: tuple[int, int] = (1, 0)) -> list[dict[str, np.ndarray]]:
+          moe: tuple[int, ...] = (1, 0), variant: str = "plain") -> list[dict[str, np.ndarray]]:
     out.mkdir()
     r = subprocess.run([str(MEGATRON_PY), str(LOADER), str(ckpt / "iter_0000002"), str(out), *map(str, topo),
-                        str(layers), sharding, *map(str, moe)], capture_output=True, text=True, timeout=900)
+                        str(layers), sharding, *map(str, moe[:2]), variant, *map(str, moe[2:])], capture_output=True,
+                       text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = []
     for i in range(topo[0] * topo[1] * topo[2]):
@@ -47,8 +52,9 @@ def test_megatron_loads_our_export_at_another_topology(pair: str, saved: str, to
     export = tmp_path / "fr"
     r = cli("export", MEGATRON / pair, export, "--to", "fully_reshardable")
     assert r.exit_code == 0, r.stderr
-    ours = _load(export, tmp_path / "ours", topo, layers)
-    theirs = _load(MEGATRON / f"{pair}_fully_reshardable", tmp_path / "theirs", topo, layers)
+    variant = VARIANT.get(pair, "plain")
+    ours = _load(export, tmp_path / "ours", topo, layers, variant=variant)
+    theirs = _load(MEGATRON / f"{pair}_fully_reshardable", tmp_path / "theirs", topo, layers, variant=variant)
     for rank, (a, b) in enumerate(zip(ours, theirs)):
         assert sorted(a) == sorted(b), rank
         assert any(k.startswith("model.") for k in a) and any(k.startswith("opt.") for k in a), rank
@@ -60,14 +66,18 @@ def test_megatron_loads_our_export_at_another_topology(pair: str, saved: str, to
         assert np.array_equal(a["step"], b["step"]) and np.all(a["step"] == 2.0), (rank, a["step"])
 
 
-# MoE: the EP2 x DP2 pair (1 layer, 4 experts) resharded to DP4 x EP2 (expert DP 2)
-RESHARD_CASES = [*((*c, (1, 0)) for c in CASES), ("pair_moe_ep2_dp_reshardable", "dp2 ep2", (1, 1, 4), 1, (2, 4))]
+# MoE (moe: EP, experts[, expert TP]): the EP2 x DP2 pair (1 layer, 4 experts) resharded to DP4 x EP2 (expert
+# DP 2) and to TP2 (expert TP 1); the TP2 x expert TP2 pair to TP1 and to TP2 x expert TP1
+RESHARD_CASES = [*((*c, (1, 0)) for c in CASES), ("pair_moe_ep2_dp_reshardable", "dp2 ep2", (1, 1, 4), 1, (2, 4)),
+                 ("pair_moe_ep2_dp_reshardable", "dp2 ep2", (2, 1, 1), 1, (2, 4, 1)),
+                 ("pair_moe_tp2_etp2_dp_reshardable", "tp2 etp2 ep2 dp2", (1, 1, 4), 1, (2, 4, 1)),
+                 ("pair_moe_tp2_etp2_dp_reshardable", "tp2 etp2 ep2 dp2", (2, 1, 2), 1, (2, 4, 1))]
 
 
 @pytest.mark.skipif(not MEGATRON_PY.exists(), reason="needs the megatron venv (fixtures/megatron/setup_venv.sh)")
 @pytest.mark.parametrize("pair,saved,topo,layers,moe", RESHARD_CASES)
 def test_megatron_loads_our_dp_reshardable_reshard_at_its_target(pair: str, saved: str, topo: tuple[int, int, int],
-                                                                 layers: int, moe: tuple[int, int],
+                                                                 layers: int, moe: tuple[int, ...],
                                                                  tmp_path: Path) -> None:
     """``ckpt reshard`` of the pair's dp_reshardable save to another TP/PP/DP, loaded by megatron-core
     as dp_reshardable at that topology (no flag but the topology), holds on every rank the bits
@@ -76,10 +86,14 @@ def test_megatron_loads_our_dp_reshardable_reshard_at_its_target(pair: str, save
     is only required to be one value across the rank's parameters."""
     out = tmp_path / "rs"
     tp, pp, dp = topo
-    r = cli("reshard", MEGATRON / pair, out, "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--ep", str(moe[0]))
+    etp = ("--etp", str(moe[2])) if len(moe) > 2 else ()
+    r = cli("reshard", MEGATRON / pair, out, "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--ep", str(moe[0]),
+            *etp)
     assert r.exit_code == 0, r.stderr
-    ours = _load(out, tmp_path / "ours", topo, layers, "dp_reshardable", moe)
-    theirs = _load(MEGATRON / f"{pair}_fully_reshardable", tmp_path / "theirs", topo, layers, "fully_reshardable", moe)
+    variant = VARIANT.get(pair, "plain")
+    ours = _load(out, tmp_path / "ours", topo, layers, "dp_reshardable", moe, variant)
+    theirs = _load(MEGATRON / f"{pair}_fully_reshardable", tmp_path / "theirs", topo, layers, "fully_reshardable", moe,
+                   variant)
     for rank, (a, b) in enumerate(zip(ours, theirs)):
         assert sorted(a) == sorted(b), rank
         for k in a:

@@ -26,11 +26,12 @@ from gtp_format.reader.checkpoint import open_checkpoint
 
 MEGATRON = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
 DENSE = ["tp2_dp2_dp_reshardable", "cp2_dp2_dp_reshardable", "pp2_dp2_dp_reshardable",
-         "pair_pp2_tp2_dp_reshardable", "pair_pp4_dp_reshardable", "pair_untied_pp2_dp_reshardable"]
+         "pair_pp2_tp2_dp_reshardable", "pair_pp4_dp_reshardable", "pair_untied_pp2_dp_reshardable",
+         "pair_fp32norm_dp2_dp_reshardable"]
 EMB = "embedding.word_embeddings.weight"
 PAIRS = ["pair_tp2_dp2_dp_reshardable", "pair_pp2_tp2_dp_reshardable", "pair_pp4_dp_reshardable",
          "pair_moe_ep2_dp_reshardable", "pair_untied_pp2_dp_reshardable", "pair_pp2_dp2_dp_reshardable",
-         "pair_cp2_dp2_dp_reshardable"]
+         "pair_cp2_dp2_dp_reshardable", "pair_fp32norm_dp2_dp_reshardable", "pair_moe_tp2_etp2_dp_reshardable"]
 
 
 # megatron-core's own fully_reshardable saves that shift the tied embedding's fp32 state by 64 elements
@@ -90,8 +91,9 @@ def test_master_weights_round_to_the_model_weights(name: str) -> None:
     for view in src.views.values():
         full = (0,) * len(view.full_shape), view.full_shape
         master = torch.from_numpy(src.read_full_box(view, "param", *full).copy())
-        weight = torch.from_numpy(src.read_full_box(view, WEIGHT_STATE, *full).copy()).view(torch.bfloat16)
-        assert torch.equal(master.to(torch.bfloat16), weight), view.name
+        dtype = getattr(torch, view.param_dtype.removeprefix("torch."))  # fp32norm: the layernorms are fp32
+        weight = torch.from_numpy(src.read_full_box(view, WEIGHT_STATE, *full).copy()).view(dtype)
+        assert torch.equal(master.to(dtype), weight), view.name
         for state in ("exp_avg_sq",):
             assert (src.read_full_box(view, state, *full) != 0).any(), view.name  # trained: moments are set
 
@@ -132,12 +134,12 @@ def test_hf_export_of_megatron_loads(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["moe_ep2_dp4_dp_reshardable", "pair_moe_ep2_dp_reshardable",
-                                  "moe_pp2_ep2_dp_reshardable"])
+                                  "moe_pp2_ep2_dp_reshardable", "pair_moe_tp2_etp2_dp_reshardable"])
 def test_moe_layout_equals_megatron_buffers(name: str) -> None:
-    """MoE EP2 (x DP4, x DP2, x PP2): the dense (chained_0) and expert (chained_1, one buffer per
-    (stage, EP rank)) buffers are where megatron's own buffers had them, and every fp32 master
-    rounds to its bf16 weight (experts read straight from the stacked (layer, expert) key)."""
-    from gtp_format.reader.boxes import BoxReader
+    """MoE EP2 (x DP4, x DP2, x PP2, and TP2 x expert TP2): the dense (chained_0) and expert
+    (chained_1, one buffer per (stage, EP rank, expert-TP rank)) buffers are where megatron's own
+    buffers had them, and every fp32 master rounds to its bf16 weight (experts read straight from
+    the stacked (layer, expert) key, in expert-TP parts where it is split)."""
     from gtp_format.views.checkpoint import param_views_of
 
     expected = json.loads((MEGATRON / name / "expected.json").read_text())
@@ -145,12 +147,14 @@ def test_moe_layout_equals_megatron_buffers(name: str) -> None:
     views = param_views_of(ckpt)
     topo = expected["topology"]
     per, ep, tp = topo["num_moe_experts"] // topo["ep"], topo["ep"], topo["tp"]
+    etp = max(c["etp"] for c in expected["rank_coords"]) + 1 if "etp" in expected["rank_coords"][0] else 1
     per_stage = expected["model"]["num_layers"] // topo["pp"]
     checked = 0
     for opt, key, p in _recorded_slices(expected):
         m = re.match(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.*)$", p["param"])
         if m:  # expert buffers: dp_group_idx = pp_rank * EP + ep_rank; megatron numbers layers per stage
-            stage, ep_rank = divmod(opt.dp_group_idx, ep)
+            stage, rest = divmod(opt.dp_group_idx, ep * etp)  # expert model-parallel rank: etp fastest
+            ep_rank = rest // etp
             ours = (f"decoder.layers.{int(m.group(1)) + stage * per_stage}.mlp.experts."
                     f"{ep_rank * per + int(m.group(2))}.{m.group(3)}")
         else:
@@ -160,15 +164,12 @@ def test_moe_layout_equals_megatron_buffers(name: str) -> None:
             opt.bucket_idx, p["start"], p["end"]), p["param"]
         checked += 1
     assert checked == sum(len(v.holders) for v in views.values())
-    reader = BoxReader(ckpt)
-    for v in views.values():
-        h = v.primaries[0]
-        master = torch.from_numpy(reader.read_box(h.ref.key("param"), (h.start,), (h.numel,)).copy())
-        lead = () if v.layer is None else (v.layer,) if not v.is_expert else (v.layer, int(v.name.split(".")[5]))
-        shape = ckpt.entries[v.model_key].shape
-        box = reader.read_box(v.model_key, (*lead, *(0,) * len(v.full_shape)), (*(1,) * len(lead), *v.full_shape))
-        weight = torch.from_numpy(box.copy()).view(torch.bfloat16).reshape(-1)
-        assert shape is not None and torch.equal(master.to(torch.bfloat16), weight), v.name
+    src = open_source(MEGATRON / name, megatron=True, experts=True)
+    for v in src.views.values():
+        full = (0,) * len(v.full_shape), v.full_shape
+        master = torch.from_numpy(src.read_full_box(v, "param", *full).copy())
+        weight = torch.from_numpy(src.read_full_box(v, WEIGHT_STATE, *full).copy()).view(torch.bfloat16)
+        assert torch.equal(master.to(torch.bfloat16), weight), v.name
 
 
 @pytest.mark.parametrize("name,needle", [("moe_ep2_dp4_dp_reshardable", "MoE"),
@@ -219,3 +220,52 @@ def test_export_equals_megatrons_own_fully_reshardable_save_of_the_same_state(pa
         for reader, rounds in ((ra, True), (rb, False)):
             p = torch.from_numpy(reader.read_box(f"optimizer.state.param.{EMB}", (0, 0), (128, 32)).copy())
             assert torch.equal(p.to(torch.bfloat16), w) is rounds
+
+
+def test_several_buffers_follow_megatrons_dtype_grouping() -> None:
+    """fp32norm: megatron-core made a (bf16, fp32) and an (fp32, fp32) buffer (gbuf 0 and 1, in order
+    of first appearance); every bf16 parameter sits in the first, every layernorm in the second, and
+    the fp32 buffer's master is the fp32 model weight itself (megatron's optimizer steps it in place)."""
+    src = open_source(MEGATRON / "pair_fp32norm_dp2_dp_reshardable", megatron=True)
+    for v in src.views.values():
+        norm = "layernorm" in v.name
+        assert (v.gbuf_idx, v.param_dtype) == ((1, "torch.float32") if norm else (0, "torch.bfloat16")), v.name
+        assert {h.ref.dtype for h in v.holders} == {f"({v.param_dtype}, torch.float32)"}, v.name
+        if norm:
+            full = (0,) * len(v.full_shape), v.full_shape
+            assert src.read_full_box(v, "param", *full).tobytes() == src.read_full_box(v, WEIGHT_STATE, *full).tobytes()
+
+
+def test_buffers_out_of_megatrons_order_are_refused_in_one_line() -> None:
+    """megatron-core numbers a stage's buffers in order of first appearance; the fp32norm pair with its
+    two gbuf indices swapped (in memory) is not what it writes, and is refused naming both orders."""
+    import dataclasses
+
+    from gtp_format.errors import FormatError
+    from gtp_format.views.megatron import megatron_views
+
+    ckpt = open_checkpoint(MEGATRON / "pair_fp32norm_dp2_dp_reshardable")
+    swap = {"gbuf_idx_0.dtype_(torch.bfloat16": "gbuf_idx_1.dtype_(torch.bfloat16",
+            "gbuf_idx_1.dtype_(torch.float32": "gbuf_idx_0.dtype_(torch.float32"}
+
+    def renamed(k: str) -> str:
+        return next((k.replace(a, b) for a, b in swap.items() if a in k), k)
+
+    ckpt.entries = {renamed(k): dataclasses.replace(e, key=renamed(e.key)) for k, e in ckpt.entries.items()}
+    with pytest.raises(FormatError, match="hold param dtypes") as err:
+        megatron_views(ckpt)
+    assert "\n" not in str(err.value)
+
+
+def test_expert_tp_parts_are_megatrons_column_and_row_splits() -> None:
+    """TP2 x expert TP2 (megatron-core's own save): each expert's linear_fc1 is split along its output
+    axis and linear_fc2 along its input axis over the two expert-TP ranks, every part in the buffer
+    of its own expert model-parallel rank (``dp_group_idx = etp_rank + ETP x ep_rank``)."""
+    src = open_source(MEGATRON / "pair_moe_tp2_etp2_dp_reshardable", megatron=True, experts=True)
+    experts = [v for v in src.views.values() if v.is_expert]
+    assert len(experts) == 8
+    for v in experts:
+        assert v.tp_mode == ("column" if "linear_fc1" in v.name else "row"), v.name
+        ep_rank = (v.expert or 0) // 2
+        assert [(h.ref.dp_group_idx, h.spec.tp_rank, h.primary) for h in v.holders] == \
+            [(2 * ep_rank, 0, True), (2 * ep_rank + 1, 1, True)], v.name

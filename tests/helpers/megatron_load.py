@@ -1,7 +1,10 @@
 """megatron-core's own loader on a ``fully_reshardable`` checkpoint, at a topology of our choice (megatron venv).
 
-``python megatron_load.py CKPT_ITER_DIR OUT_DIR TP PP DP NUM_LAYERS [SHARDING [EP EXPERTS]]`` spawns
-TP x PP x DP gloo CPU ranks. Each builds the fixtures' model (MoE given EP and EXPERTS) and
+``python megatron_load.py CKPT_ITER_DIR OUT_DIR TP PP DP NUM_LAYERS [SHARDING [EP EXPERTS [VARIANT [ETP]]]]``
+spawns TP x PP x DP gloo CPU ranks. Each builds the fixtures' model (MoE given EP and EXPERTS, expert TP
+ETP (default TP); VARIANT ``fp32norm``: no linear biases and every layernorm kept in fp32,
+``pair_fp32norm_*``'s two buffers; ``sp``: no linear biases and sequence parallelism, as
+``pair_moe_tp2_etp2_*``, the generator's norm shim included) and
 optimizer (``fixtures/megatron/make_megatron_fixtures.py``: its CPU shims, ``MODEL`` and optimizer
 settings; local spec, bf16, megatron DDP with the distributed optimizer), wipes the model weights
 and optimizer state to zeros, and loads CKPT the way
@@ -13,7 +16,9 @@ workarounds for megatron-core 0.19.2 on CPU with torch's AdamW (issue 24):
 * ``_init_optimizer_states_with_dummy_values()`` first: a fresh optimizer has no state, and
   ``load_state_dict`` asserts one ``step`` across it (``distrib_optimizer.py:838``);
 * ``_set_main_param_and_optimizer_states`` is given AdamW's already-restored ``step`` when the
-  gathered tensors lack it (else ``KeyError: 'step'``, on megatron's own save too).
+  gathered tensors lack it (else ``KeyError: 'step'``, on megatron's own save too), and runs under
+  ``torch.no_grad()``: an fp32 param's main param is a view of the model param, a leaf that requires
+  grad, and its ``copy_`` raises otherwise (``VARIANT fp32norm``; megatron's own save too).
 
 Rank ``r`` writes ``OUT_DIR/rank{r}.npz``: every model parameter (by module name, bf16 as raw
 int16) and the fp32 master, ``exp_avg`` and ``exp_avg_sq`` of every local optimizer shard, in
@@ -31,7 +36,8 @@ from typing import Any
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
 
 
-def _build(tp: int, pp: int, num_layers: int, ep: int = 1, experts: int = 0) -> tuple[Any, Any]:
+def _build(tp: int, pp: int, num_layers: int, ep: int = 1, experts: int = 0, variant: str = "plain",
+           etp: int | None = None) -> tuple[Any, Any]:
     import torch
     from make_megatron_fixtures import MODEL, SEED
     from megatron.core import parallel_state as mpu
@@ -45,22 +51,29 @@ def _build(tp: int, pp: int, num_layers: int, ep: int = 1, experts: int = 0) -> 
 
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
     moe = dict(num_moe_experts=experts, expert_model_parallel_size=ep, moe_ffn_hidden_size=32, moe_router_topk=2,
-               moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0) if experts else {}
+               moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
+               expert_tensor_parallel_size=etp) if experts else {}
     config = TransformerConfig(
         num_layers=num_layers, hidden_size=MODEL["hidden_size"], ffn_hidden_size=MODEL["ffn_hidden_size"],
         num_attention_heads=MODEL["num_attention_heads"], tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
-        persist_layer_norm=False, **moe)
+        persist_layer_norm=False, add_bias_linear=variant == "plain", sequence_parallel=variant == "sp" and tp > 1,
+        **moe)
     spec = get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False)
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=MODEL["vocab_size"], max_sequence_length=MODEL["seq_length"],
                      pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
+    model = Float16Module(config, model)
+    if variant == "fp32norm":  # as the generator's fp32_norms: the layernorms back to fp32 after the bf16 cast
+        for name, p in model.named_parameters():
+            if "layernorm" in name or "layer_norm" in name:
+                p.data = p.data.float()
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                         use_distributed_optimizer=True, check_for_nan_in_grad=False)
-    model = DistributedDataParallel(config=config, ddp_config=ddp, module=Float16Module(config, model))
+    model = DistributedDataParallel(config=config, ddp_config=ddp, module=model)
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=1e-3, min_lr=1e-5, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, bf16=True,
         params_dtype=torch.bfloat16, use_distributed_optimizer=True, clip_grad=1.0), [model])
@@ -75,13 +88,17 @@ def _pass_step_through() -> None:
     def set_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
         if "step" not in tensors:
             tensors = {**tensors, "step": None}  # not a tensor: left as load_state_dict restored it
-        orig(self, model_param, tensors)
+        import torch
+
+        with torch.no_grad():  # an fp32 param's main param is a view of the leaf model param (fp32norm)
+            orig(self, model_param, tensors)
 
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
 def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: int, num_layers: int,
-           sharding: str = "fully_reshardable", ep: int = 1, experts: int = 0) -> None:
+           sharding: str = "fully_reshardable", ep: int = 1, experts: int = 0, variant: str = "plain",
+           etp: int | None = None) -> None:
     sys.path.insert(0, str(FIXTURES))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -92,10 +109,17 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: i
     logging.disable(logging.WARNING)
     import numpy as np
     import torch
-    from make_megatron_fixtures import _optimizer_tensors, install_cpu_shims, sharded_sd_metadata_for
+    from make_megatron_fixtures import (
+        _optimizer_tensors,
+        allow_torch_norm_with_sequence_parallel,
+        install_cpu_shims,
+        sharded_sd_metadata_for,
+    )
 
     torch.set_num_threads(1)
     install_cpu_shims()
+    if variant == "sp":
+        allow_torch_norm_with_sequence_parallel()
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -104,8 +128,8 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: i
     from megatron.core.utils import unwrap_model
 
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                  expert_model_parallel_size=ep)
-    model, optimizer = _build(tp, pp, num_layers, ep, experts)
+                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    model, optimizer = _build(tp, pp, num_layers, ep, experts, variant, etp)
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         opt._init_optimizer_states_with_dummy_values()
     _pass_step_through()
@@ -124,7 +148,8 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: i
 
     arrays: dict[str, Any] = {}
     for name, p in module.named_parameters():
-        arrays[f"model.{name}"] = p.detach().view(torch.int16).numpy() if p.dtype == torch.bfloat16 else p.numpy()
+        w = p.detach()
+        arrays[f"model.{name}"] = w.view(torch.int16).numpy() if p.dtype == torch.bfloat16 else w.numpy()
     for i, t in enumerate(_optimizer_tensors(optimizer)):
         arrays[f"opt.{i}"] = t.detach().numpy()
     steps = [float(o.optimizer.state[p]["step"]) for o in getattr(optimizer, "chained_optimizers", [optimizer])
@@ -136,17 +161,18 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: i
 
 
 def main(ckpt: str, out: str, tp: int, pp: int, dp: int, num_layers: int, sharding: str = "fully_reshardable",
-         ep: int = 1, experts: int = 0) -> None:
+         ep: int = 1, experts: int = 0, variant: str = "plain", etp: int | None = None) -> None:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     world = tp * pp * dp
-    mp.spawn(worker, args=(world, port, ckpt, out, tp, pp, num_layers, sharding, ep, experts), nprocs=world,
-             join=True)
+    mp.spawn(worker, args=(world, port, ckpt, out, tp, pp, num_layers, sharding, ep, experts, variant, etp),
+             nprocs=world, join=True)
 
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), int(a[5]), *a[6:7], *map(int, a[7:9]))
+    main(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), int(a[5]), *a[6:7], *map(int, a[7:9]), *a[9:10],
+         *map(int, a[10:11]))
