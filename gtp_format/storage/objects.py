@@ -25,14 +25,19 @@ AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_REGION``...)
 from __future__ import annotations
 
 import functools
+import itertools
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Any
 
 from gtp_format.errors import ChunkError, FormatError
 from gtp_format.storage.location import ObjectURL
 from gtp_format.storage.paths import past_end_message, unsafe_reason
+from gtp_format.storage.ranges import pieces
 
 PIECE = 64 << 20  # largest single ranged GET: bounds the memory one request holds in flight
 RETRIES = 3  # transient errors retried with exponential backoff, within RETRY_TIMEOUT_S
@@ -40,6 +45,13 @@ CONNECT_TIMEOUT_S = 5.0
 TIMEOUT_ENV = "CKPT_S3_TIMEOUT_S"  # per-request timeout, seconds
 DEFAULT_TIMEOUT_S = 60.0
 RETRY_TIMEOUT_S = 30.0
+# Streaming reads (verify --data, show, diff, export): why these sizes, measured by
+# benchmarks/bench_s3_ckpt.py --count-requests (docs/performance.md, "Checkpoints on a bucket"):
+PART = 8 << 20  # a large read is cut into parts of this size, fetched concurrently (boto3's default part too)
+IN_FLIGHT = 8  # parts fetched at once, by all readers together: bounds the bytes in flight (64 MiB)
+BLOCK = 256 << 10  # a small read of a streamed object is served from the aligned block around it
+SMALL = 64 << 10  # reads up to this size go through the block cache (zip headers, pickles: 4-33 per chunk)
+CACHE_BYTES = 32 << 20  # every streamed object's cached blocks together
 
 
 def _timeout() -> float:
@@ -207,26 +219,60 @@ def list_names(root: ObjectURL) -> dict[str, int | None]:
     return out
 
 
-def read_into(root: ObjectURL, rel: str, size: int, offset: int, out: memoryview) -> None:
-    """Fill ``out`` from ``offset`` of the object ``rel`` whose store-reported size is ``size``, in
-    pieces of at most :data:`PIECE` bytes; a short answer is a :class:`ChunkError`, never a short read."""
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def pool() -> ThreadPoolExecutor:
+    """The threads that fetch parts and prefetched requests (:data:`IN_FLIGHT` of them, shared by every reader,
+    so the bytes in flight stay bounded however many threads read). Their tasks are leaves: a task never waits
+    on another, so the pool cannot deadlock."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="s3-fetch")
+        return _POOL
+
+
+def fetch(root: ObjectURL, rel: str, offset: int, n: int) -> memoryview:
+    """One ranged ``GET`` of exactly ``n`` (at most :data:`PIECE`) bytes at ``offset`` of ``rel``; the caller has
+    checked the range against the store's size. A short answer is a :class:`ChunkError`."""
     import obstore
 
+    assert 0 < n <= PIECE
+    key, where = _key(root, rel), str(root / rel)
+    got = memoryview(_call(where, obstore.get_range, store(root), key, start=offset, length=n)).cast("B")
+    if got.nbytes != n:
+        raise ChunkError(f"{where}: asked for {n} bytes at {offset}, the store sent {got.nbytes} (the "
+                         "object changed while it was read?)", file=rel)
+    return got
 
+
+def read_into(root: ObjectURL, rel: str, size: int, offset: int, out: memoryview) -> None:
+    """Fill ``out`` from ``offset`` of the object ``rel`` whose store-reported size is ``size``; a short answer
+    is a :class:`ChunkError`, never a short read.
+
+    A read over :data:`PART` is cut into parts fetched concurrently on :func:`pool` (a single stream of
+    ranged ``GET`` s waits one round trip per part; boto3's ``download_file`` runs 10 at once).
+    """
     length = out.nbytes
     if type(offset) is not int or offset < 0 or offset + length > size:
         raise ChunkError(past_end_message(rel, offset, length, size), file=rel)
-    key, where = _key(root, rel), str(root / rel)
-    done = 0
-    while done < length:
-        n = min(PIECE, length - done)
-        got = memoryview(_call(where, obstore.get_range, store(root), key, start=offset + done,
-                               length=n)).cast("B")
-        if got.nbytes != n:
-            raise ChunkError(f"{where}: asked for {n} bytes at {offset + done}, the store sent {got.nbytes} (the "
-                             "object changed while it was read?)", file=rel)
-        out[done:done + n] = got
-        done += n
+    if length == 0:
+        return
+    parts = pieces(offset, offset + length, PART)
+
+    def one(a: int, b: int) -> None:
+        out[a - offset:b - offset] = fetch(root, rel, a, b - a)
+
+    if len(parts) == 1 or threading.current_thread().name.startswith("s3-fetch"):
+        for a, b in parts:
+            one(a, b)
+        return
+    futures = [pool().submit(one, a, b) for a, b in parts]
+    wait(futures)  # every part has stopped writing into ``out`` before anything is raised
+    for f in futures:
+        f.result()
 
 
 def read_range(root: ObjectURL, rel: str, offset: int, length: int) -> bytearray:
@@ -255,20 +301,85 @@ def read_small(path: ObjectURL, limit: int, what: str, fix: str) -> bytes:
     return bytes(buf)
 
 
+class _Blocks:
+    """The small-read cache of every streamed object: aligned :data:`BLOCK` s, least recently used first out,
+    at most :data:`CACHE_BYTES` together. Keyed by the open object (a serial number, not its key: an object
+    replaced in the store is a new open), so nothing read before an object was reopened is served after."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blocks: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, owner: int, index: int) -> bytes | None:
+        with self._lock:
+            got = self._blocks.get((owner, index))
+            if got is not None:
+                self._blocks.move_to_end((owner, index))
+            return got
+
+    def put(self, owner: int, index: int, block: bytes) -> None:
+        with self._lock:
+            if (owner, index) in self._blocks:
+                return
+            self._blocks[(owner, index)] = block
+            self._bytes += len(block)
+            while self._bytes > CACHE_BYTES:
+                _, old = self._blocks.popitem(last=False)
+                self._bytes -= len(old)
+
+    def drop(self, owner: int) -> None:
+        with self._lock:
+            for k in [k for k in self._blocks if k[0] == owner]:
+                self._bytes -= len(self._blocks.pop(k))
+
+
+_BLOCKS = _Blocks()
+_SERIAL = itertools.count()
+
+
 class ObjectFile:
     """An object opened for ranged reads: what :func:`gtp_format.reader.storage.open_regular` gives for a
-    bucket. Its size is the store's, taken once when opened; :meth:`pread` is one bounded ranged read."""
+    bucket. Its size is the store's, taken once when opened; :meth:`pread` is one bounded ranged read.
+
+    :meth:`stream_small_reads` (a streaming pass: ``verify --data``, ``show``, ``diff``, ``export``) serves
+    reads of at most :data:`SMALL` bytes from aligned :data:`BLOCK` s: a ``torch.save`` blob's structure is
+    4-33 reads of a few bytes to a few KB near its two ends, which were one round trip each (0.01x boto3 for
+    ``export --to torch``). ``inspect`` and ``verify`` do not stream, so they read only the bytes they parse.
+    """
 
     def __init__(self, root: ObjectURL, rel: str, what: str = "data file") -> None:
         self.root, self.rel = root, rel
         self.size = object_size(root, rel, what)
         self._pos = 0
+        self._serial = next(_SERIAL)
+        self._cached = False
+
+    def stream_small_reads(self) -> None:
+        """Serve small reads from the block cache from now on (see the class docstring)."""
+        self._cached = True
+
+    def _small(self, n: int, offset: int) -> bytes:
+        first, last = offset // BLOCK, (offset + n - 1) // BLOCK
+        parts = []
+        for i in range(first, last + 1):
+            block = _BLOCKS.get(self._serial, i)
+            if block is None:
+                lo, hi = i * BLOCK, min(self.size, (i + 1) * BLOCK)
+                block = bytes(fetch(self.root, self.rel, lo, hi - lo))
+                _BLOCKS.put(self._serial, i, block)
+            parts.append(block)
+        joined = parts[0] if len(parts) == 1 else b"".join(parts)
+        at = offset - first * BLOCK
+        return joined[at:at + n]
 
     def pread(self, n: int, offset: int) -> bytes:
         """Up to ``n`` bytes at ``offset`` (fewer only at the end), like ``os.pread``."""
         n = max(0, min(n, self.size - offset))
         if n == 0:
             return b""
+        if self._cached and n <= SMALL and type(offset) is int and offset >= 0:
+            return self._small(n, offset)
         buf = bytearray(n)
         read_into(self.root, self.rel, self.size, offset, memoryview(buf))
         return bytes(buf)
@@ -296,7 +407,7 @@ class ObjectFile:
         raise OSError(f"{self.root / self.rel} is an object in a bucket, not a local file")
 
     def close(self) -> None:
-        pass
+        _BLOCKS.drop(self._serial)
 
     def __enter__(self) -> ObjectFile:
         return self
