@@ -24,13 +24,14 @@ AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_REGION``...)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Any
 
@@ -49,7 +50,7 @@ RETRY_TIMEOUT_S = 30.0
 # benchmarks/bench_s3_ckpt.py --count-requests (docs/performance.md, "Checkpoints on a bucket"):
 PART = 8 << 20  # a large read is cut into parts of this size, fetched concurrently (boto3's default part too)
 IN_FLIGHT = 8  # parts fetched at once, by all readers together: bounds the bytes in flight (64 MiB)
-BLOCK = 256 << 10  # a small read of a streamed object is served from the aligned block around it
+BLOCK = 64 << 10  # a small read of a streamed object is served from the aligned block around it
 SMALL = 64 << 10  # reads up to this size go through the block cache (zip headers, pickles: 4-33 per chunk)
 CACHE_BYTES = 32 << 20  # every streamed object's cached blocks together
 
@@ -167,12 +168,45 @@ def _key(root: ObjectURL, rel: str) -> str:
     return root.key(rel)
 
 
+_LISTED: dict[tuple[str, str], int] | None = None  # (bucket, key) -> size, while a listing scope is open
+_LISTED_DEPTH = 0
+
+
+@contextlib.contextmanager
+def listed_sizes() -> Iterator[None]:
+    """Within the block, an object's size is taken from the folder listing that named it, when one did.
+
+    Why: one ``verify`` or ``export`` asked for the same few sizes 25-40 times (``HEAD`` s from the manifest
+    check, the storage check, the data-file sizes, each open), one round trip each; a listing returns every
+    size of the folder in one. The scope is one ``ckpt`` command (:func:`ckpt_tool.output.handle_errors`),
+    so a later command sees the store as it is then. Within it, an object replaced or deleted after the
+    listing is still caught: every read's answer must be exactly as long as asked, and a missing object's
+    ``GET`` is named as missing.
+    """
+    global _LISTED, _LISTED_DEPTH
+    with _POOL_LOCK:
+        if _LISTED_DEPTH == 0:
+            _LISTED = {}
+        _LISTED_DEPTH += 1
+    try:
+        yield
+    finally:
+        with _POOL_LOCK:
+            _LISTED_DEPTH -= 1
+            if _LISTED_DEPTH == 0:
+                _LISTED = None
+                _BLOCKS.drop()  # the next command reads the store as it is then
+
+
 def head_size(root: ObjectURL, rel: str) -> int | None:
     """The size the store reports for ``rel`` below ``root``, or None if there is no such object."""
     import obstore
     from obstore import exceptions as ox
 
     key = _key(root, rel)
+    listed = _LISTED
+    if listed is not None and (root.bucket, key) in listed:
+        return listed[(root.bucket, key)]
     try:
         meta = obstore.head(store(root), key)
     except (ox.NotFoundError, FileNotFoundError):
@@ -208,10 +242,13 @@ def list_names(root: ObjectURL) -> dict[str, int | None]:
     want = prefix + "/" if prefix else ""
     page = _call(str(root), obstore.list_with_delimiter, store(root), want or None)
     out: dict[str, int | None] = {}
+    listed = _LISTED
     for meta in page["objects"]:
         name = str(meta["path"])[len(want):]
         if name and "/" not in name:
             out[name] = int(meta["size"])
+            if listed is not None:
+                listed[(root.bucket, str(meta["path"]))] = int(meta["size"])
     for p in page["common_prefixes"]:
         name = str(p)[len(want):].strip("/")
         if name and "/" not in name:
@@ -303,34 +340,54 @@ def read_small(path: ObjectURL, limit: int, what: str, fix: str) -> bytes:
 
 class _Blocks:
     """The small-read cache of every streamed object: aligned :data:`BLOCK` s, least recently used first out,
-    at most :data:`CACHE_BYTES` together. Keyed by the open object (a serial number, not its key: an object
-    replaced in the store is a new open), so nothing read before an object was reopened is served after."""
+    at most :data:`CACHE_BYTES` together.
+
+    Keyed by the object as one ``ckpt`` command sees it (bucket, key and listed size, inside
+    :func:`listed_sizes`: the copy's reader and its integrity ledger then share the blocks of a blob's
+    headers) and otherwise by the open object (a serial number), so nothing read before an object was
+    reopened outside a command is served after. A block two threads want at once is fetched once.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._blocks: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+        self._blocks: OrderedDict[tuple[object, int], bytes] = OrderedDict()
+        self._fetching: dict[tuple[object, int], Future[bytes]] = {}
         self._bytes = 0
 
-    def get(self, owner: int, index: int) -> bytes | None:
+    def get(self, owner: object, index: int, load: Callable[[], bytes]) -> bytes:
+        key = (owner, index)
         with self._lock:
-            got = self._blocks.get((owner, index))
+            got = self._blocks.get(key)
             if got is not None:
-                self._blocks.move_to_end((owner, index))
-            return got
-
-    def put(self, owner: int, index: int, block: bytes) -> None:
+                self._blocks.move_to_end(key)
+                return got
+            waiting = self._fetching.get(key)
+            if waiting is None:
+                mine: Future[bytes] = Future()
+                self._fetching[key] = mine
+        if waiting is not None:
+            return waiting.result()
+        try:
+            block = load()
+        except BaseException as e:
+            with self._lock:
+                self._fetching.pop(key, None)
+            mine.set_exception(e)
+            raise
         with self._lock:
-            if (owner, index) in self._blocks:
-                return
-            self._blocks[(owner, index)] = block
+            self._fetching.pop(key, None)
+            self._blocks[key] = block
             self._bytes += len(block)
             while self._bytes > CACHE_BYTES:
                 _, old = self._blocks.popitem(last=False)
                 self._bytes -= len(old)
+        mine.set_result(block)
+        return block
 
-    def drop(self, owner: int) -> None:
+    def drop(self, owner: object | None = None) -> None:
+        """Forget ``owner``'s blocks, or every block (the end of a command)."""
         with self._lock:
-            for k in [k for k in self._blocks if k[0] == owner]:
+            for k in [k for k in self._blocks if owner is None or k[0] == owner]:
                 self._bytes -= len(self._blocks.pop(k))
 
 
@@ -353,22 +410,24 @@ class ObjectFile:
         self.size = object_size(root, rel, what)
         self._pos = 0
         self._serial = next(_SERIAL)
+        # one command's view of the object (see _Blocks); outside a command, this open alone
+        self._owner: object = (root.bucket, root.key(rel), self.size) if _LISTED is not None else self._serial
         self._cached = False
 
     def stream_small_reads(self) -> None:
         """Serve small reads from the block cache from now on (see the class docstring)."""
         self._cached = True
 
+    def _load(self, offset: int, n: int) -> bytes:
+        return bytes(fetch(self.root, self.rel, offset, n))
+
     def _small(self, n: int, offset: int) -> bytes:
         first, last = offset // BLOCK, (offset + n - 1) // BLOCK
         parts = []
         for i in range(first, last + 1):
-            block = _BLOCKS.get(self._serial, i)
-            if block is None:
-                lo, hi = i * BLOCK, min(self.size, (i + 1) * BLOCK)
-                block = bytes(fetch(self.root, self.rel, lo, hi - lo))
-                _BLOCKS.put(self._serial, i, block)
-            parts.append(block)
+            lo, hi = i * BLOCK, min(self.size, (i + 1) * BLOCK)
+            load = functools.partial(self._load, lo, hi - lo)
+            parts.append(_BLOCKS.get(self._owner, i, load))
         joined = parts[0] if len(parts) == 1 else b"".join(parts)
         at = offset - first * BLOCK
         return joined[at:at + n]
@@ -407,7 +466,8 @@ class ObjectFile:
         raise OSError(f"{self.root / self.rel} is an object in a bucket, not a local file")
 
     def close(self) -> None:
-        _BLOCKS.drop(self._serial)
+        if self._owner == self._serial:
+            _BLOCKS.drop(self._serial)
 
     def __enter__(self) -> ObjectFile:
         return self
