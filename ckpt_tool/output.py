@@ -94,10 +94,12 @@ def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(func)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        from gtp_format.storage.objects import listed_sizes
         from gtp_format.writer.work import Terminated
 
         try:
-            return func(*args, **kwargs)
+            with listed_sizes():  # one command: a bucket's sizes from its listings (fewer HEAD round trips)
+                return func(*args, **kwargs)
         except Terminated:  # SIGTERM during a write: the writer already removed its work folder
             fail("terminated (SIGTERM); nothing was written, the partial output was removed", 128 + 15)
         except FormatError as e:

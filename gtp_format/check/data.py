@@ -59,9 +59,11 @@ from gtp_format.reader.chunks import (
     checked_ref,
 )
 from gtp_format.reader.storage import is_sparse, open_regular, past_end_message, sparse_file_message
+from gtp_format.reader.storage import streamed as streamed_file
 from gtp_format.reader.zip_blob import BlobError, RangeReader
 from gtp_format.scan import can_hold_nonfinite
 from gtp_format.storage.objects import ObjectFile
+from gtp_format.storage.prefetch import ObjectStream
 
 WINDOW = 2 << 20
 MAX_WORKERS = 8
@@ -202,6 +204,7 @@ class _FilePass:
         self.planned: Found | None = Found()  # what planning found: merged before the first step
         self.fd: int | None = None
         self.obj: ObjectFile | None = None
+        self.stream: ObjectStream | None = None  # a bucket's object: the plan's ranges, fetched ahead
         self.remaining = 0
         self.failed = False
 
@@ -219,8 +222,9 @@ class _FilePass:
             self.remaining = 1
             return []
         if isinstance(f, ObjectFile):  # a bucket's object: ranged reads, its size the store's (no holes)
-            self.obj, self.size = f, f.size
+            self.obj, self.size = streamed_file(f), f.size  # type: ignore[assignment]
             steps = self._plan()
+            self.stream = ObjectStream(f, [(s.start, s.stop) for s in steps])
             self.remaining = max(1, len(steps))
             return steps
         st = os.fstat(f.fileno())
@@ -271,6 +275,8 @@ class _FilePass:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        if self.stream is not None:
+            self.stream.close()
         if report is None or self.failed:
             return
         if self.crc is not None:
@@ -296,6 +302,8 @@ class _FilePass:
 
     def _pread(self, start: int, stop: int) -> bytes:
         """The bytes ``[start, stop)`` as one immutable ``bytes`` (what google-crc32c hashes without the GIL)."""
+        if self.stream is not None:
+            return self.stream.read(start, stop)  # exactly those bytes, or an error naming the object
         read = self.obj.pread if self.obj is not None else functools.partial(os.pread, self.fd)
         data = read(stop - start, start)
         while len(data) < stop - start:  # short reads happen only at the end of a file that shrank

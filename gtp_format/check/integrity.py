@@ -45,7 +45,17 @@ from gtp_format.hashing import CRCS, HASHERS, Crc, file_digests
 from gtp_format.model import BYTES, ENC_TORCH_SAVE, TENSOR, Checkpoint
 from gtp_format.reader.blob import parse_blob
 from gtp_format.reader.chunks import check_byte_object, checked_ref
-from gtp_format.reader.storage import Source, open_regular, pread, size_of, source_of
+from gtp_format.reader.storage import (
+    Source,
+    is_sparse,
+    open_regular,
+    pread,
+    pread_into,
+    size_of,
+    source_of,
+    sparse_file_message,
+    streamed,
+)
 from gtp_format.reader.storage import stored_bytes as file_stored_bytes
 from gtp_format.reader.zip_blob import BlobError, RangeReader
 from gtp_format.storage.objects import ObjectFile
@@ -152,16 +162,18 @@ class ReadLedger:
         if buf is None:
             buf = self._local.buf = bytearray(BLOCK)
         with open_regular(self.ckpt.root, rel) as f:
-            fd = f.fileno()
-            for pos in range(lo, hi, BLOCK):
+            if not isinstance(f, ObjectFile) and is_sparse(os.fstat(f.fileno())):
+                return  # holes nobody wrote: finish() refuses the file without reading them
+            src, size = source_of(f), size_of(f)  # a descriptor, or a bucket's object (no fileno)
+            for pos in range(lo, min(hi, size), BLOCK):
                 if self._stop.is_set():
                     return
-                want = min(BLOCK, hi - pos)
-                view = memoryview(buf)[:want]
-                got = os.preadv(fd, [view], pos)
-                if got <= 0:
+                view = memoryview(buf)[:min(BLOCK, hi - pos, size - pos)]
+                try:
+                    pread_into(src, rel, size, pos, view)
+                except ChunkError:
                     return  # the file shrank: finish() reads the rest itself and says so
-                self.record(rel, pos, view[:got], filled=True)
+                self.record(rel, pos, view, filled=True)
 
     def cancel(self) -> None:
         """Stop the background fill (a copy that failed or was interrupted); waits for its reads."""
@@ -191,7 +203,12 @@ class ReadLedger:
             with self._lock:
                 self._pieces[rel] = sorted(self._pieces.get(rel, ()))
             try:
-                with open_regular(self.ckpt.root, rel) as f:
+                with streamed(open_regular(self.ckpt.root, rel)) as f:
+                    if not isinstance(f, ObjectFile) and is_sparse(st := os.fstat(f.fileno())):
+                        # reading (and hashing) the holes of a 16 TiB sparse file under a matching manifest
+                        # kept export busy for hours (the hostile corpus run from a bucket found it)
+                        raise DamagedSource(f"{self.ckpt.root / rel}: {sparse_file_message(rel, st)}; nothing "
+                                            "was written")
                     fd, size = source_of(f), size_of(f)
                     if mode.size is not None and size != mode.size:
                         raise DamagedSource(f"{self.ckpt.root / rel}: is {size} bytes but the manifest says "

@@ -34,7 +34,7 @@ from gtp_format.layout.boxes import intersection
 from gtp_format.model import ENC_RAW, TENSOR, Checkpoint, Chunk, Entry
 from gtp_format.reader.blob import parse_blob
 from gtp_format.reader.chunks import blob_error, check_layout, checked_ref
-from gtp_format.reader.storage import Source, open_regular, pread_into, size_of, source_of
+from gtp_format.reader.storage import Source, open_regular, pread_into, size_of, source_of, streamed
 from gtp_format.reader.zip_blob import BlobError, RangeReader
 from gtp_format.scan import carrier
 
@@ -85,7 +85,7 @@ class BoxReader:
         with self._lock:
             got = self._files.get(rel)
             if got is None:
-                f = open_regular(self.ckpt.root, rel)
+                f = streamed(open_regular(self.ckpt.root, rel))
                 got = self._files[rel] = (f, size_of(f))
         return source_of(got[0]), got[1]
 
@@ -148,12 +148,12 @@ class BoxReader:
         with self._lock:
             if cache_key in self._layouts:
                 return self._layouts[cache_key]
-        with open_regular(self.ckpt.root, ref.file) as f:
-            try:
-                layout = parse_blob(RangeReader(source_of(f), ref.offset, ref.length))
-                check_layout(layout, entry, chunk)
-            except BlobError as e:
-                raise blob_error(entry, chunk, e) from None
+        fd, _ = self._file(ref.file)  # opened once per file: on a bucket, one HEAD per object, not per chunk
+        try:
+            layout = parse_blob(RangeReader(fd, ref.offset, ref.length))
+            check_layout(layout, entry, chunk)
+        except BlobError as e:
+            raise blob_error(entry, chunk, e) from None
         row_major = tuple(math.prod(chunk.sizes[i + 1:]) for i in range(len(chunk.sizes)))
         strides: tuple[int, ...] | None = None
         if layout.stride != row_major and math.prod(chunk.sizes) > 1:

@@ -149,6 +149,15 @@ def open_regular(root: Path | ObjectURL, rel: str, what: str = "data file") -> B
     return os.fdopen(_open_in(root, rel, what), "rb")
 
 
+def streamed(f: BinaryIO) -> BinaryIO:
+    """``f`` (from :func:`open_regular`) marked as read by a streaming pass: a bucket's object then serves its
+    small reads from a block cache (:meth:`gtp_format.storage.objects.ObjectFile.stream_small_reads`); a local
+    file is left as it is (the page cache does that already)."""
+    if isinstance(f, objects.ObjectFile):
+        f.stream_small_reads()
+    return f
+
+
 def stored_bytes(st: os.stat_result) -> int:
     """Bytes a file really stores: its allocated blocks (``st_blocks`` counts 512-byte units on
     Linux and the BSDs), capped by its size. A hole costs the attacker nothing and the reader a

@@ -25,9 +25,14 @@ AWS profile of the shared files (:mod:`gtp_format.storage.profiles`), passed to 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import os
-from collections.abc import Iterator
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +40,7 @@ from gtp_format.errors import ChunkError, FormatError
 from gtp_format.storage import profiles
 from gtp_format.storage.location import ObjectURL
 from gtp_format.storage.paths import past_end_message, unsafe_reason
+from gtp_format.storage.ranges import pieces
 
 PIECE = 64 << 20  # largest single ranged GET: bounds the memory one request holds in flight
 RETRIES = 3  # transient errors retried with exponential backoff, within RETRY_TIMEOUT_S
@@ -42,6 +48,13 @@ CONNECT_TIMEOUT_S = 5.0
 TIMEOUT_ENV = "CKPT_S3_TIMEOUT_S"  # per-request timeout, seconds
 DEFAULT_TIMEOUT_S = 60.0
 RETRY_TIMEOUT_S = 30.0
+# Streaming reads (verify --data, show, diff, export): why these sizes, measured by
+# benchmarks/bench_s3_ckpt.py --count-requests (docs/performance.md, "Checkpoints on a bucket"):
+PART = 8 << 20  # a large read is cut into parts of this size, fetched concurrently (boto3's default part too)
+IN_FLIGHT = 8  # parts fetched at once, by all readers together: bounds the bytes in flight (64 MiB)
+BLOCK = 64 << 10  # a small read of a streamed object is served from the aligned block around it
+SMALL = 64 << 10  # reads up to this size go through the block cache (zip headers, pickles: 4-33 per chunk)
+CACHE_BYTES = 32 << 20  # every streamed object's cached blocks together
 
 
 def _timeout() -> float:
@@ -168,12 +181,45 @@ def _key(root: ObjectURL, rel: str) -> str:
     return root.key(rel)
 
 
+_LISTED: dict[tuple[str, str], int] | None = None  # (bucket, key) -> size, while a listing scope is open
+_LISTED_DEPTH = 0
+
+
+@contextlib.contextmanager
+def listed_sizes() -> Iterator[None]:
+    """Within the block, an object's size is taken from the folder listing that named it, when one did.
+
+    Why: one ``verify`` or ``export`` asked for the same few sizes 25-40 times (``HEAD`` s from the manifest
+    check, the storage check, the data-file sizes, each open), one round trip each; a listing returns every
+    size of the folder in one. The scope is one ``ckpt`` command (:func:`ckpt_tool.output.handle_errors`),
+    so a later command sees the store as it is then. Within it, an object replaced or deleted after the
+    listing is still caught: every read's answer must be exactly as long as asked, and a missing object's
+    ``GET`` is named as missing.
+    """
+    global _LISTED, _LISTED_DEPTH
+    with _POOL_LOCK:
+        if _LISTED_DEPTH == 0:
+            _LISTED = {}
+        _LISTED_DEPTH += 1
+    try:
+        yield
+    finally:
+        with _POOL_LOCK:
+            _LISTED_DEPTH -= 1
+            if _LISTED_DEPTH == 0:
+                _LISTED = None
+                _BLOCKS.drop()  # the next command reads the store as it is then
+
+
 def head_size(root: ObjectURL, rel: str) -> int | None:
     """The size the store reports for ``rel`` below ``root``, or None if there is no such object."""
     import obstore
     from obstore import exceptions as ox
 
     key = _key(root, rel)
+    listed = _LISTED
+    if listed is not None and (root.bucket, key) in listed:
+        return listed[(root.bucket, key)]
     try:
         meta = obstore.head(store(root), key)
     except (ox.NotFoundError, FileNotFoundError):
@@ -209,10 +255,13 @@ def list_names(root: ObjectURL) -> dict[str, int | None]:
     want = prefix + "/" if prefix else ""
     page = _call(str(root), obstore.list_with_delimiter, store(root), want or None)
     out: dict[str, int | None] = {}
+    listed = _LISTED
     for meta in page["objects"]:
         name = str(meta["path"])[len(want):]
         if name and "/" not in name:
             out[name] = int(meta["size"])
+            if listed is not None:
+                listed[(root.bucket, str(meta["path"]))] = int(meta["size"])
     for p in page["common_prefixes"]:
         name = str(p)[len(want):].strip("/")
         if name and "/" not in name:
@@ -220,26 +269,60 @@ def list_names(root: ObjectURL) -> dict[str, int | None]:
     return out
 
 
-def read_into(root: ObjectURL, rel: str, size: int, offset: int, out: memoryview) -> None:
-    """Fill ``out`` from ``offset`` of the object ``rel`` whose store-reported size is ``size``, in
-    pieces of at most :data:`PIECE` bytes; a short answer is a :class:`ChunkError`, never a short read."""
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def pool() -> ThreadPoolExecutor:
+    """The threads that fetch parts and prefetched requests (:data:`IN_FLIGHT` of them, shared by every reader,
+    so the bytes in flight stay bounded however many threads read). Their tasks are leaves: a task never waits
+    on another, so the pool cannot deadlock."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="s3-fetch")
+        return _POOL
+
+
+def fetch(root: ObjectURL, rel: str, offset: int, n: int) -> memoryview:
+    """One ranged ``GET`` of exactly ``n`` (at most :data:`PIECE`) bytes at ``offset`` of ``rel``; the caller has
+    checked the range against the store's size. A short answer is a :class:`ChunkError`."""
     import obstore
 
+    assert 0 < n <= PIECE
+    key, where = _key(root, rel), str(root / rel)
+    got = memoryview(_call(where, obstore.get_range, store(root), key, start=offset, length=n)).cast("B")
+    if got.nbytes != n:
+        raise ChunkError(f"{where}: asked for {n} bytes at {offset}, the store sent {got.nbytes} (the "
+                         "object changed while it was read?)", file=rel)
+    return got
 
+
+def read_into(root: ObjectURL, rel: str, size: int, offset: int, out: memoryview) -> None:
+    """Fill ``out`` from ``offset`` of the object ``rel`` whose store-reported size is ``size``; a short answer
+    is a :class:`ChunkError`, never a short read.
+
+    A read over :data:`PART` is cut into parts fetched concurrently on :func:`pool` (a single stream of
+    ranged ``GET`` s waits one round trip per part; boto3's ``download_file`` runs 10 at once).
+    """
     length = out.nbytes
     if type(offset) is not int or offset < 0 or offset + length > size:
         raise ChunkError(past_end_message(rel, offset, length, size), file=rel)
-    key, where = _key(root, rel), str(root / rel)
-    done = 0
-    while done < length:
-        n = min(PIECE, length - done)
-        got = memoryview(_call(where, obstore.get_range, store(root), key, start=offset + done,
-                               length=n)).cast("B")
-        if got.nbytes != n:
-            raise ChunkError(f"{where}: asked for {n} bytes at {offset + done}, the store sent {got.nbytes} (the "
-                             "object changed while it was read?)", file=rel)
-        out[done:done + n] = got
-        done += n
+    if length == 0:
+        return
+    parts = pieces(offset, offset + length, PART)
+
+    def one(a: int, b: int) -> None:
+        out[a - offset:b - offset] = fetch(root, rel, a, b - a)
+
+    if len(parts) == 1 or threading.current_thread().name.startswith("s3-fetch"):
+        for a, b in parts:
+            one(a, b)
+        return
+    futures = [pool().submit(one, a, b) for a, b in parts]
+    wait(futures)  # every part has stopped writing into ``out`` before anything is raised
+    for f in futures:
+        f.result()
 
 
 def read_range(root: ObjectURL, rel: str, offset: int, length: int) -> bytearray:
@@ -268,20 +351,107 @@ def read_small(path: ObjectURL, limit: int, what: str, fix: str) -> bytes:
     return bytes(buf)
 
 
+class _Blocks:
+    """The small-read cache of every streamed object: aligned :data:`BLOCK` s, least recently used first out,
+    at most :data:`CACHE_BYTES` together.
+
+    Keyed by the object as one ``ckpt`` command sees it (bucket, key and listed size, inside
+    :func:`listed_sizes`: the copy's reader and its integrity ledger then share the blocks of a blob's
+    headers) and otherwise by the open object (a serial number), so nothing read before an object was
+    reopened outside a command is served after. A block two threads want at once is fetched once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blocks: OrderedDict[tuple[object, int], bytes] = OrderedDict()
+        self._fetching: dict[tuple[object, int], Future[bytes]] = {}
+        self._bytes = 0
+
+    def get(self, owner: object, index: int, load: Callable[[], bytes]) -> bytes:
+        key = (owner, index)
+        with self._lock:
+            got = self._blocks.get(key)
+            if got is not None:
+                self._blocks.move_to_end(key)
+                return got
+            waiting = self._fetching.get(key)
+            if waiting is None:
+                mine: Future[bytes] = Future()
+                self._fetching[key] = mine
+        if waiting is not None:
+            return waiting.result()
+        try:
+            block = load()
+        except BaseException as e:
+            with self._lock:
+                self._fetching.pop(key, None)
+            mine.set_exception(e)
+            raise
+        with self._lock:
+            self._fetching.pop(key, None)
+            self._blocks[key] = block
+            self._bytes += len(block)
+            while self._bytes > CACHE_BYTES:
+                _, old = self._blocks.popitem(last=False)
+                self._bytes -= len(old)
+        mine.set_result(block)
+        return block
+
+    def drop(self, owner: object | None = None) -> None:
+        """Forget ``owner``'s blocks, or every block (the end of a command)."""
+        with self._lock:
+            for k in [k for k in self._blocks if owner is None or k[0] == owner]:
+                self._bytes -= len(self._blocks.pop(k))
+
+
+_BLOCKS = _Blocks()
+_SERIAL = itertools.count()
+
+
 class ObjectFile:
     """An object opened for ranged reads: what :func:`gtp_format.reader.storage.open_regular` gives for a
-    bucket. Its size is the store's, taken once when opened; :meth:`pread` is one bounded ranged read."""
+    bucket. Its size is the store's, taken once when opened; :meth:`pread` is one bounded ranged read.
+
+    :meth:`stream_small_reads` (a streaming pass: ``verify --data``, ``show``, ``diff``, ``export``) serves
+    reads of at most :data:`SMALL` bytes from aligned :data:`BLOCK` s: a ``torch.save`` blob's structure is
+    4-33 reads of a few bytes to a few KB near its two ends, which were one round trip each (0.01x boto3 for
+    ``export --to torch``). ``inspect`` and ``verify`` do not stream, so they read only the bytes they parse.
+    """
 
     def __init__(self, root: ObjectURL, rel: str, what: str = "data file") -> None:
         self.root, self.rel = root, rel
         self.size = object_size(root, rel, what)
         self._pos = 0
+        self._serial = next(_SERIAL)
+        # one command's view of the object (see _Blocks); outside a command, this open alone
+        self._owner: object = (root.bucket, root.key(rel), self.size) if _LISTED is not None else self._serial
+        self._cached = False
+
+    def stream_small_reads(self) -> None:
+        """Serve small reads from the block cache from now on (see the class docstring)."""
+        self._cached = True
+
+    def _load(self, offset: int, n: int) -> bytes:
+        return bytes(fetch(self.root, self.rel, offset, n))
+
+    def _small(self, n: int, offset: int) -> bytes:
+        first, last = offset // BLOCK, (offset + n - 1) // BLOCK
+        parts = []
+        for i in range(first, last + 1):
+            lo, hi = i * BLOCK, min(self.size, (i + 1) * BLOCK)
+            load = functools.partial(self._load, lo, hi - lo)
+            parts.append(_BLOCKS.get(self._owner, i, load))
+        joined = parts[0] if len(parts) == 1 else b"".join(parts)
+        at = offset - first * BLOCK
+        return joined[at:at + n]
 
     def pread(self, n: int, offset: int) -> bytes:
         """Up to ``n`` bytes at ``offset`` (fewer only at the end), like ``os.pread``."""
         n = max(0, min(n, self.size - offset))
         if n == 0:
             return b""
+        if self._cached and n <= SMALL and type(offset) is int and offset >= 0:
+            return self._small(n, offset)
         buf = bytearray(n)
         read_into(self.root, self.rel, self.size, offset, memoryview(buf))
         return bytes(buf)
@@ -309,7 +479,8 @@ class ObjectFile:
         raise OSError(f"{self.root / self.rel} is an object in a bucket, not a local file")
 
     def close(self) -> None:
-        pass
+        if self._owner == self._serial:
+            _BLOCKS.drop(self._serial)
 
     def __enter__(self) -> ObjectFile:
         return self

@@ -33,15 +33,16 @@ def ckpt(capsys, *argv: str) -> tuple[int, str, str]:
 
 @pytest.fixture
 def reads(monkeypatch):
-    """Every ranged read the bucket backend makes: (key, offset, length)."""
+    """Every ranged request the bucket backend sends (``objects.fetch``, the one function that sends a GET of
+    an object's bytes): (key, offset, length)."""
     seen: list[tuple[str, int, int]] = []
-    real = objects.read_into
+    real = objects.fetch
 
-    def spy(root, rel, size, offset, out):
-        seen.append((root.key(rel), offset, memoryview(out).nbytes))
-        return real(root, rel, size, offset, out)
+    def spy(root, rel, offset, n):
+        seen.append((root.key(rel), offset, n))
+        return real(root, rel, offset, n)
 
-    monkeypatch.setattr(objects, "read_into", spy)
+    monkeypatch.setattr(objects, "fetch", spy)
     return seen
 
 

@@ -1,0 +1,110 @@
+"""The coalescing plan of a bucket's ranged reads (:mod:`gtp_format.storage.ranges`) against brute force.
+
+What could fail: a request that reads outside the object or past the per-request cap, a range whose
+bytes are served by no request (or by two), two ranges merged across a hole larger than the gap
+threshold, and, read through the plan (:class:`gtp_format.storage.prefetch.ObjectStream` over a fake
+object), bytes that differ from the uncoalesced reads.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gtp_format.storage import objects, prefetch
+from gtp_format.storage.ranges import coalesce
+
+
+@st.composite
+def plans(draw: st.DrawFn) -> tuple[int, list[tuple[int, int]], int, int]:
+    size = draw(st.integers(1, 5000))
+    n = draw(st.integers(0, 30))
+    ranges = []
+    for _ in range(n):
+        a = draw(st.integers(0, size - 1))
+        b = draw(st.integers(a + 1, min(size, a + 1 + draw(st.integers(0, 2000)))))
+        ranges.append((a, b))
+    return size, ranges, draw(st.integers(1, 3000)), draw(st.integers(0, 1000))
+
+
+@settings(max_examples=400, deadline=None)
+@given(plans())
+def test_the_plan_serves_every_range_once_within_the_object_and_the_cap(plan):
+    size, ranges, cap, gap = plan
+    requests = coalesce(ranges, size, cap=cap, gap=gap)
+    owner = [-1] * size  # brute force: which request holds each byte
+    for k, r in enumerate(requests):
+        assert 0 <= r.start < r.stop <= size and r.stop - r.start <= cap
+        for b in range(r.start, r.stop):
+            assert owner[b] == -1, "two requests read the same byte"
+            owner[b] = k
+    for i, (a, b) in enumerate(ranges):
+        assert all(owner[x] >= 0 for x in range(a, b)), "a byte of a range is in no request"
+        assert {owner[x] for x in range(a, b)} == {k for k, r in enumerate(requests) if i in r.members}
+    wanted = {x for a, b in ranges for x in range(a, b)}
+    for r in requests:  # a request reads a hole only where it is at most gap bytes between wanted bytes
+        run = 0
+        for x in range(r.start, r.stop):
+            run = 0 if x in wanted else run + 1
+            assert run <= gap, f"a hole of more than {gap} bytes read in {r}"
+        assert r.start in wanted and r.stop - 1 in wanted
+
+
+class FakeObject:
+    """An object of known bytes: ``fetch`` of it is checked against its size and counted."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.size, self.requests = data, len(data), []
+        self.root, self.rel = self, "x"
+
+    def __truediv__(self, other: str) -> str:
+        return f"fake/{other}"
+
+    def pread(self, n: int, offset: int) -> bytes:
+        self.requests.append((offset, n))
+        return self.data[offset:offset + n]
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans(), st.integers(1, 4), st.randoms(use_true_random=False))
+def test_reading_through_the_plan_returns_the_uncoalesced_bytes(monkeypatch_module, plan, ahead, rnd):
+    size, ranges, cap, _ = plan
+    data = bytes(rnd.getrandbits(8) for _ in range(size))
+    obj = FakeObject(data)
+    sent: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def fetch(root, rel, offset, n):
+        assert root is obj and 0 <= offset and 0 < n <= cap and offset + n <= size
+        with lock:
+            sent.append((offset, n))
+        return memoryview(data[offset:offset + n])
+
+    monkeypatch_module.setattr(objects, "fetch", fetch)
+    monkeypatch_module.setattr(objects, "PART", cap)
+    stream = prefetch.ObjectStream(obj, ranges, ahead=ahead)
+    order = list(range(len(ranges)))
+    rnd.shuffle(order)  # workers take ranges roughly, not exactly, in order
+    for i in order:
+        a, b = ranges[i]
+        assert stream.read(a, b) == data[a:b]  # brute force: the uncoalesced read
+    stream.close()
+    planned = {(r.start, r.stop - r.start) for r in stream.requests}
+    assert len(sent) == len(set(sent)) and set(sent) == planned  # each planned request sent once, nothing else
+    assert obj.requests == []  # no range fell back to a direct read
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_refuses_ranges_outside_the_object():
+    with pytest.raises(ValueError):
+        coalesce([(0, 11)], 10, cap=4)
+    with pytest.raises(ValueError):
+        coalesce([(3, 3)], 10, cap=4)
