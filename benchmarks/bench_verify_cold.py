@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     gb = sum(p.stat().st_size for p in folder.iterdir() if p.is_file()) / 1e9
     times = measure(folder, args.repeats)
     cat = statistics.median(times["cat"])
-    rows = [[name, f"{statistics.median(t):.3g}", f"{min(t):.3g}", f"{gb / statistics.median(t):.2f}",
-             f"{cat / statistics.median(t):.2f}x"] for name, t in times.items()]
+    rows = [[name, f"{statistics.median(t):.3g}", f"{min(t):.3g}", f"{gb / statistics.median(t):.3g}",
+             f"{cat / statistics.median(t):.3g}x"] for name, t in times.items()]
     table = tabulate(rows, headers=["what", "median s", "min s", "GB/s (median)", "vs cat cold"], tablefmt="github")
     print(f"{gb:.2f} GB in {folder}\n{table}")
     if args.write_docs:
