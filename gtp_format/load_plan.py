@@ -193,7 +193,7 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
 
     meg = derive(ckpt)
     source = meg.to_dict()
-    target = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "ep": ep or 1}
+    target = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "ep": ep or 1, "etp": etp or tp}
     export = f"ckpt export {src_arg} DST --to fully_reshardable"
     if meg.format in ("fully_reshardable", "fully_sharded_model_space"):
         return LoadPlan(AS_IS, f"{meg.format}: megatron-core loads it at any TP/PP/DP (0.19.2 with torch's AdamW "
@@ -201,11 +201,12 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
     if meg.format != "dp_reshardable":
         return LoadPlan(IMPOSSIBLE, f"{meg.format or 'this optimizer format'}: ckpt cannot convert it; load it at "
                         "its own topology with megatron-core", source, target)
-    same = all(getattr(meg, k) is None or getattr(meg, k) == v for k, v in (("tp", tp), ("pp", pp), ("ep", ep or 1)))
-    if same and meg.dp_cp is not None and meg.dp_cp == dp * cp:
-        return LoadPlan(AS_IS, "same TP/PP/EP and the same dp x cp optimizer group", source, target)
     moe = any(".experts." in k for k in ckpt.entries)
     etp = etp or tp  # megatron-core's default expert TP: the TP size
+    same = all(getattr(meg, k) is None or getattr(meg, k) == v
+               for k, v in (("tp", tp), ("pp", pp), ("ep", ep or 1), ("etp", etp if moe else None)))
+    if same and meg.dp_cp is not None and meg.dp_cp == dp * cp:
+        return LoadPlan(AS_IS, "same TP/PP/EP and the same dp x cp optimizer group", source, target)
     biases = any(k.startswith("decoder.layers.mlp.experts.") and k.endswith(".bias") for k in ckpt.entries)
     why_not = ("its experts have biases, which megatron-core allows only at expert TP 1 (pass --etp 1)"
                if moe and etp > 1 and biases else
@@ -217,7 +218,7 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
                         target, [export])
     reshard = f"ckpt reshard {src_arg} DST --tp {tp} --pp {pp} --cp {cp} --dp {dp}"
     reshard += (f" --ep {ep or 1}" + (f" --etp {etp}" if etp != tp else "")) if moe else ""
-    why = (f"dp x cp {meg.dp_cp} -> {dp * cp}" if same else "another TP/PP/EP")
+    why = (f"dp x cp {meg.dp_cp} -> {dp * cp}" if same else "another TP/PP/EP/expert TP")
     return LoadPlan(RESHARD, f"{why}: megatron-core's dp_reshardable load refuses another layout of its buckets "
                     "('Global shape mismatch'); ckpt reshard writes the dp_reshardable checkpoint megatron-core saves "
                     "at the target (its loader takes it with no other flag), or export to fully_reshardable",

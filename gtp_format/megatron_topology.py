@@ -53,6 +53,7 @@ class MegatronTopology:
     dp: int | None = None
     cp: int | None = None
     ep: int | None = None
+    etp: int | None = None  # expert TP: the parts each (layer, expert) of an expert key is stored in
     dp_cp: int | None = None  # the distributed optimizer's group (dense params): dp x cp
     format: str | None = None
     sources: dict[str, str] = field(default_factory=dict)  # size -> where it was read
@@ -66,6 +67,8 @@ class MegatronTopology:
         parts = [size(n) for n in ("tp", "pp", "cp", "dp")]
         if self.ep is not None and self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.etp is not None and self.etp != self.tp:
+            parts.append(f"etp{self.etp}")
         text = " ".join(parts)
         if (self.cp is None or self.dp is None) and self.dp_cp is not None:
             text += f" (dp x cp = {self.dp_cp})"
@@ -81,8 +84,23 @@ class MegatronTopology:
 
     def to_dict(self) -> dict[str, Any]:
         return {"world": self.world, "tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp, "ep": self.ep,
-                "dp_cp": self.dp_cp, "format": self.format, "folded": False, "sources": dict(self.sources),
-                "notes": list(self.notes)}
+                "etp": self.etp, "dp_cp": self.dp_cp, "format": self.format, "folded": False,
+                "sources": dict(self.sources), "notes": list(self.notes)}
+
+
+def _expert_tp(ckpt: Checkpoint) -> int | None:
+    """Expert TP from the stacked expert keys (``decoder.layers.mlp.experts.experts.*``, shape
+    ``(layers, experts, ...)``): megatron-core stores each (layer, expert) in expert-TP equal parts, so
+    the parts of the first (layer, expert) give it. Why not TP: megatron-core's expert TP defaults to TP
+    but is its own flag, and a checkpoint resharded to expert TP 1 at TP 2 has expert-optimizer
+    groups PP x EP x 1, not PP x EP x TP. The view checks every (layer, expert) against this."""
+    counts = set()
+    for k, e in ckpt.entries.items():
+        if e.kind != TENSOR or ".experts.experts." not in k or not e.chunks or len(e.chunks[0].offsets) < 3:
+            continue
+        first = tuple(e.chunks[0].offsets[:2])
+        counts.add(sum(1 for c in e.chunks if tuple(c.offsets[:2]) == first))
+    return max(counts) if counts else None
 
 
 def _object_base(key: str) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
@@ -207,10 +225,15 @@ def derive(ckpt: Checkpoint, *, read_common_state: bool = True) -> MegatronTopol
         if topo.dp is not None and topo.cp is not None and topo.dp * topo.cp != topo.dp_cp:
             topo.notes.append(f"common_state args give dp {topo.dp} x cp {topo.cp}, but world {topo.world} / "
                               f"(tp {topo.tp} x pp {topo.pp}) = {topo.dp_cp}")
-    if topo.ep is None and len(prefixes) > 1 and topo.tp and topo.pp:
+    topo.etp = _expert_tp(ckpt)
+    if topo.etp is not None:
+        topo.sources["etp"] = "chunks per (layer, expert) of the expert keys"
+    if topo.ep is None and len(prefixes) > 1 and topo.pp and (topo.etp or topo.tp):
+        etp = topo.etp or topo.tp
+        assert etp is not None
         n = len({o.dp_group_idx for o in opts if o.prefix == prefixes[-1]})
-        if n % (topo.tp * topo.pp) == 0:
-            topo.ep = n // (topo.tp * topo.pp)
+        if n % (etp * topo.pp) == 0:  # the expert optimizer's groups: PP x EP x expert TP
+            topo.ep = n // (etp * topo.pp)
             topo.sources["ep"] = "expert optimizer dp_group_idx count"
     if topo.ep is None and not any(".experts." in k for k in ckpt.entries):
         topo.ep = 1

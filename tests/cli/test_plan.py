@@ -102,6 +102,27 @@ def test_megatron_verdicts() -> None:
     assert full["verdict"] == "works_as_is"
 
 
+def test_megatron_expert_tp_is_read_from_the_checkpoint_and_compared(tmp_path: Path) -> None:
+    """Expert TP is its own size: a load at another expert TP needs a reshard even where TP/PP/EP/DP
+    match, and a checkpoint at expert TP 1 under TP 2 (expert optimizer groups PP x EP x 1) gives EP
+    from those groups, not from TP."""
+    src = MEGATRON / "pair_moe_tp2_etp2_dp_reshardable"
+    same = json.loads(cli("plan", src, "--tp", "2", "--dp", "2", "--ep", "2", "--format", "json").stdout)
+    assert same["verdict"] == "works_as_is" and same["source"]["etp"] == 2 and same["source"]["ep"] == 2
+    other = json.loads(cli("plan", src, "--tp", "2", "--dp", "2", "--ep", "2", "--etp", "1", "--format",
+                           "json").stdout)
+    assert other["verdict"] == "needs_reshard" and "expert TP" in other["reason"]
+    assert other["commands"][0] == f"ckpt reshard {src} DST --tp 2 --pp 1 --cp 1 --dp 2 --ep 2 --etp 1"
+    out = tmp_path / "etp1"
+    r = cli("reshard", src, out, "--tp", "2", "--dp", "2", "--ep", "2", "--etp", "1")
+    assert r.exit_code == 0, r.stderr
+    at1 = json.loads(cli("plan", out, "--tp", "2", "--dp", "2", "--ep", "2", "--etp", "1", "--format",
+                         "json").stdout)
+    assert (at1["verdict"], at1["source"]["etp"], at1["source"]["ep"]) == ("works_as_is", 1, 2)
+    at2 = json.loads(cli("plan", out, "--tp", "2", "--dp", "2", "--ep", "2", "--format", "json").stdout)
+    assert at2["verdict"] == "needs_reshard"
+
+
 def test_megatron_reshard_command_from_the_plan_gives_a_checkpoint_that_loads_as_is(tmp_path: Path) -> None:
     """The command ``ckpt plan`` prints, run as printed (DST filled in), yields a checkpoint whose plan at
     that topology is works_as_is (megatron-core's loader on it: tests/cli/test_megatron_load.py)."""
