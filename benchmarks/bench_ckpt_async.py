@@ -191,9 +191,13 @@ def worker(args: argparse.Namespace, out: str) -> None:
     dist.barrier()
     t = time.perf_counter()
     fut = dcp.async_save(plain, checkpoint_id=str(root / "dcp_async"), async_stager=stager, process_group=_GLOO[0])
-    dcp_block = _max(time.perf_counter() - t)
+    block_s = time.perf_counter() - t
     (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
-    dcp_durable = _max(time.perf_counter() - t)
+    durable_s = time.perf_counter() - t
+    # Only now the all-reduces: DCP's background thread runs its own collectives on _GLOO[0] until the
+    # future is done, and a collective from this thread on the same group meanwhile pairs with a
+    # different one on the other rank (a loaded CI run hung here 600 s).
+    dcp_block, dcp_durable = _max(block_s), _max(durable_s)
     stager.close()
     _rm(root / "dcp_async")
     _say(f"dcp.async_save blocked {dcp_block:.2f} s, durable {dcp_durable:.2f} s")
