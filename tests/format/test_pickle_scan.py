@@ -184,13 +184,17 @@ def test_gc_paused_freezes_only_when_asked(monkeypatch: pytest.MonkeyPatch):
     assert out == ["False", "True"]
     monkeypatch.setattr(unpickler, "FREEZE_AFTER_LOAD", False)
     try:
+        # Only gc.freeze() adds to the permanent generation, but objects frozen earlier in this process
+        # (an in-process CLI test's metadata) may be freed meanwhile, so the count may drop a little
+        # (CI saw 586302 -> 586301): "did not freeze" is "did not grow", "froze" is "grew by ~1000".
         before = gc.get_freeze_count()
         with unpickler.gc_paused():
             kept = [[i] for i in range(1000)]
-        assert gc.get_freeze_count() == before and gc.isenabled()
+        assert gc.get_freeze_count() <= before and gc.isenabled()
         monkeypatch.setattr(unpickler, "FREEZE_AFTER_LOAD", True)
+        before = gc.get_freeze_count()
         with unpickler.gc_paused():
             kept += [[i] for i in range(1000)]
-        assert gc.get_freeze_count() >= before + 1000 and gc.isenabled()
+        assert gc.get_freeze_count() >= before + 900 and gc.isenabled()
     finally:
         gc.unfreeze()
