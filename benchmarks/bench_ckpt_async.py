@@ -5,7 +5,9 @@
 
 Rows (issue 23's fields): ``async_blocking_s`` (from the save call until the staging copy is done,
 i.e. until the optimizer may update again), ``async_durable_s`` (until the slowest rank's files
-are written and fsynced; the commit follows at the next step), ``save_gbps`` (sync save), ``load_gbps``, ``step_ms`` and
+are written and fsynced; the commit follows at the next step), ``save_gbps`` (sync save),
+``save_without_records_gbps`` / ``records_added_pct`` (the same sync save without the chunk records and
+the replica cross-check of issue 26, and what they add), ``load_gbps``, ``step_ms`` and
 ``step_ms_during_write`` (median step without / while a background write is in flight),
 ``staging_gib`` (after every one of the async saves: it must not grow), ``dcp_save_gbps`` (PyTorch
 DCP's ``dcp.save`` of the same tensors as a plain dict), ``dcp_async_blocking_s`` /
@@ -126,6 +128,16 @@ def _steps(trainer: Trainer, n: int, saver: Any = None) -> tuple[list[float], li
 
 
 def worker(args: argparse.Namespace, out: str) -> None:
+    try:
+        _worker(args, out)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()  # the launcher reports the exception's line only; a benchmark's reader wants where
+        raise
+
+
+def _worker(args: argparse.Namespace, out: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -153,6 +165,9 @@ def worker(args: argparse.Namespace, out: str) -> None:
     load_s = _timed(lambda: load_checkpoint(trainer, root / "sync"), device)
     _say(f"load {load_s:.2f} s")
     _rm(root / "sync")  # the disk holds one checkpoint at a time (26 GB each on the H200 shape)
+    bare_s = _timed(lambda: save_checkpoint(trainer, root / "bare", integrity=False), device)
+    _say(f"sync save without chunk records or the replica check {bare_s:.2f} s")
+    _rm(root / "bare")
 
     saver = AsyncCheckpointer()
     t = time.perf_counter()
@@ -223,7 +238,9 @@ def worker(args: argparse.Namespace, out: str) -> None:
         row = {"device": device.type, "ranks": world, "ckpt_gb": round(gb, 3),
                "async_blocking_s": round(max(blocking), 3), "staging_reserve_s": round(reserve_s, 3),
                "async_durable_s": round(max(durable), 3),
-               "save_gbps": round(gb / sync_s, 3), "async_write_gbps": round(gb / max(durable), 3),
+               "save_gbps": round(gb / sync_s, 3), "save_without_records_gbps": round(gb / bare_s, 3),
+               "records_added_pct": round(100 * (sync_s / bare_s - 1), 1),
+               "async_write_gbps": round(gb / max(durable), 3),
                "dd_direct_write_gbps": round(ddw, 3), "load_gbps": round(gb / load_s, 3),
                "dd_cold_read_gbps": round(ddr, 3), "torch_save_gbps": round(tbytes / 1e9 / tsave_s, 3),
                "torch_load_gbps": round(tbytes / 1e9 / tload_s, 3), "step_ms": round(step_ms, 1),

@@ -28,7 +28,7 @@ from gtp_format.reader.blob import BlobLayout, as_tensor, check_payload_crc, ele
 from gtp_format.reader.object_blob import MAX_OBJECT_PICKLE, load_plain_object
 from gtp_format.reader.pickle_scan import PickleScanError, check_pickle
 from gtp_format.reader.pickle_shape import check_shape
-from gtp_format.reader.storage import open_regular, past_end_message, pread, read_range, size_of, source_of
+from gtp_format.reader.storage import Into, open_regular, past_end_message, pread, read_range, size_of, source_of
 from gtp_format.reader.zip_blob import BlobError, RangeReader, ViewReader, record_bytes, small_record, zip_records
 from gtp_format.scan import carrier
 from gtp_format.torch_adapter import load_torch
@@ -103,11 +103,12 @@ def checked_ref(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> StorageRef:
     return ref
 
 
-def chunk_bytes(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> bytearray:
-    """The stored bytes of one chunk, after the metadata-level checks."""
+def chunk_bytes(ckpt: Checkpoint, entry: Entry, chunk: Chunk, into: Into | None = None) -> bytearray | memoryview:
+    """The stored bytes of one chunk, after the metadata-level checks (into the buffer ``into`` gives:
+    see :func:`gtp_format.reader.storage.read_range`)."""
     ref = checked_ref(ckpt, entry, chunk)
     try:
-        return read_range(ckpt.root, ref.file, ref.offset, ref.length)
+        return read_range(ckpt.root, ref.file, ref.offset, ref.length, into)
     except ChunkError as e:
         raise ChunkError(f"{entry.key} chunk {chunk.index}: {e.message}", key=entry.key, chunk=chunk.index,
                          file=ref.file) from None
@@ -190,9 +191,9 @@ def check_layout(layout: BlobLayout, entry: Entry, chunk: Chunk) -> None:
         raise BlobError(f"it holds {layout.dtype} {layout.size} but the metadata declares {entry.dtype} {chunk.sizes}")
 
 
-def load_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> Any:
-    """Read, decode and check one tensor chunk, as a ``torch.Tensor``."""
-    return decode_chunk(ckpt, entry, chunk, chunk_bytes(ckpt, entry, chunk))
+def load_chunk(ckpt: Checkpoint, entry: Entry, chunk: Chunk, into: Into | None = None) -> Any:
+    """Read, decode and check one tensor chunk, as a ``torch.Tensor`` (over ``into``'s buffer if given)."""
+    return decode_chunk(ckpt, entry, chunk, chunk_bytes(ckpt, entry, chunk, into))
 
 
 def load_elements(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> np.ndarray:

@@ -19,6 +19,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from gtp_runtime.checkpoint.pinned import host_for_write
+
 
 @dataclass
 class Chunks:
@@ -70,11 +72,16 @@ def _lookup(state_dict: dict[str, Any], index: MetadataIndex) -> Any:
 
 
 class ChunkSavePlanner(DefaultSavePlanner):
-    """DefaultSavePlanner that can resolve :class:`Chunks` values (everything else unchanged)."""
+    """DefaultSavePlanner that can resolve :class:`Chunks` values, and hands DCP's writer threads a
+    CUDA tensor as a copy in a reused pinned buffer (:mod:`.pinned`: 24 GB/s instead of the 1.0 GB/s
+    of the writer's own ``.cpu()``, on the lent H200)."""
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         found = _lookup(self.state_dict, index)
         return found if found is not None else super().lookup_object(index)
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        return host_for_write(super().resolve_data(write_item))
 
 
 class ChunkLoadPlanner(DefaultLoadPlanner):

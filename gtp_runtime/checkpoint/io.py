@@ -44,6 +44,7 @@ from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
 from gtp_runtime.checkpoint.direct_fs import direct_writer
 from gtp_runtime.checkpoint.errors import CheckpointError, CheckpointSaveError
 from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, optimizer_info
+from gtp_runtime.checkpoint.pinned import POOL
 from gtp_runtime.checkpoint.replicas import check_replicas
 from gtp_runtime.checkpoint.run_state import load_run_state, save_run_state
 from gtp_runtime.checkpoint.safetensors_storage import INDEX_FILE, SafetensorsWriter
@@ -208,6 +209,7 @@ def write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | 
             dcp.save(sd, storage_writer=_hooked(SafetensorsWriter(tmp), tmp), planner=ChunkSavePlanner(),
                      process_group=group)
     finally:
+        POOL.give_back()  # DCP's writer threads have ended: no pinned buffer is still being read
         stats = stats_of()  # joined even when the write fails: no thread outlives the save
     _fault("after_write")
     own = _own_files(tmp, layout, dist.get_rank())

@@ -22,6 +22,8 @@ decoded without ``torch.load``, dtype and shape checked against the metadata.
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ from gtp_format.manifest import Manifest
 from gtp_format.model import TENSOR, Checkpoint, Chunk, Entry
 from gtp_format.reader.chunks import load_chunk
 from gtp_runtime.checkpoint.errors import CheckpointError
+from gtp_runtime.checkpoint.pinned import POOL
 from gtp_runtime.training import TrainConfig
 
 LOAD_NEEDS = ("--load resumes from the manifest's topology and bucket layout (a megatron-core one? bring its "
@@ -116,6 +119,9 @@ def preflight(path: str | os.PathLike, cfg: TrainConfig, sharding: str) -> Path:
     return ckpt.root
 
 
+READ_THREADS = max(1, min(8, os.cpu_count() or 1))  # chunks read at once by a load (one per core, at most 8)
+
+
 class VerifiedReader(StorageReader):
     """A DCP storage reader over a verified :class:`Checkpoint` (either layout)."""
 
@@ -153,23 +159,63 @@ class VerifiedReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         # Reads grouped by stored chunk: each is read and decoded once, however many of this
-        # rank's boxes overlap it (a DP reshard), and freed before the next one.
-        by_chunk: dict[tuple[str, int], list[ReadItem]] = {}
+        # rank's boxes overlap it (a DP reshard), and its buffer reused after. Several chunks are read
+        # at once (:data:`READ_THREADS`): one thread waits for the disk, checks a CRC-32 (zlib, no
+        # GIL) or copies to the device at a time, and measured on the lent H200 the load reached a
+        # third of the disk's cold read speed that way. Into a CUDA tensor, each thread reads into
+        # its pinned buffer (:mod:`.pinned`), so the copy to the device is a DMA (24 GB/s there
+        # against 1 GB/s from pageable memory).
+        by_chunk: dict[tuple[str, int], list[tuple[ReadItem, torch.Tensor]]] = {}
         for item in plan.items:
             e, c = self.storage_data[item.storage_index]
-            by_chunk.setdefault((e.key, c.index), []).append(item)
-        for items in by_chunk.values():
-            e, c = self.storage_data[items[0].storage_index]
-            stored = load_chunk(self.ckpt, e, c)
-            for item in items:
+            by_chunk.setdefault((e.key, c.index), []).append((item, planner.resolve_tensor(item).detach()))
+        groups = list(by_chunk.values())
+        stream: dict[tuple[int, torch.device], Any] = {}
+
+        def read(group: list[tuple[ReadItem, torch.Tensor]]) -> None:
+            e, c = self.storage_data[group[0][0].storage_index]
+            stored = load_chunk(self.ckpt, e, c, POOL.take)
+            on_gpu = group[0][1].is_cuda
+            if on_gpu:
+                dev = group[0][1].device
+                s = stream.get((threading.get_ident(), dev))
+                if s is None:
+                    s = stream[(threading.get_ident(), dev)] = torch.cuda.Stream(device=dev)
+                s.wait_stream(torch.cuda.current_stream(dev))
+            for item, dest in group:
                 src = stored
                 for dim, (o, n) in enumerate(zip(item.storage_offsets, item.lengths)):
                     src = src.narrow(dim, o, n)
-                dest = planner.resolve_tensor(item).detach()
                 if dest.shape != src.shape:
                     raise CheckpointError(f"{self.ckpt.root}: chunk of {e.key} has shape {tuple(src.shape)} where "
                                           f"{tuple(dest.shape)} was planned")
-                dest.copy_(src)
+                if dest.is_cuda and on_gpu:
+                    with torch.cuda.stream(s):
+                        dest.copy_(src, non_blocking=True)
+                else:
+                    dest.copy_(src)
+            if on_gpu:
+                s.synchronize()  # the pinned buffer is this thread's next chunk's
+
+        try:
+            threads = min(READ_THREADS, len(groups))
+            if threads <= 1:
+                for g in groups:
+                    read(g)
+            else:
+                with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-load") as ex:
+                    futures = [ex.submit(read, g) for g in groups]
+                    try:
+                        for f in futures:
+                            f.result()
+                    except BaseException:
+                        for f in futures:  # the first bad chunk ends the load: read no more
+                            f.cancel()
+                        raise
+        finally:
+            POOL.give_back()  # every thread has stopped (the pool's exit waited for them)
+        for g in groups:
+            for item, dest in g:
                 planner.commit_tensor(item, dest)
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(None)

@@ -60,6 +60,7 @@ SMOKE = {
     "fuzz_readers.py": ["--out", "{tmp}/fuzz"],
     "bench_s3.py": [],
     "bench_s3_ckpt.py": [],
+    "ckpt_io_stages.py": ["--dir", "{tmp}"],
 }
 # Not run with --smoke by the test above; each has its own test below.
 # save_stages.py is bench_save_integrity.py's timers: its stage table is checked in check_save_integrity.
@@ -310,6 +311,17 @@ def check_s3_ckpt(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert '"ok"' not in p.stdout  # the commands' own output is not mixed into the report
 
 
+def check_io_stages(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    """Every stage ran and reported a positive rate; nothing is left in the working folder."""
+    doc = json.loads(p.stdout.strip().splitlines()[-1])
+    stages = {r["stage"] for r in doc["rows"]}
+    assert {"dd direct write", "sink O_DIRECT + crc32c + xxh3", "torch.save to null",
+            "write_rank_files from pinned, integrity True", "dcp.load FileSystemReader into device",
+            "O_DIRECT read into pinned + H2D (per file)"} <= stages, stages
+    assert all(r["gbps"] > 0 for r in doc["rows"])
+    assert not list(tmp.glob("io_stages_*"))
+
+
 CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_ckpt_async.py": check_ckpt_async,
     "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
@@ -324,6 +336,7 @@ CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_verify_cold.py": check_verify_cold,
     "bench_s3.py": check_s3,
     "bench_s3_ckpt.py": check_s3_ckpt,
+    "ckpt_io_stages.py": check_io_stages,
 }
 
 

@@ -1,0 +1,68 @@
+"""The pool of reused host buffers behind sync saves and loads (gtp_runtime/checkpoint/pinned.py): a
+thread holds one buffer at a time, buffers are reused rather than added, and buffers lent at the
+same time never overlap. On CPU the buffers are ordinary memory; the pinned case runs in
+tests/runtime/test_gpu_ckpt_io.py on a GPU."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gtp_runtime.checkpoint.pinned import PinnedPool
+
+
+@given(st.lists(st.integers(1, 1 << 16), min_size=1, max_size=30))
+def test_one_thread_holds_one_buffer_as_large_as_its_largest_request(sizes: list[int]) -> None:
+    pool = PinnedPool()
+    for n in sizes:
+        view = pool.take(n)
+        assert view.nbytes >= n and not view.readonly
+    assert pool.nbytes == max(sizes)  # one buffer, replaced when too small, never kept beside a larger one
+    pool.give_back()
+    assert pool.nbytes == max(sizes)
+
+
+@settings(max_examples=20)
+@given(st.lists(st.lists(st.integers(1, 1 << 14), min_size=1, max_size=8), min_size=2, max_size=6))
+def test_buffers_lent_at_once_never_overlap(per_thread: list[list[int]]) -> None:
+    pool = PinnedPool()
+    barrier = threading.Barrier(len(per_thread))
+    bad: list[str] = []
+
+    def run(me: int, sizes: list[int]) -> None:
+        for n in sizes:
+            view = np.frombuffer(pool.take(n), dtype=np.uint8)[:n]
+            view[:] = me
+            barrier_wait(barrier)
+            if not (view == me).all():
+                bad.append(f"thread {me}'s buffer was written by another")
+            barrier_wait(barrier)
+
+    def barrier_wait(b: threading.Barrier) -> None:
+        try:
+            b.wait(timeout=30)
+        except threading.BrokenBarrierError:
+            pass
+
+    # every thread runs as many rounds as the longest list, repeating its own last size
+    rounds = max(len(s) for s in per_thread)
+    padded = [s + [s[-1]] * (rounds - len(s)) for s in per_thread]
+    threads = [threading.Thread(target=run, args=(i, s)) for i, s in enumerate(padded)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
+    pool.give_back()
+    assert pool.nbytes <= len(per_thread) * max(max(s) for s in per_thread)
+
+
+def test_host_copy_of_a_cpu_tensor_is_left_to_dcp() -> None:
+    from gtp_runtime.checkpoint.pinned import host_for_write
+
+    t = torch.arange(10)
+    assert host_for_write(t) is t
