@@ -196,6 +196,31 @@ def test_reshard_to_one_chunk_per_stage_keeps_every_bit(flags: tuple[str, ...], 
     assert v.exit_code == 0 and "0 errors, 0 warnings" in v.stdout, v.stdout
 
 
+@pytest.mark.parametrize("flags,verdict,commands", [
+    (("--pp", "2", "--dp", "2", "--vpp", "2"), "works_as_is", 0),
+    (("--pp", "2", "--dp", "2"), "needs_reshard", 2),  # --vpp 1 (the default): another bucket layout
+    (("--pp", "2", "--dp", "1", "--vpp", "2"), "needs_reshard", 1),  # reshard writes no VPP: export only
+    (("--pp", "2", "--dp", "2", "--vpp", "4"), "impossible", 0),  # 4 layers do not make 2 x 4 chunks
+])
+def test_plan_compares_the_virtual_pipeline_size(flags: tuple[str, ...], verdict: str, commands: int) -> None:
+    r = cli("plan", MEGATRON / VPP, "--tp", "1", *flags, "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["verdict"] == verdict and len(doc["commands"]) == commands, doc
+    assert doc["source"]["vpp"] == 2 and doc["target"]["vpp"] == int(dict(zip(flags[::2], flags[1::2])).get("--vpp", 1))
+    if commands:
+        assert doc["commands"][-1].endswith("--to fully_reshardable")
+        assert "virtual" in doc["reason"]
+
+
+def test_plan_of_a_plain_pp_checkpoint_at_a_virtual_size_is_not_as_is() -> None:
+    r = cli("plan", MEGATRON / "pair_pp4_dp_reshardable", "--pp", "2", "--vpp", "2", "--format", "json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["verdict"] == "needs_reshard" and "1 -> 2" in doc["reason"]
+    r = cli("plan", MEGATRON / TWIN, "--pp", "2", "--vpp", "2", "--dp", "2", "--format", "json")
+    assert json.loads(r.stdout)["verdict"] == "works_as_is"  # fully_reshardable: keys per parameter
+
+
 def test_moe_with_virtual_pipeline_stages_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """No MoE VPP fixture exists: its expert buffers (one per chunk) are unchecked, so a MoE
     checkpoint whose layers read as interleaved is refused, not laid out by the dense rules."""
