@@ -98,19 +98,23 @@ class MegatronTopology:
                 "sources": dict(self.sources), "notes": list(self.notes)}
 
 
-def _expert_tp(ckpt: Checkpoint) -> int | None:
+def _expert_tp(ckpt: Checkpoint, notes: list[str]) -> int | None:
     """Expert TP from the stacked expert keys (``decoder.layers.mlp.experts.experts.*``, shape
-    ``(layers, experts, ...)``): megatron-core stores each (layer, expert) in expert-TP equal parts, so
-    the parts of the first (layer, expert) give it. Why not TP: megatron-core's expert TP defaults to TP
-    but is its own flag, and a checkpoint resharded to expert TP 1 at TP 2 has expert-optimizer
-    groups PP x EP x 1, not PP x EP x TP. The view checks every (layer, expert) against this."""
-    counts = set()
-    for k, e in ckpt.entries.items():
-        if e.kind != TENSOR or ".experts.experts." not in k or not e.chunks or len(e.chunks[0].offsets) < 3:
-            continue
-        first = tuple(e.chunks[0].offsets[:2])
-        counts.add(sum(1 for c in e.chunks if tuple(c.offsets[:2]) == first))
-    return max(counts) if counts else None
+    ``(layers, experts, ...)``): megatron-core stores each (layer, expert) in expert-TP equal parts
+    (:func:`gtp_format.views.megatron_moe.expert_split`, the count the view lays experts out by),
+    the largest over the keys (a bias is never split). Why not TP: megatron-core's expert TP defaults
+    to TP but is its own flag, and a checkpoint resharded to expert TP 1 at TP 2 has expert-optimizer
+    groups PP x EP x 1, not PP x EP x TP. Keys not in that layout leave it unknown, with a note."""
+    from gtp_format.views.megatron_moe import expert_keys, expert_split
+
+    parts = set()
+    for key in expert_keys(ckpt):
+        try:
+            parts.add(expert_split(ckpt, key, FormatError)[1])
+        except FormatError as e:
+            notes.append(f"expert TP unknown: {e}")
+            return None
+    return max(parts) if parts else None
 
 
 def model_chunks(layer_stage: dict[int, int], pp: int) -> tuple[int, dict[int, int]]:
@@ -289,12 +293,11 @@ def derive(ckpt: Checkpoint, *, read_common_state: bool = True) -> MegatronTopol
             topo.sources["vpp"] = "the ranks that wrote each layer"
     if topo.vpp is None and topo.pp == 1:
         topo.vpp = 1
-    topo.etp = _expert_tp(ckpt)
+    topo.etp = _expert_tp(ckpt, topo.notes)
     if topo.etp is not None:
         topo.sources["etp"] = "chunks per (layer, expert) of the expert keys"
-    if topo.ep is None and len(prefixes) > 1 and topo.pp and (topo.etp or topo.tp):
-        etp = topo.etp or topo.tp
-        assert etp is not None
+    etp = topo.etp or topo.tp
+    if topo.ep is None and len(prefixes) > 1 and topo.pp and etp:
         n = len({o.dp_group_idx for o in opts if o.prefix == prefixes[-1]})
         if n % (etp * topo.pp) == 0:  # the expert optimizer's groups: PP x EP x expert TP
             topo.ep = n // (etp * topo.pp)
