@@ -31,23 +31,27 @@ from gtp_format.reader.checkpoint import open_checkpoint
 MEGATRON = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
 VPP = "pair_vpp_pp2_dp2_dp_reshardable"
 TWIN = f"{VPP}_fully_reshardable"
+# PP2 x VPP2 x DP1, untied, fp32 layernorms: two buffers per model chunk, each chunk's in its own order
+# of first appearance (stage 0: chunk 0 (bf16, fp32) then (fp32, fp32), chunk 1 the reverse)
+FP32 = "pair_vpp_fp32norm_untied_pp2_dp_reshardable"
 
 
-def _global_name(name: str, stage: int, pp: int, per_chunk: int) -> str:
+def _global_name(name: str, stage: int, pp: int, per_chunk: int, tied: bool) -> str:
     """``model<v>.decoder.layers.<j>.X`` (megatron's chunk v of stage p) -> the global layer's name."""
     chunk, rest = re.match(r"^model(\d+)\.(.*)$", name).groups()  # type: ignore[union-attr]
     m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", rest)
     if m is None:
-        return "embedding.word_embeddings.weight" if rest == "output_layer.weight" else rest
+        return "embedding.word_embeddings.weight" if rest == "output_layer.weight" and tied else rest
     return f"decoder.layers.{(int(chunk) * pp + stage) * per_chunk + int(m.group(1))}.{m.group(2)}"
 
 
-def test_layout_equals_megatrons_buffers_chunk_by_chunk() -> None:
-    expected = json.loads((MEGATRON / VPP / "expected.json").read_text())
+@pytest.mark.parametrize("name", [VPP, FP32])
+def test_layout_equals_megatrons_buffers_chunk_by_chunk(name: str) -> None:
+    expected = json.loads((MEGATRON / name / "expected.json").read_text())
     topo = expected["topology"]
-    pp, vpp = topo["pp"], topo["vpp"]
+    pp, vpp, tied = topo["pp"], topo["vpp"], expected["model"]["share_embeddings_and_output_weights"]
     per_chunk = expected["model"]["num_layers"] // (pp * vpp)
-    src = open_source(MEGATRON / VPP, megatron=True)
+    src = open_source(MEGATRON / name, megatron=True)
     checked, gbufs = 0, set()
     for k in expected["keys"]:
         opt = parse_optimizer_key(k["key"])
@@ -55,12 +59,19 @@ def test_layout_equals_megatrons_buffers_chunk_by_chunk() -> None:
             continue
         gbufs.add((opt.dp_group_idx, opt.gbuf_idx))
         for p in k["params_in_bucket"]:
-            view = src.views[_global_name(p["param"], opt.dp_group_idx, pp, per_chunk)]
+            view = src.views[_global_name(p["param"], opt.dp_group_idx, pp, per_chunk, tied)]
             holder = next(h for h in view.holders if h.ref.key("param") == k["key"])
             assert (holder.ref.bucket_idx, holder.start, holder.start + holder.numel) == (
                 opt.bucket_idx, p["start"], p["end"]), p["param"]
             checked += 1
     assert checked == sum(len(v.holders) for v in src.views.values())
+    if name == FP32:  # two dtypes: two buffers per model chunk, numbered chunk after chunk
+        assert gbufs == {(n, g) for n in range(2) for g in range(4)}
+        where = {n: (v.holders[0].ref.dp_group_idx, v.gbuf_idx, v.param_dtype) for n, v in src.views.items()}
+        assert where["decoder.layers.2.input_layernorm.weight"] == (0, 2, "torch.float32")
+        assert where["decoder.layers.2.mlp.linear_fc1.weight"] == (0, 3, "torch.bfloat16")
+        assert where["output_layer.weight"] == (1, 3, "torch.bfloat16")
+        return
     assert gbufs == {(0, 0), (0, 1), (1, 0), (1, 1)}  # one buffer per model chunk, one dtype
     # stage 0: chunk 0 holds layer 0 and the embeddings, chunk 1 layer 2; stage 1: layers 1, 3 + the head
     where = {n: (v.holders[0].ref.dp_group_idx, v.gbuf_idx) for n, v in src.views.items()}
@@ -68,13 +79,15 @@ def test_layout_equals_megatrons_buffers_chunk_by_chunk() -> None:
     assert where["embedding.position_embeddings.weight"] == (0, 0) and where["decoder.final_layernorm.weight"] == (1, 1)
 
 
-def test_master_weights_round_to_the_model_weights() -> None:
-    src = open_source(MEGATRON / VPP, megatron=True)
+@pytest.mark.parametrize("name", [VPP, FP32])
+def test_master_weights_round_to_the_model_weights(name: str) -> None:
+    src = open_source(MEGATRON / name, megatron=True)
     for v in src.views.values():
         full = (0,) * len(v.full_shape), v.full_shape
         master = torch.from_numpy(src.read_full_box(v, "param", *full).copy())
-        weight = torch.from_numpy(src.read_full_box(v, WEIGHT_STATE, *full).copy()).view(torch.bfloat16)
-        assert torch.equal(master.to(torch.bfloat16), weight), v.name
+        dtype = getattr(torch, v.param_dtype.removeprefix("torch."))  # the fp32 layernorms: their own dtype
+        weight = torch.from_numpy(src.read_full_box(v, WEIGHT_STATE, *full).copy()).view(dtype)
+        assert torch.equal(master.to(dtype), weight), v.name
         assert (src.read_full_box(v, "exp_avg_sq", *full) != 0).any(), v.name
 
 
@@ -167,14 +180,26 @@ def test_export_equals_megatrons_own_fully_reshardable_save(tmp_path: Path) -> N
     assert torch.equal(p.to(torch.bfloat16), w)
 
 
-@pytest.mark.parametrize("flags,topo", [(("--pp", "2", "--dp", "2"), (1, 2, 2)), (("--tp", "2", "--pp", "1"),
-                                                                                  (2, 1, 2))])
-def test_reshard_to_one_chunk_per_stage_keeps_every_bit(flags: tuple[str, ...], topo: tuple[int, int, int],
+def test_export_of_two_buffers_per_chunk_equals_megatrons_own_save_bit_for_bit(tmp_path: Path) -> None:
+    """Untied (no shared embedding, so no shifted state in megatron's save) and two dtypes per model
+    chunk: every tensor of the export equals megatron-core's own fully_reshardable save."""
+    out = tmp_path / "fr"
+    assert cli("export", MEGATRON / FP32, out, "--to", "fully_reshardable").exit_code == 0
+    doc = json.loads(cli("diff", out, MEGATRON / f"{FP32}_fully_reshardable", "--bitwise", "--format", "json").stdout)
+    assert doc["compared"] > 60 and not doc["only_in_a"]
+    assert [d["key"] for d in doc["differences"]] == ["common_state/shard_0_1"]  # its args, content_metadata
+
+
+@pytest.mark.parametrize("name,flags,topo", [(VPP, ("--pp", "2", "--dp", "2"), (1, 2, 2)),
+                                             (VPP, ("--tp", "2", "--pp", "1"), (2, 1, 2)),
+                                             (FP32, ("--pp", "2"), (1, 2, 1)), (FP32, ("--pp", "1", "--dp", "2"),
+                                                                                (1, 1, 2))])
+def test_reshard_to_one_chunk_per_stage_keeps_every_bit(name: str, flags: tuple[str, ...], topo: tuple[int, int, int],
                                                         tmp_path: Path) -> None:
     """The output is megatron-core's dp_reshardable layout without virtual pipeline stages (its args
     say so), and its own per-parameter view, derived afresh, holds the source's bits."""
     out = tmp_path / "out"
-    r = cli("reshard", MEGATRON / VPP, out, *flags)
+    r = cli("reshard", MEGATRON / name, out, *flags)
     assert r.exit_code == 0, r.stderr
     assert "virtual pipeline stages" in r.stdout and "vpp2" in r.stdout
     ours = open_checkpoint(out)
@@ -183,8 +208,9 @@ def test_reshard_to_one_chunk_per_stage_keeps_every_bit(flags: tuple[str, ...], 
     args = common_state(ours)["args"].fields()  # type: ignore[index]
     assert args["virtual_pipeline_model_parallel_size"] is None
     assert args["num_layers_per_virtual_pipeline_stage"] is None
-    assert {o.gbuf_idx for k in ours.entries if (o := parse_optimizer_key(k)) is not None} == {0}
-    a, b = open_source(MEGATRON / VPP, megatron=True), open_source(out, megatron=True)
+    gbufs = {o.gbuf_idx for k in ours.entries if (o := parse_optimizer_key(k)) is not None}
+    assert gbufs == ({0} if name == VPP else {0, 1})  # one buffer per dtype: one model chunk per stage
+    a, b = open_source(MEGATRON / name, megatron=True), open_source(out, megatron=True)
     assert sorted(a.views) == sorted(b.views)
     for name, v in a.views.items():
         zeros = (0,) * len(v.full_shape)
