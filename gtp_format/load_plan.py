@@ -17,7 +17,8 @@ with the bytes a real ``--load`` on gloo ranks reads.
 
 megatron-core checkpoints: the verdict only (megatron-core's own loader decides what it reads); a
 dense ``dp_reshardable`` one at another topology gets the ``ckpt reshard`` command that writes it
-for that topology (:mod:`ckpt_tool.reshard.megatron_dp`).
+for that topology (:mod:`ckpt_tool.reshard.megatron_dp`). The virtual pipeline size (``--vpp``,
+model chunks per stage) is part of the topology: each chunk has its own optimizer buffers.
 """
 
 from __future__ import annotations
@@ -92,15 +93,16 @@ def _target_par(src: ParallelConfig, tp: int, cp: int, dp: int, gtp_remat: int |
 
 
 def plan_ours(ckpt: Checkpoint, manifest: Manifest, tp: int, pp: int, cp: int, dp: int, ep: int | None,
-              gtp_remat: int | None, src_arg: str) -> LoadPlan:
+              gtp_remat: int | None, src_arg: str, vpp: int = 1) -> LoadPlan:
     """The plan for a checkpoint of this project's runtime (it has a manifest)."""
     par, model = manifest.topology, manifest.model
     if par is None or model is None or manifest.buffers is None:
         raise FormatError(f"{ckpt.root}: the manifest has no topology, model or bucket layout; a plan needs them")
     tgt = _target_par(par, tp, cp, dp, gtp_remat)
     source, target = par.to_dict(), {**tgt.to_dict(), "pp": pp}
-    if pp != 1:
-        return LoadPlan(IMPOSSIBLE, "gtp_runtime has no pipeline parallelism: its checkpoints load at PP 1 only",
+    if pp != 1 or vpp != 1:
+        return LoadPlan(IMPOSSIBLE, "gtp_runtime has no pipeline parallelism (nor virtual pipeline stages): its "
+                        "checkpoints load at PP 1 only",
                         source, target)
     if ep not in (None, 1):
         return LoadPlan(IMPOSSIBLE, "gtp_runtime shards experts over --expert-gtp-remat, not expert parallelism; "
@@ -186,18 +188,34 @@ def _rank_reads(ckpt: Checkpoint, manifest: Manifest, par: ParallelConfig, plan:
         plan.rank_keys[rank] = sorted(keys)
 
 
+def _layers(ckpt: Checkpoint) -> int | None:
+    """The stacked layer keys' layer count (their leading dimension), if they agree."""
+    counts = {e.shape[0] for k, e in ckpt.entries.items()
+              if e.kind == "tensor" and k.startswith("decoder.layers.") and e.shape}
+    return counts.pop() if len(counts) == 1 else None
+
+
 def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int | None, src_arg: str,
-                  etp: int | None = None) -> LoadPlan:
-    """The verdict for a genuine megatron-core checkpoint, from the topology it records."""
+                  etp: int | None = None, vpp: int = 1) -> LoadPlan:
+    """The verdict for a genuine megatron-core checkpoint, from the topology it records.
+
+    ``vpp``: the target's model chunks per stage (virtual pipeline stages; 1 = none). A
+    ``dp_reshardable`` optimizer keeps one buffer per model chunk, so a load at another virtual
+    size is another bucket layout, never "works as is"; ``ckpt reshard`` writes one chunk per stage.
+    """
     from gtp_format.megatron_topology import derive
 
     meg = derive(ckpt)
     source = meg.to_dict()
-    target = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "ep": ep or 1, "etp": etp or tp}
+    target = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "dp": dp, "ep": ep or 1, "etp": etp or tp}
     export = f"ckpt export {src_arg} DST --to fully_reshardable"
+    layers = _layers(ckpt)
+    if vpp > 1 and (pp == 1 or (layers is not None and layers % (pp * vpp))):
+        return LoadPlan(IMPOSSIBLE, f"virtual pipeline size {vpp} needs PP > 1 and the {layers} layers split evenly "
+                        f"over PP {pp} x {vpp} model chunks (megatron-core's interleaved schedule)", source, target)
     if meg.format in ("fully_reshardable", "fully_sharded_model_space"):
-        return LoadPlan(AS_IS, f"{meg.format}: megatron-core loads it at any TP/PP/DP (0.19.2 with torch's AdamW "
-                        "needs its KeyError 'step' worked around)", source, target)
+        return LoadPlan(AS_IS, f"{meg.format}: megatron-core loads it at any TP/PP/DP and virtual pipeline size "
+                        "(0.19.2 with torch's AdamW needs its KeyError 'step' worked around)", source, target)
     if meg.format != "dp_reshardable":
         return LoadPlan(IMPOSSIBLE, f"{meg.format or 'this optimizer format'}: ckpt cannot convert it; load it at "
                         "its own topology with megatron-core", source, target)
@@ -205,8 +223,23 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
     etp = etp or tp  # megatron-core's default expert TP: the TP size
     same = all(getattr(meg, k) is None or getattr(meg, k) == v
                for k, v in (("tp", tp), ("pp", pp), ("ep", ep or 1), ("etp", etp if moe else None)))
+    if meg.vpp != vpp:  # unknown (None) is not the same either: each model chunk has buffers of its own
+        was = f"virtual pipeline size {meg.vpp}" if meg.vpp else "a virtual pipeline size the checkpoint does not show"
+        why = (f"{was} -> {vpp}: megatron-core's dp_reshardable optimizer keeps one buffer per model chunk (gbuf_idx), "
+               "so its load at another virtual size finds other bucket keys")
+        if vpp > 1:
+            return LoadPlan(RESHARD, f"{why}; ckpt reshard writes one model chunk per stage only, and the "
+                            "fully_reshardable export loads at any virtual size", source, target, [export])
+        reshard = f"ckpt reshard {src_arg} DST --tp {tp} --pp {pp} --cp {cp} --dp {dp}"
+        return LoadPlan(RESHARD, f"{why}; ckpt reshard writes the dp_reshardable checkpoint of one model chunk per "
+                        "stage, or export to fully_reshardable", source, target, [reshard, export])
     if same and meg.dp_cp is not None and meg.dp_cp == dp * cp:
-        return LoadPlan(AS_IS, "same TP/PP/EP and the same dp x cp optimizer group", source, target)
+        return LoadPlan(AS_IS, "same TP/PP/EP, virtual pipeline size and dp x cp optimizer group", source, target)
+    if vpp > 1:
+        return LoadPlan(RESHARD, f"virtual pipeline size {vpp} at another TP/PP/DP x CP: megatron-core's "
+                        "dp_reshardable load refuses another layout of its buckets ('Global shape mismatch'), and "
+                        "ckpt reshard writes one model chunk per stage only; the fully_reshardable export loads at "
+                        "any topology", source, target, [export])
     biases = any(k.startswith("decoder.layers.mlp.experts.") and k.endswith(".bias") for k in ckpt.entries)
     why_not = ("its experts have biases, which megatron-core allows only at expert TP 1 (pass --etp 1)"
                if moe and etp > 1 and biases else

@@ -6,6 +6,12 @@ reads it back, metadata first (checked against megatron-core 0.19.2, ``fixtures/
 * **TP and PP**: ``rng_state/shard_<pp>.<tp>_<PP>.<TP>`` is one ShardedObject per (pp, tp) rank,
   so its global shape *is* (PP, TP). Without it: TP = the number of vocab parts of
   ``embedding.word_embeddings.weight``, PP = the ``dp_group_idx`` count / TP.
+* **virtual pipeline stages** (VPP, interleaved 1F1B): which ranks wrote which layer. The stacked
+  keys keep global layer numbers; without VPP a stage wrote one ascending run of layers, with
+  VPP ``v`` every stage wrote ``v`` runs, interleaved over the stages (PP2 x VPP2, 4 layers:
+  stage 0 layers 0 and 2, stage 1 layers 1 and 3; ``fixtures/megatron/pair_vpp_pp2_dp2_dp_reshardable``).
+  Each run is one model chunk (:func:`model_chunks`); ``args.virtual_pipeline_model_parallel_size``
+  must agree where recorded.
 * **world size**: the ``__<rank>_0.distcp`` files (every rank writes one), so DP x CP = world /
   (TP x PP).
 * **DP, CP, EP** cannot be told apart by keys: megatron-core's distributed optimizer shards over
@@ -40,6 +46,7 @@ COMMON_STATE = "common_state"
 RNG_STATE = "rng_state"
 MAX_COMMON_STATE_BYTES = 1 << 20  # megatron's is 2 KiB; a larger one is not decoded (its sizes stay unknown)
 _ARGS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+         "vpp": "virtual_pipeline_model_parallel_size",
          "cp": "context_parallel_size", "dp": "data_parallel_size", "ep": "expert_model_parallel_size"}
 
 
@@ -50,6 +57,7 @@ class MegatronTopology:
     world: int | None = None
     tp: int | None = None
     pp: int | None = None
+    vpp: int | None = None  # model chunks per pipeline stage (virtual pipeline stages); 1 without them
     dp: int | None = None
     cp: int | None = None
     ep: int | None = None
@@ -65,6 +73,8 @@ class MegatronTopology:
             return f"{name}{value}" if value is not None else f"{name}?"
 
         parts = [size(n) for n in ("tp", "pp", "cp", "dp")]
+        if self.vpp is not None and self.vpp > 1:
+            parts.insert(2, f"vpp{self.vpp}")
         if self.ep is not None and self.ep > 1:
             parts.append(f"ep{self.ep}")
         if self.etp is not None and self.etp != self.tp:
@@ -83,24 +93,68 @@ class MegatronTopology:
         return seen or ["keys"]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"world": self.world, "tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp, "ep": self.ep,
-                "etp": self.etp, "dp_cp": self.dp_cp, "format": self.format, "folded": False,
+        return {"world": self.world, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "cp": self.cp, "dp": self.dp,
+                "ep": self.ep, "etp": self.etp, "dp_cp": self.dp_cp, "format": self.format, "folded": False,
                 "sources": dict(self.sources), "notes": list(self.notes)}
 
 
-def _expert_tp(ckpt: Checkpoint) -> int | None:
+def _expert_tp(ckpt: Checkpoint, notes: list[str]) -> int | None:
     """Expert TP from the stacked expert keys (``decoder.layers.mlp.experts.experts.*``, shape
-    ``(layers, experts, ...)``): megatron-core stores each (layer, expert) in expert-TP equal parts, so
-    the parts of the first (layer, expert) give it. Why not TP: megatron-core's expert TP defaults to TP
-    but is its own flag, and a checkpoint resharded to expert TP 1 at TP 2 has expert-optimizer
-    groups PP x EP x 1, not PP x EP x TP. The view checks every (layer, expert) against this."""
-    counts = set()
-    for k, e in ckpt.entries.items():
-        if e.kind != TENSOR or ".experts.experts." not in k or not e.chunks or len(e.chunks[0].offsets) < 3:
-            continue
-        first = tuple(e.chunks[0].offsets[:2])
-        counts.add(sum(1 for c in e.chunks if tuple(c.offsets[:2]) == first))
-    return max(counts) if counts else None
+    ``(layers, experts, ...)``): megatron-core stores each (layer, expert) in expert-TP equal parts
+    (:func:`gtp_format.views.megatron_moe.expert_split`, the count the view lays experts out by),
+    the largest over the keys (a bias is never split). Why not TP: megatron-core's expert TP defaults
+    to TP but is its own flag, and a checkpoint resharded to expert TP 1 at TP 2 has expert-optimizer
+    groups PP x EP x 1, not PP x EP x TP. Keys not in that layout leave it unknown, with a note."""
+    from gtp_format.views.megatron_moe import expert_keys, expert_split
+
+    parts = set()
+    for key in expert_keys(ckpt):
+        try:
+            parts.add(expert_split(ckpt, key, FormatError)[1])
+        except FormatError as e:
+            notes.append(f"expert TP unknown: {e}")
+            return None
+    return max(parts) if parts else None
+
+
+def model_chunks(layer_stage: dict[int, int], pp: int) -> tuple[int, dict[int, int]]:
+    """(model chunks per stage, layer -> its chunk on its stage) from the stage that wrote each layer.
+
+    Each maximal run of consecutive layers written by one stage is one model chunk, and the runs
+    must visit the stages in order, ``pp`` at a time: ``0, 1, .., pp-1`` once without virtual
+    pipeline stages, ``vpp`` times with them (megatron-core's ``get_transformer_layer_offset``:
+    chunk ``v`` of stage ``p`` follows chunk ``v`` of stage ``p - 1``). Anything else (a stage out of
+    turn, a chunk without layers) is ``ValueError`` with the stage order, for a one-line refusal.
+    """
+    runs: list[list[int]] = []  # per run: stage, first layer, last layer
+    for layer in sorted(layer_stage):
+        stage = layer_stage[layer]
+        if runs and runs[-1][0] == stage and runs[-1][2] + 1 == layer:
+            runs[-1][2] = layer
+        else:
+            runs.append([stage, layer, layer])
+    order = [r[0] for r in runs]
+    if not runs or len(runs) % pp or any(stage != i % pp for i, stage in enumerate(order)):
+        raise ValueError(f"the layers' pipeline stages run {order[:16]}, neither ascending over {pp} stages nor "
+                         f"interleaved over them (virtual pipeline stages)")
+    return len(runs) // pp, {layer: i // pp for i, (_, a, z) in enumerate(runs) for layer in range(a, z + 1)}
+
+
+def _written_layer_stages(ckpt: Checkpoint, pp: int, world: int) -> dict[int, int] | None:
+    """Layer -> the pipeline stage whose ranks wrote it, from one stacked key's chunks (rank order
+    tp-cp-ep-dp-pp: stage = rank // (world / PP)); ``None`` where the files do not say."""
+    key = next((k for k, e in ckpt.entries.items() if e.kind == TENSOR and k.startswith("decoder.layers.")
+                and ".experts." not in k and e.chunks and e.shape), None)
+    if key is None or world % pp:
+        return None
+    out: dict[int, int] = {}
+    for c in ckpt.entries[key].chunks:
+        r = writer_rank(c.storage.file if c.storage else None)
+        if not c.offsets or c.sizes[0] != 1 or r is None or r >= world:
+            return None
+        if out.setdefault(c.offsets[0], r // (world // pp)) != r // (world // pp):
+            return None
+    return out
 
 
 def _object_base(key: str) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
@@ -225,12 +279,25 @@ def derive(ckpt: Checkpoint, *, read_common_state: bool = True) -> MegatronTopol
         if topo.dp is not None and topo.cp is not None and topo.dp * topo.cp != topo.dp_cp:
             topo.notes.append(f"common_state args give dp {topo.dp} x cp {topo.cp}, but world {topo.world} / "
                               f"(tp {topo.tp} x pp {topo.pp}) = {topo.dp_cp}")
-    topo.etp = _expert_tp(ckpt)
+    stages = _written_layer_stages(ckpt, topo.pp, topo.world) if topo.pp and topo.world and not exported else None
+    if stages:
+        try:
+            vpp = model_chunks(stages, topo.pp)[0]
+        except ValueError as e:
+            topo.notes.append(f"{e}; the virtual pipeline size is unknown")
+        else:
+            if topo.vpp not in (None, vpp):
+                topo.notes.append(f"common_state args say virtual_pipeline_model_parallel_size={topo.vpp} but the "
+                                  f"layers' writers give {vpp} model chunks per stage; using the layers")
+            topo.vpp = vpp
+            topo.sources["vpp"] = "the ranks that wrote each layer"
+    if topo.vpp is None and topo.pp == 1:
+        topo.vpp = 1
+    topo.etp = _expert_tp(ckpt, topo.notes)
     if topo.etp is not None:
         topo.sources["etp"] = "chunks per (layer, expert) of the expert keys"
-    if topo.ep is None and len(prefixes) > 1 and topo.pp and (topo.etp or topo.tp):
-        etp = topo.etp or topo.tp
-        assert etp is not None
+    etp = topo.etp or topo.tp
+    if topo.ep is None and len(prefixes) > 1 and topo.pp and etp:
         n = len({o.dp_group_idx for o in opts if o.prefix == prefixes[-1]})
         if n % (etp * topo.pp) == 0:  # the expert optimizer's groups: PP x EP x expert TP
             topo.ep = n // (etp * topo.pp)

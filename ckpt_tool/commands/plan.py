@@ -23,6 +23,8 @@ EPILOG = """Examples:
 
   ckpt plan MEGATRON_CKPT --tp 2 --pp 2 --cp 1 --dp 2   (a megatron-core checkpoint: the verdict)
 
+  ckpt plan MEGATRON_CKPT --pp 2 --vpp 2 --dp 2   (virtual pipeline stages: 2 model chunks per stage)
+
 Verdicts: works_as_is (per rank: keys, chunks, bytes read, peak host memory, load time),
 needs_reshard (the exact command), impossible (why).
 
@@ -56,6 +58,9 @@ def plan_command(
         show_default=False)],
     tp: Annotated[int, typer.Option("--tp", min=1, help="Target tensor-parallel size.")] = 1,
     pp: Annotated[int, typer.Option("--pp", min=1, help="Target pipeline-parallel size.")] = 1,
+    vpp: Annotated[int, typer.Option("--vpp", "--virtual-pipeline-model-parallel-size", min=1,
+                                     help="Target model chunks per pipeline stage (megatron's virtual pipeline "
+                                          "stages, interleaved 1F1B; 1: none).")] = 1,
     cp: Annotated[int, typer.Option("--cp", min=1, help="Target context-parallel size.")] = 1,
     dp: Annotated[int, typer.Option("--dp", min=1, help="Target data-parallel size.")] = 1,
     ep: Annotated[int | None, typer.Option("--ep", min=1, help="Target expert-parallel size (megatron).")] = None,
@@ -76,9 +81,9 @@ def plan_command(
 
     ckpt = open_checkpoint(path)
     if ckpt.manifest is not None:
-        plan = plan_ours(ckpt, ckpt.manifest, tp, pp, cp, dp, ep, gtp_remat, str(path))
+        plan = plan_ours(ckpt, ckpt.manifest, tp, pp, cp, dp, ep, gtp_remat, str(path), vpp)
     else:
-        plan = plan_megatron(ckpt, tp, pp, cp, dp, ep, str(path), etp)
+        plan = plan_megatron(ckpt, tp, pp, cp, dp, ep, str(path), etp, vpp)
     gbps = read_gbps if read_gbps is not None else (_probe_gbps(ckpt) if plan.ranks else None)
     per_node = nproc_per_node or max(1, len(plan.ranks))
     nodes: dict[int, int] = {}

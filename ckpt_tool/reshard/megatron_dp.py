@@ -9,7 +9,8 @@ megatron-core would have saved at the target, from the source's per-parameter vi
    from megatron-core's bucket rules and checked against the stored chunks, MoE's dense and
    expert buffers included; what they do not cover is refused in one line);
 2. the target layout (:mod:`gtp_format.megatron_layout`: megatron-core's own bucket rules at the
-   target, TP splits of the GPT local spec, layers split evenly over the stages);
+   target, TP splits of the GPT local spec, layers split evenly over the stages, one model chunk
+   per stage: a source with virtual pipeline stages is read chunk by chunk, the target has none);
 3. every chunk: model weights (stacked layer keys, one chunk per layer and TP part, as megatron
    writes them), each target bucket's fp32 master / ``exp_avg`` / ``exp_avg_sq`` slices copied
    from the source's bits (:func:`ckpt_tool.reshard.plan._holder_chunks`, the reshard's own),
@@ -363,13 +364,18 @@ def reshard_megatron(src: Path, dst: Path, tp: int | None, pp: int | None, cp: i
     finally:
         source.reader.close()
     out = list((dst / iter_dir_name(iteration)).iterdir())
-    before = f"tp{src_tp} pp{src_pp} cp{src_cp} dp{src_dp} (megatron-core dp_reshardable)"
+    vpp = f" vpp{meg.vpp}" if meg.vpp and meg.vpp > 1 else ""
+    before = f"tp{src_tp} pp{src_pp}{vpp} cp{src_cp} dp{src_dp} (megatron-core dp_reshardable)"
     result = Result(str(source.root), str(dst), before, f"tp{tp} pp{pp} cp{cp} dp{dp} (megatron-core dp_reshardable)",
                     "torch_dist", len(out), sum(len(c) for c in files.values()), sum(p.stat().st_size for p in out),
                     source.reader.bytes_read, time.perf_counter() - t0, max_memory, chunk_bytes, workers, peak_rss(),
                     baseline)
     notes = [f"rng_state dropped ({len([k for k in dropped if k.startswith('rng_state/')])} objects; "
              "args.no_save_rng set, so megatron-core starts fresh RNG streams)"]
+    if vpp:
+        notes.append(f"virtual pipeline stages: the source has {meg.vpp} model chunks per stage, the output one (its "
+                     "args' virtual_pipeline_model_parallel_size None): resume without "
+                     "--num-layers-per-virtual-pipeline-stage")
     if moe and tp > 1:
         notes.append(f"MoE at TP {tp}, expert TP {etp}: megatron-core trains it only with --sequence-parallel, and "
                      f"with --expert-tensor-parallel-size {etp}")

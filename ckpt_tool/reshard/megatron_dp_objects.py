@@ -16,7 +16,9 @@ Never unpickled; each is the source's blob, copied or edited on its pickle *opco
 * ``common_state``: ``args``' ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
   ``context_parallel_size``, ``data_parallel_size`` and ``world_size`` set to the target's
   (megatron's ``load_checkpoint`` refuses a ``dp_reshardable`` optimizer whose recorded (TP, PP)
-  differ from the run's), and ``no_save_rng = True``.
+  differ from the run's), ``no_save_rng = True``, and the virtual-pipeline arguments
+  (``virtual_pipeline_model_parallel_size``, ``num_layers_per_virtual_pipeline_stage``) ``None``:
+  the output has one model chunk per stage.
 * ``rng_state``: dropped. It is per (pp, tp) rank of the *source*; copied onto other ranks it
   would give two TP ranks one dropout stream. With ``args.no_save_rng`` megatron's loader does
   not ask for it (as after a save with ``--no-save-rng``), so no ``--no-load-rng`` is needed.
@@ -39,6 +41,10 @@ _STR = ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE")
 ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
         "data_parallel_size", "world_size")
 NO_SAVE_RNG = "no_save_rng"
+# megatron's virtual-pipeline arguments: the output is laid out without virtual pipeline stages
+# (one model chunk per stage), and a stale size would describe chunks it does not have
+VIRTUAL = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+           "num_virtual_stages_per_pipeline_rank")
 
 
 def _int(v: int) -> bytes:
@@ -98,7 +104,8 @@ def numel_blob(root: str, key: str, blob: bytes, buffers: list[tuple[str, list[i
 
 
 def common_blob(root: str, blob: bytes, sizes: dict[str, int]) -> bytes:
-    """``common_state`` with ``args``' parallel sizes set to ``sizes`` and ``no_save_rng`` True."""
+    """``common_state`` with ``args``' parallel sizes set to ``sizes``, ``no_save_rng`` True and the
+    virtual-pipeline sizes (:data:`VIRTUAL`) None."""
     prefix, records = _records(root, COMMON, blob)
     ops = _ops(root, COMMON, dict(records)["data.pkl"])
     out = [raw for _, _, raw in ops]
@@ -118,6 +125,12 @@ def common_blob(root: str, blob: bytes, sizes: dict[str, int]) -> bytes:
                                   "state is not supported")
             out[k] = b"\x88"  # NEWTRUE
             found[NO_SAVE_RNG] = k
+        elif name in _STR and arg in VIRTUAL:
+            k = i + (2 if i + 1 < len(ops) and ops[i + 1][0] in _PUT else 1)
+            if k >= len(ops) or ops[k][0] not in (*_INT, "NONE"):
+                raise FormatError(f"{root}: {COMMON}'s args.{arg} is not an int or None; reshard of this common "
+                                  "state is not supported")
+            out[k] = b"N"  # NONE
     first = found.get(ARGS[0])
     if first is None or ARGS[1] not in found:
         raise FormatError(f"{root}: {COMMON}'s args record no {ARGS[0]} / {ARGS[1]}; megatron-core's loader "

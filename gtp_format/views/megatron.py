@@ -15,6 +15,11 @@ megatron-core's bucketing rules (``_ParamAndGradBuffer.__init__`` in
    stage, ``output_layer`` on the last, megatron's ``shared_embedding`` attribute) gets a bucket of
    its own: the bucket before it is closed, and it closes its own.
 
+Virtual pipeline stages (``--num-layers-per-virtual-pipeline-stage``): a stage holds several model
+chunks of interleaved layers, each with its own buffers, numbered chunk after chunk
+(:func:`_stages`, :func:`_stage_buffers`); the bucket rules hold per buffer as before. MoE with
+virtual pipeline stages is refused (not checked against a save).
+
 Pipeline stages: each stage has its own buffer, keyed ``dp_group_idx = pp_rank * TP + tp_rank``
 (the rank in the tp x pp model-parallel group). Embeddings sit on the first stage; the final
 layernorm and the output layer on the last; a layer on the stage whose ranks wrote its chunks
@@ -37,8 +42,8 @@ Every derived slice is then checked against the optimizer key's chunks: megatron
 chunk per parameter slice (split only at DP-rank boundaries) and one per alignment gap, so a
 chunk that straddles a derived parameter edge, or a bucket that does not end where its last
 parameter ends, means the rules do not describe this checkpoint: refused with one line. Also
-refused: MoE (``chained_`` optimizers, experts), unknown parameter keys, a layer
-written by ranks of two stages, stages out of order.
+refused: unknown parameter keys, a layer written by ranks of two stages, stages out of order
+(neither ascending nor interleaved over virtual pipeline stages).
 """
 
 from __future__ import annotations
@@ -168,12 +173,19 @@ def _tp_boxes(ckpt: Checkpoint, entry: Entry, layer: int | None, chunks: list[Ch
 
 
 def _stages(ckpt: Checkpoint, params: list[tuple[str, str, int | None]], pp: int,
-            layer_chunks: dict[str, dict[int, list[Chunk]]]) -> dict[str, int]:
-    """Module name -> pipeline stage. Embeddings on the first, final layernorm and output layer on
-    the last; a layer on the stage of the ranks that wrote its chunks (rank order tp-cp-ep-dp-pp,
-    so stage = rank // (world / PP)); stages must hold ascending, contiguous layer ranges."""
+            layer_chunks: dict[str, dict[int, list[Chunk]]]) -> tuple[dict[str, int], dict[str, int], int]:
+    """(module name -> pipeline stage, module name -> model chunk of its stage, model chunks per stage).
+
+    Embeddings on the first stage's first chunk, final layernorm and output layer on the last
+    stage's last chunk; a layer on the stage of the ranks that wrote its chunks (rank order
+    tp-cp-ep-dp-pp, so stage = rank // (world / PP)). The stages' layer runs are the model chunks
+    (:func:`gtp_format.megatron_topology.model_chunks`): one ascending run per stage, or, with
+    virtual pipeline stages, ``vpp`` runs per stage interleaved over the stages; anything else is
+    refused. ``args.virtual_pipeline_model_parallel_size``, where recorded, must agree.
+    """
     if pp == 1:
-        return {name: 0 for name, _, _ in params}
+        return {name: 0 for name, _, _ in params}, {name: 0 for name, _, _ in params}, 1
+    from gtp_format.megatron_topology import _args_sizes, common_state, model_chunks
     from gtp_format.names import writer_rank
 
     ranks = [r for r in (writer_rank(f) for f in ckpt.data_files) if r is not None]
@@ -190,11 +202,19 @@ def _stages(ckpt: Checkpoint, params: list[tuple[str, str, int | None]], pp: int
                     raise _refuse(ckpt, f"layer {layer} of {key} has a chunk in no rank's data file")
                 if layer_stage.setdefault(layer, r // per_stage) != r // per_stage:
                     raise _refuse(ckpt, f"layer {layer} has chunks written by ranks of two pipeline stages")
-    order = [layer_stage[i] for i in sorted(layer_stage)]
-    if any(b < a for a, b in zip(order, order[1:])) or (order and (order[0] != 0 or order[-1] != pp - 1)):
-        raise _refuse(ckpt, f"layers are not in ascending pipeline stages ({order[:16]})")
-    return {name: (layer_stage[layer] if layer is not None else 0 if name in HEAD else pp - 1)
-            for name, _, layer in params}
+    try:
+        vpp, layer_chunk = model_chunks(layer_stage, pp) if layer_stage else (1, {})
+    except ValueError as e:
+        raise _refuse(ckpt, str(e)) from None
+    recorded = _args_sizes(common_state(ckpt)).get("vpp")
+    if recorded is not None and recorded != vpp:
+        raise _refuse(ckpt, f"its args record virtual_pipeline_model_parallel_size={recorded}, but the ranks that "
+                      f"wrote its layers give {vpp} model chunks per stage")
+    stage = {name: (layer_stage[layer] if layer is not None else 0 if name in HEAD else pp - 1)
+             for name, _, layer in params}
+    chunk = {name: (layer_chunk[layer] if layer is not None else 0 if name in HEAD else vpp - 1)
+             for name, _, layer in params}
+    return stage, chunk, vpp
 
 
 def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamView]:
@@ -241,7 +261,10 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
     tied = pp > 1 and "output_layer.weight" not in ckpt.entries
     if tied:  # the last stage's output layer: a replica of the word embeddings with its own buffer slot
         params.append(("output_layer.weight", HEAD[0], None))
-    stage_of = _stages(ckpt, params, pp, layer_chunks)
+    stage_of, chunk_of, vpp = _stages(ckpt, params, pp, layer_chunks)
+    if moe and vpp > 1:
+        raise _refuse(ckpt, f"it is MoE with {vpp} virtual pipeline stages (model chunks per stage), whose expert "
+                      "buffers this version has not been checked against")
     numel: dict[tuple[int, int, int], int] = {}
     for k, o in opts.items():  # one pass, not one per bucket over all keys (issue 22 class 5)
         shape = ckpt.entries[k].shape
@@ -259,7 +282,7 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
     placed: list[tuple[str, int, int, int, int, int]] = []  # name, stage, gbuf, bucket, start, end (local numel)
     for stage in range(pp):
         names = [name for name, _, _ in params if stage_of[name] == stage]
-        for gbuf, _dtag, members in _stage_buffers(ckpt, names, info, dtags, stage, tp_size):
+        for gbuf, _dtag, members in _stage_buffers(ckpt, names, info, dtags, stage, tp_size, chunk_of):
             _place_buffer(ckpt, members, info, numel, shared, stage, gbuf, tp_size, placed)
     _check_chunks(ckpt, opts, placed, tp_size)
     views: dict[str, ParamView] = {}
@@ -299,7 +322,7 @@ def _param_dtype(dtag: str) -> str:
 
 
 def _stage_buffers(ckpt: Checkpoint, names: list[str], info: dict, dtags: dict[tuple[int, int], str], stage: int,
-                   tp: int) -> list[tuple[int, str, list[str]]]:
+                   tp: int, chunk_of: dict[str, int]) -> list[tuple[int, str, list[str]]]:
     """(gbuf_idx, dtype tag, its params in module order) of one stage's buffers.
 
     megatron-core (``group_params_for_buffers``) makes one buffer per (param dtype, grad dtype) in
@@ -307,23 +330,28 @@ def _stage_buffers(ckpt: Checkpoint, names: list[str], info: dict, dtags: dict[t
     gives every buffer one grad dtype, so a param's buffer is the one of its model key's dtype: with
     the layernorms kept in fp32 after the bf16 cast, stage 0 (embeddings first) has ``gbuf_idx_0``
     (bf16, fp32) and ``gbuf_idx_1`` (fp32, fp32), a stage that starts with a layernorm the reverse
-    (``fixtures/megatron/pair_fp32norm_dp2_dp_reshardable``). What the keys hold must be exactly
-    that, on every TP rank of the stage, or the rules do not describe this checkpoint.
+    (``fixtures/megatron/pair_fp32norm_dp2_dp_reshardable``). With virtual pipeline stages every
+    model chunk has its own DDP and buffers, and the one ``DistributedOptimizer`` numbers them
+    chunk after chunk (``chain(*per_model_buffers.values())``): chunk 0's buffers, then chunk 1's,
+    the same dtype tag once per chunk (``pair_vpp_pp2_dp2_dp_reshardable``). What the keys hold must
+    be exactly that, on every TP rank of the stage, or the rules do not describe this checkpoint.
     """
-    order: list[str] = []
-    members: dict[str, list[str]] = {}
-    for name in names:
-        dt = str(ckpt.entries[info[name][0]].dtype)
-        if dt not in members:
-            order.append(dt)
-        members.setdefault(dt, []).append(name)
+    groups: list[tuple[str, list[str]]] = []  # per gbuf: (param dtype, its params), chunk by chunk
+    for c in sorted({chunk_of[name] for name in names}):
+        members: dict[str, list[str]] = {}
+        for name in names:
+            if chunk_of[name] == c:
+                members.setdefault(str(ckpt.entries[info[name][0]].dtype), []).append(name)
+        groups += list(members.items())
+    order = [dt for dt, _ in groups]
     for t in range(tp):
         have = {g: d for (n, g), d in dtags.items() if n == stage * tp + t}
         want = [_param_dtype(have.get(g, "")) for g in range(len(have))]
         if want != order:
             raise _refuse(ckpt, f"the buffers of dp_group_idx_{stage * tp + t} hold param dtypes {want}, but its "
-                          f"model keys in module order give {order} (one buffer per dtype, in order of appearance)")
-    return [(g, dtags[(stage * tp, g)], members[dt]) for g, dt in enumerate(order)]
+                          f"model keys in module order give {order} (one buffer per dtype and model chunk, in order "
+                          "of appearance)")
+    return [(g, dtags[(stage * tp, g)], members) for g, (_, members) in enumerate(groups)]
 
 
 def _place_buffer(ckpt: Checkpoint, names: list[str], info: dict, numel: dict[tuple[int, int, int], int],

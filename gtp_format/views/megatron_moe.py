@@ -18,7 +18,7 @@ is stored in ETP equal chunks, ``linear_fc1`` split along its output axis (colum
 ``linear_fc2.weight`` along its input axis (row), and the expert buffers are keyed by the rank in
 the expert tensor-model-pipeline group, ``dp_group_idx = pp_rank * EP * ETP + ep_rank * ETP +
 etp_rank``; each holds its part of its experts, so an expert parameter has one holder per
-expert-TP rank. ETP is read from the chunks (:func:`_expert_split`), never assumed.
+expert-TP rank. ETP is read from the chunks (:func:`expert_split`), never assumed.
 
 The view names an expert parameter ``decoder.layers.<l>.mlp.experts.<e>.<linear_fc1.weight>``
 with the global expert index ``e`` (megatron's modules say ``local_experts.<j>``).
@@ -64,7 +64,7 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
     if ranks != list(range(len(ranks))) or len(ranks) % pp:
         raise refuse(f"the expert optimizer has dp_group_idx {ranks[:8]}, not PP {pp} x EP x expert TP ranks")
     stage_of = layer_stage or {layer: 0 for layer in range(layers)}
-    modes = {s: _expert_split(ckpt, k, layers, n_exp, shapes[s][2:], refuse) for s, k in keys.items()}
+    modes = {s: expert_split(ckpt, k, refuse) for s, k in keys.items()}
     etps = {n for _, n in modes.values() if n > 1} or {1}
     if len(etps) != 1 or len(ranks) % (pp * next(iter(etps))):
         raise refuse(f"expert keys are split in {sorted(etps)} parts, not one expert TP size dividing the expert "
@@ -126,12 +126,19 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
     return {name: views[name] for name in order if name in views}, placed
 
 
-def _expert_split(ckpt: Checkpoint, key: str, layers: int, n_exp: int, full: tuple[int, ...],
-                  refuse: Callable[[str], FormatError]) -> tuple[str | None, int]:
-    """(TP mode, parts) of a stacked expert key: megatron-core writes one chunk per (layer, expert)
-    and expert-TP part, split along the expert linear's output (``linear_fc1``: column) or input
-    (``linear_fc2.weight``: row) axis, ``parts`` equal pieces; every (layer, expert) the same."""
+def expert_split(ckpt: Checkpoint, key: str, refuse: Callable[[str], FormatError]) -> tuple[str | None, int]:
+    """(TP mode, parts) of a stacked expert key of global shape ``(layers, experts, *full)``.
+
+    megatron-core writes one chunk per (layer, expert) and expert-TP part, split along the expert
+    linear's output (``linear_fc1``: column) or input (``linear_fc2.weight``: row) axis, ``parts``
+    equal pieces; every (layer, expert) the same, or ``refuse`` names the key. The one count of
+    expert-TP parts: the view lays experts out by it, and :mod:`gtp_format.megatron_topology` reads
+    the run's expert TP from it.
+    """
     e = ckpt.entries[key]
+    if e.shape is None or len(e.shape) < 3:
+        raise refuse(f"{key} is not stacked by (layer, expert)")
+    layers, n_exp, full = e.shape[0], e.shape[1], tuple(e.shape[2:])
     boxes: dict[tuple[int, int], list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
     for c in e.chunks:
         if len(c.offsets) != 2 + len(full) or tuple(c.sizes[:2]) != (1, 1):

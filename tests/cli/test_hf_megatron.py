@@ -68,7 +68,7 @@ def test_weights_only_hf_export_equals_show(name: str, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["dp2_fully_reshardable", "dp2_dp_zero_gather_scatter",
-                                  "pair_fp32norm_dp2_dp_reshardable"])
+                                  "pair_fp32norm_dp2_dp_reshardable", "pair_vpp_pp2_dp2_dp_reshardable"])
 def test_weights_only_torch_export_equals_pytorch_dcp(name: str, tmp_path: Path) -> None:
     """Every tensor key, as PyTorch DCP itself loads it (``dcp_to_torch_save`` also pickles the
     checkpoint's objects, numpy RNG states, which a weights-only ``torch.load`` rightly refuses)."""

@@ -102,3 +102,27 @@ def test_megatron_loads_our_dp_reshardable_reshard_at_its_target(pair: str, save
         moments = [a[k] for k in a if k.startswith("opt.")]
         assert moments and all(np.any(m != 0) for m in moments[2::3]), rank
         assert len(set(a["step"].tolist())) == 1, (rank, a["step"])
+
+
+@pytest.mark.skipif(not MEGATRON_PY.exists(), reason="needs the megatron venv (fixtures/megatron/setup_venv.sh)")
+def test_megatron_loads_the_reshard_of_a_virtual_pipeline_checkpoint(tmp_path: Path) -> None:
+    """``pair_vpp_pp2_dp2``: PP2 x VPP2 x DP2 (4 layers, one buffer per model chunk) resharded to PP2 x DP2
+    without virtual pipeline stages, loaded by megatron-core as dp_reshardable there, holds on every
+    rank the bits megatron-core loads from our fully_reshardable export at the same topology (its own
+    fully_reshardable save of this state has the tied embeddings' state 64 elements late,
+    ``tests/cli/test_megatron_vpp.py``, so the export, equal to it everywhere else, is the reference)."""
+    pair, topo = "pair_vpp_pp2_dp2_dp_reshardable", (1, 2, 2)
+    out, export = tmp_path / "rs", tmp_path / "fr"
+    r = cli("reshard", MEGATRON / pair, out, "--pp", "2", "--dp", "2")
+    assert r.exit_code == 0, r.stderr
+    assert cli("export", MEGATRON / pair, export, "--to", "fully_reshardable").exit_code == 0
+    ours = _load(out, tmp_path / "ours", topo, 4, "dp_reshardable")
+    theirs = _load(export, tmp_path / "theirs", topo, 4)
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        assert sorted(a) == sorted(b) and any(k.startswith("opt.") for k in a), rank
+        for k in a:
+            if k != "step":
+                assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), (rank, k)
+        moments = [a[k] for k in a if k.startswith("opt.")]
+        assert all(np.any(m != 0) for m in moments[2::3]), rank
+        assert len(set(a["step"].tolist())) == 1 and np.all(b["step"] == 2.0), (rank, a["step"])

@@ -44,6 +44,7 @@ def test_topology_is_read_from_the_checkpoint(name: str) -> None:
         got = {k: meg[k] for k in ("tp", "pp", "cp", "dp")}
         assert got == {k: want[k] for k in ("tp", "pp", "cp", "dp")}
         assert meg["world"] == want["world_size"] and meg["ep"] == want.get("ep", 1)
+        assert meg["vpp"] == want.get("vpp", 1)  # virtual pipeline stages: from the ranks that wrote each layer
         assert meg["format"] == expected["distrib_optim_sharding_type"]
         assert meg["folded"] is False and "not folded" in doc["topology"]
         assert doc["aliasing"]["status"] in ("not_folded", "no_optimizer")
