@@ -77,6 +77,23 @@ def test_a_deleted_data_object_is_named(s3, capsys):
     assert "__3_0.distcp" in out + err
 
 
+def test_a_prefix_in_place_of_a_data_object_is_named_as_a_folder_is(s3, capsys, tmp_path):
+    """A data file's name that is a "folder" of the bucket (objects below it, no object of its own) gets the
+    line a folder in place of a data file gets on disk, not "missing"."""
+    src = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES["dcp"], src)
+    it = src / "iter_0000002"
+    (it / "__3_0.distcp").unlink()
+    (it / "__3_0.distcp").mkdir()
+    (it / "__3_0.distcp" / "inside").write_bytes(b"x")
+    url = upload(s3, src, "runs/dir")
+    local = ckpt(capsys, "verify", str(src), "--format", "json")
+    remote = ckpt(capsys, "verify", url, "--format", "json")
+    assert local[0] == remote[0] == 1
+    assert "__3_0.distcp is not a regular file" in remote[2], remote[2]
+    assert remote[2].strip() == local[2].strip().replace(str(src), url)
+
+
 def test_missing_prefix_and_bad_marker(s3, capsys):
     code, _, err = ckpt(capsys, "inspect", s3.url("runs/none"))
     assert code == 2 and err.count("\n") == 1 and "s3://ckpt-test/runs/none does not exist" in err
