@@ -57,9 +57,6 @@ COPY_COMMANDS = ("export --to hf", "export --to torch")
 OBSTORE_CALLS = ("get_range", "get_ranges", "get", "head", "list", "list_with_delimiter", "put", "delete")
 
 
-# cases whose command cannot read a bucket yet (verify-roundtrip PATH takes a local folder only)
-NOT_FROM_A_BUCKET = ("roundtrip_asks_for_17_ranks", "roundtrip_asks_for_a_huge_model")
-
 
 def _bucketless(name: str) -> bool:
     return any(word in name for word in BUCKETLESS)
@@ -141,8 +138,6 @@ def _jobs(cases: list[Any], copies: list[Any]) -> list[tuple[str, int, list[str]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    import boto3
-
     root = tmp_path_factory.mktemp("hostile-bucket")
     dst_root = tmp_path_factory.mktemp("hostile-bucket-dst")
     cases = build_corpus(root / "c", canary=root / "CANARY")
@@ -151,15 +146,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     held = {c.name for c in every if not _unrepresentable(Path(c.dir) / "run")}
     assert held == {c.name for c in every if not _bucketless(c.name)}, \
         "BUCKETLESS must name exactly the cases a bucket cannot hold"
-    cases = [c for c in cases if c.name in held and c.name not in NOT_FROM_A_BUCKET]
+    cases = [c for c in cases if c.name in held]
     copies = [c for c in copies if c.name in held]
     with pytest.MonkeyPatch.context() as mp, s3_server.moto_server() as endpoint:
-        for k in s3_server.UNSET:
-            mp.delenv(k, raising=False)
-        for k, v in s3_server.environment(endpoint).items():
-            mp.setenv(k, v)
-        client = boto3.client("s3", endpoint_url=endpoint)
-        client.create_bucket(Bucket=BUCKET)
+        client = s3_server.point_at(mp, endpoint, BUCKET)
         uploads = [(p, f"h/{c.name}/{p.relative_to(c.dir)}") for c in cases + copies
                    for p in sorted(Path(c.dir).rglob("*")) if p.is_file() and not p.is_symlink()]
         with ThreadPoolExecutor(8) as pool:  # boto3, independent of the code under test
@@ -178,7 +168,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         yield {"results": results, "copies": {c.name: c for c in copies}, "canary": (root / "CANARY").exists()}
 
 
-CASE_IDS = [name for name, _, _ in case_specs() if not _bucketless(name) and name not in NOT_FROM_A_BUCKET]
+CASE_IDS = [name for name, _, _ in case_specs() if not _bucketless(name)]
 COPY_IDS = [name for name, _, _, _ in COPY_SPECS if not _bucketless(name)]
 
 

@@ -8,27 +8,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from s3_server import run_ckpt as ckpt
+from s3_server import upload
 
-from ckpt_tool.cli import run
 from gtp_format.storage import objects
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = {"dcp": REPO / "fixtures" / "gtp" / "fold_cp2_g2_dp2",
             "safetensors": REPO / "fixtures" / "gtp" / "fold_cp2_g2_dp2_st"}
-
-
-def upload(s3, folder: Path, prefix: str) -> str:
-    """Every file of ``folder`` as an object below ``prefix`` (boto3: independent of the code under test)."""
-    for p in sorted(folder.rglob("*")):
-        if p.is_file():
-            s3.client.upload_file(str(p), s3.bucket, f"{prefix}/{p.relative_to(folder)}")
-    return s3.url(prefix)
-
-
-def ckpt(capsys, *argv: str) -> tuple[int, str, str]:
-    code = run(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture
