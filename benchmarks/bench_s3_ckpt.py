@@ -102,6 +102,26 @@ class Requests:
         return out
 
 
+def server_cost(client: object, prefix: str, folder: Path, files: list[Path]) -> str:
+    """The test server's own cost of a request: one ranged ``GET`` of 64 KiB against one whole ``GET`` of the
+    largest object (boto3, best of 5). moto copies the whole object to answer a ranged ``GET``, so there the
+    small request costs most of the large one, and every request costs its object's size."""
+    big = max(files, key=lambda p: p.stat().st_size)
+    key = f"{prefix}/{big.relative_to(folder)}"
+
+    def best(**kw: str) -> float:
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            client.get_object(Bucket=BUCKET, Key=key, **kw)["Body"].read()  # type: ignore[attr-defined]
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    ranged, whole = best(Range="bytes=0-65535"), best()
+    return (f"moto, one {big.stat().st_size / 1e6:.1f} MB object: a 64 KiB ranged GET takes {ranged * 1e3:.1f} ms, "
+            f"the whole object {whole * 1e3:.1f} ms ({ranged / whole:.2f} of it)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import boto3
@@ -166,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                     if not where:
                         requests[name] = counter.take()
                     shutil.rmtree(dst, ignore_errors=True) if dst.is_dir() else dst.unlink(missing_ok=True)
+            if r == 0:
+                moto = server_cost(client, f"ours0/{folder.name}", folder, files)
     rows = [["upload (save's commit)", f"{best['upload ours']:.2f}", f"{best['upload boto3']:.2f}",
              f"{best['upload boto3'] / best['upload ours']:.2f}x", "", ""]]
     for name, (gets, other, nbytes) in requests.items():
@@ -176,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "same command, local folder s", "requests of one run"], tablefmt="github")
     print(f"checkpoint: {len(files)} files, {total / 1e6:.1f} MB")
     print(table)
+    print(moto)
     if args.write_docs:
         from docs_section import write_report
 
@@ -192,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             ["- *verify --data* and *export* do all of their work (decode, hash, NaN counts; write the HF folder or "
              "the torch.save file) on top of the transfer; the baseline is the download alone, and the local "
              "column is the same command on the downloaded folder: no transfer, so the most a faster read could give.",
+             f"- {moto}.",
              "- The server (moto on werkzeug) shares the 2 cores, so these ratios say little about a real store."])
     return 0
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from ckpt_tool.locations import checkpoint_arg, local_arg
+from ckpt_tool.locations import checkpoint_arg
 from ckpt_tool.output import (
     FormatOption,
     MaxMemoryOption,
@@ -25,6 +24,8 @@ from gtp_format.layout.buckets import DEFAULT_BUCKET_SIZE
 EPILOG = """Examples:
 
   ckpt import hf_model ckpts/run --from hf --cp 2 --fold-cp --gtp-remat 2 --dp 2
+
+  ckpt import s3://bucket/models/gpt s3://bucket/ckpts/run --from hf --dp 2   (both in a bucket)
 
   python -m gtp_runtime.train --nproc-per-node 8 --cp 2 --fold-cp --gtp-remat 2 --vocab-size V \\
       --hidden H --num-layers L --num-heads A --ffn-hidden F --seq-length S --load ckpts/run
@@ -46,8 +47,9 @@ write failed."""
 
 @handle_errors
 def import_command(
-    src: Annotated[Path, typer.Argument(
-        parser=local_arg("SRC"), help="Hugging Face model folder.", show_default=False)],
+    src: Annotated[object, typer.Argument(  # a Location: Typer refuses Union annotations
+        parser=checkpoint_arg("SRC"), help="Hugging Face model folder (or s3://BUCKET/PREFIX).",
+        show_default=False)],
     dst: Annotated[object, typer.Argument(  # a Location: Typer refuses Union annotations
         parser=checkpoint_arg("DST"), help="New folder (or s3://BUCKET/PREFIX) to create.", show_default=False)],
     source_format: Annotated[str, typer.Option("--from", help="Source format: hf.")] = "hf",

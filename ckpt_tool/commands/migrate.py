@@ -6,12 +6,11 @@ options, prints its report (table or JSON) and exits with its error, if any.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from ckpt_tool.locations import checkpoint_arg, local_arg
+from ckpt_tool.locations import checkpoint_arg
 from ckpt_tool.output import (
     FormatOption,
     OutputFormat,
@@ -99,9 +98,9 @@ def _print_table(doc: dict[str, Any], verdict: str) -> None:
 
 @handle_errors
 def migrate_command(
-    src: Annotated[Path, typer.Argument(
-        parser=local_arg("SRC"), help="Aliased checkpoint: iter_XXXXXXX folder or its parent.",
-        show_default=False)],
+    src: Annotated[object, typer.Argument(  # a Location: Typer refuses Union annotations
+        parser=checkpoint_arg("SRC"), help="Aliased checkpoint: iter_XXXXXXX folder or its parent (or "
+        "s3://BUCKET/PREFIX; not with --in-place).", show_default=False)],
     dst: Annotated[object | None, typer.Argument(  # a Location: Typer refuses Union annotations
         parser=checkpoint_arg("DST"), help="Where the migrated checkpoint appears (must not exist): a folder or "
         "s3://BUCKET/PREFIX; omit with --in-place.", show_default=False)] = None,

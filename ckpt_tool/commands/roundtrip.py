@@ -11,12 +11,11 @@ Test-only: ``GTP_ROUNDTRIP_CORRUPT=<rank>`` (see :mod:`ckpt_tool.roundtrip.jobs`
 from __future__ import annotations
 
 from enum import Enum
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ckpt_tool.locations import local_arg
+from ckpt_tool.locations import checkpoint_arg
 from ckpt_tool.output import (
     FormatOption,
     IgnoreOption,
@@ -42,6 +41,7 @@ EPILOG = (
     "  ckpt verify-roundtrip --optimizer muon   (Muon momentum + AdamW state of the rest)\n\n"
     "  ckpt verify-roundtrip runs/gpt/checkpoints   (load with the manifest's topology, save, compare)\n\n"
     "  ckpt verify-roundtrip runs/gpt/checkpoints/iter_0000100 --dp 1   (reshard to DP=1 on the way)\n\n"
+    "  ckpt verify-roundtrip s3://bucket/runs/gpt   (the ranks load from the bucket; the re-save stays local)\n\n"
     "  ckpt verify-roundtrip runs/gpt/checkpoints --keys 'decoder.*' --ignore '*.bias'   (compare part)\n\n"
     "Without PATH: trains --steps on local gloo ranks, saves into a temporary folder, loads it in fresh "
     "processes and compares every rank's optimizer slices (param, exp_avg, exp_avg_sq of every bucket) and "
@@ -51,6 +51,8 @@ EPILOG = (
     "refuses it, with verify's message, before any rank starts; then loads it on local ranks with the "
     "manifest's topology, model and bucket layout, saves it again into a temporary folder and compares every "
     "key's global shape, dtype, chunks and values bit for bit (--keys/--ignore: only the keys selected). "
+    "PATH may be in a bucket (s3://): the ranks read it there through the same verified reader; the re-save "
+    "goes to a local temporary folder. "
     "Chunks may differ only for optimizer keys when --dp changes (the DP slices move). Nothing is written "
     "next to PATH.\n\n"
     "Exit codes: 0 every check passed, 1 a difference was found, a rank failed or verify refused PATH, "
@@ -115,9 +117,10 @@ def _report(outcome: Outcome, fmt: OutputFormat) -> None:
 
 @handle_errors
 def verify_roundtrip_command(
-    path: Annotated[Path | None, typer.Argument(parser=local_arg("PATH"),
-        help="A gtp_runtime checkpoint (iter_XXXXXXX or its parent) to load and save again. Without it, "
-             "train on local ranks and round-trip that.", show_default=False)] = None,
+    path: Annotated[object, typer.Argument(  # a Location or None: Typer refuses Union annotations
+        parser=checkpoint_arg("PATH"),
+        help="A gtp_runtime checkpoint (iter_XXXXXXX or its parent; or s3://BUCKET/PREFIX) to load and save "
+             "again. Without it, train on local ranks and round-trip that.", show_default=False)] = None,
     tp: Annotated[int | None, typer.Option("--tp", help="Tensor parallel size (default: 1).",
                                            show_default=False)] = None,
     cp: Annotated[int | None, typer.Option("--cp", help="Context parallel size (default: 2).",
@@ -168,7 +171,7 @@ def verify_roundtrip_command(
         if given:
             fail(f"{', '.join(given)} cannot be used with PATH: the topology, model and buckets come from the "
                  "checkpoint's manifest (only --dp, --layout, --keys, --ignore and --format apply); drop them")
-        _report(resaved.run(path, dp, lay, KeyFilter.of(keys, ignore), bar), fmt)
+        _report(resaved.run(path, dp, lay, KeyFilter.of(keys, ignore), bar), fmt)  # type: ignore[arg-type]
         return
     if keys or ignore:
         fail("--keys and --ignore select checkpoint keys and need PATH; without PATH every rank's whole state is "

@@ -9,7 +9,10 @@ else ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json`` (
 Reading: every file is opened by a name that must be a plain file name inside the folder (an index's
 ``weight_map`` names files: never a path, never a symlink out), JSON through the size-capped parser,
 each safetensors header checked (size, dtypes, shapes, offsets inside the file, no overlap) before a
-tensor byte is read; tensors are read as numpy memory maps, a box at a time.
+tensor byte is read; tensors are read as numpy memory maps, a box at a time. A folder in a bucket
+(``s3://BUCKET/PREFIX``) is read through the storage functions every checkpoint read goes through
+(:mod:`gtp_format.reader.storage`: keys confined to the prefix, sizes from the store, bounded ranged
+reads), with the same checks; a box is then one ranged read instead of a memory map.
 """
 
 from __future__ import annotations
@@ -27,9 +30,14 @@ import numpy as np
 from gtp_format.commit import write_durable
 from gtp_format.dtypes import DType, by_name
 from gtp_format.errors import FormatError
+from gtp_format.reader import storage
 from gtp_format.reader.safe_json import loads
 from gtp_format.reader.safetensors_reader import nonnegative_ints
 from gtp_format.scan import carrier
+from gtp_format.storage import objects
+from gtp_format.storage.location import ObjectURL
+
+Folder = Path | ObjectURL  # a local model folder, or one in a bucket
 
 CONFIG = "config.json"
 GENERATION = "generation_config.json"
@@ -61,9 +69,11 @@ def write_index(folder: Path, prefix: str, total: int, weight_map: dict[str, str
     return 1
 
 
-def read_capped(path: Path, what: str, fix: str, follow: bool = False) -> bytes:
+def read_capped(path: Path | ObjectURL, what: str, fix: str, follow: bool = False) -> bytes:
     """A JSON file's bytes, within :data:`MAX_JSON`; a file of a folder being read is never a symlink
     (``follow``: a file the user named on the command line may be)."""
+    if isinstance(path, ObjectURL):  # the size the store reports is checked before a byte is read
+        return storage.read_small_file(path, MAX_JSON, what, fix)
     if (path.is_symlink() and not follow) or not path.is_file():
         raise FormatError(f"{path}: {'a symlink' if path.is_symlink() else 'missing or not a file'}; {fix}")
     with open(path, "rb") as f:
@@ -73,7 +83,7 @@ def read_capped(path: Path, what: str, fix: str, follow: bool = False) -> bytes:
     return raw
 
 
-def read_json(path: Path, what: str, fix: str) -> Any:
+def read_json(path: Path | ObjectURL, what: str, fix: str) -> Any:
     return loads(read_capped(path, what, fix), str(path), fix)
 
 
@@ -110,7 +120,7 @@ def tokenizer_config(eos: int | None, eos_text: str | None) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Tensor:
     name: str
-    file: Path
+    file: Path | ObjectURL
     dtype: DType
     shape: tuple[int, ...]
     offset: int  # of the first byte in the file
@@ -118,6 +128,10 @@ class Tensor:
     def read_rows(self, a: int, b: int, cols: tuple[int, int] | None = None) -> np.ndarray:
         """Rows ``[a, b)`` (and columns ``cols`` of a 2-D tensor), stored bits."""
         row = math.prod(self.shape[1:]) * self.dtype.itemsize
+        if isinstance(self.file, ObjectURL):  # one bounded ranged read of the rows (checked against the store)
+            raw = storage.read_range(self.file.parent, self.file.name, self.offset + a * row, (b - a) * row)
+            rows = np.frombuffer(raw, dtype=carrier(self.dtype)).reshape((b - a, *self.shape[1:]))
+            return rows if cols is None else np.array(rows[:, cols[0]:cols[1]])
         mm = np.memmap(self.file, dtype=carrier(self.dtype), mode="r", offset=self.offset + a * row,
                        shape=(b - a, *self.shape[1:]))
         out = np.array(mm if cols is None else mm[:, cols[0]:cols[1]])
@@ -125,21 +139,26 @@ class Tensor:
         return out
 
 
-def _plain_file(folder: Path, name: Any, where: str) -> Path:
+def _plain_file(folder: Folder, name: Any, where: str) -> Path | ObjectURL:
     if not isinstance(name, str) or not name or os.sep in name or "/" in name or name in (".", "..") \
             or "\x00" in name:
         raise FormatError(f"{where}: names the file {name!r}, not a plain file name inside {folder}; an index "
                           "may only name files of its own folder")
     path = folder / name
+    if isinstance(folder, ObjectURL):
+        if storage.is_regular_inside(folder, name) is None:
+            raise FormatError(f"{where}: names {name}, which is missing in {folder}; copy the complete model folder")
+        return path
     if path.is_symlink() or not path.is_file():
         raise FormatError(f"{where}: names {name}, which is {'a symlink' if path.is_symlink() else 'missing'} in "
                           f"{folder}; copy the complete model folder")
     return path
 
 
-def _header(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+def _header(path: Path | ObjectURL) -> tuple[dict[str, Tensor], dict[str, str]]:
+    with (storage.open_regular(path.parent, path.name, "safetensors file") if isinstance(path, ObjectURL)
+          else open(path, "rb")) as f:
+        size = storage.size_of(f)
         head = f.read(8)
         if len(head) < 8:
             raise FormatError(f"{path}: shorter than a safetensors header; the file is truncated")
@@ -176,20 +195,27 @@ def _header(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     return out, meta
 
 
-def read_set(folder: Path, prefix: str, fix: str) -> tuple[dict[str, Tensor], list[dict[str, str]]] | None:
+def _exists(folder: Folder, name: str) -> bool:
+    """Whether the folder has an entry ``name`` (a symlink counts: it is then refused by name)."""
+    if isinstance(folder, ObjectURL):
+        return storage.is_regular_inside(folder, name) is not None
+    return (folder / name).exists() or (folder / name).is_symlink()
+
+
+def read_set(folder: Folder, prefix: str, fix: str) -> tuple[dict[str, Tensor], list[dict[str, str]]] | None:
     """Every tensor of the set ``prefix`` (``model``, ``optimizer``; headers only) and each file's
     ``__metadata__``; ``None`` when the folder has neither ``PREFIX.safetensors`` nor its index."""
     index = folder / index_name(prefix)
     single = folder / f"{prefix}.safetensors"
     wmap: dict[str, Any] = {}
-    if index.exists() or index.is_symlink():
+    if _exists(folder, index.name):
         doc = read_json(index, "index", fix)
         got = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(got, dict):
             raise FormatError(f"{index}: no weight_map object; {fix}")
         wmap = got
         files = sorted({_plain_file(folder, f, str(index)) for f in wmap.values()})
-    elif single.exists() or single.is_symlink():
+    elif _exists(folder, single.name):
         files = [_plain_file(folder, single.name, str(folder))]
     else:
         return None
@@ -209,9 +235,9 @@ def read_set(folder: Path, prefix: str, fix: str) -> tuple[dict[str, Tensor], li
     return tensors, metas
 
 
-def read_folder(folder: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+def read_folder(folder: Folder) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """``config.json`` and every weight tensor of an HF model folder (headers only)."""
-    if not folder.is_dir():
+    if not (objects.is_prefix(folder) if isinstance(folder, ObjectURL) else folder.is_dir()):
         raise FormatError(f"{folder}: not a folder; pass the Hugging Face model folder (config.json, "
                           "model*.safetensors)")
     fix = "pass a folder written by save_pretrained (safetensors)"

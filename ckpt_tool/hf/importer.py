@@ -64,7 +64,7 @@ PARAM_DTYPES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16"}
 
 @dataclass(frozen=True)
 class HFModel:
-    root: Path
+    root: Path | ObjectURL
     model: ModelConfig
     param_dtype: str  # "torch.float32" or "torch.bfloat16"
     parts: dict[str, list[mapping.Part]]  # runtime parameter -> its HF tensors
@@ -99,7 +99,7 @@ def optimizer_key(state: str, hf_name: str) -> str:
     return f"optimizer.state.{state}.{hf_name}"
 
 
-def _open_optimizer(src: Path, table: list[mapping.Part], full: dict[str, tuple[int, ...]]
+def _open_optimizer(src: Path | ObjectURL, table: list[mapping.Part], full: dict[str, tuple[int, ...]]
                     ) -> tuple[dict[str, Tensor], hf_run_state.RunState] | None:
     """The optimizer files of ``src``, checked against the name table, and their run state; ``None``
     if the folder has none."""
@@ -122,7 +122,7 @@ def _open_optimizer(src: Path, table: list[mapping.Part], full: dict[str, tuple[
     return tensors, hf_run_state.parse(metas, str(src / "optimizer*.safetensors"))
 
 
-def open_hf(src: Path, seq_length: int | None = None, optimizer: bool = True) -> HFModel:
+def open_hf(src: Path | ObjectURL, seq_length: int | None = None, optimizer: bool = True) -> HFModel:
     """Read and check an HF folder (headers only): config, names, shapes, one float dtype; and its
     optimizer files, if any (unless ``optimizer`` is false)."""
     cfg, tensors = read_folder(src)
@@ -202,7 +202,7 @@ def target(hf: HFModel, par: ParallelConfig, layout: str, bucket_size: int) -> M
         extra=dict(hf.run.extra) if hf.run is not None else {})
 
 
-def import_hf(src: Path, dst: Path | ObjectURL, par: ParallelConfig, layout: str = "torch_dist",
+def import_hf(src: Path | ObjectURL, dst: Path | ObjectURL, par: ParallelConfig, layout: str = "torch_dist",
               bucket_size: int = DEFAULT_BUCKET_SIZE, seq_length: int | None = None,
               max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
               progress: ProgressOpener | None = None, optimizer: bool = True) -> dict[str, Any]:

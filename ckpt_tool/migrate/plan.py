@@ -46,9 +46,9 @@ FP32 = str(DTYPES["float32"])  # "torch.float32", as weight dtypes are recorded
 class Source:
     """The checkpoint to migrate: the iteration folder, and its parent when SRC named one."""
 
-    given: Path
-    folder: Path
-    parent: Path | None  # SRC was a parent holding latest_checkpointed_iteration.txt
+    given: Path | ObjectURL
+    folder: Path | ObjectURL
+    parent: Path | ObjectURL | None  # SRC was a parent holding latest_checkpointed_iteration.txt
     latest_text: str | None
 
     def refuse_destination(self, dst: Path | ObjectURL) -> None:
@@ -56,16 +56,18 @@ class Source:
         check_destination(dst, (self.given, self.folder), "migrate-aliased", "pass a new DST, or --in-place")
 
 
-def locate_source(path: Path) -> Source:
+def locate_source(path: Path | ObjectURL) -> Source:
     loc = locate(path)
     if loc.layout != LAYOUT_TORCH_DIST:
         raise FormatError(f"{loc.folder} uses the {loc.layout} layout; migrate-aliased rewrites DCP .metadata and "
                         "only applies to torch_dist checkpoints (gtp_runtime never wrote aliased safetensors ones)")
-    if Path(os.path.abspath(loc.folder)) == Path(os.path.abspath(path)):
-        return Source(Path(path), loc.folder, None, None)
-    marker = Path(path) / LATEST_FILE
+    given: Path | ObjectURL = path if isinstance(path, ObjectURL) else Path(path)
+    if loc.folder == given if isinstance(given, ObjectURL) else \
+            Path(os.path.abspath(loc.folder)) == Path(os.path.abspath(given)):
+        return Source(given, loc.folder, None, None)
+    marker = given / LATEST_FILE
     text = read_small_file(marker, 64, "an iteration marker", f"fix {LATEST_FILE}").decode("utf-8", "replace")
-    return Source(Path(path), loc.folder, Path(path), text.strip())
+    return Source(given, loc.folder, given, text.strip())
 
 
 # -- the plan ---------------------------------------------------------------------------------------
@@ -156,7 +158,7 @@ class Plan:
 REPAIR_REST = "; migrate-aliased repairs only the aliasing: repair the rest first"
 
 
-def plan_migration(src: Path, cp_size: int | None, reset_lost_moments: bool) -> Plan:
+def plan_migration(src: Path | ObjectURL, cp_size: int | None, reset_lost_moments: bool) -> Plan:
     """Work out every rename and every lost chunk from metadata and the manifest.
 
     Reads no tensor data except the tiny ``per_bucket_numel`` ones that verify's structural checks

@@ -8,7 +8,6 @@ options, then the plan's refusals, then DST, then nothing-to-do, then lost momen
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from ckpt_tool.migrate.plan import (
 )
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
 from gtp_format.names import DCP_METADATA_FILE, MANIFEST_FILE
+from gtp_format.reader.storage import list_dir
 from gtp_format.storage.location import ObjectURL
 
 if TYPE_CHECKING:
@@ -61,13 +61,17 @@ def plan_doc(plan: Plan) -> dict[str, Any]:
     }
 
 
-def migrate_aliased(src: Path, dst: Path | ObjectURL | None, *, cp_size: int | None, in_place: bool, dry_run: bool,
-                    reset_lost_moments: bool, progress: ProgressFactory) -> Report:
+def migrate_aliased(src: Path | ObjectURL, dst: Path | ObjectURL | None, *, cp_size: int | None, in_place: bool,
+                    dry_run: bool, reset_lost_moments: bool, progress: ProgressFactory) -> Report:
     """Migrate SRC to DST (or in place); raises :class:`FormatError` for bad input (exit 2)."""
     if in_place and dst is not None:
         raise FormatError(f"--in-place replaces SRC and takes no DST (got {dst}); drop one of them")
     if not in_place and dst is None:
         raise FormatError("missing DST: pass where the migrated checkpoint should appear, or --in-place")
+    if in_place and isinstance(src, ObjectURL):
+        raise FormatError(f"{src}: --in-place cannot replace a checkpoint in a bucket: an object store has no atomic "
+                          "rename, so readers would see a mix of the old and the new objects; pass a new DST instead "
+                          "(a folder or s3://BUCKET/NEW_PREFIX) and point the run at it")
     plan = plan_migration(src, cp_size, reset_lost_moments)
     doc = plan_doc(plan)
     doc.update(mode="dry_run" if dry_run else ("in_place" if in_place else "copy"), written=False,
@@ -95,7 +99,7 @@ def migrate_aliased(src: Path, dst: Path | ObjectURL | None, *, cp_size: int | N
 def _write(plan: Plan, dst: Path | ObjectURL | None, in_place: bool, progress: ProgressFactory) -> Outcome:
     from ckpt_tool.migrate.commit import migrate_in_place, migrate_to  # torch: a real run only
 
-    carried = [n for n in os.listdir(plan.ckpt.root) if n not in (DCP_METADATA_FILE, MANIFEST_FILE)]
+    carried = [n for n in list_dir(plan.ckpt.root) if n not in (DCP_METADATA_FILE, MANIFEST_FILE)]
     steps = len(carried) + sum(c.action in (REBUILD, RESET) for c in plan.lost)
     with progress(steps) as advance:
         try:

@@ -35,8 +35,12 @@ from gtp_format.manifest import HASH_ALGORITHM
 from gtp_format.names import CHUNK_RECORDS_FILE, DCP_METADATA_FILE, MANIFEST_FILE, MEGATRON_METADATA_FILE
 from gtp_format.progress import Progress
 from gtp_format.reader.safe_pickle import MetadataRecord
+from gtp_format.reader.storage import is_regular_inside, list_dir, open_regular, read_small_file
+from gtp_format.storage import objects
 from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter, data_file_name, link_or_copy
+
+MAX_MEGATRON_JSON = 1 << 20  # Megatron's metadata.json is a few hundred bytes
 
 
 @dataclass(frozen=True)
@@ -139,19 +143,33 @@ class Outcome:
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase (benchmarks read them)
 
 
-def _carry_files_over(src: Path, names: list[str], out: Path, outcome: Outcome, progress: Progress) -> None:
-    """Every file of SRC but the two rewritten ones, linked (or copied) into ``out``."""
+def _download(src: ObjectURL, name: str, dst: Path) -> None:
+    """Copy the object ``name`` of a bucket's SRC into the new local file ``dst``, in bounded ranged reads."""
+    with open_regular(src, name) as f, open(dst, "xb") as out:
+        for piece in f.pieces(objects.PART):  # type: ignore[attr-defined]
+            out.write(piece)
+    fsync_file(dst)
+
+
+def _carry_files_over(src: Path | ObjectURL, names: list[str], out: Path, outcome: Outcome,
+                      progress: Progress) -> None:
+    """Every file of SRC but the two rewritten ones, linked (or copied) into ``out``; from a bucket, copied in
+    ranged reads (the upload of the migrated copy puts them back, under the new prefix)."""
     for name in names:
         p = src / name
         if name in (DCP_METADATA_FILE, MANIFEST_FILE, CHUNK_RECORDS_FILE):  # rewritten (never through a link)
             continue
-        if p.is_symlink() or not p.is_file():
+        bucket = isinstance(src, ObjectURL)
+        if (is_regular_inside(src, name) is None) if bucket else (p.is_symlink() or not p.is_file()):
             raise FormatError(f"{p} is not a regular file; migrate-aliased only carries the files of a checkpoint "
                             "folder over; move it out of the folder first")
         if name == MEGATRON_METADATA_FILE:  # the writer's finish() links it, last
             progress(1)
             continue
-        if link_or_copy(p, out / name):
+        if isinstance(src, ObjectURL):
+            _download(src, name, out / name)
+            outcome.copied += 1
+        elif link_or_copy(p, out / name):
             outcome.linked += 1
         else:
             outcome.copied += 1
@@ -198,7 +216,7 @@ def build_migrated(plan: Plan, writer: CheckpointWriter, checkpoint_id: Path | s
     """
     assert plan.par is not None and plan.manifest is not None
     src, out = plan.ckpt.root, writer.folder
-    names = sorted(os.listdir(src))
+    names = list_dir(src)  # sorted; a bucket's prefix lists its objects (and sub-prefixes, refused below)
     clock = time.perf_counter()
     md = source_records(plan.ckpt)
     outcome = Outcome(out, None, 0, 0, 0)
@@ -230,9 +248,15 @@ def build_migrated(plan: Plan, writer: CheckpointWriter, checkpoint_id: Path | s
     if records is not None:
         writer.add_records(records)
     lap("chunk_records")
-    megatron = src / MEGATRON_METADATA_FILE if MEGATRON_METADATA_FILE in names else None
-    writer.finish(manifest, megatron)  # SRC's own metadata.json, linked last
-    if megatron is not None:
+    megatron: Path | ObjectURL | bytes | None = None
+    if MEGATRON_METADATA_FILE in names:
+        megatron = src / MEGATRON_METADATA_FILE
+        if isinstance(megatron, ObjectURL):
+            megatron = read_small_file(megatron, MAX_MEGATRON_JSON, "metadata.json", "restore it from the run")
+    writer.finish(manifest, megatron)  # SRC's own metadata.json, linked last (a bucket's: its bytes)
+    if isinstance(megatron, bytes):
+        outcome.copied += 1
+    elif megatron is not None:
         linked = os.stat(megatron).st_ino == os.stat(out / MEGATRON_METADATA_FILE).st_ino
         outcome.linked, outcome.copied = outcome.linked + linked, outcome.copied + (not linked)
     outcome.notes = list(manifest.notes[-1:])

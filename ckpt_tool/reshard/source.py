@@ -21,7 +21,6 @@ import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -30,7 +29,7 @@ from gtp_format.check.gate import REFUSE, open_gated
 from gtp_format.check.integrity import ReadLedger
 from gtp_format.errors import FormatError
 from gtp_format.manifest import Manifest
-from gtp_format.model import Checkpoint, Chunk, Entry
+from gtp_format.model import Checkpoint
 from gtp_format.names import OPTIMIZER_SHARDINGS
 from gtp_format.reader.boxes import BoxReader, Buffer
 from gtp_format.views.ours import param_views
@@ -53,16 +52,10 @@ class CheckedReader(BoxReader):
         super().__init__(ckpt)
         self.ledger = ReadLedger(ckpt)
 
-    def chunk_rows(self, entry: Entry, chunk: Chunk, r0: int, r1: int, *args: Any, **kwargs: Any) -> np.ndarray:
-        rows = super().chunk_rows(entry, chunk, r0, r1, *args, **kwargs)
-        got = self._payload_start(entry, chunk)  # cached by the read above
-        # an offset (or None: decoded whole), or (offset, strides) where a strided chunk's rows are
-        # gathered from several runs: only rows read as one range are the file's bytes in order
-        start, strides = got if isinstance(got, tuple) else (got, None)
-        if start is not None and strides is None and chunk.storage is not None and rows.size:
-            row_bytes = rows.nbytes // max(1, r1 - r0)
-            self.ledger.record(chunk.storage.file, start + r0 * row_bytes, rows.reshape(-1).view(np.uint8))
-        return rows  # bytes not recorded here are read and checked as gaps when the ledger is joined
+    def _record(self, rel: str, offset: int, data: np.ndarray | memoryview) -> None:
+        # rows read as one range, or a prefetched request, are the file's bytes in order; bytes not recorded
+        # (a strided chunk's runs) are read and checked as gaps when the ledger is joined
+        self.ledger.record(rel, offset, data.reshape(-1).view(np.uint8) if isinstance(data, np.ndarray) else data)
 
     def close(self) -> None:
         self.ledger.cancel()  # a copy that stopped early: its background fill stops too

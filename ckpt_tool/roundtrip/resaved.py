@@ -41,6 +41,7 @@ from gtp_format.compare import (
 from gtp_format.compare.records import CHUNKS, CONTENT_CODES, KEY_SET_CODES, METADATA_CODES
 from gtp_format.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, FormatError
 from gtp_format.model import Checkpoint
+from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.work import sigterm_raises
 
 _DP_DEPENDENT_TOPOLOGY = ("dp", "world_size", "expert_dp")
@@ -51,10 +52,11 @@ ROUNDTRIP_NEEDS = ("verify-roundtrip needs the manifest's topology, model and bu
 MAX_BYTES = 2 << 30  # one key assembled whole when the two sides cut it differently
 
 
-def run(path: str | os.PathLike[str], dp: int | None = None, layout: str | None = None,
+def run(path: str | os.PathLike[str] | ObjectURL, dp: int | None = None, layout: str | None = None,
         select: KeyFilter = EVERYTHING, progress: ProgressBars = no_progress) -> Outcome:
-    """Round-trip the checkpoint at ``path``; raises :class:`FormatError` (exit 2 unusable input, 1
-    refused by verify or a rank failed) before or instead of a report."""
+    """Round-trip the checkpoint at ``path`` (a folder, or a bucket's prefix: the ranks load it from the
+    bucket through the same verified reader, ``--load s3://``'s); raises :class:`FormatError` (exit 2 unusable
+    input, 1 refused by verify or a rank failed) before or instead of a report."""
     from gtp_format.check.gate import open_gated
     from gtp_format.layout.config import ConfigError
     from gtp_format.names import MANIFEST_FILE

@@ -19,7 +19,11 @@ byte once, in order, and spreading the CPU work over the cores without leaving t
 * at most ``IN_FLIGHT * workers`` windows are in flight, so memory is bounded whatever the
   checkpoint (64 MiB at 8 workers);
 * a chunk larger than a window is parsed from its first and last bytes at planning time, then
-  its elements are scanned window by window as they stream past.
+  its elements are scanned window by window as they stream past;
+* from a bucket a window is one ranged request (:data:`gtp_format.storage.objects.PART`, 8 MiB), so
+  a chunk up to that size is parsed from the bytes its window already holds: with 2 MiB windows every
+  larger chunk cost two more requests for its structure (190 of the 226 ``GET`` s of a 304.8 MB
+  checkpoint, benchmarks/bench_s3_ckpt.py), each a round trip, and on moto a copy of the whole object.
 
 Chunks that do not fit this pattern (bytes shared by two chunks, a view that is not its whole
 storage in a chunk larger than a window) fall back to the random-access reader, so the results
@@ -62,7 +66,8 @@ from gtp_format.reader.storage import is_sparse, open_regular, past_end_message,
 from gtp_format.reader.storage import streamed as streamed_file
 from gtp_format.reader.zip_blob import BlobError, RangeReader
 from gtp_format.scan import can_hold_nonfinite
-from gtp_format.storage.objects import ObjectFile
+from gtp_format.storage.location import ObjectURL
+from gtp_format.storage.objects import PART, ObjectFile
 from gtp_format.storage.prefetch import ObjectStream
 
 WINDOW = 2 << 20
@@ -117,8 +122,11 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
     passes = [_FilePass(ckpt, rel, sorted(by_file.get(rel, []), key=lambda i: (i.start, i.stop)),
                         hash_files.get(rel, [])) for rel in sorted(by_file.keys() | hash_files.keys())]
     n = workers or default_workers()
+    # a bucket's windows are PART bytes, not WINDOW: as many bytes pending as IN_FLIGHT windows of 8 workers (64 MiB)
+    bucket = isinstance(ckpt.root, ObjectURL)
+    in_flight = max(2, IN_FLIGHT * MAX_WORKERS * WINDOW // PART) if bucket else IN_FLIGHT * n
     with ThreadPoolExecutor(n, "ckpt-data") as pool:
-        _run(passes, pool, IN_FLIGHT * n, total, report, tick)
+        _run(passes, pool, in_flight, total, report, tick)
     report.nonfinite, found = split_padding(total.nan, total.inf)
     report.problems = total.problems + found
     return report
@@ -201,6 +209,7 @@ class _FilePass:
                                                   and all(it.record is not None for it in items))
         self.hashers: dict[str, Hasher] = {} if self.crc else {a: HASHERS[a]() for a in algorithms}
         self.value = 0  # the CRC so far
+        self.window = WINDOW  # a bucket's object: PART (one request per window)
         self.planned: Found | None = Found()  # what planning found: merged before the first step
         self.fd: int | None = None
         self.obj: ObjectFile | None = None
@@ -223,8 +232,9 @@ class _FilePass:
             return []
         if isinstance(f, ObjectFile):  # a bucket's object: ranged reads, its size the store's (no holes)
             self.obj, self.size = streamed_file(f), f.size  # type: ignore[assignment]
+            self.window = PART
             steps = self._plan()
-            self.stream = ObjectStream(f, [(s.start, s.stop) for s in steps])
+            self.stream = ObjectStream(f, [(s.start, s.stop) for s in steps], aligned=True)
             self.remaining = max(1, len(steps))
             return steps
         st = os.fstat(f.fileno())
@@ -325,12 +335,12 @@ class _FilePass:
                 steps.append(_Step(pos, pos, fallback_action(self.ckpt, [items[i]])))
                 i += 1
                 continue
-            if i < n and items[i].start == pos and items[i].stop - pos > WINDOW:
+            if i < n and items[i].start == pos and items[i].stop - pos > self.window:
                 steps += self._big(items[i])
                 pos = items[i].stop
                 i += 1
                 continue
-            stop = min(end, pos + WINDOW)
+            stop = min(end, pos + self.window)
             k = i
             while k < n and items[k].start < stop and items[k].stop <= stop:
                 k += 1
@@ -370,13 +380,13 @@ class _FilePass:
             self.planned.ticks += 1
         lo_payload = it.start + (layout.payload_offset if layout else 0)
         hi_payload = lo_payload + (layout.payload_bytes if layout else 0)
-        cuts = sorted({it.start, it.stop, lo_payload, hi_payload, *range(lo_payload, hi_payload, WINDOW)})
+        cuts = sorted({it.start, it.stop, lo_payload, hi_payload, *range(lo_payload, hi_payload, self.window)})
         acc = PayloadCrc(layout.payload_crc, it.entry, it.chunk, layout.payload_bytes) \
             if layout is not None and self.record_crc else None
         streamed = StreamedHash(it.entry, it.chunk, it.record) if it.record is not None and not steps else None
         for a, b in zip(cuts, cuts[1:]):
-            for lo in range(a, b, WINDOW):
-                hi = min(b, lo + WINDOW)
+            for lo in range(a, b, self.window):
+                hi = min(b, lo + self.window)
                 inside = layout is not None and lo_payload <= lo and hi <= hi_payload
                 scan = inside and can_hold_nonfinite(layout.dtype)
                 tally = tally_key(self.ckpt, it.entry, it.chunk)

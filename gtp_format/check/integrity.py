@@ -129,9 +129,11 @@ class ReadLedger:
             else:
                 self.bytes_checked += n
 
-    def fill_except(self, keys: Iterable[str]) -> None:
+    def fill_except(self, keys: Iterable[str], also: dict[str, list[tuple[int, int]]] | None = None) -> None:
         """Start reading, on background threads, every byte of the whole-file-checksummed files that
-        lies outside the stored chunks of ``keys`` (the keys the copy will read), as pieces.
+        lies outside the stored chunks of ``keys`` (the keys the copy will read) and outside ``also`` (ranges
+        per file the copy's reader reads and records anyway: a bucket's prefetch reads through small holes), as
+        pieces. A range of ``also`` that ends up not recorded is read as a gap by :meth:`finish`.
 
         Only files with a manifest checksum over the whole file: a zip-record check (a genuine
         Megatron file) joins per tensor payload, which these ranges do not follow.
@@ -143,6 +145,8 @@ class ReadLedger:
             for c in entry.chunks if entry is not None else ():
                 if c.storage is not None:
                     taken.setdefault(c.storage.file, []).append((c.storage.offset, c.storage.offset + c.storage.length))
+        for rel, ranges in (also or {}).items():
+            taken.setdefault(rel, []).extend(ranges)
         tasks: list[tuple[str, int, int]] = []
         for rel, mode in self.modes.items():
             if mode.kind != "file" or mode.size is None:

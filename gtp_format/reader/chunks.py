@@ -28,7 +28,16 @@ from gtp_format.reader.blob import BlobLayout, as_tensor, check_payload_crc, ele
 from gtp_format.reader.object_blob import MAX_OBJECT_PICKLE, load_plain_object
 from gtp_format.reader.pickle_scan import PickleScanError, check_pickle
 from gtp_format.reader.pickle_shape import check_shape
-from gtp_format.reader.storage import Into, open_regular, past_end_message, pread, read_range, size_of, source_of
+from gtp_format.reader.storage import (
+    Into,
+    open_regular,
+    past_end_message,
+    pread,
+    read_range,
+    size_of,
+    source_of,
+    streamed,
+)
 from gtp_format.reader.zip_blob import BlobError, RangeReader, ViewReader, record_bytes, small_record, zip_records
 from gtp_format.scan import carrier
 from gtp_format.torch_adapter import load_torch
@@ -120,12 +129,15 @@ def check_byte_object(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> None:
     Streamed from the file in blocks, never held whole: a byte object's declared range can be as
     large as its file (a 64 MiB hole nobody wrote was read into memory at once, then passed).
     Raw (safetensors) layouts store byte objects as they are and are only read for presence.
+    From a bucket the structure's small reads come from the block cache (:func:`streamed`): each was a
+    request of its own, about 40 per byte object (530 requests, 3.6 s, for one ``verify --data`` of a
+    fixture with 13 byte objects, where the local folder took 0.4 s).
     """
     ref = checked_ref(ckpt, entry, chunk)
     if ckpt.encoding == ENC_RAW:
         chunk_bytes(ckpt, entry, chunk)
         return
-    with open_regular(ckpt.root, ref.file) as f:
+    with streamed(open_regular(ckpt.root, ref.file)) as f:
         fd, size = source_of(f), size_of(f)
         if ref.offset + ref.length > size:
             raise ChunkError(f"{entry.key}: {past_end_message(ref.file, ref.offset, ref.length, size)}", key=entry.key,

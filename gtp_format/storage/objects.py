@@ -39,7 +39,7 @@ from typing import Any
 from gtp_format.errors import ChunkError, FormatError
 from gtp_format.storage import profiles
 from gtp_format.storage.location import ObjectURL
-from gtp_format.storage.paths import past_end_message, unsafe_reason
+from gtp_format.storage.paths import addressable, past_end_message, unsafe_reason
 from gtp_format.storage.ranges import pieces
 
 PIECE = 64 << 20  # largest single ranged GET: bounds the memory one request holds in flight
@@ -217,6 +217,8 @@ def head_size(root: ObjectURL, rel: str) -> int | None:
     from obstore import exceptions as ox
 
     key = _key(root, rel)
+    if not addressable(key):
+        return None
     listed = _LISTED
     if listed is not None and (root.bucket, key) in listed:
         return listed[(root.bucket, key)]
@@ -230,9 +232,12 @@ def head_size(root: ObjectURL, rel: str) -> int | None:
 
 
 def object_size(root: ObjectURL, rel: str, what: str = "data file") -> int:
-    """:func:`head_size`, a missing object a :class:`ChunkError` naming it (as a missing local file)."""
+    """:func:`head_size`, a missing object a :class:`ChunkError` naming it (as a missing local file); a name that
+    is a prefix holding objects (a "folder") in the words a folder in place of a file gets on disk."""
     size = head_size(root, rel)
     if size is None:
+        if addressable(root.key(rel)) and is_prefix(root, rel):
+            raise ChunkError(f"{what} {root / rel} is not a regular file", file=rel)
         raise ChunkError(f"{what} {rel} is missing from {root}", file=rel)
     return size
 

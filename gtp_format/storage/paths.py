@@ -27,3 +27,17 @@ def unsafe_reason(rel: object) -> str | None:
 def past_end_message(rel: str, offset: int, length: int, size: int) -> str:
     return (f"byte range [{offset}, {offset + length}) of {rel} runs past its end ({size} bytes): "
             "the file is truncated or the metadata is wrong")
+
+
+def addressable(key: str) -> bool:
+    """Whether the S3 client can ask for ``key`` at all: obstore refuses a key with an ASCII control character
+    (``\\x00``-``\\x1f``, ``\\x7f``) or one that is not UTF-8 (a lone surrogate) before any request.
+
+    A recorded path is untrusted text: such a name is reported as a missing object (no object the client
+    can read has it), as the same name is a missing file in a folder, never as a failure of the store.
+    """
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return not any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in key)

@@ -309,6 +309,8 @@ def check_s3_ckpt(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
         gets, each = re.match(r"(\d+) GET \(([\d.]+) MB each\)", r[5]).groups()
         assert int(gets) >= 1 and 0 < float(each) <= 64 * 1.048576
     assert '"ok"' not in p.stdout  # the commands' own output is not mixed into the report
+    moto = re.search(r"a 64 KiB ranged GET takes ([\d.]+) ms, the whole object ([\d.]+) ms", p.stdout)
+    assert moto and 0 < float(moto.group(1)) and 0 < float(moto.group(2))  # the server's own cost per request
 
 
 def check_io_stages(p: subprocess.CompletedProcess[str], tmp: Path) -> None:

@@ -31,8 +31,7 @@ COMMANDS = [
     (["import", "hf_in", "{url}", "--from", "hf"], "DST"),
     (["verify-roundtrip", "{url}"], "PATH"),
 ]
-URLS = [("s3://bucket/run", "object stores are not supported by ckpt yet"),
-        ("s3:/bucket/run", "two slashes"),
+URLS = [("s3:/bucket/run", "two slashes"),
         ("gs://bucket/run", "gs:// is not supported"),
         ("file:///tmp/run", "file:// URLs are not taken")]
 
@@ -41,7 +40,8 @@ URLS = [("s3://bucket/run", "object stores are not supported by ckpt yet"),
 # URLs are refused here.
 READS_BUCKETS = {("inspect", "PATH"), ("verify", "PATH"), ("show", "PATH"), ("diff", "A"), ("diff", "B"),
                  ("plan", "PATH"), ("export", "SRC"), ("export", "DST"), ("reshard", "SRC"), ("reshard", "DST"),
-                 ("migrate-aliased", "DST"), ("import", "DST")}
+                 ("migrate-aliased", "DST"), ("import", "DST"), ("verify-roundtrip", "PATH"), ("import", "SRC"),
+                 ("migrate-aliased", "SRC")}
 CASES = [(argv, name, url, words) for argv, name in COMMANDS for url, words in URLS
          if not (url.startswith("s3://") and (argv[0], name) in READS_BUCKETS)]
 
@@ -74,3 +74,8 @@ def test_launcher_refuses_urls(flag, url, words, tmp_path):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {flag} ") and words in lines[0], p.stderr
     assert p.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+def test_every_command_takes_a_bucket_where_it_takes_a_checkpoint():
+    """No SRC, DST or PATH is local-only any more (tests/s3/ runs each on a bucket)."""
+    assert {(argv[0], name) for argv, name in COMMANDS} == READS_BUCKETS

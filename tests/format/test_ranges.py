@@ -69,8 +69,8 @@ class FakeObject:
 
 
 @settings(max_examples=150, deadline=None)
-@given(plans(), st.integers(1, 4), st.randoms(use_true_random=False))
-def test_reading_through_the_plan_returns_the_uncoalesced_bytes(monkeypatch_module, plan, ahead, rnd):
+@given(plans(), st.integers(1, 4), st.randoms(use_true_random=False), st.booleans())
+def test_reading_through_the_plan_returns_the_uncoalesced_bytes(monkeypatch_module, plan, ahead, rnd, aligned):
     size, ranges, cap, _ = plan
     data = bytes(rnd.getrandbits(8) for _ in range(size))
     obj = FakeObject(data)
@@ -85,7 +85,7 @@ def test_reading_through_the_plan_returns_the_uncoalesced_bytes(monkeypatch_modu
 
     monkeypatch_module.setattr(objects, "fetch", fetch)
     monkeypatch_module.setattr(objects, "PART", cap)
-    stream = prefetch.ObjectStream(obj, ranges, ahead=ahead)
+    stream = prefetch.ObjectStream(obj, ranges, ahead=ahead, aligned=aligned)
     order = list(range(len(ranges)))
     rnd.shuffle(order)  # workers take ranges roughly, not exactly, in order
     for i in order:
@@ -93,6 +93,9 @@ def test_reading_through_the_plan_returns_the_uncoalesced_bytes(monkeypatch_modu
         assert stream.read(a, b) == data[a:b]  # brute force: the uncoalesced read
     stream.close()
     planned = {(r.start, r.stop - r.start) for r in stream.requests}
+    if aligned:  # whole aligned pieces (the last one shorter), each meeting some range
+        assert all(a % cap == 0 and (b == size or b - a == cap) and any(x < b and a < y for x, y in ranges)
+                   for a, b in ((r.start, r.stop) for r in stream.requests))
     assert len(sent) == len(set(sent)) and set(sent) == planned  # each planned request sent once, nothing else
     assert obj.requests == []  # no range fell back to a direct read
 
@@ -108,3 +111,66 @@ def test_refuses_ranges_outside_the_object():
         coalesce([(0, 11)], 10, cap=4)
     with pytest.raises(ValueError):
         coalesce([(3, 3)], 10, cap=4)
+
+
+@st.composite
+def copy_plans(draw: st.DrawFn) -> tuple[list[int], list[tuple[int, int, int]], int, int, int]:
+    """Objects' sizes, and extents (object, start, stop) in the order a copy reads them; cap, gap, budget."""
+    sizes = draw(st.lists(st.integers(1, 3000), min_size=1, max_size=3))
+    extents = []
+    for _ in range(draw(st.integers(0, 25))):
+        o = draw(st.integers(0, len(sizes) - 1))
+        a = draw(st.integers(0, sizes[o] - 1))
+        extents.append((o, a, draw(st.integers(a + 1, min(sizes[o], a + 1 + draw(st.integers(0, 900)))))))
+    cap = draw(st.integers(1, 2000))
+    return sizes, extents, cap, draw(st.integers(0, 500)), draw(st.integers(1, 6000))
+
+
+@settings(max_examples=150, deadline=None)
+@given(copy_plans(), st.randoms(use_true_random=False), st.booleans())
+def test_a_copy_plan_serves_the_bytes_within_its_budget(monkeypatch_module, plan, rnd, in_order):
+    """:class:`prefetch.PlanPrefetch` against brute force: what it serves is the object's bytes at the extent
+    (or None: the caller reads directly); no request leaves its object, passes the cap or is sent twice; the
+    bytes held never pass the budget (or one request, where a request alone is larger); each served request is
+    handed to ``on_served`` once, with its own bytes; read in plan order under a budget that holds everything,
+    every extent of at most one request is served."""
+    sizes, extents, cap, gap, budget = plan
+    objs = [FakeObject(bytes(rnd.getrandbits(8) for _ in range(n))) for n in sizes]
+    for k, o in enumerate(objs):
+        o.rel = f"o{k}"
+    sent: list[tuple[str, int, int]] = []
+    lock = threading.Lock()
+    box: dict[str, prefetch.PlanPrefetch] = {}
+    peak = [0]
+
+    def fetch(root, rel, offset, n):
+        assert root in objs and 0 <= offset and 0 < n <= cap and offset + n <= root.size
+        with lock:
+            sent.append((rel, offset, n))
+            peak[0] = max(peak[0], box["p"]._held)
+        return memoryview(root.data[offset:offset + n])
+
+    served: list[tuple[str, int, bytes]] = []
+    monkeypatch_module.setattr(objects, "fetch", fetch)
+    monkeypatch_module.setattr(objects, "PART", cap)
+    p = box["p"] = prefetch.PlanPrefetch([(objs[o], a, b, i) for i, (o, a, b) in enumerate(extents)], budget,
+                                         lambda obj, at, data: served.append((obj.rel, at, bytes(data))), gap=gap)
+    order = list(range(len(extents)))
+    if not in_order:
+        rnd.shuffle(order)
+    for i in order:
+        o, a, b = extents[i]
+        got = p.get(i)
+        if got is not None:
+            assert bytes(got) == objs[o].data[a:b]
+        elif in_order and budget >= sum(n for n in sizes) + cap and b - a <= cap:
+            planned_before = [j for j in range(i) if extents[j] == extents[i]]
+            assert planned_before, f"extent {i} was planned and held, yet not served"
+        p.done(i)
+    p.close()
+    assert len(sent) == len(set(sent)), "a request was sent twice"
+    assert peak[0] <= max(p.budget, cap)
+    assert len({(r, at) for r, at, _ in served}) == len(served)
+    for rel, at, data in served:
+        o = objs[int(rel[1:])]
+        assert data == o.data[at:at + len(data)] and (rel, at, len(data)) in sent

@@ -13,6 +13,8 @@ import os
 import socket
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 DUMMY_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -58,3 +60,39 @@ def reset(endpoint: str) -> None:
 def environment(endpoint: str) -> dict[str, str]:
     """The AWS variables that point a client at ``endpoint`` with dummy credentials."""
     return {**DUMMY_ENV, "AWS_ENDPOINT_URL": endpoint}
+
+
+def point_at(mp: Any, endpoint: str, bucket: str) -> Any:
+    """Point the environment (``mp``: a pytest ``MonkeyPatch``, so ranks and subprocesses see it too) at
+    ``endpoint`` with dummy credentials, create ``bucket``; return a boto3 client of it (the tests' own view)."""
+    import boto3
+
+    for k in UNSET:
+        mp.delenv(k, raising=False)
+    for k, v in environment(endpoint).items():
+        mp.setenv(k, v)
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket=bucket)
+    return client
+
+
+def upload_tree(client: Any, bucket: str, folder: Path, prefix: str) -> None:
+    """Every file of ``folder`` as an object below ``prefix`` (boto3: independent of the code under test)."""
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            client.upload_file(str(p), bucket, f"{prefix}/{p.relative_to(folder)}")
+
+
+def upload(s3: Any, folder: Path, prefix: str) -> str:
+    """Every file of ``folder`` below ``prefix`` of the test bucket (``tests/s3/conftest.py:S3``); its URL."""
+    upload_tree(s3.client, s3.bucket, folder, prefix)
+    return str(s3.url(prefix))
+
+
+def run_ckpt(capsys: Any, *argv: str) -> tuple[int, str, str]:
+    """``ckpt ARGV`` in-process (``capsys``: pytest's capture): exit code, stdout, stderr."""
+    from ckpt_tool.cli import run
+
+    code = run(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err

@@ -39,16 +39,8 @@ def s3_endpoint() -> Iterator[str]:
 
 @pytest.fixture
 def s3(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3:
-    import boto3
-
     s3_server.reset(s3_endpoint)
-    for k in s3_server.UNSET:
-        monkeypatch.delenv(k, raising=False)
-    for k, v in s3_server.environment(s3_endpoint).items():
-        monkeypatch.setenv(k, v)
-    client = boto3.client("s3", endpoint_url=s3_endpoint)
-    client.create_bucket(Bucket=BUCKET)
-    return S3(s3_endpoint, client)
+    return S3(s3_endpoint, s3_server.point_at(monkeypatch, s3_endpoint, BUCKET))
 
 
 @pytest.fixture

@@ -8,27 +8,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from s3_server import run_ckpt as ckpt
+from s3_server import upload
 
-from ckpt_tool.cli import run
 from gtp_format.storage import objects
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = {"dcp": REPO / "fixtures" / "gtp" / "fold_cp2_g2_dp2",
             "safetensors": REPO / "fixtures" / "gtp" / "fold_cp2_g2_dp2_st"}
-
-
-def upload(s3, folder: Path, prefix: str) -> str:
-    """Every file of ``folder`` as an object below ``prefix`` (boto3: independent of the code under test)."""
-    for p in sorted(folder.rglob("*")):
-        if p.is_file():
-            s3.client.upload_file(str(p), s3.bucket, f"{prefix}/{p.relative_to(folder)}")
-    return s3.url(prefix)
-
-
-def ckpt(capsys, *argv: str) -> tuple[int, str, str]:
-    code = run(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture
@@ -75,6 +62,23 @@ def test_a_deleted_data_object_is_named(s3, capsys):
     code, out, err = ckpt(capsys, "verify", url)
     assert code == 1
     assert "__3_0.distcp" in out + err
+
+
+def test_a_prefix_in_place_of_a_data_object_is_named_as_a_folder_is(s3, capsys, tmp_path):
+    """A data file's name that is a "folder" of the bucket (objects below it, no object of its own) gets the
+    line a folder in place of a data file gets on disk, not "missing"."""
+    src = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES["dcp"], src)
+    it = src / "iter_0000002"
+    (it / "__3_0.distcp").unlink()
+    (it / "__3_0.distcp").mkdir()
+    (it / "__3_0.distcp" / "inside").write_bytes(b"x")
+    url = upload(s3, src, "runs/dir")
+    local = ckpt(capsys, "verify", str(src), "--format", "json")
+    remote = ckpt(capsys, "verify", url, "--format", "json")
+    assert local[0] == remote[0] == 1
+    assert "__3_0.distcp is not a regular file" in remote[2], remote[2]
+    assert remote[2].strip() == local[2].strip().replace(str(src), url)
 
 
 def test_missing_prefix_and_bad_marker(s3, capsys):
@@ -162,8 +166,61 @@ def test_verify_data_with_chunks_larger_than_a_window(s3, capsys, monkeypatch):
     from gtp_format.check import data as data_check
 
     monkeypatch.setattr(data_check, "WINDOW", 4096)
+    monkeypatch.setattr(data_check, "PART", 4096)  # a bucket's window (one request each otherwise)
     url = upload(s3, FIXTURES["dcp"], "runs/w")
     code, out, err = ckpt(capsys, "verify", url, "--data", "--format", "json")
     assert code == 0, (out, err)
     code, here, _ = ckpt(capsys, "verify", str(FIXTURES["dcp"]), "--data", "--format", "json")
     assert json.loads(out)["stats"] == json.loads(here)["stats"]
+
+
+def _data_gets(reads, sizes):
+    return [(k, off, n) for k, off, n in reads if k in sizes]
+
+
+@pytest.mark.parametrize("to", ["torch", "hf"])
+def test_export_reads_each_chunk_once_by_prefetched_requests(s3, capsys, tmp_path, reads, to):
+    """``export`` from a bucket fetches chunks whole and ahead, neighbours joined into requests: no 64 KiB
+    structure block or per-chunk payload read of its own (which were 191 GETs for a 26.5 MB checkpoint). Every
+    data object is read in at most as many requests as its size needs, plus the gate's two reads of small
+    tensors (as ``verify`` makes them) and the ledger's one of the bytes no exported key holds; the output is
+    the one the local folder gives, byte for byte."""
+    local = FIXTURES["dcp"]
+    url = upload(s3, local, "runs/p")
+    out_b, out_l = tmp_path / ("b.pt" if to == "torch" else "b"), tmp_path / ("l.pt" if to == "torch" else "l")
+    code, out, err = ckpt(capsys, "export", url, str(out_b), "--to", to)
+    assert code == 0, (out, err)
+    code, out, err = ckpt(capsys, "export", str(local), str(out_l), "--to", to)
+    assert code == 0, (out, err)
+    if to == "torch":
+        assert out_b.read_bytes() == out_l.read_bytes()
+    else:
+        assert {p.name: p.read_bytes() for p in out_b.iterdir()} == {p.name: p.read_bytes() for p in out_l.iterdir()}
+    sizes = {k: s3.client.head_object(Bucket=s3.bucket, Key=k)["ContentLength"]
+             for k in s3.keys("runs/p/") if k.endswith(".distcp")}
+    gets = _data_gets(reads, sizes)
+    for key, size in sizes.items():
+        mine = [(off, n) for k, off, n in gets if k == key]
+        assert len(mine) <= -(-size // objects.PART) + 3, (key, mine)
+        assert not [(off, n) for off, n in mine if off % objects.BLOCK == 0 and n == objects.BLOCK], (key, mine)
+        assert len(set(mine)) == len(mine), f"{key}: a range was fetched twice: {mine}"
+
+
+def test_export_from_a_bucket_refuses_a_damaged_payload(s3, capsys, tmp_path):
+    """A flipped payload byte of an object the copy reads through its prefetch fails the file's CRC-32C: exit 1,
+    one line naming the object, nothing written (the ledger hashes what the prefetch served)."""
+    src = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES["dcp"], src)
+    code, out, _ = ckpt(capsys, "inspect", str(src), "--format", "json", "--chunks")
+    rows = [r for r in json.loads(out)["chunks"] if r["key"].endswith("weight") and r["length"] > 2048]
+    row = rows[0]
+    path = src / "iter_0000002" / row["file"]
+    raw = bytearray(path.read_bytes())
+    raw[row["byte_offset"] + row["length"] // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+    url = upload(s3, src, "runs/q")
+    for to, dst in (("torch", tmp_path / "x.pt"), ("hf", tmp_path / "x")):
+        code, out, err = ckpt(capsys, "export", url, str(dst), "--to", to)
+        assert code == 1, (to, out, err)
+        assert row["file"] in err and len(err.strip().splitlines()) == 1, err
+        assert not dst.exists()
