@@ -29,7 +29,7 @@ from typing import Any
 from gtp_format.errors import FormatError
 from gtp_format.layout import topology as topo
 from gtp_format.layout.boxes import overlaps
-from gtp_format.layout.config import ConfigError, ParallelConfig
+from gtp_format.layout.config import ConfigError, ParallelConfig, target_world_problem
 from gtp_format.layout.params import buffer_layouts
 from gtp_format.layout.schema import param_shard_spec
 from gtp_format.manifest import Manifest
@@ -99,6 +99,10 @@ def plan_ours(ckpt: Checkpoint, manifest: Manifest, tp: int, pp: int, cp: int, d
         raise FormatError(f"{ckpt.root}: the manifest has no topology, model or bucket layout; a plan needs them")
     tgt = _target_par(par, tp, cp, dp, gtp_remat)
     source, target = par.to_dict(), {**tgt.to_dict(), "pp": pp}
+    too_big = target_world_problem({"--tp": tgt.tp, "--pp": pp, "--cp": tgt.cp, "--gtp-remat": tgt.gtp_remat,
+                                    "--dp": tgt.dp})
+    if too_big is not None:  # before any rank's reads are listed
+        return LoadPlan(IMPOSSIBLE, too_big, source, target)
     if pp != 1:
         return LoadPlan(IMPOSSIBLE, "gtp_runtime has no pipeline parallelism: its checkpoints load at PP 1 only",
                         source, target)
@@ -194,6 +198,9 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
     meg = derive(ckpt)
     source = meg.to_dict()
     target = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "ep": ep or 1, "etp": etp or tp}
+    too_big = target_world_problem({"--tp": tp, "--pp": pp, "--cp": cp, "--dp": dp})
+    if too_big is not None:
+        return LoadPlan(IMPOSSIBLE, too_big, source, target)
     export = f"ckpt export {src_arg} DST --to fully_reshardable"
     if meg.format in ("fully_reshardable", "fully_sharded_model_space"):
         return LoadPlan(AS_IS, f"{meg.format}: megatron-core loads it at any TP/PP/DP (0.19.2 with torch's AdamW "

@@ -82,13 +82,15 @@ _OTHER_CREDENTIALS = ("AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_
 def credentials_problem(bucket: str) -> str | None:
     """Why no request may be sent for ``bucket`` (no credentials in the environment), or None."""
     env = os.environ
+    # first, so that the launcher's check before any rank starts refuses what the client would be given (a
+    # named profile that is absent, a file that does not parse, a bad value): one line, raised
+    found = profiles.settings()
     if env.get("AWS_SKIP_SIGNATURE", "").lower() in ("1", "true", "yes"):
         return None  # a public bucket, read unsigned
     if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
         return None
     if any(env.get(k) for k in _OTHER_CREDENTIALS):
         return None
-    found = profiles.settings()  # a named profile that is absent, or a file that does not parse: one line
     if found.access_key_id is not None:
         return None
     if found.no_keys_why is not None:
