@@ -1,0 +1,216 @@
+"""Hostile ``s3://`` destinations for every ``ckpt`` command that writes (on moto's S3 server, 127.0.0.1).
+
+By class, for ``reshard``, ``export`` (hf, fully_reshardable, torch), ``import --from hf`` and
+``migrate-aliased``: a DST URL that is malformed (no bucket, ``..``/``.``/``//`` components, one
+slash, another scheme, a control character); a prefix that already holds a checkpoint, or a
+sibling prefix that only starts with the same letters; a bucket that does not exist; an endpoint
+that refuses connections or never answers; a second writer that starts on the same prefix while
+this one uploads; a store that fails half-way and then refuses the deletes too. Each run: exit 2,
+one ``ckpt: error:`` line naming the URL and the fix, no traceback, nothing created in the
+working directory or the staging folder (a URL is never turned into a local folder's name),
+nothing at DST that a reader takes for a checkpoint, and no object this command did not create
+touched.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import s3_server
+from test_faults import fake_server
+from test_read import FIXTURES, ckpt, upload
+from test_write_commands import ALIASED
+
+from gtp_format.storage import objects
+from gtp_format.storage import upload as up
+
+SRC = FIXTURES["dcp"]
+COMMANDS = ["reshard", "export-hf", "export-fully_reshardable", "export-torch", "import", "migrate"]
+
+
+@pytest.fixture(scope="module")
+def hf_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ckpt_tool.cli import run
+
+    out = tmp_path_factory.mktemp("hf") / "model"
+    assert run(["export", str(SRC), str(out), "--to", "hf", "--format", "json"]) == 0
+    return out
+
+
+def argv(cmd: str, dst: str, hf_src: Path) -> list[str]:
+    if cmd == "reshard":
+        return ["reshard", str(SRC), dst, "--dp", "1"]
+    if cmd == "import":
+        return ["import", str(hf_src), dst, "--from", "hf", "--dp", "2"]
+    if cmd == "migrate":
+        return ["migrate-aliased", str(ALIASED), dst, "--reset-lost-moments"]
+    return ["export", str(SRC), dst, "--to", cmd.split("-", 1)[1]]
+
+
+@pytest.fixture
+def quiet_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """An empty working directory and an empty staging folder, both checked after the command."""
+    cwd, staging = tmp_path / "cwd", tmp_path / "staging"
+    cwd.mkdir()
+    staging.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv(up.STAGING_ENV, str(staging))
+    return cwd, staging
+
+
+def refused(capsys: pytest.CaptureFixture[str], args: list[str], *words: str) -> str:
+    code, out, err = ckpt(capsys, *args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("ckpt: error: "), (args, code, out, err)
+    assert "Traceback" not in out + err, err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]
+
+
+def nothing_local(dirs: tuple[Path, Path]) -> None:
+    for d in dirs:
+        assert list(d.iterdir()) == [], f"left {sorted(p.name for p in d.iterdir())} in {d}"
+
+
+BAD_URLS = {
+    "no bucket": ("s3://", "not a bucket name"),
+    "empty bucket, a prefix": ("s3:///runs/out", "two slashes"),
+    "dotdot": ("s3://ckpt-test/runs/../out", "'..'"),
+    "dot": ("s3://ckpt-test/runs/./out", "'.'"),
+    "double slash": ("s3://ckpt-test/runs//out", "''"),
+    "one slash": ("s3:/ckpt-test/out", "two slashes"),
+    "four slashes": ("s3:////ckpt-test/out", "two slashes"),
+    "upper-case bucket": ("s3://CKPT-TEST/out", "not a bucket name"),
+    "bucket with dotdot": ("s3://ckpt..test/out", "not a bucket name"),
+    "control character": ("s3://ckpt-test/out\x1b[2K", "component"),
+    "backslash": ("s3://ckpt-test/a\\..\\b", "component"),
+    "another scheme": ("gs://ckpt-test/out", "gs:// is not supported"),
+    "file url": ("file:///tmp/out", "file:// URLs are not taken"),
+    "http url": ("http://169.254.169.254/latest", "http:// is not supported"),
+}
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+@pytest.mark.parametrize("case", sorted(BAD_URLS))
+def test_a_malformed_dst_url_is_one_line_and_no_local_folder(s3, capsys, quiet_dirs, hf_src, cmd, case):
+    url, word = BAD_URLS[case]
+    dst = url + ("/model.pt" if cmd == "export-torch" and url.startswith("s3://ckpt-test/") else "")
+    refused(capsys, argv(cmd, dst, hf_src), word)
+    nothing_local(quiet_dirs)
+    assert s3.keys() == []
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_a_prefix_holding_a_checkpoint_is_refused_and_kept(s3, capsys, quiet_dirs, hf_src, cmd):
+    upload(s3, SRC, "runs/out")
+    if cmd == "export-torch":
+        s3.client.put_object(Bucket=s3.bucket, Key="runs/out/model.pt", Body=b"theirs")
+    before = {k: s3.client.get_object(Bucket=s3.bucket, Key=k)["Body"].read() for k in s3.keys()}
+    dst = s3.url("runs/out") + ("/model.pt" if cmd == "export-torch" else "")
+    refused(capsys, argv(cmd, dst, hf_src), "already exist", "nothing there was replaced or deleted")
+    assert {k: s3.client.get_object(Bucket=s3.bucket, Key=k)["Body"].read() for k in s3.keys()} == before
+    nothing_local(quiet_dirs)
+
+
+@pytest.mark.parametrize("cmd", ["reshard", "export-hf", "import"])
+def test_a_sibling_prefix_is_neither_taken_for_dst_nor_touched(s3, capsys, quiet_dirs, hf_src, cmd):
+    """``runs/out`` is free while ``runs/out2/`` and an object named ``runs/out-notes`` exist: the no-replace
+    check looks below ``runs/out/`` only, and the sibling objects stay as they were."""
+    upload(s3, SRC, "runs/out2")
+    s3.client.put_object(Bucket=s3.bucket, Key="runs/out-notes", Body=b"mine")
+    before = {k: s3.client.get_object(Bucket=s3.bucket, Key=k)["Body"].read() for k in s3.keys()}
+    code, out, err = ckpt(capsys, *argv(cmd, s3.url("runs/out"), hf_src))
+    assert code == 0, (out, err)
+    assert {k: s3.client.get_object(Bucket=s3.bucket, Key=k)["Body"].read() for k in before} == before
+    assert any(k.startswith("runs/out/") for k in s3.keys())
+    nothing_local(quiet_dirs)
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_a_bucket_that_does_not_exist(s3, capsys, quiet_dirs, hf_src, cmd):
+    dst = "s3://no-such-bucket-here/out" + ("/model.pt" if cmd == "export-torch" else "")
+    refused(capsys, argv(cmd, dst, hf_src), "s3://no-such-bucket-here", "bucket does not exist")
+    nothing_local(quiet_dirs)
+    assert [b["Name"] for b in s3.client.list_buckets()["Buckets"]] == [s3.bucket]
+
+
+@pytest.mark.parametrize("cmd", ["reshard", "export-torch", "import"])
+@pytest.mark.parametrize("server", ["refuses connections", "never answers"])
+def test_an_endpoint_that_refuses_or_hangs_is_bounded(capsys, quiet_dirs, monkeypatch, hf_src, cmd, server):
+    def point_at(endpoint: str) -> None:
+        for k in s3_server.UNSET:
+            monkeypatch.delenv(k, raising=False)
+        for k, v in s3_server.environment(endpoint).items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv(objects.TIMEOUT_ENV, "1")
+
+    dst = "s3://ckpt-test/out" + ("/model.pt" if cmd == "export-torch" else "")
+    t = time.monotonic()
+    if server == "refuses connections":
+        point_at(f"http://127.0.0.1:{s3_server.free_port()}")
+        line = refused(capsys, argv(cmd, dst, hf_src), "s3://ckpt-test/out")
+    else:
+        with fake_server(None) as (endpoint, count):
+            point_at(endpoint)
+            line = refused(capsys, argv(cmd, dst, hf_src), "s3://ckpt-test/out", "did not answer", objects.TIMEOUT_ENV)
+        assert count, "it never asked the server"
+    assert time.monotonic() - t < 60, line  # 1 s per try, 3 retries with backoff inside the 30 s retry budget
+    nothing_local(quiet_dirs)
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_a_second_writer_on_the_same_prefix_keeps_its_objects(s3, capsys, quiet_dirs, hf_src, monkeypatch, cmd):
+    """Another writer puts an object under DST after the no-replace check and before this upload reaches
+    that name: this upload must not overwrite it (and then delete it as its own); it stops, removes only
+    the objects it created, and the other writer's object stays byte for byte."""
+    real = up.Upload._put
+    theirs: dict[str, bytes] = {}
+
+    def racing(self, local, rel, create=False):
+        if not theirs:
+            key = self.target.key(rel)
+            theirs[key] = b"the other writer's " + rel.encode()
+            s3.client.put_object(Bucket=s3.bucket, Key=key, Body=theirs[key])
+        real(self, local, rel, create)
+
+    monkeypatch.setattr(up.Upload, "_put", racing)
+    dst = s3.url("race/out") + ("/model.pt" if cmd == "export-torch" else "")
+    refused(capsys, argv(cmd, dst, hf_src), "already exist")
+    assert s3.keys("race/") == sorted(theirs)
+    for k, body in theirs.items():
+        assert s3.client.get_object(Bucket=s3.bucket, Key=k)["Body"].read() == body
+    nothing_local(quiet_dirs)
+
+
+@pytest.mark.parametrize("cmd", [c for c in COMMANDS if c != "export-torch"])
+def test_a_store_that_fails_half_way_and_refuses_deletes(s3, capsys, quiet_dirs, hf_src, monkeypatch, cmd):
+    """The store fails the second object and then every delete: one line; what is left is data without a
+    commit object or latest marker, and no reader takes the prefix for a checkpoint."""
+    import obstore
+
+    real, calls = up.Upload._put, []
+
+    def failing(self, local, rel, create=False):
+        calls.append(rel)
+        if len(calls) == 2:
+            raise up.objects.describe_error(ConnectionResetError("connection reset by peer"), str(self.target / rel))
+        real(self, local, rel, create)
+
+    def no_delete(*a, **k):
+        raise OSError("the store refused the delete")
+
+    monkeypatch.setattr(up.Upload, "_put", failing)
+    monkeypatch.setattr(obstore, "delete", no_delete)
+    refused(capsys, argv(cmd, s3.url("cut/out"), hf_src), "s3://ckpt-test/cut/out")
+    monkeypatch.undo()
+    left = s3.keys("cut/")
+    assert left == [f"cut/out/{calls[0]}"], left  # the one object that went up, kept by the failed delete
+    assert not any(k.endswith(("/metadata.json", "/latest_checkpointed_iteration.txt", "/config.json")) for k in left)
+    for target in ("cut/out", f"cut/out/{calls[0].split('/')[0]}"):
+        code, _, err = ckpt(capsys, "verify", s3.url(target))
+        assert code == 2 and err.count("\n") == 1, err
+    nothing_local(quiet_dirs)
+
