@@ -84,10 +84,11 @@ def plan_command(
         plan = plan_ours(ckpt, ckpt.manifest, tp, pp, cp, dp, ep, gtp_remat, str(path))
     else:
         plan = plan_megatron(ckpt, tp, pp, cp, dp, ep, str(path), etp)
-        if any(c.startswith("ckpt reshard ") for c in plan.commands):  # the reshard's own checks, before it is told
+        if plan.commands:  # the copies' own view and checks, before a command is printed
             from ckpt_tool.reshard.megatron_dp import target_refusal
 
-            if (why := target_refusal(path, tp, pp, cp, dp, ep, etp)) is not None:
+            reshard = any(c.startswith("ckpt reshard ") for c in plan.commands)
+            if (why := target_refusal(path, tp, pp, cp, dp, ep, etp, reshard)) is not None:
                 plan = dataclasses.replace(plan, verdict=IMPOSSIBLE, reason=why, commands=[])
     gbps = read_gbps if read_gbps is not None else (_probe_gbps(ckpt) if plan.ranks else None)
     per_node = nproc_per_node or max(1, len(plan.ranks))

@@ -320,12 +320,16 @@ def _weight_chunks(v: ParamView, spec: ShardSpec, max_bytes: int) -> list[OutChu
 
 
 def target_refusal(src: Path | ObjectURL, tp: int, pp: int, cp: int, dp: int, ep: int | None,
-                   etp: int | None) -> str | None:
-    """The line :func:`reshard_megatron` would refuse this target with (its own checks of the TP, PP, EP and
-    expert-TP splits, nothing planned or written), or None: ``ckpt plan`` must not print a reshard command
-    that fails (it said "needs_reshard" and printed ``--etp 3`` for experts that do not split over 3)."""
+                   etp: int | None, reshard: bool = True) -> str | None:
+    """For ``ckpt plan``: establish SRC's per-parameter view as reshard and export do (a view that cannot be
+    established is raised, one line), then, if ``reshard``, the line :func:`reshard_megatron` would refuse
+    this target with (its own checks of the TP, PP, EP and expert-TP splits; nothing planned or written),
+    or None. Why: plan said "needs_reshard" and printed ``--etp 3`` for experts that do not split over 3,
+    and printed an export command for a checkpoint whose expert chunks no command could lay out."""
     source = open_source(src, megatron=True, experts=True)
     try:
+        if not reshard:
+            return None
         experts = [v for v in source.views.values() if v.is_expert]
         target_params(source, tp, pp)
         if experts:
