@@ -243,11 +243,16 @@ def refuse_impossible(args: argparse.Namespace, cfg: TrainConfig) -> None:
     for flag, value in (("--save", args.save), ("--load", args.load)):
         if value:  # the one location parser: a bad URL is refused here, never turned into a local folder's name
             try:
-                if isinstance(where := parse_location(value, flag), ObjectURL) and \
-                        (problem := credentials_problem(where.bucket)) is not None:
-                    raise ConfigError(f"{flag} {where}: {problem}")  # before any rank trains for nothing
+                where = parse_location(value, flag)
             except FormatError as e:
                 raise ConfigError(e.message) from None
+            if isinstance(where, ObjectURL):
+                try:  # a bad profile or setting (raised) names the flag too, as a missing credential does
+                    problem = credentials_problem(where.bucket)
+                except FormatError as e:
+                    problem = e.message
+                if problem is not None:
+                    raise ConfigError(f"{flag} {where}: {problem}")  # before any rank trains for nothing
 
 
 def _nothing_to_train(args: argparse.Namespace, it: int | None) -> str | None:

@@ -214,3 +214,45 @@ def test_a_store_that_fails_half_way_and_refuses_deletes(s3, capsys, quiet_dirs,
         assert code == 2 and err.count("\n") == 1, err
     nothing_local(quiet_dirs)
 
+
+
+# -- the launcher: --save / --load / --async-save into a bucket, refused before any rank starts --------
+
+LAUNCH = ["--nproc-per-node", "1", "--steps", "1", "--device", "cpu"]
+LAUNCHER_CASES = {
+    "no bucket": (["--save", "s3://"], {}, "--save", "not a bucket name"),
+    "dotdot": (["--save", "s3://ckpt-test/run/../x", "--async-save"], {}, "--save", "'..'"),
+    "one slash": (["--load", "s3:/ckpt-test/run"], {}, "--load", "two slashes"),
+    "another scheme": (["--save", "gs://ckpt-test/run", "--async-save"], {}, "--save", "gs:// is not supported"),
+    "file url": (["--save", "file:///tmp/run"], {}, "--save", "file:// URLs are not taken"),
+    "absent profile": (["--save", "s3://ckpt-test/run", "--async-save"], {"AWS_PROFILE": "nobody"},
+                       "--save s3://ckpt-test/run", "AWS_PROFILE='nobody'"),
+    "file endpoint": (["--save", "s3://ckpt-test/run", "--async-save"], {"AWS_ENDPOINT_URL": "file:///etc/passwd"},
+                      "AWS_ENDPOINT_URL", "not an S3 endpoint URL"),
+    "secret with a newline": (["--load", "s3://ckpt-test/run"], {"AWS_SECRET_ACCESS_KEY": "x\nX-Forged: 1"},
+                              "AWS_SECRET_ACCESS_KEY", "line break"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAUNCHER_CASES))
+def test_the_launcher_refuses_a_hostile_bucket_location_before_any_rank(s3, capsys, quiet_dirs, monkeypatch, case):
+    """``python -m gtp_runtime.train`` with a bad bucket URL or bad AWS settings: one ``error:`` line naming
+    the flag or the setting, exit 2, in the launcher (no rank, nothing saved, no local folder named after
+    the URL). In-process: the refusal comes before any process starts."""
+    from gtp_runtime import train
+
+    flags, env, *words = LAUNCHER_CASES[case]
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(train, "spawn", lambda *a, **k: pytest.fail("ranks were started"))
+    t = time.monotonic()
+    code = train.main([*LAUNCH, *flags])
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, out)
+    assert "Traceback" not in out.err + out.out and "X-Forged" not in out.err, out.err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    assert time.monotonic() - t < 30
+    nothing_local(quiet_dirs)
+    assert s3.keys() == []
