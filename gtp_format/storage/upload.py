@@ -44,8 +44,20 @@ _SIDE = (DCP_METADATA_FILE, GTP_INDEX_FILE, CHUNK_RECORDS_FILE, MANIFEST_FILE)  
 
 
 def staging_dir() -> Path:
-    """Where an ``s3://`` output is built before its upload."""
-    return Path(os.environ.get(STAGING_ENV) or tempfile.gettempdir())
+    """Where an ``s3://`` output is built before its upload: an existing folder, else one line naming
+    :data:`STAGING_ENV` (a missing one, a file or a path below a file was "cannot write (Not a
+    directory)" about the bucket URL, which named neither the folder nor the setting)."""
+    raw = os.environ.get(STAGING_ENV)
+    path = Path(raw or tempfile.gettempdir())
+    try:
+        if path.is_dir():
+            return path
+        why = "is not a folder" if path.exists() else "does not exist"
+    except OSError as e:  # a symlink loop, a name too long
+        why = f"cannot be used ({e.strerror or e})"
+    where = f"{STAGING_ENV}={raw!r}" if raw else f"the temp folder {str(path)!r}"
+    raise FormatError(f"{where} {why}: an s3:// output is built there before its upload; point {STAGING_ENV} at an "
+                      "existing folder with room for the output")
 
 
 def commit_order(folder: Path, commit: str | None = None) -> list[str]:

@@ -231,6 +231,10 @@ LAUNCHER_CASES = {
                       "AWS_ENDPOINT_URL", "not an S3 endpoint URL"),
     "secret with a newline": (["--load", "s3://ckpt-test/run"], {"AWS_SECRET_ACCESS_KEY": "x\nX-Forged: 1"},
                               "AWS_SECRET_ACCESS_KEY", "line break"),
+    "a timeout of infinity": (["--save", "s3://ckpt-test/run", "--async-save"], {objects.TIMEOUT_ENV: "inf"},
+                              objects.TIMEOUT_ENV, "set it to e.g. 60"),
+    "a staging folder that is missing": (["--save", "s3://ckpt-test/run", "--async-save"],
+                                         {up.STAGING_ENV: "/nonexistent/staging"}, up.STAGING_ENV, "does not exist"),
 }
 
 
@@ -256,3 +260,39 @@ def test_the_launcher_refuses_a_hostile_bucket_location_before_any_rank(s3, caps
     assert time.monotonic() - t < 30
     nothing_local(quiet_dirs)
     assert s3.keys() == []
+
+
+@pytest.mark.parametrize("value", ["inf", "1e400", "1e12", "0", "-1", "nan", "soon", "9" * 5000])
+def test_a_hostile_timeout_setting_is_one_line(s3, capsys, quiet_dirs, hf_src, monkeypatch, value):
+    monkeypatch.setenv(objects.TIMEOUT_ENV, value)
+    refused(capsys, argv("export-hf", s3.url("t/out"), hf_src), objects.TIMEOUT_ENV, "set it to e.g. 60")
+    nothing_local(quiet_dirs)
+    assert s3.keys() == []
+
+
+def _staging_file(tmp: Path) -> Path:
+    (tmp / "a-file").write_text("mine")
+    return tmp / "a-file"
+
+
+STAGINGS = {
+    "missing": (lambda tmp: tmp / "no" / "such", "no/such"),
+    "a regular file": (_staging_file, "a-file"),
+    "below a regular file": (lambda tmp: _staging_file(tmp) / "below", "a-file/below"),
+}
+
+
+@pytest.mark.parametrize("cmd", ["reshard", "export-hf", "export-torch", "import"])
+@pytest.mark.parametrize("case", sorted(STAGINGS))
+def test_a_staging_folder_that_is_not_a_folder(s3, capsys, tmp_path, hf_src, monkeypatch, cmd, case):
+    """``CKPT_S3_STAGING`` naming no folder: one line naming it, nothing uploaded, nothing created there."""
+    make, shown = STAGINGS[case]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    staging = make(tmp_path)
+    monkeypatch.setenv(up.STAGING_ENV, str(staging))
+    dst = s3.url("st/out") + ("/model.pt" if cmd == "export-torch" else "")
+    refused(capsys, argv(cmd, dst, hf_src), shown)
+    assert s3.keys() == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({*before, *(["a-file"] if "file" in case else [])})
+    if "file" in case:
+        assert (tmp_path / "a-file").read_text() == "mine"
