@@ -21,7 +21,7 @@ import pytest
 import s3_server
 from test_faults import fake_server
 from test_read import FIXTURES, ckpt, upload
-from test_write_commands import ALIASED
+from test_write_commands import argv as write_argv
 
 from gtp_format.storage import objects
 from gtp_format.storage import upload as up
@@ -30,23 +30,13 @@ SRC = FIXTURES["dcp"]
 COMMANDS = ["reshard", "export-hf", "export-fully_reshardable", "export-torch", "import", "migrate"]
 
 
-@pytest.fixture(scope="module")
-def hf_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ckpt_tool.cli import run
-
-    out = tmp_path_factory.mktemp("hf") / "model"
-    assert run(["export", str(SRC), str(out), "--to", "hf", "--format", "json"]) == 0
-    return out
-
-
 def argv(cmd: str, dst: str, hf_src: Path) -> list[str]:
+    """The command line of ``cmd`` into ``dst`` (for ``export-torch`` the object itself, ``.../model.pt``)."""
     if cmd == "reshard":
         return ["reshard", str(SRC), dst, "--dp", "1"]
-    if cmd == "import":
-        return ["import", str(hf_src), dst, "--from", "hf", "--dp", "2"]
-    if cmd == "migrate":
-        return ["migrate-aliased", str(ALIASED), dst, "--reset-lost-moments"]
-    return ["export", str(SRC), dst, "--to", cmd.split("-", 1)[1]]
+    if cmd == "export-torch":
+        return ["export", str(SRC), dst, "--to", "torch"]
+    return write_argv(cmd, dst, hf_src)
 
 
 @pytest.fixture
