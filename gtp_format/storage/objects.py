@@ -66,9 +66,7 @@ def _timeout() -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    # at most a day: "inf" and "1e400" parsed as infinity, and timedelta(seconds=inf) ended the command in
-    # the last-resort line (an unexpected OverflowError)
-    if not 0 < value <= MAX_TIMEOUT_S:
+    if not 0 < value <= MAX_TIMEOUT_S:  # "inf" made timedelta() raise an unexpected OverflowError
         raise FormatError(f"{TIMEOUT_ENV}={raw[:40]!r} is not a number of seconds in (0, {MAX_TIMEOUT_S:.0f}]; set it "
                           "to e.g. 60")
     return value
@@ -86,15 +84,13 @@ _OTHER_CREDENTIALS = ("AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_
 def credentials_problem(bucket: str) -> str | None:
     """Why no request may be sent for ``bucket`` (no credentials in the environment), or None."""
     env = os.environ
-    # first, so that the launcher's check before any rank starts refuses what the client would be given (a
-    # named profile that is absent, a file that does not parse, a bad value): one line, raised
-    found = profiles.settings()
     if env.get("AWS_SKIP_SIGNATURE", "").lower() in ("1", "true", "yes"):
         return None  # a public bucket, read unsigned
     if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
         return None
     if any(env.get(k) for k in _OTHER_CREDENTIALS):
         return None
+    found = profiles.settings()  # a named profile that is absent, or a file that does not parse: one line
     if found.access_key_id is not None:
         return None
     if found.no_keys_why is not None:
