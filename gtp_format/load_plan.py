@@ -30,7 +30,7 @@ from typing import Any
 from gtp_format.errors import FormatError
 from gtp_format.layout import topology as topo
 from gtp_format.layout.boxes import overlaps
-from gtp_format.layout.config import ConfigError, ParallelConfig
+from gtp_format.layout.config import ConfigError, ParallelConfig, target_world_problem
 from gtp_format.layout.params import buffer_layouts
 from gtp_format.layout.schema import param_shard_spec
 from gtp_format.manifest import Manifest
@@ -100,6 +100,10 @@ def plan_ours(ckpt: Checkpoint, manifest: Manifest, tp: int, pp: int, cp: int, d
         raise FormatError(f"{ckpt.root}: the manifest has no topology, model or bucket layout; a plan needs them")
     tgt = _target_par(par, tp, cp, dp, gtp_remat)
     source, target = par.to_dict(), {**tgt.to_dict(), "pp": pp}
+    too_big = target_world_problem({"--tp": tgt.tp, "--pp": pp, "--cp": tgt.cp, "--gtp-remat": tgt.gtp_remat,
+                                    "--dp": tgt.dp})
+    if too_big is not None:  # before any rank's reads are listed
+        return LoadPlan(IMPOSSIBLE, too_big, source, target)
     if pp != 1 or vpp != 1:
         return LoadPlan(IMPOSSIBLE, "gtp_runtime has no pipeline parallelism (nor virtual pipeline stages): its "
                         "checkpoints load at PP 1 only",
@@ -208,6 +212,9 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
     meg = derive(ckpt)
     source = meg.to_dict()
     target = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "dp": dp, "ep": ep or 1, "etp": etp or tp}
+    too_big = target_world_problem({"--tp": tp, "--pp": pp, "--cp": cp, "--dp": dp})
+    if too_big is not None:
+        return LoadPlan(IMPOSSIBLE, too_big, source, target)
     export = f"ckpt export {src_arg} DST --to fully_reshardable"
     layers = _layers(ckpt)
     if vpp > 1 and (pp == 1 or (layers is not None and layers % (pp * vpp))):

@@ -7,6 +7,7 @@ overstates it, so pass the storage's real figure for a cold start).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Annotated, Any
 
@@ -14,6 +15,7 @@ import typer
 
 from ckpt_tool.locations import checkpoint_arg
 from ckpt_tool.output import FormatOption, OutputFormat, fmt_bytes, handle_errors, print_blocks, print_json, table
+from gtp_format.errors import FormatError
 
 EPILOG = """Examples:
 
@@ -76,14 +78,23 @@ def plan_command(
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Say whether a load at a topology works as is, needs a reshard, or cannot work; what each rank reads."""
-    from gtp_format.load_plan import plan_megatron, plan_ours
+    from gtp_format.load_plan import IMPOSSIBLE, plan_megatron, plan_ours
     from gtp_format.reader.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(path)
     if ckpt.manifest is not None:
+        if etp is not None:
+            raise FormatError(f"--etp: is for megatron-core MoE sources; {path} is this runtime's checkpoint (its "
+                              "experts follow --expert-gtp-remat)")
         plan = plan_ours(ckpt, ckpt.manifest, tp, pp, cp, dp, ep, gtp_remat, str(path), vpp)
     else:
         plan = plan_megatron(ckpt, tp, pp, cp, dp, ep, str(path), etp, vpp)
+        if plan.commands:  # the copies' own view and checks, before a command is printed
+            from ckpt_tool.reshard.megatron_dp import target_refusal
+
+            reshard = any(c.startswith("ckpt reshard ") for c in plan.commands)
+            if (why := target_refusal(path, tp, pp, cp, dp, ep, etp, reshard)) is not None:
+                plan = dataclasses.replace(plan, verdict=IMPOSSIBLE, reason=why, commands=[])
     gbps = read_gbps if read_gbps is not None else (_probe_gbps(ckpt) if plan.ranks else None)
     per_node = nproc_per_node or max(1, len(plan.ranks))
     nodes: dict[int, int] = {}

@@ -49,7 +49,7 @@ from ckpt_tool.reshard.engine import (
 from ckpt_tool.reshard.plan import OutChunk, plan_target
 from gtp_format.errors import FormatError
 from gtp_format.layout.buckets import DEFAULT_BUCKET_SIZE
-from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig
+from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, target_world_problem
 from gtp_format.layout.params import buffer_layouts, model_params
 from gtp_format.manifest import HASH_ALGORITHM, Manifest, OptimizerInfo, format_version_for
 from gtp_format.names import FORMAT_NAME, LAYOUTS, STATES, iter_dir_name
@@ -186,6 +186,9 @@ def fill(hf: HFModel) -> Callable[[OutChunk], np.ndarray]:
 
 
 def target(hf: HFModel, par: ParallelConfig, layout: str, bucket_size: int) -> Manifest:
+    too_big = target_world_problem({"--tp": par.tp, "--cp": par.cp, "--gtp-remat": par.gtp_remat, "--dp": par.dp})
+    if too_big is not None:  # before a shard per rank is planned
+        raise FormatError(f"{hf.root}: cannot import at {par.describe()}: {too_big}")
     try:
         par.validate()
         hf.model.validate(par)

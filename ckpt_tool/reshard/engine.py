@@ -309,6 +309,11 @@ def target_topology(src: Path | Source, layout: str | None, **asked: int | bool 
     saved = source.manifest.topology
     assert saved is not None
     par = dataclasses.replace(saved, **{k: v for k, v in asked.items() if v is not None})
+    from gtp_format.layout.config import target_world_problem
+
+    too_big = target_world_problem({"--tp": par.tp, "--cp": par.cp, "--gtp-remat": par.gtp_remat, "--dp": par.dp})
+    if too_big is not None:  # before anything is planned per rank
+        raise FormatError(too_big)
     if par.cp == 1 and asked.get("fold_cp") is None:
         par = dataclasses.replace(par, fold_cp=False)  # fold needs CP > 1; only an explicit --fold-cp is refused
     return par

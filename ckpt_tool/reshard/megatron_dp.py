@@ -53,6 +53,7 @@ from ckpt_tool.reshard.plan import FP32, OutChunk, _gaps, _holder_chunks, dtype_
 from ckpt_tool.reshard.source import Buffers, Source, open_source
 from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata, write_objects
 from gtp_format.errors import FormatError
+from gtp_format.layout.config import target_world_problem
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.megatron_layout import (
     Bucket,
@@ -208,6 +209,25 @@ def _expert_modes(source: Source, experts: list[ParamView], etp: int) -> dict[st
     return out
 
 
+def check_experts(source: Source, experts: list[ParamView], tp: int, dp_cp: int, ep: int,
+                  etp: int) -> dict[str, str | None]:
+    """Refuse (one line naming the flag) an EP x expert TP that megatron-core could not lay the experts out
+    at; else each expert parameter's split (:func:`_expert_modes`). One check for reshard and ``ckpt plan``."""
+    n_exp = 1 + max(v.expert or 0 for v in experts)
+    if n_exp % ep:
+        raise FormatError(f"{source.root}: --ep {ep} does not divide its {n_exp} experts; pick an EP that divides "
+                          f"{n_exp}")
+    if (dp_cp * tp) % (ep * etp):
+        raise FormatError(f"{source.root}: --ep {ep} x expert TP (--etp) {etp} = {ep * etp} does not divide the "
+                          f"{dp_cp * tp} ranks of a pipeline stage (tp {tp} x dp x cp {dp_cp}); pick an --etp "
+                          "(and --ep) whose product divides them")
+    if ep == 1 and etp == tp:
+        raise FormatError(f"{source.root}: at EP 1 with expert TP = TP ({tp}) megatron-core keeps the experts in the "
+                          "dense optimizer's buffers (they all-reduce like dense params, tensor_parallel/layers.py), "
+                          "a layout reshard does not write; pick --ep > 1 or an --etp other than --tp")
+    return _expert_modes(source, experts, etp)
+
+
 def _expert_chunks(source: Source, experts: list[ParamView], stages: list[list[TargetParam]], tp: int, pp: int,
                    dp_cp: int, ep: int, etp: int, bucket_size: int | None, max_bytes: int,
                    files: dict[int, list[OutChunk]], shapes: dict[str, Any]) -> Numels:
@@ -217,15 +237,8 @@ def _expert_chunks(source: Source, experts: list[ParamView], stages: list[list[T
     expert DP group of ``tp x dp x cp / (EP x ETP)`` ranks (rank order within a stage: etp fastest,
     then ep, then expert DP), each holding its stage's layers' experts ``ep_rank * E/EP + j`` in
     module order (per layer, per local expert), each in its expert-TP part."""
+    modes = check_experts(source, experts, tp, dp_cp, ep, etp)
     n_exp = 1 + max(v.expert or 0 for v in experts)
-    if n_exp % ep or (dp_cp * tp) % (ep * etp):
-        raise FormatError(f"{source.root}: --ep {ep} does not divide its {n_exp} experts and, times expert TP {etp}, "
-                          f"the {dp_cp * tp} ranks of a pipeline stage; pick an EP (and --etp) that divide both")
-    if ep == 1 and etp == tp:
-        raise FormatError(f"{source.root}: at EP 1 with expert TP = TP ({tp}) megatron-core keeps the experts in the "
-                          "dense optimizer's buffers (they all-reduce like dense params, tensor_parallel/layers.py), "
-                          "a layout reshard does not write; pick --ep > 1 or an --etp other than --tp")
-    modes = _expert_modes(source, experts, etp)
     edp, per = dp_cp * tp // (ep * etp), n_exp // ep
     layer_stage = {p_.name: p_.stage for params in stages for p_ in params}
     ref0 = experts[0].holders[0].ref
@@ -307,6 +320,28 @@ def _weight_chunks(v: ParamView, spec: ShardSpec, max_bytes: int) -> list[OutChu
             for a, b in row_blocks(n0, math.prod(nrest), dt.itemsize, max_bytes)]
 
 
+def target_refusal(src: Path | ObjectURL, tp: int, pp: int, cp: int, dp: int, ep: int | None,
+                   etp: int | None, reshard: bool = True) -> str | None:
+    """For ``ckpt plan``: establish SRC's per-parameter view as reshard and export do (a view that cannot be
+    established is raised, one line), then, if ``reshard``, the line :func:`reshard_megatron` would refuse
+    this target with (its own checks of the TP, PP, EP and expert-TP splits; nothing planned or written),
+    or None. Why: plan said "needs_reshard" and printed ``--etp 3`` for experts that do not split over 3,
+    and printed an export command for a checkpoint whose expert chunks no command could lay out."""
+    source = open_source(src, megatron=True, experts=True)
+    try:
+        if not reshard:
+            return None
+        experts = [v for v in source.views.values() if v.is_expert]
+        target_params(source, tp, pp)
+        if experts:
+            check_experts(source, experts, tp, dp * cp, ep or 1, etp or tp)
+    except FormatError as e:
+        return e.message
+    finally:
+        source.reader.close()
+    return None
+
+
 def reshard_megatron(src: Path, dst: Path, tp: int | None, pp: int | None, cp: int | None, dp: int | None,
                      ep: int | None = None, bucket_size: int | None = None, max_memory: int = DEFAULT_MAX_MEMORY,
                      workers: int | None = None, progress: Callable[[int], Progress] | None = None,
@@ -335,6 +370,9 @@ def reshard_megatron(src: Path, dst: Path, tp: int | None, pp: int | None, cp: i
         workers = workers or default_workers()
         chunk_bytes = chunk_budget(max_memory, workers)
         etp = etp or tp  # megatron-core's default --expert-tensor-parallel-size: the TP size
+        too_big = target_world_problem({"--tp": tp, "--pp": pp, "--cp": cp, "--dp": dp})
+        if too_big is not None:  # before a data file per target rank is planned
+            raise FormatError(too_big)
         files, shapes, numels = plan_megatron(source, tp, pp, dp * cp, bucket_size, chunk_bytes, ep, etp)
         sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
                  "data_parallel_size": dp, "world_size": tp * pp * cp * dp, "expert_model_parallel_size": ep,

@@ -9,11 +9,31 @@ not another).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+
+MAX_TARGET_WORLD = 1 << 20
+"""The most ranks a target topology of ``ckpt reshard``, ``ckpt import`` and ``ckpt plan`` may have.
+
+Why: those plan a shard (and, for megatron-core's layout, a data file) per target rank, so the plan
+grows with the world the flags ask for, not with what SRC stores: ``--dp 4611686018427387904`` planned
+until memory ran out (``MemoryError`` after 11-27 s under a 3-4 GB limit, an OOM kill without one).
+1,048,576 ranks is ten times the largest training runs reported (about 10^5 GPUs)."""
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run. The message is one line and names the fix."""
+
+
+def target_world_problem(sizes: dict[str, int]) -> str | None:
+    """Why the target topology of ``sizes`` (flag name -> size; their product is the world) is too big
+    to plan (:data:`MAX_TARGET_WORLD`), or None."""
+    world = math.prod(sizes.values())
+    if world <= MAX_TARGET_WORLD:
+        return None
+    shown = " x ".join(f"{k} {v}" for k, v in sizes.items())
+    return (f"the target world {shown} = {world} ranks is over {MAX_TARGET_WORLD} (ten times the largest runs "
+            "reported); pick smaller sizes")
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ RETRIES = 3  # transient errors retried with exponential backoff, within RETRY_T
 CONNECT_TIMEOUT_S = 5.0
 TIMEOUT_ENV = "CKPT_S3_TIMEOUT_S"  # per-request timeout, seconds
 DEFAULT_TIMEOUT_S = 60.0
+MAX_TIMEOUT_S = 86400.0
 RETRY_TIMEOUT_S = 30.0
 # Streaming reads (verify --data, show, diff, export): why these sizes, measured by
 # benchmarks/bench_s3_ckpt.py --count-requests (docs/performance.md, "Checkpoints on a bucket"):
@@ -65,8 +66,9 @@ def _timeout() -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise FormatError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds; set it to e.g. 60")
+    if not 0 < value <= MAX_TIMEOUT_S:  # "inf" made timedelta() raise an unexpected OverflowError
+        raise FormatError(f"{TIMEOUT_ENV}={raw[:40]!r} is not a number of seconds in (0, {MAX_TIMEOUT_S:.0f}]; set it "
+                          "to e.g. 60")
     return value
 
 

@@ -21,6 +21,14 @@ CLI refuses both too, and taking them silently would send requests with other cr
 user named. Roles (``role_arn``), SSO and ``credential_process`` are not run: a profile with only
 those is said to have no keys, by name.
 
+Every value taken is checked where it came from (:func:`_checked`), and a bad one is one line naming
+its source (the variable, or the file, section and key) and never the secret itself: keys, secrets
+and tokens are printable ASCII without spaces (an indented line after a key in these files continues
+its value, and a stray indent handed ``SECRET\\nX-Header: ...`` to the client to sign and send); a
+region is a plain name; an endpoint is an ``http://`` or ``https://`` URL with a host and nothing else
+(``file://``, ``ftp://``, text that is no URL, or a URL with a user and password in it were handed to
+the client as they were).
+
 Why this module reads the files and not obstore: obstore's S3 client takes its settings from the
 environment only; the files are how most users keep their keys and a private store's endpoint.
 """
@@ -30,7 +38,9 @@ from __future__ import annotations
 import configparser
 import functools
 import os
+import re
 import stat
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +49,8 @@ from gtp_format.errors import FormatError
 MAX_FILE = 1 << 20  # an AWS config or credentials file is a few KiB; a bigger one is not one
 CREDENTIALS_ENV, CONFIG_ENV, PROFILE_ENV = "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_PROFILE"
 _NOT_RUN = ("role_arn", "credential_process", "sso_session", "sso_start_url", "web_identity_token_file")
+_TOKEN = re.compile(r"[\x21-\x7e]+")  # an access key id, secret or session token: printable ASCII, no space
+_REGION = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -63,10 +75,14 @@ def config_file() -> Path:
 
 
 def _stamp(path: Path) -> tuple[str, int, int] | None:
+    """The file's identity for the cache; None only when there is no such file (a symlink loop or a
+    path through a regular file is read, so that :func:`_parse` names the error, not skipped)."""
     try:
         st = path.stat()
-    except OSError:
+    except FileNotFoundError:
         return None
+    except OSError:
+        return (str(path), -1, -1)
     return (str(path), st.st_mtime_ns, st.st_size)
 
 
@@ -125,23 +141,81 @@ def _profile(name: str, named: bool, creds: tuple[str, int, int] | None, conf: t
     return a or {}, b or {}
 
 
+def _endpoint_problem(value: str) -> str | None:
+    """Why ``value`` is not an S3 endpoint URL (``http(s)://HOST[:PORT][/PATH]``), or None."""
+    if not _TOKEN.fullmatch(value):
+        return "it has a space, a control character or a non-ASCII character"
+    try:
+        url = urllib.parse.urlsplit(value)
+        url.port  # noqa: B018 - raises on a port that is not a number in range
+    except ValueError as e:
+        return f"it does not parse as a URL ({e})"
+    if url.scheme.lower() not in ("http", "https"):
+        return f"its scheme is {url.scheme + '://' if url.scheme else 'missing'}, not http:// or https://"
+    if not url.hostname:
+        return "it names no host"
+    if url.username is not None or url.password is not None:
+        return "it holds a user name or password (give keys as aws_access_key_id and aws_secret_access_key)"
+    if url.query or url.fragment:
+        return "it has a query or fragment"
+    return None
+
+
+def _checked(kind: str, value: str, where: str) -> str:
+    """``value`` of a setting (``kind``: credential, region or endpoint) from ``where``, or one line."""
+    fix = "fix it there"
+    if kind == "credential":
+        if not _TOKEN.fullmatch(value):  # never printed: it may be a secret
+            raise FormatError(f"{where} has a space, a line break, a control character or a non-ASCII character "
+                              "(an indented line below a key in an AWS file continues its value); keys, secrets and "
+                              f"tokens never do: {fix}")
+        return value
+    if kind == "region":
+        if not _REGION.fullmatch(value):
+            raise FormatError(f"{where} = {value[:80]!r} is not a region name (letters, digits, '-', '_', '.'); {fix}")
+        return value
+    why = _endpoint_problem(value)
+    if why is not None:
+        shown = "(not shown)" if "password" in why else repr(value[:120])
+        raise FormatError(f"{where} = {shown} is not an S3 endpoint URL: {why}; write http://HOST:PORT or "
+                          f"https://HOST, and {fix}")
+    return value
+
+
+def _first(kind: str, candidates: list[tuple[str, str | None]]) -> str | None:
+    """The first non-empty value of ``(where, value)`` candidates, checked (:func:`_checked`)."""
+    for where, value in candidates:
+        if value:
+            return _checked(kind, value, where)
+    return None
+
+
 def settings() -> Settings:
     """The client's settings from the environment and the profile (see the module docstring)."""
     env = os.environ
     name = env.get(PROFILE_ENV) or "default"
     cpath, fpath = credentials_file(), config_file()
     creds, conf = _profile(name, bool(env.get(PROFILE_ENV)), _stamp(cpath), _stamp(fpath), str(cpath), str(fpath))
-    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or creds.get("region") or conf.get("region")
-    endpoint = (env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or creds.get("endpoint_url")
-                or conf.get("endpoint_url"))
-    common = {"region": region or None, "endpoint": endpoint or None}
+    sections = ((f"{cpath} [{name}]", creds), (f"{fpath} [{'profile ' * (name != 'default')}{name}]", conf))
+    region = _first("region", [("AWS_REGION", env.get("AWS_REGION")),
+                               ("AWS_DEFAULT_REGION", env.get("AWS_DEFAULT_REGION")),
+                               *((f"{at} region", s.get("region")) for at, s in sections)])
+    endpoint = _first("endpoint", [("AWS_ENDPOINT_URL_S3", env.get("AWS_ENDPOINT_URL_S3")),
+                                   ("AWS_ENDPOINT_URL", env.get("AWS_ENDPOINT_URL")),
+                                   *((f"{at} endpoint_url", s.get("endpoint_url")) for at, s in sections)])
+    common = {"region": region, "endpoint": endpoint}
     if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
-        return Settings(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"],
-                        env.get("AWS_SESSION_TOKEN") or env.get("AWS_SECURITY_TOKEN") or None, **common)
-    for section in (creds, conf):
+        token = ("AWS_SESSION_TOKEN", env.get("AWS_SESSION_TOKEN")) if env.get("AWS_SESSION_TOKEN") else \
+            ("AWS_SECURITY_TOKEN", env.get("AWS_SECURITY_TOKEN"))
+        return Settings(_checked("credential", env["AWS_ACCESS_KEY_ID"], "AWS_ACCESS_KEY_ID"),
+                        _checked("credential", env["AWS_SECRET_ACCESS_KEY"], "AWS_SECRET_ACCESS_KEY"),
+                        _first("credential", [token]), **common)
+    for at, section in sections:
         if section.get("aws_access_key_id") and section.get("aws_secret_access_key"):
-            return Settings(section["aws_access_key_id"], section["aws_secret_access_key"],
-                            section.get("aws_session_token") or None, profile=name, **common)
+            return Settings(_checked("credential", section["aws_access_key_id"], f"{at} aws_access_key_id"),
+                            _checked("credential", section["aws_secret_access_key"], f"{at} aws_secret_access_key"),
+                            _first("credential", [(f"{at} aws_session_token", section.get("aws_session_token"))]),
+                            profile=name, **common)
     why = None
     roles = sorted(k for s in (creds, conf) for k in s if k in _NOT_RUN)
     if roles:

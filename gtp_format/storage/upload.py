@@ -8,7 +8,10 @@ upload, in an order that makes every interrupted state invisible:
 1. refuse if anything already lies below the target prefix (no-replace: never mix files with an
    existing checkpoint);
 2. the data objects, each a multipart upload: an upload that is not completed is invisible to every
-   listing and read;
+   listing and read; each is created only where no object is (``If-None-Match: *``, as the commit
+   object): step 1 is a check, not a lock, and a second writer that started on the same prefix
+   meanwhile had its objects overwritten by ours (then, when its commit object failed, it deleted what
+   it had "created": ours), so the first object it finds taken makes this upload :class:`Taken`;
 3. ``.metadata`` (or the index), the chunk records and the manifest;
 4. ``metadata.json`` last, as a conditional create (``If-None-Match: *``): the *commit object*. The
    reader takes a bucket prefix for a checkpoint only once it exists
@@ -41,8 +44,20 @@ _SIDE = (DCP_METADATA_FILE, GTP_INDEX_FILE, CHUNK_RECORDS_FILE, MANIFEST_FILE)  
 
 
 def staging_dir() -> Path:
-    """Where an ``s3://`` output is built before its upload."""
-    return Path(os.environ.get(STAGING_ENV) or tempfile.gettempdir())
+    """Where an ``s3://`` output is built before its upload: an existing folder, else one line naming
+    :data:`STAGING_ENV` (a missing one, a file or a path below a file was "cannot write (Not a
+    directory)" about the bucket URL, which named neither the folder nor the setting)."""
+    raw = os.environ.get(STAGING_ENV)
+    path = Path(raw or tempfile.gettempdir())
+    try:
+        if path.is_dir():
+            return path
+        why = "is not a folder" if path.exists() else "does not exist"
+    except OSError as e:  # a symlink loop, a name too long
+        why = f"cannot be used ({e.strerror or e})"
+    where = f"{STAGING_ENV}={raw!r}" if raw else f"the temp folder {str(path)!r}"
+    raise FormatError(f"{where} {why}: an s3:// output is built there before its upload; point {STAGING_ENV} at an "
+                      "existing folder with room for the output")
 
 
 def commit_order(folder: Path, commit: str | None = None) -> list[str]:
@@ -69,12 +84,13 @@ class Upload:
         self.created: list[str] = []
 
     def _put(self, local: Path, rel: str, create: bool = False) -> None:
+        """Create the object ``rel`` from ``local`` where none is; ``create``: it is the commit object (the
+        point fault hooks and tests key on; every object is put with ``If-None-Match: *``, see step 2)."""
         import obstore
 
         key = self.target.key(rel)
-        mode = "create" if create else "overwrite"
         try:
-            obstore.put(objects.store(self.target), key, local, mode=mode, chunk_size=PART,
+            obstore.put(objects.store(self.target), key, local, mode="create", chunk_size=PART,
                         max_concurrency=CONCURRENCY)
         except Exception as e:  # noqa: BLE001 - one line naming the object
             from obstore import exceptions as ox

@@ -106,6 +106,10 @@ def main() -> None:
     if mode == "ckpt":
         from ckpt_tool import cli
 
+        # the copies' and the plan's modules (numpy, the views, the writers), imported once here: a child that
+        # imported them itself spent ~1 s of its run on it (test_hostile_options: 77 jobs, 71 s of them)
+        from ckpt_tool.reshard import export, megatron_dp  # noqa: F401
+
         entry = cli.run
     else:
         import torch  # noqa: F401 - imported once, before the forks

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,3 +58,15 @@ def puts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(up.Upload, "_put", spy)
     return order
+
+
+@pytest.fixture(scope="module")
+def hf_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Hugging Face folder (the local export of the DCP fixture): ``import --from hf``'s SRC."""
+    from test_read import FIXTURES
+
+    from ckpt_tool.cli import run
+
+    out = tmp_path_factory.mktemp("hf") / "model"
+    assert run(["export", str(FIXTURES["dcp"]), str(out), "--to", "hf", "--format", "json"]) == 0
+    return out

@@ -24,16 +24,6 @@ COMMIT = {"export-hf": "config.json", "export-megatron-names": "model.safetensor
 CASES = sorted([*COMMIT, "export-torch"])
 
 
-@pytest.fixture(scope="module")
-def hf_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Hugging Face folder (the local export of the fixture): import's SRC."""
-    from ckpt_tool.cli import run
-
-    out = tmp_path_factory.mktemp("hf") / "model"
-    assert run(["export", str(SRC), str(out), "--to", "hf", "--format", "json"]) == 0
-    return out
-
-
 def argv(case: str, dst: str, hf_src: Path) -> list[str]:
     if case == "import":
         return ["import", str(hf_src), dst, "--from", "hf", "--dp", "2"]

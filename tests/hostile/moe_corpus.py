@@ -1,0 +1,129 @@
+"""Crafted megatron-core MoE checkpoints whose stored chunks disagree on expert TP.
+
+megatron-core writes an expert key (``decoder.layers.mlp.experts.experts.linear_fc1.weight``,
+``[layers, experts, out, in]``) as one chunk per (layer, expert) and expert-TP part, every part the
+same size, ``linear_fc1`` cut along its output rows and ``linear_fc2`` along its input columns.
+Each case here is a copy of a committed fixture with one expert key re-cut so that layers,
+experts or the two projections disagree on that split (or cut it along the wrong axis, or in
+unequal parts). The copy is rewritten through the format package's own writers
+(:func:`gtp_format.writer.torch_blob.tensor_blob` for the new chunks, whose elements are the
+fixture's own, read with :class:`gtp_format.reader.boxes.BoxReader`;
+:func:`gtp_format.writer.dcp_metadata.metadata_bytes` for ``.metadata``), never pickled by hand:
+every byte of it is a well-formed DCP checkpoint, only its layout is one megatron-core never saves.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from gtp_format.model import TENSOR
+from gtp_format.reader.boxes import BoxReader
+from gtp_format.reader.checkpoint import open_checkpoint
+from gtp_format.writer.dcp_metadata import metadata_bytes
+from gtp_format.writer.torch_blob import tensor_blob
+
+MEGATRON = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
+FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+FC2 = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def rechunk(it: Path, key: str, cut: Callable[[Box], list[Box]]) -> None:
+    """Replace each chunk of ``key`` in the checkpoint folder ``it`` by the boxes ``cut`` returns for it
+    (together they must tile the same elements; boxes may also join several chunks: see :func:`merge`).
+    Every data file holding a chunk of ``key`` is rewritten: the other records' bytes as they were, then a
+    ``torch.save`` blob per new box; ``.metadata`` is rewritten for the new placement."""
+    ckpt = open_checkpoint(it)
+    reader = BoxReader(ckpt)
+    entry = ckpt.entries[key]
+    new: dict[str, list[tuple[Box, bytes]]] = {}
+    seen: set[Box] = set()
+    for c in entry.chunks:
+        for box in cut((c.offsets, c.sizes)):
+            if box in seen:
+                continue
+            seen.add(box)
+            data = reader.read_box(key, *box)
+            new.setdefault(c.storage.file, []).append((box, tensor_blob(entry.dtype, box[1], data)))
+    reader.close()
+    placed = []
+    for file in sorted(ckpt.data_files):
+        raw = (it / file).read_bytes()
+        items = sorted(((c.storage.offset, c.storage.length, e, c) for e in ckpt.entries.values() for c in e.chunks
+                        if c.storage is not None and c.storage.file == file), key=lambda x: x[0])
+        out = bytearray()
+        for off, length, e, c in items:
+            if e.key == key:
+                continue
+            placed.append((file, e.key, c.offsets if e.kind == TENSOR else None,
+                           c.sizes if e.kind == TENSOR else None, len(out), length))
+            out += raw[off:off + length]
+        for (offsets, sizes), blob in new.get(file, []):
+            placed.append((file, key, offsets, sizes, len(out), len(blob)))
+            out += blob
+        if file in new:
+            tmp = it / (file + ".new")
+            tmp.write_bytes(out)
+            os.replace(tmp, it / file)
+    shapes = {k: (e.shape, e.dtype) for k, e in ckpt.entries.items() if e.kind == TENSOR}
+    objects = [k for k, e in ckpt.entries.items() if e.kind != TENSOR]
+    (it / ".metadata").write_bytes(metadata_bytes(shapes, placed, objects))
+
+
+def split(axis: int, parts: int | tuple[int, ...]) -> Callable[[Box], list[Box]]:
+    """Cut a box along ``axis`` in ``parts`` equal parts, or in the given sizes."""
+    def cut(box: Box) -> list[Box]:
+        (o, s) = box
+        sizes = parts if isinstance(parts, tuple) else (s[axis] // parts,) * parts
+        out, at = [], o[axis]
+        for n in sizes:
+            out.append(((*o[:axis], at, *o[axis + 1:]), (*s[:axis], n, *s[axis + 1:])))
+            at += n
+        return out
+    return cut
+
+
+def only(pick: Callable[[Box], bool], cut: Callable[[Box], list[Box]]) -> Callable[[Box], list[Box]]:
+    """``cut`` the boxes ``pick`` selects; keep the others."""
+    return lambda box: cut(box) if pick(box) else [box]
+
+
+def merge(axis: int) -> Callable[[Box], list[Box]]:
+    """Join the expert-TP parts of each (layer, expert) along ``axis`` back into one box (the whole extent)."""
+    def cut(box: Box) -> list[Box]:
+        (o, s) = box
+        return [((*o[:axis], 0, *o[axis + 1:]), (*s[:axis], s[axis] * 2, *s[axis + 1:]))]
+    return cut
+
+
+def layer(n: int) -> Callable[[Box], bool]:
+    return lambda box: box[0][0] == n
+
+
+def expert(n: int) -> Callable[[Box], bool]:
+    return lambda box: box[0][1] == n
+
+
+# name -> (fixture, [(key, cut)], what the case is)
+MOE_CASES: dict[str, tuple[str, list[tuple[str, Callable[[Box], list[Box]]]], str]] = {
+    "etp_one_layer_split": ("moe_ep2_dp4_dp_reshardable", [(FC1, only(layer(1), split(2, 2)))],
+                            "layer 1's experts at expert TP 2, layer 0's at 1"),
+    "etp_one_expert_split": ("moe_ep2_dp4_dp_reshardable", [(FC1, only(expert(1), split(2, 2)))],
+                             "expert 1 of every layer at expert TP 2, the others at 1"),
+    "etp_one_expert_merged": ("pair_moe_tp2_etp2_dp_reshardable", [(FC1, only(expert(0), merge(2)))],
+                              "expert 0 whole, the others in two expert-TP parts"),
+    "etp_fc1_split_fc2_whole": ("pair_moe_ep2_dp_reshardable", [(FC1, split(2, 2))],
+                                "linear_fc1 at expert TP 2, linear_fc2 at 1"),
+    "etp_split_wrong_axis": ("pair_moe_ep2_dp_reshardable", [(FC1, split(3, 2)), (FC2, split(2, 2))],
+                             "linear_fc1 cut along its input columns, linear_fc2 along its output rows"),
+    "etp_split_unequal": ("pair_moe_ep2_dp_reshardable", [(FC1, only(expert(0), split(2, (8, 24))))],
+                          "one (layer, expert) in parts of 8 and 24 rows"),
+}
+
+
+def build_moe(name: str, it: Path) -> None:
+    """Rewrite the copy ``it`` (an ``iter_*`` folder of the case's fixture) as case ``name``."""
+    for key, cut in MOE_CASES[name][1]:
+        rechunk(it, key, cut)
