@@ -72,8 +72,6 @@ def _timeout() -> float:
     return value
 
 
-
-
 # Where obstore may take credentials from besides the access-key pair: web identity (EKS, CI OIDC) and
 # the container credential endpoint (ECS). Anything else would make it ask the EC2 instance-metadata
 # address, which is not this machine's to ask and hangs where there is none.

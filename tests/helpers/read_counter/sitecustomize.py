@@ -16,13 +16,13 @@ if _OUT:
 
     _orig = _chunks.load_chunk
 
-    def _counting(ckpt, entry, chunk):  # type: ignore[no-untyped-def]
+    def _counting(ckpt, entry, chunk, into=None):  # type: ignore[no-untyped-def]
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
         length = chunk.storage.length if chunk.storage is not None else 0
         with open(os.path.join(_OUT, f"{os.getpid()}.txt"), "a") as f:
             f.write(f"{rank}\t{entry.key}\t{chunk.index}\t{length}\n")
-        return _orig(ckpt, entry, chunk)
+        return _orig(ckpt, entry, chunk, into)
 
     _chunks.load_chunk = _counting
