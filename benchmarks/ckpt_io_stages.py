@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
@@ -32,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from bench_ckpt_async import _dd  # the same dd baselines as the async-save benchmark
+from bench_export_hf import evict
 
 CHUNK = 256 << 20
 
@@ -64,27 +65,7 @@ class _Spin:
 
 def _drop(folder: Path) -> None:
     os.sync()
-    for p in folder.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def _dd(path: Path, nbytes: int) -> tuple[float, float]:
-    bs = 16 << 20
-    count = max(1, nbytes // bs)
-    t = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={bs}", f"count={count}", "oflag=direct",
-                    "conv=fdatasync"], check=True, capture_output=True)
-    w = time.perf_counter() - t
-    t = time.perf_counter()
-    subprocess.run(["dd", f"if={path}", "of=/dev/null", f"bs={bs}", "iflag=direct"], check=True, capture_output=True)
-    r = time.perf_counter() - t
-    path.unlink()
-    return count * bs / 1e9 / w, count * bs / 1e9 / r
+    evict(folder)
 
 
 def _shares(items: list[Any], n: int) -> list[list[Any]]:
