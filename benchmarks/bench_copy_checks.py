@@ -43,7 +43,7 @@ class _NoLedger:
     def finish(self) -> None:
         pass
 
-    def fill_except(self, keys: object) -> None:
+    def fill_except(self, keys: object, also: object = None) -> None:
         pass
 
     def cancel(self) -> None:

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import itertools
 import os
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -152,7 +153,7 @@ def describe_error(e: BaseException, where: str) -> FormatError:
     if isinstance(e, ox.NotFoundError | FileNotFoundError):  # obstore raises the builtin for a 404
         return ChunkError(f"{where} is missing from the bucket", file=where)
     if isinstance(e, ox.UnauthenticatedError | ox.PermissionDeniedError) or "InvalidAccessKeyId" in text \
-            or "SignatureDoesNotMatch" in text or "AccessDenied" in text or "403" in text:
+            or "SignatureDoesNotMatch" in text or "AccessDenied" in text or re.search(r"(?<![\d.])403(?![\d.])", text):
         return FormatError(f"{where}: the store refused the credentials ({_first_line(e)}); check "
                            "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL")
     if "NoSuchBucket" in text:
