@@ -78,7 +78,7 @@ class PinnedPool:
         return out
 
 
-POOL = PinnedPool()  # the process's one pool: saves and loads never overlap within a rank's thread
+POOL = PinnedPool()  # the process's one pool: one sync save or load at a time (give_back frees every lent buffer)
 
 
 def host_for_write(t: Any) -> Any:
