@@ -7,8 +7,9 @@ Rows (issue 23's fields): ``async_blocking_s`` (from the save call until the sta
 i.e. until the optimizer may update again), ``async_durable_s`` (until the slowest rank's files
 are written and fsynced; the commit follows at the next step), ``save_gbps`` (sync save),
 ``save_without_records_gbps`` / ``records_added_pct`` (the same sync save without the chunk records and
-the replica cross-check of issue 26, and what they add), ``load_gbps``, ``step_ms`` and
-``step_ms_during_write`` (median step without / while a background write is in flight),
+the replica cross-check of issue 26, and what they add: with ``--record-rounds N``, N more pairs of
+sync saves, interleaved with the order flipped every round, and the ratio of the medians),
+``load_gbps``, ``step_ms`` and ``step_ms_during_write`` (median step without / while a background write is in flight),
 ``staging_gib`` (after every one of the async saves: it must not grow), ``dcp_save_gbps`` (PyTorch
 DCP's ``dcp.save`` of the same tensors as a plain dict), ``dcp_async_blocking_s`` /
 ``dcp_async_durable_s`` (``dcp.async_save`` with its ``DefaultStager``, pinned on CUDA),
@@ -168,6 +169,13 @@ def _worker(args: argparse.Namespace, out: str) -> None:
     bare_s = _timed(lambda: save_checkpoint(trainer, root / "bare", integrity=False), device)
     _say(f"sync save without chunk records or the replica check {bare_s:.2f} s")
     _rm(root / "bare")
+    with_s, without_s = [sync_s], [bare_s]
+    for i in range(args.record_rounds):  # interleaved, the order flipped every round (issue 26's 3%)
+        for integrity in ((True, False) if i % 2 else (False, True)):
+            took = _timed(lambda i=integrity: save_checkpoint(trainer, root / "rounds", integrity=i), device)
+            (with_s if integrity else without_s).append(took)
+            _rm(root / "rounds")
+        _say(f"round {i}: with records {with_s[-1]:.2f} s, without {without_s[-1]:.2f} s")
 
     saver = AsyncCheckpointer()
     t = time.perf_counter()
@@ -239,7 +247,9 @@ def _worker(args: argparse.Namespace, out: str) -> None:
                "async_blocking_s": round(max(blocking), 3), "staging_reserve_s": round(reserve_s, 3),
                "async_durable_s": round(max(durable), 3),
                "save_gbps": round(gb / sync_s, 3), "save_without_records_gbps": round(gb / bare_s, 3),
-               "records_added_pct": round(100 * (sync_s / bare_s - 1), 1),
+               "records_added_pct": round(100 * (statistics.median(with_s) / statistics.median(without_s) - 1), 1),
+               "record_rounds": len(with_s), "save_with_records_s": [round(x, 3) for x in with_s],
+               "save_without_records_s": [round(x, 3) for x in without_s],
                "async_write_gbps": round(gb / max(durable), 3),
                "dd_direct_write_gbps": round(ddw, 3), "load_gbps": round(gb / load_s, 3),
                "dd_cold_read_gbps": round(ddr, 3), "torch_save_gbps": round(tbytes / 1e9 / tsave_s, 3),
@@ -275,6 +285,9 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3, help="steps timed without, and after each save with, a write")
     ap.add_argument("--saves", type=int, default=3, help="async saves (staging must not grow over them)")
+    ap.add_argument("--record-rounds", type=int, default=0,
+                    help="more sync saves with and without the chunk records, interleaved; records_added_pct "
+                         "is then the ratio of the medians")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--bf16", action="store_true", help="bf16 params (the GPU shape of issue 23); fp32 otherwise")
     ap.add_argument("--nproc", type=int, default=2)
@@ -285,6 +298,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.smoke:
         args.hidden, args.layers, args.vocab, args.seq, args.steps, args.saves = 64, 1, 256, 32, 1, 2
+        args.record_rounds = 1
     if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
         print(f"error: --device cuda needs {args.nproc} CUDA device(s); found {torch.cuda.device_count()}",
               file=sys.stderr)

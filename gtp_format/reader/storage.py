@@ -32,11 +32,11 @@ import errno
 import os
 import posixpath
 import stat
-from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
 from gtp_format.errors import ChunkError, FormatError
+from gtp_format.reader.preads import Into, read_direct, read_fully
 from gtp_format.storage import objects
 from gtp_format.storage.location import ObjectURL
 from gtp_format.storage.paths import past_end_message, unsafe_reason
@@ -278,9 +278,6 @@ def is_folder_inside(root: Path | ObjectURL, rel: str) -> bool:
     return True
 
 
-Into = Callable[[int], memoryview]  # a writable buffer of at least n bytes, asked for once a range is checked
-
-
 def read_range(root: Path | ObjectURL, rel: str, offset: int, length: int,
                into: Into | None = None) -> bytearray | memoryview:
     """Exactly ``length`` bytes at ``offset`` of a data file, after checking the range fits.
@@ -290,7 +287,8 @@ def read_range(root: Path | ObjectURL, rel: str, offset: int, length: int,
     check, so a size in the metadata never sizes a buffer by itself) and that buffer's first
     ``length`` bytes are returned: the runtime's loads read into pinned buffers they reuse, so that
     nothing is allocated (and page-faulted) per chunk and the copy to the GPU is a DMA
-    (:mod:`gtp_runtime.checkpoint.pinned`).
+    (:mod:`gtp_runtime.checkpoint.pinned`); a range from 1 MiB is then read with ``O_DIRECT``
+    (:func:`gtp_format.reader.preads.read_direct`: why) and the view returned lies inside that buffer.
     """
     if isinstance(root, ObjectURL):
         got = objects.read_range(root, rel, offset, length)
@@ -307,27 +305,15 @@ def read_range(root: Path | ObjectURL, rel: str, offset: int, length: int,
             raise ChunkError(past_end_message(rel, offset, length, st.st_size), file=rel)
         if length > max(stored_bytes(st), SPARSE_SLACK):  # the allocation is sized by metadata: back it by real bytes
             raise ChunkError(sparse_message(rel, length, st), file=rel)
-        buf: bytearray | memoryview = bytearray(length) if into is None else into(length)[:length]
-        got = _read_fully(f.fileno(), buf, offset)
+        direct = read_direct(f.fileno(), offset, length, into) if into is not None else None
+        if direct is not None:
+            buf, got = direct
+        else:
+            buf = bytearray(length) if into is None else into(length)[:length]
+            got = read_fully(f.fileno(), buf, offset)
     if got != length:
         raise ChunkError(f"data file {rel} shrank while reading [{offset}, {offset + length})", file=rel)
     return buf
-
-
-_READ_PIECE = 64 << 20  # one preadv per 64 MiB: the kernel caps a single read near 2 GiB anyway
-
-
-def _read_fully(fd: int, buf: bytearray | memoryview, offset: int) -> int:
-    """``preadv`` into ``buf`` until it is full or the file ends; the bytes read. Unbuffered: the
-    bytes go from the page cache into ``buf`` once (a buffered ``readinto`` of a large range does the
-    same, but the file object's own buffer adds a copy for the first and last pieces)."""
-    view, done = memoryview(buf).cast("B"), 0
-    while done < view.nbytes:
-        got = os.preadv(fd, [view[done:done + _READ_PIECE]], offset + done)
-        if got <= 0:
-            break
-        done += got
-    return done
 
 
 Source = int | objects.ObjectFile  # what a reader keeps open: a local descriptor or a bucket's object

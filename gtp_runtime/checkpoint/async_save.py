@@ -40,9 +40,11 @@ import torch
 import torch.distributed as dist
 
 from gtp_format import names as fmt
+from gtp_format.integrity.stats import ChunkStats
 from gtp_format.manifest import FileEntry, Manifest
 from gtp_format.storage.location import ObjectURL, parse_location
 from gtp_format.writer.checkpoint import CheckpointWriter
+from gtp_runtime.checkpoint.chunk_records import ChunkId, Stats, start_state_stats
 from gtp_runtime.checkpoint.io import (
     finish_save,
     manifest_now,
@@ -54,6 +56,10 @@ from gtp_runtime.checkpoint.io import (
 )
 from gtp_runtime.checkpoint.staging import Staging
 from gtp_runtime.training import Trainer
+
+
+def _known(stats: dict[ChunkId, ChunkStats | None]) -> Stats:
+    return lambda: stats
 
 
 @dataclass
@@ -106,14 +112,21 @@ class AsyncCheckpointer:
         where = parse_location(root) if isinstance(root, str) else root
         writer = prepare_folder(trainer, where if isinstance(where, ObjectURL) else Path(where), layout, sharding)
         try:
-            staged = self.staging.stage(rank_state(trainer), self._group)
+            live = rank_state(trainer)
+            # CUDA state: its statistics are reduced on the GPU from the live chunks, beside the staging
+            # copy, and taken before the step may go on; on the host they would cost the background
+            # write a pass over every byte (measured on the H200: the write 0.72x dd with them there)
+            on_gpu = trainer.device.type == "cuda"
+            stats = start_state_stats(live) if on_gpu else None
+            staged = self.staging.stage(live, self._group)
+            stats_of = _known(stats()) if stats is not None else None
             manifest = manifest_now(trainer, layout, sharding, False) if dist.get_rank() == 0 else None
         except BaseException:
             if dist.get_rank() == 0:
                 writer.abort()
             raise
         future = self._pool.submit(try_write_rank_files, staged, writer.folder, layout, self.writer_threads,
-                                   self._group)
+                                   self._group, True, stats_of)
         self._pending = _InFlight(future, writer, manifest, trainer.device)
         self.blocking_s = time.perf_counter() - start
         return writer.target, committed

@@ -33,12 +33,9 @@ from gtp_runtime.checkpoint.dcp_chunks import Chunks
 ChunkId = tuple[str, tuple[int, ...]]
 
 
-def device_stats(t: torch.Tensor) -> ChunkStats | None:
-    """:class:`ChunkStats` computed with torch where ``t`` lives (the CUDA path; also runs on CPU).
-
-    Block by block in fp64 so the working memory is bounded; the counts and sums stay on the
-    device and are copied back once, as one small tensor.
-    """
+def _exact_device_stats(t: torch.Tensor) -> ChunkStats | None:
+    """The statistics of a chunk that holds NaN or Inf, with torch where ``t`` lives: every value masked
+    (finite-only min, max and sum of squares), block by block in fp64 so the working memory is bounded."""
     dtype = from_torch(t.dtype)
     if not has_stats(dtype):
         return None
@@ -46,9 +43,8 @@ def device_stats(t: torch.Tensor) -> ChunkStats | None:
     acc = torch.zeros(5, dtype=torch.float64, device=x.device)  # nan, +inf, -inf, zeros, sumsq
     lo = torch.full((), float("inf"), dtype=torch.float64, device=x.device)
     hi = torch.full((), float("-inf"), dtype=torch.float64, device=x.device)
-    step = BLOCK * 64
-    for i in range(0, x.numel(), step):
-        b = x[i:i + step].to(torch.float64)
+    for i in range(0, x.numel(), _STEP):
+        b = x[i:i + _STEP].to(torch.float64)
         finite = torch.isfinite(b)
         fin = torch.where(finite, b, 0.0)
         acc += torch.stack([torch.isnan(b).sum(), (b == float("inf")).sum(), (b == float("-inf")).sum(),
@@ -56,10 +52,57 @@ def device_stats(t: torch.Tensor) -> ChunkStats | None:
         lo = torch.minimum(lo, torch.where(finite, b, float("inf")).min())
         hi = torch.maximum(hi, torch.where(finite, b, float("-inf")).max())
     nan, posinf, neginf, zeros, sumsq = acc.tolist()
-    lo_v, hi_v = float(lo), float(hi)
-    some = lo_v <= hi_v
-    return ChunkStats(x.numel(), int(nan), int(posinf), int(neginf), int(zeros), lo_v if some else None,
-                      hi_v if some else None, sumsq)
+    return _stats(x.numel(), [nan, posinf, neginf, zeros, sumsq, float(lo), float(hi)])
+
+
+_STEP = BLOCK * 64  # elements per fp64 block on the device: 128 MiB of fp64 working memory
+
+
+def _stats(numel: int, v: list[float]) -> ChunkStats:
+    nan, posinf, neginf, zeros, sumsq, lo, hi = v
+    some = lo <= hi
+    return ChunkStats(numel, int(nan), int(posinf), int(neginf), int(zeros), lo if some else None,
+                      hi if some else None, sumsq)
+
+
+def _launch(t: torch.Tensor) -> torch.Tensor:
+    """Seven fp64 figures of ``t``, left on its device (nothing waits for them): counts of NaN, +Inf,
+    -Inf and zeros, the sum of squares, min, max. Min, max and the sum are over every value, so they
+    are the finite-only figures exactly when the three counts are zero; a chunk where one is not is
+    taken again by :func:`_exact_device_stats` (the rare case: a checkpoint that ``verify`` flags).
+
+    Why this shape (the fast path): the counts and ``aminmax`` read the chunk in its own dtype, one
+    pass each; only the sum of squares needs fp64 (one cast and one dot per block), where the masked
+    path made about a dozen fp64 passes per block and a host round trip per chunk."""
+    x = t.detach().reshape(-1)
+    f64 = torch.float64
+    if x.numel() == 0:
+        return torch.tensor([0, 0, 0, 0, 0, float("inf"), float("-inf")], dtype=f64, device=x.device)
+    if x.dtype == torch.bool:
+        x = x.view(torch.uint8)
+    zero = torch.zeros((), dtype=f64, device=x.device)
+    if x.is_floating_point():
+        nan, pos, neg = torch.isnan(x).sum(), (x == float("inf")).sum(), (x == float("-inf")).sum()
+    else:
+        nan = pos = neg = zero
+    zeros = (x == 0).sum()
+    lo, hi = torch.aminmax(x)
+    sq = zero.clone()
+    for i in range(0, x.numel(), _STEP):
+        b = x[i:i + _STEP].to(f64)
+        sq += torch.dot(b, b)
+    return torch.stack([nan.to(f64), pos.to(f64), neg.to(f64), zeros.to(f64), sq, lo.to(f64), hi.to(f64)])
+
+
+def device_stats(t: torch.Tensor) -> ChunkStats | None:
+    """:class:`ChunkStats` computed with torch where ``t`` lives (the CUDA path; also runs on CPU)."""
+    if not has_stats(from_torch(t.dtype)):
+        return None
+    with torch.no_grad():
+        v = _launch(t).tolist()
+    if v[0] or v[1] or v[2]:
+        return _exact_device_stats(t)
+    return _stats(t.numel(), v)
 
 
 def tensor_stats(t: torch.Tensor) -> ChunkStats | None:
@@ -73,30 +116,72 @@ def tensor_stats(t: torch.Tensor) -> ChunkStats | None:
     return element_stats(raw.view(carrier(dtype)), dtype)
 
 
-def state_stats(sd: dict[str, Any]) -> dict[ChunkId, ChunkStats | None]:
-    """Statistics of every tensor chunk this rank is about to save (byte objects have none)."""
-    out: dict[ChunkId, ChunkStats | None] = {}
-    with torch.no_grad():
-        for key, value in sd.items():
-            if isinstance(value, Chunks):
-                for offsets, t in value.chunks.items():
-                    out[(key, tuple(offsets))] = tensor_stats(t)
-            elif isinstance(value, torch.Tensor):
-                out[(key, (0,) * value.dim())] = tensor_stats(value)
+def _state_chunks(sd: dict[str, Any]) -> list[tuple[ChunkId, torch.Tensor]]:
+    out: list[tuple[ChunkId, torch.Tensor]] = []
+    for key, value in sd.items():
+        if isinstance(value, Chunks):
+            out += [((key, tuple(offsets)), t) for offsets, t in value.chunks.items()]
+        elif isinstance(value, torch.Tensor):
+            out.append(((key, (0,) * value.dim()), value))
     return out
 
 
-def start_state_stats(sd: dict[str, Any]) -> Callable[[], dict[ChunkId, ChunkStats | None]]:
+def state_stats(sd: dict[str, Any]) -> dict[ChunkId, ChunkStats | None]:
+    """Statistics of every tensor chunk this rank is about to save (byte objects have none)."""
+    with torch.no_grad():
+        return {cid: tensor_stats(t) for cid, t in _state_chunks(sd)}
+
+
+Stats = Callable[[], dict[ChunkId, ChunkStats | None]]
+
+
+def _start_device_stats(sd: dict[str, Any], device: torch.device) -> Stats:
+    """Every CUDA chunk's figures queued on a stream of their own (after the training stream's work,
+    so they see the finished step), without waiting: the save goes on (an async save's staging copy,
+    a sync save's writer threads) while the GPU reduces, and one small pinned tensor comes back for
+    all chunks. Calling the result waits for it (it must be called before the chunks may change)."""
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    chunks = _state_chunks(sd)
+    gpu = [(cid, t) for cid, t in chunks if t.is_cuda and has_stats(from_torch(t.dtype))]
+    with torch.no_grad(), torch.cuda.stream(stream):
+        parts = torch.stack([_launch(t) for _, t in gpu]) if gpu else None
+        host = torch.empty(parts.shape, dtype=torch.float64, pin_memory=True) if parts is not None else None
+        if host is not None:
+            host.copy_(parts, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+
+    def finish() -> dict[ChunkId, ChunkStats | None]:
+        done.synchronize()
+        figures = dict(zip((cid for cid, _ in gpu), host.tolist() if host is not None else []))
+        out: dict[ChunkId, ChunkStats | None] = {}
+        with torch.no_grad():
+            for cid, t in chunks:
+                v = figures.get(cid)
+                if v is None:
+                    out[cid] = tensor_stats(t)  # a host tensor, or a dtype without statistics
+                elif v[0] or v[1] or v[2]:
+                    out[cid] = _exact_device_stats(t)
+                else:
+                    out[cid] = _stats(t.numel(), v)
+        return out
+
+    return finish
+
+
+def start_state_stats(sd: dict[str, Any]) -> Stats:
     """Start :func:`state_stats`; call the result (after the write) to get them.
 
-    On CUDA they are computed now, on the device, before DCP copies anything to the host. On CPU
-    they run on a thread while DCP writes: numpy releases the GIL, and the write spends most of its
-    time in ``torch.save``'s copy and the fsyncs, so the statistics mostly fill idle time instead of
-    adding to the save (``benchmarks/bench_save_integrity.py``). The tensors are only read by both.
+    On CUDA they are queued on the device now, on a stream of their own, before anything is copied
+    to the host, and run beside the copies (:func:`_start_device_stats`). On CPU they run on a thread
+    while DCP writes: numpy releases the GIL, and the write spends most of its time in
+    ``torch.save``'s copy and the fsyncs, so the statistics mostly fill idle time instead of adding
+    to the save (``benchmarks/bench_save_integrity.py``). The tensors are only read by both.
     """
-    if any(t.is_cuda for v in sd.values() if isinstance(v, Chunks) for t in v.chunks.values()):
-        done = state_stats(sd)
-        return lambda: done
+    cuda = next((t.device for _, t in _state_chunks(sd) if t.is_cuda), None)
+    if cuda is not None:
+        return _start_device_stats(sd, cuda)
     box: dict[str, Any] = {}
 
     def run() -> None:

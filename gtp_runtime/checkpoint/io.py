@@ -39,7 +39,7 @@ from gtp_format.manifest import FileEntry, Manifest
 from gtp_format.reader.storage import read_small_file
 from gtp_format.storage.location import ObjectURL, parse_location
 from gtp_format.writer.checkpoint import CheckpointWriter, file_entry, megatron_metadata
-from gtp_runtime.checkpoint.chunk_records import record_own_files, records_from_segments, start_state_stats
+from gtp_runtime.checkpoint.chunk_records import Stats, record_own_files, records_from_segments, start_state_stats
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
 from gtp_runtime.checkpoint.direct_fs import direct_writer
 from gtp_runtime.checkpoint.errors import CheckpointError, CheckpointSaveError
@@ -182,7 +182,8 @@ RankFiles = tuple[dict[str, FileEntry], list[ChunkRecord] | None]
 
 
 def write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | None,
-                     group: dist.ProcessGroup | None = None, integrity: bool = True) -> RankFiles:
+                     group: dist.ProcessGroup | None = None, integrity: bool = True,
+                     stats_of: Stats | None = None) -> RankFiles:
     """Write this rank's chunks into ``tmp`` (DCP, over ``group``); return its files' entries and,
     with ``integrity``, the chunk records (hash and statistics of every chunk) of those files.
 
@@ -190,13 +191,16 @@ def write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | 
     each and computes its CRC-32C and every chunk's xxh3-128 as it writes, so nothing is read back
     (:func:`chunk_records.records_from_segments`; why no read-back is needed: :mod:`direct_fs`).
     Safetensors files are read back once for both (:func:`chunk_records.record_own_files`). The
-    statistics run on a thread during the write. An async save runs this on its background thread,
-    over its own process group, never the training one.
+    statistics run during the write (on the GPU for CUDA chunks, else on a thread), unless ``stats_of``
+    brings them: an async save of CUDA state takes them from the live chunks on the device while it
+    stages (:meth:`async_save.AsyncCheckpointer.save`), not from the host copy. An async save runs this
+    on its background thread, over its own process group, never the training one.
     """
     # Several writer threads per rank (files __{rank}_0.., __{rank}_1..): torch.save releases the
     # GIL while it copies and writes, and measured on 2 cores this doubles DCP's save rate.
     threads = threads or max(1, min(4, os.cpu_count() or 1))
-    stats_of = start_state_stats(sd) if integrity else dict
+    if stats_of is None:
+        stats_of = start_state_stats(sd) if integrity else dict
     written: dict[str, FileEntry] | None = None
     storage: dict[Any, Any] = {}
     try:
@@ -223,11 +227,12 @@ def write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | 
 
 
 def try_write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | None,
-                         group: dist.ProcessGroup | None = None, integrity: bool = True) -> RankFiles | str:
+                         group: dist.ProcessGroup | None = None, integrity: bool = True,
+                         stats_of: Stats | None = None) -> RankFiles | str:
     """:func:`write_rank_files`, a failure returned as ``rank R: cause`` (for :func:`finish_save`);
     DCP hands every rank the failures of all, so R is the first rank that raised, not this one."""
     try:
-        return write_rank_files(sd, tmp, layout, threads, group, integrity)
+        return write_rank_files(sd, tmp, layout, threads, group, integrity, stats_of)
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         if isinstance(e, KeyboardInterrupt | SystemExit):
             raise

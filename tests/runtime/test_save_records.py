@@ -143,11 +143,13 @@ def test_non_zero_padding_in_a_copy_is_reported(saved: dict[str, Path], tmp_path
     assert p.key == key and "1 of" in p.message
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32])
-def test_device_stats_agree_with_the_format_packages_numpy(dtype: torch.dtype):
+@pytest.mark.parametrize("nonfinite", [True, False], ids=["with NaN and Inf (exact path)", "finite (fast path)"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32,
+                                   torch.int64, torch.uint8, torch.bool])
+def test_device_stats_agree_with_the_format_packages_numpy(dtype: torch.dtype, nonfinite: bool):
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(5000, generator=g) * 100).to(dtype)
-    if dtype.is_floating_point:
+    if dtype.is_floating_point and nonfinite:
         x[[3, 17, 99]] = torch.tensor([math.nan, math.inf, -math.inf], dtype=dtype)
     x[[5, 6]] = 0
     want = tensor_stats(x)  # CPU: numpy over the tensor's bytes
@@ -155,6 +157,13 @@ def test_device_stats_agree_with_the_format_packages_numpy(dtype: torch.dtype):
     assert (got.numel, got.nan, got.posinf, got.neginf, got.zeros, got.min, got.max) == \
         (want.numel, want.nan, want.posinf, want.neginf, want.zeros, want.min, want.max)
     assert got.sumsq == pytest.approx(want.sumsq, rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_device_stats_of_an_empty_chunk_and_an_all_zero_chunk(dtype: torch.dtype):
+    for x in (torch.empty(0, dtype=dtype), torch.zeros(300, dtype=dtype)):
+        want, got = tensor_stats(x), device_stats(x)
+        assert got == want  # no range for no values; the sums are exact (0.0) for zeros
 
 
 @pytest.mark.gpu
