@@ -138,6 +138,73 @@ def worker(args: argparse.Namespace, out: str) -> None:
         raise
 
 
+def _records_only(args: argparse.Namespace, trainer: Trainer, root: Path, device: torch.device, save: Any) -> None:
+    """``--only-records``: ``--record-rounds`` pairs of sync saves with and without the chunk records,
+    interleaved (the order flipped every round), and nothing else: issue 26's 3% on the main shape."""
+    with_s: list[float] = []
+    without_s: list[float] = []
+    nbytes = 0
+    stages: dict[bool, dict[str, float]] = {True: {}, False: {}}
+    if args.stages:
+        import save_stages
+
+        save_stages.install()
+        _wall_timers()
+    for i in range(args.record_rounds):
+        for integrity in ((True, False) if i % 2 else (False, True)):
+            if args.stages:
+                save_stages.reset()
+                _WALL.clear()
+            took = _timed(lambda i=integrity: save(trainer, root / "rounds", integrity=i), device)
+            (with_s if integrity else without_s).append(took)
+            if args.stages:
+                for k, v in {**save_stages.reset(), **{f"wall {k}": v for k, v in _WALL.items()}}.items():
+                    stages[integrity][k] = stages[integrity].get(k, 0.0) + v / args.record_rounds
+            folder = root / "rounds" / iter_dir_name(trainer.iteration)
+            nbytes = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+            _rm(root / "rounds")
+        _say(f"round {i}: with records {with_s[-1]:.2f} s, without {without_s[-1]:.2f} s")
+    if dist.get_rank() == 0:
+        gb = nbytes / 1e9
+        row = {"device": device.type, "ranks": dist.get_world_size(), "ckpt_gb": round(gb, 3),
+               "records_added_pct": round(100 * (statistics.median(with_s) / statistics.median(without_s) - 1), 1),
+               "records_added_pct_fastest": round(100 * (min(with_s) / min(without_s) - 1), 1),
+               "record_rounds": len(with_s), "save_with_records_s": [round(x, 3) for x in with_s],
+               "save_without_records_s": [round(x, 3) for x in without_s]}
+        if args.stages:  # seconds per save: CPU of each stage (save_stages) and wall of the save's phases
+            row["stages_with"] = {k: round(v, 3) for k, v in sorted(stages[True].items())}
+            row["stages_without"] = {k: round(v, 3) for k, v in sorted(stages[False].items())}
+        (root / "rows.json").write_text(json.dumps([row]))
+    dist.barrier()
+
+
+_WALL: dict[str, float] = {}
+
+
+def _wall_timers() -> None:
+    """Wall seconds of a sync save's phases (``--stages``): the statistics' start and finish, and DCP's
+    write between them."""
+    import torch.distributed.checkpoint as dcp
+
+    import gtp_runtime.checkpoint.io as io_mod
+
+    def timed(name: str, fn: Any) -> Any:
+        def run(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                _WALL[name] = _WALL.get(name, 0.0) + time.perf_counter() - t
+        return run
+
+    start = io_mod.start_state_stats
+    io_mod.start_state_stats = lambda sd: timed("stats finish", timed("stats start", start)(sd))
+    io_mod.dcp.save = timed("dcp.save", dcp.save)
+    io_mod.rank_state = timed("rank_state incl. replica check", io_mod.rank_state)
+    io_mod.finish_save = timed("finish_save (manifest, commit)", io_mod.finish_save)
+    io_mod.write_rank_files = timed("write_rank_files", io_mod.write_rank_files)
+
+
 def _worker(args: argparse.Namespace, out: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -159,6 +226,9 @@ def _worker(args: argparse.Namespace, out: str) -> None:
     step_ms = statistics.median(_steps(trainer, args.steps)[1])
 
     _say(f"step {step_ms:.1f} ms")
+    if args.only_records:
+        _records_only(args, trainer, root, device, save_checkpoint)
+        return
     sync_s = _timed(lambda: save_checkpoint(trainer, root / "sync"), device)
     folder = root / "sync" / iter_dir_name(trainer.iteration)
     nbytes = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
@@ -285,6 +355,9 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3, help="steps timed without, and after each save with, a write")
     ap.add_argument("--saves", type=int, default=3, help="async saves (staging must not grow over them)")
+    ap.add_argument("--only-records", action="store_true",
+                    help="only the interleaved sync saves of --record-rounds (no async, DCP, torch.save or dd)")
+    ap.add_argument("--stages", action="store_true", help="with --only-records: CPU and wall seconds per stage")
     ap.add_argument("--record-rounds", type=int, default=0,
                     help="more sync saves with and without the chunk records, interleaved; records_added_pct "
                          "is then the ratio of the medians")
