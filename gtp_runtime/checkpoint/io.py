@@ -204,16 +204,16 @@ def write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | 
     written: dict[str, FileEntry] | None = None
     storage: dict[Any, Any] = {}
     try:
-        if layout == "torch_dist":
-            writer, fs = direct_writer(tmp, threads, segments=integrity)
-            dcp.save(sd, storage_writer=_own_results(_hooked(writer, tmp), storage), planner=ChunkSavePlanner(),
-                     process_group=group)
-            written = dict(fs.entries)
-        else:
-            dcp.save(sd, storage_writer=_hooked(SafetensorsWriter(tmp), tmp), planner=ChunkSavePlanner(),
-                     process_group=group)
+        with POOL.lease():  # given back once DCP's writer threads have ended: none still reads a buffer
+            if layout == "torch_dist":
+                writer, fs = direct_writer(tmp, threads, segments=integrity)
+                dcp.save(sd, storage_writer=_own_results(_hooked(writer, tmp), storage),
+                         planner=ChunkSavePlanner(), process_group=group)
+                written = dict(fs.entries)
+            else:
+                dcp.save(sd, storage_writer=_hooked(SafetensorsWriter(tmp), tmp), planner=ChunkSavePlanner(),
+                         process_group=group)
     finally:
-        POOL.give_back()  # DCP's writer threads have ended: no pinned buffer is still being read
         stats = stats_of()  # joined even when the write fails: no thread outlives the save
     _fault("after_write")
     own = _own_files(tmp, layout, dist.get_rank())

@@ -20,6 +20,8 @@ thread's until that thread asks for its next one: DCP's writer threads serialise
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -34,6 +36,7 @@ class PinnedPool:
         self._free: list[torch.Tensor] = []
         self._lent: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
+        self._session = threading.Lock()  # held by the one save or load using the pool (:meth:`lease`)
 
     @property
     def nbytes(self) -> int:
@@ -66,6 +69,21 @@ class PinnedPool:
             self._free.extend(self._lent.values())
             self._lent.clear()
 
+    @contextmanager
+    def lease(self) -> Iterator[PinnedPool]:
+        """The pool for one sync save or load; every lent buffer is free again on exit.
+
+        One at a time: :meth:`give_back` frees every buffer lent, so a second save or load running
+        meanwhile (a load while an async save's background write is in flight, say) would have its
+        threads' buffers handed to other threads while they still read them. A second lease waits
+        for the first to end instead.
+        """
+        with self._session:
+            try:
+                yield self
+            finally:
+                self.give_back()
+
     def host_copy(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (a contiguous CUDA tensor) copied into this thread's pinned buffer: a CPU tensor whose
         storage is exactly ``t``'s bytes."""
@@ -78,7 +96,7 @@ class PinnedPool:
         return out
 
 
-POOL = PinnedPool()  # the process's one pool: one sync save or load at a time (give_back frees every lent buffer)
+POOL = PinnedPool()  # the process's one pool: one sync save or load at a time holds it (PinnedPool.lease)
 
 
 def host_for_write(t: Any) -> Any:

@@ -198,7 +198,7 @@ class VerifiedReader(StorageReader):
             if on_gpu:
                 s.synchronize()  # the pinned buffer is this thread's next chunk's
 
-        try:
+        with POOL.lease():  # given back once every thread has stopped (the executor's exit waits for them)
             threads = min(READ_THREADS, len(groups))
             if threads <= 1:
                 for g in groups:
@@ -213,8 +213,6 @@ class VerifiedReader(StorageReader):
                         for f in futures:  # the first bad chunk ends the load: read no more
                             f.cancel()
                         raise
-        finally:
-            POOL.give_back()  # every thread has stopped (the pool's exit waited for them)
         for g in groups:
             for item, dest in g:
                 planner.commit_tensor(item, dest)

@@ -66,3 +66,36 @@ def test_host_copy_of_a_cpu_tensor_is_left_to_dcp() -> None:
 
     t = torch.arange(10)
     assert host_for_write(t) is t
+
+
+def test_a_second_lease_waits_so_its_buffers_are_never_taken_from_a_reader() -> None:
+    """A load while another save or load holds the pool (an async save's background write, say) would,
+    without the lease, have the first one's give_back free the buffers its threads still read."""
+    pool = PinnedPool()
+    first_in, release, order = threading.Event(), threading.Event(), []
+
+    def first() -> None:
+        with pool.lease():
+            view = np.frombuffer(pool.take(4096), dtype=np.uint8)
+            view[:] = 1
+            first_in.set()
+            release.wait(30)
+            order.append(("first reads", bool((view == 1).all())))
+
+    def second() -> None:
+        first_in.wait(30)
+        with pool.lease():
+            order.append(("second in", True))
+            np.frombuffer(pool.take(4096), dtype=np.uint8)[:] = 2
+
+    a, b = threading.Thread(target=first), threading.Thread(target=second)
+    a.start()
+    b.start()
+    first_in.wait(30)
+    b.join(0.3)
+    assert b.is_alive() and order == []  # the second waits while the first holds the pool
+    release.set()
+    a.join(30)
+    b.join(30)
+    assert order == [("first reads", True), ("second in", True)]
+    assert pool._lent == {}  # every lease gave its buffers back on exit
