@@ -43,7 +43,11 @@ def parse_size(text: str | int, minimum: int = 1) -> int:
         if len(unit) == 2 and unit.endswith("b"):  # HF: "5Gb" is gigabits; "5gib" is still GiB
             raise SizeError(f"{shown}: a lowercase b means bits in Hugging Face's sizes; write "
                             f"{_NAMES[unit.lower()]} for bytes")
-        value = int(Fraction(m.group(1)) * UNITS[unit.lower()])
+        exact = Fraction(m.group(1)) * UNITS[unit.lower()]
+        if exact.denominator != 1:  # "1.5" was read as 1 byte: a size is a whole number of bytes
+            raise SizeError(f"{shown} is {float(exact):g} bytes, not a whole number of bytes; write whole bytes "
+                            "(1500000) or a number that a unit makes whole (1.5MB)")
+        value = int(exact)
     if value > MAX_SIZE:
         raise SizeError(f"{shown} is over 2^63 - 1 bytes, more than any file or memory can hold; write a "
                         "smaller size")

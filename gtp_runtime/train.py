@@ -190,6 +190,10 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
     if args.async_save_staging is not None:
         from gtp_format.sizes import parse_size
 
+        if not args.async_save:  # it would be ignored: the run would not do what its command line says
+            raise ConfigError("--async-save-staging sizes the staging buffers of --async-save; add --async-save "
+                              "or drop --async-save-staging")
+
         try:
             parse_size(args.async_save_staging)
         except ValueError as e:

@@ -20,7 +20,8 @@ def test_units(text: str, want: int) -> None:
 
 @pytest.mark.parametrize("text,needle", [
     ("5Gb", "bits"), ("5mb", "bits"), ("5 GBs", "not a size"), ("-1", "not a size"), ("", "not a size"),
-    ("1e9", "not a size"), ("5XB", "not a size"), ("0", "less than"),
+    ("1e9", "not a size"), ("5XB", "not a size"), ("0", "less than"), ("1.5", "not a whole number of bytes"),
+    ("0.1MiB", "not a whole number"), ("1.0001KB", "not a whole number"),
 ])
 def test_refusals(text: str, needle: str) -> None:
     with pytest.raises(typer.BadParameter, match=needle):

@@ -147,6 +147,8 @@ def test_launcher_help():
         (["--num-experts", "2", "--moe-topk", "3"], "--moe-topk 3 must be in 1..2"),
         (["--num-heads", "0"], "--num-heads must be a positive integer, got 0"),  # used to divide by zero
         (["--micro-batch", "0"], "--micro-batch must be positive"),  # used to crash inside the ranks
+        (["--async-save-staging", "1GiB"], "add --async-save or drop --async-save-staging"),  # was ignored
+        (["--async-save", "--async-save-staging", "1.5"], "not a whole number of bytes"),  # was read as 1 byte
     ],
 )
 def test_main_returns_2_in_process(argv, words, capsys):

@@ -75,7 +75,8 @@ RUN_FLAGS = {
     "eval_iters": ["--eval-iters", "3"],  # test_data_launcher: the eval loop reads it (runs use 1)
     "global_batch_size": ["--global-batch-size", "2"],  # test_config: a mismatch is refused before any rank
     "async_save": ["--async-save"],  # test_async_save: saves return first, same files as a sync save
-    "async_save_staging": ["--async-save-staging", "1GiB"],  # test_async_save: a cap too small is refused
+    # test_async_save: a cap too small is refused; without --async-save it is refused (test_config)
+    "async_save_staging": ["--async-save", "--async-save-staging", "1GiB"],
 }
 
 
