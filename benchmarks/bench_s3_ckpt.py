@@ -1,4 +1,4 @@
-"""``verify --data``, ``export --to hf`` and the save's upload on a bucket, against boto3's transfer manager.
+"""``verify --data``, ``export``, ``reshard`` and the save's upload on a bucket, against boto3's transfer manager.
 
 Why: issue 28's target is at least 0.8x boto3's own transfer manager for the same objects. Measured in
 one run, on moto's S3 server at 127.0.0.1 (``tests/helpers/s3_server.py``), on one checkpoint that the
@@ -172,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(down)
             commands = {"verify --data": ["verify", "{src}", "--data", "--format", "json"],
                         "export --to hf": ["export", "{src}", "{dst}", "--to", "hf", "--format", "json"],
-                        "export --to torch": ["export", "{src}", "{dst}", "--to", "torch", "--format", "json"]}
+                        "export --to torch": ["export", "{src}", "{dst}", "--to", "torch", "--format", "json"],
+                        # a new topology (dp 2 -> 1): every source chunk read, into a local folder
+                        "reshard --dp 1": ["reshard", "{src}", "{dst}", "--dp", "1", "--format", "json"]}
             for name, argv_ in commands.items():
                 for where, src in (("", url), (" local", str(folder))):
                     dst = work / f"out{r}{where.strip()}"
@@ -188,6 +190,17 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(dst, ignore_errors=True) if dst.is_dir() else dst.unlink(missing_ok=True)
             if r == 0:
                 moto = server_cost(client, f"ours0/{folder.name}", folder, files)
+                # reshard's requests without its read-ahead (the state before issue 28's third round), once
+                from gtp_format.reader import boxes
+
+                real = boxes.BoxReader.prefetch_chunks
+                boxes.BoxReader.prefetch_chunks = lambda self, order, budget=0: None  # type: ignore[method-assign]
+                counter.take()
+                with contextlib.redirect_stdout(io.StringIO()):
+                    code = run(["reshard", url, str(work / "unplanned"), "--dp", "1"])
+                unplanned = counter.take()
+                boxes.BoxReader.prefetch_chunks = real  # type: ignore[method-assign]
+                shutil.rmtree(work / "unplanned", ignore_errors=True)
     rows = [["upload (save's commit)", f"{best['upload ours']:.2f}", f"{best['upload boto3']:.2f}",
              f"{best['upload boto3'] / best['upload ours']:.2f}x", "", ""]]
     for name, (gets, other, nbytes) in requests.items():
@@ -199,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"checkpoint: {len(files)} files, {total / 1e6:.1f} MB")
     print(table)
     print(moto)
+    print(f"reshard --dp 1 without its read-ahead: {unplanned[0]} GET, {unplanned[1]} other")
     if args.write_docs:
         from docs_section import write_report
 

@@ -224,7 +224,7 @@ def import_hf(src: Path | ObjectURL, dst: Path | ObjectURL, par: ParallelConfig,
         advance = progress(plan.nbytes) if progress else (lambda n: None)
         write_checkpoint(fill(hf), manifest, plan, writer, workers, advance, stage_bytes(chunk_bytes))
 
-    build_atomically(dst, src, body, inner=iter_dir_name(manifest.iteration), latest=str(manifest.iteration))
+    build_atomically(dst, (src,), body, inner=iter_dir_name(manifest.iteration), latest=str(manifest.iteration))
     out = written_sizes(dst / iter_dir_name(manifest.iteration))
     return {"src": str(src), "dst": str(dst), "from": "hf", "architecture": mapping.ARCHITECTURE,
             "topology": par.describe(), "layout": layout, "params": len(hf.parts), "param_dtype": hf.param_dtype,

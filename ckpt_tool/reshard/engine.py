@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
-from ckpt_tool.reshard.plan import OutChunk, Plan, plan_target, split_files
+from ckpt_tool.reshard.plan import OutChunk, Plan, plan_target, read_order, split_files
 from ckpt_tool.reshard.source import Buffers, Source, open_source
 from ckpt_tool.reshard.writers import (
     safetensors_index,
@@ -65,7 +65,9 @@ from gtp_format.names import (
     iter_dir_name,
 )
 from gtp_format.progress import Progress, ProgressOpener
+from gtp_format.reader.boxes import PREFETCH_BUDGET
 from gtp_format.scan import carrier
+from gtp_format.storage import objects
 from gtp_format.storage.location import ObjectURL
 from gtp_format.views.ours import param_views
 from gtp_format.views.records import ParamView
@@ -150,17 +152,40 @@ def chunk_data(source: Source, c: OutChunk, bufs: Buffers | None = None) -> np.n
     return arr.reshape(c.sizes)
 
 
+def prefetch_reads(source: Source, order: list[OutChunk], max_memory: int) -> None:
+    """From a bucket, fetch the source chunks the copy of ``order`` reads, in that order, ahead of the workers:
+    export's read-ahead (``BoxReader.prefetch_chunks``, :class:`gtp_format.storage.prefetch.PlanPrefetch`), with
+    the chunks each target chunk's box meets (``Source.chunks_read``: the walk ``read_full_box`` takes).
+
+    Why: reshard from a bucket read each source chunk's zip structure (64 KiB blocks) and then its rows, on
+    the worker's thread, with nothing in flight ahead. Budget: 64 MiB, within the quarter of ``--max-memory``
+    the workers' chunks and staging buffers leave (module docstring, "Memory"). Nothing on a disk.
+    """
+    if not isinstance(source.root, ObjectURL):
+        return
+    pairs = [pair for c in order if c.param is not None and c.state is not None and c.box is not None
+             for pair in source.chunks_read(source.views[c.param], c.state, *c.box)]
+    source.reader.prefetch_chunks(pairs, max(objects.PART, min(PREFETCH_BUDGET, max_memory // 4)))
+    # the bytes the copy never reads (replicas other than the primary, alignment holes) are read by the
+    # ledger beside the copy, not after it: 4 of the fixture's 25 GETs came one after another at the end
+    source.reader.ledger.fill_except((), source.reader.planned_ranges())
+
+
 def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, plan: Plan,
-                     writer: CheckpointWriter, workers: int, advance: Progress, stage: int = STAGE) -> None:
+                     writer: CheckpointWriter, workers: int, advance: Progress, stage: int = STAGE,
+                     plan_reads: Callable[[list[OutChunk]], None] | None = None) -> None:
     """Write every data file, the metadata and the manifest of ``target`` into ``writer.folder`` and
     finish it (the caller commits).
 
     ``fill(chunk)`` gives each chunk's stored bits (:func:`chunk_data` for a reshard; the benchmark
     passes a generator to build synthetic checkpoints of any size); ``stage``: each file's staging
-    buffers (:class:`gtp_format.writer.sink.Sink`).
+    buffers (:class:`gtp_format.writer.sink.Sink`); ``plan_reads(chunks)``: told every chunk in the order
+    the workers will fill them (:func:`.plan.read_order`) before they start (a bucket's read-ahead).
     """
     folder = writer.folder
     parts = split_files(plan.chunks, workers * 2)
+    if plan_reads is not None:
+        plan_reads(read_order(parts, workers))
     names = [data_file_name(i, 0, target.layout) for i in range(len(parts))]
 
     records: list[list[ChunkRecord]] = [[] for _ in parts]  # one list per file: each written by one thread
@@ -244,11 +269,11 @@ def write_failure(dst: Path, e: OSError) -> FormatError:
     return FormatError(f"{dst}: cannot write ({e.strerror or e}); nothing was left behind")
 
 
-def build_atomically(dst: Path, src_root: Path, body: Callable[[CheckpointWriter], None],
+def build_atomically(dst: Path, sources: tuple[Path, ...], body: Callable[[CheckpointWriter], None],
                      inner: str | None = None, latest: str | None = None) -> None:
     """Run ``body(writer)`` (which writes and finishes) on a new :class:`CheckpointWriter` for ``dst`` and
     commit it; the work folder is removed on any failure, and a DST that appeared meanwhile is refused."""
-    check_destination(dst, (src_root,), COPIES)
+    check_destination(dst, sources, COPIES)  # sources: every name of SRC (Source.names), for the nesting rule
     try:
         with CheckpointWriter(dst, inner=inner, latest=latest) as writer:
             body(writer)
@@ -340,12 +365,12 @@ def reshard(src: Path | Source, dst: Path, par: ParallelConfig, layout: str | No
         bufs = Buffers()  # thread-local: each worker reads and assembles in its own
         try:
             write_checkpoint(lambda c: chunk_data(source, c, bufs), target, plan, writer, workers, advance,
-                             stage_bytes(chunk_bytes))
+                             stage_bytes(chunk_bytes), lambda order: prefetch_reads(source, order, max_memory))
             source.verify_reads()  # a damaged SRC is refused here, before anything is committed
         finally:
             source.reader.close()
 
-    build_atomically(dst, source.root, body, inner=iter_dir_name(target.iteration), latest=str(target.iteration))
+    build_atomically(dst, source.names, body, inner=iter_dir_name(target.iteration), latest=str(target.iteration))
     out = written_sizes(dst / iter_dir_name(target.iteration))
     return Result(str(source.root), str(dst), source.manifest.topology.describe(), par.describe(), target.layout,
                   len(out), len(plan.chunks), sum(out), source.reader.bytes_read,

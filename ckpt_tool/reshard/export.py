@@ -426,7 +426,7 @@ def export(src: Path | ObjectURL, dst: Path | ObjectURL, to: str, optimizer: boo
     advance = progress(total) if progress and to != "torch" else (lambda n: None)
     nested: dict[str, str] = {}
     if to == "torch":
-        check_destination(dst, (source.root,), COPIES)
+        check_destination(dst, source.names, COPIES)
         info = export_torch(source, dst, max_memory)
     else:
         holder: dict[str, Any] = {}
@@ -443,7 +443,7 @@ def export(src: Path | ObjectURL, dst: Path | ObjectURL, to: str, optimizer: boo
         if to == "fully_reshardable":
             nested = {"inner": iter_dir_name(iteration), "latest": str(iteration)}
         try:
-            build_atomically(dst, source.root, body, **nested)
+            build_atomically(dst, source.names, body, **nested)
         finally:
             source.reader.close()
         info = holder

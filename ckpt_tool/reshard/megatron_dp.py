@@ -398,7 +398,7 @@ def reshard_megatron(src: Path, dst: Path, tp: int | None, pp: int | None, cp: i
             source.verify_reads()  # a damaged SRC is refused here, before anything is committed
             writer.finish(None, megatron_metadata("torch_dist"))  # megatron-core's layout: no manifest
 
-        build_atomically(dst, source.root, body, inner=iter_dir_name(iteration), latest=str(iteration))
+        build_atomically(dst, source.names, body, inner=iter_dir_name(iteration), latest=str(iteration))
     finally:
         source.reader.close()
     out = list((dst / iter_dir_name(iteration)).iterdir())

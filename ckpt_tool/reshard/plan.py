@@ -148,3 +148,31 @@ def split_files(chunks: list[OutChunk], files: int) -> list[list[OutChunk]]:
         out[-1].append(c)
         acc += c.nbytes
     return out
+
+
+def read_order(parts: list[list[OutChunk]], workers: int) -> list[OutChunk]:
+    """The chunks of ``parts`` (one file each) in the order ``workers`` threads reach them, when the files run
+    as :func:`ckpt_tool.reshard.engine.run_files` runs them (the first ``workers`` at once, the next file on
+    the first thread free) and every thread copies at the same byte rate.
+
+    Why: a bucket's prefetch fetches in one order within a budget (:class:`gtp_format.storage.prefetch.
+    PlanPrefetch`); the files' chunks one file after another would put a second thread's first chunk behind
+    the whole first file, fetched only on demand, past the budget.
+    """
+    import heapq
+
+    heap: list[tuple[int, int, int]] = []  # (bytes copied by the time the file's thread reaches it, file, chunk)
+    started = min(workers, len(parts))
+    for f in range(started):
+        heapq.heappush(heap, (0, f, 0))
+    out: list[OutChunk] = []
+    while heap:
+        t, f, i = heapq.heappop(heap)
+        if i == len(parts[f]):  # this file is done: its thread takes the next one
+            if started < len(parts):
+                heapq.heappush(heap, (t, started, 0))
+                started += 1
+            continue
+        out.append(parts[f][i])
+        heapq.heappush(heap, (t + parts[f][i].nbytes, f, i + 1))
+    return out

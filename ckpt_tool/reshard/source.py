@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +30,10 @@ from gtp_format.check.gate import REFUSE, open_gated
 from gtp_format.check.integrity import ReadLedger
 from gtp_format.errors import FormatError
 from gtp_format.manifest import Manifest
-from gtp_format.model import Checkpoint
+from gtp_format.model import Checkpoint, Chunk
 from gtp_format.names import OPTIMIZER_SHARDINGS
 from gtp_format.reader.boxes import BoxReader, Buffer
+from gtp_format.storage.location import ObjectURL, parse_location
 from gtp_format.views.ours import param_views
 from gtp_format.views.records import Holder, ParamView, full_box
 
@@ -68,10 +70,16 @@ class Source:
     manifest: Manifest | None  # None: a genuine megatron-core checkpoint (gtp_format.views.megatron)
     views: dict[str, ParamView]
     reader: CheckedReader
+    given: Path | ObjectURL | None = None  # SRC as the user named it (a run folder or prefix, or the root itself)
 
     @property
     def root(self) -> Path:
         return self.ckpt.root
+
+    @property
+    def names(self) -> tuple[Path | ObjectURL, ...]:
+        """Every name of SRC, for the nesting rule of DST (``check_destination``): as given, and the root."""
+        return (self.root,) if self.given is None else (self.given, self.root)
 
     def verify_reads(self) -> None:
         """Refuse (exit 1) a source whose bytes fail the checksums it carries: call before committing."""
@@ -86,12 +94,7 @@ class Source:
         """
         out: np.ndarray | None = None
         covered = 0
-        for h in view.primaries:
-            fo, fs = full_box(h.spec)
-            lo = [max(a, b) for a, b in zip(offsets, fo)]
-            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, fo, fs)]
-            if any(a >= b for a, b in zip(lo, hi)):
-                continue
+        for h, lo, hi, fo, fs in self._pieces(view, offsets, sizes):
             whole = out is None and tuple(lo) == tuple(offsets) and [b - a for a, b in zip(lo, hi)] == list(sizes) \
                 and tuple(fs[1:]) == tuple(sizes[1:])
             part = self._holder_rows(view, h, state, lo[0] - fo[0], hi[0] - fo[0],
@@ -110,21 +113,48 @@ class Source:
                               "its shards; the manifest does not match the data")
         return out
 
-    def _holder_rows(self, view: ParamView, h: Holder, state: str, r0: int, r1: int,
-                     buf: Buffer | None = None) -> np.ndarray:
-        """Rows ``[r0, r1)`` of a holder's valid rows, full width of its shard."""
+    @staticmethod
+    def _pieces(view: ParamView, offsets: tuple[int, ...], sizes: tuple[int, ...]
+                ) -> Iterator[tuple[Holder, list[int], list[int], tuple[int, ...], tuple[int, ...]]]:
+        """The primary holders that meet the box: each with the box's part in it ``[lo, hi)`` and its own
+        full-tensor box ``fo``/``fs``."""
+        for h in view.primaries:
+            fo, fs = full_box(h.spec)
+            lo = [max(a, b) for a, b in zip(offsets, fo)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, fo, fs)]
+            if not any(a >= b for a, b in zip(lo, hi)):
+                yield h, lo, hi, fo, fs
+
+    @staticmethod
+    def _holder_box(view: ParamView, h: Holder, state: str, r0: int, r1: int
+                    ) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        """The stored key and box that hold rows ``[r0, r1)`` of a holder's valid rows, full width of its shard."""
         tail = h.spec.local_shape[1:]
         if state == WEIGHT_STATE:
             g = h.spec.global_offset
             if view.layer is None:
-                return self.reader.read_box(view.model_key, (g[0] + r0, *g[1:]), (r1 - r0, *tail), buf)
+                return view.model_key, (g[0] + r0, *g[1:]), (r1 - r0, *tail)
             lead = view.lead
-            box = self.reader.read_box(view.model_key, (*lead, g[0] + r0, *g[1:]), (*(1,) * len(lead), r1 - r0, *tail),
-                                       buf)
-            return box.reshape((r1 - r0, *tail))
+            return view.model_key, (*lead, g[0] + r0, *g[1:]), (*(1,) * len(lead), r1 - r0, *tail)
         row = math.prod(tail)
-        flat = self.reader.read_box(h.ref.key(state), (h.start + r0 * row,), ((r1 - r0) * row,), buf)
-        return flat.reshape((r1 - r0, *tail))
+        return h.ref.key(state), (h.start + r0 * row,), ((r1 - r0) * row,)
+
+    def _holder_rows(self, view: ParamView, h: Holder, state: str, r0: int, r1: int,
+                     buf: Buffer | None = None) -> np.ndarray:
+        """Rows ``[r0, r1)`` of a holder's valid rows, full width of its shard."""
+        key, offsets, sizes = self._holder_box(view, h, state, r0, r1)
+        return self.reader.read_box(key, offsets, sizes, buf).reshape((r1 - r0, *h.spec.local_shape[1:]))
+
+    def chunks_read(self, view: ParamView, state: str, offsets: tuple[int, ...], sizes: tuple[int, ...]
+                    ) -> list[tuple[str, Chunk]]:
+        """The stored chunks :meth:`read_full_box` reads for this box, in its order, without reading: the same
+        walk (:meth:`_pieces`, :meth:`_holder_box`, ``BoxReader.box_chunks``), so a plan of them is what the
+        copy then asks for."""
+        out: list[tuple[str, Chunk]] = []
+        for h, lo, hi, fo, _ in self._pieces(view, offsets, sizes):
+            key, bo, bs = self._holder_box(view, h, state, lo[0] - fo[0], hi[0] - fo[0])
+            out.extend((key, c) for c in self.reader.box_chunks(key, bo, bs))
+        return out
 
 
 RESHARD_NEEDS = ("reshard writes this runtime's layout from the manifest's bucket layout (a genuine megatron-core "
@@ -132,7 +162,7 @@ RESHARD_NEEDS = ("reshard writes this runtime's layout from the manifest's bucke
 COPY_SUFFIX = "; reshard and export copy only what verify passes"
 
 
-def open_source(path: Path, megatron: bool = False, weights_only: bool = False, views: bool = True,
+def open_source(path: Path | ObjectURL, megatron: bool = False, weights_only: bool = False, views: bool = True,
                 experts: bool = False) -> Source:
     """Open SRC through the one gate and refuse what cannot be resharded (see the module docstring).
 
@@ -143,6 +173,12 @@ def open_source(path: Path, megatron: bool = False, weights_only: bool = False, 
     (``export --to fully_reshardable``): a megatron-core MoE checkpoint too; ``views=False``
     (``--to torch``, which copies keys, not parameters): no per-parameter view is built at all.
     """
+    source = _open_source(path, megatron, weights_only, views, experts)
+    source.given = parse_location(path) if isinstance(path, str) else path
+    return source
+
+
+def _open_source(path: Path | ObjectURL, megatron: bool, weights_only: bool, views: bool, experts: bool) -> Source:
     gated = open_gated(path, needs_manifest=None if megatron else RESHARD_NEEDS, aliased=REFUSE,
                        copy=True, refusal_suffix=COPY_SUFFIX)
     ckpt, manifest = gated.ckpt, gated.manifest

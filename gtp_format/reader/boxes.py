@@ -85,6 +85,7 @@ class BoxReader:
         self._prefetch: ThreadPoolExecutor | None = None
         self._plan: PlanPrefetch | None = None  # a bucket's chunks, fetched whole ahead of the copy
         self._consumed: dict[tuple[str, int], int] = {}  # payload bytes read per planned chunk
+        self._uses: dict[tuple[str, int], int] = {}  # reads still to come per chunk, when the plan counted them
         self._stop = threading.Event()
 
     def _file(self, rel: str) -> tuple[Source, int]:
@@ -126,8 +127,8 @@ class BoxReader:
         entries = [self.ckpt.entries[k] for k in keys if k in self.ckpt.entries]
         ordered = [(e, c) for e in entries if e.kind == TENSOR
                    for c in sorted(e.chunks, key=lambda c: c.offsets[0] if c.offsets else 0) if c.storage is not None]
-        if self._plan is None and isinstance(self.ckpt.root, ObjectURL):
-            self._plan_bucket(ordered, budget)
+        if isinstance(self.ckpt.root, ObjectURL):
+            self.prefetch_chunks([(e.key, c) for e, c in ordered], budget)
             return
         if self.ckpt.encoding == ENC_RAW or self._prefetch is not None:
             return
@@ -142,6 +143,24 @@ class BoxReader:
         self._prefetch = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="layouts")
         for i in range(len(chunks)):
             self._prefetch.submit(one, i)
+
+    def prefetch_chunks(self, order: list[tuple[str, Chunk]], budget: int = PREFETCH_BUDGET) -> None:
+        """From a bucket, fetch these chunks (of keys, in the order a copy will read them) whole, ahead of the
+        copy, at most ``budget`` bytes ahead: the plan of :meth:`prefetch_layouts` for a copy that reads parts
+        of keys in an order of its own (``ckpt reshard``: each target chunk's box, from the chunks it meets,
+        :meth:`box_chunks`). One item per :meth:`chunk_rows` call to come: a chunk named twice is fetched
+        where it first comes and held until its last read. Nothing on a disk, and nothing once a plan was
+        made (one plan per reader)."""
+        if self._plan is not None or not isinstance(self.ckpt.root, ObjectURL):
+            return
+        ordered: list[tuple[Entry, Chunk]] = []
+        for key, c in order:
+            e = self.ckpt.entries.get(key)
+            if e is not None and e.kind == TENSOR and c.storage is not None:
+                if (key, c.index) not in self._uses:
+                    ordered.append((e, c))
+                self._uses[(key, c.index)] = self._uses.get((key, c.index), 0) + 1  # one chunk_rows call each
+        self._plan_bucket(ordered, budget)
 
     def _plan_bucket(self, ordered: list[tuple[Entry, Chunk]], budget: int) -> None:
         extents = []
@@ -255,13 +274,24 @@ class BoxReader:
         return out.view(dt).reshape((r1 - r0, *chunk.sizes[1:]))
 
     def _consume(self, entry: Entry, chunk: Chunk, n: int) -> None:
-        """``n`` more payload bytes of a planned chunk were read: once all were, the prefetch may drop it."""
+        """``n`` more payload bytes of a planned chunk were read: once all were (or, for a plan that counted its
+        reads, once the last planned read came), the prefetch may drop it; told once per chunk.
+
+        Why the count: a reshard reads some chunks whole more than once (a replicated parameter's state goes
+        into every target rank's buffer), so "every byte read" came at the first of those reads; each later
+        ``done`` of the same chunk dropped its request under the chunks that still needed it (22 chunks of a
+        fixture read again by 2 requests each)."""
         if self._plan is None or entry.dtype is None:
             return
         key = (entry.key, chunk.index)
         with self._lock:
-            got = self._consumed[key] = self._consumed.get(key, 0) + n
-        if got >= math.prod(chunk.sizes) * carrier(entry.dtype).itemsize:
+            if key in self._uses:
+                self._uses[key] -= 1
+                last = self._uses[key] == 0
+            else:
+                got = self._consumed[key] = self._consumed.get(key, 0) + n
+                last = got - n < math.prod(chunk.sizes) * carrier(entry.dtype).itemsize <= got
+        if last:
             self._plan.done(key)
 
     @staticmethod
@@ -298,6 +328,25 @@ class BoxReader:
         arranged = tmp.view(dt).reshape(shape).transpose(np.argsort(axes))
         out.view(dt).reshape(r1 - r0, *sizes[1:])[...] = arranged.reshape(r1 - r0, *sizes[1:])
 
+    def _near_and_whole(self, entry: Entry, offsets: tuple[int, ...], sizes: tuple[int, ...]
+                        ) -> tuple[list[Chunk], Chunk | None]:
+        """The chunks that may meet the box, and the one that holds it as whole rows (None: it is assembled)."""
+        near = self._chunks_near(entry, offsets[0], offsets[0] + sizes[0]) if sizes else list(entry.chunks)
+        whole = [c for c in near if all(co <= o and o + s <= co + cs and (i == 0 or (co, cs) == (o, s))
+                                        for i, (o, s, co, cs) in enumerate(zip(offsets, sizes, c.offsets, c.sizes)))]
+        return near, whole[0] if whole and sizes else None
+
+    def box_chunks(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[Chunk]:
+        """The chunks :meth:`read_box` reads for this box, in its order, without reading (none for a key or box
+        it would refuse: that read reports it)."""
+        entry = self.ckpt.entries.get(key)
+        if entry is None or entry.kind != TENSOR or entry.shape is None or len(offsets) != len(entry.shape):
+            return []
+        near, whole = self._near_and_whole(entry, offsets, sizes)
+        if whole is not None:
+            return [whole]
+        return [c for c in near if intersection((offsets, sizes), (c.offsets, c.sizes)) is not None]
+
     def read_box(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
                  buf: Buffer | None = None) -> np.ndarray:
         """The box ``offsets``/``sizes`` of tensor ``key``; every element must be in some chunk.
@@ -310,11 +359,9 @@ class BoxReader:
             raise ChunkError(f"{self.ckpt.root}: tensor {key!r} is missing; the checkpoint is incomplete", key=key)
         if len(offsets) != len(entry.shape) or any(o < 0 or o + s > d for o, s, d in zip(offsets, sizes, entry.shape)):
             raise ChunkError(f"{key}: box {list(offsets)}+{list(sizes)} leaves its shape {list(entry.shape)}", key=key)
-        near = self._chunks_near(entry, offsets[0], offsets[0] + sizes[0]) if sizes else list(entry.chunks)
-        whole = [c for c in near if all(co <= o and o + s <= co + cs and (i == 0 or (co, cs) == (o, s))
-                                        for i, (o, s, co, cs) in enumerate(zip(offsets, sizes, c.offsets, c.sizes)))]
-        if whole and sizes:  # one chunk holds the box as whole rows: its bytes are the answer, no copy
-            c = whole[0]
+        near, whole = self._near_and_whole(entry, offsets, sizes)
+        if whole is not None:  # one chunk holds the box as whole rows: its bytes are the answer, no copy
+            c = whole
             return self.chunk_rows(entry, c, offsets[0] - c.offsets[0], offsets[0] + sizes[0] - c.offsets[0], buf)
         dt = carrier(entry.dtype)
         out = np.empty(sizes, dtype=dt) if buf is None else \

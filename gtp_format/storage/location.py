@@ -136,3 +136,24 @@ def local_path(text: str | os.PathLike[str], what: str = "PATH", why: str = "") 
         why = why or "this takes a local path only; copy the checkpoint to a local folder first"
         raise LocationError(f"{what} {loc}: {why}" if what else f"{loc}: {why}")
     return loc
+
+
+def within(inner: Location, outer: Location) -> bool:
+    """Whether ``inner`` is ``outer`` or lies below it: the nesting rule of SRC and DST.
+
+    Why here, beside the parser: every command with a SRC and a DST (reshard, export, import,
+    migrate-aliased) refuses a DST inside SRC or SRC inside DST through
+    :func:`gtp_format.writer.checkpoint.check_destination`, and the rule has to be the same for a
+    folder and a bucket. A key prefix nests component-wise (``s3://b/run2`` is not below
+    ``s3://b/run``; ``s3://b`` holds every prefix of ``b``); folders compare with every symlink resolved
+    (``os.path.realpath``: a SRC named through a link is still SRC; a DST that is a link exists, and is
+    refused either way); a local path and a URL, or two buckets, never nest.
+    """
+    if isinstance(inner, ObjectURL) or isinstance(outer, ObjectURL):
+        if not (isinstance(inner, ObjectURL) and isinstance(outer, ObjectURL)):
+            return False
+        if (inner.scheme, inner.bucket) != (outer.scheme, outer.bucket):
+            return False
+        return not outer.prefix or inner.prefix == outer.prefix or inner.prefix.startswith(outer.prefix + "/")
+    a, b = Path(os.path.realpath(inner)), Path(os.path.realpath(outer))
+    return a == b or b in a.parents

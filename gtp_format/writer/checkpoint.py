@@ -67,7 +67,7 @@ from gtp_format.names import (
     iter_dir_name,
 )
 from gtp_format.storage import upload
-from gtp_format.storage.location import ObjectURL
+from gtp_format.storage.location import ObjectURL, within
 from gtp_format.writer.work import WorkFolder, clean_stale, remove_entry, sigterm_raises, work_name
 
 # Megatron's metadata.json: the torch_dist backend (its fields and values, as megatron-core writes
@@ -150,14 +150,24 @@ def check_latest(text: str, target: Path) -> None:
 
 def check_destination(dst: Path | ObjectURL, sources: tuple[Path | ObjectURL, ...], tool: str,
                       fix: str = "pick a new folder") -> None:
-    """Refuse, before anything is built, a DST that exists, has no parent folder, or lies inside a source.
+    """Refuse, before anything is built, a DST that nests with a source, exists, or has no parent folder.
 
     The one check of every command that writes a new folder (reshard, export, import,
     migrate-aliased); the writer itself refuses a DST that appears later (:class:`DestinationTaken`).
-    ``sources``: every path the source was named by (a run folder and its iteration folder).
-    A bucket DST: refused if any object is under its prefix (the upload refuses one that appears
-    later, ``storage/upload.py``); a bucket source cannot hold a local DST.
+    ``sources``: every name the source was given by (the run folder or prefix the user named, and
+    the iteration folder it resolved to). Nesting is refused first, either way round and for folders
+    and buckets alike (:func:`~gtp_format.storage.location.within`): a DST below SRC would be written
+    into what is only read (``ckpt reshard s3://b/run s3://b/run/iter_x`` put a second checkpoint into
+    the run it read), and a SRC below DST would be inside the output. A bucket DST: refused if any
+    object is under its prefix (the upload refuses one that appears later, ``storage/upload.py``).
     """
+    for root in sources:
+        if within(dst, root):
+            raise FormatError(f"DST {dst} is inside SRC {root}, which is only read, never written into; "
+                              "pick a DST outside SRC")
+        if within(root, dst):
+            raise FormatError(f"SRC {root} is inside DST {dst}: the output would hold its own source; pick a "
+                              "DST outside SRC")
     if isinstance(dst, ObjectURL):
         from gtp_format.storage import objects
 
@@ -169,14 +179,6 @@ def check_destination(dst: Path | ObjectURL, sources: tuple[Path | ObjectURL, ..
     if not dst.parent.is_dir():
         raise FormatError(f"{dst.parent} (the parent of DST) does not exist: no such folder to create {dst.name} in; "
                           "create it first")
-    inner = Path(os.path.realpath(dst.parent)) / dst.name
-    for root in sources:
-        if isinstance(root, ObjectURL):
-            continue
-        real = Path(os.path.realpath(root))
-        if inner == real or real in inner.parents:
-            raise FormatError(f"{dst} is inside SRC, the source checkpoint {root}, which is never modified; write "
-                              "it elsewhere")
 
 
 class DestinationTaken(FormatError):
