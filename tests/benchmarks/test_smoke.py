@@ -299,11 +299,11 @@ def check_s3(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
 
 
 def check_s3_ckpt(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
-    """The four workloads against their boto3 baselines (each run checks its own exit code), with the
+    """The five workloads against their boto3 baselines (each run checks its own exit code), with the
     requests each read sent (counted from obstore's calls: at least one GET, none larger than the cap)."""
     rows = _table(p.stdout)
     assert [r[0] for r in rows[1:]] == ["upload (save's commit)", "verify --data", "export --to hf",
-                                        "export --to torch"]
+                                        "export --to torch", "reshard --dp 1"]
     assert all(_ratio(r[3]) > 0 for r in rows[1:])
     for r in rows[2:]:
         gets, each = re.match(r"(\d+) GET \(([\d.]+) MB each\)", r[5]).groups()
