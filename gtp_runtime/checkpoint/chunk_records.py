@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,6 +31,7 @@ from gtp_format.scan import carrier
 from gtp_runtime.checkpoint.dcp_chunks import Chunks
 
 ChunkId = tuple[str, tuple[int, ...]]
+T = TypeVar("T")
 
 
 def _exact_device_stats(t: torch.Tensor) -> ChunkStats | None:
@@ -149,31 +150,24 @@ def _start_device_stats(sd: dict[str, Any], device: torch.device) -> Stats:
     stream.wait_stream(torch.cuda.current_stream(device))  # here: the step that is finished now
     chunks = _state_chunks(sd)
     gpu = [(cid, t) for cid, t in chunks if t.is_cuda and has_stats(from_torch(t.dtype))]
-    box: dict[str, Any] = {}
 
-    def queue() -> None:
-        try:
-            torch.cuda.set_device(device)
-            with torch.no_grad(), torch.cuda.stream(stream):
-                parts = torch.stack([_launch(t) for _, t in gpu]) if gpu else None
-                if parts is not None:
-                    box["host"] = torch.empty(parts.shape, dtype=torch.float64, pin_memory=True)
-                    box["host"].copy_(parts, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
-                box["done"] = done
-        except BaseException as e:  # re-raised by finish, in the caller's thread
-            box["error"] = e
+    def queue() -> tuple[torch.cuda.Event, torch.Tensor | None]:
+        torch.cuda.set_device(device)
+        host = None
+        with torch.no_grad(), torch.cuda.stream(stream):
+            parts = torch.stack([_launch(t) for _, t in gpu]) if gpu else None
+            if parts is not None:
+                host = torch.empty(parts.shape, dtype=torch.float64, pin_memory=True)
+                host.copy_(parts, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done, host
 
-    thread = threading.Thread(target=queue, name="gtp-chunk-stats", daemon=True)
-    thread.start()
+    queued = _on_thread(queue)
 
     def finish() -> dict[ChunkId, ChunkStats | None]:
-        thread.join()
-        if "error" in box:
-            raise box["error"]
-        box["done"].synchronize()
-        host = box.get("host")
+        done, host = queued()
+        done.synchronize()
         figures = dict(zip((cid for cid, _ in gpu), host.tolist() if host is not None else []))
         out: dict[ChunkId, ChunkStats | None] = {}
         with torch.no_grad():
@@ -202,22 +196,28 @@ def start_state_stats(sd: dict[str, Any]) -> Stats:
     cuda = next((t.device for _, t in _state_chunks(sd) if t.is_cuda), None)
     if cuda is not None:
         return _start_device_stats(sd, cuda)
+    return _on_thread(lambda: state_stats(sd))
+
+
+def _on_thread(fn: Callable[[], T]) -> Callable[[], T]:
+    """Run ``fn`` on a thread of its own now; calling the result joins it and returns what it returned,
+    or raises what it raised, in the caller's thread (so no thread outlives the save that started it)."""
     box: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            box["stats"] = state_stats(sd)
+            box["value"] = fn()
         except BaseException as e:  # re-raised in the caller's thread
             box["error"] = e
 
     thread = threading.Thread(target=run, name="gtp-chunk-stats", daemon=True)
     thread.start()
 
-    def join() -> dict[ChunkId, ChunkStats | None]:
+    def join() -> T:
         thread.join()
         if "error" in box:
             raise box["error"]
-        return box["stats"]
+        return box["value"]
 
     return join
 

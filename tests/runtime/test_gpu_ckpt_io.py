@@ -45,15 +45,21 @@ def _round_trip(root: str) -> dict[str, object]:
                 buf.is_pinned() for buf in pinned.POOL._free)}
 
 
-def test_sync_save_and_load_through_pinned_buffers_are_bit_exact(tmp_path: Path) -> None:
+def _one_gpu_rank(fn: object, tmp_path: Path, tag: str) -> dict[str, object]:
+    """``fn(str(tmp_path))`` on one NCCL rank; a rank's failure shows the end of its log."""
     from gtp_runtime.launch import RankFailure, log_path, run_local_ranks
 
     (tmp_path / "work").mkdir()
     try:
-        [r] = run_local_ranks(1, _round_trip, (str(tmp_path),), tmp_path / "work", tag="pinned", backend="nccl")
+        [r] = run_local_ranks(1, fn, (str(tmp_path),), tmp_path / "work", tag=tag, backend="nccl")
     except RankFailure as e:
-        log = log_path(tmp_path / "work", "pinned", 0).read_text(errors="replace")[-5000:]
+        log = log_path(tmp_path / "work", tag, 0).read_text(errors="replace")[-5000:]
         raise AssertionError(f"{e}\n{log}") from None
+    return r
+
+
+def test_sync_save_and_load_through_pinned_buffers_are_bit_exact(tmp_path: Path) -> None:
+    r = _one_gpu_rank(_round_trip, tmp_path, "pinned")
     assert r == {"exact": True, "pool_grew": False, "pool_used": True, "next_loss_equal": True,
                  "buffers_pinned": True}
 
@@ -114,13 +120,6 @@ def _async_vs_sync(root: str) -> dict[str, object]:
 
 
 def test_async_save_takes_statistics_on_the_device_and_records_what_sync_does(tmp_path: Path) -> None:
-    from gtp_runtime.launch import RankFailure, log_path, run_local_ranks
-
-    (tmp_path / "work").mkdir()
-    try:
-        [r] = run_local_ranks(1, _async_vs_sync, (str(tmp_path),), tmp_path / "work", tag="async", backend="nccl")
-    except RankFailure as e:
-        log = log_path(tmp_path / "work", "async", 0).read_text(errors="replace")[-5000:]
-        raise AssertionError(f"{e}\n{log}") from None
+    r = _one_gpu_rank(_async_vs_sync, tmp_path, "async")
     assert r == {"exact": True, "async_numpy_small": True, "records_equal": True, "records": True,
                  "verify_async": [], "verify_sync": []}
