@@ -61,6 +61,7 @@ SMOKE = {
     "bench_s3.py": [],
     "bench_s3_ckpt.py": [],
     "ckpt_io_stages.py": ["--dir", "{tmp}"],
+    "bench_sink.py": [],
 }
 # Not run with --smoke by the test above; each has its own test below.
 # save_stages.py is bench_save_integrity.py's timers: its stage table is checked in check_save_integrity.
@@ -324,6 +325,12 @@ def check_io_stages(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert not list(tmp.glob("io_stages_*"))
 
 
+def check_sink(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    head, *rows = _table(p.stdout)
+    assert head[0] == "what" and [r[0] for r in rows[:2]] == ["sink, no chunk records", "sink, chunk records"]
+    assert rows[0][3] == "+0.0%" and len(rows) == 4 and all(float(r[1]) > 0 for r in rows)
+
+
 CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_ckpt_async.py": check_ckpt_async,
     "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
@@ -339,6 +346,7 @@ CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_s3.py": check_s3,
     "bench_s3_ckpt.py": check_s3_ckpt,
     "ckpt_io_stages.py": check_io_stages,
+    "bench_sink.py": check_sink,
 }
 
 

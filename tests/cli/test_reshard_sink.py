@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gtp_format.writer import sink as sink_mod
-from gtp_format.writer.sink import ALIGN, Sink, stage_bytes
+from gtp_format.writer.sink import ALIGN, PIECE, Sink, stage_bytes
 
 SIZES = st.lists(st.integers(0, 3 * ALIGN + 17), max_size=12)
 
@@ -53,23 +53,30 @@ def test_any_writes_give_the_concatenation(tmp_path: Path, sizes: list[list[int]
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sizes=st.lists(SIZES, max_size=6), cuts=st.lists(st.booleans(), max_size=6),
-       stage=st.sampled_from([1, ALIGN, 3 * ALIGN + 5]), direct=st.booleans(), seed=st.integers(0, 250))
+       stage=st.sampled_from([1, ALIGN, 3 * ALIGN + 5]), direct=st.booleans(), seed=st.integers(0, 250),
+       piece=st.sampled_from([PIECE, 1000, ALIGN + 3]))
 def test_segment_hashes_are_the_hashes_of_the_bytes_between_cuts(tmp_path: Path, sizes: list[list[int]],
                                                                  cuts: list[bool], stage: int, direct: bool,
-                                                                 seed: int) -> None:
+                                                                 seed: int, piece: int) -> None:
     """What the runtime's save records instead of reading its files back: for any writes and any cuts
     between them (a cut twice at one place included), each non-empty run between two cuts, the last
-    one ended by ``close``, has the xxh3-128 of exactly those bytes of the file."""
+    one ended by ``close``, has the xxh3-128 of exactly those bytes of the file. ``piece``: the sink
+    hashes and copies a part in pieces of this size; smaller than a part here, so a part's pieces
+    cross staging-buffer ends."""
     path = tmp_path / f"f{len(list(tmp_path.iterdir()))}"
     calls = [_payload(s, seed + i) for i, s in enumerate(sizes)]
     marks = {0}
-    with Sink(path, stage, direct=direct, segments=True) as out:
-        for i, parts in enumerate(calls):
-            out.write(parts)
-            if i < len(cuts) and cuts[i]:
-                marks.add(out.cut())
-                marks.add(out.cut())
-        entry = out.close()
+    saved, sink_mod.PIECE = sink_mod.PIECE, piece
+    try:
+        with Sink(path, stage, direct=direct, segments=True) as out:
+            for i, parts in enumerate(calls):
+                out.write(parts)
+                if i < len(cuts) and cuts[i]:
+                    marks.add(out.cut())
+                    marks.add(out.cut())
+            entry = out.close()
+    finally:
+        sink_mod.PIECE = saved
     data = path.read_bytes()
     _check(path, [p for parts in calls for p in parts], entry)
     bounds = sorted(marks | {len(data)})
