@@ -36,7 +36,7 @@ EPILOG = """Examples:
 
   ckpt export CKPT megatron_fr --to fully_reshardable --format json
 
-  ckpt export CKPT model.pt --to torch   (small models: one torch.save file)
+  ckpt export CKPT model.pt --to torch   (one torch.save file, streamed)
 
 hf: a folder AutoModelForCausalLM.from_pretrained loads (config.json for ArceeForCausalLM,
 generation_config.json, transformers names, q/k/v split from the fused QKV), model.safetensors or

@@ -36,7 +36,6 @@ import math
 import struct
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -53,35 +52,30 @@ from ckpt_tool.reshard.engine import (
     chunk_budget,
     chunk_data,
     default_workers,
-    os_cause,
     peak_rss,
     rss_after_imports,
     run_files,
-    write_failure,
     written_sizes,
 )
+from ckpt_tool.reshard.export_torch import export_torch
 from ckpt_tool.reshard.megatron_objects import extra_objects
 from ckpt_tool.reshard.plan import FP32, OutChunk, dtype_of, row_blocks, split_files
 from ckpt_tool.reshard.source import Buffers, Source, open_source
 from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata, write_objects
-from gtp_format.check.integrity import stored_bytes
 from gtp_format.check.st_names import refuse_unstorable
-from gtp_format.commit import commit_file, hidden_sibling, write_durable
+from gtp_format.commit import write_durable
 from gtp_format.dtypes import DType
 from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.params import model_params
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.progress import Progress, ProgressOpener
-from gtp_format.reader.boxes import PREFETCH_BUDGET
-from gtp_format.storage import objects, upload
+from gtp_format.storage import objects
 from gtp_format.storage.location import ObjectURL
 from gtp_format.views.records import ParamView
-from gtp_format.writer.checkpoint import CheckpointWriter, DestinationTaken, data_file_name, megatron_metadata
+from gtp_format.writer.checkpoint import CheckpointWriter, data_file_name, megatron_metadata
 from gtp_format.writer.sink import Sink, stage_bytes
-from gtp_format.writer.work import clean_stale, sigterm_raises
 
-TORCH_READERS = 8  # keys of --to torch read at once (waits on a bucket's round trips, not on the cores)
 TARGETS = ("hf", "fully_reshardable", "torch")
 DEFAULT_SHARD = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
 NAMES = ("hf", "megatron")
@@ -290,91 +284,6 @@ def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_byt
     return info
 
 
-# -- torch ------------------------------------------------------------------------------------------
-
-def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int) -> dict[str, Any]:
-    import torch
-
-    entries = {k: e for k, e in source.ckpt.entries.items() if e.shape is not None and e.dtype is not None}
-    total = sum(e.numel * e.itemsize for e in entries.values())
-    if total > max_memory:
-        raise FormatError(f"{source.root}: --to torch holds all {total} bytes in memory, more than --max-memory "
-                          f"{max_memory}; use --to hf (streamed) or raise --max-memory")
-    stored = stored_bytes(source.ckpt)
-    if total > stored:  # the bound of its own: what the files hold on disk, not their (sparse) st_size
-        raise FormatError(f"{source.root}: --to torch would hold {total} bytes of tensors in memory, but the data "
-                          f"files store only {stored} bytes on disk (sparse or truncated files); run `ckpt verify "
-                          "--data` on it and export an intact checkpoint")
-    def one(key: str) -> np.ndarray:
-        e = entries[key]
-        assert e.shape is not None
-        return np.ascontiguousarray(source.reader.read_box(key, (0,) * len(e.shape), e.shape))
-
-    # Keys are read on TORCH_READERS threads (all of them end up in memory anyway, within --max-memory):
-    # from a bucket, one key after another waited one round trip per chunk (275 GETs in a row for a 26 MB
-    # checkpoint: 6.1 s against 0.34 s from the local folder, benchmarks/bench_s3_ckpt.py).
-    # in the order the keys' bytes lie in the files: a bucket's prefetch then joins neighbouring chunks into
-    # requests of up to 8 MiB (in key-name order they alternate between files and offsets)
-    order = sorted(entries, key=lambda k: min(((c.storage.file, c.storage.offset) for c in entries[k].chunks
-                                               if c.storage is not None), default=("", 0)))
-    # the prefetch of a bucket's chunks: TORCH_READERS keys at once each want a request of every rank's file, so
-    # it needs more than a streamed copy's 64 MiB (8 requests thrashed: 180 GETs for a 304.8 MB checkpoint);
-    # the state is held whole anyway, and --max-memory leaves this much beside it
-    budget = max(PREFETCH_BUDGET, min(TORCH_READERS * PREFETCH_BUDGET // 2, max_memory - total))
-    source.reader.prefetch_layouts(order, budget=budget)
-    with ThreadPoolExecutor(TORCH_READERS, thread_name_prefix="export-torch") as pool:
-        arrays = dict(zip(order, pool.map(one, order)))
-    state = {key: torch.from_numpy(arrays[key]).view(e.dtype.torch) for key, e in entries.items()}
-    del arrays
-    source.verify_reads()
-    bucket = isinstance(dst, ObjectURL)  # built in local staging, then uploaded as one object
-    local = upload.staging_dir() / dst.name if bucket else dst
-    clean_stale(local.parent)  # what killed exports left beside DST
-    tmp = hidden_sibling(local, "tmp")
-    try:
-        with sigterm_raises():  # a terminated export removes its partial file, as on an error
-            with open(tmp, "xb") as f:  # a Python file: a failed write raises the OSError (ENOSPC) torch's
-                torch.save(state, f)  # own C++ writer flattens into "unexpected pos N vs M"
-            if bucket:
-                upload.Upload(dst).run_file(tmp)
-                tmp.unlink()
-            else:
-                commit_file(tmp, dst)
-    except FileExistsError:
-        tmp.unlink(missing_ok=True)
-        raise DestinationTaken(dst) from None
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise write_failure(local, e) from None
-    except RuntimeError as e:  # torch.save's C++ writer reports a failed write (a full disk) as RuntimeError
-        tmp.unlink(missing_ok=True)
-        raise torch_save_failure(local, e, total) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return {"files": 1, "keys": len(state), "bytes": total}
-
-
-def torch_save_failure(dst: Path, e: RuntimeError, nbytes: int) -> FormatError:
-    """One line naming DST and the cause of a failed ``torch.save``: the OS error when Python's file
-    object raised one, else the disk's free space (torch's C++ zip writer only says "file write
-    failed"), else torch's own first line."""
-    import shutil
-
-    cause = os_cause(e)
-    if cause is not None:
-        return write_failure(dst, cause)
-    try:
-        free = shutil.disk_usage(dst.parent).free
-    except OSError:
-        free = None
-    if free is not None and free < nbytes + (1 << 20):
-        return FormatError(f"{dst}: No space left on device while torch.save wrote it ({free} bytes free, "
-                           f"{nbytes} needed; nothing was left behind); free space or write to another disk")
-    first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
-    return FormatError(f"{dst}: torch.save could not write it ({first}); nothing was left behind")
-
-
 def output_bytes(dst: Path | ObjectURL, inner: str | None) -> int:
     """Bytes of the committed output: a file, a folder's files, or a bucket's objects (as listed)."""
     if isinstance(dst, ObjectURL):
@@ -423,11 +332,11 @@ def export(src: Path | ObjectURL, dst: Path | ObjectURL, to: str, optimizer: boo
     weights = sum(v.numel * dtype_of(v.param_dtype).itemsize for v in views)
     states = sum(v.numel * 4 * len(STATES) for v in views)
     total = weights + (states if (optimizer or to == "fully_reshardable") else 0)
-    advance = progress(total) if progress and to != "torch" else (lambda n: None)
+    advance = progress(total) if progress else (lambda n: None)
     nested: dict[str, str] = {}
     if to == "torch":
         check_destination(dst, source.names, COPIES)
-        info = export_torch(source, dst, max_memory)
+        info = export_torch(source, dst, max_memory, progress)
     else:
         holder: dict[str, Any] = {}
 

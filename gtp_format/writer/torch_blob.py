@@ -37,6 +37,8 @@ FLAGS = 0x0808
 PREFIX = "archive/"
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _DESC = struct.Struct("<IIII")
+_DESC64 = struct.Struct("<IIQQ")
+_MAX32 = 0xFFFFFFFF
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
 _EOCD64 = struct.Struct("<IQHHIIQQQQ")
 _LOC64 = struct.Struct("<IIQI")
@@ -53,7 +55,7 @@ class _Pickle2:
         self.n = 0
 
     def put(self) -> None:
-        self.out += b"q" + bytes((self.n,))
+        self.out += (b"q" + bytes((self.n,))) if self.n < 256 else (b"r" + struct.pack("<I", self.n))
         self.n += 1
 
     def glob(self, module: str, name: str) -> None:
@@ -88,9 +90,9 @@ class _Pickle2:
         self.put()
 
 
-def data_pkl(dtype: DType, sizes: tuple[int, ...]) -> bytes:
-    """``archive/data.pkl`` of a contiguous tensor (storage key ``0``, on cpu, no grad): the
-    reduction of ``torch.Tensor.__reduce_ex__(2)`` with the storage as a persistent id."""
+def tensor_reduce(p: _Pickle2, dtype: DType, sizes: tuple[int, ...], storage_key: str) -> None:
+    """Append one contiguous cpu tensor (no grad) whose storage is ``data/<storage_key>``: the reduction
+    of ``torch.Tensor.__reduce_ex__(2)`` with the storage as a persistent id."""
     numel = 1
     for s in sizes:
         numel *= s
@@ -98,7 +100,6 @@ def data_pkl(dtype: DType, sizes: tuple[int, ...]) -> bytes:
     for s in reversed(sizes):
         stride.append(acc)
         acc *= max(s, 1)
-    p = _Pickle2()
     p.glob("torch._utils", "_rebuild_tensor_v2" if dtype.storage else "_rebuild_tensor_v3")
     p.out += b"(("
     p.str("storage")
@@ -106,7 +107,7 @@ def data_pkl(dtype: DType, sizes: tuple[int, ...]) -> bytes:
         p.glob("torch", dtype.storage)
     else:
         p.glob("torch.storage", "UntypedStorage")
-    p.str("0")
+    p.str(storage_key)
     p.str("cpu")
     p.int(numel if dtype.storage else numel * dtype.itemsize)  # an untyped storage counts bytes
     p.out += b"t"
@@ -125,6 +126,12 @@ def data_pkl(dtype: DType, sizes: tuple[int, ...]) -> bytes:
     p.put()
     p.out += b"R"
     p.put()
+
+
+def data_pkl(dtype: DType, sizes: tuple[int, ...]) -> bytes:
+    """``archive/data.pkl`` of one contiguous tensor (storage key ``0``, on cpu, no grad)."""
+    p = _Pickle2()
+    tensor_reduce(p, dtype, sizes, "0")
     p.out += b"."
     return bytes(p.out)
 
@@ -139,10 +146,11 @@ class _ZipBuilder:
     """The zip structure ``PyTorchStreamWriter`` writes: 64-aligned local headers with data
     descriptors, then the central directory and the zip64 and classic end records."""
 
-    def __init__(self, prefix: str = PREFIX) -> None:
+    def __init__(self, prefix: str = PREFIX, zip64: bool = False) -> None:
         self.prefix = prefix
         self._records: list[list[Any]] = []  # [name bytes, header offset, crc, size]
         self._pos = 0
+        self._zip64 = zip64  # zip64 fields for every record, not only those past 4 GiB (tests)
 
     def _local(self, name: str) -> bytes:
         raw = (self.prefix + name).encode()
@@ -153,8 +161,14 @@ class _ZipBuilder:
         self._pos += len(out)
         return out
 
+    def _big(self, size: int, at: int) -> bool:
+        return self._zip64 or size >= _MAX32 or at >= _MAX32
+
     def _descriptor(self, crc: int, size: int) -> bytes:
         self._records[-1][2:] = [crc, size]
+        if self._big(size, self._records[-1][1]):  # zip64 descriptor: 8-byte sizes
+            self._pos += size + _DESC64.size
+            return _DESC64.pack(0x08074B50, crc, size, size)
         self._pos += size + _DESC.size
         return _DESC.pack(0x08074B50, crc, size, size)
 
@@ -165,12 +179,17 @@ class _ZipBuilder:
     def _directory(self) -> bytes:
         cd = bytearray()
         for raw, at, c, n in self._records:
-            cd += _CENTRAL.pack(0x02014B50, 0, 0, FLAGS, 0, 0, 0, c, n, n, len(raw), 0, 0, 0, 0, 0, at) + raw
+            if self._big(n, at):  # sizes and offset in the zip64 extra field, 0xFFFFFFFF in their places
+                extra = struct.pack("<HHQQQ", 1, 24, n, n, at)
+                cd += _CENTRAL.pack(0x02014B50, 0, 45, FLAGS, 0, 0, 0, c, _MAX32, _MAX32, len(raw), len(extra), 0, 0,
+                                    0, 0, _MAX32) + raw + extra
+            else:
+                cd += _CENTRAL.pack(0x02014B50, 0, 0, FLAGS, 0, 0, 0, c, n, n, len(raw), 0, 0, 0, 0, 0, at) + raw
         k, cd_at = len(self._records), self._pos
         out = bytes(cd)
         out += _EOCD64.pack(0x06064B50, _EOCD64.size - 12, 0x031E, 0x002D, 0, 0, k, k, len(cd), cd_at)
         out += _LOC64.pack(0x07064B50, 0, cd_at + len(cd), 1)
-        out += _EOCD.pack(0x06054B50, 0, 0, k, k, len(cd), cd_at, 0)
+        out += _EOCD.pack(0x06054B50, 0, 0, min(k, 0xFFFF), min(k, 0xFFFF), min(len(cd), _MAX32), min(cd_at, _MAX32), 0)
         return out
 
 

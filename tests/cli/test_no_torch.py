@@ -32,3 +32,11 @@ def test_read_only_commands_do_not_import_torch(args: list[str], code: int):
 def test_show_still_uses_torch():  # the probe can tell: show builds tensors
     args = ["show", "fixtures/gtp/fold_cp2_g2_dp2", "decoder.layers.0.mlp.linear_fc1.weight", "--format", "json"]
     assert run_fresh(*args)["torch"] is True
+
+
+def test_export_to_torch_writes_its_file_without_torch(tmp_path):  # noqa: ANN001
+    """The ``torch.save`` file is written by gtp_format's own writer (gtp_format/writer/torch_file.py)."""
+    dst = tmp_path / "m.pt"
+    assert run_fresh("export", "fixtures/gtp/fold_cp2_g2_dp2", str(dst), "--to", "torch") == {"code": 0,
+                                                                                              "torch": False}
+    assert dst.stat().st_size > 0

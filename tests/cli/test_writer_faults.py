@@ -85,19 +85,18 @@ def test_a_dst_created_mid_run_is_refused_and_left_alone(tmp_path: Path, command
 
 
 def test_export_torch_never_replaces_a_file_that_appeared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch
-
+    import ckpt_tool.reshard.export_torch as export_torch
     from ckpt_tool.reshard.export import export
 
     out = tmp_path / "out"
     out.mkdir()
-    dst, real = out / "state.pt", torch.save
+    dst, real = out / "state.pt", export_torch.TorchStateFile.finish
 
-    def save(obj: object, f: object) -> None:  # another process writes DST while the state is saved
+    def finish(self: object) -> None:  # another process writes DST while the file is written
         dst.write_text("theirs")
-        real(obj, f)
+        real(self)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(export_torch.TorchStateFile, "finish", finish)
     with pytest.raises(FormatError, match="appeared while"):
         export(FOLD, dst, "torch")
     assert os.listdir(out) == ["state.pt"] and dst.read_text() == "theirs"
