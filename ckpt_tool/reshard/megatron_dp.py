@@ -45,11 +45,12 @@ from ckpt_tool.reshard.engine import (
     chunk_data,
     default_workers,
     peak_rss,
+    prefetch_reads,
     rss_after_imports,
     run_files,
 )
 from ckpt_tool.reshard.megatron_dp_objects import target_objects
-from ckpt_tool.reshard.plan import FP32, OutChunk, _gaps, _holder_chunks, dtype_of, row_blocks
+from ckpt_tool.reshard.plan import FP32, OutChunk, _gaps, _holder_chunks, dtype_of, read_order, row_blocks
 from ckpt_tool.reshard.source import Buffers, Source, open_source
 from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata, write_objects
 from gtp_format.errors import FormatError
@@ -387,6 +388,9 @@ def reshard_megatron(src: Path, dst: Path, tp: int | None, pp: int | None, cp: i
             folder = writer.folder
             advance = progress(total) if progress else (lambda n: None)
             bufs = Buffers()
+            # from a bucket, the source chunks are fetched ahead in the order the workers reach them (as reshard
+            # of this runtime's checkpoints does): without it each chunk was read on demand by its worker
+            prefetch_reads(source, read_order([files[r] for r in ranks], workers), max_memory)
             results = run_files(lambda i, tick: write_distcp(folder / names[i], files[ranks[i]],
                                                              lambda c: chunk_data(source, c, bufs), tick,
                                                              stage_bytes(chunk_bytes)),

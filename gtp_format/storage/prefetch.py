@@ -126,14 +126,18 @@ class PlanPrefetch:
                  on_served: Callable[[objects.ObjectFile, int, memoryview], None] | None = None,
                  gap: int = GAP) -> None:
         self.budget = max(budget, objects.PART)
+        # an extent larger than a request of PART is one request of its own, up to a quarter of the budget:
+        # a 2048 x 1024 fp32 chunk is 8 MiB of payload and 1.5 KiB of zip, just over PART; left unplanned, 96
+        # such chunks of a 1.2 GB checkpoint were read on the workers' threads and by the ledger's fill too
+        self.max_extent = max(objects.PART, self.budget // 4)
         self.on_served = on_served
         self.requests: list[tuple[objects.ObjectFile, int, int]] = []
         self._where: dict[object, tuple[int, int, int]] = {}  # extent id -> (request, start, stop)
         by_object: dict[int, list[tuple[int, int, int, object]]] = {}  # id(obj) -> (start, stop, plan index, id)
         objs: dict[int, objects.ObjectFile] = {}
         for n, (obj, start, stop, ident) in enumerate(extents):
-            if ident in self._where or not 0 <= start < stop <= obj.size or stop - start > objects.PART:
-                continue  # read directly: planned twice, empty, outside the object, or larger than one request
+            if ident in self._where or not 0 <= start < stop <= obj.size or stop - start > self.max_extent:
+                continue  # read directly: planned twice, empty, outside the object, or larger than max_extent
             self._where[ident] = (-1, start, stop)
             by_object.setdefault(id(obj), []).append((start, stop, n, ident))
             objs[id(obj)] = obj

@@ -130,10 +130,11 @@ def copy_plans(draw: st.DrawFn) -> tuple[list[int], list[tuple[int, int, int]], 
 @given(copy_plans(), st.randoms(use_true_random=False), st.booleans())
 def test_a_copy_plan_serves_the_bytes_within_its_budget(monkeypatch_module, plan, rnd, in_order):
     """:class:`prefetch.PlanPrefetch` against brute force: what it serves is the object's bytes at the extent
-    (or None: the caller reads directly); no request leaves its object, passes the cap or is sent twice; the
-    bytes held never pass the budget (or one request, where a request alone is larger); each served request is
-    handed to ``on_served`` once, with its own bytes; read in plan order under a budget that holds everything,
-    every extent of at most one request is served."""
+    (or None: the caller reads directly); no request leaves its object or is sent twice; a request passes the
+    cap only as one extent of its own, of at most a quarter of the budget; the bytes held never pass the budget
+    (or one request, where a request alone is larger); each served request is handed to ``on_served`` once,
+    with its own bytes; read in plan order under a budget that holds everything, every extent of at most
+    ``max_extent`` is served."""
     sizes, extents, cap, gap, budget = plan
     objs = [FakeObject(bytes(rnd.getrandbits(8) for _ in range(n))) for n in sizes]
     for k, o in enumerate(objs):
@@ -144,7 +145,8 @@ def test_a_copy_plan_serves_the_bytes_within_its_budget(monkeypatch_module, plan
     peak = [0]
 
     def fetch(root, rel, offset, n):
-        assert root in objs and 0 <= offset and 0 < n <= cap and offset + n <= root.size
+        assert root in objs and 0 <= offset and 0 < n <= max(cap, box["p"].max_extent) and offset + n <= root.size
+        assert n <= cap or any(b - a == n and a == offset for o, a, b in extents if objs[o] is root)
         with lock:
             sent.append((rel, offset, n))
             peak[0] = max(peak[0], box["p"]._held)
@@ -163,7 +165,7 @@ def test_a_copy_plan_serves_the_bytes_within_its_budget(monkeypatch_module, plan
         got = p.get(i)
         if got is not None:
             assert bytes(got) == objs[o].data[a:b]
-        elif in_order and budget >= sum(n for n in sizes) + cap and b - a <= cap:
+        elif in_order and budget >= sum(n for n in sizes) + cap and b - a <= p.max_extent:
             planned_before = [j for j in range(i) if extents[j] == extents[i]]
             assert planned_before, f"extent {i} was planned and held, yet not served"
         p.done(i)

@@ -224,3 +224,29 @@ def test_export_from_a_bucket_refuses_a_damaged_payload(s3, capsys, tmp_path):
         assert code == 1, (to, out, err)
         assert row["file"] in err and len(err.strip().splitlines()) == 1, err
         assert not dst.exists()
+
+
+@pytest.mark.parametrize("over", [1, 1500])
+def test_verify_reads_a_chunk_a_little_over_a_window_in_its_windows_request(s3, capsys, reads, monkeypatch, over):
+    """A chunk larger than a bucket window (PART) but at most two of them is one window of its own: its zip
+    structure comes from that window's bytes, not from requests of its own at its two ends (a 2048 x 1024
+    fp32 chunk is 8 MiB of payload and 1.5 KiB of zip, just over PART). Here the windows are made just
+    smaller than the fixture's largest chunks: no request but the stream's aligned pieces touches them."""
+    import gtp_format.check.data as data_mod
+    from gtp_format.reader.checkpoint import open_checkpoint
+
+    src = FIXTURES["dcp"]
+    stored = [c.storage for e in open_checkpoint(src).entries.values() for c in e.chunks if c.storage]
+    window = max(st.length for st in stored) - over
+    monkeypatch.setattr(data_mod, "PART", window)
+    big = [(st.file, st.offset, st.offset + st.length) for st in stored if st.length > window]
+    assert big
+    url = upload(s3, src, "runs/w")
+    code, out, err = ckpt(capsys, "verify", url, "--data", "--format", "json")
+    assert code == 0 and json.loads(out)["ok"] is True, (out, err)
+    sizes = {k: s3.client.head_object(Bucket=s3.bucket, Key=k)["ContentLength"] for k in s3.keys("runs/w/")}
+    pieces = {(k, off, min(objects.PART, sizes[k] - off)) for k in sizes for off in range(0, sizes[k], objects.PART)}
+    other = [(k, off, n) for k, off, n in reads if (k, off, n) not in pieces]
+    touching = [(k, off, n) for k, off, n in other for f, a, b in big
+                if k.endswith("/" + f) and off < b and a < off + n]
+    assert touching == [], touching[:5]

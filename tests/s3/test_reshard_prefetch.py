@@ -124,3 +124,21 @@ def test_read_order_of_a_real_plan_keeps_every_chunk_once():
     parts = split_files(plan.chunks, 4)
     got = read_order(parts, 2)
     assert len(got) == len(plan.chunks) and {id(c) for c in got} == {id(c) for c in plan.chunks}
+
+
+def test_megatron_reshard_from_a_bucket_reads_through_the_plan(s3, capsys, tmp_path, monkeypatch):
+    """A genuine megatron-core dp_reshardable checkpoint resharded from a bucket (TP2 x DP2 -> TP1 x CP2 x DP2):
+    every data read comes from the plan, and the output equals the local reshard's, key for key."""
+    src = Path(__file__).resolve().parents[2] / "fixtures" / "megatron" / "tp2_dp2_dp_reshardable"
+    url = upload(s3, src, "runs/m")
+    gets = Gets(monkeypatch)
+    flags = ("--tp", "1", "--cp", "2", "--dp", "2")
+    code, out, err = ckpt(capsys, "reshard", url, str(tmp_path / "planned"), *flags)
+    assert code == 0, (out, err)
+    planned = gets.take()
+    assert copy_threads(planned) == [], copy_threads(planned)[:5]
+    code, out, err = ckpt(capsys, "reshard", str(src), str(tmp_path / "local"), *flags)
+    assert code == 0, err
+    assert files(tmp_path / "planned") == files(tmp_path / "local")
+    code, out, err = ckpt(capsys, "diff", str(tmp_path / "planned"), str(tmp_path / "local"), "--bitwise")
+    assert code == 0, (out, err)
