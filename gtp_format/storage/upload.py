@@ -7,7 +7,7 @@ upload, in an order that makes every interrupted state invisible:
 
 1. refuse if anything already lies below the target prefix (no-replace: never mix files with an
    existing checkpoint);
-2. the data objects, each a multipart upload: an upload that is not completed is invisible to every
+2. the data objects (two at a time), each a multipart upload: an upload that is not completed is invisible to every
    listing and read; each is created only where no object is (``If-None-Match: *``, as the commit
    object): step 1 is a check, not a lock, and a second writer that started on the same prefix
    meanwhile had its objects overwritten by ours (then, when its commit object failed, it deleted what
@@ -40,6 +40,10 @@ from gtp_format.storage.location import ObjectURL
 STAGING_ENV = "CKPT_S3_STAGING"
 PART = 16 << 20  # multipart part size; obstore uploads parts of one object concurrently
 CONCURRENCY = 8
+# data objects uploaded at once, each with CONCURRENCY parts of PART in flight (256 MiB of buffers at most):
+# against boto3's upload_file of the same files on moto (best of 2-3 interleaved rounds, 2 cores), one at a
+# time 0.92x / 0.88x at 304.8 MB / 1.2 GB, two 1.51x / 1.22x, four 1.47x / 0.79x
+FILES_AT_ONCE = 2
 _SIDE = (DCP_METADATA_FILE, GTP_INDEX_FILE, CHUNK_RECORDS_FILE, MANIFEST_FILE)  # uploaded after the data
 
 
@@ -103,11 +107,44 @@ class Upload:
     def run(self, work: Path) -> None:
         if objects.is_prefix(self.target):
             raise Taken(self.target)
-        for rel in commit_order(work, self.commit):
+        names = commit_order(work, self.commit)
+        data = [n for n in names if n.rsplit("/", 1)[-1] not in (*_SIDE, COMMIT_OBJECT, LATEST_FILE)
+                and n != self.commit]
+        self._put_all(work, data)  # step 2: the data objects, FILES_AT_ONCE at a time
+        for rel in names[len(data):]:
             last = rel == self.commit if self.commit is not None else rel.rsplit("/", 1)[-1] == COMMIT_OBJECT
             if last and self.fault is not None:
                 self.fault("before_commit_object")
             self._put(work / rel, rel, create=last)
+
+    def _put_all(self, work: Path, rels: list[str]) -> None:
+        """Upload ``rels`` (data objects: none is a commit point) :data:`FILES_AT_ONCE` at a time. After a
+        failure no further upload starts; the first error is raised once the uploads in flight have ended (so
+        :meth:`undo` sees every object created)."""
+        if FILES_AT_ONCE <= 1 or len(rels) <= 1:
+            for rel in rels:
+                self._put(work / rel, rel)
+            return
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        failed = threading.Event()
+
+        def one(rel: str) -> None:
+            if failed.is_set():
+                return
+            try:
+                self._put(work / rel, rel)
+            except BaseException:
+                failed.set()
+                raise
+
+        with ThreadPoolExecutor(FILES_AT_ONCE, thread_name_prefix="s3-upload") as pool:
+            futures = [pool.submit(one, rel) for rel in rels]
+            errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
     def run_file(self, local: Path) -> None:
         """One file as the one object ``target`` (``export --to torch``), created only where nothing is

@@ -4,8 +4,8 @@ Every case of :mod:`make_corpus` (crafted metadata, pickles, manifests, markers,
 :mod:`copies_corpus` (damaged payloads and layouts a copy must refuse) is uploaded once to moto's S3 server
 (one server for this module) under ``h/<case>/run/``, with its ``outside/`` secrets beside it under
 ``h/<case>/outside/``. Each case's commands (the ones that read what it corrupts: ``inspect``/``verify`` for
-metadata cases, ``verify --data``/``show``/``diff`` for payload cases, and for the copy cases ``export --to hf``
-and ``--to torch`` into a local DST) run in-process on the local folder and on the bucket,
+metadata cases, ``verify --data``/``show``/``diff`` for payload cases, and for the copy cases ``reshard``,
+``export --to hf`` and ``--to torch`` into a local DST) run in-process on the local folder and on the bucket,
 and the bucket's run must give:
 
 * the same exit code as the local folder, and for ``verify`` the same :class:`Problem` codes (its JSON);
@@ -50,10 +50,11 @@ from make_corpus import SECRET, build_corpus, case_specs  # noqa: E402
 BUCKET = "hostile"
 # parts of case names whose input has no object-store form (checked against the built files by the fixture)
 BUCKETLESS = ("symlink", "fifo", "holes", "sparse", "directory")  # "directory": an empty folder for a data file
-# what the copy cases run from the bucket (of copies_corpus's five): the streamed export and the one that holds
-# every tensor; fully_reshardable and hf --optimizer read through the same prefetch, reshard through the same
-# reader and ledger (run on every case by tests/hostile/test_hostile_copies.py locally; here the time is short)
-COPY_COMMANDS = ("export --to hf", "export --to torch")
+# what the copy cases run from the bucket (of copies_corpus's five): reshard (its own read-ahead plan,
+# BoxReader.prefetch_chunks), and the two exports with a plan of their own (--to hf's streamed copy, --to torch's
+# row slices); fully_reshardable and hf --optimizer read through the same prefetch as --to hf (all five run on
+# every case locally, tests/hostile/test_hostile_copies.py)
+COPY_COMMANDS = ("reshard", "export --to hf", "export --to torch")
 OBSTORE_CALLS = ("get_range", "get_ranges", "get", "head", "list", "list_with_delimiter", "put", "delete")
 
 
@@ -130,7 +131,7 @@ def _jobs(cases: list[Any], copies: list[Any]) -> list[tuple[str, int, list[str]
                  for a in c.commands]
         out += [(c.name, i, a) for i, a in enumerate(argvs)]
     for c in copies:  # reshard, then export --to hf, hf --optimizer, fully_reshardable, torch (copies_corpus)
-        picked = [a for a in c.commands if a[-2:] in (["--to", "hf"], ["--to", "torch"])]
+        picked = [a for a in c.commands if a[0] == "reshard" or a[-2:] in (["--to", "hf"], ["--to", "torch"])]
         assert len(picked) == len(COPY_COMMANDS)
         out += [(c.name, i, a) for i, a in enumerate(picked)]
     return out
