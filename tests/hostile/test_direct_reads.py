@@ -55,7 +55,7 @@ def _takes_direct(folder: Path) -> bool:
 def direct(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[int]:
     """``DIRECT_MIN`` at 4 KiB, and the lengths every taken direct read returned."""
     if not _takes_direct(tmp_path):
-        pytest.skip("this file system refuses O_DIRECT: loads read through the page cache (tests/format/test_preads.py)")
+        pytest.skip("this file system refuses O_DIRECT: loads read through the cache (tests/format/test_preads.py)")
     monkeypatch.setattr(preads, "DIRECT_MIN", 4096)
     taken: list[int] = []
     real = preads.read_direct
