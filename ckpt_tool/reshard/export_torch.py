@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ckpt_tool.reshard.engine import MAX_CHUNK, MIN_CHUNK, write_failure
+from ckpt_tool.reshard.engine import MIN_CHUNK, write_failure
 from ckpt_tool.reshard.source import Source
 from gtp_format.check.integrity import stored_bytes
 from gtp_format.commit import commit_file, hidden_sibling
@@ -35,6 +35,7 @@ from gtp_format.writer.torch_file import TorchStateFile
 from gtp_format.writer.work import clean_stale, sigterm_raises
 
 READERS = 8  # slices read at once (from a bucket they wait on round trips, not on the cores)
+SLICE = 16 << 20  # bytes per slice at most: finer than the prefetch's budget, so the window stays full
 
 Piece = tuple[str, tuple[int, ...], tuple[int, ...], bool, bool]  # key, offsets, sizes, first, last
 
@@ -68,12 +69,14 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
     # requests of up to 8 MiB (in key-name order they alternate between files and offsets)
     order = sorted(keys, key=lambda k: min(((c.storage.file, c.storage.offset) for c in entries[k].chunks
                                             if c.storage is not None), default=("", 0)))
-    slice_bytes = max(MIN_CHUNK, min(MAX_CHUNK, max_memory // (4 * READERS)))
-    in_flight = max(1, min(2 * READERS, (max_memory // 2) // slice_bytes))
+    slice_bytes = max(MIN_CHUNK, min(SLICE, max_memory // (4 * READERS)))
     # the prefetch of a bucket's chunks: READERS slices at once each want a request of every rank's file, so it
     # needs more than a streamed copy's 64 MiB (8 requests thrashed: 180 GETs for a 304.8 MB checkpoint)
-    source.reader.prefetch_layouts(order, budget=max(PREFETCH_BUDGET, min(READERS * PREFETCH_BUDGET // 2,
-                                                                          max_memory // 4)))
+    budget = max(PREFETCH_BUDGET, min(READERS * PREFETCH_BUDGET // 2, max_memory // 4))
+    source.reader.prefetch_layouts(order, budget=budget)
+    # slices in flight: at most 2 * READERS, and no more bytes than half the prefetch holds: slices wanted
+    # further ahead made it drop requests before they were read (279 GETs at 1.2 GB where --to hf sends 220)
+    window = max(slice_bytes, min(max_memory // 2, budget // 2))
     advance = advance_of(total) if advance_of is not None else (lambda n: None)
 
     def read(p: Piece) -> np.ndarray:
@@ -96,10 +99,14 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
                 pieces = (p for k in order for p in _pieces(k, spec[index[k]][2], entries[k].itemsize, slice_bytes))
                 with ThreadPoolExecutor(READERS, thread_name_prefix="export-torch") as pool:
                     pending: deque[tuple[Piece, Future[np.ndarray]]] = deque()
+                    held = 0
                     for p in pieces:
-                        pending.append((p, pool.submit(read, p)))
-                        while len(pending) >= in_flight:
+                        n = _nbytes(p, entries[p[0]].itemsize)
+                        while pending and (len(pending) >= 2 * READERS or held + n > window):
+                            held -= _nbytes(pending[0][0], entries[pending[0][0][0]].itemsize)
                             _write_piece(out, *pending.popleft(), advance)
+                        pending.append((p, pool.submit(read, p)))
+                        held += n
                     while pending:
                         _write_piece(out, *pending.popleft(), advance)
                 out.finish()
@@ -120,6 +127,13 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
         tmp.unlink(missing_ok=True)
         raise
     return {"files": 1, "keys": len(keys), "bytes": total}
+
+
+def _nbytes(p: Piece, itemsize: int) -> int:
+    n = itemsize
+    for s in p[2]:
+        n *= s
+    return n
 
 
 def _write_piece(out: TorchStateFile, p: Piece, fut: Future[np.ndarray], advance: Callable[[int], None]) -> None:
