@@ -146,7 +146,10 @@ class PlanPrefetch:
             items.sort(key=lambda t: (t[0], t[1]))
             run: list[object] = []
             for start, stop, n, ident in items:
-                if run and start <= planned[-1][3] + gap and max(stop, planned[-1][3]) - planned[-1][2] <= objects.PART:
+                # a run grows to PART, or to one larger extent that starts where the run does (so two requests
+                # never start at one offset: each is hashed once, by its start, in the ledger)
+                if run and start <= planned[-1][3] + gap and \
+                        max(stop, planned[-1][3]) - planned[-1][2] <= max(objects.PART, stop - start):
                     first, obj, a, b, run = planned[-1]
                     planned[-1] = (min(first, n), obj, a, max(b, stop), [*run, ident])
                     continue

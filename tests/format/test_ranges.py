@@ -8,10 +8,11 @@ object), bytes that differ from the uncoalesced reads.
 
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gtp_format.storage import objects, prefetch
@@ -128,6 +129,8 @@ def copy_plans(draw: st.DrawFn) -> tuple[list[int], list[tuple[int, int, int]], 
 
 @settings(max_examples=150, deadline=None)
 @given(copy_plans(), st.randoms(use_true_random=False), st.booleans())
+# a larger extent at the start of a run of smaller ones: once two requests at one offset (found in CI)
+@example(plan=([2], [(0, 0, 1)] * 8 + [(0, 0, 2)] + [(0, 0, 1)] * 4, 1, 0, 8), rnd=random.Random(0), in_order=True)
 def test_a_copy_plan_serves_the_bytes_within_its_budget(monkeypatch_module, plan, rnd, in_order):
     """:class:`prefetch.PlanPrefetch` against brute force: what it serves is the object's bytes at the extent
     (or None: the caller reads directly); no request leaves its object or is sent twice; a request passes the
