@@ -13,6 +13,7 @@ checkpoint (``tests/cli/test_export.py``).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,22 +38,20 @@ from gtp_format.writer.work import clean_stale, sigterm_raises
 READERS = 8  # slices read at once (from a bucket they wait on round trips, not on the cores)
 SLICE = 16 << 20  # bytes per slice at most: finer than the prefetch's budget, so the window stays full
 
-Piece = tuple[str, tuple[int, ...], tuple[int, ...], bool, bool]  # key, offsets, sizes, first, last
+Piece = tuple[str, tuple[int, ...], tuple[int, ...], bool, bool, int]  # key, offsets, sizes, first, last, bytes
 
 
 def _pieces(key: str, shape: tuple[int, ...], itemsize: int, slice_bytes: int) -> Iterator[Piece]:
     """``key``'s boxes of whole rows (dim 0), at most ``slice_bytes`` each unless one row is larger:
     in C order one after another, so their bytes are the tensor's bytes in order."""
     if not shape or shape[0] == 0:
-        yield key, (0,) * len(shape), shape, True, True
+        yield key, (0,) * len(shape), shape, True, True, math.prod(shape) * itemsize
         return
-    row = itemsize
-    for s in shape[1:]:
-        row *= s
+    row = math.prod(shape[1:]) * itemsize
     step = max(1, slice_bytes // max(row, 1))
     for at in range(0, shape[0], step):
         n = min(step, shape[0] - at)
-        yield key, (at,) + (0,) * (len(shape) - 1), (n, *shape[1:]), at == 0, at + n == shape[0]
+        yield key, (at,) + (0,) * (len(shape) - 1), (n, *shape[1:]), at == 0, at + n == shape[0], n * row
 
 
 def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
@@ -80,7 +79,7 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
     advance = advance_of(total) if advance_of is not None else (lambda n: None)
 
     def read(p: Piece) -> np.ndarray:
-        key, offsets, sizes, _, _ = p
+        key, offsets, sizes = p[:3]
         if 0 in sizes:
             return np.empty(0, np.uint8)
         return np.ascontiguousarray(source.reader.read_box(key, offsets, sizes))
@@ -96,17 +95,17 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
             with Sink(tmp, stage_bytes(2 * slice_bytes), checksum=False) as sink:
                 out = TorchStateFile(sink.write, spec, [index[k] for k in order])  # type: ignore[misc]
                 out.begin()
-                pieces = (p for k in order for p in _pieces(k, spec[index[k]][2], entries[k].itemsize, slice_bytes))
+                pieces = (p for k in order for p in _pieces(k, tuple(entries[k].shape), entries[k].itemsize,
+                                                            slice_bytes))
                 with ThreadPoolExecutor(READERS, thread_name_prefix="export-torch") as pool:
                     pending: deque[tuple[Piece, Future[np.ndarray]]] = deque()
                     held = 0
                     for p in pieces:
-                        n = _nbytes(p, entries[p[0]].itemsize)
-                        while pending and (len(pending) >= 2 * READERS or held + n > window):
-                            held -= _nbytes(pending[0][0], entries[pending[0][0][0]].itemsize)
+                        while pending and (len(pending) >= 2 * READERS or held + p[5] > window):
+                            held -= pending[0][0][5]
                             _write_piece(out, *pending.popleft(), advance)
                         pending.append((p, pool.submit(read, p)))
-                        held += n
+                        held += p[5]
                     while pending:
                         _write_piece(out, *pending.popleft(), advance)
                 out.finish()
@@ -127,13 +126,6 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
         tmp.unlink(missing_ok=True)
         raise
     return {"files": 1, "keys": len(keys), "bytes": total}
-
-
-def _nbytes(p: Piece, itemsize: int) -> int:
-    n = itemsize
-    for s in p[2]:
-        n *= s
-    return n
 
 
 def _write_piece(out: TorchStateFile, p: Piece, fut: Future[np.ndarray], advance: Callable[[int], None]) -> None:

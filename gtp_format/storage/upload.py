@@ -64,17 +64,23 @@ def staging_dir() -> Path:
                       "existing folder with room for the output")
 
 
+DATA, SIDE, COMMIT, LATEST = range(4)  # the upload's steps 2-5, in order (module docstring)
+
+
+def step_of(rel: str, commit: str | None = None) -> int:
+    """Which step uploads ``rel``: :data:`DATA`, :data:`SIDE`, :data:`COMMIT` or :data:`LATEST`
+    (``commit``: see :func:`commit_order`)."""
+    base = rel.rsplit("/", 1)[-1]
+    last = rel == commit if commit is not None else base == COMMIT_OBJECT
+    return COMMIT if last else LATEST if base == LATEST_FILE else SIDE if base in _SIDE else DATA
+
+
 def commit_order(folder: Path, commit: str | None = None) -> list[str]:
     """Relative names of ``folder``'s files: data first, then the side files, the commit object, the
     latest marker last. ``commit``: the commit object's relative name for an output without
     ``metadata.json`` (a Hugging Face folder: its ``config.json``); default every ``metadata.json``."""
     names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
-
-    def rank(n: str) -> tuple[int, str]:
-        base = n.rsplit("/", 1)[-1]
-        last = n == commit if commit is not None else base == COMMIT_OBJECT
-        return (2 if last else 3 if base == LATEST_FILE else 1 if base in _SIDE else 0, n)
-    return sorted(names, key=rank)
+    return sorted(names, key=lambda n: (step_of(n, commit), n))
 
 
 class Upload:
@@ -108,14 +114,14 @@ class Upload:
         if objects.is_prefix(self.target):
             raise Taken(self.target)
         names = commit_order(work, self.commit)
-        data = [n for n in names if n.rsplit("/", 1)[-1] not in (*_SIDE, COMMIT_OBJECT, LATEST_FILE)
-                and n != self.commit]
-        self._put_all(work, data)  # step 2: the data objects, FILES_AT_ONCE at a time
-        for rel in names[len(data):]:
-            last = rel == self.commit if self.commit is not None else rel.rsplit("/", 1)[-1] == COMMIT_OBJECT
-            if last and self.fault is not None:
+        steps = [step_of(n, self.commit) for n in names]
+        self._put_all(work, [n for n, st in zip(names, steps) if st == DATA])  # FILES_AT_ONCE at a time
+        for rel, st in zip(names, steps):
+            if st == DATA:
+                continue
+            if st == COMMIT and self.fault is not None:
                 self.fault("before_commit_object")
-            self._put(work / rel, rel, create=last)
+            self._put(work / rel, rel, create=st == COMMIT)
 
     def _put_all(self, work: Path, rels: list[str]) -> None:
         """Upload ``rels`` (data objects: none is a commit point) :data:`FILES_AT_ONCE` at a time. After a

@@ -20,6 +20,7 @@ every CRC-32).
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -71,10 +72,7 @@ class TorchStateFile(_ZipBuilder):
 
     def _nbytes(self, i: int) -> int:
         _, dtype, sizes = self._tensors[i]
-        n = dtype.itemsize
-        for s in sizes:
-            n *= s
-        return n
+        return dtype.itemsize * math.prod(sizes)
 
     def begin(self) -> None:
         out = bytearray()
