@@ -267,3 +267,39 @@ def test_sigterm_during_verify_roundtrip_removes_its_temporary_folder(request: p
     assert rc == 143 and len(err) == 1 and "terminated (SIGTERM)" in err[0], (rc, err)
     time.sleep(1)  # a rank that outlived the launcher would write here now
     assert not [n for n in os.listdir(scratch) if n.startswith("ckpt-roundtrip-")], os.listdir(scratch)
+
+
+SLOW_TORCH = """
+import os, sys, time
+import ckpt_tool.reshard.export_torch as export_torch
+real, first = export_torch._write_piece, [True]
+def slow(*a, **k):
+    if first[0]:
+        first[0] = False
+        print("writing", flush=True)
+    time.sleep(float(os.environ["GTP_TEST_SLOW"]))
+    return real(*a, **k)
+export_torch._write_piece = slow
+from ckpt_tool.cli import run
+sys.exit(run(sys.argv[1:]))
+"""
+
+
+def test_sigterm_during_a_streamed_torch_export_leaves_nothing(tmp_path: Path) -> None:
+    """``export --to torch`` writes its file as the slices come (gtp_format/writer/torch_file.py): a SIGTERM
+    while it writes removes the partial file, and DST never appears."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GTP_TEST_SLOW": "1.0"}
+    p = subprocess.Popen([sys.executable, "-c", SLOW_TORCH, "export", str(FOLD), str(out / "model.pt"), "--to",
+                          "torch"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert p.stdout is not None and p.stdout.readline().strip() == "writing"
+    assert [q.name for q in out.iterdir()] != [], "the partial file is written beside DST"
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    rc = p.wait(timeout=120)
+    err = p.stderr.read() if p.stderr else ""
+    assert rc == 143 and err.strip().splitlines() == [
+        "ckpt: error: terminated (SIGTERM); nothing was written, the partial output was removed"], (rc, err)
+    assert time.monotonic() - t0 < 30
+    assert os.listdir(out) == []
