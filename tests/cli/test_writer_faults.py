@@ -29,17 +29,20 @@ ITER = "iter_0000002"
 
 # ``ckpt ARGS`` in a fresh interpreter whose every chunk takes ``GTP_TEST_SLOW`` seconds to produce, so
 # that a test can act while the command is writing; it prints "writing" when the first chunk starts.
+# ckpt with one function slowed (GTP_TEST_SLOW_AT, module:function; default the reshard's chunk reads): it
+# prints "writing" on the first call, then sleeps GTP_TEST_SLOW seconds before each
 SLOW_CKPT = """
-import os, sys, time
-import ckpt_tool.reshard.engine as engine
-real, first = engine.chunk_data, [True]
+import importlib, os, sys, time
+mod_name, fn = os.environ.get("GTP_TEST_SLOW_AT", "ckpt_tool.reshard.engine:chunk_data").split(":")
+mod = importlib.import_module(mod_name)
+real, first = getattr(mod, fn), [True]
 def slow(*a, **k):
     if first[0]:
         first[0] = False
         print("writing", flush=True)
     time.sleep(float(os.environ["GTP_TEST_SLOW"]))
     return real(*a, **k)
-engine.chunk_data = slow
+setattr(mod, fn, slow)
 if os.environ.get("GTP_TEST_NO_LINK"):
     def no_link(*a, **k):
         raise OSError(18, "Invalid cross-device link")
@@ -49,8 +52,9 @@ sys.exit(run(sys.argv[1:]))
 """
 
 
-def _slow(*args: str | Path, slow: float = 0.3, **kw: object) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "GTP_TEST_SLOW": str(slow)}
+def _slow(*args: str | Path, slow: float = 0.3, at: str = "ckpt_tool.reshard.engine:chunk_data",
+          **kw: object) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GTP_TEST_SLOW": str(slow), "GTP_TEST_SLOW_AT": at}
     return subprocess.Popen([sys.executable, "-c", SLOW_CKPT, *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, **kw)  # type: ignore[call-overload]
 
@@ -134,10 +138,15 @@ def test_two_reshards_to_one_dst_exactly_one_wins(tmp_path: Path) -> None:
     assert cli("verify", dst, "--data").exit_code == 0
 
 
-def test_sigterm_removes_the_work_folder(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("argv", "at"), [
+    (("reshard", "{src}", "{out}/dst", "--dp", "1", "--workers", "2"), "ckpt_tool.reshard.engine:chunk_data"),
+    # --to torch writes its one file as the slices come (gtp_format/writer/torch_file.py)
+    (("export", "{src}", "{out}/model.pt", "--to", "torch"), "ckpt_tool.reshard.export_torch:_write_piece"),
+], ids=["reshard", "export-torch"])
+def test_sigterm_removes_the_work_folder(tmp_path: Path, argv: tuple[str, ...], at: str) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    p = _slow("reshard", FOLD, out / "dst", "--dp", "1", "--workers", "2", slow=1.0)
+    p = _slow(*(a.format(src=FOLD, out=out) for a in argv), slow=1.0, at=at)
     assert p.stdout is not None and p.stdout.readline().strip() == "writing"
     assert [w.state for w in work.leftovers(out)] == ["live"]
     t0 = time.monotonic()
@@ -267,39 +276,3 @@ def test_sigterm_during_verify_roundtrip_removes_its_temporary_folder(request: p
     assert rc == 143 and len(err) == 1 and "terminated (SIGTERM)" in err[0], (rc, err)
     time.sleep(1)  # a rank that outlived the launcher would write here now
     assert not [n for n in os.listdir(scratch) if n.startswith("ckpt-roundtrip-")], os.listdir(scratch)
-
-
-SLOW_TORCH = """
-import os, sys, time
-import ckpt_tool.reshard.export_torch as export_torch
-real, first = export_torch._write_piece, [True]
-def slow(*a, **k):
-    if first[0]:
-        first[0] = False
-        print("writing", flush=True)
-    time.sleep(float(os.environ["GTP_TEST_SLOW"]))
-    return real(*a, **k)
-export_torch._write_piece = slow
-from ckpt_tool.cli import run
-sys.exit(run(sys.argv[1:]))
-"""
-
-
-def test_sigterm_during_a_streamed_torch_export_leaves_nothing(tmp_path: Path) -> None:
-    """``export --to torch`` writes its file as the slices come (gtp_format/writer/torch_file.py): a SIGTERM
-    while it writes removes the partial file, and DST never appears."""
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "GTP_TEST_SLOW": "1.0"}
-    p = subprocess.Popen([sys.executable, "-c", SLOW_TORCH, "export", str(FOLD), str(out / "model.pt"), "--to",
-                          "torch"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    assert p.stdout is not None and p.stdout.readline().strip() == "writing"
-    assert [q.name for q in out.iterdir()] != [], "the partial file is written beside DST"
-    t0 = time.monotonic()
-    p.send_signal(signal.SIGTERM)
-    rc = p.wait(timeout=120)
-    err = p.stderr.read() if p.stderr else ""
-    assert rc == 143 and err.strip().splitlines() == [
-        "ckpt: error: terminated (SIGTERM); nothing was written, the partial output was removed"], (rc, err)
-    assert time.monotonic() - t0 < 30
-    assert os.listdir(out) == []
