@@ -31,14 +31,13 @@ import itertools
 import os
 import re
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Any
 
 from gtp_format.errors import ChunkError, FormatError
-from gtp_format.storage import profiles
+from gtp_format.storage import object_cache, profiles
 from gtp_format.storage.location import ObjectURL
 from gtp_format.storage.paths import addressable, past_end_message, unsafe_reason
 from gtp_format.storage.ranges import pieces
@@ -210,6 +209,7 @@ def listed_sizes() -> Iterator[None]:
             if _LISTED_DEPTH == 0:
                 _LISTED = None
                 _BLOCKS.drop()  # the next command reads the store as it is then
+                _SIDE.drop()
 
 
 def head_size(root: ObjectURL, rel: str) -> int | None:
@@ -272,10 +272,14 @@ def list_names(root: ObjectURL) -> dict[str, int | None]:
         name = str(p)[len(want):].strip("/")
         if name and "/" not in name:
             out.setdefault(name, None)
+    if listed is not None:  # a command's listing: its side files are read next, so fetch them together now
+        _SIDE.warm(root.bucket, [(n, root.key(n), size) for n, size in out.items() if size is not None],
+                   pool().submit, lambda rel, n: bytes(_get(root, rel, 0, n)))
     return out
 
 
 _POOL: ThreadPoolExecutor | None = None
+_SIDE = object_cache.SideFiles()  # a command's side files, fetched as its listing names them
 _POOL_LOCK = threading.Lock()
 
 
@@ -292,7 +296,15 @@ def pool() -> ThreadPoolExecutor:
 
 def fetch(root: ObjectURL, rel: str, offset: int, n: int) -> memoryview:
     """One ranged ``GET`` of exactly ``n`` (at most :data:`PIECE`) bytes at ``offset`` of ``rel``; the caller has
-    checked the range against the store's size. A short answer is a :class:`ChunkError`."""
+    checked the range against the store's size. A short answer is a :class:`ChunkError`. A side file the
+    command's listing warmed (:mod:`gtp_format.storage.object_cache`) is served from its copy: waited for,
+    except on the fetch threads themselves (their tasks never wait on one another)."""
+    key = _key(root, rel)
+    held = _SIDE.take(root.bucket, key, offset, n, not threading.current_thread().name.startswith("s3-fetch"))
+    return memoryview(held) if held is not None else _get(root, rel, offset, n)
+
+
+def _get(root: ObjectURL, rel: str, offset: int, n: int) -> memoryview:
     import obstore
 
     assert 0 < n <= PIECE
@@ -357,60 +369,7 @@ def read_small(path: ObjectURL, limit: int, what: str, fix: str) -> bytes:
     return bytes(buf)
 
 
-class _Blocks:
-    """The small-read cache of every streamed object: aligned :data:`BLOCK` s, least recently used first out,
-    at most :data:`CACHE_BYTES` together.
-
-    Keyed by the object as one ``ckpt`` command sees it (bucket, key and listed size, inside
-    :func:`listed_sizes`: the copy's reader and its integrity ledger then share the blocks of a blob's
-    headers) and otherwise by the open object (a serial number), so nothing read before an object was
-    reopened outside a command is served after. A block two threads want at once is fetched once.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._blocks: OrderedDict[tuple[object, int], bytes] = OrderedDict()
-        self._fetching: dict[tuple[object, int], Future[bytes]] = {}
-        self._bytes = 0
-
-    def get(self, owner: object, index: int, load: Callable[[], bytes]) -> bytes:
-        key = (owner, index)
-        with self._lock:
-            got = self._blocks.get(key)
-            if got is not None:
-                self._blocks.move_to_end(key)
-                return got
-            waiting = self._fetching.get(key)
-            if waiting is None:
-                mine: Future[bytes] = Future()
-                self._fetching[key] = mine
-        if waiting is not None:
-            return waiting.result()
-        try:
-            block = load()
-        except BaseException as e:
-            with self._lock:
-                self._fetching.pop(key, None)
-            mine.set_exception(e)
-            raise
-        with self._lock:
-            self._fetching.pop(key, None)
-            self._blocks[key] = block
-            self._bytes += len(block)
-            while self._bytes > CACHE_BYTES:
-                _, old = self._blocks.popitem(last=False)
-                self._bytes -= len(old)
-        mine.set_result(block)
-        return block
-
-    def drop(self, owner: object | None = None) -> None:
-        """Forget ``owner``'s blocks, or every block (the end of a command)."""
-        with self._lock:
-            for k in [k for k in self._blocks if owner is None or k[0] == owner]:
-                self._bytes -= len(self._blocks.pop(k))
-
-
-_BLOCKS = _Blocks()
+_BLOCKS = object_cache.Blocks(CACHE_BYTES)
 _SERIAL = itertools.count()
 
 
@@ -429,7 +388,7 @@ class ObjectFile:
         self.size = object_size(root, rel, what)
         self._pos = 0
         self._serial = next(_SERIAL)
-        # one command's view of the object (see _Blocks); outside a command, this open alone
+        # one command's view of the object (see object_cache.Blocks); outside a command, this open alone
         self._owner: object = (root.bucket, root.key(rel), self.size) if _LISTED is not None else self._serial
         self._cached = False
 
