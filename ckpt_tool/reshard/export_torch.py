@@ -14,6 +14,7 @@ checkpoint (``tests/cli/test_export.py``).
 from __future__ import annotations
 
 import math
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -78,11 +79,13 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
     window = max(slice_bytes, min(max_memory // 2, budget // 2))
     advance = advance_of(total) if advance_of is not None else (lambda n: None)
 
-    def read(p: Piece) -> np.ndarray:
+    def read(p: Piece) -> tuple[np.ndarray, int]:
+        """A slice and its CRC-32, on a reader thread (in parallel, and beside the requests a bucket waits on)."""
         key, offsets, sizes = p[:3]
         if 0 in sizes:
-            return np.empty(0, np.uint8)
-        return np.ascontiguousarray(source.reader.read_box(key, offsets, sizes))
+            return np.empty(0, np.uint8), 0
+        arr = np.ascontiguousarray(source.reader.read_box(key, offsets, sizes))
+        return arr, zlib.crc32(arr.reshape(-1).view(np.uint8))
 
     bucket = isinstance(dst, ObjectURL)  # built in local staging, then uploaded as one object
     local = upload.staging_dir() / dst.name if bucket else dst
@@ -98,7 +101,7 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
                 pieces = (p for k in order for p in _pieces(k, tuple(entries[k].shape), entries[k].itemsize,
                                                             slice_bytes))
                 with ThreadPoolExecutor(READERS, thread_name_prefix="export-torch") as pool:
-                    pending: deque[tuple[Piece, Future[np.ndarray]]] = deque()
+                    pending: deque[tuple[Piece, Future[tuple[np.ndarray, int]]]] = deque()
                     held = 0
                     for p in pieces:
                         while pending and (len(pending) >= 2 * READERS or held + p[5] > window):
@@ -128,12 +131,13 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
     return {"files": 1, "keys": len(keys), "bytes": total}
 
 
-def _write_piece(out: TorchStateFile, p: Piece, fut: Future[np.ndarray], advance: Callable[[int], None]) -> None:
-    arr = fut.result()
+def _write_piece(out: TorchStateFile, p: Piece, fut: Future[tuple[np.ndarray, int]],
+                 advance: Callable[[int], None]) -> None:
+    arr, crc = fut.result()
     if p[3]:
         out.start()
     if arr.size:
-        out.data([arr.reshape(-1).view(np.uint8)])
+        out.data([arr.reshape(-1).view(np.uint8)], crc)
     if p[4]:
         out.end()
     advance(arr.nbytes)

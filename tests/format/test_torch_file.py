@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import random
 import zipfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,9 @@ def _tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tens
     return raw.view(dtype).reshape(shape)
 
 
-def _write(state: dict[str, torch.Tensor], order: list[int], pieces: int, zip64: bool = False) -> bytes:
+def _write(state: dict[str, torch.Tensor], order: list[int], pieces: int, zip64: bool = False,
+           hashed: bool = False) -> bytes:
+    """``hashed``: each piece comes with its CRC-32 (export's reader threads), which the file combines."""
     out = io.BytesIO()
     items = list(state.items())
     spec = [(k, from_torch(t.dtype), tuple(t.shape)) for k, t in items]
@@ -45,7 +48,8 @@ def _write(state: dict[str, torch.Tensor], order: list[int], pieces: int, zip64:
         raw = items[i][1].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
         step = max(1, len(raw) // pieces)
         for at in range(0, len(raw), step):
-            w.data([raw[at:at + step]])
+            piece = raw[at:at + step]
+            w.data([piece], zlib.crc32(piece) if hashed else None)
         w.end()
     w.finish()
     return out.getvalue()
@@ -65,12 +69,16 @@ def _check(blob: bytes, state: dict[str, torch.Tensor], tmp: Path) -> None:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(specs=st.lists(st.tuples(st.sampled_from(DTYPES), SHAPES), min_size=0, max_size=8),
-       seed=st.integers(0, 1 << 16), pieces=st.integers(1, 4), zip64=st.booleans())
-def test_any_state_loads_back_bit_for_bit(tmp_path: Path, specs: list, seed: int, pieces: int, zip64: bool) -> None:
+       seed=st.integers(0, 1 << 16), pieces=st.integers(1, 4), zip64=st.booleans(), hashed=st.booleans())
+def test_any_state_loads_back_bit_for_bit(tmp_path: Path, specs: list, seed: int, pieces: int, zip64: bool,
+                                          hashed: bool) -> None:
     state = {f"k{i}.{d}": _tensor(d, s, seed + i) for i, (d, s) in enumerate(specs)}
     order = list(range(len(state)))
     random.Random(seed).shuffle(order)
-    _check(_write(state, order, pieces, zip64), state, tmp_path)
+    blob = _write(state, order, pieces, zip64, hashed)
+    _check(blob, state, tmp_path)
+    if hashed:  # the CRC-32s combined from the pieces' own are the ones hashing the bytes gives
+        assert blob == _write(state, order, pieces, zip64)
 
 
 def test_many_keys_cross_the_memo_and_batch_limits(tmp_path: Path) -> None:
