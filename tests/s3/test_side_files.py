@@ -1,5 +1,6 @@
-"""A command's side files (manifest, ``.metadata``, chunk records...) are fetched together as its listing names
-them, each once, and a warm fetch that fails changes nothing a command reports (moto on 127.0.0.1)."""
+"""Small reads from a bucket go out together (moto on 127.0.0.1): a command's side files (manifest, ``.metadata``,
+chunk records...) are fetched as its listing names them, each once, and a warm fetch that fails changes nothing a
+command reports; ``verify``'s per-bucket tables are read at once."""
 
 from __future__ import annotations
 
@@ -123,3 +124,24 @@ def test_a_copy_in_flight_is_not_waited_for_when_waiting_is_refused():
     side.warm("b", [(DCP_METADATA_FILE, "p/x", 4)], lambda fn: failed, lambda name, n: b"")
     assert side.take("b", "p/x", 0, 4, True) is None
     assert side.take("b", "p/x", 0, 4, True) is None  # forgotten: the read asks the store
+
+
+def test_the_bucket_tables_are_read_at_once(s3, capsys, monkeypatch):
+    """``verify`` reads the per_bucket_numel tables (one per model-parallel rank) concurrently: the first two reads
+    wait for each other, so one after the other they would time out and fail the check."""
+    url = upload(s3, FIXTURE, "runs/d")
+    real = objects._get
+    barrier = threading.Barrier(2, timeout=10)
+    seen: list[str] = []
+
+    def paired(root, rel, offset, n):
+        if threading.current_thread().name.startswith("bucket-numel"):
+            seen.append(rel)
+            if len(seen) <= 2:
+                barrier.wait()
+        return real(root, rel, offset, n)
+
+    monkeypatch.setattr(objects, "_get", paired)
+    code, out, err = ckpt(capsys, "verify", url, "--format", "json")
+    assert code == 0, (out, err)
+    assert len(seen) >= 2
