@@ -36,9 +36,10 @@ class Gets:
 
 def copy_threads(gets: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """GETs of data objects sent by the copy's own worker threads (run_files' pool), not by the shared fetch
-    pool (the plan's requests), the ledger's fill, or the main thread (metadata, the gate, the ledger's end)."""
+    pool (the plan's requests), the ledger's fill, the gate's bucket-table reads or the main thread (metadata, the
+    gate, the ledger's end)."""
     return [g for g in gets if g[0].endswith((".distcp", ".safetensors"))
-            and not g[1].startswith(("s3-fetch", "ledger-fill", "MainThread"))]
+            and not g[1].startswith(("s3-fetch", "ledger-fill", "bucket-numel", "MainThread"))]
 
 
 def files(folder: Path) -> list[str]:
