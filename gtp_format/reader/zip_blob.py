@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from gtp_format.reader.storage import Source, pread
 
 MAX_STRUCTURE = 1 << 20  # the largest structural read from a file range (data.pkl of one tensor is ~150 bytes)
+WINDOW = 4 << 10  # small structural reads are served from windows of this size (RangeReader)
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50
 
@@ -58,19 +59,38 @@ class ViewReader(BlobReader):
 
 
 class RangeReader(BlobReader):
-    """``[start, start + length)`` of an open file, by ``os.pread`` (for blobs too big to hold)."""
+    """``[start, start + length)`` of an open file, by ``os.pread`` (for blobs too big to hold).
+
+    A read of at most :data:`WINDOW` bytes is served from a window of the blob read around it, the last two
+    kept: a blob's structure is 20-35 reads of a few bytes near its two ends, one ``pread`` each, which were
+    3267 system calls and 23 of 205 thread-ms of a 26.5 MB reshard's workers (two windows per blob now).
+    A window never extends past the blob, so nothing outside it is read.
+    """
 
     def __init__(self, fd: Source, start: int, length: int) -> None:
         super().__init__(length)
         self._fd, self._start = fd, start
+        self._windows: list[tuple[int, bytes]] = []
 
     def _bytes(self, start: int, stop: int) -> bytes:
         if stop - start > MAX_STRUCTURE:
             raise BlobError(f"a {stop - start}-byte structural read; torch.save writes no such record")
-        data = pread(self._fd, stop - start, self._start + start)
+        if stop - start <= WINDOW:
+            data = self._from_window(start, stop)
+        else:
+            data = pread(self._fd, stop - start, self._start + start)
         if len(data) != stop - start:
             raise BlobError(f"the file ends inside the blob (wanted bytes [{start}, {stop}))")
         return data
+
+    def _from_window(self, start: int, stop: int) -> bytes:
+        for lo, data in self._windows:
+            if lo <= start and stop <= lo + len(data):
+                return data[start - lo:stop - lo]
+        lo = min(start, max(0, self.length - WINDOW))  # [start, start + WINDOW), or the blob's last WINDOW bytes
+        data = pread(self._fd, min(self.length, lo + WINDOW) - lo, self._start + lo)
+        self._windows = [(lo, data), *self._windows[:1]]
+        return data[start - lo:stop - lo]  # short where the file ends inside the blob: the caller refuses it
 
 
 # PKWARE APPNOTE 4.3: end of central directory, its zip64 locator and record, central directory
