@@ -380,7 +380,8 @@ class ObjectFile:
     :meth:`stream_small_reads` (a streaming pass: ``verify --data``, ``show``, ``diff``, ``export``) serves
     reads of at most :data:`SMALL` bytes from aligned :data:`BLOCK` s: a ``torch.save`` blob's structure is
     4-33 reads of a few bytes to a few KB near its two ends, which were one round trip each (0.01x boto3 for
-    ``export --to torch``). ``inspect`` and ``verify`` do not stream, so they read only the bytes they parse.
+    ``export --to torch``). ``inspect`` and ``verify`` do not stream: they read only the blobs they parse
+    (structure in 4 KiB windows).
     """
 
     def __init__(self, root: ObjectURL, rel: str, what: str = "data file") -> None:
