@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one round; never writes the docs")
     ap.add_argument("--write-docs", action="store_true", help="update docs/performance.md")
     ap.add_argument("--checkpoint", type=Path, help="an existing run folder to use instead of training one")
+    ap.add_argument("--server-process", action="store_true",
+                    help="run moto in a process of its own (by default in this one's threads, sharing its GIL)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.hidden, args.layers, args.rounds, args.write_docs = 64, 1, 1, False
@@ -135,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for k in s3_server.UNSET:
         os.environ.pop(k, None)
-    with tempfile.TemporaryDirectory(prefix="bench_s3_ckpt_") as tmp, s3_server.moto_server() as endpoint:
+    server = s3_server.moto_process() if args.server_process else s3_server.moto_server()
+    with tempfile.TemporaryDirectory(prefix="bench_s3_ckpt_") as tmp, server as endpoint:
         os.environ.update(s3_server.environment(endpoint))
         work = Path(tmp)
         run_dir = args.checkpoint or generate(args, work / "run")

@@ -59,7 +59,7 @@ SMOKE = {
     "bench_record_crc.py": ["--workdir", "{tmp}/record_crc"],
     "fuzz_readers.py": ["--out", "{tmp}/fuzz"],
     "bench_s3.py": [],
-    "bench_s3_ckpt.py": [],
+    "bench_s3_ckpt.py": ["--server-process"],  # the in-thread server is what tests/s3 use
     "ckpt_io_stages.py": ["--dir", "{tmp}"],
     "bench_sink.py": [],
 }
