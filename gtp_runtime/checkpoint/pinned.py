@@ -99,9 +99,28 @@ class PinnedPool:
 POOL = PinnedPool()  # the process's one pool: one sync save or load at a time holds it (PinnedPool.lease)
 
 
+def exact_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a contiguous CPU tensor) as a tensor over the same memory whose storage is exactly its
+    bytes: no copy (``torch.frombuffer`` over a byte view of ``t``, which it keeps alive)."""
+    raw = t.detach().reshape(-1).view(torch.uint8).numpy()
+    return torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape)
+
+
 def host_for_write(t: Any) -> Any:
-    """What DCP's writer should serialise for ``t``: a pinned host copy of a contiguous CUDA tensor,
-    anything else as it is."""
-    if isinstance(t, torch.Tensor) and t.is_cuda and t.is_contiguous():
+    """What DCP's writer should serialise for ``t``: a pinned host copy of a contiguous CUDA tensor; a
+    contiguous CPU view of a larger storage (a chunk of a parameter or optimizer buffer) as the same
+    memory with a storage of its own size (:func:`exact_storage`); anything else as it is.
+
+    Why the CPU case: DCP's writer clones every tensor whose storage is larger than the tensor (so
+    that ``torch.save`` does not write the whole storage), and every chunk of a GTP-sharded buffer is
+    such a view. Measured on the 2-core machine (2 gloo ranks, hidden 1024, 4 layers, 1.14 GB a
+    rank, ``py-spy`` over 12 saves): the clones were 37% of a sync save's CPU samples, more than
+    ``torch.save`` (25%) and the sink's CRC-32C and staging copy (17%) together."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.is_cuda and t.is_contiguous():
         return POOL.host_copy(t.detach())
+    if (t.device.type == "cpu" and t.is_contiguous() and t.numel()
+            and t.untyped_storage().nbytes() != t.numel() * t.element_size()):
+        return exact_storage(t)
     return t

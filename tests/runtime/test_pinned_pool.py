@@ -68,6 +68,40 @@ def test_host_copy_of_a_cpu_tensor_is_left_to_dcp() -> None:
     assert host_for_write(t) is t
 
 
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.uint8,
+                              torch.bool]),
+       total=st.integers(1, 400), lo=st.integers(0, 399), n=st.integers(1, 400), cols=st.sampled_from([1, 3]))
+def test_a_cpu_view_of_a_larger_buffer_is_handed_to_dcp_over_its_own_bytes_without_a_copy(
+        dtype: torch.dtype, total: int, lo: int, n: int, cols: int) -> None:
+    """DCP's writer clones a tensor whose storage is larger than it (``_SerialCpuLoader``); a chunk of a
+    sharded buffer is such a view. Handed over as the same memory with a storage of its own size, it is
+    neither cloned nor copied, and ``torch.save`` writes exactly its bytes."""
+    import io
+
+    from gtp_runtime.checkpoint.pinned import host_for_write
+
+    lo, n = min(lo, total - 1), min(n, total - min(lo, total - 1))
+    buf = (torch.arange(total * cols) % 7).to(dtype).reshape(total, cols)
+    view = buf[lo:lo + n]
+    out = host_for_write(view)
+    if n == total:  # the whole buffer: already its own storage, left as it is
+        assert out is view
+        return
+    assert out.untyped_storage().nbytes() == view.numel() * view.element_size()  # DCP's clone test is false
+    assert out.data_ptr() == view.data_ptr() and out.dtype == view.dtype and out.shape == view.shape
+    assert torch.equal(out, view)
+    buf[lo] = 1  # the same memory, not a copy
+    assert torch.equal(out[0], view[0])
+    stream = io.BytesIO()
+    torch.save(out, stream)
+    stream.seek(0)
+    assert torch.equal(torch.load(stream, weights_only=True), view)
+    strided = buf.t()
+    if not strided.is_contiguous():  # left to DCP, which clones it
+        assert host_for_write(strided) is strided
+
+
 def test_a_second_lease_waits_so_its_buffers_are_never_taken_from_a_reader() -> None:
     """A load while another save or load holds the pool (an async save's background write, say) would,
     without the lease, have the first one's give_back free the buffers its threads still read."""
