@@ -1,4 +1,4 @@
-"""Value statistics of one chunk from its stored elements, with numpy, by dtype (bfloat16 included).
+"""Value statistics of one chunk from its stored elements, by dtype (bfloat16 included), in one fused pass.
 
 Counts of NaN, +Inf, -Inf and zeros (``-0.0`` is a zero), and over the *finite* values the min, the
 max and the sum of squares accumulated in fp64. Finite-only, so that one NaN does not erase the
@@ -6,27 +6,52 @@ range of everything else, and so ``inspect --stats`` can show both "3 NaN" and t
 rest. Dtypes without a numeric view here (float8, complex, bit containers) get no statistics:
 their hash is still recorded.
 
-Why blocks: converting a whole chunk to fp64 would allocate 4x a bf16 chunk; ``BLOCK`` elements
-at a time keeps memory flat and the block in cache for the cheap passes (min, max, the zero count,
-the fp64 cast, square, sum), each into a buffer reused for every block (:class:`_Scratch`). The
-common case has one test for "no NaN/Inf": ``min`` and ``max`` propagate NaN, so both finite means
-the block has neither; only a block where one is not takes the exact counting path. The block
-size is part of the figures: the fp64 sum of squares is numpy's pairwise sum within a block, the
-blocks' sums added in order, so changing ``BLOCK`` would change the last bits of ``sumsq`` (smaller
-blocks were not faster either: 2^16 took 81 ms of CPU per 256 MB where 2^18 took 56).
+Why one compiled pass (numba) and not numpy: numpy has no call that gives a min, a max, a zero count
+and an fp64 sum of squares together, so the statistics were six passes per block (min, max, the zero
+compare and count, the fp64 cast, the square, the pairwise sum): 65 ms of one core per 256 MB of
+float32 on the 2-core machine, a quarter of a CPU save's own CPU, and the save is CPU-bound there
+when the disk is fast (docs/performance.md, issue 26). One loop that reads each element once takes
+11 ms for the same bytes (``benchmarks/bench_save_integrity.py``'s last table: 0.08 CPU s against 0.42 for
+the six passes over one rank's chunks).
+
+How the loop stays vectorised and exact:
+
+* the min and max are taken over the element's *bits*, turned into integers that sort like the
+  values (``b ^ ((b >> 31) & 0x7fffffff)`` for float32: IEEE 754's total order), because a compiler
+  may vectorise an integer min but not a float one whose NaN behaviour it must keep. So the range is
+  exact and ``-0.0 < 0.0``: a block of both zeros has min ``-0.0`` and max ``0.0``;
+* NaN and ±Inf are found from the bits too (exponent all ones); a block that holds one is taken
+  again by the exact path (:func:`_exact_block`: counted, dropped, the rest through the same loop),
+  so the fast path never has to carry NaN through its arithmetic;
+* the fp64 sum of squares may be reassociated (``fastmath={'reassoc'}``): the compiler keeps
+  several partial sums in vector lanes. The result is the sum of exact squares (a float32 or
+  bfloat16 squared in fp64 is exact) with fp64 rounding in an order fixed by the compiled code, so
+  the same elements give the same bits on the same machine and build; another CPU's vector width
+  may change the last bits (as the GPU's sum does), never the counts or the range.
+
+The loop runs over blocks of :data:`BLOCK_BYTES` stored bytes from the chunk's start, the size of the
+save's sink pieces, so the sink can take the statistics of each piece as it hashes and copies it
+(:class:`StatsStream`) and a whole chunk gives the same blocks; the blocks' sums are added in order.
+A block keeps a widened copy of 16-bit floats in cache and bounds its memory.
+
+The kernels are compiled on first use and cached on disk by numba (``cache=True``): the first call of
+a process that finds no cache takes about a second per dtype, later ones load it.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import numpy as np
 
 from gtp_format.dtypes import BOOL, FLOAT, SIGNED, UNSIGNED, DType
+from gtp_format.scan import carrier
 
-BLOCK = 1 << 18  # elements per pass: 2 MiB of fp64, inside a core's L2/L3
+BLOCK_BYTES = 1 << 20  # stored bytes per kernel call: the sink's piece (a core's L2 here), widened 16-bit floats 2 MiB
 
 
 @dataclass(frozen=True)
@@ -62,107 +87,218 @@ def has_stats(dtype: DType) -> bool:
     return dtype.name in ("float32", "float64", "float16", "bfloat16") or dtype.kind in (SIGNED, UNSIGNED, BOOL)
 
 
-class _Scratch:
-    """The buffers one :func:`element_stats` call reuses for every block, so no pass allocates.
+@cache
+def _kernels() -> tuple[Any, Any]:
+    """The two compiled loops (numba imported here, on the first statistics of a process: the read-only
+    commands never pay its import)."""
+    from numba import njit
 
-    Why (measured, one thread's CPU time per 256 MB of float32, old and new code in one run, 2 shared
-    cores): a fresh array per pass (``x == 0`` a bool block, ``astype`` a 2 MiB fp64 block, bfloat16's
-    widened copy) cost 75 ms for normal values, buffers allocated once 64 ms (bfloat16 83 and 69).
-    Blocks of one sign skip the zero count, and all-zero blocks (zeroed moments, padding) the count
-    and the three fp64 passes: 66 ms before, 9 ms now. The values are the same ones, from the same
-    numpy calls on the same blocks, so the statistics are bit for bit what the allocating passes gave
-    (``tests/format/test_chunk_stats.py``).
+    @njit(nogil=True, cache=True, boundscheck=False, fastmath={"reassoc", "contract"})
+    def floats(x: Any, bits: Any, ubits: Any, consts: Any) -> Any:
+        """One pass over a float block, read as its values and its bits as signed and as unsigned integers:
+        (sum of squares, the smallest and largest signed bits, the largest unsigned bits, zeros).
+        ``consts`` (:data:`_BITS`, in the bits' own integer type): the mask that drops the sign bit."""
+        mag = consts[0]
+        smin = smax = bits[0]
+        umax = ubits[0]
+        s = 0.0
+        zeros = 0
+        for i in range(x.size):
+            b = bits[i]
+            smin = min(smin, b)
+            smax = max(smax, b)
+            umax = max(umax, ubits[i])
+            d = np.float64(x[i])
+            s += d * d
+            zeros += (b & mag) == 0
+        return s, smin, smax, umax, zeros
+
+    @njit(nogil=True, cache=True, boundscheck=False, fastmath={"reassoc", "contract"})
+    def ints(x: Any) -> Any:
+        """One pass over an integer block: (sum of squares in fp64, min, max, zeros)."""
+        lo = hi = x[0]
+        s = 0.0
+        zeros = 0
+        for i in range(x.size):
+            v = x[i]
+            lo = min(lo, v)
+            hi = max(hi, v)
+            d = np.float64(v)
+            s += d * d
+            zeros += v == 0
+        return s, lo, hi, zeros
+
+    return floats, ints
+
+
+# per float width: the bits as signed and unsigned integers, the mask that drops the sign bit (an array: numba's
+# dispatcher types an array from a cache, a numpy scalar on every call), the smallest signed bits of a positive
+# NaN or +Inf, the smallest unsigned bits of a negative one
+_BITS = {4: (np.int32, np.uint32, np.array([0x7FFFFFFF], np.int32), 0x7F800000, 0xFF800000),
+         8: (np.int64, np.uint64, np.array([0x7FFFFFFFFFFFFFFF], np.int64), 0x7FF0000000000000, 0xFFF0000000000000)}
+
+
+def _bits_value(bits: int, itemsize: int) -> float:
+    fmt = "<I" if itemsize == 4 else "<Q"
+    return struct.unpack("<f" if itemsize == 4 else "<d", struct.pack(fmt, bits % (1 << (8 * itemsize))))[0]
+
+
+class _Acc:
+    """The figures of the blocks so far; the range as (key of the min, key of the max), where a key orders
+    floats as IEEE 754's total order does (:func:`_key`), so ``-0.0`` sorts below ``0.0``."""
+
+    def __init__(self) -> None:
+        self.nan = self.posinf = self.neginf = self.zeros = 0
+        self.sumsq = 0.0
+        self.lo: Any = None
+        self.hi: Any = None
+
+    def add(self, s: float, lo: Any, hi: Any, zeros: int) -> None:
+        self.sumsq += s
+        self.zeros += int(zeros)
+        self.lo = lo if self.lo is None or lo < self.lo else self.lo
+        self.hi = hi if self.hi is None or hi > self.hi else self.hi
+
+
+def _key(value: float) -> tuple[float, int]:
+    """Orders floats like IEEE 754's total order does for non-NaN values: by value, ``-0.0`` below ``0.0``."""
+    return value, int(math.copysign(1.0, value) > 0)
+
+
+def _float_block(x: np.ndarray, acc: _Acc) -> None:
+    """One block of float32 or float64 numbers.
+
+    Everything from three integer ranges of the bits (no float compare, so the loop vectorises). A
+    non-negative value's bits are a non-negative signed integer that grows with it; a negative value's
+    bits, as unsigned, grow with its magnitude. So: a NaN or an infinity is there exactly when the largest
+    signed bits reach +Inf's or the largest unsigned bits reach -Inf's. The min is the largest unsigned
+    bits when any value is negative (the smallest signed bits are then negative), else the smallest
+    signed; the max is the largest signed bits when any value is non-negative, else (all negative) the
+    smallest signed, the negative value nearest zero."""
+    if not x.size:
+        return
+    floats, _ = _kernels()
+    signed, unsigned, consts, pos_bad, neg_bad = _BITS[x.itemsize]
+    s, smin, smax, umax, zeros = floats(x, x.view(signed), x.view(unsigned), consts)
+    smin, smax, umax = int(smin), int(smax), int(umax)
+    if smax >= pos_bad or umax >= neg_bad:  # a NaN or an infinity: the block again, exactly
+        _exact_block(x, acc)
+        return
+    size = x.itemsize
+    lo = _bits_value(umax if smin < 0 else smin, size)
+    hi = _bits_value(smax if smax >= 0 else smin, size)
+    acc.add(s, _key(lo), _key(hi), zeros)  # a float64 sum may overflow: inf
+
+
+def _exact_block(x: np.ndarray, acc: _Acc) -> None:
+    """A block that holds NaN or ±Inf: those counted, the finite rest through the same loop."""
+    finite = np.isfinite(x)
+    bad = x[~finite]
+    acc.nan += int(np.count_nonzero(np.isnan(bad)))
+    acc.posinf += int(np.count_nonzero(bad == np.inf))
+    acc.neginf += int(np.count_nonzero(bad == -np.inf))
+    _float_block(np.ascontiguousarray(x[finite]), acc)
+
+
+class StatsStream:
+    """The statistics of one chunk from its stored bytes, handed in order as they pass: what the save's sink
+    does with each piece it hashes and copies (so the statistics read bytes that are in the cache, and no
+    pass of their own reads the chunk from memory), and what :func:`element_stats` does with a whole chunk.
+
+    The blocks are :data:`BLOCK_BYTES` of stored bytes from the chunk's start, whatever the runs handed in:
+    a run that ends inside a block leaves its tail in a carry buffer that the next run completes. The
+    sink's pieces are whole blocks (its ``PIECE`` is this size), so it never copies; either way the same
+    bytes give the same blocks, so the same figures to the last bit.
     """
 
-    def __init__(self, size: int, dtype: DType) -> None:
-        self.f64 = np.empty(size, np.float64)
-        self.hits = np.empty(size, np.bool_)
-        self.wide = np.empty(size, np.uint32) if dtype.name == "bfloat16" else None
-        self.half = np.empty(size, np.float32) if dtype.name == "float16" else None
+    def __init__(self, dtype: DType) -> None:
+        if not has_stats(dtype):
+            raise ValueError(f"{dtype} has no statistics")
+        self.dtype = dtype
+        self._carrier = carrier(dtype)  # the stored (little-endian) elements
+        self._acc = _Acc()
+        self._numel = 0
+        self._carry = np.empty(0, np.uint8)
+        self._carried = 0
+        self._wide: np.ndarray | None = None
 
-    def numbers(self, block: np.ndarray, dtype: DType) -> tuple[np.ndarray, np.ndarray | None]:
-        """A block of stored elements (the :func:`gtp_format.scan.carrier` view) as numpy numbers, and for
-        float16 the block as float16 too (:meth:`range`).
+    def update(self, data: Any) -> None:
+        """The next stored bytes of the chunk (any bytes-like)."""
+        raw = np.frombuffer(data, np.uint8)
+        if self._carried:
+            take = min(raw.size, BLOCK_BYTES - self._carried)
+            self._carry[self._carried:self._carried + take] = raw[:take]
+            self._carried += take
+            raw = raw[take:]
+            if self._carried < BLOCK_BYTES:
+                return
+            self._block(self._carry)
+            self._carried = 0
+        whole = raw.size - raw.size % BLOCK_BYTES
+        for at in range(0, whole, BLOCK_BYTES):
+            self._block(raw[at:at + BLOCK_BYTES])
+        if whole < raw.size:
+            if not self._carry.size:
+                self._carry = np.empty(BLOCK_BYTES, np.uint8)
+            self._carried = raw.size - whole
+            self._carry[:self._carried] = raw[whole:]
 
-        float16 is widened to float32 (exact) because numpy has no vector loops for float16 here: the
-        min of 64 M elements took 422 ms of CPU (float32: 4.4 ms), the widening 155 ms; a float16
-        chunk's statistics 513 ms per 32 M elements before, 115 ms widened (one run, one thread).
-        """
-        if self.wide is not None:  # bfloat16: the top half of a float32: widen the bits, no rounding
-            wide = self.wide[:block.size]
-            np.copyto(wide, block, casting="unsafe")
-            np.left_shift(wide, 16, out=wide)
-            return wide.view(np.float32), None
-        if self.half is not None:
-            native = block.view("<f2")
-            half = self.half[:block.size]
-            np.copyto(half, native)
-            return half, native
-        return block, None
+    def result(self) -> ChunkStats:
+        """The chunk's statistics (the last, partial block is taken now)."""
+        if self._carried:
+            if self._carried % self._carrier.itemsize:
+                raise ValueError(f"{self._carried} bytes left over: not whole {self.dtype} elements")
+            self._block(self._carry[:self._carried])
+            self._carried = 0
+        a = self._acc
+        if self.dtype.kind == FLOAT:
+            lo = None if a.lo is None else a.lo[0]
+            hi = None if a.hi is None else a.hi[0]
+        else:
+            lo = None if a.lo is None else float(a.lo)
+            hi = None if a.hi is None else float(a.hi)
+        return ChunkStats(self._numel, a.nan, a.posinf, a.neginf, a.zeros, lo, hi, a.sumsq)
 
-    @staticmethod
-    def range(x: np.ndarray, native: np.ndarray | None) -> tuple[float, float]:
-        """``x``'s min and max (NaN if it holds one). A zero result is taken again from ``native`` (the
-        same elements as float16): which of ``0.0`` and ``-0.0`` a min or max returns depends on the
-        loop that compares them, and the figure recorded is float16's own loop's."""
-        lo, hi = float(x.min()), float(x.max())
-        if native is not None and (lo == 0 or hi == 0):
-            lo, hi = (float(native.min()) if lo == 0 else lo), (float(native.max()) if hi == 0 else hi)
-        return lo, hi
+    def _block(self, raw: np.ndarray) -> None:
+        if raw.size % self._carrier.itemsize:
+            raise ValueError(f"a block of {raw.size} bytes is not whole {self.dtype} elements")
+        x = raw.view(self._carrier)
+        if not x.dtype.isnative:  # a big-endian host: the kernels read native numbers
+            x = x.astype(x.dtype.newbyteorder("="))
+        self._numel += x.size
+        if not x.size:
+            return
+        if self.dtype.kind != FLOAT:
+            _, ints = _kernels()
+            self._acc.add(*ints(x.view(np.uint8) if self.dtype.kind == BOOL else x))
+            return
+        name = self.dtype.name
+        if name in ("bfloat16", "float16"):
+            if self._wide is None:
+                self._wide = np.empty(BLOCK_BYTES // 2, np.uint32 if name == "bfloat16" else np.float32)
+            w = self._wide[:x.size]
+            if name == "bfloat16":  # the top half of a float32: widen the bits, no rounding
+                np.copyto(w, x, casting="unsafe")
+                np.left_shift(w, 16, out=w)
+                x = w.view(np.float32)
+            else:  # exact in float32
+                np.copyto(w, x.view(np.float16))
+                x = w
+        _float_block(x, self._acc)
 
-    def zeros(self, x: np.ndarray, lo: float, hi: float) -> int:
-        """How many of the (finite) ``x`` are zero (``-0.0`` included), given their min and max: none
-        when all have one sign, all when both are zero, else counted (one comparison, one count)."""
-        if lo > 0 or hi < 0:
-            return 0
-        if lo == 0 and hi == 0:
-            return int(x.size)
-        # same count as size - count_nonzero(x); 7 ms not 30 per 256 MB fp32
-        return int(np.count_nonzero(np.equal(x, 0, out=self.hits[:x.size])))
 
-    def sumsq(self, x: np.ndarray, lo: float, hi: float) -> float:
-        """The fp64 sum of squares of the (finite) ``x``: numpy's pairwise sum of the block's squares.
-
-        Summed without BLAS: a BLAS dot spawns threads, which on a loaded machine (ranks sharing cores
-        with torch's own threads) made it 60x slower than this, measured on the save; and a BLAS dot
-        adds in another order, so the figure would change with the library. All zeros: 0.0, as the
-        sum gives, without the passes.
-        """
-        if lo == 0 and hi == 0:
-            return 0.0
-        y = self.f64[:x.size]
-        np.copyto(y, x, casting="unsafe")  # what astype(float64) gives, into the buffer
-        with np.errstate(over="ignore"):  # float64 data can overflow fp64: the sum is then inf ("overflow")
-            np.square(y, out=y)
-            return float(y.sum())
+def warm_up(dtypes: list[DType]) -> None:
+    """Load (or compile) the loops ``dtypes`` need now: a writer calls this on a thread of its own before its
+    first chunk, so the first save of a process does not wait for it (0.3 s with numba's disk cache, 1 s
+    without, on the 2-core machine)."""
+    for dtype in {d.name: d for d in dtypes if has_stats(d)}.values():
+        element_stats(np.zeros(1, carrier(dtype)), dtype)
 
 
 def element_stats(elements: np.ndarray, dtype: DType) -> ChunkStats | None:
     """Statistics of stored elements viewed through :func:`gtp_format.scan.carrier`; None for other dtypes."""
     if not has_stats(dtype):
         return None
-    flat = elements.reshape(-1)
-    floating = dtype.kind == FLOAT
-    nan = posinf = neginf = zeros = 0
-    lo, hi, sumsq = math.inf, -math.inf, 0.0
-    scratch = _Scratch(min(BLOCK, flat.size), dtype)
-    for i in range(0, flat.size, BLOCK):
-        x, native = scratch.numbers(flat[i:i + BLOCK], dtype)
-        if x.size == 0:
-            continue
-        b_lo, b_hi = scratch.range(x, native)  # min and max propagate NaN: finite both means no NaN/Inf
-        if floating and not (math.isfinite(b_lo) and math.isfinite(b_hi)):
-            finite = np.isfinite(x)
-            bad = x[~finite]
-            nan += int(np.count_nonzero(np.isnan(bad)))
-            posinf += int(np.count_nonzero(bad == np.inf))
-            neginf += int(np.count_nonzero(bad == -np.inf))
-            x = x[finite]
-            if not x.size:
-                continue
-            b_lo, b_hi = scratch.range(x, None if native is None else native[finite])
-        zeros += scratch.zeros(x, b_lo, b_hi)
-        lo, hi = min(lo, b_lo), max(hi, b_hi)
-        sumsq += scratch.sumsq(x, b_lo, b_hi)
-    some = lo <= hi
-    return ChunkStats(int(flat.size), nan, posinf, neginf, zeros, lo if some else None, hi if some else None, sumsq)
+    stream = StatsStream(dtype)
+    stream.update(np.ascontiguousarray(elements).reshape(-1).view(np.uint8))
+    return stream.result()

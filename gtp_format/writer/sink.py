@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ import numpy as np
 
 from gtp_format.hashing import CRCS
 from gtp_format.integrity.hash import chunk_hasher
+from gtp_format.integrity.stats import BLOCK_BYTES
 from gtp_format.manifest import HASH_ALGORITHM, FileEntry
 
 ALIGN = 4096
@@ -49,7 +51,9 @@ DIRECT_MIN = 4 << 20  # smaller stages (budgets under 64 MiB) write through the 
 # direct writes, each waiting for the disk, made a 2.25 GB reshard at a 16 MiB budget 7.6-8.1 s
 # where buffered writes took 6.4-7.2 s
 _IOV_MAX = 1024
-PIECE = 256 << 10  # bytes hashed and copied together: well inside a core's L2 (1-2 MiB)
+# bytes hashed and copied together: a core's L2 here (1 MiB; 2 MiB on the H200 host); the statistics' block,
+# so that a chunk's pieces are its statistics' blocks (StatsStream never copies a piece to complete one)
+PIECE = BLOCK_BYTES
 
 
 def _write_all(fd: int, parts: list[Any]) -> None:
@@ -130,18 +134,23 @@ class Sink:
             self._bufs, self._cur = [_aligned(size), _aligned(size)], 0
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sink")
 
-    def write(self, parts: list[Any]) -> None:
+    def write(self, parts: list[Any], on_piece: Callable[[memoryview], None] | None = None) -> None:
         """Append ``parts`` (bytes-like, each C-contiguous) in order.
 
-        With ``segments``, each part is walked :data:`PIECE` bytes at a time, and each piece gets its
-        CRC-32C, its segment hash and its copy (or write) before the next, so the second and third
-        passes read it from the CPU cache rather than from memory. Measured with
+        With ``segments`` (or ``on_piece``), each part is walked :data:`PIECE` bytes at a time, and each
+        piece gets its CRC-32C, its segment hash, ``on_piece`` (the save's chunk statistics:
+        :class:`gtp_format.integrity.stats.StatsStream`) and its copy (or write) before the next, so the
+        later passes read it from the CPU cache rather than from memory. Measured with
         ``benchmarks/bench_sink.py`` (one thread, 2.15 GB in 64 MiB parts into tmpfs, best of 5, on the
         16-core H200 host): the chunk records' cost went from +38 % to +15 % of the sink's time. Without
-        ``segments`` each pass takes the whole part (small writes made that case 10 % slower there)."""
+        them each pass takes the whole part (small writes made that case 10 % slower there).
+
+        Why 1 MiB pieces (a core's L2 on this 2-core machine): 256 KiB pieces cost 0.02 CPU s more per
+        512 MB in Python calls (the same benchmark, ``--direct``, here, 9 rounds twice), about a fifth
+        of what the records added to a CPU save."""
         for p in parts:
             v = memoryview(p).cast("B")
-            if self._seg is None:
+            if self._seg is None and on_piece is None:
                 if self._crc is not None:
                     self._value = self._crc.update(v, self._value)
                 self._put_bytes(v)
@@ -150,7 +159,10 @@ class Sink:
                 piece = v[at:at + PIECE]
                 if self._crc is not None:
                     self._value = self._crc.update(piece, self._value)
-                self._seg.update(piece)
+                if self._seg is not None:
+                    self._seg.update(piece)
+                if on_piece is not None:
+                    on_piece(piece)
                 self._put_bytes(piece)
 
     def _put_bytes(self, v: memoryview) -> None:

@@ -1,9 +1,10 @@
-"""Chunk records at save: statistics from the tensors before the write, hashes as the bytes are written.
+"""Chunk records at save: statistics and hashes of the bytes as they are written, or on the device first.
 
-Statistics are taken from the state the save is about to write, where the elements already are:
-on CPU through the format package's numpy code (:func:`gtp_format.integrity.stats.element_stats`,
-a zero-copy view of the tensor), on CUDA with torch on the device *before* DCP copies the chunk to
-the host, so the GPU reduces and one small tensor of results crosses PCIe per chunk. The hashes
+Statistics are taken where the elements already are: on CPU through the format package's compiled
+loop (:class:`gtp_format.integrity.stats.StatsStream`), fed by the ``torch_dist`` sink with each piece
+it hashes and copies (:class:`SinkStats`), or from a zero-copy view of the tensor
+(:func:`tensor_stats`); on CUDA with torch on the device *before* DCP copies the chunk to the host, so
+the GPU reduces and one small tensor of results crosses PCIe per chunk. The hashes
 of ``torch_dist`` files are computed by the ``O_DIRECT`` sink from the bytes it writes
 (:mod:`gtp_runtime.checkpoint.direct_fs`, :func:`records_from_segments`): nothing is read back.
 The safetensors layout (written by the ``safetensors`` library, not the sink) still reads each file
@@ -18,12 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from gtp_format.dtypes import from_torch
 from gtp_format.integrity.record_file import Span, record_file
 from gtp_format.integrity.records import ChunkRecord
-from gtp_format.integrity.stats import BLOCK, ChunkStats, element_stats, has_stats
+from gtp_format.integrity.stats import ChunkStats, StatsStream, element_stats, has_stats, warm_up
 from gtp_format.manifest import FileEntry
 from gtp_format.names import chunk_tensor_name
 from gtp_format.reader.safetensors_reader import read_header
@@ -56,7 +58,7 @@ def _exact_device_stats(t: torch.Tensor) -> ChunkStats | None:
     return _stats(x.numel(), [nan, posinf, neginf, zeros, sumsq, float(lo), float(hi)])
 
 
-_STEP = BLOCK * 64  # elements per fp64 block on the device: 128 MiB of fp64 working memory
+_STEP = 1 << 24  # elements per fp64 block on the device: 128 MiB of fp64 working memory
 
 
 def _stats(numel: int, v: list[float]) -> ChunkStats:
@@ -136,7 +138,7 @@ def state_stats(sd: dict[str, Any]) -> dict[ChunkId, ChunkStats | None]:
 Stats = Callable[[], dict[ChunkId, ChunkStats | None]]
 
 
-def _start_device_stats(sd: dict[str, Any], device: torch.device) -> Stats:
+def _start_device_stats(sd: dict[str, Any], device: torch.device, sink: SinkStats | None = None) -> Stats:
     """Every CUDA chunk's figures queued on a stream of their own (after the training stream's work,
     so they see the finished step), without waiting: the save goes on (an async save's staging copy,
     a sync save's writer threads) while the GPU reduces, and one small pinned tensor comes back for
@@ -166,6 +168,8 @@ def _start_device_stats(sd: dict[str, Any], device: torch.device) -> Stats:
     queued = _on_thread(queue)
 
     def finish() -> dict[ChunkId, ChunkStats | None]:
+        if sink is not None:
+            sink.join()
         done, host = queued()
         done.synchronize()
         figures = dict(zip((cid for cid, _ in gpu), host.tolist() if host is not None else []))
@@ -173,8 +177,8 @@ def _start_device_stats(sd: dict[str, Any], device: torch.device) -> Stats:
         with torch.no_grad():
             for cid, t in chunks:
                 v = figures.get(cid)
-                if v is None:
-                    out[cid] = tensor_stats(t)  # a host tensor, or a dtype without statistics
+                if v is None:  # a host tensor (the sink's, if it took them), or a dtype without statistics
+                    out[cid] = sink.found[cid] if sink is not None and cid in sink.found else tensor_stats(t)
                 elif v[0] or v[1] or v[2]:
                     out[cid] = _exact_device_stats(t)
                 else:
@@ -184,18 +188,74 @@ def _start_device_stats(sd: dict[str, Any], device: torch.device) -> Stats:
     return finish
 
 
-def start_state_stats(sd: dict[str, Any]) -> Stats:
+class SinkStats:
+    """The host chunks of a ``torch_dist`` save whose statistics the sink takes as it writes them.
+
+    ``torch.save`` hands the stream a chunk's elements as one write over the tensor's own memory (the
+    planner gives DCP each CPU chunk over its own bytes: :func:`pinned.exact_storage`), so a write whose
+    address and length are a chunk's is that chunk, and each piece the sink hashes and copies also goes
+    through :class:`StatsStream` while it is in the cache. Why: on a thread of their own the statistics
+    read every chunk from memory a second time, beside the writer threads that read it for
+    ``torch.save`` and the sink (``benchmarks/bench_save_integrity.py``). A chunk no write matched (a
+    ``torch`` that cut the write, a view DCP cloned) is taken from its tensor after the write.
+    """
+
+    def __init__(self, sd: dict[str, Any]) -> None:
+        self._chunks = _state_chunks(sd)
+        self._want: dict[tuple[int, int], tuple[Any, list[ChunkId]]] = {}
+        for cid, t in self._chunks:
+            dtype = from_torch(t.dtype)
+            if t.device.type == "cpu" and t.numel() and t.is_contiguous() and has_stats(dtype):
+                key = (t.data_ptr(), t.numel() * t.element_size())
+                self._want.setdefault(key, (dtype, []))[1].append(cid)
+        self.found: dict[ChunkId, ChunkStats] = {}
+        self._ids: dict[int, list[ChunkId]] = {}
+        self._lock = threading.Lock()
+        # the loops loaded while DCP plans, not in the first piece a writer thread hands the sink
+        self._warm = _on_thread(lambda: warm_up([dtype for dtype, _ in self._want.values()]))
+
+    def start(self, data: memoryview) -> StatsStream | None:
+        if not self._want:
+            return None
+        hit = self._want.get((np.frombuffer(data, np.uint8).ctypes.data, data.nbytes))
+        if hit is None:
+            return None
+        stream = StatsStream(hit[0])
+        with self._lock:
+            self._ids[id(stream)] = hit[1]
+        return stream
+
+    def finish(self, stream: StatsStream) -> None:
+        stats = stream.result()
+        with self._lock:
+            for cid in self._ids.pop(id(stream)):
+                self.found[cid] = stats
+
+    def join(self) -> None:
+        """Wait for the warm-up thread (no thread outlives the save)."""
+        self._warm()
+
+    def collect(self) -> dict[ChunkId, ChunkStats | None]:
+        """Every chunk's statistics after the write: the sink's, else from the tensor now."""
+        self.join()
+        with torch.no_grad():
+            return {cid: self.found[cid] if cid in self.found else tensor_stats(t) for cid, t in self._chunks}
+
+
+def start_state_stats(sd: dict[str, Any], sink: SinkStats | None = None) -> Stats:
     """Start :func:`state_stats`; call the result (after the write) to get them.
 
     On CUDA they are queued on the device now, on a stream of their own, before anything is copied
-    to the host, and run beside the copies (:func:`_start_device_stats`). On CPU they run on a thread
-    while DCP writes: numpy releases the GIL, and the write spends most of its time in
-    ``torch.save``'s copy and the fsyncs, so the statistics mostly fill idle time instead of adding
-    to the save (``benchmarks/bench_save_integrity.py``). The tensors are only read by both.
+    to the host, and run beside the copies (:func:`_start_device_stats`). Host chunks that ``sink``
+    watches get theirs from the sink as it writes them (:class:`SinkStats`). Otherwise (safetensors)
+    they run on a thread while the library writes: numba's loop releases the GIL, and the write waits on
+    the disk, so the statistics mostly fill idle time. The tensors are only read by all three.
     """
     cuda = next((t.device for _, t in _state_chunks(sd) if t.is_cuda), None)
     if cuda is not None:
-        return _start_device_stats(sd, cuda)
+        return _start_device_stats(sd, cuda, sink)
+    if sink is not None:
+        return sink.collect
     return _on_thread(lambda: state_stats(sd))
 
 

@@ -16,15 +16,17 @@ still writes several files of a rank in parallel, each with its own sink.
 
 Chunk hashes on the way out: DCP asks the stream for its position (``tell``) right before and right
 after it serialises each item, so the stream cuts the sink's segment hash there
-(:meth:`gtp_format.writer.sink.Sink.cut`) and every item's bytes get their xxh3-128 on the writer
-thread that already holds them (xxhash releases the GIL for large buffers). The save then matches
-those segments to DCP's storage metadata (:func:`chunk_records.records_from_segments`) instead of
-reading each file back. What the read-back also checked, the file's CRC-32C read from disk against
-the one computed as written, caught only a sink that wrote other bytes than it was handed (its
-staging, padding and fallback logic; ``tests/cli/test_reshard_sink.py`` checks those against brute
-force) or a file cut short; the sink now checks the size on disk after its fsync (one ``fstat``). A
-disk that loses acknowledged writes is beyond any check at save time: ``verify --data`` finds it by
-the chunk hashes. Measured in ``benchmarks/bench_save_integrity.py`` (docs/performance.md).
+(:meth:`gtp_format.writer.sink.Sink.cut`) and every item's bytes get their xxh3-128 on the writer thread
+that already holds them (xxhash releases the GIL for large buffers). The save then matches those
+segments to DCP's storage metadata (:func:`chunk_records.records_from_segments`) instead of reading each
+file back. With a ``watch`` (:class:`chunk_records.SinkStats`), a write that is a CPU chunk's elements
+also gets its statistics piece by piece, from the same cached pieces. What the read-back also checked,
+the file's CRC-32C read from disk against the one computed as written, caught only a sink that wrote
+other bytes than it was handed (its staging, padding and fallback logic;
+``tests/cli/test_reshard_sink.py`` checks those against brute force) or a file cut short; the sink now
+checks the size on disk after its fsync (one ``fstat``). A disk that loses acknowledged writes is beyond
+any check at save time: ``verify --data`` finds it by the chunk hashes. Measured in
+``benchmarks/bench_save_integrity.py`` (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
@@ -43,20 +45,36 @@ from gtp_format.manifest import FileEntry
 from gtp_format.writer.sink import STAGE, Sink
 
 
+class Watch(Protocol):
+    """Which writes are a chunk's elements, whose statistics the sink takes piece by piece as it writes them
+    (:class:`gtp_runtime.checkpoint.chunk_records.SinkStats`)."""
+
+    def start(self, data: memoryview) -> Any:
+        """A stream for the statistics of ``data``'s bytes (:class:`StatsStream`), or None."""
+
+    def finish(self, stream: Any) -> None:
+        """``stream`` has had every byte of its chunk."""
+
+
 class _SinkStream(io.RawIOBase):
     """A write-only stream over a :class:`Sink`: ``tell`` is the bytes handed in (DCP's offsets)."""
 
-    def __init__(self, sink: Sink) -> None:
+    def __init__(self, sink: Sink, watch: Watch | None = None) -> None:
         super().__init__()
         self.sink = sink
+        self.watch = watch
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
-        n = memoryview(b).nbytes
+        v = memoryview(b)
+        n = v.nbytes
         if n:
-            self.sink.write([b])
+            stream = self.watch.start(v) if self.watch is not None else None
+            self.sink.write([b], on_piece=None if stream is None else stream.update)
+            if stream is not None:
+                self.watch.finish(stream)  # type: ignore[union-attr]
         return n
 
     def tell(self) -> int:
@@ -71,10 +89,11 @@ class DirectFileSystem(FileSystem):
     two ``tell`` calls.
     """
 
-    def __init__(self, stage: int = STAGE, segments: bool = False) -> None:
+    def __init__(self, stage: int = STAGE, segments: bool = False, watch: Watch | None = None) -> None:
         super().__init__()
         self.stage = stage
         self.hash_segments = segments
+        self.watch = watch
         self.entries: dict[str, FileEntry] = {}
         self.segments: dict[str, dict[tuple[int, int], str]] = {}
         self._lock = threading.Lock()
@@ -88,7 +107,7 @@ class DirectFileSystem(FileSystem):
             return
         sink = Sink(path, self.stage, segments=self.hash_segments)
         try:
-            yield _SinkStream(sink)
+            yield _SinkStream(sink, self.watch)
         except BaseException:
             sink.abort()
             raise
@@ -98,13 +117,15 @@ class DirectFileSystem(FileSystem):
             self.segments[path.name] = sink.segments
 
 
-def direct_writer(folder: Path, threads: int, segments: bool = False) -> tuple[FileSystemWriter, DirectFileSystem]:
-    """A DCP writer for ``folder`` whose data files go through :class:`DirectFileSystem`.
+def direct_writer(folder: Path, threads: int, segments: bool = False,
+                  watch: Watch | None = None) -> tuple[FileSystemWriter, DirectFileSystem]:
+    """A DCP writer for ``folder`` whose data files go through :class:`DirectFileSystem` (``watch``: the
+    chunks whose statistics the sinks take as they write them).
 
     ``sync_files=False``: each sink fsyncs its own file when it closes (DCP's own fsync would come
     before the sink's last buffer is written); ``.metadata`` is fsynced by the commit.
     """
     writer = FileSystemWriter(folder, sync_files=False, thread_count=threads)
-    fs = DirectFileSystem(segments=segments)
+    fs = DirectFileSystem(segments=segments, watch=watch)
     writer.fs = fs
     return writer, fs

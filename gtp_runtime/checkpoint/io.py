@@ -39,7 +39,13 @@ from gtp_format.manifest import FileEntry, Manifest
 from gtp_format.reader.storage import read_small_file
 from gtp_format.storage.location import ObjectURL, parse_location
 from gtp_format.writer.checkpoint import CheckpointWriter, file_entry, megatron_metadata
-from gtp_runtime.checkpoint.chunk_records import Stats, record_own_files, records_from_segments, start_state_stats
+from gtp_runtime.checkpoint.chunk_records import (
+    SinkStats,
+    Stats,
+    record_own_files,
+    records_from_segments,
+    start_state_stats,
+)
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
 from gtp_runtime.checkpoint.direct_fs import direct_writer
 from gtp_runtime.checkpoint.errors import CheckpointError, CheckpointSaveError
@@ -187,26 +193,28 @@ def write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: int | 
     """Write this rank's chunks into ``tmp`` (DCP, over ``group``); return its files' entries and,
     with ``integrity``, the chunk records (hash and statistics of every chunk) of those files.
 
-    ``torch_dist`` data files go through the ``O_DIRECT`` sink (:mod:`direct_fs`), which fsyncs
-    each and computes its CRC-32C and every chunk's xxh3-128 as it writes, so nothing is read back
+    ``torch_dist`` data files go through the ``O_DIRECT`` sink (:mod:`direct_fs`), which fsyncs each and
+    computes its CRC-32C and every chunk's xxh3-128 as it writes, so nothing is read back
     (:func:`chunk_records.records_from_segments`; why no read-back is needed: :mod:`direct_fs`).
     Safetensors files are read back once for both (:func:`chunk_records.record_own_files`). The
-    statistics run during the write (on the GPU for CUDA chunks, else on a thread), unless ``stats_of``
-    brings them: an async save of CUDA state takes them from the live chunks on the device while it
-    stages (:meth:`async_save.AsyncCheckpointer.save`), not from the host copy. An async save runs this
-    on its background thread, over its own process group, never the training one.
+    statistics run during the write (on the GPU for CUDA chunks, in the sink's pieces for CPU chunks of
+    a ``torch_dist`` save, else on a thread), unless ``stats_of`` brings them: an async save of CUDA
+    state takes them from the live chunks on the device while it stages
+    (:meth:`async_save.AsyncCheckpointer.save`), not from the host copy. An async save runs this on its
+    background thread, over its own process group, never the training one.
     """
     # Several writer threads per rank (files __{rank}_0.., __{rank}_1..): torch.save releases the
     # GIL while it copies and writes, and measured on 2 cores this doubles DCP's save rate.
     threads = threads or max(1, min(4, os.cpu_count() or 1))
+    sink = SinkStats(sd) if integrity and stats_of is None and layout == "torch_dist" else None
     if stats_of is None:
-        stats_of = start_state_stats(sd) if integrity else dict
+        stats_of = start_state_stats(sd, sink) if integrity else dict
     written: dict[str, FileEntry] | None = None
     storage: dict[Any, Any] = {}
     try:
         with POOL.lease():  # given back once DCP's writer threads have ended: none still reads a buffer
             if layout == "torch_dist":
-                writer, fs = direct_writer(tmp, threads, segments=integrity)
+                writer, fs = direct_writer(tmp, threads, segments=integrity, watch=sink)
                 dcp.save(sd, storage_writer=_own_results(_hooked(writer, tmp), storage),
                          planner=ChunkSavePlanner(), process_group=group)
                 written = dict(fs.entries)

@@ -23,6 +23,7 @@ from dist_harness import run_ranks
 from integrity_ckpts import MODEL, NAN_WEIGHT, PAR, save_all
 
 from gtp_format.check.verify import verify
+from gtp_format.integrity.stats import element_stats
 from gtp_format.layout.config import ParallelConfig
 from gtp_format.names import CHUNK_RECORDS_FILE, parse_optimizer_key
 from gtp_format.reader.checkpoint import open_checkpoint
@@ -230,20 +231,23 @@ def test_a_replica_corrupted_on_one_rank_fails_that_save_on_every_rank(tmp_path:
     assert not list(tmp_path.glob("iter_*")) and not (tmp_path / "latest_checkpointed_iteration.txt").exists()
 
 
-def _save_reading_nothing_back(root: str) -> int:
-    """One rank: a torch_dist save with two files per rank; returns how many files were read back."""
+def _save_reading_nothing_back(root: str) -> tuple[int, int]:
+    """One rank: a torch_dist save with two files per rank; returns how many files were read back and how
+    many chunks' statistics were taken from their tensors instead of from the sink as it wrote them."""
     import gtp_runtime.checkpoint.chunk_records as chunk_records
 
-    reads = []
-    real = chunk_records.record_file
+    reads, apart = [], []
+    real, real_stats = chunk_records.record_file, chunk_records.tensor_stats
     chunk_records.record_file = lambda *a, **k: (reads.append(a[1]), real(*a, **k))[1]  # type: ignore[assignment]
+    chunk_records.tensor_stats = lambda t: (apart.append(t.shape), real_stats(t))[1]  # type: ignore[assignment]
     try:
         t = Trainer(TrainConfig(par=PAR, model=MODEL, micro_batch=1, bucket_size=100000))
         t.iteration = 1
         save_checkpoint(t, root, writer_threads=2)
     finally:
         chunk_records.record_file = real  # type: ignore[assignment]
-    return len(reads)
+        chunk_records.tensor_stats = real_stats  # type: ignore[assignment]
+    return len(reads), len(apart)
 
 
 @pytest.mark.slow
@@ -256,7 +260,7 @@ def test_records_hashed_as_written_equal_the_read_back_of_the_same_files(tmp_pat
     from gtp_format.integrity.records import read_records
     from gtp_runtime.checkpoint.chunk_records import _spans
 
-    assert run_ranks(PAR.world_size, _save_reading_nothing_back, str(tmp_path)) == [0, 0]
+    assert run_ranks(PAR.world_size, _save_reading_nothing_back, str(tmp_path)) == [(0, 0), (0, 0)]
     folder = tmp_path / "iter_0000001"
     ckpt = open_checkpoint(folder)
     saved = read_records(ckpt)
@@ -271,3 +275,8 @@ def test_records_hashed_as_written_equal_the_read_back_of_the_same_files(tmp_pat
         assert entry == ckpt.manifest.files[rel]  # the CRC-32C computed as written is the file's
         again.update({(r.key, r.offsets): r for r in recs})
     assert again == saved.by_chunk
+    # the statistics the sink took piece by piece are, bit for bit, those of the chunk's stored elements
+    for e in ckpt.entries.values():
+        for c in e.chunks:
+            raw = load_elements(ckpt, e, c)
+            assert saved.by_chunk[(e.key, c.offsets)].stats == element_stats(raw, e.dtype), (e.key, c.offsets)
