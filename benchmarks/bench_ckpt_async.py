@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from pairs import paired
 
 from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_format.names import iter_dir_name
@@ -150,6 +151,9 @@ def _records_only(args: argparse.Namespace, trainer: Trainer, root: Path, device
 
         save_stages.install()
         _wall_timers()
+    for integrity in (False, True):  # once each, untimed: the first saves allocate the pinned pool
+        save(trainer, root / "rounds", integrity=integrity)
+        _rm(root / "rounds")
     for i in range(args.record_rounds):
         for integrity in ((True, False) if i % 2 else (False, True)):
             if args.stages:
@@ -169,6 +173,7 @@ def _records_only(args: argparse.Namespace, trainer: Trainer, root: Path, device
         row = {"device": device.type, "ranks": dist.get_world_size(), "ckpt_gb": round(gb, 3),
                "records_added_pct": round(100 * (statistics.median(with_s) / statistics.median(without_s) - 1), 1),
                "records_added_pct_fastest": round(100 * (min(with_s) / min(without_s) - 1), 1),
+               **paired(without_s, with_s),
                "record_rounds": len(with_s), "save_with_records_s": [round(x, 3) for x in with_s],
                "save_without_records_s": [round(x, 3) for x in without_s]}
         if args.stages:  # seconds per save: CPU of each stage (save_stages) and wall of the save's phases

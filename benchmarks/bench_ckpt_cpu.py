@@ -53,6 +53,13 @@ def worker(args: argparse.Namespace, out: str) -> None:
     trainer = Trainer(TrainConfig(par=ParallelConfig(cp=2, fold_cp=True), model=model, micro_batch=1))
     root = Path(out)
     rows = []
+    for layout in args.layouts:  # once each, untimed: a process's first save and load load what later ones reuse
+        save_checkpoint(trainer, root / f"warm_{layout}", layout=layout)
+        load_checkpoint(trainer, root / f"warm_{layout}")
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(root / f"warm_{layout}", ignore_errors=True)
+        dist.barrier()
     for layout in args.layouts:
         target = root / layout
         save_s = _timed(lambda target=target, layout=layout: save_checkpoint(trainer, target, layout=layout))

@@ -37,6 +37,7 @@ import save_stages
 import torch
 import torch.distributed as dist
 from bench_ckpt_cpu import _timed  # the same save timing between barriers as the CPU save benchmark
+from pairs import paired
 
 from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_runtime.launch import run_local_ranks
@@ -88,29 +89,36 @@ def _parts(trainer: Trainer, folder: Path) -> tuple[dict[str, float], dict[str, 
 
 
 def _stat_passes(sd: dict[str, Any]) -> dict[str, float]:
-    """CPU seconds (this thread's) of each numpy pass of the statistics over this rank's float32 chunks, in
-    the statistics' own blocks, each pass run alone: what each statistic costs (the NaN/Inf test rides on
-    min and max). CPU, not wall: the other rank runs the same passes on the same cores meanwhile."""
+    """CPU seconds (this thread's) over this rank's float32 chunks, in the statistics' own blocks: the fused
+    loop the save runs (:func:`element_stats`), and each numpy pass of the statistics as they were before it
+    (min, max, the zero count, the fp64 cast, square and pairwise sum), each pass run alone. CPU, not wall:
+    the other rank runs the same passes on the same cores meanwhile."""
     import numpy as np
 
-    from gtp_format.integrity.stats import BLOCK
+    from gtp_format.dtypes import by_name
+    from gtp_format.integrity.stats import BLOCK_BYTES, element_stats
     from gtp_runtime.checkpoint.dcp_chunks import Chunks
 
     arrays = [t.detach().contiguous().numpy() for v in sd.values() if isinstance(v, Chunks)
               for t in v.chunks.values() if t.dtype == torch.float32]
-    buf = np.empty(BLOCK, np.float64)
+    block = BLOCK_BYTES // 4
+    buf = np.empty(block, np.float64)
     passes = {"min": lambda b: b.min(), "max": lambda b: b.max(), "zeros (== 0, count)": lambda b:
               np.count_nonzero(b == 0), "fp64 cast (astype)": lambda b: b.astype(np.float64),
               "square (fp64, in place)": lambda b: np.square(buf[:b.size], out=buf[:b.size]),
               "sum (fp64, pairwise)": lambda b: buf[:b.size].sum()}
-    out = {}
+    element_stats(arrays[0][:8], by_name("float32"))  # the compiled loop loaded (or compiled) before timing
+    t = time.thread_time()
+    for a in arrays:
+        element_stats(a, by_name("float32"))
+    out = {"the fused loop (all figures, the save's)": round(time.thread_time() - t, 3)}
     for name, op in passes.items():
         t = time.thread_time()
         for a in arrays:
             flat = a.reshape(-1)
-            for i in range(0, flat.size, BLOCK):
-                op(flat[i:i + BLOCK])
-        out[name] = round(time.thread_time() - t, 3)
+            for i in range(0, flat.size, block):
+                op(flat[i:i + block])
+        out[f"numpy pass before it: {name}"] = round(time.thread_time() - t, 3)
     return out
 
 
@@ -161,6 +169,12 @@ def worker(args: argparse.Namespace, out: str) -> None:
     for _ in range(args.steps):  # the state a run saves: Adam's moments are zero before the first step
         trainer.train_step()
     root = Path(out)
+    for integrity in (False, True):  # once each, untimed: the first save of a process loads what later ones
+        save_checkpoint(trainer, root / f"warm_{int(integrity)}", integrity=integrity)  # reuse (numba's kernels)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(root / f"warm_{int(integrity)}", ignore_errors=True)
+        dist.barrier()
     times: dict[bool, list[float]] = {True: [], False: []}
     cpu: dict[bool, list[float]] = {True: [], False: []}
     stages: dict[bool, dict[str, float]] = {True: {}, False: {}}
@@ -193,6 +207,7 @@ def worker(args: argparse.Namespace, out: str) -> None:
         row = {"GB": round(size / 1e9, 3), "save without s": round(without_s, 3), "save with s": round(with_s, 3),
                "added (fastest)": f"{(with_s / without_s - 1) * 100:+.1f}%",
                "added (median)": f"{(with_m / without_m - 1) * 100:+.1f}%",
+               **paired(times[False], times[True]),
                **{k: round(v, 3) for k, v in parts.items()}}
         without, with_ = (save_stages.table_row(stages[g], args.repeat) for g in (False, True))
         cpu_rows = [{"stage (rank 0, CPU s per save)": "whole rank (median)",
@@ -234,6 +249,8 @@ def main() -> int:
     text += "\n\n" + tabulate(rows["stages"], headers="keys", tablefmt="github")
     text += "\n\n" + tabulate(rows["passes"], headers="keys", tablefmt="github")
     print(text)
+    print("saves without (s):", " ".join(f"{t:.3f}" for t in rows["saves"]["without"]))
+    print("saves with (s):   ", " ".join(f"{t:.3f}" for t in rows["saves"]["with"]))
     if args.write_docs:
         sys.path.insert(0, os.path.dirname(__file__))
         from docs_section import write_report

@@ -66,7 +66,7 @@ SMOKE = {
 # Not run with --smoke by the test above; each has its own test below.
 # save_stages.py is bench_save_integrity.py's timers: its stage table is checked in check_save_integrity.
 OTHERS = {"bench_megatron_save.py", "report_gpu.py", "docs_section.py", "trace_exposed.py", "fuzz_targets.py",
-          "save_stages.py"}
+          "save_stages.py", "pairs.py"}
 
 
 
@@ -159,17 +159,18 @@ def check_chunk_hash(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
 
 def check_save_integrity(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     head, row, vhead, vrow, shead, *rest = _table(p.stdout)  # save, verify, stages in the save, statistics passes
-    assert head[:5] == ["GB", "save without s", "save with s", "added (fastest)", "added (median)"]
-    assert len(row) == len(head) == 10 and "sink xxh3 from memory s" in head
-    assert float(row[0]) > 0 and all(float(v) >= 0 for v in row[5:]) and row[3].endswith("%") and row[4].endswith("%")
+    assert head[:8] == ["GB", "save without s", "save with s", "added (fastest)", "added (median)",
+                        "added (paired median)", "added (paired mean ± se)", "95% bound"]
+    assert len(row) == len(head) == 13 and "sink xxh3 from memory s" in head
+    assert float(row[0]) > 0 and all(float(v) >= 0 for v in row[8:]) and all(c.endswith("%") for c in row[3:6])
     assert vhead[0] == "cat GB/s" and len(vrow) == len(vhead) == 5 and all(float(v.rstrip("x")) > 0 for v in vrow)
     assert shead == ["stage (rank 0, CPU s per save)", "without records", "with records", "added"]
     stages = {r[0]: r for r in rest if len(r) == 4}
     assert stages["whole rank (median)"][1] != "0" and float(stages["whole rank (median)"][2]) > 0
-    assert {"sink xxh3-128", "statistics (its thread)", "sink crc32c"} <= stages.keys()
-    assert stages["sink xxh3-128"][1] == "0" and stages["statistics (its thread)"][1] == "0"  # none without records
+    assert {"sink xxh3-128", "statistics (in the sink)", "sink crc32c"} <= stages.keys()
+    assert stages["sink xxh3-128"][1] == "0" and stages["statistics (in the sink)"][1] == "0"  # none without records
     passes = [r for r in rest if len(r) == 2]
-    assert passes[0] == ["statistics pass (rank 0, alone)", "CPU s"] and len(passes) == 7
+    assert passes[0] == ["statistics pass (rank 0, alone)", "CPU s"] and len(passes) == 8
 
 
 def check_verify_cold(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
