@@ -79,12 +79,14 @@ class Part:
 # * megatron-core's local-spec MoE GPT (fixtures/megatron/moe_ep2_dp4_dp_reshardable): learned
 #   absolute position embeddings, LayerNorm with bias, a router with a bias, non-gated GELU experts
 #   with biases; no transformers MoE class has a learned position table (all use rotary, relative
-#   or no positions: ``tests/cli/test_hf_megatron.py`` checks that against the installed
-#   transformers, so a new class that has one shows up), and GPTBigCode (its dense counterpart) has
+#   or no positions), and their experts are gated GLUs or, in Ergo and NemotronH (transformers 5.25),
+#   non-gated squared ReLUs: ``tests/cli/test_hf_megatron.py`` checks both against the installed
+#   transformers, so a new class that could match shows up. GPTBigCode (its dense counterpart) has
 #   no experts.
 # A mapping onto any of them would load and compute another function, which is worse than a refusal.
 MOE_NO_CLASS = ("no transformers architecture computes it (every transformers MoE causal LM has gated GLU experts "
-                "and rotary or no positions{extra}); export the raw tensors with --names megatron")
+                "or squared-ReLU ones, and rotary or no positions{extra}); export the raw tensors with "
+                "--names megatron")
 
 
 def refuse_unmatched(model: ModelConfig, where: str) -> None:

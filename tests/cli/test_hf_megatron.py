@@ -157,8 +157,9 @@ def test_megatron_moe_is_refused_saying_why(tmp_path: Path) -> None:
 def test_no_transformers_moe_causal_lm_has_learned_positions() -> None:
     """The refusal's reason, checked against the installed transformers: no causal-LM class with
     experts creates a learned absolute position table (what megatron-core's MoE GPT has), and every
-    one of them has gated experts or no expert MLP class (this runtime's experts are non-gated). A
-    transformers release that adds a matching class fails this test, and the mapping can be written."""
+    one of them has gated experts, squared-ReLU ones (Ergo and NemotronH, transformers 5.25) or no
+    expert MLP class (this runtime's experts are non-gated GELU). A transformers release that adds a
+    matching class fails this test, and the mapping can be written."""
     import re
 
     transformers = pytest.importorskip("transformers")
@@ -176,7 +177,10 @@ def test_no_transformers_moe_causal_lm_has_learned_positions() -> None:
             positions.append(f.parent.name)
         # the expert MLPs and the MoE blocks that call them
         blocks = [m.group(1) for m in re.finditer(block, src, re.S)]
-        if not any(re.search(r"gate_up|chunk\(2|\bw3\b|\bv1\b|gate_proj|glu|\* up", b, re.I) for b in blocks):
+        gated = any(re.search(r"gate_up|chunk\(2|\bw3\b|\bv1\b|gate_proj|glu|\* up", b, re.I) for b in blocks)
+        config = f.with_name(f.name.replace("modeling_", "configuration_"))
+        relu2 = re.search(r"relu2", src + (config.read_text() if config.exists() else ""))
+        if not gated and not relu2:
             non_gated.append(f.parent.name)
     assert len(moe) >= 10 and "mixtral" in moe  # the scan found them
     assert positions == [] and non_gated == [], (positions, non_gated)
