@@ -88,16 +88,17 @@ def has_stats(dtype: DType) -> bool:
 
 
 @cache
-def _kernels() -> tuple[Any, Any]:
-    """The two compiled loops (numba imported here, on the first statistics of a process: the read-only
-    commands never pay its import)."""
+def _kernel() -> Any:
+    """The compiled loop (numba imported here, on the first statistics of a process: the read-only commands
+    never pay its import)."""
     from numba import njit
 
     @njit(nogil=True, cache=True, boundscheck=False, fastmath={"reassoc", "contract"})
-    def floats(x: Any, bits: Any, ubits: Any, consts: Any) -> Any:
-        """One pass over a float block, read as its values and its bits as signed and as unsigned integers:
-        (sum of squares, the smallest and largest signed bits, the largest unsigned bits, zeros).
-        ``consts`` (:data:`_BITS`, in the bits' own integer type): the mask that drops the sign bit."""
+    def one_pass(x: Any, bits: Any, ubits: Any, consts: Any) -> Any:
+        """One pass over a block, read as its numbers and as signed and unsigned integers of its width:
+        (sum of squares in fp64, the smallest and largest signed, the largest unsigned, zeros). ``consts[0]``
+        (in the integers' own type) masks what makes a zero: a float's bits without the sign bit (``-0.0`` is
+        a zero), all of an integer's (``x``, ``bits`` and ``ubits`` are then the same array)."""
         mag = consts[0]
         smin = smax = bits[0]
         umax = ubits[0]
@@ -113,22 +114,7 @@ def _kernels() -> tuple[Any, Any]:
             zeros += (b & mag) == 0
         return s, smin, smax, umax, zeros
 
-    @njit(nogil=True, cache=True, boundscheck=False, fastmath={"reassoc", "contract"})
-    def ints(x: Any) -> Any:
-        """One pass over an integer block: (sum of squares in fp64, min, max, zeros)."""
-        lo = hi = x[0]
-        s = 0.0
-        zeros = 0
-        for i in range(x.size):
-            v = x[i]
-            lo = min(lo, v)
-            hi = max(hi, v)
-            d = np.float64(v)
-            s += d * d
-            zeros += v == 0
-        return s, lo, hi, zeros
-
-    return floats, ints
+    return one_pass
 
 
 # per float width: the bits as signed and unsigned integers, the mask that drops the sign bit (an array: numba's
@@ -136,6 +122,12 @@ def _kernels() -> tuple[Any, Any]:
 # NaN or +Inf, the smallest unsigned bits of a negative one
 _BITS = {4: (np.int32, np.uint32, np.array([0x7FFFFFFF], np.int32), 0x7F800000, 0xFF800000),
          8: (np.int64, np.uint64, np.array([0x7FFFFFFFFFFFFFFF], np.int64), 0x7FF0000000000000, 0xFFF0000000000000)}
+
+
+@cache
+def _all_ones(dtype: np.dtype) -> np.ndarray:
+    """An integer's zero mask for the loop: every bit (``-1`` of a signed type is all ones)."""
+    return np.array([-1 if dtype.kind == "i" else np.iinfo(dtype).max], dtype)
 
 
 def _bits_value(bits: int, itemsize: int) -> float:
@@ -177,9 +169,8 @@ def _float_block(x: np.ndarray, acc: _Acc) -> None:
     smallest signed, the negative value nearest zero."""
     if not x.size:
         return
-    floats, _ = _kernels()
     signed, unsigned, consts, pos_bad, neg_bad = _BITS[x.itemsize]
-    s, smin, smax, umax, zeros = floats(x, x.view(signed), x.view(unsigned), consts)
+    s, smin, smax, umax, zeros = _kernel()(x, x.view(signed), x.view(unsigned), consts)
     smin, smax, umax = int(smin), int(smax), int(umax)
     if smax >= pos_bad or umax >= neg_bad:  # a NaN or an infinity: the block again, exactly
         _exact_block(x, acc)
@@ -269,8 +260,10 @@ class StatsStream:
         if not x.size:
             return
         if self.dtype.kind != FLOAT:
-            _, ints = _kernels()
-            self._acc.add(*ints(x.view(np.uint8) if self.dtype.kind == BOOL else x))
+            if self.dtype.kind == BOOL:
+                x = x.view(np.uint8)
+            s, lo, hi, _, zeros = _kernel()(x, x, x, _all_ones(x.dtype))
+            self._acc.add(s, lo, hi, zeros)
             return
         name = self.dtype.name
         if name in ("bfloat16", "float16"):
