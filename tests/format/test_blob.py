@@ -137,6 +137,30 @@ def test_hostile_or_damaged_blobs_are_refused(blob, needle: str):
         _decode(blob())
 
 
+def test_a_data_pkl_seen_before_is_parsed_once_and_a_bad_one_every_time(monkeypatch):
+    """Chunks of one shape carry the same ``data.pkl`` bytes, so its parse is kept per process
+    (``blob._tensor_args``): the same bytes give the same layout without a second parse, a blob whose storage
+    record disagrees with a remembered pickle is still refused, and a damaged pickle is judged every time."""
+    from gtp_format.reader import blob as blob_mod
+
+    blob_mod._tensor_args.cache_clear()
+    calls = []
+    real = blob_mod._TensorPickle.load
+    monkeypatch.setattr(blob_mod._TensorPickle, "load", lambda self: (calls.append(1), real(self))[1])
+    a, b = torch.arange(6, dtype=torch.float32), torch.arange(6, 12, dtype=torch.float32)
+    assert torch.equal(_decode(_saved(a)), a) and torch.equal(_decode(_saved(b)), b)
+    assert len(calls) == 1  # the second blob's data.pkl is the first's bytes
+    short = _saved(torch.zeros(6))
+    pkl_of_six = zipfile.ZipFile(io.BytesIO(bytes(short))).read(
+        next(n for n in zipfile.ZipFile(io.BytesIO(bytes(short))).namelist() if n.endswith("data.pkl")))
+    with pytest.raises(BlobError, match="holds 8 bytes but data.pkl declares 6"):
+        _decode(_with_pickle(_saved(torch.zeros(2)), pkl_of_six))  # a remembered pickle, a record too short
+    evil = _with_pickle(_saved(torch.zeros(2)), pickle.dumps(_Evil(), protocol=2))
+    for _ in range(2):
+        with pytest.raises(BlobError, match="posix.system"):
+            _decode(evil)
+
+
 def test_compressed_record_is_refused():
     src = zipfile.ZipFile(io.BytesIO(bytes(_saved(torch.zeros(1000)))))
     out = io.BytesIO()
