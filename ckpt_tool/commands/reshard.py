@@ -97,7 +97,7 @@ def reshard_command(
                               "pipeline stages; experts follow --expert-gtp-remat)")
     from ckpt_tool.reshard.source import open_source
 
-    source = open_source(src)  # located, parsed, gated and viewed once for both calls below
+    source = open_source(src, max_memory=max_memory)  # located, parsed, gated and viewed once for both calls below
     par = target_topology(source, layout, tp=tp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp,
                           expert_gtp_remat=expert_gtp_remat)
     with contextlib.ExitStack() as stack:

@@ -72,6 +72,10 @@ def verify_command(
     from gtp_format.check.verify import verify
     from gtp_format.reader.checkpoint import open_checkpoint
 
+    if data:  # every byte is read: a bucket's small data objects are fetched whole from the listing on
+        from gtp_format.storage import objects
+
+        objects.reads_everything(objects.PART * objects.IN_FLIGHT)  # what its reads hold in flight anyway
     ckpt = open_checkpoint(path)
     with progress(ckpt.chunk_count() if data else 0, "reading chunks", progress_enabled(fmt), "chunks") as advance:
         result = verify(ckpt, data=data, cp_size=cp_size, progress=advance, workers=workers,

@@ -352,7 +352,7 @@ def reshard_megatron(src: Path, dst: Path, tp: int | None, pp: int | None, cp: i
 
     t0 = time.perf_counter()
     baseline = rss_after_imports("torch_dist")
-    source = open_source(src, megatron=True, experts=True)
+    source = open_source(src, megatron=True, experts=True, max_memory=max_memory)
     try:
         meg = derive(source.ckpt)
         if meg.format != "dp_reshardable":

@@ -33,6 +33,7 @@ from gtp_format.manifest import Manifest
 from gtp_format.model import Checkpoint, Chunk
 from gtp_format.names import OPTIMIZER_SHARDINGS
 from gtp_format.reader.boxes import BoxReader, Buffer
+from gtp_format.storage import objects
 from gtp_format.storage.location import ObjectURL, parse_location
 from gtp_format.views.ours import param_views
 from gtp_format.views.records import Holder, ParamView, full_box
@@ -157,13 +158,14 @@ class Source:
         return out
 
 
+WHOLE_OBJECTS = 64 << 20  # a bucket's data objects fetched whole at the listing, at most (see open_source)
 RESHARD_NEEDS = ("reshard writes this runtime's layout from the manifest's bucket layout (a genuine megatron-core "
                  "checkpoint: `ckpt export --to fully_reshardable`)")
 COPY_SUFFIX = "; reshard and export copy only what verify passes"
 
 
 def open_source(path: Path | ObjectURL, megatron: bool = False, weights_only: bool = False, views: bool = True,
-                experts: bool = False) -> Source:
+                experts: bool = False, max_memory: int | None = None) -> Source:
     """Open SRC through the one gate and refuse what cannot be resharded (see the module docstring).
 
     ``megatron=True`` (export) also takes a checkpoint without a manifest, through megatron-core's
@@ -172,7 +174,11 @@ def open_source(path: Path | ObjectURL, megatron: bool = False, weights_only: bo
     its optimizer sharding, is read through its model keys alone (:mod:`.weights`); ``experts=True``
     (``export --to fully_reshardable``): a megatron-core MoE checkpoint too; ``views=False``
     (``--to torch``, which copies keys, not parameters): no per-parameter view is built at all.
+    ``max_memory`` (a copy that will read every byte): a bucket's small data objects may be fetched whole
+    from its listing on, within a quarter of it (:func:`gtp_format.storage.objects.reads_everything`).
     """
+    if max_memory is not None:
+        objects.reads_everything(min(WHOLE_OBJECTS, max_memory // 4))
     source = _open_source(path, megatron, weights_only, views, experts)
     source.given = parse_location(path) if isinstance(path, str) else path
     return source

@@ -196,7 +196,7 @@ def listed_sizes() -> Iterator[None]:
     listing is still caught: every read's answer must be exactly as long as asked, and a missing object's
     ``GET`` is named as missing.
     """
-    global _LISTED, _LISTED_DEPTH
+    global _LISTED, _LISTED_DEPTH, _WHOLE
     with _POOL_LOCK:
         if _LISTED_DEPTH == 0:
             _LISTED = {}
@@ -208,8 +208,28 @@ def listed_sizes() -> Iterator[None]:
             _LISTED_DEPTH -= 1
             if _LISTED_DEPTH == 0:
                 _LISTED = None
+                _WHOLE = 0
+                _LISTINGS.clear()
                 _BLOCKS.drop()  # the next command reads the store as it is then
                 _SIDE.drop()
+
+
+_WHOLE = 0  # this command's budget for data objects fetched whole at their listing (reads_everything)
+_LISTINGS: dict[tuple[str, str], dict[str, int | None]] = {}  # (bucket, prefix) -> this command's listing
+
+
+def reads_everything(budget: int) -> None:
+    """The command reads every byte it opens (``reshard``, ``export``, ``verify --data``): its listings fetch
+    up to ``budget`` bytes of small data objects whole (:class:`object_cache.SideFiles`), until its scope ends."""
+    global _WHOLE
+    with _POOL_LOCK:
+        if _LISTED_DEPTH:
+            _WHOLE = max(0, budget)
+
+def forget_listings() -> None:
+    """A write into a bucket: the command's later listings ask the store again."""
+    with _POOL_LOCK:
+        _LISTINGS.clear()
 
 
 def head_size(root: ObjectURL, rel: str) -> int | None:
@@ -254,33 +274,51 @@ def is_prefix(root: ObjectURL, rel: str = "") -> bool:
 
 
 def list_names(root: ObjectURL) -> dict[str, int | None]:
-    """The entries of the "folder" ``root``: object names with their sizes, sub-prefixes with None."""
+    """The entries of the "folder" ``root``: object names with their sizes, sub-prefixes with None. Listed once
+    a command (:func:`listed_sizes`; resolving SRC and opening it listed it twice: 6.5 ms of a 26.5 MB reshard
+    from moto), until a write into a bucket (:func:`forget_listings`)."""
     import obstore
 
     prefix = root.key()
     want = prefix + "/" if prefix else ""
-    page = _call(str(root), obstore.list_with_delimiter, store(root), want or None)
-    out: dict[str, int | None] = {}
     listed = _LISTED
-    for meta in page["objects"]:
-        name = str(meta["path"])[len(want):]
-        if name and "/" not in name:
-            out[name] = int(meta["size"])
-            if listed is not None:
-                listed[(root.bucket, str(meta["path"]))] = int(meta["size"])
-    for p in page["common_prefixes"]:
-        name = str(p)[len(want):].strip("/")
-        if name and "/" not in name:
-            out.setdefault(name, None)
+    with _POOL_LOCK:
+        seen = _LISTINGS.get((root.bucket, want)) if listed is not None else None
+    out: dict[str, int | None] = {} if seen is None else dict(seen)
+    if seen is None:
+        page = _call(str(root), obstore.list_with_delimiter, store(root), want or None)
+        for meta in page["objects"]:
+            name = str(meta["path"])[len(want):]
+            if name and "/" not in name:
+                out[name] = int(meta["size"])
+                if listed is not None:
+                    listed[(root.bucket, str(meta["path"]))] = int(meta["size"])
+        for p in page["common_prefixes"]:
+            name = str(p)[len(want):].strip("/")
+            if name and "/" not in name:
+                out.setdefault(name, None)
     if listed is not None:  # a command's listing: its side files are read next, so fetch them together now
+        with _POOL_LOCK:
+            _LISTINGS[(root.bucket, want)] = dict(out)
         _SIDE.warm(root.bucket, [(n, root.key(n), size) for n, size in out.items() if size is not None],
-                   pool().submit, lambda rel, n: bytes(_get(root, rel, 0, n)))
+                   warm_pool().submit, lambda rel, n: bytes(_get(root, rel, 0, n)), _WHOLE)
     return out
 
 
 _POOL: ThreadPoolExecutor | None = None
+_WARM_POOL: ThreadPoolExecutor | None = None
 _SIDE = object_cache.SideFiles()  # a command's side files, fetched as its listing names them
 _POOL_LOCK = threading.Lock()
+
+
+def warm_pool() -> ThreadPoolExecutor:
+    """Threads of their own for a listing's whole objects (:class:`object_cache.SideFiles`): their tasks wait on
+    nothing, so a :func:`pool` task may wait for a copy."""
+    global _WARM_POOL
+    with _POOL_LOCK:
+        if _WARM_POOL is None:
+            _WARM_POOL = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="s3-warm")
+        return _WARM_POOL
 
 
 def pool() -> ThreadPoolExecutor:
@@ -296,12 +334,12 @@ def pool() -> ThreadPoolExecutor:
 
 def fetch(root: ObjectURL, rel: str, offset: int, n: int) -> memoryview:
     """One ranged ``GET`` of exactly ``n`` (at most :data:`PIECE`) bytes at ``offset`` of ``rel``; the caller has
-    checked the range against the store's size. A short answer is a :class:`ChunkError`. A side file the
-    command's listing warmed (:mod:`gtp_format.storage.object_cache`) is served from its copy: waited for,
-    except on the fetch threads themselves (their tasks never wait on one another)."""
+    checked the range against the store's size. A short answer is a :class:`ChunkError`. An object the
+    command's listing warmed (:mod:`gtp_format.storage.object_cache`) is served from its copy, waited for
+    (its fetch runs on :func:`warm_pool`, whose tasks wait on nothing)."""
     key = _key(root, rel)
-    held = _SIDE.take(root.bucket, key, offset, n, not threading.current_thread().name.startswith("s3-fetch"))
-    return memoryview(held) if held is not None else _get(root, rel, offset, n)
+    held = _SIDE.take(root.bucket, key, offset, n, not threading.current_thread().name.startswith("s3-warm"))
+    return held if held is not None else _get(root, rel, offset, n)
 
 
 def _get(root: ObjectURL, rel: str, offset: int, n: int) -> memoryview:

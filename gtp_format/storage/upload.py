@@ -108,6 +108,8 @@ class Upload:
             if isinstance(e, ox.AlreadyExistsError):
                 raise Taken(self.target) from None
             raise objects.describe_error(e, str(self.target / rel)) from None
+        finally:
+            objects.forget_listings()  # the prefix holds another object now (or may: a failed part)
         self.created.append(key)
 
     def run(self, work: Path) -> None:
@@ -175,6 +177,7 @@ class Upload:
             obstore.delete(objects.store(self.target), created)
         except Exception:  # noqa: BLE001, S110 - best effort, see the docstring
             pass
+        objects.forget_listings()
 
 
 class Taken(FormatError):
@@ -194,6 +197,8 @@ def put_marker(url: ObjectURL, text: str) -> None:
         obstore.put(objects.store(url), marker.key(), text.encode(), mode="overwrite")
     except Exception as e:  # noqa: BLE001
         raise objects.describe_error(e, str(marker)) from None
+    finally:
+        objects.forget_listings()
 
 
 def is_bucket(target: Any) -> bool:

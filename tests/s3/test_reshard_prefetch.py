@@ -46,8 +46,17 @@ def files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
+@pytest.fixture
+def no_whole_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fixtures' data objects are small enough to be fetched whole at the listing
+    (``test_a_small_bucket_source_is_fetched_whole_at_its_listing``); these tests are of the plan's requests."""
+    from ckpt_tool.reshard import source
+
+    monkeypatch.setattr(source, "WHOLE_OBJECTS", 0)
+
+
 @pytest.mark.parametrize("layout", sorted(FIXTURES))
-def test_reshard_from_a_bucket_reads_through_the_plan(s3, capsys, tmp_path, monkeypatch, layout):
+def test_reshard_from_a_bucket_reads_through_the_plan(s3, capsys, tmp_path, monkeypatch, layout, no_whole_objects):
     url = upload(s3, FIXTURES[layout], "runs/a")
     gets = Gets(monkeypatch)
     code, out, err = ckpt(capsys, "reshard", url, str(tmp_path / "planned"), "--dp", "1")
@@ -127,7 +136,7 @@ def test_read_order_of_a_real_plan_keeps_every_chunk_once():
     assert len(got) == len(plan.chunks) and {id(c) for c in got} == {id(c) for c in plan.chunks}
 
 
-def test_megatron_reshard_from_a_bucket_reads_through_the_plan(s3, capsys, tmp_path, monkeypatch):
+def test_megatron_reshard_from_a_bucket_reads_through_the_plan(s3, capsys, tmp_path, monkeypatch, no_whole_objects):
     """A genuine megatron-core dp_reshardable checkpoint resharded from a bucket (TP2 x DP2 -> TP1 x CP2 x DP2):
     every data read comes from the plan, and the output equals the local reshard's, key for key."""
     src = Path(__file__).resolve().parents[2] / "fixtures" / "megatron" / "tp2_dp2_dp_reshardable"
@@ -143,3 +152,49 @@ def test_megatron_reshard_from_a_bucket_reads_through_the_plan(s3, capsys, tmp_p
     assert files(tmp_path / "planned") == files(tmp_path / "local")
     code, out, err = ckpt(capsys, "diff", str(tmp_path / "planned"), str(tmp_path / "local"), "--bitwise")
     assert code == 0, (out, err)
+
+
+@pytest.mark.parametrize("command", [("reshard", "{dst}", "--dp", "1"), ("export", "{dst}", "--to", "torch"),
+                                     ("verify", "--data")])
+def test_a_small_bucket_source_is_fetched_whole_at_its_listing(s3, capsys, tmp_path, monkeypatch, command):
+    """A command that reads every byte, of a source whose data objects are each one request and together within
+    the budget: each data object is one whole GET, sent from the listing on (on the warm pool, while the gate reads
+    the metadata), and no other GET of a data object is sent; the answer is the local folder's."""
+    url = upload(s3, FIXTURES["dcp"], "runs/w")
+    gets = Gets(monkeypatch)
+    argv = [a.format(dst=tmp_path / "out") for a in command]
+    code, out, err = ckpt(capsys, argv[0], url, *argv[1:])
+    assert code == 0, (out, err)
+    data = [g for g in gets.take() if g[0].endswith(".distcp")]
+    names = sorted(p.name for p in (FIXTURES["dcp"] / "iter_0000002").glob("*.distcp"))
+    assert sorted(k.rsplit("/", 1)[-1] for k, _ in data) == names, data  # each once
+    assert all(t.startswith("s3-warm") for _, t in data), data
+    local = [a.format(dst=tmp_path / "local") for a in command]
+    code, want, err = ckpt(capsys, local[0], str(FIXTURES["dcp"]), *local[1:])
+    assert code == 0, err
+    if command[0] == "reshard":
+        code, out, err = ckpt(capsys, "diff", str(tmp_path / "out"), str(tmp_path / "local"), "--bitwise")
+        assert code == 0, (out, err)
+    elif command[0] == "export":
+        assert (tmp_path / "out").read_bytes() == (tmp_path / "local").read_bytes()
+
+
+def test_inspect_verify_and_a_tight_budget_fetch_no_data_object_whole(s3, capsys, tmp_path, monkeypatch):
+    """Only a command that reads every byte fetches data objects at its listing, and only within its budget:
+    ``inspect`` and ``verify`` read metadata alone, and a budget (the least of ``WHOLE_OBJECTS`` and a quarter of
+    ``--max-memory``) below the data objects' sum reads them through the plan."""
+    url = upload(s3, FIXTURES["dcp"], "runs/n")
+    gets = Gets(monkeypatch)
+    for argv in (("inspect", url), ("verify", url)):
+        code, out, err = ckpt(capsys, *argv)
+        assert code == 0, (out, err)
+        assert not [g for g in gets.take() if g[0].endswith(".distcp") and g[1].startswith("s3-warm")]
+    from ckpt_tool.reshard import source
+
+    total = sum(p.stat().st_size for p in (FIXTURES["dcp"] / "iter_0000002").glob("*.distcp"))
+    for budget, whole in ((total, True), (total - 1, False)):
+        monkeypatch.setattr(source, "WHOLE_OBJECTS", budget)
+        code, out, err = ckpt(capsys, "reshard", url, str(tmp_path / f"o{budget}"), "--dp", "1")
+        assert code == 0, (out, err)
+        warm = [g for g in gets.take() if g[0].endswith(".distcp") and g[1].startswith("s3-warm")]
+        assert bool(warm) == whole, (budget, warm)

@@ -36,7 +36,8 @@ def gets(monkeypatch):
     return seen
 
 
-def test_each_side_file_is_fetched_once_and_concurrently(s3, capsys, gets):
+def test_each_side_file_is_fetched_once_and_concurrently(s3, capsys, gets, monkeypatch):
+    monkeypatch.setattr(object_cache, "MAX_DATA_OBJECT", 0)  # side files alone (data objects: test_reshard_prefetch)
     url = upload(s3, FIXTURE, "runs/a")
     code, out, err = ckpt(capsys, "verify", url, "--data", "--format", "json")
     assert code == 0, err
@@ -45,7 +46,7 @@ def test_each_side_file_is_fetched_once_and_concurrently(s3, capsys, gets):
     for name in SIDE:  # verify --data read .metadata twice, each a round trip after the other
         assert per_name[name] == 1, gets
     side = [g for g in gets if g[0] in SIDE]
-    assert all(off == 0 and t.startswith("s3-fetch") for _, off, _, t in side), side  # whole, on the fetch pool
+    assert all(off == 0 and t.startswith("s3-warm") for _, off, _, t in side), side  # whole, on the warm pool
     first_data = next(i for i, g in enumerate(gets) if g[0].endswith(".distcp"))
     assert next(i for i, g in enumerate(gets) if g[0] == DCP_METADATA_FILE) < first_data
 
@@ -56,7 +57,7 @@ def test_a_failed_warm_fetch_is_read_again_by_the_command(s3, capsys, monkeypatc
     real = objects._get
 
     def flaky(root, rel, offset, n):
-        if threading.current_thread().name.startswith("s3-fetch") and rel in SIDE:
+        if threading.current_thread().name.startswith("s3-warm"):  # side files, and the data objects whole
             raise OSError("injected: the warm fetch failed")
         return real(root, rel, offset, n)
 
@@ -73,7 +74,7 @@ def test_a_side_file_deleted_after_the_listing_is_named_as_missing(s3, capsys, m
     real = objects._get
 
     def delete_then_get(root, rel, offset, n):
-        if rel == MANIFEST_FILE and threading.current_thread().name.startswith("s3-fetch"):
+        if rel == MANIFEST_FILE and threading.current_thread().name.startswith("s3-warm"):
             s3.client.delete_object(Bucket=s3.bucket, Key=f"runs/c/iter_0000002/{MANIFEST_FILE}")
         return real(root, rel, offset, n)
 
@@ -109,6 +110,30 @@ def test_only_small_side_files_within_the_budget_are_warmed(monkeypatch):
     assert side.take("b", "p/m", 95, 6, True) is None  # past the copy: the store answers (and refuses) it
     side.drop()
     assert side.take("b", "p/m", 0, 1, True) is None
+
+
+def test_data_objects_are_warmed_all_or_none_within_the_budget(monkeypatch):
+    """With a data budget, every listed data file is fetched whole, largest first, if there are few enough, each is
+    at most one request and they add up to the budget; otherwise none is (the plan reads them). Other objects (a
+    run folder's logs) never are."""
+    monkeypatch.setattr(object_cache, "MAX_DATA_OBJECT", 100)
+    monkeypatch.setattr(object_cache, "MAX_DATA_OBJECTS", 3)
+    listing = [("__0_0.distcp", "p/a", 60), ("model.safetensors", "p/b", 90), (MANIFEST_FILE, "p/m", 10),
+               ("train.log", "p/l", 5)]
+
+    def warmed(budget: int, listed: list[tuple[str, str, int]]) -> list[str]:
+        loaded: list[str] = []
+        side = object_cache.SideFiles()
+        side.warm("b", listed, lambda fn: (loaded.append("x"), Future())[1], lambda name, n: b"", budget)
+        return sorted(k for _, k, _ in listed if side._copies.get(("b", k)))  # noqa: SLF001
+
+    assert warmed(0, listing) == ["p/m"]  # no budget: side files only
+    assert warmed(150, listing) == ["p/a", "p/b", "p/m"]
+    assert warmed(149, listing) == ["p/m"]  # 60 + 90 > 149: none of them, not the 90 alone
+    assert warmed(10_000, [*listing, ("__2_0.distcp", "p/c", 101)]) == ["p/m"]  # one over a request: none
+    many = [(f"__{i}_0.distcp", f"p/{i}", 1) for i in range(4)]
+    assert warmed(10_000, [*listing[2:], *many[:3]]) == ["p/0", "p/1", "p/2", "p/m"]
+    assert warmed(10_000, [*listing[2:], *many]) == ["p/m"]  # more objects than MAX_DATA_OBJECTS: none
 
 
 def test_a_copy_in_flight_is_not_waited_for_when_waiting_is_refused():
