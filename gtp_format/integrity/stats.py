@@ -93,7 +93,6 @@ def _kernel() -> Any:
     never pay its import)."""
     from numba import njit
 
-    @njit(nogil=True, cache=True, boundscheck=False, fastmath={"reassoc", "contract"})
     def one_pass(x: Any, bits: Any, ubits: Any, consts: Any) -> Any:
         """One pass over a block, read as its numbers and as signed and unsigned integers of its width:
         (sum of squares in fp64, the smallest and largest signed, the largest unsigned, zeros). ``consts[0]``
@@ -114,7 +113,11 @@ def _kernel() -> Any:
             zeros += (b & mag) == 0
         return s, smin, smax, umax, zeros
 
-    return one_pass
+    options = {"nogil": True, "boundscheck": False, "fastmath": {"reassoc", "contract"}}
+    try:
+        return njit(cache=True, **options)(one_pass)
+    except RuntimeError:  # no writable cache (a read-only install and home): compiled anew by each process
+        return njit(cache=False, **options)(one_pass)
 
 
 # per float width: the bits as signed and unsigned integers, the mask that drops the sign bit (an array: numba's

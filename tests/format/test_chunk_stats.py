@@ -185,3 +185,25 @@ def test_a_chunk_that_is_not_whole_elements_is_refused():
         stream.result()
     with pytest.raises(ValueError, match="no statistics"):
         StatsStream(by_name("float8_e4m3fn"))
+
+
+def test_without_a_writable_cache_the_loop_is_compiled_and_gives_the_same_figures(monkeypatch):
+    """numba's ``cache=True`` raises where no cache folder is writable (a read-only install and home); the loop is
+    then compiled without one, with the same figures."""
+    import numba
+
+    stored = np.array([0.5, -2.0, 0.0, 3.0], np.float32)
+    want = element_stats(stored, by_name("float32"))
+    real = numba.njit
+
+    def no_cache(*a, **k):
+        if k.get("cache"):
+            raise RuntimeError("cannot cache function 'one_pass': no locator available for file 'stats.py'")
+        return real(*a, **k)
+
+    monkeypatch.setattr(numba, "njit", no_cache)
+    stats_mod._kernel.cache_clear()
+    try:
+        assert element_stats(stored, by_name("float32")) == want
+    finally:
+        stats_mod._kernel.cache_clear()
