@@ -203,11 +203,17 @@ class SinkStats:
     def __init__(self, sd: dict[str, Any]) -> None:
         self._chunks = _state_chunks(sd)
         self._want: dict[tuple[int, int], tuple[Any, list[ChunkId]]] = {}
+        mixed: set[tuple[int, int]] = set()  # one memory under two dtypes: which one a write is, is unknown
         for cid, t in self._chunks:
             dtype = from_torch(t.dtype)
             if t.device.type == "cpu" and t.numel() and t.is_contiguous() and has_stats(dtype):
                 key = (t.data_ptr(), t.numel() * t.element_size())
-                self._want.setdefault(key, (dtype, []))[1].append(cid)
+                held = self._want.setdefault(key, (dtype, []))
+                held[1].append(cid)
+                if held[0] is not dtype:
+                    mixed.add(key)
+        for key in mixed:  # taken from their tensors after the write
+            del self._want[key]
         self.found: dict[ChunkId, ChunkStats] = {}
         self._ids: dict[int, list[ChunkId]] = {}
         self._lock = threading.Lock()

@@ -280,3 +280,25 @@ def test_records_hashed_as_written_equal_the_read_back_of_the_same_files(tmp_pat
         for c in e.chunks:
             raw = load_elements(ckpt, e, c)
             assert saved.by_chunk[(e.key, c.offsets)].stats == element_stats(raw, e.dtype), (e.key, c.offsets)
+
+
+def test_the_sink_watches_only_writes_it_can_tell_apart():
+    """:class:`SinkStats` knows a chunk's write by its address and length: memory saved under two dtypes (which
+    one a write is cannot be told) and non-contiguous or empty chunks are not watched, and every chunk still gets
+    its own dtype's statistics from its tensor after the write."""
+    from gtp_runtime.checkpoint.chunk_records import SinkStats
+    from gtp_runtime.checkpoint.dcp_chunks import Chunks
+
+    buf = torch.arange(8, dtype=torch.float32)
+    parts = {"f": (torch.float32, buf), "i": (torch.int32, buf.view(torch.int32)),
+             "own": (torch.float32, torch.ones(4)), "t": (torch.float32, torch.ones(3, 2).t()),
+             "empty": (torch.float32, torch.empty(0))}
+    sd = {}
+    for key, (dtype, t) in parts.items():
+        sd[key] = Chunks(tuple(t.shape), dtype)
+        sd[key].add((0,) * t.dim(), t)
+    sink = SinkStats(sd)
+    assert [cids for _, cids in sink._want.values()] == [[("own", (0,))]]
+    got = sink.collect()
+    for key, (_, t) in parts.items():
+        assert got[(key, (0,) * t.dim())] == tensor_stats(t), key
