@@ -16,26 +16,30 @@ the six passes over one rank's chunks).
 
 How the loop stays vectorised and exact:
 
-* the min and max are taken over the element's *bits*, turned into integers that sort like the
-  values (``b ^ ((b >> 31) & 0x7fffffff)`` for float32: IEEE 754's total order), because a compiler
-  may vectorise an integer min but not a float one whose NaN behaviour it must keep. So the range is
-  exact and ``-0.0 < 0.0``: a block of both zeros has min ``-0.0`` and max ``0.0``;
-* NaN and ±Inf are found from the bits too (exponent all ones); a block that holds one is taken
+* the min and max come from integer reductions of the element's *bits* (the smallest and largest as
+  signed integers, the largest as unsigned: :func:`_float_block` says how they give the range),
+  because a compiler may vectorise an integer min but not a float one whose NaN behaviour it must
+  keep. So the range is exact and follows IEEE 754's total order: ``-0.0 < 0.0``, and a block of both
+  zeros has min ``-0.0`` and max ``0.0``;
+* NaN and ±Inf are found from the same reductions (exponent all ones); a block that holds one is taken
   again by the exact path (:func:`_exact_block`: counted, dropped, the rest through the same loop),
   so the fast path never has to carry NaN through its arithmetic;
-* the fp64 sum of squares may be reassociated (``fastmath={'reassoc'}``): the compiler keeps
-  several partial sums in vector lanes. The result is the sum of exact squares (a float32 or
-  bfloat16 squared in fp64 is exact) with fp64 rounding in an order fixed by the compiled code, so
-  the same elements give the same bits on the same machine and build; another CPU's vector width
-  may change the last bits (as the GPU's sum does), never the counts or the range.
+* the fp64 sum of squares may be reassociated and fused (``fastmath={'reassoc', 'contract'}``): the
+  compiler keeps several partial sums in vector lanes. The result is the sum of exact squares (a
+  float32 or bfloat16 squared in fp64 is exact) with fp64 rounding in an order fixed by the compiled
+  code, so the same elements give the same bits on the same machine and build; another CPU's vector
+  width may change the last bits (as the GPU's sum does), never the counts or the range.
+
+Integers go through the same loop, their zero mask all of their bits.
 
 The loop runs over blocks of :data:`BLOCK_BYTES` stored bytes from the chunk's start, the size of the
 save's sink pieces, so the sink can take the statistics of each piece as it hashes and copies it
 (:class:`StatsStream`) and a whole chunk gives the same blocks; the blocks' sums are added in order.
 A block keeps a widened copy of 16-bit floats in cache and bounds its memory.
 
-The kernels are compiled on first use and cached on disk by numba (``cache=True``): the first call of
-a process that finds no cache takes about a second per dtype, later ones load it.
+The loop is compiled on first use, once per array type, and cached on disk by numba (``cache=True``):
+a process that finds no cache spends about a second compiling, later ones load it in 0.3 s
+(:func:`warm_up` does it on a writer's thread while the save plans).
 """
 
 from __future__ import annotations

@@ -214,9 +214,8 @@ def listed_sizes() -> Iterator[None]:
                 _SIDE.drop()
 
 
-_WHOLE = 0  # this command's budget for data objects fetched whole at their listing (reads_everything)
+_WHOLE = 0  # this command's budget for data objects fetched whole at its listings (reads_everything)
 _LISTINGS: dict[tuple[str, str], dict[str, int | None]] = {}  # (bucket, prefix) -> this command's listing
-
 
 def reads_everything(budget: int) -> None:
     """The command reads every byte it opens (``reshard``, ``export``, ``verify --data``): its listings fetch
@@ -225,6 +224,7 @@ def reads_everything(budget: int) -> None:
     with _POOL_LOCK:
         if _LISTED_DEPTH:
             _WHOLE = max(0, budget)
+
 
 def forget_listings() -> None:
     """A write into a bucket: the command's later listings ask the store again."""

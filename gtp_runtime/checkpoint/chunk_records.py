@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -178,7 +179,7 @@ def _start_device_stats(sd: dict[str, Any], device: torch.device, sink: SinkStat
             for cid, t in chunks:
                 v = figures.get(cid)
                 if v is None:  # a host tensor (the sink's, if it took them), or a dtype without statistics
-                    out[cid] = sink.found[cid] if sink is not None and cid in sink.found else tensor_stats(t)
+                    out[cid] = sink.of(cid, t) if sink is not None else tensor_stats(t)
                 elif v[0] or v[1] or v[2]:
                     out[cid] = _exact_device_stats(t)
                 else:
@@ -186,6 +187,17 @@ def _start_device_stats(sd: dict[str, Any], device: torch.device, sink: SinkStat
         return out
 
     return finish
+
+
+@dataclass
+class _Watched:
+    """One write the sink recognised: the stream its pieces go through (``update``) and the chunks it is."""
+
+    stream: StatsStream
+    cids: list[ChunkId]
+
+    def __post_init__(self) -> None:
+        self.update = self.stream.update
 
 
 class SinkStats:
@@ -215,27 +227,26 @@ class SinkStats:
         for key in mixed:  # taken from their tensors after the write
             del self._want[key]
         self.found: dict[ChunkId, ChunkStats] = {}
-        self._ids: dict[int, list[ChunkId]] = {}
         self._lock = threading.Lock()
         # the loops loaded while DCP plans, not in the first piece a writer thread hands the sink
         self._warm = _on_thread(lambda: warm_up([dtype for dtype, _ in self._want.values()]))
 
-    def start(self, data: memoryview) -> StatsStream | None:
+    def start(self, data: memoryview) -> _Watched | None:
+        """The statistics stream of the chunk(s) whose elements ``data`` is, or None."""
         if not self._want:
             return None
         hit = self._want.get((np.frombuffer(data, np.uint8).ctypes.data, data.nbytes))
-        if hit is None:
-            return None
-        stream = StatsStream(hit[0])
-        with self._lock:
-            self._ids[id(stream)] = hit[1]
-        return stream
+        return None if hit is None else _Watched(StatsStream(hit[0]), hit[1])
 
-    def finish(self, stream: StatsStream) -> None:
-        stats = stream.result()
+    def finish(self, watched: _Watched) -> None:
+        stats = watched.stream.result()
         with self._lock:
-            for cid in self._ids.pop(id(stream)):
+            for cid in watched.cids:
                 self.found[cid] = stats
+
+    def of(self, cid: ChunkId, t: torch.Tensor) -> ChunkStats | None:
+        """``cid``'s statistics: the sink's, else from its tensor ``t`` now."""
+        return self.found[cid] if cid in self.found else tensor_stats(t)
 
     def join(self) -> None:
         """Wait for the warm-up thread (no thread outlives the save)."""
@@ -245,7 +256,7 @@ class SinkStats:
         """Every chunk's statistics after the write: the sink's, else from the tensor now."""
         self.join()
         with torch.no_grad():
-            return {cid: self.found[cid] if cid in self.found else tensor_stats(t) for cid, t in self._chunks}
+            return {cid: self.of(cid, t) for cid, t in self._chunks}
 
 
 def start_state_stats(sd: dict[str, Any], sink: SinkStats | None = None) -> Stats:

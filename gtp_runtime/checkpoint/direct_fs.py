@@ -50,10 +50,10 @@ class Watch(Protocol):
     (:class:`gtp_runtime.checkpoint.chunk_records.SinkStats`)."""
 
     def start(self, data: memoryview) -> Any:
-        """A stream for the statistics of ``data``'s bytes (:class:`StatsStream`), or None."""
+        """A handle whose ``update`` takes each piece of ``data``'s bytes (its statistics), or None."""
 
-    def finish(self, stream: Any) -> None:
-        """``stream`` has had every byte of its chunk."""
+    def finish(self, handle: Any) -> None:
+        """``handle`` has had every byte of its chunk."""
 
 
 class _SinkStream(io.RawIOBase):
@@ -71,10 +71,10 @@ class _SinkStream(io.RawIOBase):
         v = memoryview(b)
         n = v.nbytes
         if n:
-            stream = self.watch.start(v) if self.watch is not None else None
-            self.sink.write([b], on_piece=None if stream is None else stream.update)
-            if stream is not None:
-                self.watch.finish(stream)  # type: ignore[union-attr]
+            handle = self.watch.start(v) if self.watch is not None else None
+            self.sink.write([b], on_piece=None if handle is None else handle.update)
+            if handle is not None:
+                self.watch.finish(handle)  # type: ignore[union-attr]
         return n
 
     def tell(self) -> int:
