@@ -198,3 +198,27 @@ def test_inspect_verify_and_a_tight_budget_fetch_no_data_object_whole(s3, capsys
         assert code == 0, (out, err)
         warm = [g for g in gets.take() if g[0].endswith(".distcp") and g[1].startswith("s3-warm")]
         assert bool(warm) == whole, (budget, warm)
+
+
+@pytest.mark.parametrize("command", [("reshard", "{dst}", "--dp", "1"), ("export", "{dst}", "--to", "torch")])
+def test_a_data_object_deleted_while_it_is_fetched_whole_is_named_and_nothing_is_written(s3, capsys, tmp_path,
+                                                                                        monkeypatch, command):
+    """A fault in the whole-object fetch: the object goes away between the listing and its GET. The copy is
+    forgotten, the command's own read asks the store, and the command fails in one line naming the object,
+    without a traceback and with nothing at DST."""
+    from gtp_format.storage import objects
+
+    url = upload(s3, FIXTURES["dcp"], "runs/gone")
+    real = objects._get
+    victim = "__2_0.distcp"
+
+    def delete_then_get(root, rel, offset, n):
+        if rel == victim and threading.current_thread().name.startswith("s3-warm"):
+            s3.client.delete_object(Bucket=s3.bucket, Key=f"runs/gone/iter_0000002/{victim}")
+        return real(root, rel, offset, n)
+
+    monkeypatch.setattr(objects, "_get", delete_then_get)
+    argv = [a.format(dst=tmp_path / "out") for a in command]
+    code, out, err = ckpt(capsys, argv[0], url, *argv[1:])
+    assert code != 0 and victim in out + err and "Traceback" not in err, (code, out, err)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*"))
