@@ -26,16 +26,21 @@ from gtp_format.writer.checkpoint import CheckpointWriter
 TAG = "migrate"  # the hidden build folder is .migrate.<name>.<nonce>
 
 
-def self_check(folder: Path) -> None:
-    """The migrated folder must pass verify's structural checks and hold no aliased key."""
+def self_check(folder: Path, written: str | None = None) -> None:
+    """The migrated folder must pass verify's structural checks and hold no aliased key, and the data
+    file the migration wrote (rebuilt masters, zeroed moments: long zero runs left as holes) must pass
+    ``verify --data``'s own pass, so the migration never commits what ``verify --data`` refuses."""
     from gtp_format.check.verify import verify
+    from gtp_format.check.verify_data import verify_written
 
-    result = verify(open_checkpoint(folder))
-    errors = [p for p in result.problems if p.severity == "error"]
+    ckpt = open_checkpoint(folder)
+    errors = [p for p in verify(ckpt).problems if p.severity == "error"]
+    if not errors and written is not None:
+        errors = verify_written(ckpt, frozenset({written}))
     if errors:
         p = errors[0]
         raise FormatError(f"the migrated copy fails verify ({len(errors)} errors, first: {p.key or p.file}: "
-                        f"{p.message}); nothing was committed, please report this", EXIT_CHECK_FAILED)
+                          f"{p.message}); nothing was committed, please report this", EXIT_CHECK_FAILED)
 
 
 def _build_and_check(plan: Plan, writer: CheckpointWriter, final: Path | ObjectURL, progress: Progress) -> Outcome:
@@ -43,7 +48,7 @@ def _build_and_check(plan: Plan, writer: CheckpointWriter, final: Path | ObjectU
     where = str(final) if isinstance(final, ObjectURL) else Path(os.path.abspath(final))
     outcome = build_migrated(plan, writer, where, progress)
     t = time.perf_counter()
-    self_check(writer.folder)
+    self_check(writer.folder, outcome.new_data_file)
     outcome.timings["self_check"] = time.perf_counter() - t
     return outcome
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from ckpt_tool.reshard.engine import MIN_CHUNK, write_failure
 from ckpt_tool.reshard.source import Source
-from gtp_format.check.integrity import stored_bytes
+from gtp_format.check.integrity import readable_bytes
 from gtp_format.commit import commit_file, hidden_sibling
 from gtp_format.errors import FormatError
 from gtp_format.reader.boxes import PREFETCH_BUDGET
@@ -59,11 +59,12 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
                  advance_of: Callable[[int], Callable[[int], None]] | None = None) -> dict[str, Any]:
     entries = {k: e for k, e in source.ckpt.entries.items() if e.shape is not None and e.dtype is not None}
     total = sum(e.numel * e.itemsize for e in entries.values())
-    stored = stored_bytes(source.ckpt)
-    if total > stored:  # the output's size is bounded by what the files hold on disk, not their (sparse) st_size
+    readable = readable_bytes(source.ckpt)
+    if total > readable:  # the output's size is bounded by what the files hold on disk, not their (sparse) st_size
         raise FormatError(f"{source.root}: --to torch would write {total} bytes of tensors, but the data "
-                          f"files store only {stored} bytes on disk (sparse or truncated files); run `ckpt verify "
-                          "--data` on it and export an intact checkpoint")
+                          f"files hold only {readable} readable bytes (sparse or truncated files: reads are bounded "
+                          "by a multiple of what a file stores on disk); run `ckpt verify --data` on it and export "
+                          "an intact checkpoint")
     keys = list(entries)
     # in the order the keys' bytes lie in the files: a bucket's prefetch then joins neighbouring chunks into
     # requests of up to 8 MiB (in key-name order they alternate between files and offsets)

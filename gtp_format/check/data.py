@@ -93,14 +93,16 @@ class DataReport:
 
 
 def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Progress | None = None,
-               workers: int | None = None, records: dict[tuple[str, int], ChunkRecord] | None = None) -> DataReport:
+               workers: int | None = None, records: dict[tuple[str, int], ChunkRecord] | None = None,
+               files: frozenset[str] | None = None) -> DataReport:
     """Decode every chunk, count NaN/Inf per key, and hash the listed files, in one read of each file.
 
     ``hash_files`` maps data files to the manifest's algorithms for them; the digests come back in
     :attr:`DataReport.digests` (files that could not be read are absent). ``workers`` threads read,
     hash and scan windows in parallel (default: :func:`default_workers`); the report does not
     depend on it. ``records`` (``(key, chunk index) -> record``, :func:`gtp_format.check.hashes.match_records`):
-    those chunks' hashes are checked from the same read.
+    those chunks' hashes are checked from the same read. ``files``: only the chunks stored in these
+    data files are read (a writer checking the files it wrote, :func:`gtp_format.check.verify_data.verify_written`).
     """
     records = records or {}
     report = DataReport()
@@ -109,6 +111,8 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
     by_file: dict[str, list[Item]] = defaultdict(list)
     for e in ckpt.entries.values():
         for c in e.chunks:
+            if files is not None and (c.storage is None or c.storage.file not in files):
+                continue
             if e.kind == BYTES or ckpt.encoding != ENC_TORCH_SAVE:
                 found = Found()
                 random_access(ckpt, e, c, found, records.get((e.key, c.index)))  # byte objects and raw layouts

@@ -56,7 +56,7 @@ from gtp_format.reader.storage import (
     sparse_file_message,
     streamed,
 )
-from gtp_format.reader.storage import stored_bytes as file_stored_bytes
+from gtp_format.reader.storage import readable_bytes as file_readable_bytes
 from gtp_format.reader.zip_blob import BlobError, RangeReader
 from gtp_format.storage.location import ObjectURL
 from gtp_format.storage.objects import ObjectFile
@@ -290,12 +290,13 @@ class ReadLedger:
                                         "--data` on it")
 
 
-def stored_bytes(ckpt: Checkpoint) -> int:
-    """Bytes the data files really hold on disk (:func:`gtp_format.reader.storage.stored_bytes`), not
-    their ``st_size``: a sparse file of any declared size stores almost nothing, so a budget from its
-    size is no budget."""
+def readable_bytes(ckpt: Checkpoint) -> int:
+    """Bytes of the data files a copy may go through (:func:`gtp_format.reader.storage.readable_bytes`:
+    each file's size, capped by a bounded multiple of what it stores on disk): a sparse file of any
+    declared size stores almost nothing, so a budget from its size is no budget, while the holes a
+    writer left for zero runs are read as the zeros they are."""
     total = 0
     for rel in ckpt.data_files:
         with open_regular(ckpt.root, rel) as f:  # an object in a bucket stores every byte of its size
-            total += size_of(f) if isinstance(f, ObjectFile) else file_stored_bytes(os.fstat(f.fileno()))
+            total += size_of(f) if isinstance(f, ObjectFile) else file_readable_bytes(os.fstat(f.fileno()))
     return total

@@ -15,12 +15,13 @@ from typing import Any
 
 from gtp_format.check.analysis import KeyClass
 from gtp_format.check.data import DataReport, check_data
+from gtp_format.check.hashes import match_records
 from gtp_format.check.megatron_integrity import integrity_algorithms
 from gtp_format.check.padding import find_megatron_padding
 from gtp_format.check.values import check_padding, nonfinite_problem
 from gtp_format.hashing import HASHERS
-from gtp_format.integrity.records import ChunkRecord
-from gtp_format.model import Checkpoint
+from gtp_format.integrity.records import ChunkRecord, read_records
+from gtp_format.model import Checkpoint, Problem
 from gtp_format.reader.storage import unsafe_reason
 
 Progress = Callable[[int], None]
@@ -59,3 +60,27 @@ def data_steps(ckpt: Checkpoint, result: Any, classes: dict[str, KeyClass],
     result.stats["nonfinite"] = report.nonfinite
     result.stats["bytes_read"] = report.bytes_read
     return report.digests
+
+
+def verify_written(ckpt: Checkpoint, files: frozenset[str]) -> list[Problem]:
+    """``verify --data``'s own pass over the data files a writer wrote, before it commits them.
+
+    Every chunk stored in ``files`` is decoded and checked against its chunk record, and each file
+    is hashed against the manifest's checksums, under the readers' rules (holes and all). A writer
+    whose other files are links to a source it did not change (``migrate-aliased``) checks only what
+    it wrote: re-reading terabytes of linked data would make the migration cost a full read.
+    """
+    want = {rel: algos for rel, algos in manifest_algorithms(ckpt).items() if rel in files}
+    records = read_records(ckpt)
+    matched = match_records(ckpt, records)[0] if records is not None else {}
+    report = check_data(ckpt, want, records=matched, files=files)
+    problems = [p for p in report.problems if p.severity == "error"]
+    specs = ckpt.manifest.files if ckpt.manifest is not None and ckpt.manifest.files else {}
+    for rel, algos in sorted(want.items()):
+        got = report.digests.get(rel, {})
+        for a in algos:
+            expected = specs[rel].checksums[a].lower()
+            if rel in got and got[a] != expected:
+                problems.append(Problem("error", "checksum", f"{a} is {got[a]} but the manifest says {expected}",
+                                        file=rel))
+    return problems

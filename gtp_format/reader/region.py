@@ -20,7 +20,7 @@ from gtp_format.errors import EXIT_BAD_INPUT, FormatError
 from gtp_format.layout.boxes import check_coverage, intersection
 from gtp_format.model import Checkpoint, Chunk, Entry
 from gtp_format.reader.chunks import checked_ref, load_chunk
-from gtp_format.reader.storage import file_size, stored_size
+from gtp_format.reader.storage import file_size, readable_size
 from gtp_format.torch_adapter import load_torch
 
 
@@ -85,8 +85,8 @@ def _check_stored(ckpt: Checkpoint, entry: Entry, start: int, stop: int, nbytes:
     blob cannot hold: errors that name the chunk), and its file's size comes from the listing or
     a confined stat (a path outside the folder or a missing file fails here, by name). The bytes
     that back the region are counted per file and capped by what the file really stores
-    (:func:`gtp_format.reader.storage.stored_bytes`): a 2 GB region over a sparse 2 GB file passed
-    a check taken from ``st_size`` (issue 22).
+    (:func:`gtp_format.reader.storage.readable_bytes`: its size, at most a bounded multiple of its
+    blocks): a 2 GB region over a sparse 2 GB file passed a check taken from ``st_size``.
     """
     assert entry.shape is not None
     held = [c for c in entry.chunks if len(c.offsets) == len(entry.shape)
@@ -97,9 +97,9 @@ def _check_stored(ckpt: Checkpoint, entry: Entry, start: int, stop: int, nbytes:
         per_file[r.file] = per_file.get(r.file, 0) + r.length
     for f in per_file:
         file_size(ckpt.root, f)  # a path outside the folder or a missing file fails here, by name
-    # Per file, capped by what the file really stores (its blocks, not its size): chunks that all
-    # name one range, or ranges in the holes of a sparse file, cannot back more than that.
-    stored = sum(min(n, stored_size(ckpt.root, f)) for f, n in per_file.items())
+    # Per file, capped by what the file may be read for (a bounded multiple of its blocks, not its
+    # size): chunks that all name one range, or ranges in the holes of a sparse file, cannot back more.
+    stored = sum(min(n, readable_size(ckpt.root, f)) for f, n in per_file.items())
     if nbytes > stored:  # the allocation is sized by metadata: back it by bytes that really exist
         raise FormatError(f"{entry.key}: the requested region is {nbytes} bytes but the chunks that hold it store only "
                           f"{stored} bytes in real files; the metadata declares more than was written: run "

@@ -15,10 +15,17 @@ anywhere. The rules, enforced here and nowhere else:
   non-blocking so that even the open cannot hang).
 * A byte range is checked against the open file's real size before one byte is read, and a whole
   small file is read only up to its limit, so no size written in a file can make us allocate.
-* What may be *allocated* is bounded by what a file really stores, not by its size: a sparse file
-  (``truncate -s 16T``) has any size for free, and budgets taken from ``st_size`` let every memory
-  class come back behind one (issue 22). :func:`stored_bytes` is ``st_blocks * 512`` capped by
-  ``st_size``; a whole-range read (:func:`read_range`) larger than it is refused.
+* What may be *allocated* or *read* is bounded by what a file really stores, not by its size: a
+  sparse file (``truncate -s 16T``) has any size for free, and budgets taken from ``st_size`` let
+  every memory class come back behind one. :func:`stored_bytes` is ``st_blocks * 512`` capped by
+  ``st_size``; :func:`read_budget` is :data:`HOLE_FACTOR` times that (plus :data:`SPARSE_SLACK`).
+  A read, an allocation or a whole-file pass larger than the budget is refused.
+* Holes are *not* evidence of damage. Writers leave long zero runs as holes (``migrate-aliased``'s
+  reset moments), ``cp`` keeps them, and compressing or deduplicating filesystems (ZFS, btrfs, some
+  network filesystems) report fewer blocks for good data; holes read back as zeros. Whether data is
+  right is decided by checksums and chunk hashes alone. The budget only stops a reader from
+  spending time and memory on far more bytes than the file stores: a legitimate file with zeroed
+  Adam moments stores about a third of its size, a 16 TiB bomb a few kilobytes.
 
 A root that is an object-store URL (:class:`gtp_format.storage.location.ObjectURL`) is served by
 :mod:`gtp_format.storage.objects` under the same rules in the store's terms (keys confined to the
@@ -43,6 +50,12 @@ from gtp_format.storage.paths import past_end_message, unsafe_reason
 
 MAX_LINKS = 8  # symlink hops one path may take inside the folder
 SPARSE_SLACK = 1 << 20  # reads this small are never refused as sparse (tiny files may store inline, in 0 blocks)
+# Bytes of a file's size a reader goes through per byte it stores. A migration's reset moments leave
+# two thirds of a data file as holes (it stores 34% of its size: the smallest seen from our writers);
+# 16x leaves a compressing filesystem five times that margin, while a reader still spends at most
+# 16 zeroed pages per page the file really holds.
+HOLE_FACTOR = 16
+HOLE_FACTOR_ENV = "CKPT_MAX_HOLE_RATIO"
 _O_FILE = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 _O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 
@@ -171,15 +184,60 @@ def stored_bytes(st: os.stat_result) -> int:
     return st.st_size if blocks is None else min(st.st_size, blocks * 512)
 
 
+def hole_factor() -> int:
+    """:data:`HOLE_FACTOR`, or the environment's override (ASCII digits, 1 to 2**20): the escape hatch
+    the refusal names, for a genuine checkpoint on a filesystem that compresses zeros to nothing."""
+    override = os.environ.get(HOLE_FACTOR_ENV)
+    if override is None:
+        return HOLE_FACTOR
+    if not (override.isascii() and override.isdigit() and 1 <= int(override) <= 1 << 20):
+        raise FormatError(f"{HOLE_FACTOR_ENV}={override!r} is not a ratio; set it to an integer from 1 to {1 << 20}")
+    return int(override)
+
+
+def budget_of(stored: int) -> int:
+    """Bytes a reader may go through (read, hash or allocate) behind ``stored`` bytes on disk."""
+    return stored * hole_factor() + SPARSE_SLACK
+
+
+def read_budget(st: os.stat_result) -> int:
+    """:func:`budget_of` a file's :func:`stored_bytes`."""
+    return budget_of(stored_bytes(st))
+
+
+def readable_bytes(st: os.stat_result) -> int:
+    """The part of a file a reader may go through: its size, capped by its :func:`read_budget`."""
+    return min(st.st_size, read_budget(st))
+
+
 def is_sparse(st: os.stat_result) -> bool:
-    """A file (over :data:`SPARSE_SLACK`) that stores under half its size: reading it whole would
-    spend time on holes, and sizing anything by it would spend memory on them."""
-    return st.st_size > SPARSE_SLACK and stored_bytes(st) * 2 < st.st_size
+    """A file whose size exceeds its :func:`read_budget`: going through it would spend time (and,
+    sized by it, memory) on many times more holes than it stores. Fewer holes than that are read
+    as the zeros they are, and the checksums judge them."""
+    return st.st_size > read_budget(st)
 
 
 def sparse_file_message(rel: str, st: os.stat_result) -> str:
-    return (f"{rel} stores only {stored_bytes(st)} of its {st.st_size} bytes (a sparse file: holes nobody wrote); "
-            "restore it from a good copy")
+    return (f"{rel} stores only {stored_bytes(st)} of its {st.st_size} bytes (a sparse file: over {hole_factor()}x "
+            "more holes than data, a bound on the time spent reading them, not a verdict on the data); restore it "
+            f"from a good copy, or, if it is genuine and its filesystem compresses, copy it with `cp --sparse=never` "
+            f"to one that does not or raise {HOLE_FACTOR_ENV}")
+
+
+def _regular_stat(root: Path, rel: str) -> os.stat_result | None:
+    """The confined ``stat`` of a regular file inside ``root`` (``None`` when it is not one)."""
+    try:
+        root_fd = _open_root(root)
+    except FormatError:
+        return None
+    try:
+        st = _walk(root_fd, rel, want_dir=False, stat_only=True)
+    except (OSError, _Outside):
+        return None
+    finally:
+        os.close(root_fd)
+    assert isinstance(st, os.stat_result)
+    return st if stat.S_ISREG(st.st_mode) else None
 
 
 def stored_size(root: Path | ObjectURL, rel: str) -> int:
@@ -188,18 +246,18 @@ def stored_size(root: Path | ObjectURL, rel: str) -> int:
         return 0
     if isinstance(root, ObjectURL):  # an object stores every byte the store reports
         return objects.head_size(root, rel) or 0
-    try:
-        root_fd = _open_root(root)
-    except FormatError:
+    st = _regular_stat(root, rel)
+    return 0 if st is None else stored_bytes(st)
+
+
+def readable_size(root: Path | ObjectURL, rel: str) -> int:
+    """:func:`readable_bytes` of a regular file inside ``root`` (0 when it is not one: no error)."""
+    if unsafe_reason(rel) is not None:
         return 0
-    try:
-        st = _walk(root_fd, rel, want_dir=False, stat_only=True)
-    except (OSError, _Outside):
-        return 0
-    finally:
-        os.close(root_fd)
-    assert isinstance(st, os.stat_result)
-    return stored_bytes(st) if stat.S_ISREG(st.st_mode) else 0
+    if isinstance(root, ObjectURL):
+        return objects.head_size(root, rel) or 0
+    st = _regular_stat(root, rel)
+    return 0 if st is None else readable_bytes(st)
 
 
 METADATA_LIMIT_ENV = "CKPT_MAX_METADATA_BYTES"
@@ -228,8 +286,9 @@ def metadata_limit(data_bytes: int) -> int:
 
 def sparse_message(rel: str, length: int, st: os.stat_result) -> str:
     return (f"{rel}: a {length}-byte read, but the file stores only {stored_bytes(st)} of its {st.st_size} bytes "
-            "(a sparse file: the rest are holes nobody wrote); the metadata declares more than was written: restore "
-            "the file from a good copy (on a compressing filesystem, copy the checkpoint to one that does not)")
+            f"(a sparse file: a read over {hole_factor()}x what it stores is refused); the metadata declares more "
+            "than was written: restore the file from a good copy (on a compressing filesystem, copy the checkpoint "
+            f"to one that does not, or raise {HOLE_FACTOR_ENV})")
 
 
 def file_size(root: Path | ObjectURL, rel: str, what: str = "data file") -> int:
@@ -303,7 +362,7 @@ def read_range(root: Path | ObjectURL, rel: str, offset: int, length: int,
         st = os.fstat(f.fileno())
         if offset + length > st.st_size:
             raise ChunkError(past_end_message(rel, offset, length, st.st_size), file=rel)
-        if length > max(stored_bytes(st), SPARSE_SLACK):  # the allocation is sized by metadata: back it by real bytes
+        if length > read_budget(st):  # the allocation is sized by metadata: back it by bytes that really exist
             raise ChunkError(sparse_message(rel, length, st), file=rel)
         direct = read_direct(f.fileno(), offset, length, into) if into is not None else None
         if direct is not None:

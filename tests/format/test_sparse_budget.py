@@ -148,3 +148,36 @@ def test_verify_data_does_not_read_holes(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 30
     errors = [p for p in result.problems if p.severity == "error"]
     assert errors and all("sparse" in p.message for p in errors), [p.message for p in errors]
+
+
+def test_holes_within_the_budget_read_as_zeros(tmp_path: Path) -> None:
+    """Holes are not damage: a file that stores a third of its size is read, its holes as zeros."""
+    from gtp_format.reader.storage import HOLE_FACTOR, is_sparse, read_budget
+
+    path = tmp_path / "z"
+    with open(path, "wb") as f:
+        f.write(b"\x01" * (4 << 20))
+        f.seek(8 << 20, os.SEEK_CUR)  # 8 MiB of holes, as a migration's zeroed moments leave them
+        f.write(b"\x02" * 4096)
+    st = os.stat(path)
+    if stored_bytes(st) >= st.st_size:
+        pytest.skip("this file system stores holes")
+    assert not is_sparse(st) and read_budget(st) >= st.st_size
+    got = read_range(tmp_path, "z", 0, st.st_size)
+    assert bytes(got[(4 << 20):(12 << 20)]) == bytes(8 << 20) and got[-1] == 2
+    with open(path, "r+b") as f:  # grown past the budget: refused as a bound, naming the factor
+        f.truncate(st.st_size + HOLE_FACTOR * stored_bytes(st))
+    assert is_sparse(os.stat(path))
+    with pytest.raises(ChunkError, match="sparse"):
+        read_range(tmp_path, "z", 0, os.stat(path).st_size)
+
+
+@pytest.mark.parametrize("value", ["٣٢", "0", "-4", "1e3", " 8", str((1 << 20) + 1)])
+def test_hole_ratio_override_is_ascii_and_bounded(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gtp_format.reader.storage import HOLE_FACTOR_ENV, hole_factor
+
+    monkeypatch.setenv(HOLE_FACTOR_ENV, value)
+    with pytest.raises(FormatError, match=HOLE_FACTOR_ENV):
+        hole_factor()
+    monkeypatch.setenv(HOLE_FACTOR_ENV, "64")
+    assert hole_factor() == 64
