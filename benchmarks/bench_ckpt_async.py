@@ -22,6 +22,7 @@ Ratios, not absolute figures, are what carries between machines.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -60,6 +61,18 @@ def _timed(fn: Any, device: torch.device) -> float:
     _sync(device)
     dist.barrier()
     return time.perf_counter() - t
+
+
+def _free(device: torch.device) -> None:
+    """Give back what the previous measurement's copies held before the next one allocates its own.
+
+    Why: on one 80 GB card the trainer's state, the plain dict's clones and ``torch.load``'s copy of
+    them (26.3 GB each on the one-GPU shape) did not fit together, so the run died after its
+    ``torch.save`` baseline. Nothing measured changes: each figure's own allocations are the same.
+    """
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _max(x: float) -> float:
@@ -277,6 +290,8 @@ def _worker(args: argparse.Namespace, out: str) -> None:
         if rank == 0 and i < args.saves - 1:  # keep the disk's use at one checkpoint per kind
             shutil.rmtree(root / "async" / iter_dir_name(trainer.iteration - args.steps), ignore_errors=True)
     saver.close()
+    del saver  # its pinned staging
+    _free(device)
     _rm(root / "async")
 
     plain = _plain(trainer)
@@ -297,6 +312,8 @@ def _worker(args: argparse.Namespace, out: str) -> None:
     # different one on the other rank (a loaded CI run hung here 600 s).
     dcp_block, dcp_durable = _max(block_s), _max(durable_s)
     stager.close()
+    del fut, stager  # DCP's staged copy
+    _free(device)
     _rm(root / "dcp_async")
     _say(f"dcp.async_save blocked {dcp_block:.2f} s, durable {dcp_durable:.2f} s")
 
@@ -310,10 +327,12 @@ def _worker(args: argparse.Namespace, out: str) -> None:
     tsave_s = _timed(tsave, device)
     tbytes = _sum(tpath.stat().st_size)
     _say(f"torch.save {tsave_s:.2f} s")
+    plain.clear()  # the clones (26 GB on the H200 shape): the load reads the file, not them
+    _free(device)
     tload_s = _timed(lambda: torch.load(tpath, map_location=device, weights_only=True), device)
+    _free(device)  # the loaded copy, dropped when the call returned
     dist.barrier()
     tpath.unlink()
-    plain.clear()  # frees the clones (26 GB on the H200 shape)
     dist.barrier()
     if rank == 0:
         ddw, ddr = _dd(root / "dd.bin", nbytes)

@@ -69,6 +69,7 @@ def verify_command(
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Check a checkpoint's structure (and with --data its contents); exit 1 on errors."""
+    from gtp_format.check.data import data_bytes
     from gtp_format.check.verify import verify
     from gtp_format.reader.checkpoint import open_checkpoint
 
@@ -77,7 +78,8 @@ def verify_command(
 
         objects.reads_everything(objects.PART * objects.IN_FLIGHT)  # what its reads hold in flight anyway
     ckpt = open_checkpoint(path)
-    with progress(ckpt.chunk_count() if data else 0, "reading chunks", progress_enabled(fmt), "chunks") as advance:
+    # in bytes, like every engine that moves data: someone watching a 500 GB verify wants GB/s and an ETA
+    with progress(data_bytes(ckpt) if data else 0, "reading", progress_enabled(fmt)) as advance:
         result = verify(ckpt, data=data, cp_size=cp_size, progress=advance, workers=workers,
                         folded=folded)
     errors = [p for p in result.problems if p.severity == "error"]

@@ -92,6 +92,16 @@ class DataReport:
     bytes_read: int = 0
 
 
+def data_bytes(ckpt: Checkpoint) -> int:
+    """The total of ``verify --data``'s progress: the bytes of the checkpoint's data files (what it stores).
+
+    The pass advances by the bytes it reads, and at its end by whatever of this total it did not read
+    (a file nothing checksums is read up to its last chunk; a chunk of another encoding on its own),
+    so a bar with this total ends full.
+    """
+    return sum(ckpt.data_files.values())
+
+
 def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Progress | None = None,
                workers: int | None = None, records: dict[tuple[str, int], ChunkRecord] | None = None,
                files: frozenset[str] | None = None) -> DataReport:
@@ -101,13 +111,14 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
     :attr:`DataReport.digests` (files that could not be read are absent). ``workers`` threads read,
     hash and scan windows in parallel (default: :func:`default_workers`); the report does not
     depend on it. ``records`` (``(key, chunk index) -> record``, :func:`gtp_format.check.hashes.match_records`):
-    those chunks' hashes are checked from the same read. ``files``: only the chunks stored in these
-    data files are read (a writer checking the files it wrote, :func:`gtp_format.check.verify_data.verify_written`).
+    those chunks' hashes are checked from the same read. ``progress`` advances in bytes, up to
+    :func:`data_bytes`. ``files``: only the chunks stored in these data files are read (a writer
+    checking the files it wrote, :func:`gtp_format.check.verify_data.verify_written`).
     """
     records = records or {}
     report = DataReport()
     total = Found()
-    tick = progress or (lambda n: None)
+    tick = _Bytes(data_bytes(ckpt), progress)
     by_file: dict[str, list[Item]] = defaultdict(list)
     for e in ckpt.entries.values():
         for c in e.chunks:
@@ -117,13 +128,12 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
                 found = Found()
                 random_access(ckpt, e, c, found, records.get((e.key, c.index)))  # byte objects and raw layouts
                 total.merge(found)
-                tick(1)
+                tick(c.storage.length if c.storage is not None else 0)
                 continue
             try:
                 ref = checked_ref(ckpt, e, c)
             except ChunkError as err:
                 total.error(err, e, c)
-                tick(1)
                 continue
             by_file[ref.file].append(Item(e, c, ref.offset, ref.offset + ref.length, records.get((e.key, c.index))))
     passes = [_FilePass(ckpt, rel, sorted(by_file.get(rel, []), key=lambda i: (i.start, i.stop)),
@@ -134,6 +144,7 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
     in_flight = max(2, IN_FLIGHT * MAX_WORKERS * WINDOW // PART) if bucket else IN_FLIGHT * n
     with ThreadPoolExecutor(n, "ckpt-data") as pool:
         _run(passes, pool, in_flight, total, report, tick)
+    tick.finish()
     report.nonfinite, found = split_padding(total.nan, total.inf)
     report.problems = total.problems + found
     return report
@@ -156,8 +167,8 @@ def _run(passes: list[_FilePass], pool: ThreadPoolExecutor, in_flight: int, tota
         planned = fp.absorb(step, found)
         for part in ([planned] if planned else []) + [found]:
             total.merge(part)
-            tick(part.ticks)
         report.bytes_read += found.nbytes
+        tick(found.nbytes)
         if fp.done():
             fp.close(report)
 
@@ -185,6 +196,23 @@ def _run(passes: list[_FilePass], pool: ThreadPoolExecutor, in_flight: int, tota
             fut.cancel() or fut.exception()
         for fp in passes:
             fp.close(None)
+
+
+class _Bytes:
+    """``verify --data``'s progress in bytes: advances by what was read, never past ``total``, and to
+    ``total`` at the end."""
+
+    def __init__(self, total: int, progress: Progress | None) -> None:
+        self.left, self.progress = total, progress
+
+    def __call__(self, n: int) -> None:
+        n = min(n, self.left)
+        if n > 0 and self.progress is not None:
+            self.left -= n
+            self.progress(n)
+
+    def finish(self) -> None:
+        self(self.left)
 
 
 @dataclass(frozen=True)
@@ -234,7 +262,6 @@ class _FilePass:
             for it in self.items:
                 self.planned.error(ChunkError(f"{it.entry.key} chunk {it.chunk.index}: {err.message}",
                                               file=self.rel), it.entry, it.chunk)
-                self.planned.ticks += 1
             self.failed = True
             self.remaining = 1
             return []
@@ -254,7 +281,6 @@ class _FilePass:
             for it in self.items:
                 self.planned.error(ChunkError(f"{it.entry.key} chunk {it.chunk.index}: {message}", file=self.rel),
                                    it.entry, it.chunk)
-                self.planned.ticks += 1
             self.failed = True
             self.remaining = 1
             return []
@@ -370,7 +396,6 @@ class _FilePass:
         self.planned.error(ChunkError(f"{it.entry.key} chunk {it.chunk.index}: "
                                       f"{past_end_message(self.rel, it.start, it.stop - it.start, self.size)}",
                                       file=self.rel), it.entry, it.chunk)
-        self.planned.ticks += 1
         return False
 
     def _big(self, it: Item) -> list[_Step]:
@@ -387,8 +412,6 @@ class _FilePass:
         if layout is not None and not layout.contiguous_whole:
             steps.append(_Step(it.start, it.start, fallback_action(self.ckpt, [it])))  # a view into a larger storage
             layout = None
-        else:
-            self.planned.ticks += 1
         lo_payload = it.start + (layout.payload_offset if layout else 0)
         hi_payload = lo_payload + (layout.payload_bytes if layout else 0)
         cuts = sorted({it.start, it.stop, lo_payload, hi_payload, *range(lo_payload, hi_payload, self.window)})

@@ -37,7 +37,7 @@ class Item:
 
 
 class Found:
-    """What one step found: NaN/Inf counts, problems, chunks done, and the window's bytes and CRC.
+    """What one step found: NaN/Inf counts, problems, and the window's bytes and CRC.
 
     Workers fill their own; the main thread merges them in file order, so nothing is shared.
     """
@@ -46,7 +46,6 @@ class Found:
         self.nan: dict[str, int] = defaultdict(int)
         self.inf: dict[str, int] = defaultdict(int)
         self.problems: list[Problem] = []
-        self.ticks = 0
         self.nbytes = 0
         self.crc = 0
         self.data: bytes = b""  # kept only for order-dependent digests
@@ -69,7 +68,6 @@ class Found:
         for key, n in other.inf.items():
             self.inf[key] += n
         self.problems += other.problems
-        self.ticks += other.ticks
 
 
 def random_access(ckpt: Checkpoint, entry: Entry, chunk: Chunk, found: Found, rec: ChunkRecord | None) -> None:
@@ -106,7 +104,6 @@ def window_action(ckpt: Checkpoint, start: int, stop: int, items: list[Item], re
                     del elements
                 except ChunkError as err:
                     found.error(err, it.entry, it.chunk)
-            found.ticks += 1
 
     return action
 
@@ -115,7 +112,6 @@ def fallback_action(ckpt: Checkpoint, items: list[Item]) -> Action:
     def action(_: memoryview, found: Found) -> None:
         for it in items:
             random_access(ckpt, it.entry, it.chunk, found, it.record)
-            found.ticks += 1
 
     return action
 

@@ -62,6 +62,7 @@ SMOKE = {
     "bench_s3_ckpt.py": ["--server-process"],  # the in-thread server is what tests/s3 use
     "ckpt_io_stages.py": ["--dir", "{tmp}"],
     "bench_sink.py": [],
+    "bench_cli_scale.py": ["--workdir", "{tmp}/cli_scale", "--out", "{tmp}/cli_scale_out"],
 }
 # Not run with --smoke by the test above; each has its own test below.
 # save_stages.py is bench_save_integrity.py's timers: its stage table is checked in check_save_integrity.
@@ -332,6 +333,16 @@ def check_sink(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert rows[0][3] == "+0.0%" and len(rows) == 4 and all(float(r[1]) > 0 for r in rows)
 
 
+def check_cli_scale(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    doc = json.loads((tmp / "cli_scale_out" / "cli_scale_results.json").read_text())
+    assert [r["row"] for r in doc["rows"]] == ["verify_data_warm_vs_cat", "reshard_vs_cp", "export_hf_vs_cp",
+                                               "inspect_1m_vs_torch", "inspect_1m_rss_vs_torch",
+                                               "verify_meta_1m_vs_torch"]
+    assert doc["notes"] == ["verify_data_cold_vs_cat skipped: --smoke never drops the page cache"]
+    assert all(r["ratio"] > 0 and r["command"] and r["machine"]["nproc"] >= 1 for r in doc["rows"])
+    assert doc["rows"][-1]["verify_ok"] and not (tmp / "cli_scale").exists()
+
+
 CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_ckpt_async.py": check_ckpt_async,
     "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
@@ -348,6 +359,7 @@ CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_s3_ckpt.py": check_s3_ckpt,
     "ckpt_io_stages.py": check_io_stages,
     "bench_sink.py": check_sink,
+    "bench_cli_scale.py": check_cli_scale,
 }
 
 
