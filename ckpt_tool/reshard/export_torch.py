@@ -7,8 +7,17 @@ serialisation (and ``import torch``) came after the whole read, and no state lar
 source stores its bytes (a bucket's prefetch joins neighbouring chunks into large requests), read in
 row slices on :data:`READERS` threads and written in order while the next slices are read. Memory:
 the slices in flight and the prefetch, within ``--max-memory``. The file loads with
-``torch.load(weights_only=True)`` and equals PyTorch's own ``dcp_to_torch_save`` of the same
-checkpoint (``tests/cli/test_export.py``).
+``torch.load(weights_only=True)``, and its tensors equal those of PyTorch's own ``dcp_to_torch_save``
+of the same checkpoint (``tests/cli/test_export.py``).
+
+What it leaves out, and says so (``left_out``): the checkpoint's non-tensor objects (DCP's
+``BytesStorageMetadata`` entries: megatron-core's ``common_state``, ``rng_state``, the optimizer's
+param groups and ``_extra_state``). ``dcp_to_torch_save`` puts, under each such key, the object that
+``torch.load(weights_only=False)`` of its stored blob returns (``DefaultLoadPlanner.load_bytes``):
+that unpickles untrusted data (numpy RNG states, argparse namespaces), which ``ckpt`` never does, and
+its result cannot be written without it (the blob is a whole ``torch.save`` archive, its pickle's memo
+and storages numbered for that archive alone). So the file holds the tensors only, the keys left out
+are listed in the output, and their bytes stay in SRC (``ckpt show SRC KEY`` reads them safely).
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ def _pieces(key: str, shape: tuple[int, ...], itemsize: int, slice_bytes: int) -
 def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
                  advance_of: Callable[[int], Callable[[int], None]] | None = None) -> dict[str, Any]:
     entries = {k: e for k, e in source.ckpt.entries.items() if e.shape is not None and e.dtype is not None}
+    left_out = sorted(k for k in source.ckpt.entries if k not in entries)  # byte objects: see the module docstring
     total = sum(e.numel * e.itemsize for e in entries.values())
     stored = stored_bytes(source.ckpt)
     if total > stored:  # the output's size is bounded by what the files hold on disk, not their (sparse) st_size
@@ -128,7 +138,7 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return {"files": 1, "keys": len(keys), "bytes": total}
+    return {"files": 1, "keys": len(keys), "bytes": total, "left_out": left_out}
 
 
 def _write_piece(out: TorchStateFile, p: Piece, fut: Future[tuple[np.ndarray, int]],
