@@ -23,9 +23,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from cli_helpers import assert_error_line, cli, snapshot
+from hf_folder import hf_folder as _hf_folder
 
 from gtp_format.names import LATEST_FILE
 from gtp_format.writer import work
@@ -36,32 +36,6 @@ ITER = "iter_0000002"
 USER_FILES = {"notes.txt": "my notes, not a checkpoint\n", "data/results.csv": "a,b\n1,2\n"}
 
 # -- class 5 ---------------------------------------------------------------------------------------
-
-HF_CONFIG = {"architectures": ["ArceeForCausalLM"], "model_type": "arcee", "hidden_act": "gelu", "hidden_size": 32,
-             "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-             "head_dim": 8, "max_position_embeddings": 16, "rms_norm_eps": 1e-05, "vocab_size": 96,
-             "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "tie_word_embeddings": False,
-             "attention_bias": False, "mlp_bias": False}
-
-
-def _hf_folder(root: Path, **over: object) -> Path:
-    """An Arcee folder as ``save_pretrained`` writes it (names and shapes of transformers' ArceeForCausalLM)."""
-    from safetensors.numpy import save_file
-
-    rng = np.random.default_rng(0)
-    h, f, v = 32, 48, 96
-    shapes = {"lm_head.weight": (v, h), "model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    for i in range(2):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)})
-        shapes.update({p + f"self_attn.{n}_proj.weight": (h, h) for n in "qkvo"})
-    root.mkdir(parents=True)
-    save_file({k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}, root / "model.safetensors",
-              metadata={"format": "pt"})
-    (root / "config.json").write_text(json.dumps({**HF_CONFIG, **over}))
-    return root
-
 
 def test_the_hf_folder_builder_imports(tmp_path: Path) -> None:
     """The builder's folder is one ``import`` takes (so the refusal below is the value's, not the folder's)."""
