@@ -35,7 +35,7 @@ import numpy as np
 from ckpt_tool.reshard.engine import MIN_CHUNK, write_failure
 from ckpt_tool.reshard.source import Source
 from gtp_format.check.integrity import stored_bytes
-from gtp_format.commit import commit_file, hidden_sibling
+from gtp_format.commit import commit_file
 from gtp_format.errors import FormatError
 from gtp_format.reader.boxes import PREFETCH_BUDGET
 from gtp_format.storage import upload
@@ -43,7 +43,7 @@ from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import DestinationTaken
 from gtp_format.writer.sink import Sink, stage_bytes
 from gtp_format.writer.torch_file import TorchStateFile
-from gtp_format.writer.work import clean_stale, sigterm_raises
+from gtp_format.writer.work import clean_stale, new_work, remove_entry, sigterm_raises
 
 READERS = 8  # slices read at once (from a bucket they wait on round trips, not on the cores)
 SLICE = 16 << 20  # bytes per slice at most: finer than the prefetch's budget, so the window stays full
@@ -100,7 +100,10 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
     bucket = isinstance(dst, ObjectURL)  # built in local staging, then uploaded as one object
     local = upload.staging_dir() / dst.name if bucket else dst
     clean_stale(local.parent)  # what killed exports left beside DST
-    tmp = hidden_sibling(local, "tmp")
+    # the file is built inside a work folder of this writer's (its ownership token inside), so a killed
+    # export's partial file is removed by the next writer there, and only one this tool provably made
+    work = new_work(local, "tmp")
+    tmp = work / local.name
     index = {k: i for i, k in enumerate(keys)}
     spec = [(k, entries[k].dtype, tuple(entries[k].shape)) for k in keys]
     try:
@@ -126,18 +129,14 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
             source.verify_reads()  # a damaged SRC is refused here, before anything is committed
             if bucket:
                 upload.Upload(dst).run_file(tmp)
-                tmp.unlink()
             else:
                 commit_file(tmp, dst)
     except FileExistsError:
-        tmp.unlink(missing_ok=True)
         raise DestinationTaken(dst) from None
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise write_failure(local, e) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    finally:
+        remove_entry(work)  # the partial file on a failure; the token (and nothing else) after the commit
     return {"files": 1, "keys": len(keys), "bytes": total, "left_out": left_out}
 
 
