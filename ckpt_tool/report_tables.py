@@ -103,8 +103,7 @@ def inspect_tables(doc: dict[str, Any]) -> list[str]:
             "Parameters"))
     if doc["leftovers"]:
         blocks.append(table([(w["path"], w["target"], "-" if w["pid"] is None else w["pid"],
-                              {"dead": "dead (stale: the next writer here removes it)", "live": "live (being written)",
-                               "unknown": "unknown (another host, or not recorded)"}[w["owner"]])
+                              _owner(w))
                              for w in doc["leftovers"]], ("hidden work folder", "for", "pid", "owner"),
                             "Leftovers of unfinished writes"))
     for n in doc["notes"]:
@@ -127,3 +126,13 @@ def _rms(s: dict[str, Any]) -> str:
 def _ranks(values: list[int]) -> str:
     text = ",".join(map(str, values[:16]))
     return (text + f",... ({len(values)})" if len(values) > 16 else text) or "-"
+
+
+def _owner(w: dict) -> str:
+    """A leftover's owner column: a dead owner's folder is removed by the next writer only when its
+    ownership token proves this tool made it (``proven``); otherwise it is only ever listed."""
+    if w["owner"] == "dead":
+        return ("dead (stale: the next writer here removes it)" if w.get("proven")
+                else "dead, unproven (no ownership token matching its name: never removed; delete it yourself "
+                     "if it is yours)")
+    return {"live": "live (being written)", "unknown": "unknown (another host, or not recorded)"}[w["owner"]]

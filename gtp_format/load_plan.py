@@ -101,7 +101,7 @@ def plan_ours(ckpt: Checkpoint, manifest: Manifest, tp: int, pp: int, cp: int, d
     tgt = _target_par(par, tp, cp, dp, gtp_remat)
     source, target = par.to_dict(), {**tgt.to_dict(), "pp": pp}
     too_big = target_world_problem({"--tp": tgt.tp, "--pp": pp, "--cp": tgt.cp, "--gtp-remat": tgt.gtp_remat,
-                                    "--dp": tgt.dp})
+                                    "--dp": tgt.dp}, ckpt.model_elements())
     if too_big is not None:  # before any rank's reads are listed
         return LoadPlan(IMPOSSIBLE, too_big, source, target)
     if pp != 1 or vpp != 1:
@@ -212,7 +212,7 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
     meg = derive(ckpt)
     source = meg.to_dict()
     target = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "dp": dp, "ep": ep or 1, "etp": etp or tp}
-    too_big = target_world_problem({"--tp": tp, "--pp": pp, "--cp": cp, "--dp": dp})
+    too_big = target_world_problem({"--tp": tp, "--pp": pp, "--cp": cp, "--dp": dp}, ckpt.model_elements())
     if too_big is not None:
         return LoadPlan(IMPOSSIBLE, too_big, source, target)
     export = f"ckpt export {src_arg} DST --to fully_reshardable"

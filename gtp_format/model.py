@@ -76,6 +76,12 @@ class Entry:
         return sum(c.storage.length for c in self.chunks if c.storage is not None)
 
 
+def is_optimizer_key(key: str) -> bool:
+    """An optimizer state key: ``optimizer.*``, or megatron-core's chained ``chained_<i>.optimizer.*``."""
+    head, _, rest = key.partition(".")
+    return head == "optimizer" or (head.startswith("chained_") and rest.startswith("optimizer."))
+
+
 @dataclass(frozen=True)
 class Problem:
     """One finding. ``check`` is a stable short code that scripts can match on."""
@@ -118,3 +124,8 @@ class Checkpoint:
 
     def chunk_count(self) -> int:
         return sum(len(e.chunks) for e in self.entries.values())
+
+    def model_elements(self) -> int:
+        """The elements of the model's tensor keys (optimizer states left out): what a target
+        topology is bounded by (:func:`gtp_format.layout.config.target_world_problem`)."""
+        return sum(e.numel for k, e in self.entries.items() if e.kind == TENSOR and not is_optimizer_key(k))

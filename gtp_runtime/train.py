@@ -234,6 +234,20 @@ def _fused(args: argparse.Namespace) -> str | None:
     return None if args.fused == "none" else args.fused
 
 
+def refuse_unfit(args: argparse.Namespace, cfg: TrainConfig, world: int, local: int) -> None:
+    """Refuse model and world sizes this machine cannot hold (:mod:`gtp_runtime.fits`), before any
+    rank builds a layer: a lower bound of what ``local`` ranks need against host and GPU memory."""
+    from gtp_runtime.fits import fit_problem, host_memory
+
+    gpu = 0
+    if uses_cuda(args):
+        gpu = sum(torch.cuda.get_device_properties(i).total_memory
+                  for i in range(min(local, torch.cuda.device_count())))
+    problem = fit_problem(cfg.model, world, local, cfg.param_dtype.itemsize, host_memory(), gpu)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
 def refuse_impossible(args: argparse.Namespace, cfg: TrainConfig) -> None:
     """Refuse, before any rank starts, choices that could only fail later (or silently do the wrong thing)."""
     from gtp_runtime.checkpoint.verified import sharding_refusal
@@ -378,7 +392,9 @@ def _run_initialised(args: argparse.Namespace) -> int:
 
     rank = int(os.environ["RANK"])
     try:
-        cfg, _ = resolve(args, int(os.environ["WORLD_SIZE"]))
+        cfg, world = resolve(args, int(os.environ["WORLD_SIZE"]))
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        refuse_unfit(args, cfg, world, int(local) if local.isascii() and local.isdigit() else 1)
         refuse_impossible(args, cfg)
         use_cuda = uses_cuda(args)
         torch.set_num_threads(1) if not use_cuda else None
@@ -448,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg, world = resolve(args, None)
+        refuse_unfit(args, cfg, world, world)  # every rank runs here (spawn)
         refuse_impossible(args, cfg)
         check_data(cfg, args.eval_interval)
         if args.load:

@@ -48,7 +48,9 @@ stored). --names megatron keeps the checkpoint's names (no config.json).
 (fp32). Without --optimizer any checkpoint that holds model weights exports (megatron-core
 dp_reshardable, fully_reshardable, dp_zero_gather_scatter, model-only). fully_reshardable: a
 torch_dist checkpoint of Megatron's per-parameter optimizer layout. torch: {key: global tensor}
-for every key of SRC in one torch.save file, as PyTorch's dcp_to_torch_save writes it.
+for every tensor key of SRC in one torch.save file, the tensors PyTorch's dcp_to_torch_save writes;
+its non-tensor objects (common_state, rng_state, optimizer param groups) are left out and named,
+since dcp_to_torch_save unpickles them (ckpt never does).
 Sizes: bytes or with a unit, 5GB = 5*10^9 (as Hugging Face), 512MiB = 512*2^20.
 
 Exit codes: 0 written, 2 unreadable, incomplete or aliased SRC, no matching transformers class,
@@ -94,9 +96,16 @@ def export_command(
         what += (f", {count(info['objects'], 'byte object')} (common_state, _extra_state; "
                  f"{count(info['rng_state_dropped'], 'rng_state')} of the source topology left out: "
                  "resume with --no-load-rng)")
+    tail = ""
+    if info.get("left_out"):  # --to torch: the non-tensor objects dcp_to_torch_save would unpickle
+        left = info["left_out"]
+        kinds = sorted({k.split("/", 1)[0].rsplit(".", 1)[-1] for k in left})  # common_state, rng_state, ...
+        tail = (f"; left out {count(len(left), 'non-tensor object')} ({', '.join(kinds[:8])}"
+                f"{', ...' if len(kinds) > 8 else ''}; --format json lists the keys): PyTorch's dcp_to_torch_save "
+                "unpickles them, ckpt never does; read them with ckpt show SRC KEY")
     print_written(fmt, info, f"wrote {info['dst']} ({to}{', ' + info['names'] + ' names' if 'names' in info else ''}"
                   f"): {what}, {count(info['files'], 'file')}, {fmt_bytes(info['bytes_written'])} in "
-                  f"{info['seconds']:.1f} s")
+                  f"{info['seconds']:.1f} s{tail}")
 
 
 def register(app: typer.Typer) -> None:

@@ -26,6 +26,7 @@ work folder that appears as DST whole or not at all. No torch: numpy memory maps
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -186,7 +187,9 @@ def fill(hf: HFModel) -> Callable[[OutChunk], np.ndarray]:
 
 
 def target(hf: HFModel, par: ParallelConfig, layout: str, bucket_size: int) -> Manifest:
-    too_big = target_world_problem({"--tp": par.tp, "--cp": par.cp, "--gtp-remat": par.gtp_remat, "--dp": par.dp})
+    stored = sum(math.prod(t.shape) for t in hf.tensors.values())
+    too_big = target_world_problem({"--tp": par.tp, "--cp": par.cp, "--gtp-remat": par.gtp_remat, "--dp": par.dp},
+                                   stored, "the Hugging Face folder")
     if too_big is not None:  # before a shard per rank is planned
         raise FormatError(f"{hf.root}: cannot import at {par.describe()}: {too_big}")
     try:

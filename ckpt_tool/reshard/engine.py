@@ -340,7 +340,8 @@ def target_topology(src: Path | Source, layout: str | None, **asked: int | bool 
     par = dataclasses.replace(saved, **{k: v for k, v in asked.items() if v is not None})
     from gtp_format.layout.config import target_world_problem
 
-    too_big = target_world_problem({"--tp": par.tp, "--cp": par.cp, "--gtp-remat": par.gtp_remat, "--dp": par.dp})
+    too_big = target_world_problem({"--tp": par.tp, "--cp": par.cp, "--gtp-remat": par.gtp_remat, "--dp": par.dp},
+                                   source.ckpt.model_elements())
     if too_big is not None:  # before anything is planned per rank
         raise FormatError(too_big)
     if par.cp == 1 and asked.get("fold_cp") is None:

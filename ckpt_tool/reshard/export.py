@@ -16,8 +16,9 @@
 * ``fully_reshardable``: Megatron's per-parameter optimizer layout as a torch_dist (DCP)
   checkpoint: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>`` next to the model weights
   ``<name>``, every tensor at its global shape, chunked in row blocks.
-* ``torch``: one ``torch.save`` file of ``{key: global tensor}`` for every key of SRC, as
-  PyTorch's ``dcp_to_torch_save`` writes it; the whole state is in memory at once, so it is
+* ``torch``: one ``torch.save`` file of ``{key: global tensor}`` for every tensor key of SRC, the
+  tensors PyTorch's ``dcp_to_torch_save`` writes (its non-tensor objects are left out and named:
+  :mod:`.export_torch`); the whole state is in memory at once, so it is
   refused above ``--max-memory`` (small models only: PyTorch's own ``dcp_to_torch_save``, added in
   pytorch/pytorch#119814, holds the whole state too, and its docstring warns of running out of memory).
 

@@ -7,8 +7,17 @@ serialisation (and ``import torch``) came after the whole read, and no state lar
 source stores its bytes (a bucket's prefetch joins neighbouring chunks into large requests), read in
 row slices on :data:`READERS` threads and written in order while the next slices are read. Memory:
 the slices in flight and the prefetch, within ``--max-memory``. The file loads with
-``torch.load(weights_only=True)`` and equals PyTorch's own ``dcp_to_torch_save`` of the same
-checkpoint (``tests/cli/test_export.py``).
+``torch.load(weights_only=True)``, and its tensors equal those of PyTorch's own ``dcp_to_torch_save``
+of the same checkpoint (``tests/cli/test_export.py``).
+
+What it leaves out, and says so (``left_out``): the checkpoint's non-tensor objects (DCP's
+``BytesStorageMetadata`` entries: megatron-core's ``common_state``, ``rng_state``, the optimizer's
+param groups and ``_extra_state``). ``dcp_to_torch_save`` puts, under each such key, the object that
+``torch.load(weights_only=False)`` of its stored blob returns (``DefaultLoadPlanner.load_bytes``):
+that unpickles untrusted data (numpy RNG states, argparse namespaces), which ``ckpt`` never does, and
+its result cannot be written without it (the blob is a whole ``torch.save`` archive, its pickle's memo
+and storages numbered for that archive alone). So the file holds the tensors only, the keys left out
+are listed in the output, and their bytes stay in SRC (``ckpt show SRC KEY`` reads them safely).
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import numpy as np
 from ckpt_tool.reshard.engine import MIN_CHUNK, write_failure
 from ckpt_tool.reshard.source import Source
 from gtp_format.check.integrity import readable_bytes
-from gtp_format.commit import commit_file, hidden_sibling
+from gtp_format.commit import commit_file
 from gtp_format.errors import FormatError
 from gtp_format.reader.boxes import PREFETCH_BUDGET
 from gtp_format.storage import upload
@@ -34,7 +43,7 @@ from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import DestinationTaken
 from gtp_format.writer.sink import Sink, stage_bytes
 from gtp_format.writer.torch_file import TorchStateFile
-from gtp_format.writer.work import clean_stale, sigterm_raises
+from gtp_format.writer.work import clean_stale, new_work, remove_entry, sigterm_raises
 
 READERS = 8  # slices read at once (from a bucket they wait on round trips, not on the cores)
 SLICE = 16 << 20  # bytes per slice at most: finer than the prefetch's budget, so the window stays full
@@ -58,6 +67,7 @@ def _pieces(key: str, shape: tuple[int, ...], itemsize: int, slice_bytes: int) -
 def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
                  advance_of: Callable[[int], Callable[[int], None]] | None = None) -> dict[str, Any]:
     entries = {k: e for k, e in source.ckpt.entries.items() if e.shape is not None and e.dtype is not None}
+    left_out = sorted(k for k in source.ckpt.entries if k not in entries)  # byte objects: see the module docstring
     total = sum(e.numel * e.itemsize for e in entries.values())
     readable = readable_bytes(source.ckpt)
     if total > readable:  # the output's size is bounded by what the files hold on disk, not their (sparse) st_size
@@ -91,7 +101,10 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
     bucket = isinstance(dst, ObjectURL)  # built in local staging, then uploaded as one object
     local = upload.staging_dir() / dst.name if bucket else dst
     clean_stale(local.parent)  # what killed exports left beside DST
-    tmp = hidden_sibling(local, "tmp")
+    # the file is built inside a work folder of this writer's (its ownership token inside), so a killed
+    # export's partial file is removed by the next writer there, and only one this tool provably made
+    work = new_work(local, "tmp")
+    tmp = work / local.name
     index = {k: i for i, k in enumerate(keys)}
     spec = [(k, entries[k].dtype, tuple(entries[k].shape)) for k in keys]
     try:
@@ -117,19 +130,15 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
             source.verify_reads()  # a damaged SRC is refused here, before anything is committed
             if bucket:
                 upload.Upload(dst).run_file(tmp)
-                tmp.unlink()
             else:
                 commit_file(tmp, dst)
     except FileExistsError:
-        tmp.unlink(missing_ok=True)
         raise DestinationTaken(dst) from None
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise write_failure(local, e) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return {"files": 1, "keys": len(keys), "bytes": total}
+    finally:
+        remove_entry(work)  # the partial file on a failure; the token (and nothing else) after the commit
+    return {"files": 1, "keys": len(keys), "bytes": total, "left_out": left_out}
 
 
 def _write_piece(out: TorchStateFile, p: Piece, fut: Future[tuple[np.ndarray, int]],

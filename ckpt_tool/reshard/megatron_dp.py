@@ -371,7 +371,8 @@ def reshard_megatron(src: Path, dst: Path, tp: int | None, pp: int | None, cp: i
         workers = workers or default_workers()
         chunk_bytes = chunk_budget(max_memory, workers)
         etp = etp or tp  # megatron-core's default --expert-tensor-parallel-size: the TP size
-        too_big = target_world_problem({"--tp": tp, "--pp": pp, "--cp": cp, "--dp": dp})
+        too_big = target_world_problem({"--tp": tp, "--pp": pp, "--cp": cp, "--dp": dp},
+                                       source.ckpt.model_elements())
         if too_big is not None:  # before a data file per target rank is planned
             raise FormatError(too_big)
         files, shapes, numels = plan_megatron(source, tp, pp, dp * cp, bucket_size, chunk_bytes, ep, etp)

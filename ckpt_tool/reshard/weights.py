@@ -16,7 +16,7 @@ from __future__ import annotations
 from gtp_format.errors import FormatError
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.model import Checkpoint
-from gtp_format.views.megatron import module_params
+from gtp_format.views.megatron import check_stored, module_params
 from gtp_format.views.megatron_moe import EXPERT_PREFIX, expert_keys
 from gtp_format.views.records import Holder, KeyRef, ParamView
 
@@ -45,6 +45,7 @@ def weight_views(ckpt: Checkpoint) -> dict[str, ParamView]:
         if e.shape is None or e.dtype is None or len(e.shape) < 3:
             raise FormatError(f"{ckpt.root}: expert key {key} has shape {e.shape}, not (layers, experts, ...)")
         layers, experts, full = e.shape[0], e.shape[1], tuple(e.shape[2:])
+        check_stored(ckpt, layers * experts, f"(layer, expert) pairs of {key}")  # one view each, below
         spec = ShardSpec(full, None, 1, 0, None, 1, 0, 1)
         holder = Holder(KeyRef(0, 0, "", 0, None, 0), 0, spec, (), True)
         param = key[len(EXPERT_PREFIX):]

@@ -36,7 +36,7 @@ from gtp_format.names import (
 from gtp_format.reader.safe_json import load_json_object
 from gtp_format.reader.storage import is_folder_inside, list_dir, read_small_file
 from gtp_format.storage.location import ObjectURL, parse_location
-from gtp_format.writer.work import leftovers, parse_work
+from gtp_format.writer.work import leftovers, parse_work, proven
 
 LAYOUT_TORCH_DIST, LAYOUT_SAFETENSORS = LAYOUTS
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -55,28 +55,64 @@ class Located:
     recovered: str | None = None  # the iteration folder the marker names, when a hidden copy stands in for it
 
 
-# Which hidden copy stands in for a missing iteration: the finished new one first, then the old one.
-_RECOVERY_ORDER = {"tmp": 0, "migrate": 1, "old": 2}
+# Which hidden copies may stand in for a missing iteration: a writer's finished new copy. An ``old``
+# copy (the iteration a replace moved aside) carries no ownership token, so it is never promoted.
+_RECOVERY_ORDER = {"tmp": 0, "migrate": 1}
 
 
 def recover_hidden(parent: Path, name: str) -> Path | None:
-    """A finished hidden copy of the missing ``parent/name`` whose writer is gone, or None.
+    """The hidden copy that stands in for the missing ``parent/name``, None when there is no candidate,
+    or a one-line refusal (:class:`FormatError`) naming a candidate that cannot be trusted.
 
-    Finished: ``metadata.json`` is there (the writer writes it last, after every other file was
-    fsynced). A live writer's copy is left to it: it is about to be renamed.
+    A copy is promoted only when all of these hold: its writer is gone (a live writer's copy is about
+    to be renamed); it is finished (``metadata.json``, written last after every other file was
+    fsynced); this tool's writer provably made it (the ownership token matches its name,
+    :func:`gtp_format.writer.work.proven`: a folder merely *named* like one is not); and its
+    manifest records the iteration the marker names. Anything else was taken with a warning before
+    (a copy of unknown owner, a copy holding another iteration); now it is refused, the candidate named.
     """
     best: tuple[int, str, Path] | None = None
+    refused: str | None = None
+    want = parse_latest(name.removeprefix("iter_")) if name.startswith("iter_") else None
     for w in leftovers(parent):
         if w.target != name or w.state == "live" or not is_folder_inside(parent, w.path.name):
             continue
-        try:
-            names = list_dir(w.path)
-        except FormatError:
+        why = _unrecoverable(w, want, proven(w))
+        if why is not None:
+            refused = refused or f"{w.path}: {why}"
             continue
-        if MEGATRON_METADATA_FILE in names and _layout_of(names) is not None:
-            rank = (_RECOVERY_ORDER.get(w.tag, 3), w.path.name, w.path)
-            best = rank if best is None or rank < best else best
-    return best[2] if best else None
+        rank = (_RECOVERY_ORDER[w.tag], w.path.name, w.path)
+        best = rank if best is None or rank < best else best
+    if best is not None:
+        return best[2]
+    if refused is not None:
+        raise FormatError(f"{parent / name} is missing and its hidden copy cannot stand in for it: {refused}; "
+                          f"restore {name} from a good copy (or point {LATEST_FILE} at another iteration)")
+    return None
+
+
+def _unrecoverable(w: Any, want: int | None, owned: bool) -> str | None:
+    """Why the hidden copy ``w`` may not stand in for the marker's iteration ``want``, or None."""
+    if w.tag not in _RECOVERY_ORDER:
+        return f"a {w.tag!r} copy (what a replace moved aside) is never promoted"
+    if not owned:
+        return "nothing proves this tool's writer made it (no ownership token matching its name)"
+    try:
+        names = list_dir(w.path)
+    except FormatError as e:
+        return e.message
+    if MEGATRON_METADATA_FILE not in names or _layout_of(names) is None:
+        return f"its writer never finished it (no {MEGATRON_METADATA_FILE}, written last)"
+    if MANIFEST_FILE not in names:
+        return f"it has no {MANIFEST_FILE} to say which iteration it holds"
+    try:
+        it = parse_manifest(load_json_object(w.path / MANIFEST_FILE, "the manifest"), str(w.path / MANIFEST_FILE),
+                            strict=False).iteration
+    except FormatError as e:
+        return e.message
+    if want is None or it != want:
+        return f"its manifest records iteration {it}, not the marker's {want}"
+    return None
 
 
 def _check_work_folder(p: Path, names: list[str]) -> None:

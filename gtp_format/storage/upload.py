@@ -32,7 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from gtp_format.errors import FormatError
-from gtp_format.names import CHUNK_RECORDS_FILE, DCP_METADATA_FILE, GTP_INDEX_FILE, LATEST_FILE, MANIFEST_FILE
+from gtp_format.names import (
+    CHUNK_RECORDS_FILE,
+    DCP_METADATA_FILE,
+    GTP_INDEX_FILE,
+    LATEST_FILE,
+    MANIFEST_FILE,
+    WORK_TOKEN_FILE,
+)
 from gtp_format.names import MEGATRON_METADATA_FILE as COMMIT_OBJECT
 from gtp_format.storage import objects
 from gtp_format.storage.location import ObjectURL
@@ -79,7 +86,8 @@ def commit_order(folder: Path, commit: str | None = None) -> list[str]:
     """Relative names of ``folder``'s files: data first, then the side files, the commit object, the
     latest marker last. ``commit``: the commit object's relative name for an output without
     ``metadata.json`` (a Hugging Face folder: its ``config.json``); default every ``metadata.json``."""
-    names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                   if p.is_file() and p.relative_to(folder) != Path(WORK_TOKEN_FILE))  # the writer's, not the output's
     return sorted(names, key=lambda n: (step_of(n, commit), n))
 
 

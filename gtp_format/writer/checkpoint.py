@@ -68,7 +68,15 @@ from gtp_format.names import (
 )
 from gtp_format.storage import upload
 from gtp_format.storage.location import ObjectURL, within
-from gtp_format.writer.work import WorkFolder, clean_stale, remove_entry, sigterm_raises, work_name
+from gtp_format.writer.work import (
+    WorkFolder,
+    clean_stale,
+    drop_token,
+    new_work,
+    remove_entry,
+    sigterm_raises,
+    work_name,
+)
 
 # Megatron's metadata.json: the torch_dist backend (its fields and values, as megatron-core writes
 # them), and this project's safetensors layout.
@@ -240,9 +248,8 @@ class CheckpointWriter:
         self._signals.__enter__()
         try:
             # a bucket's top level (an empty prefix) has no name: the work folder is named after the bucket
-            self.work = work_name(parent / (self.target.name or self.target.bucket) if bucket else self.target,
-                                  self.tag)
-            self.work.mkdir()
+            self.work = new_work(parent / (self.target.name or self.target.bucket) if bucket else self.target,
+                                 self.tag)
             if self.inner:
                 (self.work / self.inner).mkdir()
         except BaseException:
@@ -305,6 +312,29 @@ class CheckpointWriter:
             if self.latest is not None:
                 write_durable(self.work / LATEST_FILE, f"{self.latest}\n")
             fsync_dir(self.work)
+        if metadata is not None:  # a checkpoint (an export that is none, e.g. --to hf, has no metadata.json)
+            self.check_output()
+
+    def check_output(self) -> None:
+        """Read the finished work folder as every reader will, and refuse to commit what it refuses.
+
+        The gate of ``--load``, ``verify-roundtrip`` and the copies (:func:`gtp_format.check.gate.open_gated`):
+        the strict manifest parse of the file as written, then ``ckpt verify``'s structural checks
+        (metadata and ``stat`` only). Why here: ``import`` wrote ``model.seq_length`` 2**63 from a
+        ``config.json`` and exited 0 with a checkpoint that ``--load`` refused; a writer's values come
+        from untrusted sources too, and one check in the one writer covers every writer. The line
+        names ``target`` (not the hidden folder); the caller's ``abort`` removes the work.
+        """
+        from gtp_format.check.gate import open_gated
+
+        assert self.work is not None
+        try:
+            open_gated(self.folder, checks=True)
+        except FormatError as e:
+            shown = self.target / self.inner if self.inner and not isinstance(self.target, ObjectURL) else self.target
+            line = e.message.replace(str(self.folder), str(shown))
+            raise FormatError(f"{shown}: nothing was committed: the checkpoint built from the source and flags "
+                              f"would be refused by its own reader, which says: {line}", e.exit_code) from None
 
     def commit(self) -> Path:
         """Rename the work folder to ``target``; refuse (:class:`DestinationTaken`) if it appeared meanwhile."""
@@ -318,6 +348,9 @@ class CheckpointWriter:
                 commit_new_folder(self.work, self.target)
             except FileExistsError:
                 raise DestinationTaken(self.target) from None
+        if not isinstance(self.target, ObjectURL):
+            drop_token(self.target)  # the ownership token is no checkpoint file (gtp_format/writer/work.py)
+            fsync_dir(self.target)
         self.committed = True
         self._release()
         return self.target

@@ -5,15 +5,26 @@ and renames it into place. A process killed with SIGKILL cannot remove its work 
 fault-injection campaign found 581 MB of them after 46 killed saves, and up to 61 MB beside a CLI
 destination. So the owner is written into the work folder's *name*, at the ``mkdir`` that creates it:
 ``w{host}{boot}-{pid}-{start}-{nonce}`` (a hash of the host name and pid namespace, the kernel's
-boot id, the process id and its start time in clock ticks). A name, not a file inside the folder, because ``mkdir`` is
-atomic (no moment where a folder exists without its owner) and the committed checkpoint must keep
-exactly the files the format defines.
+boot id, the process id and its start time in clock ticks). ``mkdir`` is atomic, so there is no
+moment where a folder exists without its owner.
+
+A name proves nothing, though: any folder *named* like a dead writer's work folder was deleted with
+its contents. So the writer also proves that it made the folder: at creation it writes a random
+token (:data:`TOKEN_FILE`, 32 hex digits) inside, and the name's ``nonce`` is the token's SHA-256
+prefix, the writer's record of it (:func:`new_work`). Cleanup removes a folder only when its token
+matches its name (:func:`proven`); a folder without one, or whose token does not match, is never
+removed, only listed (``ckpt inspect``). The token leaves the folder right after the commit rename
+(:func:`drop_token`), so a committed checkpoint keeps exactly the files the format defines. The
+proof is against accidents (a user's folder, a copy, a folder of another tool), not against someone
+who writes a matching token on purpose: such a folder is theirs to delete anyway. Entries made
+without a token (the temporary files of :func:`gtp_format.commit.write_atomic`, the ``old`` copy a
+replace moves aside) are never proven: a dead writer's are listed, not removed.
 
 A work folder is *stale* when its owner is on this host and is dead: another boot, no such pid, or
 a pid whose start time differs (the pid was reused). A folder of another host (a shared file
 system) or without an owner tag (written before owners were recorded) is never touched: nobody can
-tell here whether its writer still runs. Stale folders are removed by the next writer into the same
-parent (:func:`clean_stale`) and listed by ``ckpt inspect`` (:func:`leftovers`).
+tell here whether its writer still runs. Stale, proven folders are removed by the next writer into
+the same parent (:func:`clean_stale`) and listed by ``ckpt inspect`` (:func:`leftovers`).
 """
 
 from __future__ import annotations
@@ -31,7 +42,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from gtp_format.names import WORK_TOKEN_FILE
+
 WORK_TAGS = ("tmp", "old", "migrate")
+TOKEN_FILE = WORK_TOKEN_FILE
+_TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 _WORK_RE = re.compile(r"^\.(?P<tag>[a-z]+)\.(?P<name>.+)\.w(?P<host>[0-9a-f]{8})(?P<boot>[0-9a-f]{8})"
                       r"-(?P<pid>\d{1,10})-(?P<start>\d{1,20})-(?P<nonce>[0-9a-f]{6})$")
 _LEGACY_RE = re.compile(r"^\.(?P<tag>tmp|old|migrate)\.(?P<name>.+)\.(?P<nonce>[0-9a-f]{8})$")
@@ -71,15 +86,66 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
-def owner_tag() -> str:
-    """This process as a work-folder owner (computed per call: a forked child is another owner)."""
+def _token_nonce(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()[:6]
+
+
+def owner_tag(token: str | None = None) -> str:
+    """This process as a work-folder owner (computed per call: a forked child is another owner);
+    ``token``: the nonce records it (:func:`new_work`), else it is random."""
     pid = os.getpid()
-    return f"w{_host_id()}{_boot_id()}-{pid}-{start_ticks(pid) or 0}-{uuid.uuid4().hex[:6]}"
+    nonce = _token_nonce(token) if token is not None else uuid.uuid4().hex[:6]
+    return f"w{_host_id()}{_boot_id()}-{pid}-{start_ticks(pid) or 0}-{nonce}"
 
 
-def work_name(target: Path, tag: str) -> Path:
+def work_name(target: Path, tag: str, token: str | None = None) -> Path:
     """The hidden sibling of ``target`` this process builds in: no reader takes a dot-name for a checkpoint."""
-    return target.with_name(f".{tag}.{target.name}.{owner_tag()}")
+    return target.with_name(f".{tag}.{target.name}.{owner_tag(token)}")
+
+
+def new_work(target: Path, tag: str) -> Path:
+    """Create this process's work folder for ``target``, with its ownership token inside (see the module
+    docstring); returns it. A crash between the ``mkdir`` and the token leaves an empty folder that is
+    never proven (listed, not removed)."""
+    token = uuid.uuid4().hex
+    path = work_name(target, tag, token)
+    path.mkdir()
+    fd = os.open(path / TOKEN_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        os.write(fd, token.encode() + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path
+
+
+def drop_token(folder: Path) -> None:
+    """Remove the ownership token from a folder this writer just committed (it is no checkpoint file)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(folder / TOKEN_FILE)
+
+
+def proven(w: WorkFolder) -> bool:
+    """Whether ``w`` holds the token its name records: a real folder (not a link) with a regular
+    :data:`TOKEN_FILE` of 32 hex digits whose hash is the name's nonce. Read with ``O_NOFOLLOW``,
+    at most 64 bytes."""
+    if not w.nonce or w.path.is_symlink() or not w.path.is_dir():
+        return False
+    try:
+        fd = os.open(w.path / TOKEN_FILE, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return False
+    try:
+        import stat
+
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        text = os.read(fd, 65).decode("ascii", errors="replace").strip()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return _TOKEN_RE.fullmatch(text) is not None and _token_nonce(text) == w.nonce
 
 
 @dataclass(frozen=True)
@@ -90,7 +156,8 @@ class WorkFolder:
     tag: str
     target: str  # the name it would be committed as
     pid: int | None
-    state: str  # "live", "dead" (stale: safe to remove), "unknown" (other host or no owner recorded)
+    state: str  # "live", "dead" (its owner is gone), "unknown" (other host or no owner recorded)
+    nonce: str = ""  # the token's record (see :func:`proven`); "" for names written before owners were
 
     @property
     def stale(self) -> bool:
@@ -123,7 +190,7 @@ def parse_work(path: Path) -> WorkFolder | None:
         state = "dead"
     else:
         state = "live" if _pid_alive(pid, start) else "dead"
-    return WorkFolder(path, m["tag"], m["name"], pid, state)
+    return WorkFolder(path, m["tag"], m["name"], pid, state, m["nonce"])
 
 
 def leftovers(parent: Path, limit: int = 10_000) -> list[WorkFolder]:
@@ -153,16 +220,18 @@ def remove_entry(path: Path) -> None:
 
 
 def clean_stale(parent: Path, keep: Callable[[WorkFolder], bool] | None = None) -> list[Path]:
-    """Remove the stale work entries of dead owners in ``parent``; return what was removed.
+    """Remove the stale work folders of dead owners in ``parent`` that this tool provably made; return
+    what was removed.
 
-    Only entries whose name records an owner of this host that is dead are removed; a live
-    owner's, another host's, and one without a recorded owner stay. ``keep``: stale copies that
-    must stay (the reader may still recover a checkpoint from them, see
+    Only folders whose name records an owner of this host that is dead *and* whose token matches
+    their name (:func:`proven`) are removed; a live owner's, another host's, one without a recorded
+    owner and one without a matching token stay (``ckpt inspect`` lists them). ``keep``: stale copies
+    that must stay (the reader may still recover a checkpoint from them, see
     :func:`gtp_format.reader.locate.recover_hidden`).
     """
     removed = []
     for w in leftovers(parent):
-        if w.stale and not (keep is not None and keep(w)):
+        if w.stale and proven(w) and not (keep is not None and keep(w)):
             remove_entry(w.path)
             removed.append(w.path)
     return removed

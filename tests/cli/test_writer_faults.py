@@ -4,6 +4,7 @@ reader makes of what a crash left (issue 22 classes 1, 9, 11, 13, 14)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import resource
@@ -159,10 +160,14 @@ def test_sigterm_removes_the_work_folder(tmp_path: Path, argv: tuple[str, ...], 
     assert os.listdir(out) == []
 
 
-def _work_copy(parent: Path, target: str, pid: int, start: int, tag: str = "tmp") -> Path:
-    """A hidden work folder named as the writer names them, owned by ``pid`` started at ``start``."""
-    path = parent / f".{tag}.{target}.w{work._host_id()}{work._boot_id()}-{pid}-{start}-abcdef"
+def _work_copy(parent: Path, target: str, pid: int, start: int, tag: str = "tmp", token: str = "ab" * 16) -> Path:
+    """A hidden work folder as the writer makes them, owned by ``pid`` started at ``start``: the owner in
+    its name, the ownership token inside (``token=None``: none, a folder merely named like one)."""
+    nonce = hashlib.sha256((token or "").encode()).hexdigest()[:6]
+    path = parent / f".{tag}.{target}.w{work._host_id()}{work._boot_id()}-{pid}-{start}-{nonce}"
     shutil.copytree(FOLD / ITER, path)
+    if token is not None:
+        (path / work.TOKEN_FILE).write_text(token + "\n")
     return path
 
 

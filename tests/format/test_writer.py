@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -77,9 +78,8 @@ def test_nested_output_holds_the_iteration_and_the_marker_written_last(tmp_path:
 
 def test_a_destination_that_appears_is_never_replaced(tmp_path: Path, kernel: str) -> None:
     dst = tmp_path / "out"
-    with CheckpointWriter(dst, inner="iter_0000001", latest="1") as w:
-        (w.folder / "x").write_text("ours")
-        w.finish(None, megatron_metadata("torch_dist"))
+    with CheckpointWriter(dst, inner="iter_0000002", latest="2") as w:
+        _rebuild_fixture(w)  # a real checkpoint: the writer reads it back before it commits
         dst.mkdir()  # empty: a bare rename() would silently replace it
         with pytest.raises(DestinationTaken, match="appeared while"):
             w.commit()
@@ -156,9 +156,15 @@ def _dead_pid() -> int:
     return p.pid
 
 
+TOKEN = "0123456789abcdef" * 2
+
+
 def _foreign(parent: Path, target: str, pid: int, start: int, host: str | None = None, tag: str = "tmp") -> Path:
-    name = f".{tag}.{target}.w{host or work._host_id()}{work._boot_id()}-{pid}-{start}-abcdef"
+    """A work folder as a writer of ``pid`` makes it: owner in the name, the matching token inside."""
+    nonce = hashlib.sha256(TOKEN.encode()).hexdigest()[:6]
+    name = f".{tag}.{target}.w{host or work._host_id()}{work._boot_id()}-{pid}-{start}-{nonce}"
     (parent / name).mkdir()
+    (parent / name / work.TOKEN_FILE).write_text(TOKEN + "\n")
     (parent / name / "__0_0.distcp").write_bytes(b"x" * 10)
     return parent / name
 
