@@ -1,7 +1,8 @@
 """Committing a migration: build beside the target, check, then one rename (or an atomic swap).
 
 The migrated folder is built in a hidden sibling of where it will appear (same filesystem, so
-the last step is a rename), checked with ``ckpt verify``'s structural checks, and only then made
+the last step is a rename), checked with ``ckpt verify``'s structural checks (the writer's) and
+``verify --data``'s pass over the file it wrote, and only then made
 visible. A failure anywhere (SIGTERM included) leaves no trace but SRC, untouched. The layout and
 commit are the one checkpoint writer's (:class:`gtp_format.writer.checkpoint.CheckpointWriter`):
 a DST that appeared meanwhile is refused and left alone; ``--in-place`` exchanges the folders.
@@ -27,16 +28,15 @@ TAG = "migrate"  # the hidden build folder is .migrate.<name>.<nonce>
 
 
 def self_check(folder: Path, written: str | None = None) -> None:
-    """The migrated folder must pass verify's structural checks and hold no aliased key, and the data
-    file the migration wrote (rebuilt masters, zeroed moments: long zero runs left as holes) must pass
-    ``verify --data``'s own pass, so the migration never commits what ``verify --data`` refuses."""
-    from gtp_format.check.verify import verify
+    """``verify --data``'s own pass over the data file the migration wrote (rebuilt masters, zeroed
+    moments: long zero runs left as holes), so the migration never commits what ``verify --data``
+    refuses. The structural checks (verify's, aliased keys included) already ran in the writer's
+    ``finish`` (:meth:`gtp_format.writer.checkpoint.CheckpointWriter.check_output`)."""
     from gtp_format.check.verify_data import verify_written
 
-    ckpt = open_checkpoint(folder)
-    errors = [p for p in verify(ckpt).problems if p.severity == "error"]
-    if not errors and written is not None:
-        errors = verify_written(ckpt, frozenset({written}))
+    if written is None:
+        return
+    errors = verify_written(open_checkpoint(folder), frozenset({written}))
     if errors:
         p = errors[0]
         raise FormatError(f"the migrated copy fails verify ({len(errors)} errors, first: {p.key or p.file}: "

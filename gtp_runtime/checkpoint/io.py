@@ -125,7 +125,8 @@ def _own_files(folder: Path, layout: str, rank: int) -> list[Path]:
     return sorted(folder.glob(f"__{rank}_*{suffix}"))
 
 
-def prepare_folder(trainer: Trainer, root: Path | ObjectURL, layout: str, sharding: str) -> CheckpointWriter:
+def prepare_folder(trainer: Trainer, root: Path | ObjectURL, layout: str, sharding: str,
+                   aliased: bool = False) -> CheckpointWriter:
     """Refuse a bad request, then start the one checkpoint writer (collective): rank 0 creates the
     hidden work folder and every rank adopts it. A folder that cannot be created (a full disk, no
     permission) is one :class:`CheckpointSaveError` on every rank. A bucket (``s3://``): the work folder
@@ -136,7 +137,7 @@ def prepare_folder(trainer: Trainer, root: Path | ObjectURL, layout: str, shardi
         raise CheckpointError(f"unknown --ckpt-layout {layout!r}; use one of {fmt.LAYOUTS}")
     final = root / fmt.iter_dir_name(trainer.iteration)
     bucket = isinstance(root, ObjectURL)
-    writer = CheckpointWriter(final, replace=not bucket, fault=_fault)
+    writer = CheckpointWriter(final, replace=not bucket, fault=_fault, aliased=aliased)
     name: list[str | None] = [None, None]  # the work folder's path, or why it could not be made
     if dist.get_rank() == 0:
         try:
@@ -362,7 +363,8 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike | ObjectURL, layou
     save without them.
     """
     where = parse_location(root) if isinstance(root, str) else root
-    writer = prepare_folder(trainer, where if isinstance(where, ObjectURL) else Path(where), layout, sharding)
+    writer = prepare_folder(trainer, where if isinstance(where, ObjectURL) else Path(where), layout, sharding,
+                            aliased)
     try:
         sd = rank_state(trainer, aliased, integrity)
         manifest = manifest_now(trainer, layout, sharding, aliased) if dist.get_rank() == 0 else None
