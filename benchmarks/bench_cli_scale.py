@@ -27,6 +27,7 @@ also merges the rows into docs/cli_scale_results.json (a row replaces the one of
 
     python benchmarks/bench_cli_scale.py --out /tmp/scale_out            # issue 41's sizes
     python benchmarks/bench_cli_scale.py --smoke --out /tmp/scale_smoke  # seconds (tests/benchmarks)
+    python benchmarks/bench_cli_scale.py --merge OUT/cli_scale_results.json  # rows from another machine
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -69,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-cold", action="store_true", help="skip the cold row (a machine shared with others)")
     ap.add_argument("--write-docs", action="store_true", help="merge the rows into docs/cli_scale_results.json")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (tests/benchmarks); never drops caches")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="only merge the rows of these cli_scale_results.json files (copied back from another "
+                         "machine) into docs/cli_scale_results.json")
     ap.add_argument("--make", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -95,12 +100,13 @@ def timed(cmd: list[str], env: dict[str, str] | None = None, ok: tuple[int, ...]
     """One fresh process: wall seconds, CPU seconds (user + system) and peak RSS bytes (``os.wait4``), stdout."""
     full = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     t = time.perf_counter()
-    with open(os.devnull, "wb") as devnull:
+    with open(os.devnull, "wb") as devnull, tempfile.TemporaryFile() as errors:  # a file: no pipe to fill
         p = subprocess.Popen(cmd, cwd=REPO, env=full, stdin=subprocess.DEVNULL,
-                             stdout=devnull if cmd[0] in ("cat", "cp") else subprocess.PIPE, stderr=subprocess.PIPE)
+                             stdout=devnull if cmd[0] in ("cat", "cp") else subprocess.PIPE, stderr=errors)
         out = p.stdout.read() if p.stdout else b""
-        err = p.stderr.read() if p.stderr else b""
         _, status, usage = os.wait4(p.pid, 0)
+        errors.seek(0)
+        err = errors.read()
         p.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - t
     if p.returncode not in ok:
@@ -305,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.make:
         make_child(args)
+        return 0
+    if args.merge:
+        for name in args.merge:
+            merge_docs([r for r in json.loads(Path(name).read_text())["rows"] if not r.get("smoke")])
         return 0
     groups = [g for g in args.only.split(",") if g]
     if unknown := set(groups) - set(GROUPS):
