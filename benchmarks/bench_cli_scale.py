@@ -27,6 +27,7 @@ also merges the rows into docs/cli_scale_results.json (a row replaces the one of
 
     python benchmarks/bench_cli_scale.py --out /tmp/scale_out            # issue 41's sizes
     python benchmarks/bench_cli_scale.py --smoke --out /tmp/scale_smoke  # seconds (tests/benchmarks)
+    python benchmarks/bench_cli_scale.py --merge OUT/cli_scale_results.json  # rows from another machine
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -66,8 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--meta-chunks", type=int, default=1_000_000, help="chunks of the synthetic .metadata")
     ap.add_argument("--repeats", type=int, default=2, help="rounds per row (best kept)")
     ap.add_argument("--workers", type=int, help="verify --workers (default: the CLI's own)")
+    ap.add_argument("--no-cold", action="store_true", help="skip the cold row (a machine shared with others)")
     ap.add_argument("--write-docs", action="store_true", help="merge the rows into docs/cli_scale_results.json")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (tests/benchmarks); never drops caches")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="only merge the rows of these cli_scale_results.json files (copied back from another "
+                         "machine) into docs/cli_scale_results.json")
     ap.add_argument("--make", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -94,12 +100,13 @@ def timed(cmd: list[str], env: dict[str, str] | None = None, ok: tuple[int, ...]
     """One fresh process: wall seconds, CPU seconds (user + system) and peak RSS bytes (``os.wait4``), stdout."""
     full = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     t = time.perf_counter()
-    with open(os.devnull, "wb") as devnull:
+    with open(os.devnull, "wb") as devnull, tempfile.TemporaryFile() as errors:  # a file: no pipe to fill
         p = subprocess.Popen(cmd, cwd=REPO, env=full, stdin=subprocess.DEVNULL,
-                             stdout=devnull if cmd[0] in ("cat", "cp") else subprocess.PIPE, stderr=subprocess.PIPE)
+                             stdout=devnull if cmd[0] in ("cat", "cp") else subprocess.PIPE, stderr=errors)
         out = p.stdout.read() if p.stdout else b""
-        err = p.stderr.read() if p.stderr else b""
         _, status, usage = os.wait4(p.pid, 0)
+        errors.seek(0)
+        err = errors.read()
         p.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - t
     if p.returncode not in ok:
@@ -164,9 +171,10 @@ def bench_verify(args: argparse.Namespace, work: Path) -> tuple[list[dict], list
               *(["--workers", str(args.workers)] if args.workers else [])]
     rows, notes = [], []
     for cold in (False, True):
-        if cold and (args.smoke or not drop_caches()):
-            notes.append("verify_data_cold_vs_cat skipped: " + ("--smoke never drops the page cache" if args.smoke
-                         else "/proc/sys/vm/drop_caches is not writable here (needs root)"))
+        if cold and (args.smoke or args.no_cold or not drop_caches()):
+            why = "--smoke never drops the page cache" if args.smoke else "--no-cold" if args.no_cold \
+                else "/proc/sys/vm/drop_caches is not writable here (needs root)"
+            notes.append(f"verify_data_cold_vs_cat skipped: {why}")
             continue
         cats, ours = [], []
         for _ in range(args.repeats):
@@ -200,6 +208,7 @@ def bench_reshard(args: argparse.Namespace, work: Path) -> list[dict]:
     src = work / "src"
     nbytes = make(args, "reshard", src)["bytes"]
     size = {"ckpt_gb": round(nbytes / 1e9, 3), "layers": args.layers, "hidden": args.hidden, "ffn": args.ffn}
+    dsts = {"cp": work / "copy", "reshard": work / "rs", "export": work / "hf"}
     cmds = {"cp": ["cp", "-r", str(src), str(work / "copy")],
             "reshard": [*CKPT, "reshard", str(src), str(work / "rs"), "--tp", "2", "--cp", "1", "--no-fold-cp",
                         "--format", "json"],
@@ -209,7 +218,7 @@ def bench_reshard(args: argparse.Namespace, work: Path) -> list[dict]:
         for name, cmd in cmds.items():
             os.sync()  # untimed: no earlier command's writeback during this one
             got[name].append(timed(cmd))
-            shutil.rmtree(cmd[-1] if name == "cp" else cmd[3], ignore_errors=True)
+            shutil.rmtree(dsts[name], ignore_errors=True)
     cp = best(got["cp"])
     rows = []
     for name, label in (("reshard", "reshard_vs_cp"), ("export", "export_hf_vs_cp")):
@@ -302,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.make:
         make_child(args)
+        return 0
+    if args.merge:
+        for name in args.merge:
+            merge_docs([r for r in json.loads(Path(name).read_text())["rows"] if not r.get("smoke")])
         return 0
     groups = [g for g in args.only.split(",") if g]
     if unknown := set(groups) - set(GROUPS):

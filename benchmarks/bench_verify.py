@@ -292,7 +292,7 @@ def notes(rows: list[list], floor: tuple[float, float], with_torch: tuple[float,
         f"(library alone: {'met' if lib_met else 'missed'}); "
         + "; ".join(f"{r[0]} GB {r[2]}: CLI {r[7]}, lib {r[10]}" for r in rows) + ".",
         f"- How it reads (gtp_format/check/data.py): each data file once, front to back, in {WINDOW >> 20} MiB "
-        f"windows handed in file order to {workers} worker threads (one per core here, at most 8). Each worker "
+        f"windows handed in file order to {workers} worker threads (one per core here, at most 16). Each worker "
         "reads its window with `os.pread`, takes its CRC-32C (google-crc32c, the CPU's CRC32 instruction), "
         "decodes the chunks in it in place (gtp_format/reader/zip_blob.py parses the zip structure and "
         "gtp_format/reader/blob.py the allow-listed data.pkl, directly; numpy views the elements, no copy) and "
