@@ -248,6 +248,7 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
         raise _refuse(ckpt, "optimizer keys carry cp_rank")
     if HEAD[0] not in ckpt.entries:
         raise _refuse(ckpt, f"it has no {HEAD[0]}")
+    _refuse_unsupported(ckpt)
     stacked = [k for k, e in ckpt.entries.items() if e.kind == TENSOR and k.startswith("decoder.layers.")]
     layer_chunks = _layer_index(ckpt, stacked)
     params = _module_params(ckpt, layer_chunks)
@@ -314,6 +315,28 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
         _check_chunks(ckpt, expert_opts, [(n, r, egbuf, b, a, z) for n, r, b, a, z in eplaced], 1)
         out.update(ev)
     return out
+
+
+def _refuse_unsupported(ckpt: Checkpoint) -> None:
+    """Refuse, naming the Megatron flag, a model whose tensors these rules do not lay out.
+
+    The model comes from :func:`gtp_format.megatron_args.describe_model` (args checked against the
+    shapes; a disagreement is refused there). A gated MLP (``--swiglu``) stores each TP rank's
+    ``linear_fc1`` as two chunks (its gate and up halves, megatron-core's
+    ``apply_swiglu_sharded_factory``), so the TP-part count alone would misread it; q/k layernorm,
+    shared experts and the router's expert bias add parameters the module order above lacks.
+    """
+    from gtp_format.megatron_args import FLAGS, describe_model
+
+    model = describe_model(ckpt)
+    features = [("gated_linear_unit", "a gated linear unit (SwiGLU: linear_fc1 holds a gate and an up half per TP "
+                 "rank)"), ("qk_layernorm", "q/k layernorm"),
+                ("moe_shared_expert_intermediate_size", "MoE shared experts"),
+                ("moe_router_enable_expert_bias", "the MoE router's expert bias")]
+    for name, what in features:
+        if getattr(model, name):
+            flag = "--quick-geglu" if name == "gated_linear_unit" and model.activation == "quick_gelu" else FLAGS[name]
+            raise _refuse(ckpt, f"it has {what} ({flag}), which this version's per-parameter view does not lay out")
 
 
 def _param_dtype(dtag: str) -> str:
