@@ -121,11 +121,8 @@ def _whole(shape: tuple[int, ...]) -> Rows:
 def choose(d: ModelDescription, args: dict[str, Any], shapes: dict[str, tuple[int, ...]], num_heads: int | None,
            dtype: str, where: str) -> Target:
     """The class that computes ``d`` exactly, or a refusal naming the Megatron setting."""
-    if d.num_experts:
-        if d.position_embedding_type == "learned_absolute":
-            refuse_megatron_moe(shapes, where)  # no class at all: the reason, checked against transformers
-        raise _refuse(where, f"a MoE model (--num-experts {d.num_experts}) has no Hugging Face export in this "
-                      "version of ckpt (Mixtral and Qwen-MoE are not mapped yet)")
+    if d.num_experts and d.position_embedding_type == "learned_absolute":
+        refuse_megatron_moe(shapes, where)  # no class at all: the reason, checked against transformers
     for arg, (flag, default) in UNREPRESENTABLE.items():
         value = args.get(arg)
         if value is None or value is False:
@@ -194,6 +191,11 @@ def choose(d: ModelDescription, args: dict[str, Any], shapes: dict[str, tuple[in
     attn = {"hidden_size": hidden, "intermediate_size": ffn, "num_attention_heads": heads,
             "num_key_value_heads": groups, "max_position_embeddings": seq, "rope_parameters": rope,
             "attention_dropout": 0.0, "hidden_act": ACT_HF.get(act, act)}
+    if d.num_experts:
+        arch, mtype, config = _moe(d, args, attn, dim, eps, bias or qkv_bias, gated and act == "silu" and
+                                   norm == "RMSNorm", where)
+        config = {"architectures": [arch], "model_type": mtype, **common, **config}
+        return Target(arch, config, _rope_names(arch, q, k, v, ffn, gated, where, d.moe_ffn_hidden_size), assumed)
     if norm == "RMSNorm" and gated and act == "silu":
         if d.qk_layernorm:
             if bias or qkv_bias:
@@ -230,6 +232,43 @@ def choose(d: ModelDescription, args: dict[str, Any], shapes: dict[str, tuple[in
     return Target(arch, config, _rope_names(arch, q, k, v, ffn, gated, where), assumed)
 
 
+def _moe(d: ModelDescription, args: dict[str, Any], attn: dict[str, Any], dim: int, eps: float, bias: bool,
+         llama_style: bool, where: str) -> tuple[str, str, dict[str, Any]]:
+    """A megatron-core MoE GPT with SwiGLU experts -> Mixtral, or Qwen3-MoE with RMSNorm q/k norms.
+
+    megatron's default router takes the top-k logits and a softmax over them; Mixtral (and Qwen3-MoE
+    with ``norm_topk_prob``) take a softmax over all experts, the top k, and divide by their sum:
+    the same weights, since a softmax's ratios do not depend on the other terms.
+    """
+    topk = args.get("moe_router_topk") or 2
+    settings = (
+        (not llama_style, "experts that are not SwiGLU with RMSNorm (--swiglu, --normalization RMSNorm)"),
+        (bias, "linear biases (--add-bias-linear / --add-qkv-bias)"),
+        (bool(d.moe_shared_expert_intermediate_size), "shared experts (--moe-shared-expert-intermediate-size)"),
+        (bool(d.moe_router_enable_expert_bias), "a router expert bias (--moe-router-enable-expert-bias)"),
+        (bool(args.get("moe_router_pre_softmax")), "--moe-router-pre-softmax (softmax before the top-k, unnormalised)"),
+        (args.get("moe_router_score_function") not in (None, "softmax"),
+         f"--moe-router-score-function {args.get('moe_router_score_function')}"),
+        (args.get("moe_layer_freq") not in (None, 1), f"--moe-layer-freq {args.get('moe_layer_freq')} (dense layers "
+         "between MoE layers)"),
+        (args.get("moe_router_topk_scaling_factor") is not None, "--moe-router-topk-scaling-factor"),
+        (args.get("moe_expert_capacity_factor") is not None, "--moe-expert-capacity-factor (dropped tokens)"),
+        (bool(args.get("moe_router_num_groups")), "--moe-router-num-groups (group-limited routing)"),
+        (d.moe_ffn_hidden_size is None, "an expert FFN size the args do not record (--moe-ffn-hidden-size)"),
+    )
+    bad = [why for cond, why in settings if cond]
+    if bad:
+        raise _refuse(where, f"a MoE model with {bad[0]} has no exact transformers class here")
+    moe = {**attn, "head_dim": dim, "rms_norm_eps": eps, "intermediate_size": d.moe_ffn_hidden_size,
+           "num_experts_per_tok": topk, "output_router_logits": False, "router_aux_loss_coef": 0.0}
+    if d.qk_layernorm:
+        return "Qwen3MoeForCausalLM", "qwen3_moe", {**moe, "num_experts": d.num_experts, "norm_topk_prob": True,
+                                                    "moe_intermediate_size": d.moe_ffn_hidden_size,
+                                                    "decoder_sparse_step": 1, "mlp_only_layers": [],
+                                                    "attention_bias": False, "use_sliding_window": False}
+    return "MixtralForCausalLM", "mixtral", {**moe, "num_local_experts": d.num_experts, "sliding_window": None}
+
+
 def _any(shapes: dict[str, tuple[int, ...]], suffix: str) -> bool:
     return any(n.endswith(suffix) for n in shapes)
 
@@ -262,8 +301,8 @@ def _bigcode_names(where: str) -> Callable[[str, tuple[int, ...]], list[tuple[st
     return names
 
 
-def _rope_names(arch: str, q: Rows, k: Rows, v: Rows, ffn: int, gated: bool,
-                where: str) -> Callable[[str, tuple[int, ...]], list[tuple[str, Rows]]]:
+def _rope_names(arch: str, q: Rows, k: Rows, v: Rows, ffn: int, gated: bool, where: str,
+                expert_ffn: int | None = None) -> Callable[[str, tuple[int, ...]], list[tuple[str, Rows]]]:
     star = arch == "Starcoder2ForCausalLM"
     fc1 = ("mlp.c_fc" if star else "mlp.up_proj")
     fc2 = ("mlp.c_proj" if star else "mlp.down_proj")
@@ -289,6 +328,19 @@ def _rope_names(arch: str, q: Rows, k: Rows, v: Rows, ffn: int, gated: bool,
             return [(f"{at}.{fc1}.{kind}", _whole(shape))]
         if module in layer_map:
             return [(f"{at}.{layer_map[module]}.{kind}", _whole(shape))]
+        if expert_ffn is not None:  # Mixtral's per-expert names (transformers fuses them when it loads)
+            moe = "block_sparse_moe" if arch == "MixtralForCausalLM" else "mlp"
+            w1, w3, w2 = ("w1", "w3", "w2") if arch == "MixtralForCausalLM" else ("gate_proj", "up_proj", "down_proj")
+            if module == "mlp.router":
+                return [(f"{at}.{moe}.gate.{kind}", _whole(shape))]
+            parts = module.split(".")
+            if len(parts) == 4 and parts[:2] == ["mlp", "experts"] and parts[2].isdigit():
+                e, lin = parts[2], parts[3]
+                if lin == "linear_fc1":
+                    return [(f"{at}.{moe}.experts.{e}.{w1}.{kind}", ((0, expert_ffn),)),
+                            (f"{at}.{moe}.experts.{e}.{w3}.{kind}", ((expert_ffn, 2 * expert_ffn),))]
+                if lin == "linear_fc2":
+                    return [(f"{at}.{moe}.experts.{e}.{w2}.{kind}", _whole(shape))]
         raise _refuse(where, f"parameter {name!r} has no {arch} name")
 
     return names
