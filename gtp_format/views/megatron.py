@@ -335,7 +335,7 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False, ranges_only: bool = 
         layers = max((ln for _, _, ln in params if ln is not None), default=-1) + 1
         layer_stage = {ln: stage_of[name] for name, _, ln in params if ln is not None}
         ev, eplaced = expert_views(ckpt, expert_opts, prefixes[1], layers, lambda why: _refuse(ckpt, why),
-                                   layer_stage, pp)
+                                   layer_stage, pp, gated)
         egbuf = next(iter(expert_opts.values())).gbuf_idx
         _check_chunks(ckpt, expert_opts, [(n, r, egbuf, b, a, z) for n, r, b, a, z in eplaced], 1)
         out.update(ev)
@@ -357,9 +357,7 @@ def _refuse_unsupported(ckpt: Checkpoint, ranges_only: bool = False) -> bool:
 
     model = describe_model(ckpt)
     features = [("gated_linear_unit", "a gated linear unit (SwiGLU: linear_fc1 holds a gate and an up half per TP "
-                 "rank)"), ("qk_layernorm", "q/k layernorm"),
-                ("moe_shared_expert_intermediate_size", "MoE shared experts"),
-                ("moe_router_enable_expert_bias", "the MoE router's expert bias")]
+                 "rank)"), ("moe_shared_expert_intermediate_size", "MoE shared experts")]
     for name, what in features if not ranges_only else ():
         if getattr(model, name):
             flag = "--quick-geglu" if name == "gated_linear_unit" and model.activation == "quick_gelu" else FLAGS[name]

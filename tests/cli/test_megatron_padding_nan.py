@@ -84,3 +84,22 @@ def test_where_the_layout_is_unknown_nan_is_not_attributed(tmp_path: Path) -> No
     assert "not attributed" in line[0]["message"] and "layout is unknown" in line[0]["message"]
     assert "num_attention_heads=8" in line[0]["message"]
     assert not any("diverged" in p["message"] for p in doc["problems"])
+
+
+def test_diff_bitwise_reports_padding_apart_from_data(tmp_path: Path) -> None:
+    """Two dp_reshardable saves of one state differ in their uninitialised padding (here: NaN planted in
+    one copy's padding): ``diff --bitwise`` says they are identical, and lists the padding apart."""
+    name = "pair_swiglu_tp2_dp_reshardable"
+    it = _copy(tmp_path / "pad", name)
+    key = _plant(it, padding=True)
+    r = cli("diff", MEGATRON / name, it, "--bitwise", "--format", "json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["equal"] and not doc["differences"], doc
+    assert [p["key"] for p in doc["padding"]] == [key] and doc["padding"][0]["differing"] == 3
+    table = cli("diff", MEGATRON / name, it, "--bitwise").stdout
+    assert "padding (not data)" in table and "identical" in table
+    it = _copy(tmp_path / "param", name)
+    key = _plant(it, padding=False)
+    r = cli("diff", MEGATRON / name, it, "--bitwise", "--format", "json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 1 and [d["key"] for d in doc["differences"]] == [key] and not doc["padding"], doc
