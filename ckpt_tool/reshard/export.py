@@ -275,6 +275,10 @@ def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_byt
             entry_shape = source.ckpt.entries[mk].shape if stacked else None
             shapes[key] = (entry_shape or v.full_shape, part[0].dtype)
             chunks.extend(part)
+    if source.manifest is None:  # megatron-core's model buffers (the router's expert bias): copied as stored
+        from ckpt_tool.reshard.megatron_dp import buffer_chunks
+
+        chunks.extend(buffer_chunks(source, shapes))
     objects = extra_objects(source.ckpt, chunk_bytes) if source.manifest is None else {}  # megatron-core's
     parts = split_files(chunks, workers * 2)
     names = [data_file_name(i, 0, "torch_dist") for i in range(len(parts) + (1 if objects else 0))]
