@@ -125,7 +125,7 @@ def test_hf_export_of_megatron_loads(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     out = tmp_path / "hf"
-    r = cli("export", MEGATRON / "tp2_dp2_dp_reshardable", out, "--to", "hf")
+    r = cli("export", MEGATRON / "tp2_dp2_dp_reshardable", out, "--to", "hf", "--names", "megatron")
     assert r.exit_code == 0, r.stderr
     loaded = load_file(out / "model.safetensors")  # 46 KiB: one file, named as Hugging Face names it
     assert "decoder.layers.1.input_layernorm.weight" in loaded and len(loaded) == 28
