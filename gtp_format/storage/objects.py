@@ -62,13 +62,15 @@ def _timeout() -> float:
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None:
         return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
+    from gtp_format.numbers import NumberError, parse_float
+
+    try:  # ASCII digits only: float() read "\u0666\u0660" (Arabic-Indic) as 60
+        value = parse_float(raw, TIMEOUT_ENV, 0.0, MAX_TIMEOUT_S)
+    except NumberError:
         value = -1.0
     if not 0 < value <= MAX_TIMEOUT_S:  # "inf" made timedelta() raise an unexpected OverflowError
-        raise FormatError(f"{TIMEOUT_ENV}={raw[:40]!r} is not a number of seconds in (0, {MAX_TIMEOUT_S:.0f}]; set it "
-                          "to e.g. 60")
+        raise FormatError(f"{TIMEOUT_ENV}={raw[:40]!r} is not a number of seconds in (0, {MAX_TIMEOUT_S:.0f}] written "
+                          "in ASCII digits; set it to e.g. 60")
     return value
 
 
