@@ -31,12 +31,13 @@ from gtp_format.errors import FormatError
 from gtp_format.integrity.hash import CHUNK_HASH, DIGEST_CHARS
 from gtp_format.integrity.stats import ChunkStats
 from gtp_format.manifest import Manifest
-from gtp_format.model import BYTES, Checkpoint, Problem
+from gtp_format.model import BYTES, Checkpoint, Problem, ProblemCap
 from gtp_format.names import CHUNK_RECORDS_FILE
 from gtp_format.names import CHUNK_RECORDS_SECTION as SECTION
 
 RECORDS_VERSION = 1  # the newest side-file version this tool reads
 BYTES_PER_RECORD = 1024  # read limit: a generous bound on one record's JSON, times the chunk count
+VALUES_PER_RECORD = 96  # parsed values: 6 fields, up to 64 offsets, 8 statistics, their containers
 NO_RECORDS = "file-level checksums, no chunk hashes"
 STATS_CODE = "chunk_stats"  # a record's statistics cannot be true (Problem code)
 
@@ -106,10 +107,15 @@ def read_records(ckpt: Checkpoint) -> Records | None:
     if head is None and not has_records(ckpt.manifest):
         return None
     out = Records()
+    capped = {c: ProblemCap(c) for c in ("chunk_records", STATS_CODE)}
+
+    def note(message: str) -> None:
+        capped["chunk_records"].add(Problem("error", "chunk_records", f"{message}; restore {CHUNK_RECORDS_FILE} from "
+                                            "the run that wrote the checkpoint", file=CHUNK_RECORDS_FILE))
 
     def bad(message: str) -> Records:
-        out.problems.append(Problem("error", "chunk_records", f"{message}; restore {CHUNK_RECORDS_FILE} from the "
-                                    "run that wrote the checkpoint", file=CHUNK_RECORDS_FILE))
+        note(message)
+        out.problems = [p for c in capped.values() for p in c.done(CHUNK_RECORDS_FILE)]
         return out
 
     if head is None:
@@ -124,11 +130,13 @@ def read_records(ckpt: Checkpoint) -> Records | None:
         return out
     if head.get("hash") != CHUNK_HASH:
         return bad(f"chunk hash {head.get('hash')!r} is not one this tool computes ({CHUNK_HASH})")
-    from gtp_format.reader.safe_json import load_json_object
+    from gtp_format.reader.safe_json import Budget, load_json_object
 
-    limit = (1 << 20) + BYTES_PER_RECORD * max(head["count"] or 0, ckpt.chunk_count())
+    chunks_here = ckpt.chunk_count()
+    budget = Budget.per_item(max(head["count"] or 0, chunks_here), BYTES_PER_RECORD, VALUES_PER_RECORD,
+                             f"one record per each of the {chunks_here:,} chunks", ceiling=1 << 62)
     try:
-        body = load_json_object(ckpt.root / CHUNK_RECORDS_FILE, "the chunk records", limit=limit)
+        body = load_json_object(ckpt.root / CHUNK_RECORDS_FILE, "the chunk records", budget=budget)
     except FormatError as e:
         return bad(e.message)
     chunks = body.get("chunks")
@@ -142,16 +150,17 @@ def read_records(ckpt: Checkpoint) -> Records | None:
         rec = _record(raw)
         why = None if rec is None or rec.stats is None else impossible(rec.stats, numels.get((rec.key, rec.offsets)))
         if rec is None:
-            bad(f"record {i} of {CHUNK_RECORDS_FILE} is ill-formed")
+            note(f"record {i} of {CHUNK_RECORDS_FILE} is ill-formed")
         elif why is not None:
-            out.problems.append(Problem(
+            capped[STATS_CODE].add(Problem(
                 "error", STATS_CODE, f"record {i} of {CHUNK_RECORDS_FILE} ({rec.key} at {list(rec.offsets)}) {why}, "
                 f"which no stored chunk can have; restore {CHUNK_RECORDS_FILE} from the run that wrote the checkpoint",
                 key=rec.key, file=CHUNK_RECORDS_FILE))
         elif (rec.key, rec.offsets) in out.by_chunk:
-            bad(f"record {i} of {CHUNK_RECORDS_FILE} repeats {rec.key} at {list(rec.offsets)}")
+            note(f"record {i} of {CHUNK_RECORDS_FILE} repeats {rec.key} at {list(rec.offsets)}")
         else:
             out.by_chunk[(rec.key, rec.offsets)] = rec
+    out.problems = [p for c in capped.values() for p in c.done(CHUNK_RECORDS_FILE)]
     return out
 
 
