@@ -173,3 +173,17 @@ def test_a_tokenizer_larger_than_the_vocabulary_can_need(tmp_path: Path):
     bad = _measured("export", FOLD, tmp_path / "out", "--to", "hf", "--tokenizer", tok, cwd=tmp_path)
     _bounded(bad, good, 2, "big.tokenizer.json")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_manifest_larger_than_its_checkpoint_can_need(tmp_path: Path):
+    """A 12 MB manifest (under the 16 MiB cap) on a checkpoint storing under 1 MB: refused by the budget
+    the data files give (1 MiB + 1/16 of their stored bytes), not parsed."""
+    folder = tmp_path / "c"
+    shutil.copytree(FOLD, folder)
+    inner = next(folder.glob("iter_*"))
+    good = _measured("verify", inner, cwd=tmp_path)
+    doc = json.loads((inner / "gtp_manifest.json").read_text())
+    doc["notes"] = [[0] * 1000] * 6000  # short values: ~12 MB of text, ~6M values parsed
+    (inner / "gtp_manifest.json").write_text(json.dumps(doc, separators=(",", ":")))
+    bad = _measured("verify", inner, cwd=tmp_path)
+    _bounded(bad, good, 2, "gtp_manifest.json", "limit")
