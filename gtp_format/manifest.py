@@ -289,6 +289,11 @@ def _param(raw: Any, path: str) -> ParamLayout:
     if p.tp_mode not in TP_MODES or p.shard_kind not in SHARD_KINDS:  # anything else was read as "replicated"
         raise _Bad(path, f"has tp_mode {_short(p.tp_mode)} / shard_kind {_short(p.shard_kind)}, not one of "
                          f"{TP_MODES} / {SHARD_KINDS}")
+    shapes = (p.local_shape, p.full_shape, p.global_shape)
+    if not p.full_shape or len({len(x) for x in shapes}) != 1:  # a bucket holds tensors of one rank, never scalars
+        raise _Bad(path, f"has local/full/global shapes {list(p.local_shape)} / {list(p.full_shape)} / "
+                         f"{list(p.global_shape)}; a bucket's parameter has one or more dimensions, the same in all "
+                         "three")
     if p.start > p.end or p.end - p.start != math.prod(p.local_shape):
         raise _Bad(path, f"has range [{p.start}, {p.end}) for local shape {list(p.local_shape)}")
     return p

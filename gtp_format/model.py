@@ -97,6 +97,33 @@ class Problem:
         return asdict(self)
 
 
+MAX_PROBLEMS_PER_CHECK = 100  # a crafted file can fail once per entry: a million entries were 2.3 GB of problems
+
+
+@dataclass
+class ProblemCap:
+    """Problems of one check from untrusted input, kept up to :data:`MAX_PROBLEMS_PER_CHECK`; the rest
+    are counted, and :meth:`done` ends the list with one line saying how many more there were."""
+
+    check: str
+    limit: int = MAX_PROBLEMS_PER_CHECK
+    kept: list[Problem] = field(default_factory=list)
+    more: int = 0
+
+    def add(self, problem: Problem) -> None:
+        if len(self.kept) < self.limit:
+            self.kept.append(problem)
+        else:
+            self.more += 1
+
+    def done(self, file: str | None = None) -> list[Problem]:
+        if not self.more:
+            return self.kept
+        worst = "error" if any(p.severity == "error" for p in self.kept) else self.kept[-1].severity
+        return [*self.kept, Problem(worst, self.check, f"... and {self.more:,} more {self.check} problems like "
+                                    "these (not listed)", file=file)]
+
+
 @dataclass
 class Checkpoint:
     """A checkpoint folder, read as metadata only."""

@@ -109,12 +109,36 @@ class RankFailure(Exception):
         return str(self) + (f" (full log: {self.log})" if self.log else "")
 
 
+MAX_TIMEOUT_S = 7 * 86400.0
+
+
 def timeout_s() -> float:
-    raw = os.environ.get(TIMEOUT_ENV)
+    """``$GTP_ROUNDTRIP_TIMEOUT`` in seconds (ASCII, finite, in (0, a week]); a bad value is a
+    :class:`LaunchError` naming it (it was read as the default, or as any script's digits)."""
+    from gtp_format.numbers import NumberError, env_float
+
     try:
-        return float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError:
-        return DEFAULT_TIMEOUT_S
+        value = env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, 0.0, MAX_TIMEOUT_S)
+    except NumberError as e:
+        raise LaunchError(f"{e}; set it to a number of seconds, e.g. 300") from None
+    if value <= 0:
+        raise LaunchError(f"{TIMEOUT_ENV}={value:g} is not a positive number of seconds; set it to e.g. 300")
+    return value
+
+
+MAX_LOCAL_RANKS = 4096  # local processes; a machine has at most a few hundred cores and 8-16 GPUs
+FDS_PER_RANK = 4  # what this process holds per rank: its pipe's read end, its sentinel, the store's socket, a log
+
+
+def max_local_ranks() -> int:
+    """How many ranks :func:`run_local_ranks` may start: :data:`MAX_LOCAL_RANKS`, and no more than the
+    open-file limit leaves descriptors for (64 kept for the rest of the process)."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return MAX_LOCAL_RANKS
+    return max(1, min(MAX_LOCAL_RANKS, (soft - 64) // FDS_PER_RANK))
 
 
 def free_port() -> int:
@@ -332,6 +356,10 @@ def run_local_ranks(world: int, fn: Callable[..., Any], args: Sequence[Any] = ()
     """
     import torch.multiprocessing as mp
 
+    most = max_local_ranks()
+    if not 1 <= world <= most:  # before any pipe or process: 10^12 ranks ran out of descriptors mid-loop
+        raise LaunchError(f"{world} local ranks: this launcher starts 1 to {most} ranks on one machine (one process "
+                          "and a pipe each, within the open-file limit); give fewer ranks (--nproc-per-node, --dp)")
     own = workdir is None
     work = Path(tempfile.mkdtemp(prefix=f"gtp-{tag}-")) if own else Path(workdir)  # type: ignore[arg-type]
     timeout = timeout_s() if timeout is None else timeout

@@ -164,10 +164,12 @@ DEFAULT_MAX_PARAMS = 50_000_000  # ~16 bytes per parameter (weight, grad, two Ad
 
 
 def _limit(env: str, default: int) -> int:
+    from gtp_format.numbers import NumberError, env_int
+
     try:
-        return int(os.environ.get(env, default))
-    except ValueError:
-        raise ConfigError(f"{env}={os.environ[env]!r} is not an integer") from None
+        return env_int(env, default, 1)
+    except NumberError as e:
+        raise ConfigError(f"{e}; set it to a positive integer") from None
 
 
 def approx_params(model: ModelConfig) -> int:

@@ -10,7 +10,6 @@ weight gradient. Saving only the shard is what makes the memory saving real.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from gtp_format.layout.shard import ShardSpec
+from gtp_format.numbers import NumberError, env_int
 from gtp_runtime.collectives import all_gather_raw, reduce_scatter_raw
 from gtp_runtime.groups import Group
 
@@ -79,12 +79,29 @@ def accumulate_wgrad(out: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor)
 PREFETCH_DEPTH = 2
 # How many weights one prefetch starts together (one coalesced NCCL call); 1: each on its own.
 # GTP_GATHER_BATCH sets it for a run (read by each rank at import).
-GATHER_BATCH = int(os.environ.get("GTP_GATHER_BATCH", "1") or 1)
+GATHER_BATCH_ENV, KEEP_LAST_ENV = "GTP_GATHER_BATCH", "GTP_KEEP_LAST"
+
+
+def env_knobs() -> tuple[int, int]:
+    """(GTP_GATHER_BATCH, GTP_KEEP_LAST), ASCII integers in range, or :class:`NumberError` naming the
+    variable. The launcher calls it before any rank starts (``train.resolve``), so the module-level
+    values below, read leniently at import, are never a value the launcher refused."""
+    return env_int(GATHER_BATCH_ENV, 1, 1, 1 << 20), env_int(KEEP_LAST_ENV, 0, 0, 1 << 20)
+
+
+def _lenient() -> tuple[int, int]:
+    try:
+        return env_knobs()
+    except NumberError:
+        return 1, 0
+
+
+GATHER_BATCH = _lenient()[0]
 # How many of the last weights in forward order keep their forward gather for backward instead
 # of gathering again (GTP_KEEP_LAST sets it for a run). Backward starts with them right after
 # forward ends, so keeping them costs memory only for that short stretch (torchtitan does not
 # reshard its last block after forward for the same reason).
-KEEP_LAST = int(os.environ.get("GTP_KEEP_LAST", "0") or 0)
+KEEP_LAST = _lenient()[1]
 
 
 class _Batch:

@@ -31,6 +31,7 @@ from gtp_format import __version__
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
 from gtp_format.names import ITER_DIR_RE
+from gtp_format.numbers import NumberError, OneLineParser, float_flag, int_flag
 from gtp_format.storage.location import ObjectURL, parse_location
 from gtp_format.storage.objects import credentials_problem, store
 from gtp_format.text import safe_text
@@ -42,6 +43,7 @@ from gtp_runtime.launch import LaunchError, RankFailure, run_local_ranks
 from gtp_runtime.lr_schedule import LRConfig
 from gtp_runtime.muon import MuonConfig
 from gtp_runtime.optimizer import AdamConfig
+from gtp_runtime.sharding import env_knobs
 from gtp_runtime.training import TrainConfig, Trainer
 
 # Imported once by the fork server the ranks are forked from (see gtp_runtime.launch).
@@ -57,6 +59,9 @@ EXAMPLES = """examples:
   python -m gtp_runtime.train --nproc-per-node 2 --cp 2 --fold-cp --data-path data/corpus --vocab-size 4096 \
       --steps 200 --lr 3e-4 --lr-warmup-iters 20 --lr-decay-style cosine --min-lr 3e-5 --eval-interval 50
 """
+
+
+INT, FLOAT = int_flag(), float_flag()  # ASCII, finite, within int64: argparse's int/float take any script
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -75,58 +80,58 @@ def build_parser() -> argparse.ArgumentParser:
     """Every flag, with help and its default. Where Megatron-LM has a twin, its name is an alias
     (``--tensor-model-parallel-size`` for ``--tp``, ``--train-iters`` for ``--steps``, ...), so a
     Megatron command line's parallelism, model, schedule and checkpoint flags carry over as written."""
-    ap = argparse.ArgumentParser(prog="python -m gtp_runtime.train", description=__doc__.split("\n\n")[1],
+    ap = OneLineParser(prog="python -m gtp_runtime.train", description=__doc__.split("\n\n")[1],
                                  epilog=EXAMPLES, formatter_class=_HelpFormatter)
     ap.add_argument("--version", action="version", version=f"gtp-train {__version__}")
     g = ap.add_argument_group("parallelism")
-    g.add_argument("--nproc-per-node", type=int, default=None, help="ranks to spawn (default: tp*cp*gtp_remat*dp)")
-    g.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel size")
-    g.add_argument("--cp", "--context-parallel-size", type=int, default=1, help="context-parallel size")
-    g.add_argument("--gtp-remat", type=int, default=1,
+    g.add_argument("--nproc-per-node", type=INT, default=None, help="ranks to spawn (default: tp*cp*gtp_remat*dp)")
+    g.add_argument("--tp", "--tensor-model-parallel-size", type=INT, default=1, help="tensor-parallel size")
+    g.add_argument("--cp", "--context-parallel-size", type=INT, default=1, help="context-parallel size")
+    g.add_argument("--gtp-remat", type=INT, default=1,
                    help="GTP_remat group size: each dense weight is sharded over this many ranks (ZeRO-3 per weight)")
-    g.add_argument("--dp", type=int, default=None, help="replicate degree (default: world / (tp*cp*gtp_remat))")
+    g.add_argument("--dp", type=INT, default=None, help="replicate degree (default: world / (tp*cp*gtp_remat))")
     g.add_argument("--fold-cp", action="store_true", help="shard dense weights over cp x gtp_remat (opt-in)")
-    g.add_argument("--expert-gtp-remat", type=int, default=1, help="GTP_remat group size of the expert weights")
+    g.add_argument("--expert-gtp-remat", type=INT, default=1, help="GTP_remat group size of the expert weights")
     g.add_argument("--average-in-collective", action="store_true",
                    help="average inside the collective (refused with GTP_remat active)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA (NCCL) where there is a GPU, else CPU (gloo)")
     m = ap.add_argument_group("model")
-    m.add_argument("--vocab-size", type=int, default=None,
+    m.add_argument("--vocab-size", type=INT, default=None,
                    help="vocabulary size (default: the size of PREFIX.tokenizer.json next to --data-path, else 256)")
-    m.add_argument("--hidden", "--hidden-size", type=int, default=64, help="hidden size")
-    m.add_argument("--num-layers", type=int, default=2, help="transformer layers")
-    m.add_argument("--num-heads", "--num-attention-heads", type=int, default=4, help="attention heads")
-    m.add_argument("--ffn-hidden", "--ffn-hidden-size", type=int, default=128, help="MLP hidden size")
-    m.add_argument("--seq-length", type=int, default=32, help="tokens per sequence")
-    m.add_argument("--num-experts", type=int, default=0, help="MoE experts per layer (0: dense MLP)")
-    m.add_argument("--moe-topk", "--moe-router-topk", type=int, default=1, help="experts each token is routed to")
-    m.add_argument("--gtp-align", type=int, default=16, help="rows of a GTP shard are padded to a multiple of this")
-    m.add_argument("--seed", type=int, default=1234, help="initialisation seed")
+    m.add_argument("--hidden", "--hidden-size", type=INT, default=64, help="hidden size")
+    m.add_argument("--num-layers", type=INT, default=2, help="transformer layers")
+    m.add_argument("--num-heads", "--num-attention-heads", type=INT, default=4, help="attention heads")
+    m.add_argument("--ffn-hidden", "--ffn-hidden-size", type=INT, default=128, help="MLP hidden size")
+    m.add_argument("--seq-length", type=INT, default=32, help="tokens per sequence")
+    m.add_argument("--num-experts", type=INT, default=0, help="MoE experts per layer (0: dense MLP)")
+    m.add_argument("--moe-topk", "--moe-router-topk", type=INT, default=1, help="experts each token is routed to")
+    m.add_argument("--gtp-align", type=INT, default=16, help="rows of a GTP shard are padded to a multiple of this")
+    m.add_argument("--seed", type=INT, default=1234, help="initialisation seed")
     m.add_argument("--bf16", action="store_true", help="bf16 params, fp32 grads and optimizer state")
     t = ap.add_argument_group("training")
-    t.add_argument("--steps", "--train-iters", type=int, default=5,
+    t.add_argument("--steps", "--train-iters", type=INT, default=5,
                    help="train until this iteration (counts loaded iterations)")
-    t.add_argument("--micro-batch", "--micro-batch-size", type=int, default=2, help="sequences per data lane and step")
-    t.add_argument("--global-batch-size", type=int, default=None,
+    t.add_argument("--micro-batch", "--micro-batch-size", type=INT, default=2, help="sequences per data lane and step")
+    t.add_argument("--global-batch-size", type=INT, default=None,
                    help="sequences per step; must equal micro-batch x gtp_remat x dp, as there is no gradient "
                    "accumulation (default: that product)")
-    t.add_argument("--lr", type=float, default=1e-3, help="AdamW's peak learning rate")
-    t.add_argument("--weight-decay", type=float, default=0.01, help="decoupled weight decay")
-    t.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this")
+    t.add_argument("--lr", type=FLOAT, default=1e-3, help="AdamW's peak learning rate")
+    t.add_argument("--weight-decay", type=FLOAT, default=0.01, help="decoupled weight decay")
+    t.add_argument("--clip-grad", type=FLOAT, default=1.0, help="clip the global gradient norm to this")
     t.add_argument("--optimizer", choices=("adam", "muon"), default="adam",
                    help="adam: AdamW everywhere; muon: Muon for the linears, AdamW for embeddings, output, norms")
-    t.add_argument("--muon-lr", type=float, default=0.02,
+    t.add_argument("--muon-lr", type=FLOAT, default=0.02,
                    help="Muon's peak learning rate (--lr is AdamW's; the --lr-* schedule scales both)")
-    t.add_argument("--muon-momentum", type=float, default=0.95, help="Muon's (Nesterov) momentum")
-    t.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warmup from 0 to --lr over this many steps")
+    t.add_argument("--muon-momentum", type=FLOAT, default=0.95, help="Muon's (Nesterov) momentum")
+    t.add_argument("--lr-warmup-iters", type=INT, default=0, help="linear warmup from 0 to --lr over this many steps")
     t.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant",
                    help="learning-rate decay after the warmup")
-    t.add_argument("--lr-decay-iters", type=int, default=None, help="decay to --min-lr by this step (default: --steps)")
-    t.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
-    t.add_argument("--eval-interval", type=int, default=0, help="validation loss every N steps (0: never)")
-    t.add_argument("--eval-iters", type=int, default=2, help="validation batches per evaluation")
-    t.add_argument("--bucket-size", "--ddp-bucket-size", type=int, default=40_000_000,
+    t.add_argument("--lr-decay-iters", type=INT, default=None, help="decay to --min-lr by this step (default: --steps)")
+    t.add_argument("--min-lr", type=FLOAT, default=0.0, help="learning rate at the end of the decay")
+    t.add_argument("--eval-interval", type=INT, default=0, help="validation loss every N steps (0: never)")
+    t.add_argument("--eval-iters", type=INT, default=2, help="validation batches per evaluation")
+    t.add_argument("--bucket-size", "--ddp-bucket-size", type=INT, default=40_000_000,
                    help="elements per gradient bucket")
     t.add_argument("--no-gather-prefetch", action="store_true",
                    help="gather each GTP weight only when it is needed (no prefetch of the next one)")
@@ -137,20 +142,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "compile on CUDA (50%% MFU on 2 x H200 against 43%% unfused) and none on CPU, where the "
                    "fp32 path stays exact (default: auto)")
     t.add_argument("--check-reference", action="store_true", help="compare against the fp32 reference")
-    t.add_argument("--reference-tol", type=float, default=1e-5,
+    t.add_argument("--reference-tol", type=FLOAT, default=1e-5,
                    help="max relative error of losses, grad norms and gradients vs the reference")
-    t.add_argument("--reference-param-tol", type=float, default=1e-3,
+    t.add_argument("--reference-param-tol", type=FLOAT, default=1e-3,
                    help="max relative error of params after Adam steps vs the reference")
     d = ap.add_argument_group("data")
     d.add_argument("--data-path", default=None,
                    help="PREFIX of PREFIX.bin/.idx (Megatron) or a flat .bin of tokens (default: Python stdlib)")
     d.add_argument("--data-dtype", choices=("uint16", "uint32"), default="uint16", help="tokens of a flat .bin")
     d.add_argument("--split", default="98,2", help="train,valid document ratio")
-    d.add_argument("--data-seed", type=int, default=None, help="document/sample shuffle seed (default: --seed)")
+    d.add_argument("--data-seed", type=INT, default=None, help="document/sample shuffle seed (default: --seed)")
     c = ap.add_argument_group("checkpointing")
     c.add_argument("--save", default=None, help="folder (or s3://BUCKET/PREFIX) to save checkpoints under, as "
                    "iter_XXXXXXX/ (default: no saving)")
-    c.add_argument("--save-interval", type=int, default=None,
+    c.add_argument("--save-interval", type=INT, default=None,
                    help="save every K iterations, and at the end (default: at the end only)")
     c.add_argument("--load", default=None, help="checkpoint folder, or its parent (follows latest) (default: a "
                    "fresh start)")
@@ -180,6 +185,10 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
                          expert_gtp_remat=args.expert_gtp_remat, average_in_collective=args.average_in_collective)
     world = world or args.nproc_per_node or par.world_size
     par.validate(world, args.num_experts)
+    try:  # tuning variables the ranks read at import: ASCII integers in range, refused here in one line
+        env_knobs()
+    except NumberError as e:
+        raise ConfigError(f"{e}; unset it or give an integer") from None
     if args.vocab_size is None:  # the prepared dataset's tokenizer says it (gtp_runtime.data.vocab)
         args.vocab_size = (tokenizer_vocab_size(args.data_path) if args.data_path else None) or DEFAULT_VOCAB
     model = ModelConfig(vocab_size=args.vocab_size, hidden=args.hidden, num_layers=args.num_layers,

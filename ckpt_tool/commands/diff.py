@@ -6,11 +6,13 @@ time; where the layouts differ (a resharded checkpoint), the key is assembled wh
 sides, bounded by ``--max-bytes``. Chunk layout itself is not a difference here: a torch_dist
 checkpoint and its safetensors copy are equal when their keys, shapes, dtypes and values are.
 
-Hashes first: where both checkpoints carry chunk records (``gtp_chunks.json``), a chunk pair with
-equal hashes is not read, so comparing two copies reads almost nothing (``data_bytes_read`` in
-the JSON summary). The records are trusted as the files' own description here; ``verify --data``
-is what checks them against the bytes, and ``--read-all`` ignores them. Checkpoints without
-records (Megatron's, older ones) are read as before.
+Hashes first: where both checkpoints carry chunk records (``gtp_chunks.json``) that a manifest
+checksums, a chunk pair with equal hashes is not read, so comparing two copies reads almost
+nothing. Such a verdict rests on records, not bytes, and says so: the summary line and the JSON's
+``basis`` name what was read and what was taken on records (:mod:`gtp_format.compare.trust`, which
+also reads the pairs whose records the manifests' file checksums contradict). ``--read-all``
+(alias ``--read-data``) reads every chunk; ``verify --data`` checks records against the bytes.
+Records with problems (ill-formed, statistics that cannot be true) are not trusted at all.
 """
 
 from __future__ import annotations
@@ -59,12 +61,24 @@ Values match when |a - b| <= atol + rtol * |b| (NaN equals NaN); the default is 
 --ignore are fnmatch globs on whole key names, each repeatable; a key is compared when it matches
 some --keys (or none is given) and no --ignore. A selection that matches no key is an error.
 
-Exit codes: 0 identical, 1 different, 2 unreadable input or a selection that matches nothing."""
+Where both checkpoints carry chunk records, chunk pairs with equal recorded hashes are not read: the
+verdict then says "identical by recorded hashes (not re-read)" and exit 0 means the records agree.
+--read-all reads and compares every byte.
+
+Exit codes: 0 identical (by the basis printed), 1 different, 2 unreadable input or a selection that
+matches nothing."""
 
 
 def _usable(records: Any) -> Any:
     """Records to trust for skipping: none when reading them found problems (read everything then)."""
     return records if records is not None and not records.problems else None
+
+
+def _contradicted(basis: Any) -> str:
+    if not basis.contradicted:
+        return ""
+    return (f"; {basis.contradicted} pairs read because the manifests' file checksums contradict their "
+            f"records, e.g. {basis.files and sorted(basis.files)[0][1]}")
 
 
 def _legacy(d: Difference) -> dict[str, Any]:
@@ -93,11 +107,13 @@ def diff_command(
     first: Annotated[bool, typer.Option(
         "--first", help="Stop at the first differing (key, chunk, element) and print both values.")] = False,
     read_all: Annotated[bool, typer.Option(
-        "--read-all", help="Read every chunk even where both chunk records give equal hashes.")] = False,
+        "--read-all", "--read-data",
+        help="Read every chunk even where both chunk records give equal hashes.")] = False,
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Compare key sets, shapes, dtypes and values of two checkpoints; exit 1 when they differ."""
     from gtp_format.compare import CheckpointSource, KeyFilter, Rule, compare, selected_keys, work
+    from gtp_format.compare.trust import Basis
     from gtp_format.integrity.records import read_records
     from gtp_format.reader.checkpoint import open_checkpoint
 
@@ -118,6 +134,7 @@ def diff_command(
     only_a, only_b, common = report.only_in_a, report.only_in_b, report.common
     diffs = [_legacy(d) for r in common for d in r.differences]
     equal = report.ok
+    basis = report.basis or Basis()
     if fmt == OutputFormat.json:
         print_json({"a": str(ca.root), "b": str(cb.root), "equal": equal, "rtol": rtol, "atol": atol,
                     "rule": report.rule, "selection": select.to_dict(), "compared": len(common),
@@ -125,7 +142,7 @@ def diff_command(
                     "padding": pads,
                     "data_bytes_read": sa.bytes_read + sb.bytes_read,
                     "data_bytes": sum(e.stored_bytes for c in (ca, cb) for e in c.entries.values()),
-                    "chunk_hashes": sa.records is not None and sb.records is not None})
+                    "chunk_hashes": sa.records is not None and sb.records is not None} | basis.to_dict())
     else:
         rows = [(k, "only in A", "") for k in only_a] + [(k, "only in B", "") for k in only_b]
         for d in diffs:
@@ -139,10 +156,14 @@ def diff_command(
             rows.append((d["key"], d["what"], detail))
         rows += [(p["key"], "padding (not data)", p["detail"]) for p in pads]
         verdict = "identical" if equal else "DIFFERENT"
+        if equal and basis.by_records:
+            verdict = (f"identical by recorded hashes (not re-read) for {basis.by_records} of "
+                       f"{basis.by_records + basis.read} chunk pairs; --read-all reads them")
         selection = f", {select.describe()}" if not select.everything else ""
         print_blocks(table(rows, ("key", "difference", "detail"), "Differences"),
                      f"{verdict}: {len(common)} common keys compared, {len(only_a)} only in A, {len(only_b)} only "
-                     f"in B, {len(diffs)} differ ({report.rule}{selection})")
+                     f"in B, {len(diffs)} differ ({report.rule}{selection}; basis: {basis.describe()}"
+                     f"{_contradicted(basis)})")
     if not equal:
         first = (diffs[0]["key"] if diffs else (only_a or only_b)[0])
         fail(f"checkpoints differ: {len(diffs)} keys differ, {len(only_a)} only in {ca.root}, {len(only_b)} only in "

@@ -69,21 +69,31 @@ def resolve_entry(ckpt: Checkpoint, key: str, cp_rank: int | None) -> Entry:
     raise FormatError(f"no cp_rank {cp_rank} copy of {key!r} in {ckpt.root}; cp ranks present: {ranks or 'none'}")
 
 
-def _stacked(ckpt: Checkpoint, name: str) -> tuple[Entry, int] | None:
-    """megatron-core's stacked layer key for a per-layer name ``decoder.layers.<i>.<rest>`` that
-    ``inspect --params`` prints, narrowed to layer ``i`` (rows ``[i, i+1)`` of the leading axis)."""
+def _stacked(ckpt: Checkpoint, name: str) -> tuple[Entry, int, int | None] | None:
+    """megatron-core's stacked key for a per-layer name ``decoder.layers.<i>.<rest>`` that
+    ``inspect --params`` prints, narrowed to layer ``i`` (rows ``[i, i+1)`` of the leading axis),
+    and for a per-expert name ``decoder.layers.<i>.mlp.experts.<e>.<rest>`` to expert ``e`` as well
+    (the expert keys stack experts on the second axis)."""
     import re
 
     from gtp_format.views.megatron import LAYER
+    from gtp_format.views.megatron_moe import EXPERT, EXPERT_PREFIX
 
-    m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
+    m = re.fullmatch(r"decoder\.layers\.([0-9]{1,9})\.mlp\.experts\.([0-9]{1,9})\.(.+)", name)
+    if m is not None and m.group(3) in EXPERT:
+        e = ckpt.entries.get(EXPERT_PREFIX + m.group(3))
+        layer, expert = int(m.group(1)), int(m.group(2))
+        if e is None or e.shape is None or len(e.shape) < 2 or layer >= e.shape[0] or expert >= e.shape[1]:
+            return None
+        return e, layer, expert
+    m = re.fullmatch(r"decoder\.layers\.([0-9]{1,9})\.(.+)", name)
     if m is None:
         return None
     rest = dict(LAYER).get(m.group(2), m.group(2))
     e = ckpt.entries.get(f"decoder.layers.{rest}")
     if e is None or not e.shape or int(m.group(1)) >= e.shape[0]:
         return None
-    return e, int(m.group(1))
+    return e, int(m.group(1)), None
 
 
 @handle_errors
@@ -108,7 +118,8 @@ def show_command(
     ckpt = open_checkpoint(path)
     stacked = _stacked(ckpt, key) if key not in ckpt.entries and cp_rank is None else None
     if stacked is not None and slice_ is not None:
-        raise FormatError(f"{key} is layer {stacked[1]} of the stacked key {stacked[0].key}; drop --slice, or "
+        which = f"layer {stacked[1]}" + (f", expert {stacked[2]}" if stacked[2] is not None else "")
+        raise FormatError(f"{key} is {which} of the stacked key {stacked[0].key}; drop --slice, or "
                           f"show {stacked[0].key!r} with --slice")
     entry = stacked[0] if stacked is not None else resolve_entry(ckpt, key, cp_rank)
     if entry.kind == BYTES:
@@ -123,6 +134,8 @@ def show_command(
     if stacked is not None:
         start, stop = stacked[1], stacked[1] + 1
     got = assemble(ckpt, entry, start, stop, max_bytes)
+    if stacked is not None and stacked[2] is not None:  # one expert of the layer's row
+        got = replace(got, tensor=got.tensor[:, stacked[2]:stacked[2] + 1])
     gaps = _padding_in(ckpt, entry.key, start, stop)
     info = summary(_without(got.tensor, gaps, start) if gaps else got.tensor)
     info["shape"] = list(got.tensor.shape)

@@ -31,7 +31,7 @@ from gtp_format.commit import write_durable
 from gtp_format.dtypes import DType, by_name
 from gtp_format.errors import FormatError
 from gtp_format.reader import storage
-from gtp_format.reader.safe_json import loads
+from gtp_format.reader.safe_json import Budget, loads
 from gtp_format.reader.safetensors_reader import nonnegative_ints
 from gtp_format.scan import carrier
 from gtp_format.storage import objects
@@ -45,6 +45,14 @@ TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 MAX_JSON = 64 << 20  # a tokenizer.json of a 256k vocabulary is ~20 MB; configs and indexes are far smaller
 MAX_HEADER = 100 << 20  # the safetensors library's own header limit
+# Budgets of what each JSON input can need (parsed, a 64 MiB file of short values took 740 MB): a config is
+# a few KB; an index names every tensor (~9 MB for 91k tensors); a tokenizer ~80 bytes and 2-3 values per
+# token of the model's vocabulary (merges included); a safetensors header ~150 bytes per tensor, and a tensor
+# stores at least 2 bytes, so the header is held to 1 MiB plus 1/16 of the data bytes the file stores.
+CONFIG_BUDGET = Budget(1 << 20, 64 << 10, "a model config")
+INDEX_BUDGET = Budget(16 << 20, 2 << 20, "a safetensors index")
+TOKENIZER_BYTES_PER_TOKEN, TOKENIZER_VALUES_PER_TOKEN = 256, 8
+HEADER_PER_DATA = 16
 ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>")  # gtp_runtime.data prepare's BPE: <|endoftext|>, id 0
 
@@ -69,30 +77,34 @@ def write_index(folder: Path, prefix: str, total: int, weight_map: dict[str, str
     return 1
 
 
-def read_capped(path: Path | ObjectURL, what: str, fix: str, follow: bool = False) -> bytes:
-    """A JSON file's bytes, within :data:`MAX_JSON`; a file of a folder being read is never a symlink
+def read_capped(path: Path | ObjectURL, what: str, fix: str, follow: bool = False, limit: int = MAX_JSON) -> bytes:
+    """A JSON file's bytes, within ``limit``; a file of a folder being read is never a symlink
     (``follow``: a file the user named on the command line may be)."""
     if isinstance(path, ObjectURL):  # the size the store reports is checked before a byte is read
-        return storage.read_small_file(path, MAX_JSON, what, fix)
+        return storage.read_small_file(path, limit, what, fix)
     if (path.is_symlink() and not follow) or not path.is_file():
         raise FormatError(f"{path}: {'a symlink' if path.is_symlink() else 'missing or not a file'}; {fix}")
     with open(path, "rb") as f:
-        raw = f.read(MAX_JSON + 1)
-    if len(raw) > MAX_JSON:
-        raise FormatError(f"{path}: more than {MAX_JSON} bytes, larger than any genuine {what}; {fix}")
+        raw = f.read(limit + 1)
+    if len(raw) > limit:
+        raise FormatError(f"{path}: more than {limit} bytes, larger than any genuine {what}; {fix}")
     return raw
 
 
-def read_json(path: Path | ObjectURL, what: str, fix: str) -> Any:
-    return loads(read_capped(path, what, fix), str(path), fix)
+def read_json(path: Path | ObjectURL, what: str, fix: str, budget: Budget = CONFIG_BUDGET) -> Any:
+    """A JSON file of an HF folder, within ``budget`` (bytes and parsed values)."""
+    return loads(read_capped(path, what, fix, limit=budget.limit), str(path), fix, budget)
 
 
 def tokenizer_eos(path: Path, vocab_size: int) -> tuple[bytes, int | None, str | None]:
     """The bytes of a ``tokenizers`` JSON file named by ``--tokenizer`` and its end-of-text token (id and
     text), if any; refused when it has ids the model cannot embed (a tokenizer of another run)."""
     fix = "pass the PREFIX.tokenizer.json that `gtp_runtime.data prepare` wrote"
-    raw = read_capped(path, "tokenizer.json", fix, follow=True)
-    doc = loads(raw, str(path), fix)
+    tokens = max(1, vocab_size)
+    budget = Budget.per_item(tokens, TOKENIZER_BYTES_PER_TOKEN, TOKENIZER_VALUES_PER_TOKEN,
+                             f"a tokenizer of the model's {vocab_size:,}-token vocabulary", ceiling=MAX_JSON)
+    raw = read_capped(path, "tokenizer.json", fix, follow=True, limit=budget.limit)
+    doc = loads(raw, str(path), fix, budget)
     if not isinstance(doc, dict) or not isinstance(doc.get("model"), dict):
         raise FormatError(f"{path}: not a Hugging Face tokenizers file (no 'model' object); pass the "
                           "PREFIX.tokenizer.json that `python -m gtp_runtime.data prepare --tokenizer bpe` wrote")
@@ -128,15 +140,12 @@ class Tensor:
     def read_rows(self, a: int, b: int, cols: tuple[int, int] | None = None) -> np.ndarray:
         """Rows ``[a, b)`` (and columns ``cols`` of a 2-D tensor), stored bits."""
         row = math.prod(self.shape[1:]) * self.dtype.itemsize
-        if isinstance(self.file, ObjectURL):  # one bounded ranged read of the rows (checked against the store)
-            raw = storage.read_range(self.file.parent, self.file.name, self.offset + a * row, (b - a) * row)
-            rows = np.frombuffer(raw, dtype=carrier(self.dtype)).reshape((b - a, *self.shape[1:]))
-            return rows if cols is None else np.array(rows[:, cols[0]:cols[1]])
-        mm = np.memmap(self.file, dtype=carrier(self.dtype), mode="r", offset=self.offset + a * row,
-                       shape=(b - a, *self.shape[1:]))
-        out = np.array(mm if cols is None else mm[:, cols[0]:cols[1]])
-        del mm
-        return out
+        # One bounded read of the rows, checked against the file (or the store) as it is now. Never a
+        # memory map: a file cut while it is mapped ends the process with SIGBUS on the first page
+        # past the new end, where a read returns short and is one line naming the file.
+        raw = storage.read_range(self.file.parent, self.file.name, self.offset + a * row, (b - a) * row)
+        rows = np.frombuffer(raw, dtype=carrier(self.dtype)).reshape((b - a, *self.shape[1:]))
+        return rows if cols is None else np.array(rows[:, cols[0]:cols[1]])
 
 
 def _plain_file(folder: Folder, name: Any, where: str) -> Path | ObjectURL:
@@ -165,6 +174,12 @@ def _header(path: Path | ObjectURL) -> tuple[dict[str, Tensor], dict[str, str]]:
         n = struct.unpack("<Q", head)[0]
         if n > min(MAX_HEADER, size - 8):
             raise FormatError(f"{path}: header of {n} bytes in a {size}-byte file; not a safetensors file or truncated")
+        stored = size if isinstance(path, ObjectURL) else storage.stored_bytes(os.fstat(f.fileno()))
+        most = (1 << 20) + max(0, stored - 8 - n) // HEADER_PER_DATA  # by the data bytes the file really stores
+        if n > most:
+            raise FormatError(f"{path}: a header of {n} bytes for {max(0, stored - 8 - n)} stored data bytes, more "
+                              f"than the {most} its tensors can need (a header spends ~150 bytes per tensor); "
+                              "re-save the model with safetensors")
         doc = loads(f.read(n), str(path), "re-save the model with safetensors")
     if not isinstance(doc, dict):
         raise FormatError(f"{path}: the safetensors header is not an object")
@@ -209,7 +224,7 @@ def read_set(folder: Folder, prefix: str, fix: str) -> tuple[dict[str, Tensor], 
     single = folder / f"{prefix}.safetensors"
     wmap: dict[str, Any] = {}
     if _exists(folder, index.name):
-        doc = read_json(index, "index", fix)
+        doc = read_json(index, "index", fix, INDEX_BUDGET)
         got = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(got, dict):
             raise FormatError(f"{index}: no weight_map object; {fix}")

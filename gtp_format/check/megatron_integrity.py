@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from gtp_format.errors import ChunkError, FormatError
 from gtp_format.hashing import file_digests
-from gtp_format.model import Checkpoint, Problem
+from gtp_format.model import Checkpoint, Problem, ProblemCap
 from gtp_format.names import MEGATRON_INTEGRITY_FILE as FILE
 from gtp_format.reader.storage import file_size, is_regular_inside, list_dir, open_regular, unsafe_reason
 
 ALGORITHM = "sha256"
+SIDE_FILES = 16  # files beside the data files a save may list: .metadata, common.pt, metadata.json, ...
+BYTES_PER_ENTRY = 512  # one "name": "64 hex digits" member, with a name of up to 255 bytes and spacing
 _HEX = set("0123456789abcdef")
 
 
@@ -28,14 +30,17 @@ def read_integrity(ckpt: Checkpoint) -> tuple[dict[str, str] | None, list[Proble
     """The listing ``name -> sha256`` when the folder has ``integrity.json``; problems when it is unusable."""
     if is_regular_inside(ckpt.root, FILE) is None:
         return None, []
-    from gtp_format.reader.safe_json import load_json_object
+    from gtp_format.reader.safe_json import Budget, load_json_object
 
     def bad(message: str) -> tuple[None, list[Problem]]:
         return None, [Problem("error", "megatron_integrity", f"{message}; restore {FILE} from the save that wrote it "
                               "or remove it", file=FILE)]
 
+    files_here = len(ckpt.data_files) + SIDE_FILES
+    budget = Budget.per_item(files_here, BYTES_PER_ENTRY, 2, f"a listing of the folder's at most {files_here} files",
+                             floor=4096)
     try:
-        body = load_json_object(ckpt.root / FILE, "Megatron's integrity manifest")
+        body = load_json_object(ckpt.root / FILE, "Megatron's integrity manifest", budget=budget)
     except FormatError as e:
         return bad(e.message)
     if body.get("algorithm", ALGORITHM) != ALGORITHM:
@@ -43,20 +48,23 @@ def read_integrity(ckpt: Checkpoint) -> tuple[dict[str, str] | None, list[Proble
     files = body.get("files")
     if not isinstance(files, dict):
         return bad("it has no 'files' object")
+    if len(files) > files_here:
+        return bad(f"it lists {len(files):,} files, more than the {files_here} a checkpoint folder of "
+                   f"{len(ckpt.data_files)} data files holds")
     out: dict[str, str] = {}
-    problems: list[Problem] = []
+    problems = ProblemCap("megatron_integrity")
     for name, digest in files.items():
         reason = unsafe_reason(name)
         if reason is None and "/" in name:
             reason = f"{name!r} is not a file name at the top of the checkpoint folder"
         if reason is not None:
-            problems.append(Problem("error", "megatron_integrity", f"{FILE} lists {reason}", file=FILE))
+            problems.add(Problem("error", "megatron_integrity", f"{FILE} lists {reason}", file=FILE))
         elif not (isinstance(digest, str) and len(digest) == 64 and set(digest.lower()) <= _HEX):
-            problems.append(Problem("error", "megatron_integrity", f"{FILE} gives {name} a digest that is not "
-                                    "SHA-256 hex", file=name))
+            problems.add(Problem("error", "megatron_integrity", f"{FILE} gives {name} a digest that is not "
+                                 "SHA-256 hex", file=name))
         else:
             out[name] = digest.lower()
-    return out, problems
+    return out, problems.done(FILE)
 
 
 def integrity_algorithms(ckpt: Checkpoint, listing: dict[str, str] | None) -> dict[str, list[str]]:
@@ -67,12 +75,12 @@ def integrity_algorithms(ckpt: Checkpoint, listing: dict[str, str] | None) -> di
 def check_integrity(ckpt: Checkpoint, listing: dict[str, str], data: bool,
                     digests: dict[str, dict[str, str]] | None) -> list[Problem]:
     """Listed files exist (and with ``data`` hash as listed); files the save did not list are named."""
-    out: list[Problem] = []
+    out = ProblemCap("megatron_integrity")
     for name, want in sorted(listing.items()):
         try:
             file_size(ckpt.root, name, "file")
         except ChunkError as err:
-            out.append(Problem("error", "megatron_integrity", f"{FILE} lists it, but {err.message}", file=name))
+            out.add(Problem("error", "megatron_integrity", f"{FILE} lists it, but {err.message}", file=name))
             continue
         if not data:
             continue
@@ -82,15 +90,15 @@ def check_integrity(ckpt: Checkpoint, listing: dict[str, str], data: bool,
                 with open_regular(ckpt.root, name, "file") as f:
                     got = file_digests(f, [ALGORITHM])[ALGORITHM]
             except ChunkError as err:
-                out.append(Problem("error", "megatron_integrity", err.message, file=name))
+                out.add(Problem("error", "megatron_integrity", err.message, file=name))
                 continue
         if got != want:
-            out.append(Problem("error", "megatron_integrity", f"sha256 is {got} but {FILE} says {want}: the file "
+            out.add(Problem("error", "megatron_integrity", f"sha256 is {got} but {FILE} says {want}: the file "
                                "changed after the save; restore it from a good copy", file=name))
     try:
         present = {n for n in list_dir(ckpt.root) if n != FILE and is_regular_inside(ckpt.root, n) is not None}
     except (ChunkError, FormatError, OSError):
         present = set()
     for name in sorted(present - listing.keys()):
-        out.append(Problem("warning", "megatron_integrity", f"not listed in {FILE}: added after the save", file=name))
-    return out
+        out.add(Problem("warning", "megatron_integrity", f"not listed in {FILE}: added after the save", file=name))
+    return out.done(FILE)

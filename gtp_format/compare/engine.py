@@ -39,9 +39,10 @@ from gtp_format.compare.records import (
 )
 from gtp_format.compare.select import EVERYTHING
 from gtp_format.compare.sources import Source
+from gtp_format.compare.trust import Basis, contradicted
 from gtp_format.compare.values import EXACT, Rule, compare_values, unravel
 from gtp_format.errors import ChunkError
-from gtp_format.model import BYTES, Chunk, Entry
+from gtp_format.model import BYTES, Entry
 
 DEFAULT_MAX_BYTES = 2 << 30
 Advance = Callable[[int], None]
@@ -75,7 +76,9 @@ def compare(a: Source, b: Source, rule: Rule = EXACT, *, select: Callable[[str],
     carries both sides' values at the first differing element in ``a`` and ``b``.
 
     Chunk pairs whose sources both give a recorded hash (:meth:`Source.digest`), and equal ones,
-    are not read: equal hashes of the stored bytes mean equal bytes, so equal values.
+    are not read (equal hashes of the stored bytes mean equal bytes, so equal values), unless the
+    manifests' file checksums contradict the records (:mod:`gtp_format.compare.trust`);
+    ``report.basis`` counts what was read and what was taken on records.
 
     ``padding``: (key, chunk index) of the chunks that are alignment padding on side ``a`` and on side
     ``b`` (:func:`gtp_format.views.megatron.padding_chunks`). A chunk pair that is padding on both
@@ -84,9 +87,10 @@ def compare(a: Source, b: Source, rule: Rule = EXACT, *, select: Callable[[str],
     """
     step = advance or (lambda n: None)
     report = Report(rule=rule.describe())
+    report.basis = Basis(contradicted(a, b) if values else frozenset())
     for key in (selected_keys(a, b, select) if keys is None else keys):
         result = compare_key(a, b, key, rule, chunks=chunks, values=values, max_bytes=max_bytes, advance=step,
-                             first=first, padding=padding)
+                             first=first, padding=padding, basis=report.basis)
         report.results.append(result)
         if first and result.differences:
             break
@@ -96,8 +100,10 @@ def compare(a: Source, b: Source, rule: Rule = EXACT, *, select: Callable[[str],
 def compare_key(a: Source, b: Source, key: str, rule: Rule, *, chunks: bool = False, values: bool = True,
                 max_bytes: int = DEFAULT_MAX_BYTES, advance: Advance = lambda n: None,
                 first: bool = False,
-                padding: tuple[frozenset[tuple[str, int]], frozenset[tuple[str, int]]] | None = None) -> KeyResult:
-    """Compare one key (present on at least one side)."""
+                padding: tuple[frozenset[tuple[str, int]], frozenset[tuple[str, int]]] | None = None,
+                basis: Basis | None = None) -> KeyResult:
+    """Compare one key (present on at least one side); ``basis`` counts what the verdict rests on."""
+    basis = basis if basis is not None else Basis()
     ea, eb = a.entries.get(key), b.entries.get(key)
     if ea is None or eb is None:
         e, code, side = (ea, ONLY_IN_A, a) if eb is None else (eb, ONLY_IN_B, b)
@@ -115,10 +121,10 @@ def compare_key(a: Source, b: Source, key: str, rule: Rule, *, chunks: bool = Fa
                                 a=len(ea.chunks), b=len(eb.chunks), numel=len(ea.chunks), differing=len(ea.chunks)))
     if meta is None and values:
         if ea.kind == BYTES:
-            content = _objects(a, ea, b, eb, rule)
+            content = _objects(a, ea, b, eb, rule, basis)
             advance(len(ea.chunks) + len(eb.chunks))
         else:
-            content = _tensors(a, ea, b, eb, rule, max_bytes, advance, first, padding, pad)
+            content = _tensors(a, ea, b, eb, rule, max_bytes, advance, first, padding, pad, basis)
         found += [content] if content is not None else []
     return KeyResult(key, numel, len(ea.chunks), tuple(found), pad[0] if pad else None)
 
@@ -138,10 +144,13 @@ def _metadata(ea: Entry, eb: Entry) -> Difference | None:
     return None
 
 
-def _objects(a: Source, ea: Entry, b: Source, eb: Entry, rule: Rule) -> Difference | None:
+def _objects(a: Source, ea: Entry, b: Source, eb: Entry, rule: Rule, basis: Basis) -> Difference | None:
     """Byte objects: equal stored bytes; with a tolerance rule, equal decoded objects will do
     (``torch.save`` blobs of equal objects can differ byte-wise, e.g. in their archive name)."""
-    if _same_digests(a, ea, b, eb) or a.object_bytes(ea) == b.object_bytes(eb):
+    if _same_digests(a, ea, b, eb, basis):
+        return None
+    basis.read += 1
+    if a.object_bytes(ea) == b.object_bytes(eb):
         return None
     detail = "stored bytes differ"
     if not rule.bitwise:
@@ -154,23 +163,17 @@ def _objects(a: Source, ea: Entry, b: Source, eb: Entry, rule: Rule) -> Differen
     return Difference(OBJECT, ea.key, detail, a=ea.stored_bytes, b=eb.stored_bytes, numel=1, differing=1)
 
 
-def _digest(src: Source, e: Entry, c: Chunk) -> str | None:
-    """A source's recorded hash of a chunk; sources without :meth:`Source.digest` have none."""
-    get = getattr(src, "digest", None)
-    return get(e, c) if get is not None else None
-
-
-def _same_digests(a: Source, ea: Entry, b: Source, eb: Entry) -> bool:
-    if len(ea.chunks) != len(eb.chunks):
-        return False
-    pairs = [(_digest(a, ea, x), _digest(b, eb, y)) for x, y in zip(ea.chunks, eb.chunks)]
-    return all(da is not None and da == db for da, db in pairs)
+def _same_digests(a: Source, ea: Entry, b: Source, eb: Entry, basis: Basis) -> bool:
+    if len(ea.chunks) != len(eb.chunks) or len(ea.chunks) != 1:
+        return False  # a byte object is one blob
+    return basis.equal_by_records(a, ea, ea.chunks[0], b, eb, eb.chunks[0])
 
 
 def _tensors(a: Source, ea: Entry, b: Source, eb: Entry, rule: Rule, max_bytes: int,
              advance: Advance, stop_first: bool = False,
              padding: tuple[frozenset[tuple[str, int]], frozenset[tuple[str, int]]] | None = None,
-             pad_out: list[Difference] | None = None) -> Difference | None:
+             pad_out: list[Difference] | None = None, basis: Basis | None = None) -> Difference | None:
+    basis = basis if basis is not None else Basis()
     assert ea.shape is not None
     count, max_abs, first = 0, None, None
     pad_count, pad_chunks = 0, 0
@@ -179,10 +182,10 @@ def _tensors(a: Source, ea: Entry, b: Source, eb: Entry, rule: Rule, max_bytes: 
     if _boxes(ea) == _boxes(eb):
         for c in sorted(ea.chunks, key=lambda c: c.offsets) if stop_first else ea.chunks:
             cb = boxes_b[(c.offsets, c.sizes)]
-            da = _digest(a, ea, c)
-            if da is not None and da == _digest(b, eb, cb):  # equal stored bytes: not read
+            if basis.equal_by_records(a, ea, c, b, eb, cb):  # equal recorded hashes: not read
                 advance(2)
                 continue
+            basis.read += 1
             ta, tb = a.chunk(ea, c), b.chunk(eb, cb)
             vd = compare_values(ta, tb, rule)
             advance(2)
@@ -201,6 +204,7 @@ def _tensors(a: Source, ea: Entry, b: Source, eb: Entry, rule: Rule, max_bytes: 
                 values = (ta.reshape(-1)[vd.first].item(), tb.reshape(-1)[vd.first].item())
                 break
     else:
+        basis.read += max(len(ea.chunks), len(eb.chunks))
         vd = compare_values(a.whole(ea, max_bytes), b.whole(eb, max_bytes), rule)
         advance(len(ea.chunks) + len(eb.chunks))
         count, max_abs = vd.differing, vd.max_abs_diff

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gtp_format.compare.trust import Basis
 
 # Stable codes. Key sets:
 ONLY_IN_A = "only_in_a"
@@ -122,6 +125,7 @@ class Report:
 
     results: list[KeyResult] = field(default_factory=list)
     rule: str = ""  # how values were compared, for the reader of a report
+    basis: Basis | None = None  # what the verdict rests on: bytes read or recorded hashes
 
     def __iter__(self) -> Iterator[KeyResult]:
         return iter(self.results)

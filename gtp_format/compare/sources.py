@@ -75,12 +75,22 @@ class CheckpointSource:
         return bytes(chunk_bytes(self.ckpt, entry, entry.chunks[0]))
 
     def digest(self, entry: Entry, chunk: Chunk) -> str | None:
-        """The record's hash, when it names exactly the bytes the metadata gives this chunk."""
+        """The record's hash, when it names exactly the bytes the metadata gives this chunk and a
+        manifest checksums the records (without one, as in Megatron's layout, the side file vouches
+        only for itself, and the chunk is read)."""
+        if self.ckpt.manifest is None:
+            return None
         rec = self.records.get(entry.key, chunk.offsets) if self.records is not None else None
         s = chunk.storage
         if rec is None or s is None or (rec.file, rec.offset, rec.length) != (s.file, s.offset, s.length):
             return None
         return rec.digest
+
+    def file_checksums(self, name: str) -> tuple[int, dict[str, str]] | None:
+        """The manifest's size and checksums of a data file, or None when it gives none."""
+        files = self.ckpt.manifest.files if self.ckpt.manifest is not None else None
+        entry = files.get(name) if files is not None else None
+        return None if entry is None or not entry.checksums else (entry.size, dict(entry.checksums))
 
     def load_object(self, entry: Entry) -> Any:
         from gtp_format.reader.chunks import load_object

@@ -31,13 +31,15 @@ from gtp_format.errors import FormatError
 from gtp_format.integrity.hash import CHUNK_HASH, DIGEST_CHARS
 from gtp_format.integrity.stats import ChunkStats
 from gtp_format.manifest import Manifest
-from gtp_format.model import Checkpoint, Problem
+from gtp_format.model import BYTES, Checkpoint, Problem, ProblemCap
 from gtp_format.names import CHUNK_RECORDS_FILE
 from gtp_format.names import CHUNK_RECORDS_SECTION as SECTION
 
 RECORDS_VERSION = 1  # the newest side-file version this tool reads
 BYTES_PER_RECORD = 1024  # read limit: a generous bound on one record's JSON, times the chunk count
+VALUES_PER_RECORD = 96  # parsed values: 6 fields, up to 64 offsets, 8 statistics, their containers
 NO_RECORDS = "file-level checksums, no chunk hashes"
+STATS_CODE = "chunk_stats"  # a record's statistics cannot be true (Problem code)
 
 
 class ChunkRecord(NamedTuple):
@@ -105,10 +107,15 @@ def read_records(ckpt: Checkpoint) -> Records | None:
     if head is None and not has_records(ckpt.manifest):
         return None
     out = Records()
+    capped = {c: ProblemCap(c) for c in ("chunk_records", STATS_CODE)}
+
+    def note(message: str) -> None:
+        capped["chunk_records"].add(Problem("error", "chunk_records", f"{message}; restore {CHUNK_RECORDS_FILE} from "
+                                            "the run that wrote the checkpoint", file=CHUNK_RECORDS_FILE))
 
     def bad(message: str) -> Records:
-        out.problems.append(Problem("error", "chunk_records", f"{message}; restore {CHUNK_RECORDS_FILE} from the "
-                                    "run that wrote the checkpoint", file=CHUNK_RECORDS_FILE))
+        note(message)
+        out.problems = [p for c in capped.values() for p in c.done(CHUNK_RECORDS_FILE)]
         return out
 
     if head is None:
@@ -123,11 +130,13 @@ def read_records(ckpt: Checkpoint) -> Records | None:
         return out
     if head.get("hash") != CHUNK_HASH:
         return bad(f"chunk hash {head.get('hash')!r} is not one this tool computes ({CHUNK_HASH})")
-    from gtp_format.reader.safe_json import load_json_object
+    from gtp_format.reader.safe_json import Budget, load_json_object
 
-    limit = (1 << 20) + BYTES_PER_RECORD * max(head["count"] or 0, ckpt.chunk_count())
+    chunks_here = ckpt.chunk_count()
+    budget = Budget.per_item(max(head["count"] or 0, chunks_here), BYTES_PER_RECORD, VALUES_PER_RECORD,
+                             f"one record per each of the {chunks_here:,} chunks", ceiling=1 << 62)
     try:
-        body = load_json_object(ckpt.root / CHUNK_RECORDS_FILE, "the chunk records", limit=limit)
+        body = load_json_object(ckpt.root / CHUNK_RECORDS_FILE, "the chunk records", budget=budget)
     except FormatError as e:
         return bad(e.message)
     chunks = body.get("chunks")
@@ -136,14 +145,22 @@ def read_records(ckpt: Checkpoint) -> Records | None:
                    else f"{CHUNK_RECORDS_FILE} is not version {RECORDS_VERSION} {CHUNK_HASH} chunk records")
     if head["count"] is not None and len(chunks) != head["count"]:
         return bad(f"{CHUNK_RECORDS_FILE} holds {len(chunks)} records, the manifest says {head['count']}")
+    numels = {(k, c.offsets): c.numel for k, e in ckpt.entries.items() for c in e.chunks if e.kind != BYTES}
     for i, raw in enumerate(chunks):
         rec = _record(raw)
+        why = None if rec is None or rec.stats is None else impossible(rec.stats, numels.get((rec.key, rec.offsets)))
         if rec is None:
-            bad(f"record {i} of {CHUNK_RECORDS_FILE} is ill-formed")
+            note(f"record {i} of {CHUNK_RECORDS_FILE} is ill-formed")
+        elif why is not None:
+            capped[STATS_CODE].add(Problem(
+                "error", STATS_CODE, f"record {i} of {CHUNK_RECORDS_FILE} ({rec.key} at {list(rec.offsets)}) {why}, "
+                f"which no stored chunk can have; restore {CHUNK_RECORDS_FILE} from the run that wrote the checkpoint",
+                key=rec.key, file=CHUNK_RECORDS_FILE))
         elif (rec.key, rec.offsets) in out.by_chunk:
-            bad(f"record {i} of {CHUNK_RECORDS_FILE} repeats {rec.key} at {list(rec.offsets)}")
+            note(f"record {i} of {CHUNK_RECORDS_FILE} repeats {rec.key} at {list(rec.offsets)}")
         else:
             out.by_chunk[(rec.key, rec.offsets)] = rec
+    out.problems = [p for c in capped.values() for p in c.done(CHUNK_RECORDS_FILE)]
     return out
 
 
@@ -169,6 +186,39 @@ def _stats(raw: Any) -> ChunkStats | None | bool:
         return False
     return ChunkStats(*counts, None if lo is None else float(lo), None if hi is None else float(hi),
                       math.inf if sumsq is None else float(sumsq))
+
+
+SLACK = 1e-6  # relative: the fp64 sum of squares is rounded once per element, far below this
+
+
+def impossible(st: ChunkStats, numel: int | None = None) -> str | None:
+    """Why a record's statistics cannot describe any chunk (or this one, of ``numel`` elements), or None.
+
+    Records are untrusted: statistics that no tensor could have (more NaN than elements, min above
+    max, a negative sum of squares) are refused before ``inspect --stats`` prints them or ``verify``
+    uses them. The checks are the ones every true set of statistics passes, whatever the dtype.
+    """
+    finite = st.numel - st.nonfinite - st.zeros
+    if numel is not None and st.numel != numel:
+        return f"counts {st.numel} elements where the chunk has {numel}"
+    if finite < 0:
+        return (f"counts {st.nan} NaN, {st.posinf + st.neginf} infinities and {st.zeros} zeros in {st.numel} "
+                "elements")
+    if (st.min is None) != (finite + st.zeros == 0):
+        return "gives a min and max without finite values" if st.min is not None else "has finite values but no min"
+    if st.min is None or st.max is None:
+        return None if st.sumsq in (0.0, math.inf) else "has a sum of squares without finite values"
+    if st.min > st.max:
+        return f"has min {st.min} above max {st.max}"
+    if st.zeros and not st.min <= 0.0 <= st.max:
+        return f"counts {st.zeros} zeros outside its range [{st.min}, {st.max}]"
+    if st.sumsq < 0.0:
+        return f"has a negative sum of squares ({st.sumsq})"
+    top = max(st.min * st.min, st.max * st.max)
+    if math.isfinite(st.sumsq) and math.isfinite(top):
+        if st.sumsq < top * (1 - SLACK) or st.sumsq > top * (finite + st.zeros) * (1 + SLACK):
+            return f"has a sum of squares {st.sumsq} that its range and counts cannot give"
+    return None
 
 
 def _record(raw: Any) -> ChunkRecord | None:

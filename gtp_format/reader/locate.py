@@ -33,8 +33,8 @@ from gtp_format.names import (
     iter_dir_name,
     parse_latest,
 )
-from gtp_format.reader.safe_json import load_json_object
-from gtp_format.reader.storage import is_folder_inside, list_dir, read_small_file
+from gtp_format.reader.safe_json import JSON_LIMIT, Budget, load_json_object
+from gtp_format.reader.storage import is_folder_inside, is_regular_inside, list_dir, read_small_file, stored_size
 from gtp_format.storage.location import ObjectURL, parse_location
 from gtp_format.writer.work import leftovers, parse_work, proven
 
@@ -198,19 +198,35 @@ def locate(path: str | os.PathLike[str] | ObjectURL) -> Located:
     return Located(folder=p, layout=layout, names=tuple(names), recovered=recovered)
 
 
+SIDE_PER_DATA = 16  # a manifest spends ~200 bytes per parameter; a parameter stores thousands of bytes
+
+
+def side_file_budget(loc: Located) -> Budget:
+    """What ``metadata.json`` and the manifest may cost: 1 MiB, plus a sixteenth of the bytes the data
+    files really store (a sparse file adds nothing), at most :data:`JSON_LIMIT`. Parsed, a 16 MiB file
+    of short values is ~250 MB; a checkpoint of a few MB gets a few MB of side file, not that."""
+    sizes = [is_regular_inside(loc.folder, n) or 0 for n in (MANIFEST_FILE, MEGATRON_METADATA_FILE) if n in loc.names]
+    if max(sizes, default=0) <= 1 << 20:  # every genuine side file: no data file is asked for its size
+        return Budget(1 << 20, None, "a side file")
+    stored = sum(stored_size(loc.folder, n) for n in loc.names if DISTCP_RE.match(n) or n.endswith(".safetensors"))
+    limit = min(JSON_LIMIT, (1 << 20) + stored // SIDE_PER_DATA)
+    return Budget(limit, None, f"a side file of a checkpoint storing {stored} data bytes")
+
+
 def load_side_files(loc: Located) -> tuple[dict[str, Any] | None, Manifest | None, list[Problem]]:
     """Megatron's ``metadata.json`` and our ``gtp_manifest.json`` (parsed leniently), when present.
 
     A manifest whose header is unusable is left out with an ``error`` problem; sections that fail
     their type checks are dropped with one problem each, so ``inspect`` still shows everything else.
     """
-    megatron = (load_json_object(loc.folder / MEGATRON_METADATA_FILE, "Megatron metadata")
+    budget = side_file_budget(loc)
+    megatron = (load_json_object(loc.folder / MEGATRON_METADATA_FILE, "Megatron metadata", budget=budget)
                 if MEGATRON_METADATA_FILE in loc.names else None)
     if MANIFEST_FILE not in loc.names:
         return megatron, None, []
     path = loc.folder / MANIFEST_FILE
     try:
-        manifest = parse_manifest(load_json_object(path, "the manifest"), str(path), strict=False)
+        manifest = parse_manifest(load_json_object(path, "the manifest", budget=budget), str(path), strict=False)
     except ManifestError as e:
         return megatron, None, [Problem("error", "manifest", e.message, file=MANIFEST_FILE)]
     # A damaged files section leaves data unchecked: an error. Other sections only inform the

@@ -14,6 +14,13 @@ of them are not ``JSONDecodeError``:
   about 20 times, so the number of ``[``/``{`` (counted in C, an upper bound) is held to one per
   :data:`BYTES_PER_CONTAINER` bytes, which genuine files never approach (a safetensors entry
   spends about 20 bytes per container, a manifest more).
+
+Bytes alone do not bound the cost: every parsed value is a Python object of 28-100 bytes, so a
+64 MiB file of short values became 740 MB. Each caller therefore passes a :class:`Budget` derived
+from what the checkpoint or folder really stores (its chunks, its data files, the model's vocabulary):
+a byte limit and a limit on values, counted in C before parsing as an upper bound (commas plus
+containers plus one: every element or member after the first follows a comma). A file over either
+is one line saying what it holds and what the input can need.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +45,28 @@ JSON_LIMIT = 16 << 20
 
 class _Refused(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one JSON input may cost: ``limit`` bytes and ``values`` parsed values at most; ``why``
+    names what the budget is derived from, for the message."""
+
+    limit: int = JSON_LIMIT
+    values: int | None = None
+    why: str = ""
+
+    @staticmethod
+    def per_item(items: int, bytes_each: int, values_each: int, why: str, floor: int = 1 << 20,
+                 ceiling: int = JSON_LIMIT) -> Budget:
+        """``floor`` bytes plus ``bytes_each`` per item (at most ``ceiling``); 64 values plus ``values_each``
+        per item."""
+        return Budget(min(ceiling, floor + bytes_each * max(0, items)), 64 + values_each * max(0, items), why)
+
+
+def value_count(data: bytes) -> int:
+    """An upper bound on the values and members a JSON text parses into, counted in C."""
+    return data.count(b",") + data.count(b"[") + data.count(b"{") + 1
 
 
 def _int(text: str) -> int:
@@ -73,12 +103,17 @@ def _has_lone_surrogate(obj: Any) -> bool:
     return False
 
 
-def loads(raw: bytes | bytearray | str, source: str, fix: str) -> Any:
+def loads(raw: bytes | bytearray | str, source: str, fix: str, budget: Budget | None = None) -> Any:
     """Parse ``raw`` (the whole file, already read within its size limit) or raise one :class:`FormatError`.
 
-    ``source`` names the file (or the file and field) and ``fix`` says what to do, for the message.
+    ``source`` names the file (or the file and field) and ``fix`` says what to do, for the message;
+    ``budget``'s value limit is checked before parsing.
     """
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+    if budget is not None and budget.values is not None and (n := value_count(data)) > budget.values:
+        raise FormatError(f"{source} holds up to {n:,} JSON values, more than the {budget.values:,} that "
+                          f"{budget.why or 'such a file'} can need (parsing them would take memory the input does "
+                          f"not back); {fix}")
     containers = data.count(b"[") + data.count(b"{")
     if containers > 16 + len(data) // BYTES_PER_CONTAINER:
         raise FormatError(f"{source} opens {containers} JSON arrays or objects in {len(data)} bytes, more than any "
@@ -100,11 +135,12 @@ def loads(raw: bytes | bytearray | str, source: str, fix: str) -> Any:
     return obj
 
 
-def load_json_object(path: Path, what: str, limit: int = JSON_LIMIT) -> dict[str, Any]:
-    """A JSON file that must hold an object (metadata.json, the manifest, an index)."""
+def load_json_object(path: Path, what: str, limit: int = JSON_LIMIT, budget: Budget | None = None) -> dict[str, Any]:
+    """A JSON file that must hold an object (metadata.json, the manifest, an index), within ``budget``
+    (or ``limit`` bytes)."""
     fix = f"fix or remove {path.name}"
-    raw = read_small_file(path, limit, what, fix)
-    obj = loads(raw, str(path), fix)
+    raw = read_small_file(path, budget.limit if budget is not None else limit, what, fix)
+    obj = loads(raw, str(path), fix, budget)
     if not isinstance(obj, dict):
         raise FormatError(f"{path} holds a JSON {type(obj).__name__}, expected an object; {fix}")
     return obj

@@ -277,10 +277,13 @@ def metadata_limit(data_bytes: int) -> int:
     """
     override = os.environ.get(METADATA_LIMIT_ENV)
     if override is not None:
+        from gtp_format.numbers import NumberError, parse_int
+
         try:
-            return max(0, int(override))
-        except ValueError:
-            raise FormatError(f"{METADATA_LIMIT_ENV}={override!r} is not a byte count; set it to an integer") from None
+            return parse_int(override, METADATA_LIMIT_ENV, 0)
+        except NumberError:
+            raise FormatError(f"{METADATA_LIMIT_ENV}={override[:40]!r} is not a byte count; set it to an integer "
+                              "in ASCII digits") from None
     return min(METADATA_CEILING, max(METADATA_FLOOR, data_bytes))
 
 

@@ -31,6 +31,7 @@ import itertools
 import os
 import re
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import timedelta
@@ -62,13 +63,15 @@ def _timeout() -> float:
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None:
         return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
+    from gtp_format.numbers import NumberError, parse_float
+
+    try:  # ASCII digits only: float() read "\u0666\u0660" (Arabic-Indic) as 60
+        value = parse_float(raw, TIMEOUT_ENV, 0.0, MAX_TIMEOUT_S)
+    except NumberError:
         value = -1.0
     if not 0 < value <= MAX_TIMEOUT_S:  # "inf" made timedelta() raise an unexpected OverflowError
-        raise FormatError(f"{TIMEOUT_ENV}={raw[:40]!r} is not a number of seconds in (0, {MAX_TIMEOUT_S:.0f}]; set it "
-                          "to e.g. 60")
+        raise FormatError(f"{TIMEOUT_ENV}={raw[:40]!r} is not a number of seconds in (0, {MAX_TIMEOUT_S:.0f}] written "
+                          "in ASCII digits; set it to e.g. 60")
     return value
 
 
@@ -263,21 +266,72 @@ def object_size(root: ObjectURL, rel: str, what: str = "data file") -> int:
     return size
 
 
-def is_prefix(root: ObjectURL, rel: str = "") -> bool:
-    """Whether any object lies below ``root/rel/`` (a "folder" of the store)."""
+# A listing is bounded by what one folder of a checkpoint (or a run: its iterations) can hold: one data
+# file per rank of the largest world this tool plans (2^20, layout.config.MAX_TARGET_WORLD) and its side
+# files. Keys are streamed in batches (obstore's list_with_delimiter gathered every page of a listing
+# that never ended, past 3 GB); a sub-folder is skipped by listing again after its last possible key.
+MAX_LISTED = (1 << 20) + 4096  # keys one listing may return, kept or skipped
+LIST_BATCH = 100  # keys per batch handed to Python (obstore fetches pages until a batch is full)
+LIST_SECONDS = 600.0  # one listing, all its pages
+
+
+def _listing_refused(where: str, why: str) -> FormatError:
+    return FormatError(f"{where}: the store's listing {why}, more than a checkpoint folder can hold; check "
+                       "AWS_ENDPOINT_URL (a store that does not end its listing) and the URL")
+
+
+def _list_folder(root: ObjectURL, want: str, first: bool = False) -> dict[str, int | None]:
+    """The direct entries of the prefix ``want`` (objects with sizes, sub-prefixes with None), bounded:
+    at most :data:`MAX_LISTED` keys and :data:`LIST_SECONDS` in all, else one line naming the endpoint's
+    listing. ``first``: stop at the first entry (whether the prefix holds anything)."""
     import obstore
 
+    where = str(root)
+    out: dict[str, int | None] = {}
+    seen, offset, deadline = 0, None, time.monotonic() + LIST_SECONDS
+    while True:
+        restart = None
+        try:
+            stream = obstore.list(store(root), want or None, offset=offset, chunk_size=LIST_BATCH)
+            for batch in stream:
+                for meta in batch:
+                    seen += 1
+                    path = str(meta["path"])
+                    name = path[len(want):] if path.startswith(want) else ""
+                    head, slash, _ = name.partition("/")
+                    if slash and head:
+                        if head in out:  # listed again after its last key: the store ignores the offset
+                            raise _listing_refused(where, f"returns {head}/ again out of order")
+                        out[head] = None
+                        restart = want + head + "/\U0010ffff"  # after every key below head/
+                        break
+                    if name:
+                        out[name] = int(meta["size"])
+                if seen > MAX_LISTED:
+                    raise _listing_refused(where, f"goes past {MAX_LISTED:,} keys")
+                if time.monotonic() > deadline:
+                    raise _listing_refused(where, f"was still going after {LIST_SECONDS:.0f} s ({seen:,} keys)")
+                if restart is not None or (first and out):
+                    break
+        except FormatError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every obstore error becomes one line naming the folder
+            raise describe_error(e, where) from None
+        if restart is None or (first and out):
+            return out
+        offset = restart
+
+
+def is_prefix(root: ObjectURL, rel: str = "") -> bool:
+    """Whether any object lies below ``root/rel/`` (a "folder" of the store)."""
     prefix = (root / rel).key() if rel else root.key()
-    page = _call(str(root / rel) if rel else str(root), obstore.list_with_delimiter, store(root),
-                 prefix + "/" if prefix else None)
-    return bool(page["objects"] or page["common_prefixes"])
+    return bool(_list_folder(root / rel if rel else root, prefix + "/" if prefix else "", first=True))
 
 
 def list_names(root: ObjectURL) -> dict[str, int | None]:
     """The entries of the "folder" ``root``: object names with their sizes, sub-prefixes with None. Listed once
     a command (:func:`listed_sizes`; resolving SRC and opening it listed it twice: 6.5 ms of a 26.5 MB reshard
     from moto), until a write into a bucket (:func:`forget_listings`)."""
-    import obstore
 
     prefix = root.key()
     want = prefix + "/" if prefix else ""
@@ -286,17 +340,11 @@ def list_names(root: ObjectURL) -> dict[str, int | None]:
         seen = _LISTINGS.get((root.bucket, want)) if listed is not None else None
     out: dict[str, int | None] = {} if seen is None else dict(seen)
     if seen is None:
-        page = _call(str(root), obstore.list_with_delimiter, store(root), want or None)
-        for meta in page["objects"]:
-            name = str(meta["path"])[len(want):]
-            if name and "/" not in name:
-                out[name] = int(meta["size"])
-                if listed is not None:
-                    listed[(root.bucket, str(meta["path"]))] = int(meta["size"])
-        for p in page["common_prefixes"]:
-            name = str(p)[len(want):].strip("/")
-            if name and "/" not in name:
-                out.setdefault(name, None)
+        out = _list_folder(root, want)
+        if listed is not None:
+            for name, size in out.items():
+                if size is not None:
+                    listed[(root.bucket, want + name)] = size
     if listed is not None:  # a command's listing: its side files are read next, so fetch them together now
         with _POOL_LOCK:
             _LISTINGS[(root.bucket, want)] = dict(out)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import glob
 import itertools
-import json
 import os
 import sys
 import uuid
@@ -34,6 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
+from gtp_format.errors import FormatError
+from gtp_format.numbers import OneLineParser, int_flag
+from gtp_format.reader.safe_json import loads
 from gtp_format.text import safe_text
 from gtp_runtime.data.indexed import DataError
 from gtp_runtime.data.vocab import tokenizer_path
@@ -100,11 +102,13 @@ def _file_texts(f: Path, jsonl: bool) -> Iterator[str]:
             line = _decode(raw, f"{f}:{n}")
             if not line.strip():
                 continue
-            try:
-                text = json.loads(line)["text"]
-            except (ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
-                raise DataError(f"{f}:{n}: not a JSON object with a 'text' field ({type(e).__name__}); fix the line "
-                                "or drop --jsonl") from None
+            try:  # the bounded JSON reader: a lone surrogate ("\ud800") cannot become UTF-8 tokens
+                doc = loads(raw, "it", "fix the line or drop --jsonl")
+            except FormatError as e:
+                raise DataError(f"{f}:{n}: not a JSON object with a 'text' field: {e.message}") from None
+            text = doc.get("text") if isinstance(doc, dict) else None
+            if not isinstance(doc, dict) or "text" not in doc:
+                raise DataError(f"{f}:{n}: not a JSON object with a 'text' field; fix the line or drop --jsonl")
             if not isinstance(text, str):
                 raise DataError(f"{f}:{n}: 'text' must be a string, got {type(text).__name__}; fix the line")
             yield text
@@ -179,7 +183,7 @@ def _non_empty(docs: Iterator[np.ndarray], files: list[Path]) -> Iterator[np.nda
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m gtp_runtime.data prepare", description=__doc__.split("\n\n")[0],
+    ap = OneLineParser(prog="python -m gtp_runtime.data prepare", description=__doc__.split("\n\n")[0],
                                  epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", nargs="+", required=True, metavar="PATH",
                     help="files, folders (searched with --glob) or globs")
@@ -187,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--jsonl", action="store_true", help="inputs are JSON lines with a 'text' field (default: off)")
     ap.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
     ap.add_argument("--tokenizer", choices=("byte", "bpe"), default="byte", help="(default: byte)")
-    ap.add_argument("--vocab-size", type=int, default=4096, help="BPE vocab size; byte is always 256 (default: 4096)")
+    ap.add_argument("--vocab-size", type=int_flag(), default=4096,
+                    help="BPE vocab size; byte is always 256 (default: 4096)")
     ap.add_argument("--force", action="store_true", help="replace an existing dataset at PREFIX (default: refuse)")
     return ap
 

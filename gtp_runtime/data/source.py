@@ -30,11 +30,13 @@ class DataConfig:
     (:class:`RecordedData`); ``path`` is then information, never opened."""
 
     def weights(self) -> tuple[float, float]:
-        try:
-            w = [float(x) for x in self.split.split(",")]
-        except ValueError:
+        from gtp_format.numbers import NumberError, parse_float
+
+        try:  # ASCII and finite: float() took "nan" and "inf", and int(nan) ended the launch in a last-resort line
+            w = [parse_float(x, "--split", 0.0, 1e12) for x in self.split.split(",")[:4]]
+        except NumberError:
             w = []
-        if len(w) not in (2, 3) or any(x < 0 for x in w) or w[0] <= 0:
+        if len(w) not in (2, 3) or any(x < 0 for x in w) or w[0] <= 0 or len(self.split.split(",")) > 3:
             raise ConfigError(f"--split {self.split!r}: give train,valid[,test] weights like 98,2 (train > 0)")
         return w[0], w[1]
 

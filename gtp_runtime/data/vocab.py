@@ -10,14 +10,17 @@ the embedding must hold (``Tokenizer.get_vocab_size()`` for the files ``prepare`
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
+from gtp_format.errors import FormatError
+from gtp_format.reader.safe_json import Budget, loads
 from gtp_runtime.data.indexed import DataError
 
 TOKENIZER_SUFFIX = ".tokenizer.json"
 MAX_TOKENIZER_BYTES = 256 << 20  # a 1M-token BPE file is about 60 MB
+# parsed: a token is a vocab member and about one merge (2-3 values each); 4M values is a 1M-token file
+TOKENIZER_BUDGET = Budget(MAX_TOKENIZER_BYTES, 4 << 20, "a tokenizer of up to a million tokens")
 
 
 def tokenizer_path(prefix: str | os.PathLike) -> Path:
@@ -34,9 +37,12 @@ def tokenizer_vocab_size(prefix: str | os.PathLike) -> int | None:
         if path.stat().st_size > MAX_TOKENIZER_BYTES:
             raise DataError(f"{path}: over {MAX_TOKENIZER_BYTES >> 20} MiB, too large for a tokenizer file; "
                             "pass --vocab-size")
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        ids = [int(v) for v in doc["model"]["vocab"].values()]
-        ids += [int(t["id"]) for t in doc.get("added_tokens") or []]
+        # the bounded JSON reader: ASCII-checked numbers, no lone surrogates, containers held to the bytes
+        doc = loads(path.read_bytes(), str(path), "fix or remove it, or pass --vocab-size", TOKENIZER_BUDGET)
+        ids = [v for v in doc["model"]["vocab"].values() if type(v) is int]
+        ids += [t["id"] for t in doc.get("added_tokens") or [] if type(t.get("id")) is int]
+    except FormatError as e:
+        raise DataError(e.message) from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise DataError(f"{path}: not a tokenizers JSON file with a model vocabulary ({type(e).__name__}); "
                         "fix or remove it, or pass --vocab-size") from None

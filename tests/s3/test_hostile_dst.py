@@ -252,7 +252,8 @@ def test_the_launcher_refuses_a_hostile_bucket_location_before_any_rank(s3, caps
     assert s3.keys() == []
 
 
-@pytest.mark.parametrize("value", ["inf", "1e400", "1e12", "0", "-1", "nan", "soon", "9" * 5000])
+@pytest.mark.parametrize("value", ["inf", "1e400", "1e12", "0", "-1", "nan", "soon", "9" * 5000,
+                                   "\u0666\u0660", "\uff16\uff10"])  # 60 in Arabic-Indic and fullwidth digits
 def test_a_hostile_timeout_setting_is_one_line(s3, capsys, quiet_dirs, hf_src, monkeypatch, value):
     monkeypatch.setenv(objects.TIMEOUT_ENV, value)
     refused(capsys, argv("export-hf", s3.url("t/out"), hf_src), objects.TIMEOUT_ENV, "set it to e.g. 60")
