@@ -288,7 +288,29 @@ def derived(ckpt: Any, via: str) -> tuple[dict[str, Any], dict[str, Any]]:
                     iteration=iteration if type(iteration) is int else None, via=via)
     source = {"path": str(ckpt.root), **parent.to_json()}
     source.pop("via")
-    return lineage_section(new_run_id(), parent, f"ckpt {via} {__version__}"), source
+    # the output continues the source's run (a run resumed from a resharded copy is the same run); a source
+    # without lineage gets a new id, so the output still names one
+    run_id = parent.run_id or new_run_id()
+    return lineage_section(run_id, parent, f"ckpt {via} {__version__}"), source
+
+
+def imported(folder: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """For ``ckpt import`` of the Hugging Face folder ``folder``: the output's lineage section and the
+    attestation's ``source``. A folder ``ckpt export`` wrote carries its attestation, which names the
+    original checkpoint: the import's parent is that (run id and iteration) with the folder's own root
+    hash; any other folder has no known ancestry (a new run id, no parent)."""
+    from gtp_format import __version__
+
+    att = read_attestation(folder)
+    writer = f"ckpt import {__version__}"
+    if att is None:
+        return lineage_section(new_run_id(), None, writer), {"path": str(folder), "run_id": None, "root_hash": None,
+                                                             "iteration": None}
+    parent = Parent(run_id=att.source["run_id"], root_hash=att.target["root_hash"],
+                    iteration=att.source["iteration"], via="import")
+    source = {"path": str(folder), **parent.to_json()}
+    source.pop("via")
+    return lineage_section(parent.run_id or new_run_id(), parent, writer), source
 
 
 def attestation(command: str, source: dict[str, Any], tensors: list[dict[str, Any]] | None = None) -> dict[str, Any]:
