@@ -215,3 +215,30 @@ def test_resume_that_drops_optimizer_state(clean, tmp_path):
     assert any("step counter went back from 4 to 2" in p and "optimizer state restarted" in p for p in probs), probs
     p = train("--steps", "8", "--load", str(run))
     assert p.returncode == 2 and "optimizer state restarted" in p.stderr, p.stderr[-2000:]
+
+
+def test_conversions_name_their_source(clean, tmp_path):
+    """reshard, export and import: the output's parent is the source (its run id kept), and the attestation
+    beside it gives source and target root hashes; ``inspect`` and ``ckpt log`` show it."""
+    _, doc = log(clean)
+    src = by_folder(doc)["iter_0000008"]
+    r = cli("reshard", str(clean), str(tmp_path / "re"), "--dp", "2", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    ins = json.loads(cli("inspect", str(tmp_path / "re"), "--format", "json").stdout)
+    lin, att = ins["lineage"], ins["attestation"]
+    assert lin["parent"] == {"run_id": src["run_id"], "root_hash": src["root_hash"], "iteration": 8, "via": "reshard"}
+    assert lin["run_id"] == src["run_id"] and lin["topology"] != src["topology"]
+    assert att["source"]["root_hash"] == src["root_hash"] and att["target"]["root_hash"] == lin["root_hash"]
+    assert att["command"].startswith("ckpt reshard") and att["tensors"] > 0
+    code, redoc = log(tmp_path / "re")
+    assert code == 0 and redoc["iterations"][0]["attestation"]["command"].startswith("ckpt reshard")
+    assert "attestation" in cli("inspect", str(tmp_path / "re")).stdout
+    r = cli("export", str(clean), str(tmp_path / "hf"), "--to", "hf", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    exported = json.loads((tmp_path / "hf" / "gtp_attestation.json").read_text())
+    assert exported["source"]["root_hash"] == src["root_hash"] and exported["command"] == "ckpt export --to hf"
+    r = cli("import", str(tmp_path / "hf"), str(tmp_path / "imp"), "--from", "hf", "--cp", "2", "--fold-cp",
+            "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    lin = json.loads(cli("inspect", str(tmp_path / "imp"), "--format", "json").stdout)["lineage"]
+    assert lin["run_id"] == src["run_id"] and lin["parent"]["via"] == "import" and lin["parent"]["iteration"] == 8
