@@ -106,7 +106,8 @@ def test_parents_pointing_at_each_other(base, tmp_path):
 
 
 @pytest.mark.parametrize("bad", [{"version": 1, "command": "x\x1b", "tool": "t", "source": {}, "target": {}},
-                                 {"version": 1, "command": "c", "tool": "t", "source": {"root_hash": "Z"}, "target": {}},
+                                 {"version": 1, "command": "c", "tool": "t", "source": {"root_hash": "Z"},
+                                  "target": {}},
                                  {"version": 1, "command": "c", "tool": "t", "source": {}, "target": {},
                                   "tensors": {"a": 1}},
                                  [1] * 10])
