@@ -130,6 +130,12 @@ def read_entry(run: Path | ObjectURL, named: int, folder: str) -> Entry:
     except FormatError as err:
         e.notes.append(f"not a complete checkpoint, skipped: {err.message}")
         return e
+    from gtp_format.names import MEGATRON_METADATA_FILE
+    from gtp_format.reader.storage import is_regular_inside
+
+    if is_regular_inside(ckpt.root, MEGATRON_METADATA_FILE) is None:  # every writer's last file
+        e.notes.append(f"not a complete checkpoint, skipped: no {MEGATRON_METADATA_FILE}, the file a save writes last")
+        return e
     e.complete = True
     m = ckpt.manifest
     if m is not None:
@@ -280,6 +286,10 @@ def _against_previous(e: Entry, prev: Entry) -> None:
         return
     if e.consumed is not None and prev.consumed is not None and e.consumed < prev.consumed:
         e.problems.append(f"consumed samples went back from {prev.consumed} to {e.consumed}")
+    elif e.consumed is not None and e.consumed == prev.consumed and _steps_between(prev, e) > 0 \
+            and e.iteration == e.named:
+        e.problems.append(f"consumed samples stayed at {e.consumed} over {_steps_between(prev, e)} steps: the data "
+                          "position did not advance")
     if e.step is not None and prev.step is not None and e.step < prev.step:
         e.problems.append(f"optimizer step counter went back from {prev.step} to {e.step} inside run "
                           f"{short(e.run_id, 8)}: optimizer state restarted (dropped on resume?)")
@@ -304,8 +314,9 @@ def read_run(run: Path | ObjectURL, progress: Progress | None = None, total: Any
     problems: list[str] = []
     folders = iteration_folders(run)
     if not folders:
+        hint = f"; pass its parent, {run.parent}" if ITER_DIR_RE.match(run.name) else ""
         raise FormatError(f"{run} holds no iter_* folders: not a run folder; pass the folder that holds the "
-                          f"iter_XXXXXXX folders and {LATEST_FILE}")
+                          f"iter_XXXXXXX folders and {LATEST_FILE}{hint}")
     latest = _latest(run, notes, problems)
     if total is not None:
         progress = total(len(folders))
@@ -328,8 +339,8 @@ def resume_refusal(run: Path | ObjectURL, folder_name: str, run_text: str) -> st
     reason = None
     if target is not None and target.problems:
         reason = f"{target.folder}: {target.problems[0]}"
-    elif log.problems:
-        reason = log.problems[0]
+    elif log.problems and (target is None or log.latest is None or target.named == log.latest):
+        reason = log.problems[0]  # the marker's problem, when the marker is what chose this iteration
     if reason is None:
         return None
     return (f"{run}: refusing to resume: {reason}; run `ckpt log {run_text}` to see the run's history, or pass "

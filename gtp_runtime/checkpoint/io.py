@@ -454,8 +454,8 @@ def load_checkpoint(trainer: Trainer, path: str | os.PathLike, sharding: str = f
     trainer.optimizer.zero_grad()
     try:
         lin, root = source_identity(ckpt)
-    except FormatError as e:
-        raise CheckpointError(e.message) from None
+    except FormatError:  # a lineage section that fails its checks: --no-check-lineage let it through
+        lin, root = None, None
     # the run goes on under the loaded run's id (a checkpoint from before lineage: a new id at the first save)
     trainer.run_id = None if lin is None else lin.run_id
     trainer.lineage_parent = Parent(run_id=trainer.run_id, root_hash=root, iteration=manifest.iteration, via="load")
