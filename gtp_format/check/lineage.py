@@ -331,17 +331,27 @@ def read_run(run: Path | ObjectURL, progress: Progress | None = None, total: Any
     return log
 
 
-def resume_refusal(run: Path | ObjectURL, folder_name: str, run_text: str) -> str | None:
-    """Why ``--load`` must not resume from ``run/folder_name`` (the first problem of that iteration or of
-    the latest marker), or None. ``run_text``: the run folder as the user can pass it to ``ckpt log``."""
+def resume_check(run: Path | ObjectURL, folder_name: str, run_text: str) -> tuple[str | None, str | None]:
+    """Whether ``--load`` may resume from ``run/folder_name``: ``(refusal, note)``.
+
+    Refused: the iteration's own problems (stale, another run's, renamed, optimizer restarted), and a latest
+    marker that chose it while a newer complete iteration of *another* run (or one with problems) exists.
+    A newer complete iteration of the same run, clean, is what a save that stopped between its commit and
+    the marker leaves (the writer's documented recovery resumes from the marker): a note, not a refusal.
+    ``run_text``: the run folder as the user can pass it to ``ckpt log``."""
     log = read_run(run)
     target = next((e for e in log.entries if e.folder == folder_name), None)
-    reason = None
+    hint = f"run `ckpt log {run_text}` to see the run's history"
     if target is not None and target.problems:
         reason = f"{target.folder}: {target.problems[0]}"
     elif log.problems and (target is None or log.latest is None or target.named == log.latest):
-        reason = log.problems[0]  # the marker's problem, when the marker is what chose this iteration
-    if reason is None:
-        return None
-    return (f"{run}: refusing to resume: {reason}; run `ckpt log {run_text}` to see the run's history, or pass "
-            "--no-check-lineage to load it anyway")
+        done = [e for e in log.entries if e.complete]
+        newest = max(done, key=lambda e: e.named) if done else None
+        if target is not None and newest is not None and newest.named > target.named and not newest.problems \
+                and newest.run_id is not None and newest.run_id == target.run_id:
+            return None, (f"{log.problems[0]} of the same run (a save that stopped before moving the marker?); "
+                          f"resuming from iteration {target.named} as the marker says; {hint}")
+        reason = log.problems[0]
+    else:
+        return None, None
+    return f"{run}: refusing to resume: {reason}; {hint}, or pass --no-check-lineage to load it anyway", None

@@ -127,18 +127,20 @@ def check_lineage(ckpt: Checkpoint) -> None:
     foreign, renamed, with restarted optimizer state, or not the one the latest marker should name.
     Metadata only: each iteration's manifest and chunk records. A folder not named ``iter_*`` has no run
     around it to compare with and is not checked."""
-    from gtp_format.check.lineage import resume_refusal
+    from gtp_format.check.lineage import resume_check
 
     if not fmt.ITER_DIR_RE.match(ckpt.root.name):
         return
     run = ckpt.root.parent
     try:
-        why = resume_refusal(run, ckpt.root.name, str(run))
+        why, note = resume_check(run, ckpt.root.name, str(run))
     except FormatError as e:
         raise CheckpointError(f"{ckpt.root}: refusing to resume: {e.message}; pass --no-check-lineage to load it "
                               "anyway") from None
     if why is not None:
         raise CheckpointError(why)
+    if note is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: {note}", flush=True)
 
 
 READ_THREADS = max(1, min(8, os.cpu_count() or 1))  # chunks read at once by a load (one per core, at most 8)

@@ -3,7 +3,7 @@ characters, oversize strings, a forged root hash. Each is bounded (the manifest'
 bounded JSON readers; ids are fixed-length hex, strings capped) and refused in one line: ``ckpt log``
 exit 2 for a section it cannot trust (exit 1 for a well-formed one that contradicts the records),
 ``inspect`` shows the rest with the refusal as a note, and ``--load``'s check refuses through the same
-parser (:func:`gtp_format.check.lineage.resume_refusal`)."""
+parser (:func:`gtp_format.check.lineage.resume_check`)."""
 
 from __future__ import annotations
 
@@ -71,11 +71,11 @@ def test_refused_in_one_line(base, tmp_path, case):
     assert ins.exit_code == 0, ins.stderr
     doc = json.loads(ins.stdout)
     assert doc["lineage"] is None and any(n["check"] == "lineage" for n in doc["notes"])
-    from gtp_format.check.lineage import resume_refusal
+    from gtp_format.check.lineage import resume_check
     from gtp_format.errors import FormatError
 
     with pytest.raises(FormatError):
-        resume_refusal(run, ITER, str(run))
+        resume_check(run, ITER, str(run))
 
 
 def test_forged_root_hash_fails_the_log(base, tmp_path):

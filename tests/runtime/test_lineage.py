@@ -180,6 +180,12 @@ def test_marker_naming_an_older_iteration(clean, tmp_path):
     code, doc = log(run)
     assert code == 1 and "names iteration 4" in doc["problems"][0] and "newest complete iteration is 8" in \
         doc["problems"][0]
+    # --load: newer iterations of the same run, clean, are what a save stopped before its marker leaves
+    # (tests/runtime/test_checkpoint.py resumes from the marker then): a note, not a refusal
+    from gtp_format.check.lineage import resume_check
+
+    refusal, note = resume_check(run, "iter_0000004", str(run))
+    assert refusal is None and "same run" in note and "resuming from iteration 4" in note
 
 
 def test_second_run_in_the_same_folder(clean, tmp_path):
