@@ -19,7 +19,8 @@ manifest (section ``lineage``, a top-level field kept in :attr:`Manifest.extra` 
 
 Why SHA-256 and not the chunk hash: the root names a whole checkpoint and is compared across runs and
 tools, where a 128-bit non-cryptographic hash could be forged to collide; it is computed over one short
-line per chunk, so its cost is that of the record list (about 1 s per million chunks).
+line per chunk, so its cost is that of the record list (1.8 s of CPU per million chunks, measured on
+this machine; rank 0 pays it once per save, after every rank wrote).
 
 Untrusted input: :func:`parse_lineage` checks every field and bounds every string (ids are lowercase
 hex of a fixed length, so no control character or escape sequence reaches a terminal); a bad section
@@ -124,13 +125,15 @@ def digests_of(chunks: Iterable[Triple]) -> tuple[str, dict[str, str]]:
     triples in any order. Lines are ``key NUL offsets NUL hash LF``, sorted by (key, offsets)."""
     root = hashlib.sha256()
     parts: dict[str, Any] = {}
+    kinds: dict[str, Any] = {}  # key -> its category's hasher: a key has many chunks, parsed once
     for key, offsets, digest in sorted(chunks):
         line = f"{key}\0{','.join(map(str, offsets))}\0{digest}\n".encode("utf-8", "surrogatepass")
         root.update(line)
-        cat = category(key)
-        if cat not in parts:
-            parts[cat] = hashlib.sha256()
-        parts[cat].update(line)
+        h = kinds.get(key)
+        if h is None:
+            cat = category(key)
+            h = kinds[key] = parts.setdefault(cat, hashlib.sha256())
+        h.update(line)
     return root.hexdigest(), {c: parts[c].hexdigest() for c in CATEGORIES if c in parts}
 
 

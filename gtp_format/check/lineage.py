@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gtp_format.errors import FormatError
-from gtp_format.lineage import Lineage, digests_of, lineage_of, read_attestation, short
+from gtp_format.lineage import Lineage, category, digests_of, lineage_of, read_attestation, short, topology_digest
 from gtp_format.names import ITER_DIR_RE, LATEST_FILE, parse_latest
 from gtp_format.progress import Progress
 from gtp_format.storage.location import ObjectURL
@@ -143,8 +143,6 @@ def read_entry(run: Path | ObjectURL, named: int, folder: str) -> Entry:
         e.iteration = m.iteration
         e.step = m.optimizer.step if m.optimizer is not None else None
         e.consumed = e.lineage.consumed_samples if e.lineage is not None else _consumed(m.extra)
-        from gtp_format.lineage import topology_digest
-
         e.topology = topology_digest(m.topology)
         if e.lineage is None:
             e.notes.append("no lineage section (written before lineage): run id and parent unknown")
@@ -160,7 +158,7 @@ def read_entry(run: Path | ObjectURL, named: int, folder: str) -> Entry:
     records = read_records(ckpt)
     if records is not None and records.by_chunk and not records.problems:
         e.root_hash, e.digests = digests_of((k, o, r.digest) for (k, o), r in records.by_chunk.items())
-        moments = [r.stats for (k, _), r in records.by_chunk.items() if "moments" == _cat(k)]
+        moments = [r.stats for (k, _), r in records.by_chunk.items() if category(k) == "moments"]
         if moments and all(s is not None for s in moments):
             e.moments_zero = all(s.zeros == s.numel for s in moments if s is not None)
     elif records is not None and records.problems:
@@ -172,12 +170,6 @@ def read_entry(run: Path | ObjectURL, named: int, folder: str) -> Entry:
         e.problems.append(f"records root hash {short(e.lineage.root_hash)} but its chunk records hash to "
                           f"{short(e.root_hash)} (records edited or the lineage forged)")
     return e
-
-
-def _cat(key: str) -> str:
-    from gtp_format.lineage import category
-
-    return category(key)
 
 
 def _consumed(extra: dict[str, Any]) -> int | None:
