@@ -91,3 +91,21 @@ def test_usage_errors_are_one_line(tmp_path, where, needles):
 def test_log_does_not_import_torch():
     res = run_fresh("log", str(OURS))
     assert res == {"code": 0, "torch": False}
+
+
+def test_moments_all_zero_past_step_zero(tmp_path):
+    """An import without optimizer state has every moment at zero at step 0 (fine); the same state claiming a
+    later step is optimizer state that restarted. The zero counts come from the chunk records' statistics."""
+    r = cli("export", str(OURS), str(tmp_path / "hf"), "--to", "hf")
+    assert r.exit_code == 0, r.stderr
+    run = tmp_path / "imp"
+    r = cli("import", str(tmp_path / "hf"), str(run), "--from", "hf", "--cp", "2", "--fold-cp")
+    assert r.exit_code == 0, r.stderr
+    assert cli("log", str(run)).exit_code == 0
+    path = run / "iter_0000000" / "gtp_manifest.json"
+    doc = json.loads(path.read_text())
+    doc["optimizer"]["step"] = 5
+    path.write_text(json.dumps(doc))
+    r = cli("log", str(run), "--format", "json")
+    assert r.exit_code == 1
+    assert "every optimizer moment is zero at step 5" in json.loads(r.stdout)["iterations"][0]["problems"][0]
