@@ -29,7 +29,7 @@ from gtp_format.reader import unpickler
 unpickler.FREEZE_AFTER_LOAD = True
 
 COMMAND_MODULES: tuple[str, ...] = ("inspect", "verify", "show", "diff", "roundtrip", "migrate", "reshard", "export",
-                                    "import_hf", "plan")
+                                    "import_hf", "plan", "log")
 
 INTRO = ("Read, check and rewrite gtp_runtime and Megatron checkpoints (torch_dist/DCP and safetensors) "
          "without trusting them: metadata is read through an allow-list, never with pickle.load.")

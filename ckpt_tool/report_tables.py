@@ -42,6 +42,22 @@ def _dtype(d: Any) -> str:
     return str(d).removeprefix("torch.") if d is not None else "-"
 
 
+def lineage_rows(lin: dict[str, Any] | None, att: dict[str, Any] | None) -> list[tuple[str, Any]]:
+    """Lineage and attestation lines of ``inspect``'s summary (none for a checkpoint without them)."""
+    rows: list[tuple[str, Any]] = []
+    if lin is not None:
+        p = lin["parent"]
+        rows += [("run id", lin["run_id"]), ("root hash", lin["root_hash"] or "- (no chunk records)"),
+                 ("parent", "none (a fresh run)" if p is None else
+                  f"{p['via']} from run {p['run_id'] or '?'} iteration {p['iteration']} root {p['root_hash'] or '?'}"),
+                 ("topology digest", lin["topology"] or "-"), ("written by", lin["writer"] or "-")]
+    if att is not None:
+        s, t = att["source"], att["target"]
+        rows.append(("attestation", f"{att['command']} ({att['tool']}): source {s['path']} root {s['root_hash'] or '?'}"
+                     f" -> root {t['root_hash'] or '?'}, {att['tensors']} tensors mapped"))
+    return rows
+
+
 def inspect_tables(doc: dict[str, Any]) -> list[str]:
     c = doc["counts"]
     summary = [
@@ -63,6 +79,7 @@ def inspect_tables(doc: dict[str, Any]) -> list[str]:
         summary.append(("optimizer", f"{oi['type']} at step {oi['step']} ({owned})"))
     if doc.get("data_position") is not None:
         summary.append(("data position", data_position_words(doc["data_position"])))
+    summary += lineage_rows(doc.get("lineage"), doc.get("attestation"))
     blocks = [table(summary, ("checkpoint", ""))]
     for title in ("opt_param_scheduler",):
         if isinstance(doc.get(title), dict):

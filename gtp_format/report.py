@@ -69,6 +69,7 @@ def inspect_report(path: Path, select: KeyFilter, *, chunks: bool = False, cp_si
     # a bucket has no work folders: its writer's commit is the object written last (docs/object-stores.md)
     doc["leftovers"] = [] if isinstance(ckpt.root, ObjectURL) else _leftovers(Path(path), ckpt.root)
     _integrity(doc, ckpt, set(selected), stats)
+    _identity(doc, ckpt)
     if chunks:
         doc["chunks"] = _chunk_rows(ckpt, selected)
     if params:
@@ -158,6 +159,15 @@ def _param_rows(ckpt: Checkpoint) -> list[dict[str, object]]:
     for r in rows:
         r["optimizer"] = opt.owner(str(r["name"])) if opt is not None else None
     return rows
+
+
+def _identity(doc: dict[str, Any], ckpt: Any) -> None:
+    """Lineage (run id, iteration, root hash, parent) from the manifest and a conversion's attestation."""
+    from gtp_format.lineage import identity_report
+    from gtp_format.model import Problem
+
+    doc["lineage"], doc["attestation"], notes = identity_report(ckpt)
+    doc["notes"] += [Problem("error", "lineage", n).to_dict() for n in notes]
 
 
 def _integrity(doc: dict[str, Any], ckpt: Any, selected: set[str], stats: bool) -> None:

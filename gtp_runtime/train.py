@@ -159,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save every K iterations, and at the end (default: at the end only)")
     c.add_argument("--load", default=None, help="checkpoint folder, or its parent (follows latest) (default: a "
                    "fresh start)")
+    c.add_argument("--no-check-lineage", action="store_true",
+                   help="resume even when the checkpoint's lineage checks fail (a stale or foreign iteration, a marker "
+                        "that names the wrong one, optimizer state that restarted; `ckpt log RUN` shows them) "
+                        "(default: refuse)")
     c.add_argument("--ckpt-layout", "--ckpt-format", choices=("torch_dist", "safetensors"), default="torch_dist",
                    help="torch_dist: Megatron's DCP layout; safetensors: the pickle-free layout")
     c.add_argument("--async-save", action="store_true",
@@ -405,6 +409,10 @@ def _run_initialised(args: argparse.Namespace) -> int:
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         refuse_unfit(args, cfg, world, int(local) if local.isascii() and local.isdigit() else 1)
         refuse_impossible(args, cfg)
+        if args.load and not args.no_check_lineage:  # what the launcher's preflight checks, on every rank
+            from gtp_runtime.checkpoint.verified import check_lineage, open_verified
+
+            check_lineage(open_verified(args.load)[0])
         use_cuda = uses_cuda(args)
         torch.set_num_threads(1) if not use_cuda else None
         dist.init_process_group("nccl" if use_cuda else "gloo")
@@ -479,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.load:
             # The checkpoint is opened and verified here, before any rank exists; the ranks load
             # the folder found here (a newer ``latest`` written meanwhile does not change it).
-            args.load = str(preflight(args.load, cfg, args.optimizer_sharding))
+            args.load = str(preflight(args.load, cfg, args.optimizer_sharding, lineage=not args.no_check_lineage))
             m = ITER_DIR_RE.match(os.path.basename(os.path.normpath(args.load)))
             done = _nothing_to_train(args, int(m.group(1)) if m else None)
             if done:

@@ -12,6 +12,7 @@ from torch.profiler import record_function
 from gtp_format.layout import topology as topo
 from gtp_format.layout.buckets import DEFAULT_BUCKET_SIZE
 from gtp_format.layout.config import ModelConfig, ParallelConfig
+from gtp_format.lineage import Parent
 from gtp_runtime.context_parallel import cp_positions, split_for_cp
 from gtp_runtime.data import lane_slice
 from gtp_runtime.data.source import DataConfig, DataSource, RecordedData, open_source
@@ -84,6 +85,10 @@ class Trainer:
         self.iteration = 0
         self.consumed_train_samples = 0
         """Megatron's data position: the next step reads samples from here on."""
+        self.run_id: str | None = None
+        """Lineage (:mod:`gtp_format.lineage`): made at the run's first save, carried over by a load."""
+        self.lineage_parent: Parent | None = None
+        """The checkpoint this run was loaded from (None: a fresh run)."""
         self.scheduler = LRScheduler(cfg.lr or LRConfig(max_lr=cfg.adam.lr))
         self._data: DataSource | RecordedData | None = None
 

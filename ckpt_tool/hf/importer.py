@@ -52,6 +52,7 @@ from gtp_format.errors import FormatError
 from gtp_format.layout.buckets import DEFAULT_BUCKET_SIZE
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, target_world_problem
 from gtp_format.layout.params import buffer_layouts, model_params
+from gtp_format.lineage import LINEAGE_KEY, attestation, imported
 from gtp_format.manifest import HASH_ALGORITHM, Manifest, OptimizerInfo, format_version_for
 from gtp_format.names import FORMAT_NAME, LAYOUTS, STATES, iter_dir_name
 from gtp_format.progress import ProgressOpener
@@ -222,8 +223,11 @@ def import_hf(src: Path | ObjectURL, dst: Path | ObjectURL, par: ParallelConfig,
     workers = workers or default_workers()
     chunk_bytes = chunk_budget(max_memory, workers)
     plan = plan_target(manifest, chunk_bytes)
+    section, src_id = imported(src)
+    manifest.extra[LINEAGE_KEY] = section
 
     def body(writer: CheckpointWriter) -> None:
+        writer.attest(attestation("ckpt import --from hf", src_id))
         advance = progress(plan.nbytes) if progress else (lambda n: None)
         write_checkpoint(fill(hf), manifest, plan, writer, workers, advance, stage_bytes(chunk_bytes))
 

@@ -31,6 +31,7 @@ from ckpt_tool.migrate.weights import ShardCache, rebuild_master
 from gtp_format.commit import fsync_file, write_durable
 from gtp_format.errors import FormatError
 from gtp_format.hashing import CRCS, Crc, gf2_times
+from gtp_format.lineage import LINEAGE_KEY, derived
 from gtp_format.manifest import HASH_ALGORITHM
 from gtp_format.names import CHUNK_RECORDS_FILE, DCP_METADATA_FILE, MANIFEST_FILE, MEGATRON_METADATA_FILE
 from gtp_format.progress import Progress
@@ -243,6 +244,7 @@ def build_migrated(plan: Plan, writer: CheckpointWriter, checkpoint_id: Path | s
     metadata = build_metadata(plan, md, new_file, lost_storage, checkpoint_id)
     write_durable(out / DCP_METADATA_FILE, encode(metadata))
     manifest = migrated_manifest(plan, out, outcome.new_data_file, crc)
+    manifest.extra[LINEAGE_KEY] = derived(plan.ckpt, "migrate")[0]  # the source as parent, its run id kept
     writer.add_files(manifest.files)
     records = migrated_records(plan.ckpt, out, metadata, manifest.files, outcome.new_data_file)
     if records is not None:

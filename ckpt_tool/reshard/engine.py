@@ -57,6 +57,7 @@ from gtp_format.layout.buckets import DEFAULT_BUCKET_SIZE
 from gtp_format.layout.config import ConfigError, ParallelConfig
 from gtp_format.layout.params import buffer_layouts
 from gtp_format.layout.schema import derive_bucket_size
+from gtp_format.lineage import LINEAGE_KEY, attestation, derived
 from gtp_format.manifest import HASH_ALGORITHM, Manifest, format_version_for
 from gtp_format.names import (
     DCP_METADATA_FILE,
@@ -367,7 +368,13 @@ def reshard(src: Path | Source, dst: Path, par: ParallelConfig, layout: str | No
     chunk_bytes = chunk_budget(max_memory, workers)
     plan = plan_target(target, chunk_bytes, target_views)
 
+    section, src_id = derived(source.ckpt, "reshard")
+    target.extra[LINEAGE_KEY] = section
+
     def body(writer: CheckpointWriter) -> None:
+        # every tensor keeps its name: the correspondence is the list of parameters carried over
+        writer.attest(attestation(f"ckpt reshard --to {par.describe()}", src_id,
+                                  [{"source": n, "target": n} for n in sorted(target_views)]))
         advance = progress(plan.nbytes) if progress else (lambda n: None)
         bufs = Buffers()  # thread-local: each worker reads and assembles in its own
         try:

@@ -69,6 +69,7 @@ from gtp_format.dtypes import DType
 from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.params import model_params
+from gtp_format.lineage import attestation, derived
 from gtp_format.megatron_args import describe_model, recorded_args
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.progress import Progress, ProgressOpener
@@ -358,7 +359,10 @@ def export(src: Path | ObjectURL, dst: Path | ObjectURL, to: str, optimizer: boo
     else:
         holder: dict[str, Any] = {}
 
+        src_id = derived(source.ckpt, "export")[1]
+
         def body(writer: CheckpointWriter) -> None:
+            writer.attest(attestation(f"ckpt export --to {to}", src_id))
             if to == "hf":
                 holder.update(export_hf(source, writer, optimizer, max_shard, chunk_bytes, workers, advance, names,
                                         tokenizer, num_heads))

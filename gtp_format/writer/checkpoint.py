@@ -57,6 +57,7 @@ from gtp_format.commit import (
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
 from gtp_format.hashing import file_digests
 from gtp_format.integrity.records import ChunkRecord, section, write_records
+from gtp_format.lineage import ATTESTATION_FILE, LINEAGE_KEY, complete_lineage
 from gtp_format.manifest import HASH_ALGORITHM, FileEntry, Manifest, write_manifest
 from gtp_format.names import (
     CHUNK_RECORDS_FILE,
@@ -230,6 +231,9 @@ class CheckpointWriter:
         self.commit_object: str | None = None
         self.committed = False
         self._signals: Any = None
+        # a conversion's attestation (reshard, export, import): written by finish() beside the output,
+        # with the target's root hash filled in there (gtp_format.lineage)
+        self.attestation: dict[str, Any] | None = None
 
     @property
     def folder(self) -> Path:
@@ -276,6 +280,17 @@ class CheckpointWriter:
         gets the side file alone, found by its fixed name (:func:`gtp_format.integrity.records.read_records`)."""
         self.records = (self.records or []) + list(records)
 
+    def attest(self, record: dict[str, Any]) -> None:
+        """Write ``record`` (:func:`gtp_format.lineage.attestation`) as ``gtp_attestation.json`` beside the
+        output at :meth:`finish`, with the target's root hash, iteration and run id filled in there."""
+        self.attestation = dict(record)
+
+    def attestation_json(self, manifest: Manifest | None) -> dict[str, Any]:
+        from gtp_format.lineage import target_of
+
+        assert self.attestation is not None
+        return {**self.attestation, "target": target_of(manifest, self.records)}
+
     def add_file(self, name: str) -> FileEntry:
         """Fsync the file ``name`` of :attr:`folder` and record its entry (computed here)."""
         path = self.folder / name
@@ -289,6 +304,15 @@ class CheckpointWriter:
         none, for exports that are not checkpoints), then the latest marker of a nested output, and
         fsync the folders."""
         folder = self.folder
+        if manifest is not None and LINEAGE_KEY in manifest.extra:
+            # the root hash from the records handed in (no read); iteration, topology and data position
+            # from the manifest itself, so no writer can record a lineage that disagrees with them
+            manifest = dataclasses.replace(manifest, extra={**manifest.extra, LINEAGE_KEY: complete_lineage(
+                manifest.extra[LINEAGE_KEY], manifest, self.records)})
+        if self.attestation is not None:
+            write_durable(folder / ATTESTATION_FILE, json.dumps(self.attestation_json(manifest), indent=1))
+            if manifest is not None:
+                self.add_file(ATTESTATION_FILE)
         if self.records is not None and manifest is None:
             write_records(folder, self.records)  # fsynced; no manifest to list it in
         elif manifest is not None and self.records is not None:

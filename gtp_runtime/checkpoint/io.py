@@ -31,10 +31,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.storage import StorageWriter
 
+from gtp_format import __version__
 from gtp_format import names as fmt
 from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.config import ConfigError
+from gtp_format.lineage import LINEAGE_KEY, Parent, lineage_section, new_run_id, source_identity
 from gtp_format.manifest import FileEntry, Manifest
 from gtp_format.reader.storage import read_small_file
 from gtp_format.storage.location import ObjectURL, parse_location
@@ -83,6 +85,14 @@ def _fault(point: str, folder: Path | None = None) -> None:
             shutil.rmtree(gone)
             return
         os._exit(17)
+
+
+def fault_mode(point: str) -> bool:
+    """A fault that every rank plays alike, to reproduce a known bug for real in a test:
+    ``GTP_FAULT_INJECT=drop_optimizer_load`` (a resume that loads the weights and starts fresh optimizer
+    state, as NeMo-RL's did) and ``stale_staging`` (an async save that writes the staged state of its
+    first save again, as Megatron's async save did). ``ckpt log`` must catch what they leave."""
+    return os.environ.get("GTP_FAULT_INJECT", "") == point
 
 
 def _hooked(writer: StorageWriter, folder: Path) -> StorageWriter:
@@ -180,6 +190,9 @@ def manifest_now(trainer: Trainer, layout: str, sharding: str, aliased: bool) ->
         buffers=buffer_layout(trainer.optimizer, trainer.groups),
         files={}, param_dtype=str(cfg.param_dtype), bucket_size=cfg.bucket_size)
     manifest.extra.update(save_run_state(trainer))
+    if trainer.run_id is None:  # the run's first save names the run; a load carried its id over
+        trainer.run_id = new_run_id()
+    manifest.extra[LINEAGE_KEY] = lineage_section(trainer.run_id, trainer.lineage_parent, f"gtp_runtime {__version__}")
     if aliased:
         manifest.notes.append("written by the pre-fix (aliased) writer: folded keys lack .cp_rank_{i}")
     return manifest
@@ -409,7 +422,9 @@ def load_checkpoint(trainer: Trainer, path: str | os.PathLike, sharding: str = f
     metadata = reader.read_metadata()
     sd: dict[str, Any] = {}
     sd.update(model_state(trainer.model, trainer.groups, for_load=True))
-    sd.update(optimizer_state(trainer.optimizer, trainer.groups))
+    drop = fault_mode("drop_optimizer_load")
+    if not drop:
+        sd.update(optimizer_state(trainer.optimizer, trainer.groups))
     numels = bucket_numel_state(trainer.optimizer, trainer.groups, for_load=True)
     sd.update(numels)
     _check_keys(sd, metadata.state_dict_metadata, folder)
@@ -431,11 +446,19 @@ def load_checkpoint(trainer: Trainer, path: str | os.PathLike, sharding: str = f
             raise CheckpointError(f"{folder}: {key} is {got}, the running model's buckets are {want}; "
                                   "bucket layout differs (same --bucket-size and model?)")
     assert manifest.optimizer is not None
-    trainer.optimizer.step_count = manifest.optimizer.step
+    if not drop:
+        trainer.optimizer.step_count = manifest.optimizer.step
     trainer.iteration = manifest.iteration
     try:
         load_run_state(trainer, manifest, folder)
     except ConfigError as e:
         raise CheckpointError(str(e)) from e
     trainer.optimizer.zero_grad()
+    try:
+        lin, root = source_identity(ckpt)
+    except FormatError:  # a lineage section that fails its checks: --no-check-lineage let it through
+        lin, root = None, None
+    # the run goes on under the loaded run's id (a checkpoint from before lineage: a new id at the first save)
+    trainer.run_id = None if lin is None else lin.run_id
+    trainer.lineage_parent = Parent(run_id=trainer.run_id, root_hash=root, iteration=manifest.iteration, via="load")
     return folder

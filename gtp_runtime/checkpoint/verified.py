@@ -111,12 +111,36 @@ def check_compatible(cfg: TrainConfig, manifest: Manifest, folder: Path) -> None
         sharding_refusal(manifest.optimizer_sharding, any(b.excludes_cp for b in manifest.buffers or ()), "load")
 
 
-def preflight(path: str | os.PathLike, cfg: TrainConfig, sharding: str) -> Path:
-    """Everything ``--load`` checks before a rank exists; returns the checkpoint folder to load."""
+def preflight(path: str | os.PathLike, cfg: TrainConfig, sharding: str, lineage: bool = True) -> Path:
+    """Everything ``--load`` checks before a rank exists; returns the checkpoint folder to load.
+    ``lineage``: refuse an iteration that fails the lineage checks (``--no-check-lineage`` turns it off)."""
     sharding_refusal(sharding, cfg.par.fold_cp and cfg.par.cp > 1, "load")
     ckpt, manifest = open_verified(path)
     check_compatible(cfg, manifest, ckpt.root)
+    if lineage:
+        check_lineage(ckpt)
     return ckpt.root
+
+
+def check_lineage(ckpt: Checkpoint) -> None:
+    """Refuse to resume from an iteration that ``ckpt log`` flags (:mod:`gtp_format.check.lineage`): stale,
+    foreign, renamed, with restarted optimizer state, or not the one the latest marker should name.
+    Metadata only: each iteration's manifest and chunk records. A folder not named ``iter_*`` has no run
+    around it to compare with and is not checked."""
+    from gtp_format.check.lineage import resume_check
+
+    if not fmt.ITER_DIR_RE.match(ckpt.root.name):
+        return
+    run = ckpt.root.parent
+    try:
+        why, note = resume_check(run, ckpt.root.name, str(run))
+    except FormatError as e:
+        raise CheckpointError(f"{ckpt.root}: refusing to resume: {e.message}; pass --no-check-lineage to load it "
+                              "anyway") from None
+    if why is not None:
+        raise CheckpointError(why)
+    if note is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: {note}", flush=True)
 
 
 READ_THREADS = max(1, min(8, os.cpu_count() or 1))  # chunks read at once by a load (one per core, at most 8)

@@ -71,8 +71,8 @@ def test_transformers_loads_the_export_and_matches_the_reference(trained: Path, 
     r = cli("export", trained, out, "--to", "hf", "--tokenizer", str(tokenizer), "--format", "json")
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["architecture"] == "ArceeForCausalLM"
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
-                                                     "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "gtp_attestation.json",
+                                                     "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert type(model).__name__ == "ArceeForCausalLM" and model.dtype == torch.float32
     cfg = model.config

@@ -62,7 +62,7 @@ def test_weights_only_hf_export_equals_show(name: str, tmp_path: Path) -> None:
     r = cli("export", MEGATRON / name, out, "--to", "hf", "--names", "megatron", "--format", "json")
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["names"] == "megatron"
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["gtp_attestation.json", "model.safetensors"]
     _assert_equals_show(MEGATRON / name, load_file(out / "model.safetensors"))
 
 

@@ -177,6 +177,8 @@ HELP = ["--help"]  # test_config runs it: exit 0, usage and examples on stdout
 # test_async_save resumes an async checkpoint with these (asynchronously again, within a staging cap)
 ASYNC_SAVE = ["--async-save", "--async-save-staging", "1GiB"]
 VERSION = ["--version"]  # test_cli_family runs it: exit 0, the version
+# test_lineage resumes a folder that fails the lineage checks with this (refused without it)
+LINEAGE_OVERRIDE = ["--no-check-lineage"]
 
 
 @dataclass
@@ -219,5 +221,5 @@ def executed_argvs() -> list[list[str]]:
     out += [[*argv, *log] for argv, _ in DATA_RUNS.values()]
     out += [argv for argv, _ in CLI_ERRORS.values()]
     out += [LOAD_REFUSED, CRASH_RUN]
-    out += [HELP, VERSION, ASYNC_SAVE]
+    out += [HELP, VERSION, ASYNC_SAVE, LINEAGE_OVERRIDE]
     return out

@@ -86,6 +86,8 @@ def summarize(folder: Path) -> dict[str, Any]:
     return {
         "metadata_records": _digest(json.dumps(metadata, sort_keys=True).encode()),
         "migration": manifest.pop("migration"),
+        # lineage came after the golden and names a run id made per output (tests/runtime/test_lineage.py)
+        "lineage_parent": (manifest.pop("lineage", None) or {}).get("parent", {}).get("via"),
         "manifest_rest": _digest(json.dumps(manifest, sort_keys=True).encode()),
         "new_file_entry": manifest["files"].get(record["new_data_file"]),
         "notes": notes,

@@ -70,6 +70,10 @@ def test_async_checkpoint_is_the_sync_format_and_resumes_bit_exact(tmp_path: Pat
         fa, fb = ma.pop("files"), mb.pop("files")
         assert fa.keys() == fb.keys()
         assert _data_files(fa) == _data_files(fb)
+        # lineage: two runs (two run ids), the same root hash, digests, iteration and data position
+        la, lb = ma.pop("lineage"), mb.pop("lineage")
+        assert la.pop("run_id") != lb.pop("run_id") and la["root_hash"] is not None
+        assert la == lb
         assert ma == mb
         v = _verify(b)
         assert v.exit_code == 0 and "OK:" in v.stdout, v.stdout + v.stderr

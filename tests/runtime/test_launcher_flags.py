@@ -77,6 +77,7 @@ RUN_FLAGS = {
     "async_save": ["--async-save"],  # test_async_save: saves return first, same files as a sync save
     # test_async_save: a cap too small is refused; without --async-save it is refused (test_config)
     "async_save_staging": ["--async-save", "--async-save-staging", "1GiB"],
+    "no_check_lineage": ["--no-check-lineage"],  # test_lineage: a refused resume goes on with it
 }
 
 
