@@ -69,6 +69,8 @@ LAYER = (
     ("self_attention.linear_proj.bias", "self_attention.linear_proj.bias"),
     ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.weight"),
     ("self_attention.linear_qkv.bias", "self_attention.linear_qkv.bias"),
+    ("self_attention.q_layernorm.weight", "self_attention.q_layernorm.weight"),  # --qk-layernorm (RMSNorm: no bias)
+    ("self_attention.k_layernorm.weight", "self_attention.k_layernorm.weight"),
     ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
     ("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"),
     ("mlp.router.weight", "mlp.router.weight"),  # MoE layers: the router is a dense parameter
