@@ -63,7 +63,7 @@ def import_command(
     pp: Annotated[int | None, typer.Option("--pp", min=1, help="megatron-core: pipeline-parallel size.")] = None,
     vpp: Annotated[int | None, typer.Option("--vpp", min=1, help="megatron-core: virtual pipeline stages per "
                                             "pipeline rank.")] = None,
-    sharding: Annotated[str | None, typer.Option("--sharding", metavar="fully_reshardable",
+    sharding: Annotated[str | None, typer.Option("--sharding", metavar="dp_reshardable|fully_reshardable",
                                                  help="megatron-core: the distributed optimizer's sharding type.")
                         ] = None,
     lr: Annotated[float | None, typer.Option("--lr", help="megatron-core: the run's --lr (its param groups are "
@@ -104,7 +104,7 @@ def import_command(
 
         with contextlib.ExitStack() as stack:
             bar = progress_opener(stack, "importing", fmt)
-            info = import_megatron(src, dst, tp, pp or 1, dp, vpp, sharding or "fully_reshardable", seq_length,
+            info = import_megatron(src, dst, tp, pp or 1, dp, vpp, sharding or "dp_reshardable", seq_length,
                                    1e-4 if lr is None else lr, 0.0 if min_lr is None else min_lr, max_memory,
                                    workers, bar)
         print_written(fmt, info, f"imported {info['src']} ({info['architecture']}) as {info['dst']} (megatron-core "

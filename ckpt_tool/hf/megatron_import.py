@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from ckpt_tool.hf.megatron_dp_import import plan_dp_reshardable, view_rows
 from ckpt_tool.hf.megatron_fresh import (
     LINEARS,
     SHARDINGS,
@@ -94,16 +95,27 @@ def fully_reshardable_chunks(hf: HFMegatron, max_bytes: int) -> tuple[list[OutCh
     return chunks, shapes
 
 
-def chunk_filler(hf: HFMegatron) -> Callable[[OutChunk], np.ndarray]:
-    """A chunk's elements: the weight's stored bits, its fp32 master (bf16 widened exactly), zero moments."""
-    by_name = {param_name(p): p for p in hf.params}
+def chunk_filler(hf: HFMegatron, views: dict[str, tuple[MegatronParam, int | None]] | None = None
+                 ) -> Callable[[OutChunk], np.ndarray]:
+    """A chunk's elements: the weight's stored bits, its fp32 master (bf16 widened exactly), zero moments.
+
+    ``views`` (dp_reshardable): the chunks name per-parameter views (:mod:`.megatron_dp_import`; a name
+    ``model:<view>`` reads the parameter's own rows); else the chunks name parameters (:func:`param_name`).
+    """
+    by_name = {param_name(p): (p, None) for p in hf.params} if views is None else views
 
     def one(c: OutChunk) -> np.ndarray:
         if c.param is None or c.state in STATES[1:]:
             return np.zeros(c.sizes, dtype=np.float32 if c.dtype == FP32 else np.uint16)
         assert c.box is not None
-        (a, *_), (n, *_) = c.box
-        bits = by_name[c.param].read_rows(a, a + n)
+        (a, *cols), (n, *widths) = c.box
+        if c.param.startswith("model:"):
+            bits = by_name[c.param[len("model:"):]][0].read_rows(a, a + n)
+        else:
+            p, block = by_name[c.param]
+            bits = view_rows(p, block, a, a + n)
+        if cols and (cols[0], widths[0]) != (0, bits.shape[1]):  # a row-parallel TP part: its columns
+            bits = np.ascontiguousarray(bits[:, cols[0]:cols[0] + widths[0]])
         if c.state != WEIGHT_STATE and hf.dtype != FP32:
             bits = (bits.astype(np.uint32) << 16).view(np.float32)
         return bits.reshape(c.sizes)
@@ -119,7 +131,7 @@ def extra_objects(hf: HFMegatron) -> dict[str, bytes]:
 
 
 def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: int, dp: int, vpp: int | None = None,
-                    sharding: str = "fully_reshardable", seq_length: int | None = None, lr: float = 1e-4,
+                    sharding: str = "dp_reshardable", seq_length: int | None = None, lr: float = 1e-4,
                     min_lr: float = 0.0, max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
                     progress: ProgressOpener | None = None) -> dict[str, Any]:
     """Write the HF folder SRC as a megatron-core checkpoint at TP x PP (x VPP) x DP into the new DST."""
@@ -136,13 +148,17 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
         chunks, shapes = fully_reshardable_chunks(hf, chunk_bytes)
         files = split_files(chunks, workers * 2)
         names = [f"__{i}_0.distcp" for i in range(len(files))]
+        fill = chunk_filler(hf)
     else:
-        raise FormatError("--sharding dp_reshardable: not written by this version; pass --sharding "
-                          "fully_reshardable (megatron-core loads it at any topology)")
+        per_rank, shapes, numel_objects, by_view = plan_dp_reshardable(hf, tp, pp, dp, chunk_bytes, lr, min_lr)
+        ranks = sorted(per_rank)
+        files = [per_rank[r] for r in ranks]
+        names = [f"__{r}_0.distcp" for r in ranks]
+        objects.update(numel_objects)
+        fill = chunk_filler(hf, by_view)
     objects["common_state/shard_0_1"] = common_state(args, hf.dtype, tp, pp, vpp, dp, sharding, lr, min_lr,
                                                      ITERATION)
     total = sum(c.nbytes for cs in files for c in cs)
-    fill = chunk_filler(hf)
 
     def body(writer: CheckpointWriter) -> None:
         folder = writer.folder
