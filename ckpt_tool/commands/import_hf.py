@@ -27,6 +27,8 @@ EPILOG = """Examples:
 
   ckpt import s3://bucket/models/gpt s3://bucket/ckpts/run --from hf --dp 2   (both in a bucket)
 
+  ckpt import llama_hf megatron_ckpt --from hf --to megatron-core --tp 2 --pp 2 --dp 4 --lr 3e-4
+
   python -m gtp_runtime.train --nproc-per-node 8 --cp 2 --fold-cp --gtp-remat 2 --vocab-size V \\
       --hidden H --num-layers L --num-heads A --ffn-hidden F --seq-length S --load ckpts/run
 
@@ -40,6 +42,15 @@ come from them, and the iteration, Adam step, lr schedule and data position from
 DST (iter_N) resumes the exported run (--no-optimizer: ignore them, start at step 0). Train it with
 the model flags that `--format json` prints under "model" and the same --bucket-size. Anything
 else is refused in one line naming the config field or tensor.
+
+--to megatron-core: a LlamaForCausalLM (GQA/MQA, tied or untied), Qwen3ForCausalLM or
+GPTBigCodeForCausalLM folder as a megatron-core torch_dist checkpoint at --tp --pp [--vpp] --dp
+(iter_0000000, latest_checkpointed_iteration.txt): weights as stored, fp32 masters equal to them,
+zero Adam moments, step 0, the args a Megatron-LM run of the model records, --sharding
+dp_reshardable (default) or fully_reshardable. A run that loads the optimizer passes the same
+--lr/--min-lr (megatron-core matches param groups by them) and --override-opt_param-scheduler;
+--finetune or --no-load-optim takes the weights alone. A config that disagrees with the tensors,
+or a setting megatron-core's GPT cannot compute, is refused in one line.
 
 Exit codes: 0 written, 2 unreadable or unsupported SRC, impossible topology, DST exists, or a
 write failed."""

@@ -90,12 +90,16 @@ def import_mc(src: Path, dst: Path, *topo: str) -> None:
 
 
 KINDS = ["llama", "llama_mqa_tied", "qwen3", "bigcode", "bigcode_mqa"]
+SHARDINGS = ["dp_reshardable", "fully_reshardable"]
 
 
-@pytest.mark.parametrize("kind,dtype", [(k, torch.float32) for k in KINDS] + [("llama", torch.bfloat16)])
-def test_hf_megatron_hf_round_trip_is_bit_identical(kind: str, dtype: torch.dtype, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind,dtype,sharding", [(k, torch.float32, s) for k in KINDS for s in SHARDINGS]
+                         + [("llama", torch.bfloat16, s) for s in SHARDINGS])
+def test_hf_megatron_hf_round_trip_is_bit_identical(kind: str, dtype: torch.dtype, sharding: str,
+                                                    tmp_path: Path) -> None:
     src = hf_model(tmp_path / "hf", kind, dtype)
-    import_mc(src, tmp_path / "mc", "--tp", "1", "--pp", "2", "--dp", "2")
+    tp = "1" if "mqa" in kind else "2"
+    import_mc(src, tmp_path / "mc", "--tp", tp, "--pp", "2", "--dp", "2", "--sharding", sharding)
     assert (tmp_path / "mc" / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
     assert json.loads((tmp_path / "mc" / "iter_0000000" / "metadata.json").read_text())["sharded_backend"] == \
         "torch_dist"
@@ -121,12 +125,14 @@ def _megatron(ckpt: Path, out: Path, topo: tuple[int, int, int], tokens: Path) -
     return ranks
 
 
-def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int) -> None:
+def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, sharding: str) -> None:
     """Masters equal to the weights (as multisets: the DP shards of every rank against the params of
-    the DP-rank-0 ranks; rank order tp-dp-pp), both Adam moments zero, step 0."""
+    the DP-rank-0 ranks; rank order tp-dp-pp), both Adam moments zero, step 0 (dp_reshardable: one
+    value; the helper's CPU workaround leaves AdamW's step at its dummy-init value there, as
+    ``test_megatron_load.py`` says)."""
     masters, weights = [], []
     for rank, r in enumerate(ranks):
-        assert (r["step"] == 0).all()
+        assert (r["step"] == 0).all() if sharding == "fully_reshardable" else len(set(r["step"].tolist())) == 1
         opt = sorted((k for k in r if k.startswith("opt.")), key=lambda k: int(k[4:]))
         for i, k in enumerate(opt):  # _optimizer_tensors: per param shard its master, exp_avg, exp_avg_sq
             if i % 3 == 0:
@@ -144,16 +150,21 @@ def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int) -> No
 
 @pytest.mark.slow
 @pytest.mark.skipif(not MEGATRON_PY.exists(), reason="needs the megatron venv (fixtures/megatron/setup_venv.sh)")
-@pytest.mark.parametrize("kind,topo", [("llama", (2, 1, 1)), ("llama_mqa_tied", (1, 1, 2)), ("qwen3", (2, 1, 1)),
-                                       ("bigcode", (2, 1, 1)), ("bigcode_mqa", (1, 1, 1)), ("llama", (1, 2, 1))])
+@pytest.mark.parametrize("kind,topo,sharding", [
+    ("llama", (2, 1, 2), "dp_reshardable"), ("llama", (2, 1, 1), "fully_reshardable"),
+    ("llama_mqa_tied", (1, 1, 2), "dp_reshardable"), ("qwen3", (2, 1, 2), "dp_reshardable"),
+    ("qwen3", (2, 1, 1), "fully_reshardable"), ("bigcode", (2, 1, 1), "dp_reshardable"),
+    ("bigcode_mqa", (1, 1, 1), "fully_reshardable"), ("llama", (1, 2, 1), "fully_reshardable"),
+    ("llama_mqa_tied", (1, 2, 2), "dp_reshardable")])
 def test_megatron_core_loads_the_import_and_computes_transformers_logits(kind: str, topo: tuple[int, int, int],
-                                                                         tmp_path: Path) -> None:
+                                                                         sharding: str, tmp_path: Path) -> None:
     src = hf_model(tmp_path / "hf", kind)
-    import_mc(src, tmp_path / "mc", "--tp", str(topo[0]), "--pp", str(topo[1]), "--dp", str(topo[2]))
+    import_mc(src, tmp_path / "mc", "--tp", str(topo[0]), "--pp", str(topo[1]), "--dp", str(topo[2]),
+              "--sharding", sharding)
     ids = np.random.default_rng(0).integers(0, 128, (2, 12))
     np.save(tmp_path / "tokens.npy", ids)
     ranks = _megatron(tmp_path / "mc", tmp_path / "out", topo, tmp_path / "tokens.npy")
-    _fresh_optimizer(ranks, topo[0], topo[2])
+    _fresh_optimizer(ranks, topo[0], topo[2], sharding)
     if topo[1] == 1:
         model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
         with torch.no_grad():
@@ -168,13 +179,14 @@ def test_megatron_core_hf_megatron_core_at_another_topology(tmp_path: Path) -> N
     HF -> megatron-core at tp1 pp2 dp2 -> HF: the two HF folders hold the same bits."""
     r = cli("export", MEGATRON / "pair_tp2_dp2_dp_reshardable", tmp_path / "hf1", "--to", "hf")
     assert r.exit_code == 0, r.stderr
-    import_mc(tmp_path / "hf1", tmp_path / "mc", "--tp", "1", "--pp", "2", "--dp", "2")
+    import_mc(tmp_path / "hf1", tmp_path / "mc", "--tp", "1", "--pp", "2", "--dp", "2")  # dp_reshardable
     r = cli("export", tmp_path / "mc", tmp_path / "hf2", "--to", "hf")
     assert r.exit_code == 0, r.stderr
     assert_same_tensors(tmp_path / "hf1", tmp_path / "hf2")
     if MEGATRON_PY.exists():  # and megatron-core loads it at that topology
         np.save(tmp_path / "tokens.npy", np.zeros((1, 4), dtype=np.int64))
-        _fresh_optimizer(_megatron(tmp_path / "mc", tmp_path / "out", (1, 2, 2), tmp_path / "tokens.npy"), 1, 2)
+        _fresh_optimizer(_megatron(tmp_path / "mc", tmp_path / "out", (1, 2, 2), tmp_path / "tokens.npy"), 1, 2,
+                         "dp_reshardable")
 
 
 def _edit_config(folder: Path, **change: object) -> None:
@@ -226,8 +238,8 @@ def test_import_to_megatron_core_refuses_other_options_and_sharding(tmp_path: Pa
     assert_error_line(cli(*base, "--to", "megatron-core", "--cp", "2"), 2, "--cp is this runtime's option")
     assert_error_line(cli(*base, "--pp", "2"), 2, "--pp is for --to megatron-core")
     assert_error_line(cli(*base, "--to", "nemo"), 2, "--to 'nemo'")
-    assert_error_line(cli(*base, "--to", "megatron-core", "--sharding", "dp_reshardable"), 2,
-                      "--sharding dp_reshardable")
+    assert_error_line(cli(*base, "--to", "megatron-core", "--sharding", "dp_zero_gather_scatter"), 2,
+                      "--sharding 'dp_zero_gather_scatter'")
     assert not (tmp_path / "out").exists()
 
 
