@@ -262,3 +262,27 @@ def test_a_dst_created_mid_import_is_refused_and_left_alone(tmp_path: Path) -> N
         import_megatron(src, dst, 1, 1, 1, progress=factory)
     assert e.value.exit_code == 2
     assert os.listdir(out) == ["dst"] and os.listdir(dst) == ["theirs"]  # nothing deleted, no work folder left
+
+
+def test_sigterm_mid_import_removes_the_work_folder(tmp_path: Path) -> None:
+    import signal
+    import sys
+
+    from test_writer_faults import SLOW_CKPT
+
+    src = hf_model(tmp_path / "hf", "llama")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GTP_TEST_SLOW": "1.0",
+           "GTP_TEST_SLOW_AT": "ckpt_tool.hf.megatron_import:view_rows"}
+    p = subprocess.Popen([sys.executable, "-c", SLOW_CKPT, "import", str(src), str(out / "dst"), "--from", "hf",
+                          "--to", "megatron-core", "--tp", "2", "--dp", "2", "--workers", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert p.stdout is not None and p.stdout.readline().strip() == "writing"
+    assert len(os.listdir(out)) == 1  # the hidden work folder
+    p.send_signal(signal.SIGTERM)
+    rc = p.wait(timeout=120)
+    err = p.stderr.read() if p.stderr else ""
+    assert rc == 143 and err.strip().splitlines() == [
+        "ckpt: error: terminated (SIGTERM); nothing was written, the partial output was removed"], (rc, err)
+    assert os.listdir(out) == []
