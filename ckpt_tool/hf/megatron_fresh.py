@@ -31,12 +31,14 @@ to take the run's own schedule, or ``--finetune`` / ``--no-load-optim`` to take 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import pickle
+import struct
 from typing import Any
 
 from gtp_format.dtypes import DType
 from gtp_format.errors import FormatError
-from gtp_format.writer.torch_blob import new_serialization_id, object_blob
+from gtp_format.writer.torch_blob import object_blob
 
 SHARDINGS = ("dp_reshardable", "fully_reshardable")
 # megatron-core's GPT linear layers with an ``_extra_state`` (local spec: ``[None]``)
@@ -45,10 +47,14 @@ ADAM = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}  # Megatron-LM
 
 
 def torch_object(obj: Any) -> bytes:
-    """``torch.save(obj)``'s bytes for a tensor-free ``obj`` (protocol 2, torch's records after ``data.pkl``)."""
-    return object_blob("archive/", [("data.pkl", pickle.dumps(obj, protocol=2)), (".format_version", b"1"),
-                                    (".storage_alignment", b"64"), ("byteorder", b"little"), ("version", b"3\n"),
-                                    (".data/serialization_id", new_serialization_id().encode())])
+    """``torch.save(obj)``'s bytes for a tensor-free ``obj`` (protocol 2, torch's records after ``data.pkl``).
+    Its serialization id (torch's is 40 random digits) is taken from the pickle's hash, so the same
+    import writes the same bytes (a bucket's copy and a local one compare bit for bit)."""
+    pkl = pickle.dumps(obj, protocol=2)
+    a, b = struct.unpack("<QQ", hashlib.sha256(pkl).digest()[:16])
+    return object_blob("archive/", [("data.pkl", pkl), (".format_version", b"1"), (".storage_alignment", b"64"),
+                                    ("byteorder", b"little"), ("version", b"3\n"),
+                                    (".data/serialization_id", f"{a:020d}{b:020d}".encode())])
 
 
 def extra_state() -> bytes:
