@@ -30,6 +30,7 @@ from ckpt_tool.hf.folder import Tensor, read_folder
 from gtp_format.dtypes import DType
 from gtp_format.errors import FormatError
 from gtp_format.megatron_args import ModelDescription
+from gtp_format.scan import carrier
 from gtp_format.storage.location import ObjectURL
 
 CLASSES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "GPTBigCodeForCausalLM")
@@ -70,7 +71,7 @@ class MegatronParam:
 
     def read_rows(self, a: int, b: int) -> np.ndarray:
         """Rows ``[a, b)`` of the parameter, stored bits, assembled from its HF tensors."""
-        out = np.empty((b - a, *self.shape[1:]), dtype=self.segments[0].tensor.read_rows(0, 0).dtype)
+        out = np.empty((b - a, *self.shape[1:]), dtype=carrier(self.segments[0].tensor.dtype))
         pos = 0
         for s in self.segments:
             lo, hi = max(a, pos), min(b, pos + s.rows)
