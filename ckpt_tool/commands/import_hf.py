@@ -27,6 +27,8 @@ EPILOG = """Examples:
 
   ckpt import s3://bucket/models/gpt s3://bucket/ckpts/run --from hf --dp 2   (both in a bucket)
 
+  ckpt import llama_hf megatron_ckpt --from hf --to megatron-core --tp 2 --pp 2 --dp 4 --lr 3e-4
+
   python -m gtp_runtime.train --nproc-per-node 8 --cp 2 --fold-cp --gtp-remat 2 --vocab-size V \\
       --hidden H --num-layers L --num-heads A --ffn-hidden F --seq-length S --load ckpts/run
 
@@ -41,6 +43,15 @@ DST (iter_N) resumes the exported run (--no-optimizer: ignore them, start at ste
 the model flags that `--format json` prints under "model" and the same --bucket-size. Anything
 else is refused in one line naming the config field or tensor.
 
+--to megatron-core: a LlamaForCausalLM (GQA/MQA, tied or untied), Qwen3ForCausalLM or
+GPTBigCodeForCausalLM folder as a megatron-core torch_dist checkpoint at --tp --pp [--vpp] --dp
+(iter_0000000, latest_checkpointed_iteration.txt): weights as stored, fp32 masters equal to them,
+zero Adam moments, step 0, the args a Megatron-LM run of the model records, --sharding
+dp_reshardable (default) or fully_reshardable. A run that loads the optimizer passes the same
+--lr/--min-lr (megatron-core matches param groups by them) and --override-opt_param-scheduler;
+--finetune or --no-load-optim takes the weights alone. A config that disagrees with the tensors,
+or a setting megatron-core's GPT cannot compute, is refused in one line.
+
 Exit codes: 0 written, 2 unreadable or unsupported SRC, impossible topology, DST exists, or a
 write failed."""
 
@@ -53,10 +64,22 @@ def import_command(
     dst: Annotated[object, typer.Argument(  # a Location: Typer refuses Union annotations
         parser=checkpoint_arg("DST"), help="New folder (or s3://BUCKET/PREFIX) to create.", show_default=False)],
     source_format: Annotated[str, typer.Option("--from", help="Source format: hf.")] = "hf",
+    to: Annotated[str, typer.Option("--to", metavar="gtp|megatron-core",
+                                    help="Target format: this runtime's checkpoint, or megatron-core torch_dist.")
+                  ] = "gtp",
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size.")] = 1,
     cp: Annotated[int, typer.Option("--cp", min=1, help="Context-parallel size.")] = 1,
     gtp_remat: Annotated[int, typer.Option("--gtp-remat", min=1, help="GTP_remat size.")] = 1,
     dp: Annotated[int, typer.Option("--dp", min=1, help="Data-parallel (replicate) size.")] = 1,
+    pp: Annotated[int | None, typer.Option("--pp", min=1, help="megatron-core: pipeline-parallel size.")] = None,
+    vpp: Annotated[int | None, typer.Option("--vpp", min=1, help="megatron-core: virtual pipeline stages per "
+                                            "pipeline rank.")] = None,
+    sharding: Annotated[str | None, typer.Option("--sharding", metavar="dp_reshardable|fully_reshardable",
+                                                 help="megatron-core: the distributed optimizer's sharding type.")
+                        ] = None,
+    lr: Annotated[float | None, typer.Option("--lr", help="megatron-core: the run's --lr (its param groups are "
+                                             "matched by it).")] = None,
+    min_lr: Annotated[float | None, typer.Option("--min-lr", help="megatron-core: the run's --min-lr.")] = None,
     fold_cp: Annotated[bool, typer.Option("--fold-cp/--no-fold-cp", help="Shard dense weights over cp x gtp_remat.")
                        ] = False,
     layout: Annotated[str, typer.Option("--layout", help="torch_dist or safetensors.")] = "torch_dist",
@@ -80,6 +103,30 @@ def import_command(
 
     if source_format != "hf":
         raise FormatError(f"--from {source_format!r}: ckpt import reads hf (a Hugging Face model folder)")
+    if to not in ("gtp", "megatron-core"):
+        raise FormatError(f"--to {to!r}: use gtp (this runtime's checkpoint) or megatron-core")
+    if to == "megatron-core":
+        ours = [f for f, v in (("--cp", cp != 1), ("--gtp-remat", gtp_remat != 1), ("--fold-cp", fold_cp),
+                               ("--layout", layout != "torch_dist"),
+                               ("--bucket-size", bucket_size != DEFAULT_BUCKET_SIZE)) if v]
+        if ours:
+            raise FormatError(f"{ours[0]} is this runtime's option; drop it for --to megatron-core")
+        from ckpt_tool.hf.megatron_import import import_megatron
+
+        with contextlib.ExitStack() as stack:
+            bar = progress_opener(stack, "importing", fmt)
+            info = import_megatron(src, dst, tp, pp or 1, dp, vpp, sharding or "dp_reshardable", seq_length,
+                                   1e-4 if lr is None else lr, 0.0 if min_lr is None else min_lr, max_memory,
+                                   workers, bar)
+        print_written(fmt, info, f"imported {info['src']} ({info['architecture']}) as {info['dst']} (megatron-core "
+                      f"{info['sharding']}, {info['topology']}, iteration 0, fresh optimizer state): "
+                      f"{count(info['params'], 'param')}, {count(info['files'], 'file')}, "
+                      f"{fmt_bytes(info['bytes_written'])} in {info['seconds']:.1f} s")
+        return
+    given = [f for f, v in (("--pp", pp), ("--vpp", vpp), ("--sharding", sharding), ("--lr", lr),
+                            ("--min-lr", min_lr)) if v is not None]
+    if given:
+        raise FormatError(f"{given[0]} is for --to megatron-core; drop it")
     par = ParallelConfig(tp=tp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp)
     with contextlib.ExitStack() as stack:
         bar = progress_opener(stack, "importing", fmt)

@@ -192,7 +192,8 @@ def _header(path: Path | ObjectURL) -> tuple[dict[str, Tensor], dict[str, str]]:
             continue
         shape = nonnegative_ints(e.get("shape")) if isinstance(e, dict) else None
         span = nonnegative_ints(e.get("data_offsets")) if isinstance(e, dict) else None
-        if not isinstance(e, dict) or e.get("dtype") not in ST_DTYPES or shape is None or span is None \
+        if not isinstance(e, dict) or not isinstance(e.get("dtype"), str) or e["dtype"] not in ST_DTYPES \
+                or shape is None or span is None \
                 or len(span) != 2:
             raise FormatError(f"{path}: tensor {name!r} has an ill-formed header entry (dtype one of "
                               f"{', '.join(ST_DTYPES)}, a shape and two data offsets)")

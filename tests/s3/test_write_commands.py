@@ -1,13 +1,15 @@
 """Every ``ckpt`` command that writes takes an ``s3://`` DST (on moto's S3 server): ``export`` (hf,
-fully_reshardable, torch), ``import --from hf`` and ``migrate-aliased``, all through the one writer's
-ordered upload. The output equals the same command into a local folder, object for file and byte for
-byte; an upload that fails or is killed leaves nothing a reader takes; an existing prefix is refused.
-``plan`` reads a bucket SRC.
+fully_reshardable, torch), ``import --from hf`` (``--to megatron-core`` too) and ``migrate-aliased``,
+all through the one writer's ordered upload. The output equals the same command into a local folder,
+object for file and byte for byte; an upload that fails or is killed leaves nothing a reader takes;
+an existing prefix is refused. ``plan`` reads a bucket SRC.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,11 +22,27 @@ SRC = FIXTURES["dcp"]
 # the object each output's upload puts last, as a conditional create (its commit object)
 COMMIT = {"export-hf": "config.json", "export-megatron-names": "model.safetensors",
           "export-fully_reshardable": "iter_0000002/metadata.json", "import": "iter_0000000/metadata.json",
+          "import-megatron-core": "iter_0000000/metadata.json",
           "migrate": "iter_0000002/metadata.json"}
 CASES = sorted([*COMMIT, "export-torch"])
 
 
+@functools.cache
+def bigcode_src() -> Path:
+    """A GPTBigCodeForCausalLM folder (the local export of a genuine megatron-core save): import
+    --to megatron-core's SRC."""
+    from ckpt_tool.cli import run
+
+    out = Path(tempfile.mkdtemp()) / "bigcode"
+    assert run(["export", str(REPO / "fixtures" / "megatron" / "pair_tp2_dp2_dp_reshardable"), str(out), "--to", "hf",
+                "--format", "json"]) == 0
+    return out
+
+
 def argv(case: str, dst: str, hf_src: Path) -> list[str]:
+    if case == "import-megatron-core":
+        return ["import", str(bigcode_src()), dst, "--from", "hf", "--to", "megatron-core", "--tp", "2", "--pp", "2",
+                "--dp", "2"]
     if case == "import":
         return ["import", str(hf_src), dst, "--from", "hf", "--dp", "2"]
     if case == "migrate":

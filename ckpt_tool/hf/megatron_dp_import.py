@@ -1,0 +1,156 @@
+"""``--sharding dp_reshardable``: the imported model laid out in the distributed optimizer's buckets at the target.
+
+The layout is the one ``ckpt reshard`` writes for a megatron-core target
+(:func:`ckpt_tool.reshard.megatron_dp.plan_megatron`: megatron-core's bucket rules per stage, TP
+splits of the GPT local spec, each chunk in the file of the rank that would have written it), run
+over a per-parameter view of the HF folder instead of a source checkpoint: one
+:class:`~gtp_format.views.records.ParamView` per megatron-core parameter, in megatron-core's module
+order (:data:`gtp_format.views.megatron.LAYER`), whose "full tensor" is read from the HF rows
+(:class:`.megatron_model.MegatronParam`).
+
+One difference from a resharded source: a gated ``linear_fc1`` (``--swiglu``) at TP > 1. Each TP rank
+holds its gate rows then its up rows (``[gate_t; up_t]``), not a contiguous block of the global
+``[gate; up]``. The view's full tensor is therefore ``[gate_0; up_0; gate_1; up_1; ...]``, so the plan's
+contiguous TP split gives each rank's optimizer slice its own rows in megatron-core's order, and the
+plan's model-weight chunks of such a parameter are cut into their gate and up runs at the global
+``[gate; up]`` rows megatron-core's checkpoint stores (in the same rank's file).
+
+The byte objects: ``per_bucket_numel[_unpadded]`` per model-parallel rank (the plan's numels,
+pickled by :func:`ckpt_tool.reshard.megatron_dp_objects.numel_blob`), the param groups per rank
+(:func:`.megatron_fresh.optimizer_object`) and ``common_state`` (:func:`.megatron_fresh.common_state`).
+Layout without ``--overlap-grad-reduce`` (one bucket per buffer): a run with it splits large stage-0
+buffers into ``--ddp-bucket-size`` buckets and loads ``fully_reshardable`` instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ckpt_tool.hf.megatron_fresh import optimizer_object, torch_object
+from ckpt_tool.hf.megatron_model import HFMegatron, MegatronParam
+from ckpt_tool.reshard import WEIGHT_STATE
+from ckpt_tool.reshard.megatron_dp import plan_megatron
+from ckpt_tool.reshard.megatron_dp_objects import numel_blob
+from ckpt_tool.reshard.plan import OutChunk
+from gtp_format.layout.shard import ShardSpec
+from gtp_format.views.megatron import HEAD, LAYER, TAIL
+from gtp_format.views.records import Holder, KeyRef, ParamView
+
+MODULE_OF = {key: module for module, key in LAYER}  # checkpoint key -> megatron-core module name
+
+
+@dataclass
+class _Entry:
+    shape: tuple[int, ...]
+
+
+@dataclass
+class _Ckpt:
+    entries: dict[str, _Entry]
+
+
+@dataclass
+class HFSource:
+    """What :func:`plan_megatron` reads of a source: its root, per-parameter views and key shapes."""
+
+    root: str
+    views: dict[str, ParamView]
+    ckpt: _Ckpt
+
+
+def module_name(p: MegatronParam) -> str:
+    """megatron-core's module parameter name (``decoder.layers.0.input_layernorm.weight``), the view's name."""
+    if p.layer is None:
+        return p.key
+    key = p.key[len("decoder.layers."):]
+    return f"decoder.layers.{p.layer}.{MODULE_OF[key]}"
+
+
+def gated_rows(p: MegatronParam, tp: int, gated: bool) -> int | None:
+    """The TP block of a gated ``linear_fc1`` parameter (its rows are permuted per TP rank), else None."""
+    if gated and tp > 1 and p.key.startswith("decoder.layers.mlp.linear_fc1.") and "layer_norm" not in p.key:
+        return p.shape[0] // 2 // tp
+    return None
+
+
+def view_rows(p: MegatronParam, block: int | None, a: int, b: int) -> np.ndarray:
+    """Rows ``[a, b)`` of the view's full tensor: the parameter's, or for a gated fc1 at TP > 1 the
+    ``[gate_0; up_0; gate_1; up_1; ...]`` order."""
+    if block is None:
+        return p.read_rows(a, b)
+    ffn = p.shape[0] // 2
+    parts = []
+    r = a
+    while r < b:
+        t, q = divmod(r, 2 * block)
+        start = t * block + q if q < block else ffn + t * block + (q - block)
+        n = min(b - r, block - q % block)
+        parts.append(p.read_rows(start, start + n))
+        r += n
+    return np.concatenate(parts)
+
+
+def _global_rows(c: OutChunk, pb: tuple[MegatronParam, int | None]) -> list[OutChunk]:
+    """A model-weight chunk of the plan at the parameter's own rows: as it is, or, for a gated fc1 at
+    TP > 1 (view rows ``[gate_t; up_t]``), cut into its gate and up runs at their global rows."""
+    p, block = pb
+    if block is None or c.box is None:
+        return [c]
+    (a, *ro), (n, *rs) = c.box
+    ffn, out, r = p.shape[0] // 2, [], a
+    while r < a + n:
+        t, q = divmod(r, 2 * block)
+        start = t * block + q if q < block else ffn + t * block + (q - block)
+        m = min(a + n - r, block - q % block)
+        lead = c.offsets[:len(c.offsets) - len(c.box[0])]
+        out.append(OutChunk(c.key, (*lead, start, *ro), (*(1,) * len(lead), m, *rs), c.dtype, "model:" + c.param
+                            if c.param else None, WEIGHT_STATE, ((start, *ro), (m, *rs))))
+        r += m
+    return out
+
+
+def plan_dp_reshardable(hf: HFMegatron, tp: int, pp: int, dp: int, max_bytes: int, lr: float, min_lr: float
+                        ) -> tuple[dict[int, list[OutChunk]], dict[str, Any], dict[str, bytes],
+                                   dict[str, tuple[MegatronParam, int | None]]]:
+    """(chunks per rank, key shapes, the per-rank byte objects, view name -> (parameter, TP block))."""
+    dtag = f"(torch.{hf.dtype.name}, torch.float32)"  # megatron-core's key tag (param dtype, grad dtype)
+    gated = bool(hf.args["swiglu"])
+    views: dict[str, ParamView] = {}
+    entries: dict[str, _Entry] = {}
+    by_view: dict[str, tuple[MegatronParam, int | None]] = {}
+    layers = hf.num_layers
+    rank = {m: i for i, (m, _) in enumerate(LAYER)}
+    tail = {k: i for i, k in enumerate(TAIL)}
+
+    def order(p: MegatronParam) -> tuple[int, int, int]:  # megatron-core's module order: the buckets follow it
+        if p.layer is not None:
+            return 1, p.layer, rank[module_name(p).split(".", 3)[3]]
+        return (2, tail[p.key], 0) if p.key in tail else (0, HEAD.index(p.key), 0)
+
+    for p in sorted(hf.params, key=order):
+        name = module_name(p)
+        spec = ShardSpec(p.shape, None, 1, 0, None, 1, 0, 1)
+        holder = Holder(KeyRef(0, 0, dtag, 0, None, 0), 0, spec, (), True)
+        views[name] = ParamView(name, p.shape, p.shape, None, None, False, 0, 0, 0, f"torch.{hf.dtype.name}",
+                                (holder,), weight_key=p.key if p.layer is not None else None, layer=p.layer)
+        entries[p.key] = _Entry((layers, *p.shape) if p.layer is not None else p.shape)
+        by_view[name] = (p, gated_rows(p, tp, gated))
+    files, shapes, numels = plan_megatron(HFSource(str(hf.root), views, _Ckpt(entries)), tp, pp, dp, None,
+                                          max_bytes)
+    for rank, chunks in files.items():  # a gated fc1's model key: its global [gate; up] rows, not the view's
+        files[rank] = [g for c in chunks for g in (_global_rows(c, by_view[c.param]) if c.param is not None
+                                                     and c.state == WEIGHT_STATE else [c])]
+    objects: dict[str, bytes] = {}
+    template = torch_object([[]])
+    groups = optimizer_object(lr, min_lr)
+    for prefix, ranks in numels.items():
+        for n, bufs in sorted(ranks.items()):
+            base = f"{prefix}.dp_group_idx_{n}"
+            for i, what in enumerate(("per_bucket_numel", "per_bucket_numel_unpadded")):
+                objects[f"{base}.{what}/shard_0_1"] = numel_blob(str(hf.root), f"{base}.{what}", template,
+                                                                 [(d, nums[i]) for d, *nums in bufs])
+            objects[f"{base}.optimizer/shard_0_1"] = groups
+    return files, shapes, objects, by_view

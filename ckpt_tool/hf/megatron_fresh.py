@@ -1,0 +1,123 @@
+"""The byte objects of a megatron-core checkpoint that starts a run: ``common_state`` and ``_extra_state``.
+
+Written anew, as ``torch.save`` writes a tensor-free object (:func:`gtp_format.writer.torch_blob.object_blob`:
+``data.pkl`` then torch's small records), the pickle made by the standard library's protocol-2
+pickler from plain values and one ``argparse.Namespace`` (what Megatron-LM's ``args`` is). Nothing
+is ever unpickled here. The structure is the one megatron-core 0.19.2's
+``generate_state_dict`` saves (checked on ``fixtures/megatron/dp2_fully_reshardable``'s blob):
+
+``[{'args': Namespace(...), 'checkpoint_version': 3.0, 'iteration': 0,
+'optimizer': {'optimizer': {'param_groups': [...]}, 'param_state_sharding_type': T},
+'opt_param_scheduler': {...}, 'num_floating_point_operations_so_far': 0,
+'content_metadata': {'distrib_optim_sharding_type': T, ...}}]``
+
+with ``T`` the sharding type; for ``dp_reshardable`` the param groups sit in each
+``optimizer.distributed.dp_group_idx_N.optimizer`` object instead, as megatron-core keeps them.
+
+``args`` are those Megatron-LM records for the model (:func:`.megatron_model.megatron_args`) plus the
+parallel sizes, ``ckpt_format torch_dist``, ``use_distributed_optimizer``,
+``dist_ckpt_optim_fully_reshardable``, ``bf16``, ``seq_length`` and ``no_save_rng`` (no rng_state
+is written: megatron's loader then asks for none).
+
+The param groups are megatron-core's two default groups (weights with weight decay; biases and
+norms without: ``wd_mult`` 1 and 0), with Megatron-LM's default Adam settings (betas 0.9 / 0.999,
+eps 1e-8, weight decay 0.01) and ``step`` 0. megatron-core pairs saved and live groups by
+``max_lr``, ``min_lr``, ``wd_mult``, ``lr_mult``, ... (``param_group_identifier_keys``), so a run
+that loads the optimizer state passes the same ``--lr`` and ``--min-lr`` as the import; its
+scheduler state records them with no warm-up or decay (load with ``--override-opt_param-scheduler``
+to take the run's own schedule, or ``--finetune`` / ``--no-load-optim`` to take the weights alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import pickle
+import struct
+from typing import Any
+
+from gtp_format.dtypes import DType
+from gtp_format.errors import FormatError
+from gtp_format.writer.torch_blob import object_blob
+
+SHARDINGS = ("dp_reshardable", "fully_reshardable")
+# megatron-core's GPT linear layers with an ``_extra_state`` (local spec: ``[None]``)
+LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+ADAM = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}  # Megatron-LM's defaults
+
+
+def torch_object(obj: Any) -> bytes:
+    """``torch.save(obj)``'s bytes for a tensor-free ``obj`` (protocol 2, torch's records after ``data.pkl``).
+    Its serialization id (torch's is 40 random digits) is taken from the pickle's hash, so the same
+    import writes the same bytes (a bucket's copy and a local one compare bit for bit)."""
+    pkl = pickle.dumps(obj, protocol=2)
+    a, b = struct.unpack("<QQ", hashlib.sha256(pkl).digest()[:16])
+    return object_blob("archive/", [("data.pkl", pkl), (".format_version", b"1"), (".storage_alignment", b"64"),
+                                    ("byteorder", b"little"), ("version", b"3\n"),
+                                    (".data/serialization_id", f"{a:020d}{b:020d}".encode())])
+
+
+def extra_state() -> bytes:
+    return torch_object([None])
+
+
+def param_groups(lr: float, min_lr: float) -> list[dict[str, Any]]:
+    return [{"is_expert_parallel": False, "default_config": True, "wd_mult": wd, "lr_mult": 1.0,
+             "is_decoupled_lr": False, "max_lr": lr, "min_lr": min_lr, "lr": lr, "betas": ADAM["betas"],
+             "eps": ADAM["eps"], "weight_decay": ADAM["weight_decay"] * wd, "amsgrad": False, "maximize": False,
+             "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+             "decoupled_weight_decay": True, "step": 0.0} for wd in (1.0, 0.0)]
+
+
+def optimizer_object(lr: float, min_lr: float) -> bytes:
+    """``optimizer.distributed.dp_group_idx_N.optimizer`` of a ``dp_reshardable`` save: the param groups."""
+    return torch_object([{"param_groups": param_groups(lr, min_lr)}])
+
+
+def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int) -> None:
+    """Refuse, naming the flag, a TP / PP / VPP megatron-core could not build this model at."""
+    a = hf.args
+    chunks = pp * (vpp or 1)
+    if a["num_layers"] % chunks:
+        raise FormatError(f"--pp {pp}{f' x --vpp {vpp}' if vpp else ''} = {chunks} model chunks do not divide the "
+                          f"{a['num_layers']} layers (megatron-core's even split); pick sizes that divide them")
+    if vpp is not None and vpp > 1 and pp == 1:
+        raise FormatError(f"--vpp {vpp} needs --pp > 1 (megatron-core's virtual pipeline is within a pipeline)")
+    for what, n in (("num_attention_heads", a["num_attention_heads"]), ("num_query_groups", a["num_query_groups"]),
+                    ("ffn_hidden_size", a["ffn_hidden_size"]), ("padded_vocab_size", a["padded_vocab_size"])):
+        if n % tp:
+            raise FormatError(f"--tp {tp} does not divide the model's {what} {n} (megatron-core splits it over "
+                              "TP); pick a TP that divides it")
+    if tp * pp * dp > 1 << 20:
+        raise FormatError(f"--tp {tp} x --pp {pp} x --dp {dp} is more than {1 << 20} ranks; pick a real topology")
+
+
+def run_args(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | None, dp: int,
+             sharding: str, lr: float, min_lr: float) -> argparse.Namespace:
+    return argparse.Namespace(**model, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+                              context_parallel_size=1, expert_model_parallel_size=1, data_parallel_size=dp,
+                              world_size=tp * pp * dp, use_distributed_optimizer=True, ckpt_format="torch_dist",
+                              dist_ckpt_optim_fully_reshardable=sharding == "fully_reshardable",
+                              bf16=dtype.name == "bfloat16", fp16=False, lr=lr, min_lr=min_lr,
+                              weight_decay=ADAM["weight_decay"], adam_beta1=ADAM["betas"][0],
+                              adam_beta2=ADAM["betas"][1], adam_eps=ADAM["eps"], no_save_rng=True,
+                              no_save_optim=None, iteration=0, consumed_train_samples=0, consumed_valid_samples=0)
+
+
+def common_state(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | None, dp: int, sharding: str,
+                 lr: float, min_lr: float, iteration: int) -> bytes:
+    """``common_state/shard_0_1``'s blob (see the module docstring)."""
+    optimizer: dict[str, Any] = {"param_state_sharding_type": sharding}
+    content: dict[str, Any] = {"distrib_optim_sharding_type": sharding}
+    if sharding == "fully_reshardable":
+        optimizer = {"optimizer": {"param_groups": param_groups(lr, min_lr)}, **optimizer}
+        content["distrib_optim_fully_reshardable_mem_efficient"] = False
+    content.update(singleton_local_shards=False, chained_optim_avoid_prefix=True)
+    scheduler = {"max_lr": lr, "lr_warmup_steps": 0, "num_steps": 0, "lr_decay_style": "constant",
+                 "lr_decay_steps": 1, "min_lr": min_lr, "start_wd": ADAM["weight_decay"],
+                 "end_wd": ADAM["weight_decay"], "wd_incr_style": "constant", "wd_incr_steps": 1}
+    state = {"args": run_args(model, dtype, tp, pp, vpp, dp, sharding, lr, min_lr), "checkpoint_version": 3.0,
+             "iteration": iteration, "optimizer": optimizer, "opt_param_scheduler": scheduler,
+             "num_floating_point_operations_so_far": 0, "content_metadata": content}
+    return torch_object([state])

@@ -1,0 +1,185 @@
+"""``ckpt import --from hf --to megatron-core``: a transformers folder as a megatron-core ``torch_dist`` checkpoint.
+
+The folder is read as megatron-core's GPT by :mod:`.megatron_model` (the inverse of the export's
+table, every tensor checked against the config). What is written is what a Megatron-LM run of that
+model saves at iteration 0 with ``--ckpt-format torch_dist --use-distributed-optimizer``, in
+``iter_0000000`` with ``latest_checkpointed_iteration.txt`` and ``metadata.json``:
+
+* ``fully_reshardable`` (``--sharding fully_reshardable``): every model weight under megatron-core's
+  key (``decoder.layers.*`` stacked over layers, the norms under the names the local and Transformer
+  Engine specs both load: ``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``), and
+  ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`` at the same global shape. The keys hold no
+  topology, so the chunks are row blocks of the chunk budget (one layer per chunk of a stacked key)
+  and megatron-core's loader reads them at any TP x PP.
+* ``dp_reshardable`` (the default, megatron-core's own default): the same state laid out in the
+  distributed optimizer's buckets of the target topology, by the writer of ``ckpt reshard``
+  (:func:`ckpt_tool.reshard.megatron_dp.plan_megatron` over this folder's per-parameter view,
+  :mod:`.megatron_fresh`).
+
+The optimizer state is a fresh one: fp32 master weights equal to the model weights (bf16 widens
+exactly), both Adam moments zero, ``step`` 0 in each param group, as megatron-core's optimizer holds
+before its first step. The byte objects are written anew (never copied or unpickled):
+``common_state`` (:func:`.megatron_fresh.common_state`) and one ``_extra_state`` per linear layer
+(``[None]``, what the local spec saves). No ``rng_state``: ``args.no_save_rng`` is set, so megatron's
+loader asks for none and the run starts fresh RNG streams.
+
+Written through the one writer (:func:`ckpt_tool.reshard.engine.build_atomically`): streamed in
+row blocks within ``--max-memory``, hashed as written (``verify --data`` checks every chunk), into a
+hidden work folder that appears as DST whole or not at all; ``s3://`` DSTs as every command's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckpt_tool.hf.megatron_dp_import import plan_dp_reshardable, view_rows
+from ckpt_tool.hf.megatron_fresh import (
+    LINEARS,
+    SHARDINGS,
+    check_topology,
+    common_state,
+    extra_state,
+)
+from ckpt_tool.hf.megatron_model import HFMegatron, MegatronParam, open_hf_megatron
+from ckpt_tool.reshard import DEFAULT_MAX_MEMORY, WEIGHT_STATE
+from ckpt_tool.reshard.engine import (
+    build_atomically,
+    chunk_budget,
+    default_workers,
+    peak_rss,
+    run_files,
+    written_sizes,
+)
+from ckpt_tool.reshard.plan import FP32, OutChunk, row_blocks, split_files
+from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata, write_objects
+from gtp_format.errors import FormatError
+from gtp_format.integrity.records import ChunkRecord
+from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
+from gtp_format.progress import ProgressOpener
+from gtp_format.storage.location import ObjectURL
+from gtp_format.writer.checkpoint import CheckpointWriter, megatron_metadata
+from gtp_format.writer.sink import stage_bytes
+
+ITERATION = 0
+
+
+def param_name(p: MegatronParam) -> str:
+    """The per-layer name of a parameter (``decoder.layers.3.mlp.linear_fc1.weight``): the chunks' ``param``."""
+    return p.key if p.layer is None else p.key.replace("decoder.layers.", f"decoder.layers.{p.layer}.", 1)
+
+
+def state_key(state: str, key: str) -> str:
+    return key if state == WEIGHT_STATE else f"optimizer.state.{state}.{key}"
+
+
+def fully_reshardable_chunks(hf: HFMegatron, max_bytes: int) -> tuple[list[OutChunk], dict[str, Any]]:
+    """Every chunk of the fully_reshardable checkpoint and each key's (global shape, dtype)."""
+    chunks: list[OutChunk] = []
+    shapes: dict[str, Any] = {}
+    layers = hf.num_layers
+    for p in hf.params:
+        rest = p.shape[1:]
+        for state in (WEIGHT_STATE, *STATES):
+            dt = hf.dtype if state == WEIGHT_STATE else FP32
+            key = state_key(state, p.key)
+            lead: tuple[int, ...] = () if p.layer is None else (p.layer,)
+            shapes[key] = ((*((layers,) if lead else ()), *p.shape), dt)
+            for a, b in row_blocks(p.shape[0], int(np.prod(rest, dtype=np.int64)), dt.itemsize, max_bytes):
+                chunks.append(OutChunk(key, (*lead, a, *(0,) * len(rest)), (*(1,) * len(lead), b - a, *rest), dt,
+                                       param_name(p), state, ((a, *(0,) * len(rest)), (b - a, *rest))))
+    return chunks, shapes
+
+
+def chunk_filler(hf: HFMegatron, views: dict[str, tuple[MegatronParam, int | None]] | None = None
+                 ) -> Callable[[OutChunk], np.ndarray]:
+    """A chunk's elements: the weight's stored bits, its fp32 master (bf16 widened exactly), zero moments.
+
+    ``views`` (dp_reshardable): the chunks name per-parameter views (:mod:`.megatron_dp_import`; a name
+    ``model:<view>`` reads the parameter's own rows); else the chunks name parameters (:func:`param_name`).
+    """
+    by_name = {param_name(p): (p, None) for p in hf.params} if views is None else views
+
+    def one(c: OutChunk) -> np.ndarray:
+        if c.param is None or c.state in STATES[1:]:
+            return np.zeros(c.sizes, dtype=np.float32 if c.dtype == FP32 else np.uint16)
+        assert c.box is not None
+        (a, *cols), (n, *widths) = c.box
+        if c.param.startswith("model:"):
+            bits = by_name[c.param[len("model:"):]][0].read_rows(a, a + n)
+        else:
+            p, block = by_name[c.param]
+            bits = view_rows(p, block, a, a + n)
+        if cols and (cols[0], widths[0]) != (0, bits.shape[1]):  # a row-parallel TP part: its columns
+            bits = np.ascontiguousarray(bits[:, cols[0]:cols[0] + widths[0]])
+        if c.state != WEIGHT_STATE and hf.dtype != FP32:
+            bits = (bits.astype(np.uint32) << 16).view(np.float32)
+        return bits.reshape(c.sizes)
+
+    return one
+
+
+def extra_objects(hf: HFMegatron) -> dict[str, bytes]:
+    """One ``_extra_state`` per linear layer, under megatron-core's stacked key and ``shard_<layer>_<layers>``."""
+    n = hf.num_layers
+    blob = extra_state()
+    return {f"decoder.layers.{m}._extra_state/shard_{i}_{n}": blob for i in range(n) for m in LINEARS}
+
+
+def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: int, dp: int, vpp: int | None = None,
+                    sharding: str = "dp_reshardable", seq_length: int | None = None, lr: float = 1e-4,
+                    min_lr: float = 0.0, max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
+                    progress: ProgressOpener | None = None) -> dict[str, Any]:
+    """Write the HF folder SRC as a megatron-core checkpoint at TP x PP (x VPP) x DP into the new DST."""
+    if sharding not in SHARDINGS:
+        raise FormatError(f"--sharding {sharding!r}: use one of {', '.join(SHARDINGS)}")
+    t0 = time.perf_counter()
+    hf = open_hf_megatron(src)
+    check_topology(hf, tp, pp, vpp, dp)
+    workers = workers or default_workers()
+    chunk_bytes = chunk_budget(max_memory, workers)
+    args = {**hf.args, "seq_length": seq_length or hf.args["max_position_embeddings"]}
+    objects: dict[str, bytes] = extra_objects(hf)
+    if sharding == "fully_reshardable":
+        chunks, shapes = fully_reshardable_chunks(hf, chunk_bytes)
+        files = split_files(chunks, workers * 2)
+        names = [f"__{i}_0.distcp" for i in range(len(files))]
+        fill = chunk_filler(hf)
+    else:
+        per_rank, shapes, numel_objects, by_view = plan_dp_reshardable(hf, tp, pp, dp, chunk_bytes, lr, min_lr)
+        ranks = sorted(per_rank)
+        files = [per_rank[r] for r in ranks]
+        names = [f"__{r}_0.distcp" for r in ranks]
+        objects.update(numel_objects)
+        fill = chunk_filler(hf, by_view)
+    objects["common_state/shard_0_1"] = common_state(args, hf.dtype, tp, pp, vpp, dp, sharding, lr, min_lr,
+                                                     ITERATION)
+    total = sum(c.nbytes for cs in files for c in cs)
+
+    def body(writer: CheckpointWriter) -> None:
+        folder = writer.folder
+        advance = progress(total) if progress else (lambda n: None)
+        records: list[list[ChunkRecord]] = [[] for _ in range(len(files) + 1)]  # one list per file (one thread each)
+        results = run_files(lambda i, tick: write_distcp(folder / names[i], files[i], fill, tick,
+                                                         stage_bytes(chunk_bytes), records[i]),
+                            len(files), workers, advance)
+        placed: list[tuple[str, Any, int, int]] = [(n, c, off, ln) for n, r in zip(names, results)
+                                                   for c, off, ln in r[1]]
+        obj_file = "__0_1.distcp"
+        placed.extend(write_objects(folder / obj_file, objects, records[-1]))
+        write_distcp_metadata(folder / DCP_METADATA_FILE, shapes, placed, list(objects))
+        writer.add_records([r for rs in records for r in rs])  # hashed as written: verify --data checks them
+        writer.finish(None, megatron_metadata("torch_dist"))  # megatron-core's layout: no manifest
+
+    build_atomically(dst, (src,), body, inner=iter_dir_name(ITERATION), latest=str(ITERATION))
+    out = written_sizes(dst / iter_dir_name(ITERATION))
+    topo = f"tp{tp} pp{pp}{f' vpp{vpp}' if vpp and vpp > 1 else ''} dp{dp}"
+    return {"src": str(src), "dst": str(dst), "from": "hf", "to": "megatron-core", "architecture": hf.architecture,
+            "topology": topo, "sharding": sharding, "params": len(hf.params), "param_dtype": hf.dtype.name,
+            "args": {k: v for k, v in args.items()}, "files": len(out), "bytes_written": sum(out),
+            "seconds": time.perf_counter() - t0, "iteration": ITERATION, "optimizer": "fresh (moments at zero)",
+            "max_memory": max_memory, "chunk_bytes": chunk_bytes, "workers": workers, "peak_rss_bytes": peak_rss()}

@@ -1,0 +1,351 @@
+"""A transformers folder read as megatron-core's GPT: the inverse of :mod:`.megatron_arch`.
+
+``config.json`` of ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or ``GPTBigCodeForCausalLM`` is read
+into the Megatron-LM arguments a run of that model records (:func:`megatron_args`), and those into
+the one model description (:class:`gtp_format.megatron_args.ModelDescription`). The description
+then goes through the export's own choice (:func:`.megatron_arch.choose`): the class it picks and
+every forward-changing key of the ``config.json`` it would write must be the folder's own, else
+the folder is refused naming the key, so what is imported exports back to the same model. The
+export's name table (``Target.names``: megatron-core parameter -> HF tensors and the rows they
+fill) is then walked the other way: each megatron-core parameter is the concatenation of its HF
+tensors' rows (``linear_qkv``: per query group the group's query heads, one key head, one value
+head; ``linear_fc1`` gated: gate rows then up rows). Every HF tensor must be used exactly once at
+the shape that table implies, or the folder is refused naming the tensor and the config.
+
+The config's sizes are checked against the stored tensors before any per-layer or per-group table
+is built, so a config that claims 10^9 layers or heads costs nothing the folder does not back.
+No torch: tensors are read as numpy memory maps (or ranged reads from a bucket), a row block at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckpt_tool.hf import megatron_arch
+from ckpt_tool.hf.folder import Tensor, read_folder
+from gtp_format.dtypes import DType
+from gtp_format.errors import FormatError
+from gtp_format.megatron_args import ModelDescription
+from gtp_format.scan import carrier
+from gtp_format.storage.location import ObjectURL
+
+CLASSES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "GPTBigCodeForCausalLM")
+PARAM_DTYPES = ("float32", "bfloat16")
+# per class: config key -> transformers' default (configs written by older transformers omit defaults)
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                         "tie_word_embeddings": False, "max_position_embeddings": 2048},
+    "Qwen3ForCausalLM": {"rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False, "head_dim": 128,
+                         "tie_word_embeddings": False, "max_position_embeddings": 32768, "use_sliding_window": False},
+    "GPTBigCodeForCausalLM": {"activation_function": "gelu_pytorch_tanh", "layer_norm_epsilon": 1e-5,
+                              "multi_query": True, "n_inner": None, "tie_word_embeddings": True,
+                              "scale_attn_weights": True, "n_positions": 1024},
+}
+BIGCODE_ACT = {"gelu": ("openai_gelu", False), "gelu_pytorch_tanh": ("openai_gelu", True),
+               "relu2": ("squared_relu", True)}
+# keys of the exported config.json that do not change the forward (or are the tensors' own shapes)
+NOT_FORWARD = {"architectures", "model_type", "dtype", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id",
+               "max_position_embeddings", "n_positions", "attention_dropout", "resid_pdrop", "embd_pdrop",
+               "attn_pdrop", "use_sliding_window"}
+
+
+@dataclass(frozen=True)
+class Segment:
+    tensor: Tensor
+    first: int  # first row of the HF tensor
+    rows: int
+
+
+@dataclass(frozen=True)
+class MegatronParam:
+    """One megatron-core parameter of one layer (or a global one) and the HF rows it is made of."""
+
+    key: str  # the checkpoint key: stacked over layers for ``decoder.layers.*``
+    layer: int | None
+    shape: tuple[int, ...]  # this layer's full tensor
+    segments: tuple[Segment, ...]  # in megatron's row order
+
+    def read_rows(self, a: int, b: int) -> np.ndarray:
+        """Rows ``[a, b)`` of the parameter, stored bits, assembled from its HF tensors."""
+        out = np.empty((b - a, *self.shape[1:]), dtype=carrier(self.segments[0].tensor.dtype))
+        pos = 0
+        for s in self.segments:
+            lo, hi = max(a, pos), min(b, pos + s.rows)
+            if lo < hi:
+                out[lo - a:hi - a] = s.tensor.read_rows(s.first + lo - pos, s.first + hi - pos)
+            pos += s.rows
+        return out
+
+
+@dataclass(frozen=True)
+class HFMegatron:
+    root: Path | ObjectURL
+    architecture: str
+    args: dict[str, Any]  # what a Megatron-LM run of this model records in common_state (model part)
+    dtype: DType
+    params: tuple[MegatronParam, ...]  # in module order, layer by layer
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.args["num_layers"])
+
+
+def _int(cfg: dict[str, Any], key: str, where: str, default: Any = None) -> int:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise FormatError(f"{where}: {key} is {v!r}, not a positive integer; fix config.json")
+    return v
+
+
+def _get(cfg: dict[str, Any], arch: str, key: str) -> Any:
+    return cfg.get(key, DEFAULTS[arch].get(key))
+
+
+def _rope_theta(cfg: dict[str, Any], where: str) -> float:
+    """RoPE's base, from transformers 5's ``rope_parameters`` or the older ``rope_theta``/``rope_scaling``;
+    anything but plain RoPE is refused (megatron-core's GPT rotates with the plain frequencies)."""
+    params = cfg.get("rope_parameters")
+    scaling = cfg.get("rope_scaling")
+    for what, p in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if p is None:
+            continue
+        if not isinstance(p, dict):
+            raise FormatError(f"{where}: {what} is {p!r}, not an object; fix config.json")
+        kind = p.get("rope_type", p.get("type", "default"))
+        if kind != "default":
+            raise FormatError(f"{where}: {what}.rope_type {kind!r}: RoPE scaling has no megatron-core GPT form here "
+                              "(plain RoPE only)")
+    theta = (params or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise FormatError(f"{where}: rope_theta is {theta!r}, not a positive number; fix config.json")
+    if float(theta) != int(theta):
+        raise FormatError(f"{where}: rope_theta {theta} is not a whole number, as Megatron's --rotary-base is")
+    factor = cfg.get("partial_rotary_factor", 1.0)
+    if factor != 1.0:
+        raise FormatError(f"{where}: partial_rotary_factor {factor!r}: partial rotary has no exact megatron-core "
+                          "form here")
+    return float(theta)
+
+
+def megatron_args(cfg: dict[str, Any], where: str) -> tuple[str, dict[str, Any]]:
+    """(class, Megatron-LM's model arguments) of a ``config.json``; a class with no mapping is refused."""
+    archs = cfg.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str) else None
+    if arch not in CLASSES:
+        raise FormatError(f"{where}: architectures {archs!r}: no megatron-core mapping for this class; "
+                          f"ckpt import --to megatron-core reads {', '.join(CLASSES)}")
+    if arch == "GPTBigCodeForCausalLM":
+        hidden, layers, heads = (_int(cfg, k, where) for k in ("n_embd", "n_layer", "n_head"))
+        inner = cfg.get("n_inner")
+        ffn = 4 * hidden if inner is None else _int(cfg, "n_inner", where)
+        act = _get(cfg, arch, "activation_function")
+        if act not in BIGCODE_ACT:
+            raise FormatError(f"{where}: activation_function {act!r} has no megatron-core form here "
+                              f"({', '.join(BIGCODE_ACT)})")
+        if not _get(cfg, arch, "scale_attn_weights"):
+            raise FormatError(f"{where}: scale_attn_weights false: megatron-core always scales attention")
+        flag, on = BIGCODE_ACT[act]
+        mq = bool(_get(cfg, arch, "multi_query"))
+        eps = _get(cfg, arch, "layer_norm_epsilon")
+        positions = _int(cfg, "n_positions", where, DEFAULTS[arch]["n_positions"])
+        args = {"num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_attention_heads": heads,
+                "num_query_groups": 1 if mq else heads, "group_query_attention": mq and heads > 1,
+                "kv_channels": hidden // heads, "swiglu": False, "openai_gelu": flag == "openai_gelu" and on,
+                "squared_relu": flag == "squared_relu", "normalization": "LayerNorm", "norm_epsilon": eps,
+                "position_embedding_type": "learned_absolute", "add_position_embedding": True,
+                "qk_layernorm": False, "add_bias_linear": True, "add_qkv_bias": True,
+                "untie_embeddings_and_output_weights": not _get(cfg, arch, "tie_word_embeddings"),
+                "max_position_embeddings": positions}
+        if hidden % heads:
+            raise FormatError(f"{where}: n_head {heads} does not divide n_embd {hidden}; fix config.json")
+    else:
+        hidden, layers, heads = (_int(cfg, k, where) for k in ("hidden_size", "num_hidden_layers",
+                                                               "num_attention_heads"))
+        ffn = _int(cfg, "intermediate_size", where)
+        groups = _int(cfg, "num_key_value_heads", where, heads)
+        dim = cfg.get("head_dim") if arch == "LlamaForCausalLM" else _get(cfg, arch, "head_dim")
+        dim = hidden // heads if dim is None else _int({"head_dim": dim}, "head_dim", where)
+        act = _get(cfg, arch, "hidden_act")
+        if act != "silu":
+            raise FormatError(f"{where}: hidden_act {act!r}: a gated MLP maps onto megatron-core's --swiglu only "
+                              "(silu)")
+        if arch == "Qwen3ForCausalLM" and (_get(cfg, arch, "use_sliding_window")
+                                           or any(t != "full_attention" for t in cfg.get("layer_types") or [])):
+            raise FormatError(f"{where}: sliding-window attention (use_sliding_window, layer_types) has no "
+                              "megatron-core GPT form here")
+        bias = bool(_get(cfg, arch, "attention_bias"))
+        mlp_bias = bool(_get(cfg, arch, "mlp_bias")) if arch == "LlamaForCausalLM" else False
+        if bias != mlp_bias:
+            raise FormatError(f"{where}: attention_bias {bias} with mlp_bias {mlp_bias}: megatron-core's "
+                              "--add-bias-linear puts biases on both or neither")
+        args = {"num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_attention_heads": heads,
+                "num_query_groups": groups, "group_query_attention": groups != heads, "kv_channels": dim,
+                "swiglu": True, "openai_gelu": False, "squared_relu": False, "normalization": "RMSNorm",
+                "norm_epsilon": _get(cfg, arch, "rms_norm_eps"), "position_embedding_type": "rope",
+                "add_position_embedding": False, "rotary_base": int(_rope_theta(cfg, where)), "rotary_percent": 1.0,
+                "rotary_interleaved": False, "qk_layernorm": arch == "Qwen3ForCausalLM", "add_bias_linear": bias,
+                "add_qkv_bias": bias, "untie_embeddings_and_output_weights": not _get(cfg, arch,
+                                                                                     "tie_word_embeddings"),
+                "max_position_embeddings": _int(cfg, "max_position_embeddings", where,
+                                                DEFAULTS[arch]["max_position_embeddings"])}
+    eps = args["norm_epsilon"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise FormatError(f"{where}: the norm epsilon is {eps!r}, not a positive number; fix config.json")
+    args["padded_vocab_size"] = _int(cfg, "vocab_size", where)
+    return arch, args
+
+
+def description(args: dict[str, Any]) -> ModelDescription:
+    act = "silu" if args["swiglu"] else "squared_relu" if args["squared_relu"] else \
+        "gelu_tanh" if args["openai_gelu"] else "gelu"
+    return ModelDescription(
+        num_layers=args["num_layers"], hidden_size=args["hidden_size"], ffn_hidden_size=args["ffn_hidden_size"],
+        num_attention_heads=args["num_attention_heads"], num_query_groups=args["num_query_groups"],
+        kv_channels=args["kv_channels"], vocab_size=args["padded_vocab_size"], gated_linear_unit=args["swiglu"],
+        activation=act, normalization=args["normalization"], norm_epsilon=args["norm_epsilon"],
+        position_embedding_type=args["position_embedding_type"], rotary_base=args.get("rotary_base"),
+        rotary_percent=args.get("rotary_percent"), qk_layernorm=args["qk_layernorm"],
+        add_bias_linear=args["add_bias_linear"], add_qkv_bias=args["add_qkv_bias"],
+        untied=args["untie_embeddings_and_output_weights"])
+
+
+def layer_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """One layer's megatron-core parameters (checkpoint names below ``decoder.layers.``) and their shapes."""
+    h, ffn = args["hidden_size"], args["ffn_hidden_size"]
+    heads, groups, dim = args["num_attention_heads"], args["num_query_groups"], args["kv_channels"]
+    ln = args["normalization"] == "LayerNorm"
+    out: dict[str, tuple[int, ...]] = {"self_attention.linear_qkv.layer_norm_weight": (h,)}
+    if ln:
+        out["self_attention.linear_qkv.layer_norm_bias"] = (h,)
+    out["self_attention.linear_qkv.weight"] = ((heads + 2 * groups) * dim, h)
+    if args["add_qkv_bias"]:
+        out["self_attention.linear_qkv.bias"] = ((heads + 2 * groups) * dim,)
+    if args["qk_layernorm"]:
+        out["self_attention.q_layernorm.weight"] = (dim,)
+        out["self_attention.k_layernorm.weight"] = (dim,)
+    out["self_attention.linear_proj.weight"] = (h, heads * dim)
+    if args["add_bias_linear"]:
+        out["self_attention.linear_proj.bias"] = (h,)
+    out["mlp.linear_fc1.layer_norm_weight"] = (h,)
+    if ln:
+        out["mlp.linear_fc1.layer_norm_bias"] = (h,)
+    fc1 = 2 * ffn if args["swiglu"] else ffn
+    out["mlp.linear_fc1.weight"] = (fc1, h)
+    if args["add_bias_linear"]:
+        out["mlp.linear_fc1.bias"] = (fc1,)
+    out["mlp.linear_fc2.weight"] = (h, ffn)
+    if args["add_bias_linear"]:
+        out["mlp.linear_fc2.bias"] = (h,)
+    return out
+
+
+def global_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    h = args["hidden_size"]
+    out: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (args["padded_vocab_size"], h)}
+    if args["position_embedding_type"] == "learned_absolute":
+        out["embedding.position_embeddings.weight"] = (args["max_position_embeddings"], h)
+    out["decoder.final_layernorm.weight"] = (h,)
+    if args["normalization"] == "LayerNorm":
+        out["decoder.final_layernorm.bias"] = (h,)
+    if args["untie_embeddings_and_output_weights"]:
+        out["output_layer.weight"] = (args["padded_vocab_size"], h)
+    return out
+
+
+def _check_config(arch: str, cfg: dict[str, Any], target: megatron_arch.Target, where: str) -> None:
+    """Every forward-changing key the export would write must be the folder's own (defaults filled)."""
+    if target.architecture != arch:
+        raise FormatError(f"{where}: this {arch} maps onto megatron-core settings that export as "
+                          f"{target.architecture}; no round trip, so it is refused")
+    for key, want in target.config.items():
+        if key in NOT_FORWARD:
+            continue
+        if key == "rope_parameters":
+            got = float(_rope_theta(cfg, where))
+            if got != want["rope_theta"]:
+                raise FormatError(f"{where}: rope_theta {got} is not {want['rope_theta']}")
+            continue
+        got = cfg.get(key, DEFAULTS[arch].get(key, want))
+        if key == "num_key_value_heads" and arch == "GPTBigCodeForCausalLM":
+            continue  # transformers derives it from multi_query
+        if got is None and (key == "head_dim" or (key == "n_inner" and want == 4 * cfg.get("n_embd", 0))):
+            got = want  # transformers' own default: hidden / heads, 4 x n_embd
+        if got != want and not (isinstance(got, (int, float)) and isinstance(want, (int, float))
+                                and not isinstance(got, bool) and float(got) == float(want)):
+            raise FormatError(f"{where}: {key} is {got!r}; megatron-core's form of this model computes {want!r} "
+                              "(no exact megatron-core mapping)")
+
+
+def open_hf_megatron(src: Path | ObjectURL) -> HFMegatron:
+    """Read and check an HF folder (headers only) as megatron-core's GPT; see the module docstring."""
+    cfg, tensors = read_folder(src)
+    where = str(src / "config.json")
+    arch, args = megatron_args(cfg, where)
+    layers = args["num_layers"]
+    per_layer = layer_shapes(args)
+    n_global = len(global_shapes(args))
+    bigcode = arch == "GPTBigCodeForCausalLM"
+    # one HF tensor per megatron-core tensor of a layer, but q/k/v (3 for linear_qkv) and gate/up (2 for fc1)
+    per_hf = len(per_layer) + (0 if bigcode else 2 * (1 + args["add_qkv_bias"])) + (1 if args["swiglu"] else 0)
+    want_n = n_global + per_hf * layers
+    if len(tensors) != want_n:
+        raise FormatError(f"{src}: config.json says {layers} layers of {arch}, i.e. {want_n} tensors, but the "
+                          f"folder holds {len(tensors)}; the weights do not belong to this config")
+    dtypes = {t.dtype.name for t in tensors.values()}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in PARAM_DTYPES:
+        raise FormatError(f"{src}: tensors are {', '.join(sorted(dtypes))}; megatron-core's import takes one param "
+                          "dtype, float32 or bfloat16 (convert the model first, e.g. model.to(torch.bfloat16))")
+    dtype = next(iter(tensors.values())).dtype
+    # the config's sizes against the stored tensors, before any per-head or per-layer table is built
+    h, heads, groups, dim = (args[k] for k in ("hidden_size", "num_attention_heads", "num_query_groups",
+                                               "kv_channels"))
+    first = ({"transformer.wte.weight": (args["padded_vocab_size"], h),
+              "transformer.h.0.attn.c_attn.weight": ((heads + 2 * groups) * dim, h)} if bigcode else
+             {"model.embed_tokens.weight": (args["padded_vocab_size"], h),
+              "model.layers.0.self_attn.q_proj.weight": (heads * dim, h),
+              "model.layers.0.self_attn.k_proj.weight": (groups * dim, h)})
+    for hf, want in first.items():
+        t = tensors.get(hf)
+        if t is None or t.shape != want:
+            raise FormatError(f"{t.file if t else src}: tensor {hf!r} is {list(t.shape) if t else 'missing'}, "
+                              f"config.json implies {list(want)}; the weights do not belong to this config")
+    shapes0 = {f"decoder.layers.0.{k}": s for k, s in per_layer.items()}
+    shapes0.update(global_shapes(args))
+    target = megatron_arch.choose(description(args), args, shapes0, None, dtype.name, where)
+    _check_config(arch, cfg, target, where)
+    params: list[MegatronParam] = []
+    used: set[str] = set()
+    order = [(k, None) for k in global_shapes(args) if k.startswith("embedding.")]
+    order += [(k, i) for i in range(layers) for k in per_layer]
+    order += [(k, None) for k in global_shapes(args) if not k.startswith("embedding.")]
+    for key, layer in order:
+        shape = per_layer[key] if layer is not None else global_shapes(args)[key]
+        name = f"decoder.layers.{layer}.{key}" if layer is not None else key
+        segs = []
+        for hf, rows in target.names(name, shape):
+            t = tensors.get(hf)
+            want = (sum(b - a for a, b in rows), *shape[1:])
+            if t is None or t.shape != want:
+                got = "missing" if t is None else list(t.shape)
+                raise FormatError(f"{src}: tensor {hf!r} is {got}, config.json implies {list(want)}; the weights do "
+                                  "not belong to this config")
+            used.add(hf)
+            first = 0
+            for a, b in rows:  # the HF tensor is its megatron row ranges back to back
+                segs.append((a, b, Segment(t, first, b - a)))
+                first += b - a
+        segs.sort(key=lambda s: s[0])
+        if [(a, b) for a, b, _ in segs] != list(zip([0] + [b for _, b, _ in segs[:-1]], [b for _, b, _ in segs])) \
+                or segs[-1][1] != shape[0]:
+            raise FormatError(f"{src}: the rows of {name} are not covered once by its HF tensors")  # a table bug
+        params.append(MegatronParam(f"decoder.layers.{key}" if layer is not None else key, layer, shape,
+                                    tuple(s for _, _, s in segs)))
+    unknown = sorted(set(tensors) - used)
+    if unknown:
+        raise FormatError(f"{src}: has tensor {unknown[0]!r}, which {arch} of this config.json does not have; the "
+                          "folder is not that model")
+    return HFMegatron(src, arch, args, dtype, tuple(params))

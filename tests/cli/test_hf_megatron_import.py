@@ -1,0 +1,288 @@
+"""``ckpt import --from hf --to megatron-core``: a transformers folder as a megatron-core checkpoint.
+
+Tiny models built by transformers from a config (random init, nothing downloaded; norm weights
+perturbed so a swapped or dropped norm shows) of each mapped class: LlamaForCausalLM (GQA untied,
+MQA tied, bf16), Qwen3ForCausalLM (q/k norms), GPTBigCodeForCausalLM (MHA and MQA). Must hold:
+
+* import -> ``ckpt export --to hf`` gives every tensor back bit for bit (HF -> megatron-core -> HF),
+  and ``verify --data`` passes on the import;
+* megatron-core's own loader (``tests/helpers/megatron_forward.py``, the megatron venv; skipped
+  without it) loads the import at TP 2 (or 1 for MQA) into a model built from the checkpoint's own
+  args, and its forward equals transformers' logits within 1e-5 (fp32); at PP 2 it loads the same
+  values (masters equal to the weights, zero moments, step 0);
+* megatron-core (a genuine fixture) -> HF -> megatron-core at another topology -> HF is bit-identical;
+* a class with no mapping, a config that disagrees with the tensors, a forward setting megatron-core
+  cannot compute, an impossible topology: one line, exit 2, nothing written; a DST that appears
+  mid-run is refused and left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from cli_helpers import assert_error_line, cli
+from safetensors.torch import load_file, save_file
+
+from gtp_format.errors import FormatError
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+MEGATRON = ROOT / "fixtures" / "megatron"
+MEGATRON_PY = MEGATRON / "_venv" / "bin" / "python"
+FORWARD = ROOT / "tests" / "helpers" / "megatron_forward.py"
+SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+TOL = 1e-5
+
+
+def hf_model(root: Path, kind: str, dtype: torch.dtype = torch.float32) -> Path:
+    torch.manual_seed(0)
+    if kind == "llama":  # GQA, untied (Llama's default)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_key_value_heads=2, **SIZES))
+    elif kind == "llama_mqa_tied":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_key_value_heads=1,
+                                                                       tie_word_embeddings=True, **SIZES))
+    elif kind == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(num_key_value_heads=2, head_dim=16,
+                                                                       rope_theta=50000.0, **SIZES))
+    else:
+        model = transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(
+            n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32, multi_query=kind == "bigcode_mqa",
+            bos_token_id=None, eos_token_id=None))
+    model = model.to(dtype)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n or ".ln_" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(root)
+    return root
+
+
+def tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("model*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def assert_same_tensors(a: Path, b: Path) -> None:
+    ta, tb = tensors(a), tensors(b)
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
+        assert torch.equal(ta[k].view(torch.uint8) if ta[k].dtype == torch.bfloat16 else ta[k],
+                           tb[k].view(torch.uint8) if tb[k].dtype == torch.bfloat16 else tb[k]), k
+
+
+def import_mc(src: Path, dst: Path, *topo: str) -> None:
+    r = cli("import", src, dst, "--from", "hf", "--to", "megatron-core", *(topo or ("--tp", "1")),
+            "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["to"] == "megatron-core" and info["iteration"] == 0
+
+
+KINDS = ["llama", "llama_mqa_tied", "qwen3", "bigcode", "bigcode_mqa"]
+SHARDINGS = ["dp_reshardable", "fully_reshardable"]
+
+
+@pytest.mark.parametrize("kind,dtype,sharding", [(k, torch.float32, s) for k in KINDS for s in SHARDINGS]
+                         + [("llama", torch.bfloat16, s) for s in SHARDINGS])
+def test_hf_megatron_hf_round_trip_is_bit_identical(kind: str, dtype: torch.dtype, sharding: str,
+                                                    tmp_path: Path) -> None:
+    src = hf_model(tmp_path / "hf", kind, dtype)
+    tp = "1" if "mqa" in kind else "2"
+    import_mc(src, tmp_path / "mc", "--tp", tp, "--pp", "2", "--dp", "2", "--sharding", sharding)
+    assert (tmp_path / "mc" / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
+    assert json.loads((tmp_path / "mc" / "iter_0000000" / "metadata.json").read_text())["sharded_backend"] == \
+        "torch_dist"
+    r = cli("verify", tmp_path / "mc", "--data")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    r = cli("export", tmp_path / "mc", tmp_path / "back", "--to", "hf", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["architecture"] == json.loads((src / "config.json").read_text())["architectures"][0]
+    assert_same_tensors(src, tmp_path / "back")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=dtype)
+    assert back.config.architectures == json.loads((src / "config.json").read_text())["architectures"]
+
+
+def _megatron(ckpt: Path, out: Path, topo: tuple[int, int, int], tokens: Path) -> list[dict[str, np.ndarray]]:
+    out.mkdir()
+    r = subprocess.run([str(MEGATRON_PY), str(FORWARD), str(ckpt / "iter_0000000"), str(out), *map(str, topo),
+                        str(tokens)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = []
+    for i in range(topo[0] * topo[1] * topo[2]):
+        with np.load(out / f"rank{i}.npz") as z:
+            ranks.append({k: z[k] for k in z.files})
+    return ranks
+
+
+def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, sharding: str) -> None:
+    """Masters equal to the weights (as multisets: the DP shards of every rank against the params of
+    the DP-rank-0 ranks; rank order tp-dp-pp), both Adam moments zero, step 0 (dp_reshardable: one
+    value; the helper's CPU workaround leaves AdamW's step at its dummy-init value there, as
+    ``test_megatron_load.py`` says)."""
+    masters, weights = [], []
+    for rank, r in enumerate(ranks):
+        assert (r["step"] == 0).all() if sharding == "fully_reshardable" else len(set(r["step"].tolist())) == 1
+        opt = sorted((k for k in r if k.startswith("opt.")), key=lambda k: int(k[4:]))
+        for i, k in enumerate(opt):  # _optimizer_tensors: per param shard its master, exp_avg, exp_avg_sq
+            if i % 3 == 0:
+                masters.append(r[k].ravel())
+            else:
+                np.testing.assert_array_equal(r[k], 0)
+        if (rank // tp) % dp:
+            continue
+        for k, v in r.items():
+            if k.startswith("model."):
+                weights.append((v.astype(np.int32) << 16).view(np.float32).ravel() if v.dtype == np.int16
+                               else v.ravel())
+    assert masters and np.array_equal(np.sort(np.concatenate(masters)), np.sort(np.concatenate(weights)))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not MEGATRON_PY.exists(), reason="needs the megatron venv (fixtures/megatron/setup_venv.sh)")
+@pytest.mark.parametrize("kind,topo,sharding", [
+    ("llama", (2, 1, 2), "dp_reshardable"), ("llama", (2, 1, 1), "fully_reshardable"),
+    ("llama_mqa_tied", (1, 1, 2), "dp_reshardable"), ("qwen3", (2, 1, 2), "dp_reshardable"),
+    ("qwen3", (2, 1, 1), "fully_reshardable"), ("bigcode", (2, 1, 1), "dp_reshardable"),
+    ("bigcode_mqa", (1, 1, 1), "fully_reshardable"), ("llama", (1, 2, 1), "fully_reshardable"),
+    ("llama_mqa_tied", (1, 2, 2), "dp_reshardable")])
+def test_megatron_core_loads_the_import_and_computes_transformers_logits(kind: str, topo: tuple[int, int, int],
+                                                                         sharding: str, tmp_path: Path) -> None:
+    src = hf_model(tmp_path / "hf", kind)
+    import_mc(src, tmp_path / "mc", "--tp", str(topo[0]), "--pp", str(topo[1]), "--dp", str(topo[2]),
+              "--sharding", sharding)
+    ids = np.random.default_rng(0).integers(0, 128, (2, 12))
+    np.save(tmp_path / "tokens.npy", ids)
+    ranks = _megatron(tmp_path / "mc", tmp_path / "out", topo, tmp_path / "tokens.npy")
+    _fresh_optimizer(ranks, topo[0], topo[2], sharding)
+    if topo[1] == 1:
+        model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        with torch.no_grad():
+            want = model(torch.from_numpy(ids)).logits.numpy()
+        got = np.load(tmp_path / "out" / "logits.npy")
+        assert got.shape == want.shape and np.abs(got - want).max() < TOL, np.abs(got - want).max()
+
+
+@pytest.mark.slow
+def test_megatron_core_hf_megatron_core_at_another_topology(tmp_path: Path) -> None:
+    """A genuine megatron-core save (tp2 dp2, GELU, LayerNorm, biases, learned positions: GPTBigCode) ->
+    HF -> megatron-core at tp1 pp2 dp2 -> HF: the two HF folders hold the same bits."""
+    r = cli("export", MEGATRON / "pair_tp2_dp2_dp_reshardable", tmp_path / "hf1", "--to", "hf")
+    assert r.exit_code == 0, r.stderr
+    import_mc(tmp_path / "hf1", tmp_path / "mc", "--tp", "1", "--pp", "2", "--dp", "2")  # dp_reshardable
+    r = cli("export", tmp_path / "mc", tmp_path / "hf2", "--to", "hf")
+    assert r.exit_code == 0, r.stderr
+    assert_same_tensors(tmp_path / "hf1", tmp_path / "hf2")
+    if MEGATRON_PY.exists():  # and megatron-core loads it at that topology
+        np.save(tmp_path / "tokens.npy", np.zeros((1, 4), dtype=np.int64))
+        _fresh_optimizer(_megatron(tmp_path / "mc", tmp_path / "out", (1, 2, 2), tmp_path / "tokens.npy"), 1, 2,
+                         "dp_reshardable")
+
+
+def _edit_config(folder: Path, **change: object) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(change)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("case,needles", [
+    ("class", ["architectures ['MistralForCausalLM']", "no megatron-core mapping"]),
+    ("ffn", ["'model.layers.0.mlp.gate_proj.weight' is [128, 64]", "config.json implies [96, 64]"]),
+    ("heads", ["'model.layers.0.self_attn.k_proj.weight' is [32, 64]", "[64, 64]"]),
+    ("layers", ["says 1000000000 layers", "holds 21"]),
+    ("scaling", ["rope_type 'llama3'", "RoPE scaling"]),
+    ("act", ["hidden_act 'gelu'", "--swiglu"]),
+    ("extra", ["21 tensors", "holds 22"]),
+    ("tp", ["--tp 3 does not divide the model's num_attention_heads 4"]),
+    ("pp", ["--pp 3", "do not divide the 2 layers"]),
+    ("dtype", ["float16", "float32 or bfloat16"]),
+])
+def test_import_to_megatron_core_refusals(case: str, needles: list[str], tmp_path: Path) -> None:
+    src = hf_model(tmp_path / "hf", "llama", torch.float16 if case == "dtype" else torch.float32)
+    if case == "class":
+        _edit_config(src, architectures=["MistralForCausalLM"])
+    elif case == "ffn":
+        _edit_config(src, intermediate_size=96)
+    elif case == "heads":
+        _edit_config(src, num_key_value_heads=4)
+    elif case == "layers":
+        _edit_config(src, num_hidden_layers=10**9)
+    elif case == "scaling":
+        _edit_config(src, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0})
+    elif case == "act":
+        _edit_config(src, hidden_act="gelu")
+    elif case == "extra":
+        t = load_file(src / "model.safetensors")
+        t["model.extra.weight"] = torch.zeros(2)
+        save_file(t, src / "model.safetensors")
+    topo = {"tp": ["--tp", "3"], "pp": ["--pp", "3"]}.get(case, [])
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert_error_line(cli("import", src, tmp_path / "out", "--from", "hf", "--to", "megatron-core", *topo), 2,
+                      *needles)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, SRC untouched
+
+
+def test_import_to_megatron_core_refuses_other_options_and_sharding(tmp_path: Path) -> None:
+    src = hf_model(tmp_path / "hf", "llama")
+    base = ["import", src, tmp_path / "out", "--from", "hf"]
+    assert_error_line(cli(*base, "--to", "megatron-core", "--cp", "2"), 2, "--cp is this runtime's option")
+    assert_error_line(cli(*base, "--pp", "2"), 2, "--pp is for --to megatron-core")
+    assert_error_line(cli(*base, "--to", "nemo"), 2, "--to 'nemo'")
+    assert_error_line(cli(*base, "--to", "megatron-core", "--sharding", "dp_zero_gather_scatter"), 2,
+                      "--sharding 'dp_zero_gather_scatter'")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dst_created_mid_import_is_refused_and_left_alone(tmp_path: Path) -> None:
+    from ckpt_tool.hf.megatron_import import import_megatron
+
+    src = hf_model(tmp_path / "hf", "qwen3")
+    out = tmp_path / "out"
+    out.mkdir()
+    dst = out / "dst"
+
+    def factory(total: int):  # noqa: ANN202 - creates DST (with a file of its own) at the first chunk
+        def advance(n: int) -> None:
+            if not dst.exists():
+                dst.mkdir()
+                (dst / "theirs").write_text("keep")
+        return advance
+
+    with pytest.raises(FormatError, match="appeared while") as e:
+        import_megatron(src, dst, 1, 1, 1, progress=factory)
+    assert e.value.exit_code == 2
+    assert os.listdir(out) == ["dst"] and os.listdir(dst) == ["theirs"]  # nothing deleted, no work folder left
+
+
+def test_sigterm_mid_import_removes_the_work_folder(tmp_path: Path) -> None:
+    import signal
+    import sys
+
+    from test_writer_faults import SLOW_CKPT
+
+    src = hf_model(tmp_path / "hf", "llama")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GTP_TEST_SLOW": "1.0",
+           "GTP_TEST_SLOW_AT": "ckpt_tool.hf.megatron_import:view_rows"}
+    p = subprocess.Popen([sys.executable, "-c", SLOW_CKPT, "import", str(src), str(out / "dst"), "--from", "hf",
+                          "--to", "megatron-core", "--tp", "2", "--dp", "2", "--workers", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert p.stdout is not None and p.stdout.readline().strip() == "writing"
+    assert len(os.listdir(out)) == 1  # the hidden work folder
+    p.send_signal(signal.SIGTERM)
+    rc = p.wait(timeout=120)
+    err = p.stderr.read() if p.stderr else ""
+    assert rc == 143 and err.strip().splitlines() == [
+        "ckpt: error: terminated (SIGTERM); nothing was written, the partial output was removed"], (rc, err)
+    assert os.listdir(out) == []

@@ -1,0 +1,160 @@
+"""megatron-core's own loader and forward on a checkpoint ``ckpt import --to megatron-core`` wrote (megatron venv).
+
+``python megatron_forward.py CKPT_ITER_DIR OUT_DIR TP PP DP TOKENS.npy`` spawns TP x PP x DP gloo CPU
+ranks. Each builds megatron-core's ``GPTModel`` (local spec) from the checkpoint's own ``common_state``
+args as Megatron-LM's ``core_transformer_config_from_args`` would (``--swiglu``: gated SiLU;
+``--openai-gelu``; ``--squared-relu``; ``--normalization``; ``--qk-layernorm``; GQA; RoPE base;
+tied or untied output), wrapped as training does (``Float16Module`` for bf16, megatron DDP with
+the distributed optimizer, ``get_megatron_optimizer`` with the args' lr / min_lr), wipes the model
+and optimizer to zeros and loads CKPT as ``load_checkpoint`` does for ``torch_dist`` (sharded state
+dicts with the sharding type the checkpoint's ``content_metadata`` names, ``dist_checkpointing.load``,
+``model.load_state_dict(strict=True)``, ``optimizer.load_state_dict``; the two CPU workarounds of
+``megatron_load.py``). Rank ``r`` writes ``OUT_DIR/rank{r}.npz``: every model parameter (bf16 as raw
+int16), the fp32 master / ``exp_avg`` / ``exp_avg_sq`` shards and ``step``; at PP 1 rank 0 also
+writes ``logits.npy``, the forward on TOKENS (``parallel_output=False``: the full vocabulary).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
+HELPERS = Path(__file__).resolve().parent
+
+
+def _build(args: Any, tp: int, pp: int) -> tuple[Any, Any]:
+    import torch
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+    from megatron.core.activations import squared_relu
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.utils import openai_gelu
+
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    bf16 = bool(args.bf16)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    act = F.silu if args.swiglu else squared_relu if args.squared_relu else openai_gelu if args.openai_gelu \
+        else F.gelu
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        use_cpu_initialization=True, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype, hidden_dropout=0.0,
+        attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        bias_activation_fusion=False, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        gated_linear_unit=args.swiglu, activation_func=act, normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon, qk_layernorm=args.qk_layernorm)
+    spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                     max_sequence_length=args.max_position_embeddings,
+                     pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                     position_embedding_type=args.position_embedding_type,
+                     rotary_base=getattr(args, "rotary_base", 10000),
+                     rotary_percent=getattr(args, "rotary_percent", 1.0), parallel_output=False)
+    if bf16:
+        model = Float16Module(config, model)
+    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                        use_distributed_optimizer=True, check_for_nan_in_grad=False)
+    model = DistributedDataParallel(config=config, ddp_config=ddp, module=model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, bf16=bf16,
+        params_dtype=dtype, use_distributed_optimizer=True, clip_grad=1.0), [model])
+    return model, optimizer
+
+
+def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: int, tokens: str) -> None:
+    sys.path.insert(0, str(FIXTURES))
+    sys.path.insert(0, str(HELPERS))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    import numpy as np
+    import torch
+    from make_megatron_fixtures import _optimizer_tensors, install_cpu_shims, sharded_sd_metadata_for
+    from megatron_load import _pass_step_through
+
+    torch.set_num_threads(1)
+    install_cpu_shims()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as mpu
+    from megatron.core.utils import unwrap_model
+
+    common = dist_checkpointing.load_common_state_dict(ckpt)  # megatron's own reader of common_state
+    args = common["args"]
+    sharding = common["content_metadata"]["distrib_optim_sharding_type"]
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model, optimizer = _build(args, tp, pp)
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    for opt in opts:
+        opt._init_optimizer_states_with_dummy_values()
+    _pass_step_through()
+    module = unwrap_model(model)
+    with torch.no_grad():  # nothing of the fresh model survives: every value compared comes from CKPT
+        for p in module.parameters():
+            p.zero_()
+        for t in _optimizer_tensors(optimizer):
+            t.zero_()
+    metadata = sharded_sd_metadata_for(sharding)
+    sharded = {"model": module.sharded_state_dict(metadata=metadata)}
+    sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True, metadata=metadata)
+    state = dist_checkpointing.load(sharded, ckpt)
+    module.load_state_dict(state["model"], strict=True)
+    optimizer.load_state_dict(state["optimizer"])
+
+    arrays: dict[str, Any] = {}
+    for name, p in module.named_parameters():
+        w = p.detach()
+        arrays[f"model.{name}"] = w.view(torch.int16).numpy() if p.dtype == torch.bfloat16 else w.numpy()
+    for i, t in enumerate(_optimizer_tensors(optimizer)):
+        arrays[f"opt.{i}"] = t.detach().numpy()
+    arrays["step"] = np.array([float(o.optimizer.state[p]["step"]) for o in opts
+                               for g in o.optimizer.param_groups for p in g["params"]])
+    np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays)
+    if pp == 1:
+        ids = torch.from_numpy(np.load(tokens)).long()
+        b, s = ids.shape
+        pos = torch.arange(s).unsqueeze(0).expand(b, s)
+        mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)  # True: masked out
+        gpt = module.module if hasattr(module, "module") and not hasattr(module, "decoder") else module
+        gpt.eval()
+        with torch.no_grad():
+            logits = gpt(ids, pos, mask)
+        if rank == 0:
+            np.save(os.path.join(out, "logits.npy"), logits.float().numpy())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(ckpt: str, out: str, tp: int, pp: int, dp: int, tokens: str) -> None:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = tp * pp * dp
+    mp.spawn(worker, args=(world, port, ckpt, out, tp, pp, tokens), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    main(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), a[5])

@@ -1,0 +1,128 @@
+"""Hostile Hugging Face folders given to ``ckpt import --from hf --to megatron-core``, in forked children
+(:mod:`runner`: audited opens, peak RSS, time limit), by class:
+
+* sizes the config claims and the files do not back: 10^9 layers, 2^40 heads, a 2^62 vocabulary,
+  a head dim of 0; values of the wrong type (a string hidden size, a negative epsilon, a bool layer
+  count); an ``architectures`` list of 100,000 names; a config 100,000 arrays deep;
+* safetensors headers: a 10^12-byte header length, data offsets past the file, overlapping tensors,
+  a dtype that is no dtype;
+* indexes and links: a ``weight_map`` naming ``../outside.safetensors``, a tensor in two files, the
+  weights file a symlink to a file outside the folder;
+* a config that disagrees with the tensors (``intermediate_size``) and float16 tensors.
+
+Each: exit 2, one line ``ckpt: error: ...`` naming the file or key, no traceback, peak RSS under
+512 MB, within the time limit, no open outside the folder, the folder unchanged and nothing at DST.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from make_corpus import Case  # noqa: E402
+from test_hostile import CKPT_TIMEOUT_S, _check, _run_batch  # noqa: E402
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+CONFIG = {"layers_huge": {"num_hidden_layers": 10**9}, "heads_huge": {"num_attention_heads": 2**40,
+                                                                      "num_key_value_heads": 2**40},
+          "vocab_huge": {"vocab_size": 2**62}, "head_dim_zero": {"head_dim": 0},
+          "hidden_string": {"hidden_size": "64"}, "eps_negative": {"rms_norm_eps": -1.0},
+          "layers_bool": {"num_hidden_layers": True}, "arch_many": {"architectures": ["LlamaForCausalLM"] * 100000},
+          "ffn_disagrees": {"intermediate_size": 96}, "rope_list": {"rope_parameters": [1, 2]}}
+WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json implies", "vocab_huge": "config.json "
+         "implies", "head_dim_zero": "head_dim is 0", "hidden_string": "hidden_size is '64'",
+         "eps_negative": "epsilon is -1.0", "layers_bool": "num_hidden_layers is True",
+         "arch_many": "no megatron-core mapping", "ffn_disagrees": "config.json implies [96, 64]",
+         "rope_list": "rope_parameters is [1, 2]", "deep": "config.json", "header_huge": "header of",
+         "offsets_past": "spans bytes", "overlap": "overlap", "bad_dtype": "ill-formed header entry",
+         "index_outside": "plain file name", "two_files": "also in", "symlink_out": "symlink",
+         "f16": "float32 or bfloat16"}
+
+
+def _st(path: Path, header: dict, data: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+
+
+def _base(root: Path) -> Path:
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128))
+    model.save_pretrained(root)
+    return root
+
+
+def _build(root: Path, dst_root: Path, base: Path) -> list[Case]:
+    cases = []
+    for name in WORDS:
+        folder = root / name
+        run = folder / "run"
+        shutil.copytree(base, run)
+        st = run / "model.safetensors"
+        if name in CONFIG:
+            cfg = json.loads((run / "config.json").read_text())
+            cfg.update(CONFIG[name])
+            (run / "config.json").write_text(json.dumps(cfg))
+        elif name == "deep":
+            (run / "config.json").write_text("[" * 100000 + "]" * 100000)
+        elif name == "header_huge":
+            st.write_bytes((10**12).to_bytes(8, "little") + b"{}")
+        elif name in ("offsets_past", "overlap", "bad_dtype"):
+            entry = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+            header = {"a": {**entry, "data_offsets": [0, 1 << 40], "shape": [1 << 38]} if name == "offsets_past"
+                      else entry, "b": entry if name == "overlap" else {**entry, "data_offsets": [16, 32]}}
+            if name == "bad_dtype":
+                header["a"] = {**entry, "dtype": {"x": 1}}
+            _st(st, header, b"\0" * 32)
+        elif name == "index_outside":
+            (run / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {}, "weight_map": {"lm_head.weight": "../outside.safetensors"}}))
+            (folder / "outside.safetensors").write_bytes(st.read_bytes())
+        elif name == "two_files":
+            shutil.copy(st, run / "model-00002-of-00002.safetensors")
+            st.rename(run / "model-00001-of-00002.safetensors")
+            (run / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors",
+                                                "model.norm.weight": "model-00002-of-00002.safetensors"}}))
+        elif name == "symlink_out":
+            st.rename(folder / "outside.safetensors")
+            st.symlink_to(folder / "outside.safetensors")
+        elif name == "f16":
+            from safetensors.torch import load_file, save_file
+
+            save_file({k: v.half() for k, v in load_file(st).items()}, st)
+        dst = dst_root / name
+        dst.mkdir(parents=True)
+        argv = ["import", str(run), str(dst / "out"), "--from", "hf", "--to", "megatron-core", "--tp", "1"]
+        cases.append(Case(name, "hf-import", "run", [argv], False, dir=str(folder),
+                          notes={"dst": str(dst), "words": WORDS[name]}))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    base = _base(tmp_path_factory.mktemp("hf-base") / "llama")
+    root = tmp_path_factory.mktemp("hostile-hf-import")
+    cases = _build(root, tmp_path_factory.mktemp("hostile-hf-import-dst"), base)  # DSTs outside the corpus
+    return _run_batch("ckpt", root, cases, lambda c: c.commands, CKPT_TIMEOUT_S), {c.name: c for c in cases}
+
+
+@pytest.mark.parametrize("name", sorted(WORDS))
+def test_a_hostile_hf_folder_is_refused(results: tuple[dict, dict], name: str) -> None:
+    got, cases = results
+    r, case = got[f"{name}-0"], cases[name]
+    _check(r, "ckpt: error: ", CKPT_TIMEOUT_S, False)
+    assert r["exit"] == 2, (r["argv"], r["stderr"])
+    assert case.notes["words"] in r["stderr"], (r["argv"], r["stderr"])
+    dst = Path(case.notes["dst"])
+    assert list(dst.iterdir()) == [], f"{r['argv']}: left {sorted(p.name for p in dst.iterdir())} at DST"
