@@ -178,6 +178,13 @@ def _hf_config(source: Source, num_heads: int | None, eos: int | None = None) ->
                               "own; drop it")
         return mapping.hf_config(source.manifest.model, source.manifest.param_dtype or "torch.float32", eos,
                                  str(source.root))
+    from gtp_format.megatron_args import describe_model
+
+    model = describe_model(source.ckpt)
+    if model.gated_linear_unit:  # the per-parameter view lays SwiGLU out; GPT-BigCode's MLP is not gated
+        flag = "--quick-geglu" if model.activation == "quick_gelu" else "--swiglu"
+        raise FormatError(f"{source.root}: its MLP is gated ({flag}: linear_fc1 holds a gate and an up half), which "
+                          f"{mapping.BIGCODE} cannot represent; export it with --names megatron")
     views = source.views.values()
     dtypes = {v.param_dtype for v in views}
     return mapping.megatron_config({v.name: v.full_shape for v in views}, dtypes.pop() if len(dtypes) == 1 else "",

@@ -185,11 +185,12 @@ def test_reshard_of_uneven_stages_rewrites_the_pipeline_layout_args(tmp_path: Pa
         assert plan["verdict"] == "needs_reshard", plan
 
 
-def _load(ckpt: Path, out: Path, topo: tuple[int, int, int], layers: int, sharding: str, moe: tuple[int, int],
+def _load(ckpt: Path, out: Path, topo: tuple[int, int, int], layers: int, sharding: str, moe: tuple[int, ...],
           variant: str) -> list[dict[str, np.ndarray]]:
     out.mkdir()
     r = subprocess.run([str(MEGATRON_PY), str(LOADER), str(ckpt / "iter_0000002"), str(out), *map(str, topo),
-                        str(layers), sharding, *map(str, moe), variant], capture_output=True, text=True, timeout=900)
+                        str(layers), sharding, *map(str, moe[:2]), variant, *map(str, moe[2:])], capture_output=True,
+                       text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = []
     for i in range(topo[0] * topo[1] * topo[2]):
@@ -203,7 +204,7 @@ LOADS = [("pair_swiglu_tp2_dp_reshardable", (1, 1, 2), (1, 0), "-"),
          ("pair_swiglu_tp1_dp_reshardable", (2, 1, 1), (1, 0), "-"),
          ("pair_llama_tp2_dp2_dp_reshardable", (1, 1, 2), (1, 0), "-"),
          ("pair_llama_tp2_dp2_dp_reshardable", (2, 1, 1), (1, 0), "-"),
-         ("pair_moe_shared_dp_reshardable", (2, 1, 1), (2, 4), "-"),
+         ("pair_moe_shared_dp_reshardable", (2, 1, 1), (2, 4, 1), "-"),  # expert TP 1: gated experts whole
          ("pair_qk_layernorm_tp2_dp_reshardable", (1, 1, 2), (1, 0), "-"),
          ("pair_qk_layernorm_tp2_dp_reshardable", (1, 1, 1), (1, 0), "-"),
          ("pair_moe_expert_bias_dp_reshardable", (1, 1, 4), (2, 4), "-"),
@@ -215,7 +216,7 @@ LOADS = [("pair_swiglu_tp2_dp_reshardable", (1, 1, 2), (1, 0), "-"),
 @pytest.mark.skipif(not MEGATRON_PY.exists(), reason="needs the megatron venv (fixtures/megatron/setup_venv.sh)")
 @pytest.mark.parametrize("pair,topo,moe,first", LOADS)
 def test_megatron_loads_the_reshard_with_the_state_of_its_own_save(pair: str, topo: tuple[int, int, int],
-                                                                   moe: tuple[int, int], first: str,
+                                                                   moe: tuple[int, ...], first: str,
                                                                    tmp_path: Path) -> None:
     """``ckpt reshard`` to the target, loaded by megatron-core as dp_reshardable there (the run's flags at
     that topology), holds on every rank the bits megatron-core loads from its own fully_reshardable save
@@ -223,7 +224,8 @@ def test_megatron_loads_the_reshard_with_the_state_of_its_own_save(pair: str, to
     PP > 1). ``plan`` at the target said ``needs_reshard``."""
     tp, pp, dp = topo
     layers = FAMILIES[pair].get("num_layers", 1)
-    flags = ("--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--ep", str(moe[0]))
+    flags = ("--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--ep", str(moe[0]),
+             *(("--etp", str(moe[2])) if len(moe) > 2 else ()))
     plan = json.loads(cli("plan", MEGATRON / pair, *flags, "--read-gbps", "1", "--format", "json").stdout)
     assert plan["verdict"] == "needs_reshard", plan
     out = tmp_path / "rs"
@@ -245,3 +247,19 @@ def test_megatron_loads_the_reshard_with_the_state_of_its_own_save(pair: str, to
         assert all(np.any(m != 0) for m in moments[2::3]), rank
         if "expert_bias" in pair:
             assert any(k.endswith("expert_bias") for k in a), sorted(a)
+
+
+def test_the_hugging_face_export_refuses_a_gated_mlp_by_its_flag(tmp_path: Path) -> None:
+    """GPT-BigCode's MLP is not gated: a SwiGLU checkpoint (learned positions, LayerNorm and biases, so
+    nothing else refuses it) is refused naming --swiglu, not written as a model that loads wrongly."""
+    pair = "pair_swiglu_tp2_dp_reshardable"
+    assert_error_line(cli("export", MEGATRON / pair, tmp_path / "hf", "--to", "hf", "--num-heads", "4"), 2,
+                      "--swiglu", "GPTBigCodeForCausalLM")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_reference_logits_are_stored_with_each_family() -> None:
+    for pair in FAMILIES:
+        with np.load(MEGATRON / pair / "reference_logits.npz") as z:
+            assert z["tokens"].shape == (2, 16) and z["logits"].shape == (2, 16, 128), pair
+            assert np.isfinite(z["logits"]).all() and np.abs(z["logits"]).max() > 0, pair
