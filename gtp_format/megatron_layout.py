@@ -44,6 +44,10 @@ TP_MODES = (
     ("mlp.linear_fc1.bias", "column"),
     ("self_attention.linear_proj.weight", "row"),
     ("mlp.linear_fc2.weight", "row"),
+    # MoE shared experts (--moe-shared-expert-intermediate-size): a dense MLP, split as the one above
+    ("mlp.shared_experts.linear_fc1.weight", "column"),
+    ("mlp.shared_experts.linear_fc1.bias", "column"),
+    ("mlp.shared_experts.linear_fc2.weight", "row"),
 )
 
 

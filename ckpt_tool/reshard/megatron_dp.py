@@ -68,7 +68,7 @@ from gtp_format.megatron_layout import (
 )
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.storage.location import ObjectURL
-from gtp_format.views.megatron import BUFFERS, HEAD
+from gtp_format.views.megatron import BUFFERS, GATED, HEAD, glu_holders
 from gtp_format.views.records import Holder, KeyRef, ParamView, full_box
 from gtp_format.writer.checkpoint import CheckpointWriter, megatron_metadata
 from gtp_format.writer.sink import stage_bytes
@@ -90,10 +90,19 @@ def _spec(view: ParamView, mode: str | None, tp: int, t: int) -> ShardSpec:
     return ShardSpec(view.full_shape, mode, tp, t if mode else 0, None, 1, 0, 1)
 
 
+def _parts(view: ParamView, mode: str | None, tp: int, t: int, gated: bool) -> list[tuple[int, ShardSpec]]:
+    """(offset in TP rank ``t``'s slice, place in the full tensor) of each piece of a parameter's slice: one
+    piece, or a gated ``linear_fc1``'s gate and up halves (:func:`gtp_format.views.megatron.glu_holders`)."""
+    if gated and mode == "column" and not view.is_expert and view.name.endswith(GATED):
+        return [(h.start, h.spec) for h in glu_holders(view.full_shape, tp, t, None, 0)]  # type: ignore[arg-type]
+    return [(0, _spec(view, mode, tp, t))]
+
+
 def _modes(source: Source, tp: int) -> dict[str, str | None]:
     """Each parameter's TP split: megatron's GPT table, checked against the source where its TP shows it."""
     out: dict[str, str | None] = {}
-    src_tp = max(h.spec.tp_size for v in source.views.values() for h in v.holders)
+    src_tp = max(h.spec.tp_size for v in source.views.values() for h in v.holders
+                 if not v.name.endswith(GATED))  # a gated linear_fc1's holders are half parts: 2 x TP of them
     for v in source.views.values():
         if v.is_expert:
             out[v.name] = None  # expert TP 1 (the view refuses split expert keys)
@@ -106,7 +115,8 @@ def _modes(source: Source, tp: int) -> dict[str, str | None]:
                               "supported")
         if mode is not None:
             axis = 1 if mode == "row" else 0
-            if len(v.full_shape) <= axis or v.full_shape[axis] % tp:
+            parts = 2 * tp if v.name.endswith(GATED) and _gated(source) else tp  # gate and up halves split alike
+            if len(v.full_shape) <= axis or v.full_shape[axis] % parts:
                 raise FormatError(f"{source.root}: {v.name} {list(v.full_shape)} does not split over TP {tp} "
                                   f"(dimension {axis}); pick a TP that divides it")
         out[v.name] = mode
@@ -197,6 +207,7 @@ def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int
         return t + tp * (dc + dp_cp * stage)
 
     stages = target_params(source, tp, pp)
+    gated = _gated(source)
     for stage, params in enumerate(stages):
         for t in range(tp):
             numels[stage * tp + t] = []
@@ -205,14 +216,16 @@ def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int
             for t in range(tp):
                 numels[stage * tp + t].append((dtag, [b.numel for b in buckets], [b.numel_unpadded for b in buckets]))
             _bucket_chunks(source, slots, buckets, modes, tp, replace(first, gbuf_idx=gbuf, dtype=dtag), max_bytes,
-                           shapes, lambda t, off, b, s=stage: files[rank(t, off // (b.numel // dp_cp), s)].append)
+                           shapes, lambda t, off, b, s=stage: files[rank(t, off // (b.numel // dp_cp), s)].append,
+                           gated)
         for p in params:
             if p.name != p.source:
                 continue
             v = source.views[p.name]
             shapes[v.model_key] = (source.ckpt.entries[v.model_key].shape, dtype_of(v.param_dtype))
             for t in range(tp if modes[v.name] else 1):
-                files[rank(t, 0, stage)].extend(_weight_chunks(v, _spec(v, modes[v.name], tp, t), max_bytes))
+                for _, spec in _parts(v, modes[v.name], tp, t, gated):
+                    files[rank(t, 0, stage)].extend(_weight_chunks(v, spec, max_bytes))
     files[0].extend(buffer_chunks(source, shapes))
     out = {first.prefix: numels}
     experts = [v for v in source.views.values() if v.is_expert]
@@ -237,9 +250,20 @@ def buffer_chunks(source: Source, shapes: dict[str, Any]) -> list[OutChunk]:
     return out
 
 
+def _gated(source: Source) -> bool:
+    """Whether the source's MLPs are gated (``--swiglu``; :func:`gtp_format.megatron_args.describe_model`)."""
+    from gtp_format.megatron_args import describe_model
+
+    return bool(describe_model(source.ckpt).gated_linear_unit) if source.manifest is None else False
+
+
 def _expert_modes(source: Source, experts: list[ParamView], etp: int) -> dict[str, str | None]:
     """Each expert parameter's split over the target's expert TP (megatron-core's ``SequentialMLP``:
-    ``linear_fc1`` column-parallel, ``linear_fc2.weight`` row-parallel, its bias replicated)."""
+    ``linear_fc1`` column-parallel, ``linear_fc2.weight`` row-parallel, its bias replicated). Gated experts
+    (``--swiglu``) only at expert TP 1, where each expert's ``[gate; up]`` is whole."""
+    if etp > 1 and _gated(source):
+        raise FormatError(f"{source.root}: its experts are gated (--swiglu), and this version lays gated experts "
+                          "out at expert TP 1 only; pass --etp 1")
     if etp > 1 and any(v.name.endswith(".bias") for v in experts):
         raise FormatError(f"{source.root}: its MoE experts have biases, and megatron-core allows those only at "
                           "expert TP 1 ('Bias in Moe is only supported when ETP==1', transformer_config.py); pass "
@@ -326,7 +350,7 @@ def _expert_chunks(source: Source, experts: list[ParamView], stages: list[list[T
 
 def _bucket_chunks(source: Source, slots: list[Slot], buckets: list[Bucket], modes: dict[str, str | None], tp: int,
                    first: KeyRef, max_bytes: int, shapes: dict[str, Any],
-                   sink: Callable[[int, int, Bucket], Callable[[OutChunk], None]]) -> None:
+                   sink: Callable[[int, int, Bucket], Callable[[OutChunk], None]], gated: bool = False) -> None:
     """Every chunk of one stage's bucket keys: each slot's states from its source parameter, gaps zero."""
     for t in range(tp):
         refs = [KeyRef(b.stage * tp + t, first.gbuf_idx, first.dtype, b.index, None, b.numel_unpadded, first.prefix)
@@ -334,12 +358,13 @@ def _bucket_chunks(source: Source, slots: list[Slot], buckets: list[Bucket], mod
         used: dict[int, list[tuple[int, int]]] = {}
         for s in slots:
             v = source.views[s.param.source]
-            h = Holder(refs[s.bucket], s.start, _spec(v, modes[v.name], tp, t), (), True)
-            used.setdefault(s.bucket, []).append((s.start, s.start + h.numel))
             row = math.prod(v.full_shape[1:])
-            for state in STATES:
-                for c in _holder_chunks(v, h, state, max_bytes, row):
-                    sink(t, c.offsets[0], buckets[s.bucket])(c)
+            for off, spec in _parts(v, modes[v.name], tp, t, gated):
+                h = Holder(refs[s.bucket], s.start + off, spec, (), True)
+                used.setdefault(s.bucket, []).append((h.start, h.start + h.numel))
+                for state in STATES:
+                    for c in _holder_chunks(v, h, state, max_bytes, row):
+                        sink(t, c.offsets[0], buckets[s.bucket])(c)
         _gap_chunks(buckets, refs, used, max_bytes, shapes, lambda off, b, t=t: sink(t, off, b))
 
 

@@ -254,11 +254,33 @@ def _stages(ckpt: Checkpoint, params: list[tuple[str, str, int | None]], pp: int
     if recorded is not None and recorded != vpp:
         raise _refuse(ckpt, f"its args record virtual_pipeline_model_parallel_size={recorded}, but the ranks that "
                       f"wrote its layers give {vpp} model chunks per stage")
+    _check_recorded_split(ckpt, layer_stage, pp)
     stage = {name: (layer_stage[layer] if layer is not None else 0 if name in HEAD else pp - 1)
              for name, _, layer in params}
     chunk = {name: (layer_chunk[layer] if layer is not None else 0 if name in HEAD else vpp - 1)
              for name, _, layer in params}
     return stage, chunk, vpp
+
+
+def _check_recorded_split(ckpt: Checkpoint, layer_stage: dict[int, int], pp: int) -> None:
+    """The uneven split the args record (``decoder_first/last_pipeline_num_layers``) must be the one the
+    ranks that wrote the layers show: a checkpoint whose args say otherwise is refused naming both."""
+    from gtp_format.megatron_args import describe_model
+    from gtp_format.megatron_layout import stage_counts
+
+    model = describe_model(ckpt)
+    first, last = model.first_stage_layers, model.last_stage_layers
+    if first is None and last is None:
+        return
+    counts = [sum(1 for s in layer_stage.values() if s == i) for i in range(pp)]
+    try:
+        want = stage_counts(len(layer_stage), pp, first, last)
+    except ValueError as e:
+        want = [str(e)]  # type: ignore[list-item]
+    if want != counts:
+        raise _refuse(ckpt, f"its args record decoder_first_pipeline_num_layers={first}, "
+                      f"decoder_last_pipeline_num_layers={last}, but the ranks that wrote decoder.layers.* hold "
+                      f"{counts} layers per pipeline stage")
 
 
 def megatron_views(ckpt: Checkpoint, experts: bool = False, ranges_only: bool = False) -> dict[str, ParamView]:
@@ -328,7 +350,7 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False, ranges_only: bool = 
         entry = ckpt.entries[key]
         mode, full, offsets = _tp_boxes(ckpt, entry, layer, entry.chunks if layer is None else layer_chunks[key][layer])
         if gated and name.endswith(GATED) and mode == "column" and len(offsets) == 2 * tp_size:
-            offsets = offsets[:tp_size]  # ranges only: a TP rank's gate and up halves, sized as one column part
+            offsets = offsets[:tp_size]  # a TP rank's gate and up chunks: its part is their two halves (glu_holders)
         if mode is not None and len(offsets) != tp_size:
             raise _refuse(ckpt, f"{key} has {len(offsets)} TP parts but the embedding has {tp_size}")
         mode = "vocab" if mode == "column" and key == HEAD[0] else mode
@@ -350,6 +372,9 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False, ranges_only: bool = 
         for t in range(tp_size):
             spec = ShardSpec(full, mode, tp_size, t if mode else 0, None, 1, 0, 1)
             ref = KeyRef(stage * tp_size + t, gbuf, dtag, bucket, None, numel[(stage * tp_size, gbuf, bucket)], prefix)
+            if gated and name.endswith(GATED) and mode == "column":
+                holders += glu_holders(full, tp_size, t, ref, start)
+                continue
             holders.append(Holder(ref, start, spec, (), not replica and (mode is not None or t == 0)))
         if replica:
             replicas += tuple(holders)
@@ -376,22 +401,42 @@ def _refuse_unsupported(ckpt: Checkpoint, ranges_only: bool = False) -> bool:
 
     The model comes from :func:`gtp_format.megatron_args.describe_model` (args checked against the
     shapes; a disagreement is refused there). A gated MLP (``--swiglu``) stores each TP rank's
-    ``linear_fc1`` as two chunks (its gate and up halves, megatron-core's
-    ``apply_swiglu_sharded_factory``), at global rows the column split does not give; q/k layernorm,
-    shared experts and the router's expert bias are laid out but not checked against a save of
-    megatron-core's beyond their ranges. With ``ranges_only`` (the padding map) nothing is refused.
-    Returns whether the MLP is gated.
+    ``linear_fc1`` as two chunks (its gate and up halves, :func:`glu_holders`); experts at expert
+    TP 1 hold theirs whole (one part: ``[gate; up]`` is the global order), at expert TP > 1 they are
+    refused. With ``ranges_only`` (the padding map) nothing is refused. Returns whether the MLP is gated.
     """
     from gtp_format.megatron_args import FLAGS, describe_model
 
     model = describe_model(ckpt)
-    features = [("gated_linear_unit", "a gated linear unit (SwiGLU: linear_fc1 holds a gate and an up half per TP "
-                 "rank)"), ("moe_shared_expert_intermediate_size", "MoE shared experts")]
-    for name, what in features if not ranges_only else ():
-        if getattr(model, name):
-            flag = "--quick-geglu" if name == "gated_linear_unit" and model.activation == "quick_gelu" else FLAGS[name]
-            raise _refuse(ckpt, f"it has {what} ({flag}), which this version's per-parameter view does not lay out")
-    return bool(model.gated_linear_unit)
+    gated = bool(model.gated_linear_unit)
+    if gated and not ranges_only and expert_keys(ckpt):
+        from gtp_format.views.megatron_moe import expert_split
+
+        fc1 = EXPERT_PREFIX + "linear_fc1.weight"
+        if fc1 in ckpt.entries and expert_split(ckpt, fc1, lambda why: _refuse(ckpt, why))[1] > 2:
+            flag = "--quick-geglu" if model.activation == "quick_gelu" else FLAGS["gated_linear_unit"]
+            raise _refuse(ckpt, f"its experts are gated ({flag}) at expert TP > 1, whose gate and up chunks this "
+                          "version's per-parameter view does not lay out")
+    return gated
+
+
+def glu_holders(full: tuple[int, ...], tp: int, t: int, ref: KeyRef, start: int) -> list[Holder]:
+    """TP rank ``t``'s two holders of a gated ``linear_fc1`` (weight ``[2 x ffn, hidden]`` or bias).
+
+    megatron-core (``apply_swiglu_sharded_factory``) stores the global tensor as ``[gate (all TP
+    ranks); up (all TP ranks)]``: rank ``t`` writes its gate rows at ``t x ffn/tp`` and its up rows at
+    ``ffn + t x ffn/tp``, while its local parameter and its buffer slice hold ``[gate_t; up_t]``. So the
+    rank's slice is the column split of the full tensor into ``2 x tp`` parts taken twice: part ``t``
+    at the slice's start, part ``tp + t`` right after it. Checked against the buffers of
+    ``pair_swiglu_tp2`` and ``pair_llama_tp2_dp2`` (``expected.json``) and megatron-core's own
+    ``fully_reshardable`` save of the same state.
+    """
+    gate = ShardSpec(full, "column", 2 * tp, t, None, 1, 0, 1)
+    up = ShardSpec(full, "column", 2 * tp, tp + t, None, 1, 0, 1)
+    half = 1
+    for d in gate.local_shape:
+        half *= d
+    return [Holder(ref, start, gate, (), True), Holder(ref, start + half, up, (), True)]
 
 
 def _param_dtype(dtag: str) -> str:
