@@ -162,7 +162,7 @@ def choose(d: ModelDescription, args: dict[str, Any], shapes: dict[str, tuple[in
 
     if d.position_embedding_type == "learned_absolute":
         why = [w for w, bad in (("RMSNorm (--normalization RMSNorm)", norm != "LayerNorm"),
-                                ("no linear biases (--disable-bias-linear)", not bias),
+                                ("a model without linear biases (--disable-bias-linear)", not bias),
                                 (f"a gated MLP ({'--swiglu' if act == 'silu' else '--quick-geglu'})", gated),
                                 ("q/k layernorm (--qk-layernorm)", bool(d.qk_layernorm)),
                                 (f"{groups} query groups of {heads} heads (--num-query-groups)", 1 < groups < heads),
@@ -170,8 +170,8 @@ def choose(d: ModelDescription, args: dict[str, Any], shapes: dict[str, tuple[in
                                 (f"activation {act}", act not in ACT_BIGCODE))
                if bad]
         if why:
-            raise _refuse(where, "learned absolute positions map onto GPTBigCodeForCausalLM only, which has no "
-                          + why[0])
+            raise _refuse(where, "learned absolute positions map only onto GPTBigCodeForCausalLM, which cannot "
+                          "represent " + why[0])
         pos = shapes.get("embedding.position_embeddings.weight", (args.get("max_position_embeddings") or 0,))
         config = {"architectures": ["GPTBigCodeForCausalLM"], "model_type": "gpt_bigcode", **common,
                   "n_positions": pos[0], "n_embd": hidden, "n_layer": layers, "n_head": heads, "n_inner": ffn,
