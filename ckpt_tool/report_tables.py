@@ -49,6 +49,7 @@ def inspect_tables(doc: dict[str, Any]) -> list[str]:
         ("iteration", doc["iteration"] if doc["iteration"] is not None else "-"),
         ("topology", doc["topology"]), ("manifest", "yes" if doc["manifest"] else "no"),
         ("optimizer format", doc["optimizer_format"] or "-"),
+        *([("model", doc["megatron_model"]["text"])] if doc.get("megatron_model") else []),
         ("keys", f"{c['keys']} ({c['tensors']} tensors, {c['byte_objects']} byte objects)"
                  + (f", {c['matching_keys']} matching" if "matching_keys" in c else "")),
         ("chunks", c["chunks"]), ("stored", fmt_bytes(c["stored_bytes"])),

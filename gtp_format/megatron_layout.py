@@ -20,9 +20,10 @@ setup_embeddings_and_output_layer``; Megatron-LM main has the same):
 5. a bucket's end is padded to ``lcm(dp x cp, 128)`` (``pad_bucket_end``; not stored: the key's
    global shape is the unpadded numel, and the next bucket starts after the padding).
 
-Layers split evenly over the stages (``num_layers / PP`` each, megatron's default without an
-uneven first/last stage). A parameter's numel per TP rank comes from its TP split
-(:data:`TP_MODES`, megatron's GPT local spec: which linear is column- or row-parallel).
+Layers split over the stages as megatron-core does (:func:`stage_counts`): evenly (``num_layers /
+PP`` each, its default), or with a first and/or last stage of its own size
+(``--decoder-first/last-pipeline-num-layers``) and the rest evenly. A parameter's numel per TP rank
+comes from its TP split (:data:`TP_MODES`, megatron's GPT local spec: which linear is column- or row-parallel).
 """
 
 from __future__ import annotations
@@ -92,8 +93,49 @@ def buffers_of(params: list[TargetParam]) -> list[tuple[str, list[TargetParam]]]
     return list(out.items())
 
 
-def stage_of_layer(layer: int, num_layers: int, pp: int) -> int:
-    return layer // (num_layers // pp)
+def stage_of_layer(layer: int, num_layers: int, pp: int, counts: list[int] | None = None) -> int:
+    """The pipeline stage of a global layer: even split, or the per-stage layer ``counts``."""
+    if counts is None:
+        return layer // (num_layers // pp)
+    end = 0
+    for stage, n in enumerate(counts):
+        end += n
+        if layer < end:
+            return stage
+    raise ValueError(f"layer {layer} is beyond the {end} layers of the stages")
+
+
+def stage_counts(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
+    """Layers per pipeline stage as megatron-core splits them (``get_transformer_layer_offset``):
+    ``first`` / ``last`` layers on the first / last stage where given
+    (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``), the rest
+    evenly over the other stages. ``ValueError`` where they do not split."""
+    if pp == 1:
+        if first not in (None, num_layers) or last not in (None, num_layers):
+            raise ValueError("a first or last stage size at PP 1")
+        return [num_layers]
+    middle = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    if rest < 0 or (middle == 0 and rest) or (middle and (rest % middle or rest == 0)):
+        raise ValueError(f"{num_layers} layers do not split over PP {pp}"
+                         + (f" with first/last stage layers {first}/{last}" if first or last else " evenly"))
+    each = rest // middle if middle else 0
+    return ([first] if first is not None else []) + [each] * middle + ([last] if last is not None else [])
+
+
+def uneven_split(counts: list[int]) -> tuple[int | None, int | None]:
+    """(first, last) stage layer counts that give ``counts`` by :func:`stage_counts`: ``(None, None)`` for an
+    even split. ``ValueError`` where the middle stages differ (no pair of flags gives it)."""
+    n, pp = sum(counts), len(counts)
+    if pp == 1 or len(set(counts)) == 1:
+        return None, None
+    for first, last in ((counts[0], None), (None, counts[-1]), (counts[0], counts[-1])):
+        try:
+            if stage_counts(n, pp, first, last) == counts:
+                return first, last
+        except ValueError:
+            continue
+    raise ValueError(f"stages holding {counts} layers are not an even split with a first and last stage of their own")
 
 
 def lay_out_stage(params: list[TargetParam], stage: int, dp_cp: int, bucket_size: int | None

@@ -108,7 +108,11 @@ def _expert_tp(ckpt: Checkpoint, notes: list[str]) -> int | None:
     from gtp_format.views.megatron_moe import expert_keys, expert_split
 
     parts = set()
-    for key in expert_keys(ckpt):
+    keys = expert_keys(ckpt)
+    fc2 = [k for k in keys if k.endswith("linear_fc2.weight")]
+    # a gated linear_fc1 (--swiglu) holds a gate and an up chunk per part: linear_fc2.weight (row split,
+    # never gated) gives the expert TP alone where stored
+    for key in fc2 or keys:
         try:
             parts.add(expert_split(ckpt, key, FormatError)[1])
         except FormatError as e:

@@ -54,6 +54,7 @@ def inspect_report(path: Path, select: KeyFilter, *, chunks: bool = False, cp_si
         "manifest": ckpt.manifest is not None, "megatron_metadata": ckpt.megatron_metadata,
         "optimizer_format": _optimizer_format(ckpt, topo),
         "megatron_topology": topo.megatron.to_dict() if topo.megatron is not None else None,
+        "megatron_model": _megatron_model(ckpt, topo),
         "counts": counts,
         # Run state (gtp manifests only): the lr schedule under Megatron's name and the data position.
         "opt_param_scheduler": run_extra.get(SCHEDULER_KEY),
@@ -73,6 +74,17 @@ def inspect_report(path: Path, select: KeyFilter, *, chunks: bool = False, cp_si
     if params:
         doc["params"] = _param_rows(ckpt)
     return doc
+
+
+def _megatron_model(ckpt: Checkpoint, topo: Any) -> dict[str, Any] | None:
+    """The model a megatron-core checkpoint holds (:func:`gtp_format.megatron_args.describe_model`):
+    its args checked against its shapes; a disagreement is the command's one-line refusal."""
+    if topo.megatron is None:
+        return None
+    from gtp_format.megatron_args import describe_model
+
+    model = describe_model(ckpt)
+    return {**model.to_dict(), "text": model.describe()}
 
 
 def _key_rows(ckpt: Checkpoint, classes: dict[str, KeyClass], alias: AliasReport,

@@ -109,8 +109,12 @@ def diff_command(
     sa, sb = (CheckpointSource(c, records=None if read_all else _usable(read_records(c))) for c in (ca, cb))
     select.require_match(ca.entries, cb.entries, where=f"{ca.root} or {cb.root}")
     names = selected_keys(sa, sb, select)
+    padding = _padding(ca, cb)
     with progress(work(sa, sb, names), "comparing", progress_enabled(fmt), "chunks") as advance:
-        report = compare(sa, sb, rule, keys=names, max_bytes=max_bytes, advance=advance, first=first)
+        report = compare(sa, sb, rule, keys=names, max_bytes=max_bytes, advance=advance, first=first,
+                         padding=padding)
+    pads = [{"key": r.key, "differing": r.padding.differing, "detail": r.padding.detail}
+            for r in report.results if r.padding is not None]
     only_a, only_b, common = report.only_in_a, report.only_in_b, report.common
     diffs = [_legacy(d) for r in common for d in r.differences]
     equal = report.ok
@@ -118,6 +122,7 @@ def diff_command(
         print_json({"a": str(ca.root), "b": str(cb.root), "equal": equal, "rtol": rtol, "atol": atol,
                     "rule": report.rule, "selection": select.to_dict(), "compared": len(common),
                     "only_in_a": only_a, "only_in_b": only_b, "differences": diffs, "first": first,
+                    "padding": pads,
                     "data_bytes_read": sa.bytes_read + sb.bytes_read,
                     "data_bytes": sum(e.stored_bytes for c in (ca, cb) for e in c.entries.values()),
                     "chunk_hashes": sa.records is not None and sb.records is not None})
@@ -132,6 +137,7 @@ def diff_command(
             else:
                 detail = f"A: {d['a']}  B: {d['b']}"
             rows.append((d["key"], d["what"], detail))
+        rows += [(p["key"], "padding (not data)", p["detail"]) for p in pads]
         verdict = "identical" if equal else "DIFFERENT"
         selection = f", {select.describe()}" if not select.everything else ""
         print_blocks(table(rows, ("key", "difference", "detail"), "Differences"),
@@ -141,6 +147,17 @@ def diff_command(
         first = (diffs[0]["key"] if diffs else (only_a or only_b)[0])
         fail(f"checkpoints differ: {len(diffs)} keys differ, {len(only_a)} only in {ca.root}, {len(only_b)} only in "
              f"{cb.root}; first: {first}", EXIT_CHECK_FAILED)
+
+
+def _padding(ca: Any, cb: Any) -> tuple[frozenset[tuple[str, int]], frozenset[tuple[str, int]]] | None:
+    """Each side's alignment-padding chunks where both are megatron-core checkpoints with a known layout."""
+    from gtp_format.check.padding import find_megatron_padding
+
+    for c in (ca, cb):
+        find_megatron_padding(c)
+    if not ca.padding_chunks or not cb.padding_chunks:
+        return None
+    return ca.padding_chunks, cb.padding_chunks
 
 
 def register(app: typer.Typer) -> None:

@@ -30,9 +30,9 @@ EPILOG = """Examples:
 
   ckpt export CKPT hf_out --to hf --optimizer --max-shard-size 2GB
 
-  ckpt export MEGATRON_CKPT hf_out --to hf --num-heads 32   (megatron-core: GPTBigCodeForCausalLM)
+  ckpt export MEGATRON_CKPT hf_out --to hf   (megatron-core: the class its recorded args map onto)
 
-  ckpt export MEGATRON_CKPT raw_out --to hf   (megatron-core without --num-heads: Megatron names)
+  ckpt export MEGATRON_CKPT raw_out --to hf --names megatron   (the raw tensors, Megatron names)
 
   ckpt export CKPT megatron_fr --to fully_reshardable --format json
 
@@ -41,9 +41,11 @@ EPILOG = """Examples:
 hf: a folder AutoModelForCausalLM.from_pretrained loads (config.json for ArceeForCausalLM,
 generation_config.json, transformers names, q/k/v split from the fused QKV), model.safetensors or
 model-0000i-of-0000n.safetensors + model.safetensors.index.json, full (unsharded, unpadded)
-shapes, stored dtype. A megatron-core GPT (local spec) with --num-heads: GPTBigCodeForCausalLM
-(multi_query false, gelu, LayerNorm eps 1e-5, learned positions, tied unless output_layer is
-stored). --names megatron keeps the checkpoint's names (no config.json).
+shapes, stored dtype. A megatron-core GPT: the transformers class of the model its common_state
+args record (Llama, Qwen2, Qwen3, Arcee, Starcoder2, GPTBigCode, Mixtral, Qwen3-MoE), every
+forward-changing config key from the checkpoint; a model no class computes exactly is refused
+naming the Megatron flag. --num-heads only fills a head count the args lack (and must agree).
+--names megatron keeps the checkpoint's names (no config.json).
 --optimizer adds optimizer*.safetensors with optimizer.state.{param,exp_avg,exp_avg_sq}.<name>
 (fp32). Without --optimizer any checkpoint that holds model weights exports (megatron-core
 dp_reshardable, fully_reshardable, dp_zero_gather_scatter, model-only). fully_reshardable: a
@@ -66,11 +68,12 @@ def export_command(
                                            help="What to write.")] = "hf",
     optimizer: Annotated[bool, typer.Option("--optimizer", help="hf: also write master weights and moments.")
                          ] = False,
-    names: Annotated[str | None, typer.Option("--names", show_default="hf; megatron-core SRC: hf with --num-heads",
+    names: Annotated[str | None, typer.Option("--names", show_default="hf",
                                               help="hf: hf (transformers names + config.json) or megatron.")
                      ] = None,
-    num_heads: Annotated[int | None, typer.Option("--num-heads", min=1, help="hf, megatron-core SRC: attention "
-                                                  "heads (not stored in its tensors); writes GPTBigCodeForCausalLM.")
+    num_heads: Annotated[int | None, typer.Option("--num-heads", min=1, help="hf, megatron-core SRC whose args do "
+                                                  "not record num_attention_heads: the head count (must agree "
+                                                  "where they do).")
                          ] = None,
     tokenizer: Annotated[Path | None, typer.Option("--tokenizer", help="hf: a tokenizers JSON file to include "
                                                    "(PREFIX.tokenizer.json of `gtp_runtime.data prepare`).")

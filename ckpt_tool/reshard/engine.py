@@ -142,6 +142,8 @@ def chunk_data(source: Source, c: OutChunk, bufs: Buffers | None = None) -> np.n
     valid until the thread's next call)."""
     if c.values is not None:
         return np.asarray(c.values, dtype=np.int64)
+    if c.copy:
+        return source.reader.read_box(c.key, c.offsets, c.sizes).reshape(c.sizes)
     if c.param is None:
         return np.zeros(c.sizes, dtype=carrier(c.dtype))
     assert c.box is not None and c.state is not None

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool.hf import folder as hf_folder
-from ckpt_tool.hf import mapping
+from ckpt_tool.hf import mapping, megatron_arch
 from ckpt_tool.hf import run_state as hf_run_state
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY, WEIGHT_STATE
 from ckpt_tool.reshard.engine import (
@@ -68,6 +68,7 @@ from gtp_format.dtypes import DType
 from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.params import model_params
+from gtp_format.megatron_args import describe_model, recorded_args
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.progress import Progress, ProgressOpener
 from gtp_format.storage import objects
@@ -158,42 +159,47 @@ def _write_hf_file(path: Path, tensors: list[Any], data: Callable[[OutChunk], np
         out.close()
 
 
-def _hf_table(source: Source, names: str) -> list[tuple[str, ParamView, tuple[tuple[int, int], ...]]]:
-    """(exported name, parameter, its rows) of every weight: HF's names and q/k/v split
-    (:mod:`ckpt_tool.hf.mapping`), or the checkpoint's own names, whole tensors."""
+def megatron_target(source: Source, num_heads: int | None) -> megatron_arch.Target:
+    """The transformers class of a megatron-core SRC, from the model its checkpoint records."""
+    views = source.views.values()
+    dtypes = {v.param_dtype for v in views}
+    dtype = mapping.config_dtype(dtypes.pop() if len(dtypes) == 1 else "", str(source.root))
+    return megatron_arch.choose(describe_model(source.ckpt), recorded_args(source.ckpt),
+                                {v.name: v.full_shape for v in views}, num_heads, dtype, str(source.root))
+
+
+def _hf_table(source: Source, names: str, target: megatron_arch.Target | None = None
+              ) -> list[tuple[str, ParamView, tuple[tuple[int, int], ...]]]:
+    """(exported name, parameter, its rows) of every weight: HF's names and fused tensors cut by rows
+    (:mod:`ckpt_tool.hf.mapping`, :mod:`ckpt_tool.hf.megatron_arch`), or the checkpoint's own names, whole."""
     views = ordered_views(source)
     if names == "megatron":
         return [(v.name, v, ((0, v.full_shape[0] if v.full_shape else 1),)) for v in views]
-    model = source.manifest.model if source.manifest is not None else None
-    if model is None:  # megatron-core: GPTBigCode's names, every tensor whole
-        return [(mapping.megatron_name(v.name, str(source.root)), v, ((0, v.full_shape[0]),)) for v in views]
+    if target is not None:  # megatron-core: the class its recorded model maps onto
+        return [(hf, v, rows) for v in views for hf, rows in target.names(v.name, v.full_shape)]
+    assert source.manifest is not None and source.manifest.model is not None
     by_name = {v.name: v for v in views}
-    return [(p.hf, by_name[p.ours], p.ranges) for p in mapping.parts(model, str(source.root))]
+    return [(p.hf, by_name[p.ours], p.ranges) for p in mapping.parts(source.manifest.model, str(source.root))]
 
 
-def _hf_config(source: Source, num_heads: int | None, eos: int | None = None) -> dict[str, Any]:
-    if source.manifest is not None and source.manifest.model is not None:
-        if num_heads is not None:
-            raise FormatError("--num-heads is for megatron-core checkpoints; this checkpoint's manifest records its "
-                              "own; drop it")
-        return mapping.hf_config(source.manifest.model, source.manifest.param_dtype or "torch.float32", eos,
-                                 str(source.root))
-    views = source.views.values()
-    dtypes = {v.param_dtype for v in views}
-    return mapping.megatron_config({v.name: v.full_shape for v in views}, dtypes.pop() if len(dtypes) == 1 else "",
-                                   num_heads, str(source.root), eos)
+def _hf_config(source: Source, target: megatron_arch.Target | None, eos: int | None = None) -> dict[str, Any]:
+    if target is not None:
+        return {**target.config, "bos_token_id": eos, "eos_token_id": eos}
+    assert source.manifest is not None and source.manifest.model is not None
+    return mapping.hf_config(source.manifest.model, source.manifest.param_dtype or "torch.float32", eos,
+                             str(source.root))
 
 
-def _hf_side_files(source: Source, folder: Path, tokenizer: Path | None, num_heads: int | None) -> int:
+def _hf_side_files(source: Source, folder: Path, tokenizer: Path | None, target: megatron_arch.Target | None) -> int:
     """config.json, generation_config.json and, from ``--tokenizer``, the tokenizer files."""
     eos, files = None, 2
-    config = _hf_config(source, num_heads)  # refuses before anything is written
+    config = _hf_config(source, target)
     if tokenizer is not None:
         raw, eos, text = hf_folder.tokenizer_eos(tokenizer, config["vocab_size"])
         write_durable(folder / hf_folder.TOKENIZER, raw)
         write_durable(folder / hf_folder.TOKENIZER_CONFIG, json.dumps(hf_folder.tokenizer_config(eos, text), indent=2))
         files += 2
-    write_durable(folder / hf_folder.CONFIG, json.dumps(_hf_config(source, num_heads, eos), indent=2))
+    write_durable(folder / hf_folder.CONFIG, json.dumps(_hf_config(source, target, eos), indent=2))
     write_durable(folder / hf_folder.GENERATION, json.dumps(mapping.generation_config(eos), indent=2))
     return files
 
@@ -202,9 +208,15 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
               workers: int, advance: Progress, names: str = "hf", tokenizer: Path | None = None,
               num_heads: int | None = None) -> dict[str, Any]:
     folder = writer.folder
+    target = None
+    if names == "hf" and (source.manifest is None or source.manifest.model is None):
+        target = megatron_target(source, num_heads)  # refuse a model with no class before a byte is written
+    elif num_heads is not None:
+        raise FormatError("--num-heads is for megatron-core checkpoints; this checkpoint's manifest records its "
+                          "own; drop it")
     if names == "hf":
-        _hf_config(source, num_heads)  # refuse a model with no class before a byte is written
-    table = _hf_table(source, names)
+        _hf_config(source, target)
+    table = _hf_table(source, names, target)
     sets = [("model", [(name, WEIGHT_STATE, v, rows) for name, v, rows in table])]
     if optimizer:
         sets.append(("optimizer", [(state_key(s, name), s, v, rows) for name, v, rows in table for s in STATES]))
@@ -222,7 +234,7 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
         side += hf_folder.write_index(folder, prefix, total, {t[0]: name for name, group in files for t in group})
         jobs.extend((name, group, metas.get(prefix)) for name, group in files)
     if names == "hf":
-        side += _hf_side_files(source, folder, tokenizer, num_heads)
+        side += _hf_side_files(source, folder, tokenizer, target)
     model_keys = list(dict.fromkeys(view.model_key for _, view, _ in table))  # in the order they are read
     source.reader.prefetch_layouts(model_keys if not optimizer else [*model_keys, *source.ckpt.entries])
     if not optimizer:  # the ledger reads the optimizer state (to check the file CRCs) beside the copy
@@ -232,8 +244,9 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
                                              tick, stage_bytes(chunk_bytes), jobs[i][2]), len(jobs), workers, advance)
     writer.finish(None, None)  # not a checkpoint: no manifest, no metadata.json
     writer.commit_object = commit_object(names, [name for name, _, _ in jobs])
-    arch = mapping.ARCHITECTURE if source.manifest is not None else mapping.BIGCODE
-    return {"files": len(jobs) + side, "names": names, **({"architecture": arch} if names == "hf" else {})}
+    arch = target.architecture if target is not None else mapping.ARCHITECTURE
+    return {"files": len(jobs) + side, "names": names, **({"architecture": arch} if names == "hf" else {}),
+            **({"assumed": target.assumed} if target is not None else {})}
 
 
 def commit_object(names: str, files: list[str]) -> str:
@@ -262,6 +275,10 @@ def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_byt
             entry_shape = source.ckpt.entries[mk].shape if stacked else None
             shapes[key] = (entry_shape or v.full_shape, part[0].dtype)
             chunks.extend(part)
+    if source.manifest is None:  # megatron-core's model buffers (the router's expert bias): copied as stored
+        from ckpt_tool.reshard.megatron_dp import buffer_chunks
+
+        chunks.extend(buffer_chunks(source, shapes))
     objects = extra_objects(source.ckpt, chunk_bytes) if source.manifest is None else {}  # megatron-core's
     parts = split_files(chunks, workers * 2)
     names = [data_file_name(i, 0, "torch_dist") for i in range(len(parts) + (1 if objects else 0))]
@@ -317,7 +334,7 @@ def export(src: Path | ObjectURL, dst: Path | ObjectURL, to: str, optimizer: boo
     weights_only = to == "torch" or (to == "hf" and not optimizer)
     source = open_source(src, megatron=True, weights_only=weights_only, views=to != "torch",
                          experts=to == "fully_reshardable", max_memory=max_memory)
-    names = names or ("hf" if source.manifest is not None or num_heads is not None else "megatron")
+    names = names or "hf"
     if tokenizer is not None and names != "hf":
         raise FormatError("--tokenizer goes with --names hf (a folder transformers loads); drop one of them")
     opt_info = source.manifest.optimizer if source.manifest is not None else None

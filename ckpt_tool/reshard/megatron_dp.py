@@ -49,7 +49,7 @@ from ckpt_tool.reshard.engine import (
     rss_after_imports,
     run_files,
 )
-from ckpt_tool.reshard.megatron_dp_objects import target_objects
+from ckpt_tool.reshard.megatron_dp_objects import PP_FIRST, PP_LAST, target_objects
 from ckpt_tool.reshard.plan import FP32, OutChunk, _gaps, _holder_chunks, dtype_of, read_order, row_blocks
 from ckpt_tool.reshard.source import Buffers, Source, open_source
 from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata, write_objects
@@ -64,10 +64,11 @@ from gtp_format.megatron_layout import (
     lay_out_stage,
     stage_of_layer,
     tp_mode_of,
+    uneven_split,
 )
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.storage.location import ObjectURL
-from gtp_format.views.megatron import HEAD
+from gtp_format.views.megatron import BUFFERS, HEAD
 from gtp_format.views.records import Holder, KeyRef, ParamView, full_box
 from gtp_format.writer.checkpoint import CheckpointWriter, megatron_metadata
 from gtp_format.writer.sink import stage_bytes
@@ -112,19 +113,47 @@ def _modes(source: Source, tp: int) -> dict[str, str | None]:
     return out
 
 
+def source_stage_counts(source: Source) -> list[int]:
+    """Layers per pipeline stage of the source, from the buffers that hold each layer's parameters
+    (``dp_group_idx = stage x TP + tp_rank``; every layer parameter has one holder per TP rank)."""
+    stage: dict[int, int] = {}
+    for v in source.views.values():
+        if v.layer is not None and not v.is_expert and v.holders:
+            stage.setdefault(v.layer, v.holders[0].ref.dp_group_idx // len(v.holders))
+    stages = max(stage.values(), default=-1) + 1
+    return [sum(1 for s in stage.values() if s == i) for i in range(stages)]
+
+
+def target_split(source: Source, pp: int) -> tuple[list[int], int | None, int | None]:
+    """(layers per target stage, first, last): the source's split where PP stays (an uneven one kept,
+    ``--decoder-first/last-pipeline-num-layers``), else megatron-core's even split."""
+    counts = source_stage_counts(source)
+    n = sum(counts)
+    if len(counts) == pp:
+        try:
+            first, last = uneven_split(counts)
+        except ValueError as e:
+            raise FormatError(f"{source.root}: its pipeline {e}; reshard of this layout is not supported") from None
+        return counts, first, last
+    if n % pp:
+        uneven = "" if len(set(counts)) == 1 else (f"; its {len(counts)} stages hold {counts} layers "
+                                                   f"(--decoder-first-pipeline-num-layers), kept at PP {len(counts)}")
+        raise FormatError(f"{source.root}: {n} layers do not split evenly over PP {pp} (megatron-core's default "
+                          f"stage split){uneven}; pick a PP that divides them")
+    return [n // pp] * pp, None, None
+
+
 def target_params(source: Source, tp: int, pp: int) -> list[list[TargetParam]]:
     """Each target stage's parameters in module order (the tied output layer last on the last stage)."""
     views = [v for v in source.views.values() if not v.is_expert]
     layers = {v.layer for v in views if v.layer is not None}
     n = max(layers) + 1 if layers else 0
-    if n % pp:
-        raise FormatError(f"{source.root}: {n} layers do not split evenly over PP {pp} (megatron-core's default "
-                          "stage split); pick a PP that divides them")
+    counts = target_split(source, pp)[0] if n else None
     tied = OUTPUT not in source.views
     modes = _modes(source, tp)
     stages: list[list[TargetParam]] = [[] for _ in range(pp)]
     for v in views:
-        stage = stage_of_layer(v.layer, n, pp) if v.layer is not None else 0 if v.name in HEAD else pp - 1
+        stage = stage_of_layer(v.layer, n, pp, counts) if v.layer is not None else 0 if v.name in HEAD else pp - 1
         local = math.prod(_spec(v, modes[v.name], tp, 0).local_shape)
         stages[stage].append(TargetParam(v.name, v.name, stage, local, tied and pp > 1 and v.name == HEAD[0],
                                          v.holders[0].ref.dtype))
@@ -184,12 +213,28 @@ def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int
             shapes[v.model_key] = (source.ckpt.entries[v.model_key].shape, dtype_of(v.param_dtype))
             for t in range(tp if modes[v.name] else 1):
                 files[rank(t, 0, stage)].extend(_weight_chunks(v, _spec(v, modes[v.name], tp, t), max_bytes))
+    files[0].extend(buffer_chunks(source, shapes))
     out = {first.prefix: numels}
     experts = [v for v in source.views.values() if v.is_expert]
     if experts:
         out[experts[0].holders[0].ref.prefix] = _expert_chunks(source, experts, stages, tp, pp, dp_cp, ep, etp,
                                                                bucket_size, max_bytes, files, shapes)
     return files, shapes, out
+
+
+def buffer_chunks(source: Source, shapes: dict[str, Any]) -> list[OutChunk]:
+    """The model keys that are buffers, not parameters (:data:`gtp_format.views.megatron.BUFFERS`: the MoE
+    router's ``expert_bias``, fp32, no optimizer state), copied as stored: one chunk per layer, as
+    megatron-core writes them (the same at any TP/PP/EP: the router is replicated)."""
+    out: list[OutChunk] = []
+    for key in BUFFERS:
+        e = source.ckpt.entries.get(key)
+        if e is None or e.kind != "tensor" or not e.shape or e.dtype is None:
+            continue
+        shapes[key] = (e.shape, e.dtype)
+        out += [OutChunk(key, (layer, *(0,) * (len(e.shape) - 1)), (1, *e.shape[1:]), e.dtype, copy=True)
+                for layer in range(e.shape[0])]
+    return out
 
 
 def _expert_modes(source: Source, experts: list[ParamView], etp: int) -> dict[str, str | None]:
@@ -378,7 +423,9 @@ def reshard_megatron(src: Path, dst: Path, tp: int | None, pp: int | None, cp: i
         sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
                  "data_parallel_size": dp, "world_size": tp * pp * cp * dp, "expert_model_parallel_size": ep,
                  "expert_tensor_parallel_size": etp}
-        objects, dropped = target_objects(source.ckpt, numels, sizes, chunk_bytes)
+        _, first, last = target_split(source, pp)
+        objects, dropped = target_objects(source.ckpt, numels, sizes, chunk_bytes,
+                                          {PP_FIRST: first, PP_LAST: last})
         iteration = source.ckpt.iteration or 0
         ranks = sorted(files)
         names = [f"__{r}_0.distcp" for r in ranks]

@@ -18,7 +18,9 @@ Never unpickled; each is the source's blob, copied or edited on its pickle *opco
   (megatron's ``load_checkpoint`` refuses a ``dp_reshardable`` optimizer whose recorded (TP, PP)
   differ from the run's), ``no_save_rng = True``, and the virtual-pipeline arguments
   (``virtual_pipeline_model_parallel_size``, ``num_layers_per_virtual_pipeline_stage``) ``None``:
-  the output has one model chunk per stage.
+  the output has one model chunk per stage; the pipeline layout fields
+  (``decoder_first_pipeline_num_layers``, ``decoder_last_pipeline_num_layers``) the target's: the
+  source's uneven split where PP stays, None (an even split) where it changes.
 * ``rng_state``: dropped. It is per (pp, tp) rank of the *source*; copied onto other ranks it
   would give two TP ranks one dropout stream. With ``args.no_save_rng`` megatron's loader does
   not ask for it (as after a save with ``--no-save-rng``), so no ``--no-load-rng`` is needed.
@@ -43,6 +45,8 @@ ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_p
 NO_SAVE_RNG = "no_save_rng"
 # megatron's virtual-pipeline arguments: the output is laid out without virtual pipeline stages
 # (one model chunk per stage), and a stale size would describe chunks it does not have
+# the pipeline layout: per-stage layer counts where uneven, set to the target's (None: even split)
+PP_FIRST, PP_LAST = "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"
 VIRTUAL = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
            "num_virtual_stages_per_pipeline_rank")
 
@@ -103,9 +107,12 @@ def numel_blob(root: str, key: str, blob: bytes, buffers: list[tuple[str, list[i
     return object_blob(prefix, [(n, new if n == "data.pkl" else d) for n, d in records])
 
 
-def common_blob(root: str, blob: bytes, sizes: dict[str, int]) -> bytes:
-    """``common_state`` with ``args``' parallel sizes set to ``sizes``, ``no_save_rng`` True and the
-    virtual-pipeline sizes (:data:`VIRTUAL`) None."""
+def common_blob(root: str, blob: bytes, sizes: dict[str, int], layout: dict[str, int | None] | None = None) -> bytes:
+    """``common_state`` with ``args``' parallel sizes set to ``sizes``, ``no_save_rng`` True, the
+    virtual-pipeline sizes (:data:`VIRTUAL`) None and the pipeline layout fields (``layout``:
+    :data:`PP_FIRST`, :data:`PP_LAST`) set to the target's: an int, or None for an even split. A
+    layout field the source's args lack is added where the target needs a value."""
+    layout = layout or {}
     prefix, records = _records(root, COMMON, blob)
     ops = _ops(root, COMMON, dict(records)["data.pkl"])
     out = [raw for _, _, raw in ops]
@@ -125,6 +132,14 @@ def common_blob(root: str, blob: bytes, sizes: dict[str, int]) -> bytes:
                                   "state is not supported")
             out[k] = b"\x88"  # NEWTRUE
             found[NO_SAVE_RNG] = k
+        elif name in _STR and arg in layout and arg not in found:
+            k = i + (2 if i + 1 < len(ops) and ops[i + 1][0] in _PUT else 1)
+            if k >= len(ops) or ops[k][0] not in (*_INT, "NONE"):
+                raise FormatError(f"{root}: {COMMON}'s args.{arg} is not an int or None; reshard of this common "
+                                  "state is not supported")
+            value = layout[arg]
+            out[k] = b"N" if value is None else _int(value)
+            found[arg] = k
         elif name in _STR and arg in VIRTUAL:
             k = i + (2 if i + 1 < len(ops) and ops[i + 1][0] in _PUT else 1)
             if k >= len(ops) or ops[k][0] not in (*_INT, "NONE"):
@@ -140,11 +155,18 @@ def common_blob(root: str, blob: bytes, sizes: dict[str, int]) -> bytes:
             raise FormatError(f"{root}: {COMMON}'s args are not stored as a batch of items; reshard of this common "
                               "state is not supported")
         out[first] += _str(NO_SAVE_RNG) + b"\x88"  # one more (key, True) in the same SETITEMS batch
+    for arg, value in layout.items():
+        if arg not in found and value is not None:
+            if first + 1 < len(ops) and ops[first + 1][0] == "SETITEM":
+                raise FormatError(f"{root}: {COMMON}'s args are not stored as a batch of items; reshard of this "
+                                  "common state is not supported")
+            out[first] += _str(arg) + _int(value)  # the target's uneven split, which the source's args lack
     return object_blob(prefix, [(n, b"".join(out) if n == "data.pkl" else d) for n, d in records])
 
 
 def target_objects(ckpt: Checkpoint, numels: dict[str, dict[int, list[tuple[str, list[int], list[int]]]]],
-                   sizes: dict[str, int], max_bytes: int) -> tuple[dict[str, bytes], list[str]]:
+                   sizes: dict[str, int], max_bytes: int, layout: dict[str, int | None] | None = None
+                   ) -> tuple[dict[str, bytes], list[str]]:
     """Every byte object of the resharded checkpoint, by key, and the source keys left out.
 
     ``numels``: optimizer prefix -> target ``dp_group_idx`` -> per gbuf (dtype tag, padded, unpadded) bucket numels.
@@ -166,7 +188,7 @@ def target_objects(ckpt: Checkpoint, numels: dict[str, dict[int, list[tuple[str,
             _records(root, key, blob)  # CRC-checked: a damaged source is refused, not copied
             out[key] = blob
         elif key == COMMON:
-            out[key] = common_blob(root, _blob(ckpt, key), sizes)
+            out[key] = common_blob(root, _blob(ckpt, key), sizes, layout)
         elif not any(_matches(key, k) for k in known):
             dropped.append(key)
     if COMMON not in out:

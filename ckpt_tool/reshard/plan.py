@@ -38,6 +38,7 @@ class OutChunk:
     state: str | None = None
     box: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # in the parameter's full tensor
     values: tuple[int, ...] | None = None
+    copy: bool = False  # the same box of the source's key ``key`` as stored (a model buffer: no view, no state)
 
     @property
     def numel(self) -> int:

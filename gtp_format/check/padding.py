@@ -22,14 +22,23 @@ def tally_key(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> str:
     return entry.key + PADDING_TAG if (entry.key, chunk.index) in ckpt.padding_chunks else entry.key
 
 
-def find_megatron_padding(ckpt: Checkpoint) -> None:
-    """Set ``ckpt.padding_chunks`` for a genuine megatron-core checkpoint (ours have a manifest and no padding)."""
+def find_megatron_padding(ckpt: Checkpoint) -> str | None:
+    """Set ``ckpt.padding_chunks`` for a genuine megatron-core checkpoint (ours have a manifest and no padding).
+
+    Returns why the padding is unknown (the parameter layout cannot be established, so the
+    distributed optimizer's bucket keys may hold padding nobody can tell from data), else ``None``.
+    Only ``dp_reshardable`` bucket keys hold padding: a checkpoint without them has none to find.
+    """
     if ckpt.manifest is None and not ckpt.padding_chunks:
         from gtp_format.megatron_topology import is_megatron_core
-        from gtp_format.views.megatron import padding_chunks
+        from gtp_format.names import parse_optimizer_key
+        from gtp_format.views.megatron import padding_chunks_of, padding_layout
 
-        if is_megatron_core(ckpt):
-            ckpt.padding_chunks = padding_chunks(ckpt)
+        if is_megatron_core(ckpt) and any(parse_optimizer_key(k) is not None for k in ckpt.entries):
+            ranges, why = padding_layout(ckpt)
+            ckpt.padding_chunks = padding_chunks_of(ckpt, ranges)
+            return why
+    return None
 
 
 def split_padding(nan: dict[str, int], inf: dict[str, int]) -> tuple[dict[str, dict[str, int]], list[Problem]]:

@@ -52,12 +52,23 @@ def _what(cls: KeyClass | None, roles_known: bool) -> str:
 
 
 def nonfinite_problem(key: str, nan: int, posinf: int, neginf: int | None, cls: KeyClass | None,
-                      source: str, roles_known: bool = True) -> Problem:
-    """One line per key; ``neginf`` None: ``posinf`` counts infinities of both signs."""
+                      source: str, roles_known: bool = True, padding_unknown: str | None = None) -> Problem:
+    """One line per key; ``neginf`` None: ``posinf`` counts infinities of both signs.
+
+    ``padding_unknown``: why a megatron-core checkpoint's parameter layout could not be established.
+    Its distributed-optimizer bucket keys then hold alignment padding (uninitialised memory, NaN as
+    often as not) that cannot be told from data, so their non-finite values are *not attributed*: a
+    warning that says so, never "the run diverged" (which would tell the user to discard a good
+    checkpoint).
+    """
     sev = nonfinite_severity(cls, roles_known)
-    fix = "; the run diverged before this save: resume from an earlier checkpoint" if sev == "error" else ""
     inf = f"{posinf} Inf" if neginf is None else f"{posinf} +Inf and {neginf} -Inf"
     what = _what(cls, roles_known)
+    if padding_unknown is not None and cls is not None and cls.opt is not None:
+        return Problem("warning", "nonfinite", f"{what} holds {nan} NaN and {inf} values ({source}), not attributed: "
+                       "the parameter layout is unknown, so they may be megatron-core's uninitialised alignment "
+                       f"padding rather than the model's (layout: {padding_unknown})", key=key)
+    fix = "; the run diverged before this save: resume from an earlier checkpoint" if sev == "error" else ""
     return Problem(sev, "nonfinite", f"{what} holds {nan} NaN and {inf} values ({source}){fix}", key=key)
 
 

@@ -47,14 +47,15 @@ def data_steps(ckpt: Checkpoint, result: Any, classes: dict[str, KeyClass],
                progress: Progress | None, workers: int | None) -> dict[str, dict[str, str]]:
     """Run the data pass and the tail-padding check into ``result``; return the files' digests."""
 
-    find_megatron_padding(ckpt)
+    unknown = find_megatron_padding(ckpt)
     algorithms = {rel: algos for rel, algos in manifest_algorithms(ckpt).items() if rel not in covered}
     for rel, extra in integrity_algorithms(ckpt, listing).items():
         algorithms[rel] = [*algorithms.get(rel, []), *extra]
     report = check_data(ckpt, algorithms, progress, workers, matched)
     known = ckpt.manifest is not None or ckpt.megatron_metadata is not None
-    result.problems += [nonfinite_problem(p.key, *_counts(report, p.key), classes.get(p.key), "counted now", known)
-                        if p.check == "nonfinite" and p.key else p for p in report.problems]
+    result.problems += [nonfinite_problem(p.key, *_counts(report, p.key), classes.get(p.key), "counted now", known,
+                                          unknown) if p.check == "nonfinite" and p.key else p
+                        for p in report.problems]
     result.checks.append("tail_padding")
     result.problems += check_padding(ckpt)
     result.stats["nonfinite"] = report.nonfinite

@@ -64,7 +64,8 @@ def work(a: Source, b: Source, keys: Iterable[str]) -> int:
 
 def compare(a: Source, b: Source, rule: Rule = EXACT, *, select: Callable[[str], bool] = EVERYTHING,
             chunks: bool = False, values: bool = True, max_bytes: int = DEFAULT_MAX_BYTES,
-            advance: Advance | None = None, keys: Iterable[str] | None = None, first: bool = False) -> Report:
+            advance: Advance | None = None, keys: Iterable[str] | None = None, first: bool = False,
+            padding: tuple[frozenset[tuple[str, int]], frozenset[tuple[str, int]]] | None = None) -> Report:
     """Compare side ``a`` with side ``b``, key by key; see the module docstring.
 
     ``chunks``: report a different chunk layout (code ``chunks``); values are compared anyway.
@@ -75,12 +76,17 @@ def compare(a: Source, b: Source, rule: Rule = EXACT, *, select: Callable[[str],
 
     Chunk pairs whose sources both give a recorded hash (:meth:`Source.digest`), and equal ones,
     are not read: equal hashes of the stored bytes mean equal bytes, so equal values.
+
+    ``padding``: (key, chunk index) of the chunks that are alignment padding on side ``a`` and on side
+    ``b`` (:func:`gtp_format.views.megatron.padding_chunks`). A chunk pair that is padding on both
+    sides is compared apart: what differs there is :attr:`KeyResult.padding`, not a difference
+    (megatron-core leaves that memory uninitialised, so two saves of one state differ in it).
     """
     step = advance or (lambda n: None)
     report = Report(rule=rule.describe())
     for key in (selected_keys(a, b, select) if keys is None else keys):
         result = compare_key(a, b, key, rule, chunks=chunks, values=values, max_bytes=max_bytes, advance=step,
-                             first=first)
+                             first=first, padding=padding)
         report.results.append(result)
         if first and result.differences:
             break
@@ -89,7 +95,8 @@ def compare(a: Source, b: Source, rule: Rule = EXACT, *, select: Callable[[str],
 
 def compare_key(a: Source, b: Source, key: str, rule: Rule, *, chunks: bool = False, values: bool = True,
                 max_bytes: int = DEFAULT_MAX_BYTES, advance: Advance = lambda n: None,
-                first: bool = False) -> KeyResult:
+                first: bool = False,
+                padding: tuple[frozenset[tuple[str, int]], frozenset[tuple[str, int]]] | None = None) -> KeyResult:
     """Compare one key (present on at least one side)."""
     ea, eb = a.entries.get(key), b.entries.get(key)
     if ea is None or eb is None:
@@ -102,6 +109,7 @@ def compare_key(a: Source, b: Source, key: str, rule: Rule, *, chunks: bool = Fa
     if meta is not None or not values:
         advance(len(ea.chunks) + len(eb.chunks))
     found = [] if meta is None else [meta]
+    pad: list[Difference] = []
     if meta is None and chunks and ea.kind != BYTES and _boxes(ea) != _boxes(eb):
         found.append(Difference(CHUNKS, key, f"{len(ea.chunks)} vs {len(eb.chunks)} chunks, boxes differ",
                                 a=len(ea.chunks), b=len(eb.chunks), numel=len(ea.chunks), differing=len(ea.chunks)))
@@ -110,9 +118,9 @@ def compare_key(a: Source, b: Source, key: str, rule: Rule, *, chunks: bool = Fa
             content = _objects(a, ea, b, eb, rule)
             advance(len(ea.chunks) + len(eb.chunks))
         else:
-            content = _tensors(a, ea, b, eb, rule, max_bytes, advance, first)
+            content = _tensors(a, ea, b, eb, rule, max_bytes, advance, first, padding, pad)
         found += [content] if content is not None else []
-    return KeyResult(key, numel, len(ea.chunks), tuple(found))
+    return KeyResult(key, numel, len(ea.chunks), tuple(found), pad[0] if pad else None)
 
 
 def _metadata(ea: Entry, eb: Entry) -> Difference | None:
@@ -160,9 +168,12 @@ def _same_digests(a: Source, ea: Entry, b: Source, eb: Entry) -> bool:
 
 
 def _tensors(a: Source, ea: Entry, b: Source, eb: Entry, rule: Rule, max_bytes: int,
-             advance: Advance, stop_first: bool = False) -> Difference | None:
+             advance: Advance, stop_first: bool = False,
+             padding: tuple[frozenset[tuple[str, int]], frozenset[tuple[str, int]]] | None = None,
+             pad_out: list[Difference] | None = None) -> Difference | None:
     assert ea.shape is not None
     count, max_abs, first = 0, None, None
+    pad_count, pad_chunks = 0, 0
     values: tuple[object, object] = (None, None)
     boxes_b = {(c.offsets, c.sizes): c for c in eb.chunks}
     if _boxes(ea) == _boxes(eb):
@@ -176,6 +187,9 @@ def _tensors(a: Source, ea: Entry, b: Source, eb: Entry, rule: Rule, max_bytes: 
             vd = compare_values(ta, tb, rule)
             advance(2)
             if not vd.differing:
+                continue
+            if padding is not None and (ea.key, c.index) in padding[0] and (eb.key, cb.index) in padding[1]:
+                pad_count, pad_chunks = pad_count + vd.differing, pad_chunks + 1
                 continue
             count += vd.differing
             if vd.max_abs_diff is not None:
@@ -191,6 +205,10 @@ def _tensors(a: Source, ea: Entry, b: Source, eb: Entry, rule: Rule, max_bytes: 
         advance(len(ea.chunks) + len(eb.chunks))
         count, max_abs = vd.differing, vd.max_abs_diff
         first = unravel(vd.first, ea.shape) if vd.first is not None else None
+    if pad_count and pad_out is not None:
+        pad_out.append(Difference(VALUES, ea.key, f"{pad_count} elements of alignment padding differ (in {pad_chunks} "
+                                  "padding chunks: no parameter's elements, megatron-core leaves them uninitialised)",
+                                  numel=ea.numel, differing=pad_count))
     if not count:
         return None
     assert first is not None

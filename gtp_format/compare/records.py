@@ -75,6 +75,9 @@ class KeyResult:
     numel: int
     chunks: int
     differences: tuple[Difference, ...] = ()
+    # values that differ only in alignment padding (megatron-core's uninitialised bucket gaps): reported
+    # apart and not a difference, since they belong to no parameter
+    padding: Difference | None = None
 
     @property
     def ok(self) -> bool:

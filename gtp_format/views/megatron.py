@@ -69,15 +69,30 @@ LAYER = (
     ("self_attention.linear_proj.bias", "self_attention.linear_proj.bias"),
     ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.weight"),
     ("self_attention.linear_qkv.bias", "self_attention.linear_qkv.bias"),
+    ("self_attention.q_layernorm.weight", "self_attention.q_layernorm.weight"),  # --qk-layernorm
+    ("self_attention.q_layernorm.bias", "self_attention.q_layernorm.bias"),
+    ("self_attention.k_layernorm.weight", "self_attention.k_layernorm.weight"),
+    ("self_attention.k_layernorm.bias", "self_attention.k_layernorm.bias"),
     ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
     ("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"),
     ("mlp.router.weight", "mlp.router.weight"),  # MoE layers: the router is a dense parameter
     ("mlp.router.bias", "mlp.router.bias"),
+    # --moe-shared-expert-intermediate-size: dense parameters after the router (the experts have their own buffer)
+    ("mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"),
+    ("mlp.shared_experts.linear_fc1.bias", "mlp.shared_experts.linear_fc1.bias"),
+    ("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.linear_fc2.weight"),
+    ("mlp.shared_experts.linear_fc2.bias", "mlp.shared_experts.linear_fc2.bias"),
+    ("mlp.shared_experts.gate_weight", "mlp.shared_experts.gate_weight"),
     ("mlp.linear_fc1.weight", "mlp.linear_fc1.weight"),
     ("mlp.linear_fc1.bias", "mlp.linear_fc1.bias"),
     ("mlp.linear_fc2.weight", "mlp.linear_fc2.weight"),
     ("mlp.linear_fc2.bias", "mlp.linear_fc2.bias"),
 )
+# model keys that are buffers, not parameters: no optimizer state (--moe-router-enable-expert-bias)
+BUFFERS = ("decoder.layers.mlp.router.expert_bias",)
+# the linears whose weight and bias are gated (--swiglu): each TP rank stores its gate and its up half
+GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.shared_experts.linear_fc1.weight",
+         "mlp.shared_experts.linear_fc1.bias")
 HEAD = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 TAIL = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
 
@@ -128,7 +143,7 @@ def _module_params(ckpt: Checkpoint, layer_chunks: dict[str, dict[int, list[Chun
     declares 10^9 layers and stores two is refused before any per-layer work (issue 22 class 3).
     """
     keys = {k for k, e in ckpt.entries.items() if e.kind == TENSOR and not k.startswith("optimizer.")
-            and not k.startswith("chained_") and not k.startswith(EXPERT_PREFIX)}
+            and not k.startswith("chained_") and not k.startswith(EXPERT_PREFIX) and k not in BUFFERS}
     out: list[tuple[str, str, int | None]] = [(k, k, None) for k in HEAD if k in keys]
     stacked = sorted(k for k in keys if k.startswith("decoder.layers."))
     layers = {ckpt.entries[k].shape[0] for k in stacked if ckpt.entries[k].shape}  # type: ignore[index]
@@ -217,12 +232,20 @@ def _stages(ckpt: Checkpoint, params: list[tuple[str, str, int | None]], pp: int
     return stage, chunk, vpp
 
 
-def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamView]:
+def megatron_views(ckpt: Checkpoint, experts: bool = False, ranges_only: bool = False) -> dict[str, ParamView]:
     """Every parameter of a megatron-core GPT ``dp_reshardable`` checkpoint, TP x PP (see the module docstring).
 
     ``experts``: also MoE checkpoints (:mod:`gtp_format.views.megatron_moe`): ``inspect --params``, the
     padding map and ``export --to fully_reshardable`` ask (expert keys are indexed by (layer, expert),
     :attr:`gtp_format.views.records.ParamView.lead`) and ``ckpt reshard``; the Hugging Face export does not.
+
+    ``ranges_only``: the padding map's view, where only each holder's bucket range counts (``start``,
+    numel), not where its elements sit in the global tensor. A gated ``linear_fc1`` (``--swiglu``)
+    then passes: each TP rank holds ``2 x ffn / TP`` rows of it (its gate and up halves, stored as two
+    chunks each), which is the numel a column split gives; its holders' specs are that column split's,
+    which is *not* where those rows sit globally, so such a view serves ranges and nothing else. q/k
+    layernorm and shared experts are laid out as any parameter; every range is still checked against
+    the chunks megatron-core wrote (:func:`_check_chunks`).
     """
     opts = {k: parse_optimizer_key(k) for k, e in ckpt.entries.items() if e.kind == TENSOR}
     opts = {k: o for k, o in opts.items() if o is not None}
@@ -248,6 +271,7 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
         raise _refuse(ckpt, "optimizer keys carry cp_rank")
     if HEAD[0] not in ckpt.entries:
         raise _refuse(ckpt, f"it has no {HEAD[0]}")
+    gated = _refuse_unsupported(ckpt, ranges_only)
     stacked = [k for k, e in ckpt.entries.items() if e.kind == TENSOR and k.startswith("decoder.layers.")]
     layer_chunks = _layer_index(ckpt, stacked)
     params = _module_params(ckpt, layer_chunks)
@@ -274,6 +298,8 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
     for name, key, layer in params:
         entry = ckpt.entries[key]
         mode, full, offsets = _tp_boxes(ckpt, entry, layer, entry.chunks if layer is None else layer_chunks[key][layer])
+        if gated and name.endswith(GATED) and mode == "column" and len(offsets) == 2 * tp_size:
+            offsets = offsets[:tp_size]  # ranges only: a TP rank's gate and up halves, sized as one column part
         if mode is not None and len(offsets) != tp_size:
             raise _refuse(ckpt, f"{key} has {len(offsets)} TP parts but the embedding has {tp_size}")
         mode = "vocab" if mode == "column" and key == HEAD[0] else mode
@@ -309,11 +335,34 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
         layers = max((ln for _, _, ln in params if ln is not None), default=-1) + 1
         layer_stage = {ln: stage_of[name] for name, _, ln in params if ln is not None}
         ev, eplaced = expert_views(ckpt, expert_opts, prefixes[1], layers, lambda why: _refuse(ckpt, why),
-                                   layer_stage, pp)
+                                   layer_stage, pp, gated)
         egbuf = next(iter(expert_opts.values())).gbuf_idx
         _check_chunks(ckpt, expert_opts, [(n, r, egbuf, b, a, z) for n, r, b, a, z in eplaced], 1)
         out.update(ev)
     return out
+
+
+def _refuse_unsupported(ckpt: Checkpoint, ranges_only: bool = False) -> bool:
+    """Refuse, naming the Megatron flag, a model whose tensors these rules do not lay out.
+
+    The model comes from :func:`gtp_format.megatron_args.describe_model` (args checked against the
+    shapes; a disagreement is refused there). A gated MLP (``--swiglu``) stores each TP rank's
+    ``linear_fc1`` as two chunks (its gate and up halves, megatron-core's
+    ``apply_swiglu_sharded_factory``), at global rows the column split does not give; q/k layernorm,
+    shared experts and the router's expert bias are laid out but not checked against a save of
+    megatron-core's beyond their ranges. With ``ranges_only`` (the padding map) nothing is refused.
+    Returns whether the MLP is gated.
+    """
+    from gtp_format.megatron_args import FLAGS, describe_model
+
+    model = describe_model(ckpt)
+    features = [("gated_linear_unit", "a gated linear unit (SwiGLU: linear_fc1 holds a gate and an up half per TP "
+                 "rank)"), ("moe_shared_expert_intermediate_size", "MoE shared experts")]
+    for name, what in features if not ranges_only else ():
+        if getattr(model, name):
+            flag = "--quick-geglu" if name == "gated_linear_unit" and model.activation == "quick_gelu" else FLAGS[name]
+            raise _refuse(ckpt, f"it has {what} ({flag}), which this version's per-parameter view does not lay out")
+    return bool(model.gated_linear_unit)
 
 
 def _param_dtype(dtag: str) -> str:
@@ -416,10 +465,15 @@ def padding_ranges(ckpt: Checkpoint) -> dict[str, list[tuple[int, int]]]:
     (NaN and 1e35s in the fixtures); NaN counts and statistics leave them out. Empty when the
     layout cannot be established (the refusal is ``inspect --params``'s to report).
     """
+    return padding_layout(ckpt)[0]
+
+
+def padding_layout(ckpt: Checkpoint) -> tuple[dict[str, list[tuple[int, int]]], str | None]:
+    """(:func:`padding_ranges`, ``None``), or ``({}, why)`` where the parameter layout cannot be established."""
     try:
-        views = megatron_views(ckpt, experts=True)
-    except FormatError:
-        return {}
+        views = megatron_views(ckpt, experts=True, ranges_only=True)
+    except FormatError as e:
+        return {}, str(e).removeprefix(f"{ckpt.root}: ")
     used: dict[str, list[tuple[int, int]]] = {}
     for v in views.values():
         for h in v.holders:
@@ -438,13 +492,18 @@ def padding_ranges(ckpt: Checkpoint) -> dict[str, list[tuple[int, int]]]:
         if pos < e.shape[0]:
             gaps.append((pos, e.shape[0]))
         out[key] = gaps
-    return out
+    return out, None
 
 
 def padding_chunks(ckpt: Checkpoint) -> frozenset[tuple[str, int]]:
     """(key, chunk index) of every stored chunk that lies wholly in an alignment gap."""
+    return padding_chunks_of(ckpt, padding_ranges(ckpt))
+
+
+def padding_chunks_of(ckpt: Checkpoint, ranges: dict[str, list[tuple[int, int]]]) -> frozenset[tuple[str, int]]:
+    """:func:`padding_chunks` of ranges already computed."""
     out = set()
-    for key, gaps in padding_ranges(ckpt).items():
+    for key, gaps in ranges.items():
         starts = [a for a, _ in gaps]
         for c in ckpt.entries[key].chunks:
             a, z = c.offsets[0], c.offsets[0] + c.sizes[0]

@@ -44,13 +44,18 @@ def expert_keys(ckpt: Checkpoint) -> list[str]:
 
 
 def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse: Callable[[str], FormatError],
-                 layer_stage: dict[int, int] | None = None, pp: int = 1,
+                 layer_stage: dict[int, int] | None = None, pp: int = 1, gated: bool = False,
                  ) -> tuple[dict[str, Any], list[tuple[str, int, int, int, int]]]:
     """Views of every expert parameter and the placed slices (name, dp_group_idx, bucket, start, end).
 
     With PP > 1 the expert optimizer's ``dp_group_idx`` is ``pp_rank * EP + ep_rank`` (its rank in
     the expert model-parallel group, rank order tp-cp-ep-dp-pp), and a stage's buffer holds the
     experts of its own layers (``layer_stage``: the dense view's stage of each layer).
+
+    ``gated`` (``--swiglu``; the padding map's ranges only, see
+    :func:`gtp_format.views.megatron.megatron_views`): an expert's ``linear_fc1`` is stored as a gate
+    and an up chunk per expert-TP part, so its chunk count is twice the expert TP, and a part's numel
+    is what a column split over expert TP gives.
     """
     keys = {s: EXPERT_PREFIX + s for s in EXPERT if EXPERT_PREFIX + s in ckpt.entries}
     unknown = sorted(set(expert_keys(ckpt)) - set(keys.values()))
@@ -65,6 +70,10 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
         raise refuse(f"the expert optimizer has dp_group_idx {ranks[:8]}, not PP {pp} x EP x expert TP ranks")
     stage_of = layer_stage or {layer: 0 for layer in range(layers)}
     modes = {s: expert_split(ckpt, k, refuse) for s, k in keys.items()}
+    for s in ("linear_fc1.weight", "linear_fc1.bias") if gated else ():
+        if s in modes and modes[s][0] == "column" and modes[s][1] % 2 == 0:
+            half = modes[s][1] // 2  # gate and up chunks of each expert-TP part
+            modes[s] = ("column" if half > 1 else None, half)
     etps = {n for _, n in modes.values() if n > 1} or {1}
     if len(etps) != 1 or len(ranks) % (pp * next(iter(etps))):
         raise refuse(f"expert keys are split in {sorted(etps)} parts, not one expert TP size dividing the expert "

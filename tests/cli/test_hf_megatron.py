@@ -59,7 +59,7 @@ def _assert_equals_show(src: Path, exported: dict[str, torch.Tensor]) -> None:
 @pytest.mark.parametrize("name", SHARDINGS)
 def test_weights_only_hf_export_equals_show(name: str, tmp_path: Path) -> None:
     out = tmp_path / "hf"
-    r = cli("export", MEGATRON / name, out, "--to", "hf", "--format", "json")
+    r = cli("export", MEGATRON / name, out, "--to", "hf", "--names", "megatron", "--format", "json")
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["names"] == "megatron"
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
@@ -100,9 +100,18 @@ def test_model_only_checkpoint_exports(tmp_path: Path) -> None:
     folder = tmp_path / "model_only" / "iter_0000002"
     dcp.save(state, checkpoint_id=folder, no_dist=True)
     (tmp_path / "model_only" / "latest_checkpointed_iteration.txt").write_text("2")
-    r = cli("export", tmp_path / "model_only", tmp_path / "hf", "--to", "hf")
+    r = cli("export", tmp_path / "model_only", tmp_path / "hf", "--to", "hf", "--names", "megatron")
     assert r.exit_code == 0, r.stderr
     _assert_equals_show(src, load_file(tmp_path / "hf" / "model.safetensors"))
+    # no args recorded: the head count is the one field a flag fills; the assumed defaults are reported
+    r = cli("export", tmp_path / "model_only", tmp_path / "hf2", "--to", "hf")
+    assert_error_line(r, 2, "do not record num_attention_heads", "--num-heads")
+    r = cli("export", tmp_path / "model_only", tmp_path / "hf2", "--to", "hf", "--num-heads", "4", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["architecture"] == "GPTBigCodeForCausalLM" and any("GELU" in a for a in doc["assumed"])
+    r = cli("export", tmp_path / "model_only", tmp_path / "hf3", "--to", "hf", "--num-heads", "5")
+    assert_error_line(r, 2, "--num-heads 5", "linear_qkv")
 
 
 @pytest.mark.slow
@@ -112,7 +121,7 @@ def test_gpt_bigcode_export_matches_megatron_cores_forward(name: str, tmp_path: 
     os.environ["HF_HUB_OFFLINE"] = "1"
     transformers = pytest.importorskip("transformers")
     src, hf, raw = MEGATRON / name, tmp_path / "hf", tmp_path / "raw"
-    r = cli("export", src, hf, "--to", "hf", "--num-heads", "4", "--format", "json")
+    r = cli("export", src, hf, "--to", "hf", "--format", "json")  # no model flag: the args record the heads
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["architecture"] == "GPTBigCodeForCausalLM"
     assert cli("export", src, raw, "--to", "hf", "--names", "megatron").exit_code == 0
@@ -133,14 +142,20 @@ def test_gpt_bigcode_export_matches_megatron_cores_forward(name: str, tmp_path: 
     assert err <= 1e-5 and want.abs().max().item() > 0.05, err
 
 
-def test_megatron_hf_names_need_the_head_count_and_optimizer_its_keys(tmp_path: Path) -> None:
-    r = cli("export", MEGATRON / "dp2_fully_reshardable", tmp_path / "x", "--to", "hf", "--names", "hf")
-    assert_error_line(r, 2, "pass --num-heads", "does not record it")
+def test_megatron_hf_head_count_comes_from_the_args_and_optimizer_its_keys(tmp_path: Path) -> None:
+    """The checkpoint records num_attention_heads=4: a contradicting --num-heads is refused (it once
+    exited 0 with a model whose logits were 0.1 off), an agreeing one is accepted."""
     r = cli("export", MEGATRON / "dp2_fully_reshardable", tmp_path / "x", "--to", "hf", "--num-heads", "5")
-    assert_error_line(r, 2, "a divisor of hidden 32")
+    assert_error_line(r, 2, "--num-heads 5 disagrees", "num_attention_heads=4")
+    r = cli("export", MEGATRON / "dp2_fully_reshardable", tmp_path / "x", "--to", "hf", "--num-heads", "8")
+    assert_error_line(r, 2, "--num-heads 8 disagrees")
+    assert not list(tmp_path.iterdir())
+    r = cli("export", MEGATRON / "dp2_fully_reshardable", tmp_path / "y", "--to", "hf", "--num-heads", "4")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads((tmp_path / "y" / "config.json").read_text())["n_head"] == 4
     r = cli("export", MEGATRON / "dp2_fully_reshardable", tmp_path / "x", "--to", "hf", "--optimizer")
     assert_error_line(r, 2, "no dp_reshardable optimizer keys")
-    assert not list(tmp_path.iterdir())
+    assert not (tmp_path / "x").exists()
 
 
 def test_megatron_moe_is_refused_saying_why(tmp_path: Path) -> None:

@@ -2,7 +2,10 @@
 
 ``python megatron_load.py CKPT_ITER_DIR OUT_DIR TP PP DP NUM_LAYERS [SHARDING [EP EXPERTS [VARIANT [ETP]]]]``
 spawns TP x PP x DP gloo CPU ranks. Each builds the fixtures' model (MoE given EP and EXPERTS, expert TP
-ETP (default TP); VARIANT ``fp32norm``: no linear biases and every layernorm kept in fp32,
+ETP (default TP); VARIANT ``family:<fixture>:<first>``: the generator's model family of that fixture
+(``fixtures/megatron/megatron_family.py``: SwiGLU, RMSNorm, GQA, RoPE, q/k layernorm, experts, ...) with
+``<first>`` layers on the first pipeline stage (``-``: an even split); ``fp32norm``: no linear biases
+and every layernorm kept in fp32,
 ``pair_fp32norm_*``'s two buffers; ``sp``: no linear biases and sequence parallelism, as
 ``pair_moe_tp2_etp2_*``, the generator's norm shim included) and
 optimizer (``fixtures/megatron/make_megatron_fixtures.py``: its CPU shims, ``MODEL`` and optimizer
@@ -50,6 +53,14 @@ def _build(tp: int, pp: int, num_layers: int, ep: int = 1, experts: int = 0, var
     from megatron.core.transformer.module import Float16Module
 
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    family = variant.startswith("family:")
+    if family:  # a model family of the generator (megatron_family): the fixture's spec at this topology
+        from make_megatron_fixtures import FIXTURES
+        from megatron_family import config_kwargs, gpt_kwargs, layer_spec
+
+        _, name, first = variant.split(":")
+        fam = dict(FIXTURES[name], tp=tp, pp=pp, ep=ep, etp=etp, first_layers=None if first == "-" else int(first))
+        experts = fam.get("experts") or 0
     moe = dict(num_moe_experts=experts, expert_model_parallel_size=ep, moe_ffn_hidden_size=32, moe_router_topk=2,
                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
                expert_tensor_parallel_size=etp) if experts else {}
@@ -59,13 +70,14 @@ def _build(tp: int, pp: int, num_layers: int, ep: int = 1, experts: int = 0, var
         pipeline_model_parallel_size=pp, use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
-        persist_layer_norm=False, add_bias_linear=variant == "plain", sequence_parallel=variant == "sp" and tp > 1,
-        **moe)
-    spec = get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False)
+        persist_layer_norm=False, sequence_parallel=(variant == "sp" or (family and experts > 0)) and tp > 1,
+        **(config_kwargs(fam) if family else dict(add_bias_linear=variant == "plain", **moe)))
+    spec = layer_spec(fam) if family else get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False)
+    gpt = gpt_kwargs(fam) if family else dict(share_embeddings_and_output_weights=True,
+                                              position_embedding_type="learned_absolute")
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=MODEL["vocab_size"], max_sequence_length=MODEL["seq_length"],
-                     pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
+                     pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(), **gpt)
     model = Float16Module(config, model)
     if variant == "fp32norm":  # as the generator's fp32_norms: the layernorms back to fp32 after the bf16 cast
         for name, p in model.named_parameters():
@@ -118,7 +130,7 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: i
 
     torch.set_num_threads(1)
     install_cpu_shims()
-    if variant == "sp":
+    if variant == "sp" or (variant.startswith("family:") and tp > 1):  # MoE at TP > 1 needs sequence parallelism
         allow_torch_norm_with_sequence_parallel()
     import torch.distributed as dist
 
@@ -150,6 +162,9 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: i
     for name, p in module.named_parameters():
         w = p.detach()
         arrays[f"model.{name}"] = w.view(torch.int16).numpy() if p.dtype == torch.bfloat16 else w.numpy()
+    for name, b in module.named_buffers():  # the router's expert bias: a model key without optimizer state
+        if name.endswith("expert_bias"):
+            arrays[f"buffer.{name}"] = b.detach().numpy()
     for i, t in enumerate(_optimizer_tensors(optimizer)):
         arrays[f"opt.{i}"] = t.detach().numpy()
     steps = [float(o.optimizer.state[p]["step"]) for o in getattr(optimizer, "chained_optimizers", [optimizer])

@@ -1,0 +1,74 @@
+"""``ckpt export --to hf`` of genuine megatron-core checkpoints of the families users train, with no
+model flag, against megatron-core's own forward.
+
+Each fixture was written by megatron-core 0.19.2 (``fixtures/megatron/make_megatron_fixtures.py``),
+records its Megatron-LM flags in ``common_state`` args, has perturbed norm weights (after two bf16
+steps an untouched norm weight is still exactly 1.0, which hides swapped norms) and stores
+megatron's own fp32 forward on a fixed token batch beside it (``reference_logits.npz``), so this
+test needs no megatron venv. transformers must load the export with ``AutoModelForCausalLM`` and
+compute the same logits within 1e-5: a correct mapping gives about 1e-7, swapped q/k norms 4e-5, a
+wrong ``rope_theta`` 2e-4. Both halves of each pair (``dp_reshardable`` and ``fully_reshardable``)
+export the same model weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from cli_helpers import assert_error_line, cli
+
+REPO = Path(__file__).resolve().parents[2]
+MEGATRON = REPO / "fixtures" / "megatron"
+# fixture -> the transformers class its recorded model maps onto
+EXPECTED = {
+    "pair_llama_tp2_dp2_dp_reshardable": "LlamaForCausalLM",
+    "pair_qwen3_tp2_dp_reshardable": "Qwen3ForCausalLM",
+    "pair_mixtral_ep2_dp_reshardable": "MixtralForCausalLM",
+    "pair_starcoder2_tp2_dp_reshardable": "Starcoder2ForCausalLM",
+}
+# fixture -> the flag its refusal names (no transformers class computes that model exactly)
+REFUSED = {
+    "pair_swiglu_tp1_dp_reshardable": "--swiglu",  # SwiGLU with learned positions
+    "pair_moe_shared_dp_reshardable": "MoE",
+    "pair_moe_expert_bias_dp_reshardable": "MoE",
+}
+
+
+def _present(names: dict[str, str]) -> list[str]:
+    return [n for n in names if (MEGATRON / n / "reference_logits.npz").exists()]
+
+
+@pytest.mark.parametrize("half", ["", "_fully_reshardable"])
+@pytest.mark.parametrize("name", _present(EXPECTED))
+def test_export_matches_megatrons_forward(name: str, half: str, tmp_path: Path) -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    transformers = pytest.importorskip("transformers")
+    src = MEGATRON / (name + half)
+    r = cli("export", src, tmp_path / "hf", "--to", "hf", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["architecture"] == EXPECTED[name], doc
+    # the fixtures' args are a subset of a Megatron-LM run's: only --norm-epsilon (1e-5, both ways) is missing
+    assert all("norm epsilon" in a for a in doc["assumed"]), doc["assumed"]
+    with np.load(MEGATRON / name / "reference_logits.npz") as z:
+        tokens, want = torch.from_numpy(z["tokens"]), torch.from_numpy(z["logits"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert type(model).__name__ == EXPECTED[name]
+    model.eval()
+    with torch.no_grad():
+        got = model(tokens).logits
+    assert got.shape == want.shape
+    err = (got - want).abs().max().item()
+    assert err <= 1e-5 and want.abs().max().item() > 0.05, err
+
+
+@pytest.mark.parametrize("name", _present(REFUSED))
+def test_models_with_no_exact_class_are_refused_by_flag(name: str, tmp_path: Path) -> None:
+    r = cli("export", MEGATRON / name, tmp_path / "hf", "--to", "hf")
+    assert_error_line(r, 2, REFUSED[name], "--names megatron")
+    assert not (tmp_path / "hf").exists()

@@ -1,0 +1,220 @@
+"""Megatron models as users train them (fixtures/megatron/pair_{swiglu,llama,qk_layernorm,moe_shared,
+moe_expert_bias,uneven}_*, written by megatron-core 0.19.2 with Megatron-LM's args and perturbed norms).
+
+For every pair: ``verify --data`` is clean on both halves, with and without ``--cp-size``; the model
+description read from the args agrees with the tensors and names the family; the padding map's
+ranges are megatron's own buffers' gaps (``expected.json``: what ``bucket_layout`` read from the
+live buffers), and where the per-parameter view lays a family out (q/k layernorm, router expert
+bias, uneven stages) every parameter's range is megatron's; ``export --to fully_reshardable``
+equals megatron's own save tensor for tensor; SwiGLU and shared experts are refused by their flag.
+With the megatron venv: reshards to two other topologies load in megatron-core's own loader with
+the state of megatron's own save, and ``plan`` at those targets says ``needs_reshard``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_helpers import assert_error_line, cli
+
+from gtp_format.megatron_args import describe_model
+from gtp_format.reader.checkpoint import open_checkpoint
+from gtp_format.views.megatron import megatron_views, padding_ranges
+
+ROOT = Path(__file__).resolve().parents[2]
+MEGATRON = ROOT / "fixtures" / "megatron"
+MEGATRON_PY = MEGATRON / "_venv" / "bin" / "python"
+LOADER = ROOT / "tests" / "helpers" / "megatron_load.py"
+# pair -> what the description must say (field -> value)
+FAMILIES = {
+    "pair_swiglu_tp1_dp_reshardable": {"gated_linear_unit": True, "activation": "silu"},
+    "pair_swiglu_tp2_dp_reshardable": {"gated_linear_unit": True, "activation": "silu"},
+    "pair_llama_tp2_dp2_dp_reshardable": {"gated_linear_unit": True, "num_query_groups": 2, "normalization": "RMSNorm",
+                                          "position_embedding_type": "rope", "add_bias_linear": False,
+                                          "untied": True},
+    "pair_qk_layernorm_tp2_dp_reshardable": {"qk_layernorm": True, "position_embedding_type": "rope"},
+    "pair_moe_shared_dp_reshardable": {"num_experts": 4, "moe_shared_expert_intermediate_size": 32,
+                                       "gated_linear_unit": True},
+    "pair_moe_expert_bias_dp_reshardable": {"num_experts": 4, "moe_router_enable_expert_bias": True},
+    "pair_uneven_pp2_dp_reshardable": {"num_layers": 3, "first_stage_layers": 1},
+}
+LAID_OUT = ["pair_qk_layernorm_tp2_dp_reshardable", "pair_moe_expert_bias_dp_reshardable",
+            "pair_uneven_pp2_dp_reshardable"]
+REFUSED = {"pair_swiglu_tp2_dp_reshardable": "--swiglu", "pair_llama_tp2_dp2_dp_reshardable": "--swiglu",
+           "pair_moe_shared_dp_reshardable": "--swiglu"}
+
+
+def _both(pair: str) -> list[Path]:
+    return [MEGATRON / pair, MEGATRON / f"{pair}_fully_reshardable"]
+
+
+@pytest.mark.parametrize("pair", sorted(FAMILIES))
+def test_verify_data_is_clean_on_both_halves(pair: str) -> None:
+    for path in _both(pair):
+        for extra in ((), ("--cp-size", "1"), ("--cp-size", "2")):
+            r = cli("verify", path, "--data", "--format", "json", *extra)
+            doc = json.loads(r.stdout)
+            assert r.exit_code == 0 and doc["errors"] == 0 and not doc["stats"]["nonfinite"], doc["problems"]
+            if not extra or extra[1] == "1":
+                assert doc["warnings"] == 0, doc["problems"]
+
+
+@pytest.mark.parametrize("pair", sorted(FAMILIES))
+def test_the_model_description_comes_from_the_args_and_agrees_with_the_tensors(pair: str) -> None:
+    for path in _both(pair):
+        model = describe_model(open_checkpoint(path))
+        for field, want in FAMILIES[pair].items():
+            assert getattr(model, field) == want, (path.name, field, getattr(model, field))
+        assert model.num_attention_heads == 4 and model.kv_channels == 8 and model.vocab_size == 128
+        assert not {"num_attention_heads", "normalization", "position_embedding_type"} & set(model.inferred)
+    r = cli("inspect", MEGATRON / pair, "--format", "json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["megatron_model"]["text"], r.stderr
+
+
+@pytest.mark.parametrize("pair", sorted(FAMILIES))
+def test_padding_is_megatrons_own_buffer_gaps(pair: str) -> None:
+    expected = json.loads((MEGATRON / pair / "expected.json").read_text())
+    gaps = padding_ranges(open_checkpoint(MEGATRON / pair))
+    seen = 0
+    for k in expected["keys"]:
+        if "params_in_bucket" not in k:
+            continue
+        spans, pos, want = sorted((p["start"], p["end"]) for p in k["params_in_bucket"]), 0, []
+        for a, z in spans:
+            want += [(pos, a)] if a > pos else []
+            pos = max(pos, z)
+        want += [(pos, k["shape"][0])] if pos < k["shape"][0] else []
+        assert gaps[k["key"]] == want, k["key"]
+        seen += 1
+    assert seen
+
+
+@pytest.mark.parametrize("pair", LAID_OUT)
+def test_the_per_parameter_view_is_megatrons_buffers(pair: str) -> None:
+    """Every dense parameter's (bucket key, range) in the view is where megatron's buffer held it
+    (names: megatron's per-stage layer numbers shifted by the layers of the stages before)."""
+    expected = json.loads((MEGATRON / pair / "expected.json").read_text())
+    views = megatron_views(open_checkpoint(MEGATRON / pair), experts=True)
+    ours = {(h.ref.key("param"), h.start, h.start + h.numel, v.name) for v in views.values() if not v.is_expert
+            for h in v.holders}
+    first = FAMILIES[pair].get("first_stage_layers")
+    theirs = set()
+    for k in expected["keys"]:
+        if "params_in_bucket" not in k or not k["key"].endswith(".param") or ".experts." in str(k["params_in_bucket"]):
+            continue
+        stage = int(k["key"].split("dp_group_idx_")[1].split(".")[0]) // expected["topology"]["tp"]
+        for p in k["params_in_bucket"]:
+            name = p["param"]
+            if stage and first and name.startswith("decoder.layers."):
+                layer = int(name.split(".")[2]) + first
+                name = ".".join(["decoder", "layers", str(layer), *name.split(".")[3:]])
+            if name == "output_layer.weight" and name not in views:  # tied: a replica of the word embeddings
+                name = "embedding.word_embeddings.weight"
+            theirs.add((k["key"], p["start"], p["end"], name))
+    assert theirs and {t[:3] for t in theirs} <= {o[:3] for o in ours}, sorted({t[:3] for t in theirs} - {
+        o[:3] for o in ours})[:4]
+    named = {o for o in ours if o[:3] in {t[:3] for t in theirs}}
+    assert {t[3] for t in theirs} == {o[3] for o in named}
+
+
+@pytest.mark.parametrize("pair", LAID_OUT)
+def test_export_equals_megatrons_own_fully_reshardable_save(pair: str, tmp_path: Path) -> None:
+    """Tensor for tensor, bit for bit, but ``common_state`` (args, content metadata) and, with tied
+    embeddings at PP > 1, the word embeddings' fp32 state, which megatron-core's save writes one
+    alignment (64 elements) late (``tests/cli/test_megatron_vpp.py``)."""
+    out = tmp_path / "fr"
+    assert cli("export", MEGATRON / pair, out, "--to", "fully_reshardable").exit_code == 0
+    doc = json.loads(cli("diff", out, MEGATRON / f"{pair}_fully_reshardable", "--bitwise", "--format",
+                         "json").stdout)
+    assert doc["compared"] > 30 and not doc["only_in_a"]
+    assert all(k.startswith("rng_state/") for k in doc["only_in_b"]), doc["only_in_b"]
+    allowed = {"common_state/shard_0_1"}
+    if "uneven" in pair:
+        allowed |= {f"optimizer.state.{s}.embedding.word_embeddings.weight" for s in ("param", "exp_avg", "exp_avg_sq")}
+    assert {d["key"] for d in doc["differences"]} <= allowed, doc["differences"]
+    if "expert_bias" in pair:  # a model key without optimizer state, copied as it is
+        assert "decoder.layers.mlp.router.expert_bias" in open_checkpoint(out).entries
+
+
+@pytest.mark.parametrize("pair,flag", sorted(REFUSED.items()))
+def test_what_the_view_does_not_lay_out_is_refused_by_its_flag(pair: str, flag: str, tmp_path: Path) -> None:
+    assert_error_line(cli("inspect", "--params", MEGATRON / pair), 2, flag, "cannot establish the parameter layout")
+    assert_error_line(cli("export", MEGATRON / pair, tmp_path / "fr", "--to", "fully_reshardable"), 2, flag)
+    assert not (tmp_path / "fr").exists()
+
+
+def test_reshard_of_uneven_stages_rewrites_the_pipeline_layout_args(tmp_path: Path) -> None:
+    from gtp_format.megatron_topology import common_state
+
+    pair = "pair_uneven_pp2_dp_reshardable"
+    for flags, first in ((("--pp", "2", "--dp", "2"), 1), (("--pp", "1", "--dp", "2"), None),
+                         (("--pp", "3", "--dp", "1"), None)):
+        out = tmp_path / "-".join(flags)
+        r = cli("reshard", MEGATRON / pair, out, *flags)
+        assert r.exit_code == 0, r.stderr
+        args = common_state(open_checkpoint(out))["args"].fields()
+        assert args["pipeline_model_parallel_size"] == int(flags[1])
+        assert args["decoder_first_pipeline_num_layers"] == first and args["decoder_last_pipeline_num_layers"] is None
+        plan = json.loads(cli("plan", MEGATRON / pair, *flags, "--read-gbps", "1", "--format", "json").stdout)
+        assert plan["verdict"] == "needs_reshard", plan
+
+
+def _load(ckpt: Path, out: Path, topo: tuple[int, int, int], layers: int, sharding: str, moe: tuple[int, int],
+          variant: str) -> list[dict[str, np.ndarray]]:
+    out.mkdir()
+    r = subprocess.run([str(MEGATRON_PY), str(LOADER), str(ckpt / "iter_0000002"), str(out), *map(str, topo),
+                        str(layers), sharding, *map(str, moe), variant], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = []
+    for i in range(topo[0] * topo[1] * topo[2]):
+        with np.load(out / f"rank{i}.npz") as z:
+            ranks.append({k: z[k] for k in z.files})
+    return ranks
+
+
+# (pair, target (tp, pp, dp), (ep, experts), layers on the first stage at the target ("-": even))
+LOADS = [("pair_qk_layernorm_tp2_dp_reshardable", (1, 1, 2), (1, 0), "-"),
+         ("pair_qk_layernorm_tp2_dp_reshardable", (1, 1, 1), (1, 0), "-"),
+         ("pair_moe_expert_bias_dp_reshardable", (1, 1, 4), (2, 4), "-"),
+         ("pair_moe_expert_bias_dp_reshardable", (2, 1, 2), (2, 4), "-"),
+         ("pair_uneven_pp2_dp_reshardable", (1, 2, 2), (1, 0), "1"),
+         ("pair_uneven_pp2_dp_reshardable", (1, 3, 1), (1, 0), "-")]
+
+
+@pytest.mark.skipif(not MEGATRON_PY.exists(), reason="needs the megatron venv (fixtures/megatron/setup_venv.sh)")
+@pytest.mark.parametrize("pair,topo,moe,first", LOADS)
+def test_megatron_loads_the_reshard_with_the_state_of_its_own_save(pair: str, topo: tuple[int, int, int],
+                                                                   moe: tuple[int, int], first: str,
+                                                                   tmp_path: Path) -> None:
+    """``ckpt reshard`` to the target, loaded by megatron-core as dp_reshardable there (the run's flags at
+    that topology), holds on every rank the bits megatron-core loads from its own fully_reshardable save
+    of the same state (from our export where megatron's own save shifts the tied embeddings' state:
+    PP > 1). ``plan`` at the target said ``needs_reshard``."""
+    tp, pp, dp = topo
+    layers = FAMILIES[pair].get("num_layers", 1)
+    flags = ("--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--ep", str(moe[0]))
+    plan = json.loads(cli("plan", MEGATRON / pair, *flags, "--read-gbps", "1", "--format", "json").stdout)
+    assert plan["verdict"] == "needs_reshard", plan
+    out = tmp_path / "rs"
+    r = cli("reshard", MEGATRON / pair, out, *flags)
+    assert r.exit_code == 0, r.stderr
+    reference = MEGATRON / f"{pair}_fully_reshardable"
+    if "uneven" in pair:
+        reference = tmp_path / "fr"
+        assert cli("export", MEGATRON / pair, reference, "--to", "fully_reshardable").exit_code == 0
+    variant = f"family:{pair}:{first}"
+    ours = _load(out, tmp_path / "ours", topo, layers, "dp_reshardable", moe, variant)
+    theirs = _load(reference, tmp_path / "theirs", topo, layers, "fully_reshardable", moe, variant)
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        assert sorted(a) == sorted(b) and any(k.startswith("opt.") for k in a), rank
+        for k in a:
+            if k != "step":
+                assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), (rank, k)
+        moments = [a[k] for k in a if k.startswith("opt.")]
+        assert all(np.any(m != 0) for m in moments[2::3]), rank
+        if "expert_bias" in pair:
+            assert any(k.endswith("expert_bias") for k in a), sorted(a)
