@@ -225,11 +225,33 @@ def _stages(ckpt: Checkpoint, params: list[tuple[str, str, int | None]], pp: int
     if recorded is not None and recorded != vpp:
         raise _refuse(ckpt, f"its args record virtual_pipeline_model_parallel_size={recorded}, but the ranks that "
                       f"wrote its layers give {vpp} model chunks per stage")
+    _check_recorded_split(ckpt, layer_stage, pp)
     stage = {name: (layer_stage[layer] if layer is not None else 0 if name in HEAD else pp - 1)
              for name, _, layer in params}
     chunk = {name: (layer_chunk[layer] if layer is not None else 0 if name in HEAD else vpp - 1)
              for name, _, layer in params}
     return stage, chunk, vpp
+
+
+def _check_recorded_split(ckpt: Checkpoint, layer_stage: dict[int, int], pp: int) -> None:
+    """The uneven split the args record (``decoder_first/last_pipeline_num_layers``) must be the one the
+    ranks that wrote the layers show: a checkpoint whose args say otherwise is refused naming both."""
+    from gtp_format.megatron_args import describe_model
+    from gtp_format.megatron_layout import stage_counts
+
+    model = describe_model(ckpt)
+    first, last = model.first_stage_layers, model.last_stage_layers
+    if first is None and last is None:
+        return
+    counts = [sum(1 for s in layer_stage.values() if s == i) for i in range(pp)]
+    try:
+        want = stage_counts(len(layer_stage), pp, first, last)
+    except ValueError as e:
+        want = [str(e)]  # type: ignore[list-item]
+    if want != counts:
+        raise _refuse(ckpt, f"its args record decoder_first_pipeline_num_layers={first}, "
+                      f"decoder_last_pipeline_num_layers={last}, but the ranks that wrote decoder.layers.* hold "
+                      f"{counts} layers per pipeline stage")
 
 
 def megatron_views(ckpt: Checkpoint, experts: bool = False, ranges_only: bool = False) -> dict[str, ParamView]:

@@ -18,11 +18,12 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from args_corpus import ARGS_CASES, MEGATRON, set_args  # noqa: E402
+from args_corpus import ARGS_CASES, MEGATRON, VIEW_ONLY, set_args  # noqa: E402
 from make_corpus import Case  # noqa: E402
 from test_hostile import CKPT_TIMEOUT_S, _check, _run_batch  # noqa: E402
 
 COMMANDS = [["inspect", "{src}"], ["inspect", "--params", "{src}"]]
+VIEW_COMMANDS = [["inspect", "--params", "{src}"], ["reshard", "{src}", "{dst}", "--pp", "1"]]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,10 @@ def lying(tmp_path_factory: pytest.TempPathFactory) -> dict:
         shutil.copytree(MEGATRON / fixture / "iter_0000002", it)
         (folder / "run" / "latest_checkpointed_iteration.txt").write_text("2")
         set_args(it, changes)
-        cmds = [[a.replace("{src}", str(folder / "run")) for a in argv] for argv in COMMANDS]
+        dst = root.parent / f"{root.name}-dst" / name / "out"  # outside the corpus
+        dst.parent.mkdir(parents=True)
+        cmds = [[a.replace("{src}", str(folder / "run")).replace("{dst}", str(dst)) for a in argv]
+                for argv in (VIEW_COMMANDS if name in VIEW_ONLY else COMMANDS)]
         cases.append(Case(name, "args", "run", cmds, False, dir=str(folder)))
     return _run_batch("ckpt", root, cases, lambda c: c.commands, CKPT_TIMEOUT_S)
 
@@ -44,6 +48,12 @@ def lying(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_args_that_lie_about_the_model_are_refused_naming_the_arg(lying: dict, job: str) -> None:
     r = lying[job]
     _check(r, "ckpt: error: ", CKPT_TIMEOUT_S, False)
+    if job.rsplit("-", 1)[0] in VIEW_ONLY:
+        assert "cannot establish the parameter layout" in r["stderr"] and "common_state args" not in r["stderr"]
+        for words in ARGS_CASES[job.rsplit("-", 1)[0]][2]:
+            assert words in r["stderr"], (words, r["stderr"])
+        assert not any(Path(a).exists() for a in r["argv"] if a.endswith("/out")), r["argv"]
+        return
     assert r["exit"] == 2, r
     for words in ARGS_CASES[job.rsplit("-", 1)[0]][2]:
         assert words in r["stderr"], (words, r["stderr"])
