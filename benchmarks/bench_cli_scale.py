@@ -66,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--meta-chunks", type=int, default=1_000_000, help="chunks of the synthetic .metadata")
     ap.add_argument("--repeats", type=int, default=2, help="rounds per row (best kept)")
     ap.add_argument("--workers", type=int, help="verify --workers (default: the CLI's own)")
+    ap.add_argument("--no-cold", action="store_true", help="skip the cold row (a machine shared with others)")
     ap.add_argument("--write-docs", action="store_true", help="merge the rows into docs/cli_scale_results.json")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (tests/benchmarks); never drops caches")
     ap.add_argument("--make", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
@@ -164,9 +165,10 @@ def bench_verify(args: argparse.Namespace, work: Path) -> tuple[list[dict], list
               *(["--workers", str(args.workers)] if args.workers else [])]
     rows, notes = [], []
     for cold in (False, True):
-        if cold and (args.smoke or not drop_caches()):
-            notes.append("verify_data_cold_vs_cat skipped: " + ("--smoke never drops the page cache" if args.smoke
-                         else "/proc/sys/vm/drop_caches is not writable here (needs root)"))
+        if cold and (args.smoke or args.no_cold or not drop_caches()):
+            why = "--smoke never drops the page cache" if args.smoke else "--no-cold" if args.no_cold \
+                else "/proc/sys/vm/drop_caches is not writable here (needs root)"
+            notes.append(f"verify_data_cold_vs_cat skipped: {why}")
             continue
         cats, ours = [], []
         for _ in range(args.repeats):
@@ -200,6 +202,7 @@ def bench_reshard(args: argparse.Namespace, work: Path) -> list[dict]:
     src = work / "src"
     nbytes = make(args, "reshard", src)["bytes"]
     size = {"ckpt_gb": round(nbytes / 1e9, 3), "layers": args.layers, "hidden": args.hidden, "ffn": args.ffn}
+    dsts = {"cp": work / "copy", "reshard": work / "rs", "export": work / "hf"}
     cmds = {"cp": ["cp", "-r", str(src), str(work / "copy")],
             "reshard": [*CKPT, "reshard", str(src), str(work / "rs"), "--tp", "2", "--cp", "1", "--no-fold-cp",
                         "--format", "json"],
@@ -209,7 +212,7 @@ def bench_reshard(args: argparse.Namespace, work: Path) -> list[dict]:
         for name, cmd in cmds.items():
             os.sync()  # untimed: no earlier command's writeback during this one
             got[name].append(timed(cmd))
-            shutil.rmtree(cmd[-1] if name == "cp" else cmd[3], ignore_errors=True)
+            shutil.rmtree(dsts[name], ignore_errors=True)
     cp = best(got["cp"])
     rows = []
     for name, label in (("reshard", "reshard_vs_cp"), ("export", "export_hf_vs_cp")):

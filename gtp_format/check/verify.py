@@ -111,6 +111,7 @@ def check_storage(ckpt: Checkpoint) -> list[Problem]:
     sizes: dict[str, int | ChunkError] = {}
     ranges: dict[str, list[tuple[int, int, str, int]]] = defaultdict(list)
     lost: dict[str, set[str]] = defaultdict(set)  # unusable file -> keys with chunks in it
+    reasons: dict[str, str | None] = {}  # a few files hold a million chunks: each name is checked once
     for e in ckpt.entries.values():
         for c in e.chunks:
             ref = c.storage
@@ -119,7 +120,11 @@ def check_storage(ckpt: Checkpoint) -> list[Problem]:
                                    "or cannot be located",
                                    key=e.key, chunk=c.index))
                 continue
-            reason = unsafe_reason(ref.file)
+            if type(ref.file) is str:
+                reason = reasons[ref.file] if ref.file in reasons else reasons.setdefault(ref.file,
+                                                                                          unsafe_reason(ref.file))
+            else:
+                reason = unsafe_reason(ref.file)
             if reason is not None:
                 out.append(Problem("error", "unsafe_path", f"{reason}; it will not be read", key=e.key,
                                    chunk=c.index, file=str(ref.file)))

@@ -141,3 +141,17 @@ def test_union_with_repeats_matches_brute_force(raw, repeat):
     cov = check_coverage(shape, boxes)
     oob, pairs, missing = brute(shape, boxes)
     assert cov.overlap_count == len(pairs) and cov.missing == missing
+
+
+def test_disjoint_1d_chunks_take_one_sort_and_no_pair_test(monkeypatch):
+    """A 1-D key of many disjoint chunks (a DCP optimizer bucket: 100 per key, a million in a file) is
+    checked by sorting their spans; the sweep's pair tests run only when two spans cross."""
+    from gtp_format.layout import boxes
+
+    calls = []
+    real = boxes.overlaps
+    monkeypatch.setattr(boxes, "overlaps", lambda *a: calls.append(1) or real(*a))
+    tiles = [((i * 3,), (3,)) for i in range(5000)][::-1]
+    assert check_coverage((15000,), tiles).ok and not calls
+    cov = check_coverage((15000,), [*tiles, ((7,), (2,))])  # one crossing: the exact path
+    assert cov.overlap_count == 1 and cov.overlaps == [(4997, 5000)] and calls
