@@ -152,14 +152,14 @@ class Group:
             raise self.lost(what) from e
 
     def all_gather(self, value: Any, what: str = "") -> list[Any]:
-        import torch.distributed as dist
+        dist = _dist()
 
         out: list[Any] = [None] * self.world
         self._collective(lambda: dist.all_gather_object(out, value), what)
         return out
 
     def broadcast(self, value: Any, what: str = "") -> Any:
-        import torch.distributed as dist
+        dist = _dist()
 
         box = [value if self.root else None]
         self._collective(lambda: dist.broadcast_object_list(box, src=0), what)
@@ -192,6 +192,13 @@ class Group:
 _current: Group | None = None
 
 
+def _dist() -> Any:
+    """torch.distributed, through the format's one torch entry point (only the ranked path gets here)."""
+    from gtp_format.torch_adapter import load_torch
+
+    return load_torch().distributed
+
+
 def current() -> Group | None:
     """The group of this torchrun job (None: one process, or a job of one rank)."""
     return _current
@@ -218,7 +225,7 @@ def join() -> Group | None:
         return None
     timeout = timeout_s()
     _set_parent_death_signal(signal.SIGTERM)  # torchrun's agent gone: end as if it had terminated us
-    import torch.distributed as dist
+    dist = _dist()
 
     if not dist.is_initialized():
         try:
@@ -236,7 +243,7 @@ def join() -> Group | None:
 def leave() -> None:
     global _current
     _current = None
-    import torch.distributed as dist
+    dist = _dist()
 
     if dist.is_initialized():
         dist.destroy_process_group()
