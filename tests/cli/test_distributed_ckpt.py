@@ -249,3 +249,18 @@ def test_rank_killed_at_a_random_moment(tmp_path: Path) -> None:
     _, stderr = p.communicate(timeout=TIMEOUT)
     res = subprocess.CompletedProcess(cmd, p.returncode, "", stderr)
     _check_after_kill(tmp_path, dst, res, before)
+
+
+def test_import_and_export_under_torchrun(tmp_path: Path) -> None:
+    """import splits its files (safetensors layout: byte for byte); export runs on rank 0 alone, the same."""
+    hf = tmp_path / "hf"
+    assert one("export", str(SRC), str(hf), "--to", "hf", "--optimizer").returncode == 0
+    hf_ranked = ranked(2, "export", str(SRC), str(tmp_path / "hf2"), "--to", "hf", "--optimizer")
+    assert hf_ranked.returncode == 0 and hf_ranked.stdout.count("wrote ") == 1, hf_ranked.stderr[-2000:]
+    assert_same_output(hf, tmp_path / "hf2", exact=True)
+    args = ("--from", "hf", "--cp", "2", "--fold-cp", "--dp", "1", "--layout", "safetensors", "--workers", "2")
+    want = one("import", str(hf), str(tmp_path / "one"), *args)
+    assert want.returncode == 0, want.stderr
+    got = ranked(2, "import", str(hf), str(tmp_path / "many"), *args)
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert_same_output(tmp_path / "one", tmp_path / "many", exact=True)
