@@ -274,3 +274,13 @@ def fault(point: str) -> None:
     want = os.environ.get(FAULT_ENV)
     if want and _current is not None and want == f"{_current.rank}:{point}":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def cores_per_rank(cores: int) -> int:
+    """This rank's share of a per-machine thread count (``LOCAL_WORLD_SIZE`` ranks share the host's cores):
+    a verify's default of one reader per core, on each of 4 ranks of a 16-core host, would run 64 threads."""
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local = 1
+    return max(1, cores // max(1, local)) if _current is not None else cores

@@ -145,7 +145,7 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
             by_file[ref.file].append(Item(e, c, ref.offset, ref.offset + ref.length, records.get((e.key, c.index))))
     passes = [_FilePass(ckpt, rel, sorted(by_file.get(rel, []), key=lambda i: (i.start, i.stop)),
                         hash_files.get(rel, [])) for rel in sorted(by_file.keys() | hash_files.keys())]
-    n = workers or default_workers()
+    n = workers or ranks.cores_per_rank(default_workers())  # under torchrun: the host's cores shared by its ranks
 
     def read(direct: list[tuple[Entry, Chunk, Found | None]], passes: list[_FilePass]) -> list[Found]:
         """Each direct chunk's and each file's findings, in the order given (merged in that order)."""
