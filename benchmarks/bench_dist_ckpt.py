@@ -9,7 +9,8 @@ that a multi-GB job pays once). The source is bench_reshard.py's synthetic check
 fold, fp32, Adam), resharded to tp2 cp1; the ranked output is checked to hold the same files, of the
 same sizes, as the one-process output.
 
-  python benchmarks/bench_dist_ckpt.py --layers 4 --ranks 4 --out /tmp/bench_dist   # the lent 16-core machine
+  python benchmarks/bench_dist_ckpt.py --layers 4 --ranks 4 --cores 4 --out /tmp/bench_dist  # 4 ranks on 4 cores
+  python benchmarks/bench_dist_ckpt.py --layers 4 --ranks 4 --out /tmp/bench_dist            # all the host's cores
   python benchmarks/bench_dist_ckpt.py --smoke                                  # tests/benchmarks, seconds
 """
 
@@ -38,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "3.7 GB at 1 layer, +0.8 GB a layer)")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--workers", type=int, help="--workers of every process (default: the CLI's own)")
+    ap.add_argument("--cores", type=int, help="run both sides on cores 0..N-1 only (taskset): the issue's '4 ranks on "
+                    "4 cores' against one process on the same 4")
     ap.add_argument("--repeats", type=int, default=1, help="rounds per row (best kept)")
     ap.add_argument("--out", help="folder for bench_dist_ckpt.json")
     ap.add_argument("--smoke", action="store_true", help="tiny source, 2 ranks (tests/benchmarks)")
@@ -81,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = make_source(work / "src", shape[1], shape[0])
         print(f"made a {nbytes / 1e9:.2f} GB source in {time.perf_counter() - t0:.1f} s", flush=True)
         wk = ["--workers", str(args.workers)] if args.workers else []
-        ranked = [TORCHRUN, "--standalone", "--nproc-per-node", str(ranks), "-m", "ckpt_tool.cli"]
+        pin = ["taskset", "-c", f"0-{args.cores - 1}"] if args.cores else []
+        CKPT[:0] = pin
+        ranked = [*pin, TORCHRUN, "--standalone", "--nproc-per-node", str(ranks), "-m", "ckpt_tool.cli"]
         target = ["--tp", "2", "--cp", "1", "--no-fold-cp", "--format", "json", *wk]
         cmds = {
             "reshard": ([*CKPT, "reshard", str(work / "src"), str(work / "one"), *target],
@@ -117,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     doc = {"machine": {"nproc": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
                        "python": platform.python_version()},
-           "source_bytes": nbytes, "ranks": ranks, "workers": args.workers, "smoke": args.smoke, "rows": rows}
+           "source_bytes": nbytes, "ranks": ranks, "workers": args.workers, "cores": args.cores, "smoke": args.smoke,
+           "rows": rows}
     print(f"{'row':<28} {'1 process s':>12} {f'{ranks} ranks s':>12} {'ratio':>7} {'startup s':>10} "
           f"{'ratio less startup':>19}")
     for r in rows:

@@ -264,3 +264,20 @@ def test_import_and_export_under_torchrun(tmp_path: Path) -> None:
     got = ranked(2, "import", str(hf), str(tmp_path / "many"), *args)
     assert got.returncode == 0, got.stderr[-3000:]
     assert_same_output(tmp_path / "one", tmp_path / "many", exact=True)
+
+
+def test_a_damaged_source_found_by_one_rank_fails_every_rank(tmp_path: Path) -> None:
+    import shutil
+
+    from damage import flip
+
+    bad = tmp_path / "src"
+    shutil.copytree(SRC, bad)
+    data = sorted((bad / "iter_0000002").glob("__*_0.distcp"))[-1]
+    flip(data, data.stat().st_size // 3)
+    want = one("reshard", str(bad), str(tmp_path / "one"), *TARGET)
+    got = ranked(2, "reshard", str(bad), str(tmp_path / "many"), *TARGET)
+    assert want.returncode == got.returncode == 1, got.stderr[-3000:]
+    lines = [x for x in got.stderr.splitlines() if x.startswith("ckpt: error:")]
+    assert len(lines) == 2 and all("damaged" in x and re.search(r"rank [01]", x) for x in lines), lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no DST, no work folder
