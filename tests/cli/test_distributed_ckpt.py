@@ -4,7 +4,7 @@
 * the output equals one process's (same ``--workers``): the safetensors layout byte for byte, file for
   file (it has nothing random); torch_dist file for file once each blob's ``serialization_id`` (40
   random digits torch.save writes, so two one-process runs differ there too) and that record's CRC are
-  blanked, and ``ckpt diff --bitwise``; 2 and 3 local ranks, and 2 nodes x 2 ranks through torchrun's
+  blanked, and ``ckpt diff --bitwise``; 2, 3 and 4 local ranks, and 2 nodes x 2 ranks through torchrun's
   c10d rendezvous on 127.0.0.1;
 * ``verify --data`` prints the same report (the same problems, in the same order) on 3 ranks;
 * a genuine megatron-core checkpoint (fixtures/megatron) reshards under torchrun to what one process writes;
@@ -134,7 +134,7 @@ def _tree_digest(root: Path) -> str:
     return h.hexdigest()
 
 
-@pytest.mark.parametrize(("nproc", "layout"), [(2, "safetensors"), (3, "torch_dist")])
+@pytest.mark.parametrize(("nproc", "layout"), [(2, "safetensors"), (3, "torch_dist"), (4, "safetensors")])
 def test_reshard_on_ranks_is_one_process_output(tmp_path: Path, nproc: int, layout: str) -> None:
     want = one("reshard", str(SRC), str(tmp_path / "one"), *TARGET, "--layout", layout)
     assert want.returncode == 0, want.stderr
@@ -213,7 +213,9 @@ def _check_after_kill(tmp_path: Path, dst: Path, res: subprocess.CompletedProces
     return False
 
 
-@pytest.mark.parametrize(("fault", "committed"), [("1:copy", False), ("0:commit", False), ("0:renamed", True)])
+# 1:commit: every rank's files were confirmed durable by the exchange before it, so rank 0 commits alone
+@pytest.mark.parametrize(("fault", "committed"), [("1:copy", False), ("0:commit", False), ("1:commit", True),
+                                                   ("0:renamed", True)])
 def test_rank_killed_means_no_commit(tmp_path: Path, fault: str, committed: bool) -> None:
     before = _tree_digest(SRC)
     dst = tmp_path / "out" / "dst"
