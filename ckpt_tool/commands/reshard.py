@@ -20,7 +20,6 @@ from ckpt_tool.output import (
     progress_opener,
 )
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
-from gtp_format import ranks
 from gtp_format.errors import FormatError
 
 EPILOG = """Examples:
@@ -89,10 +88,8 @@ def reshard_command(
                               "(reshard takes --tp --pp --cp --dp there)")
         with contextlib.ExitStack() as stack:
             bar = progress_opener(stack, "resharding", fmt)
-            result = ranks.on_root(lambda: reshard_megatron(src, dst, tp, pp, cp, dp, ep, bucket_size, max_memory,
-                                                            workers, bar, etp))
-        if result is not None:  # None: a rank other than 0 under torchrun (rank 0 reports)
-            _report(result, fmt)
+            result = reshard_megatron(src, dst, tp, pp, cp, dp, ep, bucket_size, max_memory, workers, bar, etp)
+        _report(result, fmt)
         return
     for flag, value in (("--pp", pp), ("--ep", ep), ("--etp", etp), ("--bucket-size", bucket_size)):
         if value is not None:
