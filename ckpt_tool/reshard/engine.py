@@ -239,7 +239,10 @@ def share_files(group: ranks.Group, parts: list[list[OutChunk]], one: Callable[[
                 for i, (entry, placed) in zip(mine, got)]
 
     results: list[Any] = [None] * len(parts)
-    for share in group.exchange(local, "while writing its files"):
+    shares = group.exchange(local, "while writing its files")
+    own = set(mine)
+    advance(sum(sum(c.nbytes for c in p) for i, p in enumerate(parts) if i not in own))  # the others' bytes
+    for share in shares:
         for i, (entry, placed), recs in share:
             results[i] = (entry, None if placed is None else [(c, off, ln) for c, (off, ln) in zip(parts[i], placed)])
             records[i] = recs
