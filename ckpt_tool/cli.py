@@ -143,6 +143,11 @@ def run(argv: list[str] | None = None) -> int:
     command anticipated (a bug, or input that found a path nobody checked) is that line naming the
     exception and exit 2, since it means ckpt could not use its input.
     """
+    from gtp_format import ranks
+
+    args = sys.argv[1:] if argv is None else argv
+    if ranks.under_torchrun() and args[:1] and args[0] in RANKED_COMMANDS and not _ranked:
+        return _run_ranked(args)
     try:
         result = app(args=argv, standalone_mode=False, prog_name="ckpt")
     except NoArgsIsHelpError as e:  # bare ``ckpt`` (or a bare group): its help, as Typer would
@@ -169,6 +174,48 @@ def run(argv: list[str] | None = None) -> int:
               "report this with the command line")
         return EXIT_BAD_INPUT
     return result if isinstance(result, int) else 0
+
+
+# Commands that share their work over the ranks of a torchrun job (gtp_format.ranks); any other runs whole on
+# every rank, as it would alone.
+RANKED_COMMANDS = ("reshard", "export", "import", "verify")
+_ranked = False  # inside _run_ranked: the command runs as this rank
+
+
+def _run_ranked(args: list[str]) -> int:
+    """One rank of a torchrun job: join the gloo group, run the command (rank 0 alone prints its report; every
+    rank prints its one error line), leave. SIGTERM (torchrun's agent stopping the job after a rank died)
+    raises here on every rank, so rank 0's writer removes its work folder and each rank names the dead one."""
+    import os
+
+    from gtp_format import ranks
+    from gtp_format.writer.work import sigterm_raises
+
+    with sigterm_raises(replace=True):
+        try:
+            group = ranks.join()
+        except FormatError as e:
+            _line(e.message)
+            return e.exit_code
+        except KeyboardInterrupt:
+            _line("interrupted while joining the torchrun job")
+            return 130
+        quiet = None
+        if group is not None and not group.root:
+            quiet = sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - closed below; rank 0 prints the report
+        global _ranked
+        _ranked = True
+        try:
+            return run(args)
+        finally:
+            _ranked = False
+            if quiet is not None:
+                sys.stdout = sys.__stdout__
+                quiet.close()
+            try:
+                ranks.leave()
+            except Exception:  # noqa: BLE001, S110 - a broken group at exit changes nothing of the outcome
+                pass
 
 
 def main() -> None:

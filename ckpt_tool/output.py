@@ -101,7 +101,11 @@ def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
             with listed_sizes():  # one command: a bucket's sizes from its listings (fewer HEAD round trips)
                 return func(*args, **kwargs)
         except Terminated:  # SIGTERM during a write: the writer already removed its work folder
-            fail("terminated (SIGTERM); nothing was written, the partial output was removed", 128 + 15)
+            from gtp_format import ranks
+
+            group = ranks.current()  # under torchrun: its agent stops the job after a rank died; name that rank
+            fail(group.lost("(torchrun stopped the job)").message if group is not None else
+                 "terminated (SIGTERM); nothing was written, the partial output was removed", 128 + 15)
         except FormatError as e:
             fail(e.message, e.exit_code)
         except OSError as e:

@@ -90,10 +90,14 @@ def export_command(
     """Export SRC's weights (and optimizer state) as a Hugging Face model folder, Megatron
     fully_reshardable, or one torch.save file."""
     from ckpt_tool.reshard.export import export
+    from gtp_format import ranks
 
     with contextlib.ExitStack() as stack:
         bar = progress_opener(stack, f"exporting to {to}", fmt)
-        info = export(src, dst, to, optimizer, max_memory, workers, max_shard_size, bar, names, tokenizer, num_heads)
+        info = ranks.on_root(lambda: export(src, dst, to, optimizer, max_memory, workers, max_shard_size, bar, names,
+                                            tokenizer, num_heads))  # under torchrun: rank 0 alone
+    if info is None:
+        return
     what = count(info["params"], "param") if to != "torch" else count(info["keys"], "key")
     if info.get("objects"):  # megatron-core's byte objects: what came along and what did not
         what += (f", {count(info['objects'], 'byte object')} (common_state, _extra_state; "

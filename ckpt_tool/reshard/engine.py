@@ -50,6 +50,7 @@ from ckpt_tool.reshard.writers import (
     write_distcp_metadata,
     write_safetensors,
 )
+from gtp_format import ranks
 from gtp_format.commit import write_durable
 from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
@@ -191,8 +192,6 @@ def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, p
     """
     folder = writer.folder
     parts = split_files(plan.chunks, workers * 2)
-    if plan_reads is not None:
-        plan_reads(read_order(parts, workers))
     names = [data_file_name(i, 0, target.layout) for i in range(len(parts))]
 
     records: list[list[ChunkRecord]] = [[] for _ in parts]  # one list per file: each written by one thread
@@ -202,7 +201,15 @@ def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, p
             return write_distcp(folder / names[i], parts[i], fill, tick, stage, records[i])
         return write_safetensors(folder / names[i], parts[i], fill, tick, stage, records[i]), None
 
-    results = run_files(one, len(parts), workers, advance)
+    group = ranks.current()
+    if group is None:
+        if plan_reads is not None:
+            plan_reads(read_order(parts, workers))
+        results = run_files(one, len(parts), workers, advance)
+    else:  # under torchrun: this rank's files (the same names and bytes as one process writes), then the gather
+        results = share_files(group, parts, one, records, workers, advance, plan_reads)
+        if not group.root:
+            return  # rank 0 writes the metadata, finishes and commits what every rank wrote
     writer.add_files({n: r[0] for n, r in zip(names, results)})
     writer.add_records([r for rs in records for r in rs])
     if target.layout == "torch_dist":
@@ -213,6 +220,34 @@ def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, p
         write_durable(folder / GTP_INDEX_FILE, safetensors_index(plan.shapes, dict(zip(names, parts))))
         writer.add_file(GTP_INDEX_FILE)
     writer.finish(target, megatron_metadata(target.layout))
+
+
+def share_files(group: ranks.Group, parts: list[list[OutChunk]], one: Callable[[int, Progress], Any],
+                records: list[list[ChunkRecord]], workers: int, advance: Progress,
+                plan_reads: Callable[[list[OutChunk]], None] | None) -> list[Any]:
+    """This rank's share of the files of :func:`write_checkpoint` (:meth:`gtp_format.ranks.Group.mine`: by
+    bytes), on up to ``workers`` threads, then every file's result and records gathered from all ranks
+    (``records`` filled in for every file, as one process fills it). Every rank fails together."""
+    mine = group.mine([sum(c.nbytes for c in p) for p in parts])
+
+    def local() -> list[tuple[int, Any, list[ChunkRecord]]]:
+        if plan_reads is not None:
+            plan_reads(read_order([parts[i] for i in mine], workers))
+        got = run_files(lambda k, tick: one(mine[k], tick), len(mine), max(1, min(workers, len(mine))), advance)
+        ranks.fault("copy")
+        # a chunk goes back as its index in the file (every rank holds the same plan), not as itself
+        return [(i, (entry, None if placed is None else [(off, ln) for _, off, ln in placed]), records[i])
+                for i, (entry, placed) in zip(mine, got)]
+
+    results: list[Any] = [None] * len(parts)
+    shares = group.exchange(local, "while writing its files")
+    own = set(mine)
+    advance(sum(sum(c.nbytes for c in p) for i, p in enumerate(parts) if i not in own))  # the others' bytes
+    for share in shares:
+        for i, (entry, placed), recs in share:
+            results[i] = (entry, None if placed is None else [(c, off, ln) for c, (off, ln) in zip(parts[i], placed)])
+            records[i] = recs
+    return results
 
 
 class Stopped(Exception):
@@ -281,6 +316,12 @@ def build_atomically(dst: Path, sources: tuple[Path, ...], body: Callable[[Check
     """Run ``body(writer)`` (which writes and finishes) on a new :class:`CheckpointWriter` for ``dst`` and
     commit it; the work folder is removed on any failure, and a DST that appeared meanwhile is refused."""
     check_destination(dst, sources, COPIES)  # sources: every name of SRC (Source.names), for the nesting rule
+    group = ranks.current()
+    if group is not None:  # under torchrun: every rank writes its share into rank 0's work folder
+        from ckpt_tool.reshard.ranked import build_ranked
+
+        build_ranked(group, dst, body, inner, latest)
+        return
     try:
         with CheckpointWriter(dst, inner=inner, latest=latest) as writer:
             body(writer)

@@ -48,6 +48,7 @@ from ckpt_tool.reshard.engine import (
     prefetch_reads,
     rss_after_imports,
     run_files,
+    share_files,
 )
 from ckpt_tool.reshard.megatron_dp_objects import PP_FIRST, PP_LAST, target_objects
 from ckpt_tool.reshard.plan import FP32, OutChunk, _gaps, _holder_chunks, dtype_of, read_order, row_blocks
@@ -67,6 +68,7 @@ from gtp_format.megatron_layout import (
     uneven_split,
 )
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
+from gtp_format.ranks import current as current_group
 from gtp_format.storage.location import ObjectURL
 from gtp_format.views.megatron import BUFFERS, GATED, HEAD, glu_holders
 from gtp_format.views.records import Holder, KeyRef, ParamView, full_box
@@ -463,11 +465,20 @@ def reshard_megatron(src: Path, dst: Path, tp: int | None, pp: int | None, cp: i
             bufs = Buffers()
             # from a bucket, the source chunks are fetched ahead in the order the workers reach them (as reshard
             # of this runtime's checkpoints does): without it each chunk was read on demand by its worker
-            prefetch_reads(source, read_order([files[r] for r in ranks], workers), max_memory)
-            results = run_files(lambda i, tick: write_distcp(folder / names[i], files[ranks[i]],
-                                                             lambda c: chunk_data(source, c, bufs), tick,
-                                                             stage_bytes(chunk_bytes)),
-                                len(ranks), workers, advance)
+            def one(i: int, tick: Any) -> Any:
+                return write_distcp(folder / names[i], files[ranks[i]], lambda c: chunk_data(source, c, bufs), tick,
+                                    stage_bytes(chunk_bytes))
+
+            group = current_group()
+            if group is None:
+                prefetch_reads(source, read_order([files[r] for r in ranks], workers), max_memory)
+                results = run_files(one, len(ranks), workers, advance)
+            else:  # under torchrun: this rank's files, then every file's placements gathered (engine.share_files)
+                results = share_files(group, [files[r] for r in ranks], one, [[] for _ in ranks], workers, advance,
+                                      lambda order: prefetch_reads(source, order, max_memory))
+                if not group.root:
+                    source.verify_reads()  # its share of the source's checks; rank 0 writes the rest and commits
+                    return
             placed: list[tuple[str, Any, int, int]] = [(n, c, off, ln) for n, r in zip(names, results)
                                                        for c, off, ln in r[1]]
             placed.extend(write_objects(folder / "__0_1.distcp", objects))

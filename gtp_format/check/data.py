@@ -40,9 +40,12 @@ from __future__ import annotations
 import functools
 import os
 from collections import defaultdict, deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
+from gtp_format import ranks
 from gtp_format.check.data_steps import (
     Action,
     Found,
@@ -59,7 +62,7 @@ from gtp_format.check.padding import split_padding, tally_key
 from gtp_format.errors import ChunkError
 from gtp_format.hashing import CRCS, HASHERS, Crc, Hasher
 from gtp_format.integrity.records import ChunkRecord
-from gtp_format.model import BYTES, ENC_TORCH_SAVE, Checkpoint, Problem
+from gtp_format.model import BYTES, ENC_TORCH_SAVE, Checkpoint, Chunk, Entry, Problem
 from gtp_format.progress import Progress
 from gtp_format.reader.blob import parse_blob
 from gtp_format.reader.chunks import (
@@ -124,39 +127,93 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
     total = Found()
     tick = _Bytes(data_bytes(ckpt), progress)
     by_file: dict[str, list[Item]] = defaultdict(list)
+    group = ranks.current() if files is None else None  # under torchrun: this rank reads its share
+    # chunks read on their own (and chunks refused before any read, their finding made: None to read), in order
+    direct: list[tuple[Entry, Chunk, Found | None]] = []
     for e in ckpt.entries.values():
         for c in e.chunks:
             if files is not None and (c.storage is None or c.storage.file not in files):
                 continue
             if e.kind == BYTES or ckpt.encoding != ENC_TORCH_SAVE:
-                found = Found()
-                random_access(ckpt, e, c, found, records.get((e.key, c.index)))  # byte objects and raw layouts
-                total.merge(found)
-                tick(c.storage.length if c.storage is not None else 0)
+                direct.append((e, c, None))
                 continue
             try:
                 ref = checked_ref(ckpt, e, c)
             except ChunkError as err:
-                total.error(err, e, c)
+                refused = Found()
+                refused.error(err, e, c)
+                direct.append((e, c, refused))
                 continue
             by_file[ref.file].append(Item(e, c, ref.offset, ref.offset + ref.length, records.get((e.key, c.index))))
     passes = [_FilePass(ckpt, rel, sorted(by_file.get(rel, []), key=lambda i: (i.start, i.stop)),
                         hash_files.get(rel, [])) for rel in sorted(by_file.keys() | hash_files.keys())]
-    n = workers or default_workers()
-    # a bucket's windows are PART bytes, not WINDOW: as many bytes pending as IN_FLIGHT windows of 8 workers (64 MiB)
-    bucket = isinstance(ckpt.root, ObjectURL)
-    in_flight = max(2, HELD * WINDOW // PART) if bucket else min(HELD, IN_FLIGHT * n)
-    with ThreadPoolExecutor(n, "ckpt-data") as pool:
-        # a bucket's step holds a whole request (PART) while it runs: there every task counts as held
-        _run(passes, pool, in_flight, total, report, tick, in_flight if bucket else max(2, 2 * n),
-             1 if bucket else BATCH)
+    n = workers or ranks.cores_per_rank(default_workers())  # under torchrun: the host's cores shared by its ranks
+
+    def read(direct: list[tuple[Entry, Chunk, Found | None]], passes: list[_FilePass]) -> list[Found]:
+        """Each direct chunk's and each file's findings, in the order given (merged in that order)."""
+        out = []
+        for e, c, refused in direct:
+            if refused is not None:
+                out.append(refused)
+                continue
+            found = Found()
+            random_access(ckpt, e, c, found, records.get((e.key, c.index)))  # byte objects and raw layouts
+            out.append(found)
+            tick(c.storage.length if c.storage is not None else 0)
+        # a bucket's windows are PART bytes, not WINDOW: as many bytes pending as IN_FLIGHT windows of 8 workers
+        bucket = isinstance(ckpt.root, ObjectURL)
+        in_flight = max(2, HELD * WINDOW // PART) if bucket else min(HELD, IN_FLIGHT * n)
+        with ThreadPoolExecutor(n, "ckpt-data") as pool:
+            # a bucket's step holds a whole request (PART) while it runs: there every task counts as held
+            _run(passes, pool, in_flight, report, tick, in_flight if bucket else max(2, 2 * n),
+                 1 if bucket else BATCH)
+        return out + [fp.found for fp in passes]
+
+    if group is None:
+        for found in read(direct, passes):
+            total.merge(found)
+    else:
+        _read_shared(group, ckpt, direct, passes, read, total, report)
     tick.finish()
     report.nonfinite, found = split_padding(total.nan, total.inf)
     report.problems = total.problems + found
     return report
 
 
-def _run(passes: list[_FilePass], pool: ThreadPoolExecutor, in_flight: int, total: Found, report: DataReport,
+def _read_shared(group: ranks.Group, ckpt: Checkpoint, direct: list[tuple[Entry, Chunk, Found | None]],
+                 passes: list[_FilePass],
+                 read: Callable[[list[tuple[Entry, Chunk, Found | None]], list[_FilePass]], list[Found]], total: Found,
+                 report: DataReport) -> None:
+    """The data pass over the ranks of a torchrun job: each rank reads its share of the direct chunks and of
+    the files (:meth:`gtp_format.ranks.Group.mine`, by bytes), and every rank merges every rank's findings in
+    the order one process does, so the report is the same as one process's (problems in the same order)."""
+    mine_direct = group.mine([c.storage.length if c.storage is not None and f is None else 0 for _, c, f in direct])
+    mine_files = group.mine([ckpt.data_files.get(fp.rel, 0) for fp in passes])
+
+    def local() -> tuple[list[tuple[int, Any]], dict[str, dict[str, str]], int]:
+        got = read([direct[i] for i in mine_direct], [passes[i] for i in mine_files])
+        places = mine_direct + [len(direct) + i for i in mine_files]
+        return ([(p, (dict(f.nan), dict(f.inf), f.problems)) for p, f in zip(places, got)], report.digests,
+                report.bytes_read)
+
+    found: dict[int, Any] = {}
+    shares = group.exchange(local, "while reading its data files")
+    report.digests, report.bytes_read = {}, 0  # this rank's own come back in the gather
+    for parts, digests, nbytes in shares:
+        found.update(parts)
+        report.digests.update(digests)
+        report.bytes_read += nbytes
+    for p in sorted(found):
+        nan, inf, problems = found[p]
+        part = Found()
+        part.nan.update(nan)
+        part.inf.update(inf)
+        part.problems = problems
+        total.merge(part)
+    report.digests = {fp.rel: report.digests[fp.rel] for fp in passes if fp.rel in report.digests}
+
+
+def _run(passes: list[_FilePass], pool: ThreadPoolExecutor, in_flight: int, report: DataReport,
          tick: Progress, tasks: int, batch: int) -> None:
     """Submit every file's steps in order, in tasks of up to ``batch`` steps, and merge their results in
     the same order.
@@ -185,7 +242,7 @@ def _run(passes: list[_FilePass], pool: ThreadPoolExecutor, in_flight: int, tota
                 found = got
             planned = fp.absorb(step, found)
             for part in ([planned] if planned else []) + [found]:
-                total.merge(part)
+                fp.found.merge(part)  # each file's own, merged in file order after: the order does not change
             report.bytes_read += found.nbytes
             tick(found.nbytes)
         if fp.done():
@@ -256,6 +313,7 @@ class _FilePass:
 
     def __init__(self, ckpt: Checkpoint, rel: str, items: list[Item], algorithms: list[str]) -> None:
         self.ckpt, self.rel, self.items = ckpt, rel, items
+        self.found = Found()  # what this file's steps found, merged in file order
         # one CRC alone is hashed per window on the workers and combined in order; anything else
         # (SHA-256, or several algorithms) is fed window by window on the main thread
         self.crc: Crc | None = CRCS[algorithms[0]] if len(algorithms) == 1 and algorithms[0] in CRCS else None

@@ -40,6 +40,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from gtp_format import ranks
 from gtp_format.errors import EXIT_CHECK_FAILED, ChunkError, FormatError
 from gtp_format.hashing import CRCS, HASHERS, Crc, file_digests
 from gtp_format.model import BYTES, ENC_TORCH_SAVE, TENSOR, Checkpoint
@@ -207,7 +208,11 @@ class ReadLedger:
     def finish(self) -> None:
         """Join every file's pieces, read what no copy read, and compare; raise :class:`DamagedSource`."""
         self._wait_fill()
-        for rel in sorted(self.modes):
+        rels = sorted(self.modes)
+        group = ranks.current()
+        if group is not None:  # under torchrun: every rank's pieces, and each file checked by one rank
+            rels = self._share(group, rels)
+        for rel in rels:
             mode = self.modes[rel]
             with self._lock:
                 self._pieces[rel] = sorted(self._pieces.get(rel, ()))
@@ -236,6 +241,22 @@ class ReadLedger:
                 raise DamagedSource(f"{self.ckpt.root / rel}: {mode.algorithm} is {got} but the manifest says "
                                     f"{mode.want}: the source's data is damaged, so nothing was written; run "
                                     "`ckpt verify --data` on it and copy an intact checkpoint")
+
+    def _share(self, group: ranks.Group, rels: list[str]) -> list[str]:
+        """The pieces every rank's copy read, joined into this ledger; the files this rank checks (by bytes).
+
+        Why: each rank reads only its share of the source, so each checking every file alone read the rest
+        again, N times the source's bytes over N ranks (4 ranks took 2.6 x one process's time on 2 cores).
+        Joined, a file's gaps are only what no rank read, as with one process."""
+        with self._lock:
+            mine = {rel: list(self._pieces.get(rel, ())) for rel in rels}
+        for r, share in enumerate(group.exchange(lambda: mine, "while checking its source reads")):
+            if r != group.rank:
+                with self._lock:
+                    for rel, pieces in share.items():
+                        self._pieces.setdefault(rel, []).extend(pieces)
+        sizes = [self.modes[rel].size or self.ckpt.data_files.get(rel, 0) for rel in rels]
+        return [rels[i] for i in group.mine(sizes)]
 
     def _join(self, fd: Source, rel: str, lo: int, hi: int) -> int:
         """CRC of bytes ``[lo, hi)`` of ``rel``: the recorded pieces inside, gaps read from ``fd``."""

@@ -63,6 +63,7 @@ SMOKE = {
     "ckpt_io_stages.py": ["--dir", "{tmp}"],
     "bench_sink.py": [],
     "bench_cli_scale.py": ["--workdir", "{tmp}/cli_scale", "--out", "{tmp}/cli_scale_out"],
+    "bench_dist_ckpt.py": ["--workdir", "{tmp}/dist_ckpt", "--out", "{tmp}/dist_ckpt_out"],
 }
 # Not run with --smoke by the test above; each has its own test below.
 # save_stages.py is bench_save_integrity.py's timers: its stage table is checked in check_save_integrity.
@@ -333,6 +334,13 @@ def check_sink(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert rows[0][3] == "+0.0%" and len(rows) == 4 and all(float(r[1]) > 0 for r in rows)
 
 
+def check_dist_ckpt(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    doc = json.loads((tmp / "dist_ckpt_out" / "bench_dist_ckpt.json").read_text())
+    assert [r["row"] for r in doc["rows"]] == ["reshard_2_ranks_vs_1", "verify_data_2_ranks_vs_1"]
+    assert all(r["ratio"] > 0 and "torchrun" in r["command"] for r in doc["rows"]) and doc["smoke"]
+    assert not (tmp / "dist_ckpt").exists()
+
+
 def check_cli_scale(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     doc = json.loads((tmp / "cli_scale_out" / "cli_scale_results.json").read_text())
     assert [r["row"] for r in doc["rows"]] == ["verify_data_warm_vs_cat", "reshard_vs_cp", "export_hf_vs_cp",
@@ -360,6 +368,7 @@ CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "ckpt_io_stages.py": check_io_stages,
     "bench_sink.py": check_sink,
     "bench_cli_scale.py": check_cli_scale,
+    "bench_dist_ckpt.py": check_dist_ckpt,
 }
 
 

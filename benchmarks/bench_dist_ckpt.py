@@ -1,0 +1,139 @@
+#!/usr/bin/env python
+"""``ckpt reshard`` and ``ckpt verify --data`` on N torchrun ranks against one process, in the same run.
+
+On a RAM-backed folder (``/dev/shm`` by default), where the disk is not the limit, so the ratio is the
+CPU work the ranks share: the issue's target is >= 3x at 4 ranks on 4 cores. Each command runs as a
+user runs it: ``python -m ckpt_tool.cli ...`` for one process, ``torchrun --standalone --nproc-per-node N
+-m ckpt_tool.cli ...`` for the ranks (torch's import and the gloo rendezvous included: a few seconds
+that a multi-GB job pays once). The source is bench_reshard.py's synthetic checkpoint (cp2 g2 dp2
+fold, fp32, Adam), resharded to tp2 cp1; the ranked output is checked to hold the same files, of the
+same sizes, as the one-process output.
+
+  python benchmarks/bench_dist_ckpt.py --layers 4 --ranks 4 --cores 4 --out /tmp/bench_dist  # 4 ranks on 4 cores
+  python benchmarks/bench_dist_ckpt.py --layers 4 --ranks 4 --out /tmp/bench_dist            # all the host's cores
+  python benchmarks/bench_dist_ckpt.py --smoke                                  # tests/benchmarks, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+CKPT = [sys.executable, "-m", "ckpt_tool.cli"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", default="/dev/shm/bench_dist_ckpt", help="RAM-backed folder (removed after)")
+    ap.add_argument("--layers", type=int, default=2, help="source layers (hidden 2048, ffn 8192, vocab 32000: "
+                    "3.7 GB at 1 layer, +0.8 GB a layer)")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--workers", type=int, help="--workers of every process (default: the CLI's own)")
+    ap.add_argument("--cores", type=int, help="run both sides on cores 0..N-1 only (taskset): the issue's '4 ranks on "
+                    "4 cores' against one process on the same 4")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds per row (best kept)")
+    ap.add_argument("--out", help="folder for bench_dist_ckpt.json")
+    ap.add_argument("--smoke", action="store_true", help="tiny source, 2 ranks (tests/benchmarks)")
+    return ap.parse_args(argv)
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    e["OMP_NUM_THREADS"] = "1"
+    return e
+
+
+def timed(cmd: list[str], ok: tuple[int, ...] = (0,)) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=3600)
+    dt = time.perf_counter() - t0
+    if r.returncode not in ok:
+        raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-2000:]}")
+    return dt, r.stdout
+
+
+def files_of(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from types import SimpleNamespace
+
+    from bench_reshard import make_source
+
+    ranks = 2 if args.smoke else args.ranks
+    shape = (SimpleNamespace(hidden=64, ffn=256, vocab=512), 2) if args.smoke else \
+        (SimpleNamespace(hidden=2048, ffn=8192, vocab=32000), args.layers)
+    work = Path(args.workdir)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        t0 = time.perf_counter()
+        nbytes = make_source(work / "src", shape[1], shape[0])
+        print(f"made a {nbytes / 1e9:.2f} GB source in {time.perf_counter() - t0:.1f} s", flush=True)
+        wk = ["--workers", str(args.workers)] if args.workers else []
+        pin = ["taskset", "-c", f"0-{args.cores - 1}"] if args.cores else []
+        CKPT[:0] = pin
+        ranked = [*pin, TORCHRUN, "--standalone", "--nproc-per-node", str(ranks), "-m", "ckpt_tool.cli"]
+        target = ["--tp", "2", "--cp", "1", "--no-fold-cp", "--format", "json", *wk]
+        cmds = {
+            "reshard": ([*CKPT, "reshard", str(work / "src"), str(work / "one"), *target],
+                        [*ranked, "reshard", str(work / "src"), str(work / "many"), *target]),
+            "verify_data": ([*CKPT, "verify", "--data", str(work / "src"), "--format", "json", *wk],
+                            [*ranked, "verify", "--data", str(work / "src"), "--format", "json", *wk]),
+        }
+        # what the ranks pay before any byte moves (torchrun, N x ``import torch``, the gloo rendezvous): the same
+        # ranked command on a checkpoint of under 1 MB
+        tiny = str(REPO / "fixtures" / "gtp" / "fold_cp2_g2_dp2")
+        startup = min(timed([*ranked, "verify", "--data", tiny, "--format", "json"])[0] for _ in range(args.repeats))
+        rows = []
+        for name, (single, many) in cmds.items():
+            t1, tn = [], []
+            for _ in range(args.repeats):
+                for dst in (work / "one", work / "many"):
+                    shutil.rmtree(dst, ignore_errors=True)
+                d, out1 = timed(single)
+                t1.append(d)
+                d, outn = timed(many)
+                tn.append(d)
+                if name == "verify_data":
+                    assert json.loads(out1) == json.loads(outn), "the ranks' report differs from one process's"
+                else:
+                    assert files_of(work / "one") == files_of(work / "many"), "the ranks wrote other files"
+            rows.append({"row": f"{name}_{ranks}_ranks_vs_1", "one_process_s": round(min(t1), 3),
+                         "ranks_s": round(min(tn), 3), "ratio": round(min(t1) / min(tn), 3),
+                         "gb_per_s_one": round(nbytes / 1e9 / min(t1), 3),
+                         "gb_per_s_ranks": round(nbytes / 1e9 / min(tn), 3), "ranks_startup_s": round(startup, 3),
+                         "ratio_after_startup": round(min(t1) / max(1e-3, min(tn) - startup), 3),
+                         "command": " ".join(many), "baseline_command": " ".join(single)})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    doc = {"machine": {"nproc": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
+                       "python": platform.python_version()},
+           "source_bytes": nbytes, "ranks": ranks, "workers": args.workers, "cores": args.cores, "smoke": args.smoke,
+           "rows": rows}
+    print(f"{'row':<28} {'1 process s':>12} {f'{ranks} ranks s':>12} {'ratio':>7} {'startup s':>10} "
+          f"{'ratio less startup':>19}")
+    for r in rows:
+        print(f"{r['row']:<28} {r['one_process_s']:>12.2f} {r['ranks_s']:>12.2f} {r['ratio']:>7.2f} "
+              f"{r['ranks_startup_s']:>10.2f} {r['ratio_after_startup']:>19.2f}")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "bench_dist_ckpt.json").write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

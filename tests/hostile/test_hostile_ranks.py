@@ -1,0 +1,58 @@
+"""torchrun's environment as input: garbage in RANK/WORLD_SIZE or CKPT_DIST_TIMEOUT, a job of one rank, and
+the split's arithmetic (gtp_format/ranks.py). No torchrun is started here: these fail, or run as one
+process, before any process group exists."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gtp_format.ranks import assign, under_torchrun
+
+REPO = Path(__file__).resolve().parents[2]
+SRC = REPO / "fixtures" / "gtp" / "fold_cp2_g2_dp2"
+
+
+def _ckpt(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    e["PYTHONPATH"] = str(REPO)
+    return subprocess.run([sys.executable, "-m", "ckpt_tool.cli", *args], cwd=REPO, env={**e, **env},
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(("env", "words"), [
+    ({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "RANK/WORLD_SIZE: not whole numbers"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "CKPT_DIST_TIMEOUT": "soon"}, "CKPT_DIST_TIMEOUT='soon'"),
+])
+def test_bad_torchrun_environment_is_one_line(tmp_path: Path, env: dict[str, str], words: str) -> None:
+    p = _ckpt(env, "reshard", str(SRC), str(tmp_path / "dst"), "--dp", "1")
+    assert p.returncode == 2 and words in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "dst").exists()
+
+
+def test_a_job_of_one_rank_runs_as_one_process(tmp_path: Path) -> None:
+    p = _ckpt({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, "verify", "--data", str(SRC))
+    assert p.returncode == 0, p.stderr
+    assert "torch" not in p.stderr
+
+
+def test_torchrun_is_told_by_its_environment() -> None:
+    assert not under_torchrun({})
+    assert not under_torchrun({"RANK": "0", "WORLD_SIZE": "2"})  # a user's variables, not a launcher's
+    assert under_torchrun({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert under_torchrun({"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"})
+
+
+def test_split_balances_bytes_largest_first() -> None:
+    # one large file and many small ones: counts would give rank 0 the large one and half the small ones
+    sizes = [900, 100, 100, 100, 100, 100, 100, 100, 100, 100]
+    owner = assign(sizes, 2)
+    loads = [sum(s for s, r in zip(sizes, owner) if r == k) for k in range(2)]
+    assert loads == [900, 900] and owner[0] == 0
+    assert assign(sizes, 2) == owner  # deterministic: every rank computes the same
+    assert assign([5, 5, 5], 4) == [0, 1, 2] and assign([], 3) == []
+    assert sorted(set(assign([1] * 12, 3))) == [0, 1, 2] and all(assign([1] * 12, 3).count(r) == 4 for r in range(3))

@@ -1,0 +1,51 @@
+"""``ckpt reshard`` and ``verify --data`` under torchrun with a bucket as source and as destination (moto's
+local S3 server): each rank opens the bucket with its own client; the output is one process's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import s3_server
+
+REPO = Path(__file__).resolve().parents[2]
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+SRC = REPO / "fixtures" / "gtp" / "fold_cp2_g2_dp2"
+TARGET = ["--cp", "1", "--dp", "2", "--gtp-remat", "1", "--no-fold-cp", "--workers", "2", "--layout", "safetensors"]
+
+pytestmark = pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun is not installed")
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CKPT_DIST_TIMEOUT": "60"}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def one(*args: str) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "ckpt_tool.cli", *args])
+
+
+def ranked(*args: str) -> subprocess.CompletedProcess:
+    return _run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "ckpt_tool.cli", *args])
+
+
+def test_bucket_source_and_destination_on_two_ranks(s3, tmp_path: Path) -> None:
+    src = s3_server.upload(s3, SRC, "src")
+    want = one("reshard", src, str(tmp_path / "one"), *TARGET)
+    assert want.returncode == 0, want.stderr
+    got = ranked("reshard", src, str(tmp_path / "many"), *TARGET)  # bucket SRC, folder DST
+    assert got.returncode == 0, got.stderr[-3000:]
+    for p in sorted((tmp_path / "one").rglob("*")):
+        if p.is_file():  # the safetensors layout has nothing random: byte for byte
+            assert p.read_bytes() == (tmp_path / "many" / p.relative_to(tmp_path / "one")).read_bytes(), p
+    up = ranked("reshard", src, s3.url("dst"), *TARGET)  # bucket SRC and DST, one host
+    assert up.returncode == 0, up.stderr[-3000:]
+    d = one("diff", "--bitwise", str(tmp_path / "one"), s3.url("dst"))
+    assert d.returncode == 0 and "0 differ" in d.stdout, d.stdout + d.stderr
+    v1 = one("verify", "--data", s3.url("dst"), "--format", "json")
+    v2 = ranked("verify", "--data", s3.url("dst"), "--format", "json")
+    assert v1.returncode == v2.returncode == 0 and json.loads(v1.stdout) == json.loads(v2.stdout), v2.stderr[-2000:]
