@@ -151,6 +151,14 @@ def chunk_data(source: Source, c: OutChunk, bufs: Buffers | None = None) -> np.n
     return arr.reshape(c.sizes)
 
 
+def copied_crc(source: Source, c: OutChunk) -> int | None:
+    """The zip CRC-32 of the bytes :func:`chunk_data` just gave for ``c``, when they are a source chunk's whole
+    payload, unchanged (:meth:`.source.Source.copied_crc`, which says why that value may be written)."""
+    if c.values is not None or c.param is None or c.box is None or c.state is None:
+        return None
+    return source.copied_crc(source.views[c.param], c.state, *c.box)
+
+
 def prefetch_reads(source: Source, order: list[OutChunk], max_memory: int) -> None:
     """From a bucket, fetch the source chunks the copy of ``order`` reads, in that order, ahead of the workers:
     export's read-ahead (``BoxReader.prefetch_chunks``, :class:`gtp_format.storage.prefetch.PlanPrefetch`), with
@@ -177,14 +185,17 @@ def prefetch_reads(source: Source, order: list[OutChunk], max_memory: int) -> No
 
 def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, plan: Plan,
                      writer: CheckpointWriter, workers: int, advance: Progress, stage: int = STAGE,
-                     plan_reads: Callable[[list[OutChunk]], None] | None = None) -> None:
+                     plan_reads: Callable[[list[OutChunk]], None] | None = None,
+                     known_crc: Callable[[OutChunk], int | None] | None = None) -> None:
     """Write every data file, the metadata and the manifest of ``target`` into ``writer.folder`` and
     finish it (the caller commits).
 
     ``fill(chunk)`` gives each chunk's stored bits (:func:`chunk_data` for a reshard; the benchmark
     passes a generator to build synthetic checkpoints of any size); ``stage``: each file's staging
     buffers (:class:`gtp_format.writer.sink.Sink`); ``plan_reads(chunks)``: told every chunk in the order
-    the workers will fill them (:func:`.plan.read_order`) before they start (a bucket's read-ahead).
+    the workers will fill them (:func:`.plan.read_order`) before they start (a bucket's read-ahead);
+    ``known_crc(chunk)``: the zip CRC-32 of what ``fill(chunk)`` just gave, where known (torch_dist,
+    :func:`copied_crc`).
     """
     folder = writer.folder
     parts = split_files(plan.chunks, workers * 2)
@@ -196,7 +207,7 @@ def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, p
 
     def one(i: int, tick: Progress) -> Any:
         if target.layout == "torch_dist":
-            return write_distcp(folder / names[i], parts[i], fill, tick, stage, records[i])
+            return write_distcp(folder / names[i], parts[i], fill, tick, stage, records[i], known_crc)
         return write_safetensors(folder / names[i], parts[i], fill, tick, stage, records[i]), None
 
     results = run_files(one, len(parts), workers, advance)
@@ -370,7 +381,8 @@ def reshard(src: Path | Source, dst: Path, par: ParallelConfig, layout: str | No
         bufs = Buffers()  # thread-local: each worker reads and assembles in its own
         try:
             write_checkpoint(lambda c: chunk_data(source, c, bufs), target, plan, writer, workers, advance,
-                             stage_bytes(chunk_bytes), lambda order: prefetch_reads(source, order, max_memory))
+                             stage_bytes(chunk_bytes), lambda order: prefetch_reads(source, order, max_memory),
+                             lambda c: copied_crc(source, c))
             source.verify_reads()  # a damaged SRC is refused here, before anything is committed
         finally:
             source.reader.close()
