@@ -109,6 +109,18 @@ def default_workers() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
+def write_threads(workers: int, chunk_bytes: int, max_memory: int) -> int:
+    """Threads that write a reshard's ``2 * workers`` files: one per file, as far as the cores and
+    ``--max-memory`` (a thread's share is four chunks, as a worker's) allow, never fewer than ``workers``.
+
+    Why: ``workers`` sets the files and the chunk size (:func:`chunk_budget`), so the output; the
+    threads are free. With the default ``min(4, cores)`` workers a 16-core machine wrote its 8 files four
+    at a time, each thread hashing its file's bytes (the CPU bound of a reshard whose source is in the
+    page cache). On 2 cores nothing changes (2 threads, 4 files).
+    """
+    return max(workers, min(2 * workers, os.cpu_count() or 1, max_memory // (4 * chunk_bytes)))
+
+
 def target_manifest(src: Manifest, par: ParallelConfig, layout: str) -> Manifest:
     """SRC's manifest at topology ``par``; a topology the model cannot run is refused (exit 2)."""
     assert src.model is not None and src.param_dtype is not None and src.buffers is not None
@@ -186,7 +198,7 @@ def prefetch_reads(source: Source, order: list[OutChunk], max_memory: int) -> No
 def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, plan: Plan,
                      writer: CheckpointWriter, workers: int, advance: Progress, stage: int = STAGE,
                      plan_reads: Callable[[list[OutChunk]], None] | None = None,
-                     known_crc: Callable[[OutChunk], int | None] | None = None) -> None:
+                     known_crc: Callable[[OutChunk], int | None] | None = None, threads: int | None = None) -> None:
     """Write every data file, the metadata and the manifest of ``target`` into ``writer.folder`` and
     finish it (the caller commits).
 
@@ -195,12 +207,13 @@ def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, p
     buffers (:class:`gtp_format.writer.sink.Sink`); ``plan_reads(chunks)``: told every chunk in the order
     the workers will fill them (:func:`.plan.read_order`) before they start (a bucket's read-ahead);
     ``known_crc(chunk)``: the zip CRC-32 of what ``fill(chunk)`` just gave, where known (torch_dist,
-    :func:`copied_crc`).
+    :func:`copied_crc`); ``threads``: how many files are written at once (default ``workers``, which sets how
+    many files there are: :func:`write_threads`).
     """
     folder = writer.folder
     parts = split_files(plan.chunks, workers * 2)
     if plan_reads is not None:
-        plan_reads(read_order(parts, workers))
+        plan_reads(read_order(parts, threads or workers))
     names = [data_file_name(i, 0, target.layout) for i in range(len(parts))]
 
     records: list[list[ChunkRecord]] = [[] for _ in parts]  # one list per file: each written by one thread
@@ -210,7 +223,7 @@ def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, p
             return write_distcp(folder / names[i], parts[i], fill, tick, stage, records[i], known_crc)
         return write_safetensors(folder / names[i], parts[i], fill, tick, stage, records[i]), None
 
-    results = run_files(one, len(parts), workers, advance)
+    results = run_files(one, len(parts), threads or workers, advance)
     writer.add_files({n: r[0] for n, r in zip(names, results)})
     writer.add_records([r for rs in records for r in rs])
     if target.layout == "torch_dist":
@@ -382,7 +395,7 @@ def reshard(src: Path | Source, dst: Path, par: ParallelConfig, layout: str | No
         try:
             write_checkpoint(lambda c: chunk_data(source, c, bufs), target, plan, writer, workers, advance,
                              stage_bytes(chunk_bytes), lambda order: prefetch_reads(source, order, max_memory),
-                             lambda c: copied_crc(source, c))
+                             lambda c: copied_crc(source, c), write_threads(workers, chunk_bytes, max_memory))
             source.verify_reads()  # a damaged SRC is refused here, before anything is committed
         finally:
             source.reader.close()

@@ -49,6 +49,11 @@ def _chunk_stats(arr: np.ndarray, dtype: DType) -> StatsStream | None:
     return StatsStream(dtype) if has_stats(dtype) and arr.dtype.itemsize == dtype.itemsize else None
 
 
+def _segment(out: Sink, start: int, end: int) -> str:
+    """The chunk hash of the bytes ``[start, end)`` the sink hashed between two cuts (an empty chunk has none)."""
+    return out.segments.pop((start, end)) if end > start else chunk_digest(b"")
+
+
 class _Body:
     """What a blob's body feeds piece by piece besides the sink's own hashes: the zip record's CRC-32 (unless
     the caller knows it) and the chunk's statistics (``stats``, if any)."""
@@ -104,7 +109,7 @@ def write_distcp(path: Path, chunks: list[OutChunk], data: DataFn, advance: Call
             end = out.cut()
             if records is not None:
                 records.append(ChunkRecord(c.key, tuple(c.offsets), path.name, start, end - start,
-                                           out.segments.pop((start, end)), body_checks.result()))
+                                           _segment(out, start, end), body_checks.result()))
             placed.append((c, start, end - start))
             advance(c.nbytes)
         return out.close(), placed
@@ -172,7 +177,7 @@ def write_safetensors(path: Path, chunks: list[OutChunk], data: DataFn, advance:
             end = out.cut()
             if records is not None:
                 records.append(ChunkRecord(c.key, tuple(c.offsets), path.name, start, end - start,
-                                           out.segments.pop((start, end)), None if stats is None else stats.result()))
+                                           _segment(out, start, end), None if stats is None else stats.result()))
             advance(c.nbytes)
         return out.close()
 
