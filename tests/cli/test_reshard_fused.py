@@ -7,23 +7,31 @@
   own the file is the same;
 * ``Source.copied_crc`` answers only for a box that is a stored chunk's whole payload, and then with
   the CRC-32 of exactly the bytes the copy returned;
-* more writer threads than workers leave every output file the same (same files, same bytes).
+* more writer threads than workers leave every output file the same (same files, same bytes);
+* the read-ahead of an export's file hands every chunk in order, never refills a buffer still in use,
+  raises a read's error where its chunk is asked for, stays within the budget, changes no byte.
 """
 
 from __future__ import annotations
 
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from ckpt_tool.reshard import ahead as ahead_mod
 from ckpt_tool.reshard import engine
+from ckpt_tool.reshard import export as export_mod
+from ckpt_tool.reshard.ahead import ReadAhead, ahead_depth
 from ckpt_tool.reshard.engine import chunk_data, copied_crc, reshard, write_threads
+from ckpt_tool.reshard.export import export
 from ckpt_tool.reshard.plan import OutChunk, plan_target
 from ckpt_tool.reshard.source import Buffers, open_source
 from ckpt_tool.reshard.writers import write_distcp, write_safetensors
 from gtp_format.dtypes import by_name
+from gtp_format.errors import FormatError
 from gtp_format.integrity.hash import chunk_digest
 from gtp_format.integrity.stats import element_stats
 from gtp_format.layout.config import ParallelConfig as P
@@ -146,3 +154,63 @@ def test_threads_stay_within_the_memory_budget() -> None:
     # four chunks a thread: at 16 MiB chunks, 256 MiB holds 4 threads whatever the cores
     assert write_threads(4, 16 << 20, 256 << 20) <= max(4, (256 << 20) // (4 * (16 << 20)))
     assert write_threads(4, 64 << 20, 2 << 30) <= 8
+
+
+def test_read_ahead_hands_each_chunk_in_order_and_never_overwrites_one_in_use() -> None:
+    chunks = [OutChunk(f"k{i}", (0,), (4,), by_name("float32")) for i in range(7)]
+
+    def fill(c: OutChunk, slot: object) -> np.ndarray:
+        arr = slot.out.get(16).view(np.float32)  # type: ignore[attr-defined]
+        arr[:] = int(c.key[1:])
+        return arr
+
+    with ThreadPoolExecutor(3) as pool:
+        for depth in (0, 1, 2):
+            ahead = ReadAhead(pool, fill, chunks, depth)
+            for i, c in enumerate(chunks):
+                arr = ahead(c)
+                for f in list(ahead.pending):
+                    f.result()  # every read started ahead has landed: none of them in this chunk's buffer
+                assert (arr == i).all(), (depth, i)
+            with pytest.raises(AssertionError):
+                ahead(chunks[0])
+
+
+def test_read_ahead_raises_a_read_error_where_its_chunk_is_asked_for() -> None:
+    chunks = [OutChunk(f"k{i}", (0,), (4,), by_name("float32")) for i in range(3)]
+
+    def fill(c: OutChunk, slot: object) -> np.ndarray:
+        if c.key == "k1":
+            raise FormatError("k1: damaged")
+        return np.zeros(4, np.float32)
+
+    with ThreadPoolExecutor(2) as pool:
+        ahead = ReadAhead(pool, fill, chunks, 1)
+        ahead(chunks[0])
+        with pytest.raises(FormatError, match="k1: damaged"):
+            ahead(chunks[1])
+
+
+def test_read_ahead_only_where_the_budget_has_room() -> None:
+    assert ahead_depth(4 * 2 * (16 << 20), 2, 16 << 20) == 0  # the budget's own four chunks a worker
+    assert ahead_depth(2 << 30, 4, 64 << 20) == 1
+    assert ahead_depth(2 << 30, 16, 32 << 20) == 0  # 4 chunks a worker: no room
+
+
+def test_export_hf_with_and_without_read_ahead_writes_the_same_files(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    outs, asked = [], []
+
+    class Counted(ReadAhead):
+        def __call__(self, c: OutChunk) -> np.ndarray:
+            asked.append(c.key)
+            return super().__call__(c)
+
+    monkeypatch.setattr(export_mod, "ReadAhead", Counted)
+    for depth in (0, 1):
+        monkeypatch.setattr(ahead_mod, "MAX_AHEAD", depth)
+        dst = tmp_path / f"d{depth}"
+        export(FIXTURES / "fold_cp2_g2_dp2", dst, "hf", optimizer=True, workers=2)  # default budget: room for one
+        outs.append({p.name: p.read_bytes() for p in sorted(dst.iterdir())})
+        assert bool(asked) == bool(depth)
+    assert outs[0] == outs[1]
