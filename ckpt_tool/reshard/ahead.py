@@ -33,10 +33,14 @@ class SlotBuffers:
         self.out, self.scratch = Buffer(), Buffer()
 
 
-def ahead_depth(max_memory: int, workers: int, chunk_bytes: int) -> int:
+def ahead_depth(max_memory: int, workers: int, chunk_bytes: int, cores: int) -> int:
     """Chunks each file may read ahead within ``--max-memory``: a worker's share is ``max_memory / workers``;
     without read-ahead it holds three chunks (two read buffers and its staging), with ``d`` chunks ahead
-    ``2 * (d + 1) + 1``."""
+    ``2 * (d + 1) + 1``. None where the ``cores`` are taken already (each file written has two threads, its
+    own and its sink's): on 2 cores with 2 workers a read-ahead measured no faster (2.25 GB export, 3 rounds)
+    and its fresh buffers' page faults cost 0.3-0.7 CPU s more."""
+    if cores <= 2 * workers:
+        return 0
     share = max_memory // (workers * chunk_bytes)
     return max(0, min(MAX_AHEAD, (share - 3) // 2))
 

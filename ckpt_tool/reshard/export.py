@@ -235,7 +235,7 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
     # the next chunks of each file are read on other threads while it writes (ckpt_tool.reshard.ahead); a bucket's
     # reads are fetched ahead by its own plan already
     depth = 0 if max_memory is None or isinstance(source.root, ObjectURL) else \
-        ahead_depth(max_memory, workers, chunk_bytes)
+        ahead_depth(max_memory, workers, chunk_bytes, os.cpu_count() or 1)
     pool = ThreadPoolExecutor(max(1, min(workers * depth, os.cpu_count() or 1)), thread_name_prefix="read-ahead") \
         if depth else None
 

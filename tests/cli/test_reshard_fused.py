@@ -192,9 +192,10 @@ def test_read_ahead_raises_a_read_error_where_its_chunk_is_asked_for() -> None:
 
 
 def test_read_ahead_only_where_the_budget_has_room() -> None:
-    assert ahead_depth(4 * 2 * (16 << 20), 2, 16 << 20) == 0  # the budget's own four chunks a worker
-    assert ahead_depth(2 << 30, 4, 64 << 20) == 1
-    assert ahead_depth(2 << 30, 16, 32 << 20) == 0  # 4 chunks a worker: no room
+    assert ahead_depth(4 * 2 * (16 << 20), 2, 16 << 20, 16) == 0  # the budget's own four chunks a worker
+    assert ahead_depth(2 << 30, 4, 64 << 20, 16) == 1
+    assert ahead_depth(2 << 30, 4, 64 << 20, 8) == 0  # no core left: each file has two threads already
+    assert ahead_depth(2 << 30, 16, 32 << 20, 64) == 0  # 4 chunks a worker: no room
 
 
 def test_export_hf_with_and_without_read_ahead_writes_the_same_files(tmp_path: Path,
@@ -207,6 +208,7 @@ def test_export_hf_with_and_without_read_ahead_writes_the_same_files(tmp_path: P
             return super().__call__(c)
 
     monkeypatch.setattr(export_mod, "ReadAhead", Counted)
+    monkeypatch.setattr(export_mod.os, "cpu_count", lambda: 16)
     for depth in (0, 1):
         monkeypatch.setattr(ahead_mod, "MAX_AHEAD", depth)
         dst = tmp_path / f"d{depth}"
