@@ -4,9 +4,10 @@
 2. the target manifest: same model, optimizer and bucket size, the new topology, and the bucket
    layout a run there builds (:func:`gtp_format.layout.params.buffer_layouts`, the runtime's rule);
 3. the plan (:mod:`.plan`): every target chunk and the box of a parameter it copies;
-4. ``workers`` threads each write one data file, chunk by chunk, reading only the source bytes
-   each chunk needs (:class:`gtp_format.reader.boxes.BoxReader`); numpy copies and file I/O release
-   the GIL, so threads run in parallel;
+4. ``2 * workers`` data files, each written by one thread (as many at once as :func:`write_threads`
+   allows), chunk by chunk, reading only the source bytes each chunk needs
+   (:class:`gtp_format.reader.boxes.BoxReader`); numpy copies and file I/O release the GIL, so threads
+   run in parallel;
 5. metadata, manifest (with every file's size and CRC-32C), ``metadata.json``, the latest marker,
    all through the one checkpoint writer (:class:`gtp_format.writer.checkpoint.CheckpointWriter`):
    built in a hidden sibling and renamed to DST without ever replacing anything, so a DST that
