@@ -4,9 +4,10 @@
 2. the target manifest: same model, optimizer and bucket size, the new topology, and the bucket
    layout a run there builds (:func:`gtp_format.layout.params.buffer_layouts`, the runtime's rule);
 3. the plan (:mod:`.plan`): every target chunk and the box of a parameter it copies;
-4. ``workers`` threads each write one data file, chunk by chunk, reading only the source bytes
-   each chunk needs (:class:`gtp_format.reader.boxes.BoxReader`); numpy copies and file I/O release
-   the GIL, so threads run in parallel;
+4. ``2 * workers`` data files, each written by one thread (as many at once as :func:`write_threads`
+   allows), chunk by chunk, reading only the source bytes each chunk needs
+   (:class:`gtp_format.reader.boxes.BoxReader`); numpy copies and file I/O release the GIL, so threads
+   run in parallel;
 5. metadata, manifest (with every file's size and CRC-32C), ``metadata.json``, the latest marker,
    all through the one checkpoint writer (:class:`gtp_format.writer.checkpoint.CheckpointWriter`):
    built in a hidden sibling and renamed to DST without ever replacing anything, so a DST that
@@ -111,6 +112,18 @@ def default_workers() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
+def write_threads(workers: int, chunk_bytes: int, max_memory: int) -> int:
+    """Threads that write a reshard's ``2 * workers`` files: one per file, as far as the cores and
+    ``--max-memory`` (a thread's share is four chunks, as a worker's) allow, never fewer than ``workers``.
+
+    Why: ``workers`` sets the files and the chunk size (:func:`chunk_budget`), so the output; the
+    threads are free. With the default ``min(4, cores)`` workers a 16-core machine wrote its 8 files four
+    at a time, each thread hashing its file's bytes (the CPU bound of a reshard whose source is in the
+    page cache). On 2 cores nothing changes (2 threads, 4 files).
+    """
+    return max(workers, min(2 * workers, os.cpu_count() or 1, max_memory // (4 * chunk_bytes)))
+
+
 def target_manifest(src: Manifest, par: ParallelConfig, layout: str) -> Manifest:
     """SRC's manifest at topology ``par``; a topology the model cannot run is refused (exit 2)."""
     assert src.model is not None and src.param_dtype is not None and src.buffers is not None
@@ -155,6 +168,14 @@ def chunk_data(source: Source, c: OutChunk, bufs: Buffers | None = None) -> np.n
     return arr.reshape(c.sizes)
 
 
+def copied_crc(source: Source, c: OutChunk) -> int | None:
+    """The zip CRC-32 of the bytes :func:`chunk_data` just gave for ``c``, when they are a source chunk's whole
+    payload, unchanged (:meth:`.source.Source.copied_crc`, which says why that value may be written)."""
+    if c.values is not None or c.param is None or c.box is None or c.state is None:
+        return None
+    return source.copied_crc(source.views[c.param], c.state, *c.box)
+
+
 def prefetch_reads(source: Source, order: list[OutChunk], max_memory: int) -> None:
     """From a bucket, fetch the source chunks the copy of ``order`` reads, in that order, ahead of the workers:
     export's read-ahead (``BoxReader.prefetch_chunks``, :class:`gtp_format.storage.prefetch.PlanPrefetch`), with
@@ -181,14 +202,18 @@ def prefetch_reads(source: Source, order: list[OutChunk], max_memory: int) -> No
 
 def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, plan: Plan,
                      writer: CheckpointWriter, workers: int, advance: Progress, stage: int = STAGE,
-                     plan_reads: Callable[[list[OutChunk]], None] | None = None) -> None:
+                     plan_reads: Callable[[list[OutChunk]], None] | None = None,
+                     known_crc: Callable[[OutChunk], int | None] | None = None, threads: int | None = None) -> None:
     """Write every data file, the metadata and the manifest of ``target`` into ``writer.folder`` and
     finish it (the caller commits).
 
     ``fill(chunk)`` gives each chunk's stored bits (:func:`chunk_data` for a reshard; the benchmark
     passes a generator to build synthetic checkpoints of any size); ``stage``: each file's staging
     buffers (:class:`gtp_format.writer.sink.Sink`); ``plan_reads(chunks)``: told every chunk in the order
-    the workers will fill them (:func:`.plan.read_order`) before they start (a bucket's read-ahead).
+    the workers will fill them (:func:`.plan.read_order`) before they start (a bucket's read-ahead);
+    ``known_crc(chunk)``: the zip CRC-32 of what ``fill(chunk)`` just gave, where known (torch_dist,
+    :func:`copied_crc`); ``threads``: how many files are written at once (default ``workers``, which sets how
+    many files there are: :func:`write_threads`).
     """
     folder = writer.folder
     parts = split_files(plan.chunks, workers * 2)
@@ -198,14 +223,14 @@ def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, p
 
     def one(i: int, tick: Progress) -> Any:
         if target.layout == "torch_dist":
-            return write_distcp(folder / names[i], parts[i], fill, tick, stage, records[i])
+            return write_distcp(folder / names[i], parts[i], fill, tick, stage, records[i], known_crc)
         return write_safetensors(folder / names[i], parts[i], fill, tick, stage, records[i]), None
 
     group = ranks.current()
     if group is None:
         if plan_reads is not None:
-            plan_reads(read_order(parts, workers))
-        results = run_files(one, len(parts), workers, advance)
+            plan_reads(read_order(parts, threads or workers))
+        results = run_files(one, len(parts), threads or workers, advance)
     else:  # under torchrun: this rank's files (the same names and bytes as one process writes), then the gather
         results = share_files(group, parts, one, records, workers, advance, plan_reads)
         if not group.root:
@@ -420,7 +445,8 @@ def reshard(src: Path | Source, dst: Path, par: ParallelConfig, layout: str | No
         bufs = Buffers()  # thread-local: each worker reads and assembles in its own
         try:
             write_checkpoint(lambda c: chunk_data(source, c, bufs), target, plan, writer, workers, advance,
-                             stage_bytes(chunk_bytes), lambda order: prefetch_reads(source, order, max_memory))
+                             stage_bytes(chunk_bytes), lambda order: prefetch_reads(source, order, max_memory),
+                             lambda c: copied_crc(source, c), write_threads(workers, chunk_bytes, max_memory))
             source.verify_reads()  # a damaged SRC is refused here, before anything is committed
         finally:
             source.reader.close()

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ from ckpt_tool.hf import folder as hf_folder
 from ckpt_tool.hf import mapping, megatron_arch
 from ckpt_tool.hf import run_state as hf_run_state
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY, WEIGHT_STATE
+from ckpt_tool.reshard.ahead import ReadAhead, ahead_depth
 from ckpt_tool.reshard.engine import (
     COPIES,
     build_atomically,
@@ -208,7 +211,7 @@ def _hf_side_files(source: Source, folder: Path, tokenizer: Path | None, target:
 
 def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_shard: int, chunk_bytes: int,
               workers: int, advance: Progress, names: str = "hf", tokenizer: Path | None = None,
-              num_heads: int | None = None) -> dict[str, Any]:
+              num_heads: int | None = None, max_memory: int | None = None) -> dict[str, Any]:
     folder = writer.folder
     target = None
     if names == "hf" and (source.manifest is None or source.manifest.model is None):
@@ -242,8 +245,24 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
     if not optimizer:  # the ledger reads the optimizer state (to check the file CRCs) beside the copy
         source.reader.ledger.fill_except(model_keys, source.reader.planned_ranges())
     bufs = Buffers()  # thread-local: each worker reads into its own reusable buffers
-    run_files(lambda i, tick: _write_hf_file(folder / jobs[i][0], jobs[i][1], lambda c: chunk_data(source, c, bufs),
-                                             tick, stage_bytes(chunk_bytes), jobs[i][2]), len(jobs), workers, advance)
+    # the next chunks of each file are read on other threads while it writes (ckpt_tool.reshard.ahead); a bucket's
+    # reads are fetched ahead by its own plan already
+    depth = 0 if max_memory is None or isinstance(source.root, ObjectURL) else \
+        ahead_depth(max_memory, workers, chunk_bytes, os.cpu_count() or 1)
+    pool = ThreadPoolExecutor(max(1, min(workers * depth, os.cpu_count() or 1)), thread_name_prefix="read-ahead") \
+        if depth else None
+
+    def fill(i: int) -> Callable[[OutChunk], np.ndarray]:
+        if pool is None:
+            return lambda c: chunk_data(source, c, bufs)
+        return ReadAhead(pool, lambda c, b: chunk_data(source, c, b), [c for t in jobs[i][1] for c in t[3]], depth)
+
+    try:
+        run_files(lambda i, tick: _write_hf_file(folder / jobs[i][0], jobs[i][1], fill(i), tick,
+                                                 stage_bytes(chunk_bytes), jobs[i][2]), len(jobs), workers, advance)
+    finally:
+        if pool is not None:  # no read runs once the copy stopped (the reader is closed next)
+            pool.shutdown(wait=True, cancel_futures=True)
     writer.finish(None, None)  # not a checkpoint: no manifest, no metadata.json
     writer.commit_object = commit_object(names, [name for name, _, _ in jobs])
     arch = target.architecture if target is not None else mapping.ARCHITECTURE
@@ -365,7 +384,7 @@ def export(src: Path | ObjectURL, dst: Path | ObjectURL, to: str, optimizer: boo
             writer.attest(attestation(f"ckpt export --to {to}", src_id))
             if to == "hf":
                 holder.update(export_hf(source, writer, optimizer, max_shard, chunk_bytes, workers, advance, names,
-                                        tokenizer, num_heads))
+                                        tokenizer, num_heads, max_memory))
             else:
                 holder.update(export_fully_reshardable(source, writer, chunk_bytes, workers, advance))
             source.verify_reads()  # a damaged SRC is refused here, before anything is committed

@@ -29,9 +29,10 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool.reshard.plan import OutChunk
+from gtp_format.dtypes import DType
 from gtp_format.integrity.hash import chunk_digest
-from gtp_format.integrity.record_file import record_parts
 from gtp_format.integrity.records import ChunkRecord
+from gtp_format.integrity.stats import ChunkStats, StatsStream, has_stats
 from gtp_format.manifest import FileEntry
 from gtp_format.names import GTP_INDEX_VERSION, chunk_tensor_name
 from gtp_format.writer.dcp_metadata import metadata_bytes
@@ -41,33 +42,75 @@ from gtp_format.writer.torch_blob import TensorBlob
 DataFn = Callable[[OutChunk], np.ndarray]
 
 
+def _chunk_stats(arr: np.ndarray, dtype: DType) -> StatsStream | None:
+    """The statistics stream of a chunk's elements (``None``: its dtype has none, or ``arr`` is not its
+    stored elements, e.g. a byte object's values): what :func:`gtp_format.integrity.record_file.record_parts`
+    computes, fed piece by piece."""
+    return StatsStream(dtype) if has_stats(dtype) and arr.dtype.itemsize == dtype.itemsize else None
+
+
+def _segment(out: Sink, start: int, end: int) -> str:
+    """The chunk hash of the bytes ``[start, end)`` the sink hashed between two cuts (an empty chunk has none)."""
+    return out.segments.pop((start, end)) if end > start else chunk_digest(b"")
+
+
+class _Body:
+    """What a blob's body feeds piece by piece besides the sink's own hashes: the zip record's CRC-32 (unless
+    the caller knows it) and the chunk's statistics (``stats``, if any)."""
+
+    def __init__(self, known: int | None, stats: StatsStream | None) -> None:
+        self.crc, self.hash, self.stats = (0 if known is None else known), known is None, stats
+        self.reads = self.hash or stats is not None
+
+    def __call__(self, piece: memoryview) -> None:
+        if self.hash:
+            self.crc = zlib.crc32(piece, self.crc)
+        if self.stats is not None:
+            self.stats.update(piece)
+
+    def result(self) -> ChunkStats | None:
+        return None if self.stats is None else self.stats.result()
+
+
 def write_distcp(path: Path, chunks: list[OutChunk], data: DataFn, advance: Callable[[int], None],
-                 stage: int = STAGE, records: list[ChunkRecord] | None = None
+                 stage: int = STAGE, records: list[ChunkRecord] | None = None,
+                 known_crc: Callable[[OutChunk], int | None] | None = None
                  ) -> tuple[FileEntry, list[tuple[OutChunk, int, int]]]:
     """One ``.distcp`` file; returns its entry and ``(chunk, offset, length)`` per blob.
 
     Each blob is :class:`gtp_format.writer.torch_blob.TensorBlob`'s head, the chunk's bytes
     straight from the array that holds them, and its tail, handed to a :class:`gtp_format.writer.sink.Sink`
-    (``stage`` bytes of staging); the zip record's CRC-32 and the file's CRC-32C are computed from
-    that array (both release the GIL, so the workers hash in parallel) and nothing is read back.
-    ``records``: each chunk's record (hash of its blob, statistics of its elements) is appended.
+    (``stage`` bytes of staging). Every check that reads the bytes takes them in the sink's pieces
+    (:data:`gtp_format.writer.sink.PIECE`, 1 MiB), one piece after another, while the piece is in the CPU
+    cache: the file's CRC-32C, the blob's record hash (the sink's segment between two cuts), the zip
+    record's CRC-32, the chunk statistics, then the copy into the staging buffer; nothing is read back.
+    Each of them was a pass of its own over the whole chunk (up to 64 MiB) before: the fused loop took
+    a quarter less CPU (measured in docs/performance.md). The CRC-32 must be in the blob's tail, which
+    follows the body, so the body is written before the tail is built.
+
+    ``known_crc(chunk)`` (asked after ``data(chunk)``): the zip CRC-32 of the bytes ``data`` returned, when
+    the caller already has it (a reshard copying a source chunk unchanged: ``Source.copied_crc``), else
+    ``None``. ``records``: each chunk's record (hash of its blob, statistics of its elements) is appended.
     """
     placed = []
-    pos = 0
-    with Sink(path, stage) as out:
+    with Sink(path, stage, segments=records is not None) as out:
         for c in chunks:
             arr = np.ascontiguousarray(data(c))
             if arr.nbytes != c.nbytes:
                 raise AssertionError(f"{c.key}: produced {arr.nbytes} bytes for {c.nbytes}")
             body = memoryview(arr.reshape(-1).view(np.uint8))
             blob = TensorBlob(c.dtype, c.sizes)
-            tail = blob.tail(zlib.crc32(body))
-            out.write([blob.head, body, tail])
+            body_checks = _Body(known_crc(c) if known_crc is not None else None,
+                                _chunk_stats(arr, c.dtype) if records is not None else None)
+            start = out.cut()
+            out.write([blob.head])
+            out.write([body], body_checks if body_checks.reads else None)
+            out.write([blob.tail(body_checks.crc)])
+            end = out.cut()
             if records is not None:
-                records.append(record_parts(c.key, c.offsets, path.name, pos, [blob.head, body, tail], arr, c.dtype))
-            length = len(blob.head) + body.nbytes + len(tail)
-            placed.append((c, pos, length))
-            pos += length
+                records.append(ChunkRecord(c.key, tuple(c.offsets), path.name, start, end - start,
+                                           _segment(out, start, end), body_checks.result()))
+            placed.append((c, start, end - start))
             advance(c.nbytes)
         return out.close(), placed
 
@@ -120,20 +163,21 @@ def _st_header(chunks: list[OutChunk]) -> bytes:
 def write_safetensors(path: Path, chunks: list[OutChunk], data: DataFn, advance: Callable[[int], None],
                       stage: int = STAGE, records: list[ChunkRecord] | None = None) -> FileEntry:
     """One safetensors data file, header first (known from the plan), then each chunk's bytes
-    (``records``: each chunk's record is appended)."""
-    with Sink(path, stage) as out:
-        header = _st_header(chunks)
-        out.write([header])
-        pos = len(header)
+    (``records``: each chunk's record is appended; hash and statistics piece by piece, as in
+    :func:`write_distcp`)."""
+    with Sink(path, stage, segments=records is not None) as out:
+        out.write([_st_header(chunks)])
         for c in chunks:
             arr = np.ascontiguousarray(data(c))
             if arr.nbytes != c.nbytes:
                 raise AssertionError(f"{c.key}: produced {arr.nbytes} bytes for {c.nbytes}")
-            body = arr.reshape(-1).view(np.uint8)
-            out.write([body])
+            stats = _chunk_stats(arr, c.dtype) if records is not None else None
+            start = out.cut()
+            out.write([arr.reshape(-1).view(np.uint8)], None if stats is None else stats.update)
+            end = out.cut()
             if records is not None:
-                records.append(record_parts(c.key, c.offsets, path.name, pos, [body], arr, c.dtype))
-            pos += c.nbytes
+                records.append(ChunkRecord(c.key, tuple(c.offsets), path.name, start, end - start,
+                                           _segment(out, start, end), None if stats is None else stats.result()))
             advance(c.nbytes)
         return out.close()
 

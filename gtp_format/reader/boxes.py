@@ -78,6 +78,7 @@ class BoxReader:
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
         self._layouts: dict[tuple[str, int], tuple[int, tuple[int, ...] | None]] = {}
+        self._crcs: dict[tuple[str, int], int] = {}  # zip record CRC-32 of chunks whose payload is their whole view
         self._lock = threading.Lock()
         self._index: dict[str, tuple[list[Chunk], list[int], list[int]]] = {}
         self._files: dict[str, tuple[Any, int]] = {}  # open data files and their sizes, opened once
@@ -232,7 +233,23 @@ class BoxReader:
         got = (ref.offset + layout.payload_offset + layout.storage_offset * layout.dtype.itemsize, strides)
         with self._lock:
             self._layouts[cache_key] = got
+            if layout.contiguous_whole:
+                self._crcs[cache_key] = layout.payload_crc
         return got
+
+    def whole_chunk(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Chunk | None:
+        """The one stored chunk that is exactly the box ``offsets``/``sizes`` of tensor ``key``, if one is."""
+        got = self.box_chunks(key, offsets, sizes)
+        if len(got) != 1 or tuple(got[0].offsets) != tuple(offsets) or tuple(got[0].sizes) != tuple(sizes):
+            return None
+        return got[0]
+
+    def payload_crc(self, key: str, chunk: Chunk) -> int | None:
+        """The CRC-32 its zip record gives for the payload of a ``torch.save`` chunk already read whose view is
+        its whole storage, row-major (so the rows :meth:`chunk_rows` read are exactly that payload); ``None``
+        for any other chunk, or one not read yet."""
+        with self._lock:
+            return self._crcs.get((key, chunk.index))
 
     def chunk_rows(self, entry: Entry, chunk: Chunk, r0: int, r1: int, buf: Buffer | None = None,
                    into: np.ndarray | None = None) -> np.ndarray:
