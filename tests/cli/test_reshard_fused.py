@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -146,8 +147,16 @@ def test_more_threads_than_workers_write_the_same_files(tmp_path: Path, monkeypa
         reshard(src, dst, P(cp=2, gtp_remat=2, dp=2), "torch_dist", workers=2)
         outs.append({p.relative_to(dst): p.read_bytes() for p in sorted(dst.rglob("*")) if p.is_file()})
     assert outs[0].keys() == outs[1].keys() and len([k for k in outs[0] if k.suffix == ".distcp"]) == 4
-    assert all(outs[0][k] == outs[1][k] for k in outs[0] if k.name != "metadata.json"), \
+    per_run = ("metadata.json", "gtp_attestation.json", "gtp_manifest.json")  # times and the writer's lineage
+    assert all(outs[0][k] == outs[1][k] for k in outs[0] if k.name not in per_run), \
         [k for k in outs[0] if outs[0][k] != outs[1][k]]
+    manifests = [json.loads(o[next(k for k in o if k.name == "gtp_manifest.json")]) for o in outs]
+    for m in manifests:
+        m.get("extra", {}).pop("lineage", None)
+        m.pop("lineage", None)
+        for name in per_run:
+            m.get("files", {}).pop(name, None)
+    assert manifests[0] == manifests[1]
 
 
 def test_threads_stay_within_the_memory_budget() -> None:
