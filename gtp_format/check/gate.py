@@ -34,6 +34,7 @@ from gtp_format.model import Checkpoint
 from gtp_format.names import MANIFEST_FILE
 
 ALIASING = "aliasing"  # verify's check code for aliased keys (gtp_format.check.analysis.aliasing)
+NONFINITE = "nonfinite"  # verify's check code for NaN/Inf in the state (gtp_format.check.values)
 JUDGE, REFUSE, REPAIR = "judge", "refuse", "repair"  # what the gate does with aliased keys (open_gated)
 # The codes of verify's geometry and storage checks (gtp_format.check.verify.check_geometry,
 # check_storage): bytes a copy would have to invent, so a copy refuses them as "incomplete" (exit 2).
@@ -72,7 +73,7 @@ def strict_manifest(ckpt: Checkpoint) -> Manifest | None:
 
 def open_gated(path: os.PathLike[str] | str, *, needs_manifest: str | None = None, aliased: str = JUDGE,
                checks: bool = True, copy: bool = False, cp_size: int | None = None,
-               keep_raw_metadata: bool = False, refusal_suffix: str = "") -> Gated:
+               keep_raw_metadata: bool = False, refusal_suffix: str = "", judge_values: bool = True) -> Gated:
     """Open ``path`` and pass it through the gate (see the module docstring for the order).
 
     ``needs_manifest``: the caller cannot work without the manifest, and this says why (the
@@ -83,7 +84,9 @@ def open_gated(path: os.PathLike[str] | str, *, needs_manifest: str | None = Non
     them through (``migrate-aliased`` repairs them). ``checks=False`` runs no verify step (the
     caller runs :func:`run_checks` later, where it applies). ``copy``: the caller copies the bytes
     (reshard, export), so missing ones are refused as an incomplete checkpoint.
-    ``refusal_suffix`` ends verify's line with what the caller would have done.
+    ``refusal_suffix`` ends verify's line with what the caller would have done. ``judge_values=False``
+    leaves NaN/Inf in the state to verify (a writer's read-back: a diverged run's state is saved as it
+    is, and ``--load`` and ``verify`` judge it).
     """
     from gtp_format.reader.checkpoint import open_checkpoint
 
@@ -97,7 +100,8 @@ def open_gated(path: os.PathLike[str] | str, *, needs_manifest: str | None = Non
         refuse_aliased(ckpt, cp_size)
     if not checks:
         return Gated(ckpt, manifest, None)
-    return Gated(ckpt, manifest, run_checks(ckpt, cp_size, aliased == REPAIR, refusal_suffix, copy))
+    ignore = frozenset() if judge_values else frozenset({NONFINITE})
+    return Gated(ckpt, manifest, run_checks(ckpt, cp_size, aliased == REPAIR, refusal_suffix, copy, ignore))
 
 
 def refuse_aliased(ckpt: Checkpoint, cp_size: int | None = None) -> None:
@@ -112,7 +116,7 @@ def refuse_aliased(ckpt: Checkpoint, cp_size: int | None = None) -> None:
 
 
 def run_checks(ckpt: Checkpoint, cp_size: int | None = None, allow_aliased: bool = False,
-               refusal_suffix: str = "", copy: bool = False) -> VerifyResult:
+               refusal_suffix: str = "", copy: bool = False, ignore: frozenset[str] = frozenset()) -> VerifyResult:
     """``ckpt verify``'s structural checks; the first error refuses with verify's line (exit 1).
 
     ``copy``: missing bytes first refuse as an incomplete checkpoint (exit 2, see the module docstring).
@@ -125,8 +129,9 @@ def run_checks(ckpt: Checkpoint, cp_size: int | None = None, allow_aliased: bool
             raise FormatError(f"{ckpt.root}: incomplete checkpoint ({len(missing)} problems); first: "
                               f"{e.key or e.file or '-'}: {e.message}; run `ckpt verify` on it and copy a complete one")
     judged = result
-    if allow_aliased:
-        judged = VerifyResult([p for p in result.problems if p.check != ALIASING], result.checks, result.stats)
+    skip = ignore | ({ALIASING} if allow_aliased else set())
+    if skip:
+        judged = VerifyResult([p for p in result.problems if p.check not in skip], result.checks, result.stats)
     line = judged.failure_line(ckpt.root)
     if line is not None:
         raise FormatError(line + refusal_suffix, EXIT_CHECK_FAILED)

@@ -355,7 +355,7 @@ class CheckpointWriter:
 
         assert self.work is not None
         try:  # aliased keys are judged as --load judges them, unless the caller writes them on purpose
-            open_gated(self.folder, checks=True, aliased=REPAIR if self.aliased else JUDGE)
+            open_gated(self.folder, checks=True, aliased=REPAIR if self.aliased else JUDGE, judge_values=False)
         except FormatError as e:
             shown = self.target / self.inner if self.inner and not isinstance(self.target, ObjectURL) else self.target
             line = e.message.replace(str(self.folder), str(shown))
