@@ -54,7 +54,8 @@ def fit_problem(model: ModelConfig, world: int, local: int, param_bytes: int, ho
     if host and (local * per_rank > host or share > host + gpu):
         need = max(local * per_rank, share)
         return (f"--num-layers {model.num_layers}, --hidden {model.hidden}, --ffn-hidden {model.ffn_hidden}, "
-                f"--vocab-size {model.vocab_size} on {local} local ranks: {params} parameters need at least "
+                f"--vocab-size {model.vocab_size} on {local} local ranks (--nproc-per-node): {params} parameters "
+                f"need at least "
                 f"{_gib(need)} of memory, and this machine has {_gib(host)}"
                 + (f" and {_gib(gpu)} of GPU memory" if gpu else "") + "; pick smaller sizes or fewer ranks")
     return None

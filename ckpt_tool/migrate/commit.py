@@ -15,6 +15,7 @@ import os
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from ckpt_tool.migrate.plan import Plan
 from ckpt_tool.migrate.write import Outcome, build_migrated
@@ -27,7 +28,7 @@ from gtp_format.writer.checkpoint import CheckpointWriter
 TAG = "migrate"  # the hidden build folder is .migrate.<name>.<nonce>
 
 
-def self_check(folder: Path, written: str | None = None) -> None:
+def self_check(folder: Path, written: str | None = None, opened: Any = None) -> None:
     """``verify --data``'s own pass over the data file the migration wrote (rebuilt masters, zeroed
     moments: long zero runs left as holes), so the migration never commits what ``verify --data``
     refuses. The structural checks (verify's, aliased keys included) already ran in the writer's
@@ -36,7 +37,7 @@ def self_check(folder: Path, written: str | None = None) -> None:
 
     if written is None:
         return
-    errors = verify_written(open_checkpoint(folder), frozenset({written}))
+    errors = verify_written(opened if opened is not None else open_checkpoint(folder), frozenset({written}))
     if errors:
         p = errors[0]
         raise FormatError(f"the migrated copy fails verify ({len(errors)} errors, first: {p.key or p.file}: "
@@ -48,7 +49,7 @@ def _build_and_check(plan: Plan, writer: CheckpointWriter, final: Path | ObjectU
     where = str(final) if isinstance(final, ObjectURL) else Path(os.path.abspath(final))
     outcome = build_migrated(plan, writer, where, progress)
     t = time.perf_counter()
-    self_check(writer.folder, outcome.new_data_file)
+    self_check(writer.folder, outcome.new_data_file, writer.checked)  # the checkpoint the writer's read-back opened
     outcome.timings["self_check"] = time.perf_counter() - t
     return outcome
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from gtp_format.errors import FormatError
 from gtp_format.lineage import Lineage, category, digests_of, lineage_of, read_attestation, short, topology_digest
+from gtp_format.model import Checkpoint
 from gtp_format.names import ITER_DIR_RE, LATEST_FILE, parse_latest
 from gtp_format.progress import Progress
 from gtp_format.storage.location import ObjectURL
@@ -119,14 +120,15 @@ def _latest(run: Path | ObjectURL, notes: list[str], problems: list[str]) -> int
     return n
 
 
-def read_entry(run: Path | ObjectURL, named: int, folder: str) -> Entry:
-    """One iteration's identity from its metadata, manifest and chunk records (no data file is read)."""
+def read_entry(run: Path | ObjectURL, named: int, folder: str, opened: Checkpoint | None = None) -> Entry:
+    """One iteration's identity from its metadata, manifest and chunk records (no data file is read).
+    ``opened``: the iteration already opened by the caller (``--load``), not parsed again."""
     from gtp_format.integrity.records import read_records
     from gtp_format.reader.checkpoint import open_checkpoint
 
     e = Entry(folder=folder, named=named)
     try:
-        ckpt = open_checkpoint(run / folder)
+        ckpt = opened if opened is not None else open_checkpoint(run / folder)
     except FormatError as err:
         e.notes.append(f"not a complete checkpoint, skipped: {err.message}")
         return e
@@ -299,9 +301,11 @@ def check_latest(log: RunLog) -> None:
                             f"complete iteration is {newest.named}")
 
 
-def read_run(run: Path | ObjectURL, progress: Progress | None = None, total: Any = None) -> RunLog:
+def read_run(run: Path | ObjectURL, progress: Progress | None = None, total: Any = None,
+             opened: Checkpoint | None = None) -> RunLog:
     """The log of the run folder ``run`` (local or ``s3://``): every iteration, checked. ``total(n)`` is
-    told the number of iterations before ``progress(1)`` is called once per iteration read."""
+    told the number of iterations before ``progress(1)`` is called once per iteration read. ``opened``:
+    one of its iterations the caller has open already (read from it, not parsed again)."""
     notes: list[str] = []
     problems: list[str] = []
     folders = iteration_folders(run)
@@ -314,7 +318,8 @@ def read_run(run: Path | ObjectURL, progress: Progress | None = None, total: Any
         progress = total(len(folders))
     entries = []
     for named, folder in folders:
-        entries.append(read_entry(run, named, folder))
+        mine = opened if opened is not None and opened.root.name == folder else None
+        entries.append(read_entry(run, named, folder, mine))
         if progress is not None:
             progress(1)
     log = RunLog(run=str(run), latest=latest, entries=entries, problems=problems, notes=notes)
@@ -323,7 +328,8 @@ def read_run(run: Path | ObjectURL, progress: Progress | None = None, total: Any
     return log
 
 
-def resume_check(run: Path | ObjectURL, folder_name: str, run_text: str) -> tuple[str | None, str | None]:
+def resume_check(run: Path | ObjectURL, folder_name: str, run_text: str,
+                 opened: Checkpoint | None = None) -> tuple[str | None, str | None]:
     """Whether ``--load`` may resume from ``run/folder_name``: ``(refusal, note)``.
 
     Refused: the iteration's own problems (stale, another run's, renamed, optimizer restarted), and a latest
@@ -331,7 +337,7 @@ def resume_check(run: Path | ObjectURL, folder_name: str, run_text: str) -> tupl
     A newer complete iteration of the same run, clean, is what a save that stopped between its commit and
     the marker leaves (the writer's documented recovery resumes from the marker): a note, not a refusal.
     ``run_text``: the run folder as the user can pass it to ``ckpt log``."""
-    log = read_run(run)
+    log = read_run(run, opened=opened)
     target = next((e for e in log.entries if e.folder == folder_name), None)
     hint = f"run `ckpt log {run_text}` to see the run's history"
     if target is not None and target.problems:

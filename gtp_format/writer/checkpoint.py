@@ -223,6 +223,7 @@ class CheckpointWriter:
             check_latest(latest, self.target)
         self.inner, self.latest, self.replace, self.backup = inner, latest, replace, backup
         self.tag, self.fault, self.aliased = tag, fault, aliased
+        self.checked: Any = None  # the output as its reader opened it (check_output), for a caller's own checks
         self.files: dict[str, FileEntry] = {}
         self.records: list[ChunkRecord] | None = None  # chunk records handed in (None: this output has none)
         self.work: Path | None = None
@@ -355,7 +356,8 @@ class CheckpointWriter:
 
         assert self.work is not None
         try:  # aliased keys are judged as --load judges them, unless the caller writes them on purpose
-            open_gated(self.folder, checks=True, aliased=REPAIR if self.aliased else JUDGE, judge_values=False)
+            self.checked = open_gated(self.folder, checks=True, aliased=REPAIR if self.aliased else JUDGE,
+                                      judge_values=False).ckpt
         except FormatError as e:
             shown = self.target / self.inner if self.inner and not isinstance(self.target, ObjectURL) else self.target
             line = e.message.replace(str(self.folder), str(shown))

@@ -133,7 +133,7 @@ def check_lineage(ckpt: Checkpoint) -> None:
         return
     run = ckpt.root.parent
     try:
-        why, note = resume_check(run, ckpt.root.name, str(run))
+        why, note = resume_check(run, ckpt.root.name, str(run), ckpt)
     except FormatError as e:
         raise CheckpointError(f"{ckpt.root}: refusing to resume: {e.message}; pass --no-check-lineage to load it "
                               "anyway") from None

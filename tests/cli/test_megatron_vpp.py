@@ -269,7 +269,7 @@ def test_hf_export_with_optimizer_holds_the_views_state_under_global_layers(tmp_
     from gtp_format.reader.boxes import BoxReader
 
     out = tmp_path / "hf"
-    r = cli("export", MEGATRON / VPP, out, "--to", "hf", "--optimizer")
+    r = cli("export", MEGATRON / VPP, out, "--to", "hf", "--optimizer", "--names", "megatron")
     assert r.exit_code == 0, r.stderr
     weights, states = load_file(out / "model.safetensors"), load_file(out / "optimizer.safetensors")
     src = open_source(MEGATRON / VPP, megatron=True)

@@ -25,7 +25,8 @@ from gtp_format.views.megatron import LAYER, megatron_views  # noqa: E402
 def test_generated_layout_is_the_one_the_rules_derive(tmp_path: Path) -> None:
     generate(tmp_path / "iter_0000001", 3)
     views = megatron_views(open_checkpoint(tmp_path / "iter_0000001"))
-    per_layer = len([k for _, k in LAYER if "router" not in k])  # a dense layer: no MoE router
+    # a dense GPT layer (bench_megatron_inspect's): no router, shared experts or q/k layernorm
+    per_layer = len([k for _, k in LAYER if not any(s in k for s in ("router", "shared_experts", "_layernorm."))])
     assert len(views) == 2 + 3 * per_layer + 2
     assert views["decoder.layers.2.mlp.linear_fc2.bias"].layer == 2
 

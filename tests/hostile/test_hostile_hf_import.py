@@ -41,7 +41,7 @@ CONFIG = {"layers_huge": {"num_hidden_layers": 10**9}, "heads_huge": {"num_atten
 WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json implies", "vocab_huge": "config.json "
          "implies", "head_dim_zero": "head_dim is 0", "hidden_string": "hidden_size is '64'",
          "eps_negative": "epsilon is -1.0", "layers_bool": "num_hidden_layers is True",
-         "arch_many": "no megatron-core mapping", "ffn_disagrees": "config.json implies [96, 64]",
+         "arch_many": "config.json", "ffn_disagrees": "config.json implies [96, 64]",
          "rope_list": "rope_parameters is [1, 2]", "deep": "config.json", "header_huge": "header of",
          "offsets_past": "spans bytes", "overlap": "overlap", "bad_dtype": "ill-formed header entry",
          "index_outside": "plain file name", "two_files": "also in", "symlink_out": "symlink",

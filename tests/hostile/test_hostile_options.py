@@ -168,8 +168,8 @@ def test_commands_that_need_no_layout_read_the_recut_experts_as_the_fixture(name
     shutil.copytree(fixture / "iter_0000002", it)
     build_moe(name, it)
     assert run(["verify", "--data", str(it)]) == 0
-    assert run(["export", str(it), str(tmp_path / "hf-recut"), "--to", "hf"]) == 0
-    assert run(["export", str(fixture), str(tmp_path / "hf-fixture"), "--to", "hf"]) == 0
+    assert run(["export", str(it), str(tmp_path / "hf-recut"), "--to", "hf", "--names", "megatron"]) == 0
+    assert run(["export", str(fixture), str(tmp_path / "hf-fixture"), "--to", "hf", "--names", "megatron"]) == 0
     shards = sorted(p.name for p in (tmp_path / "hf-fixture").glob("*.safetensors"))
     assert shards and shards == sorted(p.name for p in (tmp_path / "hf-recut").glob("*.safetensors"))
     for shard in shards:
