@@ -49,6 +49,7 @@ class Staging:
         self._layout: Layout | None = None
         self._bufs: dict[str, Chunks] = {}
         self._stream: Any = None
+        self._first: dict[str, dict[Any, torch.Tensor]] | None = None  # the stale_staging fault's first state
 
     @property
     def nbytes(self) -> int:
@@ -85,9 +86,14 @@ class Staging:
         When this returns the copies are complete: the live tensors may change. ``group``: a gloo
         group of every rank, idle now, for the budget check on the first call.
         """
+        stale = os.environ.get("GTP_FAULT_INJECT") == "stale_staging"  # io.fault_mode: the first save's state again
         if self._layout is None:
             self._allocate(sd, group)
-        elif os.environ.get("GTP_FAULT_INJECT") == "stale_staging":  # io.fault_mode: the first save's state again
+        elif stale and self._first is not None:
+            with torch.no_grad():  # the first save's state, whole (the buffers are also the write's staging)
+                for k, chunks in self._first.items():
+                    for off, t in chunks.items():
+                        self._bufs[k].chunks[off].copy_(t)
             return self._bufs
         elif _layout(sd) != self._layout:
             raise CheckpointError("the state to save changed shape since the first async save (another bucket "
@@ -100,6 +106,8 @@ class Staging:
                 for k, c in sd.items():
                     for off, t in c.chunks.items():
                         self._bufs[k].chunks[off].copy_(t)
+        if stale and self._first is None:
+            self._first = {k: {off: t.clone() for off, t in c.chunks.items()} for k, c in self._bufs.items()}
         return self._bufs
 
     def _stage_cuda(self, sd: dict[str, Any], device: torch.device) -> None:

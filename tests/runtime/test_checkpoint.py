@@ -3,6 +3,7 @@ regression, DP resharding, resume equivalence, PyTorch's own reader, refusals.""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -295,11 +296,18 @@ def test_crash_while_replacing_the_latest_iteration_is_recovered(tmp_path: Path)
     assert v.returncode == 0, v.stdout[-2000:] + v.stderr[-2000:]
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = run / f".tmp.iter_0000009.w{work._host_id()}{work._boot_id()}-{dead.pid}-1-abcdef"  # a killed save's
+    token = "cd" * 16  # a killed save's work folder: its owner in the name, its token inside (ownership proven)
+    nonce = hashlib.sha256(token.encode()).hexdigest()[:6]
+    stale = run / f".tmp.iter_0000009.w{work._host_id()}{work._boot_id()}-{dead.pid}-1-{nonce}"
     stale.mkdir()
+    (stale / work.TOKEN_FILE).write_text(token + "\n")
+    unowned = run / f".tmp.iter_0000008.w{work._host_id()}{work._boot_id()}-{dead.pid}-1-abcdef"  # named like one
+    unowned.mkdir()
     r = _train([*args, "--steps", "3", "--load", str(run), "--save", str(run)])
     assert r.returncode == 0, r.stderr[-2000:]
     assert "loaded" in r.stdout and "iteration 2" in r.stdout
     assert (run / LATEST_FILE).read_text().strip() == "3" and (run / "iter_0000003").is_dir()
     # the next save removed the dead writer's leftover, and kept the copies iter_0000002 still needs
-    assert not stale.exists() and sorted(p for p in run.iterdir() if p.name.startswith(".")) == hidden
+    # and left a folder merely named like a dead writer's (no token proves the tool made it)
+    assert not stale.exists() and unowned.is_dir()
+    assert sorted(p for p in run.iterdir() if p.name.startswith(".")) == sorted([*hidden, unowned])

@@ -155,8 +155,9 @@ def test_export_hf_streams_from_a_bucket(s3, capsys, tmp_path, reads):
     assert code == 0, (out, err)
     code, out, err = ckpt(capsys, "export", str(local), str(tmp_path / "from_folder"), "--to", "hf")
     assert code == 0, (out, err)
-    a = {p.name: p.read_bytes() for p in (tmp_path / "from_bucket").iterdir()}
-    b = {p.name: p.read_bytes() for p in (tmp_path / "from_folder").iterdir()}
+    # the attestation names each export's own source (a URL, a folder): every other file is the same
+    a = {p.name: p.read_bytes() for p in (tmp_path / "from_bucket").iterdir() if p.name != "gtp_attestation.json"}
+    b = {p.name: p.read_bytes() for p in (tmp_path / "from_folder").iterdir() if p.name != "gtp_attestation.json"}
     assert a == b and any(n.endswith(".safetensors") for n in a)
     assert max(n for _, _, n in reads) <= objects.PIECE
 
@@ -195,7 +196,9 @@ def test_export_reads_each_chunk_once_by_prefetched_requests(s3, capsys, tmp_pat
     if to == "torch":
         assert out_b.read_bytes() == out_l.read_bytes()
     else:
-        assert {p.name: p.read_bytes() for p in out_b.iterdir()} == {p.name: p.read_bytes() for p in out_l.iterdir()}
+        same = "gtp_attestation.json"  # names each export's own source
+        assert {p.name: p.read_bytes() for p in out_b.iterdir() if p.name != same} == \
+            {p.name: p.read_bytes() for p in out_l.iterdir() if p.name != same}
     sizes = {k: s3.client.head_object(Bucket=s3.bucket, Key=k)["ContentLength"]
              for k in s3.keys("runs/p/") if k.endswith(".distcp")}
     gets = _data_gets(reads, sizes)
