@@ -59,6 +59,10 @@ class HFSource:
     root: str
     views: dict[str, ParamView]
     ckpt: _Ckpt
+    manifest: None = None  # megatron-core's layout, as a genuine megatron-core source has (no gtp manifest)
+    # a gated linear_fc1's view already orders each TP rank's rows as [gate_t; up_t] (module docstring), so
+    # the planner splits it in TP parts, not in the 2 x TP gate and up parts of a stored megatron-core key
+    glu_rows_by_rank: bool = True
 
 
 def module_name(p: MegatronParam) -> str:

@@ -256,7 +256,9 @@ def _gated(source: Source) -> bool:
     """Whether the source's MLPs are gated (``--swiglu``; :func:`gtp_format.megatron_args.describe_model`)."""
     from gtp_format.megatron_args import describe_model
 
-    return bool(describe_model(source.ckpt).gated_linear_unit) if source.manifest is None else False
+    if source.manifest is not None or getattr(source, "glu_rows_by_rank", False):
+        return False
+    return bool(describe_model(source.ckpt).gated_linear_unit)
 
 
 def _expert_modes(source: Source, experts: list[ParamView], etp: int) -> dict[str, str | None]:
