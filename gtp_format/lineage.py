@@ -38,11 +38,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gtp_format.errors import FormatError
-from gtp_format.names import OPT_PREFIX, parse_optimizer_key
+from gtp_format.names import (
+    ATTESTATION_FILE,  # a conversion's record beside its output
+    OPT_PREFIX,
+    parse_optimizer_key,
+)
 
 LINEAGE_KEY = "lineage"
 LINEAGE_VERSION = 1  # the newest lineage section this tool reads
-ATTESTATION_FILE = "gtp_attestation.json"  # a conversion's record beside its output (reshard, export, import)
+
 ATTESTATION_VERSION = 1
 VIAS = ("load", "reshard", "export", "import", "migrate")
 CATEGORIES = ("weights", "masters", "moments", "rng", "other")

@@ -204,3 +204,5 @@ def iteration_from_name(folder: PurePath) -> int | None:
     """The iteration an ``iter_XXXXXXX`` folder name encodes."""
     m = ITER_DIR_RE.match(folder.name)
     return int(m.group(1)) if m else None
+
+ATTESTATION_FILE = "gtp_attestation.json"  # a conversion's record beside its output (reshard, export, import)

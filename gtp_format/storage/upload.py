@@ -33,6 +33,7 @@ from typing import Any
 
 from gtp_format.errors import FormatError
 from gtp_format.names import (
+    ATTESTATION_FILE,
     CHUNK_RECORDS_FILE,
     DCP_METADATA_FILE,
     GTP_INDEX_FILE,
@@ -51,7 +52,7 @@ CONCURRENCY = 8
 # against boto3's upload_file of the same files on moto (best of 2-3 interleaved rounds, 2 cores), one at a
 # time 0.92x / 0.88x at 304.8 MB / 1.2 GB, two 1.51x / 1.22x, four 1.47x / 0.79x
 FILES_AT_ONCE = 2
-_SIDE = (DCP_METADATA_FILE, GTP_INDEX_FILE, CHUNK_RECORDS_FILE, MANIFEST_FILE)  # uploaded after the data
+_SIDE = (DCP_METADATA_FILE, GTP_INDEX_FILE, CHUNK_RECORDS_FILE, MANIFEST_FILE, ATTESTATION_FILE)  # after the data
 
 
 def staging_dir() -> Path:
