@@ -130,8 +130,8 @@ def safetensors_target() -> tuple[list[bytes], Callable[[bytes], None]]:
 
 
 def json_target() -> tuple[list[bytes], Callable[[bytes], None]]:
+    from gtp_format import safe_json
     from gtp_format.manifest import parse_manifest
-    from gtp_format.reader import safe_json
 
     seeds = [p.read_bytes() for p in sorted(REPO.glob("fixtures/*/*/iter_*/gtp_manifest.json"))[:3]]
     seeds += [p.read_bytes()[:20000] for p in sorted(REPO.glob("fixtures/*/*/iter_*/index.json"))]

@@ -95,7 +95,7 @@ def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(func)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         from gtp_format.storage.objects import listed_sizes
-        from gtp_format.writer.work import Terminated
+        from gtp_format.work import Terminated
 
         try:
             with listed_sizes():  # one command: a bucket's sizes from its listings (fewer HEAD round trips)

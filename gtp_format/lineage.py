@@ -384,8 +384,8 @@ ATTESTATION_LIMIT = 64 << 20  # bytes read at most: 1M per-tensor rows of a few 
 def read_attestation(root: Any) -> Attestation | None:
     """The ``gtp_attestation.json`` beside a checkpoint (None when there is none); raises
     :class:`FormatError` (one line) when it is damaged or fails its checks."""
-    from gtp_format.reader.safe_json import load_json_object
     from gtp_format.reader.storage import is_regular_inside
+    from gtp_format.safe_json import load_json_object
 
     if is_regular_inside(root, ATTESTATION_FILE) is None:
         return None

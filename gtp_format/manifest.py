@@ -439,7 +439,7 @@ def parse_manifest(obj: Any, source: str, strict: bool = True) -> Manifest:
 
 def read_manifest(folder: Path, strict: bool = True) -> Manifest:
     """Read and parse ``folder/gtp_manifest.json`` through the confined, bounded JSON reader."""
-    from gtp_format.reader.safe_json import load_json_object
+    from gtp_format.safe_json import load_json_object
 
     path = folder / MANIFEST_FILE
     return parse_manifest(load_json_object(path, "the manifest"), str(path), strict=strict)

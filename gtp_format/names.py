@@ -27,7 +27,7 @@ LAYOUTS = ("torch_dist", "safetensors")
 OPT_PREFIX = "optimizer.distributed"
 STATES = ("param", "exp_avg", "exp_avg_sq")
 
-# The ownership token a writer puts in its hidden work folder (gtp_format/writer/work.py); never committed.
+# The ownership token a writer puts in its hidden work folder (gtp_format/work.py); never committed.
 WORK_TOKEN_FILE = ".gtp-work-token"
 
 # Files of a checkpoint folder.

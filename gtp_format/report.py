@@ -189,7 +189,7 @@ def _leftovers(given: Path, root: Path) -> list[dict[str, Any]]:
     """Hidden work folders of writers beside the checkpoint (in the run directory and PATH): a killed
     save or command leaves them; the next writer there removes those whose owner is dead and whose
     ownership token matches their name (``proven``; the others are only listed)."""
-    from gtp_format.writer.work import leftovers, proven
+    from gtp_format.work import leftovers, proven
 
     spots = sorted({given, root.parent} if given.is_dir() else {root.parent})
     return [{"path": str(w.path), "target": w.target, "pid": w.pid, "owner": w.state, "proven": proven(w)}

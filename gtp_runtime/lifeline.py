@@ -14,8 +14,8 @@ default action, so the ranks must notice by themselves:
   server, exits, which the fork server does as soon as the launcher is gone (it watches a pipe of
   its own). A second path that needs no thread to be scheduled.
 * **SIGTERM handled like SIGINT** in the launcher:
-  :func:`gtp_format.writer.work.sigterm_raises` (``replace=True``; the writer's own context
-  manager) turns it into :class:`gtp_format.writer.work.Terminated` (a ``KeyboardInterrupt``), so
+  :func:`gtp_format.work.sigterm_raises` (``replace=True``; the writer's own context
+  manager) turns it into :class:`gtp_format.work.Terminated` (a ``KeyboardInterrupt``), so
   the launcher's ``finally`` stops every rank and reports, instead of the default action, which
   ends the launcher alone.
 

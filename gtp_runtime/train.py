@@ -35,7 +35,7 @@ from gtp_format.numbers import NumberError, OneLineParser, float_flag, int_flag
 from gtp_format.storage.location import ObjectURL, parse_location
 from gtp_format.storage.objects import credentials_problem, store
 from gtp_format.text import safe_text
-from gtp_format.writer.work import Terminated
+from gtp_format.work import Terminated
 from gtp_runtime.data.indexed import DataError
 from gtp_runtime.data.source import DataConfig
 from gtp_runtime.data.vocab import tokenizer_vocab_size

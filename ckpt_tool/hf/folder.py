@@ -31,8 +31,8 @@ from gtp_format.commit import write_durable
 from gtp_format.dtypes import DType, by_name
 from gtp_format.errors import FormatError
 from gtp_format.reader import storage
-from gtp_format.reader.safe_json import Budget, loads
 from gtp_format.reader.safetensors_reader import nonnegative_ints
+from gtp_format.safe_json import Budget, loads
 from gtp_format.scan import carrier
 from gtp_format.storage import objects
 from gtp_format.storage.location import ObjectURL

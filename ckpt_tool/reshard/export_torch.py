@@ -40,10 +40,10 @@ from gtp_format.errors import FormatError
 from gtp_format.reader.boxes import PREFETCH_BUDGET
 from gtp_format.storage import upload
 from gtp_format.storage.location import ObjectURL
+from gtp_format.work import clean_stale, new_work, remove_entry, sigterm_raises
 from gtp_format.writer.checkpoint import DestinationTaken
 from gtp_format.writer.sink import Sink, stage_bytes
 from gtp_format.writer.torch_file import TorchStateFile
-from gtp_format.writer.work import clean_stale, new_work, remove_entry, sigterm_raises
 
 READERS = 8  # slices read at once (from a bucket they wait on round trips, not on the cores)
 SLICE = 16 << 20  # bytes per slice at most: finer than the prefetch's budget, so the window stays full

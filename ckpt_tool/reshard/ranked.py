@@ -17,7 +17,7 @@ Any rank's error, at any step, is every rank's one line naming that rank, and no
 removes the work folder. A rank killed meanwhile is found by its peers' broken connection (or torchrun's
 SIGTERM, which makes rank 0's writer remove the work folder as on an error); a killed rank 0 leaves its work
 folder to the surviving ranks of its host, which remove it once rank 0's process is gone (a dead owner's
-work only, as :func:`gtp_format.writer.work.clean_stale`; a zombie not yet reaped by torchrun counts as gone).
+work only, as :func:`gtp_format.work.clean_stale`; a zombie not yet reaped by torchrun counts as gone).
 
 A bucket DST: the work folder is rank 0's local staging, so every rank must share rank 0's host; a job over
 several hosts is refused before anything is written.
@@ -32,8 +32,8 @@ from pathlib import Path
 from gtp_format.errors import FormatError
 from gtp_format.ranks import COMMITTING, Group, RankFailed, fault
 from gtp_format.storage.location import ObjectURL
+from gtp_format.work import remove_entry
 from gtp_format.writer.checkpoint import CheckpointWriter
-from gtp_format.writer.work import remove_entry
 
 
 def build_ranked(group: Group, dst: Path | ObjectURL, body: Callable[[CheckpointWriter], None],

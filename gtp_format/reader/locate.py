@@ -33,10 +33,10 @@ from gtp_format.names import (
     iter_dir_name,
     parse_latest,
 )
-from gtp_format.reader.safe_json import JSON_LIMIT, Budget, load_json_object
 from gtp_format.reader.storage import is_folder_inside, is_regular_inside, list_dir, read_small_file, stored_size
+from gtp_format.safe_json import JSON_LIMIT, Budget, load_json_object
 from gtp_format.storage.location import ObjectURL, parse_location
-from gtp_format.writer.work import leftovers, parse_work, proven
+from gtp_format.work import leftovers, parse_work, proven
 
 LAYOUT_TORCH_DIST, LAYOUT_SAFETENSORS = LAYOUTS
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -67,7 +67,7 @@ def recover_hidden(parent: Path, name: str) -> Path | None:
     A copy is promoted only when all of these hold: its writer is gone (a live writer's copy is about
     to be renamed); it is finished (``metadata.json``, written last after every other file was
     fsynced); this tool's writer provably made it (the ownership token matches its name,
-    :func:`gtp_format.writer.work.proven`: a folder merely *named* like one is not); and its
+    :func:`gtp_format.work.proven`: a folder merely *named* like one is not); and its
     manifest records the iteration the marker names. Anything else was taken with a warning before
     (a copy of unknown owner, a copy holding another iteration); now it is refused, the candidate named.
     """

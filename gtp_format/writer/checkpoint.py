@@ -6,7 +6,7 @@ by hand; one copy checked DST once and then committed with a rename that moved a
 DST that appeared meanwhile. Now they all call :class:`CheckpointWriter`:
 
 * ``begin()``: removes stale work folders of dead processes beside the target
-  (:mod:`.work`; only finished copies of the iteration the latest marker names stay while that
+  (:mod:`gtp_format.work`; only finished copies of the iteration the latest marker names stay while that
   folder is missing, for the reader to recover), creates this writer's hidden work folder (its
   owner is in its name), and, in the main thread, makes SIGTERM raise, so a terminated writer
   removes its work as on an error;
@@ -69,7 +69,7 @@ from gtp_format.names import (
 )
 from gtp_format.storage import upload
 from gtp_format.storage.location import ObjectURL, within
-from gtp_format.writer.work import (
+from gtp_format.work import (
     WorkFolder,
     clean_stale,
     drop_token,
@@ -377,7 +377,7 @@ class CheckpointWriter:
             except FileExistsError:
                 raise DestinationTaken(self.target) from None
         if not isinstance(self.target, ObjectURL):
-            drop_token(self.target)  # the ownership token is no checkpoint file (gtp_format/writer/work.py)
+            drop_token(self.target)  # the ownership token is no checkpoint file (gtp_format/work.py)
             fsync_dir(self.target)
         self.committed = True
         self._release()

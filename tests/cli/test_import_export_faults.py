@@ -22,7 +22,7 @@ from cli_helpers import REPO, cli, snapshot
 from hf_folder import hf_folder
 from test_writer_faults import SLOW_CKPT, _slow
 
-from gtp_format.writer import work
+from gtp_format import work
 
 FOLD = REPO / "fixtures" / "gtp" / "fold_cp2_g2_dp2"
 IMPORT_AT = "ckpt_tool.hf.importer:_fp32"  # once per fp32 master-weight chunk the import writes

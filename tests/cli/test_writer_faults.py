@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from cli_helpers import REPO, assert_error_line, cli, snapshot
 
+from gtp_format import work
 from gtp_format.errors import FormatError
 from gtp_format.names import LATEST_FILE
-from gtp_format.writer import work
 
 FIXTURES = REPO / "fixtures" / "gtp"
 FOLD = FIXTURES / "fold_cp2_g2_dp2"
