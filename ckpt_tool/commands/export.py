@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from ckpt_tool.copying import DEFAULT_MAX_MEMORY
 from ckpt_tool.locations import checkpoint_arg
 from ckpt_tool.output import (
     FormatOption,
@@ -20,7 +21,6 @@ from ckpt_tool.output import (
     progress_opener,
     size_option,
 )
-from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
 
 DEFAULT_SHARD = 5 * 10**9  # Hugging Face's default max_shard_size, "5GB" (not imported: export pulls numpy)
 
@@ -89,7 +89,7 @@ def export_command(
 ) -> None:
     """Export SRC's weights (and optimizer state) as a Hugging Face model folder, Megatron
     fully_reshardable, or one torch.save file."""
-    from ckpt_tool.reshard.export import export
+    from ckpt_tool.export.engine import export
     from gtp_format import ranks
 
     with contextlib.ExitStack() as stack:

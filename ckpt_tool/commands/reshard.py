@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ckpt_tool.copying import DEFAULT_MAX_MEMORY
 from ckpt_tool.locations import checkpoint_arg
 from ckpt_tool.output import (
     FormatOption,
@@ -19,7 +20,6 @@ from ckpt_tool.output import (
     print_line,
     progress_opener,
 )
-from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
 from gtp_format.errors import FormatError
 
 EPILOG = """Examples:
@@ -95,7 +95,7 @@ def reshard_command(
         if value is not None:
             raise FormatError(f"{flag}: is for megatron-core sources; {src} is this runtime's checkpoint (it has no "
                               "pipeline stages; experts follow --expert-gtp-remat)")
-    from ckpt_tool.reshard.source import open_source
+    from ckpt_tool.copying.source import open_source
 
     source = open_source(src, max_memory=max_memory)  # located, parsed, gated and viewed once for both calls below
     par = target_topology(source, layout, tp=tp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp,

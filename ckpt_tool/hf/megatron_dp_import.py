@@ -29,12 +29,12 @@ from typing import Any
 
 import numpy as np
 
+from ckpt_tool.copying import WEIGHT_STATE
+from ckpt_tool.copying.plan import OutChunk
 from ckpt_tool.hf.megatron_fresh import optimizer_object, torch_object
 from ckpt_tool.hf.megatron_model import HFMegatron, MegatronParam
-from ckpt_tool.reshard import WEIGHT_STATE
 from ckpt_tool.reshard.megatron_dp import plan_megatron
 from ckpt_tool.reshard.megatron_dp_objects import numel_blob
-from ckpt_tool.reshard.plan import OutChunk
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.views.megatron import HEAD, LAYER, TAIL
 from gtp_format.views.records import Holder, KeyRef, ParamView

@@ -13,7 +13,7 @@ megatron-core would have saved at the target, from the source's per-parameter vi
    per stage: a source with virtual pipeline stages is read chunk by chunk, the target has none);
 3. every chunk: model weights (stacked layer keys, one chunk per layer and TP part, as megatron
    writes them), each target bucket's fp32 master / ``exp_avg`` / ``exp_avg_sq`` slices copied
-   from the source's bits (:func:`ckpt_tool.reshard.plan._holder_chunks`, the reshard's own),
+   from the source's bits (:func:`ckpt_tool.copying.plan._holder_chunks`, the reshard's own),
    alignment gaps as zeros; each chunk in the data file of the target rank that would have written
    it (``__<rank>_0.distcp``, rank order tp-cp-ep-dp-pp), so the output's own view reads back;
 4. the byte objects (:mod:`.megatron_dp_objects`: ``common_state`` edited on its opcodes,
@@ -36,8 +36,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ckpt_tool.reshard import DEFAULT_MAX_MEMORY, WEIGHT_STATE
-from ckpt_tool.reshard.engine import (
+from ckpt_tool.copying import DEFAULT_MAX_MEMORY, WEIGHT_STATE
+from ckpt_tool.copying.engine import (
     Progress,
     Result,
     build_atomically,
@@ -50,10 +50,10 @@ from ckpt_tool.reshard.engine import (
     run_files,
     share_files,
 )
+from ckpt_tool.copying.plan import FP32, OutChunk, _gaps, _holder_chunks, dtype_of, read_order, row_blocks
+from ckpt_tool.copying.source import Buffers, Source, open_source
+from ckpt_tool.copying.writers import write_distcp, write_distcp_metadata, write_objects
 from ckpt_tool.reshard.megatron_dp_objects import PP_FIRST, PP_LAST, target_objects
-from ckpt_tool.reshard.plan import FP32, OutChunk, _gaps, _holder_chunks, dtype_of, read_order, row_blocks
-from ckpt_tool.reshard.source import Buffers, Source, open_source
-from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata, write_objects
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import target_world_problem
 from gtp_format.layout.shard import ShardSpec

@@ -10,7 +10,7 @@ master weight or Adam moment of a parameter is then a copy of each primary holde
 into its box; writing a checkpoint for another topology is the same map read the other way.
 
 Pure arithmetic, no torch, no data file opened: ``ckpt inspect --params`` prints it, and
-``ckpt reshard``/``export`` (:mod:`ckpt_tool.reshard`) stream data through it. The rank order and
+``ckpt reshard``/``export`` (:mod:`ckpt_tool.copying`) stream data through it. The rank order and
 shard rules come from :mod:`gtp_format.layout` (the runtime uses the same functions).
 
 Replicas: a parameter that TP does not split, or that no weight group shards (norms, embedding

@@ -15,8 +15,8 @@ from damage import flip, flip_inside_a_chunk
 from reshard_cases import DENSE, make_source
 from safetensors.torch import load_file
 
-from ckpt_tool.reshard import WEIGHT_STATE
-from ckpt_tool.reshard.source import open_source
+from ckpt_tool.copying import WEIGHT_STATE
+from ckpt_tool.copying.source import open_source
 from gtp_format.layout.config import ParallelConfig as P
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.names import STATES
@@ -173,7 +173,7 @@ def test_export_refusals(tmp_path: Path) -> None:
     r = cli("export", FIXTURES / "aliased_cp2_g2_dp2", tmp_path / "y", "--to", "hf")
     assert_error_line(r, 2, "migrate-aliased")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
-    from ckpt_tool.reshard.export import export
+    from ckpt_tool.export.engine import export
 
     # streamed: a --max-memory below the state's size is no longer refused, and the file is the same
     export(FOLD, tmp_path / "small.pt", "torch", max_memory=1000)

@@ -26,8 +26,8 @@ from gtp_format import work
 
 FOLD = REPO / "fixtures" / "gtp" / "fold_cp2_g2_dp2"
 IMPORT_AT = "ckpt_tool.hf.importer:_fp32"  # once per fp32 master-weight chunk the import writes
-EXPORT_HF_AT = "ckpt_tool.reshard.engine:chunk_data"
-EXPORT_TORCH_AT = "ckpt_tool.reshard.export_torch:_write_piece"  # once per row slice written
+EXPORT_HF_AT = "ckpt_tool.copying.engine:chunk_data"
+EXPORT_TORCH_AT = "ckpt_tool.export.to_torch:_write_piece"  # once per row slice written
 
 
 def _command(kind: str, src: Path, dst: Path) -> list[str | Path]:

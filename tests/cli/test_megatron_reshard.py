@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import assert_error_line, cli
 
-from ckpt_tool.reshard import WEIGHT_STATE as WEIGHT
-from ckpt_tool.reshard.source import open_source
+from ckpt_tool.copying import WEIGHT_STATE as WEIGHT
+from ckpt_tool.copying.source import open_source
 from gtp_format.megatron_topology import common_state, derive
 from gtp_format.names import STATES
 from gtp_format.reader.checkpoint import open_checkpoint

@@ -19,8 +19,8 @@ import pytest
 import torch
 from cli_helpers import assert_error_line, cli
 
-from ckpt_tool.reshard import WEIGHT_STATE
-from ckpt_tool.reshard.source import open_source
+from ckpt_tool.copying import WEIGHT_STATE
+from ckpt_tool.copying.source import open_source
 from gtp_format.names import STATES, parse_optimizer_key
 from gtp_format.reader.checkpoint import open_checkpoint
 

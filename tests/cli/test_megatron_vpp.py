@@ -21,8 +21,8 @@ import pytest
 import torch
 from cli_helpers import cli
 
-from ckpt_tool.reshard import WEIGHT_STATE
-from ckpt_tool.reshard.source import open_source
+from ckpt_tool.copying import WEIGHT_STATE
+from ckpt_tool.copying.source import open_source
 from gtp_format.errors import FormatError
 from gtp_format.megatron_topology import common_state, derive, model_chunks
 from gtp_format.names import STATES, parse_optimizer_key

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ckpt_tool.reshard import WEIGHT_STATE
+from ckpt_tool.copying import WEIGHT_STATE
 from gtp_format.check.gate import REFUSE, open_gated
 from gtp_format.check.integrity import ReadLedger
 from gtp_format.errors import FormatError
@@ -234,7 +234,7 @@ def _open_megatron(ckpt: Checkpoint, weights_only: bool = False, views: bool = T
     from gtp_format.views.megatron import megatron_views
 
     if weights_only:
-        from ckpt_tool.reshard.weights import weight_views
+        from ckpt_tool.copying.weights import weight_views
 
         return Source(ckpt, None, weight_views(ckpt) if views else {}, CheckedReader(ckpt))
     return Source(ckpt, None, megatron_views(ckpt, experts=experts), CheckedReader(ckpt))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ckpt_tool.reshard import WEIGHT_STATE
+from ckpt_tool.copying import WEIGHT_STATE
 from gtp_format.dtypes import DType, by_name
 from gtp_format.manifest import Manifest
 from gtp_format.names import STATES
@@ -153,7 +153,7 @@ def split_files(chunks: list[OutChunk], files: int) -> list[list[OutChunk]]:
 
 def read_order(parts: list[list[OutChunk]], workers: int) -> list[OutChunk]:
     """The chunks of ``parts`` (one file each) in the order ``workers`` threads reach them, when the files run
-    as :func:`ckpt_tool.reshard.engine.run_files` runs them (the first ``workers`` at once, the next file on
+    as :func:`ckpt_tool.copying.engine.run_files` runs them (the first ``workers`` at once, the next file on
     the first thread free) and every thread copies at the same byte rate.
 
     Why: a bucket's prefetch fetches in one order within a budget (:class:`gtp_format.storage.prefetch.

@@ -1,7 +1,7 @@
 """A new checkpoint folder built by every rank of a torchrun job and committed by rank 0.
 
 The ranks' sequence (:func:`build_ranked`; the engines' part is
-:func:`ckpt_tool.reshard.engine.share_files`):
+:func:`ckpt_tool.copying.engine.share_files`):
 
 1. rank 0 creates the one writer's hidden work folder beside DST
    (:class:`gtp_format.writer.checkpoint.CheckpointWriter`) and broadcasts its path; every other rank
@@ -38,7 +38,7 @@ from gtp_format.writer.checkpoint import CheckpointWriter
 
 def build_ranked(group: Group, dst: Path | ObjectURL, body: Callable[[CheckpointWriter], None],
                  inner: str | None, latest: str | None) -> None:
-    """:func:`ckpt_tool.reshard.engine.build_atomically` for the ranks of ``group`` (see the module docstring)."""
+    """:func:`ckpt_tool.copying.engine.build_atomically` for the ranks of ``group`` (see the module docstring)."""
     if isinstance(dst, ObjectURL) and len({p.host for p in group.peers}) > 1:
         raise FormatError(f"{dst}: a bucket output is staged on rank 0's host, and this job spans "
                           f"{len({p.host for p in group.peers})} hosts; run it on one node (--nnodes 1)")

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ckpt_tool.reshard.plan import OutChunk
+from ckpt_tool.copying.plan import OutChunk
 from gtp_format.reader.boxes import Buffer
 
 MAX_AHEAD = 1  # chunks read ahead per file: one read in flight beside each write; a slot is two more buffers
@@ -27,7 +27,7 @@ MAX_AHEAD = 1  # chunks read ahead per file: one read in flight beside each writ
 
 class SlotBuffers:
     """One chunk's reusable buffers (``out``: the box returned, ``scratch``: rows it is assembled from), the
-    attributes :func:`ckpt_tool.reshard.engine.chunk_data` uses; not thread-local: one chunk at a time."""
+    attributes :func:`ckpt_tool.copying.engine.chunk_data` uses; not thread-local: one chunk at a time."""
 
     def __init__(self) -> None:
         self.out, self.scratch = Buffer(), Buffer()

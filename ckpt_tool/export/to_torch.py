@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from ckpt_tool.reshard.engine import MIN_CHUNK, write_failure
-from ckpt_tool.reshard.source import Source
+from ckpt_tool.copying.engine import MIN_CHUNK, write_failure
+from ckpt_tool.copying.source import Source
 from gtp_format.check.integrity import readable_bytes
 from gtp_format.commit import commit_file
 from gtp_format.errors import FormatError
