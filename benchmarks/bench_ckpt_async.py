@@ -91,7 +91,7 @@ def _sum(x: float) -> float:
 _GLOO: list[Any] = []
 
 
-def _dd(path: Path, nbytes: int) -> tuple[float, float]:
+def dd_rates(path: Path, nbytes: int) -> tuple[float, float]:
     """``dd`` direct write (fdatasync) and direct read of ``nbytes``: GB/s each."""
     bs = 16 << 20
     count = max(1, nbytes // bs)
@@ -335,7 +335,7 @@ def _worker(args: argparse.Namespace, out: str) -> None:
     tpath.unlink()
     dist.barrier()
     if rank == 0:
-        ddw, ddr = _dd(root / "dd.bin", nbytes)
+        ddw, ddr = dd_rates(root / "dd.bin", nbytes)
         gb = nbytes / 1e9
         row = {"device": device.type, "ranks": world, "ckpt_gb": round(gb, 3),
                "async_blocking_s": round(max(blocking), 3), "staging_reserve_s": round(reserve_s, 3),

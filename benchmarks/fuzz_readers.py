@@ -76,13 +76,13 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
 
 
 def pickle_target() -> tuple[list[bytes], Callable[[bytes], None]]:
-    from gtp_format.reader.dcp_reader import _entries
+    from gtp_format.reader.dcp_reader import metadata_entries
     from gtp_format.reader.safe_pickle import load_metadata_pickle
 
     seeds = [p.read_bytes() for p in sorted(REPO.glob("fixtures/*/*/iter_*/.metadata"))]
 
     def run(data: bytes) -> None:
-        _entries(Path("fuzz/.metadata"), data, load_metadata_pickle(data, "fuzz/.metadata"))
+        metadata_entries(Path("fuzz/.metadata"), data, load_metadata_pickle(data, "fuzz/.metadata"))
 
     return seeds, run
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from gtp_format.model import Checkpoint, Entry
 from gtp_format.reader.chunks import load_plain
-from gtp_format.reader.object_blob import _ObjectPickle
+from gtp_format.reader.object_blob import ObjectPickle
 from gtp_format.reader.zip_blob import BlobError
 
 _SCALARS = (int, float, bool, str, bytes, type(None))
@@ -66,7 +66,7 @@ class StorageRecord:
         return f"<storage {self.kind}, {self.numel} elements, not read>"
 
 
-class _InertPickle(_ObjectPickle):
+class _InertPickle(ObjectPickle):
     def __init__(self, data: bytes, source: str) -> None:
         super().__init__(data, source)
         self._classes: dict[tuple[str, str], type[InertObject]] = {}

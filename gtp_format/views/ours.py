@@ -63,7 +63,7 @@ def instances(buf: BufferLayout, par: ParallelConfig) -> Iterator[_Instance]:
 
 
 @cache
-def _dp_members(par: ParallelConfig, kind: str, anchor: int) -> tuple[int, ...]:
+def dp_members(par: ParallelConfig, kind: str, anchor: int) -> tuple[int, ...]:
     return tuple(topo.Topology(par).group_of(kind, anchor))
 
 
@@ -102,7 +102,7 @@ def param_views(manifest: Manifest) -> dict[str, ParamView]:
                 holders = []
                 for inst in insts:
                     spec = _holder_spec(p, par, inst)
-                    members = _dp_members(par, buf.dp_group_kind, inst.anchor)
+                    members = dp_members(par, buf.dp_group_kind, inst.anchor)
                     ref = KeyRef(inst.dp_group_idx, buf.gbuf_idx, buf.dtype, b.bucket_idx, inst.cp_rank,
                                  b.numel_unpadded)
                     coord = (spec.tp_rank, spec.shard_rank)
