@@ -200,6 +200,7 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
                         num_experts=args.num_experts, moe_topk=args.moe_topk, gtp_align=args.gtp_align,
                         seed=args.seed)
     model.validate(par)
+    args.async_save_staging_bytes = None  # the size run_rank hands the async saver, parsed here once
     if args.async_save_staging is not None:
         from gtp_format.sizes import parse_size
 
@@ -208,7 +209,7 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
                               "or drop --async-save-staging")
 
         try:
-            parse_size(args.async_save_staging)
+            args.async_save_staging_bytes = parse_size(args.async_save_staging)
         except ValueError as e:
             raise ConfigError(f"--async-save-staging: {e}") from None
     if args.micro_batch < 1 or args.steps < 0:
@@ -263,7 +264,7 @@ def refuse_unfit(args: argparse.Namespace, cfg: TrainConfig, world: int, local: 
 
 def refuse_impossible(args: argparse.Namespace, cfg: TrainConfig) -> None:
     """Refuse, before any rank starts, choices that could only fail later (or silently do the wrong thing)."""
-    from gtp_runtime.checkpoint.verified import sharding_refusal
+    from gtp_runtime.checkpoint.errors import sharding_refusal
 
     if args.optimizer_sharding != "dp_reshardable":
         sharding_refusal(args.optimizer_sharding, cfg.par.fold_cp and cfg.par.cp > 1, "load" if args.load else "save")
@@ -316,7 +317,6 @@ def _device(args: argparse.Namespace, local_rank: int) -> torch.device:
 
 def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
     """Body of one rank once the default process group exists. Returns the exit code."""
-    from gtp_format.sizes import parse_size
     from gtp_runtime.checkpoint.async_save import AsyncCheckpointer
     from gtp_runtime.checkpoint.io import check_sharding, load_checkpoint, save_checkpoint
     from gtp_runtime.parity import check_against_reference
@@ -353,8 +353,7 @@ def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
     else:
         saver = None
         if args.save and args.async_save:
-            staging = args.async_save_staging
-            saver = AsyncCheckpointer(parse_size(staging) if staging is not None else None)
+            saver = AsyncCheckpointer(args.async_save_staging_bytes)  # parsed by resolve
             saver.prepare(trainer)  # pinning happens here, once, not inside the first save's step
         while trainer.iteration < args.steps:
             r = trainer.train_step()

@@ -49,6 +49,7 @@ from gtp_format.lineage import LINEAGE_KEY, attestation, derived
 from gtp_format.manifest import HASH_ALGORITHM, Manifest, format_version_for
 from gtp_format.names import FORMAT_NAME, iter_dir_name
 from gtp_format.progress import ProgressOpener
+from gtp_format.storage.location import ObjectURL
 from gtp_format.views.ours import param_views
 from gtp_format.views.records import ParamView
 from gtp_format.writer.checkpoint import CheckpointWriter
@@ -150,3 +151,37 @@ def reshard(src: Path | Source, dst: Path, par: ParallelConfig, layout: str | No
                   len(out), len(plan.chunks), sum(out), source.reader.bytes_read,
                   time.perf_counter() - t0, max_memory, chunk_bytes, workers,
                   peak_rss(), baseline)
+
+
+def reshard_checkpoint(src: Path | ObjectURL, dst: Path, *, tp: int | None = None, pp: int | None = None,
+                       cp: int | None = None, gtp_remat: int | None = None, dp: int | None = None,
+                       fold_cp: bool | None = None, expert_gtp_remat: int | None = None, layout: str | None = None,
+                       ep: int | None = None, etp: int | None = None, bucket_size: int | None = None,
+                       max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
+                       progress: ProgressOpener | None = None) -> Result:
+    """``ckpt reshard``: SRC located, parsed, gated and viewed once, and its kind chooses the engine:
+    this runtime's checkpoint (it has a manifest) goes to :func:`reshard`, megatron-core's
+    ``dp_reshardable`` one to :func:`ckpt_tool.reshard.megatron_dp.reshard_megatron`. A size only the
+    other kind takes is refused in one line (``None``: keep SRC's)."""
+    source = open_source(src, megatron=True, experts=True, max_memory=max_memory)
+    try:
+        if source.manifest is None:
+            ours = {"--gtp-remat": gtp_remat, "--fold-cp": fold_cp, "--expert-gtp-remat": expert_gtp_remat,
+                    "--layout": layout}
+            given = [k for k, v in ours.items() if v is not None]
+            if given:
+                raise FormatError(f"{given[0]}: is for this runtime's checkpoints; {src} is megatron-core's "
+                                  "(reshard takes --tp --pp --cp --dp there)")
+            from ckpt_tool.reshard.megatron_dp import reshard_megatron
+
+            return reshard_megatron(source, dst, tp, pp, cp, dp, ep, bucket_size, max_memory, workers, progress, etp)
+        for flag, value in (("--pp", pp), ("--ep", ep), ("--etp", etp), ("--bucket-size", bucket_size)):
+            if value is not None:
+                raise FormatError(f"{flag}: is for megatron-core sources; {src} is this runtime's checkpoint (it has "
+                                  "no pipeline stages; experts follow --expert-gtp-remat)")
+        par = target_topology(source, layout, tp=tp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp,
+                              expert_gtp_remat=expert_gtp_remat)
+    except BaseException:
+        source.reader.close()
+        raise
+    return reshard(source, dst, par, layout, max_memory, workers, progress)

@@ -417,7 +417,7 @@ def target_refusal(src: Path | ObjectURL, tp: int, pp: int, cp: int, dp: int, ep
     return None
 
 
-def reshard_megatron(src: Path, dst: Path, tp: int | None, pp: int | None, cp: int | None, dp: int | None,
+def reshard_megatron(src: Path | Source, dst: Path, tp: int | None, pp: int | None, cp: int | None, dp: int | None,
                      ep: int | None = None, bucket_size: int | None = None, max_memory: int = DEFAULT_MAX_MEMORY,
                      workers: int | None = None, progress: Callable[[int], Progress] | None = None,
                      etp: int | None = None) -> Result:
@@ -426,7 +426,7 @@ def reshard_megatron(src: Path, dst: Path, tp: int | None, pp: int | None, cp: i
 
     t0 = time.perf_counter()
     baseline = rss_after_imports("torch_dist")
-    source = open_source(src, megatron=True, experts=True, max_memory=max_memory)
+    source = src if isinstance(src, Source) else open_source(src, megatron=True, experts=True, max_memory=max_memory)
     try:
         meg = derive(source.ckpt)
         if meg.format != "dp_reshardable":

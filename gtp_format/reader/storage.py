@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from gtp_format.errors import ChunkError, FormatError
+from gtp_format.numbers import NumberError, parse_int
 from gtp_format.reader.preads import Into, read_direct, read_fully
 from gtp_format.storage import objects
 from gtp_format.storage.location import ObjectURL
@@ -190,9 +191,10 @@ def hole_factor() -> int:
     override = os.environ.get(HOLE_FACTOR_ENV)
     if override is None:
         return HOLE_FACTOR
-    if not (override.isascii() and override.isdigit() and 1 <= int(override) <= 1 << 20):
-        raise FormatError(f"{HOLE_FACTOR_ENV}={override!r} is not a ratio; set it to an integer from 1 to {1 << 20}")
-    return int(override)
+    try:
+        return parse_int(override, HOLE_FACTOR_ENV, 1, 1 << 20)
+    except NumberError as e:
+        raise FormatError(f"{e}; set it to an integer from 1 to {1 << 20}") from None
 
 
 def budget_of(stored: int) -> int:
@@ -271,14 +273,12 @@ def metadata_limit(data_bytes: int) -> int:
     A metadata entry is a few hundred bytes per chunk while every chunk's blob is at least about a
     kilobyte, so metadata larger than all the data it describes is not real. ``data_bytes`` is
     what the data files really store (:func:`gtp_format.reader.storage.stored_bytes`), not their
-    sizes: one sparse 16 TiB data file made a 400 MB ``.metadata`` look plausible (issue 22).
+    sizes: one sparse 16 TiB data file made a 400 MB ``.metadata`` look plausible.
     The floor keeps partial copies (data files missing) readable; the environment variable is the
     escape hatch the error message names.
     """
     override = os.environ.get(METADATA_LIMIT_ENV)
     if override is not None:
-        from gtp_format.numbers import NumberError, parse_int
-
         try:
             return parse_int(override, METADATA_LIMIT_ENV, 0)
         except NumberError:

@@ -50,7 +50,7 @@ from gtp_runtime.checkpoint.chunk_records import (
 )
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
 from gtp_runtime.checkpoint.direct_fs import direct_writer
-from gtp_runtime.checkpoint.errors import CheckpointError, CheckpointSaveError
+from gtp_runtime.checkpoint.errors import CheckpointError, CheckpointSaveError, sharding_refusal
 from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, optimizer_info
 from gtp_runtime.checkpoint.pinned import POOL
 from gtp_runtime.checkpoint.replicas import check_replicas
@@ -62,7 +62,7 @@ from gtp_runtime.checkpoint.state import (
     model_state,
     optimizer_state,
 )
-from gtp_runtime.checkpoint.verified import VerifiedReader, check_compatible, open_verified, sharding_refusal
+from gtp_runtime.checkpoint.verified import VerifiedReader, check_compatible, open_verified
 from gtp_runtime.last_resort import describe, root_cause
 from gtp_runtime.training import Trainer
 
