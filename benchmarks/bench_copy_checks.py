@@ -1,4 +1,4 @@
-"""Benchmark: what the copies' read checks cost (issue 22): the read ledger on and off, against ``cp -r``.
+"""Benchmark: what the copies' read checks cost: the read ledger on and off, against ``cp -r``.
 
 ``reshard`` and ``export`` hash every range they read into a read ledger
 (:mod:`gtp_format.check.integrity`) and, before committing, join it and read what no copy read

@@ -1,6 +1,6 @@
 """Benchmark: ``ckpt inspect --params`` of a large genuine-layout megatron-core ``.metadata`` against plain ``inspect``.
 
-Issue 22 class 5: the megatron layout inference scanned every chunk of a stacked key once per
+Why: the megatron layout inference scanned every chunk of a stacked key once per
 layer, every edge once per chunk and every key once per bucket, so a 10-32 MB ``.metadata`` cost
 minutes. This writes (under ``--workdir``, never the repository) a megatron-core GPT local-spec
 layout with ``--layers`` stacked layers (each layer its own chunk, as megatron-core stores them)

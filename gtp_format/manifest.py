@@ -336,7 +336,7 @@ SHARD_KINDS = (None, "weight", "expert_gtp_remat")  # topology.WEIGHT, topology.
 
 def _group_kind(v: Any, path: str) -> str:
     """A group kind the rank generator knows: an unknown one reached ``Topology.groups`` as a
-    KeyError, the CLI's last-resort "unexpected" line (issue 22)."""
+    KeyError, the CLI's last-resort "unexpected" line."""
     kind = _str(v, path)
     if kind not in ALL_GROUP_KINDS:
         raise _Bad(path, f"is {_short(kind)}, not a group kind ({', '.join(ALL_GROUP_KINDS)})")

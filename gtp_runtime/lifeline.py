@@ -1,6 +1,6 @@
 """No rank outlives its launcher: the parent-death signal, a pipe the ranks watch, SIGTERM as SIGINT.
 
-Why: a fault-injection campaign (issue 22, class 10) killed ``python -m gtp_runtime.train`` with
+Why: a fault-injection campaign killed ``python -m gtp_runtime.train`` with
 ``kill -9`` and with a plain ``kill``; its ranks, the fork server and the resource tracker went on
 training and saving (124 iterations in the next 60 s), so a user who restarted had two runs
 interleaving iterations in one folder. A launcher's cleanup (``finally``) runs on neither signal's

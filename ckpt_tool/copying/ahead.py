@@ -2,7 +2,7 @@
 assembled) on other threads while the file's own thread stages and writes the current one, in order.
 
 Why: ``export --to hf`` writes one safetensors file per shard (5 GB by default), each on one thread that
-reads, hashes, assembles and stages every byte in turn: issue 41's 15.8 GB export made 4 files, the largest
+reads, hashes, assembles and stages every byte in turn: a 15.8 GB export made 4 files, the largest
 about 5 GB on one thread, so a 16-core machine idled behind it whatever ``--workers`` said (the files are set
 by the shard size). The bytes written and their order are the same; only who reads them, and when, changes.
 

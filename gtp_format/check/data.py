@@ -357,7 +357,7 @@ class _FilePass:
         st = os.fstat(f.fileno())
         if is_sparse(st):
             # Holes: reading (and hashing) them costs time for bytes nobody wrote; a 16 TiB sparse
-            # file under a matching manifest size would keep verify --data busy for hours (issue 22).
+            # file under a matching manifest size would keep verify --data busy for hours.
             f.close()
             message = sparse_file_message(self.rel, st)
             for it in self.items:

@@ -319,7 +319,7 @@ class BoxReader:
 
         Why not decode the whole chunk: that cost the whole chunk's bytes per row block, so a
         transposed chunk read in B blocks read it B times (quadratic) and held it whole, beyond
-        ``--max-memory`` (issue 22). In storage order the chunk is row-major over its dimensions
+        ``--max-memory``. In storage order the chunk is row-major over its dimensions
         sorted by stride; rows of dim 0 are, for each index of the dimensions stored outside it,
         one contiguous run of ``(r1 - r0) * stride[0]`` elements. So a block reads exactly its
         own bytes, in one ``pread`` per outer index, into one temporary of the block's size.
