@@ -14,7 +14,11 @@ What must hold (``docs/architecture.md``):
 * ``gtp_runtime`` never imports ``ckpt_tool``;
 * ``ckpt_tool`` imports ``gtp_runtime`` only from the ``verify-roundtrip`` command
   (``ckpt_tool/commands/roundtrip.py`` and ``ckpt_tool/roundtrip/``), and no other ``ckpt_tool``
-  module reaches that command's modules, so no other command can pull the runtime in.
+  module reaches that command's modules, so no other command can pull the runtime in;
+* inside ``gtp_format`` arrows point down through :data:`LAYERS`, the list the doc states;
+* no private name is imported (or reached as ``module._name``) across the packages' modules;
+* the copy kernel ``ckpt_tool/copying/`` imports none of ``reshard/``, ``export/`` and ``hf/``, and
+  ``reshard/`` and ``hf/`` do not import each other.
 """
 
 from __future__ import annotations
@@ -183,3 +187,168 @@ def test_only_verify_roundtrip_imports_the_runtime(graph: tuple[dict[str, set[st
                for m in sorted(cli) if not _inside(m, VERIFY_ROUNDTRIP)
                and any(_inside(w, VERIFY_ROUNDTRIP) for w in _reach(edges, m))]
     assert not through, "ckpt_tool modules that pull verify-roundtrip (and so the runtime) in: " + "; ".join(through)
+
+
+# --- The import rules of docs/architecture.md ("Import rules"): layers inside gtp_format, no private
+# name across modules, the copy kernel under reshard, export and hf.
+
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # (name, module prefixes), bottom first; a module belongs to the layer of its longest matching prefix
+    ("base", ("gtp_format", "gtp_format.errors", "gtp_format.names", "gtp_format.numbers", "gtp_format.sizes",
+              "gtp_format.text", "gtp_format.hashing", "gtp_format.progress", "gtp_format.torch_adapter",
+              "gtp_format.dtypes", "gtp_format.scan", "gtp_format.ranks", "gtp_format.work", "gtp_format.commit",
+              "gtp_format.layout", "gtp_format.megatron_layout")),
+    ("storage", ("gtp_format.storage", "gtp_format.reader.preads", "gtp_format.reader.storage",
+                 "gtp_format.safe_json")),
+    ("manifest", ("gtp_format.manifest", "gtp_format.model", "gtp_format.integrity")),
+    ("reader", ("gtp_format.reader", "gtp_format.lineage")),
+    ("megatron", ("gtp_format.megatron_topology", "gtp_format.megatron_args")),
+    ("views", ("gtp_format.views", "gtp_format.load_plan", "gtp_format.compare")),
+    ("check", ("gtp_format.check",)),
+    ("writer", ("gtp_format.writer",)),
+    ("report", ("gtp_format.report",)),
+)
+
+# Arrows and private names the megatron-core code keeps until it moves into its own package: each an
+# exact (importer, imported) pair; remove a pair when its module moves, and the list when it is empty.
+UPWARD_ALLOWED = {
+    ("gtp_format.megatron_topology", "gtp_format.views.megatron_moe"),  # topology reads the MoE view's shapes
+}
+PRIVATE_ALLOWED = {
+    ("gtp_format.views.megatron", "gtp_format.megatron_topology", "_args_sizes"),
+    ("ckpt_tool.reshard.megatron_dp", "ckpt_tool.copying.plan", "_gaps"),
+    ("ckpt_tool.reshard.megatron_dp", "ckpt_tool.copying.plan", "_holder_chunks"),
+    ("ckpt_tool.reshard.megatron_dp_objects", "ckpt_tool.reshard.megatron_objects", "_ops"),
+    ("ckpt_tool.reshard.megatron_dp_objects", "ckpt_tool.reshard.megatron_objects", "_records"),
+    ("ckpt_tool.reshard.megatron_dp_objects", "ckpt_tool.reshard.megatron_objects", "_str"),
+}
+HF_TO_RESHARD_ALLOWED = {  # the import to megatron-core plans its buckets with reshard's megatron-core planner
+    ("ckpt_tool.hf.megatron_dp_import", "ckpt_tool.reshard.megatron_dp"),
+    ("ckpt_tool.hf.megatron_dp_import", "ckpt_tool.reshard.megatron_dp_objects"),
+}
+COPY_PACKAGES = ("ckpt_tool.copying", "ckpt_tool.reshard", "ckpt_tool.export", "ckpt_tool.hf")
+
+
+def layer_of(module: str) -> int | None:
+    best: tuple[int, int] | None = None  # (prefix length, layer)
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if _inside(module, (p,)) and (best is None or len(p) > best[0]):
+                best = (len(p), i)
+    return None if best is None else best[1]
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Every (importer, imported) pair inside gtp_format whose target sits in a higher layer."""
+    out = []
+    for m, ws in sorted(edges.items()):
+        if not _inside(m, ("gtp_format",)):
+            continue
+        for w in sorted(ws):
+            lm, lw = layer_of(m), layer_of(w)
+            if _inside(w, ("gtp_format",)) and lm is not None and lw is not None and lw > lm:
+                out.append((m, w))
+    return out
+
+
+def private_imports(root: Path, packages: tuple[str, ...] = PACKAGES) -> list[tuple[str, str, str]]:
+    """(importer, module, name) for every ``from module import _name`` and ``module._name`` of another of
+    the packages' modules (a dunder is no private name; other libraries' private names are theirs)."""
+    mods = _modules(root, packages)
+    out = []
+    for m, path in mods.items():
+        package = m.split(".") if path.name == "__init__.py" else m.split(".")[:-1]
+        tree = ast.parse(path.read_text(), str(path))
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - node.level + 1] if node.level else []
+                mod = ".".join([*base, *([node.module] if node.module else [])])
+                for a in node.names:
+                    if f"{mod}.{a.name}" in mods:
+                        aliases[a.asname or a.name] = f"{mod}.{a.name}"
+                    elif mod in mods and mod != m and a.name.startswith("_") and not a.name.startswith("__"):
+                        out.append((m, mod, a.name))
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.asname and a.name in mods:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and aliases[node.value.id] != m and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                out.append((m, aliases[node.value.id], node.attr))
+    return sorted(set(out))
+
+
+def test_the_rules_find_what_they_must(tmp_path: Path):
+    """A planted upward arrow and planted private imports (by name and by attribute) are found."""
+    # made-up modules (the names are split so that tests/test_pointers.py does not chase them)
+    W, NAMES, ERRORS = "gtp_format" + ".writer.w", "gtp_format" + ".names", "gtp_format" + ".errors"
+    pkg = tmp_path / "gtp_format"
+    (pkg / "writer").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "writer" / "__init__.py").write_text("")
+    (pkg / "writer" / "w.py").write_text("_made = 1\n")
+    (pkg / "names.py").write_text(f"from {W} import _made\n")
+    (pkg / "errors.py").write_text(f"from {W.rpartition('.')[0]} import w\nx = w._made\n")
+    edges, _ = build_graph(tmp_path, ("gtp_format",))
+    assert (NAMES, W) in upward_imports(edges)
+    found = private_imports(tmp_path, ("gtp_format",))
+    assert (NAMES, W, "_made") in found
+    assert (ERRORS, W, "_made") in found
+
+
+def test_every_gtp_format_module_has_a_layer(graph: tuple[dict[str, set[str]], dict[str, set[str]]]):
+    edges, _ = graph
+    lost = [m for m in sorted(edges) if _inside(m, ("gtp_format",)) and layer_of(m) is None]
+    assert not lost, "modules in no layer of LAYERS (add them where they belong): " + ", ".join(lost)
+
+
+def test_arrows_point_down_inside_gtp_format(graph: tuple[dict[str, set[str]], dict[str, set[str]]]):
+    edges, _ = graph
+    names = [n for n, _ in LAYERS]
+    up = [f"{m} ({names[layer_of(m) or 0]}) imports {w} ({names[layer_of(w) or 0]})"
+          for m, w in upward_imports(edges) if (m, w) not in UPWARD_ALLOWED]
+    assert not up, "upward imports in gtp_format (move the shared part down): " + "; ".join(up)
+    stale = [p for p in UPWARD_ALLOWED if p not in upward_imports(edges)]
+    assert not stale, f"allowed upward imports that no longer exist (drop them from UPWARD_ALLOWED): {stale}"
+
+
+def test_no_private_name_imported_across_modules():
+    found = private_imports(ROOT)
+    bad = [f"{m} uses {mod}.{n}" for m, mod, n in found if (m, mod, n) not in PRIVATE_ALLOWED]
+    assert not bad, ("private names used across modules (make the name public where it is shared knowledge, "
+                     "or move it to the module that owns the job): " + "; ".join(bad))
+    stale = [p for p in PRIVATE_ALLOWED if p not in found]
+    assert not stale, f"allowed private imports that no longer exist (drop them from PRIVATE_ALLOWED): {stale}"
+
+
+def test_copy_kernel_is_below_reshard_export_and_hf(graph: tuple[dict[str, set[str]], dict[str, set[str]]]):
+    edges, _ = graph
+
+    def package(m: str) -> str | None:
+        return next((p for p in COPY_PACKAGES if _inside(m, (p,))), None)
+
+    kernel_up = [f"{m} imports {w}" for m, ws in sorted(edges.items()) if package(m) == "ckpt_tool.copying"
+                 for w in sorted(ws) if package(w) not in (None, "ckpt_tool.copying")]
+    assert not kernel_up, "the copy kernel imports a command's package: " + "; ".join(kernel_up)
+    across = [f"{m} imports {w}" for m, ws in sorted(edges.items())
+              for w in sorted(ws) if {package(m), package(w)} == {"ckpt_tool.reshard", "ckpt_tool.hf"}
+              and (m, w) not in HF_TO_RESHARD_ALLOWED]
+    assert not across, "reshard and hf import each other (share it through ckpt_tool.copying): " + "; ".join(across)
+    pkgs = {p: {package(w) for m, ws in edges.items() if package(m) == p for w in ws} - {p, None}
+            for p in COPY_PACKAGES}
+    circles = [c for c in strongly_connected(pkgs) if len(c) > 1]  # type: ignore[arg-type]
+    assert not circles, f"import circles among {COPY_PACKAGES}: {circles}"
+
+
+def test_architecture_states_these_layers():
+    """docs/architecture.md lists the layers this test enforces, in the same order and words."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("<!-- layers -->", 2)
+    assert len(block) == 3, "docs/architecture.md: the layer list between two <!-- layers --> markers is missing"
+    stated = [line.strip("` ").split(":", 1) for line in block[1].strip().strip("`").strip().splitlines()]
+    want = [[name, " " + ", ".join(p.removeprefix("gtp_format.") if p != "gtp_format" else "gtp_format"
+                                   for p in prefixes)] for name, prefixes in reversed(LAYERS)]
+    assert stated == want, "the doc's layer list and LAYERS differ; change both together"
