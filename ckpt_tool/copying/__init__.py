@@ -1,5 +1,5 @@
-"""The copy kernel under ``ckpt reshard``, ``ckpt export`` and ``ckpt import``, below all three so that
-none imports another: :mod:`.source` opens and checks SRC, :mod:`.plan` lists every target chunk,
+"""The copy kernel under ``ckpt reshard``, ``ckpt export`` and ``ckpt import``, below all three and
+importing none of them: :mod:`.source` opens and checks SRC, :mod:`.plan` lists every target chunk,
 :mod:`.writers` writes the data files, :mod:`.engine` runs the writes and builds the output
 atomically (:mod:`.ranked` under torchrun). The layout arithmetic they use is torch-free and lives in
 :mod:`gtp_format.views` and :mod:`gtp_format.layout.params`.
