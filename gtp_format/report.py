@@ -4,7 +4,7 @@ Inspecting is what people do first with a checkpoint they do not trust, so it mu
 safe: it parses ``.metadata`` through the allow-list and reads no tensor data (only ``stat``), which
 keeps it fast on multi-TB checkpoints too. The one exception is a genuine megatron-core checkpoint's
 ``common_state`` byte object (about 2 KiB, at most 1 MiB read), decoded as inert records for the
-parallel sizes and optimizer format megatron recorded there (:mod:`gtp_format.megatron_topology`).
+parallel sizes and optimizer format megatron recorded there (:mod:`gtp_format.megatron.topology`).
 
 Why here and not in the command: the report is a library result (``--format json`` prints it as
 is, the table view is drawn from it by :mod:`ckpt_tool.report_tables`), so the command module holds
@@ -78,11 +78,11 @@ def inspect_report(path: Path, select: KeyFilter, *, chunks: bool = False, cp_si
 
 
 def _megatron_model(ckpt: Checkpoint, topo: Any) -> dict[str, Any] | None:
-    """The model a megatron-core checkpoint holds (:func:`gtp_format.megatron_args.describe_model`):
+    """The model a megatron-core checkpoint holds (:func:`gtp_format.megatron.args.describe_model`):
     its args checked against its shapes; a disagreement is the command's one-line refusal."""
     if topo.megatron is None:
         return None
-    from gtp_format.megatron_args import describe_model
+    from gtp_format.megatron.args import describe_model
 
     model = describe_model(ckpt)
     return {**model.to_dict(), "text": model.describe()}
@@ -200,7 +200,7 @@ def _optimizer_format(ckpt: Any, topo: Any) -> str | None:
     """The optimizer format's name: as megatron-core recorded it, else as the keys show it."""
     if topo.megatron is not None:
         return topo.megatron.format
-    from gtp_format.megatron_topology import key_format
+    from gtp_format.megatron.topology import key_format
 
     return key_format(ckpt)
 

@@ -76,8 +76,7 @@ def _stacked(ckpt: Checkpoint, name: str) -> tuple[Entry, int, int | None] | Non
     (the expert keys stack experts on the second axis)."""
     import re
 
-    from gtp_format.views.megatron import LAYER
-    from gtp_format.views.megatron_moe import EXPERT, EXPERT_PREFIX
+    from gtp_format.megatron.keys import EXPERT, EXPERT_PREFIX, LAYER
 
     m = re.fullmatch(r"decoder\.layers\.([0-9]{1,9})\.mlp\.experts\.([0-9]{1,9})\.(.+)", name)
     if m is not None and m.group(3) in EXPERT:
@@ -169,12 +168,12 @@ def show_command(
 
 def _padding_in(ckpt: Checkpoint, key: str, start: int, stop: int) -> list[tuple[int, int]]:
     """The alignment gaps of a megatron-core optimizer key inside rows [start, stop)."""
-    from gtp_format.megatron_topology import is_megatron_core
+    from gtp_format.megatron.topology import is_megatron_core
     from gtp_format.names import parse_optimizer_key
 
     if parse_optimizer_key(key) is None or not is_megatron_core(ckpt):
         return []
-    from gtp_format.views.megatron import padding_ranges
+    from gtp_format.megatron.padding import padding_ranges
 
     gaps = padding_ranges(ckpt).get(key, [])
     return [(max(a, start), min(z, stop)) for a, z in gaps if a < stop and start < z]

@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 from cli_helpers import assert_error_line, cli
 
-from gtp_format.megatron_args import describe_model
+from gtp_format.megatron.args import describe_model
+from gtp_format.megatron.padding import padding_ranges
+from gtp_format.megatron.view import megatron_views
 from gtp_format.reader.checkpoint import open_checkpoint
-from gtp_format.views.megatron import megatron_views, padding_ranges
 
 ROOT = Path(__file__).resolve().parents[2]
 MEGATRON = ROOT / "fixtures" / "megatron"
@@ -170,7 +171,7 @@ def test_a_gated_reshard_holds_every_bit_of_the_source(pair: str, flags: tuple[s
 
 
 def test_reshard_of_uneven_stages_rewrites_the_pipeline_layout_args(tmp_path: Path) -> None:
-    from gtp_format.megatron_topology import common_state
+    from gtp_format.megatron.topology import common_state
 
     pair = "pair_uneven_pp2_dp_reshardable"
     for flags, first in ((("--pp", "2", "--dp", "2"), 1), (("--pp", "1", "--dp", "2"), None),
