@@ -54,7 +54,7 @@ def inspect_report(path: Path, select: KeyFilter, *, chunks: bool = False, cp_si
         "manifest": ckpt.manifest is not None, "megatron_metadata": ckpt.megatron_metadata,
         "optimizer_format": _optimizer_format(ckpt, topo),
         "megatron_topology": topo.megatron.to_dict() if topo.megatron is not None else None,
-        "megatron_model": _megatron_model(ckpt, topo),
+        "megatron_model": megatron_model(ckpt) if topo.megatron is not None else None,
         "counts": counts,
         # Run state (gtp manifests only): the lr schedule under Megatron's name and the data position.
         "opt_param_scheduler": run_extra.get(SCHEDULER_KEY),
@@ -77,11 +77,10 @@ def inspect_report(path: Path, select: KeyFilter, *, chunks: bool = False, cp_si
     return doc
 
 
-def _megatron_model(ckpt: Checkpoint, topo: Any) -> dict[str, Any] | None:
+def megatron_model(ckpt: Checkpoint) -> dict[str, Any]:
     """The model a megatron-core checkpoint holds (:func:`gtp_format.megatron.args.describe_model`):
-    its args checked against its shapes; a disagreement is the command's one-line refusal."""
-    if topo.megatron is None:
-        return None
+    its fields and its one-line ``text``, as ``inspect`` and ``show`` print it. Its args are checked
+    against its shapes; a disagreement is raised (``FormatError``, one line)."""
     from gtp_format.megatron.args import describe_model
 
     model = describe_model(ckpt)

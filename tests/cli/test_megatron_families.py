@@ -73,6 +73,34 @@ def test_the_model_description_comes_from_the_args_and_agrees_with_the_tensors(p
     assert r.exit_code == 0 and json.loads(r.stdout)["megatron_model"]["text"], r.stderr
 
 
+def test_show_prints_the_model_description_as_inspect_does(tmp_path: Path) -> None:
+    """``show`` of a tensor and of a byte object prints the ``model`` line ``inspect`` prints (one
+    formatter); args that disagree with the shapes are shown as that disagreement, not refused, since
+    ``show common_state/...`` is how a user reads those args."""
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "hostile"))
+    from args_corpus import set_args
+
+    pair = MEGATRON / "pair_llama_tp2_dp2_dp_reshardable"
+    text = json.loads(cli("inspect", pair, "--format", "json").stdout)["megatron_model"]["text"]
+    assert "SwiGLU" in text and "GQA" in text
+    for key in ("embedding.word_embeddings.weight", "common_state/shard_0_1"):
+        r = cli("show", pair, key, "--format", "json")
+        assert r.exit_code == 0 and json.loads(r.stdout)["megatron_model"]["text"] == text, r.stderr
+        r = cli("show", pair, key)
+        assert r.exit_code == 0 and any(line.split()[:1] == ["model"] and line.endswith(text)
+                                        for line in r.stdout.splitlines()), r.stdout
+    lying = tmp_path / "run" / "iter_0000002"
+    shutil.copytree(pair / "iter_0000002", lying)
+    set_args(lying, {"num_query_groups": 3})
+    r = cli("show", lying, "common_state/shard_0_1", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    model = json.loads(r.stdout)["megatron_model"]
+    assert "num_query_groups=3" in model["error"] and model["text"].startswith("not described: "), model
+
+
 @pytest.mark.parametrize("pair", sorted(FAMILIES))
 def test_padding_is_megatrons_own_buffer_gaps(pair: str) -> None:
     expected = json.loads((MEGATRON / pair / "expected.json").read_text())
