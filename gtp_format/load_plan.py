@@ -207,7 +207,7 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
     ``dp_reshardable`` optimizer keeps one buffer per model chunk, so a load at another virtual
     size is another bucket layout, never "works as is"; ``ckpt reshard`` writes one chunk per stage.
     """
-    from gtp_format.megatron_topology import derive
+    from gtp_format.megatron.topology import derive
 
     meg = derive(ckpt)
     source = meg.to_dict()

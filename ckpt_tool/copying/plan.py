@@ -68,7 +68,7 @@ def row_blocks(rows: int, row_elems: int, itemsize: int, max_bytes: int) -> list
     return [(a, min(rows, a + step)) for a in range(0, rows, step)]
 
 
-def _holder_chunks(view: ParamView, h: Holder, state: str, max_bytes: int, full_row: int) -> list[OutChunk]:
+def holder_chunks(view: ParamView, h: Holder, state: str, max_bytes: int, full_row: int) -> list[OutChunk]:
     """Chunks of one holder's slice of one optimizer key (1-D) or, for WEIGHT_STATE, of the model key."""
     tail = h.spec.local_shape[1:]
     row = math.prod(tail)
@@ -93,7 +93,8 @@ def _holder_chunks(view: ParamView, h: Holder, state: str, max_bytes: int, full_
     return out
 
 
-def _gaps(numel: int, used: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def gaps(numel: int, used: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ranges ``[a, b)`` of ``[0, numel)`` that no ``used`` range covers (a bucket's alignment gaps)."""
     out, pos = [], 0
     for a, b in sorted(used):
         if a > pos:
@@ -118,13 +119,13 @@ def plan_target(target: Manifest, max_chunk_bytes: int, views: dict[str, ParamVi
         full_row = math.prod(view.full_shape[1:])
         shapes[view.name] = (view.global_shape, dtype_of(view.param_dtype))
         for h in view.primaries:
-            chunks.extend(_holder_chunks(view, h, WEIGHT_STATE, max_chunk_bytes, full_row))
+            chunks.extend(holder_chunks(view, h, WEIGHT_STATE, max_chunk_bytes, full_row))
         for h in view.holders:
             used.setdefault(h.ref.key(STATES[0]), []).append((h.start, h.start + h.numel))
             for state in STATES:
-                chunks.extend(_holder_chunks(view, h, state, max_chunk_bytes, full_row))
+                chunks.extend(holder_chunks(view, h, state, max_chunk_bytes, full_row))
     for ref in bucket_refs(target):
-        for a, b in _gaps(ref.numel_unpadded, used.get(ref.key(STATES[0]), [])):
+        for a, b in gaps(ref.numel_unpadded, used.get(ref.key(STATES[0]), [])):
             for state in STATES:
                 step = max(1, max_chunk_bytes // FP32.itemsize)
                 for s in range(a, b, step):

@@ -73,7 +73,7 @@ from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.params import model_params
 from gtp_format.lineage import attestation, derived
-from gtp_format.megatron_args import describe_model, recorded_args
+from gtp_format.megatron.args import describe_model, recorded_args
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.progress import Progress, ProgressOpener
 from gtp_format.storage import objects

@@ -174,7 +174,7 @@ def plan_migration(src: Path | ObjectURL, cp_size: int | None, reset_lost_moment
     classes = classify_all(ckpt)
     cpless = [k for k, c in classes.items() if c.category == OPTIMIZER and c.opt is not None and c.opt.cp_rank is None]
     if manifest is None:
-        from gtp_format.megatron_topology import is_megatron_core
+        from gtp_format.megatron.topology import is_megatron_core
 
         if is_megatron_core(ckpt):  # no false alarm: --cp-size is a CP size there, not a declaration of folding
             raise FormatError(f"{folder} is a megatron-core checkpoint: megatron-core does not fold CP, so its "

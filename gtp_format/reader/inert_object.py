@@ -10,7 +10,7 @@ unpickler is the pre-scanned, budgeted one of :mod:`gtp_format.reader.object_blo
 1 MiB, container copies charged to the file's size), so a hostile blob costs what it stores.
 
 ``ckpt show`` prints the result as one table of paths and values; ``ckpt inspect`` and the
-topology derivation (:mod:`gtp_format.megatron_topology`) read the parallel sizes megatron records
+topology derivation (:mod:`gtp_format.megatron.topology`) read the parallel sizes megatron records
 in ``common_state``'s ``args`` from it.
 """
 

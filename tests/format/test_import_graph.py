@@ -197,31 +197,21 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("gtp_format", "gtp_format.errors", "gtp_format.names", "gtp_format.numbers", "gtp_format.sizes",
               "gtp_format.text", "gtp_format.hashing", "gtp_format.progress", "gtp_format.torch_adapter",
               "gtp_format.dtypes", "gtp_format.scan", "gtp_format.ranks", "gtp_format.work", "gtp_format.commit",
-              "gtp_format.layout", "gtp_format.megatron_layout")),
+              "gtp_format.layout", "gtp_format.megatron.layout")),
     ("storage", ("gtp_format.storage", "gtp_format.reader.preads", "gtp_format.reader.storage",
                  "gtp_format.safe_json")),
     ("manifest", ("gtp_format.manifest", "gtp_format.model", "gtp_format.integrity")),
     ("reader", ("gtp_format.reader", "gtp_format.lineage")),
-    ("megatron", ("gtp_format.megatron_topology", "gtp_format.megatron_args")),
-    ("views", ("gtp_format.views", "gtp_format.load_plan", "gtp_format.compare")),
+    ("megatron", ("gtp_format.megatron",)),
+    ("views", ("gtp_format.views", "gtp_format.load_plan", "gtp_format.compare", "gtp_format.megatron.view",
+               "gtp_format.megatron.moe", "gtp_format.megatron.padding")),
     ("check", ("gtp_format.check",)),
     ("writer", ("gtp_format.writer",)),
     ("report", ("gtp_format.report",)),
 )
 
-# Arrows and private names the megatron-core code keeps until it moves into its own package: each an
-# exact (importer, imported) pair; remove a pair when its module moves, and the list when it is empty.
-UPWARD_ALLOWED = {
-    ("gtp_format.megatron_topology", "gtp_format.views.megatron_moe"),  # topology reads the MoE view's shapes
-}
-PRIVATE_ALLOWED = {
-    ("gtp_format.views.megatron", "gtp_format.megatron_topology", "_args_sizes"),
-    ("ckpt_tool.reshard.megatron_dp", "ckpt_tool.copying.plan", "_gaps"),
-    ("ckpt_tool.reshard.megatron_dp", "ckpt_tool.copying.plan", "_holder_chunks"),
-    ("ckpt_tool.reshard.megatron_dp_objects", "ckpt_tool.reshard.megatron_objects", "_ops"),
-    ("ckpt_tool.reshard.megatron_dp_objects", "ckpt_tool.reshard.megatron_objects", "_records"),
-    ("ckpt_tool.reshard.megatron_dp_objects", "ckpt_tool.reshard.megatron_objects", "_str"),
-}
+UPWARD_ALLOWED: set[tuple[str, str]] = set()
+PRIVATE_ALLOWED: set[tuple[str, str, str]] = set()
 HF_TO_RESHARD_ALLOWED = {  # the import to megatron-core plans its buckets with reshard's megatron-core planner
     ("ckpt_tool.hf.megatron_dp_import", "ckpt_tool.reshard.megatron_dp"),
     ("ckpt_tool.hf.megatron_dp_import", "ckpt_tool.reshard.megatron_dp_objects"),
