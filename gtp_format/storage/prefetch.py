@@ -59,7 +59,7 @@ class ObjectStream:
         stop = min(len(self.requests), max(last + 1, self._next) + self.ahead - 1)
         while self._next < stop:
             r = self.requests[self._next]
-            self._got[self._next] = objects.pool().submit(objects.fetch, self.obj.root, self.obj.rel, r.start,
+            self._got[self._next] = self.obj.state.pool().submit(objects.fetch, self.obj.root, self.obj.rel, r.start,
                                                           r.stop - r.start)
             self._next += 1
 
@@ -190,7 +190,7 @@ class PlanPrefetch:
 
     def _submit(self, i: int) -> None:
         obj, a, b = self.requests[i]
-        self._got[i] = objects.pool().submit(objects.fetch, obj.root, obj.rel, a, b - a)
+        self._got[i] = obj.state.pool().submit(objects.fetch, obj.root, obj.rel, a, b - a)
         self._held += b - a
 
     def _submit_to(self, want: int) -> None:
