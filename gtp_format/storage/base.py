@@ -53,6 +53,9 @@ class Storage(ABC):
     location: Location
     in_place: bool  # the work folder lies beside the target and its commit is a rename (else: staged, uploaded)
     has_holes: bool  # a file may store fewer bytes than its size (a sparse local file); an object never does
+    # every request is a network round trip: reads are worth planning, coalescing and fetching ahead (a
+    # folder's page cache and read-ahead do that already)
+    remote: bool
 
     # -- reading ------------------------------------------------------------------------------------------
 
@@ -98,6 +101,12 @@ class Storage(ABC):
         """Whether anything is at the location: a folder, a file, or objects under the prefix."""
         return self.is_folder()
 
+    def settings_problem(self, writing: bool = False) -> str | None:
+        """Why no request could be made here (a bucket without credentials), or None; a setting that does not
+        parse raises its one line. ``writing``: the place an output is built first is checked too. Asked
+        before a job starts, so that no rank trains for nothing."""
+        return None
+
     # -- writing ------------------------------------------------------------------------------------------
 
     @abstractmethod
@@ -132,6 +141,7 @@ class LocalStorage(Storage):
 
     in_place = True
     has_holes = True
+    remote = False
 
     def __init__(self, location: Path) -> None:
         self.location = location
@@ -206,6 +216,7 @@ class BucketStorage(Storage):
 
     in_place = False
     has_holes = False
+    remote = True
 
     def __init__(self, location: ObjectURL, state: objects.BucketState | None = None) -> None:
         self.location = location.bound(state) if state is not None else location
@@ -250,6 +261,14 @@ class BucketStorage(Storage):
 
     def reads_everything(self, budget: int) -> None:
         objects.reads_everything(self.location, budget)
+
+    def settings_problem(self, writing: bool = False) -> str | None:
+        problem = objects.credentials_problem(self.location.bucket)
+        if problem is None:
+            objects.store(self.location)  # the client as the ranks will build it: the timeout setting too
+        if writing:
+            upload.staging_dir()  # where each rank builds its files before the upload
+        return problem
 
     def exists(self) -> bool:
         return True  # a prefix is named, not made: whether it holds a checkpoint is the listing's to say
