@@ -129,7 +129,9 @@ class Storage(ABC):
 
     @abstractmethod
     def put(self, local_file: Path) -> None:
-        """The one file ``local_file`` as the location itself, created only where nothing is."""
+        """The one complete file ``local_file`` (built in :meth:`work_parent`) as the location itself, created only
+        where nothing is (``FileExistsError`` or :class:`gtp_format.storage.upload.Taken`); its put is its
+        commit."""
 
     @abstractmethod
     def set_latest(self, text: str) -> None:
@@ -201,7 +203,9 @@ class LocalStorage(Storage):
         commit_new_folder(work, self.location)
 
     def put(self, local_file: Path) -> None:
-        os.link(local_file, self.location)  # FileExistsError where something is
+        from gtp_format.commit import commit_file
+
+        commit_file(local_file, self.location)  # renamed, no-replace
 
     def set_latest(self, text: str) -> None:
         from gtp_format.commit import write_atomic

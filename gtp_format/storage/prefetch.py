@@ -5,7 +5,7 @@ planned from the metadata. On a bucket one ``GET`` per window on two worker thre
 boto3's ``download_file`` of the same objects, which keeps 10 parts of 8 MiB in flight. Here the
 plan's ranges are coalesced (:func:`gtp_format.storage.ranges.coalesce`: adjacent or near ranges,
 requests of at most :data:`gtp_format.storage.objects.PART`) and the next requests are fetched on
-:func:`gtp_format.storage.objects.pool` while the workers check the ones already in. Memory is
+:meth:`gtp_format.storage.objects.BucketState.pool` while the workers check the ones already in. Memory is
 bounded: at most ``ahead`` requests are held per stream, and a request is dropped once every range
 it serves has been taken.
 """
