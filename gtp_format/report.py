@@ -35,7 +35,7 @@ def inspect_report(path: Path, select: KeyFilter, *, chunks: bool = False, cp_si
     from gtp_format.check.analysis import aliasing, classify_all, topology_view
     from gtp_format.names import DATA_POSITION_KEY, SCHEDULER_KEY
     from gtp_format.reader.checkpoint import open_checkpoint
-    from gtp_format.storage.location import ObjectURL
+    from gtp_format.storage.base import storage_for
 
     ckpt = open_checkpoint(path)
     classes = classify_all(ckpt)
@@ -67,7 +67,7 @@ def inspect_report(path: Path, select: KeyFilter, *, chunks: bool = False, cp_si
         "notes": [p.to_dict() for p in ckpt.notes + topo.notes],
     }
     # a bucket has no work folders: its writer's commit is the object written last (docs/object-stores.md)
-    doc["leftovers"] = [] if isinstance(ckpt.root, ObjectURL) else _leftovers(Path(path), ckpt.root)
+    doc["leftovers"] = _leftovers(Path(path), ckpt.root) if storage_for(ckpt.root).in_place else []
     _integrity(doc, ckpt, set(selected), stats)
     _identity(doc, ckpt)
     if chunks:

@@ -32,8 +32,8 @@ from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
 from gtp_format.names import ITER_DIR_RE
 from gtp_format.numbers import NumberError, OneLineParser, float_flag, int_flag
-from gtp_format.storage.location import ObjectURL, parse_location
-from gtp_format.storage.objects import credentials_problem, store
+from gtp_format.storage.base import storage_for
+from gtp_format.storage.location import parse_location
 from gtp_format.text import safe_text
 from gtp_format.work import Terminated
 from gtp_runtime.data.indexed import DataError
@@ -278,19 +278,12 @@ def refuse_impossible(args: argparse.Namespace, cfg: TrainConfig) -> None:
                 where = parse_location(value, flag)
             except FormatError as e:
                 raise ConfigError(e.message) from None
-            if isinstance(where, ObjectURL):
-                try:  # a bad profile or setting (raised) names the flag too, as a missing credential does
-                    problem = credentials_problem(where.bucket)
-                    if problem is None:
-                        store(where)  # the client as the ranks will build it: the timeout setting too
-                    if flag == "--save":
-                        from gtp_format.storage.upload import staging_dir
-
-                        staging_dir()  # where each rank builds its files before the upload
-                except FormatError as e:
-                    problem = e.message
-                if problem is not None:
-                    raise ConfigError(f"{flag} {where}: {problem}")  # before any rank trains for nothing
+            try:  # a bad profile or setting (raised) names the flag too, as a missing credential does
+                problem = storage_for(where).settings_problem(writing=flag == "--save")
+            except FormatError as e:
+                problem = e.message
+            if problem is not None:
+                raise ConfigError(f"{flag} {where}: {problem}")  # before any rank trains for nothing
 
 
 def _nothing_to_train(args: argparse.Namespace, it: int | None) -> str | None:

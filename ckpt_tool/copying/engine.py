@@ -50,6 +50,7 @@ from gtp_format.names import (
 from gtp_format.progress import Progress
 from gtp_format.scan import carrier
 from gtp_format.storage import objects
+from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter, check_destination, data_file_name, megatron_metadata
 from gtp_format.writer.sink import STAGE
@@ -140,7 +141,7 @@ def prefetch_reads(source: Source, order: list[OutChunk], max_memory: int) -> No
     made 354 GETs (303 of them such direct reads, 11.9 s), 128 MiB 259 (9.2 s), the quarter 51 (2.0 s).
     Nothing on a disk.
     """
-    if not isinstance(source.root, ObjectURL):
+    if not storage_for(source.root).remote:
         return
     pairs = [pair for c in order if c.param is not None and c.state is not None and c.box is not None
              for pair in source.chunks_read(source.views[c.param], c.state, *c.box)]
@@ -310,10 +311,9 @@ def build_atomically(dst: Path, sources: tuple[Path, ...], body: Callable[[Check
 
 def written_sizes(folder: Path | ObjectURL) -> list[int]:
     """Sizes of the files a committed output holds (a bucket's: as the store lists them)."""
-    if isinstance(folder, ObjectURL):
-        from gtp_format.storage import objects
-
-        return [n for n in objects.list_names(folder).values() if n is not None]
+    store = storage_for(folder)
+    if store.remote:  # a folder's entries are stat'ed, sub-folders too
+        return [n for n in store.entries().values() if n is not None]
     return [p.stat().st_size for p in folder.iterdir()]
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from gtp_format.errors import FormatError
 from gtp_format.ranks import COMMITTING, Group, RankFailed, fault
+from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.work import remove_entry
 from gtp_format.writer.checkpoint import CheckpointWriter
@@ -39,7 +40,7 @@ from gtp_format.writer.checkpoint import CheckpointWriter
 def build_ranked(group: Group, dst: Path | ObjectURL, body: Callable[[CheckpointWriter], None],
                  inner: str | None, latest: str | None) -> None:
     """:func:`ckpt_tool.copying.engine.build_atomically` for the ranks of ``group`` (see the module docstring)."""
-    if isinstance(dst, ObjectURL) and len({p.host for p in group.peers}) > 1:
+    if not storage_for(dst).in_place and len({p.host for p in group.peers}) > 1:
         raise FormatError(f"{dst}: a bucket output is staged on rank 0's host, and this job spans "
                           f"{len({p.host for p in group.peers})} hosts; run it on one node (--nnodes 1)")
     if group.root:

@@ -33,7 +33,7 @@ from gtp_format.manifest import Manifest
 from gtp_format.model import Checkpoint, Chunk
 from gtp_format.names import OPTIMIZER_SHARDINGS
 from gtp_format.reader.boxes import BoxReader, Buffer
-from gtp_format.storage import objects
+from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL, parse_location
 from gtp_format.views.ours import param_views
 from gtp_format.views.records import Holder, ParamView, full_box
@@ -200,10 +200,10 @@ def open_source(path: Path | ObjectURL, megatron: bool = False, weights_only: bo
     (``export --to fully_reshardable``): a megatron-core MoE checkpoint too; ``views=False``
     (``--to torch``, which copies keys, not parameters): no per-parameter view is built at all.
     ``max_memory`` (a copy that will read every byte): a bucket's small data objects may be fetched whole
-    from its listing on, within a quarter of it (:func:`gtp_format.storage.objects.reads_everything`).
+    from its listing on, within a quarter of it (:meth:`gtp_format.storage.base.Storage.reads_everything`).
     """
     if max_memory is not None:
-        objects.reads_everything(min(WHOLE_OBJECTS, max_memory // 4))
+        storage_for(path).reads_everything(min(WHOLE_OBJECTS, max_memory // 4))
     source = _open_source(path, megatron, weights_only, views, experts)
     source.given = parse_location(path) if isinstance(path, str) else path
     return source

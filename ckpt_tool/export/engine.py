@@ -76,7 +76,7 @@ from gtp_format.lineage import attestation, derived
 from gtp_format.megatron.args import describe_model, recorded_args
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.progress import Progress, ProgressOpener
-from gtp_format.storage import objects
+from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.views.records import ParamView
 from gtp_format.writer.checkpoint import CheckpointWriter, data_file_name, megatron_metadata
@@ -247,7 +247,7 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
     bufs = Buffers()  # thread-local: each worker reads into its own reusable buffers
     # the next chunks of each file are read on other threads while it writes (ckpt_tool.copying.ahead); a bucket's
     # reads are fetched ahead by its own plan already
-    depth = 0 if max_memory is None or isinstance(source.root, ObjectURL) else \
+    depth = 0 if max_memory is None or storage_for(source.root).remote else \
         ahead_depth(max_memory, workers, chunk_bytes, os.cpu_count() or 1)
     pool = ThreadPoolExecutor(max(1, min(workers * depth, os.cpu_count() or 1)), thread_name_prefix="read-ahead") \
         if depth else None
@@ -324,10 +324,11 @@ def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_byt
 
 def output_bytes(dst: Path | ObjectURL, inner: str | None) -> int:
     """Bytes of the committed output: a file, a folder's files, or a bucket's objects (as listed)."""
-    if isinstance(dst, ObjectURL):
-        if not dst.prefix or objects.head_size(dst.parent, dst.name) is None:
+    if storage_for(dst).remote:  # as the store lists them: no folder entries to walk
+        st = storage_for(dst.parent).stat(dst.name) if dst.name else None
+        if st is None:
             return sum(written_sizes(dst)) + (sum(written_sizes(dst / inner)) if inner else 0)
-        return objects.object_size(dst.parent, dst.name)
+        return st.size
     return dst.stat().st_size if dst.is_file() else sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
 
 
@@ -348,7 +349,7 @@ def export(src: Path | ObjectURL, dst: Path | ObjectURL, to: str, optimizer: boo
         raise FormatError(f"--names {names!r}: use one of {', '.join(NAMES)}")
     if to != "hf" and (names is not None or tokenizer is not None or num_heads is not None):
         raise FormatError(f"--names, --tokenizer and --num-heads shape a Hugging Face folder; drop them for --to {to}")
-    if to == "torch" and isinstance(dst, ObjectURL) and not dst.prefix:
+    if to == "torch" and not storage_for(dst).in_place and not dst.name:  # a bucket's top level
         raise FormatError(f"{dst}: --to torch writes one object; name it, e.g. {dst}/model.pt")
     t0 = time.perf_counter()
     baseline = rss_after_imports("safetensors" if to == "hf" else None)

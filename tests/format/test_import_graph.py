@@ -198,7 +198,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
               "gtp_format.text", "gtp_format.hashing", "gtp_format.progress", "gtp_format.torch_adapter",
               "gtp_format.dtypes", "gtp_format.scan", "gtp_format.ranks", "gtp_format.work", "gtp_format.commit",
               "gtp_format.layout", "gtp_format.megatron.layout")),
-    ("storage", ("gtp_format.storage", "gtp_format.reader.preads", "gtp_format.reader.storage",
+    ("storage", ("gtp_format.storage", "gtp_format.session", "gtp_format.reader.preads", "gtp_format.reader.storage",
                  "gtp_format.safe_json")),
     ("manifest", ("gtp_format.manifest", "gtp_format.model", "gtp_format.integrity")),
     ("reader", ("gtp_format.reader", "gtp_format.lineage")),
@@ -342,3 +342,109 @@ def test_architecture_states_these_layers():
     want = [[name, " " + ", ".join(p.removeprefix("gtp_format.") if p != "gtp_format" else "gtp_format"
                                    for p in prefixes)] for name, prefixes in reversed(LAYERS)]
     assert stated == want, "the doc's layer list and LAYERS differ; change both together"
+
+# -- the storage interface -------------------------------------------------------------------------------------
+# Readers, the writer, the gate, the copies and the runtime reach a checkpoint's files through
+# gtp_format.storage.base.Storage (chosen once by storage_for); only the storage package itself may ask what
+# kind of location it holds. The names below are the location types: a bucket URL, the union, a local path.
+LOCATION_TYPES = frozenset({"ObjectURL", "Location", "Path", "PurePath", "PosixPath"})
+# (file, the isinstance's first argument) that test a type for another reason than the location's kind
+NOT_A_LOCATION = {
+    # CheckpointWriter.finish's ``metadata``: the content of metadata.json, or another checkpoint's file to link
+    ("gtp_format/writer/checkpoint.py", "metadata"),
+}
+STORAGE_PACKAGE = ("gtp_format/storage/",)
+STATEFUL_CALLS = frozenset({"dict", "list", "set", "defaultdict", "OrderedDict", "deque", "Counter", "count",
+                            "Lock", "RLock", "Event", "ThreadPoolExecutor", "Blocks", "SideFiles", "BucketState",
+                            "Session", "local"})
+# module-level memos allowed in the storage package, each keyed so that it can never serve stale content
+MEMOS = {
+    # the parsed AWS profile sections, keyed by each file's (path, size, mtime) stamp and the profile's name
+    ("gtp_format/storage/profiles.py", "_profile"),
+}
+
+
+def _type_names(node: ast.AST) -> set[str]:
+    """Every bare or dotted name in an isinstance's second argument (``a.B`` gives ``B``; unions and tuples too)."""
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+            if isinstance(n, ast.Name | ast.Attribute)}
+
+
+def location_checks(root: Path, packages: tuple[str, ...] = PACKAGES) -> list[str]:
+    """``file:line isinstance(X, ...)`` for each test of a location's type outside the storage package."""
+    out = []
+    for pkg in packages:
+        for f in sorted((root / pkg).rglob("*.py")):
+            rel = f.relative_to(root).as_posix()
+            if rel.startswith(STORAGE_PACKAGE):
+                continue
+            for node in ast.walk(ast.parse(f.read_text(), rel)):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance"
+                        and len(node.args) == 2):
+                    continue
+                subject = ast.unparse(node.args[0])
+                if _type_names(node.args[1]) & LOCATION_TYPES and (rel, subject) not in NOT_A_LOCATION:
+                    out.append(f"{rel}:{node.lineno} isinstance({subject}, {ast.unparse(node.args[1])})")
+    return out
+
+
+def module_state(root: Path, folders: tuple[str, ...]) -> list[str]:
+    """Module-level mutable state in ``folders`` (files or packages): ``global`` statements, module-level names
+    bound to a container or a stateful object, and module-level memo decorators not in :data:`MEMOS`."""
+    out = []
+    files = [p for f in folders for p in ((root / f).rglob("*.py") if (root / f).is_dir() else [root / f])]
+    for f in sorted(files):
+        rel = f.relative_to(root).as_posix()
+        tree = ast.parse(f.read_text(), rel)
+        out += [f"{rel}:{n.lineno} global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
+        for node in tree.body:
+            if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [ast.unparse(t) for t in targets]
+                value = node.value
+                container = isinstance(value, ast.Dict | ast.List | ast.Set | ast.DictComp | ast.ListComp | ast.SetComp)
+                stateful = isinstance(value, ast.Call) and (_type_names(value.func) & STATEFUL_CALLS)
+                # a table of constants under a constant's name: filled where it is written, never later
+                constant_table = container and all(n.isupper() for n in names) and any(
+                    True for _ in ast.iter_child_nodes(value)) and all(
+                    isinstance(c, ast.Constant) or isinstance(c, ast.Name) and c.id.isupper()
+                    for c in ast.walk(value) if isinstance(c, ast.expr) and c is not value
+                    and not isinstance(c, ast.Dict | ast.List | ast.Set))
+                if (container and not constant_table) or stateful:
+                    out.append(f"{rel}:{node.lineno} {' = '.join(names)} = {ast.unparse(value)[:60]}")
+            if isinstance(node, ast.FunctionDef) and (rel, node.name) not in MEMOS:
+                memo = [d for d in node.decorator_list if _type_names(d) & {"lru_cache", "cache", "cached_property"}]
+                if memo:
+                    out.append(f"{rel}:{node.lineno} @{ast.unparse(memo[0])} {node.name}")
+    return out
+
+
+def test_the_storage_checks_find_what_they_must(tmp_path: Path):
+    """A planted location test and planted module state are found, so the checks below cannot pass by seeing
+    nothing; a constant table and the storage package's own tests are not."""
+    pkg = tmp_path / "gtp_format"
+    (pkg / "storage").mkdir(parents=True)
+    (pkg / "a.py").write_text("from pathlib import Path\nfrom gtp_format.storage import location\n"
+                              "def f(x):\n    return isinstance(x, location.ObjectURL) or isinstance(x, str | Path)\n")
+    (pkg / "storage" / "b.py").write_text(
+        "import functools\nimport threading\nTABLE = {'s3': 'why'}\n_SEEN: dict = {}\n_LOCK = threading.Lock()\n"
+        "def f(x):\n    global _SEEN\n    return isinstance(x, Path)\n"
+        "@functools.lru_cache\ndef g():\n    pass\n")
+    A, B = "gtp_format" + "/a.py", "gtp_format" + "/storage/b.py"  # split: tests/test_pointers.py must not chase them
+    assert location_checks(tmp_path, ("gtp_format",)) == [
+        f"{A}:4 isinstance(x, location.ObjectURL)", f"{A}:4 isinstance(x, str | Path)"]
+    assert module_state(tmp_path, ("gtp_format/storage",)) == [
+        f"{B}:7 global _SEEN", f"{B}:4 _SEEN = {{}}", f"{B}:5 _LOCK = threading.Lock()",
+        f"{B}:10 @functools.lru_cache g"]
+
+
+def test_no_location_type_tested_outside_the_storage_package():
+    found = location_checks(ROOT)
+    assert not found, ("ask the location's storage (gtp_format.storage.base.storage_for: in_place, remote, its "
+                       "methods) instead of testing the location's type: " + "; ".join(found))
+
+
+def test_no_module_level_mutable_state_in_storage():
+    """A command's clients, caches, listings and threads belong to its session (gtp_format.session.Session)."""
+    found = module_state(ROOT, ("gtp_format/storage", "gtp_format/session.py"))
+    assert not found, "module-level mutable state (move it into the session): " + "; ".join(found)
