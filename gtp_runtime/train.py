@@ -200,7 +200,6 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
                         num_experts=args.num_experts, moe_topk=args.moe_topk, gtp_align=args.gtp_align,
                         seed=args.seed)
     model.validate(par)
-    args.async_save_staging_bytes = None  # the size run_rank hands the async saver, parsed here once
     if args.async_save_staging is not None:
         from gtp_format.sizes import parse_size
 
@@ -209,7 +208,8 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
                               "or drop --async-save-staging")
 
         try:
-            args.async_save_staging_bytes = parse_size(args.async_save_staging)
+            # parsed here, once: run_rank hands the bytes to the async saver (an int passes parse_size as is)
+            args.async_save_staging = parse_size(args.async_save_staging)
         except ValueError as e:
             raise ConfigError(f"--async-save-staging: {e}") from None
     if args.micro_batch < 1 or args.steps < 0:
@@ -346,7 +346,7 @@ def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
     else:
         saver = None
         if args.save and args.async_save:
-            saver = AsyncCheckpointer(args.async_save_staging_bytes)  # parsed by resolve
+            saver = AsyncCheckpointer(args.async_save_staging)  # bytes: resolve parsed the size
             saver.prepare(trainer)  # pinning happens here, once, not inside the first save's step
         while trainer.iteration < args.steps:
             r = trainer.train_step()
