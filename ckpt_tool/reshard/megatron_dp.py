@@ -79,16 +79,6 @@ from gtp_format.writer.sink import stage_bytes
 OUTPUT = "output_layer.weight"
 
 
-def is_megatron_source(src: Path | ObjectURL) -> bool:
-    """No manifest of ours in SRC (its folder as ``locate`` finds it): megatron-core's, or refused as neither.
-    Asked through the confined stat (a folder or a bucket alike), never by following the name."""
-    from gtp_format.names import MANIFEST_FILE
-    from gtp_format.reader.locate import locate
-    from gtp_format.reader.storage import is_regular_inside
-
-    return is_regular_inside(locate(src).folder, MANIFEST_FILE) is None
-
-
 def _spec(view: ParamView, mode: str | None, tp: int, t: int) -> ShardSpec:
     return ShardSpec(view.full_shape, mode, tp, t if mode else 0, None, 1, 0, 1)
 
