@@ -193,7 +193,7 @@ def _run_ranked(args: list[str]) -> int:
 
     with sigterm_raises(replace=True):
         try:
-            group = ranks.join(background=True)  # torch's import runs beside the command's first work
+            group = ranks.join()
         except FormatError as e:
             _line(e.message)
             return e.exit_code

@@ -35,7 +35,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -118,39 +117,6 @@ class Group:
 
     def __init__(self, rank: int, world: int, peers: list[Peer]) -> None:
         self.rank, self.world, self.peers = rank, world, peers
-        self._joined: threading.Event | None = None  # set once the background join ended (see join())
-        self._join_error: FormatError | None = None
-
-    def start_joining(self, timeout: float) -> None:
-        """Import torch, make the gloo group and exchange the peers on a thread of its own, so the command
-        opens and plans its checkpoint (and writes its first files) meanwhile; every collective waits for it
-        (:meth:`wait_joined`)."""
-        self._joined = threading.Event()
-
-        def body() -> None:
-            try:
-                _init_gloo(self.rank, timeout)
-                out: list[Any] = [None] * self.world
-                me = Peer(self.rank, socket.gethostname(), os.getpid())
-                self._collective(lambda: _dist().all_gather_object(out, me), "while joining")
-                self.peers = out
-            except FormatError as e:
-                self._join_error = e
-            except Exception as e:  # noqa: BLE001 - reported by the first collective, as one line
-                self._join_error = FormatError(f"rank {self.rank}: cannot join the torchrun job "
-                                               f"({type(e).__name__}: {str(e)[:200]})")
-            finally:
-                assert self._joined is not None
-                self._joined.set()
-
-        threading.Thread(target=body, name="ckpt-join", daemon=True).start()
-
-    def wait_joined(self) -> None:
-        """Block until the background join ended; raise its one line if it failed."""
-        if self._joined is not None:
-            self._joined.wait()
-        if self._join_error is not None:
-            raise self._join_error
 
     @property
     def root(self) -> bool:
@@ -180,8 +146,6 @@ class Group:
                           "(torchrun's report names its exit)")
 
     def _collective(self, fn: Callable[[], T], what: str) -> T:
-        if what != "while joining":
-            self.wait_joined()
         try:
             return fn()
         except (RuntimeError, ValueError, ConnectionError) as e:  # gloo: a peer's socket closed, or the timeout
@@ -248,24 +212,8 @@ def timeout_s() -> float:
         raise FormatError(f"{TIMEOUT_ENV}={raw[:40]!r}: give the rank timeout in seconds") from None
 
 
-def _init_gloo(rank: int, timeout: float) -> None:
-    dist = _dist()
-    if not dist.is_initialized():
-        try:
-            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
-        except (RuntimeError, ValueError, ConnectionError) as e:
-            raise FormatError(f"rank {rank}: cannot join the torchrun job ({str(e).splitlines()[0][:200]}); "
-                              "check --rdzv-endpoint/MASTER_ADDR and that every node started") from None
-
-
-def join(background: bool = False) -> Group | None:
-    """Join torchrun's job over gloo and make it :func:`current` (None: not under torchrun, or one rank).
-
-    ``background``: return at once and join on a thread (:meth:`Group.start_joining`). Why: a rank's
-    start-up is torchrun's launcher, then ``import torch`` in every rank (2.7-3.3 s each on the lent
-    16-core host, 4 ranks on 4 cores, whose torch has no bytecode cache), then the rendezvous
-    (0.02 s); the command's own work needs none of it until its first collective, so the import runs
-    beside the opening, planning and copying of this rank's files."""
+def join() -> Group | None:
+    """Join torchrun's job over gloo and make it :func:`current` (None: not under torchrun, or one rank)."""
     global _current
     if not under_torchrun():
         return None
@@ -277,25 +225,24 @@ def join(background: bool = False) -> Group | None:
         return None
     timeout = timeout_s()
     _set_parent_death_signal(signal.SIGTERM)  # torchrun's agent gone: end as if it had terminated us
+    dist = _dist()
+
+    if not dist.is_initialized():
+        try:
+            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+        except (RuntimeError, ValueError, ConnectionError) as e:
+            raise FormatError(f"rank {rank}: cannot join the torchrun job ({str(e).splitlines()[0][:200]}); "
+                              "check --rdzv-endpoint/MASTER_ADDR and that every node started") from None
     group = Group(rank, world, [])
-    if background:
-        group.start_joining(timeout)
-    else:
-        _init_gloo(rank, timeout)
-        me = Peer(rank, socket.gethostname(), os.getpid())
-        group.peers = group.all_gather(me, "while joining")
+    me = Peer(rank, socket.gethostname(), os.getpid())
+    group.peers = group.all_gather(me, "while joining")
     _current = group
     return group
 
 
 def leave() -> None:
     global _current
-    group, _current = _current, None
-    if group is not None:
-        try:  # a background join still under way ends first (every rank started one, so it completes)
-            group.wait_joined()
-        except FormatError:
-            return
+    _current = None
     dist = _dist()
 
     if dist.is_initialized():
