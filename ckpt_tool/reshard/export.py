@@ -67,12 +67,12 @@ from ckpt_tool.reshard.plan import FP32, OutChunk, dtype_of, row_blocks, split_f
 from ckpt_tool.reshard.source import Buffers, Source, open_source
 from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata, write_objects
 from gtp_format.check.st_names import refuse_unstorable
-from gtp_format.commit import write_durable
+from gtp_format.commit import commit_file, write_durable
 from gtp_format.dtypes import DType
 from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.params import model_params
-from gtp_format.lineage import attestation, derived
+from gtp_format.lineage import attestation, attestation_beside, derived
 from gtp_format.megatron_args import describe_model, recorded_args
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.progress import Progress, ProgressOpener
@@ -81,6 +81,7 @@ from gtp_format.storage.location import ObjectURL
 from gtp_format.views.records import ParamView
 from gtp_format.writer.checkpoint import CheckpointWriter, data_file_name, megatron_metadata
 from gtp_format.writer.sink import Sink, stage_bytes
+from gtp_format.writer.work import new_work, remove_entry
 
 TARGETS = ("hf", "fully_reshardable", "torch")
 DEFAULT_SHARD = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
@@ -322,6 +323,39 @@ def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_byt
     return info
 
 
+def attest_file(dst: Path | ObjectURL, beside: Path | ObjectURL, record: dict[str, Any]) -> None:
+    """The attestation of a one-file output (``--to torch``), created once the file is committed, only where
+    nothing is (:func:`gtp_format.commit.commit_file`; a bucket's conditional create). The file has no chunk
+    records, so its ``target`` names the file and carries no root hash; a failure here leaves the committed
+    file and says so."""
+    iteration = record["source"].get("iteration")
+    raw = json.dumps({**record, "target": {"path": str(dst), "root_hash": None, "iteration": iteration,
+                                           "run_id": None}}, indent=1).encode()
+    local = (upload_staging() / beside.name) if isinstance(beside, ObjectURL) else beside
+    work = new_work(local, "tmp")  # this writer's, so a killed export's leftover is removed by the next one there
+    tmp = work / local.name
+    try:
+        write_durable(tmp, raw)
+        if isinstance(beside, ObjectURL):
+            from gtp_format.storage import upload
+
+            upload.Upload(beside).run_file(tmp)
+        else:
+            commit_file(tmp, beside)
+    except (OSError, FormatError) as e:
+        why = e.message if isinstance(e, FormatError) else (e.strerror or str(e))
+        raise FormatError(f"{dst} was written, but its attestation {beside} was not ({why}); the export is "
+                          "complete without it") from None
+    finally:
+        remove_entry(work)
+
+
+def upload_staging() -> Path:
+    from gtp_format.storage import upload
+
+    return upload.staging_dir()
+
+
 def output_bytes(dst: Path | ObjectURL, inner: str | None) -> int:
     """Bytes of the committed output: a file, a folder's files, or a bucket's objects (as listed)."""
     if isinstance(dst, ObjectURL):
@@ -374,7 +408,16 @@ def export(src: Path | ObjectURL, dst: Path | ObjectURL, to: str, optimizer: boo
     nested: dict[str, str] = {}
     if to == "torch":
         check_destination(dst, source.names, COPIES)
+        beside = attestation_beside(dst)
+        record = attestation("ckpt export --to torch", derived(source.ckpt, "export")[1])
+        try:  # refused before the file is written, not after
+            check_destination(beside, source.names, COPIES)
+        except FormatError:
+            raise FormatError(f"{beside} already exists (the attestation of an earlier export to {dst.name}); "
+                              "nothing was written; remove it or pick a new DST") from None
         info = export_torch(source, dst, max_memory, progress)
+        attest_file(dst, beside, record)
+        info["attestation"] = str(beside)
     else:
         holder: dict[str, Any] = {}
 
