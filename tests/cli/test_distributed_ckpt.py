@@ -322,7 +322,10 @@ def test_import_under_torchrun(tmp_path: Path) -> None:
     assert_same_output(tmp_path / "one", tmp_path / "many", exact=True)
 
 
-def test_a_damaged_source_found_by_one_rank_fails_every_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", [("reshard", *TARGET), ("export", "--to", "hf", "--optimizer",
+                                                                 "--max-shard-size", "100KB")],
+                         ids=["reshard", "export-hf"])
+def test_a_damaged_source_found_by_one_rank_fails_every_rank(tmp_path: Path, command: tuple[str, ...]) -> None:
     import shutil
 
     from damage import flip
@@ -331,8 +334,8 @@ def test_a_damaged_source_found_by_one_rank_fails_every_rank(tmp_path: Path) -> 
     shutil.copytree(SRC, bad)
     data = sorted((bad / "iter_0000002").glob("__*_0.distcp"))[-1]
     flip(data, data.stat().st_size // 3)
-    want = one("reshard", str(bad), str(tmp_path / "one"), *TARGET)
-    got = ranked(2, "reshard", str(bad), str(tmp_path / "many"), *TARGET)
+    want = one(command[0], str(bad), str(tmp_path / "one"), *command[1:])
+    got = ranked(2, command[0], str(bad), str(tmp_path / "many"), *command[1:])
     assert want.returncode == got.returncode == 1, got.stderr[-3000:]
     lines = [x for x in got.stderr.splitlines() if x.startswith("ckpt: error:")]
     assert len(lines) == 2 and all("damaged" in x and re.search(r"rank [01]", x) for x in lines), lines
