@@ -206,3 +206,4 @@ def iteration_from_name(folder: PurePath) -> int | None:
     return int(m.group(1)) if m else None
 
 ATTESTATION_FILE = "gtp_attestation.json"  # a conversion's record beside its output (reshard, export, import)
+ATTESTATION_SUFFIX = ".gtp_attestation.json"  # beside a one-file output: model.pt.gtp_attestation.json

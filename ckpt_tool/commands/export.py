@@ -94,9 +94,13 @@ def export_command(
 
     with contextlib.ExitStack() as stack:
         bar = progress_opener(stack, f"exporting to {to}", fmt)
-        info = ranks.on_root(lambda: export(src, dst, to, optimizer, max_memory, workers, max_shard_size, bar, names,
-                                            tokenizer, num_heads))  # under torchrun: rank 0 alone
-    if info is None:
+        run = lambda: export(src, dst, to, optimizer, max_memory, workers, max_shard_size, bar,  # noqa: E731
+                             names, tokenizer, num_heads)
+        # under torchrun: hf and fully_reshardable split their files over the ranks (rank 0 commits); torch's one
+        # file is written by rank 0 alone
+        info = ranks.on_root(run) if to == "torch" else run()
+    group = ranks.current()
+    if info is None or (group is not None and not group.root):
         return
     what = count(info["params"], "param") if to != "torch" else count(info["keys"], "key")
     if info.get("objects"):  # megatron-core's byte objects: what came along and what did not

@@ -119,7 +119,7 @@ class Storage(ABC):
 
     @abstractmethod
     def work_target(self, parent: Path) -> Path:
-        """The name the work folder in ``parent`` is derived from (:func:`gtp_format.writer.work.new_work`)."""
+        """The name the work folder in ``parent`` is derived from (:func:`gtp_format.work.new_work`)."""
 
     @abstractmethod
     def commit(self, work: Path, fault: Callable[[str], None] | None = None, commit_object: str | None = None) -> None:
