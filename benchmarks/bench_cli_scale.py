@@ -11,7 +11,9 @@ Rows (each a ratio against its baseline, measured in this run, on this machine):
   always under ``--smoke``);
 * ``reshard_vs_cp``, ``export_hf_vs_cp``: ``ckpt reshard SRC DST --tp 2 --cp 1 --no-fold-cp`` and
   ``ckpt export SRC DST --to hf --optimizer`` against ``cp -r SRC COPY`` (bench_reshard.py's
-  synthetic dp_reshardable source, ``--layers/--hidden/--ffn``); an untimed ``sync`` before each;
+  synthetic dp_reshardable source, ``--layers/--hidden/--ffn``); an untimed ``sync`` before each; the
+  ``sync`` after each is timed apart (``cp -r`` returns with its bytes in the page cache, ours after
+  their ``fsync``), giving ``ratio_vs_cp_then_sync``, beside this disk's ``dd oflag=direct`` write speed;
 * ``inspect_1m_vs_torch``, ``inspect_1m_rss_vs_torch``: ``ckpt inspect DIR --format json`` against a
   process that runs PyTorch's ``FileSystemReader(DIR).read_metadata()``, on bench_inspect.py's
   synthetic ``.metadata`` of ``--meta-chunks`` chunks (``CKPT_MAX_METADATA_BYTES`` raised: its data

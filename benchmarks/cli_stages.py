@@ -2,6 +2,7 @@
 
     python benchmarks/cli_stages.py --out prof.json -- reshard SRC DST --tp 2 --cp 1 --no-fold-cp
     python benchmarks/cli_stages.py --out prof.json -- export SRC DST --to hf --optimizer
+    python benchmarks/cli_stages.py --smoke --workdir W --out prof.json   # ckpt inspect of a small one (seconds)
 
 The command runs in this process (``ckpt_tool.cli.run``); a sampler thread reads every thread's
 innermost Python frame every ``--interval`` seconds (``sys._current_frames``) and names the stage by
@@ -157,9 +158,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="write the profile here as JSON")
     ap.add_argument("--interval", type=float, default=0.005)
+    ap.add_argument("--smoke", action="store_true", help="profile `ckpt inspect` of a 2,000-chunk .metadata made here")
+    ap.add_argument("--workdir", default="/tmp/cli_stages_smoke", help="--smoke: where its input is made")
     ap.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the ckpt command line")
     args = ap.parse_args()
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if args.smoke:
+        from types import SimpleNamespace
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_inspect import generate
+
+        generate(Path(args.workdir), 2000, SimpleNamespace(chunks_per_key=100, chunk_numel=4096, files=4))
+        argv = ["inspect", args.workdir, "--format", "json"]
     result = profile(argv, args.interval)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -1,6 +1,7 @@
 """Where opening a large DCP ``.metadata`` spends its time and memory, one stage at a time (one process).
 
     python benchmarks/meta_stages.py DIR   # DIR holds .metadata (bench_cli_scale.py --make meta DIR)
+    python benchmarks/meta_stages.py --smoke --workdir W   # a 2,000-chunk one made in W (seconds)
 
 Stages, each timed in CPU seconds (``time.process_time``) with the process's resident memory after it:
 reading the file; the two Python pre-walks (``check_pickle``, ``check_shape``) and the compiled one that
@@ -24,7 +25,17 @@ def _rss_mib() -> float:
 
 
 def main() -> int:
-    folder = Path(sys.argv[1])
+    args = sys.argv[1:]
+    if args[:1] == ["--smoke"]:  # a small .metadata of its own (under the compiled walk's threshold)
+        from types import SimpleNamespace
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_inspect import generate
+
+        folder = Path(args[args.index("--workdir") + 1] if "--workdir" in args else "/tmp/meta_stages_smoke")
+        generate(folder, 2000, SimpleNamespace(chunks_per_key=100, chunk_numel=4096, files=4))
+    else:
+        folder = Path(args[0])
     out: dict[str, object] = {}
     t = time.process_time()
 
