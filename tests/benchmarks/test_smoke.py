@@ -360,7 +360,7 @@ def check_cli_stages(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
 
 def check_meta_stages(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     doc = json.loads(p.stdout[p.stdout.index("{"):])
-    assert doc["chunks"] == 2000 and doc["compiled walk passes"] is False  # under its 8 MiB threshold
+    assert doc["chunks"] == 2000 and doc["compiled walk passes"] is False  # under its size threshold
     assert all(doc[k]["cpu_s"] >= 0 for k in ("read", "check_shape (Python)", "model (_entries)"))
 
 
