@@ -413,9 +413,9 @@ _KNOWN_MAX = 8
 def _remember(max_depth: int, pats: tuple[re.Pattern[bytes], re.Pattern[bytes]], copies: tuple[int, ...],
               pushed: list[int], made: list[int], counted: int) -> None:
     known = _KNOWN.setdefault(max_depth, [])
-    if any(k[0] is pats and k[1] == copies for k in known):
+    if any(k[0] is pats and k[1] == copies for k in tuple(known)):
         return
-    known.insert(0, (pats, copies, list(pushed), list(made), counted))
+    known.insert(0, (pats, copies, list(pushed), list(made), counted))  # newest first; each step atomic
     del known[_KNOWN_MAX:]
 
 
@@ -426,16 +426,14 @@ def _known_run(data: bytes | bytearray, start: int, end: int, stack: list[int], 
     if not known:
         return None
     below = len(memo)
-    for i, (pats, copies, pushed, made, counted) in enumerate(known):
-        run = pats[0].match(data, start, end)
+    for pats, copies, pushed, made, counted in tuple(known):  # a snapshot: threads share the list (byte objects'
+        run = pats[0].match(data, start, end)                 # pickles are walked on a pool)
         if run is None:
             continue
         rows = pats[1].findall(data, start, run.end())
         n = len(rows)
         if not all(_copies(r, memo, below) == copies for r in set(rows)) or built + counted * n > limit:
             return None  # the unit-by-unit path decides (and reports the exact byte of an error)
-        if i:
-            known.insert(0, known.pop(i))
         stack.extend(pushed * n)
         memo.extend(made * n)
         return run.end(), built + counted * n, True
