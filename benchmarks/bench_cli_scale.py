@@ -11,7 +11,9 @@ Rows (each a ratio against its baseline, measured in this run, on this machine):
   always under ``--smoke``);
 * ``reshard_vs_cp``, ``export_hf_vs_cp``: ``ckpt reshard SRC DST --tp 2 --cp 1 --no-fold-cp`` and
   ``ckpt export SRC DST --to hf --optimizer`` against ``cp -r SRC COPY`` (bench_reshard.py's
-  synthetic dp_reshardable source, ``--layers/--hidden/--ffn``); an untimed ``sync`` before each;
+  synthetic dp_reshardable source, ``--layers/--hidden/--ffn``); an untimed ``sync`` before each; the
+  ``sync`` after each is timed apart (``cp -r`` returns with its bytes in the page cache, ours after
+  their ``fsync``), giving ``ratio_vs_cp_then_sync``, beside this disk's ``dd oflag=direct`` write speed;
 * ``inspect_1m_vs_torch``, ``inspect_1m_rss_vs_torch``: ``ckpt inspect DIR --format json`` against a
   process that runs PyTorch's ``FileSystemReader(DIR).read_metadata()``, on bench_inspect.py's
   synthetic ``.metadata`` of ``--meta-chunks`` chunks (``CKPT_MAX_METADATA_BYTES`` raised: its data
@@ -102,7 +104,7 @@ def timed(cmd: list[str], env: dict[str, str] | None = None, ok: tuple[int, ...]
     t = time.perf_counter()
     with open(os.devnull, "wb") as devnull, tempfile.TemporaryFile() as errors:  # a file: no pipe to fill
         p = subprocess.Popen(cmd, cwd=REPO, env=full, stdin=subprocess.DEVNULL,
-                             stdout=devnull if cmd[0] in ("cat", "cp") else subprocess.PIPE, stderr=errors)
+                             stdout=devnull if cmd[0] in ("cat", "cp", "dd") else subprocess.PIPE, stderr=errors)
         out = p.stdout.read() if p.stdout else b""
         _, status, usage = os.wait4(p.pid, 0)
         errors.seek(0)
@@ -218,15 +220,39 @@ def bench_reshard(args: argparse.Namespace, work: Path) -> list[dict]:
         for name, cmd in cmds.items():
             os.sync()  # untimed: no earlier command's writeback during this one
             got[name].append(timed(cmd))
+            t = time.perf_counter()
+            os.sync()  # timed apart: what the command left for the disk (ours fsync before they commit)
+            got[name][-1]["sync"] = time.perf_counter() - t
             shutil.rmtree(dsts[name], ignore_errors=True)
     cp = best(got["cp"])
+    disk = direct_write_gbps(work, min(nbytes, 8 << 30))
     rows = []
     for name, label in (("reshard", "reshard_vs_cp"), ("export", "export_hf_vs_cp")):
         o = best(got[name])
         rows.append(row(label, o, cp, cp["wall"] / o["wall"], f"throughput: cp -r s / {name} s (higher is better)",
-                        size, command=shlex.join(cmds[name]), baseline_command=shlex.join(cmds["cp"])))
+                        size, command=shlex.join(cmds[name]), baseline_command=shlex.join(cmds["cp"]),
+                        baseline_sync_s=round(cp["sync"], 3), ours_sync_s=round(o["sync"], 3),
+                        ratio_vs_cp_then_sync=round((cp["wall"] + cp["sync"]) / (o["wall"] + o["sync"]), 3),
+                        ours_gbps=round(nbytes / 1e9 / o["wall"], 2), dd_direct_write_gbps=disk))
     shutil.rmtree(src, ignore_errors=True)
     return rows
+
+
+def direct_write_gbps(work: Path, nbytes: int) -> float | None:
+    """The disk's durable write speed here: ``dd oflag=direct conv=fsync`` of ``nbytes`` in 16 MiB blocks (one
+    stream). ``cp -r`` returns once its bytes are in the page cache; ``reshard`` and ``export`` return once
+    theirs are on the disk (``O_DIRECT`` and ``fsync``), so this is their floor, not ``cp``'s."""
+    out = work / "dd.bin"
+    cmd = ["dd", "if=/dev/zero", f"of={out}", "bs=16M", f"count={max(1, nbytes >> 24)}", "oflag=direct",
+           "conv=fsync", "status=none"]
+    try:
+        os.sync()
+        r = timed(cmd)
+    except SystemExit:
+        return None
+    finally:
+        out.unlink(missing_ok=True)
+    return round((max(1, nbytes >> 24) << 24) / 1e9 / r["wall"], 2)
 
 
 # -- inspect and verify of a 1M-chunk .metadata against torch's read_metadata ----------------------

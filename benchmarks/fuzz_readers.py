@@ -82,7 +82,7 @@ def pickle_target() -> tuple[list[bytes], Callable[[bytes], None]]:
     seeds = [p.read_bytes() for p in sorted(REPO.glob("fixtures/*/*/iter_*/.metadata"))]
 
     def run(data: bytes) -> None:
-        metadata_entries(Path("fuzz/.metadata"), data, load_metadata_pickle(data, "fuzz/.metadata"))
+        metadata_entries(Path("fuzz/.metadata"), len(data), load_metadata_pickle(data, "fuzz/.metadata"))
 
     return seeds, run
 

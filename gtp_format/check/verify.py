@@ -8,11 +8,14 @@ not hide the next one: a verify run reports everything it can see.
 
 from __future__ import annotations
 
+import math
 import os
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from itertools import chain, repeat
+from operator import add, attrgetter, eq, le, mul
 from typing import Any
 
 import numpy as np
@@ -37,7 +40,7 @@ from gtp_format.errors import ChunkError, FormatError
 from gtp_format.hashing import HASHERS, file_digests
 from gtp_format.integrity.records import ChunkRecord, read_records
 from gtp_format.layout.boxes import check_coverage
-from gtp_format.model import ENC_TORCH_SAVE, TENSOR, Checkpoint, Entry, Problem
+from gtp_format.model import BYTES, ENC_RAW, ENC_TORCH_SAVE, TENSOR, Checkpoint, Entry, Problem
 from gtp_format.names import OPT_PREFIX, OptimizerKey, dtype_tag, per_bucket_numel_key
 from gtp_format.progress import Progress
 from gtp_format.reader.chunks import declared_size_problem, load_elements, load_plain
@@ -107,6 +110,9 @@ def check_geometry(ckpt: Checkpoint) -> list[Problem]:
 
 def check_storage(ckpt: Checkpoint) -> list[Problem]:
     """Every chunk has storage, inside the folder, in an existing file, within its size."""
+    fast = _storage_in_order(ckpt)
+    if fast is not None:
+        return fast
     out: list[Problem] = []
     sizes: dict[str, int | ChunkError] = {}
     ranges: dict[str, list[tuple[int, int, str, int]]] = defaultdict(list)
@@ -156,6 +162,65 @@ def check_storage(ckpt: Checkpoint) -> list[Problem]:
                            f"{min(keys)}", key=min(keys), file=file))
     out += _byte_range_problems(ckpt, ranges, sizes)
     for name in sorted(ckpt.data_files.keys() - ranges.keys() - sizes.keys()):
+        out.append(Problem("warning", "orphan_file", "data file is referenced by no chunk", file=name))
+    return out
+
+
+def _storage_in_order(ckpt: Checkpoint) -> list[Problem] | None:
+    """:func:`check_storage`'s verdict over columns when no chunk has a problem of its own, else ``None``.
+
+    Why: the chunk-by-chunk walk below costs a Python step (and a sort of a million tuples) per chunk,
+    which made ``verify`` of a 1M-chunk ``.metadata`` 2 s slower than ``inspect`` on the 16-core machine.
+    Here every rule is one C-level pass over a column (storage present, safe and existing files, no
+    transforms, ranges inside their file, declared sizes that fit) and the byte ranges are sorted per
+    file in numpy. Any chunk that breaks a rule, or two ranges that overlap, sends the caller to the
+    walk, which names each problem as before; in order, the only findings are the per-file warnings,
+    in the walk's order (unreferenced bytes by file in first use, then orphan files).
+    """
+    entries = [e for e in ckpt.entries.values() if e.chunks]
+    chunks = list(chain.from_iterable(e.chunks for e in entries))
+    refs = list(map(attrgetter("storage"), chunks))
+    if not refs or refs.count(None):
+        return None
+    files, starts, lengths, transforms = (list(map(attrgetter(name), refs))  # not zip(*refs): 30x slower
+                                          for name in ("file", "offset", "length", "transforms"))
+    if any(transforms) or not set(map(type, starts)) | set(map(type, lengths)) <= {int}:
+        return None
+    sizes: dict[str, int] = {}
+    for name in dict.fromkeys(files):  # first use order, as the walk's ranges
+        if type(name) is not str or unsafe_reason(name) is not None:
+            return None
+        try:
+            sizes[name] = file_size(ckpt.root, name)
+        except ChunkError:
+            return None
+    ends = list(map(add, starts, lengths))
+    if not all(map(le, ends, map(sizes.__getitem__, files))):
+        return None
+    if any(e.kind == BYTES for e in entries) and ckpt.encoding == ENC_RAW:
+        return None  # a raw byte object must be exactly as long as its elements: the walk decides
+    itemsizes = chain.from_iterable(repeat(0 if e.kind == BYTES else e.itemsize, len(e.chunks)) for e in entries)
+    needs = list(map(mul, map(math.prod, map(attrgetter("sizes"), chunks)), itemsizes))
+    if not all(map(eq if ckpt.encoding == ENC_RAW else le, needs, lengths)):
+        return None
+    codes = dict(zip(sizes, range(len(sizes))))
+    code = np.fromiter(map(codes.__getitem__, files), np.int64, len(files))
+    lo, hi = np.fromiter(starts, np.int64, len(starts)), np.fromiter(ends, np.int64, len(ends))
+    order = np.lexsort((hi, lo, code))
+    code, lo, hi = code[order], lo[order], hi[order]
+    bounds = np.searchsorted(code, np.arange(len(sizes) + 1))
+    out = []
+    for i, name in enumerate(sizes):
+        a, b = lo[bounds[i]:bounds[i + 1]], hi[bounds[i]:bounds[i + 1]]
+        reach = np.maximum.accumulate(b)  # the furthest byte any earlier range reached
+        if a.size > 1 and bool((a[1:] < reach[:-1]).any()):
+            return None  # shared bytes: the walk names each pair
+        before = np.concatenate(([0], reach[:-1]))
+        unclaimed = int(np.maximum(a - before, 0).sum()) + max(0, sizes[name] - int(reach[-1]))
+        if ckpt.encoding == ENC_TORCH_SAVE and unclaimed:
+            out.append(Problem("warning", "unreferenced_bytes", f"{unclaimed} bytes of the file belong to no chunk "
+                               "(a duplicate write by an aliased rank, or leftovers)", file=name))
+    for name in sorted(ckpt.data_files.keys() - sizes.keys()):
         out.append(Problem("warning", "orphan_file", "data file is referenced by no chunk", file=name))
     return out
 

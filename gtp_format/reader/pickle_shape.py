@@ -348,6 +348,9 @@ def _fast_run(data: bytes | bytearray, start: int, end: int, stack: list[int], m
     raises whatever error it holds at its exact byte.
     """
     n0 = len(memo)
+    done = _known_run(data, start, end, stack, memo, built, limit, max_depth)
+    if done is not None:
+        return done
     scratch: list[int] = []
     unit: list[bytes] = []
     made: list[int] = []  # depths the unit memoizes, in order
@@ -376,6 +379,7 @@ def _fast_run(data: bytes | bytearray, start: int, end: int, stack: list[int], m
     more, keep = 0, True
     if run is not None:
         rows = pats[1].findall(data, pos, run.end())
+        first = None
         if pats[1].groups:
             # each record of the run copies entries that existed before it, of the depths the first one copied
             first = _copies(pats[1].match(data, start), memo, n0)
@@ -385,10 +389,55 @@ def _fast_run(data: bytes | bytearray, start: int, end: int, stack: list[int], m
             more, keep = 0, False
     stack.extend(scratch)
     if more:
+        if pats[1].groups and first is not None:
+            _remember(max_depth, pats, first, scratch, made, count - built)  # type: ignore[arg-type]
         stack.extend(scratch * more)
         memo.extend(made * more)
         return run.end(), count + (count - built) * more, keep  # type: ignore[union-attr]
     return pos, count, keep
+
+
+# What a unit of a run did to the replay's state, by shape: the next run of the same shape starts with a
+# match instead of replaying its first unit and building its expression again. A DCP file of 100 chunks
+# per key has a run per key (and per key's storage entries): 26,000 runs at a million chunks, and the
+# first unit's replay and expression were most of the fast path's time (check_shape of 1M chunks: about
+# half its CPU). The effect of a unit (the depths it pushes and memoizes, the containers it counts)
+# depends only on its opcodes and on the depths of the memo entries it copies, so a run whose units
+# match the shape and copy entries of the same depths has the same effect per unit, with the same
+# checks passed (depths within ``max_depth``: each remembered effect is kept per ``max_depth``).
+_KNOWN: dict[int, list[tuple[tuple[re.Pattern[bytes], re.Pattern[bytes]], tuple[int, ...], list[int], list[int],
+                             int]]] = {}
+_KNOWN_MAX = 8
+
+
+def _remember(max_depth: int, pats: tuple[re.Pattern[bytes], re.Pattern[bytes]], copies: tuple[int, ...],
+              pushed: list[int], made: list[int], counted: int) -> None:
+    known = _KNOWN.setdefault(max_depth, [])
+    if any(k[0] is pats and k[1] == copies for k in tuple(known)):
+        return
+    known.insert(0, (pats, copies, list(pushed), list(made), counted))  # newest first; each step atomic
+    del known[_KNOWN_MAX:]
+
+
+def _known_run(data: bytes | bytearray, start: int, end: int, stack: list[int], memo: list[int], built: int,
+               limit: int, max_depth: int) -> tuple[int, int, bool] | None:
+    """The run at ``start`` replayed by a remembered unit's effect (see above), or ``None``: nothing changed."""
+    known = _KNOWN.get(max_depth)
+    if not known:
+        return None
+    below = len(memo)
+    for pats, copies, pushed, made, counted in tuple(known):  # a snapshot: threads share the list (byte objects'
+        run = pats[0].match(data, start, end)                 # pickles are walked on a pool)
+        if run is None:
+            continue
+        rows = pats[1].findall(data, start, run.end())
+        n = len(rows)
+        if not all(_copies(r, memo, below) == copies for r in set(rows)) or built + counted * n > limit:
+            return None  # the unit-by-unit path decides (and reports the exact byte of an error)
+        stack.extend(pushed * n)
+        memo.extend(made * n)
+        return run.end(), built + counted * n, True
+    return None
 
 
 def _copies(row: object, memo: list[int], below: int) -> tuple[int, ...] | None:

@@ -64,6 +64,8 @@ SMOKE = {
     "bench_sink.py": [],
     "bench_cli_scale.py": ["--workdir", "{tmp}/cli_scale", "--out", "{tmp}/cli_scale_out"],
     "bench_dist_ckpt.py": ["--workdir", "{tmp}/dist_ckpt", "--out", "{tmp}/dist_ckpt_out"],
+    "cli_stages.py": ["--workdir", "{tmp}/cli_stages", "--out", "{tmp}/cli_stages.json"],
+    "meta_stages.py": ["--workdir", "{tmp}/meta_stages"],
 }
 # Not run with --smoke by the test above; each has its own test below.
 # save_stages.py is bench_save_integrity.py's timers: its stage table is checked in check_save_integrity.
@@ -351,6 +353,17 @@ def check_cli_scale(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert doc["rows"][-1]["verify_ok"] and not (tmp / "cli_scale").exists()
 
 
+def check_cli_stages(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    doc = json.loads((tmp / "cli_stages.json").read_text())
+    assert doc["rc"] == 0 and doc["argv"][0] == "inspect" and doc["wall_s"] > 0 and doc["ticks"] > 0
+
+
+def check_meta_stages(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    doc = json.loads(p.stdout[p.stdout.index("{"):])
+    assert doc["chunks"] == 2000 and doc["compiled walk passes"] is False  # under its size threshold
+    assert all(doc[k]["cpu_s"] >= 0 for k in ("read", "check_shape (Python)", "model (_entries)"))
+
+
 CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_ckpt_async.py": check_ckpt_async,
     "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
@@ -367,7 +380,7 @@ CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_s3_ckpt.py": check_s3_ckpt,
     "ckpt_io_stages.py": check_io_stages,
     "bench_sink.py": check_sink,
-    "bench_cli_scale.py": check_cli_scale,
+    "bench_cli_scale.py": check_cli_scale, "cli_stages.py": check_cli_stages, "meta_stages.py": check_meta_stages,
     "bench_dist_ckpt.py": check_dist_ckpt,
 }
 

@@ -177,3 +177,34 @@ def test_fast_path_agrees_on_mutated_records():
         tried += 1
         assert _verdict(bytes(data), True) == _verdict(bytes(data), False)
     assert tried > 50
+
+
+def test_remembered_runs_agree_with_the_replay():
+    """A run replayed by a remembered unit's effect (the next run of the same shape) gives the replay's verdict,
+    also where its records copy memo entries of other depths (the same shape, another effect) or run over
+    the container limit."""
+    from gtp_format.reader import pickle_shape
+
+    shallow, deep = [1], _nested(MAX_DEPTH - 10)
+    keys = [f"k{i}" for i in range(30)]  # a shape's expression is compiled after it starts 8 runs
+    notes = [shallow, deep] * 9 + [_nested(MAX_DEPTH + 1)] + [deep, shallow] * 5 + [shallow]
+    state = {k: [_Chunk((i * 64,), (64,), note) for i in range(20)] for k, note in zip(keys, notes)}
+    for proto in (2, 4, 5):
+        pickle_shape._KNOWN.clear()
+        data = pickle.dumps({"warm": _dcp_like(40), "state": state}, protocol=proto)
+        first = _same_verdict(data)
+        assert bool(pickle_shape._KNOWN) == (proto >= 4), "no run was remembered"  # 2: BINPUT, no fast path
+        assert _same_verdict(data) == first  # now with every shape remembered
+        assert isinstance(first, str) and "deep" in first
+        ok = pickle.dumps({"warm": _dcp_like(40), "state": {k: v for k, v in state.items() if k != "k18"}},
+                          protocol=proto)
+        assert not isinstance(_same_verdict(ok), str)
+        for limit in (500, 900, 1500, 2500, 4000):
+            out = []
+            for fast in (True, False):
+                try:
+                    pickle_shape._replay(ok, 0, len(ok), [], [], [], 0, limit, MAX_DEPTH, fast, 0)
+                    out.append("ok")
+                except PickleScanError as e:
+                    out.append(str(e))
+            assert out[0] == out[1]
