@@ -69,7 +69,7 @@ def main() -> int:
     stage("walk again + C unpickle")
     size = len(raw)
     del raw
-    entries, notes, _ = dcp_reader._entries(folder / ".metadata", size, md)
+    entries, notes, _ = dcp_reader.metadata_entries(folder / ".metadata", size, md)
     stage("model (_entries)")
     del md
     stage("records freed")

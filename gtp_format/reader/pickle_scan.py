@@ -32,12 +32,12 @@ import re
 import struct
 import sys
 
-_ZERO_ARG = b"\x94\x85\x86\x87()}]\x81Rbeu0N\x88\x89atl\x8f\x90\x91\x93\x92do12sQ\x97\x98"
-_ARG1 = b"hKq\x80\x82"  # BINGET, BININT1, BINPUT (index < 256: harmless), PROTO, EXT1
-_ARG2 = b"M\x83"  # BININT2, EXT2
-_ARG4 = b"jJ\x84"  # LONG_BINGET, BININT, EXT4 (LONG_BINPUT is checked in Python)
-_ARG8 = b"\x95G"  # FRAME (its length counts bytes that follow as ordinary opcodes), BINFLOAT
-_LEN1 = b"\x8cCU\x8a"  # SHORT_BINUNICODE, SHORT_BINBYTES, SHORT_BINSTRING, LONG1: 1-byte length
+ZERO_ARG = b"\x94\x85\x86\x87()}]\x81Rbeu0N\x88\x89atl\x8f\x90\x91\x93\x92do12sQ\x97\x98"
+ARG1 = b"hKq\x80\x82"  # BINGET, BININT1, BINPUT (index < 256: harmless), PROTO, EXT1
+ARG2 = b"M\x83"  # BININT2, EXT2
+ARG4 = b"jJ\x84"  # LONG_BINGET, BININT, EXT4 (LONG_BINPUT is checked in Python)
+ARG8 = b"\x95G"  # FRAME (its length counts bytes that follow as ordinary opcodes), BINFLOAT
+LEN1 = b"\x8cCU\x8a"  # SHORT_BINUNICODE, SHORT_BINBYTES, SHORT_BINSTRING, LONG1: 1-byte length
 
 
 def _charset(ops: bytes) -> bytes:
@@ -59,22 +59,22 @@ WINDOW = 1 << 16
 _LONGEST = 2 + 255  # the longest opcode the expression matches: a 1-byte length and its payload
 _RUN = re.compile(
     b"(?:" + b"|".join([
-        _charset(_ZERO_ARG) + MANY,  # a run of them in one tight loop of the engine: 40% faster overall
-        _charset(_ARG4) + b".{4}",
-        _charset(_ARG1) + b".",
-        _charset(_LEN1) + _len1_payload(),
-        _charset(_ARG2) + b".{2}",
-        _charset(_ARG8) + b".{8}",
+        _charset(ZERO_ARG) + MANY,  # a run of them in one tight loop of the engine: 40% faster overall
+        _charset(ARG4) + b".{4}",
+        _charset(ARG1) + b".",
+        _charset(LEN1) + _len1_payload(),
+        _charset(ARG2) + b".{2}",
+        _charset(ARG8) + b".{8}",
     ]) + b")" + _ANY,
     re.DOTALL,
 )
 
 _STOP = ord(".")
 _LONG_BINPUT = ord("r")
-_PUT = ord("p")
-_LEN4 = {ord(c): 4 for c in "XTB\x8b"}  # BINUNICODE, BINSTRING, BINBYTES, LONG4
-_LEN8 = {ord(c): 8 for c in "\x8d\x8e\x96"}  # BINUNICODE8, BINBYTES8, BYTEARRAY8
-_TEXT_LINES = {ord(c): 1 for c in "ILFSVgP"} | {ord("c"): 2, ord("i"): 2}  # newline-terminated arguments
+PUT = ord("p")
+LEN4 = {ord(c): 4 for c in "XTB\x8b"}  # BINUNICODE, BINSTRING, BINBYTES, LONG4
+LEN8 = {ord(c): 8 for c in "\x8d\x8e\x96"}  # BINUNICODE8, BINBYTES8, BYTEARRAY8
+TEXT_LINES = {ord(c): 1 for c in "ILFSVgP"} | {ord("c"): 2, ord("i"): 2}  # newline-terminated arguments
 
 
 class PickleScanError(ValueError):
@@ -102,8 +102,8 @@ def check_pickle(data: bytes | bytearray) -> int:
             index = struct.unpack_from("<I", data, pos + 1)[0]
             _check_memo_index(index, pos)
             pos += 5
-        elif op in _LEN4 or op in _LEN8:
-            width = _LEN4.get(op) or _LEN8[op]
+        elif op in LEN4 or op in LEN8:
+            width = LEN4.get(op) or LEN8[op]
             if pos + 1 + width > end:
                 raise PickleScanError(f"opcode {op:#04x} at byte {pos} is cut off by the end of the data")
             length = int.from_bytes(data[pos + 1:pos + 1 + width], "little", signed=op == ord("\x8b"))
@@ -111,13 +111,13 @@ def check_pickle(data: bytes | bytearray) -> int:
                 raise PickleScanError(f"opcode {op:#04x} at byte {pos} declares {length} bytes, past the end "
                                       f"of the {end}-byte data")
             pos += 1 + width + length
-        elif op == _PUT or op in _TEXT_LINES:
+        elif op == PUT or op in TEXT_LINES:
             start = pos + 1
-            for _ in range(_TEXT_LINES.get(op, 1)):
+            for _ in range(TEXT_LINES.get(op, 1)):
                 newline = data.find(b"\n", start)
                 if newline < 0:
                     raise PickleScanError(f"opcode {chr(op)!r} at byte {pos} has no newline-terminated argument")
-                if op == _PUT:
+                if op == PUT:
                     text = data[start:newline]
                     if not (text.isdigit() and len(text) <= 19):
                         raise PickleScanError(f"PUT at byte {pos} has the index {bytes(text[:24])!r}, not a "

@@ -41,11 +41,11 @@ from gtp_format.reader.pickle_scan import MANY, PickleScanError
 MAX_DEPTH = 32  # genuine DCP metadata nests 9 deep (Metadata > dict > record > dict > list > chunk > dict > tuple)
 
 # action codes
-_ATOM, _NOP, _EMPTY, _MARK, _COLLECT, _WRAP1, _WRAP2, _WRAP3, _APPEND, _SETITEM, _EXTEND, _CALL2, _CALL3, \
-    _GLOBAL2, _BUILD, _POP, _POPMARK, _DUP, _PUT, _MEMOIZE, _GET, _PERSID, _BINPERSID, _STOP, _GLOBAL = range(25)
-_IS_GLOBAL = -1  # the "depth" of a global on the replayed stack: BUILD or item assignment on it is refused
+ATOM, NOP, EMPTY, MARK, COLLECT, _WRAP1, _WRAP2, WRAP3, APPEND, SETITEM, EXTEND, CALL2, CALL3, \
+    GLOBAL2, BUILD, POP, POPMARK, DUP, PUT, MEMOIZE, GET, _PERSID, BINPERSID, STOP, GLOBAL = range(25)
+IS_GLOBAL = -1  # the "depth" of a global on the replayed stack: BUILD or item assignment on it is refused
 # argument kinds (> 0: that many bytes)
-_LINE, _LINES2, _LEN1, _LEN4, _LEN8 = -1, -2, -3, -4, -8
+_LINE, _LINES2, LEN1, LEN4, LEN8 = -1, -2, -3, -4, -8
 
 
 def _table() -> list[tuple[int, int] | None]:
@@ -55,53 +55,53 @@ def _table() -> list[tuple[int, int] | None]:
         for o in ops:
             t[ord(o)] = (arg, act)
 
-    add("N\x88\x89\x97", 0, _ATOM)
-    add("K", 1, _ATOM)
-    add("M", 2, _ATOM)
-    add("J", 4, _ATOM)
-    add("\x82", 1, _GLOBAL)  # EXT1/2/4: a global through copyreg's registry
-    add("\x83", 2, _GLOBAL)
-    add("\x84", 4, _GLOBAL)
-    add("G", 8, _ATOM)
-    add("\x8cCU\x8a", _LEN1, _ATOM)
-    add("XTB\x8b", _LEN4, _ATOM)
-    add("\x8d\x8e\x96", _LEN8, _ATOM)
-    add("ILFSV", _LINE, _ATOM)
-    add("c", _LINES2, _GLOBAL)
-    add("\x98", 0, _NOP)
-    add("\x80", 1, _NOP)
-    add("\x95", 8, _NOP)
-    add(")]}\x8f", 0, _EMPTY)
-    add("(", 0, _MARK)
-    add("tld\x91o", 0, _COLLECT)
-    add("i", _LINES2, _COLLECT)
+    add("N\x88\x89\x97", 0, ATOM)
+    add("K", 1, ATOM)
+    add("M", 2, ATOM)
+    add("J", 4, ATOM)
+    add("\x82", 1, GLOBAL)  # EXT1/2/4: a global through copyreg's registry
+    add("\x83", 2, GLOBAL)
+    add("\x84", 4, GLOBAL)
+    add("G", 8, ATOM)
+    add("\x8cCU\x8a", LEN1, ATOM)
+    add("XTB\x8b", LEN4, ATOM)
+    add("\x8d\x8e\x96", LEN8, ATOM)
+    add("ILFSV", _LINE, ATOM)
+    add("c", _LINES2, GLOBAL)
+    add("\x98", 0, NOP)
+    add("\x80", 1, NOP)
+    add("\x95", 8, NOP)
+    add(")]}\x8f", 0, EMPTY)
+    add("(", 0, MARK)
+    add("tld\x91o", 0, COLLECT)
+    add("i", _LINES2, COLLECT)
     add("\x85", 0, _WRAP1)
     add("\x86", 0, _WRAP2)
-    add("\x87", 0, _WRAP3)
-    add("a", 0, _APPEND)
-    add("s", 0, _SETITEM)
-    add("eu\x90", 0, _EXTEND)
-    add("R\x81", 0, _CALL2)
-    add("\x92", 0, _CALL3)
-    add("\x93", 0, _GLOBAL2)
-    add("b", 0, _BUILD)
-    add("0", 0, _POP)
-    add("1", 0, _POPMARK)
-    add("2", 0, _DUP)
-    add("p", _LINE, _PUT)
-    add("q", 1, _PUT)
-    add("r", 4, _PUT)
-    add("\x94", 0, _MEMOIZE)
-    add("g", _LINE, _GET)
-    add("h", 1, _GET)
-    add("j", 4, _GET)
+    add("\x87", 0, WRAP3)
+    add("a", 0, APPEND)
+    add("s", 0, SETITEM)
+    add("eu\x90", 0, EXTEND)
+    add("R\x81", 0, CALL2)
+    add("\x92", 0, CALL3)
+    add("\x93", 0, GLOBAL2)
+    add("b", 0, BUILD)
+    add("0", 0, POP)
+    add("1", 0, POPMARK)
+    add("2", 0, DUP)
+    add("p", _LINE, PUT)
+    add("q", 1, PUT)
+    add("r", 4, PUT)
+    add("\x94", 0, MEMOIZE)
+    add("g", _LINE, GET)
+    add("h", 1, GET)
+    add("j", 4, GET)
     add("P", _LINE, _PERSID)
-    add("Q", 0, _BINPERSID)
-    add(".", 0, _STOP)
+    add("Q", 0, BINPERSID)
+    add(".", 0, STOP)
     return t
 
 
-_TABLE = _table()
+TABLE = _table()
 
 
 def check_shape(data: bytes | bytearray, max_depth: int = MAX_DEPTH, max_containers: int | None = None,
@@ -126,7 +126,7 @@ def _replay(data: bytes | bytearray, pos: int, end: int, stack: list[int], marks
     mark on ``stack`` (returns that position), and refuses PUT (it must not overwrite a memo entry):
     :func:`_fast_run` replays the first records of a run this way.
     """
-    table = _TABLE
+    table = TABLE
     first = pos
     dense = isinstance(memo, list)  # memo keys are 0..len-1 (no PUT beyond the end): a list, MEMOIZE appends
     try:
@@ -139,23 +139,23 @@ def _replay(data: bytes | bytearray, pos: int, end: int, stack: list[int], marks
                 argpos, pos = pos, pos + arg
             elif arg == 0:
                 argpos = pos
-            elif arg == _LEN1:
+            elif arg == LEN1:
                 argpos, pos = pos, pos + 1 + data[pos]
-            elif arg == _LEN4:
+            elif arg == LEN4:
                 argpos, pos = pos, pos + 4 + int.from_bytes(data[pos:pos + 4], "little", signed=op == 0x8B)
-            elif arg == _LEN8:
+            elif arg == LEN8:
                 argpos, pos = pos, pos + 8 + int.from_bytes(data[pos:pos + 8], "little")
             else:
                 argpos = pos
                 for _ in range(-arg):
                     pos = data.index(b"\n", pos) + 1
-            if act == _MEMOIZE:  # the most frequent opcode first
+            if act == MEMOIZE:  # the most frequent opcode first
                 if dense:
                     memo.append(stack[-1])  # type: ignore[union-attr]
                 else:
                     memo[len(memo)] = stack[-1]
                 continue
-            if act == _PUT:
+            if act == PUT:
                 if fragment:
                     raise PickleScanError("PUT in a fast-path record")
                 if arg == 1:
@@ -172,7 +172,7 @@ def _replay(data: bytes | bytearray, pos: int, end: int, stack: list[int], marks
                     dense = False
                 memo[index] = stack[-1]
                 continue
-            if act == _GET:
+            if act == GET:
                 if arg == 1:
                     index = data[argpos]
                 elif arg == 4:
@@ -192,29 +192,29 @@ def _replay(data: bytes | bytearray, pos: int, end: int, stack: list[int], marks
                             continue
                 stack.append(memo[index])
                 continue
-            if act == _ATOM:
+            if act == ATOM:
                 stack.append(0)
                 continue
-            if act == _MARK:
+            if act == MARK:
                 marks.append(len(stack))
                 continue
-            if act == _GLOBAL:
-                stack.append(_IS_GLOBAL)
+            if act == GLOBAL:
+                stack.append(IS_GLOBAL)
                 continue
-            if act == _EMPTY:
+            if act == EMPTY:
                 stack.append(1)
-            elif act <= _WRAP3:  # _COLLECT, _WRAP1..3: items replaced by one container around them
-                start = marks.pop() if act == _COLLECT else len(stack) - (act - _COLLECT)
+            elif act <= WRAP3:  # COLLECT, _WRAP1..3: items replaced by one container around them
+                start = marks.pop() if act == COLLECT else len(stack) - (act - COLLECT)
                 if start < 0:
                     raise IndexError
                 depth = 1 + max(stack[start:], default=0)
                 del stack[start:]
                 stack.append(depth)
-            elif act == _APPEND or act == _BUILD:
+            elif act == APPEND or act == BUILD:
                 item = stack.pop() + 1
-                if stack[-1] == _IS_GLOBAL:
+                if stack[-1] == IS_GLOBAL:
                     _refuse_global_change(act, pos)
-                if fragment and act == _BUILD and len(stack) == fragment and not marks:
+                if fragment and act == BUILD and len(stack) == fragment and not marks:
                     if item > stack[-1]:
                         stack[-1] = item
                     if item <= max_depth:
@@ -228,41 +228,41 @@ def _replay(data: bytes | bytearray, pos: int, end: int, stack: list[int], marks
                         continue
                 else:
                     continue
-            elif act == _SETITEM:
+            elif act == SETITEM:
                 depth = max(stack.pop(), stack.pop()) + 1
-                if stack[-1] == _IS_GLOBAL:
+                if stack[-1] == IS_GLOBAL:
                     _refuse_global_change(act, pos)
                 stack[-1] = max(stack[-1], depth)
-            elif act == _EXTEND:
+            elif act == EXTEND:
                 start = marks.pop()
                 depth = 1 + max(stack[start:], default=0)
                 del stack[start:]
-                if stack[-1] == _IS_GLOBAL:
+                if stack[-1] == IS_GLOBAL:
                     _refuse_global_change(act, pos)
                 stack[-1] = max(stack[-1], depth)
-            elif act == _CALL2 or act == _CALL3 or act == _GLOBAL2:
-                n = 2 if act != _CALL3 else 3
+            elif act == CALL2 or act == CALL3 or act == GLOBAL2:
+                n = 2 if act != CALL3 else 3
                 if len(stack) < n:
                     raise IndexError
-                depth = 1 + max(stack[-n:]) if act != _GLOBAL2 else _IS_GLOBAL
+                depth = 1 + max(stack[-n:]) if act != GLOBAL2 else IS_GLOBAL
                 del stack[-n:]
                 stack.append(depth)
-            elif act == _POP:
+            elif act == POP:
                 stack.pop()
                 continue
-            elif act == _POPMARK:
+            elif act == POPMARK:
                 del stack[marks.pop():]
                 continue
-            elif act == _DUP:
+            elif act == DUP:
                 stack.append(stack[-1])
                 continue
             elif act == _PERSID:
                 stack.append(1)
-            elif act == _BINPERSID:
+            elif act == BINPERSID:
                 stack[-1] = 1
-            elif act == _STOP:
+            elif act == STOP:
                 return -1, built
-            else:  # _NOP
+            else:  # NOP
                 continue
             built += 1
             if built > limit or stack[-1] > max_depth:
@@ -315,7 +315,7 @@ def _shape(data: bytes | bytearray, start: int, stop: int, memo_len: int) -> byt
     while pos < stop:
         op = data[pos]
         if op in _INT_OPS:
-            pos += 1 + _TABLE[op][0]  # type: ignore[index]
+            pos += 1 + TABLE[op][0]  # type: ignore[index]
             out.append(_INT)
             continue
         if op in _LEN1_ATOMS:  # any bytes of the same length
@@ -330,7 +330,7 @@ def _shape(data: bytes | bytearray, start: int, stop: int, memo_len: int) -> byt
             out.append(_GET_GROUP)
             pos += 1 + width
             continue
-        if _TABLE[op] is None or _TABLE[op][0] != 0 or op in (0x2E, 0x95, 0x80):  # type: ignore[index]
+        if TABLE[op] is None or TABLE[op][0] != 0 or op in (0x2E, 0x95, 0x80):  # type: ignore[index]
             return None  # an opcode with an argument not handled above, STOP, FRAME, PROTO
         out.append(re.escape(bytes([op])))
         pos += 1
@@ -487,6 +487,6 @@ def _patterns(shape: bytes) -> tuple[re.Pattern[bytes], re.Pattern[bytes]] | Non
 
 
 def _refuse_global_change(act: int, pos: int) -> None:
-    what = "BUILD (setstate)" if act == _BUILD else "item assignment"
+    what = "BUILD (setstate)" if act == BUILD else "item assignment"
     raise PickleScanError(f"the pickle applies {what} to a global at byte {pos}: allow-listed globals (dtypes, "
                           "layouts, record classes) are shared by the whole process and never modified")

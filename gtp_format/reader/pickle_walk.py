@@ -39,22 +39,22 @@ STACK_CAP = 1 << 20  # items on the replayed stack (genuine DCP metadata: a few 
 MARK_CAP = 1 << 12  # open marks (genuine: one per nesting level)
 
 # argument kinds in the table below (> 0: that many bytes; as pickle_shape)
-_LEN1, _LEN4, _LEN8, _TEXT, _BAD = shape._LEN1, shape._LEN4, shape._LEN8, -100, -101
+_LEN1, _LEN4, _LEN8, _TEXT, _BAD = shape.LEN1, shape.LEN4, shape.LEN8, -100, -101
 
 
 def _tables() -> tuple[np.ndarray, np.ndarray]:
     """Argument kind and action per byte: the binary opcodes both walks take, with the same widths."""
     widths: dict[int, int] = {}
-    for ops, width in ((scan._ZERO_ARG, 0), (scan._ARG1, 1), (scan._ARG2, 2), (scan._ARG4, 4), (scan._ARG8, 8),
-                       (scan._LEN1, _LEN1), (b"r", 4), (b".", 0)):
+    for ops, width in ((scan.ZERO_ARG, 0), (scan.ARG1, 1), (scan.ARG2, 2), (scan.ARG4, 4), (scan.ARG8, 8),
+                       (scan.LEN1, _LEN1), (b"r", 4), (b".", 0)):
         widths.update(dict.fromkeys(ops, width))
-    widths.update(dict.fromkeys(scan._LEN4, _LEN4))
-    widths.update(dict.fromkeys(scan._LEN8, _LEN8))
-    text = set(scan._TEXT_LINES) | {scan._PUT}
+    widths.update(dict.fromkeys(scan.LEN4, _LEN4))
+    widths.update(dict.fromkeys(scan.LEN8, _LEN8))
+    text = set(scan.TEXT_LINES) | {scan.PUT}
     arg = np.full(256, _BAD, np.int64)
     act = np.full(256, -1, np.int64)
     for op in range(256):
-        entry = shape._TABLE[op]
+        entry = shape.TABLE[op]
         if op in text and entry is not None:
             arg[op], act[op] = _TEXT, entry[1]
         elif op in widths and entry is not None:
@@ -68,13 +68,13 @@ def _tables() -> tuple[np.ndarray, np.ndarray]:
 
 _ARG, _ACT = _tables()
 # the actions, as module constants (numba freezes globals into the compiled loop; a closure would not be cached)
-_ATOM, _NOP, _EMPTY, _MARK, _COLLECT, _WRAP3 = shape._ATOM, shape._NOP, shape._EMPTY, shape._MARK, shape._COLLECT, \
-    shape._WRAP3
-_APPEND, _SETITEM, _EXTEND, _CALL2, _CALL3, _GLOBAL2 = shape._APPEND, shape._SETITEM, shape._EXTEND, shape._CALL2, \
-    shape._CALL3, shape._GLOBAL2
-_BUILD, _POP, _POPMARK, _DUP, _PUT, _MEMOIZE, _GET = shape._BUILD, shape._POP, shape._POPMARK, shape._DUP, \
-    shape._PUT, shape._MEMOIZE, shape._GET
-_BINPERSID, _STOP, _GLOBAL, _IS_GLOBAL = shape._BINPERSID, shape._STOP, shape._GLOBAL, shape._IS_GLOBAL
+_ATOM, _NOP, _EMPTY, _MARK, _COLLECT, _WRAP3 = shape.ATOM, shape.NOP, shape.EMPTY, shape.MARK, shape.COLLECT, \
+    shape.WRAP3
+_APPEND, _SETITEM, _EXTEND, _CALL2, _CALL3, _GLOBAL2 = shape.APPEND, shape.SETITEM, shape.EXTEND, shape.CALL2, \
+    shape.CALL3, shape.GLOBAL2
+_BUILD, _POP, _POPMARK, _DUP, _PUT, _MEMOIZE, _GET = shape.BUILD, shape.POP, shape.POPMARK, shape.DUP, \
+    shape.PUT, shape.MEMOIZE, shape.GET
+_BINPERSID, _STOP, _GLOBAL, _IS_GLOBAL = shape.BINPERSID, shape.STOP, shape.GLOBAL, shape.IS_GLOBAL
 
 
 def walk(data: np.ndarray, arg_of: np.ndarray, act_of: np.ndarray, max_depth: int, limit: int) -> bool:
