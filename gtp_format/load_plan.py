@@ -199,6 +199,14 @@ def _layers(ckpt: Checkpoint) -> int | None:
     return counts.pop() if len(counts) == 1 else None
 
 
+def _reshard_command(src_arg: str, tp: int, pp: int, cp: int, dp: int, experts: tuple[int, int] | None) -> str:
+    """The ``ckpt reshard`` line for the target, every size named: with experts, ``--ep`` and ``--etp``
+    too, so that what reshard does never rests on its own defaults (the source's EP where ``--ep`` is
+    left out), which are not this plan's (megatron-core's: EP 1, expert TP = TP)."""
+    line = f"ckpt reshard {src_arg} DST --tp {tp} --pp {pp} --cp {cp} --dp {dp}"
+    return line + (f" --ep {experts[0]} --etp {experts[1]}" if experts else "")
+
+
 def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int | None, src_arg: str,
                   etp: int | None = None, vpp: int = 1) -> LoadPlan:
     """The verdict for a genuine megatron-core checkpoint, from the topology it records.
@@ -220,13 +228,13 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
     if vpp > 1 and (pp == 1 or (layers is not None and layers % (pp * vpp))):
         return LoadPlan(IMPOSSIBLE, f"virtual pipeline size {vpp} needs PP > 1 and the {layers} layers split evenly "
                         f"over PP {pp} x {vpp} model chunks (megatron-core's interleaved schedule)", source, target)
+    moe = any(".experts." in k for k in ckpt.entries)
     if meg.format in ("fully_reshardable", "fully_sharded_model_space"):
         return LoadPlan(AS_IS, f"{meg.format}: megatron-core loads it at any TP/PP/DP and virtual pipeline size "
                         "(0.19.2 with torch's AdamW needs its KeyError 'step' worked around)", source, target)
     if meg.format != "dp_reshardable":
         return LoadPlan(IMPOSSIBLE, f"{meg.format or 'this optimizer format'}: ckpt cannot convert it; load it at "
                         "its own topology with megatron-core", source, target)
-    moe = any(".experts." in k for k in ckpt.entries)
     etp = etp or tp  # megatron-core's default expert TP: the TP size
     same = all(getattr(meg, k) is None or getattr(meg, k) == v
                for k, v in (("tp", tp), ("pp", pp), ("ep", ep or 1), ("etp", etp if moe else None)))
@@ -237,7 +245,7 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
         if vpp > 1:
             return LoadPlan(RESHARD, f"{why}; ckpt reshard writes one model chunk per stage only, and the "
                             "fully_reshardable export loads at any virtual size", source, target, [export])
-        reshard = f"ckpt reshard {src_arg} DST --tp {tp} --pp {pp} --cp {cp} --dp {dp}"
+        reshard = _reshard_command(src_arg, tp, pp, cp, dp, (ep or 1, etp or tp) if moe else None)
         return LoadPlan(RESHARD, f"{why}; ckpt reshard writes the dp_reshardable checkpoint of one model chunk per "
                         "stage, or export to fully_reshardable", source, target, [reshard, export])
     if same and meg.dp_cp is not None and meg.dp_cp == dp * cp:
@@ -256,8 +264,7 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
         return LoadPlan(RESHARD, "megatron-core's dp_reshardable load refuses another TP/PP/EP/DP x CP ('Global shape "
                         f"mismatch'), and {why_not}; its fully_reshardable export loads at any topology", source,
                         target, [export])
-    reshard = f"ckpt reshard {src_arg} DST --tp {tp} --pp {pp} --cp {cp} --dp {dp}"
-    reshard += (f" --ep {ep or 1}" + (f" --etp {etp}" if etp != tp else "")) if moe else ""
+    reshard = _reshard_command(src_arg, tp, pp, cp, dp, (ep or 1, etp) if moe else None)
     why = (f"dp x cp {meg.dp_cp} -> {dp * cp}" if same else "another TP/PP/EP/expert TP")
     return LoadPlan(RESHARD, f"{why}: megatron-core's dp_reshardable load refuses another layout of its buckets "
                     "('Global shape mismatch'); ckpt reshard writes the dp_reshardable checkpoint megatron-core saves "

@@ -64,7 +64,8 @@ def reshard_command(
                                                          help="GTP_remat size of expert weights.")] = None,
     layout: Annotated[str | None, typer.Option("--layout", metavar="torch_dist|safetensors",
                                                           help="Layout of DST (default: SRC's).")] = None,
-    ep: Annotated[int | None, typer.Option("--ep", min=1, help="Expert-parallel size (megatron-core sources).")] = None,
+    ep: Annotated[int | None, typer.Option("--ep", min=1, help="Expert-parallel size (megatron-core sources; "
+                                                               "default: the source's).")] = None,
     etp: Annotated[int | None, typer.Option("--etp", "--expert-tensor-parallel-size", min=1,
                                             help="Expert tensor-parallel size (megatron-core MoE sources; default: "
                                             "--tp, megatron-core's default).")] = None,

@@ -214,6 +214,48 @@ def test_reshard_of_uneven_stages_rewrites_the_pipeline_layout_args(tmp_path: Pa
         assert plan["verdict"] == "needs_reshard", plan
 
 
+def _targets(moe: bool) -> list[list[str]]:
+    grid = [["--tp", tp, "--pp", pp, "--dp", "2"] for tp in ("1", "2") for pp in ("1", "2")]
+    if not moe:
+        return grid
+    return [g + ep + etp for g in grid[::3] for ep in ([], ["--ep", "1"], ["--ep", "2"])
+            for etp in ([], ["--etp", "1"], ["--etp", "2"])]
+
+
+def test_every_reshard_command_plan_prints_is_accepted_by_reshard(tmp_path: Path) -> None:
+    """Property over the fixtures (MoE ones at EP 1 and 2 with and without --etp, a source at EP 1 and
+    expert TP 1 under TP 2, the families): every ``ckpt reshard`` line ``plan`` prints runs, and the
+    output is what plan promised (``plan`` of it at the same target: ``works_as_is``). The two sides
+    default differently where a flag is left out (plan: megatron-core's EP 1 and expert TP = TP;
+    reshard: the source's EP), so plan names every size."""
+    import shlex
+
+    ep1 = tmp_path / "ep1"
+    assert cli("reshard", MEGATRON / "pair_moe_ep2_dp_reshardable", ep1, "--tp", "2", "--ep", "1", "--etp", "1",
+               "--dp", "1").exit_code == 0
+    sources = [MEGATRON / p for p in ("pair_moe_ep2_dp_reshardable", "pair_moe_tp2_etp2_dp_reshardable",
+                                      "pair_moe_shared_dp_reshardable", "pair_moe_expert_bias_dp_reshardable",
+                                      "pair_mixtral_ep2_dp_reshardable", "moe_pp2_ep2_dp_reshardable",
+                                      "pair_llama_tp2_dp2_dp_reshardable", "pair_uneven_pp2_dp_reshardable")] + [ep1]
+    ran = 0
+    for src in sources:
+        moe = "moe" in src.name or "mixtral" in src.name or src == ep1
+        for flags in _targets(moe):
+            plan = cli("plan", src, *flags, "--read-gbps", "1", "--format", "json")
+            assert plan.exit_code == 0, (src.name, flags, plan.stderr)
+            for line in json.loads(plan.stdout)["commands"]:
+                if not line.startswith("ckpt reshard "):
+                    continue
+                out = tmp_path / f"rs{ran}"
+                argv = [str(out) if a == "DST" else a for a in shlex.split(line)[1:]]
+                r = cli(*argv)
+                assert r.exit_code == 0, (src.name, flags, line, r.stderr)
+                again = json.loads(cli("plan", out, *flags, "--read-gbps", "1", "--format", "json").stdout)
+                assert again["verdict"] == "works_as_is", (src.name, flags, again)
+                ran += 1
+    assert ran >= 15
+
+
 def _load(ckpt: Path, out: Path, topo: tuple[int, int, int], layers: int, sharding: str, moe: tuple[int, ...],
           variant: str) -> list[dict[str, np.ndarray]]:
     out.mkdir()
