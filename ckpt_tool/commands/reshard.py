@@ -69,6 +69,13 @@ def reshard_command(
     etp: Annotated[int | None, typer.Option("--etp", "--expert-tensor-parallel-size", min=1,
                                             help="Expert tensor-parallel size (megatron-core MoE sources; default: "
                                             "--tp, megatron-core's default).")] = None,
+    first_layers: Annotated[int | None, typer.Option(
+        "--decoder-first-pipeline-num-layers", min=1,
+        help="Layers on the first pipeline stage at the target (megatron-core sources; Megatron's flag). Default: "
+             "the source's split where --pp stays, else an even split.")] = None,
+    last_layers: Annotated[int | None, typer.Option(
+        "--decoder-last-pipeline-num-layers", min=1,
+        help="Layers on the last pipeline stage at the target (megatron-core sources; Megatron's flag).")] = None,
     bucket_size: Annotated[int | None, typer.Option("--bucket-size", min=1, help="The target run's --ddp-bucket-size "
                                                     "(megatron-core sources split into buckets).")] = None,
     max_memory: MaxMemoryOption = DEFAULT_MAX_MEMORY,
@@ -89,10 +96,13 @@ def reshard_command(
                               "(reshard takes --tp --pp --cp --dp there)")
         with contextlib.ExitStack() as stack:
             bar = progress_opener(stack, "resharding", fmt)
-            result = reshard_megatron(src, dst, tp, pp, cp, dp, ep, bucket_size, max_memory, workers, bar, etp)
+            result = reshard_megatron(src, dst, tp, pp, cp, dp, ep, bucket_size, max_memory, workers, bar, etp,
+                                      (first_layers, last_layers))
         _report(result, fmt)
         return
-    for flag, value in (("--pp", pp), ("--ep", ep), ("--etp", etp), ("--bucket-size", bucket_size)):
+    for flag, value in (("--pp", pp), ("--ep", ep), ("--etp", etp), ("--bucket-size", bucket_size),
+                        ("--decoder-first-pipeline-num-layers", first_layers),
+                        ("--decoder-last-pipeline-num-layers", last_layers)):
         if value is not None:
             raise FormatError(f"{flag}: is for megatron-core sources; {src} is this runtime's checkpoint (it has no "
                               "pipeline stages; experts follow --expert-gtp-remat)")
