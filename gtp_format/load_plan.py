@@ -199,37 +199,78 @@ def _layers(ckpt: Checkpoint) -> int | None:
     return counts.pop() if len(counts) == 1 else None
 
 
+def _reshard_command(src_arg: str, tp: int, pp: int, cp: int, dp: int, experts: tuple[int, int] | None,
+                     split: tuple[int | None, int | None] = (None, None)) -> str:
+    """The ``ckpt reshard`` line for the target, every size named: with experts, ``--ep`` and ``--etp``
+    too, so that what reshard does never rests on its own defaults (the source's EP where ``--ep`` is
+    left out), which are not this plan's (megatron-core's: EP 1, expert TP = TP)."""
+    line = f"ckpt reshard {src_arg} DST --tp {tp} --pp {pp} --cp {cp} --dp {dp}"
+    line += "".join(f" --decoder-{end}-pipeline-num-layers {n}" for end, n in zip(("first", "last"), split)
+                    if n is not None)
+    return line + (f" --ep {experts[0]} --etp {experts[1]}" if experts else "")
+
+
+def _split_problem(ckpt: Checkpoint, layers: int | None, pp: int, src_pp: int | None,
+                   split: tuple[int | None, int | None]) -> tuple[str | None, bool]:
+    """(why the target split ``--decoder-first/last-pipeline-num-layers`` cannot be, or None; whether it
+    differs from the source's), by megatron-core's rules (:func:`gtp_format.megatron.layout.stage_counts`)."""
+    from gtp_format.megatron.args import describe_model
+    from gtp_format.megatron.layout import stage_counts
+
+    if split == (None, None) or layers is None:
+        return None, False
+    try:
+        want = stage_counts(layers, pp, *split)
+    except ValueError as e:
+        given = " ".join(f"--decoder-{end}-pipeline-num-layers {n}" for end, n in zip(("first", "last"), split)
+                         if n is not None)
+        return f"{given}: {e} (the checkpoint has {layers} layers)", True
+    model = describe_model(ckpt)
+    try:
+        have = stage_counts(layers, src_pp or 1, model.first_stage_layers, model.last_stage_layers)
+    except ValueError:
+        return None, True
+    return None, have != want
+
+
 def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int | None, src_arg: str,
-                  etp: int | None = None, vpp: int = 1) -> LoadPlan:
+                  etp: int | None = None, vpp: int = 1,
+                  split: tuple[int | None, int | None] = (None, None)) -> LoadPlan:
     """The verdict for a genuine megatron-core checkpoint, from the topology it records.
 
     ``vpp``: the target's model chunks per stage (virtual pipeline stages; 1 = none). A
     ``dp_reshardable`` optimizer keeps one buffer per model chunk, so a load at another virtual
     size is another bucket layout, never "works as is"; ``ckpt reshard`` writes one chunk per stage.
+    ``split``: the target's ``--decoder-first/last-pipeline-num-layers`` (None: not given, reshard's default:
+    the source's split where PP stays, else even), checked against the layer count.
     """
     from gtp_format.megatron.topology import derive
 
     meg = derive(ckpt)
     source = meg.to_dict()
-    target = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "dp": dp, "ep": ep or 1, "etp": etp or tp}
+    target = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "dp": dp, "ep": ep or 1, "etp": etp or tp,
+              "decoder_first_pipeline_num_layers": split[0], "decoder_last_pipeline_num_layers": split[1]}
     too_big = target_world_problem({"--tp": tp, "--pp": pp, "--cp": cp, "--dp": dp}, ckpt.model_elements())
     if too_big is not None:
         return LoadPlan(IMPOSSIBLE, too_big, source, target)
     export = f"ckpt export {src_arg} DST --to fully_reshardable"
     layers = _layers(ckpt)
+    bad_split, other_split = _split_problem(ckpt, layers, pp, meg.pp, split)
+    if bad_split is not None:
+        return LoadPlan(IMPOSSIBLE, bad_split, source, target)
     if vpp > 1 and (pp == 1 or (layers is not None and layers % (pp * vpp))):
         return LoadPlan(IMPOSSIBLE, f"virtual pipeline size {vpp} needs PP > 1 and the {layers} layers split evenly "
                         f"over PP {pp} x {vpp} model chunks (megatron-core's interleaved schedule)", source, target)
+    moe = any(".experts." in k for k in ckpt.entries)
     if meg.format in ("fully_reshardable", "fully_sharded_model_space"):
         return LoadPlan(AS_IS, f"{meg.format}: megatron-core loads it at any TP/PP/DP and virtual pipeline size "
                         "(0.19.2 with torch's AdamW needs its KeyError 'step' worked around)", source, target)
     if meg.format != "dp_reshardable":
         return LoadPlan(IMPOSSIBLE, f"{meg.format or 'this optimizer format'}: ckpt cannot convert it; load it at "
                         "its own topology with megatron-core", source, target)
-    moe = any(".experts." in k for k in ckpt.entries)
     etp = etp or tp  # megatron-core's default expert TP: the TP size
     same = all(getattr(meg, k) is None or getattr(meg, k) == v
-               for k, v in (("tp", tp), ("pp", pp), ("ep", ep or 1), ("etp", etp if moe else None)))
+               for k, v in (("tp", tp), ("pp", pp), ("ep", ep or 1), ("etp", etp if moe else None))) and not other_split
     if meg.vpp != vpp:  # unknown (None) is not the same either: each model chunk has buffers of its own
         was = f"virtual pipeline size {meg.vpp}" if meg.vpp else "a virtual pipeline size the checkpoint does not show"
         why = (f"{was} -> {vpp}: megatron-core's dp_reshardable optimizer keeps one buffer per model chunk (gbuf_idx), "
@@ -237,7 +278,7 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
         if vpp > 1:
             return LoadPlan(RESHARD, f"{why}; ckpt reshard writes one model chunk per stage only, and the "
                             "fully_reshardable export loads at any virtual size", source, target, [export])
-        reshard = f"ckpt reshard {src_arg} DST --tp {tp} --pp {pp} --cp {cp} --dp {dp}"
+        reshard = _reshard_command(src_arg, tp, pp, cp, dp, (ep or 1, etp or tp) if moe else None, split)
         return LoadPlan(RESHARD, f"{why}; ckpt reshard writes the dp_reshardable checkpoint of one model chunk per "
                         "stage, or export to fully_reshardable", source, target, [reshard, export])
     if same and meg.dp_cp is not None and meg.dp_cp == dp * cp:
@@ -256,9 +297,8 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
         return LoadPlan(RESHARD, "megatron-core's dp_reshardable load refuses another TP/PP/EP/DP x CP ('Global shape "
                         f"mismatch'), and {why_not}; its fully_reshardable export loads at any topology", source,
                         target, [export])
-    reshard = f"ckpt reshard {src_arg} DST --tp {tp} --pp {pp} --cp {cp} --dp {dp}"
-    reshard += (f" --ep {ep or 1}" + (f" --etp {etp}" if etp != tp else "")) if moe else ""
-    why = (f"dp x cp {meg.dp_cp} -> {dp * cp}" if same else "another TP/PP/EP/expert TP")
+    reshard = _reshard_command(src_arg, tp, pp, cp, dp, (ep or 1, etp) if moe else None, split)
+    why = (f"dp x cp {meg.dp_cp} -> {dp * cp}" if same else "another TP/PP/EP/expert TP or pipeline split")
     return LoadPlan(RESHARD, f"{why}: megatron-core's dp_reshardable load refuses another layout of its buckets "
                     "('Global shape mismatch'); ckpt reshard writes the dp_reshardable checkpoint megatron-core saves "
                     "at the target (its loader takes it with no other flag), or export to fully_reshardable",

@@ -69,6 +69,13 @@ def plan_command(
     etp: Annotated[int | None, typer.Option("--etp", "--expert-tensor-parallel-size", min=1,
                                             help="Target expert tensor-parallel size (megatron MoE; default: --tp)."
                                             )] = None,
+    first_layers: Annotated[int | None, typer.Option(
+        "--decoder-first-pipeline-num-layers", min=1,
+        help="Layers on the first pipeline stage at the target (megatron-core sources; Megatron's flag). Default: "
+             "the source's split where --pp stays, else an even split.")] = None,
+    last_layers: Annotated[int | None, typer.Option(
+        "--decoder-last-pipeline-num-layers", min=1,
+        help="Layers on the last pipeline stage at the target (megatron-core sources; Megatron's flag).")] = None,
     gtp_remat: Annotated[int | None, typer.Option("--gtp-remat", min=1, help="Target GTP_remat (ours; default: "
                                                   "the checkpoint's).")] = None,
     nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", min=1,
@@ -83,17 +90,20 @@ def plan_command(
 
     ckpt = open_checkpoint(path)
     if ckpt.manifest is not None:
+        if first_layers is not None or last_layers is not None:
+            raise FormatError(f"--decoder-first/last-pipeline-num-layers: are for megatron-core sources; {path} is "
+                              "this runtime's checkpoint (it has no pipeline stages)")
         if etp is not None:
             raise FormatError(f"--etp: is for megatron-core MoE sources; {path} is this runtime's checkpoint (its "
                               "experts follow --expert-gtp-remat)")
         plan = plan_ours(ckpt, ckpt.manifest, tp, pp, cp, dp, ep, gtp_remat, str(path), vpp)
     else:
-        plan = plan_megatron(ckpt, tp, pp, cp, dp, ep, str(path), etp, vpp)
+        plan = plan_megatron(ckpt, tp, pp, cp, dp, ep, str(path), etp, vpp, (first_layers, last_layers))
         if plan.commands:  # the copies' own view and checks, before a command is printed
             from ckpt_tool.reshard.megatron_dp import target_refusal
 
             reshard = any(c.startswith("ckpt reshard ") for c in plan.commands)
-            if (why := target_refusal(path, tp, pp, cp, dp, ep, etp, reshard)) is not None:
+            if (why := target_refusal(path, tp, pp, cp, dp, ep, etp, reshard, (first_layers, last_layers))) is not None:
                 plan = dataclasses.replace(plan, verdict=IMPOSSIBLE, reason=why, commands=[])
     gbps = read_gbps if read_gbps is not None else (_probe_gbps(ckpt) if plan.ranks else None)
     per_node = nproc_per_node or max(1, len(plan.ranks))

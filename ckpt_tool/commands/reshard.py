@@ -63,10 +63,18 @@ def reshard_command(
                                                          help="GTP_remat size of expert weights.")] = None,
     layout: Annotated[str | None, typer.Option("--layout", metavar="torch_dist|safetensors",
                                                           help="Layout of DST (default: SRC's).")] = None,
-    ep: Annotated[int | None, typer.Option("--ep", min=1, help="Expert-parallel size (megatron-core sources).")] = None,
+    ep: Annotated[int | None, typer.Option("--ep", min=1, help="Expert-parallel size (megatron-core sources; "
+                                                               "default: the source's).")] = None,
     etp: Annotated[int | None, typer.Option("--etp", "--expert-tensor-parallel-size", min=1,
                                             help="Expert tensor-parallel size (megatron-core MoE sources; default: "
                                             "--tp, megatron-core's default).")] = None,
+    first_layers: Annotated[int | None, typer.Option(
+        "--decoder-first-pipeline-num-layers", min=1,
+        help="Layers on the first pipeline stage at the target (megatron-core sources; Megatron's flag). Default: "
+             "the source's split where --pp stays, else an even split.")] = None,
+    last_layers: Annotated[int | None, typer.Option(
+        "--decoder-last-pipeline-num-layers", min=1,
+        help="Layers on the last pipeline stage at the target (megatron-core sources; Megatron's flag).")] = None,
     bucket_size: Annotated[int | None, typer.Option("--bucket-size", min=1, help="The target run's --ddp-bucket-size "
                                                     "(megatron-core sources split into buckets).")] = None,
     max_memory: MaxMemoryOption = DEFAULT_MAX_MEMORY,
@@ -81,7 +89,8 @@ def reshard_command(
         bar = progress_opener(stack, "resharding", fmt)
         result = reshard_checkpoint(src, dst, tp=tp, pp=pp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp,
                                     expert_gtp_remat=expert_gtp_remat, layout=layout, ep=ep, etp=etp,
-                                    bucket_size=bucket_size, max_memory=max_memory, workers=workers, progress=bar)
+                                    bucket_size=bucket_size, max_memory=max_memory, workers=workers, progress=bar,
+                                    first_layers=first_layers, last_layers=last_layers)
     _report(result, fmt)
 
 

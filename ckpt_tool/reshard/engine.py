@@ -158,7 +158,8 @@ def reshard_checkpoint(src: Path | ObjectURL, dst: Path, *, tp: int | None = Non
                        fold_cp: bool | None = None, expert_gtp_remat: int | None = None, layout: str | None = None,
                        ep: int | None = None, etp: int | None = None, bucket_size: int | None = None,
                        max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
-                       progress: ProgressOpener | None = None) -> Result:
+                       progress: ProgressOpener | None = None, first_layers: int | None = None,
+                       last_layers: int | None = None) -> Result:
     """``ckpt reshard``: SRC located, parsed, gated and viewed once, and its kind chooses the engine:
     this runtime's checkpoint (it has a manifest) goes to :func:`reshard`, megatron-core's
     ``dp_reshardable`` one to :func:`ckpt_tool.reshard.megatron_dp.reshard_megatron`. A size only the
@@ -174,8 +175,11 @@ def reshard_checkpoint(src: Path | ObjectURL, dst: Path, *, tp: int | None = Non
                                   "(reshard takes --tp --pp --cp --dp there)")
             from ckpt_tool.reshard.megatron_dp import reshard_megatron
 
-            return reshard_megatron(source, dst, tp, pp, cp, dp, ep, bucket_size, max_memory, workers, progress, etp)
-        for flag, value in (("--pp", pp), ("--ep", ep), ("--etp", etp), ("--bucket-size", bucket_size)):
+            return reshard_megatron(source, dst, tp, pp, cp, dp, ep, bucket_size, max_memory, workers, progress, etp,
+                                    (first_layers, last_layers))
+        for flag, value in (("--pp", pp), ("--ep", ep), ("--etp", etp), ("--bucket-size", bucket_size),
+                            ("--decoder-first-pipeline-num-layers", first_layers),
+                            ("--decoder-last-pipeline-num-layers", last_layers)):
             if value is not None:
                 raise FormatError(f"{flag}: is for megatron-core sources; {src} is this runtime's checkpoint (it has "
                                   "no pipeline stages; experts follow --expert-gtp-remat)")

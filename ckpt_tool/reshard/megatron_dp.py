@@ -57,6 +57,7 @@ from ckpt_tool.reshard.megatron_dp_objects import PP_FIRST, PP_LAST, target_obje
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import target_world_problem
 from gtp_format.layout.shard import ShardSpec
+from gtp_format.megatron.glu import glu_holders
 from gtp_format.megatron.keys import BUFFERS, GATED, HEAD
 from gtp_format.megatron.layout import (
     Bucket,
@@ -64,11 +65,11 @@ from gtp_format.megatron.layout import (
     TargetParam,
     buffers_of,
     lay_out_stage,
+    stage_counts,
     stage_of_layer,
     tp_mode_of,
     uneven_split,
 )
-from gtp_format.megatron.view import glu_holders
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.ranks import current as current_group
 from gtp_format.storage.location import ObjectURL
@@ -77,6 +78,7 @@ from gtp_format.writer.checkpoint import CheckpointWriter, megatron_metadata
 from gtp_format.writer.sink import stage_bytes
 
 OUTPUT = "output_layer.weight"
+SPLIT_FLAGS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers")
 
 
 def _spec(view: ParamView, mode: str | None, tp: int, t: int) -> ShardSpec:
@@ -85,8 +87,11 @@ def _spec(view: ParamView, mode: str | None, tp: int, t: int) -> ShardSpec:
 
 def _parts(view: ParamView, mode: str | None, tp: int, t: int, gated: bool) -> list[tuple[int, ShardSpec]]:
     """(offset in TP rank ``t``'s slice, place in the full tensor) of each piece of a parameter's slice: one
-    piece, or a gated ``linear_fc1``'s gate and up halves (:func:`gtp_format.megatron.view.glu_holders`)."""
-    if gated and mode == "column" and not view.is_expert and view.name.endswith(GATED):
+    piece, or a gated ``linear_fc1``'s gate and up halves (:func:`gtp_format.megatron.glu.glu_holders`): the
+    dense MLP's and the shared experts' over TP, an expert's over expert TP (``tp`` is then the expert TP)."""
+    fc1 = view.name.endswith(GATED) or (view.is_expert and view.name.endswith((".linear_fc1.weight",
+                                                                                 ".linear_fc1.bias")))
+    if gated and mode == "column" and fc1:
         return [(h.start, h.spec) for h in glu_holders(view.full_shape, tp, t, None, 0)]  # type: ignore[arg-type]
     return [(0, _spec(view, mode, tp, t))]
 
@@ -127,11 +132,24 @@ def source_stage_counts(source: Source) -> list[int]:
     return [sum(1 for s in stage.values() if s == i) for i in range(stages)]
 
 
-def target_split(source: Source, pp: int) -> tuple[list[int], int | None, int | None]:
-    """(layers per target stage, first, last): the source's split where PP stays (an uneven one kept,
-    ``--decoder-first/last-pipeline-num-layers``), else megatron-core's even split."""
+Split = tuple[int | None, int | None]  # --decoder-first/last-pipeline-num-layers of the target (None: not given)
+
+
+def target_split(source: Source, pp: int, split: Split | None = None) -> tuple[list[int], int | None, int | None]:
+    """(layers per target stage, first, last): the split ``split`` names (Megatron's
+    ``--decoder-first/last-pipeline-num-layers``, checked against the layer count by megatron-core's
+    rules, :func:`gtp_format.megatron.layout.stage_counts`); without it the source's split where PP
+    stays (an uneven one kept), else megatron-core's even split."""
     counts = source_stage_counts(source)
     n = sum(counts)
+    if split is not None and split != (None, None):
+        first, last = split
+        try:
+            return stage_counts(n, pp, first, last), first, last
+        except ValueError as e:
+            given = " ".join(f"{flag} {v}" for flag, v in zip(SPLIT_FLAGS, split) if v is not None)
+            raise FormatError(f"{given}: {e} (the checkpoint has {n} layers); pick sizes that leave every other "
+                              "stage the same number of layers, at least one") from None
     if len(counts) == pp:
         try:
             first, last = uneven_split(counts)
@@ -146,12 +164,13 @@ def target_split(source: Source, pp: int) -> tuple[list[int], int | None, int | 
     return [n // pp] * pp, None, None
 
 
-def target_params(source: Source, tp: int, pp: int) -> list[list[TargetParam]]:
-    """Each target stage's parameters in module order (the tied output layer last on the last stage)."""
+def target_params(source: Source, tp: int, pp: int, split: Split | None = None) -> list[list[TargetParam]]:
+    """Each target stage's parameters in module order (the tied output layer last on the last stage);
+    ``split``: :func:`target_split`'s."""
     views = [v for v in source.views.values() if not v.is_expert]
     layers = {v.layer for v in views if v.layer is not None}
     n = max(layers) + 1 if layers else 0
-    counts = target_split(source, pp)[0] if n else None
+    counts = target_split(source, pp, split)[0] if n else None
     tied = OUTPUT not in source.views
     modes = _modes(source, tp)
     stages: list[list[TargetParam]] = [[] for _ in range(pp)]
@@ -186,7 +205,8 @@ Numels = dict[int, list[tuple[str, list[int], list[int]]]]  # dp_group_idx -> pe
 
 
 def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int | None, max_bytes: int,
-                  ep: int = 1, etp: int = 1) -> tuple[dict[int, list[OutChunk]], dict[str, Any], dict[str, Numels]]:
+                  ep: int = 1, etp: int = 1, split: Split | None = None
+                  ) -> tuple[dict[int, list[OutChunk]], dict[str, Any], dict[str, Numels]]:
     """(chunks per target rank, key -> (global shape, dtype), numels per prefix and dp_group_idx) of the target."""
     if bucket_size is None:
         _source_bucket_size(source)
@@ -199,7 +219,7 @@ def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int
     def rank(t: int, dc: int, stage: int) -> int:
         return t + tp * (dc + dp_cp * stage)
 
-    stages = target_params(source, tp, pp)
+    stages = target_params(source, tp, pp, split)
     gated = _gated(source)
     for stage, params in enumerate(stages):
         for t in range(tp):
@@ -254,11 +274,9 @@ def _gated(source: Source) -> bool:
 
 def _expert_modes(source: Source, experts: list[ParamView], etp: int) -> dict[str, str | None]:
     """Each expert parameter's split over the target's expert TP (megatron-core's ``SequentialMLP``:
-    ``linear_fc1`` column-parallel, ``linear_fc2.weight`` row-parallel, its bias replicated). Gated experts
-    (``--swiglu``) only at expert TP 1, where each expert's ``[gate; up]`` is whole."""
-    if etp > 1 and _gated(source):
-        raise FormatError(f"{source.root}: its experts are gated (--swiglu), and this version lays gated experts "
-                          "out at expert TP 1 only; pass --etp 1")
+    ``linear_fc1`` column-parallel, ``linear_fc2.weight`` row-parallel, its bias replicated). A gated
+    expert's ``linear_fc1`` (``--swiglu``) splits its gate and up halves alike (``2 x ETP`` parts)."""
+    gated = _gated(source)
     if etp > 1 and any(v.name.endswith(".bias") for v in experts):
         raise FormatError(f"{source.root}: its MoE experts have biases, and megatron-core allows those only at "
                           "expert TP 1 ('Bias in Moe is only supported when ETP==1', transformer_config.py); pass "
@@ -267,7 +285,8 @@ def _expert_modes(source: Source, experts: list[ParamView], etp: int) -> dict[st
     for v in experts:
         mode = "column" if ".linear_fc1." in v.name else "row" if v.name.endswith("linear_fc2.weight") else None
         axis = 1 if mode == "row" else 0
-        if etp > 1 and mode and v.full_shape[axis] % etp:
+        parts = 2 * etp if gated and mode == "column" else etp  # gate and up halves split alike
+        if etp > 1 and mode and v.full_shape[axis] % parts:
             raise FormatError(f"{source.root}: {v.name} {list(v.full_shape)} does not split over expert TP {etp} "
                               f"(dimension {axis}); pick an --etp that divides it")
         out[v.name] = mode if etp > 1 else None
@@ -303,6 +322,7 @@ def _expert_chunks(source: Source, experts: list[ParamView], stages: list[list[T
     then ep, then expert DP), each holding its stage's layers' experts ``ep_rank * E/EP + j`` in
     module order (per layer, per local expert), each in its expert-TP part."""
     modes = check_experts(source, experts, tp, dp_cp, ep, etp)
+    gated = _gated(source)
     n_exp = 1 + max(v.expert or 0 for v in experts)
     edp, per = dp_cp * tp // (ep * etp), n_exp // ep
     layer_stage = {p_.name: p_.stage for params in stages for p_ in params}
@@ -330,15 +350,15 @@ def _expert_chunks(source: Source, experts: list[ParamView], stages: list[list[T
 
                 for s in slots:
                     v = by_name[s.param.name]
-                    spec = _spec(v, modes[v.name], etp, t)
-                    h = Holder(refs[s.bucket], s.start, spec, (), True)
-                    used.setdefault(s.bucket, []).append((s.start, s.start + h.numel))
-                    for state in STATES:
-                        for c in holder_chunks(v, h, state, max_bytes, math.prod(v.full_shape[1:])):
-                            files[owner(c.offsets[0], buckets[s.bucket])].append(c)
-                    shapes[v.model_key] = (source.ckpt.entries[v.model_key].shape, dtype_of(v.param_dtype))
-                    if modes[v.name] or t == 0:
-                        files[owner(0, buckets[s.bucket])].extend(_weight_chunks(v, spec, max_bytes))
+                    for off, spec in _parts(v, modes[v.name], etp, t, gated):
+                        h = Holder(refs[s.bucket], s.start + off, spec, (), True)
+                        used.setdefault(s.bucket, []).append((h.start, h.start + h.numel))
+                        for state in STATES:
+                            for c in holder_chunks(v, h, state, max_bytes, math.prod(v.full_shape[1:])):
+                                files[owner(c.offsets[0], buckets[s.bucket])].append(c)
+                        shapes[v.model_key] = (source.ckpt.entries[v.model_key].shape, dtype_of(v.param_dtype))
+                        if modes[v.name] or t == 0:
+                            files[owner(0, buckets[s.bucket])].extend(_weight_chunks(v, spec, max_bytes))
                 _gap_chunks(buckets, refs, used, max_bytes, shapes, lambda off, b: files[owner(off, b)].append)
     return numels
 
@@ -387,7 +407,7 @@ def _weight_chunks(v: ParamView, spec: ShardSpec, max_bytes: int) -> list[OutChu
 
 
 def target_refusal(src: Path | ObjectURL, tp: int, pp: int, cp: int, dp: int, ep: int | None,
-                   etp: int | None, reshard: bool = True) -> str | None:
+                   etp: int | None, reshard: bool = True, split: Split | None = None) -> str | None:
     """For ``ckpt plan``: establish SRC's per-parameter view as reshard and export do (a view that cannot be
     established is raised, one line), then, if ``reshard``, the line :func:`reshard_megatron` would refuse
     this target with (its own checks of the TP, PP, EP and expert-TP splits; nothing planned or written),
@@ -398,7 +418,7 @@ def target_refusal(src: Path | ObjectURL, tp: int, pp: int, cp: int, dp: int, ep
         if not reshard:
             return None
         experts = [v for v in source.views.values() if v.is_expert]
-        target_params(source, tp, pp)
+        target_params(source, tp, pp, split)
         if experts:
             check_experts(source, experts, tp, dp * cp, ep or 1, etp or tp)
     except FormatError as e:
@@ -411,7 +431,7 @@ def target_refusal(src: Path | ObjectURL, tp: int, pp: int, cp: int, dp: int, ep
 def reshard_megatron(src: Path | Source, dst: Path, tp: int | None, pp: int | None, cp: int | None, dp: int | None,
                      ep: int | None = None, bucket_size: int | None = None, max_memory: int = DEFAULT_MAX_MEMORY,
                      workers: int | None = None, progress: Callable[[int], Progress] | None = None,
-                     etp: int | None = None) -> Result:
+                     etp: int | None = None, split: Split | None = None) -> Result:
     """Reshard a megatron-core ``dp_reshardable`` SRC to TP x PP x CP x DP into the new folder DST."""
     from gtp_format.megatron.topology import derive
 
@@ -440,11 +460,11 @@ def reshard_megatron(src: Path | Source, dst: Path, tp: int | None, pp: int | No
                                        source.ckpt.model_elements())
         if too_big is not None:  # before a data file per target rank is planned
             raise FormatError(too_big)
-        files, shapes, numels = plan_megatron(source, tp, pp, dp * cp, bucket_size, chunk_bytes, ep, etp)
+        files, shapes, numels = plan_megatron(source, tp, pp, dp * cp, bucket_size, chunk_bytes, ep, etp, split)
         sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
                  "data_parallel_size": dp, "world_size": tp * pp * cp * dp, "expert_model_parallel_size": ep,
                  "expert_tensor_parallel_size": etp}
-        _, first, last = target_split(source, pp)
+        _, first, last = target_split(source, pp, split)
         objects, dropped = target_objects(source.ckpt, numels, sizes, chunk_bytes,
                                           {PP_FIRST: first, PP_LAST: last})
         iteration = source.ckpt.iteration or 0

@@ -31,6 +31,7 @@ from typing import Any
 
 from gtp_format.errors import FormatError
 from gtp_format.layout.shard import ShardSpec
+from gtp_format.megatron.glu import glu_holders
 from gtp_format.megatron.keys import EXPERT, EXPERT_PREFIX, expert_keys, expert_split
 from gtp_format.model import Checkpoint
 from gtp_format.views.records import Holder, KeyRef, ParamView
@@ -47,10 +48,11 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
     the expert model-parallel group, rank order tp-cp-ep-dp-pp), and a stage's buffer holds the
     experts of its own layers (``layer_stage``: the dense view's stage of each layer).
 
-    ``gated`` (``--swiglu``; the padding map's ranges only, see
-    :func:`gtp_format.megatron.view.megatron_views`): an expert's ``linear_fc1`` is stored as a gate
-    and an up chunk per expert-TP part, so its chunk count is twice the expert TP, and a part's numel
-    is what a column split over expert TP gives.
+    ``gated`` (``--swiglu``): an expert's ``linear_fc1`` is stored as a gate and an up chunk per
+    expert-TP part (megatron-core's ``apply_swiglu_sharded_factory`` on each expert's sharded tensor,
+    split over the expert TP group), so its chunk count is twice the expert TP, a part's numel is
+    what a column split over expert TP gives, and the part's two holders are
+    :func:`gtp_format.megatron.glu.glu_holders` over expert TP.
     """
     keys = {s: EXPERT_PREFIX + s for s in EXPERT if EXPERT_PREFIX + s in ckpt.entries}
     unknown = sorted(set(expert_keys(ckpt)) - set(keys.values()))
@@ -120,7 +122,10 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
         mode = modes[s][0]
         spec = ShardSpec(full, mode, etp, r % etp if mode else 0, None, 1, 0, 1)
         ref = KeyRef(r, gbuf, dtag, bucket, None, numel[(r, bucket)], prefix)
-        holders.setdefault(name, []).append(Holder(ref, start, spec, (), mode is not None or r % etp == 0))
+        if gated and mode == "column" and s.startswith("linear_fc1."):  # its gate and up halves, two chunks
+            holders.setdefault(name, []).extend(glu_holders(full, etp, r % etp, ref, start))
+        else:
+            holders.setdefault(name, []).append(Holder(ref, start, spec, (), mode is not None or r % etp == 0))
         first = holders[name][0]
         views[name] = ParamView(name, full, full, mode, None, True, gbuf, first.ref.bucket_idx, first.start, pdt,
                                 tuple(sorted(holders[name], key=lambda h: h.ref.dp_group_idx)), weight_key=key,

@@ -1,8 +1,8 @@
 """The alignment padding of a megatron-core ``dp_reshardable`` checkpoint: the elements of its bucket
 keys that belong to no parameter.
 
-Known from the bucket layout alone (:func:`gtp_format.megatron.view.megatron_views` with
-``ranges_only``: each holder's range in its bucket), so ``verify --data``, ``ckpt show`` and
+Known from the bucket layout alone (:func:`gtp_format.megatron.view.megatron_views`: each
+holder's range in its bucket), so ``verify --data``, ``ckpt show`` and
 ``ckpt diff`` leave these elements out; where the layout cannot be established,
 :func:`padding_layout` says why and nothing is called padding.
 """
@@ -30,7 +30,7 @@ def padding_ranges(ckpt: Checkpoint) -> dict[str, list[tuple[int, int]]]:
 def padding_layout(ckpt: Checkpoint) -> tuple[dict[str, list[tuple[int, int]]], str | None]:
     """(:func:`padding_ranges`, ``None``), or ``({}, why)`` where the parameter layout cannot be established."""
     try:
-        views = megatron_views(ckpt, experts=True, ranges_only=True)
+        views = megatron_views(ckpt, experts=True)
     except FormatError as e:
         return {}, str(e).removeprefix(f"{ckpt.root}: ")
     used: dict[str, list[tuple[int, int]]] = {}

@@ -45,6 +45,7 @@ from dataclasses import replace
 from gtp_format.errors import FormatError
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.megatron.buckets import check_chunks, param_dtype, place_buffer, stage_buffers
+from gtp_format.megatron.glu import glu_holders
 from gtp_format.megatron.keys import (
     BUFFERS,
     EXPERT_PREFIX,
@@ -53,7 +54,6 @@ from gtp_format.megatron.keys import (
     LAYER,
     TAIL,
     expert_keys,
-    expert_split,
     refusal,
 )
 from gtp_format.megatron.moe import expert_views
@@ -241,20 +241,17 @@ def _check_recorded_split(ckpt: Checkpoint, layer_stage: dict[int, int], pp: int
                       f"{counts} layers per pipeline stage")
 
 
-def megatron_views(ckpt: Checkpoint, experts: bool = False, ranges_only: bool = False) -> dict[str, ParamView]:
+def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamView]:
     """Every parameter of a megatron-core GPT ``dp_reshardable`` checkpoint, TP x PP (see the module docstring).
 
     ``experts``: also MoE checkpoints (:mod:`gtp_format.megatron.moe`): ``inspect --params``, the
     padding map and ``export --to fully_reshardable`` ask (expert keys are indexed by (layer, expert),
     :attr:`gtp_format.views.records.ParamView.lead`) and ``ckpt reshard``; the Hugging Face export does not.
 
-    ``ranges_only``: the padding map's view, where only each holder's bucket range counts (``start``,
-    numel), not where its elements sit in the global tensor. A gated ``linear_fc1`` (``--swiglu``)
-    then passes: each TP rank holds ``2 x ffn / TP`` rows of it (its gate and up halves, stored as two
-    chunks each), which is the numel a column split gives; its holders' specs are that column split's,
-    which is *not* where those rows sit globally, so such a view serves ranges and nothing else. q/k
-    layernorm and shared experts are laid out as any parameter; every range is still checked against
-    the chunks megatron-core wrote (:func:`check_chunks`).
+    A gated ``linear_fc1`` (``--swiglu``: the dense MLP's, the shared experts', each expert's at any
+    expert TP) gives each TP rank two holders, its gate and its up half
+    (:func:`gtp_format.megatron.glu.glu_holders`); q/k layernorm and shared experts are laid out as any
+    parameter; every range is checked against the chunks megatron-core wrote (:func:`check_chunks`).
     """
     opts = {k: parse_optimizer_key(k) for k, e in ckpt.entries.items() if e.kind == TENSOR}
     opts = {k: o for k, o in opts.items() if o is not None}
@@ -280,7 +277,7 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False, ranges_only: bool = 
         raise refusal(ckpt, "optimizer keys carry cp_rank")
     if HEAD[0] not in ckpt.entries:
         raise refusal(ckpt, f"it has no {HEAD[0]}")
-    gated = _refuse_unsupported(ckpt, ranges_only)
+    gated = _gated(ckpt)
     stacked = [k for k, e in ckpt.entries.items() if e.kind == TENSOR and k.startswith("decoder.layers.")]
     layer_chunks = _layer_index(ckpt, stacked)
     params = _module_params(ckpt, layer_chunks)
@@ -354,44 +351,14 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False, ranges_only: bool = 
     return out
 
 
-def _refuse_unsupported(ckpt: Checkpoint, ranges_only: bool = False) -> bool:
-    """Refuse, naming the Megatron flag, a model whose tensors these rules do not lay out.
+def _gated(ckpt: Checkpoint) -> bool:
+    """Whether the MLPs are gated (``--swiglu``), from :func:`gtp_format.megatron.args.describe_model`
+    (args checked against the shapes; a disagreement is refused there). A gated MLP stores each TP
+    rank's ``linear_fc1`` as two chunks (its gate and up halves), and so does each expert at expert
+    TP > 1 per expert-TP rank; at expert TP 1 an expert's ``[gate; up]`` is whole (one part: the
+    global order)."""
+    from gtp_format.megatron.args import describe_model
 
-    The model comes from :func:`gtp_format.megatron.args.describe_model` (args checked against the
-    shapes; a disagreement is refused there). A gated MLP (``--swiglu``) stores each TP rank's
-    ``linear_fc1`` as two chunks (its gate and up halves, :func:`glu_holders`); experts at expert
-    TP 1 hold theirs whole (one part: ``[gate; up]`` is the global order), at expert TP > 1 they are
-    refused. With ``ranges_only`` (the padding map) nothing is refused. Returns whether the MLP is gated.
-    """
-    from gtp_format.megatron.args import FLAGS, describe_model
-
-    model = describe_model(ckpt)
-    gated = bool(model.gated_linear_unit)
-    if gated and not ranges_only and expert_keys(ckpt):
-        fc1 = EXPERT_PREFIX + "linear_fc1.weight"
-        if fc1 in ckpt.entries and expert_split(ckpt, fc1, lambda why: refusal(ckpt, why))[1] > 2:
-            flag = "--quick-geglu" if model.activation == "quick_gelu" else FLAGS["gated_linear_unit"]
-            raise refusal(ckpt, f"its experts are gated ({flag}) at expert TP > 1, whose gate and up chunks this "
-                          "version's per-parameter view does not lay out")
-    return gated
-
-
-def glu_holders(full: tuple[int, ...], tp: int, t: int, ref: KeyRef, start: int) -> list[Holder]:
-    """TP rank ``t``'s two holders of a gated ``linear_fc1`` (weight ``[2 x ffn, hidden]`` or bias).
-
-    megatron-core (``apply_swiglu_sharded_factory``) stores the global tensor as ``[gate (all TP
-    ranks); up (all TP ranks)]``: rank ``t`` writes its gate rows at ``t x ffn/tp`` and its up rows at
-    ``ffn + t x ffn/tp``, while its local parameter and its buffer slice hold ``[gate_t; up_t]``. So the
-    rank's slice is the column split of the full tensor into ``2 x tp`` parts taken twice: part ``t``
-    at the slice's start, part ``tp + t`` right after it. Checked against the buffers of
-    ``pair_swiglu_tp2`` and ``pair_llama_tp2_dp2`` (``expected.json``) and megatron-core's own
-    ``fully_reshardable`` save of the same state.
-    """
-    gate = ShardSpec(full, "column", 2 * tp, t, None, 1, 0, 1)
-    up = ShardSpec(full, "column", 2 * tp, tp + t, None, 1, 0, 1)
-    half = 1
-    for d in gate.local_shape:
-        half *= d
-    return [Holder(ref, start, gate, (), True), Holder(ref, start + half, up, (), True)]
+    return bool(describe_model(ckpt).gated_linear_unit)
 
 

@@ -30,6 +30,7 @@ EXPECTED = {
     "pair_qwen3_tp2_dp_reshardable": "Qwen3ForCausalLM",
     "pair_mixtral_ep2_dp_reshardable": "MixtralForCausalLM",
     "pair_starcoder2_tp2_dp_reshardable": "Starcoder2ForCausalLM",
+    "pair_mqa_tp2_dp_reshardable": "GPTBigCodeForCausalLM",  # multi_query: one group at TP2
 }
 # fixture -> the flag its refusal names (no transformers class computes that model exactly)
 REFUSED = {

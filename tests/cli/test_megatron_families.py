@@ -1,12 +1,13 @@
 """Megatron models as users train them (fixtures/megatron/pair_{swiglu,llama,qk_layernorm,moe_shared,
-moe_expert_bias,uneven}_*, written by megatron-core 0.19.2 with Megatron-LM's args and perturbed norms).
+moe_expert_bias,uneven,mqa,moe_swiglu_etp2}_*, written by megatron-core 0.19.2 with Megatron-LM's args
+and perturbed norms).
 
 For every pair: ``verify --data`` is clean on both halves, with and without ``--cp-size``; the model
 description read from the args agrees with the tensors and names the family; the padding map's
 ranges are megatron's own buffers' gaps (``expected.json``: what ``bucket_layout`` read from the
 live buffers), and the per-parameter view's every range is megatron's (SwiGLU's gate and up halves
 included); ``export --to fully_reshardable`` equals megatron's own save tensor for tensor; a gated
-reshard holds every bit; gated experts at expert TP > 1 are refused by their flag.
+reshard holds every bit (gated experts at expert TP 1 and 2 included).
 With the megatron venv: reshards to two other topologies load in megatron-core's own loader with
 the state of megatron's own save, and ``plan`` at those targets says ``needs_reshard``.
 """
@@ -42,6 +43,10 @@ FAMILIES = {
                                        "gated_linear_unit": True},
     "pair_moe_expert_bias_dp_reshardable": {"num_experts": 4, "moe_router_enable_expert_bias": True},
     "pair_uneven_pp2_dp_reshardable": {"num_layers": 3, "first_stage_layers": 1},
+    # MQA at TP2: one key/value group for 4 heads, fewer groups than TP ranks
+    "pair_mqa_tp2_dp_reshardable": {"num_query_groups": 1, "gated_linear_unit": False},
+    # gated experts at expert TP 2 (TP2 x EP2 x DP2): each expert-TP rank's gate and up chunks
+    "pair_moe_swiglu_etp2_dp_reshardable": {"num_experts": 4, "gated_linear_unit": True},
 }
 LAID_OUT = sorted(FAMILIES)
 
@@ -170,21 +175,14 @@ def test_export_equals_megatrons_own_fully_reshardable_save(pair: str, tmp_path:
         assert "decoder.layers.mlp.router.expert_bias" in open_checkpoint(out).entries
 
 
-def test_gated_experts_at_expert_tp_above_one_are_refused_by_the_flag(tmp_path: Path) -> None:
-    """What reshard does not lay out (a gated expert's gate and up chunks split over expert TP) is refused
-    naming --swiglu, and plan calls that target impossible with the same line."""
-    pair, flags = "pair_moe_shared_dp_reshardable", ("--tp", "2", "--ep", "2", "--etp", "2", "--dp", "2")
-    assert_error_line(cli("reshard", MEGATRON / pair, tmp_path / "rs", *flags), 2, "--swiglu", "--etp 1")
-    assert not (tmp_path / "rs").exists()
-    plan = json.loads(cli("plan", MEGATRON / pair, *flags, "--read-gbps", "1", "--format", "json").stdout)
-    assert plan["verdict"] == "impossible" and "--swiglu" in plan["reason"], plan
-
-
 @pytest.mark.parametrize("pair,flags", [("pair_swiglu_tp2_dp_reshardable", ("--tp", "1", "--dp", "2")),
                                         ("pair_swiglu_tp1_dp_reshardable", ("--tp", "2", "--dp", "1")),
                                         ("pair_llama_tp2_dp2_dp_reshardable", ("--tp", "1", "--dp", "4")),
                                         ("pair_moe_shared_dp_reshardable", ("--tp", "2", "--ep", "2", "--etp", "1",
-                                                                            "--dp", "1"))])
+                                                                            "--dp", "1")),
+                                        # gated experts from expert TP 1 to 2: each expert's gate and up halves
+                                        ("pair_moe_shared_dp_reshardable", ("--tp", "2", "--ep", "2", "--etp", "2",
+                                                                            "--dp", "2"))])
 def test_a_gated_reshard_holds_every_bit_of_the_source(pair: str, flags: tuple[str, ...], tmp_path: Path) -> None:
     """The reshard's own per-parameter view, derived afresh from its buckets, exports to the same tensors as
     the source (every element of every parameter and state went where megatron-core's gated layout puts it)."""
@@ -203,7 +201,9 @@ def test_reshard_of_uneven_stages_rewrites_the_pipeline_layout_args(tmp_path: Pa
 
     pair = "pair_uneven_pp2_dp_reshardable"
     for flags, first in ((("--pp", "2", "--dp", "2"), 1), (("--pp", "1", "--dp", "2"), None),
-                         (("--pp", "3", "--dp", "1"), None)):
+                         (("--pp", "3", "--dp", "1"), None),
+                         (("--pp", "2", "--dp", "1", "--decoder-first-pipeline-num-layers", "2"), 2),
+                         (("--pp", "3", "--dp", "1", "--decoder-first-pipeline-num-layers", "1"), 1)):
         out = tmp_path / "-".join(flags)
         r = cli("reshard", MEGATRON / pair, out, *flags)
         assert r.exit_code == 0, r.stderr
@@ -212,6 +212,61 @@ def test_reshard_of_uneven_stages_rewrites_the_pipeline_layout_args(tmp_path: Pa
         assert args["decoder_first_pipeline_num_layers"] == first and args["decoder_last_pipeline_num_layers"] is None
         plan = json.loads(cli("plan", MEGATRON / pair, *flags, "--read-gbps", "1", "--format", "json").stdout)
         assert plan["verdict"] == "needs_reshard", plan
+        assert plan["commands"][0].endswith(" ".join(flags[4:])), plan["commands"]
+        layers = [v.layer for v in megatron_views(open_checkpoint(out)).values()
+                  if v.layer is not None and v.holders[0].ref.dp_group_idx == 0]
+        assert len(set(layers)) == (first or 3 // int(flags[1])), (flags, layers)
+    for bad in (("--pp", "2", "--decoder-first-pipeline-num-layers", "3"),
+                ("--pp", "3", "--decoder-first-pipeline-num-layers", "2"),
+                ("--pp", "1", "--decoder-last-pipeline-num-layers", "1"),
+                ("--pp", "2", "--decoder-last-pipeline-num-layers", str(2**40))):  # a size no checkpoint holds
+        out = tmp_path / "bad"
+        assert_error_line(cli("reshard", MEGATRON / pair, out, *bad), 2, bad[2], "3 layers")
+        assert not out.exists()
+        plan = json.loads(cli("plan", MEGATRON / pair, *bad, "--read-gbps", "1", "--format", "json").stdout)
+        assert plan["verdict"] == "impossible" and bad[2] in plan["reason"] and not plan["commands"], plan
+
+
+def _targets(moe: bool) -> list[list[str]]:
+    grid = [["--tp", tp, "--pp", pp, "--dp", "2"] for tp in ("1", "2") for pp in ("1", "2")]
+    if not moe:
+        return grid
+    return [g + ep + etp for g in grid[::3] for ep in ([], ["--ep", "1"], ["--ep", "2"])
+            for etp in ([], ["--etp", "1"], ["--etp", "2"])]
+
+
+def test_every_reshard_command_plan_prints_is_accepted_by_reshard(tmp_path: Path) -> None:
+    """Property over the fixtures (MoE ones at EP 1 and 2 with and without --etp, a source at EP 1 and
+    expert TP 1 under TP 2, the families): every ``ckpt reshard`` line ``plan`` prints runs, and the
+    output is what plan promised (``plan`` of it at the same target: ``works_as_is``). The two sides
+    default differently where a flag is left out (plan: megatron-core's EP 1 and expert TP = TP;
+    reshard: the source's EP), so plan names every size."""
+    import shlex
+
+    ep1 = tmp_path / "ep1"
+    assert cli("reshard", MEGATRON / "pair_moe_ep2_dp_reshardable", ep1, "--tp", "2", "--ep", "1", "--etp", "1",
+               "--dp", "1").exit_code == 0
+    sources = [MEGATRON / p for p in ("pair_moe_ep2_dp_reshardable", "pair_moe_tp2_etp2_dp_reshardable",
+                                      "pair_moe_shared_dp_reshardable", "pair_moe_expert_bias_dp_reshardable",
+                                      "pair_mixtral_ep2_dp_reshardable", "moe_pp2_ep2_dp_reshardable",
+                                      "pair_llama_tp2_dp2_dp_reshardable", "pair_uneven_pp2_dp_reshardable")] + [ep1]
+    ran = 0
+    for src in sources:
+        moe = "moe" in src.name or "mixtral" in src.name or src == ep1
+        for flags in _targets(moe):
+            plan = cli("plan", src, *flags, "--read-gbps", "1", "--format", "json")
+            assert plan.exit_code == 0, (src.name, flags, plan.stderr)
+            for line in json.loads(plan.stdout)["commands"]:
+                if not line.startswith("ckpt reshard "):
+                    continue
+                out = tmp_path / f"rs{ran}"
+                argv = [str(out) if a == "DST" else a for a in shlex.split(line)[1:]]
+                r = cli(*argv)
+                assert r.exit_code == 0, (src.name, flags, line, r.stderr)
+                again = json.loads(cli("plan", out, *flags, "--read-gbps", "1", "--format", "json").stdout)
+                assert again["verdict"] == "works_as_is", (src.name, flags, again)
+                ran += 1
+    assert ran >= 15
 
 
 def _load(ckpt: Path, out: Path, topo: tuple[int, int, int], layers: int, sharding: str, moe: tuple[int, ...],
@@ -239,7 +294,12 @@ LOADS = [("pair_swiglu_tp2_dp_reshardable", (1, 1, 2), (1, 0), "-"),
          ("pair_moe_expert_bias_dp_reshardable", (1, 1, 4), (2, 4), "-"),
          ("pair_moe_expert_bias_dp_reshardable", (2, 1, 2), (2, 4), "-"),
          ("pair_uneven_pp2_dp_reshardable", (1, 2, 2), (1, 0), "1"),
-         ("pair_uneven_pp2_dp_reshardable", (1, 3, 1), (1, 0), "-")]
+         ("pair_uneven_pp2_dp_reshardable", (1, 3, 1), (1, 0), "-"),
+         ("pair_uneven_pp2_dp_reshardable", (1, 2, 1), (1, 0), "2"),  # --decoder-first-pipeline-num-layers 2
+         ("pair_mqa_tp2_dp_reshardable", (1, 1, 2), (1, 0), "-"),
+         ("pair_mqa_tp2_dp_reshardable", (4, 1, 1), (1, 0), "-"),  # 1 group < TP 4: each rank all-gathers qkv
+         ("pair_moe_swiglu_etp2_dp_reshardable", (2, 1, 2), (2, 4, 1), "-"),  # gated experts, expert TP 2 -> 1
+         ("pair_moe_shared_dp_reshardable", (2, 1, 2), (2, 4, 2), "-")]  # gated experts, expert TP 1 -> 2
 
 
 @pytest.mark.skipif(not MEGATRON_PY.exists(), reason="needs the megatron venv (fixtures/megatron/setup_venv.sh)")
@@ -254,7 +314,8 @@ def test_megatron_loads_the_reshard_with_the_state_of_its_own_save(pair: str, to
     tp, pp, dp = topo
     layers = FAMILIES[pair].get("num_layers", 1)
     flags = ("--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--ep", str(moe[0]),
-             *(("--etp", str(moe[2])) if len(moe) > 2 else ()))
+             *(("--etp", str(moe[2])) if len(moe) > 2 else ()),
+             *(("--decoder-first-pipeline-num-layers", first) if first != "-" else ()))
     plan = json.loads(cli("plan", MEGATRON / pair, *flags, "--read-gbps", "1", "--format", "json").stdout)
     assert plan["verdict"] == "needs_reshard", plan
     out = tmp_path / "rs"

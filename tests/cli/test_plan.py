@@ -89,7 +89,7 @@ def test_megatron_verdicts() -> None:
     moe = MEGATRON / "moe_ep2_dp4_dp_reshardable"
     doc = json.loads(cli("plan", moe, "--tp", "1", "--dp", "2", "--ep", "2", "--format", "json").stdout)
     assert doc["verdict"] == "needs_reshard"
-    assert doc["commands"][0] == f"ckpt reshard {moe} DST --tp 1 --pp 1 --cp 1 --dp 2 --ep 2"
+    assert doc["commands"][0] == f"ckpt reshard {moe} DST --tp 1 --pp 1 --cp 1 --dp 2 --ep 2 --etp 1"
     doc = json.loads(cli("plan", moe, "--tp", "2", "--dp", "2", "--ep", "2", "--format", "json").stdout)
     assert doc["commands"] == [f"ckpt export {moe} DST --to fully_reshardable"]  # expert biases: expert TP 1 only
     assert "expert TP 1" in doc["reason"]
@@ -97,7 +97,7 @@ def test_megatron_verdicts() -> None:
     assert doc["commands"][0] == f"ckpt reshard {moe} DST --tp 2 --pp 1 --cp 1 --dp 2 --ep 2 --etp 1"
     etp = MEGATRON / "pair_moe_tp2_etp2_dp_reshardable"
     doc = json.loads(cli("plan", etp, "--tp", "1", "--dp", "4", "--ep", "2", "--format", "json").stdout)
-    assert doc["commands"][0] == f"ckpt reshard {etp} DST --tp 1 --pp 1 --cp 1 --dp 4 --ep 2"
+    assert doc["commands"][0] == f"ckpt reshard {etp} DST --tp 1 --pp 1 --cp 1 --dp 4 --ep 2 --etp 1"
     full = json.loads(cli("plan", MEGATRON / "dp2_fully_reshardable", "--tp", "2", "--format", "json").stdout)
     assert full["verdict"] == "works_as_is"
 
