@@ -1,11 +1,12 @@
 """A transformers folder read as megatron-core's GPT: the inverse of :mod:`.megatron_arch`.
 
-``config.json`` of ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or ``GPTBigCodeForCausalLM`` is read
-into the Megatron-LM arguments a run of that model records (:func:`megatron_args`), and those into
-the one model description (:class:`gtp_format.megatron_args.ModelDescription`). The description
-then goes through the export's own choice (:func:`.megatron_arch.choose`): the class it picks and
-every forward-changing key of the ``config.json`` it would write must be the folder's own, else
-the folder is refused naming the key, so what is imported exports back to the same model. The
+``config.json`` of ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``ArceeForCausalLM``,
+``Starcoder2ForCausalLM`` or ``GPTBigCodeForCausalLM`` is read into the Megatron-LM arguments a run of that
+model records (:func:`megatron_args`), and those into the one model description
+(:class:`gtp_format.megatron_args.ModelDescription`). The description then goes through the export's own
+choice (:func:`.megatron_arch.choose`): the class it picks and every forward-changing key of the
+``config.json`` it would write must be the folder's own, else the folder is refused naming the key, so what is
+imported exports back to the same model. The
 export's name table (``Target.names``: megatron-core parameter -> HF tensors and the rows they
 fill) is then walked the other way: each megatron-core parameter is the concatenation of its HF
 tensors' rows (``linear_qkv``: per query group the group's query heads, one key head, one value
@@ -29,28 +30,44 @@ from ckpt_tool.hf import megatron_arch
 from ckpt_tool.hf.folder import Tensor, read_folder
 from gtp_format.dtypes import DType
 from gtp_format.errors import FormatError
-from gtp_format.megatron_args import ModelDescription
+from gtp_format.megatron_args import ACTIVATIONS, ModelDescription
 from gtp_format.scan import carrier
 from gtp_format.storage.location import ObjectURL
 
-CLASSES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "GPTBigCodeForCausalLM")
+CLASSES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM", "Starcoder2ForCausalLM",
+           "GPTBigCodeForCausalLM")
+# what each RoPE class's forward fixes (everything else is read from its config.json)
+NON_GATED = ("ArceeForCausalLM", "Starcoder2ForCausalLM")  # up/down (c_fc/c_proj), no gate
+LAYERNORM = ("Starcoder2ForCausalLM",)
+QK_NORM = ("Qwen3ForCausalLM",)
+HEAD_DIM = ("LlamaForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM")  # a head_dim key (else hidden / heads)
 PARAM_DTYPES = ("float32", "bfloat16")
 # per class: config key -> transformers' default (configs written by older transformers omit defaults)
 DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                          "tie_word_embeddings": False, "max_position_embeddings": 2048},
+    "Qwen2ForCausalLM": {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
+                         "max_position_embeddings": 32768, "use_sliding_window": False},
     "Qwen3ForCausalLM": {"rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False, "head_dim": 128,
                          "tie_word_embeddings": False, "max_position_embeddings": 32768, "use_sliding_window": False},
+    "ArceeForCausalLM": {"rms_norm_eps": 1e-5, "hidden_act": "relu2", "attention_bias": False, "mlp_bias": False,
+                         "tie_word_embeddings": False, "max_position_embeddings": 4096},
+    "Starcoder2ForCausalLM": {"norm_epsilon": 1e-5, "hidden_act": "gelu_pytorch_tanh", "use_bias": True,
+                              "tie_word_embeddings": True, "max_position_embeddings": 4096},
     "GPTBigCodeForCausalLM": {"activation_function": "gelu_pytorch_tanh", "layer_norm_epsilon": 1e-5,
                               "multi_query": True, "n_inner": None, "tie_word_embeddings": True,
                               "scale_attn_weights": True, "n_positions": 1024},
 }
-BIGCODE_ACT = {"gelu": ("openai_gelu", False), "gelu_pytorch_tanh": ("openai_gelu", True),
-               "relu2": ("squared_relu", True)}
+# a non-gated MLP's transformers activation -> the Megatron-LM flag that selects it (None: the default GELU);
+# the inverse of the export's table (megatron_arch.ACT_HF) over gtp_format.megatron_args.ACTIVATIONS
+ACT_FLAGS: dict[str, str | None] = {
+    megatron_arch.ACT_HF["gelu"]: None,
+    **{megatron_arch.ACT_HF[act]: flag for flag, (act, glu) in ACTIVATIONS.items()
+       if not glu and act in megatron_arch.ACT_HF}}
 # keys of the exported config.json that do not change the forward (or are the tensors' own shapes)
 NOT_FORWARD = {"architectures", "model_type", "dtype", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id",
                "max_position_embeddings", "n_positions", "attention_dropout", "resid_pdrop", "embd_pdrop",
-               "attn_pdrop", "use_sliding_window"}
+               "attn_pdrop", "use_sliding_window", "residual_dropout", "embedding_dropout"}
 
 
 @dataclass(frozen=True)
@@ -143,18 +160,18 @@ def megatron_args(cfg: dict[str, Any], where: str) -> tuple[str, dict[str, Any]]
         inner = cfg.get("n_inner")
         ffn = 4 * hidden if inner is None else _int(cfg, "n_inner", where)
         act = _get(cfg, arch, "activation_function")
-        if act not in BIGCODE_ACT:
+        if act not in ACT_FLAGS:
             raise FormatError(f"{where}: activation_function {act!r} has no megatron-core form here "
-                              f"({', '.join(BIGCODE_ACT)})")
+                              f"({', '.join(ACT_FLAGS)})")
         if not _get(cfg, arch, "scale_attn_weights"):
             raise FormatError(f"{where}: scale_attn_weights false: megatron-core always scales attention")
-        flag, on = BIGCODE_ACT[act]
+        flag = ACT_FLAGS[act]
         mq = bool(_get(cfg, arch, "multi_query"))
         eps = _get(cfg, arch, "layer_norm_epsilon")
         positions = _int(cfg, "n_positions", where, DEFAULTS[arch]["n_positions"])
         args = {"num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_attention_heads": heads,
                 "num_query_groups": 1 if mq else heads, "group_query_attention": mq and heads > 1,
-                "kv_channels": hidden // heads, "swiglu": False, "openai_gelu": flag == "openai_gelu" and on,
+                "kv_channels": hidden // heads, "swiglu": False, "openai_gelu": flag == "openai_gelu",
                 "squared_relu": flag == "squared_relu", "normalization": "LayerNorm", "norm_epsilon": eps,
                 "position_embedding_type": "learned_absolute", "add_position_embedding": True,
                 "qk_layernorm": False, "add_bias_linear": True, "add_qkv_bias": True,
@@ -163,40 +180,64 @@ def megatron_args(cfg: dict[str, Any], where: str) -> tuple[str, dict[str, Any]]
         if hidden % heads:
             raise FormatError(f"{where}: n_head {heads} does not divide n_embd {hidden}; fix config.json")
     else:
-        hidden, layers, heads = (_int(cfg, k, where) for k in ("hidden_size", "num_hidden_layers",
-                                                               "num_attention_heads"))
-        ffn = _int(cfg, "intermediate_size", where)
-        groups = _int(cfg, "num_key_value_heads", where, heads)
-        dim = cfg.get("head_dim") if arch == "LlamaForCausalLM" else _get(cfg, arch, "head_dim")
-        dim = hidden // heads if dim is None else _int({"head_dim": dim}, "head_dim", where)
-        act = _get(cfg, arch, "hidden_act")
-        if act != "silu":
-            raise FormatError(f"{where}: hidden_act {act!r}: a gated MLP maps onto megatron-core's --swiglu only "
-                              "(silu)")
-        if arch == "Qwen3ForCausalLM" and (_get(cfg, arch, "use_sliding_window")
-                                           or any(t != "full_attention" for t in cfg.get("layer_types") or [])):
-            raise FormatError(f"{where}: sliding-window attention (use_sliding_window, layer_types) has no "
-                              "megatron-core GPT form here")
-        bias = bool(_get(cfg, arch, "attention_bias"))
-        mlp_bias = bool(_get(cfg, arch, "mlp_bias")) if arch == "LlamaForCausalLM" else False
-        if bias != mlp_bias:
-            raise FormatError(f"{where}: attention_bias {bias} with mlp_bias {mlp_bias}: megatron-core's "
-                              "--add-bias-linear puts biases on both or neither")
-        args = {"num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_attention_heads": heads,
-                "num_query_groups": groups, "group_query_attention": groups != heads, "kv_channels": dim,
-                "swiglu": True, "openai_gelu": False, "squared_relu": False, "normalization": "RMSNorm",
-                "norm_epsilon": _get(cfg, arch, "rms_norm_eps"), "position_embedding_type": "rope",
-                "add_position_embedding": False, "rotary_base": int(_rope_theta(cfg, where)), "rotary_percent": 1.0,
-                "rotary_interleaved": False, "qk_layernorm": arch == "Qwen3ForCausalLM", "add_bias_linear": bias,
-                "add_qkv_bias": bias, "untie_embeddings_and_output_weights": not _get(cfg, arch,
-                                                                                     "tie_word_embeddings"),
-                "max_position_embeddings": _int(cfg, "max_position_embeddings", where,
-                                                DEFAULTS[arch]["max_position_embeddings"])}
+        args = _rope_args(cfg, arch, where)
     eps = args["norm_epsilon"]
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise FormatError(f"{where}: the norm epsilon is {eps!r}, not a positive number; fix config.json")
     args["padded_vocab_size"] = _int(cfg, "vocab_size", where)
     return arch, args
+
+
+def _rope_args(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """Megatron-LM's arguments of a RoPE class: the settings its forward fixes, the rest read from the config."""
+    hidden, layers, heads = (_int(cfg, k, where) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads"))
+    ffn = _int(cfg, "intermediate_size", where)
+    groups = _int(cfg, "num_key_value_heads", where, heads)
+    dim = _get(cfg, arch, "head_dim") if arch in HEAD_DIM else None
+    dim = hidden // heads if dim is None else _int({"head_dim": dim}, "head_dim", where)
+    act = _get(cfg, arch, "hidden_act")
+    gated = arch not in NON_GATED
+    if gated and act != "silu":
+        raise FormatError(f"{where}: hidden_act {act!r}: a gated MLP maps onto megatron-core's --swiglu only (silu)")
+    if not gated and act not in ACT_FLAGS:
+        raise FormatError(f"{where}: hidden_act {act!r} has no megatron-core form for a non-gated MLP here "
+                          f"({', '.join(ACT_FLAGS)})")
+    window = bool(_get(cfg, arch, "use_sliding_window")) or (arch == "Starcoder2ForCausalLM"
+                                                             and cfg.get("sliding_window") is not None)
+    if window or any(t != "full_attention" for t in _list(cfg, "layer_types", where)):
+        raise FormatError(f"{where}: sliding-window attention (use_sliding_window, sliding_window, layer_types) has "
+                          "no megatron-core GPT form here")
+    if arch == "Starcoder2ForCausalLM":
+        bias = qkv_bias = bool(_get(cfg, arch, "use_bias"))
+    elif arch == "Qwen2ForCausalLM":  # q/k/v biases always, none elsewhere
+        bias, qkv_bias = False, True
+    else:
+        bias = bool(_get(cfg, arch, "attention_bias"))
+        mlp_bias = bool(_get(cfg, arch, "mlp_bias")) if "mlp_bias" in DEFAULTS[arch] else False
+        if bias != mlp_bias:
+            raise FormatError(f"{where}: attention_bias {bias} with mlp_bias {mlp_bias}: megatron-core's "
+                              "--add-bias-linear puts biases on both or neither")
+        qkv_bias = bias
+    eps_key = "norm_epsilon" if arch == "Starcoder2ForCausalLM" else "rms_norm_eps"
+    flags = {f: False for f in ("openai_gelu", "squared_relu")}
+    if not gated and ACT_FLAGS[act]:
+        flags[ACT_FLAGS[act]] = True
+    return {"num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_attention_heads": heads,
+            "num_query_groups": groups, "group_query_attention": groups != heads, "kv_channels": dim,
+            "swiglu": gated, **flags, "normalization": "LayerNorm" if arch in LAYERNORM else "RMSNorm",
+            "norm_epsilon": _get(cfg, arch, eps_key), "position_embedding_type": "rope",
+            "add_position_embedding": False, "rotary_base": int(_rope_theta(cfg, where)), "rotary_percent": 1.0,
+            "rotary_interleaved": False, "qk_layernorm": arch in QK_NORM, "add_bias_linear": bias,
+            "add_qkv_bias": qkv_bias, "untie_embeddings_and_output_weights": not _get(cfg, arch, "tie_word_embeddings"),
+            "max_position_embeddings": _int(cfg, "max_position_embeddings", where,
+                                            DEFAULTS[arch]["max_position_embeddings"])}
+
+
+def _list(cfg: dict[str, Any], key: str, where: str) -> list[Any]:
+    v = cfg.get(key) or []
+    if not isinstance(v, list):
+        raise FormatError(f"{where}: {key} is {v!r}, not a list; fix config.json")
+    return v
 
 
 def description(args: dict[str, Any]) -> ModelDescription:

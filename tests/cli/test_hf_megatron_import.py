@@ -2,7 +2,9 @@
 
 Tiny models built by transformers from a config (random init, nothing downloaded; norm weights
 perturbed so a swapped or dropped norm shows) of each mapped class: LlamaForCausalLM (GQA untied,
-MQA tied, bf16), Qwen3ForCausalLM (q/k norms), GPTBigCodeForCausalLM (MHA and MQA). Must hold:
+MQA tied, bf16), Qwen3ForCausalLM (q/k norms), Qwen2ForCausalLM (q/k/v biases), ArceeForCausalLM
+(squared ReLU; tanh GELU with biases), Starcoder2ForCausalLM (LayerNorm, biases, GELU, tied),
+GPTBigCodeForCausalLM (MHA and MQA). Must hold:
 
 * import -> ``ckpt export --to hf`` gives every tensor back bit for bit (HF -> megatron-core -> HF),
   and ``verify --data`` passes on the import;
@@ -52,6 +54,17 @@ def hf_model(root: Path, kind: str, dtype: torch.dtype = torch.float32) -> Path:
     elif kind == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(num_key_value_heads=2, head_dim=16,
                                                                        rope_theta=50000.0, **SIZES))
+    elif kind == "qwen2":  # biases on q/k/v only
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(num_key_value_heads=2, rope_theta=20000.0,
+                                                                       **SIZES))
+    elif kind.startswith("arcee"):  # RMSNorm, non-gated: relu2 (its default) or tanh GELU, with biases
+        act = "gelu_pytorch_tanh" if kind == "arcee_gelu_bias" else "relu2"
+        model = transformers.ArceeForCausalLM(transformers.ArceeConfig(
+            num_key_value_heads=2, head_dim=16, hidden_act=act, attention_bias=act != "relu2",
+            mlp_bias=act != "relu2", bos_token_id=None, eos_token_id=None, **SIZES))
+    elif kind == "starcoder2":  # LayerNorm, biases, GELU (tanh), GQA, tied
+        model = transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(
+            num_key_value_heads=2, hidden_act="gelu", bos_token_id=None, eos_token_id=None, **SIZES))
     else:
         model = transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(
             n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32, multi_query=kind == "bigcode_mqa",
@@ -89,7 +102,8 @@ def import_mc(src: Path, dst: Path, *topo: str) -> None:
     assert info["to"] == "megatron-core" and info["iteration"] == 0
 
 
-KINDS = ["llama", "llama_mqa_tied", "qwen3", "bigcode", "bigcode_mqa"]
+KINDS = ["llama", "llama_mqa_tied", "qwen3", "qwen2", "arcee", "arcee_gelu_bias", "starcoder2", "bigcode",
+         "bigcode_mqa"]
 SHARDINGS = ["dp_reshardable", "fully_reshardable"]
 
 
@@ -155,7 +169,9 @@ def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, shard
     ("llama_mqa_tied", (1, 1, 2), "dp_reshardable"), ("qwen3", (2, 1, 2), "dp_reshardable"),
     ("qwen3", (2, 1, 1), "fully_reshardable"), ("bigcode", (2, 1, 1), "dp_reshardable"),
     ("bigcode_mqa", (1, 1, 1), "fully_reshardable"), ("llama", (1, 2, 1), "fully_reshardable"),
-    ("llama_mqa_tied", (1, 2, 2), "dp_reshardable")])
+    ("llama_mqa_tied", (1, 2, 2), "dp_reshardable"), ("qwen2", (2, 1, 2), "dp_reshardable"),
+    ("arcee", (2, 1, 1), "fully_reshardable"), ("arcee_gelu_bias", (2, 1, 2), "dp_reshardable"),
+    ("starcoder2", (2, 1, 2), "dp_reshardable")])
 def test_megatron_core_loads_the_import_and_computes_transformers_logits(kind: str, topo: tuple[int, int, int],
                                                                          sharding: str, tmp_path: Path) -> None:
     src = hf_model(tmp_path / "hf", kind)

@@ -8,7 +8,11 @@
   a dtype that is no dtype;
 * indexes and links: a ``weight_map`` naming ``../outside.safetensors``, a tensor in two files, the
   weights file a symlink to a file outside the folder;
-* a config that disagrees with the tensors (``intermediate_size``) and float16 tensors.
+* a config that disagrees with the tensors (``intermediate_size``) and float16 tensors;
+* per RoPE class, the keys its import reads: Starcoder2 with a sliding window, without biases
+  (``use_bias`` false against bias tensors) or a wrong ``intermediate_size``; Arcee with an activation
+  megatron-core has no non-gated form of (``silu``) or key/value heads the tensors do not have; Qwen2
+  with sliding-window ``layer_types`` or ``layer_types`` that is no list.
 
 Each: exit 2, one line ``ckpt: error: ...`` naming the file or key, no traceback, peak RSS under
 512 MB, within the time limit, no open outside the folder, the folder unchanged and nothing at DST.
@@ -37,7 +41,14 @@ CONFIG = {"layers_huge": {"num_hidden_layers": 10**9}, "heads_huge": {"num_atten
           "vocab_huge": {"vocab_size": 2**62}, "head_dim_zero": {"head_dim": 0},
           "hidden_string": {"hidden_size": "64"}, "eps_negative": {"rms_norm_eps": -1.0},
           "layers_bool": {"num_hidden_layers": True}, "arch_many": {"architectures": ["LlamaForCausalLM"] * 100000},
-          "ffn_disagrees": {"intermediate_size": 96}, "rope_list": {"rope_parameters": [1, 2]}}
+          "ffn_disagrees": {"intermediate_size": 96}, "rope_list": {"rope_parameters": [1, 2]},
+          "starcoder2_window": {"sliding_window": 16}, "starcoder2_nobias": {"use_bias": False},
+          "starcoder2_ffn": {"intermediate_size": 96}, "arcee_silu": {"hidden_act": "silu"},
+          "arcee_heads": {"num_key_value_heads": 4},
+          "qwen2_window": {"layer_types": ["sliding_attention", "full_attention"]},
+          "qwen2_types_string": {"layer_types": "full_attention"}}
+# the class each case starts from (else Llama)
+BASE = {n: n.split("_")[0] for n in CONFIG if n.split("_")[0] in ("starcoder2", "arcee", "qwen2")}
 WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json implies", "vocab_huge": "config.json "
          "implies", "head_dim_zero": "head_dim is 0", "hidden_string": "hidden_size is '64'",
          "eps_negative": "epsilon is -1.0", "layers_bool": "num_hidden_layers is True",
@@ -45,7 +56,11 @@ WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json imp
          "rope_list": "rope_parameters is [1, 2]", "deep": "config.json", "header_huge": "header of",
          "offsets_past": "spans bytes", "overlap": "overlap", "bad_dtype": "ill-formed header entry",
          "index_outside": "plain file name", "two_files": "also in", "symlink_out": "symlink",
-         "f16": "float32 or bfloat16"}
+         "f16": "float32 or bfloat16", "starcoder2_window": "sliding-window attention",
+         "starcoder2_nobias": "the weights do not belong to this config",
+         "starcoder2_ffn": "'model.layers.0.mlp.c_fc.weight' is [128, 64], config.json implies [96, 64]",
+         "arcee_silu": "hidden_act 'silu' has no megatron-core form", "arcee_heads": "config.json implies [64, 64]",
+         "qwen2_window": "sliding-window attention", "qwen2_types_string": "layer_types is 'full_attention'"}
 
 
 def _st(path: Path, header: dict, data: bytes) -> None:
@@ -53,21 +68,23 @@ def _st(path: Path, header: dict, data: bytes) -> None:
     path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
 
 
-def _base(root: Path) -> Path:
+def _base(root: Path, kind: str = "llama") -> Path:
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128))
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128, bos_token_id=None, eos_token_id=None)
+    cls = {"llama": "Llama", "starcoder2": "Starcoder2", "arcee": "Arcee", "qwen2": "Qwen2"}[kind]
+    model = getattr(transformers, f"{cls}ForCausalLM")(getattr(transformers, f"{cls}Config")(**sizes))
     model.save_pretrained(root)
     return root
 
 
 def _build(root: Path, dst_root: Path, base: Path) -> list[Case]:
     cases = []
+    bases = {k: _base(base.parent / k, k) for k in set(BASE.values())}
     for name in WORDS:
         folder = root / name
         run = folder / "run"
-        shutil.copytree(base, run)
+        shutil.copytree(bases.get(BASE.get(name, ""), base), run)
         st = run / "model.safetensors"
         if name in CONFIG:
             cfg = json.loads((run / "config.json").read_text())
