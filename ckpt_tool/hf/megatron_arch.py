@@ -238,15 +238,19 @@ def _moe(d: ModelDescription, args: dict[str, Any], attn: dict[str, Any], dim: i
 
     megatron's default router takes the top-k logits and a softmax over them; Mixtral (and Qwen3-MoE
     with ``norm_topk_prob``) take a softmax over all experts, the top k, and divide by their sum:
-    the same weights, since a softmax's ratios do not depend on the other terms.
+    the same weights, since a softmax's ratios do not depend on the other terms. With
+    ``--moe-router-pre-softmax`` megatron takes the softmax over all experts, then the top k, and does
+    not renormalise: Qwen3-MoE with ``norm_topk_prob`` false (no Mixtral form: Mixtral always divides).
     """
     topk = args.get("moe_router_topk") or 2
+    pre_softmax = bool(args.get("moe_router_pre_softmax"))
     settings = (
         (not llama_style, "experts that are not SwiGLU with RMSNorm (--swiglu, --normalization RMSNorm)"),
         (bias, "linear biases (--add-bias-linear / --add-qkv-bias)"),
         (bool(d.moe_shared_expert_intermediate_size), "shared experts (--moe-shared-expert-intermediate-size)"),
         (bool(d.moe_router_enable_expert_bias), "a router expert bias (--moe-router-enable-expert-bias)"),
-        (bool(args.get("moe_router_pre_softmax")), "--moe-router-pre-softmax (softmax before the top-k, unnormalised)"),
+        (pre_softmax and not d.qk_layernorm, "--moe-router-pre-softmax (softmax before the top-k, unnormalised) "
+         "without q/k layernorm (Mixtral always renormalises its top k)"),
         (args.get("moe_router_score_function") not in (None, "softmax"),
          f"--moe-router-score-function {args.get('moe_router_score_function')}"),
         (args.get("moe_layer_freq") not in (None, 1), f"--moe-layer-freq {args.get('moe_layer_freq')} (dense layers "
@@ -262,7 +266,8 @@ def _moe(d: ModelDescription, args: dict[str, Any], attn: dict[str, Any], dim: i
     moe = {**attn, "head_dim": dim, "rms_norm_eps": eps, "intermediate_size": d.moe_ffn_hidden_size,
            "num_experts_per_tok": topk, "output_router_logits": False, "router_aux_loss_coef": 0.0}
     if d.qk_layernorm:
-        return "Qwen3MoeForCausalLM", "qwen3_moe", {**moe, "num_experts": d.num_experts, "norm_topk_prob": True,
+        return "Qwen3MoeForCausalLM", "qwen3_moe", {**moe, "num_experts": d.num_experts,
+                                                    "norm_topk_prob": not pre_softmax,
                                                     "moe_intermediate_size": d.moe_ffn_hidden_size,
                                                     "decoder_sparse_step": 1, "mlp_only_layers": [],
                                                     "attention_bias": False, "use_sliding_window": False}

@@ -35,12 +35,19 @@ from gtp_format.scan import carrier
 from gtp_format.storage.location import ObjectURL
 
 CLASSES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM", "Starcoder2ForCausalLM",
-           "GPTBigCodeForCausalLM")
+           "MixtralForCausalLM", "Qwen3MoeForCausalLM", "GPTBigCodeForCausalLM")
 # what each RoPE class's forward fixes (everything else is read from its config.json)
 NON_GATED = ("ArceeForCausalLM", "Starcoder2ForCausalLM")  # up/down (c_fc/c_proj), no gate
 LAYERNORM = ("Starcoder2ForCausalLM",)
-QK_NORM = ("Qwen3ForCausalLM",)
-HEAD_DIM = ("LlamaForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM")  # a head_dim key (else hidden / heads)
+QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+HEAD_DIM = ("LlamaForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM", "MixtralForCausalLM",
+            "Qwen3MoeForCausalLM")  # a head_dim key (else hidden / heads)
+# MoE classes: every layer's MLP is SwiGLU experts behind a softmax top-k router (megatron-core's
+# SequentialMLP); config key of (experts, the expert FFN size)
+MOE = {"MixtralForCausalLM": ("num_local_experts", "intermediate_size"),
+       "Qwen3MoeForCausalLM": ("num_experts", "moe_intermediate_size")}
+# stacked megatron-core key of each expert parameter (axes: layer, expert, then the parameter's own)
+EXPERT_KEY = "decoder.layers.mlp.experts.experts."
 PARAM_DTYPES = ("float32", "bfloat16")
 # per class: config key -> transformers' default (configs written by older transformers omit defaults)
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -50,6 +57,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                          "max_position_embeddings": 32768, "use_sliding_window": False},
     "Qwen3ForCausalLM": {"rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False, "head_dim": 128,
                          "tie_word_embeddings": False, "max_position_embeddings": 32768, "use_sliding_window": False},
+    "MixtralForCausalLM": {"rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False,
+                           "max_position_embeddings": 131072, "num_experts_per_tok": 2, "num_local_experts": 8,
+                           "intermediate_size": 14336},
+    "Qwen3MoeForCausalLM": {"rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False,
+                            "tie_word_embeddings": False, "max_position_embeddings": 32768,
+                            "use_sliding_window": False, "num_experts_per_tok": 8, "num_experts": 128,
+                            "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
+                            "mlp_only_layers": []},
     "ArceeForCausalLM": {"rms_norm_eps": 1e-5, "hidden_act": "relu2", "attention_bias": False, "mlp_bias": False,
                          "tie_word_embeddings": False, "max_position_embeddings": 4096},
     "Starcoder2ForCausalLM": {"norm_epsilon": 1e-5, "hidden_act": "gelu_pytorch_tanh", "use_bias": True,
@@ -67,7 +82,8 @@ ACT_FLAGS: dict[str, str | None] = {
 # keys of the exported config.json that do not change the forward (or are the tensors' own shapes)
 NOT_FORWARD = {"architectures", "model_type", "dtype", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id",
                "max_position_embeddings", "n_positions", "attention_dropout", "resid_pdrop", "embd_pdrop",
-               "attn_pdrop", "use_sliding_window", "residual_dropout", "embedding_dropout"}
+               "attn_pdrop", "use_sliding_window", "residual_dropout", "embedding_dropout", "output_router_logits",
+               "router_aux_loss_coef", "router_jitter_noise"}
 
 
 @dataclass(frozen=True)
@@ -81,10 +97,16 @@ class Segment:
 class MegatronParam:
     """One megatron-core parameter of one layer (or a global one) and the HF rows it is made of."""
 
-    key: str  # the checkpoint key: stacked over layers for ``decoder.layers.*``
+    key: str  # the checkpoint key: stacked over layers for ``decoder.layers.*`` (and experts, for an expert's)
     layer: int | None
     shape: tuple[int, ...]  # this layer's full tensor
     segments: tuple[Segment, ...]  # in megatron's row order
+    expert: int | None = None  # the global expert index (MoE), along the stacked key's second axis
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """The stacked key's leading indices: (), (layer,) or (layer, expert)."""
+        return () if self.layer is None else (self.layer,) if self.expert is None else (self.layer, self.expert)
 
     def read_rows(self, a: int, b: int) -> np.ndarray:
         """Rows ``[a, b)`` of the parameter, stored bits, assembled from its HF tensors."""
@@ -109,6 +131,10 @@ class HFMegatron:
     @property
     def num_layers(self) -> int:
         return int(self.args["num_layers"])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.args.get("num_experts") or 0)
 
 
 def _int(cfg: dict[str, Any], key: str, where: str, default: Any = None) -> int:
@@ -191,7 +217,12 @@ def megatron_args(cfg: dict[str, Any], where: str) -> tuple[str, dict[str, Any]]
 def _rope_args(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
     """Megatron-LM's arguments of a RoPE class: the settings its forward fixes, the rest read from the config."""
     hidden, layers, heads = (_int(cfg, k, where) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads"))
-    ffn = _int(cfg, "intermediate_size", where)
+    moe: dict[str, Any] = {}
+    if arch in MOE:
+        moe = _moe_args(cfg, arch, where)
+        ffn = moe["moe_ffn_hidden_size"]  # every layer is MoE: no dense FFN
+    else:
+        ffn = _int(cfg, "intermediate_size", where)
     groups = _int(cfg, "num_key_value_heads", where, heads)
     dim = _get(cfg, arch, "head_dim") if arch in HEAD_DIM else None
     dim = hidden // heads if dim is None else _int({"head_dim": dim}, "head_dim", where)
@@ -202,7 +233,7 @@ def _rope_args(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
     if not gated and act not in ACT_FLAGS:
         raise FormatError(f"{where}: hidden_act {act!r} has no megatron-core form for a non-gated MLP here "
                           f"({', '.join(ACT_FLAGS)})")
-    window = bool(_get(cfg, arch, "use_sliding_window")) or (arch == "Starcoder2ForCausalLM"
+    window = bool(_get(cfg, arch, "use_sliding_window")) or (arch in ("Starcoder2ForCausalLM", "MixtralForCausalLM")
                                                              and cfg.get("sliding_window") is not None)
     if window or any(t != "full_attention" for t in _list(cfg, "layer_types", where)):
         raise FormatError(f"{where}: sliding-window attention (use_sliding_window, sliding_window, layer_types) has "
@@ -230,7 +261,39 @@ def _rope_args(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
             "rotary_interleaved": False, "qk_layernorm": arch in QK_NORM, "add_bias_linear": bias,
             "add_qkv_bias": qkv_bias, "untie_embeddings_and_output_weights": not _get(cfg, arch, "tie_word_embeddings"),
             "max_position_embeddings": _int(cfg, "max_position_embeddings", where,
-                                            DEFAULTS[arch]["max_position_embeddings"])}
+                                            DEFAULTS[arch]["max_position_embeddings"]), **moe}
+
+
+def _moe_args(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """Megatron-LM's MoE arguments of Mixtral / Qwen3-MoE: experts, expert FFN, top-k, and the router's
+    normalisation (``norm_topk_prob`` false: megatron's ``--moe-router-pre-softmax``, see megatron_arch)."""
+    n_key, ffn_key = MOE[arch]
+    if arch == "Qwen3MoeForCausalLM" and n_key not in cfg and "num_local_experts" in cfg:
+        n_key = "num_local_experts"  # the name transformers 5 saves (the refusal names the folder's key)
+    experts = _int(cfg, n_key, where, _experts_default(cfg, arch))
+    topk = _int(cfg, "num_experts_per_tok", where, DEFAULTS[arch]["num_experts_per_tok"])
+    if topk > experts:
+        raise FormatError(f"{where}: num_experts_per_tok {topk} is more than the {experts} experts ({n_key})")
+    if arch == "Qwen3MoeForCausalLM":
+        step, dense = _get(cfg, arch, "decoder_sparse_step"), _list(cfg, "mlp_only_layers", where)
+        if step != 1 or dense:
+            raise FormatError(f"{where}: decoder_sparse_step {step!r} / mlp_only_layers {dense[:4]!r}: dense layers "
+                              "between MoE layers have no megatron-core GPT form here (every layer MoE)")
+        pre_softmax = not _get(cfg, arch, "norm_topk_prob")
+    else:
+        pre_softmax = False  # Mixtral always renormalises its top k
+    return {"num_experts": experts, "moe_ffn_hidden_size": _int(cfg, ffn_key, where, DEFAULTS[arch][ffn_key]),
+            "moe_router_topk": topk, "moe_router_pre_softmax": pre_softmax, "moe_router_score_function": "softmax",
+            "moe_shared_expert_intermediate_size": None, "moe_router_enable_expert_bias": False,
+            "moe_grouped_gemm": False, "moe_layer_freq": 1, "moe_aux_loss_coeff": 0.0,
+            "moe_token_dispatcher_type": "allgather"}
+
+
+def _experts_default(cfg: dict[str, Any], arch: str) -> Any:
+    """Qwen3-MoE's expert count under its other name: transformers 5 saves ``num_local_experts`` and maps
+    ``num_experts`` onto it (older configs have ``num_experts`` only)."""
+    return cfg.get("num_local_experts", DEFAULTS[arch]["num_experts"]) if arch == "Qwen3MoeForCausalLM" else \
+        DEFAULTS[arch][MOE[arch][0]]
 
 
 def _list(cfg: dict[str, Any], key: str, where: str) -> list[Any]:
@@ -251,7 +314,9 @@ def description(args: dict[str, Any]) -> ModelDescription:
         position_embedding_type=args["position_embedding_type"], rotary_base=args.get("rotary_base"),
         rotary_percent=args.get("rotary_percent"), qk_layernorm=args["qk_layernorm"],
         add_bias_linear=args["add_bias_linear"], add_qkv_bias=args["add_qkv_bias"],
-        untied=args["untie_embeddings_and_output_weights"])
+        untied=args["untie_embeddings_and_output_weights"], num_experts=args.get("num_experts"),
+        moe_ffn_hidden_size=args.get("moe_ffn_hidden_size"), moe_router_enable_expert_bias=args.get(
+            "moe_router_enable_expert_bias"))
 
 
 def layer_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -274,6 +339,9 @@ def layer_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     out["mlp.linear_fc1.layer_norm_weight"] = (h,)
     if ln:
         out["mlp.linear_fc1.layer_norm_bias"] = (h,)
+    if args.get("num_experts"):  # the MLP is the router and the experts (expert_shapes)
+        out["mlp.router.weight"] = (args["num_experts"], h)
+        return out
     fc1 = 2 * ffn if args["swiglu"] else ffn
     out["mlp.linear_fc1.weight"] = (fc1, h)
     if args["add_bias_linear"]:
@@ -282,6 +350,14 @@ def layer_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     if args["add_bias_linear"]:
         out["mlp.linear_fc2.bias"] = (h,)
     return out
+
+
+def expert_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """One expert's parameters (names below ``decoder.layers.mlp.experts.experts.``): SwiGLU, no bias."""
+    if not args.get("num_experts"):
+        return {}
+    h, ffn = args["hidden_size"], args["moe_ffn_hidden_size"]
+    return {"linear_fc1.weight": (2 * ffn, h), "linear_fc2.weight": (h, ffn)}
 
 
 def global_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -303,14 +379,16 @@ def _check_config(arch: str, cfg: dict[str, Any], target: megatron_arch.Target, 
         raise FormatError(f"{where}: this {arch} maps onto megatron-core settings that export as "
                           f"{target.architecture}; no round trip, so it is refused")
     for key, want in target.config.items():
-        if key in NOT_FORWARD:
-            continue
+        if key in NOT_FORWARD or (key == "intermediate_size" and arch == "Qwen3MoeForCausalLM"):
+            continue  # Qwen3-MoE's dense FFN size: no dense layer (mlp_only_layers empty) uses it
         if key == "rope_parameters":
             got = float(_rope_theta(cfg, where))
             if got != want["rope_theta"]:
                 raise FormatError(f"{where}: rope_theta {got} is not {want['rope_theta']}")
             continue
         got = cfg.get(key, DEFAULTS[arch].get(key, want))
+        if arch in MOE and key == MOE[arch][0]:
+            got = cfg.get(key, _experts_default(cfg, arch))
         if key == "num_key_value_heads" and arch == "GPTBigCodeForCausalLM":
             continue  # transformers derives it from multi_query
         if got is None and (key == "head_dim" or (key == "n_inner" and want == 4 * cfg.get("n_embd", 0))):
@@ -331,7 +409,10 @@ def open_hf_megatron(src: Path | ObjectURL) -> HFMegatron:
     n_global = len(global_shapes(args))
     bigcode = arch == "GPTBigCodeForCausalLM"
     # one HF tensor per megatron-core tensor of a layer, but q/k/v (3 for linear_qkv) and gate/up (2 for fc1)
-    per_hf = len(per_layer) + (0 if bigcode else 2 * (1 + args["add_qkv_bias"])) + (1 if args["swiglu"] else 0)
+    experts = args.get("num_experts") or 0
+    per_expert = expert_shapes(args)
+    per_hf = len(per_layer) + (0 if bigcode else 2 * (1 + args["add_qkv_bias"])) + \
+        (1 if args["swiglu"] and not experts else 0) + experts * (len(per_expert) + 1)  # an expert's fc1: gate, up
     want_n = n_global + per_hf * layers
     if len(tensors) != want_n:
         raise FormatError(f"{src}: config.json says {layers} layers of {arch}, i.e. {want_n} tensors, but the "
@@ -360,12 +441,16 @@ def open_hf_megatron(src: Path | ObjectURL) -> HFMegatron:
     _check_config(arch, cfg, target, where)
     params: list[MegatronParam] = []
     used: set[str] = set()
-    order = [(k, None) for k in global_shapes(args) if k.startswith("embedding.")]
-    order += [(k, i) for i in range(layers) for k in per_layer]
-    order += [(k, None) for k in global_shapes(args) if not k.startswith("embedding.")]
-    for key, layer in order:
-        shape = per_layer[key] if layer is not None else global_shapes(args)[key]
-        name = f"decoder.layers.{layer}.{key}" if layer is not None else key
+    order: list[tuple[str, int | None, int | None]] = [(k, None, None) for k in global_shapes(args)
+                                                         if k.startswith("embedding.")]
+    order += [(k, i, None) for i in range(layers) for k in per_layer]
+    order += [(k, i, e) for i in range(layers) for e in range(experts) for k in per_expert]
+    order += [(k, None, None) for k in global_shapes(args) if not k.startswith("embedding.")]
+    for key, layer, expert in order:
+        shape = per_expert[key] if expert is not None else per_layer[key] if layer is not None else \
+            global_shapes(args)[key]
+        name = f"decoder.layers.{layer}.mlp.experts.{expert}.{key}" if expert is not None else \
+            f"decoder.layers.{layer}.{key}" if layer is not None else key
         segs = []
         for hf, rows in target.names(name, shape):
             t = tensors.get(hf)
@@ -383,8 +468,8 @@ def open_hf_megatron(src: Path | ObjectURL) -> HFMegatron:
         if [(a, b) for a, b, _ in segs] != list(zip([0] + [b for _, b, _ in segs[:-1]], [b for _, b, _ in segs])) \
                 or segs[-1][1] != shape[0]:
             raise FormatError(f"{src}: the rows of {name} are not covered once by its HF tensors")  # a table bug
-        params.append(MegatronParam(f"decoder.layers.{key}" if layer is not None else key, layer, shape,
-                                    tuple(s for _, _, s in segs)))
+        stacked = EXPERT_KEY + key if expert is not None else f"decoder.layers.{key}" if layer is not None else key
+        params.append(MegatronParam(stacked, layer, shape, tuple(s for _, _, s in segs), expert))
     unknown = sorted(set(tensors) - used)
     if unknown:
         raise FormatError(f"{src}: has tensor {unknown[0]!r}, which {arch} of this config.json does not have; the "

@@ -65,6 +65,14 @@ def hf_model(root: Path, kind: str, dtype: torch.dtype = torch.float32) -> Path:
     elif kind == "starcoder2":  # LayerNorm, biases, GELU (tanh), GQA, tied
         model = transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(
             num_key_value_heads=2, hidden_act="gelu", bos_token_id=None, eos_token_id=None, **SIZES))
+    elif kind == "mixtral":  # 4 SwiGLU experts, top 2 (megatron's top-k then softmax)
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, rope_theta=30000.0,
+            **dict(SIZES, intermediate_size=32)))
+    elif kind.startswith("qwen3_moe"):  # q/k norms; norm_topk_prob false: --moe-router-pre-softmax
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=kind == "qwen3_moe", **SIZES))
     else:
         model = transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(
             n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32, multi_query=kind == "bigcode_mqa",
@@ -127,6 +135,27 @@ def test_hf_megatron_hf_round_trip_is_bit_identical(kind: str, dtype: torch.dtyp
     assert back.config.architectures == json.loads((src / "config.json").read_text())["architectures"]
 
 
+MOE_KINDS = ["mixtral", "qwen3_moe", "qwen3_moe_presoftmax"]
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+@pytest.mark.parametrize("topo,sharding", [(("--tp", "1", "--ep", "2", "--dp", "2"), "dp_reshardable"),
+                                           (("--tp", "2", "--ep", "2", "--pp", "2"), "dp_reshardable"),
+                                           (("--tp", "1", "--ep", "4", "--dp", "4"), "fully_reshardable")])
+def test_moe_hf_megatron_hf_round_trip_is_bit_identical(kind: str, topo: tuple[str, ...], sharding: str,
+                                                        tmp_path: Path) -> None:
+    src = hf_model(tmp_path / "hf", kind)
+    import_mc(src, tmp_path / "mc", *topo, "--sharding", sharding)
+    r = cli("verify", tmp_path / "mc", "--data")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    r = cli("export", tmp_path / "mc", tmp_path / "back", "--to", "hf", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["architecture"] == json.loads((src / "config.json").read_text())["architectures"][0]
+    assert_same_tensors(src, tmp_path / "back")
+    cfg, back = (json.loads((d / "config.json").read_text()) for d in (src, tmp_path / "back"))
+    assert back.get("norm_topk_prob", True) == cfg.get("norm_topk_prob", True)
+
+
 def _megatron(ckpt: Path, out: Path, topo: tuple[int, int, int], tokens: Path) -> list[dict[str, np.ndarray]]:
     out.mkdir()
     r = subprocess.run([str(MEGATRON_PY), str(FORWARD), str(ckpt / "iter_0000000"), str(out), *map(str, topo),
@@ -139,7 +168,7 @@ def _megatron(ckpt: Path, out: Path, topo: tuple[int, int, int], tokens: Path) -
     return ranks
 
 
-def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, sharding: str) -> None:
+def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, sharding: str, ep: int = 1) -> None:
     """Masters equal to the weights (as multisets: the DP shards of every rank against the params of
     the DP-rank-0 ranks; rank order tp-dp-pp), both Adam moments zero, step 0 (dp_reshardable: one
     value; the helper's CPU workaround leaves AdamW's step at its dummy-init value there, as
@@ -153,9 +182,10 @@ def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, shard
                 masters.append(r[k].ravel())
             else:
                 np.testing.assert_array_equal(r[k], 0)
-        if (rank // tp) % dp:
-            continue
         for k, v in r.items():
+            # dense weights of the DP-rank-0 ranks; experts (expert TP 1) of each EP rank's expert-DP rank 0
+            if ".local_experts." in k and (rank % (tp * dp)) // ep or ".local_experts." not in k and (rank // tp) % dp:
+                continue
             if k.startswith("model."):
                 weights.append((v.astype(np.int32) << 16).view(np.float32).ravel() if v.dtype == np.int16
                                else v.ravel())
@@ -171,16 +201,18 @@ def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, shard
     ("bigcode_mqa", (1, 1, 1), "fully_reshardable"), ("llama", (1, 2, 1), "fully_reshardable"),
     ("llama_mqa_tied", (1, 2, 2), "dp_reshardable"), ("qwen2", (2, 1, 2), "dp_reshardable"),
     ("arcee", (2, 1, 1), "fully_reshardable"), ("arcee_gelu_bias", (2, 1, 2), "dp_reshardable"),
-    ("starcoder2", (2, 1, 2), "dp_reshardable")])
+    ("starcoder2", (2, 1, 2), "dp_reshardable"), ("mixtral", (1, 1, 2), "dp_reshardable"),
+    ("qwen3_moe", (2, 1, 1), "fully_reshardable"), ("qwen3_moe_presoftmax", (1, 1, 2), "dp_reshardable")])
 def test_megatron_core_loads_the_import_and_computes_transformers_logits(kind: str, topo: tuple[int, int, int],
                                                                          sharding: str, tmp_path: Path) -> None:
     src = hf_model(tmp_path / "hf", kind)
+    ep = 2 if "moe" in kind or kind == "mixtral" else 1  # EP 2 within the TP x DP ranks
     import_mc(src, tmp_path / "mc", "--tp", str(topo[0]), "--pp", str(topo[1]), "--dp", str(topo[2]),
-              "--sharding", sharding)
+              "--sharding", sharding, *(("--ep", str(ep)) if ep > 1 else ()))
     ids = np.random.default_rng(0).integers(0, 128, (2, 12))
     np.save(tmp_path / "tokens.npy", ids)
     ranks = _megatron(tmp_path / "mc", tmp_path / "out", topo, tmp_path / "tokens.npy")
-    _fresh_optimizer(ranks, topo[0], topo[2], sharding)
+    _fresh_optimizer(ranks, topo[0], topo[2], sharding, ep)
     if topo[1] == 1:
         model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
         with torch.no_grad():
@@ -203,6 +235,18 @@ def test_megatron_core_hf_megatron_core_at_another_topology(tmp_path: Path) -> N
         np.save(tmp_path / "tokens.npy", np.zeros((1, 4), dtype=np.int64))
         _fresh_optimizer(_megatron(tmp_path / "mc", tmp_path / "out", (1, 2, 2), tmp_path / "tokens.npy"), 1, 2,
                          "dp_reshardable")
+
+
+def test_genuine_mixtral_hf_megatron_core_at_another_topology(tmp_path: Path) -> None:
+    """megatron-core's own Mixtral-style save (bf16, EP 2 over DP 2) -> HF -> megatron-core at EP 4 x DP 4
+    and at TP 2 x EP 2 -> HF: every HF folder holds the same bits."""
+    r = cli("export", MEGATRON / "pair_mixtral_ep2_dp_reshardable", tmp_path / "hf1", "--to", "hf")
+    assert r.exit_code == 0, r.stderr
+    for i, topo in enumerate((("--ep", "4", "--dp", "4"), ("--tp", "2", "--ep", "2"))):
+        import_mc(tmp_path / "hf1", tmp_path / f"mc{i}", *topo)
+        r = cli("export", tmp_path / f"mc{i}", tmp_path / f"hf{i + 2}", "--to", "hf")
+        assert r.exit_code == 0, r.stderr
+        assert_same_tensors(tmp_path / "hf1", tmp_path / f"hf{i + 2}")
 
 
 def _edit_config(folder: Path, **change: object) -> None:

@@ -9,6 +9,10 @@
 * indexes and links: a ``weight_map`` naming ``../outside.safetensors``, a tensor in two files, the
   weights file a symlink to a file outside the folder;
 * a config that disagrees with the tensors (``intermediate_size``) and float16 tensors;
+* MoE (Mixtral, Qwen3-MoE): an expert count the tensors do not have (8, 2^40), a top-k above the
+  experts, an expert FFN size the tensors disagree with, a sliding window, dense layers between MoE
+  layers, a string expert count; ``--ep`` that does not divide the experts, ``--etp 2`` (gated
+  experts), ``--ep 1`` at TP 1 (megatron-core's dense-optimizer layout) and ``--ep`` on a dense model;
 * per RoPE class, the keys its import reads: Starcoder2 with a sliding window, without biases
   (``use_bias`` false against bias tensors) or a wrong ``intermediate_size``; Arcee with an activation
   megatron-core has no non-gated form of (``silu``) or key/value heads the tensors do not have; Qwen2
@@ -46,9 +50,19 @@ CONFIG = {"layers_huge": {"num_hidden_layers": 10**9}, "heads_huge": {"num_atten
           "starcoder2_ffn": {"intermediate_size": 96}, "arcee_silu": {"hidden_act": "silu"},
           "arcee_heads": {"num_key_value_heads": 4},
           "qwen2_window": {"layer_types": ["sliding_attention", "full_attention"]},
-          "qwen2_types_string": {"layer_types": "full_attention"}}
+          "qwen2_types_string": {"layer_types": "full_attention"},
+          "mixtral_experts": {"num_local_experts": 8}, "mixtral_topk": {"num_experts_per_tok": 5},
+          "mixtral_ffn": {"intermediate_size": 48}, "mixtral_window": {"sliding_window": 16},
+          "mixtral_experts_huge": {"num_local_experts": 2**40},
+          "qwen3moe_dense": {"mlp_only_layers": [0]}, "qwen3moe_step": {"decoder_sparse_step": 2},
+          "qwen3moe_experts_string": {"num_local_experts": "4"}}
 # the class each case starts from (else Llama)
-BASE = {n: n.split("_")[0] for n in CONFIG if n.split("_")[0] in ("starcoder2", "arcee", "qwen2")}
+BASE = {n: n.split("_")[0] for n in CONFIG if n.split("_")[0] in ("starcoder2", "arcee", "qwen2", "mixtral",
+                                                                   "qwen3moe")}
+BASE.update(mixtral_ep3="mixtral", mixtral_etp2="mixtral", mixtral_ep1="mixtral")
+# cases refused by a topology option, not the config
+OPTIONS = {"mixtral_ep3": ["--ep", "3"], "mixtral_etp2": ["--ep", "2", "--etp", "2", "--dp", "2"],
+           "mixtral_ep1": ["--ep", "1"], "dense_ep2": ["--ep", "2", "--dp", "2"]}
 WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json implies", "vocab_huge": "config.json "
          "implies", "head_dim_zero": "head_dim is 0", "hidden_string": "hidden_size is '64'",
          "eps_negative": "epsilon is -1.0", "layers_bool": "num_hidden_layers is True",
@@ -60,7 +74,14 @@ WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json imp
          "starcoder2_nobias": "the weights do not belong to this config",
          "starcoder2_ffn": "'model.layers.0.mlp.c_fc.weight' is [128, 64], config.json implies [96, 64]",
          "arcee_silu": "hidden_act 'silu' has no megatron-core form", "arcee_heads": "config.json implies [64, 64]",
-         "qwen2_window": "sliding-window attention", "qwen2_types_string": "layer_types is 'full_attention'"}
+         "qwen2_window": "sliding-window attention", "qwen2_types_string": "layer_types is 'full_attention'",
+         "mixtral_experts": "i.e. 65 tensors, but the folder holds 41", "mixtral_topk": "num_experts_per_tok 5 is more",
+         "mixtral_ffn": "'model.layers.0.block_sparse_moe.experts.0.w1.weight' is [32, 64], config.json implies [48",
+         "mixtral_window": "sliding-window attention", "mixtral_experts_huge": "the folder holds 41",
+         "qwen3moe_dense": "dense layers between MoE layers", "qwen3moe_step": "dense layers between MoE layers",
+         "qwen3moe_experts_string": "num_local_experts is '4'", "mixtral_ep3": "--ep 3 does not divide the model's 4",
+         "mixtral_etp2": "pass --etp 1", "mixtral_ep1": "--ep 1 with expert TP = TP (1)",
+         "dense_ep2": "the model has no experts"}
 
 
 def _st(path: Path, header: dict, data: bytes) -> None:
@@ -72,8 +93,11 @@ def _base(root: Path, kind: str = "llama") -> Path:
     torch.manual_seed(0)
     sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=128, bos_token_id=None, eos_token_id=None)
-    cls = {"llama": "Llama", "starcoder2": "Starcoder2", "arcee": "Arcee", "qwen2": "Qwen2"}[kind]
-    model = getattr(transformers, f"{cls}ForCausalLM")(getattr(transformers, f"{cls}Config")(**sizes))
+    cls = {"llama": "Llama", "starcoder2": "Starcoder2", "arcee": "Arcee", "qwen2": "Qwen2", "mixtral": "Mixtral",
+           "qwen3moe": "Qwen3Moe"}[kind]
+    moe = {"mixtral": dict(num_local_experts=4, intermediate_size=32),
+           "qwen3moe": dict(num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2)}.get(kind, {})
+    model = getattr(transformers, f"{cls}ForCausalLM")(getattr(transformers, f"{cls}Config")(**{**sizes, **moe}))
     model.save_pretrained(root)
     return root
 
@@ -120,7 +144,8 @@ def _build(root: Path, dst_root: Path, base: Path) -> list[Case]:
             save_file({k: v.half() for k, v in load_file(st).items()}, st)
         dst = dst_root / name
         dst.mkdir(parents=True)
-        argv = ["import", str(run), str(dst / "out"), "--from", "hf", "--to", "megatron-core", "--tp", "1"]
+        argv = ["import", str(run), str(dst / "out"), "--from", "hf", "--to", "megatron-core", "--tp", "1",
+                *OPTIONS.get(name, [])]
         cases.append(Case(name, "hf-import", "run", [argv], False, dir=str(folder),
                           notes={"dst": str(dst), "words": WORDS[name]}))
     return cases
