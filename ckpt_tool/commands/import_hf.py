@@ -44,13 +44,14 @@ the model flags that `--format json` prints under "model" and the same --bucket-
 else is refused in one line naming the config field or tensor.
 
 --to megatron-core: a LlamaForCausalLM (GQA/MQA, tied or untied), Qwen2ForCausalLM, Qwen3ForCausalLM,
-ArceeForCausalLM, Starcoder2ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM (--ep E, --etp 1) or
-GPTBigCodeForCausalLM folder as a megatron-core torch_dist checkpoint at --tp --pp [--vpp] --dp (iter_0000000,
-latest_checkpointed_iteration.txt): weights as stored, fp32 masters equal to them, zero Adam moments, step 0,
-the args a Megatron-LM run of the model records, --sharding dp_reshardable (default) or fully_reshardable. A
-run that loads the optimizer passes the same --lr/--min-lr (megatron-core matches param groups by them) and
---override-opt_param-scheduler; --finetune or --no-load-optim takes the weights alone. A config that disagrees
-with the tensors, or a setting megatron-core's GPT cannot compute, is refused in one line.
+ArceeForCausalLM, Starcoder2ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM (--ep E,
+--etp 1) or GPTBigCodeForCausalLM folder as a megatron-core torch_dist checkpoint at --tp --pp [--vpp] --dp
+(iter_0000000, latest_checkpointed_iteration.txt): weights as stored, fp32 masters equal to them, zero Adam
+moments, step 0, the args a Megatron-LM run of the model records, --sharding dp_reshardable (default) or
+fully_reshardable. A run that loads the optimizer passes the same --lr/--min-lr (megatron-core matches param
+groups by them) and --override-opt_param-scheduler; --finetune or --no-load-optim takes the weights alone. A
+config that disagrees with the tensors, or a setting megatron-core's GPT cannot compute, is refused in one
+line.
 
 Exit codes: 0 written, 2 unreadable or unsupported SRC, impossible topology, DST exists, or a
 write failed."""

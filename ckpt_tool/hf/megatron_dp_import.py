@@ -78,7 +78,8 @@ def module_name(p: MegatronParam) -> str:
 
 def gated_rows(p: MegatronParam, tp: int, gated: bool) -> int | None:
     """The TP block of a gated ``linear_fc1`` parameter (its rows are permuted per TP rank), else None."""
-    if gated and tp > 1 and p.key.startswith("decoder.layers.mlp.linear_fc1.") and "layer_norm" not in p.key:
+    fc1 = p.key.startswith(("decoder.layers.mlp.linear_fc1.", "decoder.layers.mlp.shared_experts.linear_fc1."))
+    if gated and tp > 1 and fc1 and "layer_norm" not in p.key:
         return p.shape[0] // 2 // tp
     return None
 

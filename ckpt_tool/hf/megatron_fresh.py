@@ -105,8 +105,11 @@ def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int, ep: int 
                           f"{a['num_layers']} layers (megatron-core's even split); pick sizes that divide them")
     if vpp is not None and vpp > 1 and pp == 1:
         raise FormatError(f"--vpp {vpp} needs --pp > 1 (megatron-core's virtual pipeline is within a pipeline)")
-    for what, n in (("num_attention_heads", a["num_attention_heads"]), ("num_query_groups", a["num_query_groups"]),
-                    ("ffn_hidden_size", a["ffn_hidden_size"]), ("padded_vocab_size", a["padded_vocab_size"])):
+    sizes = [("num_attention_heads", a["num_attention_heads"]), ("num_query_groups", a["num_query_groups"]),
+             ("ffn_hidden_size", a["ffn_hidden_size"]), ("padded_vocab_size", a["padded_vocab_size"])]
+    if a.get("moe_shared_expert_intermediate_size"):
+        sizes.append(("moe_shared_expert_intermediate_size", a["moe_shared_expert_intermediate_size"]))
+    for what, n in sizes:
         if n % tp:
             raise FormatError(f"--tp {tp} does not divide the model's {what} {n} (megatron-core splits it over "
                               "TP); pick a TP that divides it")

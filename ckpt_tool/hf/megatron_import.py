@@ -133,6 +133,8 @@ def extra_objects(hf: HFMegatron) -> dict[str, bytes]:
     n, e = hf.num_layers, hf.num_experts
     blob = extra_state()
     dense = [m for m in LINEARS if not (e and m.startswith("mlp."))]
+    if e and hf.args.get("moe_shared_expert_intermediate_size"):
+        dense += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
     out = {f"decoder.layers.{m}._extra_state/shard_{i}_{n}": blob for i in range(n) for m in dense}
     out.update({f"{EXPERT_KEY}{m}._extra_state/shard_{i}.{j}_{n}.{e}": blob for i in range(n) for j in range(e)
                 for m in EXPERT_LINEARS})

@@ -35,7 +35,7 @@ from gtp_format.scan import carrier
 from gtp_format.storage.location import ObjectURL
 
 CLASSES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM", "Starcoder2ForCausalLM",
-           "MixtralForCausalLM", "Qwen3MoeForCausalLM", "GPTBigCodeForCausalLM")
+           "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GPTBigCodeForCausalLM")
 # what each RoPE class's forward fixes (everything else is read from its config.json)
 NON_GATED = ("ArceeForCausalLM", "Starcoder2ForCausalLM")  # up/down (c_fc/c_proj), no gate
 LAYERNORM = ("Starcoder2ForCausalLM",)
@@ -45,7 +45,8 @@ HEAD_DIM = ("LlamaForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM", "Mixtral
 # MoE classes: every layer's MLP is SwiGLU experts behind a softmax top-k router (megatron-core's
 # SequentialMLP); config key of (experts, the expert FFN size)
 MOE = {"MixtralForCausalLM": ("num_local_experts", "intermediate_size"),
-       "Qwen3MoeForCausalLM": ("num_experts", "moe_intermediate_size")}
+       "Qwen3MoeForCausalLM": ("num_experts", "moe_intermediate_size"),
+       "Qwen2MoeForCausalLM": ("num_experts", "moe_intermediate_size")}  # and a gated shared expert
 # stacked megatron-core key of each expert parameter (axes: layer, expert, then the parameter's own)
 EXPERT_KEY = "decoder.layers.mlp.experts.experts."
 PARAM_DTYPES = ("float32", "bfloat16")
@@ -65,6 +66,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                             "use_sliding_window": False, "num_experts_per_tok": 8, "num_experts": 128,
                             "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
                             "mlp_only_layers": []},
+    "Qwen2MoeForCausalLM": {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
+                            "max_position_embeddings": 32768, "use_sliding_window": False, "num_experts_per_tok": 4,
+                            "num_experts": 60, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+                            "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                            "qkv_bias": True},
     "ArceeForCausalLM": {"rms_norm_eps": 1e-5, "hidden_act": "relu2", "attention_bias": False, "mlp_bias": False,
                          "tie_word_embeddings": False, "max_position_embeddings": 4096},
     "Starcoder2ForCausalLM": {"norm_epsilon": 1e-5, "hidden_act": "gelu_pytorch_tanh", "use_bias": True,
@@ -242,6 +248,8 @@ def _rope_args(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
         bias = qkv_bias = bool(_get(cfg, arch, "use_bias"))
     elif arch == "Qwen2ForCausalLM":  # q/k/v biases always, none elsewhere
         bias, qkv_bias = False, True
+    elif arch == "Qwen2MoeForCausalLM":  # q/k/v biases as qkv_bias says, none elsewhere
+        bias, qkv_bias = False, bool(_get(cfg, arch, "qkv_bias"))
     else:
         bias = bool(_get(cfg, arch, "attention_bias"))
         mlp_bias = bool(_get(cfg, arch, "mlp_bias")) if "mlp_bias" in DEFAULTS[arch] else False
@@ -274,7 +282,10 @@ def _moe_args(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
     topk = _int(cfg, "num_experts_per_tok", where, DEFAULTS[arch]["num_experts_per_tok"])
     if topk > experts:
         raise FormatError(f"{where}: num_experts_per_tok {topk} is more than the {experts} experts ({n_key})")
-    if arch == "Qwen3MoeForCausalLM":
+    shared = None
+    if arch == "Qwen2MoeForCausalLM":  # its shared expert is always there, behind a sigmoid gate
+        shared = _int(cfg, "shared_expert_intermediate_size", where, DEFAULTS[arch]["shared_expert_intermediate_size"])
+    if arch != "MixtralForCausalLM":
         step, dense = _get(cfg, arch, "decoder_sparse_step"), _list(cfg, "mlp_only_layers", where)
         if step != 1 or dense:
             raise FormatError(f"{where}: decoder_sparse_step {step!r} / mlp_only_layers {dense[:4]!r}: dense layers "
@@ -284,7 +295,8 @@ def _moe_args(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
         pre_softmax = False  # Mixtral always renormalises its top k
     return {"num_experts": experts, "moe_ffn_hidden_size": _int(cfg, ffn_key, where, DEFAULTS[arch][ffn_key]),
             "moe_router_topk": topk, "moe_router_pre_softmax": pre_softmax, "moe_router_score_function": "softmax",
-            "moe_shared_expert_intermediate_size": None, "moe_router_enable_expert_bias": False,
+            "moe_shared_expert_intermediate_size": shared, "moe_shared_expert_gate": shared is not None,
+            "moe_router_enable_expert_bias": False,
             "moe_grouped_gemm": False, "moe_layer_freq": 1, "moe_aux_loss_coeff": 0.0,
             "moe_token_dispatcher_type": "allgather"}
 
@@ -316,7 +328,8 @@ def description(args: dict[str, Any]) -> ModelDescription:
         add_bias_linear=args["add_bias_linear"], add_qkv_bias=args["add_qkv_bias"],
         untied=args["untie_embeddings_and_output_weights"], num_experts=args.get("num_experts"),
         moe_ffn_hidden_size=args.get("moe_ffn_hidden_size"), moe_router_enable_expert_bias=args.get(
-            "moe_router_enable_expert_bias"))
+            "moe_router_enable_expert_bias"), moe_shared_expert_intermediate_size=args.get(
+            "moe_shared_expert_intermediate_size"))
 
 
 def layer_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -341,6 +354,11 @@ def layer_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         out["mlp.linear_fc1.layer_norm_bias"] = (h,)
     if args.get("num_experts"):  # the MLP is the router and the experts (expert_shapes)
         out["mlp.router.weight"] = (args["num_experts"], h)
+        shared = args.get("moe_shared_expert_intermediate_size")
+        if shared:  # megatron-core's SharedExpertMLP (SwiGLU) with its sigmoid gate
+            out["mlp.shared_experts.linear_fc1.weight"] = (2 * shared, h)
+            out["mlp.shared_experts.linear_fc2.weight"] = (h, shared)
+            out["mlp.shared_experts.gate_weight"] = (1, h)
         return out
     fc1 = 2 * ffn if args["swiglu"] else ffn
     out["mlp.linear_fc1.weight"] = (fc1, h)
@@ -379,8 +397,9 @@ def _check_config(arch: str, cfg: dict[str, Any], target: megatron_arch.Target, 
         raise FormatError(f"{where}: this {arch} maps onto megatron-core settings that export as "
                           f"{target.architecture}; no round trip, so it is refused")
     for key, want in target.config.items():
-        if key in NOT_FORWARD or (key == "intermediate_size" and arch == "Qwen3MoeForCausalLM"):
-            continue  # Qwen3-MoE's dense FFN size: no dense layer (mlp_only_layers empty) uses it
+        if key in NOT_FORWARD or (key == "intermediate_size" and arch in ("Qwen3MoeForCausalLM",
+                                                                          "Qwen2MoeForCausalLM")):
+            continue  # Qwen-MoE's dense FFN size: no dense layer (mlp_only_layers empty) uses it
         if key == "rope_parameters":
             got = float(_rope_theta(cfg, where))
             if got != want["rope_theta"]:
@@ -412,7 +431,8 @@ def open_hf_megatron(src: Path | ObjectURL) -> HFMegatron:
     experts = args.get("num_experts") or 0
     per_expert = expert_shapes(args)
     per_hf = len(per_layer) + (0 if bigcode else 2 * (1 + args["add_qkv_bias"])) + \
-        (1 if args["swiglu"] and not experts else 0) + experts * (len(per_expert) + 1)  # an expert's fc1: gate, up
+        (1 if args["swiglu"] and (not experts or args.get("moe_shared_expert_intermediate_size")) else 0) + \
+        experts * (len(per_expert) + 1)  # a gated fc1 (dense, shared or an expert's): gate and up
     want_n = n_global + per_hf * layers
     if len(tensors) != want_n:
         raise FormatError(f"{src}: config.json says {layers} layers of {arch}, i.e. {want_n} tensors, but the "

@@ -4,7 +4,8 @@ Tiny models built by transformers from a config (random init, nothing downloaded
 perturbed so a swapped or dropped norm shows) of each mapped class: LlamaForCausalLM (GQA untied,
 MQA tied, bf16), Qwen3ForCausalLM (q/k norms), Qwen2ForCausalLM (q/k/v biases), ArceeForCausalLM
 (squared ReLU; tanh GELU with biases), Starcoder2ForCausalLM (LayerNorm, biases, GELU, tied),
-GPTBigCodeForCausalLM (MHA and MQA). Must hold:
+GPTBigCodeForCausalLM (MHA and MQA), MixtralForCausalLM, Qwen3MoeForCausalLM (``norm_topk_prob`` true and
+false), Qwen2MoeForCausalLM (gated shared expert). Must hold:
 
 * import -> ``ckpt export --to hf`` gives every tensor back bit for bit (HF -> megatron-core -> HF),
   and ``verify --data`` passes on the import;
@@ -73,6 +74,10 @@ def hf_model(root: Path, kind: str, dtype: torch.dtype = torch.float32) -> Path:
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
             norm_topk_prob=kind == "qwen3_moe", **SIZES))
+    elif kind == "qwen2_moe":  # a shared expert behind a sigmoid gate, q/k/v biases, no renormalisation
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, norm_topk_prob=False, **SIZES))
     else:
         model = transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(
             n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32, multi_query=kind == "bigcode_mqa",
@@ -135,7 +140,7 @@ def test_hf_megatron_hf_round_trip_is_bit_identical(kind: str, dtype: torch.dtyp
     assert back.config.architectures == json.loads((src / "config.json").read_text())["architectures"]
 
 
-MOE_KINDS = ["mixtral", "qwen3_moe", "qwen3_moe_presoftmax"]
+MOE_KINDS = ["mixtral", "qwen3_moe", "qwen3_moe_presoftmax", "qwen2_moe"]
 
 
 @pytest.mark.parametrize("kind", MOE_KINDS)
@@ -202,7 +207,8 @@ def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, shard
     ("llama_mqa_tied", (1, 2, 2), "dp_reshardable"), ("qwen2", (2, 1, 2), "dp_reshardable"),
     ("arcee", (2, 1, 1), "fully_reshardable"), ("arcee_gelu_bias", (2, 1, 2), "dp_reshardable"),
     ("starcoder2", (2, 1, 2), "dp_reshardable"), ("mixtral", (1, 1, 2), "dp_reshardable"),
-    ("qwen3_moe", (2, 1, 1), "fully_reshardable"), ("qwen3_moe_presoftmax", (1, 1, 2), "dp_reshardable")])
+    ("qwen3_moe", (2, 1, 1), "fully_reshardable"), ("qwen3_moe_presoftmax", (1, 1, 2), "dp_reshardable"),
+    ("qwen2_moe", (2, 1, 1), "dp_reshardable")])
 def test_megatron_core_loads_the_import_and_computes_transformers_logits(kind: str, topo: tuple[int, int, int],
                                                                          sharding: str, tmp_path: Path) -> None:
     src = hf_model(tmp_path / "hf", kind)
@@ -237,10 +243,11 @@ def test_megatron_core_hf_megatron_core_at_another_topology(tmp_path: Path) -> N
                          "dp_reshardable")
 
 
-def test_genuine_mixtral_hf_megatron_core_at_another_topology(tmp_path: Path) -> None:
-    """megatron-core's own Mixtral-style save (bf16, EP 2 over DP 2) -> HF -> megatron-core at EP 4 x DP 4
-    and at TP 2 x EP 2 -> HF: every HF folder holds the same bits."""
-    r = cli("export", MEGATRON / "pair_mixtral_ep2_dp_reshardable", tmp_path / "hf1", "--to", "hf")
+@pytest.mark.parametrize("fixture", ["pair_mixtral_ep2_dp_reshardable", "pair_qwen2moe_ep2_dp_reshardable"])
+def test_genuine_moe_hf_megatron_core_at_another_topology(fixture: str, tmp_path: Path) -> None:
+    """megatron-core's own Mixtral-style and Qwen2-MoE-style saves (bf16, EP 2 over DP 2) -> HF ->
+    megatron-core at EP 4 x DP 4 and at TP 2 x EP 2 -> HF: every HF folder holds the same bits."""
+    r = cli("export", MEGATRON / fixture, tmp_path / "hf1", "--to", "hf")
     assert r.exit_code == 0, r.stderr
     for i, topo in enumerate((("--ep", "4", "--dp", "4"), ("--tp", "2", "--ep", "2"))):
         import_mc(tmp_path / "hf1", tmp_path / f"mc{i}", *topo)

@@ -48,6 +48,8 @@ def _build(args: Any, tp: int, pp: int) -> tuple[Any, Any]:
                expert_tensor_parallel_size=args.expert_tensor_parallel_size,
                moe_ffn_hidden_size=args.moe_ffn_hidden_size,
                moe_router_topk=args.moe_router_topk, moe_router_pre_softmax=args.moe_router_pre_softmax,
+               moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+               moe_shared_expert_gate=args.moe_shared_expert_gate,
                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
                sequence_parallel=tp > 1) if experts else {}
     dtype = torch.bfloat16 if bf16 else torch.float32

@@ -11,7 +11,8 @@
 * a config that disagrees with the tensors (``intermediate_size``) and float16 tensors;
 * MoE (Mixtral, Qwen3-MoE): an expert count the tensors do not have (8, 2^40), a top-k above the
   experts, an expert FFN size the tensors disagree with, a sliding window, dense layers between MoE
-  layers, a string expert count; ``--ep`` that does not divide the experts, ``--etp 2`` (gated
+  layers, a string expert count; Qwen2-MoE with a shared expert size the tensors disagree with (or 0)
+  and ``qkv_bias`` false against bias tensors; ``--ep`` that does not divide the experts, ``--etp 2`` (gated
   experts), ``--ep 1`` at TP 1 (megatron-core's dense-optimizer layout) and ``--ep`` on a dense model;
 * per RoPE class, the keys its import reads: Starcoder2 with a sliding window, without biases
   (``use_bias`` false against bias tensors) or a wrong ``intermediate_size``; Arcee with an activation
@@ -55,10 +56,12 @@ CONFIG = {"layers_huge": {"num_hidden_layers": 10**9}, "heads_huge": {"num_atten
           "mixtral_ffn": {"intermediate_size": 48}, "mixtral_window": {"sliding_window": 16},
           "mixtral_experts_huge": {"num_local_experts": 2**40},
           "qwen3moe_dense": {"mlp_only_layers": [0]}, "qwen3moe_step": {"decoder_sparse_step": 2},
-          "qwen3moe_experts_string": {"num_local_experts": "4"}}
+          "qwen3moe_experts_string": {"num_local_experts": "4"},
+          "qwen2moe_shared": {"shared_expert_intermediate_size": 64}, "qwen2moe_qkv_bias": {"qkv_bias": False},
+          "qwen2moe_shared_zero": {"shared_expert_intermediate_size": 0}}
 # the class each case starts from (else Llama)
 BASE = {n: n.split("_")[0] for n in CONFIG if n.split("_")[0] in ("starcoder2", "arcee", "qwen2", "mixtral",
-                                                                   "qwen3moe")}
+                                                                   "qwen3moe", "qwen2moe")}
 BASE.update(mixtral_ep3="mixtral", mixtral_etp2="mixtral", mixtral_ep1="mixtral")
 # cases refused by a topology option, not the config
 OPTIONS = {"mixtral_ep3": ["--ep", "3"], "mixtral_etp2": ["--ep", "2", "--etp", "2", "--dp", "2"],
@@ -81,7 +84,10 @@ WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json imp
          "qwen3moe_dense": "dense layers between MoE layers", "qwen3moe_step": "dense layers between MoE layers",
          "qwen3moe_experts_string": "num_local_experts is '4'", "mixtral_ep3": "--ep 3 does not divide the model's 4",
          "mixtral_etp2": "pass --etp 1", "mixtral_ep1": "--ep 1 with expert TP = TP (1)",
-         "dense_ep2": "the model has no experts"}
+         "dense_ep2": "the model has no experts",
+         "qwen2moe_shared": "'model.layers.0.mlp.shared_expert.gate_proj.weight' is [48, 64], config.json implies [64",
+         "qwen2moe_qkv_bias": "the weights do not belong to this config",
+         "qwen2moe_shared_zero": "shared_expert_intermediate_size is 0"}
 
 
 def _st(path: Path, header: dict, data: bytes) -> None:
@@ -94,9 +100,11 @@ def _base(root: Path, kind: str = "llama") -> Path:
     sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=128, bos_token_id=None, eos_token_id=None)
     cls = {"llama": "Llama", "starcoder2": "Starcoder2", "arcee": "Arcee", "qwen2": "Qwen2", "mixtral": "Mixtral",
-           "qwen3moe": "Qwen3Moe"}[kind]
+           "qwen3moe": "Qwen3Moe", "qwen2moe": "Qwen2Moe"}[kind]
     moe = {"mixtral": dict(num_local_experts=4, intermediate_size=32),
-           "qwen3moe": dict(num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2)}.get(kind, {})
+           "qwen3moe": dict(num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2),
+           "qwen2moe": dict(num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2,
+                            shared_expert_intermediate_size=48)}.get(kind, {})
     model = getattr(transformers, f"{cls}ForCausalLM")(getattr(transformers, f"{cls}Config")(**{**sizes, **moe}))
     model.save_pretrained(root)
     return root
