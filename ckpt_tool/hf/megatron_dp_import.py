@@ -84,11 +84,11 @@ def gated_rows(p: MegatronParam, tp: int, gated: bool) -> int | None:
     return None
 
 
-def view_rows(p: MegatronParam, block: int | None, a: int, b: int) -> np.ndarray:
-    """Rows ``[a, b)`` of the view's full tensor: the parameter's, or for a gated fc1 at TP > 1 the
-    ``[gate_0; up_0; gate_1; up_1; ...]`` order."""
+def view_rows(p: MegatronParam, block: int | None, a: int, b: int, state: int | None = None) -> np.ndarray:
+    """Rows ``[a, b)`` of the view's full tensor (``state``: of its carried optimizer state): the parameter's,
+    or for a gated fc1 at TP > 1 the ``[gate_0; up_0; gate_1; up_1; ...]`` order."""
     if block is None:
-        return p.read_rows(a, b)
+        return p.read_rows(a, b, state)
     ffn = p.shape[0] // 2
     parts = []
     r = a
@@ -96,7 +96,7 @@ def view_rows(p: MegatronParam, block: int | None, a: int, b: int) -> np.ndarray
         t, q = divmod(r, 2 * block)
         start = t * block + q if q < block else ffn + t * block + (q - block)
         n = min(b - r, block - q % block)
-        parts.append(p.read_rows(start, start + n))
+        parts.append(p.read_rows(start, start + n, state))
         r += n
     return np.concatenate(parts)
 
@@ -121,7 +121,8 @@ def _global_rows(c: OutChunk, pb: tuple[MegatronParam, int | None]) -> list[OutC
 
 
 def plan_dp_reshardable(hf: HFMegatron, tp: int, pp: int, dp: int, max_bytes: int, lr: float, min_lr: float,
-                        ep: int = 1, etp: int = 1) -> tuple[dict[int, list[OutChunk]], dict[str, Any], dict[str, bytes],
+                        ep: int = 1, etp: int = 1, step: float = 0.0
+                        ) -> tuple[dict[int, list[OutChunk]], dict[str, Any], dict[str, bytes],
                                    dict[str, tuple[MegatronParam, int | None]]]:
     """(chunks per rank, key shapes, the per-rank byte objects, view name -> (parameter, TP block))."""
     dtag = f"(torch.{hf.dtype.name}, torch.float32)"  # megatron-core's key tag (param dtype, grad dtype)
@@ -163,7 +164,7 @@ def plan_dp_reshardable(hf: HFMegatron, tp: int, pp: int, dp: int, max_bytes: in
     objects: dict[str, bytes] = {}
     template = torch_object([[]])
     for prefix, ranks in numels.items():
-        groups = optimizer_object(lr, min_lr, prefix == expert_prefix)
+        groups = optimizer_object(lr, min_lr, prefix == expert_prefix, step)
         for n, bufs in sorted(ranks.items()):
             base = f"{prefix}.dp_group_idx_{n}"
             for i, what in enumerate(("per_bucket_numel", "per_bucket_numel_unpadded")):

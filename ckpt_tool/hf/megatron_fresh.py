@@ -63,19 +63,19 @@ def extra_state() -> bytes:
     return torch_object([None])
 
 
-def param_groups(lr: float, min_lr: float, expert: bool = False) -> list[dict[str, Any]]:
+def param_groups(lr: float, min_lr: float, expert: bool = False, step: float = 0.0) -> list[dict[str, Any]]:
     """megatron-core's default param groups: weights (weight decay) and biases / norms (none); the expert
     optimizer's experts have weights only (SwiGLU experts without biases): one group."""
     return [{"is_expert_parallel": expert, "default_config": True, "wd_mult": wd, "lr_mult": 1.0,
              "is_decoupled_lr": False, "max_lr": lr, "min_lr": min_lr, "lr": lr, "betas": ADAM["betas"],
              "eps": ADAM["eps"], "weight_decay": ADAM["weight_decay"] * wd, "amsgrad": False, "maximize": False,
              "foreach": None, "capturable": False, "differentiable": False, "fused": None,
-             "decoupled_weight_decay": True, "step": 0.0} for wd in ((1.0,) if expert else (1.0, 0.0))]
+             "decoupled_weight_decay": True, "step": step} for wd in ((1.0,) if expert else (1.0, 0.0))]
 
 
-def optimizer_object(lr: float, min_lr: float, expert: bool = False) -> bytes:
+def optimizer_object(lr: float, min_lr: float, expert: bool = False, step: float = 0.0) -> bytes:
     """``optimizer.distributed.dp_group_idx_N.optimizer`` of a ``dp_reshardable`` save: the param groups."""
-    return torch_object([{"param_groups": param_groups(lr, min_lr, expert)}])
+    return torch_object([{"param_groups": param_groups(lr, min_lr, expert, step)}])
 
 
 def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int, ep: int = 1, etp: int = 1) -> None:
@@ -118,7 +118,8 @@ def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int, ep: int 
 
 
 def run_args(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | None, dp: int,
-             sharding: str, lr: float, min_lr: float, ep: int = 1, etp: int = 1) -> argparse.Namespace:
+             sharding: str, lr: float, min_lr: float, ep: int = 1, etp: int = 1,
+             iteration: int = 0) -> argparse.Namespace:
     moe = {"expert_tensor_parallel_size": etp, "sequence_parallel": tp > 1} if model.get("num_experts") else {}
     return argparse.Namespace(**model, **moe, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
@@ -128,17 +129,18 @@ def run_args(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | N
                               bf16=dtype.name == "bfloat16", fp16=False, lr=lr, min_lr=min_lr,
                               weight_decay=ADAM["weight_decay"], adam_beta1=ADAM["betas"][0],
                               adam_beta2=ADAM["betas"][1], adam_eps=ADAM["eps"], no_save_rng=True,
-                              no_save_optim=None, iteration=0, consumed_train_samples=0, consumed_valid_samples=0)
+                              no_save_optim=None, iteration=iteration, consumed_train_samples=0,
+                              consumed_valid_samples=0)
 
 
 def common_state(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | None, dp: int, sharding: str,
-                 lr: float, min_lr: float, iteration: int, ep: int = 1, etp: int = 1) -> bytes:
+                 lr: float, min_lr: float, iteration: int, ep: int = 1, etp: int = 1, step: float = 0.0) -> bytes:
     """``common_state/shard_0_1``'s blob (see the module docstring; MoE: the optimizer part per chained
     optimizer, ``{0: dense, 1: experts}``, as megatron-core's ChainedOptimizer saves it)."""
 
     def one(expert: bool) -> dict[str, Any]:
         if sharding == "fully_reshardable":
-            return {"optimizer": {"param_groups": param_groups(lr, min_lr, expert)},
+            return {"optimizer": {"param_groups": param_groups(lr, min_lr, expert, step)},
                     "param_state_sharding_type": sharding}
         return {"param_state_sharding_type": sharding}
 
@@ -150,7 +152,8 @@ def common_state(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int
     scheduler = {"max_lr": lr, "lr_warmup_steps": 0, "num_steps": 0, "lr_decay_style": "constant",
                  "lr_decay_steps": 1, "min_lr": min_lr, "start_wd": ADAM["weight_decay"],
                  "end_wd": ADAM["weight_decay"], "wd_incr_style": "constant", "wd_incr_steps": 1}
-    state = {"args": run_args(model, dtype, tp, pp, vpp, dp, sharding, lr, min_lr, ep, etp), "checkpoint_version": 3.0,
+    state = {"args": run_args(model, dtype, tp, pp, vpp, dp, sharding, lr, min_lr, ep, etp, iteration),
+             "checkpoint_version": 3.0,
              "iteration": iteration, "optimizer": optimizer, "opt_param_scheduler": scheduler,
              "num_floating_point_operations_so_far": 0, "content_metadata": content}
     return torch_object([state])

@@ -18,7 +18,10 @@ model saves at iteration 0 with ``--ckpt-format torch_dist --use-distributed-opt
 
 The optimizer state is a fresh one: fp32 master weights equal to the model weights (bf16 widens
 exactly), both Adam moments zero, ``step`` 0 in each param group, as megatron-core's optimizer holds
-before its first step. The byte objects are written anew (never copied or unpickled):
+before its first step; or, where the folder has the optimizer files of ``ckpt export --to hf
+--optimizer`` of a megatron-core checkpoint, the carried one: their masters and moments (cut by the same
+name table as the weights), at the iteration and with the Adam ``step`` their run state records
+(:mod:`.megatron_run_state`). The byte objects are written anew (never copied or unpickled):
 ``common_state`` (:func:`.megatron_fresh.common_state`) and one ``_extra_state`` per linear layer
 (``[None]``, what the local spec saves). No ``rng_state``: ``args.no_save_rng`` is set, so megatron's
 loader asks for none and the run starts fresh RNG streams.
@@ -109,18 +112,20 @@ def chunk_filler(hf: HFMegatron, views: dict[str, tuple[MegatronParam, int | Non
     by_name = {param_name(p): (p, None) for p in hf.params} if views is None else views
 
     def one(c: OutChunk) -> np.ndarray:
-        if c.param is None or c.state in STATES[1:]:
+        carried = hf.run_state is not None and c.state in STATES
+        if c.param is None or (c.state in STATES[1:] and not carried):
             return np.zeros(c.sizes, dtype=np.float32 if c.dtype == FP32 else np.uint16)
         assert c.box is not None
         (a, *cols), (n, *widths) = c.box
+        state = STATES.index(c.state) if carried else None
         if c.param.startswith("model:"):
-            bits = by_name[c.param[len("model:"):]][0].read_rows(a, a + n)
+            bits = by_name[c.param[len("model:"):]][0].read_rows(a, a + n, state)
         else:
             p, block = by_name[c.param]
-            bits = view_rows(p, block, a, a + n)
+            bits = view_rows(p, block, a, a + n, state)
         if cols and (cols[0], widths[0]) != (0, bits.shape[1]):  # a row-parallel TP part: its columns
             bits = np.ascontiguousarray(bits[:, cols[0]:cols[0] + widths[0]])
-        if c.state != WEIGHT_STATE and hf.dtype != FP32:
+        if c.state != WEIGHT_STATE and hf.dtype != FP32 and not carried:
             bits = (bits.astype(np.uint32) << 16).view(np.float32)
         return bits.reshape(c.sizes)
 
@@ -144,13 +149,15 @@ def extra_objects(hf: HFMegatron) -> dict[str, bytes]:
 def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: int, dp: int, vpp: int | None = None,
                     sharding: str = "dp_reshardable", seq_length: int | None = None, lr: float = 1e-4,
                     min_lr: float = 0.0, max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
-                    progress: ProgressOpener | None = None, ep: int = 1, etp: int = 1) -> dict[str, Any]:
+                    progress: ProgressOpener | None = None, ep: int = 1, etp: int = 1,
+                    optimizer: bool = True) -> dict[str, Any]:
     """Write the HF folder SRC as a megatron-core checkpoint at TP x PP (x VPP) x DP (x EP, expert TP) into
     the new DST."""
     if sharding not in SHARDINGS:
         raise FormatError(f"--sharding {sharding!r}: use one of {', '.join(SHARDINGS)}")
     t0 = time.perf_counter()
-    hf = open_hf_megatron(src)
+    hf = open_hf_megatron(src, optimizer)
+    it, step = (hf.run_state.iteration, hf.run_state.step) if hf.run_state is not None else (ITERATION, 0.0)
     check_topology(hf, tp, pp, vpp, dp, ep, etp)
     workers = workers or default_workers()
     chunk_bytes = chunk_budget(max_memory, workers)
@@ -163,14 +170,14 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
         fill = chunk_filler(hf)
     else:
         per_rank, shapes, numel_objects, by_view = plan_dp_reshardable(hf, tp, pp, dp, chunk_bytes, lr, min_lr, ep,
-                                                                       etp)
+                                                                       etp, step)
         ranks = sorted(per_rank)
         files = [per_rank[r] for r in ranks]
         names = [f"__{r}_0.distcp" for r in ranks]
         objects.update(numel_objects)
         fill = chunk_filler(hf, by_view)
     objects["common_state/shard_0_1"] = common_state(args, hf.dtype, tp, pp, vpp, dp, sharding, lr, min_lr,
-                                                     ITERATION, ep, etp)
+                                                     it, ep, etp, step)
     total = sum(c.nbytes for cs in files for c in cs)
 
     def body(writer: CheckpointWriter) -> None:
@@ -188,12 +195,13 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
         writer.add_records([r for rs in records for r in rs])  # hashed as written: verify --data checks them
         writer.finish(None, megatron_metadata("torch_dist"))  # megatron-core's layout: no manifest
 
-    build_atomically(dst, (src,), body, inner=iter_dir_name(ITERATION), latest=str(ITERATION))
-    out = written_sizes(dst / iter_dir_name(ITERATION))
+    build_atomically(dst, (src,), body, inner=iter_dir_name(it), latest=str(it))
+    out = written_sizes(dst / iter_dir_name(it))
     topo = f"tp{tp} pp{pp}{f' vpp{vpp}' if vpp and vpp > 1 else ''} dp{dp}"
     topo += f" ep{ep} etp{etp}" if hf.num_experts else ""
     return {"src": str(src), "dst": str(dst), "from": "hf", "to": "megatron-core", "architecture": hf.architecture,
             "topology": topo, "sharding": sharding, "params": len(hf.params), "param_dtype": hf.dtype.name,
             "args": {k: v for k, v in args.items()}, "files": len(out), "bytes_written": sum(out),
-            "seconds": time.perf_counter() - t0, "iteration": ITERATION, "optimizer": "fresh (moments at zero)",
+            "seconds": time.perf_counter() - t0, "iteration": it,
+            "optimizer": f"carried (step {step:g})" if hf.run_state is not None else "fresh (moments at zero)",
             "max_memory": max_memory, "chunk_bytes": chunk_bytes, "workers": workers, "peak_rss_bytes": peak_rss()}

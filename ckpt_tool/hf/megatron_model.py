@@ -27,10 +27,13 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool.hf import megatron_arch
-from ckpt_tool.hf.folder import Tensor, read_folder
+from ckpt_tool.hf.folder import Tensor, read_folder, read_set
+from ckpt_tool.hf.megatron_run_state import MegatronRunState
+from ckpt_tool.hf.megatron_run_state import parse as parse_run_state
 from gtp_format.dtypes import DType
 from gtp_format.errors import FormatError
 from gtp_format.megatron_args import ACTIVATIONS, ModelDescription
+from gtp_format.names import STATES
 from gtp_format.scan import carrier
 from gtp_format.storage.location import ObjectURL
 
@@ -108,17 +111,20 @@ class MegatronParam:
     shape: tuple[int, ...]  # this layer's full tensor
     segments: tuple[Segment, ...]  # in megatron's row order
     expert: int | None = None  # the global expert index (MoE), along the stacked key's second axis
+    states: tuple[tuple[Segment, ...], ...] = ()  # carried optimizer state (STATES order), fp32, same rows
 
     @property
     def lead(self) -> tuple[int, ...]:
         """The stacked key's leading indices: (), (layer,) or (layer, expert)."""
         return () if self.layer is None else (self.layer,) if self.expert is None else (self.layer, self.expert)
 
-    def read_rows(self, a: int, b: int) -> np.ndarray:
-        """Rows ``[a, b)`` of the parameter, stored bits, assembled from its HF tensors."""
-        out = np.empty((b - a, *self.shape[1:]), dtype=carrier(self.segments[0].tensor.dtype))
+    def read_rows(self, a: int, b: int, state: int | None = None) -> np.ndarray:
+        """Rows ``[a, b)`` of the parameter, stored bits, assembled from its HF tensors (``state``: of its
+        carried optimizer state ``STATES[state]`` instead)."""
+        segments = self.segments if state is None else self.states[state]
+        out = np.empty((b - a, *self.shape[1:]), dtype=carrier(segments[0].tensor.dtype))
         pos = 0
-        for s in self.segments:
+        for s in segments:
             lo, hi = max(a, pos), min(b, pos + s.rows)
             if lo < hi:
                 out[lo - a:hi - a] = s.tensor.read_rows(s.first + lo - pos, s.first + hi - pos)
@@ -133,6 +139,7 @@ class HFMegatron:
     args: dict[str, Any]  # what a Megatron-LM run of this model records in common_state (model part)
     dtype: DType
     params: tuple[MegatronParam, ...]  # in module order, layer by layer
+    run_state: MegatronRunState | None = None  # set where the optimizer state is carried (the params' states)
 
     @property
     def num_layers(self) -> int:
@@ -418,9 +425,14 @@ def _check_config(arch: str, cfg: dict[str, Any], target: megatron_arch.Target, 
                               "(no exact megatron-core mapping)")
 
 
-def open_hf_megatron(src: Path | ObjectURL) -> HFMegatron:
-    """Read and check an HF folder (headers only) as megatron-core's GPT; see the module docstring."""
+def open_hf_megatron(src: Path | ObjectURL, optimizer: bool = True) -> HFMegatron:
+    """Read and check an HF folder (headers only) as megatron-core's GPT; see the module docstring.
+    ``optimizer``: carry the folder's optimizer files (``ckpt export --to hf --optimizer``: masters and
+    moments under ``optimizer.state.<state>.<HF name>``, fp32, at the HF tensor's shape), if it has them."""
     cfg, tensors = read_folder(src)
+    fix = "pass a folder written by `ckpt export --to hf --optimizer`, or --no-optimizer"
+    opt = read_set(src, "optimizer", fix) if optimizer else None
+    opt_tensors = opt[0] if opt is not None else {}
     where = str(src / "config.json")
     arch, args = megatron_args(cfg, where)
     layers = args["num_layers"]
@@ -480,18 +492,29 @@ def open_hf_megatron(src: Path | ObjectURL) -> HFMegatron:
                 raise FormatError(f"{src}: tensor {hf!r} is {got}, config.json implies {list(want)}; the weights do "
                                   "not belong to this config")
             used.add(hf)
+            states = []
+            for s in STATES if opt is not None else ():
+                ot = opt_tensors.get(f"optimizer.state.{s}.{hf}")
+                if ot is None or ot.shape != t.shape or ot.dtype.name != "float32":
+                    got = "missing" if ot is None else f"{list(ot.shape)} {ot.dtype.name}"
+                    raise FormatError(f"{ot.file if ot else src}: optimizer tensor 'optimizer.state.{s}.{hf}' is "
+                                      f"{got}, the model implies {list(t.shape)} float32; {fix}")
+                used.add(f"optimizer.state.{s}.{hf}")
+                states.append(ot)
             first = 0
             for a, b in rows:  # the HF tensor is its megatron row ranges back to back
-                segs.append((a, b, Segment(t, first, b - a)))
+                segs.append((a, b, Segment(t, first, b - a), tuple(Segment(o, first, b - a) for o in states)))
                 first += b - a
         segs.sort(key=lambda s: s[0])
-        if [(a, b) for a, b, _ in segs] != list(zip([0] + [b for _, b, _ in segs[:-1]], [b for _, b, _ in segs])) \
-                or segs[-1][1] != shape[0]:
+        if [(a, b) for a, b, *_ in segs] != list(zip([0] + [b for _, b, *_ in segs[:-1]],
+                                                     [b for _, b, *_ in segs])) or segs[-1][1] != shape[0]:
             raise FormatError(f"{src}: the rows of {name} are not covered once by its HF tensors")  # a table bug
         stacked = EXPERT_KEY + key if expert is not None else f"decoder.layers.{key}" if layer is not None else key
-        params.append(MegatronParam(stacked, layer, shape, tuple(s for _, _, s in segs), expert))
-    unknown = sorted(set(tensors) - used)
+        carried = tuple(tuple(sg[3][i] for sg in segs) for i in range(len(STATES))) if opt is not None else ()
+        params.append(MegatronParam(stacked, layer, shape, tuple(sg[2] for sg in segs), expert, carried))
+    unknown = sorted((set(tensors) | set(opt_tensors)) - used)
     if unknown:
         raise FormatError(f"{src}: has tensor {unknown[0]!r}, which {arch} of this config.json does not have; the "
                           "folder is not that model")
-    return HFMegatron(src, arch, args, dtype, tuple(params))
+    run_state = parse_run_state(opt[1], str(src / "optimizer*.safetensors")) if opt is not None else None
+    return HFMegatron(src, arch, args, dtype, tuple(params), run_state)

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool.hf import folder as hf_folder
-from ckpt_tool.hf import mapping, megatron_arch
+from ckpt_tool.hf import mapping, megatron_arch, megatron_run_state
 from ckpt_tool.hf import run_state as hf_run_state
 from ckpt_tool.reshard import DEFAULT_MAX_MEMORY, WEIGHT_STATE
 from ckpt_tool.reshard.ahead import ReadAhead, ahead_depth
@@ -226,7 +226,9 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
     if optimizer:
         sets.append(("optimizer", [(state_key(s, name), s, v, rows) for name, v, rows in table for s in STATES]))
     jobs, side = [], 0
-    metas = {"optimizer": hf_run_state.metadata(source.manifest)}  # what import needs to resume the moments
+    # what import needs to resume the moments (megatron-core: its Adam step and iteration, from its pickles' opcodes)
+    metas = {"optimizer": hf_run_state.metadata(source.manifest) if source.manifest is not None or not optimizer
+             else megatron_run_state.read(source.ckpt)}
     for prefix, keys in sets:
         tensors = []
         for key, state, view, rows in keys:

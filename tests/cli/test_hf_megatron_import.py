@@ -162,8 +162,13 @@ def test_moe_hf_megatron_hf_round_trip_is_bit_identical(kind: str, topo: tuple[s
 
 
 def _megatron(ckpt: Path, out: Path, topo: tuple[int, int, int], tokens: Path) -> list[dict[str, np.ndarray]]:
+    return _megatron_at(ckpt, out, topo, tokens, 0)
+
+
+def _megatron_at(ckpt: Path, out: Path, topo: tuple[int, int, int], tokens: Path, it: int
+                 ) -> list[dict[str, np.ndarray]]:
     out.mkdir()
-    r = subprocess.run([str(MEGATRON_PY), str(FORWARD), str(ckpt / "iter_0000000"), str(out), *map(str, topo),
+    r = subprocess.run([str(MEGATRON_PY), str(FORWARD), str(ckpt / f"iter_{it:07d}"), str(out), *map(str, topo),
                         str(tokens)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = []
@@ -254,6 +259,82 @@ def test_genuine_moe_hf_megatron_core_at_another_topology(fixture: str, tmp_path
         r = cli("export", tmp_path / f"mc{i}", tmp_path / f"hf{i + 2}", "--to", "hf")
         assert r.exit_code == 0, r.stderr
         assert_same_tensors(tmp_path / "hf1", tmp_path / f"hf{i + 2}")
+
+
+def _carried(ranks: list[dict[str, np.ndarray]], hf: Path, sharding: str, step: float) -> None:
+    """At TP 1 every element of the distributed optimizer's state is on exactly one rank: the masters and
+    both moments megatron-core loaded, as multisets, are the HF optimizer files' (and ``step`` is the
+    run's, fully_reshardable; see :func:`_fresh_optimizer` for dp_reshardable's)."""
+    got: list[list[np.ndarray]] = [[], [], []]
+    for r in ranks:
+        if sharding == "fully_reshardable":
+            assert (r["step"] == step).all(), r["step"]
+        opt = sorted((k for k in r if k.startswith("opt.")), key=lambda k: int(k[4:]))
+        for i, k in enumerate(opt):
+            got[i % 3].append(r[k].ravel())
+    want = tensors(hf)
+    opt = {k: v for f in sorted(hf.glob("optimizer*.safetensors")) for k, v in load_file(f).items()}
+    assert want and opt
+    for i, state in enumerate(("param", "exp_avg", "exp_avg_sq")):
+        mine = np.sort(np.concatenate([v.numpy().ravel() for k, v in opt.items()
+                                       if k.startswith(f"optimizer.state.{state}.")]))
+        assert np.array_equal(np.sort(np.concatenate(got[i])), mine), state
+        assert i == 0 or np.abs(mine).max() > 0  # genuine moments, not zeros
+
+
+# MoE is not here: `export --to hf --optimizer` reads no expert optimizer state (the view refuses chained_ optimizers)
+@pytest.mark.parametrize("fixture", ["pair_llama_tp2_dp2_dp_reshardable"])
+def test_optimizer_state_megatron_hf_megatron_core_is_bit_identical(fixture: str, tmp_path: Path) -> None:
+    """A genuine megatron-core save (bf16, iteration 2, Adam step 2) -> ``export --to hf --optimizer`` ->
+    import at another topology carries the fp32 masters and both moments and the step -> export again:
+    the same model and optimizer files, byte for byte; megatron-core's loader loads the carried state."""
+    r = cli("export", MEGATRON / fixture, tmp_path / "hf1", "--to", "hf", "--optimizer")
+    assert r.exit_code == 0, r.stderr
+    moe = "mixtral" in fixture
+    topos = [("--dp", "4", *(("--ep", "2") if moe else ()), "--sharding", "dp_reshardable"),
+             ("--tp", "2", *(("--ep", "2") if moe else ("--pp", "1")), "--sharding", "fully_reshardable")]
+    for i, topo in enumerate(topos):
+        r = cli("import", tmp_path / "hf1", tmp_path / f"mc{i}", "--from", "hf", "--to", "megatron-core", *topo,
+                "--format", "json")
+        assert r.exit_code == 0, r.stderr
+        info = json.loads(r.stdout)
+        assert info["iteration"] == 2 and info["optimizer"] == "carried (step 2)", info
+        assert (tmp_path / f"mc{i}" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    r = cli("export", tmp_path / "mc0", tmp_path / "hf2", "--to", "hf", "--optimizer")
+    assert r.exit_code == 0, r.stderr
+    for f in sorted(p.name for p in (tmp_path / "hf1").glob("*.safetensors")):
+        assert (tmp_path / "hf1" / f).read_bytes() == (tmp_path / "hf2" / f).read_bytes(), f
+    r = cli("import", tmp_path / "hf1", tmp_path / "fresh", "--from", "hf", "--to", "megatron-core", "--tp", "2",
+            *(("--ep", "2") if moe else ()), "--no-optimizer", "--format", "json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["iteration"] == 0, r.stderr
+    if MEGATRON_PY.exists() and not moe:  # megatron-core loads the carried state (TP 1: each element once)
+        np.save(tmp_path / "tokens.npy", np.zeros((1, 4), dtype=np.int64))
+        r = cli("import", tmp_path / "hf1", tmp_path / "mc2", "--from", "hf", "--to", "megatron-core", "--dp", "2",
+                "--sharding", "fully_reshardable")
+        assert r.exit_code == 0, r.stderr
+        for ckpt, dp, sharding in ((tmp_path / "mc2", 2, "fully_reshardable"),
+                                   (tmp_path / "mc0", 4, "dp_reshardable")):
+            ranks = _megatron_at(ckpt, tmp_path / f"out_{sharding}", (1, 1, dp), tmp_path / "tokens.npy", 2)
+            _carried(ranks, tmp_path / "hf1", sharding, 2.0)
+
+
+def test_optimizer_files_without_a_run_state_are_refused(tmp_path: Path) -> None:
+    """Moments without megatron-core's Adam step cannot resume: refused naming the field, unless
+    --no-optimizer; an optimizer tensor at another shape is refused naming it."""
+    r = cli("export", MEGATRON / "pair_llama_tp2_dp2_dp_reshardable", tmp_path / "hf", "--to", "hf", "--optimizer")
+    assert r.exit_code == 0, r.stderr
+    opt = tmp_path / "hf" / "optimizer.safetensors"
+    t = load_file(opt)
+    save_file(t, opt, metadata={"format": "pt"})
+    base = ["import", tmp_path / "hf", tmp_path / "out", "--from", "hf", "--to", "megatron-core"]
+    assert_error_line(cli(*base), 2, "gtp_megatron_run_state", "--no-optimizer")
+    t["optimizer.state.exp_avg.model.norm.weight"] = t["optimizer.state.exp_avg.model.norm.weight"][:-1]
+    save_file(t, opt, metadata={"gtp_megatron_run_state": '{"iteration":2,"step":2.0}'})
+    assert_error_line(cli(*base), 2, "'optimizer.state.exp_avg.model.norm.weight' is [31] float32",
+                      "the model implies [32] float32")
+    assert not (tmp_path / "out").exists()
+    r = cli(*base, "--no-optimizer")
+    assert r.exit_code == 0, r.stderr
 
 
 def _edit_config(folder: Path, **change: object) -> None:

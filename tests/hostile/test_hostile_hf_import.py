@@ -12,8 +12,11 @@
 * MoE (Mixtral, Qwen3-MoE): an expert count the tensors do not have (8, 2^40), a top-k above the
   experts, an expert FFN size the tensors disagree with, a sliding window, dense layers between MoE
   layers, a string expert count; Qwen2-MoE with a shared expert size the tensors disagree with (or 0)
-  and ``qkv_bias`` false against bias tensors; ``--ep`` that does not divide the experts, ``--etp 2`` (gated
-  experts), ``--ep 1`` at TP 1 (megatron-core's dense-optimizer layout) and ``--ep`` on a dense model;
+  and ``qkv_bias`` false against bias tensors; ``--ep`` that does not divide the experts, ``--etp 2``
+  (gated experts), ``--ep 1`` at TP 1 (megatron-core's dense-optimizer layout) and ``--ep`` on a dense
+  model;
+* optimizer files (``ckpt export --to hf --optimizer``) whose ``gtp_megatron_run_state`` is no JSON, a
+  negative iteration, a step of 1e300, a list, 100,000 arrays deep, or a state at another shape;
 * per RoPE class, the keys its import reads: Starcoder2 with a sliding window, without biases
   (``use_bias`` false against bias tensors) or a wrong ``intermediate_size``; Arcee with an activation
   megatron-core has no non-gated form of (``silu``) or key/value heads the tensors do not have; Qwen2
@@ -63,6 +66,10 @@ CONFIG = {"layers_huge": {"num_hidden_layers": 10**9}, "heads_huge": {"num_atten
 BASE = {n: n.split("_")[0] for n in CONFIG if n.split("_")[0] in ("starcoder2", "arcee", "qwen2", "mixtral",
                                                                    "qwen3moe", "qwen2moe")}
 BASE.update(mixtral_ep3="mixtral", mixtral_etp2="mixtral", mixtral_ep1="mixtral")
+# optimizer files (`export --to hf --optimizer`) whose run state field is hostile, or a state at another shape
+OPT_STATE = {"opt_state_not_json": "{'iteration': 2", "opt_state_negative": '{"iteration": -1, "step": 2.0}',
+             "opt_state_huge_step": '{"iteration": 2, "step": 1e300}', "opt_state_list": "[1, 2]",
+             "opt_state_deep": "[" * 100000 + "]" * 100000, "opt_shape": '{"iteration": 2, "step": 2.0}'}
 # cases refused by a topology option, not the config
 OPTIONS = {"mixtral_ep3": ["--ep", "3"], "mixtral_etp2": ["--ep", "2", "--etp", "2", "--dp", "2"],
            "mixtral_ep1": ["--ep", "1"], "dense_ep2": ["--ep", "2", "--dp", "2"]}
@@ -87,7 +94,10 @@ WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json imp
          "dense_ep2": "the model has no experts",
          "qwen2moe_shared": "'model.layers.0.mlp.shared_expert.gate_proj.weight' is [48, 64], config.json implies [64",
          "qwen2moe_qkv_bias": "the weights do not belong to this config",
-         "qwen2moe_shared_zero": "shared_expert_intermediate_size is 0"}
+         "qwen2moe_shared_zero": "shared_expert_intermediate_size is 0",
+         "opt_state_not_json": "gtp_megatron_run_state", "opt_state_negative": "not {'iteration': N",
+         "opt_state_huge_step": "not {'iteration': N", "opt_state_list": "not {'iteration': N",
+         "opt_state_deep": "optimizer.safetensors opens", "opt_shape": "the model implies [64] float32"}
 
 
 def _st(path: Path, header: dict, data: bytes) -> None:
@@ -146,6 +156,14 @@ def _build(root: Path, dst_root: Path, base: Path) -> list[Case]:
         elif name == "symlink_out":
             st.rename(folder / "outside.safetensors")
             st.symlink_to(folder / "outside.safetensors")
+        elif name in OPT_STATE:
+            from safetensors.torch import load_file, save_file
+
+            opt = {f"optimizer.state.{s}.{k}": v.float().clone() for k, v in load_file(st).items()
+                   for s in ("param", "exp_avg", "exp_avg_sq")}
+            if name == "opt_shape":
+                opt["optimizer.state.exp_avg.model.norm.weight"] = torch.zeros(65)
+            save_file(opt, run / "optimizer.safetensors", metadata={"gtp_megatron_run_state": OPT_STATE[name]})
         elif name == "f16":
             from safetensors.torch import load_file, save_file
 
