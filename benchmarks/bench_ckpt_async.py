@@ -3,11 +3,11 @@
     python benchmarks/bench_ckpt_async.py --write-docs            # CPU, 2 gloo ranks
     python benchmarks/bench_ckpt_async.py --device cuda --nproc 1  # one GPU (pinned staging)
 
-Rows (issue 23's fields): ``async_blocking_s`` (from the save call until the staging copy is done,
+Rows: ``async_blocking_s`` (from the save call until the staging copy is done,
 i.e. until the optimizer may update again), ``async_durable_s`` (until the slowest rank's files
 are written and fsynced; the commit follows at the next step), ``save_gbps`` (sync save),
 ``save_without_records_gbps`` / ``records_added_pct`` (the same sync save without the chunk records and
-the replica cross-check of issue 26, and what they add: with ``--record-rounds N``, N more pairs of
+the replica cross-check, and what they add: with ``--record-rounds N``, N more pairs of
 sync saves, interleaved with the order flipped every round, and the ratio of the medians),
 ``load_gbps``, ``step_ms`` and ``step_ms_during_write`` (median step without / while a background write is in flight),
 ``staging_gib`` (after every one of the async saves: it must not grow), ``dcp_save_gbps`` (PyTorch
@@ -45,7 +45,7 @@ from gtp_runtime.training import TrainConfig, Trainer
 
 TITLE = "Async checkpoint save on {where} (blocking time, background write, dd and DCP baselines)"
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-JSON = {"cpu": DOCS / "ckpt_async_cpu.json", "cuda": DOCS / "gpu_ckpt_results.json"}  # issue 23 names the GPU one
+JSON = {"cpu": DOCS / "ckpt_async_cpu.json", "cuda": DOCS / "gpu_ckpt_results.json"}  # the GPU file holds all GPU rows
 
 
 def _sync(device: torch.device) -> None:
@@ -91,7 +91,7 @@ def _sum(x: float) -> float:
 _GLOO: list[Any] = []
 
 
-def _dd(path: Path, nbytes: int) -> tuple[float, float]:
+def dd_rates(path: Path, nbytes: int) -> tuple[float, float]:
     """``dd`` direct write (fdatasync) and direct read of ``nbytes``: GB/s each."""
     bs = 16 << 20
     count = max(1, nbytes // bs)
@@ -154,7 +154,7 @@ def worker(args: argparse.Namespace, out: str) -> None:
 
 def _records_only(args: argparse.Namespace, trainer: Trainer, root: Path, device: torch.device, save: Any) -> None:
     """``--only-records``: ``--record-rounds`` pairs of sync saves with and without the chunk records,
-    interleaved (the order flipped every round), and nothing else: issue 26's 3% on the main shape."""
+    interleaved (the order flipped every round), and nothing else: a 3% difference on the main shape."""
     with_s: list[float] = []
     without_s: list[float] = []
     nbytes = 0
@@ -258,7 +258,7 @@ def _worker(args: argparse.Namespace, out: str) -> None:
     _say(f"sync save without chunk records or the replica check {bare_s:.2f} s")
     _rm(root / "bare")
     with_s, without_s = [sync_s], [bare_s]
-    for i in range(args.record_rounds):  # interleaved, the order flipped every round (issue 26's 3%)
+    for i in range(args.record_rounds):  # interleaved, the order flipped every round (a 3% difference)
         for integrity in ((True, False) if i % 2 else (False, True)):
             took = _timed(lambda i=integrity: save_checkpoint(trainer, root / "rounds", integrity=i), device)
             (with_s if integrity else without_s).append(took)
@@ -335,7 +335,7 @@ def _worker(args: argparse.Namespace, out: str) -> None:
     tpath.unlink()
     dist.barrier()
     if rank == 0:
-        ddw, ddr = _dd(root / "dd.bin", nbytes)
+        ddw, ddr = dd_rates(root / "dd.bin", nbytes)
         gb = nbytes / 1e9
         row = {"device": device.type, "ranks": world, "ckpt_gb": round(gb, 3),
                "async_blocking_s": round(max(blocking), 3), "staging_reserve_s": round(reserve_s, 3),
@@ -386,7 +386,7 @@ def main() -> int:
                     help="more sync saves with and without the chunk records, interleaved; records_added_pct "
                          "is then the ratio of the medians")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--bf16", action="store_true", help="bf16 params (the GPU shape of issue 23); fp32 otherwise")
+    ap.add_argument("--bf16", action="store_true", help="bf16 params (the GPU shape); fp32 otherwise")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--dir", default=None, help="folder to write in (default: a temporary one); removed after")
     ap.add_argument("--write-docs", action="store_true",

@@ -36,7 +36,7 @@ def _own_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {f"{k}@{o}": v for k, c in chunks.items() for o, v in c.chunks.items()}
 
 
-def _timed(fn: object) -> float:
+def timed_save(fn: object) -> float:
     dist.barrier()
     t = time.perf_counter()
     fn()  # type: ignore[operator]
@@ -62,10 +62,10 @@ def worker(args: argparse.Namespace, out: str) -> None:
         dist.barrier()
     for layout in args.layouts:
         target = root / layout
-        save_s = _timed(lambda target=target, layout=layout: save_checkpoint(trainer, target, layout=layout))
+        save_s = timed_save(lambda target=target, layout=layout: save_checkpoint(trainer, target, layout=layout))
         folder = target / "iter_0000000"
         size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-        load_s = _timed(lambda target=target: load_checkpoint(trainer, target))
+        load_s = timed_save(lambda target=target: load_checkpoint(trainer, target))
         tensors = _own_tensors(trainer)
         path = root / f"torch_save_{rank}.pt"
 
@@ -74,10 +74,10 @@ def worker(args: argparse.Namespace, out: str) -> None:
             with open(path, "rb+") as f:
                 os.fsync(f.fileno())
 
-        tsave_s = _timed(tsave)
+        tsave_s = timed_save(tsave)
         base = torch.tensor([path.stat().st_size], dtype=torch.float64)
         dist.all_reduce(base)
-        tload_s = _timed(lambda path=path: torch.load(path, weights_only=True))
+        tload_s = timed_save(lambda path=path: torch.load(path, weights_only=True))
         gb, base_gb = size / 1e9, base.item() / 1e9
         rows.append({"layout": layout, "GB": round(gb, 2), "save GB/s": round(gb / save_s, 3),
                      "torch.save GB/s": round(base_gb / tsave_s, 3),

@@ -1,4 +1,4 @@
-"""Benchmark: the CLI at scale against its baselines, each in the same run: issue 41's table in one command.
+"""Benchmark: the CLI at scale against its baselines, each in the same run: one table in one command.
 
 Rows (each a ratio against its baseline, measured in this run, on this machine):
 
@@ -25,7 +25,7 @@ interleave ours and the baseline). The results go to ``--out`` (or ``$CKPT_BENCH
 ``cli_scale_results.json``, with the command line and the machine (nproc, CPU model); ``--write-docs``
 also merges the rows into docs/cli_scale_results.json (a row replaces the one of the same name and machine).
 
-    python benchmarks/bench_cli_scale.py --out /tmp/scale_out            # issue 41's sizes
+    python benchmarks/bench_cli_scale.py --out /tmp/scale_out            # the full sizes
     python benchmarks/bench_cli_scale.py --smoke --out /tmp/scale_smoke  # seconds (tests/benchmarks)
     python benchmarks/bench_cli_scale.py --merge OUT/cli_scale_results.json  # rows from another machine
 """

@@ -1,4 +1,4 @@
-"""Benchmark: what the copies' read checks cost (issue 22): the read ledger on and off, against ``cp -r``.
+"""Benchmark: what the copies' read checks cost: the read ledger on and off, against ``cp -r``.
 
 ``reshard`` and ``export`` hash every range they read into a read ledger
 (:mod:`gtp_format.check.integrity`) and, before committing, join it and read what no copy read
@@ -28,7 +28,9 @@ from pathlib import Path
 from bench_reshard import make_source
 from docs_section import write_section
 
-from ckpt_tool.reshard import engine, export, source
+from ckpt_tool.copying import source
+from ckpt_tool.export import engine as export
+from ckpt_tool.reshard import engine
 from gtp_format.reader.boxes import BoxReader
 
 SECTION = "Copies: what the read checks cost (issue 22)"

@@ -1,11 +1,11 @@
 """Benchmark: ``ckpt inspect --params`` of a large genuine-layout megatron-core ``.metadata`` against plain ``inspect``.
 
-Issue 22 class 5: the megatron layout inference scanned every chunk of a stacked key once per
+Why: the megatron layout inference scanned every chunk of a stacked key once per
 layer, every edge once per chunk and every key once per bucket, so a 10-32 MB ``.metadata`` cost
 minutes. This writes (under ``--workdir``, never the repository) a megatron-core GPT local-spec
 layout with ``--layers`` stacked layers (each layer its own chunk, as megatron-core stores them)
 and one ``dp_reshardable`` bucket whose chunks are one per parameter slice and one per 64-element
-alignment gap (the layout :mod:`gtp_format.views.megatron` derives and checks), with sparse data files
+alignment gap (the layout :mod:`gtp_format.megatron.view` derives and checks), with sparse data files
 just long enough for every byte range. Then, in the same run, each command in a fresh process:
 
 * ``inspect``: ``ckpt inspect PATH --format json`` (the baseline: parse ``.metadata``, classify keys);
@@ -30,8 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gtp_format.dtypes import DTYPES  # noqa: E402
+from gtp_format.megatron.buckets import PARAM_ALIGN  # noqa: E402
+from gtp_format.megatron.keys import HEAD, LAYER  # noqa: E402
 from gtp_format.names import optimizer_key  # noqa: E402
-from gtp_format.views.megatron import HEAD, LAYER, PARAM_ALIGN  # noqa: E402
 from gtp_format.writer.dcp_metadata import metadata_bytes  # noqa: E402
 
 

@@ -9,7 +9,7 @@ workdir), copies it once without its manifest (as a genuine Megatron checkpoint 
 warm, best of ``--repeats`` rounds: ``cat`` of the files; ``verify(data=True)`` with the manifest
 (the manifest's CRC-32C of each file covers every byte: no per-record CRC); without the manifest
 (every storage record's CRC-32 is checked: ``zlib.crc32`` over the window the pass holds); and
-without the manifest with the per-record CRC disabled (the pass as it was before issue 13).
+without the manifest with the per-record CRC disabled.
 """
 
 from __future__ import annotations

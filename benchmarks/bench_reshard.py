@@ -45,8 +45,8 @@ from tabulate import tabulate
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ckpt_tool.reshard.engine import write_checkpoint  # noqa: E402
-from ckpt_tool.reshard.plan import OutChunk, plan_target  # noqa: E402
+from ckpt_tool.copying.engine import write_checkpoint  # noqa: E402
+from ckpt_tool.copying.plan import OutChunk, plan_target  # noqa: E402
 from gtp_format.layout.config import ModelConfig, ParallelConfig  # noqa: E402
 from gtp_format.layout.params import buffer_layouts  # noqa: E402
 from gtp_format.manifest import HASH_ALGORITHM, Manifest, OptimizerInfo, format_version_for  # noqa: E402

@@ -1,6 +1,6 @@
 """Object-store clients against boto3's transfer manager, on the same objects in the same run.
 
-Why: issue 28 asks for the S3 client to be chosen by measurement among well-kept libraries: fsspec
+Why: the S3 client is chosen by measurement among well-kept libraries: fsspec
 with s3fs, and obstore (Rust's ``object_store`` behind Python bindings); the baseline is boto3's own
 transfer manager (``upload_file`` / ``download_file``, multipart and threaded), which is what a user
 would run to copy a checkpoint by hand. Three workloads, each on the same objects for every client:

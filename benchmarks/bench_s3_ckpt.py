@@ -1,6 +1,6 @@
 """``verify --data``, ``export``, ``reshard`` and the save's upload on a bucket, against boto3's transfer manager.
 
-Why: issue 28's target is at least 0.8x boto3's own transfer manager for the same objects. Measured in
+Why: the target is at least 0.8x boto3's own transfer manager for the same objects. Measured in
 one run, on moto's S3 server at 127.0.0.1 (``tests/helpers/s3_server.py``), on one checkpoint that the
 launcher writes first (2 gloo ranks, one step):
 
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(dst, ignore_errors=True) if dst.is_dir() else dst.unlink(missing_ok=True)
             if r == 0:
                 moto = server_cost(client, f"ours0/{folder.name}", folder, files)
-                # reshard's requests without its read-ahead (the state before issue 28's third round), once
+                # reshard's requests without its read-ahead (as reshard read before it had one), once
                 from gtp_format.reader import boxes
 
                 real = boxes.BoxReader.prefetch_chunks

@@ -36,7 +36,7 @@ from typing import Any
 import save_stages
 import torch
 import torch.distributed as dist
-from bench_ckpt_cpu import _timed  # the same save timing between barriers as the CPU save benchmark
+from bench_ckpt_cpu import timed_save  # the same save timing between barriers as the CPU save benchmark
 from pairs import paired
 
 from gtp_format.layout.config import ModelConfig, ParallelConfig
@@ -57,7 +57,7 @@ def _parts(trainer: Trainer, folder: Path) -> tuple[dict[str, float], dict[str, 
     sd = {**model_state(trainer.model, trainer.groups, False), **optimizer_state(trainer.optimizer, trainer.groups),
           **bucket_numel_state(trainer.optimizer, trainer.groups, False)}
     full = model_state(trainer.model, trainer.groups, for_load=True)
-    out = {"replica check s": _timed(lambda: check_replicas(trainer, [full, sd]))}
+    out = {"replica check s": timed_save(lambda: check_replicas(trainer, [full, sd]))}
     t = time.perf_counter()
     state_stats(sd)
     out["statistics s"] = time.perf_counter() - t
@@ -184,7 +184,7 @@ def worker(args: argparse.Namespace, out: str) -> None:
             target = root / f"run_{int(integrity)}_{i}"
             save_stages.reset()
             c = _cpu_s()
-            times[integrity].append(_timed(lambda t=target, g=integrity: save_checkpoint(trainer, t, integrity=g)))
+            times[integrity].append(timed_save(lambda t=target, g=integrity: save_checkpoint(trainer, t, integrity=g)))
             cpu[integrity].append(_cpu_s() - c)
             for k, v in save_stages.reset().items():
                 stages[integrity][k] = stages[integrity].get(k, 0.0) + v

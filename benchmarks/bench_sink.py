@@ -1,7 +1,7 @@
 """Benchmark: what the chunk records cost inside the writer's :class:`gtp_format.writer.sink.Sink`.
 
 Why: every save hands its bytes to a ``Sink``, which computes the file's CRC-32C and, with
-``segments`` (the chunk records of issue 26), each chunk's xxh3-128 on the same thread that copies the
+``segments`` (the chunk records), each chunk's xxh3-128 on the same thread that copies the
 bytes into its staging buffer. A save whose disk is fast, or whose writer threads share cores, pays
 that CPU in wall time. This times one thread writing ``--mib`` of random bytes, handed in as parts of
 ``--part-mib`` (a checkpoint's tensors), through a buffered ``Sink`` into ``--dir`` (default

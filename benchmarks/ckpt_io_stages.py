@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from bench_ckpt_async import _dd  # the same dd baselines as the async-save benchmark
+from bench_ckpt_async import dd_rates  # the same dd baselines as the async-save benchmark
 from bench_export_hf import evict
 
 CHUNK = 256 << 20
@@ -123,7 +123,7 @@ def main() -> int:
         return dt
 
     try:
-        ddw, ddr = _dd(root / "dd.bin", nbytes)
+        ddw, ddr = dd_rates(root / "dd.bin", nbytes)
         rows.append({"stage": "dd direct write", "gbps": round(ddw, 3)})
         rows.append({"stage": "dd direct read", "gbps": round(ddr, 3)})
         print(rows[-2], rows[-1], flush=True)

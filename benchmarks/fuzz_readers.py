@@ -76,13 +76,13 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
 
 
 def pickle_target() -> tuple[list[bytes], Callable[[bytes], None]]:
-    from gtp_format.reader.dcp_reader import _entries
+    from gtp_format.reader.dcp_reader import metadata_entries
     from gtp_format.reader.safe_pickle import load_metadata_pickle
 
     seeds = [p.read_bytes() for p in sorted(REPO.glob("fixtures/*/*/iter_*/.metadata"))]
 
     def run(data: bytes) -> None:
-        _entries(Path("fuzz/.metadata"), data, load_metadata_pickle(data, "fuzz/.metadata"))
+        metadata_entries(Path("fuzz/.metadata"), data, load_metadata_pickle(data, "fuzz/.metadata"))
 
     return seeds, run
 
@@ -130,8 +130,8 @@ def safetensors_target() -> tuple[list[bytes], Callable[[bytes], None]]:
 
 
 def json_target() -> tuple[list[bytes], Callable[[bytes], None]]:
+    from gtp_format import safe_json
     from gtp_format.manifest import parse_manifest
-    from gtp_format.reader import safe_json
 
     seeds = [p.read_bytes() for p in sorted(REPO.glob("fixtures/*/*/iter_*/gtp_manifest.json"))[:3]]
     seeds += [p.read_bytes()[:20000] for p in sorted(REPO.glob("fixtures/*/*/iter_*/index.json"))]

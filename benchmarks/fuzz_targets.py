@@ -1,4 +1,4 @@
-"""Fuzz targets of issue 22 for benchmarks/fuzz_readers.py: the ``.idx`` reader and the manifest's
+"""Fuzz targets for benchmarks/fuzz_readers.py: the ``.idx`` reader and the manifest's
 topology and bucket layout sections.
 
 * ``idx``: Megatron ``.idx`` files (the fixtures' three, beside their ``.bin``), byte-mutated,

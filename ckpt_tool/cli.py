@@ -189,7 +189,7 @@ def _run_ranked(args: list[str]) -> int:
     import os
 
     from gtp_format import ranks
-    from gtp_format.writer.work import sigterm_raises
+    from gtp_format.work import sigterm_raises
 
     with sigterm_raises(replace=True):
         try:

@@ -94,12 +94,12 @@ def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(func)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        from gtp_format.storage.objects import listed_sizes
-        from gtp_format.writer.work import Terminated
+        from gtp_format.session import Session
+        from gtp_format.work import Terminated
 
         try:
-            with listed_sizes():  # one command: a bucket's sizes from its listings (fewer HEAD round trips)
-                return func(*args, **kwargs)
+            with Session() as session:  # one command: its locations read and written through its session
+                return func(*(session.bind(a) for a in args), **session.bind_all(kwargs))
         except Terminated:  # SIGTERM during a write: the writer already removed its work folder
             from gtp_format import ranks
 

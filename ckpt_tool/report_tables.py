@@ -58,6 +58,12 @@ def lineage_rows(lin: dict[str, Any] | None, att: dict[str, Any] | None) -> list
     return rows
 
 
+def model_rows(model: dict[str, Any] | None) -> list[tuple[str, Any]]:
+    """The ``model`` line of a megatron-core checkpoint (:func:`gtp_format.report.megatron_model`), as
+    ``inspect`` and ``show`` print it; none for another checkpoint."""
+    return [("model", model["text"])] if model else []
+
+
 def inspect_tables(doc: dict[str, Any]) -> list[str]:
     c = doc["counts"]
     summary = [
@@ -65,7 +71,7 @@ def inspect_tables(doc: dict[str, Any]) -> list[str]:
         ("iteration", doc["iteration"] if doc["iteration"] is not None else "-"),
         ("topology", doc["topology"]), ("manifest", "yes" if doc["manifest"] else "no"),
         ("optimizer format", doc["optimizer_format"] or "-"),
-        *([("model", doc["megatron_model"]["text"])] if doc.get("megatron_model") else []),
+        *model_rows(doc.get("megatron_model")),
         ("keys", f"{c['keys']} ({c['tensors']} tensors, {c['byte_objects']} byte objects)"
                  + (f", {c['matching_keys']} matching" if "matching_keys" in c else "")),
         ("chunks", c["chunks"]), ("stored", fmt_bytes(c["stored_bytes"])),

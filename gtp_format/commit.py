@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from gtp_format.writer.work import work_name
+from gtp_format.work import work_name
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -63,7 +63,7 @@ def write_durable(path: str | os.PathLike[str], data: bytes | str) -> None:
 
 def hidden_sibling(path: Path, tag: str) -> Path:
     """A unique dot-name next to ``path`` that no reader takes for a checkpoint or a marker; it records
-    this process as its owner (:mod:`gtp_format.writer.work`), so a later writer can clean it up."""
+    this process as its owner (:mod:`gtp_format.work`), so a later writer can clean it up."""
     return work_name(path, tag)
 
 

@@ -40,6 +40,7 @@ from typing import Any
 from gtp_format.errors import FormatError
 from gtp_format.names import (
     ATTESTATION_FILE,  # a conversion's record beside its output
+    ATTESTATION_SUFFIX,
     OPT_PREFIX,
     parse_optimizer_key,
 )
@@ -384,13 +385,31 @@ ATTESTATION_LIMIT = 64 << 20  # bytes read at most: 1M per-tensor rows of a few 
 def read_attestation(root: Any) -> Attestation | None:
     """The ``gtp_attestation.json`` beside a checkpoint (None when there is none); raises
     :class:`FormatError` (one line) when it is damaged or fails its checks."""
-    from gtp_format.reader.safe_json import load_json_object
     from gtp_format.reader.storage import is_regular_inside
+    from gtp_format.safe_json import load_json_object
 
     if is_regular_inside(root, ATTESTATION_FILE) is None:
         return None
     raw = load_json_object(root / ATTESTATION_FILE, "the attestation", limit=ATTESTATION_LIMIT)
     return parse_attestation(raw, str(root / ATTESTATION_FILE))
+
+
+def attestation_beside(path: Any) -> Any:
+    """Where a one-file output's attestation lies (``export --to torch``): ``<file>.gtp_attestation.json``
+    in the same folder (or bucket prefix), since a file has no folder of its own to hold one."""
+    return path.parent / (path.name + ATTESTATION_SUFFIX)
+
+
+def read_file_attestation(path: Any) -> Attestation | None:
+    """The attestation beside the one-file output ``path`` (None when there is none); one line when damaged."""
+    from gtp_format.reader.storage import is_regular_inside
+    from gtp_format.safe_json import load_json_object
+
+    beside = attestation_beside(path)
+    if is_regular_inside(path.parent, beside.name) is None:
+        return None
+    raw = load_json_object(beside, "the attestation", limit=ATTESTATION_LIMIT)
+    return parse_attestation(raw, str(beside))
 
 
 def identity_report(ckpt: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None, list[str]]:

@@ -130,7 +130,7 @@ def plan_ours(ckpt: Checkpoint, manifest: Manifest, tp: int, pp: int, cp: int, d
 
 
 def _rank_reads(ckpt: Checkpoint, manifest: Manifest, par: ParallelConfig, plan: LoadPlan) -> None:
-    from gtp_format.views.ours import _dp_members, instances
+    from gtp_format.views.ours import dp_members, instances
     from gtp_format.views.records import KeyRef
 
     assert manifest.model is not None
@@ -149,7 +149,7 @@ def _rank_reads(ckpt: Checkpoint, manifest: Manifest, par: ParallelConfig, plan:
 
     for buf in buffers:
         for inst in instances(buf, par):
-            members = _dp_members(par, buf.dp_group_kind, inst.anchor)
+            members = dp_members(par, buf.dp_group_kind, inst.anchor)
             for b in buf.buckets:
                 ref = KeyRef(inst.dp_group_idx, buf.gbuf_idx, buf.dtype, b.bucket_idx, inst.cp_rank, b.numel_unpadded)
                 n = b.numel // len(members)
@@ -207,7 +207,7 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
     ``dp_reshardable`` optimizer keeps one buffer per model chunk, so a load at another virtual
     size is another bucket layout, never "works as is"; ``ckpt reshard`` writes one chunk per stage.
     """
-    from gtp_format.megatron_topology import derive
+    from gtp_format.megatron.topology import derive
 
     meg = derive(ckpt)
     source = meg.to_dict()

@@ -336,7 +336,7 @@ SHARD_KINDS = (None, "weight", "expert_gtp_remat")  # topology.WEIGHT, topology.
 
 def _group_kind(v: Any, path: str) -> str:
     """A group kind the rank generator knows: an unknown one reached ``Topology.groups`` as a
-    KeyError, the CLI's last-resort "unexpected" line (issue 22)."""
+    KeyError, the CLI's last-resort "unexpected" line."""
     kind = _str(v, path)
     if kind not in ALL_GROUP_KINDS:
         raise _Bad(path, f"is {_short(kind)}, not a group kind ({', '.join(ALL_GROUP_KINDS)})")
@@ -439,7 +439,7 @@ def parse_manifest(obj: Any, source: str, strict: bool = True) -> Manifest:
 
 def read_manifest(folder: Path, strict: bool = True) -> Manifest:
     """Read and parse ``folder/gtp_manifest.json`` through the confined, bounded JSON reader."""
-    from gtp_format.reader.safe_json import load_json_object
+    from gtp_format.safe_json import load_json_object
 
     path = folder / MANIFEST_FILE
     return parse_manifest(load_json_object(path, "the manifest"), str(path), strict=strict)

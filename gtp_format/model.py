@@ -146,7 +146,7 @@ class Checkpoint:
     # default: the records outweigh the model, and inspect/verify hold the model for their whole run.
     raw_metadata: Any = field(default=None, repr=False, compare=False)
     # (key, chunk index) of chunks that hold only alignment padding (megatron-core's torch.empty
-    # gaps, gtp_format.views.megatron.padding_chunks): verify --data counts their NaN/Inf apart.
+    # gaps, gtp_format.megatron.padding.padding_chunks): verify --data counts their NaN/Inf apart.
     padding_chunks: frozenset[tuple[str, int]] = field(default=frozenset(), repr=False, compare=False)
 
     def chunk_count(self) -> int:

@@ -27,7 +27,7 @@ LAYOUTS = ("torch_dist", "safetensors")
 OPT_PREFIX = "optimizer.distributed"
 STATES = ("param", "exp_avg", "exp_avg_sq")
 
-# The ownership token a writer puts in its hidden work folder (gtp_format/writer/work.py); never committed.
+# The ownership token a writer puts in its hidden work folder (gtp_format/work.py); never committed.
 WORK_TOKEN_FILE = ".gtp-work-token"
 
 # Files of a checkpoint folder.
@@ -206,3 +206,4 @@ def iteration_from_name(folder: PurePath) -> int | None:
     return int(m.group(1)) if m else None
 
 ATTESTATION_FILE = "gtp_attestation.json"  # a conversion's record beside its output (reshard, export, import)
+ATTESTATION_SUFFIX = ".gtp_attestation.json"  # beside a one-file output: model.pt.gtp_attestation.json

@@ -7,7 +7,10 @@ written in Arabic-Indic digits was accepted as a number nobody typed), ``float``
 and ``int`` takes 4,300 digits (a rank count of 10^12 ran the launcher out of file descriptors).
 So a number here is ``[+-]?digits[.digits][e[+-]digits]`` in ASCII, at most :data:`MAX_CHARS`
 characters, finite, and inside the bounds the caller gives; anything else is :class:`NumberError`,
-whose message names the flag or variable and what it accepts.
+whose message names the flag or variable and what it accepts. Nothing may stand around it, not
+even spaces: one rule for every flag and variable, so ``" 8"`` is refused alike as
+``CKPT_MAX_HOLE_RATIO`` and as a launcher timeout (a list flag such as ``--split 98,2`` strips its
+items before they get here).
 """
 
 from __future__ import annotations
@@ -33,10 +36,9 @@ def _shown(text: str) -> str:
 
 def parse_int(text: str, what: str, low: int = -INT64_MAX, high: int = INT64_MAX) -> int:
     """An integer written in ASCII digits, in ``[low, high]``."""
-    s = text.strip()
-    if not _INT.fullmatch(s):
+    if not _INT.fullmatch(text):
         raise NumberError(f"{what} {_shown(text)} is not a whole number in ASCII digits")
-    value = int(s)
+    value = int(text)
     if not low <= value <= high:
         raise NumberError(f"{what} {_shown(text)} is outside [{low}, {high}]")
     return value
@@ -44,10 +46,9 @@ def parse_int(text: str, what: str, low: int = -INT64_MAX, high: int = INT64_MAX
 
 def parse_float(text: str, what: str, low: float = -math.inf, high: float = math.inf) -> float:
     """A finite number written in ASCII (``1e-3``, ``0.5``, ``98``), in ``[low, high]``."""
-    s = text.strip()
-    if not _FLOAT.fullmatch(s):
+    if not _FLOAT.fullmatch(text):
         raise NumberError(f"{what} {_shown(text)} is not a finite number in ASCII digits")
-    value = float(s)
+    value = float(text)
     if not math.isfinite(value):  # 1e999
         raise NumberError(f"{what} {_shown(text)} is not a finite number")
     if not low <= value <= high:

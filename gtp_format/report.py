@@ -4,7 +4,7 @@ Inspecting is what people do first with a checkpoint they do not trust, so it mu
 safe: it parses ``.metadata`` through the allow-list and reads no tensor data (only ``stat``), which
 keeps it fast on multi-TB checkpoints too. The one exception is a genuine megatron-core checkpoint's
 ``common_state`` byte object (about 2 KiB, at most 1 MiB read), decoded as inert records for the
-parallel sizes and optimizer format megatron recorded there (:mod:`gtp_format.megatron_topology`).
+parallel sizes and optimizer format megatron recorded there (:mod:`gtp_format.megatron.topology`).
 
 Why here and not in the command: the report is a library result (``--format json`` prints it as
 is, the table view is drawn from it by :mod:`ckpt_tool.report_tables`), so the command module holds
@@ -35,7 +35,7 @@ def inspect_report(path: Path, select: KeyFilter, *, chunks: bool = False, cp_si
     from gtp_format.check.analysis import aliasing, classify_all, topology_view
     from gtp_format.names import DATA_POSITION_KEY, SCHEDULER_KEY
     from gtp_format.reader.checkpoint import open_checkpoint
-    from gtp_format.storage.location import ObjectURL
+    from gtp_format.storage.base import storage_for
 
     ckpt = open_checkpoint(path)
     classes = classify_all(ckpt)
@@ -54,7 +54,7 @@ def inspect_report(path: Path, select: KeyFilter, *, chunks: bool = False, cp_si
         "manifest": ckpt.manifest is not None, "megatron_metadata": ckpt.megatron_metadata,
         "optimizer_format": _optimizer_format(ckpt, topo),
         "megatron_topology": topo.megatron.to_dict() if topo.megatron is not None else None,
-        "megatron_model": _megatron_model(ckpt, topo),
+        "megatron_model": megatron_model(ckpt) if topo.megatron is not None else None,
         "counts": counts,
         # Run state (gtp manifests only): the lr schedule under Megatron's name and the data position.
         "opt_param_scheduler": run_extra.get(SCHEDULER_KEY),
@@ -67,7 +67,7 @@ def inspect_report(path: Path, select: KeyFilter, *, chunks: bool = False, cp_si
         "notes": [p.to_dict() for p in ckpt.notes + topo.notes],
     }
     # a bucket has no work folders: its writer's commit is the object written last (docs/object-stores.md)
-    doc["leftovers"] = [] if isinstance(ckpt.root, ObjectURL) else _leftovers(Path(path), ckpt.root)
+    doc["leftovers"] = _leftovers(Path(path), ckpt.root) if storage_for(ckpt.root).in_place else []
     _integrity(doc, ckpt, set(selected), stats)
     _identity(doc, ckpt)
     if chunks:
@@ -77,12 +77,11 @@ def inspect_report(path: Path, select: KeyFilter, *, chunks: bool = False, cp_si
     return doc
 
 
-def _megatron_model(ckpt: Checkpoint, topo: Any) -> dict[str, Any] | None:
-    """The model a megatron-core checkpoint holds (:func:`gtp_format.megatron_args.describe_model`):
-    its args checked against its shapes; a disagreement is the command's one-line refusal."""
-    if topo.megatron is None:
-        return None
-    from gtp_format.megatron_args import describe_model
+def megatron_model(ckpt: Checkpoint) -> dict[str, Any]:
+    """The model a megatron-core checkpoint holds (:func:`gtp_format.megatron.args.describe_model`):
+    its fields and its one-line ``text``, as ``inspect`` and ``show`` print it. Its args are checked
+    against its shapes; a disagreement is raised (``FormatError``, one line)."""
+    from gtp_format.megatron.args import describe_model
 
     model = describe_model(ckpt)
     return {**model.to_dict(), "text": model.describe()}
@@ -189,7 +188,7 @@ def _leftovers(given: Path, root: Path) -> list[dict[str, Any]]:
     """Hidden work folders of writers beside the checkpoint (in the run directory and PATH): a killed
     save or command leaves them; the next writer there removes those whose owner is dead and whose
     ownership token matches their name (``proven``; the others are only listed)."""
-    from gtp_format.writer.work import leftovers, proven
+    from gtp_format.work import leftovers, proven
 
     spots = sorted({given, root.parent} if given.is_dir() else {root.parent})
     return [{"path": str(w.path), "target": w.target, "pid": w.pid, "owner": w.state, "proven": proven(w)}
@@ -200,7 +199,7 @@ def _optimizer_format(ckpt: Any, topo: Any) -> str | None:
     """The optimizer format's name: as megatron-core recorded it, else as the keys show it."""
     if topo.megatron is not None:
         return topo.megatron.format
-    from gtp_format.megatron_topology import key_format
+    from gtp_format.megatron.topology import key_format
 
     return key_format(ckpt)
 

@@ -45,7 +45,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-from gtp_format.writer.work import sigterm_raises
+from gtp_format.work import sigterm_raises
 from gtp_runtime.lifeline import watch_lifeline
 
 TIMEOUT_ENV = "GTP_ROUNDTRIP_TIMEOUT"

@@ -48,7 +48,7 @@ def make_spec(
     )
 
 
-def _param(spec: ShardSpec, dtype: torch.dtype, is_expert: bool, device: torch.device | None) -> nn.Parameter:
+def spec_param(spec: ShardSpec, dtype: torch.dtype, is_expert: bool, device: torch.device | None) -> nn.Parameter:
     p = nn.Parameter(torch.zeros(spec.local_shape, dtype=dtype, device=device))
     p.spec = spec  # type: ignore[attr-defined]
     p.is_expert = is_expert  # type: ignore[attr-defined]
@@ -67,7 +67,7 @@ class GTPLinear(nn.Module):
         kind = topo.EXPERT_GTP if expert else topo.WEIGHT
         self.groups, self.tp_mode, self.comm = b.groups, tp_mode, b.comm
         spec = make_spec(b.groups, (out_features, in_features), tp_mode, kind, b.align)
-        self.weight = _param(spec, b.dtype, expert, b.device)
+        self.weight = spec_param(spec, b.dtype, expert, b.device)
         self.rows = spec.tp_local_shape[0]
         b.comm.register(self.weight, b.groups[kind])
 
@@ -85,7 +85,7 @@ class RMSNorm(nn.Module):
     def __init__(self, b: Build, hidden: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = _param(make_spec(b.groups, (hidden,), None, None, 1), b.dtype, False, b.device)
+        self.weight = spec_param(make_spec(b.groups, (hidden,), None, None, 1), b.dtype, False, b.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -100,7 +100,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.groups = b.groups
         spec = make_spec(b.groups, (vocab, hidden), "vocab", None, 1)
-        self.weight = _param(spec, b.dtype, False, b.device)
+        self.weight = spec_param(spec, b.dtype, False, b.device)
         self.lo = spec.tp_rank * spec.tp_local_shape[0]
         self.hi = self.lo + spec.tp_local_shape[0]
 

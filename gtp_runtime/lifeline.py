@@ -1,6 +1,6 @@
 """No rank outlives its launcher: the parent-death signal, a pipe the ranks watch, SIGTERM as SIGINT.
 
-Why: a fault-injection campaign (issue 22, class 10) killed ``python -m gtp_runtime.train`` with
+Why: a fault-injection campaign killed ``python -m gtp_runtime.train`` with
 ``kill -9`` and with a plain ``kill``; its ranks, the fork server and the resource tracker went on
 training and saving (124 iterations in the next 60 s), so a user who restarted had two runs
 interleaving iterations in one folder. A launcher's cleanup (``finally``) runs on neither signal's
@@ -14,8 +14,8 @@ default action, so the ranks must notice by themselves:
   server, exits, which the fork server does as soon as the launcher is gone (it watches a pipe of
   its own). A second path that needs no thread to be scheduled.
 * **SIGTERM handled like SIGINT** in the launcher:
-  :func:`gtp_format.writer.work.sigterm_raises` (``replace=True``; the writer's own context
-  manager) turns it into :class:`gtp_format.writer.work.Terminated` (a ``KeyboardInterrupt``), so
+  :func:`gtp_format.work.sigterm_raises` (``replace=True``; the writer's own context
+  manager) turns it into :class:`gtp_format.work.Terminated` (a ``KeyboardInterrupt``), so
   the launcher's ``finally`` stops every rank and reports, instead of the default action, which
   ends the launcher alone.
 

@@ -21,7 +21,7 @@ from gtp_runtime.context_parallel import cp_attention
 from gtp_runtime.fused import FusedOps, rope_tables, unfused_cross_entropy
 from gtp_runtime.groups import Groups
 from gtp_runtime.init import full_init
-from gtp_runtime.layers import Build, GTPLinear, RMSNorm, VocabParallelEmbedding, _param, make_spec, rope
+from gtp_runtime.layers import Build, GTPLinear, RMSNorm, VocabParallelEmbedding, make_spec, rope, spec_param
 from gtp_runtime.sharding import GTPComm, take_shard
 
 
@@ -85,7 +85,7 @@ class MoE(nn.Module):
         self.topk = cfg.moe_topk
         self.router = nn.Module()
         spec = make_spec(b.groups, (cfg.num_experts, cfg.hidden), None, None, 1)
-        self.router.weight = _param(spec, b.dtype, False, b.device)
+        self.router.weight = spec_param(spec, b.dtype, False, b.device)
         self.experts = Experts(cfg, b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -32,10 +32,10 @@ from gtp_format.errors import FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
 from gtp_format.names import ITER_DIR_RE
 from gtp_format.numbers import NumberError, OneLineParser, float_flag, int_flag
-from gtp_format.storage.location import ObjectURL, parse_location
-from gtp_format.storage.objects import credentials_problem, store
+from gtp_format.storage.base import storage_for
+from gtp_format.storage.location import parse_location
 from gtp_format.text import safe_text
-from gtp_format.writer.work import Terminated
+from gtp_format.work import Terminated
 from gtp_runtime.data.indexed import DataError
 from gtp_runtime.data.source import DataConfig
 from gtp_runtime.data.vocab import tokenizer_vocab_size
@@ -208,7 +208,8 @@ def resolve(args: argparse.Namespace, world: int | None) -> tuple[TrainConfig, i
                               "or drop --async-save-staging")
 
         try:
-            parse_size(args.async_save_staging)
+            # parsed here, once: run_rank hands the bytes to the async saver (an int passes parse_size as is)
+            args.async_save_staging = parse_size(args.async_save_staging)
         except ValueError as e:
             raise ConfigError(f"--async-save-staging: {e}") from None
     if args.micro_batch < 1 or args.steps < 0:
@@ -263,7 +264,7 @@ def refuse_unfit(args: argparse.Namespace, cfg: TrainConfig, world: int, local: 
 
 def refuse_impossible(args: argparse.Namespace, cfg: TrainConfig) -> None:
     """Refuse, before any rank starts, choices that could only fail later (or silently do the wrong thing)."""
-    from gtp_runtime.checkpoint.verified import sharding_refusal
+    from gtp_runtime.checkpoint.errors import sharding_refusal
 
     if args.optimizer_sharding != "dp_reshardable":
         sharding_refusal(args.optimizer_sharding, cfg.par.fold_cp and cfg.par.cp > 1, "load" if args.load else "save")
@@ -277,19 +278,12 @@ def refuse_impossible(args: argparse.Namespace, cfg: TrainConfig) -> None:
                 where = parse_location(value, flag)
             except FormatError as e:
                 raise ConfigError(e.message) from None
-            if isinstance(where, ObjectURL):
-                try:  # a bad profile or setting (raised) names the flag too, as a missing credential does
-                    problem = credentials_problem(where.bucket)
-                    if problem is None:
-                        store(where)  # the client as the ranks will build it: the timeout setting too
-                    if flag == "--save":
-                        from gtp_format.storage.upload import staging_dir
-
-                        staging_dir()  # where each rank builds its files before the upload
-                except FormatError as e:
-                    problem = e.message
-                if problem is not None:
-                    raise ConfigError(f"{flag} {where}: {problem}")  # before any rank trains for nothing
+            try:  # a bad profile or setting (raised) names the flag too, as a missing credential does
+                problem = storage_for(where).settings_problem(writing=flag == "--save")
+            except FormatError as e:
+                problem = e.message
+            if problem is not None:
+                raise ConfigError(f"{flag} {where}: {problem}")  # before any rank trains for nothing
 
 
 def _nothing_to_train(args: argparse.Namespace, it: int | None) -> str | None:
@@ -316,7 +310,6 @@ def _device(args: argparse.Namespace, local_rank: int) -> torch.device:
 
 def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
     """Body of one rank once the default process group exists. Returns the exit code."""
-    from gtp_format.sizes import parse_size
     from gtp_runtime.checkpoint.async_save import AsyncCheckpointer
     from gtp_runtime.checkpoint.io import check_sharding, load_checkpoint, save_checkpoint
     from gtp_runtime.parity import check_against_reference
@@ -353,8 +346,7 @@ def run_rank(args: argparse.Namespace, cfg: TrainConfig) -> int:
     else:
         saver = None
         if args.save and args.async_save:
-            staging = args.async_save_staging
-            saver = AsyncCheckpointer(parse_size(staging) if staging is not None else None)
+            saver = AsyncCheckpointer(args.async_save_staging)  # bytes: resolve parsed the size
             saver.prepare(trainer)  # pinning happens here, once, not inside the first save's step
         while trainer.iteration < args.steps:
             r = trainer.train_step()

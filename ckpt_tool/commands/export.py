@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from ckpt_tool.copying import DEFAULT_MAX_MEMORY
 from ckpt_tool.locations import checkpoint_arg
 from ckpt_tool.output import (
     FormatOption,
@@ -20,7 +21,6 @@ from ckpt_tool.output import (
     progress_opener,
     size_option,
 )
-from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
 
 DEFAULT_SHARD = 5 * 10**9  # Hugging Face's default max_shard_size, "5GB" (not imported: export pulls numpy)
 
@@ -89,14 +89,18 @@ def export_command(
 ) -> None:
     """Export SRC's weights (and optimizer state) as a Hugging Face model folder, Megatron
     fully_reshardable, or one torch.save file."""
-    from ckpt_tool.reshard.export import export
+    from ckpt_tool.export.engine import export
     from gtp_format import ranks
 
     with contextlib.ExitStack() as stack:
         bar = progress_opener(stack, f"exporting to {to}", fmt)
-        info = ranks.on_root(lambda: export(src, dst, to, optimizer, max_memory, workers, max_shard_size, bar, names,
-                                            tokenizer, num_heads))  # under torchrun: rank 0 alone
-    if info is None:
+        run = lambda: export(src, dst, to, optimizer, max_memory, workers, max_shard_size, bar,  # noqa: E731
+                             names, tokenizer, num_heads)
+        # under torchrun: hf and fully_reshardable split their files over the ranks (rank 0 commits); torch's one
+        # file is written by rank 0 alone
+        info = ranks.on_root(run) if to == "torch" else run()
+    group = ranks.current()
+    if info is None or (group is not None and not group.root):
         return
     what = count(info["params"], "param") if to != "torch" else count(info["keys"], "key")
     if info.get("objects"):  # megatron-core's byte objects: what came along and what did not

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from ckpt_tool.copying import DEFAULT_MAX_MEMORY
 from ckpt_tool.locations import checkpoint_arg
 from ckpt_tool.output import (
     FormatOption,
@@ -18,7 +19,6 @@ from ckpt_tool.output import (
     print_written,
     progress_opener,
 )
-from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
 from gtp_format.layout.buckets import DEFAULT_BUCKET_SIZE
 
 EPILOG = """Examples:

@@ -4,7 +4,7 @@ Inspecting is what people do first with a checkpoint they do not trust, so it mu
 safe: it parses ``.metadata`` through the allow-list and reads no tensor data (only ``stat``), which
 keeps it fast on multi-TB checkpoints too. The one exception is a genuine megatron-core checkpoint's
 ``common_state`` byte object (about 2 KiB, at most 1 MiB read), decoded as inert records for the
-parallel sizes and optimizer format megatron recorded there (:mod:`gtp_format.megatron_topology`).
+parallel sizes and optimizer format megatron recorded there (:mod:`gtp_format.megatron.topology`).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ckpt_tool.copying import DEFAULT_MAX_MEMORY
 from ckpt_tool.locations import checkpoint_arg
 from ckpt_tool.output import (
     FormatOption,
@@ -19,8 +20,6 @@ from ckpt_tool.output import (
     print_line,
     progress_opener,
 )
-from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
-from gtp_format.errors import FormatError
 
 EPILOG = """Examples:
 
@@ -76,33 +75,13 @@ def reshard_command(
     fmt: FormatOption = OutputFormat.table,
 ) -> None:
     """Write SRC's model and optimizer state for another topology into DST."""
-    from ckpt_tool.reshard.engine import reshard, target_topology
-    from ckpt_tool.reshard.megatron_dp import is_megatron_source, reshard_megatron
+    from ckpt_tool.reshard.engine import reshard_checkpoint
 
-    if is_megatron_source(src):
-        ours = {"--gtp-remat": gtp_remat, "--fold-cp": fold_cp, "--expert-gtp-remat": expert_gtp_remat,
-                "--layout": layout}
-        given = [k for k, v in ours.items() if v is not None]
-        if given:
-            raise FormatError(f"{given[0]}: is for this runtime's checkpoints; {src} is megatron-core's "
-                              "(reshard takes --tp --pp --cp --dp there)")
-        with contextlib.ExitStack() as stack:
-            bar = progress_opener(stack, "resharding", fmt)
-            result = reshard_megatron(src, dst, tp, pp, cp, dp, ep, bucket_size, max_memory, workers, bar, etp)
-        _report(result, fmt)
-        return
-    for flag, value in (("--pp", pp), ("--ep", ep), ("--etp", etp), ("--bucket-size", bucket_size)):
-        if value is not None:
-            raise FormatError(f"{flag}: is for megatron-core sources; {src} is this runtime's checkpoint (it has no "
-                              "pipeline stages; experts follow --expert-gtp-remat)")
-    from ckpt_tool.reshard.source import open_source
-
-    source = open_source(src, max_memory=max_memory)  # located, parsed, gated and viewed once for both calls below
-    par = target_topology(source, layout, tp=tp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp,
-                          expert_gtp_remat=expert_gtp_remat)
     with contextlib.ExitStack() as stack:
         bar = progress_opener(stack, "resharding", fmt)
-        result = reshard(source, dst, par, layout, max_memory, workers, bar)
+        result = reshard_checkpoint(src, dst, tp=tp, pp=pp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp,
+                                    expert_gtp_remat=expert_gtp_remat, layout=layout, ep=ep, etp=etp,
+                                    bucket_size=bucket_size, max_memory=max_memory, workers=workers, progress=bar)
     _report(result, fmt)
 
 

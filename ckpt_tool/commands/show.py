@@ -25,6 +25,7 @@ from ckpt_tool.output import (
     print_json,
     table,
 )
+from ckpt_tool.report_tables import model_rows
 from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
 
 MAX_VALUES = 10_000
@@ -76,8 +77,7 @@ def _stacked(ckpt: Checkpoint, name: str) -> tuple[Entry, int, int | None] | Non
     (the expert keys stack experts on the second axis)."""
     import re
 
-    from gtp_format.views.megatron import LAYER
-    from gtp_format.views.megatron_moe import EXPERT, EXPERT_PREFIX
+    from gtp_format.megatron.keys import EXPERT, EXPERT_PREFIX, LAYER
 
     m = re.fullmatch(r"decoder\.layers\.([0-9]{1,9})\.mlp\.experts\.([0-9]{1,9})\.(.+)", name)
     if m is not None and m.group(3) in EXPERT:
@@ -122,8 +122,9 @@ def show_command(
         raise FormatError(f"{key} is {which} of the stacked key {stacked[0].key}; drop --slice, or "
                           f"show {stacked[0].key!r} with --slice")
     entry = stacked[0] if stacked is not None else resolve_entry(ckpt, key, cp_rank)
+    model = _model(ckpt)
     if entry.kind == BYTES:
-        _show_object(ckpt, entry, fmt)
+        _show_object(ckpt, entry, fmt, model)
         return
     from ckpt_tool.tensors import parse_slice, summary
     from gtp_format.reader.region import assemble
@@ -142,7 +143,8 @@ def show_command(
     info["padding"] = sum(z - a for a, z in gaps)
     doc: dict[str, Any] = {"key": entry.key, "global_shape": list(entry.shape or ()), "dtype": str(entry.dtype),
                            "slice": [start, stop] if entry.shape else None, "chunks": len(entry.chunks),
-                           "chunks_read": got.chunks_read, "uncovered": got.missing, **info}
+                           "chunks_read": got.chunks_read, "uncovered": got.missing, **info,
+                           "megatron_model": model}
     if values:
         if got.tensor.numel() > MAX_VALUES:
             raise FormatError(f"{entry.key}: {got.tensor.numel()} values is over {MAX_VALUES}; pass --slice a:b")
@@ -157,7 +159,7 @@ def show_command(
                 *[(k, "-" if info[k] is None else info[k]) for k in ("min", "max", "mean", "std", "nan", "inf")],
                 ("padding", f"{info['padding']} elements (alignment gaps, left out of the statistics)"
                  if info["padding"] else "-"),
-                ("uncovered", got.missing)]
+                ("uncovered", got.missing), *model_rows(model)]
         blocks = [table(rows, ("tensor", ""))]
         if values:
             blocks.append(str(got.tensor))
@@ -169,12 +171,12 @@ def show_command(
 
 def _padding_in(ckpt: Checkpoint, key: str, start: int, stop: int) -> list[tuple[int, int]]:
     """The alignment gaps of a megatron-core optimizer key inside rows [start, stop)."""
-    from gtp_format.megatron_topology import is_megatron_core
+    from gtp_format.megatron.topology import is_megatron_core
     from gtp_format.names import parse_optimizer_key
 
     if parse_optimizer_key(key) is None or not is_megatron_core(ckpt):
         return []
-    from gtp_format.views.megatron import padding_ranges
+    from gtp_format.megatron.padding import padding_ranges
 
     gaps = padding_ranges(ckpt).get(key, [])
     return [(max(a, start), min(z, stop)) for a, z in gaps if a < stop and start < z]
@@ -189,7 +191,24 @@ def _without(t: Any, gaps: list[tuple[int, int]], start: int) -> Any:
     return t[keep]
 
 
-def _show_object(ckpt: Checkpoint, entry: Entry, fmt: OutputFormat) -> None:
+def _model(ckpt: Checkpoint) -> dict[str, Any] | None:
+    """The model a megatron-core checkpoint holds, as ``inspect`` prints it
+    (:func:`gtp_format.report.megatron_model`); None for another checkpoint. Args that disagree with
+    the shapes are shown as that disagreement, not refused: ``show`` is how a user reads those args
+    (``ckpt show CKPT common_state/shard_0_1``)."""
+    from gtp_format.megatron.topology import is_megatron_core
+    from gtp_format.report import megatron_model
+
+    if not is_megatron_core(ckpt):
+        return None
+    try:
+        return megatron_model(ckpt)
+    except FormatError as e:
+        why = str(e).removeprefix(f"{ckpt.root}: ")
+        return {"error": why, "text": f"not described: {why}"}
+
+
+def _show_object(ckpt: Checkpoint, entry: Entry, fmt: OutputFormat, model: dict[str, Any] | None = None) -> None:
     """A byte object as inert records (nothing in it runs): one row per field path."""
     from gtp_format.reader.inert_object import flatten, load_record
 
@@ -197,12 +216,14 @@ def _show_object(ckpt: Checkpoint, entry: Entry, fmt: OutputFormat) -> None:
     rows = flatten(obj)
     text = repr(obj)
     doc = {"key": entry.key, "kind": "bytes", "stored_bytes": entry.stored_bytes, "type": type(obj).__name__,
-           "repr": text[:10_000], "fields": [{"path": p, "type": t, "value": v} for p, t, v in rows]}
+           "repr": text[:10_000], "fields": [{"path": p, "type": t, "value": v} for p, t, v in rows],
+           "megatron_model": model}
     if fmt == OutputFormat.json:
         print_json(doc)
     else:
-        print_blocks(table([("key", entry.key), ("stored bytes", entry.stored_bytes), ("type", type(obj).__name__)],
-                           ("object", "")), table(rows, ("path", "type", "value"), "Fields (inert records)"),
+        head = [("key", entry.key), ("stored bytes", entry.stored_bytes), ("type", type(obj).__name__),
+                *model_rows(model)]
+        print_blocks(table(head, ("object", "")), table(rows, ("path", "type", "value"), "Fields (inert records)"),
                      *([f"value: {text}"] if len(text) <= 400 else []))
 
 

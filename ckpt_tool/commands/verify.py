@@ -75,8 +75,9 @@ def verify_command(
 
     if data:  # every byte is read: a bucket's small data objects are fetched whole from the listing on
         from gtp_format.storage import objects
+        from gtp_format.storage.base import storage_for
 
-        objects.reads_everything(objects.PART * objects.IN_FLIGHT)  # what its reads hold in flight anyway
+        storage_for(path).reads_everything(objects.PART * objects.IN_FLIGHT)  # what its reads hold in flight anyway
     ckpt = open_checkpoint(path)
     # in bytes, like every engine that moves data: someone watching a 500 GB verify wants GB/s and an ETA
     with progress(data_bytes(ckpt) if data else 0, "reading", progress_enabled(fmt)) as advance:

@@ -31,10 +31,10 @@ from gtp_format.commit import write_durable
 from gtp_format.dtypes import DType, by_name
 from gtp_format.errors import FormatError
 from gtp_format.reader import storage
-from gtp_format.reader.safe_json import Budget, loads
 from gtp_format.reader.safetensors_reader import nonnegative_ints
+from gtp_format.safe_json import Budget, loads
 from gtp_format.scan import carrier
-from gtp_format.storage import objects
+from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 
 Folder = Path | ObjectURL  # a local model folder, or one in a bucket
@@ -80,7 +80,7 @@ def write_index(folder: Path, prefix: str, total: int, weight_map: dict[str, str
 def read_capped(path: Path | ObjectURL, what: str, fix: str, follow: bool = False, limit: int = MAX_JSON) -> bytes:
     """A JSON file's bytes, within ``limit``; a file of a folder being read is never a symlink
     (``follow``: a file the user named on the command line may be)."""
-    if isinstance(path, ObjectURL):  # the size the store reports is checked before a byte is read
+    if storage_for(path).remote:  # the size the store reports is checked before a byte is read
         return storage.read_small_file(path, limit, what, fix)
     if (path.is_symlink() and not follow) or not path.is_file():
         raise FormatError(f"{path}: {'a symlink' if path.is_symlink() else 'missing or not a file'}; {fix}")
@@ -154,7 +154,7 @@ def _plain_file(folder: Folder, name: Any, where: str) -> Path | ObjectURL:
         raise FormatError(f"{where}: names the file {name!r}, not a plain file name inside {folder}; an index "
                           "may only name files of its own folder")
     path = folder / name
-    if isinstance(folder, ObjectURL):
+    if storage_for(folder).remote:  # a store has no symlinks
         if storage.is_regular_inside(folder, name) is None:
             raise FormatError(f"{where}: names {name}, which is missing in {folder}; copy the complete model folder")
         return path
@@ -165,8 +165,8 @@ def _plain_file(folder: Folder, name: Any, where: str) -> Path | ObjectURL:
 
 
 def _header(path: Path | ObjectURL) -> tuple[dict[str, Tensor], dict[str, str]]:
-    with (storage.open_regular(path.parent, path.name, "safetensors file") if isinstance(path, ObjectURL)
-          else open(path, "rb")) as f:
+    remote = storage_for(path).remote
+    with (storage.open_regular(path.parent, path.name, "safetensors file") if remote else open(path, "rb")) as f:
         size = storage.size_of(f)
         head = f.read(8)
         if len(head) < 8:
@@ -174,7 +174,7 @@ def _header(path: Path | ObjectURL) -> tuple[dict[str, Tensor], dict[str, str]]:
         n = struct.unpack("<Q", head)[0]
         if n > min(MAX_HEADER, size - 8):
             raise FormatError(f"{path}: header of {n} bytes in a {size}-byte file; not a safetensors file or truncated")
-        stored = size if isinstance(path, ObjectURL) else storage.stored_bytes(os.fstat(f.fileno()))
+        stored = size if remote else storage.stored_bytes(os.fstat(f.fileno()))  # an object stores every byte
         most = (1 << 20) + max(0, stored - 8 - n) // HEADER_PER_DATA  # by the data bytes the file really stores
         if n > most:
             raise FormatError(f"{path}: a header of {n} bytes for {max(0, stored - 8 - n)} stored data bytes, more "
@@ -213,7 +213,7 @@ def _header(path: Path | ObjectURL) -> tuple[dict[str, Tensor], dict[str, str]]:
 
 def _exists(folder: Folder, name: str) -> bool:
     """Whether the folder has an entry ``name`` (a symlink counts: it is then refused by name)."""
-    if isinstance(folder, ObjectURL):
+    if storage_for(folder).remote:  # a store has no symlinks
         return storage.is_regular_inside(folder, name) is not None
     return (folder / name).exists() or (folder / name).is_symlink()
 
@@ -253,7 +253,7 @@ def read_set(folder: Folder, prefix: str, fix: str) -> tuple[dict[str, Tensor], 
 
 def read_folder(folder: Folder) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """``config.json`` and every weight tensor of an HF model folder (headers only)."""
-    if not (objects.is_prefix(folder) if isinstance(folder, ObjectURL) else folder.is_dir()):
+    if not storage_for(folder).is_folder():
         raise FormatError(f"{folder}: not a folder; pass the Hugging Face model folder (config.json, "
                           "model*.safetensors)")
     fix = "pass a folder written by save_pretrained (safetensors)"

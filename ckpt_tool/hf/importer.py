@@ -18,8 +18,8 @@ their ``__metadata__`` (:mod:`.run_state`), so the checkpoint resumes the export
 new one. ``optimizer=False`` (``--no-optimizer``) ignores them.
 
 It is written through the one checkpoint writer (:class:`gtp_format.writer.checkpoint.CheckpointWriter`,
-driven by reshard's :func:`ckpt_tool.reshard.engine.write_checkpoint` over the plan of
-:func:`ckpt_tool.reshard.plan.plan_target`): streamed in row blocks of the chunk budget, so memory
+driven by reshard's :func:`ckpt_tool.copying.engine.write_checkpoint` over the plan of
+:func:`ckpt_tool.copying.plan.plan_target`): streamed in row blocks of the chunk budget, so memory
 is bounded by ``--max-memory`` and not by the model, through the ``O_DIRECT`` sink, into a hidden
 work folder that appears as DST whole or not at all. No torch: numpy memory maps of the safetensors.
 """
@@ -35,11 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from ckpt_tool.hf import mapping
-from ckpt_tool.hf import run_state as hf_run_state
-from ckpt_tool.hf.folder import Tensor, read_folder, read_set
-from ckpt_tool.reshard import DEFAULT_MAX_MEMORY, WEIGHT_STATE
-from ckpt_tool.reshard.engine import (
+from ckpt_tool.copying import DEFAULT_MAX_MEMORY, WEIGHT_STATE
+from ckpt_tool.copying.engine import (
     build_atomically,
     chunk_budget,
     default_workers,
@@ -47,7 +44,10 @@ from ckpt_tool.reshard.engine import (
     write_checkpoint,
     written_sizes,
 )
-from ckpt_tool.reshard.plan import OutChunk, plan_target
+from ckpt_tool.copying.plan import OutChunk, plan_target
+from ckpt_tool.hf import mapping
+from ckpt_tool.hf import run_state as hf_run_state
+from ckpt_tool.hf.folder import Tensor, read_folder, read_set
 from gtp_format.errors import FormatError
 from gtp_format.layout.buckets import DEFAULT_BUCKET_SIZE
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, target_world_problem

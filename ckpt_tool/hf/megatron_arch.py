@@ -1,6 +1,6 @@
 """megatron-core's GPT -> the transformers class that computes it exactly, chosen from the checkpoint.
 
-The model is the one description the checkpoint records (:func:`gtp_format.megatron_args.describe_model`:
+The model is the one description the checkpoint records (:func:`gtp_format.megatron.args.describe_model`:
 ``common_state``'s args checked against the stored shapes); no model flag is asked for. Each
 supported combination of Megatron settings maps onto the one transformers class whose forward is
 the same function, with every config key that changes the forward written from the checkpoint:
@@ -36,7 +36,7 @@ from typing import Any
 
 from ckpt_tool.hf.mapping import refuse_megatron_moe
 from gtp_format.errors import FormatError
-from gtp_format.megatron_args import ModelDescription
+from gtp_format.megatron.args import ModelDescription
 
 Rows = tuple[tuple[int, int], ...]
 MEGATRON_EPS = 1e-5  # TransformerConfig.layernorm_epsilon's default (--norm-epsilon)

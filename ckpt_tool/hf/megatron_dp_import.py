@@ -5,7 +5,7 @@ The layout is the one ``ckpt reshard`` writes for a megatron-core target
 splits of the GPT local spec, each chunk in the file of the rank that would have written it), run
 over a per-parameter view of the HF folder instead of a source checkpoint: one
 :class:`~gtp_format.views.records.ParamView` per megatron-core parameter, in megatron-core's module
-order (:data:`gtp_format.views.megatron.LAYER`), whose "full tensor" is read from the HF rows
+order (:data:`gtp_format.megatron.keys.LAYER`), whose "full tensor" is read from the HF rows
 (:class:`.megatron_model.MegatronParam`).
 
 One difference from a resharded source: a gated ``linear_fc1`` (``--swiglu``) at TP > 1. Each TP rank
@@ -29,15 +29,15 @@ from typing import Any
 
 import numpy as np
 
+from ckpt_tool.copying import WEIGHT_STATE
+from ckpt_tool.copying.plan import OutChunk
 from ckpt_tool.hf.megatron_fresh import EXPERT_PREFIX, optimizer_object, torch_object
 from ckpt_tool.hf.megatron_model import EXPERT_KEY, HFMegatron, MegatronParam
-from ckpt_tool.reshard import WEIGHT_STATE
 from ckpt_tool.reshard.megatron_dp import plan_megatron
 from ckpt_tool.reshard.megatron_dp_objects import numel_blob
-from ckpt_tool.reshard.plan import OutChunk
 from gtp_format.layout.shard import ShardSpec
+from gtp_format.megatron.keys import HEAD, LAYER, TAIL
 from gtp_format.names import OPT_PREFIX
-from gtp_format.views.megatron import HEAD, LAYER, TAIL
 from gtp_format.views.records import Holder, KeyRef, ParamView
 
 MODULE_OF = {key: module for module, key in LAYER}  # checkpoint key -> megatron-core module name

@@ -40,6 +40,17 @@ from typing import Any
 
 import numpy as np
 
+from ckpt_tool.copying import DEFAULT_MAX_MEMORY, WEIGHT_STATE
+from ckpt_tool.copying.engine import (
+    build_atomically,
+    chunk_budget,
+    default_workers,
+    peak_rss,
+    run_files,
+    written_sizes,
+)
+from ckpt_tool.copying.plan import FP32, OutChunk, row_blocks, split_files
+from ckpt_tool.copying.writers import write_distcp, write_distcp_metadata, write_objects
 from ckpt_tool.hf.megatron_dp_import import plan_dp_reshardable, view_rows
 from ckpt_tool.hf.megatron_fresh import (
     EXPERT_LINEARS,
@@ -50,17 +61,6 @@ from ckpt_tool.hf.megatron_fresh import (
     extra_state,
 )
 from ckpt_tool.hf.megatron_model import EXPERT_KEY, HFMegatron, MegatronParam, open_hf_megatron
-from ckpt_tool.reshard import DEFAULT_MAX_MEMORY, WEIGHT_STATE
-from ckpt_tool.reshard.engine import (
-    build_atomically,
-    chunk_budget,
-    default_workers,
-    peak_rss,
-    run_files,
-    written_sizes,
-)
-from ckpt_tool.reshard.plan import FP32, OutChunk, row_blocks, split_files
-from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata, write_objects
 from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name

@@ -3,7 +3,7 @@
 ``config.json`` of ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``ArceeForCausalLM``,
 ``Starcoder2ForCausalLM`` or ``GPTBigCodeForCausalLM`` is read into the Megatron-LM arguments a run of that
 model records (:func:`megatron_args`), and those into the one model description
-(:class:`gtp_format.megatron_args.ModelDescription`). The description then goes through the export's own
+(:class:`gtp_format.megatron.args.ModelDescription`). The description then goes through the export's own
 choice (:func:`.megatron_arch.choose`): the class it picks and every forward-changing key of the
 ``config.json`` it would write must be the folder's own, else the folder is refused naming the key, so what is
 imported exports back to the same model. The
@@ -32,7 +32,7 @@ from ckpt_tool.hf.megatron_run_state import MegatronRunState
 from ckpt_tool.hf.megatron_run_state import parse as parse_run_state
 from gtp_format.dtypes import DType
 from gtp_format.errors import FormatError
-from gtp_format.megatron_args import ACTIVATIONS, ModelDescription
+from gtp_format.megatron.args import ACTIVATIONS, ModelDescription
 from gtp_format.names import STATES
 from gtp_format.scan import carrier
 from gtp_format.storage.location import ObjectURL

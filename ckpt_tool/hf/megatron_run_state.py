@@ -22,8 +22,8 @@ from typing import Any
 from gtp_format.errors import FormatError
 from gtp_format.reader.checkpoint import Checkpoint
 from gtp_format.reader.chunks import chunk_bytes
-from gtp_format.reader.safe_json import loads
 from gtp_format.reader.zip_blob import BlobError, ViewReader, small_record, zip_records
+from gtp_format.safe_json import loads
 
 FIELD = "gtp_megatron_run_state"
 COMMON = "common_state/shard_0_1"

@@ -24,7 +24,7 @@ from typing import Any
 from gtp_format.errors import FormatError
 from gtp_format.manifest import Manifest, OptimizerInfo, parse_optimizer
 from gtp_format.names import DATA_POSITION_KEY, SCHEDULER_KEY
-from gtp_format.reader.safe_json import loads
+from gtp_format.safe_json import loads
 
 FIELD = "gtp_run_state"
 CARRIED = (SCHEDULER_KEY, DATA_POSITION_KEY)  # manifest fields kept verbatim (the runtime checks them on load)

@@ -22,6 +22,7 @@ from ckpt_tool.migrate.write import Outcome, build_migrated
 from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
 from gtp_format.progress import Progress
 from gtp_format.reader.checkpoint import open_checkpoint
+from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter
 
@@ -46,7 +47,7 @@ def self_check(folder: Path, written: str | None = None, opened: Any = None) -> 
 
 def _build_and_check(plan: Plan, writer: CheckpointWriter, final: Path | ObjectURL, progress: Progress) -> Outcome:
     # DCP records where the folder will be (a bucket's URL as text: no local path names it)
-    where = str(final) if isinstance(final, ObjectURL) else Path(os.path.abspath(final))
+    where = str(final) if storage_for(final).remote else Path(os.path.abspath(final))
     outcome = build_migrated(plan, writer, where, progress)
     t = time.perf_counter()
     self_check(writer.folder, outcome.new_data_file, writer.checked)  # the checkpoint the writer's read-back opened

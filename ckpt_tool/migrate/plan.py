@@ -29,6 +29,7 @@ from gtp_format.model import TENSOR, Checkpoint
 from gtp_format.names import LATEST_FILE, MANIFEST_FILE, STATES, OptimizerKey, distcp_writer_rank
 from gtp_format.reader.locate import LAYOUT_TORCH_DIST, locate
 from gtp_format.reader.storage import read_small_file
+from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import check_destination
 
@@ -61,8 +62,9 @@ def locate_source(path: Path | ObjectURL) -> Source:
     if loc.layout != LAYOUT_TORCH_DIST:
         raise FormatError(f"{loc.folder} uses the {loc.layout} layout; migrate-aliased rewrites DCP .metadata and "
                         "only applies to torch_dist checkpoints (gtp_runtime never wrote aliased safetensors ones)")
-    given: Path | ObjectURL = path if isinstance(path, ObjectURL) else Path(path)
-    if loc.folder == given if isinstance(given, ObjectURL) else \
+    store = storage_for(path)
+    given: Path | ObjectURL = store.location
+    if loc.folder == given if store.remote else \
             Path(os.path.abspath(loc.folder)) == Path(os.path.abspath(given)):
         return Source(given, loc.folder, None, None)
     marker = given / LATEST_FILE
@@ -174,7 +176,7 @@ def plan_migration(src: Path | ObjectURL, cp_size: int | None, reset_lost_moment
     classes = classify_all(ckpt)
     cpless = [k for k, c in classes.items() if c.category == OPTIMIZER and c.opt is not None and c.opt.cp_rank is None]
     if manifest is None:
-        from gtp_format.megatron_topology import is_megatron_core
+        from gtp_format.megatron.topology import is_megatron_core
 
         if is_megatron_core(ckpt):  # no false alarm: --cp-size is a CP size there, not a declaration of folding
             raise FormatError(f"{folder} is a megatron-core checkpoint: megatron-core does not fold CP, so its "

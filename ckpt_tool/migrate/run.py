@@ -25,6 +25,7 @@ from ckpt_tool.migrate.plan import (
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
 from gtp_format.names import DCP_METADATA_FILE, MANIFEST_FILE
 from gtp_format.reader.storage import list_dir
+from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ def migrate_aliased(src: Path | ObjectURL, dst: Path | ObjectURL | None, *, cp_s
         raise FormatError(f"--in-place replaces SRC and takes no DST (got {dst}); drop one of them")
     if not in_place and dst is None:
         raise FormatError("missing DST: pass where the migrated checkpoint should appear, or --in-place")
-    if in_place and isinstance(src, ObjectURL):
+    if in_place and not storage_for(src).in_place:
         raise FormatError(f"{src}: --in-place cannot replace a checkpoint in a bucket: an object store has no atomic "
                           "rename, so readers would see a mix of the old and the new objects; pass a new DST instead "
                           "(a folder or s3://BUCKET/NEW_PREFIX) and point the run at it")

@@ -38,6 +38,7 @@ from gtp_format.progress import Progress
 from gtp_format.reader.safe_pickle import MetadataRecord
 from gtp_format.reader.storage import is_regular_inside, list_dir, open_regular, read_small_file
 from gtp_format.storage import objects
+from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter, data_file_name, link_or_copy
 
@@ -160,14 +161,14 @@ def _carry_files_over(src: Path | ObjectURL, names: list[str], out: Path, outcom
         p = src / name
         if name in (DCP_METADATA_FILE, MANIFEST_FILE, CHUNK_RECORDS_FILE):  # rewritten (never through a link)
             continue
-        bucket = isinstance(src, ObjectURL)
+        bucket = storage_for(src).remote  # a store has no symlinks; its objects are downloaded, not linked
         if (is_regular_inside(src, name) is None) if bucket else (p.is_symlink() or not p.is_file()):
             raise FormatError(f"{p} is not a regular file; migrate-aliased only carries the files of a checkpoint "
                             "folder over; move it out of the folder first")
         if name == MEGATRON_METADATA_FILE:  # the writer's finish() links it, last
             progress(1)
             continue
-        if isinstance(src, ObjectURL):
+        if bucket:
             _download(src, name, out / name)
             outcome.copied += 1
         elif link_or_copy(p, out / name):
@@ -253,7 +254,7 @@ def build_migrated(plan: Plan, writer: CheckpointWriter, checkpoint_id: Path | s
     megatron: Path | ObjectURL | bytes | None = None
     if MEGATRON_METADATA_FILE in names:
         megatron = src / MEGATRON_METADATA_FILE
-        if isinstance(megatron, ObjectURL):
+        if storage_for(megatron).remote:  # no local file to link: its bytes
             megatron = read_small_file(megatron, MAX_MEGATRON_JSON, "metadata.json", "restore it from the run")
     writer.finish(manifest, megatron)  # SRC's own metadata.json, linked last (a bucket's: its bytes)
     if isinstance(megatron, bytes):

@@ -1,13 +1,13 @@
 """``ckpt reshard``: a whole ``dp_reshardable`` training state moved to another topology, offline.
 
-1. open and check SRC (:mod:`.source`): manifest, not aliased, complete;
+1. open and check SRC (:mod:`ckpt_tool.copying.source`): manifest, not aliased, complete;
 2. the target manifest: same model, optimizer and bucket size, the new topology, and the bucket
    layout a run there builds (:func:`gtp_format.layout.params.buffer_layouts`, the runtime's rule);
-3. the plan (:mod:`.plan`): every target chunk and the box of a parameter it copies;
-4. ``2 * workers`` data files, each written by one thread (as many at once as :func:`write_threads`
-   allows), chunk by chunk, reading only the source bytes each chunk needs
-   (:class:`gtp_format.reader.boxes.BoxReader`); numpy copies and file I/O release the GIL, so threads
-   run in parallel;
+3. the plan (:mod:`ckpt_tool.copying.plan`): every target chunk and the box of a parameter it copies;
+4. ``2 * workers`` data files, each written by one thread (as many at once as
+   :func:`ckpt_tool.copying.engine.write_threads` allows), chunk by chunk, reading only the source
+   bytes each chunk needs (:class:`gtp_format.reader.boxes.BoxReader`); numpy copies and file I/O
+   release the GIL, so threads run in parallel;
 5. metadata, manifest (with every file's size and CRC-32C), ``metadata.json``, the latest marker,
    all through the one checkpoint writer (:class:`gtp_format.writer.checkpoint.CheckpointWriter`):
    built in a hidden sibling and renamed to DST without ever replacing anything, so a DST that
@@ -15,113 +15,45 @@
    (a full disk, SIGTERM included) the sibling is removed: DST appears whole or not at all, and SRC
    is only ever read.
 
-Memory: the largest array a worker holds is one chunk (``max_memory / (4 * workers)``, at most
-64 MiB: larger chunks bring no speed); a worker holds at most two (the source rows, the chunk
-assembled from them) and its file's two staging buffers of at most half a chunk each
-(:func:`gtp_format.writer.sink.stage_bytes`), so the data in flight stays under ``--max-memory`` whatever SRC's size.
-
-Speed: SRC is read from the page cache, DST must reach the disk (fsync), so the disk's durable
-write rate bounds a reshard: 4.67 GB took 11-12.5 s in-process where ``dd oflag=direct conv=fsync``
-of as many bytes took 8.1-11.4 s (2-core machine, one virtual disk). :mod:`.sink` explains why the
-files are written with ``O_DIRECT`` (was 15-19 s through the page cache).
-No torch is imported: the torch_dist files are written by :mod:`gtp_format.writer`.
+Memory, speed and the atomic build: :mod:`ckpt_tool.copying.engine`, the copy kernel.
 """
 
 from __future__ import annotations
 
-import errno
-import os
-import resource
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-
-from ckpt_tool.reshard import DEFAULT_MAX_MEMORY
-from ckpt_tool.reshard.plan import OutChunk, Plan, plan_target, read_order, split_files
-from ckpt_tool.reshard.source import Buffers, Source, open_source
-from ckpt_tool.reshard.writers import (
-    safetensors_index,
-    write_distcp,
-    write_distcp_metadata,
-    write_safetensors,
+from ckpt_tool.copying import DEFAULT_MAX_MEMORY
+from ckpt_tool.copying.engine import (
+    Result,
+    build_atomically,
+    chunk_budget,
+    chunk_data,
+    copied_crc,
+    default_workers,
+    peak_rss,
+    prefetch_reads,
+    rss_after_imports,
+    write_checkpoint,
+    write_threads,
+    written_sizes,
 )
-from gtp_format import ranks
-from gtp_format.commit import write_durable
+from ckpt_tool.copying.plan import plan_target
+from ckpt_tool.copying.source import Buffers, Source, open_source
 from gtp_format.errors import FormatError
-from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.buckets import DEFAULT_BUCKET_SIZE
 from gtp_format.layout.config import ConfigError, ParallelConfig
 from gtp_format.layout.params import buffer_layouts
 from gtp_format.layout.schema import derive_bucket_size
 from gtp_format.lineage import LINEAGE_KEY, attestation, derived
 from gtp_format.manifest import HASH_ALGORITHM, Manifest, format_version_for
-from gtp_format.names import (
-    DCP_METADATA_FILE,
-    FORMAT_NAME,
-    GTP_INDEX_FILE,
-    iter_dir_name,
-)
-from gtp_format.progress import Progress, ProgressOpener
-from gtp_format.scan import carrier
-from gtp_format.storage import objects
+from gtp_format.names import FORMAT_NAME, iter_dir_name
+from gtp_format.progress import ProgressOpener
 from gtp_format.storage.location import ObjectURL
 from gtp_format.views.ours import param_views
 from gtp_format.views.records import ParamView
-from gtp_format.writer.checkpoint import CheckpointWriter, check_destination, data_file_name, megatron_metadata
-from gtp_format.writer.sink import STAGE, stage_bytes
-
-MAX_CHUNK = 64 << 20
-MIN_CHUNK = 1 << 20
-COPIES = "reshard and export"  # who refuses an existing DST (gtp_format.writer.checkpoint.check_destination)
-
-
-@dataclass
-class Result:
-    src: str
-    dst: str
-    source_topology: str
-    target_topology: str
-    layout: str
-    files: int
-    chunks: int
-    bytes_written: int
-    bytes_read: int
-    seconds: float
-    max_memory: int
-    chunk_bytes: int
-    workers: int
-    peak_rss_bytes: int
-    baseline_rss_bytes: int  # after the imports, before any data: peak - baseline is what the data took
-    notes: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(vars(self))
-
-
-def chunk_budget(max_memory: int, workers: int) -> int:
-    return max(MIN_CHUNK, min(MAX_CHUNK, max_memory // (4 * workers)))
-
-
-def default_workers() -> int:
-    return max(1, min(4, os.cpu_count() or 1))
-
-
-def write_threads(workers: int, chunk_bytes: int, max_memory: int) -> int:
-    """Threads that write a reshard's ``2 * workers`` files: one per file, as far as the cores and
-    ``--max-memory`` (a thread's share is four chunks, as a worker's) allow, never fewer than ``workers``.
-
-    Why: ``workers`` sets the files and the chunk size (:func:`chunk_budget`), so the output; the
-    threads are free. With the default ``min(4, cores)`` workers a 16-core machine wrote its 8 files four
-    at a time, each thread hashing its file's bytes (the CPU bound of a reshard whose source is in the
-    page cache). On 2 cores nothing changes (2 threads, 4 files).
-    """
-    return max(workers, min(2 * workers, os.cpu_count() or 1, max_memory // (4 * chunk_bytes)))
+from gtp_format.writer.checkpoint import CheckpointWriter
+from gtp_format.writer.sink import stage_bytes
 
 
 def target_manifest(src: Manifest, par: ParallelConfig, layout: str) -> Manifest:
@@ -150,244 +82,6 @@ def _check_same_params(source: Source, target_views: dict[str, ParamView]) -> No
         diff = sorted(set(want.items()) ^ set(have.items()))
         raise FormatError(f"{source.root}: its parameters do not match the model its manifest names (e.g. "
                           f"{diff[0][0]}); the manifest's bucket layout was not written by this runtime's rules")
-
-
-def chunk_data(source: Source, c: OutChunk, bufs: Buffers | None = None) -> np.ndarray:
-    """The stored bits of one target chunk (in ``bufs``, this thread's reusable buffers, if given:
-    valid until the thread's next call)."""
-    if c.values is not None:
-        return np.asarray(c.values, dtype=np.int64)
-    if c.copy:
-        return source.reader.read_box(c.key, c.offsets, c.sizes).reshape(c.sizes)
-    if c.param is None:
-        return np.zeros(c.sizes, dtype=carrier(c.dtype))
-    assert c.box is not None and c.state is not None
-    arr = source.read_full_box(source.views[c.param], c.state, *c.box, bufs=bufs)
-    if arr.dtype != carrier(c.dtype):
-        raise FormatError(f"{source.root}: {c.param} {c.state} is stored as {arr.dtype}, expected {c.dtype.name}")
-    return arr.reshape(c.sizes)
-
-
-def copied_crc(source: Source, c: OutChunk) -> int | None:
-    """The zip CRC-32 of the bytes :func:`chunk_data` just gave for ``c``, when they are a source chunk's whole
-    payload, unchanged (:meth:`.source.Source.copied_crc`, which says why that value may be written)."""
-    if c.values is not None or c.param is None or c.box is None or c.state is None:
-        return None
-    return source.copied_crc(source.views[c.param], c.state, *c.box)
-
-
-def prefetch_reads(source: Source, order: list[OutChunk], max_memory: int) -> None:
-    """From a bucket, fetch the source chunks the copy of ``order`` reads, in that order, ahead of the workers:
-    export's read-ahead (``BoxReader.prefetch_chunks``, :class:`gtp_format.storage.prefetch.PlanPrefetch`), with
-    the chunks each target chunk's box meets (``Source.chunks_read``: the walk ``read_full_box`` takes).
-
-    Why: reshard from a bucket read each source chunk's zip structure (64 KiB blocks) and then its rows, on
-    the worker's thread, with nothing in flight ahead. Budget: the quarter of ``--max-memory`` the workers'
-    chunks and staging buffers leave (module docstring, "Memory"). Not less: each worker gathers a whole
-    target chunk (up to ``MAX_CHUNK``) from many source chunks before it writes it, so the extents in use at
-    once are about ``workers`` target chunks, and a request dropped for the budget before its last extent
-    was read is read again directly. At 304.8 MB (benchmarks/bench_s3_ckpt.py, 4 workers) a 64 MiB budget
-    made 354 GETs (303 of them such direct reads, 11.9 s), 128 MiB 259 (9.2 s), the quarter 51 (2.0 s).
-    Nothing on a disk.
-    """
-    if not isinstance(source.root, ObjectURL):
-        return
-    pairs = [pair for c in order if c.param is not None and c.state is not None and c.box is not None
-             for pair in source.chunks_read(source.views[c.param], c.state, *c.box)]
-    source.reader.prefetch_chunks(pairs, max(objects.PART, max_memory // 4))
-    # the bytes the copy never reads (replicas other than the primary, alignment holes) are read by the
-    # ledger beside the copy, not after it: 4 of the fixture's 25 GETs came one after another at the end
-    source.reader.ledger.fill_except((), source.reader.planned_ranges())
-
-
-def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, plan: Plan,
-                     writer: CheckpointWriter, workers: int, advance: Progress, stage: int = STAGE,
-                     plan_reads: Callable[[list[OutChunk]], None] | None = None,
-                     known_crc: Callable[[OutChunk], int | None] | None = None, threads: int | None = None) -> None:
-    """Write every data file, the metadata and the manifest of ``target`` into ``writer.folder`` and
-    finish it (the caller commits).
-
-    ``fill(chunk)`` gives each chunk's stored bits (:func:`chunk_data` for a reshard; the benchmark
-    passes a generator to build synthetic checkpoints of any size); ``stage``: each file's staging
-    buffers (:class:`gtp_format.writer.sink.Sink`); ``plan_reads(chunks)``: told every chunk in the order
-    the workers will fill them (:func:`.plan.read_order`) before they start (a bucket's read-ahead);
-    ``known_crc(chunk)``: the zip CRC-32 of what ``fill(chunk)`` just gave, where known (torch_dist,
-    :func:`copied_crc`); ``threads``: how many files are written at once (default ``workers``, which sets how
-    many files there are: :func:`write_threads`).
-    """
-    folder = writer.folder
-    parts = split_files(plan.chunks, workers * 2)
-    names = [data_file_name(i, 0, target.layout) for i in range(len(parts))]
-
-    records: list[list[ChunkRecord]] = [[] for _ in parts]  # one list per file: each written by one thread
-
-    def one(i: int, tick: Progress) -> Any:
-        if target.layout == "torch_dist":
-            return write_distcp(folder / names[i], parts[i], fill, tick, stage, records[i], known_crc)
-        return write_safetensors(folder / names[i], parts[i], fill, tick, stage, records[i]), None
-
-    group = ranks.current()
-    if group is None:
-        if plan_reads is not None:
-            plan_reads(read_order(parts, threads or workers))
-        results = run_files(one, len(parts), threads or workers, advance)
-    else:  # under torchrun: this rank's files (the same names and bytes as one process writes), then the gather
-        results = share_files(group, parts, one, records, workers, advance, plan_reads)
-        if not group.root:
-            return  # rank 0 writes the metadata, finishes and commits what every rank wrote
-    writer.add_files({n: r[0] for n, r in zip(names, results)})
-    writer.add_records([r for rs in records for r in rs])
-    if target.layout == "torch_dist":
-        placed = [(n, c, off, ln) for n, r in zip(names, results) for c, off, ln in r[1]]
-        write_distcp_metadata(folder / DCP_METADATA_FILE, plan.shapes, placed)
-        writer.add_file(DCP_METADATA_FILE)
-    else:
-        write_durable(folder / GTP_INDEX_FILE, safetensors_index(plan.shapes, dict(zip(names, parts))))
-        writer.add_file(GTP_INDEX_FILE)
-    writer.finish(target, megatron_metadata(target.layout))
-
-
-def share_files(group: ranks.Group, parts: list[list[OutChunk]], one: Callable[[int, Progress], Any],
-                records: list[list[ChunkRecord]], workers: int, advance: Progress,
-                plan_reads: Callable[[list[OutChunk]], None] | None) -> list[Any]:
-    """This rank's share of the files of :func:`write_checkpoint` (:meth:`gtp_format.ranks.Group.mine`: by
-    bytes), on up to ``workers`` threads, then every file's result and records gathered from all ranks
-    (``records`` filled in for every file, as one process fills it). Every rank fails together."""
-    mine = group.mine([sum(c.nbytes for c in p) for p in parts])
-
-    def local() -> list[tuple[int, Any, list[ChunkRecord]]]:
-        if plan_reads is not None:
-            plan_reads(read_order([parts[i] for i in mine], workers))
-        got = run_files(lambda k, tick: one(mine[k], tick), len(mine), max(1, min(workers, len(mine))), advance)
-        ranks.fault("copy")
-        # a chunk goes back as its index in the file (every rank holds the same plan), not as itself
-        return [(i, (entry, None if placed is None else [(off, ln) for _, off, ln in placed]), records[i])
-                for i, (entry, placed) in zip(mine, got)]
-
-    results: list[Any] = [None] * len(parts)
-    shares = group.exchange(local, "while writing its files")
-    own = set(mine)
-    advance(sum(sum(c.nbytes for c in p) for i, p in enumerate(parts) if i not in own))  # the others' bytes
-    for share in shares:
-        for i, (entry, placed), recs in share:
-            results[i] = (entry, None if placed is None else [(c, off, ln) for c, (off, ln) in zip(parts[i], placed)])
-            records[i] = recs
-    return results
-
-
-class Stopped(Exception):
-    """A worker's file was abandoned because another failed or the run was interrupted."""
-
-
-def run_files(one: Callable[[int, Progress], Any], n: int, workers: int, advance: Progress) -> list[Any]:
-    """``one(i, tick)`` for every file ``i`` on ``workers`` threads (``tick(bytes)`` after each chunk).
-
-    On an error or an interrupt (SIGTERM, Ctrl-C) the files not started are cancelled and the running
-    ones stop at their next chunk (``tick`` raises), so nothing writes into the work folder once the
-    writer removes it, and a terminated run ends within a chunk's time, not a file's.
-    """
-    lock, stop = threading.Lock(), threading.Event()
-
-    def tick(nbytes: int) -> None:
-        if stop.is_set():
-            raise Stopped("stopped")
-        with lock:
-            advance(nbytes)
-
-    pool = ThreadPoolExecutor(max_workers=workers)
-    try:
-        futures = [pool.submit(one, i, tick) for i in range(n)]
-        return [f.result() for f in futures]
-    except BaseException:
-        stop.set()
-        raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-def os_cause(e: BaseException) -> OSError | None:
-    """The OS error behind ``e``, if any: torch.save reports a failed write as a RuntimeError whose
-    context is the OSError (EFBIG, ENOSPC) that Python's file object raised."""
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        if isinstance(cur, OSError) and cur.errno is not None:
-            return cur
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
-    return None
-
-
-def _chain(e: BaseException) -> list[OSError]:
-    out, cur = [], e
-    while cur is not None and len(out) < 16:
-        if isinstance(cur, OSError):
-            out.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    return out
-
-
-def write_failure(dst: Path, e: OSError) -> FormatError:
-    """The one-line error for a write that failed (the partial output is already removed)."""
-    space = [x for x in _chain(e) if x.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)]
-    if space:
-        return FormatError(f"{dst}: {os.strerror(space[0].errno or 0)} while writing (nothing was left behind); "
-                           "free space or write to another disk")
-    return FormatError(f"{dst}: cannot write ({e.strerror or e}); nothing was left behind")
-
-
-def build_atomically(dst: Path, sources: tuple[Path, ...], body: Callable[[CheckpointWriter], None],
-                     inner: str | None = None, latest: str | None = None) -> None:
-    """Run ``body(writer)`` (which writes and finishes) on a new :class:`CheckpointWriter` for ``dst`` and
-    commit it; the work folder is removed on any failure, and a DST that appeared meanwhile is refused."""
-    check_destination(dst, sources, COPIES)  # sources: every name of SRC (Source.names), for the nesting rule
-    group = ranks.current()
-    if group is not None:  # under torchrun: every rank writes its share into rank 0's work folder
-        from ckpt_tool.reshard.ranked import build_ranked
-
-        build_ranked(group, dst, body, inner, latest)
-        return
-    try:
-        with CheckpointWriter(dst, inner=inner, latest=latest) as writer:
-            body(writer)
-            writer.commit()
-    except BaseException as e:
-        cause = os_cause(e)
-        if cause is None or isinstance(e, FormatError):
-            raise
-        raise write_failure(dst, cause) from None
-
-
-def written_sizes(folder: Path | ObjectURL) -> list[int]:
-    """Sizes of the files a committed output holds (a bucket's: as the store lists them)."""
-    if isinstance(folder, ObjectURL):
-        from gtp_format.storage import objects
-
-        return [n for n in objects.list_names(folder).values() if n is not None]
-    return [p.stat().st_size for p in folder.iterdir()]
-
-
-def peak_rss() -> int:
-    """This process's peak RSS in bytes: ``VmHWM`` (Linux), else ``ru_maxrss``.
-
-    ``ru_maxrss`` survives ``exec``: a CLI started from a parent holding 700 MiB reported 700 MiB
-    whatever it did itself (measured in benchmarks/bench_reshard.py); ``VmHWM`` is per process image.
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def rss_after_imports(layout: str | None) -> int:
-    """Peak RSS once every module the write needs is imported (no torch: both layouts are written by
-    :mod:`gtp_format.writer` and numpy), so a run can report what its data took:
-    ``peak_rss_bytes - baseline_rss_bytes``."""
-    return peak_rss()
 
 
 def target_topology(src: Path | Source, layout: str | None, **asked: int | bool | None) -> ParallelConfig:
@@ -457,3 +151,37 @@ def reshard(src: Path | Source, dst: Path, par: ParallelConfig, layout: str | No
                   len(out), len(plan.chunks), sum(out), source.reader.bytes_read,
                   time.perf_counter() - t0, max_memory, chunk_bytes, workers,
                   peak_rss(), baseline)
+
+
+def reshard_checkpoint(src: Path | ObjectURL, dst: Path, *, tp: int | None = None, pp: int | None = None,
+                       cp: int | None = None, gtp_remat: int | None = None, dp: int | None = None,
+                       fold_cp: bool | None = None, expert_gtp_remat: int | None = None, layout: str | None = None,
+                       ep: int | None = None, etp: int | None = None, bucket_size: int | None = None,
+                       max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
+                       progress: ProgressOpener | None = None) -> Result:
+    """``ckpt reshard``: SRC located, parsed, gated and viewed once, and its kind chooses the engine:
+    this runtime's checkpoint (it has a manifest) goes to :func:`reshard`, megatron-core's
+    ``dp_reshardable`` one to :func:`ckpt_tool.reshard.megatron_dp.reshard_megatron`. A size only the
+    other kind takes is refused in one line (``None``: keep SRC's)."""
+    source = open_source(src, megatron=True, experts=True, max_memory=max_memory)
+    try:
+        if source.manifest is None:
+            ours = {"--gtp-remat": gtp_remat, "--fold-cp": fold_cp, "--expert-gtp-remat": expert_gtp_remat,
+                    "--layout": layout}
+            given = [k for k, v in ours.items() if v is not None]
+            if given:
+                raise FormatError(f"{given[0]}: is for this runtime's checkpoints; {src} is megatron-core's "
+                                  "(reshard takes --tp --pp --cp --dp there)")
+            from ckpt_tool.reshard.megatron_dp import reshard_megatron
+
+            return reshard_megatron(source, dst, tp, pp, cp, dp, ep, bucket_size, max_memory, workers, progress, etp)
+        for flag, value in (("--pp", pp), ("--ep", ep), ("--etp", etp), ("--bucket-size", bucket_size)):
+            if value is not None:
+                raise FormatError(f"{flag}: is for megatron-core sources; {src} is this runtime's checkpoint (it has "
+                                  "no pipeline stages; experts follow --expert-gtp-remat)")
+        par = target_topology(source, layout, tp=tp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp,
+                              expert_gtp_remat=expert_gtp_remat)
+    except BaseException:
+        source.reader.close()
+        raise
+    return reshard(source, dst, par, layout, max_memory, workers, progress)

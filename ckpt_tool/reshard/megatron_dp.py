@@ -5,15 +5,15 @@ shape mismatch" (the bucket keys' shapes are the buffers of the topology that sa
 ``load_checkpoint`` refuses another (TP, PP) for that format outright. This writes the checkpoint
 megatron-core would have saved at the target, from the source's per-parameter view:
 
-1. the source view (:func:`gtp_format.views.megatron.megatron_views`: every parameter's slices derived
+1. the source view (:func:`gtp_format.megatron.view.megatron_views`: every parameter's slices derived
    from megatron-core's bucket rules and checked against the stored chunks, MoE's dense and
    expert buffers included; what they do not cover is refused in one line);
-2. the target layout (:mod:`gtp_format.megatron_layout`: megatron-core's own bucket rules at the
+2. the target layout (:mod:`gtp_format.megatron.layout`: megatron-core's own bucket rules at the
    target, TP splits of the GPT local spec, layers split evenly over the stages, one model chunk
    per stage: a source with virtual pipeline stages is read chunk by chunk, the target has none);
 3. every chunk: model weights (stacked layer keys, one chunk per layer and TP part, as megatron
    writes them), each target bucket's fp32 master / ``exp_avg`` / ``exp_avg_sq`` slices copied
-   from the source's bits (:func:`ckpt_tool.reshard.plan._holder_chunks`, the reshard's own),
+   from the source's bits (:func:`ckpt_tool.copying.plan.holder_chunks`, the reshard's own),
    alignment gaps as zeros; each chunk in the data file of the target rank that would have written
    it (``__<rank>_0.distcp``, rank order tp-cp-ep-dp-pp), so the output's own view reads back;
 4. the byte objects (:mod:`.megatron_dp_objects`: ``common_state`` edited on its opcodes,
@@ -36,8 +36,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ckpt_tool.reshard import DEFAULT_MAX_MEMORY, WEIGHT_STATE
-from ckpt_tool.reshard.engine import (
+from ckpt_tool.copying import DEFAULT_MAX_MEMORY, WEIGHT_STATE
+from ckpt_tool.copying.engine import (
     Progress,
     Result,
     build_atomically,
@@ -50,14 +50,15 @@ from ckpt_tool.reshard.engine import (
     run_files,
     share_files,
 )
+from ckpt_tool.copying.plan import FP32, OutChunk, dtype_of, gaps, holder_chunks, read_order, row_blocks
+from ckpt_tool.copying.source import Buffers, Source, open_source
+from ckpt_tool.copying.writers import write_distcp, write_distcp_metadata, write_objects
 from ckpt_tool.reshard.megatron_dp_objects import PP_FIRST, PP_LAST, target_objects
-from ckpt_tool.reshard.plan import FP32, OutChunk, _gaps, _holder_chunks, dtype_of, read_order, row_blocks
-from ckpt_tool.reshard.source import Buffers, Source, open_source
-from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata, write_objects
 from gtp_format.errors import FormatError
 from gtp_format.layout.config import target_world_problem
 from gtp_format.layout.shard import ShardSpec
-from gtp_format.megatron_layout import (
+from gtp_format.megatron.keys import BUFFERS, GATED, HEAD
+from gtp_format.megatron.layout import (
     Bucket,
     Slot,
     TargetParam,
@@ -67,25 +68,15 @@ from gtp_format.megatron_layout import (
     tp_mode_of,
     uneven_split,
 )
+from gtp_format.megatron.view import glu_holders
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.ranks import current as current_group
 from gtp_format.storage.location import ObjectURL
-from gtp_format.views.megatron import BUFFERS, GATED, HEAD, glu_holders
 from gtp_format.views.records import Holder, KeyRef, ParamView, full_box
 from gtp_format.writer.checkpoint import CheckpointWriter, megatron_metadata
 from gtp_format.writer.sink import stage_bytes
 
 OUTPUT = "output_layer.weight"
-
-
-def is_megatron_source(src: Path | ObjectURL) -> bool:
-    """No manifest of ours in SRC (its folder as ``locate`` finds it): megatron-core's, or refused as neither.
-    Asked through the confined stat (a folder or a bucket alike), never by following the name."""
-    from gtp_format.names import MANIFEST_FILE
-    from gtp_format.reader.locate import locate
-    from gtp_format.reader.storage import is_regular_inside
-
-    return is_regular_inside(locate(src).folder, MANIFEST_FILE) is None
 
 
 def _spec(view: ParamView, mode: str | None, tp: int, t: int) -> ShardSpec:
@@ -94,7 +85,7 @@ def _spec(view: ParamView, mode: str | None, tp: int, t: int) -> ShardSpec:
 
 def _parts(view: ParamView, mode: str | None, tp: int, t: int, gated: bool) -> list[tuple[int, ShardSpec]]:
     """(offset in TP rank ``t``'s slice, place in the full tensor) of each piece of a parameter's slice: one
-    piece, or a gated ``linear_fc1``'s gate and up halves (:func:`gtp_format.views.megatron.glu_holders`)."""
+    piece, or a gated ``linear_fc1``'s gate and up halves (:func:`gtp_format.megatron.view.glu_holders`)."""
     if gated and mode == "column" and not view.is_expert and view.name.endswith(GATED):
         return [(h.start, h.spec) for h in glu_holders(view.full_shape, tp, t, None, 0)]  # type: ignore[arg-type]
     return [(0, _spec(view, mode, tp, t))]
@@ -238,7 +229,7 @@ def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int
 
 
 def buffer_chunks(source: Source, shapes: dict[str, Any]) -> list[OutChunk]:
-    """The model keys that are buffers, not parameters (:data:`gtp_format.views.megatron.BUFFERS`: the MoE
+    """The model keys that are buffers, not parameters (:data:`gtp_format.megatron.keys.BUFFERS`: the MoE
     router's ``expert_bias``, fp32, no optimizer state), copied as stored: one chunk per layer, as
     megatron-core writes them (the same at any TP/PP/EP: the router is replicated)."""
     out: list[OutChunk] = []
@@ -253,8 +244,8 @@ def buffer_chunks(source: Source, shapes: dict[str, Any]) -> list[OutChunk]:
 
 
 def _gated(source: Source) -> bool:
-    """Whether the source's MLPs are gated (``--swiglu``; :func:`gtp_format.megatron_args.describe_model`)."""
-    from gtp_format.megatron_args import describe_model
+    """Whether the source's MLPs are gated (``--swiglu``; :func:`gtp_format.megatron.args.describe_model`)."""
+    from gtp_format.megatron.args import describe_model
 
     if source.manifest is not None or getattr(source, "glu_rows_by_rank", False):
         return False
@@ -343,7 +334,7 @@ def _expert_chunks(source: Source, experts: list[ParamView], stages: list[list[T
                     h = Holder(refs[s.bucket], s.start, spec, (), True)
                     used.setdefault(s.bucket, []).append((s.start, s.start + h.numel))
                     for state in STATES:
-                        for c in _holder_chunks(v, h, state, max_bytes, math.prod(v.full_shape[1:])):
+                        for c in holder_chunks(v, h, state, max_bytes, math.prod(v.full_shape[1:])):
                             files[owner(c.offsets[0], buckets[s.bucket])].append(c)
                     shapes[v.model_key] = (source.ckpt.entries[v.model_key].shape, dtype_of(v.param_dtype))
                     if modes[v.name] or t == 0:
@@ -367,7 +358,7 @@ def _bucket_chunks(source: Source, slots: list[Slot], buckets: list[Bucket], mod
                 h = Holder(refs[s.bucket], s.start + off, spec, (), True)
                 used.setdefault(s.bucket, []).append((h.start, h.start + h.numel))
                 for state in STATES:
-                    for c in _holder_chunks(v, h, state, max_bytes, row):
+                    for c in holder_chunks(v, h, state, max_bytes, row):
                         sink(t, c.offsets[0], buckets[s.bucket])(c)
         _gap_chunks(buckets, refs, used, max_bytes, shapes, lambda off, b, t=t: sink(t, off, b))
 
@@ -379,7 +370,7 @@ def _gap_chunks(buckets: list[Bucket], refs: list[KeyRef], used: dict[int, list[
     for b, ref in zip(buckets, refs):
         for state in STATES:
             shapes[ref.key(state)] = ((b.numel_unpadded,), FP32)
-        for a, z in _gaps(b.numel_unpadded, used.get(b.index, [])):
+        for a, z in gaps(b.numel_unpadded, used.get(b.index, [])):
             for s0 in range(a, z, step):
                 for state in STATES:
                     sink(s0, b)(OutChunk(ref.key(state), (s0,), (min(z, s0 + step) - s0,), FP32))
@@ -417,16 +408,16 @@ def target_refusal(src: Path | ObjectURL, tp: int, pp: int, cp: int, dp: int, ep
     return None
 
 
-def reshard_megatron(src: Path, dst: Path, tp: int | None, pp: int | None, cp: int | None, dp: int | None,
+def reshard_megatron(src: Path | Source, dst: Path, tp: int | None, pp: int | None, cp: int | None, dp: int | None,
                      ep: int | None = None, bucket_size: int | None = None, max_memory: int = DEFAULT_MAX_MEMORY,
                      workers: int | None = None, progress: Callable[[int], Progress] | None = None,
                      etp: int | None = None) -> Result:
     """Reshard a megatron-core ``dp_reshardable`` SRC to TP x PP x CP x DP into the new folder DST."""
-    from gtp_format.megatron_topology import derive
+    from gtp_format.megatron.topology import derive
 
     t0 = time.perf_counter()
     baseline = rss_after_imports("torch_dist")
-    source = open_source(src, megatron=True, experts=True, max_memory=max_memory)
+    source = src if isinstance(src, Source) else open_source(src, megatron=True, experts=True, max_memory=max_memory)
     try:
         meg = derive(source.ckpt)
         if meg.format != "dp_reshardable":

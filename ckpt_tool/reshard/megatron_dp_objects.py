@@ -31,7 +31,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from ckpt_tool.reshard.megatron_objects import COMMON, _ops, _records, _str
+from ckpt_tool.reshard.megatron_objects import COMMON, blob_records, pickle_ops, pickle_str
 from gtp_format.errors import FormatError
 from gtp_format.reader.checkpoint import Checkpoint
 from gtp_format.reader.chunks import chunk_bytes
@@ -88,8 +88,8 @@ def numel_blob(root: str, key: str, blob: bytes, buffers: list[tuple[str, list[i
     that starts with an fp32 layernorm has its fp32 buffer first). The source must be such an object
     (dtype GLOBALs, ints, lists, dicts: nothing else), so its other records are kept as they are.
     """
-    prefix, records = _records(root, key, blob)
-    ops = _ops(root, key, dict(records)["data.pkl"])
+    prefix, records = blob_records(root, key, blob)
+    ops = pickle_ops(root, key, dict(records)["data.pkl"])
     allowed = {"PROTO", "EMPTY_LIST", "EMPTY_DICT", "MARK", "TUPLE2", "APPEND", "APPENDS", "SETITEM", "SETITEMS",
                "STOP", "GLOBAL", *_PUT, "BINGET", "LONG_BINGET", *_INT}
     bad = next((n for n, a, _ in ops if n not in allowed or (n == "GLOBAL" and not str(a).startswith("torch "))), None)
@@ -113,8 +113,8 @@ def common_blob(root: str, blob: bytes, sizes: dict[str, int], layout: dict[str,
     :data:`PP_FIRST`, :data:`PP_LAST`) set to the target's: an int, or None for an even split. A
     layout field the source's args lack is added where the target needs a value."""
     layout = layout or {}
-    prefix, records = _records(root, COMMON, blob)
-    ops = _ops(root, COMMON, dict(records)["data.pkl"])
+    prefix, records = blob_records(root, COMMON, blob)
+    ops = pickle_ops(root, COMMON, dict(records)["data.pkl"])
     out = [raw for _, _, raw in ops]
     found: dict[str, int] = {}
     for i, (name, arg, _) in enumerate(ops):
@@ -154,13 +154,13 @@ def common_blob(root: str, blob: bytes, sizes: dict[str, int], layout: dict[str,
         if first + 1 < len(ops) and ops[first + 1][0] == "SETITEM":
             raise FormatError(f"{root}: {COMMON}'s args are not stored as a batch of items; reshard of this common "
                               "state is not supported")
-        out[first] += _str(NO_SAVE_RNG) + b"\x88"  # one more (key, True) in the same SETITEMS batch
+        out[first] += pickle_str(NO_SAVE_RNG) + b"\x88"  # one more (key, True) in the same SETITEMS batch
     for arg, value in layout.items():
         if arg not in found and value is not None:
             if first + 1 < len(ops) and ops[first + 1][0] == "SETITEM":
                 raise FormatError(f"{root}: {COMMON}'s args are not stored as a batch of items; reshard of this "
                                   "common state is not supported")
-            out[first] += _str(arg) + _int(value)  # the target's uneven split, which the source's args lack
+            out[first] += pickle_str(arg) + _int(value)  # the target's uneven split, which the source's args lack
     return object_blob(prefix, [(n, b"".join(out) if n == "data.pkl" else d) for n, d in records])
 
 
@@ -185,7 +185,7 @@ def target_objects(ckpt: Checkpoint, numels: dict[str, dict[int, list[tuple[str,
     for key, _ in objects:
         if "._extra_state/" in key:
             blob = _blob(ckpt, key)
-            _records(root, key, blob)  # CRC-checked: a damaged source is refused, not copied
+            blob_records(root, key, blob)  # CRC-checked: a damaged source is refused, not copied
             out[key] = blob
         elif key == COMMON:
             out[key] = common_blob(root, _blob(ckpt, key), sizes, layout)
@@ -196,7 +196,7 @@ def target_objects(ckpt: Checkpoint, numels: dict[str, dict[int, list[tuple[str,
     for prefix, ranks in numels.items():
         src = {s: _blob(ckpt, f"{prefix}.dp_group_idx_0.{s}/shard_0_1")
                for s in ("per_bucket_numel", "per_bucket_numel_unpadded", "optimizer")}
-        _records(root, f"{prefix}.dp_group_idx_0.optimizer", src["optimizer"])  # CRC-checked before it is copied
+        blob_records(root, f"{prefix}.dp_group_idx_0.optimizer", src["optimizer"])  # CRC-checked before it is copied
         for n, bufs in sorted(ranks.items()):
             base = f"{prefix}.dp_group_idx_{n}"
             for i, name in enumerate(("per_bucket_numel", "per_bucket_numel_unpadded")):

@@ -50,7 +50,7 @@ _INT = ("BININT", "BININT1", "BININT2")
 _REFUSED = ("MEMOIZE", "FRAME", "PERSID", "BINPERSID", "PROTO")
 
 
-def _records(root: str, key: str, blob: bytes) -> tuple[str, list[tuple[str, bytes]]]:
+def blob_records(root: str, key: str, blob: bytes) -> tuple[str, list[tuple[str, bytes]]]:
     """(prefix, [(name, bytes)]) of a torch.save blob's records, CRC-checked, in stored order."""
     reader = ViewReader(memoryview(blob))
     try:
@@ -66,7 +66,7 @@ def _records(root: str, key: str, blob: bytes) -> tuple[str, list[tuple[str, byt
     return prefix, [(n[len(prefix):], data) for n, data in out]
 
 
-def _ops(root: str, key: str, pkl: bytes) -> list[tuple[str, Any, bytes]]:
+def pickle_ops(root: str, key: str, pkl: bytes) -> list[tuple[str, Any, bytes]]:
     """(opcode name, argument, raw bytes) of every opcode, decoded without being run."""
     try:
         decoded = list(pickletools.genops(pkl))
@@ -89,7 +89,7 @@ def _memo_op(name: str, index: int) -> bytes:
 
 def _param_groups(root: str, key: str, pkl: bytes, base: int) -> bytes:
     """The opcodes of the one object in ``[obj]`` (ShardedObject's wrapper), memo renumbered from ``base``."""
-    ops = _ops(root, key, pkl)
+    ops = pickle_ops(root, key, pkl)
     names = [n for n, _, _ in ops]
     first_key = next((a for n, a, _ in ops[4:] if n in _STR), None)
     if (names[1] != "EMPTY_LIST" or names[2] not in _PUT or names[3] != "EMPTY_DICT"
@@ -103,16 +103,16 @@ def fully_reshardable_common(root: str, common: bytes, optimizers: list[bytes], 
     """``common_state``'s blob for ``fully_reshardable`` from a ``dp_reshardable`` one and its optimizer
     objects: one, or one per chained optimizer (MoE: dense, expert), whose common part megatron-core
     keeps as ``'optimizer': {0: {...}, 1: {...}}``."""
-    prefix, records = _records(root, COMMON, common)
+    prefix, records = blob_records(root, COMMON, common)
     pkl = dict(records)["data.pkl"]
-    ops = _ops(root, COMMON, pkl)
+    ops = pickle_ops(root, COMMON, pkl)
     base = 1 + max((a for n, a, _ in ops if n in _PUT), default=0)
     groups = []
     for i, optimizer in enumerate(optimizers):
-        _, opt_records = _records(root, "optimizer", optimizer)
+        _, opt_records = blob_records(root, "optimizer", optimizer)
         opt_pkl = dict(opt_records)["data.pkl"]
         groups.append(_param_groups(root, f"optimizer {i}'s param_groups", opt_pkl, base))
-        base += 1 + max((a for n, a, _ in _ops(root, "optimizer", opt_pkl) if n in _PUT), default=0)
+        base += 1 + max((a for n, a, _ in pickle_ops(root, "optimizer", opt_pkl) if n in _PUT), default=0)
     chained = len(optimizers) > 1
     strings = {ops[j + 1][1]: a for j, (n, a, _) in enumerate(ops[:-1]) if n in _STR and ops[j + 1][0] in _PUT}
 
@@ -123,9 +123,9 @@ def fully_reshardable_common(root: str, common: bytes, optimizers: list[bytes], 
     out, spliced = [], 0
     flag = _flag_after(ops)
     for i, (name, arg, raw) in enumerate(ops):
-        out.append(_str(TARGET) if name in _STR and arg == source_type else raw)
+        out.append(pickle_str(TARGET) if name in _STR and arg == source_type else raw)
         if i == flag:  # megatron's fully_reshardable save records the (default) memory-efficiency flag too
-            out.append(_str(MEM_EFFICIENT) + b"\x89")  # NEWFALSE
+            out.append(pickle_str(MEM_EFFICIENT) + b"\x89")  # NEWFALSE
         # `'optimizer': {}` (the string, its memo put, the dict, its memo put), or a chained optimizer's
         # `<i>: {}` followed by its `param_state_sharding_type`: fill the new dict first
         if name not in _PUT or i < 3 or ops[i - 1][0] != "EMPTY_DICT":
@@ -139,7 +139,7 @@ def fully_reshardable_common(root: str, common: bytes, optimizers: list[bytes], 
         if not 0 <= index < len(groups):
             raise FormatError(f"{root}: {COMMON} names optimizer {index} of {len(groups)}; export of this common "
                               "state is not supported")
-        out.append(_str("optimizer") + groups[index] + b"s")  # SETITEM: value['optimizer'] = {param_groups}
+        out.append(pickle_str("optimizer") + groups[index] + b"s")  # SETITEM: value['optimizer'] = {param_groups}
         spliced += 1
     if spliced != len(groups) or not any(n in _STR and a == source_type for n, a, _ in ops):
         raise FormatError(f"{root}: {COMMON} has {spliced} optimizer entries of the expected form (one "
@@ -162,7 +162,8 @@ def _flag_after(ops: list[tuple[str, Any, bytes]]) -> int | None:
     return None
 
 
-def _str(s: str) -> bytes:
+def pickle_str(s: str) -> bytes:
+    """``s`` as the pickle opcode that pushes it (``BINUNICODE``)."""
     raw = s.encode()
     return b"X" + struct.pack("<I", len(raw)) + raw  # BINUNICODE
 
@@ -183,7 +184,7 @@ def extra_objects(ckpt: Checkpoint, max_bytes: int) -> dict[str, bytes]:
     for key, e in wanted:
         if "._extra_state/" in key:
             blob = bytes(chunk_bytes(ckpt, e, e.chunks[0]))
-            _records(root, key, blob)
+            blob_records(root, key, blob)
             out[key] = blob
     common = ckpt.entries.get(COMMON)
     first = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"

@@ -42,7 +42,7 @@ from gtp_format.compare.records import CHUNKS, CONTENT_CODES, KEY_SET_CODES, MET
 from gtp_format.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, FormatError
 from gtp_format.model import Checkpoint
 from gtp_format.storage.location import ObjectURL
-from gtp_format.writer.work import sigterm_raises
+from gtp_format.work import sigterm_raises
 
 _DP_DEPENDENT_TOPOLOGY = ("dp", "world_size", "expert_dp")
 _DP_DEPENDENT_BUFFER = ("dp_size", "grad_divisor")

@@ -17,7 +17,7 @@ from ckpt_tool.roundtrip import jobs
 from ckpt_tool.roundtrip.rows import Outcome, ProgressBars, no_progress, row
 from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
 from gtp_format.layout.config import ConfigError, ModelConfig, ParallelConfig, infer_dp
-from gtp_format.writer.work import sigterm_raises
+from gtp_format.work import sigterm_raises
 from gtp_runtime.lr_schedule import LRConfig
 from gtp_runtime.optimizer import AdamConfig
 from gtp_runtime.training import TrainConfig

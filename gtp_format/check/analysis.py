@@ -3,7 +3,7 @@
 Key names are parsed only through :mod:`gtp_format.names`, the single definition of
 the format. The topology comes from the manifest's ``topology`` (gtp_runtime writes the
 ParallelConfig fields there), from a genuine megatron-core checkpoint itself
-(:mod:`gtp_format.megatron_topology`; megatron-core never folds, so there ``--cp-size`` is only a
+(:mod:`gtp_format.megatron.topology`; megatron-core never folds, so there ``--cp-size`` is only a
 CP size and ``--folded`` declares folding), or from ``--cp-size``: on a checkpoint that is neither
 (a pre-manifest save of our runtime) ``--cp-size N`` with N > 1 declares the checkpoint folded
 with that CP degree, since only folded buffers depend on CP in their keys.
@@ -41,7 +41,7 @@ from gtp_format.names import (
 )
 
 if TYPE_CHECKING:
-    from gtp_format.megatron_topology import MegatronTopology
+    from gtp_format.megatron.topology import MegatronTopology
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -102,7 +102,7 @@ def topology_view(manifest: Manifest | None, cp_size: int | None, *, ckpt: Check
 
     Folding is declared only by our manifest, by ``--cp-size`` on a checkpoint that is neither ours
     nor megatron-core's (a pre-manifest save of our runtime), or by ``folded``. A genuine
-    megatron-core checkpoint (``ckpt`` given, see :mod:`gtp_format.megatron_topology`) takes its
+    megatron-core checkpoint (``ckpt`` given, see :mod:`gtp_format.megatron.topology`) takes its
     topology from itself; there ``--cp-size`` is only a CP size: megatron-core never folds CP, and
     reading it as folding raised a false aliasing alarm on every megatron CP > 1 checkpoint.
     """
@@ -111,7 +111,7 @@ def topology_view(manifest: Manifest | None, cp_size: int | None, *, ckpt: Check
     if par is not None:
         view.par, view.cp, view.folded, view.source = par, par.cp, par.fold_cp and par.cp > 1, "manifest"
     if ckpt is not None and manifest is None and not folded:
-        from gtp_format.megatron_topology import derive, is_megatron_core
+        from gtp_format.megatron.topology import derive, is_megatron_core
 
         if is_megatron_core(ckpt):
             meg = derive(ckpt)

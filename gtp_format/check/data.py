@@ -74,7 +74,7 @@ from gtp_format.reader.storage import is_sparse, open_regular, past_end_message,
 from gtp_format.reader.storage import streamed as streamed_file
 from gtp_format.reader.zip_blob import BlobError, RangeReader
 from gtp_format.scan import can_hold_nonfinite
-from gtp_format.storage.location import ObjectURL
+from gtp_format.storage.base import storage_for
 from gtp_format.storage.objects import PART, ObjectFile
 from gtp_format.storage.prefetch import ObjectStream
 
@@ -161,7 +161,7 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
             out.append(found)
             tick(c.storage.length if c.storage is not None else 0)
         # a bucket's windows are PART bytes, not WINDOW: as many bytes pending as IN_FLIGHT windows of 8 workers
-        bucket = isinstance(ckpt.root, ObjectURL)
+        bucket = storage_for(ckpt.root).remote
         in_flight = max(2, HELD * WINDOW // PART) if bucket else min(HELD, IN_FLIGHT * n)
         with ThreadPoolExecutor(n, "ckpt-data") as pool:
             # a bucket's step holds a whole request (PART) while it runs: there every task counts as held
@@ -357,7 +357,7 @@ class _FilePass:
         st = os.fstat(f.fileno())
         if is_sparse(st):
             # Holes: reading (and hashing) them costs time for bytes nobody wrote; a 16 TiB sparse
-            # file under a matching manifest size would keep verify --data busy for hours (issue 22).
+            # file under a matching manifest size would keep verify --data busy for hours.
             f.close()
             message = sparse_file_message(self.rel, st)
             for it in self.items:

@@ -59,7 +59,7 @@ from gtp_format.reader.storage import (
 )
 from gtp_format.reader.storage import readable_bytes as file_readable_bytes
 from gtp_format.reader.zip_blob import BlobError, RangeReader
-from gtp_format.storage.location import ObjectURL
+from gtp_format.storage.base import storage_for
 from gtp_format.storage.objects import ObjectFile
 
 BLOCK = 8 << 20  # gap reads, bounded whatever the file
@@ -163,7 +163,7 @@ class ReadLedger:
                 at = max(at, b)
         if not tasks:
             return
-        threads = BUCKET_FILL_THREADS if isinstance(self.ckpt.root, ObjectURL) else FILL_THREADS
+        threads = BUCKET_FILL_THREADS if storage_for(self.ckpt.root).remote else FILL_THREADS
         self._fill_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ledger-fill")
         self._fill = [self._fill_pool.submit(self._fill_range, *t) for t in tasks]
 

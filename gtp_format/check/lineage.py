@@ -52,6 +52,7 @@ class Entry:
     root_hash: str | None = None  # computed from the chunk records (or integrity.json for megatron-core)
     digests: dict[str, str] = field(default_factory=dict)
     moments_zero: bool | None = None
+    rng: str | None = None  # megatron-core: the digest of its decoded rng_state objects (no chunk records)
     topology: str | None = None
     attestation: dict[str, Any] | None = None
     changed: dict[str, str] = field(default_factory=dict)
@@ -124,6 +125,8 @@ def read_entry(run: Path | ObjectURL, named: int, folder: str, opened: Checkpoin
     """One iteration's identity from its metadata, manifest and chunk records (no data file is read).
     ``opened``: the iteration already opened by the caller (``--load``), not parsed again."""
     from gtp_format.integrity.records import read_records
+    from gtp_format.megatron.progress import progress as megatron_progress
+    from gtp_format.megatron.topology import is_megatron_core
     from gtp_format.reader.checkpoint import open_checkpoint
 
     e = Entry(folder=folder, named=named)
@@ -148,9 +151,14 @@ def read_entry(run: Path | ObjectURL, named: int, folder: str, opened: Checkpoin
         e.topology = topology_digest(m.topology)
         if e.lineage is None:
             e.notes.append("no lineage section (written before lineage): run id and parent unknown")
+    elif is_megatron_core(ckpt):  # its progress sits in torch.save blobs: decoded as inert records
+        got = megatron_progress(ckpt)
+        e.iteration, e.consumed, e.step, e.rng = got.iteration, got.consumed, got.step, got.rng
+        e.notes += got.notes
+        e.notes.append("megatron-core: no run id or parent recorded; runs told apart by nothing but the checks")
     else:
-        e.notes.append("no gtp manifest (megatron-core?): iteration, step counter, data position and run id are "
-                       "not recorded where ckpt can read them without pickle; not checked")
+        e.notes.append("no gtp manifest: iteration, step counter, data position and run id not recorded; "
+                       "not checked")
     try:
         att = read_attestation(ckpt.root)
     except FormatError as err:
@@ -210,7 +218,7 @@ def _compare(e: Entry, prev: Entry | None) -> None:
         elif what == "data":
             a, b = prev.consumed, e.consumed
         else:
-            a, b = prev.digests.get("rng"), e.digests.get("rng")
+            a, b = prev.digests.get("rng", prev.rng), e.digests.get("rng", e.rng)
         e.changed[what] = "n/a" if a is None or b is None else ("unchanged" if a == b else "changed")
 
 
@@ -276,8 +284,8 @@ def _against_previous(e: Entry, prev: Entry) -> None:
         e.problems.append(f"run id {short(e.run_id, 8)} follows {prev.folder}'s run {short(prev.run_id, 8)} without a "
                           "recorded load from it: another run's iteration mixed into this folder")
         return
-    if not same:
-        return
+    if not same and not (e.run_id is None and prev.run_id is None):
+        return  # neither records a run id (megatron-core, or saved before lineage): checked as one run
     if e.consumed is not None and prev.consumed is not None and e.consumed < prev.consumed:
         e.problems.append(f"consumed samples went back from {prev.consumed} to {e.consumed}")
     elif e.consumed is not None and e.consumed == prev.consumed and _steps_between(prev, e) > 0 \
@@ -285,8 +293,9 @@ def _against_previous(e: Entry, prev: Entry) -> None:
         e.problems.append(f"consumed samples stayed at {e.consumed} over {_steps_between(prev, e)} steps: the data "
                           "position did not advance")
     if e.step is not None and prev.step is not None and e.step < prev.step:
-        e.problems.append(f"optimizer step counter went back from {prev.step} to {e.step} inside run "
-                          f"{short(e.run_id, 8)}: optimizer state restarted (dropped on resume?)")
+        run = f"inside run {short(e.run_id, 8)}" if e.run_id is not None else "(no run id recorded)"
+        e.problems.append(f"optimizer step counter went back from {prev.step} to {e.step} {run}: optimizer state "
+                          "restarted (dropped on resume?)")
 
 
 def check_latest(log: RunLog) -> None:

@@ -30,7 +30,7 @@ def read_integrity(ckpt: Checkpoint) -> tuple[dict[str, str] | None, list[Proble
     """The listing ``name -> sha256`` when the folder has ``integrity.json``; problems when it is unusable."""
     if is_regular_inside(ckpt.root, FILE) is None:
         return None, []
-    from gtp_format.reader.safe_json import Budget, load_json_object
+    from gtp_format.safe_json import Budget, load_json_object
 
     def bad(message: str) -> tuple[None, list[Problem]]:
         return None, [Problem("error", "megatron_integrity", f"{message}; restore {FILE} from the save that wrote it "

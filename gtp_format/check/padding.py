@@ -2,7 +2,7 @@
 
 Why apart: megatron-core pads each distributed-optimizer bucket to an alignment and leaves those
 elements uninitialised, so a genuine checkpoint's padding can hold NaN bit patterns that belong to
-no parameter (:func:`gtp_format.views.megatron.padding_chunks` finds the chunks that are padding only).
+no parameter (:func:`gtp_format.megatron.padding.padding_chunks` finds the chunks that are padding only).
 Counting them as the key's NaN would flag every such checkpoint; ignoring them would hide a
 writer that filled its padding. So the data pass tallies them under a tagged key
 (:func:`tally_key`) and :func:`split_padding` reports them as one ``info`` line per key.
@@ -30,9 +30,9 @@ def find_megatron_padding(ckpt: Checkpoint) -> str | None:
     Only ``dp_reshardable`` bucket keys hold padding: a checkpoint without them has none to find.
     """
     if ckpt.manifest is None and not ckpt.padding_chunks:
-        from gtp_format.megatron_topology import is_megatron_core
+        from gtp_format.megatron.padding import padding_chunks_of, padding_layout
+        from gtp_format.megatron.topology import is_megatron_core
         from gtp_format.names import parse_optimizer_key
-        from gtp_format.views.megatron import padding_chunks_of, padding_layout
 
         if is_megatron_core(ckpt) and any(parse_optimizer_key(k) is not None for k in ckpt.entries):
             ranges, why = padding_layout(ckpt)

@@ -81,7 +81,7 @@ def compare(a: Source, b: Source, rule: Rule = EXACT, *, select: Callable[[str],
     ``report.basis`` counts what was read and what was taken on records.
 
     ``padding``: (key, chunk index) of the chunks that are alignment padding on side ``a`` and on side
-    ``b`` (:func:`gtp_format.views.megatron.padding_chunks`). A chunk pair that is padding on both
+    ``b`` (:func:`gtp_format.megatron.padding.padding_chunks`). A chunk pair that is padding on both
     sides is compared apart: what differs there is :attr:`KeyResult.padding`, not a difference
     (megatron-core leaves that memory uninitialised, so two saves of one state differ in it).
     """

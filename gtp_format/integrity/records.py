@@ -130,7 +130,7 @@ def read_records(ckpt: Checkpoint) -> Records | None:
         return out
     if head.get("hash") != CHUNK_HASH:
         return bad(f"chunk hash {head.get('hash')!r} is not one this tool computes ({CHUNK_HASH})")
-    from gtp_format.reader.safe_json import Budget, load_json_object
+    from gtp_format.safe_json import Budget, load_json_object
 
     chunks_here = ckpt.chunk_count()
     budget = Budget.per_item(max(head["count"] or 0, chunks_here), BYTES_PER_RECORD, VALUES_PER_RECORD,

@@ -10,7 +10,7 @@ Why one compiled pass (numba) and not numpy: numpy has no call that gives a min,
 and an fp64 sum of squares together, so the statistics were six passes per block (min, max, the zero
 compare and count, the fp64 cast, the square, the pairwise sum): 65 ms of one core per 256 MB of
 float32 on the 2-core machine, a quarter of a CPU save's own CPU, and the save is CPU-bound there
-when the disk is fast (docs/performance.md, issue 26). One loop that reads each element once takes
+when the disk is fast (docs/performance.md). One loop that reads each element once takes
 11 ms for the same bytes (``benchmarks/bench_save_integrity.py``'s last table: 0.08 CPU s against 0.42 for
 the six passes over one rank's chunks).
 

@@ -124,7 +124,7 @@ class Topology:
         Through a rank -> group index built once per (config, kind): a scan of every group per
         call made the per-parameter view cost world**2 (one call per key position, each walking
         the world): 20.5 s against 0.73 s indexed for the fixture's layout over a declared world
-        of 4,096 (cp 1024, measured in one run; issue 22).
+        of 4,096 (cp 1024, measured in one run).
         """
         members = _group_index(self.par, kind).get(rank)
         if members is None:

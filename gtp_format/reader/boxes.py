@@ -38,7 +38,7 @@ from gtp_format.reader.storage import Source, open_regular, pread_into, size_of,
 from gtp_format.reader.zip_blob import BlobError, RangeReader, ViewReader
 from gtp_format.scan import carrier
 from gtp_format.storage import objects
-from gtp_format.storage.location import ObjectURL
+from gtp_format.storage.base import storage_for
 from gtp_format.storage.prefetch import PlanPrefetch
 
 PREFETCH_BUDGET = objects.IN_FLIGHT * objects.PART  # a bucket's chunks held or in flight ahead of a copy (64 MiB)
@@ -128,7 +128,7 @@ class BoxReader:
         entries = [self.ckpt.entries[k] for k in keys if k in self.ckpt.entries]
         ordered = [(e, c) for e in entries if e.kind == TENSOR
                    for c in sorted(e.chunks, key=lambda c: c.offsets[0] if c.offsets else 0) if c.storage is not None]
-        if isinstance(self.ckpt.root, ObjectURL):
+        if storage_for(self.ckpt.root).remote:
             self.prefetch_chunks([(e.key, c) for e, c in ordered], budget)
             return
         if self.ckpt.encoding == ENC_RAW or self._prefetch is not None:
@@ -152,7 +152,7 @@ class BoxReader:
         :meth:`box_chunks`). One item per :meth:`chunk_rows` call to come: a chunk named twice is fetched
         where it first comes and held until its last read. Nothing on a disk, and nothing once a plan was
         made (one plan per reader)."""
-        if self._plan is not None or not isinstance(self.ckpt.root, ObjectURL):
+        if self._plan is not None or not storage_for(self.ckpt.root).remote:
             return
         ordered: list[tuple[Entry, Chunk]] = []
         for key, c in order:
@@ -319,7 +319,7 @@ class BoxReader:
 
         Why not decode the whole chunk: that cost the whole chunk's bytes per row block, so a
         transposed chunk read in B blocks read it B times (quadratic) and held it whole, beyond
-        ``--max-memory`` (issue 22). In storage order the chunk is row-major over its dimensions
+        ``--max-memory``. In storage order the chunk is row-major over its dimensions
         sorted by stride; rows of dim 0 are, for each index of the dimensions stored outside it,
         one contiguous run of ``(r1 - r0) * stride[0]`` elements. So a block reads exactly its
         own bytes, in one ``pread`` per outer index, into one temporary of the block's size.

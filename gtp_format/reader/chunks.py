@@ -79,7 +79,7 @@ def _prescan_data_pkl(reader: ViewReader, records: dict[str, Any]) -> None:
     :data:`MAX_OBJECT_PICKLE` bytes, memo indices behind their opcode, nesting and container count
     bounded (the pre-scan ``.metadata`` goes through). Why: torch's weights_only unpickler is pure
     Python and builds what the opcodes ask for; a 5 MB ``data.pkl`` of small containers reached
-    1.37 GB in ``ckpt show`` (issue 22). Genuine ShardedObjects pickle a few KB: tensors sit in
+    1.37 GB in ``ckpt show``. Genuine ShardedObjects pickle a few KB: tensors sit in
     records of their own.
     """
     pkl = [r for n, r in records.items() if n.endswith("/data.pkl") and n.count("/") == 1]

@@ -192,13 +192,13 @@ def read_dcp_metadata(loc: Located, data_files: dict[str, int], keep_records: bo
     raw = read_small_file(path, metadata_limit(stored), "DCP metadata", fix)
     with gc_paused():  # millions of small objects, none of them garbage: see gc_paused
         md = load_metadata_pickle(raw, str(path))
-        entries, notes, version = _entries(path, raw, md)
+        entries, notes, version = metadata_entries(path, raw, md)
         if not keep_records:
             md = None  # freed now, while the collector is still paused
     return DcpMetadata(entries, notes, version, md)
 
 
-def _entries(path: Path, raw: bytes, md: Any) -> tuple[dict[str, Entry], list[Problem], str | None]:
+def metadata_entries(path: Path, raw: bytes, md: Any) -> tuple[dict[str, Entry], list[Problem], str | None]:
     if not isinstance(md, MetadataRecord):
         raise FormatError(f"{path} holds a {type(md).__name__}, not DCP Metadata; restore it from a good copy")
     key = None

@@ -3,8 +3,8 @@
 Why: the manifest is a small JSON file anyone can edit, and its topology decides how much work the
 readers do. A 4 KB edit to ``world_size`` 10**9 (``dp`` 10**9) made ``ckpt verify`` walk a
 world-long range per buffer (:func:`gtp_format.check.keys.expected_keys`) and ``inspect
---params`` build world-sized DP groups (``params._dp_members``): minutes and gigabytes from
-nothing stored (issue 22). The bounds, each a fact of every complete ``dp_reshardable``
+--params`` build world-sized DP groups (:func:`gtp_format.views.ours.dp_members`): minutes and gigabytes from
+nothing stored. The bounds, each a fact of every complete ``dp_reshardable``
 checkpoint, are checked here, once, by :func:`gtp_format.reader.checkpoint.open_checkpoint`, so
 every command and ``--load`` gets them before anything uses the topology:
 

@@ -10,7 +10,7 @@ unpickler is the pre-scanned, budgeted one of :mod:`gtp_format.reader.object_blo
 1 MiB, container copies charged to the file's size), so a hostile blob costs what it stores.
 
 ``ckpt show`` prints the result as one table of paths and values; ``ckpt inspect`` and the
-topology derivation (:mod:`gtp_format.megatron_topology`) read the parallel sizes megatron records
+topology derivation (:mod:`gtp_format.megatron.topology`) read the parallel sizes megatron records
 in ``common_state``'s ``args`` from it.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from gtp_format.model import Checkpoint, Entry
 from gtp_format.reader.chunks import load_plain
-from gtp_format.reader.object_blob import _ObjectPickle
+from gtp_format.reader.object_blob import ObjectPickle
 from gtp_format.reader.zip_blob import BlobError
 
 _SCALARS = (int, float, bool, str, bytes, type(None))
@@ -66,7 +66,7 @@ class StorageRecord:
         return f"<storage {self.kind}, {self.numel} elements, not read>"
 
 
-class _InertPickle(_ObjectPickle):
+class _InertPickle(ObjectPickle):
     def __init__(self, data: bytes, source: str) -> None:
         super().__init__(data, source)
         self._classes: dict[tuple[str, str], type[InertObject]] = {}

@@ -33,10 +33,11 @@ from gtp_format.names import (
     iter_dir_name,
     parse_latest,
 )
-from gtp_format.reader.safe_json import JSON_LIMIT, Budget, load_json_object
 from gtp_format.reader.storage import is_folder_inside, is_regular_inside, list_dir, read_small_file, stored_size
-from gtp_format.storage.location import ObjectURL, parse_location
-from gtp_format.writer.work import leftovers, parse_work, proven
+from gtp_format.safe_json import JSON_LIMIT, Budget, load_json_object
+from gtp_format.storage.base import storage_for
+from gtp_format.storage.location import ObjectURL
+from gtp_format.work import leftovers, parse_work, proven
 
 LAYOUT_TORCH_DIST, LAYOUT_SAFETENSORS = LAYOUTS
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -67,7 +68,7 @@ def recover_hidden(parent: Path, name: str) -> Path | None:
     A copy is promoted only when all of these hold: its writer is gone (a live writer's copy is about
     to be renamed); it is finished (``metadata.json``, written last after every other file was
     fsynced); this tool's writer provably made it (the ownership token matches its name,
-    :func:`gtp_format.writer.work.proven`: a folder merely *named* like one is not); and its
+    :func:`gtp_format.work.proven`: a folder merely *named* like one is not); and its
     manifest records the iteration the marker names. Anything else was taken with a warning before
     (a copy of unknown owner, a copy holding another iteration); now it is refused, the candidate named.
     """
@@ -140,7 +141,7 @@ def _read_latest(parent: Path | ObjectURL) -> Path | ObjectURL:
     else:
         raise FormatError(f"{marker} holds {text[:40]!r}, not an iteration number; {fix}")
     if not is_folder_inside(parent, folder.name):
-        if isinstance(folder, ObjectURL):  # a bucket has no hidden copies to recover: its writer commits last
+        if not storage_for(folder).in_place:  # a bucket has no hidden copies to recover: its writer commits last
             raise FormatError(f"{marker} names iteration {text} but no object lies below {folder}; {fix}")
         if not os.path.lexists(folder):
             hidden = recover_hidden(parent, folder.name)
@@ -163,10 +164,11 @@ def _layout_of(names: list[str]) -> str | None:
 def locate(path: str | os.PathLike[str] | ObjectURL) -> Located:
     """Resolve PATH (a folder, or an ``s3://`` URL: :func:`parse_location`) to a checkpoint folder,
     following ``latest_checkpointed_iteration.txt``."""
-    p = parse_location(path) if isinstance(path, str | ObjectURL) else Path(path)
-    if not isinstance(p, ObjectURL) and not p.exists():
+    store = storage_for(path)
+    p = store.location
+    if not store.exists():
         raise FormatError(f"{p} does not exist; pass a checkpoint folder (iter_XXXXXXX) or its parent")
-    if not isinstance(p, ObjectURL) and not p.is_dir():
+    if store.in_place and not p.is_dir():  # a bucket's prefix is listed next, with its own words
         raise FormatError(f"{p} is a file, expected a checkpoint folder; pass the iter_XXXXXXX folder or its parent")
     names = list_dir(p)
     layout = _layout_of(names)
@@ -179,7 +181,7 @@ def locate(path: str | os.PathLike[str] | ObjectURL) -> Located:
         names = list_dir(p)
         layout = _layout_of(names)
     _check_work_folder(p, names)
-    if isinstance(p, ObjectURL) and layout is not None and MEGATRON_METADATA_FILE not in names:
+    if not store.in_place and layout is not None and MEGATRON_METADATA_FILE not in names:
         # the bucket writer's commit object, uploaded last (gtp_format/storage/upload.py)
         raise FormatError(f"{p}: no {MEGATRON_METADATA_FILE}, the object a writer uploads last: an unfinished upload, "
                           "not a checkpoint; use a committed prefix (or copy metadata.json in if the upload finished)")

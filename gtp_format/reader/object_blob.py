@@ -40,7 +40,7 @@ class _BytesIO:
         self.value = state[0]
 
 
-class _ObjectPickle(ScannedUnpickler):
+class ObjectPickle(ScannedUnpickler):
     def __init__(self, data: bytes, source: str) -> None:
         super().__init__(data, source)
         self._budget = CopyBudget(len(data), source)
@@ -77,10 +77,10 @@ class _ObjectPickle(ScannedUnpickler):
 
 
 def load_plain_object(reader: BlobReader, nested: bool = False,
-                      unpickler: type[_ObjectPickle] | None = None) -> Any:
+                      unpickler: type[ObjectPickle] | None = None) -> Any:
     """The object in a torch.save blob, built only from allow-listed plain types (or, with
     ``unpickler``, what that subclass builds: :mod:`gtp_format.reader.inert_object`'s records)."""
-    _, obj = load_data_pkl(reader, zip_records(reader), unpickler or _ObjectPickle, MAX_OBJECT_PICKLE)
+    _, obj = load_data_pkl(reader, zip_records(reader), unpickler or ObjectPickle, MAX_OBJECT_PICKLE)
     if type(obj) is _BytesIO:
         if nested:
             raise BlobError("the blob wraps a blob that wraps another; torch.save was applied more than twice")

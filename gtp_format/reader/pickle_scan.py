@@ -21,7 +21,7 @@ the caller passes to the unpickler, which checks lengths against the bytes it re
 
 Speed: the opcodes with no argument or a fixed-size one, and those with a one-byte length, are
 matched by one compiled regular expression with a possessive repeat (3.11+; greedy on 3.10, see
-``_MANY``), so the walk runs in the ``re`` engine (about a third of the C unpickle's own time) and
+``MANY``), so the walk runs in the ``re`` engine (about a third of the C unpickle's own time) and
 drops to Python only for the rare opcodes whose argument is a newline-terminated text or a 4- or
 8-byte length.
 """
@@ -54,12 +54,12 @@ def _len1_payload() -> bytes:
 # backtracking position it will never use, though: 700 MiB and 4.5x the time for a 37 MB pickle
 # on 3.10 when matched in one call. So the walk matches in windows of WINDOW bytes (below), which
 # bounds that record on 3.10 and costs nothing measurable on 3.11+.
-_MANY, _ANY = (b"++", b"*+") if sys.version_info >= (3, 11) else (b"+", b"*")
+MANY, _ANY = (b"++", b"*+") if sys.version_info >= (3, 11) else (b"+", b"*")
 WINDOW = 1 << 16
 _LONGEST = 2 + 255  # the longest opcode the expression matches: a 1-byte length and its payload
 _RUN = re.compile(
     b"(?:" + b"|".join([
-        _charset(_ZERO_ARG) + _MANY,  # a run of them in one tight loop of the engine: 40% faster overall
+        _charset(_ZERO_ARG) + MANY,  # a run of them in one tight loop of the engine: 40% faster overall
         _charset(_ARG4) + b".{4}",
         _charset(_ARG1) + b".",
         _charset(_LEN1) + _len1_payload(),

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import re
 
-from gtp_format.reader.pickle_scan import _MANY, PickleScanError
+from gtp_format.reader.pickle_scan import MANY, PickleScanError
 
 MAX_DEPTH = 32  # genuine DCP metadata nests 9 deep (Metadata > dict > record > dict > list > chunk > dict > tuple)
 
@@ -433,7 +433,7 @@ def _patterns(shape: bytes) -> tuple[re.Pattern[bytes], re.Pattern[bytes]] | Non
         del _SEEN[shape]
         if len(_SHAPES) > 256:
             _SHAPES.clear()
-        pats = _SHAPES[shape] = (re.compile(b"(?:" + shape + b")" + _MANY, re.DOTALL), re.compile(shape, re.DOTALL))
+        pats = _SHAPES[shape] = (re.compile(b"(?:" + shape + b")" + MANY, re.DOTALL), re.compile(shape, re.DOTALL))
     return pats
 
 

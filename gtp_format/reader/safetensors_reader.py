@@ -39,14 +39,14 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from gtp_format import safe_json
 from gtp_format.dtypes import BY_SAFETENSORS, DTYPES, DType
 from gtp_format.errors import FormatError
 from gtp_format.model import TENSOR, Chunk, Entry, Problem, StorageRef
 from gtp_format.names import GTP_INDEX_VERSION
-from gtp_format.reader import safe_json
 from gtp_format.reader.locate import SAFETENSORS_INDEX_FILE, SAFETENSORS_SUFFIX, Located
-from gtp_format.reader.safe_json import load_json_object
 from gtp_format.reader.storage import is_regular_inside, metadata_limit, read_range, stored_size, unsafe_reason
+from gtp_format.safe_json import load_json_object
 
 HEADER_LEN_BYTES = 8
 HEADER_LIMIT = 100 << 20  # the safetensors library's own cap on header size

@@ -27,140 +27,52 @@ anywhere. The rules, enforced here and nowhere else:
   spending time and memory on far more bytes than the file stores: a legitimate file with zeroed
   Adam moments stores about a third of its size, a 16 TiB bomb a few kilobytes.
 
-A root that is an object-store URL (:class:`gtp_format.storage.location.ObjectURL`) is served by
-:mod:`gtp_format.storage.objects` under the same rules in the store's terms (keys confined to the
-prefix, sizes from the store, bounded requests): each public function here hands it over first, so
-the readers above are the same code for a folder and a bucket.
+Each public function here hands the root to its storage (:func:`gtp_format.storage.base.storage_for`: a
+folder, :mod:`gtp_format.storage.local`; a bucket, :mod:`gtp_format.storage.objects`, under the same rules
+in the store's terms: keys confined to the prefix, sizes from the store, bounded requests), so the readers
+above are the same code for a folder and a bucket. The hole rule is applied here, to the bytes a file
+stores (:meth:`gtp_format.storage.base.Storage.stat`): an object stores every byte it has.
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import posixpath
-import stat
 from pathlib import Path
 from typing import BinaryIO
 
 from gtp_format.errors import ChunkError, FormatError
-from gtp_format.reader.preads import Into, read_direct, read_fully
+from gtp_format.numbers import NumberError, parse_int
+from gtp_format.reader.preads import Into
 from gtp_format.storage import objects
+from gtp_format.storage.base import Storage, storage_for
+from gtp_format.storage.local import (
+    HOLE_FACTOR,
+    HOLE_FACTOR_ENV,
+    MAX_LINKS,
+    SPARSE_SLACK,
+    budget_of,
+    hole_factor,
+    is_sparse,
+    read_budget,
+    readable_bytes,
+    sparse_file_message,
+    sparse_message,
+    stored_bytes,
+)
 from gtp_format.storage.location import ObjectURL
 from gtp_format.storage.paths import past_end_message, unsafe_reason
 
-MAX_LINKS = 8  # symlink hops one path may take inside the folder
-SPARSE_SLACK = 1 << 20  # reads this small are never refused as sparse (tiny files may store inline, in 0 blocks)
-# Bytes of a file's size a reader goes through per byte it stores. A migration's reset moments leave
-# two thirds of a data file as holes (it stores 34% of its size: the smallest seen from our writers);
-# 16x leaves a compressing filesystem five times that margin, while a reader still spends at most
-# 16 zeroed pages per page the file really holds.
-HOLE_FACTOR = 16
-HOLE_FACTOR_ENV = "CKPT_MAX_HOLE_RATIO"
-_O_FILE = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-_O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+Root = Path | ObjectURL | Storage  # where a checkpoint's files are: a location, or its storage already chosen
+
+__all__ = ["HOLE_FACTOR", "HOLE_FACTOR_ENV", "MAX_LINKS", "SPARSE_SLACK", "budget_of", "hole_factor", "is_sparse",
+           "past_end_message", "read_budget", "readable_bytes", "sparse_file_message", "sparse_message",
+           "stored_bytes", "unsafe_reason"]
 
 
-def _open_at(name: str, flags: int, dir_fd: int) -> int:
-    """The one ``open`` every read goes through (tests simulate OS refusals here)."""
-    return os.open(name, flags, dir_fd=dir_fd)
-
-
-class _Outside(Exception):
-    """A symlink on the way leads out of the folder (or loops)."""
-
-
-def _open_root(root: Path) -> int:
-    try:
-        return os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise FormatError(f"{root} does not exist; pass a checkpoint folder (iter_XXXXXXX) or its parent") from None
-    except NotADirectoryError:
-        raise FormatError(f"{root} is not a folder; pass the iter_XXXXXXX folder or its parent") from None
-    except OSError as e:
-        raise FormatError(f"cannot open folder {root}: {e.strerror}") from None
-
-
-def _walk(root_fd: int, rel: str, want_dir: bool, stat_only: bool = False) -> int | os.stat_result:
-    """Open ``rel`` below the folder ``root_fd`` without letting the kernel follow any symlink.
-
-    Returns a descriptor (the caller closes it), or with ``stat_only`` the final component's
-    ``lstat`` after resolving links inside the folder, without opening it (``inspect`` promises
-    never to open a data file). Raises ``_Outside`` for a link that leaves the folder, ``OSError``
-    for anything else (missing, permission...).
-    """
-    parts = [p for p in rel.split("/") if p not in ("", ".")]
-    hops = 0
-    while True:
-        done: list[str] = []  # components walked so far, relative to the root
-        fd = os.dup(root_fd)
-        try:
-            for i, part in enumerate(parts):
-                last = i == len(parts) - 1
-                try:
-                    if last and stat_only:
-                        st = os.stat(part, dir_fd=fd, follow_symlinks=False)
-                        if not stat.S_ISLNK(st.st_mode):
-                            return st
-                        raise OSError(errno.ELOOP, "symbolic link")
-                    nfd = _open_at(part, _O_DIR if (want_dir or not last) else _O_FILE, fd)
-                except OSError as e:
-                    if e.errno not in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR):
-                        raise
-                    try:
-                        target = os.readlink(part, dir_fd=fd)
-                    except OSError:
-                        raise e from None  # not a link: a real ENOTDIR
-                    hops += 1
-                    if hops > MAX_LINKS or target.startswith("/"):
-                        raise _Outside(target) from None
-                    joined = posixpath.normpath(posixpath.join(*done, target) if done else target)
-                    if joined == ".." or joined.startswith("../"):
-                        raise _Outside(target) from None
-                    parts = [p for p in joined.split("/") if p not in ("", ".")] + parts[i + 1:]
-                    break
-                os.close(fd)
-                fd = nfd
-                done.append(part)
-            else:
-                out, fd = fd, -1
-                return out
-        finally:
-            if fd >= 0:
-                os.close(fd)
-
-
-def _open_in(root: Path, rel: str, what: str, want_dir: bool = False) -> int:
-    """A descriptor for ``rel`` inside ``root``, regular file (or folder) checked on the descriptor."""
-    reason = unsafe_reason(rel)
-    if reason is not None:
-        raise ChunkError(f"{reason}: refusing to read outside {root}", file=str(rel))
-    root_fd = _open_root(root)
-    try:
-        fd = _walk(root_fd, rel, want_dir)
-        assert isinstance(fd, int)
-    except _Outside as e:
-        raise ChunkError(f"{what} {root / rel} is a symlink to {e.args[0]!r}, outside the checkpoint folder; "
-                         "refusing to read it (copy the real file into the folder)", file=rel) from None
-    except FileNotFoundError:
-        raise ChunkError(f"{what} {rel} is missing from {root}", file=rel) from None
-    except OSError as e:
-        raise ChunkError(f"cannot open {what} {rel} in {root}: {e.strerror}", file=rel) from None
-    finally:
-        os.close(root_fd)
-    mode = os.fstat(fd).st_mode
-    if not (stat.S_ISDIR(mode) if want_dir else stat.S_ISREG(mode)):
-        os.close(fd)
-        kind = "a folder" if want_dir else "a regular file"
-        raise ChunkError(f"{what} {root / rel} is not {kind}", file=rel)
-    return fd
-
-
-def open_regular(root: Path | ObjectURL, rel: str, what: str = "data file") -> BinaryIO:
-    """Open a regular file inside ``root`` for reading (see the module docstring for the rules); an
-    object for ranged reads (:class:`gtp_format.storage.objects.ObjectFile`) when ``root`` is a bucket."""
-    if isinstance(root, ObjectURL):
-        return objects.ObjectFile(root, rel, what)  # type: ignore[return-value]
-    return os.fdopen(_open_in(root, rel, what), "rb")
+def open_regular(root: Root, rel: str, what: str = "data file") -> BinaryIO:
+    """Open a regular file inside ``root`` for reading (see :mod:`gtp_format.storage.local` for a folder's rules;
+    a bucket's object for ranged reads, :class:`gtp_format.storage.objects.ObjectFile`)."""
+    return storage_for(root).open(rel, what)
 
 
 def streamed(f: BinaryIO) -> BinaryIO:
@@ -172,92 +84,16 @@ def streamed(f: BinaryIO) -> BinaryIO:
     return f
 
 
-def stored_bytes(st: os.stat_result) -> int:
-    """Bytes a file really stores: its allocated blocks (``st_blocks`` counts 512-byte units on
-    Linux and the BSDs), capped by its size. A hole costs the attacker nothing and the reader a
-    zeroed page per 4 KiB, so every budget taken from a file is taken from this, never ``st_size``.
-
-    Filesystems that compress (btrfs, ZFS) or report blocks late (ZFS until its transaction
-    commits) can under-report; the refusals built on this say so and name the fix.
-    """
-    blocks = getattr(st, "st_blocks", None)
-    return st.st_size if blocks is None else min(st.st_size, blocks * 512)
-
-
-def hole_factor() -> int:
-    """:data:`HOLE_FACTOR`, or the environment's override (ASCII digits, 1 to 2**20): the escape hatch
-    the refusal names, for a genuine checkpoint on a filesystem that compresses zeros to nothing."""
-    override = os.environ.get(HOLE_FACTOR_ENV)
-    if override is None:
-        return HOLE_FACTOR
-    if not (override.isascii() and override.isdigit() and 1 <= int(override) <= 1 << 20):
-        raise FormatError(f"{HOLE_FACTOR_ENV}={override!r} is not a ratio; set it to an integer from 1 to {1 << 20}")
-    return int(override)
-
-
-def budget_of(stored: int) -> int:
-    """Bytes a reader may go through (read, hash or allocate) behind ``stored`` bytes on disk."""
-    return stored * hole_factor() + SPARSE_SLACK
-
-
-def read_budget(st: os.stat_result) -> int:
-    """:func:`budget_of` a file's :func:`stored_bytes`."""
-    return budget_of(stored_bytes(st))
-
-
-def readable_bytes(st: os.stat_result) -> int:
-    """The part of a file a reader may go through: its size, capped by its :func:`read_budget`."""
-    return min(st.st_size, read_budget(st))
-
-
-def is_sparse(st: os.stat_result) -> bool:
-    """A file whose size exceeds its :func:`read_budget`: going through it would spend time (and,
-    sized by it, memory) on many times more holes than it stores. Fewer holes than that are read
-    as the zeros they are, and the checksums judge them."""
-    return st.st_size > read_budget(st)
-
-
-def sparse_file_message(rel: str, st: os.stat_result) -> str:
-    return (f"{rel} stores only {stored_bytes(st)} of its {st.st_size} bytes (a sparse file: over {hole_factor()}x "
-            "more holes than data, a bound on the time spent reading them, not a verdict on the data); restore it "
-            f"from a good copy, or, if it is genuine and its filesystem compresses, copy it with `cp --sparse=never` "
-            f"to one that does not or raise {HOLE_FACTOR_ENV}")
-
-
-def _regular_stat(root: Path, rel: str) -> os.stat_result | None:
-    """The confined ``stat`` of a regular file inside ``root`` (``None`` when it is not one)."""
-    try:
-        root_fd = _open_root(root)
-    except FormatError:
-        return None
-    try:
-        st = _walk(root_fd, rel, want_dir=False, stat_only=True)
-    except (OSError, _Outside):
-        return None
-    finally:
-        os.close(root_fd)
-    assert isinstance(st, os.stat_result)
-    return st if stat.S_ISREG(st.st_mode) else None
-
-
-def stored_size(root: Path | ObjectURL, rel: str) -> int:
+def stored_size(root: Root, rel: str) -> int:
     """:func:`stored_bytes` of a regular file inside ``root`` (0 when it is not one: no error)."""
-    if unsafe_reason(rel) is not None:
-        return 0
-    if isinstance(root, ObjectURL):  # an object stores every byte the store reports
-        return objects.head_size(root, rel) or 0
-    st = _regular_stat(root, rel)
-    return 0 if st is None else stored_bytes(st)
+    st = storage_for(root).stat(rel)
+    return 0 if st is None else st.stored
 
 
-def readable_size(root: Path | ObjectURL, rel: str) -> int:
+def readable_size(root: Root, rel: str) -> int:
     """:func:`readable_bytes` of a regular file inside ``root`` (0 when it is not one: no error)."""
-    if unsafe_reason(rel) is not None:
-        return 0
-    if isinstance(root, ObjectURL):
-        return objects.head_size(root, rel) or 0
-    st = _regular_stat(root, rel)
-    return 0 if st is None else readable_bytes(st)
+    st = storage_for(root).stat(rel)
+    return 0 if st is None else min(st.size, budget_of(st.stored))
 
 
 METADATA_LIMIT_ENV = "CKPT_MAX_METADATA_BYTES"
@@ -271,14 +107,12 @@ def metadata_limit(data_bytes: int) -> int:
     A metadata entry is a few hundred bytes per chunk while every chunk's blob is at least about a
     kilobyte, so metadata larger than all the data it describes is not real. ``data_bytes`` is
     what the data files really store (:func:`gtp_format.reader.storage.stored_bytes`), not their
-    sizes: one sparse 16 TiB data file made a 400 MB ``.metadata`` look plausible (issue 22).
+    sizes: one sparse 16 TiB data file made a 400 MB ``.metadata`` look plausible.
     The floor keeps partial copies (data files missing) readable; the environment variable is the
     escape hatch the error message names.
     """
     override = os.environ.get(METADATA_LIMIT_ENV)
     if override is not None:
-        from gtp_format.numbers import NumberError, parse_int
-
         try:
             return parse_int(override, METADATA_LIMIT_ENV, 0)
         except NumberError:
@@ -287,60 +121,27 @@ def metadata_limit(data_bytes: int) -> int:
     return min(METADATA_CEILING, max(METADATA_FLOOR, data_bytes))
 
 
-def sparse_message(rel: str, length: int, st: os.stat_result) -> str:
-    return (f"{rel}: a {length}-byte read, but the file stores only {stored_bytes(st)} of its {st.st_size} bytes "
-            f"(a sparse file: a read over {hole_factor()}x what it stores is refused); the metadata declares more "
-            "than was written: restore the file from a good copy (on a compressing filesystem, copy the checkpoint "
-            f"to one that does not, or raise {HOLE_FACTOR_ENV})")
-
-
-def file_size(root: Path | ObjectURL, rel: str, what: str = "data file") -> int:
+def file_size(root: Root, rel: str, what: str = "data file") -> int:
     """Size of a regular file inside ``root``, from the descriptor that was opened (an object: ``HEAD``)."""
-    if isinstance(root, ObjectURL):
-        return objects.object_size(root, rel, what)
-    fd = _open_in(root, rel, what)
-    try:
-        return os.fstat(fd).st_size
-    finally:
-        os.close(fd)
+    return storage_for(root).size(rel, what)
 
 
-def is_regular_inside(root: Path | ObjectURL, rel: str) -> int | None:
+def is_regular_inside(root: Root, rel: str) -> int | None:
     """Size of ``rel`` if it is a regular file reachable inside ``root``, else ``None`` (no error).
 
     Stats without opening: listing a folder's data files must not open them.
     """
-    if unsafe_reason(rel) is not None:
-        return None
-    if isinstance(root, ObjectURL):
-        return objects.head_size(root, rel)
-    try:
-        root_fd = _open_root(root)
-    except FormatError:
-        return None
-    try:
-        st = _walk(root_fd, rel, want_dir=False, stat_only=True)
-    except (OSError, _Outside):
-        return None
-    finally:
-        os.close(root_fd)
-    assert isinstance(st, os.stat_result)
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
+    st = storage_for(root).stat(rel)
+    return None if st is None else st.size
 
 
-def is_folder_inside(root: Path | ObjectURL, rel: str) -> bool:
+def is_folder_inside(root: Root, rel: str) -> bool:
     """Whether ``rel`` is a folder reachable inside ``root`` (symlinks resolved inside only; in a bucket: a
     prefix that holds objects)."""
-    if isinstance(root, ObjectURL):
-        return unsafe_reason(rel) is None and objects.is_prefix(root, rel)
-    try:
-        os.close(_open_in(root, rel, "folder", want_dir=True))
-    except FormatError:
-        return False
-    return True
+    return unsafe_reason(rel) is None and storage_for(root).is_folder(rel)
 
 
-def read_range(root: Path | ObjectURL, rel: str, offset: int, length: int,
+def read_range(root: Root, rel: str, offset: int, length: int,
                into: Into | None = None) -> bytearray | memoryview:
     """Exactly ``length`` bytes at ``offset`` of a data file, after checking the range fits.
 
@@ -352,30 +153,7 @@ def read_range(root: Path | ObjectURL, rel: str, offset: int, length: int,
     (:mod:`gtp_runtime.checkpoint.pinned`); a range from 1 MiB is then read with ``O_DIRECT``
     (:func:`gtp_format.reader.preads.read_direct`: why) and the view returned lies inside that buffer.
     """
-    if isinstance(root, ObjectURL):
-        got = objects.read_range(root, rel, offset, length)
-        if into is None:
-            return got
-        view = into(length)[:length]
-        view[:] = got
-        return view
-    if not (type(offset) is int and type(length) is int) or offset < 0 or length < 0:
-        raise ChunkError(f"byte range offset={offset!r} length={length!r} in {rel} is invalid", file=rel)
-    with open_regular(root, rel) as f:
-        st = os.fstat(f.fileno())
-        if offset + length > st.st_size:
-            raise ChunkError(past_end_message(rel, offset, length, st.st_size), file=rel)
-        if length > read_budget(st):  # the allocation is sized by metadata: back it by bytes that really exist
-            raise ChunkError(sparse_message(rel, length, st), file=rel)
-        direct = read_direct(f.fileno(), offset, length, into) if into is not None else None
-        if direct is not None:
-            buf, got = direct
-        else:
-            buf = bytearray(length) if into is None else into(length)[:length]
-            got = read_fully(f.fileno(), buf, offset)
-    if got != length:
-        raise ChunkError(f"data file {rel} shrank while reading [{offset}, {offset + length})", file=rel)
-    return buf
+    return storage_for(root).read_range(rel, offset, length, into)
 
 
 Source = int | objects.ObjectFile  # what a reader keeps open: a local descriptor or a bucket's object
@@ -419,46 +197,10 @@ def pread_into(fd: Source, rel: str, size: int, offset: int, out: memoryview) ->
 
 def read_small_file(path: Path | ObjectURL, limit: int, what: str, fix: str) -> bytes:
     """A whole metadata-like file ``path`` (confined to its folder), refusing anything over ``limit`` bytes."""
-    if isinstance(path, ObjectURL):
-        return objects.read_small(path, limit, what, fix)
-    try:
-        fd = _open_in(path.parent, path.name, what)
-    except ChunkError as e:
-        raise FormatError(f"{e.message}; {fix}") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size > limit:
-            raise FormatError(f"{path} is {size} bytes, over the {limit}-byte limit for {what}; {fix}")
-        parts: list[bytes] = []
-        total = 0
-        while True:
-            block = os.read(fd, min(1 << 20, limit + 1 - total))
-            if not block:
-                break
-            parts.append(block)
-            total += len(block)
-            if total > limit:
-                raise FormatError(f"{path} grew past the {limit}-byte limit for {what} while reading; {fix}")
-    finally:
-        os.close(fd)
-    return b"".join(parts)
+    return storage_for(path).read_small(limit, what, fix)
 
 
-def list_dir(path: Path | ObjectURL) -> list[str]:
+def list_dir(path: Root) -> list[str]:
     """Sorted entry names of a folder, as a one-line error when it cannot be listed (a bucket's prefix: its
     objects and sub-prefixes, one level)."""
-    if isinstance(path, ObjectURL):
-        names = objects.list_names(path)
-        if not names:
-            raise FormatError(f"{path} does not exist (no object below it); pass a checkpoint prefix "
-                              "(iter_XXXXXXX) or its parent")
-        return sorted(names)
-    try:
-        return sorted(os.listdir(path))
-    except NotADirectoryError:
-        raise FormatError(f"{path} is a file, expected a checkpoint folder; pass the iter_XXXXXXX folder "
-                          "or its parent") from None
-    except FileNotFoundError:
-        raise FormatError(f"{path} does not exist; pass a checkpoint folder (iter_XXXXXXX) or its parent") from None
-    except OSError as e:
-        raise FormatError(f"cannot list {path}: {e.strerror}") from None
+    return storage_for(path).list()

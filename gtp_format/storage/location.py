@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
 
@@ -48,12 +49,16 @@ class LocationError(FormatError):
 class ObjectURL:
     """``scheme://bucket/prefix``: a checkpoint (or its run directory) under a key prefix of one bucket.
 
-    ``prefix`` has no leading or trailing slash ("" is the bucket's top level).
+    ``prefix`` has no leading or trailing slash ("" is the bucket's top level). ``state``: the bucket state
+    of the session the location is bound to (:meth:`bound`; :class:`gtp_format.storage.objects.BucketState`),
+    handed on to every location derived from it; not part of the location's identity (equality, hash,
+    ``repr``) and never pickled.
     """
 
     scheme: str
     bucket: str
     prefix: str
+    state: Any = field(default=None, compare=False, hash=False, repr=False)
 
     def __str__(self) -> str:
         return f"{self.scheme}://{self.bucket}/{self.prefix}" if self.prefix else f"{self.scheme}://{self.bucket}"
@@ -70,7 +75,8 @@ class ObjectURL:
         parts = [p for p in str(rel).split("/") if p]
         if any(p in (".", "..") for p in parts):
             raise LocationError(f"{self}: {rel!r} would leave the prefix")
-        return ObjectURL(self.scheme, self.bucket, "/".join([*([self.prefix] if self.prefix else []), *parts]))
+        return ObjectURL(self.scheme, self.bucket, "/".join([*([self.prefix] if self.prefix else []), *parts]),
+                         self.state)
 
     @property
     def name(self) -> str:
@@ -78,10 +84,18 @@ class ObjectURL:
 
     @property
     def parent(self) -> ObjectURL:
-        return ObjectURL(self.scheme, self.bucket, self.prefix.rsplit("/", 1)[0] if "/" in self.prefix else "")
+        return ObjectURL(self.scheme, self.bucket, self.prefix.rsplit("/", 1)[0] if "/" in self.prefix else "",
+                         self.state)
 
     def with_name(self, name: str) -> ObjectURL:
         return self.parent / name
+
+    def bound(self, state: Any) -> ObjectURL:
+        """This location, read and written through ``state`` (a session's bucket state)."""
+        return self if self.state is state else ObjectURL(self.scheme, self.bucket, self.prefix, state)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return ObjectURL, (self.scheme, self.bucket, self.prefix)  # a session stays in its process
 
     def __fspath__(self) -> str:
         raise TypeError(f"{self} is an object-store location, not a local path")

@@ -7,7 +7,7 @@ each with the parsing between them, and ``verify --data`` read two of them again
 an 83 ms command that no data request overlapped. :func:`warm` starts them all, concurrently, right
 after the listing; a later read of any byte range of one is served from its copy.
 
-Both caches live within one command (:func:`gtp_format.storage.objects.listed_sizes`) and are dropped
+Both caches live within one command (its session's :class:`gtp_format.storage.objects.BucketState`) and are dropped
 at its end, so a later command reads the store as it is then. A warmed copy is the object as the
 listing saw it: the same key and the listed size, every byte of it (a short answer is refused as any
 read's is). A warm request that failed is forgotten and the read asks the store itself, so its error
@@ -45,7 +45,7 @@ class SideFiles:
     """Warmed copies of whole objects: (bucket, key) -> (listed size, the future of its bytes).
 
     The side files of every listing; and, for a command that will read every byte of the checkpoint
-    (``reshard``, ``export``, ``verify --data``: :func:`gtp_format.storage.objects.reads_everything`), its
+    (``reshard``, ``export``, ``verify --data``: :meth:`gtp_format.storage.objects.BucketState.reads_everything`), its
     data objects too when each is at most one request (:data:`MAX_DATA_OBJECT`) and all of them together fit
     the command's budget. Why: a small checkpoint's data requests otherwise start only after the gate has
     read and checked the metadata; a 26.5 MB ``reshard`` from a bucket spent 38 ms in the gate and then
@@ -123,7 +123,7 @@ class Blocks:
     at most ``limit`` bytes together (:data:`~gtp_format.storage.objects.CACHE_BYTES`).
 
     Keyed by the object as one ``ckpt`` command sees it (bucket, key and listed size, inside
-    :func:`~gtp_format.storage.objects.listed_sizes`: the copy's reader and its integrity ledger then share
+    :class:`~gtp_format.storage.objects.BucketState`: the copy's reader and its integrity ledger then share
     the blocks of a blob's
     headers) and otherwise by the open object (a serial number), so nothing read before an object was
     reopened outside a command is served after. A block two threads want at once is fetched once.

@@ -25,7 +25,6 @@ AWS profile of the shared files (:mod:`gtp_format.storage.profiles`), passed to 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import os
@@ -101,10 +100,10 @@ def credentials_problem(bucket: str) -> str | None:
             f"profile of {profiles.credentials_file()}, or AWS_SKIP_SIGNATURE=true for a public bucket")
 
 
-@functools.lru_cache(maxsize=16)
 def _store_for(bucket: str, endpoint: str | None, timeout: float, region: str | None = None,
                *credentials: str | None) -> Any:
-    """One client per bucket and configuration. ``region`` and ``credentials`` (key, secret, token) as
+    """A client for a bucket and configuration (:func:`store` keeps one per session). ``region`` and
+    ``credentials`` (key, secret, token) as
     :func:`profiles.settings` resolved them (the environment first, then the AWS profile), passed
     explicitly where set; obstore reads the rest of the environment itself."""
     try:
@@ -138,8 +137,18 @@ def store(url: ObjectURL) -> Any:
     if problem is not None:
         raise FormatError(problem)
     found = profiles.settings()
-    return _store_for(url.bucket, found.endpoint, _timeout(), found.region, found.access_key_id,
-                      found.secret_access_key, found.session_token)
+    args = (url.bucket, found.endpoint, _timeout(), found.region, found.access_key_id, found.secret_access_key,
+            found.session_token)
+    state = url.state if isinstance(url.state, BucketState) else None
+    if state is None:
+        return _store_for(*args)
+    with state.lock:
+        client = state.clients.get(args)
+    if client is None:
+        client = _store_for(*args)
+        with state.lock:
+            client = state.clients.setdefault(args, client)
+    return client
 
 
 def _first_line(e: BaseException) -> str:
@@ -184,55 +193,94 @@ def _key(root: ObjectURL, rel: str) -> str:
     return root.key(rel)
 
 
-_LISTED: dict[tuple[str, str], int] | None = None  # (bucket, key) -> size, while a listing scope is open
-_LISTED_DEPTH = 0
+class BucketState:
+    """What one command (or one save or load of the runtime) keeps of the buckets it reads: the clients, the
+    sizes its listings returned, the listings themselves, the warmed side files, the small-read blocks and the
+    fetch threads. Owned by :class:`gtp_format.session.Session`; a location bound to a session
+    (:meth:`gtp_format.storage.location.ObjectURL.bound`) carries it to every read below it.
 
-
-@contextlib.contextmanager
-def listed_sizes() -> Iterator[None]:
-    """Within the block, an object's size is taken from the folder listing that named it, when one did.
-
-    Why: one ``verify`` or ``export`` asked for the same few sizes 25-40 times (``HEAD`` s from the manifest
-    check, the storage check, the data-file sizes, each open), one round trip each; a listing returns every
-    size of the folder in one. The scope is one ``ckpt`` command (:func:`ckpt_tool.output.handle_errors`),
-    so a later command sees the store as it is then. Within it, an object replaced or deleted after the
-    listing is still caught: every read's answer must be exactly as long as asked, and a missing object's
-    ``GET`` is named as missing.
+    ``scoped``: an object's size is taken from the listing that named it, when one did. Why: one ``verify`` or
+    ``export`` asked for the same few sizes 25-40 times (``HEAD`` s from the manifest check, the storage check,
+    the data-file sizes, each open), one round trip each; a listing returns every size of the folder in one.
+    The scope is one ``ckpt`` command, so a later command sees the store as it is then. Within it, an object
+    replaced or deleted after the listing is still caught: every read's answer must be exactly as long as
+    asked, and a missing object's ``GET`` is named as missing. An unscoped state (a location bound to no
+    session) asks the store each time.
     """
-    global _LISTED, _LISTED_DEPTH, _WHOLE
-    with _POOL_LOCK:
-        if _LISTED_DEPTH == 0:
-            _LISTED = {}
-        _LISTED_DEPTH += 1
-    try:
-        yield
-    finally:
-        with _POOL_LOCK:
-            _LISTED_DEPTH -= 1
-            if _LISTED_DEPTH == 0:
-                _LISTED = None
-                _WHOLE = 0
-                _LISTINGS.clear()
-                _BLOCKS.drop()  # the next command reads the store as it is then
-                _SIDE.drop()
+
+    def __init__(self, scoped: bool = True) -> None:
+        self.scoped = scoped
+        self.lock = threading.Lock()
+        self.sizes: dict[tuple[str, str], int] | None = {} if scoped else None  # (bucket, key) -> size
+        self.listings: dict[tuple[str, str], dict[str, int | None]] = {}  # (bucket, prefix) -> listing
+        self.whole = 0  # budget for data objects fetched whole at the listings (reads_everything)
+        self.side = object_cache.SideFiles()  # side files, fetched as a listing names them
+        self.blocks = object_cache.Blocks(CACHE_BYTES)
+        self.serial = itertools.count()
+        self.clients: dict[tuple[Any, ...], Any] = {}  # one client per bucket and configuration
+        self._pool: ThreadPoolExecutor | None = None
+        self._warm_pool: ThreadPoolExecutor | None = None
+
+    def warm_pool(self) -> ThreadPoolExecutor:
+        """Threads of their own for a listing's whole objects (:class:`object_cache.SideFiles`): their tasks wait
+        on nothing, so a :meth:`pool` task may wait for a copy."""
+        with self.lock:
+            if self._warm_pool is None:
+                self._warm_pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="s3-warm")
+            return self._warm_pool
+
+    def pool(self) -> ThreadPoolExecutor:
+        """The threads that fetch parts and prefetched requests (:data:`IN_FLIGHT` of them, shared by every
+        reader, so the bytes in flight stay bounded however many threads read). Their tasks are leaves: a task
+        never waits on another, so the pool cannot deadlock."""
+        with self.lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="s3-fetch")
+            return self._pool
+
+    def reads_everything(self, budget: int) -> None:
+        """The command reads every byte it opens (``reshard``, ``export``, ``verify --data``): its listings fetch
+        up to ``budget`` bytes of small data objects whole (:class:`object_cache.SideFiles`)."""
+        with self.lock:
+            if self.scoped:
+                self.whole = max(0, budget)
+
+    def forget_listings(self) -> None:
+        """A write into a bucket: the later listings ask the store again."""
+        with self.lock:
+            self.listings.clear()
+
+    def close(self) -> None:
+        """The end of the command: the next one reads the store as it is then. Fetches still in flight finish
+        into nothing; the threads end once idle."""
+        with self.lock:
+            if self.sizes is not None:
+                self.sizes = {}
+            self.whole = 0
+            self.listings.clear()
+            self.clients.clear()
+            pools, self._pool, self._warm_pool = (self._pool, self._warm_pool), None, None
+        self.blocks.drop()
+        self.side.drop()
+        for p in pools:
+            if p is not None:
+                p.shutdown(wait=False)
 
 
-_WHOLE = 0  # this command's budget for data objects fetched whole at its listings (reads_everything)
-_LISTINGS: dict[tuple[str, str], dict[str, int | None]] = {}  # (bucket, prefix) -> this command's listing
-
-def reads_everything(budget: int) -> None:
-    """The command reads every byte it opens (``reshard``, ``export``, ``verify --data``): its listings fetch
-    up to ``budget`` bytes of small data objects whole (:class:`object_cache.SideFiles`), until its scope ends."""
-    global _WHOLE
-    with _POOL_LOCK:
-        if _LISTED_DEPTH:
-            _WHOLE = max(0, budget)
+def state_of(root: ObjectURL) -> BucketState:
+    """The bucket state ``root`` is bound to, or a fresh unscoped one (a location bound to no session)."""
+    state = root.state
+    return state if isinstance(state, BucketState) else BucketState(scoped=False)
 
 
-def forget_listings() -> None:
-    """A write into a bucket: the command's later listings ask the store again."""
-    with _POOL_LOCK:
-        _LISTINGS.clear()
+def reads_everything(root: ObjectURL, budget: int) -> None:
+    """:meth:`BucketState.reads_everything` of the state ``root`` is bound to."""
+    state_of(root).reads_everything(budget)
+
+
+def forget_listings(root: ObjectURL) -> None:
+    """:meth:`BucketState.forget_listings` of the state ``root`` is bound to."""
+    state_of(root).forget_listings()
 
 
 def head_size(root: ObjectURL, rel: str) -> int | None:
@@ -243,7 +291,7 @@ def head_size(root: ObjectURL, rel: str) -> int | None:
     key = _key(root, rel)
     if not addressable(key):
         return None
-    listed = _LISTED
+    listed = state_of(root).sizes
     if listed is not None and (root.bucket, key) in listed:
         return listed[(root.bucket, key)]
     try:
@@ -330,14 +378,15 @@ def is_prefix(root: ObjectURL, rel: str = "") -> bool:
 
 def list_names(root: ObjectURL) -> dict[str, int | None]:
     """The entries of the "folder" ``root``: object names with their sizes, sub-prefixes with None. Listed once
-    a command (:func:`listed_sizes`; resolving SRC and opening it listed it twice: 6.5 ms of a 26.5 MB reshard
-    from moto), until a write into a bucket (:func:`forget_listings`)."""
+    a command (:class:`BucketState`; resolving SRC and opening it listed it twice: 6.5 ms of a 26.5 MB reshard
+    from moto), until a write into a bucket (:meth:`BucketState.forget_listings`)."""
 
     prefix = root.key()
     want = prefix + "/" if prefix else ""
-    listed = _LISTED
-    with _POOL_LOCK:
-        seen = _LISTINGS.get((root.bucket, want)) if listed is not None else None
+    state = state_of(root)
+    listed = state.sizes
+    with state.lock:
+        seen = state.listings.get((root.bucket, want)) if listed is not None else None
     out: dict[str, int | None] = {} if seen is None else dict(seen)
     if seen is None:
         out = _list_folder(root, want)
@@ -346,38 +395,11 @@ def list_names(root: ObjectURL) -> dict[str, int | None]:
                 if size is not None:
                     listed[(root.bucket, want + name)] = size
     if listed is not None:  # a command's listing: its side files are read next, so fetch them together now
-        with _POOL_LOCK:
-            _LISTINGS[(root.bucket, want)] = dict(out)
-        _SIDE.warm(root.bucket, [(n, root.key(n), size) for n, size in out.items() if size is not None],
-                   warm_pool().submit, lambda rel, n: bytes(_get(root, rel, 0, n)), _WHOLE)
+        with state.lock:
+            state.listings[(root.bucket, want)] = dict(out)
+        state.side.warm(root.bucket, [(n, root.key(n), size) for n, size in out.items() if size is not None],
+                        state.warm_pool().submit, lambda rel, n: bytes(_get(root, rel, 0, n)), state.whole)
     return out
-
-
-_POOL: ThreadPoolExecutor | None = None
-_WARM_POOL: ThreadPoolExecutor | None = None
-_SIDE = object_cache.SideFiles()  # a command's side files, fetched as its listing names them
-_POOL_LOCK = threading.Lock()
-
-
-def warm_pool() -> ThreadPoolExecutor:
-    """Threads of their own for a listing's whole objects (:class:`object_cache.SideFiles`): their tasks wait on
-    nothing, so a :func:`pool` task may wait for a copy."""
-    global _WARM_POOL
-    with _POOL_LOCK:
-        if _WARM_POOL is None:
-            _WARM_POOL = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="s3-warm")
-        return _WARM_POOL
-
-
-def pool() -> ThreadPoolExecutor:
-    """The threads that fetch parts and prefetched requests (:data:`IN_FLIGHT` of them, shared by every reader,
-    so the bytes in flight stay bounded however many threads read). Their tasks are leaves: a task never waits
-    on another, so the pool cannot deadlock."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="s3-fetch")
-        return _POOL
 
 
 def fetch(root: ObjectURL, rel: str, offset: int, n: int) -> memoryview:
@@ -386,7 +408,8 @@ def fetch(root: ObjectURL, rel: str, offset: int, n: int) -> memoryview:
     command's listing warmed (:mod:`gtp_format.storage.object_cache`) is served from its copy, waited for
     (its fetch runs on :func:`warm_pool`, whose tasks wait on nothing)."""
     key = _key(root, rel)
-    held = _SIDE.take(root.bucket, key, offset, n, not threading.current_thread().name.startswith("s3-warm"))
+    held = state_of(root).side.take(root.bucket, key, offset, n,
+                                    not threading.current_thread().name.startswith("s3-warm"))
     return held if held is not None else _get(root, rel, offset, n)
 
 
@@ -423,7 +446,7 @@ def read_into(root: ObjectURL, rel: str, size: int, offset: int, out: memoryview
         for a, b in parts:
             one(a, b)
         return
-    futures = [pool().submit(one, a, b) for a, b in parts]
+    futures = [state_of(root).pool().submit(one, a, b) for a, b in parts]
     wait(futures)  # every part has stopped writing into ``out`` before anything is raised
     for f in futures:
         f.result()
@@ -455,10 +478,6 @@ def read_small(path: ObjectURL, limit: int, what: str, fix: str) -> bytes:
     return bytes(buf)
 
 
-_BLOCKS = object_cache.Blocks(CACHE_BYTES)
-_SERIAL = itertools.count()
-
-
 class ObjectFile:
     """An object opened for ranged reads: what :func:`gtp_format.reader.storage.open_regular` gives for a
     bucket. Its size is the store's, taken once when opened; :meth:`pread` is one bounded ranged read.
@@ -471,12 +490,13 @@ class ObjectFile:
     """
 
     def __init__(self, root: ObjectURL, rel: str, what: str = "data file") -> None:
-        self.root, self.rel = root, rel
-        self.size = object_size(root, rel, what)
+        self.state = state_of(root)
+        self.root, self.rel = root.bound(self.state), rel  # every read of this open shares its state
+        self.size = object_size(self.root, rel, what)
         self._pos = 0
-        self._serial = next(_SERIAL)
+        self._serial = next(self.state.serial)
         # one command's view of the object (see object_cache.Blocks); outside a command, this open alone
-        self._owner: object = (root.bucket, root.key(rel), self.size) if _LISTED is not None else self._serial
+        self._owner: object = (root.bucket, root.key(rel), self.size) if self.state.scoped else self._serial
         self._cached = False
 
     def stream_small_reads(self) -> None:
@@ -492,7 +512,7 @@ class ObjectFile:
         for i in range(first, last + 1):
             lo, hi = i * BLOCK, min(self.size, (i + 1) * BLOCK)
             load = functools.partial(self._load, lo, hi - lo)
-            parts.append(_BLOCKS.get(self._owner, i, load))
+            parts.append(self.state.blocks.get(self._owner, i, load))
         joined = parts[0] if len(parts) == 1 else b"".join(parts)
         at = offset - first * BLOCK
         return joined[at:at + n]
@@ -532,7 +552,7 @@ class ObjectFile:
 
     def close(self) -> None:
         if self._owner == self._serial:
-            _BLOCKS.drop(self._serial)
+            self.state.blocks.drop(self._serial)
 
     def __enter__(self) -> ObjectFile:
         return self

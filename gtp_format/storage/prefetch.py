@@ -5,7 +5,7 @@ planned from the metadata. On a bucket one ``GET`` per window on two worker thre
 boto3's ``download_file`` of the same objects, which keeps 10 parts of 8 MiB in flight. Here the
 plan's ranges are coalesced (:func:`gtp_format.storage.ranges.coalesce`: adjacent or near ranges,
 requests of at most :data:`gtp_format.storage.objects.PART`) and the next requests are fetched on
-:func:`gtp_format.storage.objects.pool` while the workers check the ones already in. Memory is
+:meth:`gtp_format.storage.objects.BucketState.pool` while the workers check the ones already in. Memory is
 bounded: at most ``ahead`` requests are held per stream, and a request is dropped once every range
 it serves has been taken.
 """
@@ -59,7 +59,7 @@ class ObjectStream:
         stop = min(len(self.requests), max(last + 1, self._next) + self.ahead - 1)
         while self._next < stop:
             r = self.requests[self._next]
-            self._got[self._next] = objects.pool().submit(objects.fetch, self.obj.root, self.obj.rel, r.start,
+            self._got[self._next] = self.obj.state.pool().submit(objects.fetch, self.obj.root, self.obj.rel, r.start,
                                                           r.stop - r.start)
             self._next += 1
 
@@ -190,7 +190,7 @@ class PlanPrefetch:
 
     def _submit(self, i: int) -> None:
         obj, a, b = self.requests[i]
-        self._got[i] = objects.pool().submit(objects.fetch, obj.root, obj.rel, a, b - a)
+        self._got[i] = obj.state.pool().submit(objects.fetch, obj.root, obj.rel, a, b - a)
         self._held += b - a
 
     def _submit_to(self, want: int) -> None:

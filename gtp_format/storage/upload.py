@@ -118,7 +118,7 @@ class Upload:
                 raise Taken(self.target) from None
             raise objects.describe_error(e, str(self.target / rel)) from None
         finally:
-            objects.forget_listings()  # the prefix holds another object now (or may: a failed part)
+            objects.forget_listings(self.target)  # the prefix holds another object now (or may: a failed part)
         self.created.append(key)
 
     def run(self, work: Path) -> None:
@@ -186,7 +186,7 @@ class Upload:
             obstore.delete(objects.store(self.target), created)
         except Exception:  # noqa: BLE001, S110 - best effort, see the docstring
             pass
-        objects.forget_listings()
+        objects.forget_listings(self.target)
 
 
 class Taken(FormatError):
@@ -207,7 +207,7 @@ def put_marker(url: ObjectURL, text: str) -> None:
     except Exception as e:  # noqa: BLE001
         raise objects.describe_error(e, str(marker)) from None
     finally:
-        objects.forget_listings()
+        objects.forget_listings(url)
 
 
 def is_bucket(target: Any) -> bool:

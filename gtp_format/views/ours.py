@@ -10,7 +10,7 @@ master weight or Adam moment of a parameter is then a copy of each primary holde
 into its box; writing a checkpoint for another topology is the same map read the other way.
 
 Pure arithmetic, no torch, no data file opened: ``ckpt inspect --params`` prints it, and
-``ckpt reshard``/``export`` (:mod:`ckpt_tool.reshard`) stream data through it. The rank order and
+``ckpt reshard``/``export`` (:mod:`ckpt_tool.copying`) stream data through it. The rank order and
 shard rules come from :mod:`gtp_format.layout` (the runtime uses the same functions).
 
 Replicas: a parameter that TP does not split, or that no weight group shards (norms, embedding
@@ -63,7 +63,7 @@ def instances(buf: BufferLayout, par: ParallelConfig) -> Iterator[_Instance]:
 
 
 @cache
-def _dp_members(par: ParallelConfig, kind: str, anchor: int) -> tuple[int, ...]:
+def dp_members(par: ParallelConfig, kind: str, anchor: int) -> tuple[int, ...]:
     return tuple(topo.Topology(par).group_of(kind, anchor))
 
 
@@ -102,7 +102,7 @@ def param_views(manifest: Manifest) -> dict[str, ParamView]:
                 holders = []
                 for inst in insts:
                     spec = _holder_spec(p, par, inst)
-                    members = _dp_members(par, buf.dp_group_kind, inst.anchor)
+                    members = dp_members(par, buf.dp_group_kind, inst.anchor)
                     ref = KeyRef(inst.dp_group_idx, buf.gbuf_idx, buf.dtype, b.bucket_idx, inst.cp_rank,
                                  b.numel_unpadded)
                     coord = (spec.tp_rank, spec.shard_rank)

@@ -2,7 +2,7 @@
 
 Both ways of building the view produce these records: from our manifest's bucket layout
 (:mod:`gtp_format.views.ours`) and from megatron-core's bucketing rules
-(:mod:`gtp_format.views.megatron`, :mod:`gtp_format.views.megatron_moe`). Why a module of their
+(:mod:`gtp_format.megatron.view`, :mod:`gtp_format.megatron.moe`). Why a module of their
 own: the megatron view returned the records of the other, and the other dispatched to the
 megatron view, so each imported the other inside a function to dodge the circle.
 """

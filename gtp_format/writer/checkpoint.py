@@ -6,7 +6,7 @@ by hand; one copy checked DST once and then committed with a rename that moved a
 DST that appeared meanwhile. Now they all call :class:`CheckpointWriter`:
 
 * ``begin()``: removes stale work folders of dead processes beside the target
-  (:mod:`.work`; only finished copies of the iteration the latest marker names stay while that
+  (:mod:`gtp_format.work`; only finished copies of the iteration the latest marker names stay while that
   folder is missing, for the reader to recover), creates this writer's hidden work folder (its
   owner is in its name), and, in the main thread, makes SIGTERM raise, so a terminated writer
   removes its work as on an error;
@@ -51,7 +51,6 @@ from gtp_format.commit import (
     fsync_dir,
     fsync_file,
     swap_in_folder,
-    write_atomic,
     write_durable,
 )
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
@@ -67,9 +66,9 @@ from gtp_format.names import (
     MEGATRON_METADATA_FILE,
     iter_dir_name,
 )
-from gtp_format.storage import upload
+from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL, within
-from gtp_format.writer.work import (
+from gtp_format.work import (
     WorkFolder,
     clean_stale,
     drop_token,
@@ -177,17 +176,7 @@ def check_destination(dst: Path | ObjectURL, sources: tuple[Path | ObjectURL, ..
         if within(root, dst):
             raise FormatError(f"SRC {root} is inside DST {dst}: the output would hold its own source; pick a "
                               "DST outside SRC")
-    if isinstance(dst, ObjectURL):
-        from gtp_format.storage import objects
-
-        if objects.is_prefix(dst) or (dst.prefix and objects.head_size(dst.parent, dst.name) is not None):
-            raise upload.Taken(dst)
-        return
-    if os.path.lexists(dst):
-        raise FormatError(f"{dst} already exists; {tool} never overwrites: {fix}")
-    if not dst.parent.is_dir():
-        raise FormatError(f"{dst.parent} (the parent of DST) does not exist: no such folder to create {dst.name} in; "
-                          "create it first")
+    storage_for(dst).check_free(tool, fix)
 
 
 class DestinationTaken(FormatError):
@@ -213,10 +202,12 @@ class CheckpointWriter:
 
     def __init__(self, target: Path | ObjectURL, *, inner: str | None = None, latest: str | None = None,
                  replace: bool = False, backup: Path | None = None, tag: str = "tmp",
-                 fault: Fault | None = None, aliased: bool = False) -> None:
+                 fault: Fault | None = None, aliased: bool = False, session: Any = None) -> None:
         # an s3:// target is built in local staging and committed by an ordered upload (storage/upload.py)
-        self.target: Any = target if isinstance(target, ObjectURL) else Path(target)
-        if isinstance(target, ObjectURL) and replace:
+        self.storage = storage_for(target, session)
+        self.session = session
+        self.target: Any = self.storage.location
+        if replace and not self.storage.in_place:
             raise FormatError(f"{target}: re-saving an iteration in a bucket is not supported; save under a new "
                               "prefix", EXIT_BAD_INPUT)
         if latest is not None:
@@ -247,16 +238,13 @@ class CheckpointWriter:
 
     def begin(self, clean: bool = True) -> Path:
         """Create the hidden work folder (``clean``: first remove dead writers' stale ones); return it."""
-        bucket = isinstance(self.target, ObjectURL)
-        parent = upload.staging_dir() if bucket else self.target.parent
-        if clean:
-            clean_stale(parent, keep=None if bucket else needed_for_recovery(parent))
+        parent = self.storage.work_parent(self.session)
+        if clean:  # a staging folder holds no hidden copies a recovery needs (a bucket's writer commits last)
+            clean_stale(parent, keep=needed_for_recovery(parent) if self.storage.in_place else None)
         self._signals = sigterm_raises()
         self._signals.__enter__()
         try:
-            # a bucket's top level (an empty prefix) has no name: the work folder is named after the bucket
-            self.work = new_work(parent / (self.target.name or self.target.bucket) if bucket else self.target,
-                                 self.tag)
+            self.work = new_work(self.storage.work_target(parent), self.tag)
             if self.inner:
                 (self.work / self.inner).mkdir()
         except BaseException:
@@ -359,7 +347,7 @@ class CheckpointWriter:
             self.checked = open_gated(self.folder, checks=True, aliased=REPAIR if self.aliased else JUDGE,
                                       judge_values=False).ckpt
         except FormatError as e:
-            shown = self.target / self.inner if self.inner and not isinstance(self.target, ObjectURL) else self.target
+            shown = self.target / self.inner if self.inner and self.storage.in_place else self.target
             line = e.message.replace(str(self.folder), str(shown))
             raise FormatError(f"{shown}: nothing was committed: the checkpoint built from the source and flags "
                               f"would be refused by its own reader, which says: {line}", e.exit_code) from None
@@ -367,32 +355,21 @@ class CheckpointWriter:
     def commit(self) -> Path:
         """Rename the work folder to ``target``; refuse (:class:`DestinationTaken`) if it appeared meanwhile."""
         assert self.work is not None and not self.committed
-        if isinstance(self.target, ObjectURL):
-            self._upload()
-        elif self.replace:
+        if self.replace:
             self._replace()
         else:
             try:
-                commit_new_folder(self.work, self.target)
+                self.storage.commit(self.work, self.fault, self.commit_object)
             except FileExistsError:
                 raise DestinationTaken(self.target) from None
-        if not isinstance(self.target, ObjectURL):
-            drop_token(self.target)  # the ownership token is no checkpoint file (gtp_format/writer/work.py)
+        if self.storage.in_place:
+            drop_token(self.target)  # the ownership token is no checkpoint file (gtp_format/work.py)
             fsync_dir(self.target)
+        else:
+            remove_entry(self.work)  # the uploaded local copy
         self.committed = True
         self._release()
         return self.target
-
-    def _upload(self) -> None:
-        """The bucket's commit: the ordered upload of the finished work folder, then the local copy goes."""
-        assert self.work is not None
-        up = upload.Upload(self.target, self.fault, self.commit_object)
-        try:
-            up.run(self.work)
-        except BaseException:
-            up.undo()
-            raise
-        remove_entry(self.work)
 
     def _replace(self) -> None:
         assert self.work is not None
@@ -411,10 +388,7 @@ class CheckpointWriter:
         """Point the run directory's latest marker at the committed iteration (atomically, durably)."""
         assert self.committed, "the latest marker moves only after the commit"
         check_latest(str(iteration), self.target)
-        if isinstance(self.target, ObjectURL):
-            upload.put_marker(self.target, f"{iteration}\n")
-            return
-        write_atomic(self.target.parent / LATEST_FILE, f"{iteration}\n")
+        self.storage.set_latest(f"{iteration}\n")
 
     def abort(self) -> None:
         """Remove the work folder unless it was committed; never anything else."""

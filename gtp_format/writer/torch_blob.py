@@ -47,7 +47,7 @@ _LIMIT = 0xFFFFFFFF - (1 << 20)  # above this a record's size or offset would ne
 
 
 
-class _Pickle2:
+class Pickle2:
     """Protocol-2 opcodes as ``pickle`` writes them, each new object put in the memo (``BINPUT``)."""
 
     def __init__(self) -> None:
@@ -90,7 +90,7 @@ class _Pickle2:
         self.put()
 
 
-def tensor_reduce(p: _Pickle2, dtype: DType, sizes: tuple[int, ...], storage_key: str) -> None:
+def tensor_reduce(p: Pickle2, dtype: DType, sizes: tuple[int, ...], storage_key: str) -> None:
     """Append one contiguous cpu tensor (no grad) whose storage is ``data/<storage_key>``: the reduction
     of ``torch.Tensor.__reduce_ex__(2)`` with the storage as a persistent id."""
     numel = 1
@@ -130,7 +130,7 @@ def tensor_reduce(p: _Pickle2, dtype: DType, sizes: tuple[int, ...], storage_key
 
 def data_pkl(dtype: DType, sizes: tuple[int, ...]) -> bytes:
     """``archive/data.pkl`` of one contiguous tensor (storage key ``0``, on cpu, no grad)."""
-    p = _Pickle2()
+    p = Pickle2()
     tensor_reduce(p, dtype, sizes, "0")
     p.out += b"."
     return bytes(p.out)
@@ -142,7 +142,7 @@ def new_serialization_id() -> str:
     return f"{a:020d}{b:020d}"
 
 
-class _ZipBuilder:
+class ZipBuilder:
     """The zip structure ``PyTorchStreamWriter`` writes: 64-aligned local headers with data
     descriptors, then the central directory and the zip64 and classic end records."""
 
@@ -193,7 +193,7 @@ class _ZipBuilder:
         return out
 
 
-class TensorBlob(_ZipBuilder):
+class TensorBlob(ZipBuilder):
     """One blob's structure around ``nbytes`` of elements: :attr:`head` goes before them, and
     :meth:`tail` (which needs their ``zlib.crc32``) after; the three together are the blob."""
 
@@ -225,7 +225,7 @@ class TensorBlob(_ZipBuilder):
 def object_blob(prefix: str, records: list[tuple[str, bytes]]) -> bytes:
     """A ``torch.save`` blob of a tensor-free object (what a DCP byte object stores): ``records``
     (name below ``prefix``, bytes) in order, ``data.pkl`` first, each 64-aligned as torch writes them."""
-    z = _ZipBuilder(prefix)
+    z = ZipBuilder(prefix)
     out = bytearray()
     for name, data in records:
         if z._pos + len(data) > _LIMIT:

@@ -27,14 +27,14 @@ from typing import Any
 
 from gtp_format.dtypes import DType
 from gtp_format.hashing import CRCS
-from gtp_format.writer.torch_blob import _Pickle2, _ZipBuilder, tensor_reduce
+from gtp_format.writer.torch_blob import Pickle2, ZipBuilder, tensor_reduce
 
 _BATCH = 1000  # items per SETITEMS, as pickle batches them
 
 
 def state_pkl(tensors: list[tuple[str, DType, tuple[int, ...]]], storage_keys: list[str]) -> bytes:
     """``data.pkl`` of ``{key: tensor}`` in this order; tensor ``i``'s storage is ``data/<storage_keys[i]>``."""
-    p = _Pickle2()
+    p = Pickle2()
     p.out += b"}"
     p.put()
     for at in range(0, len(tensors), _BATCH):
@@ -47,7 +47,7 @@ def state_pkl(tensors: list[tuple[str, DType, tuple[int, ...]]], storage_keys: l
     return bytes(p.out)
 
 
-class TorchStateFile(_ZipBuilder):
+class TorchStateFile(ZipBuilder):
     """Write ``{key: tensor}`` as ``torch.save`` does, streamed through ``write`` (a list of bytes-like).
 
     ``tensors``: (key, dtype, shape) in the dict's order; ``order``: the indices of ``tensors`` in

@@ -42,7 +42,9 @@ import torch.distributed as dist
 from gtp_format import names as fmt
 from gtp_format.integrity.stats import ChunkStats
 from gtp_format.manifest import FileEntry, Manifest
-from gtp_format.storage.location import ObjectURL, parse_location
+from gtp_format.session import Session
+from gtp_format.storage.base import storage_for
+from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter
 from gtp_runtime.checkpoint.chunk_records import ChunkId, Stats, start_state_stats
 from gtp_runtime.checkpoint.io import (
@@ -109,8 +111,9 @@ class AsyncCheckpointer:
         start = time.perf_counter()
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
-        where = parse_location(root) if isinstance(root, str) else root
-        writer = prepare_folder(trainer, where if isinstance(where, ObjectURL) else Path(where), layout, sharding)
+        session = Session(scoped=False)  # this save's clients and threads, kept by its writer until its upload ends
+        where = session.bind(storage_for(root).location)
+        writer = prepare_folder(trainer, where, layout, sharding, session=session)
         try:
             live = rank_state(trainer)
             # CUDA state: its statistics are reduced on the GPU from the live chunks, beside the staging
@@ -165,7 +168,7 @@ class AsyncCheckpointer:
                 self._pending = None
                 return self._uploaded(p)
             result = p.future.result()
-            if not isinstance(p.writer.target, ObjectURL):
+            if p.writer.storage.in_place:
                 self._pending = None
                 return finish_save(p.writer, p.manifest, result)
             p.uploading = True

@@ -39,7 +39,9 @@ from gtp_format.layout.config import ConfigError
 from gtp_format.lineage import LINEAGE_KEY, Parent, lineage_section, new_run_id, source_identity
 from gtp_format.manifest import FileEntry, Manifest
 from gtp_format.reader.storage import read_small_file
-from gtp_format.storage.location import ObjectURL, parse_location
+from gtp_format.session import Session
+from gtp_format.storage.base import storage_for
+from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter, file_entry, megatron_metadata
 from gtp_runtime.checkpoint.chunk_records import (
     SinkStats,
@@ -50,7 +52,7 @@ from gtp_runtime.checkpoint.chunk_records import (
 )
 from gtp_runtime.checkpoint.dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner
 from gtp_runtime.checkpoint.direct_fs import direct_writer
-from gtp_runtime.checkpoint.errors import CheckpointError, CheckpointSaveError
+from gtp_runtime.checkpoint.errors import CheckpointError, CheckpointSaveError, sharding_refusal
 from gtp_runtime.checkpoint.manifest import buffer_layout, build_manifest, optimizer_info
 from gtp_runtime.checkpoint.pinned import POOL
 from gtp_runtime.checkpoint.replicas import check_replicas
@@ -62,7 +64,7 @@ from gtp_runtime.checkpoint.state import (
     model_state,
     optimizer_state,
 )
-from gtp_runtime.checkpoint.verified import VerifiedReader, check_compatible, open_verified, sharding_refusal
+from gtp_runtime.checkpoint.verified import VerifiedReader, check_compatible, open_verified
 from gtp_runtime.last_resort import describe, root_cause
 from gtp_runtime.training import Trainer
 
@@ -136,22 +138,23 @@ def _own_files(folder: Path, layout: str, rank: int) -> list[Path]:
 
 
 def prepare_folder(trainer: Trainer, root: Path | ObjectURL, layout: str, sharding: str,
-                   aliased: bool = False) -> CheckpointWriter:
+                   aliased: bool = False, session: Session | None = None) -> CheckpointWriter:
     """Refuse a bad request, then start the one checkpoint writer (collective): rank 0 creates the
     hidden work folder and every rank adopts it. A folder that cannot be created (a full disk, no
     permission) is one :class:`CheckpointSaveError` on every rank. A bucket (``s3://``): the work folder
     is local staging that the ranks of this host share, and rank 0's commit is the ordered upload
-    (:mod:`gtp_format.storage.upload`); an iteration already in the bucket is not replaced."""
+    (:mod:`gtp_format.storage.upload`); an iteration already in the bucket is not replaced. ``session``: the
+    save's (:class:`gtp_format.session.Session`)."""
     check_sharding(trainer, sharding, "save")
     if layout not in fmt.LAYOUTS:
         raise CheckpointError(f"unknown --ckpt-layout {layout!r}; use one of {fmt.LAYOUTS}")
     final = root / fmt.iter_dir_name(trainer.iteration)
-    bucket = isinstance(root, ObjectURL)
-    writer = CheckpointWriter(final, replace=not bucket, fault=_fault, aliased=aliased)
+    in_place = storage_for(root).in_place  # a folder's iteration is replaced; a bucket's never is
+    writer = CheckpointWriter(final, replace=in_place, fault=_fault, aliased=aliased, session=session)
     name: list[str | None] = [None, None]  # the work folder's path, or why it could not be made
     if dist.get_rank() == 0:
         try:
-            if not bucket:
+            if in_place:
                 root.mkdir(parents=True, exist_ok=True)
             name[0] = str(writer.begin())
         except (OSError, FormatError) as e:
@@ -266,7 +269,7 @@ def try_write_rank_files(sd: dict[str, Any], tmp: Path, layout: str, threads: in
 def _latest_text(root: Path | ObjectURL) -> str:
     """What a failed save leaves as the latest checkpoint, for its one-line error."""
     try:
-        if isinstance(root, ObjectURL):
+        if storage_for(root).remote:
             it = read_small_file(root / fmt.LATEST_FILE, 64, "the latest marker", "").decode(errors="replace").strip()
         else:
             with open(root / fmt.LATEST_FILE, "rb") as f:
@@ -375,9 +378,9 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike | ObjectURL, layou
     ``benchmarks/bench_save_integrity.py`` uses it, to measure what they cost against the same run's
     save without them.
     """
-    where = parse_location(root) if isinstance(root, str) else root
-    writer = prepare_folder(trainer, where if isinstance(where, ObjectURL) else Path(where), layout, sharding,
-                            aliased)
+    session = Session(scoped=False)  # this save's clients and threads; it asks the store afresh, as always
+    where = session.bind(storage_for(root).location)
+    writer = prepare_folder(trainer, where, layout, sharding, aliased, session)
     try:
         sd = rank_state(trainer, aliased, integrity)
         manifest = manifest_now(trainer, layout, sharding, aliased) if dist.get_rank() == 0 else None
@@ -388,6 +391,8 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike | ObjectURL, layou
         if dist.get_rank() == 0:
             writer.abort()
         raise
+    finally:
+        session.close()
 
 
 def _check_keys(sd: dict[str, Any], stored: dict[str, Any], folder: Path) -> None:
@@ -415,7 +420,12 @@ def load_checkpoint(trainer: Trainer, path: str | os.PathLike, sharding: str = f
     allocated or read from the data files before the checkpoint passed ``ckpt verify``'s checks.
     """
     check_sharding(trainer, sharding, "load")
-    ckpt, manifest = open_verified(path)
+    session = Session(scoped=False)  # this load's clients and threads (a bucket's); ends with the load
+    try:
+        where = session.bind(storage_for(path).location)
+    except FormatError as e:  # an unsupported URL: the gate's words, as open_verified would give them
+        raise CheckpointError(e.message) from None
+    ckpt, manifest = open_verified(where)
     folder = ckpt.root
     check_compatible(trainer.cfg, manifest, folder)
     reader = VerifiedReader(ckpt)

@@ -2,7 +2,7 @@
 
 Why allocated once: PyTorch DCP's ``async_save`` with its pinned ``DefaultStager`` allocates its
 pinned buffers anew on every save, and pinning (``cudaHostAlloc``) is the slow part: measured on an
-H200 (issue 23), 17 GB staged in 5.8-7.2 s (2.4-3.0 GB/s) where a copy into pinned memory that
+H200, 17 GB staged in 5.8-7.2 s (2.4-3.0 GB/s) where a copy into pinned memory that
 already exists runs at 55 GB/s. Here the first save allocates one buffer per chunk (pinned when the
 chunks live on a GPU, ordinary memory on CPU) and every later save copies into the same buffers,
 so the staging memory is the rank's checkpoint bytes, once, and does not grow over saves.

@@ -45,25 +45,13 @@ from gtp_format.errors import FormatError
 from gtp_format.manifest import Manifest
 from gtp_format.model import TENSOR, Checkpoint, Chunk, Entry
 from gtp_format.reader.chunks import load_chunk
-from gtp_runtime.checkpoint.errors import CheckpointError
+from gtp_runtime.checkpoint.errors import CheckpointError, sharding_refusal
 from gtp_runtime.checkpoint.pinned import POOL
 from gtp_runtime.training import TrainConfig
 
 LOAD_NEEDS = ("--load resumes from the manifest's topology and bucket layout (a megatron-core one? bring its "
               "weights in with 'ckpt export SRC HF --to hf' then 'ckpt import HF DST --from hf'; optimizer state "
               "does not carry over), or pass a folder that gtp_runtime saved")
-
-
-def sharding_refusal(sharding: str, folded: bool, action: str) -> None:
-    """Refuse an optimizer sharding that would write (or read) a wrong checkpoint."""
-    if sharding not in fmt.OPTIMIZER_SHARDINGS:
-        raise CheckpointError(f"unknown --optimizer-sharding {sharding!r}; use one of {fmt.OPTIMIZER_SHARDINGS}")
-    if sharding == fmt.FORMAT_NAME:
-        return
-    if folded:
-        raise CheckpointError(f"cannot {action}: " + fmt.folded_refusal(sharding))
-    raise CheckpointError(f"cannot {action}: optimizer sharding {sharding!r} is not implemented by gtp_runtime "
-                          "(it would gather buffers over DP x CP); use 'dp_reshardable'")
 
 
 def open_verified(path: str | os.PathLike) -> tuple[Checkpoint, Manifest]:

@@ -65,7 +65,7 @@ def _regular_size(path: Path) -> int:
     Why the sparse check: the sizes of ``.idx`` and ``.bin`` decide how many sequences,
     documents and samples get per-element arrays, and a sparse file has any size for free. A
     3.6 GB ``.idx`` of holes declaring 3e8 sequences, or a 16 TiB flat ``.bin`` (2.7 GB of
-    pseudo-document arrays), exhausted memory before a batch was read (issue 22). A file that
+    pseudo-document arrays), exhausted memory before a batch was read. A file that
     stores under half its size is refused, so every array is bounded by bytes that exist.
     """
     try:
@@ -182,7 +182,7 @@ def _check_disjoint(idx: Path, bin_name: str, lengths: np.ndarray, pointers: np.
 
     Why: every sequence is in bounds on its own, yet a million sequences all naming the whole
     ``.bin`` made an epoch a million times the file, and the sample permutation (8 bytes per
-    sample) grew with it (issue 22). Disjoint ranges bound the tokens of an epoch, hence its
+    sample) grew with it. Disjoint ranges bound the tokens of an epoch, hence its
     samples, by the ``.bin`` itself. Megatron writes sequences back to back, in order, so the
     check is a blockwise comparison with the next pointer; only an index out of order is sorted
     (8 bytes per sequence, bounded by the ``.idx`` that stores 12).

@@ -35,7 +35,7 @@ import numpy as np
 
 from gtp_format.errors import FormatError
 from gtp_format.numbers import OneLineParser, int_flag
-from gtp_format.reader.safe_json import loads
+from gtp_format.safe_json import loads
 from gtp_format.text import safe_text
 from gtp_runtime.data.indexed import DataError
 from gtp_runtime.data.vocab import tokenizer_path

@@ -33,7 +33,7 @@ class DataConfig:
         from gtp_format.numbers import NumberError, parse_float
 
         try:  # ASCII and finite: float() took "nan" and "inf", and int(nan) ended the launch in a last-resort line
-            w = [parse_float(x, "--split", 0.0, 1e12) for x in self.split.split(",")[:4]]
+            w = [parse_float(x.strip(), "--split", 0.0, 1e12) for x in self.split.split(",")[:4]]
         except NumberError:
             w = []
         if len(w) not in (2, 3) or any(x < 0 for x in w) or w[0] <= 0 or len(self.split.split(",")) > 3:
@@ -48,7 +48,7 @@ class RecordedData:
     data fingerprint and the save writes it back, and nothing else touches the data. Opening the
     recorded ``data_position.path`` would make every rank open a file the checkpoint names, outside
     the checkpoint, before any check (a crafted manifest pointed it at a 16 TiB sparse file, and
-    the error line printed that file's size: issue 22). A path in a checkpoint is information: this
+    the error line printed that file's size). A path in a checkpoint is information: this
     source reports the recorded fingerprint and refuses to produce tokens.
     """
 

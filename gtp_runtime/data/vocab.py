@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from gtp_format.errors import FormatError
-from gtp_format.reader.safe_json import Budget, loads
+from gtp_format.safe_json import Budget, loads
 from gtp_runtime.data.indexed import DataError
 
 TOKENIZER_SUFFIX = ".tokenizer.json"

@@ -18,8 +18,8 @@ import pytest
 import torch
 from cli_helpers import assert_error_line, cli, rewrite_metadata, snapshot
 
-from gtp_format.reader import storage
 from gtp_format.reader.checkpoint import open_checkpoint
+from gtp_format.storage import local
 
 ITER = "iter_0000010"
 
@@ -200,14 +200,14 @@ def test_unreadable_files(copy_ckpt, monkeypatch: pytest.MonkeyPatch):
     # We run as root, where chmod 000 stops nothing, so the OS refusal is simulated at the one
     # place every read goes through.
     run = copy_ckpt("good")
-    real = storage._open_at
+    real = local._open_at
 
     def deny_data(name, flags, dir_fd):
         if name.endswith(".distcp"):
             raise PermissionError(13, "Permission denied", name)
         return real(name, flags, dir_fd)
 
-    monkeypatch.setattr(storage, "_open_at", deny_data)
+    monkeypatch.setattr(local, "_open_at", deny_data)
     with _unchanged(run.parent):
         assert_error_line(cli("show", run, F.QKV), 2, "Permission denied", ".distcp")
         assert_error_line(cli("verify", run, "--data"), 1, "Permission denied")
@@ -217,7 +217,7 @@ def test_unreadable_files(copy_ckpt, monkeypatch: pytest.MonkeyPatch):
             raise PermissionError(13, "Permission denied", name)
         return real(name, flags, dir_fd)
 
-    monkeypatch.setattr(storage, "_open_at", deny_metadata)
+    monkeypatch.setattr(local, "_open_at", deny_metadata)
     with _unchanged(run.parent):
         assert_error_line(cli("inspect", run), 2, "Permission denied", ".metadata")
 

@@ -6,6 +6,7 @@
   random digits torch.save writes, so two one-process runs differ there too) and that record's CRC are
   blanked, and ``ckpt diff --bitwise``; 2, 3 and 4 local ranks, and 2 nodes x 2 ranks through torchrun's
   c10d rendezvous on 127.0.0.1;
+* ``export --to hf|fully_reshardable`` splits its files too (2 and 3 ranks; torch's one file: rank 0);
 * ``verify --data`` prints the same report (the same problems, in the same order) on 3 ranks;
 * a genuine megatron-core checkpoint (fixtures/megatron) reshards under torchrun to what one process writes;
 * a rank killed (SIGKILL, ``CKPT_RANK_FAULT``) during the copy, before the commit, or just after rank 0's
@@ -268,13 +269,51 @@ def test_rank_killed_at_a_random_moment(tmp_path: Path) -> None:
     _check_after_kill(tmp_path, dst, res, before)
 
 
-def test_import_and_export_under_torchrun(tmp_path: Path) -> None:
-    """import splits its files (safetensors layout: byte for byte); export runs on rank 0 alone, the same."""
+EXPORTS = {  # (source, --to and its options, ranks, byte for byte)
+    "hf-optimizer-2": (SRC, ("--to", "hf", "--optimizer", "--max-shard-size", "100KB"), 2, True),
+    "hf-megatron-names-3": (SRC, ("--to", "hf", "--names", "megatron", "--max-shard-size", "20KB"), 3, True),
+    "fully_reshardable-3": (SRC, ("--to", "fully_reshardable", "--workers", "2"), 3, False),
+    "fully_reshardable-megatron-core-2": (MEGATRON, ("--to", "fully_reshardable", "--workers", "2"), 2, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXPORTS))
+def test_export_splits_its_files_over_the_ranks(tmp_path: Path, case: str) -> None:
+    """``export --to hf|fully_reshardable`` under torchrun: each rank writes its share of the files (by bytes),
+    rank 0 the index, config and metadata, and commits; the output is one process's (hf: byte for byte;
+    torch_dist: less its random serialization ids)."""
+    src, args, nproc, exact = EXPORTS[case]
+    want = one("export", str(src), str(tmp_path / "one"), *args)
+    assert want.returncode == 0, want.stderr
+    got = ranked(nproc, "export", str(src), str(tmp_path / "many"), *args)
+    assert got.returncode == 0 and got.stdout.count("wrote ") == 1, got.stderr[-3000:]
+    assert len([p for p in (tmp_path / "one").rglob("*") if p.suffix in (".safetensors", ".distcp")]) >= nproc
+    if case.startswith("hf"):
+        assert_same_output(tmp_path / "one", tmp_path / "many", exact=True)  # no checkpoint: diff has nothing
+    else:
+        assert_same_output(tmp_path / "one", tmp_path / "many", exact=exact)
+
+
+def test_export_on_ranks_a_killed_rank_means_no_commit(tmp_path: Path) -> None:
+    """Rank 1 killed after writing its share of an hf export's files: it did write some (the fault point is in
+    the split copy), nothing is committed, no work folder stays, and rank 0 names rank 1. ``--to torch``
+    writes its one file on rank 0 alone, equal to one process's."""
+    before = _tree_digest(SRC)
+    dst = tmp_path / "hf"
+    res = ranked(2, "export", str(SRC), str(dst), "--to", "hf", "--optimizer", "--max-shard-size", "100KB",
+                 CKPT_RANK_FAULT="1:copy")
+    assert res.returncode != 0 and "rank 1" in res.stderr, res.stderr[-3000:]
+    assert not _check_after_kill(tmp_path, dst, res, before)
+    assert one("export", str(SRC), str(tmp_path / "one.pt"), "--to", "torch").returncode == 0
+    got = ranked(2, "export", str(SRC), str(tmp_path / "many.pt"), "--to", "torch")
+    assert got.returncode == 0 and got.stdout.count("wrote ") == 1, got.stderr[-3000:]
+    assert (tmp_path / "one.pt").read_bytes() == (tmp_path / "many.pt").read_bytes()
+
+
+def test_import_under_torchrun(tmp_path: Path) -> None:
+    """import splits its files (safetensors layout: byte for byte)."""
     hf = tmp_path / "hf"
     assert one("export", str(SRC), str(hf), "--to", "hf", "--optimizer").returncode == 0
-    hf_ranked = ranked(2, "export", str(SRC), str(tmp_path / "hf2"), "--to", "hf", "--optimizer")
-    assert hf_ranked.returncode == 0 and hf_ranked.stdout.count("wrote ") == 1, hf_ranked.stderr[-2000:]
-    assert_same_output(hf, tmp_path / "hf2", exact=True)
     args = ("--from", "hf", "--cp", "2", "--fold-cp", "--dp", "1", "--layout", "safetensors", "--workers", "2")
     want = one("import", str(hf), str(tmp_path / "one"), *args)
     assert want.returncode == 0, want.stderr
@@ -283,7 +322,10 @@ def test_import_and_export_under_torchrun(tmp_path: Path) -> None:
     assert_same_output(tmp_path / "one", tmp_path / "many", exact=True)
 
 
-def test_a_damaged_source_found_by_one_rank_fails_every_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", [("reshard", *TARGET), ("export", "--to", "hf", "--optimizer",
+                                                                 "--max-shard-size", "100KB")],
+                         ids=["reshard", "export-hf"])
+def test_a_damaged_source_found_by_one_rank_fails_every_rank(tmp_path: Path, command: tuple[str, ...]) -> None:
     import shutil
 
     from damage import flip
@@ -292,8 +334,8 @@ def test_a_damaged_source_found_by_one_rank_fails_every_rank(tmp_path: Path) -> 
     shutil.copytree(SRC, bad)
     data = sorted((bad / "iter_0000002").glob("__*_0.distcp"))[-1]
     flip(data, data.stat().st_size // 3)
-    want = one("reshard", str(bad), str(tmp_path / "one"), *TARGET)
-    got = ranked(2, "reshard", str(bad), str(tmp_path / "many"), *TARGET)
+    want = one(command[0], str(bad), str(tmp_path / "one"), *command[1:])
+    got = ranked(2, command[0], str(bad), str(tmp_path / "many"), *command[1:])
     assert want.returncode == got.returncode == 1, got.stderr[-3000:]
     lines = [x for x in got.stderr.splitlines() if x.startswith("ckpt: error:")]
     assert len(lines) == 2 and all("damaged" in x and re.search(r"rank [01]", x) for x in lines), lines

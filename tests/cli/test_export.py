@@ -15,8 +15,8 @@ from damage import flip, flip_inside_a_chunk
 from reshard_cases import DENSE, make_source
 from safetensors.torch import load_file
 
-from ckpt_tool.reshard import WEIGHT_STATE
-from ckpt_tool.reshard.source import open_source
+from ckpt_tool.copying import WEIGHT_STATE
+from ckpt_tool.copying.source import open_source
 from gtp_format.layout.config import ParallelConfig as P
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.names import STATES
@@ -172,8 +172,8 @@ def test_export_refusals(tmp_path: Path) -> None:
     assert_error_line(r, 2, "--to 'onnx'")
     r = cli("export", FIXTURES / "aliased_cp2_g2_dp2", tmp_path / "y", "--to", "hf")
     assert_error_line(r, 2, "migrate-aliased")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
-    from ckpt_tool.reshard.export import export
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "m.pt.gtp_attestation.json"]
+    from ckpt_tool.export.engine import export
 
     # streamed: a --max-memory below the state's size is no longer refused, and the file is the same
     export(FOLD, tmp_path / "small.pt", "torch", max_memory=1000)
@@ -209,3 +209,38 @@ def test_torch_export_of_megatron_core_names_the_objects_it_leaves_out(name: str
                                                                theirs[k].view(torch.uint8)), k
     line = cli("export", src, tmp_path / "again.pt", "--to", "torch").stdout
     assert f"left out {len(objects)} non-tensor objects" in line and "common_state" in line, line
+
+
+def test_torch_export_writes_its_attestation_beside_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--to torch`` writes one file, so its attestation lies beside it (``m.pt.gtp_attestation.json``): the
+    source it came from and the command; a leftover attestation of that name is refused before anything is
+    written, and an attestation that cannot be made after the file is says so in one line."""
+    from gtp_format import commit as commit_mod
+    from gtp_format.lineage import read_file_attestation
+
+    r = cli("export", FOLD, tmp_path / "m.pt", "--to", "torch", "--format", "json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["attestation"] == str(tmp_path / "m.pt.gtp_attestation.json")
+    att = read_file_attestation(tmp_path / "m.pt")
+    assert att is not None and att.command == "ckpt export --to torch"
+    assert att.source["path"].endswith("iter_0000002") and att.source["iteration"] == 2
+    assert att.target == {"path": str(tmp_path / "m.pt"), "root_hash": None, "iteration": 2, "run_id": None}
+    assert read_file_attestation(tmp_path / "other.pt") is None
+    # a leftover attestation of the name: refused first, nothing written
+    (tmp_path / "n.pt.gtp_attestation.json").write_text("{}")
+    r = cli("export", FOLD, tmp_path / "n.pt", "--to", "torch")
+    assert_error_line(r, 2, "n.pt.gtp_attestation.json already exists")
+    assert not (tmp_path / "n.pt").exists()
+    # the attestation's commit fails after the file's: one line, the file stays (it is complete), no leftover
+    real = commit_mod.commit_file
+
+    def fail(tmp: Path, final: Path) -> None:
+        if final.name.endswith(".gtp_attestation.json"):
+            raise OSError(28, "No space left on device")
+        real(tmp, final)
+
+    monkeypatch.setattr(commit_mod, "commit_file", fail)
+    r = cli("export", FOLD, tmp_path / "o.pt", "--to", "torch")
+    assert_error_line(r, 2, "its attestation")
+    assert (tmp_path / "o.pt").is_file() and not (tmp_path / "o.pt.gtp_attestation.json").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

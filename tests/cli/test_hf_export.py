@@ -18,8 +18,8 @@ from cli_helpers import assert_error_line, cli
 from reshard_cases import MOE, make_source
 from safetensors.torch import load_file
 
-from ckpt_tool.reshard import WEIGHT_STATE
-from ckpt_tool.reshard.source import open_source
+from ckpt_tool.copying import WEIGHT_STATE
+from ckpt_tool.copying.source import open_source
 from gtp_format.layout.config import ModelConfig
 from gtp_format.layout.config import ParallelConfig as P
 from gtp_format.names import STATES

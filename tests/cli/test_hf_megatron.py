@@ -23,9 +23,9 @@ import torch
 from cli_helpers import assert_error_line, cli
 from safetensors.torch import load_file
 
+from gtp_format.megatron.view import module_params
 from gtp_format.model import TENSOR
 from gtp_format.reader.checkpoint import open_checkpoint
-from gtp_format.views.megatron import module_params
 
 REPO = Path(__file__).resolve().parents[2]
 MEGATRON = REPO / "fixtures" / "megatron"

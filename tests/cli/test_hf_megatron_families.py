@@ -76,7 +76,7 @@ def test_models_with_no_exact_class_are_refused_by_flag(name: str, tmp_path: Pat
 
 
 def _moe_description(**extra: object) -> tuple[object, dict, dict]:
-    from gtp_format.megatron_args import ModelDescription
+    from gtp_format.megatron.args import ModelDescription
 
     d = ModelDescription(num_layers=1, hidden_size=32, ffn_hidden_size=32, num_attention_heads=4, num_query_groups=2,
                          kv_channels=8, vocab_size=128, gated_linear_unit=True, activation="silu",

@@ -22,12 +22,12 @@ from cli_helpers import REPO, cli, snapshot
 from hf_folder import hf_folder
 from test_writer_faults import SLOW_CKPT, _slow
 
-from gtp_format.writer import work
+from gtp_format import work
 
 FOLD = REPO / "fixtures" / "gtp" / "fold_cp2_g2_dp2"
 IMPORT_AT = "ckpt_tool.hf.importer:_fp32"  # once per fp32 master-weight chunk the import writes
-EXPORT_HF_AT = "ckpt_tool.reshard.engine:chunk_data"
-EXPORT_TORCH_AT = "ckpt_tool.reshard.export_torch:_write_piece"  # once per row slice written
+EXPORT_HF_AT = "ckpt_tool.copying.engine:chunk_data"
+EXPORT_TORCH_AT = "ckpt_tool.export.to_torch:_write_piece"  # once per row slice written
 
 
 def _command(kind: str, src: Path, dst: Path) -> list[str | Path]:

@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 from cli_helpers import assert_error_line, cli
 
-from gtp_format.megatron_args import describe_model
+from gtp_format.megatron.args import describe_model
+from gtp_format.megatron.padding import padding_ranges
+from gtp_format.megatron.view import megatron_views
 from gtp_format.reader.checkpoint import open_checkpoint
-from gtp_format.views.megatron import megatron_views, padding_ranges
 
 ROOT = Path(__file__).resolve().parents[2]
 MEGATRON = ROOT / "fixtures" / "megatron"
@@ -70,6 +71,34 @@ def test_the_model_description_comes_from_the_args_and_agrees_with_the_tensors(p
         assert not {"num_attention_heads", "normalization", "position_embedding_type"} & set(model.inferred)
     r = cli("inspect", MEGATRON / pair, "--format", "json")
     assert r.exit_code == 0 and json.loads(r.stdout)["megatron_model"]["text"], r.stderr
+
+
+def test_show_prints_the_model_description_as_inspect_does(tmp_path: Path) -> None:
+    """``show`` of a tensor and of a byte object prints the ``model`` line ``inspect`` prints (one
+    formatter); args that disagree with the shapes are shown as that disagreement, not refused, since
+    ``show common_state/...`` is how a user reads those args."""
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "hostile"))
+    from args_corpus import set_args
+
+    pair = MEGATRON / "pair_llama_tp2_dp2_dp_reshardable"
+    text = json.loads(cli("inspect", pair, "--format", "json").stdout)["megatron_model"]["text"]
+    assert "SwiGLU" in text and "GQA" in text
+    for key in ("embedding.word_embeddings.weight", "common_state/shard_0_1"):
+        r = cli("show", pair, key, "--format", "json")
+        assert r.exit_code == 0 and json.loads(r.stdout)["megatron_model"]["text"] == text, r.stderr
+        r = cli("show", pair, key)
+        assert r.exit_code == 0 and any(line.split()[:1] == ["model"] and line.endswith(text)
+                                        for line in r.stdout.splitlines()), r.stdout
+    lying = tmp_path / "run" / "iter_0000002"
+    shutil.copytree(pair / "iter_0000002", lying)
+    set_args(lying, {"num_query_groups": 3})
+    r = cli("show", lying, "common_state/shard_0_1", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    model = json.loads(r.stdout)["megatron_model"]
+    assert "num_query_groups=3" in model["error"] and model["text"].startswith("not described: "), model
 
 
 @pytest.mark.parametrize("pair", sorted(FAMILIES))
@@ -170,7 +199,7 @@ def test_a_gated_reshard_holds_every_bit_of_the_source(pair: str, flags: tuple[s
 
 
 def test_reshard_of_uneven_stages_rewrites_the_pipeline_layout_args(tmp_path: Path) -> None:
-    from gtp_format.megatron_topology import common_state
+    from gtp_format.megatron.topology import common_state
 
     pair = "pair_uneven_pp2_dp_reshardable"
     for flags, first in ((("--pp", "2", "--dp", "2"), 1), (("--pp", "1", "--dp", "2"), None),

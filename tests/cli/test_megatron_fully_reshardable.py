@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from cli_helpers import assert_error_line, cli
 
-from gtp_format.megatron_topology import common_state
+from gtp_format.megatron.topology import common_state
 from gtp_format.reader.checkpoint import open_checkpoint
 from gtp_format.reader.chunks import chunk_bytes
 

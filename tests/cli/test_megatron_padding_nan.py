@@ -22,8 +22,8 @@ import pytest
 from chunk_edit import set_elements
 from cli_helpers import cli
 
+from gtp_format.megatron.padding import padding_chunks
 from gtp_format.reader.checkpoint import open_checkpoint
-from gtp_format.views.megatron import padding_chunks
 
 MEGATRON = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
 FAMILIES = ["pair_tp2_dp2_dp_reshardable", "pair_swiglu_tp2_dp_reshardable", "pair_swiglu_tp1_dp_reshardable",

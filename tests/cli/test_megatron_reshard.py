@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from cli_helpers import assert_error_line, cli
 
-from ckpt_tool.reshard import WEIGHT_STATE as WEIGHT
-from ckpt_tool.reshard.source import open_source
-from gtp_format.megatron_topology import common_state, derive
+from ckpt_tool.copying import WEIGHT_STATE as WEIGHT
+from ckpt_tool.copying.source import open_source
+from gtp_format.megatron.topology import common_state, derive
 from gtp_format.names import STATES
 from gtp_format.reader.checkpoint import open_checkpoint
 from gtp_format.reader.inert_object import load_record
@@ -106,8 +106,8 @@ def test_reshard_gives_megatrons_own_layout_and_the_same_state(src: str, flags: 
 def test_resharded_output_reshards_back_to_the_source(tmp_path: Path) -> None:
     """tp2 dp2 -> tp1 pp2 dp2 -> tp2 dp2: every tensor of the round trip equals the source's, but the
     alignment gaps megatron left uninitialised (written as zeros) and the dropped rng_state."""
+    from gtp_format.megatron.padding import padding_ranges
     from gtp_format.reader.boxes import BoxReader
-    from gtp_format.views.megatron import padding_ranges
 
     src = MEGATRON / "tp2_dp2_dp_reshardable"
     assert cli("reshard", src, tmp_path / "a", "--tp", "1", "--pp", "2").exit_code == 0
@@ -153,7 +153,7 @@ def test_expert_keys_split_unevenly_are_refused_in_one_line() -> None:
     import dataclasses
 
     from gtp_format.errors import FormatError
-    from gtp_format.views.megatron import megatron_views
+    from gtp_format.megatron.view import megatron_views
 
     ckpt = open_checkpoint(MEGATRON / "pair_moe_ep2_dp_reshardable")
     key = "decoder.layers.mlp.experts.experts.linear_fc1.weight"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import cli
 
+from gtp_format.megatron.padding import padding_ranges
 from gtp_format.reader.checkpoint import open_checkpoint
-from gtp_format.views.megatron import padding_ranges
 
 MEGATRON = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
 BUCKETED = ["tp2_dp2_dp_reshardable", "cp2_dp2_dp_reshardable", "pp2_dp2_dp_reshardable",

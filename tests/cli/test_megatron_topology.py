@@ -68,7 +68,7 @@ def test_explicit_folded_flag_still_declares_folding() -> None:
 
 def test_topology_without_common_state_comes_from_keys() -> None:
     """The keys alone (rng_state's shape, data files, dp_group_idx) fix TP, PP and dp x cp."""
-    from gtp_format.megatron_topology import derive
+    from gtp_format.megatron.topology import derive
     from gtp_format.reader.checkpoint import open_checkpoint
 
     for name, (tp, pp, dp_cp) in {"tp2_dp2_dp_reshardable": (2, 1, 2), "pp2_dp2_dp_reshardable": (1, 2, 2),

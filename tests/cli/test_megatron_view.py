@@ -19,8 +19,8 @@ import pytest
 import torch
 from cli_helpers import assert_error_line, cli
 
-from ckpt_tool.reshard import WEIGHT_STATE
-from ckpt_tool.reshard.source import open_source
+from ckpt_tool.copying import WEIGHT_STATE
+from ckpt_tool.copying.source import open_source
 from gtp_format.names import STATES, parse_optimizer_key
 from gtp_format.reader.checkpoint import open_checkpoint
 
@@ -242,7 +242,7 @@ def test_buffers_out_of_megatrons_order_are_refused_in_one_line() -> None:
     import dataclasses
 
     from gtp_format.errors import FormatError
-    from gtp_format.views.megatron import megatron_views
+    from gtp_format.megatron.view import megatron_views
 
     ckpt = open_checkpoint(MEGATRON / "pair_fp32norm_dp2_dp_reshardable")
     swap = {"gbuf_idx_0.dtype_(torch.bfloat16": "gbuf_idx_1.dtype_(torch.bfloat16",

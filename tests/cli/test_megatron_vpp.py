@@ -21,10 +21,10 @@ import pytest
 import torch
 from cli_helpers import cli
 
-from ckpt_tool.reshard import WEIGHT_STATE
-from ckpt_tool.reshard.source import open_source
+from ckpt_tool.copying import WEIGHT_STATE
+from ckpt_tool.copying.source import open_source
 from gtp_format.errors import FormatError
-from gtp_format.megatron_topology import common_state, derive, model_chunks
+from gtp_format.megatron.topology import common_state, derive, model_chunks
 from gtp_format.names import STATES, parse_optimizer_key
 from gtp_format.reader.checkpoint import open_checkpoint
 
@@ -130,7 +130,7 @@ def test_writers_that_contradict_the_args_are_refused_in_one_line() -> None:
     """Layer 1 as if stage 0 wrote it: stage 0 then holds layers 0-2 in one run, which reads as PP2
     without VPP; the args record a virtual size of 2, and the view refuses rather than lay out
     stage 0's two buffers as one."""
-    from gtp_format.views.megatron import megatron_views
+    from gtp_format.megatron.view import megatron_views
 
     ckpt = open_checkpoint(MEGATRON / VPP)
     _moved(ckpt, 1, "__0_0.distcp")
@@ -143,8 +143,8 @@ def test_writers_that_contradict_the_args_are_refused_in_one_line() -> None:
 def test_without_recorded_args_the_buffers_still_refuse_a_misread(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same re-homed layer and no args to compare: stage 0's keys have two buffers of one dtype,
     one model chunk of layers has one, so the buffer check refuses in one line."""
-    import gtp_format.megatron_topology as mt
-    from gtp_format.views.megatron import megatron_views
+    import gtp_format.megatron.topology as mt
+    from gtp_format.megatron.view import megatron_views
 
     ckpt = open_checkpoint(MEGATRON / VPP)
     _moved(ckpt, 1, "__0_0.distcp")
@@ -250,7 +250,7 @@ def test_plan_of_a_plain_pp_checkpoint_at_a_virtual_size_is_not_as_is() -> None:
 def test_moe_with_virtual_pipeline_stages_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """No MoE VPP fixture exists: its expert buffers (one per chunk) are unchecked, so a MoE
     checkpoint whose layers read as interleaved is refused, not laid out by the dense rules."""
-    import gtp_format.views.megatron as view
+    import gtp_format.megatron.view as view
 
     ckpt = open_checkpoint(MEGATRON / "moe_pp2_ep2_dp_reshardable")
     stages = view._stages

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from reshard_cases import DENSE, MOE, live_state, make_source
 
-from ckpt_tool.reshard import WEIGHT_STATE
+from ckpt_tool.copying import WEIGHT_STATE
+from ckpt_tool.copying.source import Source, open_source
 from ckpt_tool.reshard.engine import reshard
-from ckpt_tool.reshard.source import Source, open_source
 from gtp_format.check.verify import verify
 from gtp_format.layout.config import ParallelConfig as P
 from gtp_format.names import STATES

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from cli_helpers import run_fresh
 
-from ckpt_tool.reshard import WEIGHT_STATE
-from ckpt_tool.reshard.source import open_source
+from ckpt_tool.copying import WEIGHT_STATE
+from ckpt_tool.copying.source import open_source
 from gtp_format.names import STATES
 from gtp_format.reader.boxes import BoxReader
 from gtp_format.reader.checkpoint import open_checkpoint

@@ -22,15 +22,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckpt_tool.reshard import ahead as ahead_mod
-from ckpt_tool.reshard import engine
-from ckpt_tool.reshard import export as export_mod
-from ckpt_tool.reshard.ahead import ReadAhead, ahead_depth
-from ckpt_tool.reshard.engine import chunk_data, copied_crc, reshard, write_threads
-from ckpt_tool.reshard.export import export
-from ckpt_tool.reshard.plan import OutChunk, plan_target
-from ckpt_tool.reshard.source import Buffers, open_source
-from ckpt_tool.reshard.writers import write_distcp, write_safetensors
+from ckpt_tool.copying import ahead as ahead_mod
+from ckpt_tool.copying import engine
+from ckpt_tool.copying.ahead import ReadAhead, ahead_depth
+from ckpt_tool.copying.engine import chunk_data, copied_crc, write_threads
+from ckpt_tool.copying.plan import OutChunk, plan_target
+from ckpt_tool.copying.source import Buffers, open_source
+from ckpt_tool.copying.writers import write_distcp, write_safetensors
+from ckpt_tool.export import engine as export_mod
+from ckpt_tool.export.engine import export
+from ckpt_tool.reshard.engine import reshard, target_manifest
 from gtp_format.dtypes import by_name
 from gtp_format.errors import FormatError
 from gtp_format.integrity.hash import chunk_digest
@@ -118,7 +119,7 @@ def test_copied_crc_is_the_crc_of_what_was_copied(fixture: str) -> None:
     source = open_source(FIXTURES / fixture)
     target = source.manifest
     for par in (P(cp=2, gtp_remat=2, dp=2), P(cp=2, gtp_remat=2, fold_cp=True)):
-        target = engine.target_manifest(source.manifest, par, "torch_dist")
+        target = target_manifest(source.manifest, par, "torch_dist")
         plan = plan_target(target, 1 << 16, param_views(target))
         bufs, answered, total = Buffers(), 0, 0
         for c in plan.chunks:

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from cli_helpers import REPO, assert_error_line, cli, snapshot
 
+from gtp_format import work
 from gtp_format.errors import FormatError
 from gtp_format.names import LATEST_FILE
-from gtp_format.writer import work
 
 FIXTURES = REPO / "fixtures" / "gtp"
 FOLD = FIXTURES / "fold_cp2_g2_dp2"
@@ -34,7 +34,7 @@ ITER = "iter_0000002"
 # prints "writing" on the first call, then sleeps GTP_TEST_SLOW seconds before each
 SLOW_CKPT = """
 import importlib, os, sys, time
-mod_name, fn = os.environ.get("GTP_TEST_SLOW_AT", "ckpt_tool.reshard.engine:chunk_data").split(":")
+mod_name, fn = os.environ.get("GTP_TEST_SLOW_AT", "ckpt_tool.copying.engine:chunk_data").split(":")
 mod = importlib.import_module(mod_name)
 real, first = getattr(mod, fn), [True]
 def slow(*a, **k):
@@ -53,7 +53,7 @@ sys.exit(run(sys.argv[1:]))
 """
 
 
-def _slow(*args: str | Path, slow: float = 0.3, at: str = "ckpt_tool.reshard.engine:chunk_data",
+def _slow(*args: str | Path, slow: float = 0.3, at: str = "ckpt_tool.copying.engine:chunk_data",
           **kw: object) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "GTP_TEST_SLOW": str(slow), "GTP_TEST_SLOW_AT": at}
     return subprocess.Popen([sys.executable, "-c", SLOW_CKPT, *map(str, args)], stdout=subprocess.PIPE,
@@ -73,8 +73,8 @@ def _appear(dst: Path):  # noqa: ANN202 - a progress factory
 
 @pytest.mark.parametrize("command", ["reshard", "hf", "fully_reshardable"])
 def test_a_dst_created_mid_run_is_refused_and_left_alone(tmp_path: Path, command: str) -> None:
+    from ckpt_tool.export.engine import export
     from ckpt_tool.reshard.engine import reshard, target_topology
-    from ckpt_tool.reshard.export import export
 
     out = tmp_path / "out"
     out.mkdir()
@@ -90,8 +90,8 @@ def test_a_dst_created_mid_run_is_refused_and_left_alone(tmp_path: Path, command
 
 
 def test_export_torch_never_replaces_a_file_that_appeared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckpt_tool.reshard.export_torch as export_torch
-    from ckpt_tool.reshard.export import export
+    import ckpt_tool.export.to_torch as export_torch
+    from ckpt_tool.export.engine import export
 
     out = tmp_path / "out"
     out.mkdir()
@@ -140,9 +140,9 @@ def test_two_reshards_to_one_dst_exactly_one_wins(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("argv", "at"), [
-    (("reshard", "{src}", "{out}/dst", "--dp", "1", "--workers", "2"), "ckpt_tool.reshard.engine:chunk_data"),
+    (("reshard", "{src}", "{out}/dst", "--dp", "1", "--workers", "2"), "ckpt_tool.copying.engine:chunk_data"),
     # --to torch writes its one file as the slices come (gtp_format/writer/torch_file.py)
-    (("export", "{src}", "{out}/model.pt", "--to", "torch"), "ckpt_tool.reshard.export_torch:_write_piece"),
+    (("export", "{src}", "{out}/model.pt", "--to", "torch"), "ckpt_tool.export.to_torch:_write_piece"),
 ], ids=["reshard", "export-torch"])
 def test_sigterm_removes_the_work_folder(tmp_path: Path, argv: tuple[str, ...], at: str) -> None:
     out = tmp_path / "out"
@@ -253,7 +253,7 @@ def test_full_disk_during_migrate_names_the_destination_file(tmp_path: Path) -> 
 
 def test_reshard_and_export_never_import_the_runtime() -> None:
     """They write through the format package's writer; the runtime is for training."""
-    probe = ("import sys, ckpt_tool.reshard.engine, ckpt_tool.reshard.export, ckpt_tool.commands.reshard, "
+    probe = ("import sys, ckpt_tool.reshard.engine, ckpt_tool.export.engine, ckpt_tool.commands.reshard, "
              "ckpt_tool.commands.export; print(sorted(m for m in sys.modules if m.startswith('gtp_runtime')))")
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -289,8 +289,8 @@ def test_streaming_pass_gives_the_same_results_with_tiny_windows(run: Path, monk
     assert _verify_summary(run) == default
     # and NaN/Inf counts equal those of decoding each chunk on its own, megatron-core's alignment
     # padding (uninitialised memory, counted apart as an info line) left out
-    from gtp_format.megatron_topology import is_megatron_core
-    from gtp_format.views.megatron import padding_chunks
+    from gtp_format.megatron.padding import padding_chunks
+    from gtp_format.megatron.topology import is_megatron_core
 
     ckpt = open_checkpoint(run)
     padding = padding_chunks(ckpt) if ckpt.manifest is None and is_megatron_core(ckpt) else frozenset()

@@ -1,4 +1,4 @@
-"""Issue 22 classes 3 and 5 in the megatron-core layout inference (:mod:`gtp_format.views.megatron`).
+"""Issue 22 classes 3 and 5 in the megatron-core layout inference (:mod:`gtp_format.megatron.view`).
 
 A layer count declared in ``.metadata`` must not drive a loop beyond what is stored, and the
 inference must cost about what the chunks it reads cost (no per-layer or per-chunk rescans; measured
@@ -18,8 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_megatron_inspect import generate  # noqa: E402
 
 from gtp_format.errors import FormatError  # noqa: E402
+from gtp_format.megatron.keys import LAYER  # noqa: E402
+from gtp_format.megatron.view import megatron_views  # noqa: E402
 from gtp_format.reader.checkpoint import open_checkpoint  # noqa: E402
-from gtp_format.views.megatron import LAYER, megatron_views  # noqa: E402
 
 
 def test_generated_layout_is_the_one_the_rules_derive(tmp_path: Path) -> None:

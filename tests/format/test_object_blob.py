@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gtp_format.dtypes import DTYPES
-from gtp_format.reader.object_blob import _ObjectPickle, load_plain_object
+from gtp_format.reader.object_blob import ObjectPickle, load_plain_object
 from gtp_format.reader.zip_blob import BlobError, ViewReader
 
 
@@ -99,4 +99,4 @@ def test_bytes_decoding_is_only_latin1():
 def test_bytes_constructor_cannot_allocate():
     evil = b"\x80\x02c__builtin__\nbytes\nJ\x00\x00\x00\x40\x85R."  # bytes(2**30): a 1 GiB allocation
     with pytest.raises(pickle.UnpicklingError, match="only allowed without arguments"):
-        _ObjectPickle(evil, "data.pkl").load()
+        ObjectPickle(evil, "data.pkl").load()

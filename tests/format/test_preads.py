@@ -77,7 +77,7 @@ def test_large_ranges_take_the_direct_path_where_the_file_system_allows_it(data_
         return real(fd, buf, offset)
 
     monkeypatch.setattr(preads, "read_fully", spy)
-    monkeypatch.setattr("gtp_format.reader.storage.read_fully", spy)
+    monkeypatch.setattr("gtp_format.storage.local.read_fully", spy)
     assert bytes(read_range(root, "d.bin", 4097, 2 * MIB + 3, Buffers(7))) == body[4097:4097 + 2 * MIB + 3]
     assert read_range(root, "d.bin", 5, 1000, Buffers()) and seen == [os.O_DIRECT, 0]  # small: the cache
 

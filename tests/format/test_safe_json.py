@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gtp_format.errors import FormatError
-from gtp_format.reader.safe_json import loads
+from gtp_format.safe_json import loads
 
 
 @pytest.mark.parametrize("raw, needle", [

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from gtp_format.errors import ChunkError, FormatError
-from gtp_format.reader import storage
 from gtp_format.reader.locate import locate
 from gtp_format.reader.storage import (
     file_size,
@@ -19,6 +18,7 @@ from gtp_format.reader.storage import (
     read_range,
     read_small_file,
 )
+from gtp_format.storage import local
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_non_regular_files_are_refused_without_hanging(tree):
 def test_what_is_checked_is_what_was_opened(tree, monkeypatch: pytest.MonkeyPatch):
     """A file swapped for a link to outside between any check and the open is still refused."""
     root, outside = tree
-    real = storage._open_at
+    real = local._open_at
 
     def swap_then_open(name, flags, dir_fd):
         if name == "data.bin":
@@ -103,7 +103,7 @@ def test_what_is_checked_is_what_was_opened(tree, monkeypatch: pytest.MonkeyPatc
             os.symlink(str(outside), "data.bin", dir_fd=dir_fd)
         return real(name, flags, dir_fd)
 
-    monkeypatch.setattr(storage, "_open_at", swap_then_open)
+    monkeypatch.setattr(local, "_open_at", swap_then_open)
     with pytest.raises(ChunkError, match="outside the checkpoint folder"):
         read_range(root, "data.bin", 0, 1)
 

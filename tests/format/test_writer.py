@@ -1,4 +1,4 @@
-"""The one checkpoint writer (gtp_format.writer.checkpoint) and its work folders (gtp_format.writer.work)."""
+"""The one checkpoint writer (gtp_format.writer.checkpoint) and its work folders (gtp_format.work)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from gtp_format import commit
+from gtp_format import commit, work
 from gtp_format.manifest import read_manifest
 from gtp_format.names import LATEST_FILE, MANIFEST_FILE, MEGATRON_METADATA_FILE
-from gtp_format.writer import work
 from gtp_format.writer.checkpoint import (
     CheckpointWriter,
     DestinationTaken,

@@ -98,8 +98,8 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: i
     logging.disable(logging.WARNING)
     import numpy as np
     import torch
-    from make_megatron_fixtures import _optimizer_tensors, install_cpu_shims, sharded_sd_metadata_for
-    from megatron_load import _pass_step_through
+    from make_megatron_fixtures import install_cpu_shims
+    from megatron_load import load_zeroed
     from megatron_shims import allow_torch_norm_with_sequence_parallel
 
     torch.set_num_threads(1)
@@ -109,7 +109,6 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: i
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as mpu
-    from megatron.core.utils import unwrap_model
 
     common = dist_checkpointing.load_common_state_dict(ckpt)  # megatron's own reader of common_state
     args = common["args"]
@@ -120,31 +119,7 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: i
                                   expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
                                   expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None))
     model, optimizer = _build(args, tp, pp)
-    opts = getattr(optimizer, "chained_optimizers", [optimizer])
-    for opt in opts:
-        opt._init_optimizer_states_with_dummy_values()
-    _pass_step_through()
-    module = unwrap_model(model)
-    with torch.no_grad():  # nothing of the fresh model survives: every value compared comes from CKPT
-        for p in module.parameters():
-            p.zero_()
-        for t in _optimizer_tensors(optimizer):
-            t.zero_()
-    metadata = sharded_sd_metadata_for(sharding)
-    sharded = {"model": module.sharded_state_dict(metadata=metadata)}
-    sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True, metadata=metadata)
-    state = dist_checkpointing.load(sharded, ckpt)
-    module.load_state_dict(state["model"], strict=True)
-    optimizer.load_state_dict(state["optimizer"])
-
-    arrays: dict[str, Any] = {}
-    for name, p in module.named_parameters():
-        w = p.detach()
-        arrays[f"model.{name}"] = w.view(torch.int16).numpy() if p.dtype == torch.bfloat16 else w.numpy()
-    for i, t in enumerate(_optimizer_tensors(optimizer)):
-        arrays[f"opt.{i}"] = t.detach().numpy()
-    arrays["step"] = np.array([float(o.optimizer.state[p]["step"]) for o in opts
-                               for g in o.optimizer.param_groups for p in g["params"]])
+    module, arrays = load_zeroed(model, optimizer, ckpt, sharding)
     np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays)
     if pp == 1:
         ids = torch.from_numpy(np.load(tokens)).long()

@@ -14,7 +14,7 @@ and optimizer state to zeros, and loads CKPT the way
 ``megatron/training/checkpointing.py:load_checkpoint`` does for ``torch_dist``
 (``sharded_state_dict(is_loading=True)`` with the ``fully_reshardable`` metadata, or SHARDING's,
 ``dist_checkpointing.load``, ``model.load_state_dict``, ``optimizer.load_state_dict``). Two
-workarounds for megatron-core 0.19.2 on CPU with torch's AdamW (issue 24):
+workarounds for megatron-core 0.19.2 on CPU with torch's AdamW:
 
 * ``_init_optimizer_states_with_dummy_values()`` first: a fresh optimizer has no state, and
   ``load_state_dict`` asserts one ``step`` across it (``distrib_optimizer.py:838``);
@@ -92,7 +92,7 @@ def _build(tp: int, pp: int, num_layers: int, ep: int = 1, experts: int = 0, var
     return model, optimizer
 
 
-def _pass_step_through() -> None:
+def pass_step_through() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     orig = DistributedOptimizer._set_main_param_and_optimizer_states
@@ -108,43 +108,21 @@ def _pass_step_through() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
-def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: int, num_layers: int,
-           sharding: str = "fully_reshardable", ep: int = 1, experts: int = 0, variant: str = "plain",
-           etp: int | None = None) -> None:
-    sys.path.insert(0, str(FIXTURES))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
+def load_zeroed(model: Any, optimizer: Any, ckpt: str, sharding: str) -> tuple[Any, dict[str, Any]]:
+    """Wipe the fresh model and optimizer to zeros and load CKPT into them as ``load_checkpoint`` does for
+    ``torch_dist`` (SHARDING's metadata, the two CPU workarounds of the module docstring); returns the
+    unwrapped model and every value a test compares: each parameter (bf16 as raw int16), each optimizer
+    shard in the optimizer's order, and ``step``."""
     import numpy as np
     import torch
-    from make_megatron_fixtures import (
-        _optimizer_tensors,
-        allow_torch_norm_with_sequence_parallel,
-        install_cpu_shims,
-        sharded_sd_metadata_for,
-    )
-
-    torch.set_num_threads(1)
-    install_cpu_shims()
-    if variant == "sp" or (variant.startswith("family:") and tp > 1):  # MoE at TP > 1 needs sequence parallelism
-        allow_torch_norm_with_sequence_parallel()
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from make_megatron_fixtures import _optimizer_tensors, sharded_sd_metadata_for
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as mpu
     from megatron.core.utils import unwrap_model
 
-    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
-    model, optimizer = _build(tp, pp, num_layers, ep, experts, variant, etp)
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    for opt in opts:
         opt._init_optimizer_states_with_dummy_values()
-    _pass_step_through()
+    pass_step_through()
     module = unwrap_model(model)
     with torch.no_grad():  # nothing of the fresh model survives: every value compared comes from CKPT
         for p in module.parameters():
@@ -162,14 +140,47 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: i
     for name, p in module.named_parameters():
         w = p.detach()
         arrays[f"model.{name}"] = w.view(torch.int16).numpy() if p.dtype == torch.bfloat16 else w.numpy()
+    for i, t in enumerate(_optimizer_tensors(optimizer)):
+        arrays[f"opt.{i}"] = t.detach().numpy()
+    arrays["step"] = np.array([float(o.optimizer.state[p]["step"]) for o in opts
+                               for g in o.optimizer.param_groups for p in g["params"]])
+    return module, arrays
+
+
+def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: int, num_layers: int,
+           sharding: str = "fully_reshardable", ep: int = 1, experts: int = 0, variant: str = "plain",
+           etp: int | None = None) -> None:
+    sys.path.insert(0, str(FIXTURES))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    import numpy as np
+    import torch
+    from make_megatron_fixtures import (
+        allow_torch_norm_with_sequence_parallel,
+        install_cpu_shims,
+    )
+
+    torch.set_num_threads(1)
+    install_cpu_shims()
+    if variant == "sp" or (variant.startswith("family:") and tp > 1):  # MoE at TP > 1 needs sequence parallelism
+        allow_torch_norm_with_sequence_parallel()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state as mpu
+
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    model, optimizer = _build(tp, pp, num_layers, ep, experts, variant, etp)
+    module, arrays = load_zeroed(model, optimizer, ckpt, sharding)
     for name, b in module.named_buffers():  # the router's expert bias: a model key without optimizer state
         if name.endswith("expert_bias"):
             arrays[f"buffer.{name}"] = b.detach().numpy()
-    for i, t in enumerate(_optimizer_tensors(optimizer)):
-        arrays[f"opt.{i}"] = t.detach().numpy()
-    steps = [float(o.optimizer.state[p]["step"]) for o in getattr(optimizer, "chained_optimizers", [optimizer])
-             for g in o.optimizer.param_groups for p in g["params"]]
-    arrays["step"] = np.array(steps)
     np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays)
     dist.barrier()
     dist.destroy_process_group()

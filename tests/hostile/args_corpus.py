@@ -18,7 +18,7 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from gtp_format.megatron_topology import common_state
+from gtp_format.megatron.topology import common_state
 from gtp_format.model import TENSOR
 from gtp_format.reader.checkpoint import open_checkpoint
 from gtp_format.reader.chunks import chunk_bytes

@@ -108,7 +108,8 @@ def main() -> None:
 
         # the copies' and the plan's modules (numpy, the views, the writers), imported once here: a child that
         # imported them itself spent ~1 s of its run on it (test_hostile_options: 77 jobs, 71 s of them)
-        from ckpt_tool.reshard import export, megatron_dp  # noqa: F401
+        from ckpt_tool.export import engine  # noqa: F401
+        from ckpt_tool.reshard import megatron_dp  # noqa: F401
 
         entry = cli.run
     else:

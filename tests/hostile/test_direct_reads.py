@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import gtp_format.reader.preads as preads
-import gtp_format.reader.storage as storage
+import gtp_format.storage.local as local
 from gtp_format.errors import ChunkError, FormatError
 from gtp_format.reader.checkpoint import open_checkpoint
 from gtp_format.reader.chunks import load_chunk
@@ -66,7 +66,7 @@ def direct(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[int]:
             taken.append(out[1])
         return out
 
-    monkeypatch.setattr(storage, "read_direct", spy)
+    monkeypatch.setattr(local, "read_direct", spy)
     return taken
 
 

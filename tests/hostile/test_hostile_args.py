@@ -62,7 +62,7 @@ def test_args_that_lie_about_the_model_are_refused_naming_the_arg(lying: dict, j
 
 def test_the_fixtures_args_agree() -> None:
     """The fixtures' own args pass the same checks; what they lack is inferred and says so."""
-    from gtp_format.megatron_args import describe_model
+    from gtp_format.megatron.args import describe_model
     from gtp_format.reader.checkpoint import open_checkpoint
 
     model = describe_model(open_checkpoint(MEGATRON / "pair_moe_ep2_dp_reshardable"))

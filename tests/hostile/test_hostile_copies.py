@@ -111,7 +111,7 @@ def test_torch_export_of_punched_payloads_is_refused(tmp_path: Path) -> None:
     assert readable_bytes(open_checkpoint(it)) == full
     _punch_payloads(it)  # zip structure intact (verify's gate passes), the elements' pages hold nothing
     assert sum(stored_bytes(p.stat()) for p in files) < full // 2
-    from ckpt_tool.reshard.export import export
+    from ckpt_tool.export.engine import export
     from gtp_format.errors import FormatError
 
     with pytest.raises(FormatError, match="damaged|store only|sparse") as info:

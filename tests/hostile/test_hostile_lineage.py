@@ -118,3 +118,18 @@ def test_hostile_attestation(base, tmp_path, bad):
     r = cli("log", str(run), "--format", "json")
     assert r.exit_code == 1 and "\x1b" not in r.stdout
     assert "attestation" in json.loads(r.stdout)["iterations"][0]["problems"][0]
+
+
+@pytest.mark.parametrize("bad", ['{"version": 1, "command": "x\\u001b", "tool": "t", "source": {}, "target": {}}',
+                                 '{"version": 1', "[" * 100000, '{"version": 2}'])
+def test_hostile_attestation_beside_a_torch_file(tmp_path, bad):
+    """``export --to torch``'s attestation beside its file: damaged or forged, one line naming it."""
+    from gtp_format.errors import FormatError
+    from gtp_format.lineage import read_file_attestation
+
+    (tmp_path / "m.pt").write_bytes(b"")
+    (tmp_path / "m.pt.gtp_attestation.json").write_text(bad)
+    with pytest.raises(FormatError) as e:
+        read_file_attestation(tmp_path / "m.pt")
+    assert "m.pt.gtp_attestation.json" in e.value.message and "\n" not in e.value.message
+    assert "\x1b" not in e.value.message

@@ -27,8 +27,8 @@ import pytest
 from cli_helpers import assert_error_line, cli, snapshot
 from hf_folder import hf_folder as _hf_folder
 
+from gtp_format import work
 from gtp_format.names import LATEST_FILE
-from gtp_format.writer import work
 
 REPO = Path(__file__).resolve().parents[2]
 FOLD = REPO / "fixtures" / "gtp" / "fold_cp2_g2_dp2"

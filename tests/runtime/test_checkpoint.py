@@ -15,9 +15,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_harness import run_ranks
 
+from gtp_format import work
 from gtp_format.layout.config import ModelConfig, ParallelConfig
 from gtp_format.names import LATEST_FILE, parse_optimizer_key
-from gtp_format.writer import work
 from gtp_runtime.checkpoint.io import CheckpointError, load_checkpoint, save_checkpoint
 from gtp_runtime.checkpoint.state import optimizer_state
 from gtp_runtime.training import TrainConfig, Trainer

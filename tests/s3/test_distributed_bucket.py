@@ -64,3 +64,24 @@ def test_bucket_source_and_destination_on_two_ranks(s3, tmp_path: Path) -> None:
     v1 = one("verify", "--data", s3.url("dst"), "--format", "json")
     v2 = ranked("verify", "--data", s3.url("dst"), "--format", "json")
     assert v1.returncode == v2.returncode == 0 and json.loads(v1.stdout) == json.loads(v2.stdout), v2.stderr[-2000:]
+
+
+def test_export_split_over_two_ranks_from_and_to_a_bucket(s3, tmp_path: Path) -> None:
+    """``export --to hf`` on 2 ranks, bucket SRC and DST (one host): each rank writes its share of the files into
+    rank 0's staging, rank 0 uploads and commits; every object is one process's local file, byte for byte."""
+    src = s3_server.upload(s3, SRC, "src")
+    args = ("--to", "hf", "--optimizer", "--max-shard-size", "100KB")
+    want = one("export", str(SRC), str(tmp_path / "one"), *args)
+    assert want.returncode == 0, want.stderr
+    got = ranked("export", src, s3.url("hf"), *args)
+    assert got.returncode == 0 and got.stdout.count("wrote ") == 1, got.stderr[-3000:]
+    files = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert len([f for f in files if f.endswith(".safetensors")]) >= 2
+    assert s3.keys("hf/") == [f"hf/{f}" for f in files]
+    for f in files:
+        body = s3.client.get_object(Bucket=s3.bucket, Key=f"hf/{f}")["Body"].read()
+        if f == "gtp_attestation.json":  # names its own source (the bucket's, here)
+            a, b = json.loads(body), json.loads((tmp_path / "one" / f).read_bytes())
+            assert {k: v for k, v in a.items() if k != "source"} == {k: v for k, v in b.items() if k != "source"}
+        else:
+            assert body == (tmp_path / "one" / f).read_bytes(), f

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_read import FIXTURES, ckpt, upload
 
-from ckpt_tool.reshard.plan import read_order, split_files
+from ckpt_tool.copying.plan import read_order, split_files
 from gtp_format.dtypes import by_name
 
 
@@ -50,7 +50,7 @@ def files(folder: Path) -> list[str]:
 def no_whole_objects(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fixtures' data objects are small enough to be fetched whole at the listing
     (``test_a_small_bucket_source_is_fetched_whole_at_its_listing``); these tests are of the plan's requests."""
-    from ckpt_tool.reshard import source
+    from ckpt_tool.copying import source
 
     monkeypatch.setattr(source, "WHOLE_OBJECTS", 0)
 
@@ -124,8 +124,8 @@ def test_read_order_follows_the_workers():
 
 
 def test_read_order_of_a_real_plan_keeps_every_chunk_once():
-    from ckpt_tool.reshard.plan import plan_target
-    from ckpt_tool.reshard.source import open_source
+    from ckpt_tool.copying.plan import plan_target
+    from ckpt_tool.copying.source import open_source
 
     source = open_source(FIXTURES["dcp"])
     source.reader.close()
@@ -189,7 +189,7 @@ def test_inspect_verify_and_a_tight_budget_fetch_no_data_object_whole(s3, capsys
         code, out, err = ckpt(capsys, *argv)
         assert code == 0, (out, err)
         assert not [g for g in gets.take() if g[0].endswith(".distcp") and g[1].startswith("s3-warm")]
-    from ckpt_tool.reshard import source
+    from ckpt_tool.copying import source
 
     total = sum(p.stat().st_size for p in (FIXTURES["dcp"] / "iter_0000002").glob("*.distcp"))
     for budget, whole in ((total, True), (total - 1, False)):

@@ -67,7 +67,11 @@ def test_a_bucket_dst_equals_the_local_output(s3, capsys, tmp_path, hf_src, puts
     code, out, err = ckpt(capsys, *argv(case, s3.url("out"), hf_src), "--format", "json")
     assert code == 0, (out, err)
     if case == "export-torch":
-        assert s3.keys("out/") == ["out/model.pt"] and puts == [""]
+        # the file, then its attestation beside it (each a conditional create of its own)
+        assert s3.keys("out/") == ["out/model.pt", "out/model.pt.gtp_attestation.json"] and puts == ["", ""]
+        att = json.loads(s3.client.get_object(Bucket=s3.bucket, Key="out/model.pt.gtp_attestation.json")["Body"]
+                         .read())
+        assert att["command"] == "ckpt export --to torch" and att["target"]["path"] == s3.url("out/model.pt")
         got = s3.client.get_object(Bucket=s3.bucket, Key="out/model.pt")["Body"].read()
         assert got == (local / "model.pt").read_bytes()
         assert json.loads(out)["bytes_written"] == len(got)

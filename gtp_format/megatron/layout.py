@@ -1,6 +1,6 @@
 """megatron-core's distributed-optimizer bucket layout for a topology of our choice (``ckpt reshard``).
 
-:mod:`gtp_format.views.megatron` reads the layout a checkpoint *has* (bucket boundaries from its keys'
+:mod:`gtp_format.megatron.view` reads the layout a checkpoint *has* (bucket boundaries from its keys'
 shapes); this module computes the layout megatron-core *will build* at a target TP x PP x (DP x CP),
 so that a ``dp_reshardable`` checkpoint written for it passes megatron-core's load (which checks
 every bucket key's global shape and asserts ``per_bucket_numel_unpadded`` equal to its own). The

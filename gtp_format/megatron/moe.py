@@ -2,7 +2,7 @@
 
 With experts, ``get_megatron_optimizer`` returns a ``ChainedOptimizer`` of a dense and an expert
 ``DistributedOptimizer``, so every optimizer key gets ``chained_{i}.``: ``chained_0`` holds the
-dense parameters (the router among them) exactly as :mod:`gtp_format.views.megatron` lays them out, and
+dense parameters (the router among them) exactly as :mod:`gtp_format.megatron.view` lays them out, and
 ``chained_1`` one buffer per expert-parallel rank, under ``dp_group_idx`` = that rank (TP 1, PP 1;
 the expert DP group shards it). An EP rank holds experts ``ep_rank * E/EP + j`` for ``j <
 E/EP``, laid out by the same rules (reverse module order, 64-aligned starts): per layer, per
@@ -31,16 +31,11 @@ from typing import Any
 
 from gtp_format.errors import FormatError
 from gtp_format.layout.shard import ShardSpec
-from gtp_format.model import TENSOR, Checkpoint
+from gtp_format.megatron.keys import EXPERT, EXPERT_PREFIX, expert_keys, expert_split
+from gtp_format.model import Checkpoint
 from gtp_format.views.records import Holder, KeyRef, ParamView
 
-EXPERT_PREFIX = "decoder.layers.mlp.experts.experts."
-EXPERT = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
 ALIGN = 64
-
-
-def expert_keys(ckpt: Checkpoint) -> list[str]:
-    return [k for k, e in ckpt.entries.items() if e.kind == TENSOR and k.startswith(EXPERT_PREFIX)]
 
 
 def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse: Callable[[str], FormatError],
@@ -53,7 +48,7 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
     experts of its own layers (``layer_stage``: the dense view's stage of each layer).
 
     ``gated`` (``--swiglu``; the padding map's ranges only, see
-    :func:`gtp_format.views.megatron.megatron_views`): an expert's ``linear_fc1`` is stored as a gate
+    :func:`gtp_format.megatron.view.megatron_views`): an expert's ``linear_fc1`` is stored as a gate
     and an up chunk per expert-TP part, so its chunk count is twice the expert TP, and a part's numel
     is what a column split over expert TP gives.
     """
@@ -133,39 +128,3 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
     order = [f"decoder.layers.{layer}.mlp.experts.{e}.{s}" for layer in range(layers) for e in range(n_exp)
              for s in EXPERT]
     return {name: views[name] for name in order if name in views}, placed
-
-
-def expert_split(ckpt: Checkpoint, key: str, refuse: Callable[[str], FormatError]) -> tuple[str | None, int]:
-    """(TP mode, parts) of a stacked expert key of global shape ``(layers, experts, *full)``.
-
-    megatron-core writes one chunk per (layer, expert) and expert-TP part, split along the expert
-    linear's output (``linear_fc1``: column) or input (``linear_fc2.weight``: row) axis, ``parts``
-    equal pieces; every (layer, expert) the same, or ``refuse`` names the key. The one count of
-    expert-TP parts: the view lays experts out by it, and :mod:`gtp_format.megatron_topology` reads
-    the run's expert TP from it.
-    """
-    e = ckpt.entries[key]
-    if e.shape is None or len(e.shape) < 3:
-        raise refuse(f"{key} is not stacked by (layer, expert)")
-    layers, n_exp, full = e.shape[0], e.shape[1], tuple(e.shape[2:])
-    boxes: dict[tuple[int, int], list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
-    for c in e.chunks:
-        if len(c.offsets) != 2 + len(full) or tuple(c.sizes[:2]) != (1, 1):
-            raise refuse(f"{key} stores several (layer, expert) pairs in one chunk")
-        boxes.setdefault((c.offsets[0], c.offsets[1]), []).append((tuple(c.offsets[2:]), tuple(c.sizes[2:])))
-    if len(boxes) != layers * n_exp:
-        raise refuse(f"{key} stores chunks for {len(boxes)} of its {layers * n_exp} (layer, expert) pairs")
-    parts = {len(v) for v in boxes.values()}
-    n = parts.pop() if len(parts) == 1 else 0
-    axes = {i for v in boxes.values() for _, sz in v for i, (a, f) in enumerate(zip(sz, full)) if a != f}
-    if n == 0 or (n == 1) != (not axes) or len(axes) > 1 or (axes and next(iter(axes)) > 1):
-        raise refuse(f"{key} is not one chunk per (layer, expert), nor split in equal parts along one of its first "
-                     "two axes (expert TP)")
-    if n == 1:
-        return None, 1
-    axis = axes.pop()
-    want = [tuple(i * full[axis] // n if d == axis else 0 for d in range(len(full))) for i in range(n)]
-    size = tuple(f // n if d == axis else f for d, f in enumerate(full))
-    if full[axis] % n or any(sorted(v) != [(o, size) for o in want] for v in boxes.values()):
-        raise refuse(f"{key} is not split in {n} equal parts along axis {axis} for every (layer, expert)")
-    return ("column" if axis == 0 else "row"), n

@@ -6,7 +6,7 @@ all): DCP assembles any box of a global tensor from its TP/PP chunks. So each mo
 becomes a :class:`~gtp_format.views.records.ParamView` with one primary holder that spans the whole
 tensor (no TP part, no GTP shard, no padding), and the ordinary read path
 (:meth:`.source.Source.read_full_box`) serves its boxes. The module order and key names are
-megatron-core's GPT (local spec), shared with the ``dp_reshardable`` view (:mod:`gtp_format.views.megatron`).
+megatron-core's GPT (local spec), shared with the ``dp_reshardable`` view (:mod:`gtp_format.megatron.view`).
 Optimizer states are not in these views: ``--optimizer`` and ``--to fully_reshardable`` still need
 ``dp_reshardable`` keys.
 """
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from gtp_format.errors import FormatError
 from gtp_format.layout.shard import ShardSpec
+from gtp_format.megatron.keys import EXPERT_PREFIX, expert_keys
+from gtp_format.megatron.view import check_stored, module_params
 from gtp_format.model import Checkpoint
-from gtp_format.views.megatron import check_stored, module_params
-from gtp_format.views.megatron_moe import EXPERT_PREFIX, expert_keys
 from gtp_format.views.records import Holder, KeyRef, ParamView
 
 

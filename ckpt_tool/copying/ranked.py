@@ -1,7 +1,7 @@
 """A new checkpoint folder built by every rank of a torchrun job and committed by rank 0.
 
 The ranks' sequence (:func:`build_ranked`; the engines' part is
-:func:`ckpt_tool.reshard.engine.share_files`):
+:func:`ckpt_tool.copying.engine.share_files`):
 
 1. rank 0 creates the one writer's hidden work folder beside DST
    (:class:`gtp_format.writer.checkpoint.CheckpointWriter`) and broadcasts its path; every other rank
@@ -17,7 +17,7 @@ Any rank's error, at any step, is every rank's one line naming that rank, and no
 removes the work folder. A rank killed meanwhile is found by its peers' broken connection (or torchrun's
 SIGTERM, which makes rank 0's writer remove the work folder as on an error); a killed rank 0 leaves its work
 folder to the surviving ranks of its host, which remove it once rank 0's process is gone (a dead owner's
-work only, as :func:`gtp_format.writer.work.clean_stale`; a zombie not yet reaped by torchrun counts as gone).
+work only, as :func:`gtp_format.work.clean_stale`; a zombie not yet reaped by torchrun counts as gone).
 
 A bucket DST: the work folder is rank 0's local staging, so every rank must share rank 0's host; a job over
 several hosts is refused before anything is written.
@@ -31,15 +31,16 @@ from pathlib import Path
 
 from gtp_format.errors import FormatError
 from gtp_format.ranks import COMMITTING, Group, RankFailed, fault
+from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
+from gtp_format.work import remove_entry
 from gtp_format.writer.checkpoint import CheckpointWriter
-from gtp_format.writer.work import remove_entry
 
 
 def build_ranked(group: Group, dst: Path | ObjectURL, body: Callable[[CheckpointWriter], None],
                  inner: str | None, latest: str | None) -> None:
-    """:func:`ckpt_tool.reshard.engine.build_atomically` for the ranks of ``group`` (see the module docstring)."""
-    if isinstance(dst, ObjectURL) and len({p.host for p in group.peers}) > 1:
+    """:func:`ckpt_tool.copying.engine.build_atomically` for the ranks of ``group`` (see the module docstring)."""
+    if not storage_for(dst).in_place and len({p.host for p in group.peers}) > 1:
         raise FormatError(f"{dst}: a bucket output is staged on rank 0's host, and this job spans "
                           f"{len({p.host for p in group.peers})} hosts; run it on one node (--nnodes 1)")
     if group.root:

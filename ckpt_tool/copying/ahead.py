@@ -2,7 +2,7 @@
 assembled) on other threads while the file's own thread stages and writes the current one, in order.
 
 Why: ``export --to hf`` writes one safetensors file per shard (5 GB by default), each on one thread that
-reads, hashes, assembles and stages every byte in turn: issue 41's 15.8 GB export made 4 files, the largest
+reads, hashes, assembles and stages every byte in turn: a 15.8 GB export made 4 files, the largest
 about 5 GB on one thread, so a 16-core machine idled behind it whatever ``--workers`` said (the files are set
 by the shard size). The bytes written and their order are the same; only who reads them, and when, changes.
 
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ckpt_tool.reshard.plan import OutChunk
+from ckpt_tool.copying.plan import OutChunk
 from gtp_format.reader.boxes import Buffer
 
 MAX_AHEAD = 1  # chunks read ahead per file: one read in flight beside each write; a slot is two more buffers
@@ -27,7 +27,7 @@ MAX_AHEAD = 1  # chunks read ahead per file: one read in flight beside each writ
 
 class SlotBuffers:
     """One chunk's reusable buffers (``out``: the box returned, ``scratch``: rows it is assembled from), the
-    attributes :func:`ckpt_tool.reshard.engine.chunk_data` uses; not thread-local: one chunk at a time."""
+    attributes :func:`ckpt_tool.copying.engine.chunk_data` uses; not thread-local: one chunk at a time."""
 
     def __init__(self) -> None:
         self.out, self.scratch = Buffer(), Buffer()

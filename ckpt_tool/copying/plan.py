@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ckpt_tool.reshard import WEIGHT_STATE
+from ckpt_tool.copying import WEIGHT_STATE
 from gtp_format.dtypes import DType, by_name
 from gtp_format.manifest import Manifest
 from gtp_format.names import STATES
@@ -68,7 +68,7 @@ def row_blocks(rows: int, row_elems: int, itemsize: int, max_bytes: int) -> list
     return [(a, min(rows, a + step)) for a in range(0, rows, step)]
 
 
-def _holder_chunks(view: ParamView, h: Holder, state: str, max_bytes: int, full_row: int) -> list[OutChunk]:
+def holder_chunks(view: ParamView, h: Holder, state: str, max_bytes: int, full_row: int) -> list[OutChunk]:
     """Chunks of one holder's slice of one optimizer key (1-D) or, for WEIGHT_STATE, of the model key."""
     tail = h.spec.local_shape[1:]
     row = math.prod(tail)
@@ -93,7 +93,8 @@ def _holder_chunks(view: ParamView, h: Holder, state: str, max_bytes: int, full_
     return out
 
 
-def _gaps(numel: int, used: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def gaps(numel: int, used: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ranges ``[a, b)`` of ``[0, numel)`` that no ``used`` range covers (a bucket's alignment gaps)."""
     out, pos = [], 0
     for a, b in sorted(used):
         if a > pos:
@@ -118,13 +119,13 @@ def plan_target(target: Manifest, max_chunk_bytes: int, views: dict[str, ParamVi
         full_row = math.prod(view.full_shape[1:])
         shapes[view.name] = (view.global_shape, dtype_of(view.param_dtype))
         for h in view.primaries:
-            chunks.extend(_holder_chunks(view, h, WEIGHT_STATE, max_chunk_bytes, full_row))
+            chunks.extend(holder_chunks(view, h, WEIGHT_STATE, max_chunk_bytes, full_row))
         for h in view.holders:
             used.setdefault(h.ref.key(STATES[0]), []).append((h.start, h.start + h.numel))
             for state in STATES:
-                chunks.extend(_holder_chunks(view, h, state, max_chunk_bytes, full_row))
+                chunks.extend(holder_chunks(view, h, state, max_chunk_bytes, full_row))
     for ref in bucket_refs(target):
-        for a, b in _gaps(ref.numel_unpadded, used.get(ref.key(STATES[0]), [])):
+        for a, b in gaps(ref.numel_unpadded, used.get(ref.key(STATES[0]), [])):
             for state in STATES:
                 step = max(1, max_chunk_bytes // FP32.itemsize)
                 for s in range(a, b, step):
@@ -153,7 +154,7 @@ def split_files(chunks: list[OutChunk], files: int) -> list[list[OutChunk]]:
 
 def read_order(parts: list[list[OutChunk]], workers: int) -> list[OutChunk]:
     """The chunks of ``parts`` (one file each) in the order ``workers`` threads reach them, when the files run
-    as :func:`ckpt_tool.reshard.engine.run_files` runs them (the first ``workers`` at once, the next file on
+    as :func:`ckpt_tool.copying.engine.run_files` runs them (the first ``workers`` at once, the next file on
     the first thread free) and every thread copies at the same byte rate.
 
     Why: a bucket's prefetch fetches in one order within a budget (:class:`gtp_format.storage.prefetch.

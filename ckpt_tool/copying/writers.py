@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ckpt_tool.reshard.plan import OutChunk
+from ckpt_tool.copying.plan import OutChunk
 from gtp_format.dtypes import DType
 from gtp_format.integrity.hash import chunk_digest
 from gtp_format.integrity.records import ChunkRecord

@@ -101,11 +101,11 @@ class MegatronTopology:
 def _expert_tp(ckpt: Checkpoint, notes: list[str]) -> int | None:
     """Expert TP from the stacked expert keys (``decoder.layers.mlp.experts.experts.*``, shape
     ``(layers, experts, ...)``): megatron-core stores each (layer, expert) in expert-TP equal parts
-    (:func:`gtp_format.views.megatron_moe.expert_split`, the count the view lays experts out by),
+    (:func:`gtp_format.megatron.keys.expert_split`, the count the view lays experts out by),
     the largest over the keys (a bias is never split). Why not TP: megatron-core's expert TP defaults
     to TP but is its own flag, and a checkpoint resharded to expert TP 1 at TP 2 has expert-optimizer
     groups PP x EP x 1, not PP x EP x TP. Keys not in that layout leave it unknown, with a note."""
-    from gtp_format.views.megatron_moe import expert_keys, expert_split
+    from gtp_format.megatron.keys import expert_keys, expert_split
 
     parts = set()
     keys = expert_keys(ckpt)
@@ -204,7 +204,7 @@ def common_state(ckpt: Checkpoint) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def _args_sizes(state: dict[str, Any] | None) -> dict[str, int]:
+def args_sizes(state: dict[str, Any] | None) -> dict[str, int]:
     from gtp_format.reader.inert_object import InertObject
 
     args = state.get("args") if state else None
@@ -266,7 +266,7 @@ def derive(ckpt: Checkpoint, *, read_common_state: bool = True) -> MegatronTopol
             topo.pp = n // topo.tp
             topo.sources["pp"] = "dp_group_idx count / tp"
     state = common_state(ckpt) if read_common_state else None
-    recorded = _args_sizes(state)
+    recorded = args_sizes(state)
     for short, value in recorded.items():
         mine = getattr(topo, short)
         if mine is not None and mine != value:

@@ -12,19 +12,19 @@
   adds ``optimizer*.safetensors`` holding ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``
   (fp32 master weights and Adam moments). Without ``--optimizer`` only model keys are read, so
   any megatron-core checkpoint that holds model weights exports, whatever its optimizer sharding
-  (:mod:`.weights`).
+  (:mod:`ckpt_tool.copying.weights`).
 * ``fully_reshardable``: Megatron's per-parameter optimizer layout as a torch_dist (DCP)
   checkpoint: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>`` next to the model weights
   ``<name>``, every tensor at its global shape, chunked in row blocks.
 * ``torch``: one ``torch.save`` file of ``{key: global tensor}`` for every tensor key of SRC, the
   tensors PyTorch's ``dcp_to_torch_save`` writes (its non-tensor objects are left out and named:
-  :mod:`.export_torch`); the whole state is in memory at once, so it is
+  :mod:`.to_torch`); the whole state is in memory at once, so it is
   refused above ``--max-memory`` (small models only: PyTorch's own ``dcp_to_torch_save``, added in
   pytorch/pytorch#119814, holds the whole state too, and its docstring warns of running out of memory).
 
-All three stream through the per-parameter view (:class:`.source.Source`) in row blocks of at
+All three stream through the per-parameter view (:class:`ckpt_tool.copying.source.Source`) in row blocks of at
 most the chunk budget and appear atomically through the one checkpoint writer
-(:class:`gtp_format.writer.checkpoint.CheckpointWriter` via :func:`.engine.build_atomically`;
+(:class:`gtp_format.writer.checkpoint.CheckpointWriter` via :func:`ckpt_tool.copying.engine.build_atomically`;
 ``torch``'s single file through :func:`gtp_format.commit.commit_file`): never replacing a DST that
 appeared meanwhile. ``hf`` and ``fully_reshardable`` files go out through
 :class:`gtp_format.writer.sink.Sink` (``O_DIRECT``, fsynced), as reshard's do.
@@ -44,12 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from ckpt_tool.hf import folder as hf_folder
-from ckpt_tool.hf import mapping, megatron_arch, megatron_run_state
-from ckpt_tool.hf import run_state as hf_run_state
-from ckpt_tool.reshard import DEFAULT_MAX_MEMORY, WEIGHT_STATE
-from ckpt_tool.reshard.ahead import ReadAhead, ahead_depth
-from ckpt_tool.reshard.engine import (
+from ckpt_tool.copying import DEFAULT_MAX_MEMORY, WEIGHT_STATE
+from ckpt_tool.copying.ahead import ReadAhead, ahead_depth
+from ckpt_tool.copying.engine import (
     COPIES,
     build_atomically,
     check_destination,
@@ -61,11 +58,14 @@ from ckpt_tool.reshard.engine import (
     run_files,
     written_sizes,
 )
-from ckpt_tool.reshard.export_torch import export_torch
+from ckpt_tool.copying.plan import FP32, OutChunk, dtype_of, row_blocks, split_files
+from ckpt_tool.copying.source import Buffers, Source, open_source
+from ckpt_tool.copying.writers import write_distcp, write_distcp_metadata, write_objects
+from ckpt_tool.export.to_torch import export_torch
+from ckpt_tool.hf import folder as hf_folder
+from ckpt_tool.hf import mapping, megatron_arch, megatron_run_state
+from ckpt_tool.hf import run_state as hf_run_state
 from ckpt_tool.reshard.megatron_objects import extra_objects
-from ckpt_tool.reshard.plan import FP32, OutChunk, dtype_of, row_blocks, split_files
-from ckpt_tool.reshard.source import Buffers, Source, open_source
-from ckpt_tool.reshard.writers import write_distcp, write_distcp_metadata, write_objects
 from gtp_format.check.st_names import refuse_unstorable
 from gtp_format.commit import write_durable
 from gtp_format.dtypes import DType
@@ -73,10 +73,10 @@ from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.params import model_params
 from gtp_format.lineage import attestation, derived
-from gtp_format.megatron_args import describe_model, recorded_args
+from gtp_format.megatron.args import describe_model, recorded_args
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.progress import Progress, ProgressOpener
-from gtp_format.storage import objects
+from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.views.records import ParamView
 from gtp_format.writer.checkpoint import CheckpointWriter, data_file_name, megatron_metadata
@@ -247,9 +247,9 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
     if not optimizer:  # the ledger reads the optimizer state (to check the file CRCs) beside the copy
         source.reader.ledger.fill_except(model_keys, source.reader.planned_ranges())
     bufs = Buffers()  # thread-local: each worker reads into its own reusable buffers
-    # the next chunks of each file are read on other threads while it writes (ckpt_tool.reshard.ahead); a bucket's
+    # the next chunks of each file are read on other threads while it writes (ckpt_tool.copying.ahead); a bucket's
     # reads are fetched ahead by its own plan already
-    depth = 0 if max_memory is None or isinstance(source.root, ObjectURL) else \
+    depth = 0 if max_memory is None or storage_for(source.root).remote else \
         ahead_depth(max_memory, workers, chunk_bytes, os.cpu_count() or 1)
     pool = ThreadPoolExecutor(max(1, min(workers * depth, os.cpu_count() or 1)), thread_name_prefix="read-ahead") \
         if depth else None
@@ -326,10 +326,11 @@ def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_byt
 
 def output_bytes(dst: Path | ObjectURL, inner: str | None) -> int:
     """Bytes of the committed output: a file, a folder's files, or a bucket's objects (as listed)."""
-    if isinstance(dst, ObjectURL):
-        if not dst.prefix or objects.head_size(dst.parent, dst.name) is None:
+    if storage_for(dst).remote:  # as the store lists them: no folder entries to walk
+        st = storage_for(dst.parent).stat(dst.name) if dst.name else None
+        if st is None:
             return sum(written_sizes(dst)) + (sum(written_sizes(dst / inner)) if inner else 0)
-        return objects.object_size(dst.parent, dst.name)
+        return st.size
     return dst.stat().st_size if dst.is_file() else sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
 
 
@@ -350,7 +351,7 @@ def export(src: Path | ObjectURL, dst: Path | ObjectURL, to: str, optimizer: boo
         raise FormatError(f"--names {names!r}: use one of {', '.join(NAMES)}")
     if to != "hf" and (names is not None or tokenizer is not None or num_heads is not None):
         raise FormatError(f"--names, --tokenizer and --num-heads shape a Hugging Face folder; drop them for --to {to}")
-    if to == "torch" and isinstance(dst, ObjectURL) and not dst.prefix:
+    if to == "torch" and not storage_for(dst).in_place and not dst.name:  # a bucket's top level
         raise FormatError(f"{dst}: --to torch writes one object; name it, e.g. {dst}/model.pt")
     t0 = time.perf_counter()
     baseline = rss_after_imports("safetensors" if to == "hf" else None)

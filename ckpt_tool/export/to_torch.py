@@ -32,18 +32,17 @@ from typing import Any
 
 import numpy as np
 
-from ckpt_tool.reshard.engine import MIN_CHUNK, write_failure
-from ckpt_tool.reshard.source import Source
+from ckpt_tool.copying.engine import MIN_CHUNK, write_failure
+from ckpt_tool.copying.source import Source
 from gtp_format.check.integrity import readable_bytes
-from gtp_format.commit import commit_file
 from gtp_format.errors import FormatError
 from gtp_format.reader.boxes import PREFETCH_BUDGET
-from gtp_format.storage import upload
+from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
+from gtp_format.work import clean_stale, new_work, remove_entry, sigterm_raises
 from gtp_format.writer.checkpoint import DestinationTaken
 from gtp_format.writer.sink import Sink, stage_bytes
 from gtp_format.writer.torch_file import TorchStateFile
-from gtp_format.writer.work import clean_stale, new_work, remove_entry, sigterm_raises
 
 READERS = 8  # slices read at once (from a bucket they wait on round trips, not on the cores)
 SLICE = 16 << 20  # bytes per slice at most: finer than the prefetch's budget, so the window stays full
@@ -98,8 +97,8 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
         arr = np.ascontiguousarray(source.reader.read_box(key, offsets, sizes))
         return arr, zlib.crc32(arr.reshape(-1).view(np.uint8))
 
-    bucket = isinstance(dst, ObjectURL)  # built in local staging, then uploaded as one object
-    local = upload.staging_dir() / dst.name if bucket else dst
+    store = storage_for(dst)  # a bucket's: built in local staging, then uploaded as one object
+    local = store.work_target(store.work_parent())
     clean_stale(local.parent)  # what killed exports left beside DST
     # the file is built inside a work folder of this writer's (its ownership token inside), so a killed
     # export's partial file is removed by the next writer there, and only one this tool provably made
@@ -128,10 +127,7 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
                 out.finish()
                 sink.close()
             source.verify_reads()  # a damaged SRC is refused here, before anything is committed
-            if bucket:
-                upload.Upload(dst).run_file(tmp)
-            else:
-                commit_file(tmp, dst)
+            store.put(tmp)
     except FileExistsError:
         raise DestinationTaken(dst) from None
     except OSError as e:

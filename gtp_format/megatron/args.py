@@ -1,7 +1,7 @@
 """The model a genuine megatron-core GPT checkpoint holds: one typed description, read from its own ``args``.
 
 megatron-core's training loop stores the run's ``argparse.Namespace`` in ``common_state`` (decoded
-as inert records by :func:`gtp_format.megatron_topology.common_state`, nothing run). The flags that
+as inert records by :func:`gtp_format.megatron.topology.common_state`, nothing run). The flags that
 change what the stored tensors mean are read from it under Megatron-LM's argument names
 (megatron-core 0.19.2 ``megatron/training/arguments.py``): ``num_attention_heads``,
 ``num_query_groups`` (with ``group_query_attention``), ``kv_channels``, ``swiglu`` /
@@ -181,7 +181,7 @@ class ModelDescription:
 
 def recorded_args(ckpt: Checkpoint) -> dict[str, Any]:
     """``common_state``'s ``args`` fields (inert records), ``{}`` when there are none."""
-    from gtp_format.megatron_topology import common_state
+    from gtp_format.megatron.topology import common_state
     from gtp_format.reader.inert_object import InertObject
 
     state = common_state(ckpt)

@@ -2,7 +2,7 @@
 
 Refusals come first and name the fix, all from the one gate (:func:`gtp_format.check.gate.open_gated`):
 a source without a manifest (not ours: export reads a genuine megatron-core checkpoint through
-:mod:`gtp_format.views.megatron`), a broken manifest (the strict parser's line), an aliased source (folded
+:mod:`gtp_format.megatron.view`), a broken manifest (the strict parser's line), an aliased source (folded
 keys without ``.cp_rank_{i}``: ``ckpt migrate-aliased`` first), then every structural check of
 ``ckpt verify`` (a missing key the layout implies, a hole, a chunk without storage, a data file that
 is gone or short, the ``param_optimizers`` owners, the canonical bucket layout, key dtypes...) with
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ckpt_tool.reshard import WEIGHT_STATE
+from ckpt_tool.copying import WEIGHT_STATE
 from gtp_format.check.gate import REFUSE, open_gated
 from gtp_format.check.integrity import ReadLedger
 from gtp_format.errors import FormatError
@@ -33,7 +33,7 @@ from gtp_format.manifest import Manifest
 from gtp_format.model import Checkpoint, Chunk
 from gtp_format.names import OPTIMIZER_SHARDINGS
 from gtp_format.reader.boxes import BoxReader, Buffer
-from gtp_format.storage import objects
+from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL, parse_location
 from gtp_format.views.ours import param_views
 from gtp_format.views.records import Holder, ParamView, full_box
@@ -68,7 +68,7 @@ class CheckedReader(BoxReader):
 @dataclass
 class Source:
     ckpt: Checkpoint
-    manifest: Manifest | None  # None: a genuine megatron-core checkpoint (gtp_format.views.megatron)
+    manifest: Manifest | None  # None: a genuine megatron-core checkpoint (gtp_format.megatron.view)
     views: dict[str, ParamView]
     reader: CheckedReader
     given: Path | ObjectURL | None = None  # SRC as the user named it (a run folder or prefix, or the root itself)
@@ -194,16 +194,16 @@ def open_source(path: Path | ObjectURL, megatron: bool = False, weights_only: bo
     """Open SRC through the one gate and refuse what cannot be resharded (see the module docstring).
 
     ``megatron=True`` (export) also takes a checkpoint without a manifest, through megatron-core's
-    layout rules (:mod:`gtp_format.views.megatron`, which refuses what they do not cover).
+    layout rules (:mod:`gtp_format.megatron.view`, which refuses what they do not cover).
     ``weights_only=True`` (an export of the model weights alone): a megatron-core checkpoint, whatever
     its optimizer sharding, is read through its model keys alone (:mod:`.weights`); ``experts=True``
     (``export --to fully_reshardable``): a megatron-core MoE checkpoint too; ``views=False``
     (``--to torch``, which copies keys, not parameters): no per-parameter view is built at all.
     ``max_memory`` (a copy that will read every byte): a bucket's small data objects may be fetched whole
-    from its listing on, within a quarter of it (:func:`gtp_format.storage.objects.reads_everything`).
+    from its listing on, within a quarter of it (:meth:`gtp_format.storage.base.Storage.reads_everything`).
     """
     if max_memory is not None:
-        objects.reads_everything(min(WHOLE_OBJECTS, max_memory // 4))
+        storage_for(path).reads_everything(min(WHOLE_OBJECTS, max_memory // 4))
     source = _open_source(path, megatron, weights_only, views, experts)
     source.given = parse_location(path) if isinstance(path, str) else path
     return source
@@ -231,10 +231,10 @@ def _open_source(path: Path | ObjectURL, megatron: bool, weights_only: bool, vie
 def _open_megatron(ckpt: Checkpoint, weights_only: bool = False, views: bool = True, experts: bool = False
                    ) -> Source:
     """A checkpoint without a manifest, already through the gate: megatron-core's layout rules."""
-    from gtp_format.views.megatron import megatron_views
+    from gtp_format.megatron.view import megatron_views
 
     if weights_only:
-        from ckpt_tool.reshard.weights import weight_views
+        from ckpt_tool.copying.weights import weight_views
 
         return Source(ckpt, None, weight_views(ckpt) if views else {}, CheckedReader(ckpt))
     return Source(ckpt, None, megatron_views(ckpt, experts=experts), CheckedReader(ckpt))
