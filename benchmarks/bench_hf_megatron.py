@@ -127,6 +127,11 @@ def make_hf(root: Path, args: argparse.Namespace) -> int:
     return layers
 
 
+def ratio(r: float) -> str:
+    """Two decimals, or two significant digits below 0.01 (a smoke run's tiny copy is not shown as 0.00x)."""
+    return f"{r:.2f}x" if r >= 0.01 else f"{r:.2g}x"
+
+
 def size(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
@@ -190,9 +195,9 @@ def main(argv: list[str] | None = None) -> None:
         ratios = [c / t for c, t in zip(cp, ts)]
         rows.append({"command": name, "median s": round(statistics.median(ts), 2),
                      "min-max s": f"{min(ts):.2f}-{max(ts):.2f}",
-                     "vs cp -r MC (medians)": f"{statistics.median(cp) / statistics.median(ts):.2f}x",
-                     "per round min-median-max": f"{min(ratios):.2f}-{statistics.median(ratios):.2f}-"
-                                                 f"{max(ratios):.2f}x",
+                     "vs cp -r MC (medians)": ratio(statistics.median(cp) / statistics.median(ts)),
+                     "per round min-median-max": f"{ratio(min(ratios))[:-1]}-{ratio(statistics.median(ratios))[:-1]}-"
+                                                 f"{ratio(max(ratios))}",
                      "peak RSS MiB": round(max(peaks[name]) / 2**20) if peaks[name] else "-"})
     print(f"HF folder {gb_hf:.2f} GB ({layers} layers, hidden {args.hidden}, ffn {args.ffn}, vocab {args.vocab}, "
           f"fp32); megatron-core checkpoint {gb_mc:.2f} GB (tp{args.tp} dp{args.dp}, dp_reshardable); "
