@@ -43,14 +43,16 @@ DST (iter_N) resumes the exported run (--no-optimizer: ignore them, start at ste
 the model flags that `--format json` prints under "model" and the same --bucket-size. Anything
 else is refused in one line naming the config field or tensor.
 
---to megatron-core: a LlamaForCausalLM (GQA/MQA, tied or untied), Qwen3ForCausalLM or
-GPTBigCodeForCausalLM folder as a megatron-core torch_dist checkpoint at --tp --pp [--vpp] --dp
-(iter_0000000, latest_checkpointed_iteration.txt): weights as stored, fp32 masters equal to them,
-zero Adam moments, step 0, the args a Megatron-LM run of the model records, --sharding
-dp_reshardable (default) or fully_reshardable. A run that loads the optimizer passes the same
---lr/--min-lr (megatron-core matches param groups by them) and --override-opt_param-scheduler;
---finetune or --no-load-optim takes the weights alone. A config that disagrees with the tensors,
-or a setting megatron-core's GPT cannot compute, is refused in one line.
+--to megatron-core: a LlamaForCausalLM (GQA/MQA, tied or untied), Qwen2ForCausalLM, Qwen3ForCausalLM,
+ArceeForCausalLM, Starcoder2ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM (--ep E,
+--etp 1) or GPTBigCodeForCausalLM folder as a megatron-core torch_dist checkpoint at --tp --pp [--vpp] --dp
+(iter_0000000, latest_checkpointed_iteration.txt): weights as stored, fp32 masters equal to them, zero Adam
+moments, step 0, the args a Megatron-LM run of the model records, --sharding dp_reshardable (default) or
+fully_reshardable. A run that loads the optimizer passes the same --lr/--min-lr (megatron-core matches param
+groups by them) and --override-opt_param-scheduler; --finetune or --no-load-optim takes the weights alone. If
+SRC has the optimizer files of `ckpt export --to hf --optimizer` of a megatron-core checkpoint, the masters,
+moments, iteration and Adam step are carried (--no-optimizer: fresh). A config that disagrees with the
+tensors, or a setting megatron-core's GPT cannot compute, is refused in one line.
 
 Exit codes: 0 written, 2 unreadable or unsupported SRC, impossible topology, DST exists, or a
 write failed."""
@@ -74,6 +76,9 @@ def import_command(
     pp: Annotated[int | None, typer.Option("--pp", min=1, help="megatron-core: pipeline-parallel size.")] = None,
     vpp: Annotated[int | None, typer.Option("--vpp", min=1, help="megatron-core: virtual pipeline stages per "
                                             "pipeline rank.")] = None,
+    ep: Annotated[int | None, typer.Option("--ep", min=1, help="megatron-core MoE: expert-parallel size.")] = None,
+    etp: Annotated[int | None, typer.Option("--etp", min=1, help="megatron-core MoE: expert tensor-parallel size "
+                                            "(1: gated experts are laid out at expert TP 1).")] = None,
     sharding: Annotated[str | None, typer.Option("--sharding", metavar="dp_reshardable|fully_reshardable",
                                                  help="megatron-core: the distributed optimizer's sharding type.")
                         ] = None,
@@ -117,13 +122,15 @@ def import_command(
             bar = progress_opener(stack, "importing", fmt)
             info = import_megatron(src, dst, tp, pp or 1, dp, vpp, sharding or "dp_reshardable", seq_length,
                                    1e-4 if lr is None else lr, 0.0 if min_lr is None else min_lr, max_memory,
-                                   workers, bar)
+                                   workers, bar, ep or 1, etp or 1, optimizer)
         print_written(fmt, info, f"imported {info['src']} ({info['architecture']}) as {info['dst']} (megatron-core "
-                      f"{info['sharding']}, {info['topology']}, iteration 0, fresh optimizer state): "
+                      f"{info['sharding']}, {info['topology']}, iteration {info['iteration']}, optimizer "
+                      f"{info['optimizer']}): "
                       f"{count(info['params'], 'param')}, {count(info['files'], 'file')}, "
                       f"{fmt_bytes(info['bytes_written'])} in {info['seconds']:.1f} s")
         return
-    given = [f for f, v in (("--pp", pp), ("--vpp", vpp), ("--sharding", sharding), ("--lr", lr),
+    given = [f for f, v in (("--pp", pp), ("--vpp", vpp), ("--ep", ep), ("--etp", etp), ("--sharding", sharding),
+                            ("--lr", lr),
                             ("--min-lr", min_lr)) if v is not None]
     if given:
         raise FormatError(f"{given[0]} is for --to megatron-core; drop it")

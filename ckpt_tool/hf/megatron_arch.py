@@ -192,10 +192,11 @@ def choose(d: ModelDescription, args: dict[str, Any], shapes: dict[str, tuple[in
             "num_key_value_heads": groups, "max_position_embeddings": seq, "rope_parameters": rope,
             "attention_dropout": 0.0, "hidden_act": ACT_HF.get(act, act)}
     if d.num_experts:
-        arch, mtype, config = _moe(d, args, attn, dim, eps, bias or qkv_bias, gated and act == "silu" and
-                                   norm == "RMSNorm", where)
+        arch, mtype, config = _moe(d, args, attn, dim, eps, bias, qkv_bias, gated and act == "silu" and
+                                   norm == "RMSNorm", _any(shapes, "shared_experts.gate_weight"), heads, hidden, where)
         config = {"architectures": [arch], "model_type": mtype, **common, **config}
-        return Target(arch, config, _rope_names(arch, q, k, v, ffn, gated, where, d.moe_ffn_hidden_size), assumed)
+        return Target(arch, config, _rope_names(arch, q, k, v, ffn, gated, where, d.moe_ffn_hidden_size,
+                                                d.moe_shared_expert_intermediate_size), assumed)
     if norm == "RMSNorm" and gated and act == "silu":
         if d.qk_layernorm:
             if bias or qkv_bias:
@@ -233,20 +234,38 @@ def choose(d: ModelDescription, args: dict[str, Any], shapes: dict[str, tuple[in
 
 
 def _moe(d: ModelDescription, args: dict[str, Any], attn: dict[str, Any], dim: int, eps: float, bias: bool,
-         llama_style: bool, where: str) -> tuple[str, str, dict[str, Any]]:
-    """A megatron-core MoE GPT with SwiGLU experts -> Mixtral, or Qwen3-MoE with RMSNorm q/k norms.
+         qkv_bias: bool, llama_style: bool, shared_gate: bool, heads: int, hidden: int,
+         where: str) -> tuple[str, str, dict[str, Any]]:
+    """A megatron-core MoE GPT with SwiGLU experts -> Mixtral, Qwen3-MoE with RMSNorm q/k norms, or Qwen2-MoE
+    with a gated shared expert.
 
     megatron's default router takes the top-k logits and a softmax over them; Mixtral (and Qwen3-MoE
     with ``norm_topk_prob``) take a softmax over all experts, the top k, and divide by their sum:
-    the same weights, since a softmax's ratios do not depend on the other terms.
+    the same weights, since a softmax's ratios do not depend on the other terms. With
+    ``--moe-router-pre-softmax`` megatron takes the softmax over all experts, then the top k, and does
+    not renormalise: Qwen3-MoE with ``norm_topk_prob`` false (no Mixtral form: Mixtral always divides).
+
+    A shared expert (``--moe-shared-expert-intermediate-size``) maps only onto Qwen2-MoE, whose block adds
+    ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` to the routed experts' sum: megatron-core's
+    ``SharedExpertMLP`` with ``--moe-shared-expert-gate`` (``gate_weight`` of shape ``(1, hidden)``, the
+    same sigmoid on the same input). Qwen2-MoE always gates it, so a shared expert without the gate is
+    refused; its q/k/v biases are ``qkv_bias`` (megatron's ``--add-qkv-bias``), no q/k norms.
     """
+    shared = d.moe_shared_expert_intermediate_size
     topk = args.get("moe_router_topk") or 2
+    pre_softmax = bool(args.get("moe_router_pre_softmax"))
     settings = (
         (not llama_style, "experts that are not SwiGLU with RMSNorm (--swiglu, --normalization RMSNorm)"),
-        (bias, "linear biases (--add-bias-linear / --add-qkv-bias)"),
-        (bool(d.moe_shared_expert_intermediate_size), "shared experts (--moe-shared-expert-intermediate-size)"),
+        (bias, "linear biases (--add-bias-linear)"),
+        (qkv_bias and not shared, "q/k/v biases (--add-qkv-bias) without a shared expert"),
+        (bool(shared) and not shared_gate, "a shared expert without --moe-shared-expert-gate (Qwen2-MoE's shared "
+         "expert is always gated)"),
+        (bool(shared) and bool(d.qk_layernorm), "a shared expert with q/k layernorm (--qk-layernorm)"),
+        (bool(shared) and dim * heads != hidden, f"a shared expert and head dim {dim} != hidden/heads "
+         "(--kv-channels): Qwen2-MoE has none"),
         (bool(d.moe_router_enable_expert_bias), "a router expert bias (--moe-router-enable-expert-bias)"),
-        (bool(args.get("moe_router_pre_softmax")), "--moe-router-pre-softmax (softmax before the top-k, unnormalised)"),
+        (pre_softmax and not d.qk_layernorm and not shared, "--moe-router-pre-softmax (softmax before the top-k, "
+         "unnormalised) without q/k layernorm or a gated shared expert (Mixtral always renormalises its top k)"),
         (args.get("moe_router_score_function") not in (None, "softmax"),
          f"--moe-router-score-function {args.get('moe_router_score_function')}"),
         (args.get("moe_layer_freq") not in (None, 1), f"--moe-layer-freq {args.get('moe_layer_freq')} (dense layers "
@@ -261,8 +280,16 @@ def _moe(d: ModelDescription, args: dict[str, Any], attn: dict[str, Any], dim: i
         raise _refuse(where, f"a MoE model with {bad[0]} has no exact transformers class here")
     moe = {**attn, "head_dim": dim, "rms_norm_eps": eps, "intermediate_size": d.moe_ffn_hidden_size,
            "num_experts_per_tok": topk, "output_router_logits": False, "router_aux_loss_coef": 0.0}
+    if shared:
+        return "Qwen2MoeForCausalLM", "qwen2_moe", {**moe, "num_experts": d.num_experts,
+                                                    "norm_topk_prob": not pre_softmax,
+                                                    "moe_intermediate_size": d.moe_ffn_hidden_size,
+                                                    "shared_expert_intermediate_size": shared,
+                                                    "decoder_sparse_step": 1, "mlp_only_layers": [],
+                                                    "qkv_bias": qkv_bias, "use_sliding_window": False}
     if d.qk_layernorm:
-        return "Qwen3MoeForCausalLM", "qwen3_moe", {**moe, "num_experts": d.num_experts, "norm_topk_prob": True,
+        return "Qwen3MoeForCausalLM", "qwen3_moe", {**moe, "num_experts": d.num_experts,
+                                                    "norm_topk_prob": not pre_softmax,
                                                     "moe_intermediate_size": d.moe_ffn_hidden_size,
                                                     "decoder_sparse_step": 1, "mlp_only_layers": [],
                                                     "attention_bias": False, "use_sliding_window": False}
@@ -302,7 +329,8 @@ def _bigcode_names(where: str) -> Callable[[str, tuple[int, ...]], list[tuple[st
 
 
 def _rope_names(arch: str, q: Rows, k: Rows, v: Rows, ffn: int, gated: bool, where: str,
-                expert_ffn: int | None = None) -> Callable[[str, tuple[int, ...]], list[tuple[str, Rows]]]:
+                expert_ffn: int | None = None, shared: int | None = None
+                ) -> Callable[[str, tuple[int, ...]], list[tuple[str, Rows]]]:
     star = arch == "Starcoder2ForCausalLM"
     fc1 = ("mlp.c_fc" if star else "mlp.up_proj")
     fc2 = ("mlp.c_proj" if star else "mlp.down_proj")
@@ -333,6 +361,13 @@ def _rope_names(arch: str, q: Rows, k: Rows, v: Rows, ffn: int, gated: bool, whe
             w1, w3, w2 = ("w1", "w3", "w2") if arch == "MixtralForCausalLM" else ("gate_proj", "up_proj", "down_proj")
             if module == "mlp.router":
                 return [(f"{at}.{moe}.gate.{kind}", _whole(shape))]
+            if shared and module == "mlp.shared_experts.linear_fc1":  # Qwen2-MoE's shared expert
+                return [(f"{at}.mlp.shared_expert.gate_proj.{kind}", ((0, shared),)),
+                        (f"{at}.mlp.shared_expert.up_proj.{kind}", ((shared, 2 * shared),))]
+            if shared and module == "mlp.shared_experts.linear_fc2":
+                return [(f"{at}.mlp.shared_expert.down_proj.{kind}", _whole(shape))]
+            if shared and (module, kind) == ("mlp.shared_experts", "gate_weight"):
+                return [(f"{at}.mlp.shared_expert_gate.weight", _whole(shape))]
             parts = module.split(".")
             if len(parts) == 4 and parts[:2] == ["mlp", "experts"] and parts[2].isdigit():
                 e, lin = parts[2], parts[3]

@@ -31,12 +31,13 @@ import numpy as np
 
 from ckpt_tool.copying import WEIGHT_STATE
 from ckpt_tool.copying.plan import OutChunk
-from ckpt_tool.hf.megatron_fresh import optimizer_object, torch_object
-from ckpt_tool.hf.megatron_model import HFMegatron, MegatronParam
+from ckpt_tool.hf.megatron_fresh import EXPERT_PREFIX, optimizer_object, torch_object
+from ckpt_tool.hf.megatron_model import EXPERT_KEY, HFMegatron, MegatronParam
 from ckpt_tool.reshard.megatron_dp import plan_megatron
 from ckpt_tool.reshard.megatron_dp_objects import numel_blob
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.megatron.keys import HEAD, LAYER, TAIL
+from gtp_format.names import OPT_PREFIX
 from gtp_format.views.records import Holder, KeyRef, ParamView
 
 MODULE_OF = {key: module for module, key in LAYER}  # checkpoint key -> megatron-core module name
@@ -69,22 +70,25 @@ def module_name(p: MegatronParam) -> str:
     """megatron-core's module parameter name (``decoder.layers.0.input_layernorm.weight``), the view's name."""
     if p.layer is None:
         return p.key
+    if p.expert is not None:  # the name megatron_moe's views give an expert parameter (global expert index)
+        return f"decoder.layers.{p.layer}.mlp.experts.{p.expert}.{p.key[len(EXPERT_KEY):]}"
     key = p.key[len("decoder.layers."):]
     return f"decoder.layers.{p.layer}.{MODULE_OF[key]}"
 
 
 def gated_rows(p: MegatronParam, tp: int, gated: bool) -> int | None:
     """The TP block of a gated ``linear_fc1`` parameter (its rows are permuted per TP rank), else None."""
-    if gated and tp > 1 and p.key.startswith("decoder.layers.mlp.linear_fc1.") and "layer_norm" not in p.key:
+    fc1 = p.key.startswith(("decoder.layers.mlp.linear_fc1.", "decoder.layers.mlp.shared_experts.linear_fc1."))
+    if gated and tp > 1 and fc1 and "layer_norm" not in p.key:
         return p.shape[0] // 2 // tp
     return None
 
 
-def view_rows(p: MegatronParam, block: int | None, a: int, b: int) -> np.ndarray:
-    """Rows ``[a, b)`` of the view's full tensor: the parameter's, or for a gated fc1 at TP > 1 the
-    ``[gate_0; up_0; gate_1; up_1; ...]`` order."""
+def view_rows(p: MegatronParam, block: int | None, a: int, b: int, state: int | None = None) -> np.ndarray:
+    """Rows ``[a, b)`` of the view's full tensor (``state``: of its carried optimizer state): the parameter's,
+    or for a gated fc1 at TP > 1 the ``[gate_0; up_0; gate_1; up_1; ...]`` order."""
     if block is None:
-        return p.read_rows(a, b)
+        return p.read_rows(a, b, state)
     ffn = p.shape[0] // 2
     parts = []
     r = a
@@ -92,7 +96,7 @@ def view_rows(p: MegatronParam, block: int | None, a: int, b: int) -> np.ndarray
         t, q = divmod(r, 2 * block)
         start = t * block + q if q < block else ffn + t * block + (q - block)
         n = min(b - r, block - q % block)
-        parts.append(p.read_rows(start, start + n))
+        parts.append(p.read_rows(start, start + n, state))
         r += n
     return np.concatenate(parts)
 
@@ -116,7 +120,8 @@ def _global_rows(c: OutChunk, pb: tuple[MegatronParam, int | None]) -> list[OutC
     return out
 
 
-def plan_dp_reshardable(hf: HFMegatron, tp: int, pp: int, dp: int, max_bytes: int, lr: float, min_lr: float
+def plan_dp_reshardable(hf: HFMegatron, tp: int, pp: int, dp: int, max_bytes: int, lr: float, min_lr: float,
+                        ep: int = 1, etp: int = 1, step: float = 0.0
                         ) -> tuple[dict[int, list[OutChunk]], dict[str, Any], dict[str, bytes],
                                    dict[str, tuple[MegatronParam, int | None]]]:
     """(chunks per rank, key shapes, the per-rank byte objects, view name -> (parameter, TP block))."""
@@ -129,7 +134,13 @@ def plan_dp_reshardable(hf: HFMegatron, tp: int, pp: int, dp: int, max_bytes: in
     rank = {m: i for i, (m, _) in enumerate(LAYER)}
     tail = {k: i for i, k in enumerate(TAIL)}
 
+    moe = hf.num_experts > 0
+    dense_prefix = ("chained_0." if moe else "") + OPT_PREFIX
+    expert_prefix = EXPERT_PREFIX + OPT_PREFIX
+
     def order(p: MegatronParam) -> tuple[int, int, int]:  # megatron-core's module order: the buckets follow it
+        if p.expert is not None:  # the expert optimizer's own buffers: the planner orders them
+            return 3, p.layer or 0, p.expert
         if p.layer is not None:
             return 1, p.layer, rank[module_name(p).split(".", 3)[3]]
         return (2, tail[p.key], 0) if p.key in tail else (0, HEAD.index(p.key), 0)
@@ -137,20 +148,23 @@ def plan_dp_reshardable(hf: HFMegatron, tp: int, pp: int, dp: int, max_bytes: in
     for p in sorted(hf.params, key=order):
         name = module_name(p)
         spec = ShardSpec(p.shape, None, 1, 0, None, 1, 0, 1)
-        holder = Holder(KeyRef(0, 0, dtag, 0, None, 0), 0, spec, (), True)
-        views[name] = ParamView(name, p.shape, p.shape, None, None, False, 0, 0, 0, f"torch.{hf.dtype.name}",
-                                (holder,), weight_key=p.key if p.layer is not None else None, layer=p.layer)
-        entries[p.key] = _Entry((layers, *p.shape) if p.layer is not None else p.shape)
+        expert = p.expert is not None
+        holder = Holder(KeyRef(0, 0, dtag, 0, None, 0, expert_prefix if expert else dense_prefix), 0, spec, (), True)
+        views[name] = ParamView(name, p.shape, p.shape, None, None, expert, 0, 0, 0, f"torch.{hf.dtype.name}",
+                                (holder,), weight_key=p.key if p.layer is not None else None, layer=p.layer,
+                                expert=p.expert)
+        entries[p.key] = _Entry((layers, *((hf.num_experts,) if expert else ()), *p.shape) if p.layer is not None
+                                else p.shape)
         by_view[name] = (p, gated_rows(p, tp, gated))
     files, shapes, numels = plan_megatron(HFSource(str(hf.root), views, _Ckpt(entries)), tp, pp, dp, None,
-                                          max_bytes)
+                                          max_bytes, ep, etp)
     for rank, chunks in files.items():  # a gated fc1's model key: its global [gate; up] rows, not the view's
         files[rank] = [g for c in chunks for g in (_global_rows(c, by_view[c.param]) if c.param is not None
                                                      and c.state == WEIGHT_STATE else [c])]
     objects: dict[str, bytes] = {}
     template = torch_object([[]])
-    groups = optimizer_object(lr, min_lr)
     for prefix, ranks in numels.items():
+        groups = optimizer_object(lr, min_lr, prefix == expert_prefix, step)
         for n, bufs in sorted(ranks.items()):
             base = f"{prefix}.dp_group_idx_{n}"
             for i, what in enumerate(("per_bucket_numel", "per_bucket_numel_unpadded")):

@@ -43,6 +43,8 @@ from gtp_format.writer.torch_blob import object_blob
 SHARDINGS = ("dp_reshardable", "fully_reshardable")
 # megatron-core's GPT linear layers with an ``_extra_state`` (local spec: ``[None]``)
 LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+EXPERT_LINEARS = ("linear_fc1", "linear_fc2")  # each expert's (``mlp.experts.experts.*``), MoE layers
+EXPERT_PREFIX = "chained_1."  # MoE: a ChainedOptimizer of the dense (chained_0) and the expert optimizer
 ADAM = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}  # Megatron-LM's defaults
 
 
@@ -61,30 +63,53 @@ def extra_state() -> bytes:
     return torch_object([None])
 
 
-def param_groups(lr: float, min_lr: float) -> list[dict[str, Any]]:
-    return [{"is_expert_parallel": False, "default_config": True, "wd_mult": wd, "lr_mult": 1.0,
+def param_groups(lr: float, min_lr: float, expert: bool = False, step: float = 0.0) -> list[dict[str, Any]]:
+    """megatron-core's default param groups: weights (weight decay) and biases / norms (none); the expert
+    optimizer's experts have weights only (SwiGLU experts without biases): one group."""
+    return [{"is_expert_parallel": expert, "default_config": True, "wd_mult": wd, "lr_mult": 1.0,
              "is_decoupled_lr": False, "max_lr": lr, "min_lr": min_lr, "lr": lr, "betas": ADAM["betas"],
              "eps": ADAM["eps"], "weight_decay": ADAM["weight_decay"] * wd, "amsgrad": False, "maximize": False,
              "foreach": None, "capturable": False, "differentiable": False, "fused": None,
-             "decoupled_weight_decay": True, "step": 0.0} for wd in (1.0, 0.0)]
+             "decoupled_weight_decay": True, "step": step} for wd in ((1.0,) if expert else (1.0, 0.0))]
 
 
-def optimizer_object(lr: float, min_lr: float) -> bytes:
+def optimizer_object(lr: float, min_lr: float, expert: bool = False, step: float = 0.0) -> bytes:
     """``optimizer.distributed.dp_group_idx_N.optimizer`` of a ``dp_reshardable`` save: the param groups."""
-    return torch_object([{"param_groups": param_groups(lr, min_lr)}])
+    return torch_object([{"param_groups": param_groups(lr, min_lr, expert, step)}])
 
 
-def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int) -> None:
-    """Refuse, naming the flag, a TP / PP / VPP megatron-core could not build this model at."""
+def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int, ep: int = 1, etp: int = 1) -> None:
+    """Refuse, naming the flag, a TP / PP / VPP / EP / expert TP megatron-core could not build this model at."""
     a = hf.args
+    experts = a.get("num_experts") or 0
+    if not experts and (ep, etp) != (1, 1):
+        raise FormatError(f"--ep {ep} / --etp {etp}: the model has no experts; drop them")
+    if experts:
+        if ep == 1 and etp == tp:
+            raise FormatError(f"--ep 1 with expert TP = TP ({tp}): megatron-core keeps the experts in the dense "
+                              "optimizer there, a layout this import does not write; pass --ep > 1 (or --tp > 1 with "
+                              "--etp 1)")
+        if experts % ep:
+            raise FormatError(f"--ep {ep} does not divide the model's {experts} experts; pick an EP that divides them")
+        if etp != 1:
+            raise FormatError(f"--etp {etp}: the experts are gated (SwiGLU), and this import lays gated experts out at "
+                              "expert TP 1 only; pass --etp 1 (and --expert-tensor-parallel-size 1 to the run)")
+        if (tp * dp) % (ep * etp):
+            raise FormatError(f"--ep {ep} x --etp {etp} does not divide the {tp * dp} ranks of a pipeline stage "
+                              f"(--tp {tp} x --dp {dp}); pick sizes whose product divides them")
+        if vpp is not None and vpp > 1:
+            raise FormatError(f"--vpp {vpp} with experts: this import lays MoE out without a virtual pipeline")
     chunks = pp * (vpp or 1)
     if a["num_layers"] % chunks:
         raise FormatError(f"--pp {pp}{f' x --vpp {vpp}' if vpp else ''} = {chunks} model chunks do not divide the "
                           f"{a['num_layers']} layers (megatron-core's even split); pick sizes that divide them")
     if vpp is not None and vpp > 1 and pp == 1:
         raise FormatError(f"--vpp {vpp} needs --pp > 1 (megatron-core's virtual pipeline is within a pipeline)")
-    for what, n in (("num_attention_heads", a["num_attention_heads"]), ("num_query_groups", a["num_query_groups"]),
-                    ("ffn_hidden_size", a["ffn_hidden_size"]), ("padded_vocab_size", a["padded_vocab_size"])):
+    sizes = [("num_attention_heads", a["num_attention_heads"]), ("num_query_groups", a["num_query_groups"]),
+             ("ffn_hidden_size", a["ffn_hidden_size"]), ("padded_vocab_size", a["padded_vocab_size"])]
+    if a.get("moe_shared_expert_intermediate_size"):
+        sizes.append(("moe_shared_expert_intermediate_size", a["moe_shared_expert_intermediate_size"]))
+    for what, n in sizes:
         if n % tp:
             raise FormatError(f"--tp {tp} does not divide the model's {what} {n} (megatron-core splits it over "
                               "TP); pick a TP that divides it")
@@ -93,31 +118,42 @@ def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int) -> None:
 
 
 def run_args(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | None, dp: int,
-             sharding: str, lr: float, min_lr: float) -> argparse.Namespace:
-    return argparse.Namespace(**model, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+             sharding: str, lr: float, min_lr: float, ep: int = 1, etp: int = 1,
+             iteration: int = 0) -> argparse.Namespace:
+    moe = {"expert_tensor_parallel_size": etp, "sequence_parallel": tp > 1} if model.get("num_experts") else {}
+    return argparse.Namespace(**model, **moe, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
-                              context_parallel_size=1, expert_model_parallel_size=1, data_parallel_size=dp,
+                              context_parallel_size=1, expert_model_parallel_size=ep, data_parallel_size=dp,
                               world_size=tp * pp * dp, use_distributed_optimizer=True, ckpt_format="torch_dist",
                               dist_ckpt_optim_fully_reshardable=sharding == "fully_reshardable",
                               bf16=dtype.name == "bfloat16", fp16=False, lr=lr, min_lr=min_lr,
                               weight_decay=ADAM["weight_decay"], adam_beta1=ADAM["betas"][0],
                               adam_beta2=ADAM["betas"][1], adam_eps=ADAM["eps"], no_save_rng=True,
-                              no_save_optim=None, iteration=0, consumed_train_samples=0, consumed_valid_samples=0)
+                              no_save_optim=None, iteration=iteration, consumed_train_samples=0,
+                              consumed_valid_samples=0)
 
 
 def common_state(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | None, dp: int, sharding: str,
-                 lr: float, min_lr: float, iteration: int) -> bytes:
-    """``common_state/shard_0_1``'s blob (see the module docstring)."""
-    optimizer: dict[str, Any] = {"param_state_sharding_type": sharding}
+                 lr: float, min_lr: float, iteration: int, ep: int = 1, etp: int = 1, step: float = 0.0) -> bytes:
+    """``common_state/shard_0_1``'s blob (see the module docstring; MoE: the optimizer part per chained
+    optimizer, ``{0: dense, 1: experts}``, as megatron-core's ChainedOptimizer saves it)."""
+
+    def one(expert: bool) -> dict[str, Any]:
+        if sharding == "fully_reshardable":
+            return {"optimizer": {"param_groups": param_groups(lr, min_lr, expert, step)},
+                    "param_state_sharding_type": sharding}
+        return {"param_state_sharding_type": sharding}
+
+    optimizer: dict[Any, Any] = {0: one(False), 1: one(True)} if model.get("num_experts") else one(False)
     content: dict[str, Any] = {"distrib_optim_sharding_type": sharding}
     if sharding == "fully_reshardable":
-        optimizer = {"optimizer": {"param_groups": param_groups(lr, min_lr)}, **optimizer}
         content["distrib_optim_fully_reshardable_mem_efficient"] = False
     content.update(singleton_local_shards=False, chained_optim_avoid_prefix=True)
     scheduler = {"max_lr": lr, "lr_warmup_steps": 0, "num_steps": 0, "lr_decay_style": "constant",
                  "lr_decay_steps": 1, "min_lr": min_lr, "start_wd": ADAM["weight_decay"],
                  "end_wd": ADAM["weight_decay"], "wd_incr_style": "constant", "wd_incr_steps": 1}
-    state = {"args": run_args(model, dtype, tp, pp, vpp, dp, sharding, lr, min_lr), "checkpoint_version": 3.0,
+    state = {"args": run_args(model, dtype, tp, pp, vpp, dp, sharding, lr, min_lr, ep, etp, iteration),
+             "checkpoint_version": 3.0,
              "iteration": iteration, "optimizer": optimizer, "opt_param_scheduler": scheduler,
              "num_floating_point_operations_so_far": 0, "content_metadata": content}
     return torch_object([state])

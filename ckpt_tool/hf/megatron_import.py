@@ -18,7 +18,10 @@ model saves at iteration 0 with ``--ckpt-format torch_dist --use-distributed-opt
 
 The optimizer state is a fresh one: fp32 master weights equal to the model weights (bf16 widens
 exactly), both Adam moments zero, ``step`` 0 in each param group, as megatron-core's optimizer holds
-before its first step. The byte objects are written anew (never copied or unpickled):
+before its first step; or, where the folder has the optimizer files of ``ckpt export --to hf
+--optimizer`` of a megatron-core checkpoint, the carried one: their masters and moments (cut by the same
+name table as the weights), at the iteration and with the Adam ``step`` their run state records
+(:mod:`.megatron_run_state`). The byte objects are written anew (never copied or unpickled):
 ``common_state`` (:func:`.megatron_fresh.common_state`) and one ``_extra_state`` per linear layer
 (``[None]``, what the local spec saves). No ``rng_state``: ``args.no_save_rng`` is set, so megatron's
 loader asks for none and the run starts fresh RNG streams.
@@ -50,13 +53,14 @@ from ckpt_tool.copying.plan import FP32, OutChunk, row_blocks, split_files
 from ckpt_tool.copying.writers import write_distcp, write_distcp_metadata, write_objects
 from ckpt_tool.hf.megatron_dp_import import plan_dp_reshardable, view_rows
 from ckpt_tool.hf.megatron_fresh import (
+    EXPERT_LINEARS,
     LINEARS,
     SHARDINGS,
     check_topology,
     common_state,
     extra_state,
 )
-from ckpt_tool.hf.megatron_model import HFMegatron, MegatronParam, open_hf_megatron
+from ckpt_tool.hf.megatron_model import EXPERT_KEY, HFMegatron, MegatronParam, open_hf_megatron
 from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
@@ -69,7 +73,10 @@ ITERATION = 0
 
 
 def param_name(p: MegatronParam) -> str:
-    """The per-layer name of a parameter (``decoder.layers.3.mlp.linear_fc1.weight``): the chunks' ``param``."""
+    """The per-layer name of a parameter (``decoder.layers.3.mlp.linear_fc1.weight``; an expert's
+    ``decoder.layers.3.mlp.experts.5.linear_fc1.weight``): the chunks' ``param``."""
+    if p.expert is not None:
+        return f"decoder.layers.{p.layer}.mlp.experts.{p.expert}.{p.key[len(EXPERT_KEY):]}"
     return p.key if p.layer is None else p.key.replace("decoder.layers.", f"decoder.layers.{p.layer}.", 1)
 
 
@@ -81,14 +88,14 @@ def fully_reshardable_chunks(hf: HFMegatron, max_bytes: int) -> tuple[list[OutCh
     """Every chunk of the fully_reshardable checkpoint and each key's (global shape, dtype)."""
     chunks: list[OutChunk] = []
     shapes: dict[str, Any] = {}
-    layers = hf.num_layers
+    stacked = (hf.num_layers, hf.num_experts)
     for p in hf.params:
         rest = p.shape[1:]
         for state in (WEIGHT_STATE, *STATES):
             dt = hf.dtype if state == WEIGHT_STATE else FP32
             key = state_key(state, p.key)
-            lead: tuple[int, ...] = () if p.layer is None else (p.layer,)
-            shapes[key] = ((*((layers,) if lead else ()), *p.shape), dt)
+            lead = p.lead
+            shapes[key] = ((*stacked[:len(lead)], *p.shape), dt)
             for a, b in row_blocks(p.shape[0], int(np.prod(rest, dtype=np.int64)), dt.itemsize, max_bytes):
                 chunks.append(OutChunk(key, (*lead, a, *(0,) * len(rest)), (*(1,) * len(lead), b - a, *rest), dt,
                                        param_name(p), state, ((a, *(0,) * len(rest)), (b - a, *rest))))
@@ -105,18 +112,20 @@ def chunk_filler(hf: HFMegatron, views: dict[str, tuple[MegatronParam, int | Non
     by_name = {param_name(p): (p, None) for p in hf.params} if views is None else views
 
     def one(c: OutChunk) -> np.ndarray:
-        if c.param is None or c.state in STATES[1:]:
+        carried = hf.run_state is not None and c.state in STATES
+        if c.param is None or (c.state in STATES[1:] and not carried):
             return np.zeros(c.sizes, dtype=np.float32 if c.dtype == FP32 else np.uint16)
         assert c.box is not None
         (a, *cols), (n, *widths) = c.box
+        state = STATES.index(c.state) if carried else None
         if c.param.startswith("model:"):
-            bits = by_name[c.param[len("model:"):]][0].read_rows(a, a + n)
+            bits = by_name[c.param[len("model:"):]][0].read_rows(a, a + n, state)
         else:
             p, block = by_name[c.param]
-            bits = view_rows(p, block, a, a + n)
+            bits = view_rows(p, block, a, a + n, state)
         if cols and (cols[0], widths[0]) != (0, bits.shape[1]):  # a row-parallel TP part: its columns
             bits = np.ascontiguousarray(bits[:, cols[0]:cols[0] + widths[0]])
-        if c.state != WEIGHT_STATE and hf.dtype != FP32:
+        if c.state != WEIGHT_STATE and hf.dtype != FP32 and not carried:
             bits = (bits.astype(np.uint32) << 16).view(np.float32)
         return bits.reshape(c.sizes)
 
@@ -124,22 +133,32 @@ def chunk_filler(hf: HFMegatron, views: dict[str, tuple[MegatronParam, int | Non
 
 
 def extra_objects(hf: HFMegatron) -> dict[str, bytes]:
-    """One ``_extra_state`` per linear layer, under megatron-core's stacked key and ``shard_<layer>_<layers>``."""
-    n = hf.num_layers
+    """One ``_extra_state`` per linear layer, under megatron-core's stacked key and ``shard_<layer>_<layers>``;
+    an expert's under ``shard_<layer>.<expert>_<layers>.<experts>``."""
+    n, e = hf.num_layers, hf.num_experts
     blob = extra_state()
-    return {f"decoder.layers.{m}._extra_state/shard_{i}_{n}": blob for i in range(n) for m in LINEARS}
+    dense = [m for m in LINEARS if not (e and m.startswith("mlp."))]
+    if e and hf.args.get("moe_shared_expert_intermediate_size"):
+        dense += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
+    out = {f"decoder.layers.{m}._extra_state/shard_{i}_{n}": blob for i in range(n) for m in dense}
+    out.update({f"{EXPERT_KEY}{m}._extra_state/shard_{i}.{j}_{n}.{e}": blob for i in range(n) for j in range(e)
+                for m in EXPERT_LINEARS})
+    return out
 
 
 def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: int, dp: int, vpp: int | None = None,
                     sharding: str = "dp_reshardable", seq_length: int | None = None, lr: float = 1e-4,
                     min_lr: float = 0.0, max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
-                    progress: ProgressOpener | None = None) -> dict[str, Any]:
-    """Write the HF folder SRC as a megatron-core checkpoint at TP x PP (x VPP) x DP into the new DST."""
+                    progress: ProgressOpener | None = None, ep: int = 1, etp: int = 1,
+                    optimizer: bool = True) -> dict[str, Any]:
+    """Write the HF folder SRC as a megatron-core checkpoint at TP x PP (x VPP) x DP (x EP, expert TP) into
+    the new DST."""
     if sharding not in SHARDINGS:
         raise FormatError(f"--sharding {sharding!r}: use one of {', '.join(SHARDINGS)}")
     t0 = time.perf_counter()
-    hf = open_hf_megatron(src)
-    check_topology(hf, tp, pp, vpp, dp)
+    hf = open_hf_megatron(src, optimizer)
+    it, step = (hf.run_state.iteration, hf.run_state.step) if hf.run_state is not None else (ITERATION, 0.0)
+    check_topology(hf, tp, pp, vpp, dp, ep, etp)
     workers = workers or default_workers()
     chunk_bytes = chunk_budget(max_memory, workers)
     args = {**hf.args, "seq_length": seq_length or hf.args["max_position_embeddings"]}
@@ -150,14 +169,15 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
         names = [f"__{i}_0.distcp" for i in range(len(files))]
         fill = chunk_filler(hf)
     else:
-        per_rank, shapes, numel_objects, by_view = plan_dp_reshardable(hf, tp, pp, dp, chunk_bytes, lr, min_lr)
+        per_rank, shapes, numel_objects, by_view = plan_dp_reshardable(hf, tp, pp, dp, chunk_bytes, lr, min_lr, ep,
+                                                                       etp, step)
         ranks = sorted(per_rank)
         files = [per_rank[r] for r in ranks]
         names = [f"__{r}_0.distcp" for r in ranks]
         objects.update(numel_objects)
         fill = chunk_filler(hf, by_view)
     objects["common_state/shard_0_1"] = common_state(args, hf.dtype, tp, pp, vpp, dp, sharding, lr, min_lr,
-                                                     ITERATION)
+                                                     it, ep, etp, step)
     total = sum(c.nbytes for cs in files for c in cs)
 
     def body(writer: CheckpointWriter) -> None:
@@ -175,11 +195,13 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
         writer.add_records([r for rs in records for r in rs])  # hashed as written: verify --data checks them
         writer.finish(None, megatron_metadata("torch_dist"))  # megatron-core's layout: no manifest
 
-    build_atomically(dst, (src,), body, inner=iter_dir_name(ITERATION), latest=str(ITERATION))
-    out = written_sizes(dst / iter_dir_name(ITERATION))
+    build_atomically(dst, (src,), body, inner=iter_dir_name(it), latest=str(it))
+    out = written_sizes(dst / iter_dir_name(it))
     topo = f"tp{tp} pp{pp}{f' vpp{vpp}' if vpp and vpp > 1 else ''} dp{dp}"
+    topo += f" ep{ep} etp{etp}" if hf.num_experts else ""
     return {"src": str(src), "dst": str(dst), "from": "hf", "to": "megatron-core", "architecture": hf.architecture,
             "topology": topo, "sharding": sharding, "params": len(hf.params), "param_dtype": hf.dtype.name,
             "args": {k: v for k, v in args.items()}, "files": len(out), "bytes_written": sum(out),
-            "seconds": time.perf_counter() - t0, "iteration": ITERATION, "optimizer": "fresh (moments at zero)",
+            "seconds": time.perf_counter() - t0, "iteration": it,
+            "optimizer": f"carried (step {step:g})" if hf.run_state is not None else "fresh (moments at zero)",
             "max_memory": max_memory, "chunk_bytes": chunk_bytes, "workers": workers, "peak_rss_bytes": peak_rss()}

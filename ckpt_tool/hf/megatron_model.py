@@ -1,11 +1,12 @@
 """A transformers folder read as megatron-core's GPT: the inverse of :mod:`.megatron_arch`.
 
-``config.json`` of ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or ``GPTBigCodeForCausalLM`` is read
-into the Megatron-LM arguments a run of that model records (:func:`megatron_args`), and those into
-the one model description (:class:`gtp_format.megatron.args.ModelDescription`). The description
-then goes through the export's own choice (:func:`.megatron_arch.choose`): the class it picks and
-every forward-changing key of the ``config.json`` it would write must be the folder's own, else
-the folder is refused naming the key, so what is imported exports back to the same model. The
+``config.json`` of ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``ArceeForCausalLM``,
+``Starcoder2ForCausalLM`` or ``GPTBigCodeForCausalLM`` is read into the Megatron-LM arguments a run of that
+model records (:func:`megatron_args`), and those into the one model description
+(:class:`gtp_format.megatron.args.ModelDescription`). The description then goes through the export's own
+choice (:func:`.megatron_arch.choose`): the class it picks and every forward-changing key of the
+``config.json`` it would write must be the folder's own, else the folder is refused naming the key, so what is
+imported exports back to the same model. The
 export's name table (``Target.names``: megatron-core parameter -> HF tensors and the rows they
 fill) is then walked the other way: each megatron-core parameter is the concatenation of its HF
 tensors' rows (``linear_qkv``: per query group the group's query heads, one key head, one value
@@ -26,31 +27,72 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool.hf import megatron_arch
-from ckpt_tool.hf.folder import Tensor, read_folder
+from ckpt_tool.hf.folder import Tensor, read_folder, read_set
+from ckpt_tool.hf.megatron_run_state import MegatronRunState
+from ckpt_tool.hf.megatron_run_state import parse as parse_run_state
 from gtp_format.dtypes import DType
 from gtp_format.errors import FormatError
-from gtp_format.megatron.args import ModelDescription
+from gtp_format.megatron.args import ACTIVATIONS, ModelDescription
+from gtp_format.names import STATES
 from gtp_format.scan import carrier
 from gtp_format.storage.location import ObjectURL
 
-CLASSES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "GPTBigCodeForCausalLM")
+CLASSES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM", "Starcoder2ForCausalLM",
+           "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GPTBigCodeForCausalLM")
+# what each RoPE class's forward fixes (everything else is read from its config.json)
+NON_GATED = ("ArceeForCausalLM", "Starcoder2ForCausalLM")  # up/down (c_fc/c_proj), no gate
+LAYERNORM = ("Starcoder2ForCausalLM",)
+QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+HEAD_DIM = ("LlamaForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM", "MixtralForCausalLM",
+            "Qwen3MoeForCausalLM")  # a head_dim key (else hidden / heads)
+# MoE classes: every layer's MLP is SwiGLU experts behind a softmax top-k router (megatron-core's
+# SequentialMLP); config key of (experts, the expert FFN size)
+MOE = {"MixtralForCausalLM": ("num_local_experts", "intermediate_size"),
+       "Qwen3MoeForCausalLM": ("num_experts", "moe_intermediate_size"),
+       "Qwen2MoeForCausalLM": ("num_experts", "moe_intermediate_size")}  # and a gated shared expert
+# stacked megatron-core key of each expert parameter (axes: layer, expert, then the parameter's own)
+EXPERT_KEY = "decoder.layers.mlp.experts.experts."
 PARAM_DTYPES = ("float32", "bfloat16")
 # per class: config key -> transformers' default (configs written by older transformers omit defaults)
 DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                          "tie_word_embeddings": False, "max_position_embeddings": 2048},
+    "Qwen2ForCausalLM": {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
+                         "max_position_embeddings": 32768, "use_sliding_window": False},
     "Qwen3ForCausalLM": {"rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False, "head_dim": 128,
                          "tie_word_embeddings": False, "max_position_embeddings": 32768, "use_sliding_window": False},
+    "MixtralForCausalLM": {"rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False,
+                           "max_position_embeddings": 131072, "num_experts_per_tok": 2, "num_local_experts": 8,
+                           "intermediate_size": 14336},
+    "Qwen3MoeForCausalLM": {"rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False,
+                            "tie_word_embeddings": False, "max_position_embeddings": 32768,
+                            "use_sliding_window": False, "num_experts_per_tok": 8, "num_experts": 128,
+                            "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
+                            "mlp_only_layers": []},
+    "Qwen2MoeForCausalLM": {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
+                            "max_position_embeddings": 32768, "use_sliding_window": False, "num_experts_per_tok": 4,
+                            "num_experts": 60, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+                            "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                            "qkv_bias": True},
+    "ArceeForCausalLM": {"rms_norm_eps": 1e-5, "hidden_act": "relu2", "attention_bias": False, "mlp_bias": False,
+                         "tie_word_embeddings": False, "max_position_embeddings": 4096},
+    "Starcoder2ForCausalLM": {"norm_epsilon": 1e-5, "hidden_act": "gelu_pytorch_tanh", "use_bias": True,
+                              "tie_word_embeddings": True, "max_position_embeddings": 4096},
     "GPTBigCodeForCausalLM": {"activation_function": "gelu_pytorch_tanh", "layer_norm_epsilon": 1e-5,
                               "multi_query": True, "n_inner": None, "tie_word_embeddings": True,
                               "scale_attn_weights": True, "n_positions": 1024},
 }
-BIGCODE_ACT = {"gelu": ("openai_gelu", False), "gelu_pytorch_tanh": ("openai_gelu", True),
-               "relu2": ("squared_relu", True)}
+# a non-gated MLP's transformers activation -> the Megatron-LM flag that selects it (None: the default GELU);
+# the inverse of the export's table (megatron_arch.ACT_HF) over gtp_format.megatron_args.ACTIVATIONS
+ACT_FLAGS: dict[str, str | None] = {
+    megatron_arch.ACT_HF["gelu"]: None,
+    **{megatron_arch.ACT_HF[act]: flag for flag, (act, glu) in ACTIVATIONS.items()
+       if not glu and act in megatron_arch.ACT_HF}}
 # keys of the exported config.json that do not change the forward (or are the tensors' own shapes)
 NOT_FORWARD = {"architectures", "model_type", "dtype", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id",
                "max_position_embeddings", "n_positions", "attention_dropout", "resid_pdrop", "embd_pdrop",
-               "attn_pdrop", "use_sliding_window"}
+               "attn_pdrop", "use_sliding_window", "residual_dropout", "embedding_dropout", "output_router_logits",
+               "router_aux_loss_coef", "router_jitter_noise"}
 
 
 @dataclass(frozen=True)
@@ -64,16 +106,25 @@ class Segment:
 class MegatronParam:
     """One megatron-core parameter of one layer (or a global one) and the HF rows it is made of."""
 
-    key: str  # the checkpoint key: stacked over layers for ``decoder.layers.*``
+    key: str  # the checkpoint key: stacked over layers for ``decoder.layers.*`` (and experts, for an expert's)
     layer: int | None
     shape: tuple[int, ...]  # this layer's full tensor
     segments: tuple[Segment, ...]  # in megatron's row order
+    expert: int | None = None  # the global expert index (MoE), along the stacked key's second axis
+    states: tuple[tuple[Segment, ...], ...] = ()  # carried optimizer state (STATES order), fp32, same rows
 
-    def read_rows(self, a: int, b: int) -> np.ndarray:
-        """Rows ``[a, b)`` of the parameter, stored bits, assembled from its HF tensors."""
-        out = np.empty((b - a, *self.shape[1:]), dtype=carrier(self.segments[0].tensor.dtype))
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """The stacked key's leading indices: (), (layer,) or (layer, expert)."""
+        return () if self.layer is None else (self.layer,) if self.expert is None else (self.layer, self.expert)
+
+    def read_rows(self, a: int, b: int, state: int | None = None) -> np.ndarray:
+        """Rows ``[a, b)`` of the parameter, stored bits, assembled from its HF tensors (``state``: of its
+        carried optimizer state ``STATES[state]`` instead)."""
+        segments = self.segments if state is None else self.states[state]
+        out = np.empty((b - a, *self.shape[1:]), dtype=carrier(segments[0].tensor.dtype))
         pos = 0
-        for s in self.segments:
+        for s in segments:
             lo, hi = max(a, pos), min(b, pos + s.rows)
             if lo < hi:
                 out[lo - a:hi - a] = s.tensor.read_rows(s.first + lo - pos, s.first + hi - pos)
@@ -88,10 +139,15 @@ class HFMegatron:
     args: dict[str, Any]  # what a Megatron-LM run of this model records in common_state (model part)
     dtype: DType
     params: tuple[MegatronParam, ...]  # in module order, layer by layer
+    run_state: MegatronRunState | None = None  # set where the optimizer state is carried (the params' states)
 
     @property
     def num_layers(self) -> int:
         return int(self.args["num_layers"])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.args.get("num_experts") or 0)
 
 
 def _int(cfg: dict[str, Any], key: str, where: str, default: Any = None) -> int:
@@ -143,18 +199,18 @@ def megatron_args(cfg: dict[str, Any], where: str) -> tuple[str, dict[str, Any]]
         inner = cfg.get("n_inner")
         ffn = 4 * hidden if inner is None else _int(cfg, "n_inner", where)
         act = _get(cfg, arch, "activation_function")
-        if act not in BIGCODE_ACT:
+        if act not in ACT_FLAGS:
             raise FormatError(f"{where}: activation_function {act!r} has no megatron-core form here "
-                              f"({', '.join(BIGCODE_ACT)})")
+                              f"({', '.join(ACT_FLAGS)})")
         if not _get(cfg, arch, "scale_attn_weights"):
             raise FormatError(f"{where}: scale_attn_weights false: megatron-core always scales attention")
-        flag, on = BIGCODE_ACT[act]
+        flag = ACT_FLAGS[act]
         mq = bool(_get(cfg, arch, "multi_query"))
         eps = _get(cfg, arch, "layer_norm_epsilon")
         positions = _int(cfg, "n_positions", where, DEFAULTS[arch]["n_positions"])
         args = {"num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_attention_heads": heads,
                 "num_query_groups": 1 if mq else heads, "group_query_attention": mq and heads > 1,
-                "kv_channels": hidden // heads, "swiglu": False, "openai_gelu": flag == "openai_gelu" and on,
+                "kv_channels": hidden // heads, "swiglu": False, "openai_gelu": flag == "openai_gelu",
                 "squared_relu": flag == "squared_relu", "normalization": "LayerNorm", "norm_epsilon": eps,
                 "position_embedding_type": "learned_absolute", "add_position_embedding": True,
                 "qk_layernorm": False, "add_bias_linear": True, "add_qkv_bias": True,
@@ -163,40 +219,107 @@ def megatron_args(cfg: dict[str, Any], where: str) -> tuple[str, dict[str, Any]]
         if hidden % heads:
             raise FormatError(f"{where}: n_head {heads} does not divide n_embd {hidden}; fix config.json")
     else:
-        hidden, layers, heads = (_int(cfg, k, where) for k in ("hidden_size", "num_hidden_layers",
-                                                               "num_attention_heads"))
-        ffn = _int(cfg, "intermediate_size", where)
-        groups = _int(cfg, "num_key_value_heads", where, heads)
-        dim = cfg.get("head_dim") if arch == "LlamaForCausalLM" else _get(cfg, arch, "head_dim")
-        dim = hidden // heads if dim is None else _int({"head_dim": dim}, "head_dim", where)
-        act = _get(cfg, arch, "hidden_act")
-        if act != "silu":
-            raise FormatError(f"{where}: hidden_act {act!r}: a gated MLP maps onto megatron-core's --swiglu only "
-                              "(silu)")
-        if arch == "Qwen3ForCausalLM" and (_get(cfg, arch, "use_sliding_window")
-                                           or any(t != "full_attention" for t in cfg.get("layer_types") or [])):
-            raise FormatError(f"{where}: sliding-window attention (use_sliding_window, layer_types) has no "
-                              "megatron-core GPT form here")
-        bias = bool(_get(cfg, arch, "attention_bias"))
-        mlp_bias = bool(_get(cfg, arch, "mlp_bias")) if arch == "LlamaForCausalLM" else False
-        if bias != mlp_bias:
-            raise FormatError(f"{where}: attention_bias {bias} with mlp_bias {mlp_bias}: megatron-core's "
-                              "--add-bias-linear puts biases on both or neither")
-        args = {"num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_attention_heads": heads,
-                "num_query_groups": groups, "group_query_attention": groups != heads, "kv_channels": dim,
-                "swiglu": True, "openai_gelu": False, "squared_relu": False, "normalization": "RMSNorm",
-                "norm_epsilon": _get(cfg, arch, "rms_norm_eps"), "position_embedding_type": "rope",
-                "add_position_embedding": False, "rotary_base": int(_rope_theta(cfg, where)), "rotary_percent": 1.0,
-                "rotary_interleaved": False, "qk_layernorm": arch == "Qwen3ForCausalLM", "add_bias_linear": bias,
-                "add_qkv_bias": bias, "untie_embeddings_and_output_weights": not _get(cfg, arch,
-                                                                                     "tie_word_embeddings"),
-                "max_position_embeddings": _int(cfg, "max_position_embeddings", where,
-                                                DEFAULTS[arch]["max_position_embeddings"])}
+        args = _rope_args(cfg, arch, where)
     eps = args["norm_epsilon"]
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise FormatError(f"{where}: the norm epsilon is {eps!r}, not a positive number; fix config.json")
     args["padded_vocab_size"] = _int(cfg, "vocab_size", where)
     return arch, args
+
+
+def _rope_args(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """Megatron-LM's arguments of a RoPE class: the settings its forward fixes, the rest read from the config."""
+    hidden, layers, heads = (_int(cfg, k, where) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads"))
+    moe: dict[str, Any] = {}
+    if arch in MOE:
+        moe = _moe_args(cfg, arch, where)
+        ffn = moe["moe_ffn_hidden_size"]  # every layer is MoE: no dense FFN
+    else:
+        ffn = _int(cfg, "intermediate_size", where)
+    groups = _int(cfg, "num_key_value_heads", where, heads)
+    dim = _get(cfg, arch, "head_dim") if arch in HEAD_DIM else None
+    dim = hidden // heads if dim is None else _int({"head_dim": dim}, "head_dim", where)
+    act = _get(cfg, arch, "hidden_act")
+    gated = arch not in NON_GATED
+    if gated and act != "silu":
+        raise FormatError(f"{where}: hidden_act {act!r}: a gated MLP maps onto megatron-core's --swiglu only (silu)")
+    if not gated and act not in ACT_FLAGS:
+        raise FormatError(f"{where}: hidden_act {act!r} has no megatron-core form for a non-gated MLP here "
+                          f"({', '.join(ACT_FLAGS)})")
+    window = bool(_get(cfg, arch, "use_sliding_window")) or (arch in ("Starcoder2ForCausalLM", "MixtralForCausalLM")
+                                                             and cfg.get("sliding_window") is not None)
+    if window or any(t != "full_attention" for t in _list(cfg, "layer_types", where)):
+        raise FormatError(f"{where}: sliding-window attention (use_sliding_window, sliding_window, layer_types) has "
+                          "no megatron-core GPT form here")
+    if arch == "Starcoder2ForCausalLM":
+        bias = qkv_bias = bool(_get(cfg, arch, "use_bias"))
+    elif arch == "Qwen2ForCausalLM":  # q/k/v biases always, none elsewhere
+        bias, qkv_bias = False, True
+    elif arch == "Qwen2MoeForCausalLM":  # q/k/v biases as qkv_bias says, none elsewhere
+        bias, qkv_bias = False, bool(_get(cfg, arch, "qkv_bias"))
+    else:
+        bias = bool(_get(cfg, arch, "attention_bias"))
+        mlp_bias = bool(_get(cfg, arch, "mlp_bias")) if "mlp_bias" in DEFAULTS[arch] else False
+        if bias != mlp_bias:
+            raise FormatError(f"{where}: attention_bias {bias} with mlp_bias {mlp_bias}: megatron-core's "
+                              "--add-bias-linear puts biases on both or neither")
+        qkv_bias = bias
+    eps_key = "norm_epsilon" if arch == "Starcoder2ForCausalLM" else "rms_norm_eps"
+    flags = {f: False for f in ("openai_gelu", "squared_relu")}
+    if not gated and ACT_FLAGS[act]:
+        flags[ACT_FLAGS[act]] = True
+    return {"num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_attention_heads": heads,
+            "num_query_groups": groups, "group_query_attention": groups != heads, "kv_channels": dim,
+            "swiglu": gated, **flags, "normalization": "LayerNorm" if arch in LAYERNORM else "RMSNorm",
+            "norm_epsilon": _get(cfg, arch, eps_key), "position_embedding_type": "rope",
+            "add_position_embedding": False, "rotary_base": int(_rope_theta(cfg, where)), "rotary_percent": 1.0,
+            "rotary_interleaved": False, "qk_layernorm": arch in QK_NORM, "add_bias_linear": bias,
+            "add_qkv_bias": qkv_bias, "untie_embeddings_and_output_weights": not _get(cfg, arch, "tie_word_embeddings"),
+            "max_position_embeddings": _int(cfg, "max_position_embeddings", where,
+                                            DEFAULTS[arch]["max_position_embeddings"]), **moe}
+
+
+def _moe_args(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """Megatron-LM's MoE arguments of Mixtral / Qwen3-MoE: experts, expert FFN, top-k, and the router's
+    normalisation (``norm_topk_prob`` false: megatron's ``--moe-router-pre-softmax``, see megatron_arch)."""
+    n_key, ffn_key = MOE[arch]
+    if arch == "Qwen3MoeForCausalLM" and n_key not in cfg and "num_local_experts" in cfg:
+        n_key = "num_local_experts"  # the name transformers 5 saves (the refusal names the folder's key)
+    experts = _int(cfg, n_key, where, _experts_default(cfg, arch))
+    topk = _int(cfg, "num_experts_per_tok", where, DEFAULTS[arch]["num_experts_per_tok"])
+    if topk > experts:
+        raise FormatError(f"{where}: num_experts_per_tok {topk} is more than the {experts} experts ({n_key})")
+    shared = None
+    if arch == "Qwen2MoeForCausalLM":  # its shared expert is always there, behind a sigmoid gate
+        shared = _int(cfg, "shared_expert_intermediate_size", where, DEFAULTS[arch]["shared_expert_intermediate_size"])
+    if arch != "MixtralForCausalLM":
+        step, dense = _get(cfg, arch, "decoder_sparse_step"), _list(cfg, "mlp_only_layers", where)
+        if step != 1 or dense:
+            raise FormatError(f"{where}: decoder_sparse_step {step!r} / mlp_only_layers {dense[:4]!r}: dense layers "
+                              "between MoE layers have no megatron-core GPT form here (every layer MoE)")
+        pre_softmax = not _get(cfg, arch, "norm_topk_prob")
+    else:
+        pre_softmax = False  # Mixtral always renormalises its top k
+    return {"num_experts": experts, "moe_ffn_hidden_size": _int(cfg, ffn_key, where, DEFAULTS[arch][ffn_key]),
+            "moe_router_topk": topk, "moe_router_pre_softmax": pre_softmax, "moe_router_score_function": "softmax",
+            "moe_shared_expert_intermediate_size": shared, "moe_shared_expert_gate": shared is not None,
+            "moe_router_enable_expert_bias": False,
+            "moe_grouped_gemm": False, "moe_layer_freq": 1, "moe_aux_loss_coeff": 0.0,
+            "moe_token_dispatcher_type": "allgather"}
+
+
+def _experts_default(cfg: dict[str, Any], arch: str) -> Any:
+    """Qwen3-MoE's expert count under its other name: transformers 5 saves ``num_local_experts`` and maps
+    ``num_experts`` onto it (older configs have ``num_experts`` only)."""
+    return cfg.get("num_local_experts", DEFAULTS[arch]["num_experts"]) if arch == "Qwen3MoeForCausalLM" else \
+        DEFAULTS[arch][MOE[arch][0]]
+
+
+def _list(cfg: dict[str, Any], key: str, where: str) -> list[Any]:
+    v = cfg.get(key) or []
+    if not isinstance(v, list):
+        raise FormatError(f"{where}: {key} is {v!r}, not a list; fix config.json")
+    return v
 
 
 def description(args: dict[str, Any]) -> ModelDescription:
@@ -210,7 +333,10 @@ def description(args: dict[str, Any]) -> ModelDescription:
         position_embedding_type=args["position_embedding_type"], rotary_base=args.get("rotary_base"),
         rotary_percent=args.get("rotary_percent"), qk_layernorm=args["qk_layernorm"],
         add_bias_linear=args["add_bias_linear"], add_qkv_bias=args["add_qkv_bias"],
-        untied=args["untie_embeddings_and_output_weights"])
+        untied=args["untie_embeddings_and_output_weights"], num_experts=args.get("num_experts"),
+        moe_ffn_hidden_size=args.get("moe_ffn_hidden_size"), moe_router_enable_expert_bias=args.get(
+            "moe_router_enable_expert_bias"), moe_shared_expert_intermediate_size=args.get(
+            "moe_shared_expert_intermediate_size"))
 
 
 def layer_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -233,6 +359,14 @@ def layer_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     out["mlp.linear_fc1.layer_norm_weight"] = (h,)
     if ln:
         out["mlp.linear_fc1.layer_norm_bias"] = (h,)
+    if args.get("num_experts"):  # the MLP is the router and the experts (expert_shapes)
+        out["mlp.router.weight"] = (args["num_experts"], h)
+        shared = args.get("moe_shared_expert_intermediate_size")
+        if shared:  # megatron-core's SharedExpertMLP (SwiGLU) with its sigmoid gate
+            out["mlp.shared_experts.linear_fc1.weight"] = (2 * shared, h)
+            out["mlp.shared_experts.linear_fc2.weight"] = (h, shared)
+            out["mlp.shared_experts.gate_weight"] = (1, h)
+        return out
     fc1 = 2 * ffn if args["swiglu"] else ffn
     out["mlp.linear_fc1.weight"] = (fc1, h)
     if args["add_bias_linear"]:
@@ -241,6 +375,14 @@ def layer_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     if args["add_bias_linear"]:
         out["mlp.linear_fc2.bias"] = (h,)
     return out
+
+
+def expert_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """One expert's parameters (names below ``decoder.layers.mlp.experts.experts.``): SwiGLU, no bias."""
+    if not args.get("num_experts"):
+        return {}
+    h, ffn = args["hidden_size"], args["moe_ffn_hidden_size"]
+    return {"linear_fc1.weight": (2 * ffn, h), "linear_fc2.weight": (h, ffn)}
 
 
 def global_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -262,14 +404,17 @@ def _check_config(arch: str, cfg: dict[str, Any], target: megatron_arch.Target, 
         raise FormatError(f"{where}: this {arch} maps onto megatron-core settings that export as "
                           f"{target.architecture}; no round trip, so it is refused")
     for key, want in target.config.items():
-        if key in NOT_FORWARD:
-            continue
+        if key in NOT_FORWARD or (key == "intermediate_size" and arch in ("Qwen3MoeForCausalLM",
+                                                                          "Qwen2MoeForCausalLM")):
+            continue  # Qwen-MoE's dense FFN size: no dense layer (mlp_only_layers empty) uses it
         if key == "rope_parameters":
             got = float(_rope_theta(cfg, where))
             if got != want["rope_theta"]:
                 raise FormatError(f"{where}: rope_theta {got} is not {want['rope_theta']}")
             continue
         got = cfg.get(key, DEFAULTS[arch].get(key, want))
+        if arch in MOE and key == MOE[arch][0]:
+            got = cfg.get(key, _experts_default(cfg, arch))
         if key == "num_key_value_heads" and arch == "GPTBigCodeForCausalLM":
             continue  # transformers derives it from multi_query
         if got is None and (key == "head_dim" or (key == "n_inner" and want == 4 * cfg.get("n_embd", 0))):
@@ -280,9 +425,14 @@ def _check_config(arch: str, cfg: dict[str, Any], target: megatron_arch.Target, 
                               "(no exact megatron-core mapping)")
 
 
-def open_hf_megatron(src: Path | ObjectURL) -> HFMegatron:
-    """Read and check an HF folder (headers only) as megatron-core's GPT; see the module docstring."""
+def open_hf_megatron(src: Path | ObjectURL, optimizer: bool = True) -> HFMegatron:
+    """Read and check an HF folder (headers only) as megatron-core's GPT; see the module docstring.
+    ``optimizer``: carry the folder's optimizer files (``ckpt export --to hf --optimizer``: masters and
+    moments under ``optimizer.state.<state>.<HF name>``, fp32, at the HF tensor's shape), if it has them."""
     cfg, tensors = read_folder(src)
+    fix = "pass a folder written by `ckpt export --to hf --optimizer`, or --no-optimizer"
+    opt = read_set(src, "optimizer", fix) if optimizer else None
+    opt_tensors = opt[0] if opt is not None else {}
     where = str(src / "config.json")
     arch, args = megatron_args(cfg, where)
     layers = args["num_layers"]
@@ -290,7 +440,11 @@ def open_hf_megatron(src: Path | ObjectURL) -> HFMegatron:
     n_global = len(global_shapes(args))
     bigcode = arch == "GPTBigCodeForCausalLM"
     # one HF tensor per megatron-core tensor of a layer, but q/k/v (3 for linear_qkv) and gate/up (2 for fc1)
-    per_hf = len(per_layer) + (0 if bigcode else 2 * (1 + args["add_qkv_bias"])) + (1 if args["swiglu"] else 0)
+    experts = args.get("num_experts") or 0
+    per_expert = expert_shapes(args)
+    per_hf = len(per_layer) + (0 if bigcode else 2 * (1 + args["add_qkv_bias"])) + \
+        (1 if args["swiglu"] and (not experts or args.get("moe_shared_expert_intermediate_size")) else 0) + \
+        experts * (len(per_expert) + 1)  # a gated fc1 (dense, shared or an expert's): gate and up
     want_n = n_global + per_hf * layers
     if len(tensors) != want_n:
         raise FormatError(f"{src}: config.json says {layers} layers of {arch}, i.e. {want_n} tensors, but the "
@@ -319,12 +473,16 @@ def open_hf_megatron(src: Path | ObjectURL) -> HFMegatron:
     _check_config(arch, cfg, target, where)
     params: list[MegatronParam] = []
     used: set[str] = set()
-    order = [(k, None) for k in global_shapes(args) if k.startswith("embedding.")]
-    order += [(k, i) for i in range(layers) for k in per_layer]
-    order += [(k, None) for k in global_shapes(args) if not k.startswith("embedding.")]
-    for key, layer in order:
-        shape = per_layer[key] if layer is not None else global_shapes(args)[key]
-        name = f"decoder.layers.{layer}.{key}" if layer is not None else key
+    order: list[tuple[str, int | None, int | None]] = [(k, None, None) for k in global_shapes(args)
+                                                         if k.startswith("embedding.")]
+    order += [(k, i, None) for i in range(layers) for k in per_layer]
+    order += [(k, i, e) for i in range(layers) for e in range(experts) for k in per_expert]
+    order += [(k, None, None) for k in global_shapes(args) if not k.startswith("embedding.")]
+    for key, layer, expert in order:
+        shape = per_expert[key] if expert is not None else per_layer[key] if layer is not None else \
+            global_shapes(args)[key]
+        name = f"decoder.layers.{layer}.mlp.experts.{expert}.{key}" if expert is not None else \
+            f"decoder.layers.{layer}.{key}" if layer is not None else key
         segs = []
         for hf, rows in target.names(name, shape):
             t = tensors.get(hf)
@@ -334,18 +492,29 @@ def open_hf_megatron(src: Path | ObjectURL) -> HFMegatron:
                 raise FormatError(f"{src}: tensor {hf!r} is {got}, config.json implies {list(want)}; the weights do "
                                   "not belong to this config")
             used.add(hf)
+            states = []
+            for s in STATES if opt is not None else ():
+                ot = opt_tensors.get(f"optimizer.state.{s}.{hf}")
+                if ot is None or ot.shape != t.shape or ot.dtype.name != "float32":
+                    got = "missing" if ot is None else f"{list(ot.shape)} {ot.dtype.name}"
+                    raise FormatError(f"{ot.file if ot else src}: optimizer tensor 'optimizer.state.{s}.{hf}' is "
+                                      f"{got}, the model implies {list(t.shape)} float32; {fix}")
+                used.add(f"optimizer.state.{s}.{hf}")
+                states.append(ot)
             first = 0
             for a, b in rows:  # the HF tensor is its megatron row ranges back to back
-                segs.append((a, b, Segment(t, first, b - a)))
+                segs.append((a, b, Segment(t, first, b - a), tuple(Segment(o, first, b - a) for o in states)))
                 first += b - a
         segs.sort(key=lambda s: s[0])
-        if [(a, b) for a, b, _ in segs] != list(zip([0] + [b for _, b, _ in segs[:-1]], [b for _, b, _ in segs])) \
-                or segs[-1][1] != shape[0]:
+        if [(a, b) for a, b, *_ in segs] != list(zip([0] + [b for _, b, *_ in segs[:-1]],
+                                                     [b for _, b, *_ in segs])) or segs[-1][1] != shape[0]:
             raise FormatError(f"{src}: the rows of {name} are not covered once by its HF tensors")  # a table bug
-        params.append(MegatronParam(f"decoder.layers.{key}" if layer is not None else key, layer, shape,
-                                    tuple(s for _, _, s in segs)))
-    unknown = sorted(set(tensors) - used)
+        stacked = EXPERT_KEY + key if expert is not None else f"decoder.layers.{key}" if layer is not None else key
+        carried = tuple(tuple(sg[3][i] for sg in segs) for i in range(len(STATES))) if opt is not None else ()
+        params.append(MegatronParam(stacked, layer, shape, tuple(sg[2] for sg in segs), expert, carried))
+    unknown = sorted((set(tensors) | set(opt_tensors)) - used)
     if unknown:
         raise FormatError(f"{src}: has tensor {unknown[0]!r}, which {arch} of this config.json does not have; the "
                           "folder is not that model")
-    return HFMegatron(src, arch, args, dtype, tuple(params))
+    run_state = parse_run_state(opt[1], str(src / "optimizer*.safetensors")) if opt is not None else None
+    return HFMegatron(src, arch, args, dtype, tuple(params), run_state)

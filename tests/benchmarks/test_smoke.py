@@ -53,6 +53,7 @@ SMOKE = {
     "bench_reshard.py": ["--workdir", "{tmp}/reshard"],
     "bench_copy_checks.py": ["--workdir", "{tmp}/copy_checks"],
     "bench_export_hf.py": ["--workdir", "{tmp}/export_hf"],
+    "bench_hf_megatron.py": ["--workdir", "{tmp}/hf_megatron"],
     "bench_muon.py": [],
     "bench_data_read.py": ["--dir", "{tmp}/data_read"],
     "convergence.py": ["--out", "{tmp}/convergence"],
@@ -294,6 +295,19 @@ def check_export_hf(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert not (tmp / "export_hf").exists()  # the synthetic checkpoint is removed
 
 
+def check_hf_megatron(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    """Both commands and both copies ran once, with a ratio against ``cp -r`` of the megatron-core
+    checkpoint and the commands' own peak RSS; the synthetic folders are removed."""
+    head, *rows = _table(p.stdout)
+    assert [r[0] for r in rows] == ["cp -r MC", "cp -r HF", "import hf -> megatron-core",
+                                    "export megatron-core -> hf"]
+    assert all(_ratio(r[head.index("vs cp -r MC (medians)")]) > 0 for r in rows)
+    assert all(int(r[head.index("peak RSS MiB")]) > 0 for r in rows[2:])
+    doc = json.loads(p.stdout.strip().splitlines()[-1])
+    assert doc["gb_mc"] > doc["gb_hf"] > 0 and all(len(t) == 1 for t in doc["times"].values())
+    assert not (tmp / "hf_megatron").exists()
+
+
 def check_s3(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     """Every client ran every workload (each run checks sizes itself), with a ratio against boto3's."""
     rows = _table(p.stdout)
@@ -374,6 +388,7 @@ CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_data_read.py": check_data_read, "convergence.py": check_convergence,
     "bench_record_crc.py": check_record_crc, "fuzz_readers.py": check_fuzz,
     "bench_copy_checks.py": check_copy_checks, "bench_export_hf.py": check_export_hf,
+    "bench_hf_megatron.py": check_hf_megatron,
     "bench_megatron_inspect.py": check_megatron_inspect,
     "bench_verify_cold.py": check_verify_cold,
     "bench_s3.py": check_s3,

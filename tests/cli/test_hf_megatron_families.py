@@ -31,6 +31,7 @@ EXPECTED = {
     "pair_mixtral_ep2_dp_reshardable": "MixtralForCausalLM",
     "pair_starcoder2_tp2_dp_reshardable": "Starcoder2ForCausalLM",
     "pair_mqa_tp2_dp_reshardable": "GPTBigCodeForCausalLM",  # multi_query: one group at TP2
+    "pair_qwen2moe_ep2_dp_reshardable": "Qwen2MoeForCausalLM",
 }
 # fixture -> the flag its refusal names (no transformers class computes that model exactly)
 REFUSED = {
@@ -73,3 +74,44 @@ def test_models_with_no_exact_class_are_refused_by_flag(name: str, tmp_path: Pat
     r = cli("export", MEGATRON / name, tmp_path / "hf", "--to", "hf")
     assert_error_line(r, 2, REFUSED[name], "--names megatron")
     assert not (tmp_path / "hf").exists()
+
+
+def _moe_description(**extra: object) -> tuple[object, dict, dict]:
+    from gtp_format.megatron.args import ModelDescription
+
+    d = ModelDescription(num_layers=1, hidden_size=32, ffn_hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                         kv_channels=8, vocab_size=128, gated_linear_unit=True, activation="silu",
+                         normalization="RMSNorm", norm_epsilon=1e-5, position_embedding_type="rope", rotary_base=10000,
+                         rotary_percent=1.0, qk_layernorm=bool(extra.pop("qk", False)), add_bias_linear=False,
+                         add_qkv_bias=False, untied=True, num_experts=4, moe_ffn_hidden_size=32,
+                         moe_shared_expert_intermediate_size=extra.pop("shared", None))
+    shapes = {"decoder.layers.0.self_attention.linear_qkv.weight": (64, 32),
+              "decoder.layers.0.self_attention.linear_proj.weight": (32, 32), "output_layer.weight": (128, 32)}
+    if extra.pop("gate", False):
+        shapes["decoder.layers.0.mlp.shared_experts.gate_weight"] = (1, 32)
+    return d, {"moe_router_topk": 2, **extra}, shapes
+
+
+@pytest.mark.parametrize("case,want", [
+    ({"moe_router_pre_softmax": True}, "--moe-router-pre-softmax"),  # Mixtral always renormalises
+    ({"shared": 48}, "without --moe-shared-expert-gate"),  # Qwen2-MoE always gates its shared expert
+    ({"shared": 48, "gate": True, "qk": True}, "a shared expert with q/k layernorm"),
+    ({"moe_router_pre_softmax": True, "qk": True}, "Qwen3MoeForCausalLM"),
+    ({"moe_router_pre_softmax": True, "shared": 48, "gate": True}, "Qwen2MoeForCausalLM"),
+    ({"shared": 48, "gate": True}, "Qwen2MoeForCausalLM"),
+])
+def test_moe_router_and_shared_expert_map_only_where_exact(case: dict, want: str) -> None:
+    """--moe-router-pre-softmax (softmax over all experts, top k, no renormalisation) is Qwen3-MoE's or
+    Qwen2-MoE's ``norm_topk_prob: false``, never Mixtral's; a shared expert is Qwen2-MoE's only with
+    megatron's sigmoid gate; anything else is refused naming the flag."""
+    from ckpt_tool.hf.megatron_arch import choose
+    from gtp_format.errors import FormatError
+
+    d, args, shapes = _moe_description(**case)
+    if want.endswith("ForCausalLM"):
+        t = choose(d, args, shapes, None, "float32", "ckpt")
+        assert t.architecture == want
+        assert t.config["norm_topk_prob"] is not bool(args.get("moe_router_pre_softmax"))
+    else:
+        with pytest.raises(FormatError, match=want.replace("-", "\\-")):
+            choose(d, args, shapes, None, "float32", "ckpt")

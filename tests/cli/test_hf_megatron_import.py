@@ -2,7 +2,10 @@
 
 Tiny models built by transformers from a config (random init, nothing downloaded; norm weights
 perturbed so a swapped or dropped norm shows) of each mapped class: LlamaForCausalLM (GQA untied,
-MQA tied, bf16), Qwen3ForCausalLM (q/k norms), GPTBigCodeForCausalLM (MHA and MQA). Must hold:
+MQA tied, bf16), Qwen3ForCausalLM (q/k norms), Qwen2ForCausalLM (q/k/v biases), ArceeForCausalLM
+(squared ReLU; tanh GELU with biases), Starcoder2ForCausalLM (LayerNorm, biases, GELU, tied),
+GPTBigCodeForCausalLM (MHA and MQA), MixtralForCausalLM, Qwen3MoeForCausalLM (``norm_topk_prob`` true and
+false), Qwen2MoeForCausalLM (gated shared expert). Must hold:
 
 * import -> ``ckpt export --to hf`` gives every tensor back bit for bit (HF -> megatron-core -> HF),
   and ``verify --data`` passes on the import;
@@ -52,6 +55,29 @@ def hf_model(root: Path, kind: str, dtype: torch.dtype = torch.float32) -> Path:
     elif kind == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(num_key_value_heads=2, head_dim=16,
                                                                        rope_theta=50000.0, **SIZES))
+    elif kind == "qwen2":  # biases on q/k/v only
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(num_key_value_heads=2, rope_theta=20000.0,
+                                                                       **SIZES))
+    elif kind.startswith("arcee"):  # RMSNorm, non-gated: relu2 (its default) or tanh GELU, with biases
+        act = "gelu_pytorch_tanh" if kind == "arcee_gelu_bias" else "relu2"
+        model = transformers.ArceeForCausalLM(transformers.ArceeConfig(
+            num_key_value_heads=2, head_dim=16, hidden_act=act, attention_bias=act != "relu2",
+            mlp_bias=act != "relu2", bos_token_id=None, eos_token_id=None, **SIZES))
+    elif kind == "starcoder2":  # LayerNorm, biases, GELU (tanh), GQA, tied
+        model = transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(
+            num_key_value_heads=2, hidden_act="gelu", bos_token_id=None, eos_token_id=None, **SIZES))
+    elif kind == "mixtral":  # 4 SwiGLU experts, top 2 (megatron's top-k then softmax)
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, rope_theta=30000.0,
+            **dict(SIZES, intermediate_size=32)))
+    elif kind.startswith("qwen3_moe"):  # q/k norms; norm_topk_prob false: --moe-router-pre-softmax
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=kind == "qwen3_moe", **SIZES))
+    elif kind == "qwen2_moe":  # a shared expert behind a sigmoid gate, q/k/v biases, no renormalisation
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, norm_topk_prob=False, **SIZES))
     else:
         model = transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(
             n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32, multi_query=kind == "bigcode_mqa",
@@ -89,7 +115,8 @@ def import_mc(src: Path, dst: Path, *topo: str) -> None:
     assert info["to"] == "megatron-core" and info["iteration"] == 0
 
 
-KINDS = ["llama", "llama_mqa_tied", "qwen3", "bigcode", "bigcode_mqa"]
+KINDS = ["llama", "llama_mqa_tied", "qwen3", "qwen2", "arcee", "arcee_gelu_bias", "starcoder2", "bigcode",
+         "bigcode_mqa"]
 SHARDINGS = ["dp_reshardable", "fully_reshardable"]
 
 
@@ -113,9 +140,35 @@ def test_hf_megatron_hf_round_trip_is_bit_identical(kind: str, dtype: torch.dtyp
     assert back.config.architectures == json.loads((src / "config.json").read_text())["architectures"]
 
 
+MOE_KINDS = ["mixtral", "qwen3_moe", "qwen3_moe_presoftmax", "qwen2_moe"]
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+@pytest.mark.parametrize("topo,sharding", [(("--tp", "1", "--ep", "2", "--dp", "2"), "dp_reshardable"),
+                                           (("--tp", "2", "--ep", "2", "--pp", "2"), "dp_reshardable"),
+                                           (("--tp", "1", "--ep", "4", "--dp", "4"), "fully_reshardable")])
+def test_moe_hf_megatron_hf_round_trip_is_bit_identical(kind: str, topo: tuple[str, ...], sharding: str,
+                                                        tmp_path: Path) -> None:
+    src = hf_model(tmp_path / "hf", kind)
+    import_mc(src, tmp_path / "mc", *topo, "--sharding", sharding)
+    r = cli("verify", tmp_path / "mc", "--data")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    r = cli("export", tmp_path / "mc", tmp_path / "back", "--to", "hf", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["architecture"] == json.loads((src / "config.json").read_text())["architectures"][0]
+    assert_same_tensors(src, tmp_path / "back")
+    cfg, back = (json.loads((d / "config.json").read_text()) for d in (src, tmp_path / "back"))
+    assert back.get("norm_topk_prob", True) == cfg.get("norm_topk_prob", True)
+
+
 def _megatron(ckpt: Path, out: Path, topo: tuple[int, int, int], tokens: Path) -> list[dict[str, np.ndarray]]:
+    return _megatron_at(ckpt, out, topo, tokens, 0)
+
+
+def _megatron_at(ckpt: Path, out: Path, topo: tuple[int, int, int], tokens: Path, it: int
+                 ) -> list[dict[str, np.ndarray]]:
     out.mkdir()
-    r = subprocess.run([str(MEGATRON_PY), str(FORWARD), str(ckpt / "iter_0000000"), str(out), *map(str, topo),
+    r = subprocess.run([str(MEGATRON_PY), str(FORWARD), str(ckpt / f"iter_{it:07d}"), str(out), *map(str, topo),
                         str(tokens)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = []
@@ -125,7 +178,7 @@ def _megatron(ckpt: Path, out: Path, topo: tuple[int, int, int], tokens: Path) -
     return ranks
 
 
-def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, sharding: str) -> None:
+def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, sharding: str, ep: int = 1) -> None:
     """Masters equal to the weights (as multisets: the DP shards of every rank against the params of
     the DP-rank-0 ranks; rank order tp-dp-pp), both Adam moments zero, step 0 (dp_reshardable: one
     value; the helper's CPU workaround leaves AdamW's step at its dummy-init value there, as
@@ -139,9 +192,10 @@ def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, shard
                 masters.append(r[k].ravel())
             else:
                 np.testing.assert_array_equal(r[k], 0)
-        if (rank // tp) % dp:
-            continue
         for k, v in r.items():
+            # dense weights of the DP-rank-0 ranks; experts (expert TP 1) of each EP rank's expert-DP rank 0
+            if ".local_experts." in k and (rank % (tp * dp)) // ep or ".local_experts." not in k and (rank // tp) % dp:
+                continue
             if k.startswith("model."):
                 weights.append((v.astype(np.int32) << 16).view(np.float32).ravel() if v.dtype == np.int16
                                else v.ravel())
@@ -155,16 +209,21 @@ def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, shard
     ("llama_mqa_tied", (1, 1, 2), "dp_reshardable"), ("qwen3", (2, 1, 2), "dp_reshardable"),
     ("qwen3", (2, 1, 1), "fully_reshardable"), ("bigcode", (2, 1, 1), "dp_reshardable"),
     ("bigcode_mqa", (1, 1, 1), "fully_reshardable"), ("llama", (1, 2, 1), "fully_reshardable"),
-    ("llama_mqa_tied", (1, 2, 2), "dp_reshardable")])
+    ("llama_mqa_tied", (1, 2, 2), "dp_reshardable"), ("qwen2", (2, 1, 2), "dp_reshardable"),
+    ("arcee", (2, 1, 1), "fully_reshardable"), ("arcee_gelu_bias", (2, 1, 2), "dp_reshardable"),
+    ("starcoder2", (2, 1, 2), "dp_reshardable"), ("mixtral", (1, 1, 2), "dp_reshardable"),
+    ("qwen3_moe", (2, 1, 1), "fully_reshardable"), ("qwen3_moe_presoftmax", (1, 1, 2), "dp_reshardable"),
+    ("qwen2_moe", (2, 1, 1), "dp_reshardable")])
 def test_megatron_core_loads_the_import_and_computes_transformers_logits(kind: str, topo: tuple[int, int, int],
                                                                          sharding: str, tmp_path: Path) -> None:
     src = hf_model(tmp_path / "hf", kind)
+    ep = 2 if "moe" in kind or kind == "mixtral" else 1  # EP 2 within the TP x DP ranks
     import_mc(src, tmp_path / "mc", "--tp", str(topo[0]), "--pp", str(topo[1]), "--dp", str(topo[2]),
-              "--sharding", sharding)
+              "--sharding", sharding, *(("--ep", str(ep)) if ep > 1 else ()))
     ids = np.random.default_rng(0).integers(0, 128, (2, 12))
     np.save(tmp_path / "tokens.npy", ids)
     ranks = _megatron(tmp_path / "mc", tmp_path / "out", topo, tmp_path / "tokens.npy")
-    _fresh_optimizer(ranks, topo[0], topo[2], sharding)
+    _fresh_optimizer(ranks, topo[0], topo[2], sharding, ep)
     if topo[1] == 1:
         model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
         with torch.no_grad():
@@ -187,6 +246,95 @@ def test_megatron_core_hf_megatron_core_at_another_topology(tmp_path: Path) -> N
         np.save(tmp_path / "tokens.npy", np.zeros((1, 4), dtype=np.int64))
         _fresh_optimizer(_megatron(tmp_path / "mc", tmp_path / "out", (1, 2, 2), tmp_path / "tokens.npy"), 1, 2,
                          "dp_reshardable")
+
+
+@pytest.mark.parametrize("fixture", ["pair_mixtral_ep2_dp_reshardable", "pair_qwen2moe_ep2_dp_reshardable"])
+def test_genuine_moe_hf_megatron_core_at_another_topology(fixture: str, tmp_path: Path) -> None:
+    """megatron-core's own Mixtral-style and Qwen2-MoE-style saves (bf16, EP 2 over DP 2) -> HF ->
+    megatron-core at EP 4 x DP 4 and at TP 2 x EP 2 -> HF: every HF folder holds the same bits."""
+    r = cli("export", MEGATRON / fixture, tmp_path / "hf1", "--to", "hf")
+    assert r.exit_code == 0, r.stderr
+    for i, topo in enumerate((("--ep", "4", "--dp", "4"), ("--tp", "2", "--ep", "2"))):
+        import_mc(tmp_path / "hf1", tmp_path / f"mc{i}", *topo)
+        r = cli("export", tmp_path / f"mc{i}", tmp_path / f"hf{i + 2}", "--to", "hf")
+        assert r.exit_code == 0, r.stderr
+        assert_same_tensors(tmp_path / "hf1", tmp_path / f"hf{i + 2}")
+
+
+def _carried(ranks: list[dict[str, np.ndarray]], hf: Path, sharding: str, step: float) -> None:
+    """At TP 1 every element of the distributed optimizer's state is on exactly one rank: the masters and
+    both moments megatron-core loaded, as multisets, are the HF optimizer files' (and ``step`` is the
+    run's, fully_reshardable; see :func:`_fresh_optimizer` for dp_reshardable's)."""
+    got: list[list[np.ndarray]] = [[], [], []]
+    for r in ranks:
+        if sharding == "fully_reshardable":
+            assert (r["step"] == step).all(), r["step"]
+        opt = sorted((k for k in r if k.startswith("opt.")), key=lambda k: int(k[4:]))
+        for i, k in enumerate(opt):
+            got[i % 3].append(r[k].ravel())
+    want = tensors(hf)
+    opt = {k: v for f in sorted(hf.glob("optimizer*.safetensors")) for k, v in load_file(f).items()}
+    assert want and opt
+    for i, state in enumerate(("param", "exp_avg", "exp_avg_sq")):
+        mine = np.sort(np.concatenate([v.numpy().ravel() for k, v in opt.items()
+                                       if k.startswith(f"optimizer.state.{state}.")]))
+        assert np.array_equal(np.sort(np.concatenate(got[i])), mine), state
+        assert i == 0 or np.abs(mine).max() > 0  # genuine moments, not zeros
+
+
+# MoE is not here: `export --to hf --optimizer` reads no expert optimizer state (the view refuses chained_ optimizers)
+@pytest.mark.parametrize("fixture", ["pair_llama_tp2_dp2_dp_reshardable"])
+def test_optimizer_state_megatron_hf_megatron_core_is_bit_identical(fixture: str, tmp_path: Path) -> None:
+    """A genuine megatron-core save (bf16, iteration 2, Adam step 2) -> ``export --to hf --optimizer`` ->
+    import at another topology carries the fp32 masters and both moments and the step -> export again:
+    the same model and optimizer files, byte for byte; megatron-core's loader loads the carried state."""
+    r = cli("export", MEGATRON / fixture, tmp_path / "hf1", "--to", "hf", "--optimizer")
+    assert r.exit_code == 0, r.stderr
+    moe = "mixtral" in fixture
+    topos = [("--dp", "4", *(("--ep", "2") if moe else ()), "--sharding", "dp_reshardable"),
+             ("--tp", "2", *(("--ep", "2") if moe else ("--pp", "1")), "--sharding", "fully_reshardable")]
+    for i, topo in enumerate(topos):
+        r = cli("import", tmp_path / "hf1", tmp_path / f"mc{i}", "--from", "hf", "--to", "megatron-core", *topo,
+                "--format", "json")
+        assert r.exit_code == 0, r.stderr
+        info = json.loads(r.stdout)
+        assert info["iteration"] == 2 and info["optimizer"] == "carried (step 2)", info
+        assert (tmp_path / f"mc{i}" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    r = cli("export", tmp_path / "mc0", tmp_path / "hf2", "--to", "hf", "--optimizer")
+    assert r.exit_code == 0, r.stderr
+    for f in sorted(p.name for p in (tmp_path / "hf1").glob("*.safetensors")):
+        assert (tmp_path / "hf1" / f).read_bytes() == (tmp_path / "hf2" / f).read_bytes(), f
+    r = cli("import", tmp_path / "hf1", tmp_path / "fresh", "--from", "hf", "--to", "megatron-core", "--tp", "2",
+            *(("--ep", "2") if moe else ()), "--no-optimizer", "--format", "json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["iteration"] == 0, r.stderr
+    if MEGATRON_PY.exists() and not moe:  # megatron-core loads the carried state (TP 1: each element once)
+        np.save(tmp_path / "tokens.npy", np.zeros((1, 4), dtype=np.int64))
+        r = cli("import", tmp_path / "hf1", tmp_path / "mc2", "--from", "hf", "--to", "megatron-core", "--dp", "2",
+                "--sharding", "fully_reshardable")
+        assert r.exit_code == 0, r.stderr
+        for ckpt, dp, sharding in ((tmp_path / "mc2", 2, "fully_reshardable"),
+                                   (tmp_path / "mc0", 4, "dp_reshardable")):
+            ranks = _megatron_at(ckpt, tmp_path / f"out_{sharding}", (1, 1, dp), tmp_path / "tokens.npy", 2)
+            _carried(ranks, tmp_path / "hf1", sharding, 2.0)
+
+
+def test_optimizer_files_without_a_run_state_are_refused(tmp_path: Path) -> None:
+    """Moments without megatron-core's Adam step cannot resume: refused naming the field, unless
+    --no-optimizer; an optimizer tensor at another shape is refused naming it."""
+    r = cli("export", MEGATRON / "pair_llama_tp2_dp2_dp_reshardable", tmp_path / "hf", "--to", "hf", "--optimizer")
+    assert r.exit_code == 0, r.stderr
+    opt = tmp_path / "hf" / "optimizer.safetensors"
+    t = load_file(opt)
+    save_file(t, opt, metadata={"format": "pt"})
+    base = ["import", tmp_path / "hf", tmp_path / "out", "--from", "hf", "--to", "megatron-core"]
+    assert_error_line(cli(*base), 2, "gtp_megatron_run_state", "--no-optimizer")
+    t["optimizer.state.exp_avg.model.norm.weight"] = t["optimizer.state.exp_avg.model.norm.weight"][:-1]
+    save_file(t, opt, metadata={"gtp_megatron_run_state": '{"iteration":2,"step":2.0}'})
+    assert_error_line(cli(*base), 2, "'optimizer.state.exp_avg.model.norm.weight' is [31] float32",
+                      "the model implies [32] float32")
+    assert not (tmp_path / "out").exists()
+    r = cli(*base, "--no-optimizer")
+    assert r.exit_code == 0, r.stderr
 
 
 def _edit_config(folder: Path, **change: object) -> None:

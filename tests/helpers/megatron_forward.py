@@ -1,18 +1,19 @@
 """megatron-core's own loader and forward on a checkpoint ``ckpt import --to megatron-core`` wrote (megatron venv).
 
-``python megatron_forward.py CKPT_ITER_DIR OUT_DIR TP PP DP TOKENS.npy`` spawns TP x PP x DP gloo CPU
-ranks. Each builds megatron-core's ``GPTModel`` (local spec) from the checkpoint's own ``common_state``
-args as Megatron-LM's ``core_transformer_config_from_args`` would (``--swiglu``: gated SiLU;
-``--openai-gelu``; ``--squared-relu``; ``--normalization``; ``--qk-layernorm``; GQA; RoPE base;
-tied or untied output), wrapped as training does (``Float16Module`` for bf16, megatron DDP with
-the distributed optimizer, ``get_megatron_optimizer`` with the args' lr / min_lr), wipes the model
-and optimizer to zeros and loads CKPT as ``load_checkpoint`` does for ``torch_dist`` (sharded state
-dicts with the sharding type the checkpoint's ``content_metadata`` names, ``dist_checkpointing.load``,
+``python megatron_forward.py CKPT_ITER_DIR OUT_DIR TP PP DP TOKENS.npy`` spawns TP x PP x DP gloo CPU ranks.
+Each builds megatron-core's ``GPTModel`` (local spec) from the checkpoint's own ``common_state`` args as
+Megatron-LM's ``core_transformer_config_from_args`` would (``--swiglu``: gated SiLU; ``--openai-gelu``;
+``--squared-relu``; ``--normalization``; ``--qk-layernorm``; GQA; RoPE base; tied or untied output; MoE:
+``--num-experts``, ``--moe-ffn-hidden-size``, ``--moe-router-topk``, ``--moe-router-pre-softmax``,
+SequentialMLP experts at the args' EP and expert TP, the allgather dispatcher, sequence parallelism at TP > 1
+as megatron-core requires for MoE), wrapped as training does (``Float16Module`` for bf16, megatron DDP with
+the distributed optimizer, ``get_megatron_optimizer`` with the args' lr / min_lr), wipes the model and
+optimizer to zeros and loads CKPT as ``load_checkpoint`` does for ``torch_dist`` (sharded state dicts with the
+sharding type the checkpoint's ``content_metadata`` names, ``dist_checkpointing.load``,
 ``model.load_state_dict(strict=True)``, ``optimizer.load_state_dict``; the two CPU workarounds of
-``megatron_load.py``). Rank ``r`` writes ``OUT_DIR/rank{r}.npz``: every model parameter (bf16 as raw
-int16), the fp32 master / ``exp_avg`` / ``exp_avg_sq`` shards and ``step``; at PP 1 rank 0 also
-writes ``logits.npy``, the forward on TOKENS (``parallel_output=False``: the full vocabulary).
-"""
+``megatron_load.py``). Rank ``r`` writes ``OUT_DIR/rank{r}.npz``: every model parameter (bf16 as raw int16),
+the fp32 master / ``exp_avg`` / ``exp_avg_sq`` shards and ``step``; at PP 1 rank 0 also writes ``logits.npy``,
+the forward on TOKENS (``parallel_output=False``: the full vocabulary). """
 
 from __future__ import annotations
 
@@ -42,6 +43,15 @@ def _build(args: Any, tp: int, pp: int) -> tuple[Any, Any]:
 
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     bf16 = bool(args.bf16)
+    experts = getattr(args, "num_experts", None)
+    moe = dict(num_moe_experts=experts, expert_model_parallel_size=args.expert_model_parallel_size,
+               expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+               moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+               moe_router_topk=args.moe_router_topk, moe_router_pre_softmax=args.moe_router_pre_softmax,
+               moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+               moe_shared_expert_gate=args.moe_shared_expert_gate,
+               moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
+               sequence_parallel=tp > 1) if experts else {}
     dtype = torch.bfloat16 if bf16 else torch.float32
     act = F.silu if args.swiglu else squared_relu if args.squared_relu else openai_gelu if args.openai_gelu \
         else F.gelu
@@ -54,8 +64,9 @@ def _build(args: Any, tp: int, pp: int) -> tuple[Any, Any]:
         gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         bias_activation_fusion=False, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
         gated_linear_unit=args.swiglu, activation_func=act, normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon, qk_layernorm=args.qk_layernorm)
-    spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+        layernorm_epsilon=args.norm_epsilon, qk_layernorm=args.qk_layernorm, **moe)
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=args.qk_layernorm,
+                                    normalization=args.normalization)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.max_position_embeddings,
                      pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
@@ -89,6 +100,7 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: i
     import torch
     from make_megatron_fixtures import install_cpu_shims
     from megatron_load import load_zeroed
+    from megatron_shims import allow_torch_norm_with_sequence_parallel
 
     torch.set_num_threads(1)
     install_cpu_shims()
@@ -101,7 +113,11 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: i
     common = dist_checkpointing.load_common_state_dict(ckpt)  # megatron's own reader of common_state
     args = common["args"]
     sharding = common["content_metadata"]["distrib_optim_sharding_type"]
-    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if getattr(args, "num_experts", None) and tp > 1:
+        allow_torch_norm_with_sequence_parallel()
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
+                                  expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None))
     model, optimizer = _build(args, tp, pp)
     module, arrays = load_zeroed(model, optimizer, ckpt, sharding)
     np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays)

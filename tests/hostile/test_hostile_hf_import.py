@@ -8,7 +8,19 @@
   a dtype that is no dtype;
 * indexes and links: a ``weight_map`` naming ``../outside.safetensors``, a tensor in two files, the
   weights file a symlink to a file outside the folder;
-* a config that disagrees with the tensors (``intermediate_size``) and float16 tensors.
+* a config that disagrees with the tensors (``intermediate_size``) and float16 tensors;
+* MoE (Mixtral, Qwen3-MoE): an expert count the tensors do not have (8, 2^40), a top-k above the
+  experts, an expert FFN size the tensors disagree with, a sliding window, dense layers between MoE
+  layers, a string expert count; Qwen2-MoE with a shared expert size the tensors disagree with (or 0)
+  and ``qkv_bias`` false against bias tensors; ``--ep`` that does not divide the experts, ``--etp 2``
+  (gated experts), ``--ep 1`` at TP 1 (megatron-core's dense-optimizer layout) and ``--ep`` on a dense
+  model;
+* optimizer files (``ckpt export --to hf --optimizer``) whose ``gtp_megatron_run_state`` is no JSON, a
+  negative iteration, a step of 1e300, a list, 100,000 arrays deep, or a state at another shape;
+* per RoPE class, the keys its import reads: Starcoder2 with a sliding window, without biases
+  (``use_bias`` false against bias tensors) or a wrong ``intermediate_size``; Arcee with an activation
+  megatron-core has no non-gated form of (``silu``) or key/value heads the tensors do not have; Qwen2
+  with sliding-window ``layer_types`` or ``layer_types`` that is no list.
 
 Each: exit 2, one line ``ckpt: error: ...`` naming the file or key, no traceback, peak RSS under
 512 MB, within the time limit, no open outside the folder, the folder unchanged and nothing at DST.
@@ -37,7 +49,30 @@ CONFIG = {"layers_huge": {"num_hidden_layers": 10**9}, "heads_huge": {"num_atten
           "vocab_huge": {"vocab_size": 2**62}, "head_dim_zero": {"head_dim": 0},
           "hidden_string": {"hidden_size": "64"}, "eps_negative": {"rms_norm_eps": -1.0},
           "layers_bool": {"num_hidden_layers": True}, "arch_many": {"architectures": ["LlamaForCausalLM"] * 100000},
-          "ffn_disagrees": {"intermediate_size": 96}, "rope_list": {"rope_parameters": [1, 2]}}
+          "ffn_disagrees": {"intermediate_size": 96}, "rope_list": {"rope_parameters": [1, 2]},
+          "starcoder2_window": {"sliding_window": 16}, "starcoder2_nobias": {"use_bias": False},
+          "starcoder2_ffn": {"intermediate_size": 96}, "arcee_silu": {"hidden_act": "silu"},
+          "arcee_heads": {"num_key_value_heads": 4},
+          "qwen2_window": {"layer_types": ["sliding_attention", "full_attention"]},
+          "qwen2_types_string": {"layer_types": "full_attention"},
+          "mixtral_experts": {"num_local_experts": 8}, "mixtral_topk": {"num_experts_per_tok": 5},
+          "mixtral_ffn": {"intermediate_size": 48}, "mixtral_window": {"sliding_window": 16},
+          "mixtral_experts_huge": {"num_local_experts": 2**40},
+          "qwen3moe_dense": {"mlp_only_layers": [0]}, "qwen3moe_step": {"decoder_sparse_step": 2},
+          "qwen3moe_experts_string": {"num_local_experts": "4"},
+          "qwen2moe_shared": {"shared_expert_intermediate_size": 64}, "qwen2moe_qkv_bias": {"qkv_bias": False},
+          "qwen2moe_shared_zero": {"shared_expert_intermediate_size": 0}}
+# the class each case starts from (else Llama)
+BASE = {n: n.split("_")[0] for n in CONFIG if n.split("_")[0] in ("starcoder2", "arcee", "qwen2", "mixtral",
+                                                                   "qwen3moe", "qwen2moe")}
+BASE.update(mixtral_ep3="mixtral", mixtral_etp2="mixtral", mixtral_ep1="mixtral")
+# optimizer files (`export --to hf --optimizer`) whose run state field is hostile, or a state at another shape
+OPT_STATE = {"opt_state_not_json": "{'iteration': 2", "opt_state_negative": '{"iteration": -1, "step": 2.0}',
+             "opt_state_huge_step": '{"iteration": 2, "step": 1e300}', "opt_state_list": "[1, 2]",
+             "opt_state_deep": "[" * 100000 + "]" * 100000, "opt_shape": '{"iteration": 2, "step": 2.0}'}
+# cases refused by a topology option, not the config
+OPTIONS = {"mixtral_ep3": ["--ep", "3"], "mixtral_etp2": ["--ep", "2", "--etp", "2", "--dp", "2"],
+           "mixtral_ep1": ["--ep", "1"], "dense_ep2": ["--ep", "2", "--dp", "2"]}
 WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json implies", "vocab_huge": "config.json "
          "implies", "head_dim_zero": "head_dim is 0", "hidden_string": "hidden_size is '64'",
          "eps_negative": "epsilon is -1.0", "layers_bool": "num_hidden_layers is True",
@@ -45,7 +80,24 @@ WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json imp
          "rope_list": "rope_parameters is [1, 2]", "deep": "config.json", "header_huge": "header of",
          "offsets_past": "spans bytes", "overlap": "overlap", "bad_dtype": "ill-formed header entry",
          "index_outside": "plain file name", "two_files": "also in", "symlink_out": "symlink",
-         "f16": "float32 or bfloat16"}
+         "f16": "float32 or bfloat16", "starcoder2_window": "sliding-window attention",
+         "starcoder2_nobias": "the weights do not belong to this config",
+         "starcoder2_ffn": "'model.layers.0.mlp.c_fc.weight' is [128, 64], config.json implies [96, 64]",
+         "arcee_silu": "hidden_act 'silu' has no megatron-core form", "arcee_heads": "config.json implies [64, 64]",
+         "qwen2_window": "sliding-window attention", "qwen2_types_string": "layer_types is 'full_attention'",
+         "mixtral_experts": "i.e. 65 tensors, but the folder holds 41", "mixtral_topk": "num_experts_per_tok 5 is more",
+         "mixtral_ffn": "'model.layers.0.block_sparse_moe.experts.0.w1.weight' is [32, 64], config.json implies [48",
+         "mixtral_window": "sliding-window attention", "mixtral_experts_huge": "the folder holds 41",
+         "qwen3moe_dense": "dense layers between MoE layers", "qwen3moe_step": "dense layers between MoE layers",
+         "qwen3moe_experts_string": "num_local_experts is '4'", "mixtral_ep3": "--ep 3 does not divide the model's 4",
+         "mixtral_etp2": "pass --etp 1", "mixtral_ep1": "--ep 1 with expert TP = TP (1)",
+         "dense_ep2": "the model has no experts",
+         "qwen2moe_shared": "'model.layers.0.mlp.shared_expert.gate_proj.weight' is [48, 64], config.json implies [64",
+         "qwen2moe_qkv_bias": "the weights do not belong to this config",
+         "qwen2moe_shared_zero": "shared_expert_intermediate_size is 0",
+         "opt_state_not_json": "gtp_megatron_run_state", "opt_state_negative": "not {'iteration': N",
+         "opt_state_huge_step": "not {'iteration': N", "opt_state_list": "not {'iteration': N",
+         "opt_state_deep": "optimizer.safetensors opens", "opt_shape": "the model implies [64] float32"}
 
 
 def _st(path: Path, header: dict, data: bytes) -> None:
@@ -53,21 +105,28 @@ def _st(path: Path, header: dict, data: bytes) -> None:
     path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
 
 
-def _base(root: Path) -> Path:
+def _base(root: Path, kind: str = "llama") -> Path:
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128))
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128, bos_token_id=None, eos_token_id=None)
+    cls = {"llama": "Llama", "starcoder2": "Starcoder2", "arcee": "Arcee", "qwen2": "Qwen2", "mixtral": "Mixtral",
+           "qwen3moe": "Qwen3Moe", "qwen2moe": "Qwen2Moe"}[kind]
+    moe = {"mixtral": dict(num_local_experts=4, intermediate_size=32),
+           "qwen3moe": dict(num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2),
+           "qwen2moe": dict(num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2,
+                            shared_expert_intermediate_size=48)}.get(kind, {})
+    model = getattr(transformers, f"{cls}ForCausalLM")(getattr(transformers, f"{cls}Config")(**{**sizes, **moe}))
     model.save_pretrained(root)
     return root
 
 
 def _build(root: Path, dst_root: Path, base: Path) -> list[Case]:
     cases = []
+    bases = {k: _base(base.parent / k, k) for k in set(BASE.values())}
     for name in WORDS:
         folder = root / name
         run = folder / "run"
-        shutil.copytree(base, run)
+        shutil.copytree(bases.get(BASE.get(name, ""), base), run)
         st = run / "model.safetensors"
         if name in CONFIG:
             cfg = json.loads((run / "config.json").read_text())
@@ -97,13 +156,22 @@ def _build(root: Path, dst_root: Path, base: Path) -> list[Case]:
         elif name == "symlink_out":
             st.rename(folder / "outside.safetensors")
             st.symlink_to(folder / "outside.safetensors")
+        elif name in OPT_STATE:
+            from safetensors.torch import load_file, save_file
+
+            opt = {f"optimizer.state.{s}.{k}": v.float().clone() for k, v in load_file(st).items()
+                   for s in ("param", "exp_avg", "exp_avg_sq")}
+            if name == "opt_shape":
+                opt["optimizer.state.exp_avg.model.norm.weight"] = torch.zeros(65)
+            save_file(opt, run / "optimizer.safetensors", metadata={"gtp_megatron_run_state": OPT_STATE[name]})
         elif name == "f16":
             from safetensors.torch import load_file, save_file
 
             save_file({k: v.half() for k, v in load_file(st).items()}, st)
         dst = dst_root / name
         dst.mkdir(parents=True)
-        argv = ["import", str(run), str(dst / "out"), "--from", "hf", "--to", "megatron-core", "--tp", "1"]
+        argv = ["import", str(run), str(dst / "out"), "--from", "hf", "--to", "megatron-core", "--tp", "1",
+                *OPTIONS.get(name, [])]
         cases.append(Case(name, "hf-import", "run", [argv], False, dir=str(folder),
                           notes={"dst": str(dst), "words": WORDS[name]}))
     return cases
