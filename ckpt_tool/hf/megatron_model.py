@@ -83,7 +83,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                               "scale_attn_weights": True, "n_positions": 1024},
 }
 # a non-gated MLP's transformers activation -> the Megatron-LM flag that selects it (None: the default GELU);
-# the inverse of the export's table (megatron_arch.ACT_HF) over gtp_format.megatron_args.ACTIVATIONS
+# the inverse of the export's table (megatron_arch.ACT_HF) over gtp_format.megatron.args.ACTIVATIONS
 ACT_FLAGS: dict[str, str | None] = {
     megatron_arch.ACT_HF["gelu"]: None,
     **{megatron_arch.ACT_HF[act]: flag for flag, (act, glu) in ACTIVATIONS.items()

@@ -204,7 +204,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reader", ("gtp_format.reader", "gtp_format.lineage")),
     ("megatron", ("gtp_format.megatron",)),
     ("views", ("gtp_format.views", "gtp_format.load_plan", "gtp_format.compare", "gtp_format.megatron.view",
-               "gtp_format.megatron.moe", "gtp_format.megatron.padding")),
+               "gtp_format.megatron.moe", "gtp_format.megatron.padding", "gtp_format.megatron.glu")),
     ("check", ("gtp_format.check",)),
     ("writer", ("gtp_format.writer",)),
     ("report", ("gtp_format.report",)),
