@@ -165,12 +165,18 @@ class WorkFolder:
 
 
 def _pid_alive(pid: int, start: int) -> bool:
+    """Whether the writer ``pid`` (started at ``start`` ticks) still runs. A zombie does not: a writer
+    killed with its parent stays one until the reaper gets to it (seconds, in a container whose init
+    reaps late), and its work folder was then kept as a live writer's by the next save."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass  # exists, another user's
+    raw = _read(f"/proc/{pid}/stat")
+    if raw and raw.rsplit(")", 1)[-1].split()[:1] in (["Z"], ["X"]):
+        return False
     ticks = start_ticks(pid)
     return ticks is None or start == 0 or ticks == start
 
