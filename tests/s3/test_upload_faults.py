@@ -84,9 +84,11 @@ def _puts(p: subprocess.Popen[str], n: int) -> int:
     return seen
 
 
-def _staging(tmp_path: Path) -> Path:
+def _staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The local staging of every writer of the test (the children's and the in-process ones)."""
     staging = tmp_path / "staging"
     staging.mkdir()
+    monkeypatch.setenv("CKPT_S3_STAGING", str(staging))
     (staging / "theirs.txt").write_text("keep")  # a user's file beside the work folders
     return staging
 
@@ -133,12 +135,12 @@ def local_outputs(tmp_path_factory: pytest.TempPathFactory, hf_src: Path) -> dic
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_a_writer_killed_at_a_random_point_of_its_upload(s3, capsys, tmp_path, hf_src, local_outputs,
+def test_a_writer_killed_at_a_random_point_of_its_upload(s3, capsys, tmp_path, hf_src, local_outputs, monkeypatch,
                                                         seed: int) -> None:
     """SIGKILL once the k-th object's upload is under way (k and the delay drawn from ``seed``)."""
     rnd = random.Random(seed)
     kind = KINDS[seed % len(KINDS)]
-    staging = _staging(tmp_path)
+    staging = _staging(tmp_path, monkeypatch)
     src = hf_src if kind == "import" else SRC
     before = snapshot(src)
     n_objects = 1 if kind == "torch" else sum(1 for p in local_outputs[kind].rglob("*") if p.is_file())
@@ -161,8 +163,9 @@ def test_a_writer_killed_at_a_random_point_of_its_upload(s3, capsys, tmp_path, h
     assert work.leftovers(staging) == [] and (staging / "theirs.txt").read_text() == "keep", what
     assert _absent_or_complete(s3, capsys, kind, "again/out", local_outputs[kind]), what
     # the killed writer's prefix: a second try is refused when objects are left there, else it completes
+    left_there = s3.keys("run/out/")
     code, _, err = ckpt(capsys, *_argv(kind, _dst(s3, kind, "run/out"), hf_src))
-    if complete or s3.keys("run/out/"):
+    if complete or left_there:
         assert code == 2 and err.count("\n") == 1 and "objects already exist" in err, (what, err)
     else:
         assert code == 0 and _absent_or_complete(s3, capsys, kind, "run/out", local_outputs[kind]), (what, err)
@@ -170,10 +173,10 @@ def test_a_writer_killed_at_a_random_point_of_its_upload(s3, capsys, tmp_path, h
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_second_writer_on_the_same_prefix(s3, capsys, tmp_path, hf_src, local_outputs, kind: str) -> None:
+def test_a_second_writer_on_the_same_prefix(s3, capsys, tmp_path, hf_src, local_outputs, monkeypatch, kind: str) -> None:
     """Two writers started together on one prefix: one complete winner (exit 0) and a refusal in one line
     (exit 2), or two refusals; never a mix of their objects under a commit object."""
-    staging = _staging(tmp_path)
+    staging = _staging(tmp_path, monkeypatch)
     dst = _dst(s3, kind, "both/out")
     a = _start(_argv(kind, dst, hf_src), staging, slow=0.1)
     b = _start(_argv(kind, dst, hf_src), staging, slow=0.1)
@@ -255,7 +258,7 @@ def _one_line_within(p: subprocess.Popen[str], bound: float) -> tuple[int, str]:
 def test_a_server_that_hangs_mid_upload(s3, capsys, tmp_path, hf_src, monkeypatch, kind: str) -> None:
     """The store stops answering after the first object's upload started: one line naming the timeout
     setting, exit 2, within the retry budget; no commit object; the source and staging as they were."""
-    staging = _staging(tmp_path)
+    staging = _staging(tmp_path, monkeypatch)
     src = hf_src if kind == "import" else SRC
     before = snapshot(src)
     with _proxy(s3.endpoint) as (endpoint, hang):
@@ -275,7 +278,7 @@ def test_a_server_that_hangs_mid_upload(s3, capsys, tmp_path, hf_src, monkeypatc
 def test_a_server_that_dies_mid_upload(tmp_path, hf_src, monkeypatch, kind: str) -> None:
     """moto's server process killed (SIGKILL) while the upload runs: one line, exit 2, bounded; nothing of
     the source or the staging folder's other files touched, the work folder removed."""
-    staging = _staging(tmp_path)
+    staging = _staging(tmp_path, monkeypatch)
     src = hf_src if kind == "import" else SRC
     before = snapshot(src)
     with s3_server.moto_process() as endpoint:
