@@ -173,7 +173,8 @@ def test_a_writer_killed_at_a_random_point_of_its_upload(s3, capsys, tmp_path, h
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_second_writer_on_the_same_prefix(s3, capsys, tmp_path, hf_src, local_outputs, monkeypatch, kind: str) -> None:
+def test_a_second_writer_on_the_same_prefix(s3, capsys, tmp_path, hf_src, local_outputs, monkeypatch,
+                                            kind: str) -> None:
     """Two writers started together on one prefix: one complete winner (exit 0) and a refusal in one line
     (exit 2), or two refusals; never a mix of their objects under a commit object."""
     staging = _staging(tmp_path, monkeypatch)
