@@ -8,7 +8,7 @@ The phases are reached by the runtime's fault hook (``GTP_FAULT_INJECT=point:ran
 host memory; the work folder exists), ``during_write`` (inside DCP's write on the background
 thread), ``after_write`` (every file of that rank fsynced), ``before_rename`` and ``before_latest``
 (rank 0's commit: before the folder is renamed, and between that rename and the latest marker),
-``mid_replace`` (an iteration saved again: the old folder moved aside, the new one not yet in place).
+and an iteration saved again (the old folder exchanged for the new one).
 The random cases kill from outside after a seeded random delay once a save has started, so they
 land wherever the save is.
 
@@ -206,17 +206,18 @@ def test_a_kill_at_each_phase_of_an_async_save(reference: Path, tmp_path: Path, 
     _check_after(reference, root, things, tmp_path, fault)
 
 
-def test_a_kill_while_an_iteration_is_saved_again(reference: Path, tmp_path: Path) -> None:
-    """``mid_replace``: iteration 3 is there (committed, latest still 2, as ``before_latest`` leaves it)
-    and is saved again; the kill comes with the old folder moved aside and the new not yet in place."""
+@pytest.mark.parametrize("fault", ["before_rename:0:sigkill", "before_latest:0:killpg"])
+def test_a_kill_while_an_iteration_is_saved_again(reference: Path, tmp_path: Path, fault: str) -> None:
+    """Iteration 3 is there (committed, latest still 2, as a kill at ``before_latest`` leaves it) and is
+    saved again: killed before the old folder is exchanged for the new one, and after."""
     root = tmp_path / "run"
     root.mkdir()
     things = _user_things(root)
     shutil.copytree(reference / "run" / "iter_0000003", root / "iter_0000003")
-    proc = _start(reference, root, _env(GTP_FAULT_INJECT="mid_replace:0:sigkill"))
+    proc = _start(reference, root, _env(GTP_FAULT_INJECT=fault))
     rc, _, err = _finish(proc, _Tree(proc))
     assert rc != 0, err[-2000:]
-    _check_after(reference, root, things, tmp_path, "mid_replace")
+    _check_after(reference, root, things, tmp_path, f"saved again, {fault}")
 
 
 @pytest.mark.parametrize("seed", range(6))
