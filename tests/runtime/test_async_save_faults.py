@@ -255,11 +255,14 @@ def test_a_kill_at_a_random_moment_of_an_async_save(reference: Path, tmp_path: P
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root only)")
 def test_a_disk_that_fills_during_the_background_write(reference: Path, tmp_path: Path) -> None:
-    """A real full disk (a 2 MiB tmpfs: iteration 2's copy fits, iteration 3's background write does
-    not): one line naming the folder and the cause, exit 1, the work folder removed, latest still 2."""
+    """A real full disk (a tmpfs with room for iteration 2's copy and half of another: iteration 3's
+    background write fills it): one line naming the folder and the cause, exit 1, the work folder
+    removed, latest still 2."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
+    one = sum(-(-p.stat().st_size // 4096) * 4096 for p in (reference / "run" / "iter_0000002").iterdir())
+    size_k = (one + one // 2 + 64 * 4096) // 1024
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_k}k", "tmpfs", str(disk)],
                       capture_output=True).returncode != 0:
         pytest.skip("cannot mount a tmpfs here")
     try:
