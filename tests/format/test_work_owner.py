@@ -32,3 +32,46 @@ def test_a_zombie_owner_is_dead(tmp_path: Path) -> None:
         assert work.clean_stale(tmp_path) == [w.path] and not w.path.exists()
     finally:
         os.waitpid(pid, 0)
+
+
+def test_the_copy_a_replace_moves_aside_is_proven_until_its_removal_ends(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The iteration an exchange replaces gets a token before it is moved aside, and loses it last: a
+    writer killed meanwhile leaves a copy the next writer removes, never one under a name nothing proves."""
+    final = tmp_path / "iter_0000003"
+    final.mkdir()
+    for name in ("a.distcp", "b.distcp", "metadata.json"):
+        (final / name).write_text(name)
+    old = work.own_before_removal(final, "old")
+    os.rename(final, old)  # the exchange moved it aside
+    (w,) = work.leftovers(tmp_path)
+    assert w.path == old and w.tag == "old" and work.proven(w)
+    real, calls = work.remove_entry, []
+
+    def killed_after_one(path: Path) -> None:
+        calls.append(path)
+        if len(calls) > 1:
+            raise KeyboardInterrupt  # stands in for the kill mid-removal
+        real(path)
+
+    monkeypatch.setattr(work, "remove_entry", killed_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        work.remove_owned(old)
+    (w,) = work.leftovers(tmp_path)
+    assert work.proven(w) and len(os.listdir(old)) == 3  # two files and the token left
+    monkeypatch.setattr(work, "remove_entry", real)
+    work.remove_owned(old)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_folder_it_may_not_write_into_is_moved_aside_unproven_as_before(tmp_path: Path) -> None:
+    final = tmp_path / "iter_0000003"
+    final.mkdir()
+    final.chmod(0o500)
+    try:
+        if os.access(final, os.W_OK):  # root writes anyway
+            pytest.skip("runs as root")
+        old = work.own_before_removal(final, "old")
+        assert old.name.startswith(".old.iter_0000003.w") and not (final / work.TOKEN_FILE).exists()
+    finally:
+        final.chmod(0o700)
