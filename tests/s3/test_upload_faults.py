@@ -54,6 +54,7 @@ sys.exit(run(sys.argv[1:]))
 COMMIT = {"import": "iter_0000000/metadata.json", "hf": "config.json",
           "fully_reshardable": "iter_0000002/metadata.json", "torch": ""}
 KINDS = sorted(COMMIT)
+pytestmark = pytest.mark.slow  # each case runs ckpt in fresh interpreters: 3 to 8 s
 
 
 def _argv(kind: str, dst: str, hf_src: Path) -> list[str]:
