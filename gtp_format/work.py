@@ -103,6 +103,15 @@ def work_name(target: Path, tag: str, token: str | None = None) -> Path:
     return target.with_name(f".{tag}.{target.name}.{owner_tag(token)}")
 
 
+def _write_token(folder: Path, token: str) -> None:
+    fd = os.open(folder / TOKEN_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        os.write(fd, token.encode() + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def new_work(target: Path, tag: str) -> Path:
     """Create this process's work folder for ``target``, with its ownership token inside (see the module
     docstring); returns it. A crash between the ``mkdir`` and the token leaves an empty folder that is
@@ -110,13 +119,38 @@ def new_work(target: Path, tag: str) -> Path:
     token = uuid.uuid4().hex
     path = work_name(target, tag, token)
     path.mkdir()
-    fd = os.open(path / TOKEN_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    try:
-        os.write(fd, token.encode() + b"\n")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _write_token(path, token)
     return path
+
+
+def own_before_removal(folder: Path, tag: str) -> Path:
+    """Put a fresh ownership token into ``folder`` (a folder this writer is about to move aside and remove:
+    the iteration an exchange replaces) and return the hidden name that token proves. Without it a writer
+    killed between the exchange and the end of the removal left the old copy, or what of it the removal had
+    not reached, under a name nothing proved: kept by every later save (found by the async-save fault cases).
+    """
+    token = uuid.uuid4().hex
+    try:
+        drop_token(folder)  # one a writer killed between its commit and dropping the token left there
+        _write_token(folder, token)
+    except OSError:  # a folder this process may not write into: moved aside unproven, as before
+        return work_name(folder, tag)
+    return work_name(folder, tag, token)
+
+
+def remove_owned(path: Path) -> None:
+    """Remove a work folder with its ownership token last, so that a removal cut short leaves it proven."""
+    if not path.is_dir() or path.is_symlink():
+        remove_entry(path)
+        return
+    with os.scandir(path) as it:
+        for entry in it:
+            if entry.name != TOKEN_FILE:
+                remove_entry(Path(entry.path))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path / TOKEN_FILE)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
 
 
 def drop_token(folder: Path) -> None:
@@ -165,12 +199,18 @@ class WorkFolder:
 
 
 def _pid_alive(pid: int, start: int) -> bool:
+    """Whether the writer ``pid`` (started at ``start`` ticks) still runs. A zombie does not: a writer
+    killed with its parent stays one until the reaper gets to it (seconds, in a container whose init
+    reaps late), and its work folder was then kept as a live writer's by the next save."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass  # exists, another user's
+    raw = _read(f"/proc/{pid}/stat")
+    if raw and raw.rsplit(")", 1)[-1].split()[:1] in (["Z"], ["X"]):
+        return False
     ticks = start_ticks(pid)
     return ticks is None or start == 0 or ticks == start
 

@@ -112,8 +112,9 @@ def export_command(
         left = info["left_out"]
         kinds = sorted({k.split("/", 1)[0].rsplit(".", 1)[-1] for k in left})  # common_state, rng_state, ...
         tail = (f"; left out {count(len(left), 'non-tensor object')} ({', '.join(kinds[:8])}"
-                f"{', ...' if len(kinds) > 8 else ''}; --format json lists the keys): PyTorch's dcp_to_torch_save "
-                "unpickles them, ckpt never does; read them with ckpt show SRC KEY")
+                f"{', ...' if len(kinds) > 8 else ''}; --format json lists the keys and why): torch.load with "
+                "weights_only=True refuses them, so the file is not all of PyTorch's dcp_to_torch_save; read them "
+                "with ckpt show SRC KEY")
     print_written(fmt, info, f"wrote {info['dst']} ({to}{', ' + info['names'] + ' names' if 'names' in info else ''}"
                   f"): {what}, {count(info['files'], 'file')}, {fmt_bytes(info['bytes_written'])} in "
                   f"{info['seconds']:.1f} s{tail}")

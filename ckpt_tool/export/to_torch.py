@@ -10,14 +10,11 @@ the slices in flight and the prefetch, within ``--max-memory``. The file loads w
 ``torch.load(weights_only=True)``, and its tensors equal those of PyTorch's own ``dcp_to_torch_save``
 of the same checkpoint (``tests/cli/test_export.py``).
 
-What it leaves out, and says so (``left_out``): the checkpoint's non-tensor objects (DCP's
-``BytesStorageMetadata`` entries: megatron-core's ``common_state``, ``rng_state``, the optimizer's
-param groups and ``_extra_state``). ``dcp_to_torch_save`` puts, under each such key, the object that
-``torch.load(weights_only=False)`` of its stored blob returns (``DefaultLoadPlanner.load_bytes``):
-that unpickles untrusted data (numpy RNG states, argparse namespaces), which ``ckpt`` never does, and
-its result cannot be written without it (the blob is a whole ``torch.save`` archive, its pickle's memo
-and storages numbered for that archive alone). So the file holds the tensors only, the keys left out
-are listed in the output, and their bytes stay in SRC (``ckpt show SRC KEY`` reads them safely).
+The checkpoint's non-tensor objects (DCP's ``BytesStorageMetadata`` entries: megatron-core's
+``common_state``, ``rng_state``, the optimizer's param groups and ``_extra_state``) come along as
+``dcp_to_torch_save`` writes them where ``torch.load(weights_only=True)`` decodes them; what it refuses
+is left out and named (``left_out``), and a blob that is not data stops the export
+(:mod:`ckpt_tool.export.torch_objects`). torch is imported only for those objects.
 """
 
 from __future__ import annotations
@@ -34,6 +31,7 @@ import numpy as np
 
 from ckpt_tool.copying.engine import MIN_CHUNK, write_failure
 from ckpt_tool.copying.source import Source
+from ckpt_tool.export.torch_objects import decode_objects
 from gtp_format.check.integrity import readable_bytes
 from gtp_format.errors import FormatError
 from gtp_format.reader.boxes import PREFETCH_BUDGET
@@ -66,7 +64,7 @@ def _pieces(key: str, shape: tuple[int, ...], itemsize: int, slice_bytes: int) -
 def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
                  advance_of: Callable[[int], Callable[[int], None]] | None = None) -> dict[str, Any]:
     entries = {k: e for k, e in source.ckpt.entries.items() if e.shape is not None and e.dtype is not None}
-    left_out = sorted(k for k in source.ckpt.entries if k not in entries)  # byte objects: see the module docstring
+    objects = sorted(k for k in source.ckpt.entries if k not in entries)  # byte objects: see the module docstring
     total = sum(e.numel * e.itemsize for e in entries.values())
     readable = readable_bytes(source.ckpt)
     if total > readable:  # the output's size is bounded by what the files hold on disk, not their (sparse) st_size
@@ -74,6 +72,7 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
                           f"files hold only {readable} readable bytes (sparse or truncated files: reads are bounded "
                           "by a multiple of what a file stores on disk); run `ckpt verify --data` on it and export "
                           "an intact checkpoint")
+    fragments, left_out = decode_objects(source.ckpt, objects, max_memory, str(source.root)) if objects else ([], {})
     keys = list(entries)
     # in the order the keys' bytes lie in the files: a bucket's prefetch then joins neighbouring chunks into
     # requests of up to 8 MiB (in key-name order they alternate between files and offsets)
@@ -109,7 +108,8 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
     try:
         with sigterm_raises():  # a terminated export removes its partial file, as on an error
             with Sink(tmp, stage_bytes(2 * slice_bytes), checksum=False) as sink:
-                out = TorchStateFile(sink.write, spec, [index[k] for k in order])  # type: ignore[misc]
+                out = TorchStateFile(sink.write, spec, [index[k] for k in order],  # type: ignore[misc]
+                                     objects=fragments)
                 out.begin()
                 pieces = (p for k in order for p in _pieces(k, tuple(entries[k].shape), entries[k].itemsize,
                                                             slice_bytes))
@@ -134,7 +134,8 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
         raise write_failure(local, e) from None
     finally:
         remove_entry(work)  # the partial file on a failure; the token (and nothing else) after the commit
-    return {"files": 1, "keys": len(keys), "bytes": total, "left_out": left_out}
+    return {"files": 1, "keys": len(keys) + len(fragments), "bytes": total, "byte_objects": len(fragments),
+            "left_out": sorted(left_out), "left_out_why": left_out, "equals_dcp_to_torch_save": not left_out}
 
 
 def _write_piece(out: TorchStateFile, p: Piece, fut: Future[tuple[np.ndarray, int]],

@@ -73,9 +73,10 @@ from gtp_format.work import (
     clean_stale,
     drop_token,
     new_work,
+    own_before_removal,
     remove_entry,
+    remove_owned,
     sigterm_raises,
-    work_name,
 )
 
 # Megatron's metadata.json: the torch_dist backend (its fields and values, as megatron-core writes
@@ -378,11 +379,20 @@ class CheckpointWriter:
             return
         except FileExistsError:
             pass
-        old = self.backup or work_name(self.target, "old")
-        swap_in_folder(self.work, self.target, old, between=(lambda: self.fault("mid_replace")) if self.fault else None)
+        # the replaced iteration is proven this writer's before it is moved aside (work.own_before_removal)
+        old = self.backup or own_before_removal(self.target, "old")
+        try:
+            swap_in_folder(self.work, self.target, old,
+                           between=(lambda: self.fault("mid_replace")) if self.fault else None)
+        except OSError:
+            if self.backup is None and not old.exists():  # put back where it was: no token stays in it
+                drop_token(self.target)
+            raise
         fsync_dir(self.target.parent)
+        if self.fault is not None:
+            self.fault("after_exchange")
         if self.backup is None:
-            remove_entry(old)  # the iteration this writer replaces: the caller asked for exactly that
+            remove_owned(old)  # the iteration this writer replaces: the caller asked for exactly that
 
     def set_latest(self, iteration: int | str) -> None:
         """Point the run directory's latest marker at the committed iteration (atomically, durably)."""

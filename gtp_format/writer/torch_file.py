@@ -32,16 +32,25 @@ from gtp_format.writer.torch_blob import Pickle2, ZipBuilder, tensor_reduce
 _BATCH = 1000  # items per SETITEMS, as pickle batches them
 
 
-def state_pkl(tensors: list[tuple[str, DType, tuple[int, ...]]], storage_keys: list[str]) -> bytes:
-    """``data.pkl`` of ``{key: tensor}`` in this order; tensor ``i``'s storage is ``data/<storage_keys[i]>``."""
+def state_pkl(tensors: list[tuple[str, DType, tuple[int, ...]]], storage_keys: list[str],
+              objects: list[tuple[str, bytes]] = ()) -> bytes:  # type: ignore[assignment]
+    """``data.pkl`` of ``{key: tensor}`` in this order; tensor ``i``'s storage is ``data/<storage_keys[i]>``.
+    ``objects``: (key, value) after the tensors, each value a protocol-2 pickle body without PROTO, STOP
+    or memo opcodes (``ckpt_tool.export.torch_objects.fragment``), placed as it is."""
     p = Pickle2()
     p.out += b"}"
     p.put()
-    for at in range(0, len(tensors), _BATCH):
+    items: list[Any] = [*zip(tensors, storage_keys), *objects]
+    for at in range(0, len(items), _BATCH):
         p.out += b"("
-        for (key, dtype, sizes), sk in zip(tensors[at:at + _BATCH], storage_keys[at:at + _BATCH]):
-            p.str(key)
-            tensor_reduce(p, dtype, sizes, sk)
+        for item in items[at:at + _BATCH]:
+            if isinstance(item[1], bytes):
+                p.str(item[0])
+                p.out += item[1]
+            else:
+                (key, dtype, sizes), sk = item
+                p.str(key)
+                tensor_reduce(p, dtype, sizes, sk)
         p.out += b"u"
     p.out += b"."
     return bytes(p.out)
@@ -54,10 +63,12 @@ class TorchStateFile(ZipBuilder):
     the order their bytes will be given. Call :meth:`begin`, then for each tensor in ``order``
     :meth:`start`, :meth:`data` (its bytes, C order, in any number of pieces) and :meth:`end`, then
     :meth:`finish`. A tensor given more or fewer bytes than its shape holds is refused (ValueError).
+    ``objects``: non-tensor values after the tensors (see :func:`state_pkl`).
     """
 
     def __init__(self, write: Callable[[list[Any]], None], tensors: list[tuple[str, DType, tuple[int, ...]]],
-                 order: list[int], serialization_id: str | None = None, zip64: bool = False) -> None:
+                 order: list[int], serialization_id: str | None = None, zip64: bool = False,
+                 objects: list[tuple[str, bytes]] = ()) -> None:  # type: ignore[assignment]
         super().__init__(zip64=zip64)
         if sorted(order) != list(range(len(tensors))):
             raise ValueError("order must name every tensor once")
@@ -65,7 +76,7 @@ class TorchStateFile(ZipBuilder):
         keys = [""] * len(tensors)
         for n, i in enumerate(order):
             keys[i] = str(n)
-        self._pkl = state_pkl(tensors, keys)
+        self._pkl = state_pkl(tensors, keys, list(objects))
         self._sid = serialization_id.encode() if serialization_id else None
         self._next = 0  # position in ``order`` of the tensor to start
         self._left = -1  # bytes the open tensor still needs; -1 when none is open

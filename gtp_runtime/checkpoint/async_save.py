@@ -48,6 +48,7 @@ from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter
 from gtp_runtime.checkpoint.chunk_records import ChunkId, Stats, start_state_stats
 from gtp_runtime.checkpoint.io import (
+    fault_point,
     finish_save,
     manifest_now,
     prepare_folder,
@@ -121,7 +122,9 @@ class AsyncCheckpointer:
             # write a pass over every byte (measured on the H200: the write 0.72x dd with them there)
             on_gpu = trainer.device.type == "cuda"
             stats = start_state_stats(live) if on_gpu else None
+            fault_point("staging")
             staged = self.staging.stage(live, self._group)
+            fault_point("staged")
             stats_of = _known(stats()) if stats is not None else None
             manifest = manifest_now(trainer, layout, sharding, False) if dist.get_rank() == 0 else None
         except BaseException:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -73,9 +75,21 @@ def _fault(point: str, folder: Path | None = None) -> None:
     """Fault injection for crash tests: ``GTP_FAULT_INJECT=point:rank`` kills that rank there
     (exit 17, no report); ``point:rank:raise`` makes it raise instead (a crash with a traceback);
     ``point:rank:enospc`` raises the ``OSError`` a full disk gives, and ``point:rank:rmtree`` removes
-    ``folder`` (the save's work folder) as an operator's ``rm -r`` would, so the next write fails."""
+    ``folder`` (the save's work folder) as an operator's ``rm -r`` would, so the next write fails.
+    Signals, as an operator or the OOM killer sends them: ``point:rank:sigkill`` (that rank alone),
+    ``point:rank:killpg`` (SIGKILL to the whole process group: launcher, fork server and every rank),
+    ``point:rank:launcher`` and ``point:rank:sigterm`` (SIGKILL or SIGTERM to the process group's
+    leader: the launcher, when it was started in a session of its own, as the tests start it)."""
     spec = os.environ.get("GTP_FAULT_INJECT", "").split(":")
     if len(spec) >= 2 and spec[0] == point and int(spec[1]) == dist.get_rank():
+        signals = {"sigkill": (os.getpid(), signal.SIGKILL), "killpg": (-os.getpgrp(), signal.SIGKILL),
+                   "launcher": (os.getpgrp(), signal.SIGKILL), "sigterm": (os.getpgrp(), signal.SIGTERM)}
+        if len(spec) == 3 and spec[2] in signals:
+            pid, sig = signals[spec[2]]
+            os.kill(pid, sig)
+            if spec[2] == "sigterm":
+                return  # the launcher stops this rank (its lifeline), wherever the rank has got to
+            time.sleep(60)  # SIGKILL is delivered before this ends
         if spec[2:] == ["raise"]:
             raise RuntimeError(f"injected fault at {point}")
         if spec[2:] == ["enospc"]:
@@ -87,6 +101,12 @@ def _fault(point: str, folder: Path | None = None) -> None:
             shutil.rmtree(gone)
             return
         os._exit(17)
+
+
+def fault_point(point: str) -> None:
+    """:func:`_fault` for the async save's own points (``staging``: the work folder made, the copy to
+    host memory not begun; ``staged``: the copy done, the background write not started)."""
+    _fault(point)
 
 
 def fault_mode(point: str) -> bool:

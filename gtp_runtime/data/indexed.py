@@ -18,9 +18,15 @@ could claim 2**64 sequences or point past the end of ``.bin``. Every count is ch
 real file size *before* anything is mapped by it, every pointer, length and document index is
 checked in bounds (in blocks, so a 10 GB corpus's index costs a bounded amount of memory), the
 sequences must not overlap in ``.bin`` (so an epoch is at most the ``.bin``), and a file that
-stores under half its size on disk (sparse) is refused (so the sizes themselves are real). The
-``.bin`` is only ever memory-mapped: a batch reads its own pages and nothing else, so the resident
-memory is the batches in flight, not the corpus (measured in ``benchmarks/bench_data_read.py``).
+stores under half its size on disk (sparse) is refused (so the sizes themselves are real).
+
+Nothing is memory-mapped: a mapped file that another process truncates kills the reader with SIGBUS
+at the first access past the new end (no error line, no clean-up), and a dataset is a user's file
+that may be rewritten under a running job. The ``.idx`` arrays are read whole (their size is the
+``.idx``'s, checked real above: a 10 GB corpus's index is tens of MB); the ``.bin`` stays on disk and
+a batch reads only its own tokens, in runs of neighbouring elements, with ``pread``
+(:class:`TokenFile`), so the resident memory is the batches in flight, not the corpus. A read that
+comes back short (the file shrank) is one :class:`DataError` naming the file.
 
 A flat token file is a ``.bin`` of uint16 or uint32 tokens with no ``.idx``; it is cut into
 pseudo-documents of :data:`FLAT_DOC_TOKENS` tokens so that it can be shuffled and split like an
@@ -29,7 +35,6 @@ indexed dataset.
 
 from __future__ import annotations
 
-import mmap
 import os
 import stat
 import struct
@@ -81,16 +86,88 @@ def _regular_size(path: Path) -> int:
     return st.st_size
 
 
+_GAP = 64  # elements: neighbours of a batch closer than this are read in one run (fewer, larger preads)
+
+
+def _pread(fd: int, path: Path, nbytes: int, offset: int) -> bytearray:
+    """``nbytes`` at ``offset`` of ``fd``, whole, or one :class:`DataError` if the file ends first."""
+    buf = bytearray(nbytes)
+    view, got = memoryview(buf), 0
+    while got < nbytes:
+        try:
+            n = os.preadv(fd, [view[got:]], offset + got)
+        except OSError as e:
+            raise DataError(f"{path}: cannot read ({e.strerror}); check --data-path") from None
+        if n == 0:
+            raise DataError(f"{path}: the file ended at byte {offset + got} while {nbytes} bytes from {offset} were "
+                            "read (it shrank or was replaced while training read it); keep a dataset unchanged "
+                            "while a job uses it")
+        got += n
+    return buf
+
+
+class TokenFile:
+    """The tokens of a ``.bin``: indexed like a 1-D array (an int, a slice or an array of ints), each
+    read served by bounded ``pread`` calls (see the module docstring for why never a memory map)."""
+
+    def __init__(self, path: Path, dtype: type[np.number], count: int) -> None:
+        self.path, self.dtype, self.count = path, np.dtype(dtype), count
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __del__(self) -> None:
+        fd, self._fd = getattr(self, "_fd", -1), -1
+        if fd >= 0:
+            os.close(fd)
+
+    def _read(self, first: int, n: int) -> np.ndarray:
+        size = self.dtype.itemsize
+        return np.frombuffer(_pread(self._fd, self.path, n * size, first * size), dtype=self.dtype)
+
+    def __getitem__(self, key: int | slice | np.ndarray) -> np.ndarray | np.number:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self.count)
+            return self._read(start, max(0, stop - start))[::step] if stop > start else np.empty(0, self.dtype)
+        if isinstance(key, int | np.integer):
+            k = int(key) + (self.count if key < 0 else 0)
+            if not 0 <= k < self.count:
+                raise IndexError(f"token {int(key)} outside {self.count}")
+            return self._read(k, 1)[0]
+        idx = np.asarray(key, dtype=np.int64)
+        if idx.size == 0:
+            return np.empty(idx.shape, self.dtype)
+        lo, hi = int(idx.min()), int(idx.max()) + 1
+        if lo < 0 or hi > self.count:
+            raise IndexError(f"token index outside {self.count}")
+        if hi - lo <= 2 * idx.size + _GAP:  # dense (a batch in file order): one read, no sort
+            return self._read(lo, hi - lo)[idx - lo]
+        u = np.unique(idx)
+        cut = np.nonzero(np.diff(u) > _GAP)[0]
+        starts = u[np.concatenate([[0], cut + 1])]
+        ends = u[np.concatenate([cut, [len(u) - 1]])] + 1
+        base = np.concatenate([[0], np.cumsum(ends - starts)[:-1]])
+        buf = np.concatenate([self._read(int(a), int(b - a)) for a, b in zip(starts, ends)])
+        run = np.searchsorted(starts, idx, side="right") - 1
+        return buf[base[run] + idx - starts[run]]
+
+    def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
+        """Every token (tests and tools; training reads batches)."""
+        out = self._read(0, self.count) if self.count else np.empty(0, self.dtype)
+        return out.astype(dtype) if dtype is not None else out
+
+
 @dataclass
 class TokenDataset:
-    """Tokens of a dataset as a read-only memory map plus where each document's tokens are.
+    """Tokens of a dataset (read on demand, :class:`TokenFile`) plus where each document's tokens are.
 
     ``starts``/``lengths`` are in tokens (element offsets into ``tokens``), one entry per
     sequence; ``doc_index`` has documents + 1 entries of sequence ids.
     """
 
     name: str
-    tokens: np.ndarray
+    tokens: TokenFile
     starts: np.ndarray
     lengths: np.ndarray
     doc_index: np.ndarray
@@ -104,15 +181,7 @@ class TokenDataset:
         return int(self.lengths.sum(dtype=np.int64))
 
     def release(self) -> None:
-        """Unmap the token pages touched so far (they stay in the page cache; a re-read is a minor fault).
-
-        Why: each page fault maps the pages around it too (the kernel's fault-around, 64 KiB), so
-        shuffled reads of a 10 GB ``.bin`` left 8.6 GB of it mapped into the process (RssFile) after
-        0.4 GB of samples, alarming in any memory report although none of it was a copy.
-        """
-        m = getattr(self.tokens, "_mmap", None)
-        if m is not None and hasattr(m, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-            m.madvise(mmap.MADV_DONTNEED)
+        """Nothing to give back: the tokens are read per batch, not mapped (the sampler still calls it)."""
 
     def fingerprint(self) -> dict[str, int | str]:
         """What identifies the data in a checkpoint (cheap: no pass over the tokens)."""
@@ -120,10 +189,15 @@ class TokenDataset:
                 "documents": self.num_documents, "tokens": self.num_tokens}
 
 
-def _map(path: Path, dtype: type[np.number], count: int, offset: int = 0) -> np.ndarray:
+def _array(path: Path, dtype: type[np.number], count: int, offset: int = 0) -> np.ndarray:
+    """``count`` items at ``offset`` of ``path``, read whole (the caller checked the file holds them)."""
     if count == 0:
         return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        return np.frombuffer(_pread(fd, path, count * np.dtype(dtype).itemsize, offset), dtype=dtype)
+    finally:
+        os.close(fd)
 
 
 def read_index(prefix: str | os.PathLike) -> TokenDataset:
@@ -151,9 +225,9 @@ def read_index(prefix: str | os.PathLike) -> TokenDataset:
     if n_doc < 2:
         raise DataError(f"{idx}: {max(n_doc, 1) - 1} documents; the dataset is empty")
     itemsize = np.dtype(dtype).itemsize
-    lengths = _map(idx, np.int32, n_seq, HEADER_BYTES)
-    pointers = _map(idx, np.int64, n_seq, HEADER_BYTES + 4 * n_seq)
-    docs = _map(idx, np.int64, n_doc, HEADER_BYTES + 12 * n_seq)
+    lengths = _array(idx, np.int32, n_seq, HEADER_BYTES)
+    pointers = _array(idx, np.int64, n_seq, HEADER_BYTES + 4 * n_seq)
+    docs = _array(idx, np.int64, n_doc, HEADER_BYTES + 12 * n_seq)
     for lo in range(0, n_seq, _BLOCK):
         ln, pt = lengths[lo : lo + _BLOCK].astype(np.int64), pointers[lo : lo + _BLOCK]
         bad = (ln < 0) | (pt < 0) | (pt % itemsize != 0) | (pt > bin_size) | (ln > (bin_size - pt) // itemsize)
@@ -173,7 +247,7 @@ def read_index(prefix: str | os.PathLike) -> TokenDataset:
                             "; the file is corrupt")
     if bin_size % itemsize:
         raise DataError(f"{bin_}: {bin_size} bytes is not a whole number of {np.dtype(dtype).name} tokens")
-    tokens = _map(bin_, dtype, bin_size // itemsize)
+    tokens = TokenFile(bin_, dtype, bin_size // itemsize)
     return TokenDataset(Path(prefix).name, tokens, pointers // itemsize if n_seq else pointers, lengths, docs)
 
 
@@ -225,7 +299,8 @@ def read_flat(path: str | os.PathLike, dtype_name: str = "uint16") -> TokenDatas
         raise DataError(f"{path}: no tokens; the file is empty")
     starts = np.arange(0, n, FLAT_DOC_TOKENS, dtype=np.int64)
     lengths = np.minimum(FLAT_DOC_TOKENS, n - starts).astype(np.int32)
-    return TokenDataset(path.name, _map(path, dtype, n), starts, lengths, np.arange(len(starts) + 1, dtype=np.int64))
+    docs = np.arange(len(starts) + 1, dtype=np.int64)
+    return TokenDataset(path.name, TokenFile(path, dtype, n), starts, lengths, docs)
 
 
 def open_dataset(path: str | os.PathLike, flat_dtype: str = "uint16") -> TokenDataset:

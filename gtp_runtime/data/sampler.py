@@ -79,7 +79,7 @@ class GPTSamples:
         """Samples ``[first, first + count)`` stacked: ``[count, seq_length + 1]`` int64.
 
         Vectorised: a sample is a run of elements from its first sequence, shifted at each sequence
-        boundary it crosses; the batch is then one gather from the memory map (measured: ~20x
+        boundary it crosses; the batch is then one gather from the token file (measured: ~20x
         faster than a Python loop per sample, and 3x faster than a binary search per token).
         """
         ks = np.arange(first, first + count, dtype=np.int64)
@@ -102,5 +102,5 @@ class GPTSamples:
                 step[r, offsets[j] - begin[r]] = shift[j] - shift[j - 1]
                 elem += np.cumsum(step, axis=1)
             out[rows] = self.data.tokens[elem]
-        self.data.release()  # the batch is a copy now: keep only the batches in flight mapped
+        self.data.release()  # the batch is a copy: nothing of the file is held after it
         return out

@@ -12,7 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gtp_runtime.data.indexed import FLAT_DOC_TOKENS, HEADER_BYTES, DataError, open_dataset, read_flat, read_index
+from gtp_runtime.data.indexed import (
+    FLAT_DOC_TOKENS,
+    HEADER_BYTES,
+    DataError,
+    TokenFile,
+    open_dataset,
+    read_flat,
+    read_index,
+)
 from gtp_runtime.data.sampler import GPTSamples, split_documents
 from gtp_runtime.data.writer import write_dataset
 
@@ -29,7 +37,7 @@ def test_reads_what_megatron_core_wrote(name):
     assert ds.doc_index.tolist() == e["document_indices"]
     assert (ds.starts * ds.tokens.dtype.itemsize).tolist() == e["sequence_pointers"]
     assert [ds.tokens[s : s + n].tolist() for s, n in zip(ds.starts, ds.lengths)] == e["sequences"]
-    assert isinstance(ds.tokens, np.memmap)  # mapped, not copied
+    assert isinstance(ds.tokens, TokenFile)  # read on demand, not copied (nor mapped)
 
 
 @pytest.mark.parametrize("name", ["bytes_uint8", "tokens_int32"])  # one sequence per document

@@ -109,3 +109,25 @@ def test_sparse_check_spares_small_and_dense_files(tmp_path: Path) -> None:
         f.truncate(512 << 10)  # under the 1 MiB slack: holes in a small file cost nothing
     assert open_dataset(path).num_tokens == 256 << 10
     os.remove(path)
+
+
+def test_a_bin_that_shrinks_under_the_reader_is_one_line_not_sigbus(tmp_path: Path) -> None:
+    """The ``.bin`` truncated after it was opened (a dataset rewritten under a running job): a memory map
+    killed the process with SIGBUS at the first batch past the new end; ``pread`` comes back short."""
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 50_000, int(n), dtype=np.uint16) for n in rng.integers(10, 400, 200)]
+    write_dataset(tmp_path / "d", docs, np.uint16)
+    ds = read_index(tmp_path / "d")
+    samples = GPTSamples(ds, 0, ds.num_documents, 16, seed=0)
+    whole = np.asarray(ds.tokens).astype(np.int64)
+    first = samples.batch(0, 64)
+    # the batch equals a gather from every token read whole (the runs of neighbouring elements are right)
+    flat = np.concatenate([whole[s : s + n] for s, n in zip(ds.starts, ds.lengths)])
+    assert first.shape == (64, 17) and np.isin(first, flat).all()
+    assert np.array_equal(ds.tokens[np.array([[5, 3, 900], [4000, 6, 5]])], whole[[[5, 3, 900], [4000, 6, 5]]])
+    assert np.array_equal(ds.tokens[10:20], whole[10:20]) and ds.tokens[7] == whole[7]
+    os.truncate(tmp_path / "d.bin", 64)
+    with pytest.raises(DataError) as info:
+        samples.batch(0, samples.samples_per_epoch)
+    msg = str(info.value)
+    assert "d.bin" in msg and "shrank" in msg and "\n" not in msg, msg
