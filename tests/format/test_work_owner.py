@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gtp_format.writer import work
+from gtp_format import work
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")

@@ -36,8 +36,8 @@ import pytest
 from cli_helpers import cli
 from test_launcher_lifetime import _alive, _descendants
 
+from gtp_format import work
 from gtp_format.names import LATEST_FILE
-from gtp_format.writer import work
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree (Linux)")]

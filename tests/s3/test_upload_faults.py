@@ -32,8 +32,8 @@ from cli_helpers import snapshot
 from test_read import FIXTURES, ckpt
 from test_server_process import _server_pids
 
+from gtp_format import work
 from gtp_format.storage import objects
-from gtp_format.writer import work
 
 REPO = Path(__file__).resolve().parents[2]
 SRC = FIXTURES["dcp"]
