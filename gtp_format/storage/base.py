@@ -223,7 +223,10 @@ class BucketStorage(Storage):
     remote = True
 
     def __init__(self, location: ObjectURL, state: objects.BucketState | None = None) -> None:
-        self.location = location.bound(state) if state is not None else location
+        # a location bound to no session gets a state of its own here (unscoped: no listing is reused), so that
+        # everything read or written through this storage and the locations it hands out shares one client
+        state = state or (location.state if isinstance(location.state, objects.BucketState) else None)
+        self.location = location.bound(state or objects.BucketState(scoped=False))
 
     def open(self, rel: str, what: str = "data file") -> BinaryIO:
         return objects.ObjectFile(self.location, rel, what)  # type: ignore[return-value]
@@ -307,7 +310,7 @@ class BucketStorage(Storage):
 def storage_for(location: Location | str | os.PathLike[str] | Storage, session: Any = None) -> Storage:
     """The storage of ``location`` (parsed if text: :func:`gtp_format.storage.location.parse_location`), read
     and written through ``session`` (:class:`gtp_format.session.Session`); without one, a bucket location
-    uses the session it was bound to, if any. A :class:`Storage` is returned as it is."""
+    uses the session it was bound to, else a state of its own. A :class:`Storage` is returned as it is."""
     if isinstance(location, Storage):
         return location
     loc = parse_location(location) if isinstance(location, str | ObjectURL) else Path(location)
@@ -324,18 +327,3 @@ def bind(value: T, state: objects.BucketState) -> T:
     if isinstance(value, list | tuple) and any(isinstance(v, ObjectURL) for v in value):
         return type(value)(bind(v, state) for v in value)  # type: ignore[return-value]
     return value
-
-
-def is_bucket(location: Any) -> bool:
-    """Whether ``location`` names an object store (for a caller that only words a message or a refusal)."""
-    return isinstance(location, ObjectURL)
-
-
-def is_location(value: Any) -> bool:
-    """Whether ``value`` is a checkpoint location (a local path or a bucket URL)."""
-    return isinstance(value, Path | ObjectURL)
-
-
-def local_or_url(value: Any) -> Location:
-    """``value`` as a location: a bucket URL as it is, anything else a local ``Path``."""
-    return value if isinstance(value, ObjectURL) else Path(value)

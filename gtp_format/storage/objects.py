@@ -100,10 +100,14 @@ def credentials_problem(bucket: str) -> str | None:
             f"profile of {profiles.credentials_file()}, or AWS_SKIP_SIGNATURE=true for a public bucket")
 
 
+@functools.lru_cache(maxsize=16)
 def _store_for(bucket: str, endpoint: str | None, timeout: float, region: str | None = None,
                *credentials: str | None) -> Any:
-    """A client for a bucket and configuration (:func:`store` keeps one per session). ``region`` and
-    ``credentials`` (key, secret, token) as
+    """One client per bucket and configuration, shared by every session of the process: a client is a
+    connection pool keyed by its whole configuration and holds nothing of a command, and building one
+    took 28 ms (obstore's ``S3Store``, on the shared 2-core test machine), which a session of its own
+    added to every in-process command (``verify --data`` of a 51.8 MB checkpoint: 0.23 s -> 0.28 s in
+    ``benchmarks/bench_s3_ckpt.py``). ``region`` and ``credentials`` (key, secret, token) as
     :func:`profiles.settings` resolved them (the environment first, then the AWS profile), passed
     explicitly where set; obstore reads the rest of the environment itself."""
     try:
@@ -139,16 +143,7 @@ def store(url: ObjectURL) -> Any:
     found = profiles.settings()
     args = (url.bucket, found.endpoint, _timeout(), found.region, found.access_key_id, found.secret_access_key,
             found.session_token)
-    state = url.state if isinstance(url.state, BucketState) else None
-    if state is None:
-        return _store_for(*args)
-    with state.lock:
-        client = state.clients.get(args)
-    if client is None:
-        client = _store_for(*args)
-        with state.lock:
-            client = state.clients.setdefault(args, client)
-    return client
+    return _store_for(*args)
 
 
 def _first_line(e: BaseException) -> str:
@@ -194,9 +189,10 @@ def _key(root: ObjectURL, rel: str) -> str:
 
 
 class BucketState:
-    """What one command (or one save or load of the runtime) keeps of the buckets it reads: the clients, the
-    sizes its listings returned, the listings themselves, the warmed side files, the small-read blocks and the
-    fetch threads. Owned by :class:`gtp_format.session.Session`; a location bound to a session
+    """What one command (or one save or load of the runtime) keeps of the buckets it reads: the sizes its
+    listings returned, the listings themselves, the warmed side files and the small-read blocks (its threads
+    and clients are the process's: :func:`_threads`, :func:`_store_for`). Owned by
+    :class:`gtp_format.session.Session`; a location bound to a session
     (:meth:`gtp_format.storage.location.ObjectURL.bound`) carries it to every read below it.
 
     ``scoped``: an object's size is taken from the listing that named it, when one did. Why: one ``verify`` or
@@ -217,26 +213,17 @@ class BucketState:
         self.side = object_cache.SideFiles()  # side files, fetched as a listing names them
         self.blocks = object_cache.Blocks(CACHE_BYTES)
         self.serial = itertools.count()
-        self.clients: dict[tuple[Any, ...], Any] = {}  # one client per bucket and configuration
-        self._pool: ThreadPoolExecutor | None = None
-        self._warm_pool: ThreadPoolExecutor | None = None
 
     def warm_pool(self) -> ThreadPoolExecutor:
         """Threads of their own for a listing's whole objects (:class:`object_cache.SideFiles`): their tasks wait
-        on nothing, so a :meth:`pool` task may wait for a copy."""
-        with self.lock:
-            if self._warm_pool is None:
-                self._warm_pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="s3-warm")
-            return self._warm_pool
+        on nothing, so a :meth:`pool` task may wait for a copy. The process's (:func:`_threads`)."""
+        return _threads("s3-warm")
 
     def pool(self) -> ThreadPoolExecutor:
         """The threads that fetch parts and prefetched requests (:data:`IN_FLIGHT` of them, shared by every
         reader, so the bytes in flight stay bounded however many threads read). Their tasks are leaves: a task
-        never waits on another, so the pool cannot deadlock."""
-        with self.lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="s3-fetch")
-            return self._pool
+        never waits on another, so the pool cannot deadlock. The process's (:func:`_threads`)."""
+        return _threads("s3-fetch")
 
     def reads_everything(self, budget: int) -> None:
         """The command reads every byte it opens (``reshard``, ``export``, ``verify --data``): its listings fetch
@@ -252,19 +239,23 @@ class BucketState:
 
     def close(self) -> None:
         """The end of the command: the next one reads the store as it is then. Fetches still in flight finish
-        into nothing; the threads end once idle."""
+        into nothing."""
         with self.lock:
             if self.sizes is not None:
                 self.sizes = {}
             self.whole = 0
             self.listings.clear()
-            self.clients.clear()
-            pools, self._pool, self._warm_pool = (self._pool, self._warm_pool), None, None
         self.blocks.drop()
         self.side.drop()
-        for p in pools:
-            if p is not None:
-                p.shutdown(wait=False)
+
+
+@functools.lru_cache(maxsize=2)
+def _threads(prefix: str) -> ThreadPoolExecutor:
+    """The process's :data:`IN_FLIGHT` threads named ``prefix``, shared by every session: their tasks are leaves
+    that hold nothing of a command, the bytes in flight stay bounded however many sessions read at once, and
+    threads of a session's own cost each in-process command their start (``verify --data`` of a 51.8 MB
+    checkpoint on moto, best of 30 interleaved: 157-183 ms with these threads, 200-208 ms with its own)."""
+    return ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix=prefix)
 
 
 def state_of(root: ObjectURL) -> BucketState:

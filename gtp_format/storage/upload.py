@@ -99,7 +99,10 @@ class Upload:
 
     def __init__(self, target: ObjectURL, fault: Callable[[str], None] | None = None,
                  commit: str | None = None) -> None:
-        self.target, self.fault, self.commit = target, fault, commit
+        # every put of one upload through one client: a target bound to no session gets a state of its own
+        bound = isinstance(target.state, objects.BucketState)
+        self.target = target if bound else target.bound(objects.BucketState(scoped=False))
+        self.fault, self.commit = fault, commit
         self.created: list[str] = []
 
     def _put(self, local: Path, rel: str, create: bool = False) -> None:
