@@ -69,6 +69,13 @@ DEFAULT_MAX_BYTES = 2 << 30
 MaxBytesOption = Annotated[
     int, size_option("--max-bytes", "Refuse to assemble a tensor region larger than this.")
 ]
+FirstLayersOption = Annotated[int | None, typer.Option(
+    "--decoder-first-pipeline-num-layers", min=1,
+    help="Layers on the first pipeline stage at the target (megatron-core sources; Megatron's flag). Default: "
+         "the source's split where --pp stays, else an even split.")]
+LastLayersOption = Annotated[int | None, typer.Option(
+    "--decoder-last-pipeline-num-layers", min=1,
+    help="Layers on the last pipeline stage at the target (megatron-core sources; Megatron's flag).")]
 MaxMemoryOption = Annotated[int, size_option("--max-memory", "Tensor data in flight.", minimum=1 << 24)]
 
 

@@ -14,7 +14,17 @@ from typing import Annotated, Any
 import typer
 
 from ckpt_tool.locations import checkpoint_arg
-from ckpt_tool.output import FormatOption, OutputFormat, fmt_bytes, handle_errors, print_blocks, print_json, table
+from ckpt_tool.output import (
+    FirstLayersOption,
+    FormatOption,
+    LastLayersOption,
+    OutputFormat,
+    fmt_bytes,
+    handle_errors,
+    print_blocks,
+    print_json,
+    table,
+)
 from gtp_format.errors import FormatError
 
 EPILOG = """Examples:
@@ -69,13 +79,8 @@ def plan_command(
     etp: Annotated[int | None, typer.Option("--etp", "--expert-tensor-parallel-size", min=1,
                                             help="Target expert tensor-parallel size (megatron MoE; default: --tp)."
                                             )] = None,
-    first_layers: Annotated[int | None, typer.Option(
-        "--decoder-first-pipeline-num-layers", min=1,
-        help="Layers on the first pipeline stage at the target (megatron-core sources; Megatron's flag). Default: "
-             "the source's split where --pp stays, else an even split.")] = None,
-    last_layers: Annotated[int | None, typer.Option(
-        "--decoder-last-pipeline-num-layers", min=1,
-        help="Layers on the last pipeline stage at the target (megatron-core sources; Megatron's flag).")] = None,
+    first_layers: FirstLayersOption = None,
+    last_layers: LastLayersOption = None,
     gtp_remat: Annotated[int | None, typer.Option("--gtp-remat", min=1, help="Target GTP_remat (ours; default: "
                                                   "the checkpoint's).")] = None,
     nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", min=1,

@@ -10,7 +10,9 @@ import typer
 from ckpt_tool.copying import DEFAULT_MAX_MEMORY
 from ckpt_tool.locations import checkpoint_arg
 from ckpt_tool.output import (
+    FirstLayersOption,
     FormatOption,
+    LastLayersOption,
     MaxMemoryOption,
     OutputFormat,
     count,
@@ -68,13 +70,8 @@ def reshard_command(
     etp: Annotated[int | None, typer.Option("--etp", "--expert-tensor-parallel-size", min=1,
                                             help="Expert tensor-parallel size (megatron-core MoE sources; default: "
                                             "--tp, megatron-core's default).")] = None,
-    first_layers: Annotated[int | None, typer.Option(
-        "--decoder-first-pipeline-num-layers", min=1,
-        help="Layers on the first pipeline stage at the target (megatron-core sources; Megatron's flag). Default: "
-             "the source's split where --pp stays, else an even split.")] = None,
-    last_layers: Annotated[int | None, typer.Option(
-        "--decoder-last-pipeline-num-layers", min=1,
-        help="Layers on the last pipeline stage at the target (megatron-core sources; Megatron's flag).")] = None,
+    first_layers: FirstLayersOption = None,
+    last_layers: LastLayersOption = None,
     bucket_size: Annotated[int | None, typer.Option("--bucket-size", min=1, help="The target run's --ddp-bucket-size "
                                                     "(megatron-core sources split into buckets).")] = None,
     max_memory: MaxMemoryOption = DEFAULT_MAX_MEMORY,

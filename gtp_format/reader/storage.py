@@ -1,31 +1,9 @@
-"""Confined, bounded file access for every file a reader opens in a checkpoint folder.
+"""Confined, bounded file access for every file a reader opens in a checkpoint folder or bucket.
 
-A checkpoint's metadata names its data files and byte ranges, and a checkpoint may come from
-anywhere. The rules, enforced here and nowhere else:
-
-* A recorded path must be a plain relative path (no ``..``, no absolute path, no NUL).
-* It is opened *relative to the folder's descriptor*, one component at a time, each with
-  ``O_NOFOLLOW``. A symlink is never followed by the kernel: it is read with ``readlink`` and its
-  target resolved here, and only a target that stays inside the folder is walked (at most
-  :data:`MAX_LINKS` links per path). So a link that leads out, or a folder swapped for a link
-  after a check, cannot make us read outside: there is no name-based check followed by a second
-  open of the same name.
-* What was opened is what is checked: ``fstat`` on the open descriptor must say regular file.
-  FIFOs, devices and directories are refused (a FIFO would block a reader forever; the open is
-  non-blocking so that even the open cannot hang).
-* A byte range is checked against the open file's real size before one byte is read, and a whole
-  small file is read only up to its limit, so no size written in a file can make us allocate.
-* What may be *allocated* or *read* is bounded by what a file really stores, not by its size: a
-  sparse file (``truncate -s 16T``) has any size for free, and budgets taken from ``st_size`` let
-  every memory class come back behind one. :func:`stored_bytes` is ``st_blocks * 512`` capped by
-  ``st_size``; :func:`read_budget` is :data:`HOLE_FACTOR` times that (plus :data:`SPARSE_SLACK`).
-  A read, an allocation or a whole-file pass larger than the budget is refused.
-* Holes are *not* evidence of damage. Writers leave long zero runs as holes (``migrate-aliased``'s
-  reset moments), ``cp`` keeps them, and compressing or deduplicating filesystems (ZFS, btrfs, some
-  network filesystems) report fewer blocks for good data; holes read back as zeros. Whether data is
-  right is decided by checksums and chunk hashes alone. The budget only stops a reader from
-  spending time and memory on far more bytes than the file stores: a legitimate file with zeroed
-  Adam moments stores about a third of its size, a 16 TiB bomb a few kilobytes.
+The rules (recorded paths are plain relative paths, opened relative to the folder one component at a
+time without following links out, checked by what was opened, byte ranges checked before a read, and
+reads bounded by what a file really stores: the hole rule) are stated and enforced in
+:mod:`gtp_format.storage.local` for a folder.
 
 Each public function here hands the root to its storage (:func:`gtp_format.storage.base.storage_for`: a
 folder, :mod:`gtp_format.storage.local`; a bucket, :mod:`gtp_format.storage.objects`, under the same rules

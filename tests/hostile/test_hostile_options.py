@@ -1,9 +1,10 @@
-"""Hostile option values and MoE expert-TP layouts (issue 24's ``--etp``, ``ckpt plan``, size options,
+"""Hostile option values and MoE expert-TP layouts (``--etp``, ``ckpt plan``, size options,
 the launcher's ``--async-save-staging``), in forked children (:mod:`runner`), by class:
 
 * topology values for ``reshard`` and ``plan`` (``--etp``, ``--ep``, ``--tp``, ``--pp``, ``--cp``,
-  ``--dp``, ``--bucket-size``): 0, negative, 2**62, not integers, values that do not divide the
-  experts, heads, ffn or ranks, ``--etp`` on a dense megatron-core checkpoint and on ours;
+  ``--dp``, ``--bucket-size``, ``--decoder-first/last-pipeline-num-layers``): 0, negative, 2**62, not
+  integers, values that do not divide the experts, heads, ffn, layers or ranks, ``--etp`` on a dense
+  megatron-core checkpoint and on ours;
 * size values for ``--max-memory``, ``--max-shard-size``, ``--max-bytes`` and
   ``--async-save-staging``: 0, -1, ``5XB``, ``1e400``, ``99999999PB``, ``99999999TB`` (over 2^63),
   5000 digits, another script's digits;
@@ -57,6 +58,18 @@ RESHARD = [
     ("dp_huge", MOE, ["--dp", HUGE], "over 1048576"), ("dp_huge_ours", OURS, ["--dp", HUGE], "over 1048576"),
     ("pp_not_dividing_layers", DENSE, ["--pp", "3"], "do not split evenly over PP 3"),
     ("bucket_size_zero", MOE, ["--bucket-size", "0"], "--bucket-size"),
+    # the target's uneven pipeline split (Megatron's --decoder-first/last-pipeline-num-layers)
+    ("first_layers_zero", DENSE, ["--pp", "2", "--decoder-first-pipeline-num-layers", "0"],
+     "--decoder-first-pipeline-num-layers"),
+    ("first_layers_word", DENSE, ["--pp", "2", "--decoder-first-pipeline-num-layers", "x"],
+     "--decoder-first-pipeline-num-layers"),
+    ("last_layers_negative", DENSE, ["--pp", "2", "--decoder-last-pipeline-num-layers", "-3"],
+     "--decoder-last-pipeline-num-layers"),
+    ("first_layers_huge", DENSE, ["--pp", "2", "--decoder-first-pipeline-num-layers", HUGE], "do not split over PP 2"),
+    ("first_layers_over_layers", DENSE, ["--pp", "2", "--decoder-first-pipeline-num-layers", "5"],
+     "do not split over PP 2"),
+    ("first_layers_at_pp1", DENSE, ["--decoder-first-pipeline-num-layers", "1"], "at PP 1"),
+    ("first_layers_on_ours", OURS, ["--decoder-first-pipeline-num-layers", "1"], "is for megatron-core sources"),
     ("max_memory_zero", MOE, ["--max-memory", "0"], "--max-memory"),
     ("max_memory_unit", MOE, ["--max-memory", "5XB"], "5XB"),
     ("max_memory_over_2_63", MOE, ["--max-memory", "99999999TB"], "over 2^63 - 1 bytes"),
@@ -86,6 +99,10 @@ PLAN_IMPOSSIBLE = [
     ("plan_dp_huge", MOE, ["--tp", "2", "--dp", HUGE], "over 1048576"),
     ("plan_pp_huge", DENSE, ["--pp", HUGE], "over 1048576"),
     ("plan_dp_huge_ours", OURS, ["--cp", "2", "--dp", HUGE], "over 1048576"),
+    ("plan_first_layers_huge", DENSE, ["--pp", "2", "--decoder-first-pipeline-num-layers", HUGE],
+     "do not split over PP 2"),
+    ("plan_first_layers_over_layers", DENSE, ["--pp", "2", "--decoder-first-pipeline-num-layers", "5"],
+     "do not split over PP 2"),
 ]
 MOE_REFUSING = [["inspect", "--params", "{src}"], ["plan", "{src}", "--ep", "1", "--dp", "4", "--read-gbps", "1"],
                 ["reshard", "{src}", "{dst}/reshard-etp", "--ep", "1", "--etp", "2", "--dp", "1"],
