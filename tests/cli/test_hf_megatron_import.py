@@ -287,7 +287,7 @@ def _carried(ranks: list[dict[str, np.ndarray]], hf: Path, sharding: str, step: 
 
 
 # MoE is not here: `export --to hf --optimizer` reads no expert optimizer state (the view refuses chained_ optimizers)
-@pytest.mark.parametrize("fixture", ["pair_llama_tp2_dp2_dp_reshardable"])
+@pytest.mark.parametrize("fixture", ["pair_llama_tp2_dp2_dp_reshardable", "pair_qk_layernorm_tp2_dp_reshardable"])
 def test_optimizer_state_megatron_hf_megatron_core_is_bit_identical(fixture: str, tmp_path: Path) -> None:
     """A genuine megatron-core save (bf16, iteration 2, Adam step 2) -> ``export --to hf --optimizer`` ->
     import at another topology carries the fp32 masters and both moments and the step -> export again:
