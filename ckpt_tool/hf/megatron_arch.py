@@ -14,7 +14,8 @@ the same function, with every config key that changes the forward written from t
   linear biases), ``Qwen3ForCausalLM`` (RMSNorm q/k layernorm: megatron-core and Qwen3 both
   normalise each head's query and key over the head dimension before RoPE);
 * RoPE, RMSNorm, a non-gated MLP -> ``ArceeForCausalLM``; RoPE, LayerNorm, biases, non-gated GELU ->
-  ``Starcoder2ForCausalLM``.
+  ``Starcoder2ForCausalLM``; the same with LayerNorm q/k layernorm (MHA only: no ``num_key_value_heads``)
+  -> ``PersimmonForCausalLM`` (``partial_rotary_factor`` written as 1.0: its default is 0.5).
 
 megatron-core's fused tensors are cut by rows: ``linear_qkv`` holds, per query group, the group's
 query heads then one key head then one value head (``SelfAttention.get_query_key_value_tensors``);
@@ -218,6 +219,23 @@ def choose(d: ModelDescription, args: dict[str, Any], shapes: dict[str, tuple[in
         config = {**attn, "head_dim": dim, "rms_norm_eps": eps, "attention_bias": bias, "mlp_bias": bias}
         if qkv_bias and not bias:
             raise _refuse(where, "biases on q/k/v only (--add-qkv-bias) with a non-gated MLP: no exact class")
+    elif norm == "LayerNorm" and not gated and d.qk_layernorm:
+        why = [w for w, bad in ((f"{groups} query groups of {heads} heads (--group-query-attention): it has no "
+                                 "num_key_value_heads", groups != heads),
+                                ("a model without linear biases (--disable-bias-linear)", not (bias and qkv_bias)),
+                                ("q/k layernorm without biases", not _any(shapes, "q_layernorm.bias")),
+                                (f"head dim {dim} != hidden/heads (--kv-channels)", dim * heads != hidden),
+                                (f"activation {act}", act not in ACT_HF))
+               if bad]
+        if why:
+            raise _refuse(where, "RoPE with LayerNorm q/k layernorm maps only onto PersimmonForCausalLM, which "
+                          "cannot represent " + why[0])
+        attn.pop("num_key_value_heads")
+        config = {"architectures": ["PersimmonForCausalLM"], "model_type": "persimmon", **common, **attn,
+                  "rope_parameters": {**rope, "partial_rotary_factor": 1.0}, "partial_rotary_factor": 1.0,
+                  "layer_norm_eps": eps, "qk_layernorm": True, "hidden_dropout": 0.0}
+        return Target("PersimmonForCausalLM", config, _table_names("PersimmonForCausalLM", "model.layers",
+                                                                   PERSIMMON_LAYER, PERSIMMON_GLOBAL, where), assumed)
     elif norm == "LayerNorm" and not gated and not d.qk_layernorm and bias and act in ("gelu", "gelu_tanh"):
         if dim * heads != hidden:
             raise _refuse(where, f"head dim {dim} != hidden/heads (--kv-channels): Starcoder2ForCausalLM has none")
@@ -315,15 +333,36 @@ TE_NORMS = {("self_attention.linear_qkv", "layer_norm_weight"): ("input_layernor
             ("mlp.linear_fc1", "layer_norm_bias"): ("pre_mlp_layernorm", "bias")}
 
 
+# Persimmon's fused query_key_value is viewed as (heads, 3, head_dim): per head [q_h; k_h; v_h], which is
+# megatron-core's linear_qkv for one head per query group (MHA), so it maps whole; its q/k LayerNorms (with
+# bias) act on each head's head_dim before RoPE, as megatron-core's q_layernorm/k_layernorm do
+PERSIMMON_LAYER = {
+    "input_layernorm": "input_layernorm", "self_attention.linear_qkv": "self_attn.query_key_value",
+    "self_attention.q_layernorm": "self_attn.q_layernorm", "self_attention.k_layernorm": "self_attn.k_layernorm",
+    "self_attention.linear_proj": "self_attn.dense", "pre_mlp_layernorm": "post_attention_layernorm",
+    "mlp.linear_fc1": "mlp.dense_h_to_4h", "mlp.linear_fc2": "mlp.dense_4h_to_h",
+}
+PERSIMMON_GLOBAL = {
+    "embedding.word_embeddings": "model.embed_tokens", "decoder.final_layernorm": "model.final_layernorm",
+    "output_layer": "lm_head",
+}
+
+
 def _bigcode_names(where: str) -> Callable[[str, tuple[int, ...]], list[tuple[str, Rows]]]:
+    return _table_names("GPTBigCodeForCausalLM", "transformer.h", BIGCODE_LAYER, BIGCODE_GLOBAL, where)
+
+
+def _table_names(arch: str, prefix: str, layer_table: dict[str, str], global_table: dict[str, str], where: str
+                 ) -> Callable[[str, tuple[int, ...]], list[tuple[str, Rows]]]:
+    """The names of a class whose every tensor is one megatron-core tensor, whole."""
     def names(name: str, shape: tuple[int, ...]) -> list[tuple[str, Rows]]:
         layer, module, kind = _split(name)
         module, kind = TE_NORMS.get((module, kind), (module, kind))
-        if layer is None and module in BIGCODE_GLOBAL:
-            return [(f"{BIGCODE_GLOBAL[module]}.{kind}", _whole(shape))]
-        if layer is not None and module in BIGCODE_LAYER:
-            return [(f"transformer.h.{layer}.{BIGCODE_LAYER[module]}.{kind}", _whole(shape))]
-        raise _refuse(where, f"parameter {name!r} has no GPTBigCodeForCausalLM name")
+        if layer is None and module in global_table:
+            return [(f"{global_table[module]}.{kind}", _whole(shape))]
+        if layer is not None and module in layer_table:
+            return [(f"{prefix}.{layer}.{layer_table[module]}.{kind}", _whole(shape))]
+        raise _refuse(where, f"parameter {name!r} has no {arch} name")
 
     return names
 

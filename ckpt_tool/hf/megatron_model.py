@@ -1,8 +1,8 @@
 """A transformers folder read as megatron-core's GPT: the inverse of :mod:`.megatron_arch`.
 
 ``config.json`` of ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``ArceeForCausalLM``,
-``Starcoder2ForCausalLM`` or ``GPTBigCodeForCausalLM`` is read into the Megatron-LM arguments a run of that
-model records (:func:`megatron_args`), and those into the one model description
+``Starcoder2ForCausalLM``, ``PersimmonForCausalLM`` or ``GPTBigCodeForCausalLM`` is read into the Megatron-LM
+arguments a run of that model records (:func:`megatron_args`), and those into the one model description
 (:class:`gtp_format.megatron.args.ModelDescription`). The description then goes through the export's own
 choice (:func:`.megatron_arch.choose`): the class it picks and every forward-changing key of the
 ``config.json`` it would write must be the folder's own, else the folder is refused naming the key, so what is
@@ -38,10 +38,14 @@ from gtp_format.scan import carrier
 from gtp_format.storage.location import ObjectURL
 
 CLASSES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM", "Starcoder2ForCausalLM",
-           "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GPTBigCodeForCausalLM")
+           "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "PersimmonForCausalLM",
+           "GPTBigCodeForCausalLM")
 # what each RoPE class's forward fixes (everything else is read from its config.json)
-NON_GATED = ("ArceeForCausalLM", "Starcoder2ForCausalLM")  # up/down (c_fc/c_proj), no gate
-LAYERNORM = ("Starcoder2ForCausalLM",)
+NON_GATED = ("ArceeForCausalLM", "Starcoder2ForCausalLM", "PersimmonForCausalLM")  # up/down, no gate
+LAYERNORM = ("Starcoder2ForCausalLM", "PersimmonForCausalLM")
+# one fused tensor per megatron-core tensor of a layer (no q/k/v split): GPT-BigCode's c_attn, Persimmon's
+# per-head [q; k; v] query_key_value (MHA only: it has no num_key_value_heads)
+FUSED_QKV = ("GPTBigCodeForCausalLM", "PersimmonForCausalLM")
 QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 HEAD_DIM = ("LlamaForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM", "MixtralForCausalLM",
             "Qwen3MoeForCausalLM")  # a head_dim key (else hidden / heads)
@@ -78,6 +82,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                          "tie_word_embeddings": False, "max_position_embeddings": 4096},
     "Starcoder2ForCausalLM": {"norm_epsilon": 1e-5, "hidden_act": "gelu_pytorch_tanh", "use_bias": True,
                               "tie_word_embeddings": True, "max_position_embeddings": 4096},
+    "PersimmonForCausalLM": {"layer_norm_eps": 1e-5, "hidden_act": "relu2", "qk_layernorm": True,
+                             "tie_word_embeddings": False, "max_position_embeddings": 16384,
+                             "partial_rotary_factor": 0.5},
     "GPTBigCodeForCausalLM": {"activation_function": "gelu_pytorch_tanh", "layer_norm_epsilon": 1e-5,
                               "multi_query": True, "n_inner": None, "tie_word_embeddings": True,
                               "scale_attn_weights": True, "n_positions": 1024},
@@ -92,7 +99,7 @@ ACT_FLAGS: dict[str, str | None] = {
 NOT_FORWARD = {"architectures", "model_type", "dtype", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id",
                "max_position_embeddings", "n_positions", "attention_dropout", "resid_pdrop", "embd_pdrop",
                "attn_pdrop", "use_sliding_window", "residual_dropout", "embedding_dropout", "output_router_logits",
-               "router_aux_loss_coef", "router_jitter_noise"}
+               "router_aux_loss_coef", "router_jitter_noise", "hidden_dropout"}
 
 
 @dataclass(frozen=True)
@@ -161,7 +168,7 @@ def _get(cfg: dict[str, Any], arch: str, key: str) -> Any:
     return cfg.get(key, DEFAULTS[arch].get(key))
 
 
-def _rope_theta(cfg: dict[str, Any], where: str) -> float:
+def _rope_theta(cfg: dict[str, Any], where: str, factor_default: float = 1.0) -> float:
     """RoPE's base, from transformers 5's ``rope_parameters`` or the older ``rope_theta``/``rope_scaling``;
     anything but plain RoPE is refused (megatron-core's GPT rotates with the plain frequencies)."""
     params = cfg.get("rope_parameters")
@@ -180,7 +187,7 @@ def _rope_theta(cfg: dict[str, Any], where: str) -> float:
         raise FormatError(f"{where}: rope_theta is {theta!r}, not a positive number; fix config.json")
     if float(theta) != int(theta):
         raise FormatError(f"{where}: rope_theta {theta} is not a whole number, as Megatron's --rotary-base is")
-    factor = cfg.get("partial_rotary_factor", 1.0)
+    factor = (params or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", factor_default))
     if factor != 1.0:
         raise FormatError(f"{where}: partial_rotary_factor {factor!r}: partial rotary has no exact megatron-core "
                           "form here")
@@ -236,7 +243,8 @@ def _rope_args(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
         ffn = moe["moe_ffn_hidden_size"]  # every layer is MoE: no dense FFN
     else:
         ffn = _int(cfg, "intermediate_size", where)
-    groups = _int(cfg, "num_key_value_heads", where, heads)
+    # Persimmon has no num_key_value_heads: every head has its own key and value
+    groups = heads if arch == "PersimmonForCausalLM" else _int(cfg, "num_key_value_heads", where, heads)
     dim = _get(cfg, arch, "head_dim") if arch in HEAD_DIM else None
     dim = hidden // heads if dim is None else _int({"head_dim": dim}, "head_dim", where)
     act = _get(cfg, arch, "hidden_act")
@@ -253,6 +261,8 @@ def _rope_args(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
                           "no megatron-core GPT form here")
     if arch == "Starcoder2ForCausalLM":
         bias = qkv_bias = bool(_get(cfg, arch, "use_bias"))
+    elif arch == "PersimmonForCausalLM":  # biases on every linear but lm_head, always
+        bias = qkv_bias = True
     elif arch == "Qwen2ForCausalLM":  # q/k/v biases always, none elsewhere
         bias, qkv_bias = False, True
     elif arch == "Qwen2MoeForCausalLM":  # q/k/v biases as qkv_bias says, none elsewhere
@@ -264,7 +274,15 @@ def _rope_args(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
             raise FormatError(f"{where}: attention_bias {bias} with mlp_bias {mlp_bias}: megatron-core's "
                               "--add-bias-linear puts biases on both or neither")
         qkv_bias = bias
-    eps_key = "norm_epsilon" if arch == "Starcoder2ForCausalLM" else "rms_norm_eps"
+    eps_key = {"Starcoder2ForCausalLM": "norm_epsilon", "PersimmonForCausalLM": "layer_norm_eps"}.get(arch,
+                                                                                                    "rms_norm_eps")
+    qk_norm = arch in QK_NORM
+    if arch == "PersimmonForCausalLM":
+        qk_norm = True
+        if not _get(cfg, arch, "qk_layernorm"):
+            raise FormatError(f"{where}: qk_layernorm false: megatron-core's form of this model exports as "
+                              "Starcoder2ForCausalLM, not Persimmon; no round trip, so it is refused")
+    factor = DEFAULTS[arch].get("partial_rotary_factor", 1.0)
     flags = {f: False for f in ("openai_gelu", "squared_relu")}
     if not gated and ACT_FLAGS[act]:
         flags[ACT_FLAGS[act]] = True
@@ -272,8 +290,8 @@ def _rope_args(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
             "num_query_groups": groups, "group_query_attention": groups != heads, "kv_channels": dim,
             "swiglu": gated, **flags, "normalization": "LayerNorm" if arch in LAYERNORM else "RMSNorm",
             "norm_epsilon": _get(cfg, arch, eps_key), "position_embedding_type": "rope",
-            "add_position_embedding": False, "rotary_base": int(_rope_theta(cfg, where)), "rotary_percent": 1.0,
-            "rotary_interleaved": False, "qk_layernorm": arch in QK_NORM, "add_bias_linear": bias,
+            "add_position_embedding": False, "rotary_base": int(_rope_theta(cfg, where, factor)),
+            "rotary_percent": 1.0, "rotary_interleaved": False, "qk_layernorm": qk_norm, "add_bias_linear": bias,
             "add_qkv_bias": qkv_bias, "untie_embeddings_and_output_weights": not _get(cfg, arch, "tie_word_embeddings"),
             "max_position_embeddings": _int(cfg, "max_position_embeddings", where,
                                             DEFAULTS[arch]["max_position_embeddings"]), **moe}
@@ -351,8 +369,10 @@ def layer_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     if args["add_qkv_bias"]:
         out["self_attention.linear_qkv.bias"] = ((heads + 2 * groups) * dim,)
     if args["qk_layernorm"]:
-        out["self_attention.q_layernorm.weight"] = (dim,)
-        out["self_attention.k_layernorm.weight"] = (dim,)
+        for qk in ("q", "k"):
+            out[f"self_attention.{qk}_layernorm.weight"] = (dim,)
+            if ln:  # LayerNorm q/k norms carry a bias
+                out[f"self_attention.{qk}_layernorm.bias"] = (dim,)
     out["self_attention.linear_proj.weight"] = (h, heads * dim)
     if args["add_bias_linear"]:
         out["self_attention.linear_proj.bias"] = (h,)
@@ -407,8 +427,10 @@ def _check_config(arch: str, cfg: dict[str, Any], target: megatron_arch.Target, 
         if key in NOT_FORWARD or (key == "intermediate_size" and arch in ("Qwen3MoeForCausalLM",
                                                                           "Qwen2MoeForCausalLM")):
             continue  # Qwen-MoE's dense FFN size: no dense layer (mlp_only_layers empty) uses it
+        if key == "partial_rotary_factor":
+            continue  # _rope_theta refuses anything but 1.0 (read where transformers reads it)
         if key == "rope_parameters":
-            got = float(_rope_theta(cfg, where))
+            got = float(_rope_theta(cfg, where, DEFAULTS[arch].get("partial_rotary_factor", 1.0)))
             if got != want["rope_theta"]:
                 raise FormatError(f"{where}: rope_theta {got} is not {want['rope_theta']}")
             continue
@@ -439,10 +461,11 @@ def open_hf_megatron(src: Path | ObjectURL, optimizer: bool = True) -> HFMegatro
     per_layer = layer_shapes(args)
     n_global = len(global_shapes(args))
     bigcode = arch == "GPTBigCodeForCausalLM"
+    fused = arch in FUSED_QKV
     # one HF tensor per megatron-core tensor of a layer, but q/k/v (3 for linear_qkv) and gate/up (2 for fc1)
     experts = args.get("num_experts") or 0
     per_expert = expert_shapes(args)
-    per_hf = len(per_layer) + (0 if bigcode else 2 * (1 + args["add_qkv_bias"])) + \
+    per_hf = len(per_layer) + (0 if fused else 2 * (1 + args["add_qkv_bias"])) + \
         (1 if args["swiglu"] and (not experts or args.get("moe_shared_expert_intermediate_size")) else 0) + \
         experts * (len(per_expert) + 1)  # a gated fc1 (dense, shared or an expert's): gate and up
     want_n = n_global + per_hf * layers
@@ -459,6 +482,8 @@ def open_hf_megatron(src: Path | ObjectURL, optimizer: bool = True) -> HFMegatro
                                                "kv_channels"))
     first = ({"transformer.wte.weight": (args["padded_vocab_size"], h),
               "transformer.h.0.attn.c_attn.weight": ((heads + 2 * groups) * dim, h)} if bigcode else
+             {"model.embed_tokens.weight": (args["padded_vocab_size"], h),
+              "model.layers.0.self_attn.query_key_value.weight": (3 * heads * dim, h)} if fused else
              {"model.embed_tokens.weight": (args["padded_vocab_size"], h),
               "model.layers.0.self_attn.q_proj.weight": (heads * dim, h),
               "model.layers.0.self_attn.k_proj.weight": (groups * dim, h)})

@@ -32,6 +32,8 @@ EXPECTED = {
     "pair_starcoder2_tp2_dp_reshardable": "Starcoder2ForCausalLM",
     "pair_mqa_tp2_dp_reshardable": "GPTBigCodeForCausalLM",  # multi_query: one group at TP2
     "pair_qwen2moe_ep2_dp_reshardable": "Qwen2MoeForCausalLM",
+    # RoPE + LayerNorm q/k layernorm (with biases) + linear biases + GELU, MHA, tied
+    "pair_qk_layernorm_tp2_dp_reshardable": "PersimmonForCausalLM",
 }
 # fixture -> the flag its refusal names (no transformers class computes that model exactly)
 REFUSED = {
@@ -115,3 +117,54 @@ def test_moe_router_and_shared_expert_map_only_where_exact(case: dict, want: str
     else:
         with pytest.raises(FormatError, match=want.replace("-", "\\-")):
             choose(d, args, shapes, None, "float32", "ckpt")
+
+
+def _layernorm_qk_description(groups: int, dim: int = 8, **over: object) -> tuple[object, dict[str, tuple[int, ...]]]:
+    from gtp_format.megatron.args import ModelDescription
+
+    fields = dict(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=groups,
+                  kv_channels=dim, vocab_size=128, gated_linear_unit=False, activation="gelu",
+                  normalization="LayerNorm", norm_epsilon=1e-5, position_embedding_type="rope", rotary_base=10000,
+                  rotary_percent=1.0, qk_layernorm=True, add_bias_linear=True, add_qkv_bias=True, untied=False)
+    fields.update(over)
+    qkv = (4 + 2 * groups) * dim
+    shapes = {"decoder.layers.0.self_attention.linear_qkv.weight": (qkv, 32),
+              "decoder.layers.0.self_attention.linear_qkv.bias": (qkv,),
+              "decoder.layers.0.self_attention.q_layernorm.weight": (dim,),
+              "decoder.layers.0.self_attention.q_layernorm.bias": (dim,),
+              "decoder.layers.0.self_attention.linear_proj.weight": (32, 4 * dim),
+              "decoder.layers.0.self_attention.linear_proj.bias": (32,)}
+    return ModelDescription(**fields), shapes
+
+
+@pytest.mark.parametrize("groups,over,want", [
+    (4, {}, "PersimmonForCausalLM"),
+    (4, {"activation": "squared_relu"}, "PersimmonForCausalLM"),  # relu2, Persimmon's own activation
+    (2, {}, "--group-query-attention"),  # Persimmon has no num_key_value_heads
+    (1, {}, "--group-query-attention"),
+    (4, {"dim": 16}, "--kv-channels"),  # Persimmon's head dim is hidden / heads
+    (4, {"add_bias_linear": False, "add_qkv_bias": False, "bias": False}, "--disable-bias-linear"),
+])
+def test_layernorm_qk_norms_map_onto_persimmon_only_for_mha(groups: int, over: dict, want: str) -> None:
+    """LayerNorm q/k layernorm is Persimmon's (per-head LayerNorm with bias before RoPE), whose fused
+    query_key_value is per head [q; k; v]: megatron-core's layout with one head per group, so GQA and MQA
+    are refused naming the flag."""
+    from ckpt_tool.hf.megatron_arch import choose
+    from gtp_format.errors import FormatError
+
+    over = dict(over)
+    bias = over.pop("bias", True)
+    d, shapes = _layernorm_qk_description(groups, **over)
+    if not bias:  # --disable-bias-linear: no bias tensor stored
+        shapes = {k: s for k, s in shapes.items() if not k.endswith("linear_proj.bias") and "linear_qkv.bias" not in k}
+    if want.endswith("ForCausalLM"):
+        t = choose(d, {}, shapes, None, "float32", "ckpt")
+        assert t.architecture == want
+        assert t.config["rope_parameters"]["partial_rotary_factor"] == 1.0 == t.config["partial_rotary_factor"]
+        assert t.config["hidden_act"] == {"gelu": "gelu", "squared_relu": "relu2"}[d.activation]
+        assert "num_key_value_heads" not in t.config
+        assert t.names("decoder.layers.0.self_attention.linear_qkv.weight", (96, 32)) == [
+            ("model.layers.0.self_attn.query_key_value.weight", ((0, 96),))]
+    else:
+        with pytest.raises(FormatError, match=want.replace("-", "\\-")):
+            choose(d, {}, shapes, None, "float32", "ckpt")

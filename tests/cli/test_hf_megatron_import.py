@@ -66,6 +66,10 @@ def hf_model(root: Path, kind: str, dtype: torch.dtype = torch.float32) -> Path:
     elif kind == "starcoder2":  # LayerNorm, biases, GELU (tanh), GQA, tied
         model = transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(
             num_key_value_heads=2, hidden_act="gelu", bos_token_id=None, eos_token_id=None, **SIZES))
+    elif kind == "persimmon":  # LayerNorm q/k norms with bias, biases, GELU, MHA, full rotary, untied
+        model = transformers.PersimmonForCausalLM(transformers.PersimmonConfig(
+            hidden_act="gelu", partial_rotary_factor=1.0, rope_theta=25000.0, bos_token_id=None, eos_token_id=None,
+            **SIZES))
     elif kind == "mixtral":  # 4 SwiGLU experts, top 2 (megatron's top-k then softmax)
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, rope_theta=30000.0,
@@ -115,7 +119,7 @@ def import_mc(src: Path, dst: Path, *topo: str) -> None:
     assert info["to"] == "megatron-core" and info["iteration"] == 0
 
 
-KINDS = ["llama", "llama_mqa_tied", "qwen3", "qwen2", "arcee", "arcee_gelu_bias", "starcoder2", "bigcode",
+KINDS = ["llama", "llama_mqa_tied", "qwen3", "qwen2", "arcee", "arcee_gelu_bias", "starcoder2", "persimmon", "bigcode",
          "bigcode_mqa"]
 SHARDINGS = ["dp_reshardable", "fully_reshardable"]
 
@@ -213,7 +217,7 @@ def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, shard
     ("arcee", (2, 1, 1), "fully_reshardable"), ("arcee_gelu_bias", (2, 1, 2), "dp_reshardable"),
     ("starcoder2", (2, 1, 2), "dp_reshardable"), ("mixtral", (1, 1, 2), "dp_reshardable"),
     ("qwen3_moe", (2, 1, 1), "fully_reshardable"), ("qwen3_moe_presoftmax", (1, 1, 2), "dp_reshardable"),
-    ("qwen2_moe", (2, 1, 1), "dp_reshardable")])
+    ("qwen2_moe", (2, 1, 1), "dp_reshardable"), ("persimmon", (2, 1, 2), "dp_reshardable")])
 def test_megatron_core_loads_the_import_and_computes_transformers_logits(kind: str, topo: tuple[int, int, int],
                                                                          sharding: str, tmp_path: Path) -> None:
     src = hf_model(tmp_path / "hf", kind)
@@ -283,7 +287,7 @@ def _carried(ranks: list[dict[str, np.ndarray]], hf: Path, sharding: str, step: 
 
 
 # MoE is not here: `export --to hf --optimizer` reads no expert optimizer state (the view refuses chained_ optimizers)
-@pytest.mark.parametrize("fixture", ["pair_llama_tp2_dp2_dp_reshardable"])
+@pytest.mark.parametrize("fixture", ["pair_llama_tp2_dp2_dp_reshardable", "pair_qk_layernorm_tp2_dp_reshardable"])
 def test_optimizer_state_megatron_hf_megatron_core_is_bit_identical(fixture: str, tmp_path: Path) -> None:
     """A genuine megatron-core save (bf16, iteration 2, Adam step 2) -> ``export --to hf --optimizer`` ->
     import at another topology carries the fp32 masters and both moments and the step -> export again:
@@ -378,6 +382,20 @@ def test_import_to_megatron_core_refusals(case: str, needles: list[str], tmp_pat
     assert_error_line(cli("import", src, tmp_path / "out", "--from", "hf", "--to", "megatron-core", *topo), 2,
                       *needles)
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, SRC untouched
+
+
+@pytest.mark.parametrize("change,needles", [
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 25000.0, "partial_rotary_factor": 0.5}},
+     ["partial_rotary_factor 0.5", "partial rotary"]),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 25000.0}}, ["partial_rotary_factor 0.5"]),  # default
+    ({"qk_layernorm": False}, ["qk_layernorm false", "exports as Starcoder2ForCausalLM"]),  # no round trip
+])
+def test_persimmon_import_refuses_what_megatron_core_does_not_compute(change: dict, needles: list[str],
+                                                                      tmp_path: Path) -> None:
+    src = hf_model(tmp_path / "hf", "persimmon")
+    _edit_config(src, **change)
+    assert_error_line(cli("import", src, tmp_path / "out", "--from", "hf", "--to", "megatron-core"), 2, *needles)
+    assert not (tmp_path / "out").exists()
 
 
 def test_import_to_megatron_core_refuses_other_options_and_sharding(tmp_path: Path) -> None:

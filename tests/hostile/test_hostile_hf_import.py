@@ -20,7 +20,8 @@
 * per RoPE class, the keys its import reads: Starcoder2 with a sliding window, without biases
   (``use_bias`` false against bias tensors) or a wrong ``intermediate_size``; Arcee with an activation
   megatron-core has no non-gated form of (``silu``) or key/value heads the tensors do not have; Qwen2
-  with sliding-window ``layer_types`` or ``layer_types`` that is no list.
+  with sliding-window ``layer_types`` or ``layer_types`` that is no list; Persimmon with its default partial
+  rotary (0.5), no q/k layernorm, heads the q/k norms disagree with, or a string epsilon.
 
 Each: exit 2, one line ``ckpt: error: ...`` naming the file or key, no traceback, peak RSS under
 512 MB, within the time limit, no open outside the folder, the folder unchanged and nothing at DST.
@@ -61,10 +62,13 @@ CONFIG = {"layers_huge": {"num_hidden_layers": 10**9}, "heads_huge": {"num_atten
           "qwen3moe_dense": {"mlp_only_layers": [0]}, "qwen3moe_step": {"decoder_sparse_step": 2},
           "qwen3moe_experts_string": {"num_local_experts": "4"},
           "qwen2moe_shared": {"shared_expert_intermediate_size": 64}, "qwen2moe_qkv_bias": {"qkv_bias": False},
-          "qwen2moe_shared_zero": {"shared_expert_intermediate_size": 0}}
+          "qwen2moe_shared_zero": {"shared_expert_intermediate_size": 0},
+          "persimmon_partial": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+          "persimmon_heads": {"num_attention_heads": 2}, "persimmon_noqk": {"qk_layernorm": False},
+          "persimmon_eps_string": {"layer_norm_eps": "1e-5"}}
 # the class each case starts from (else Llama)
 BASE = {n: n.split("_")[0] for n in CONFIG if n.split("_")[0] in ("starcoder2", "arcee", "qwen2", "mixtral",
-                                                                   "qwen3moe", "qwen2moe")}
+                                                                   "qwen3moe", "qwen2moe", "persimmon")}
 BASE.update(mixtral_ep3="mixtral", mixtral_etp2="mixtral", mixtral_ep1="mixtral")
 # optimizer files (`export --to hf --optimizer`) whose run state field is hostile, or a state at another shape
 OPT_STATE = {"opt_state_not_json": "{'iteration': 2", "opt_state_negative": '{"iteration": -1, "step": 2.0}',
@@ -95,6 +99,9 @@ WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json imp
          "qwen2moe_shared": "'model.layers.0.mlp.shared_expert.gate_proj.weight' is [48, 64], config.json implies [64",
          "qwen2moe_qkv_bias": "the weights do not belong to this config",
          "qwen2moe_shared_zero": "shared_expert_intermediate_size is 0",
+         "persimmon_partial": "partial_rotary_factor 0.5", "persimmon_noqk": "qk_layernorm false",
+         "persimmon_heads": "'model.layers.0.self_attn.q_layernorm.weight' is [16], config.json implies [32]",
+         "persimmon_eps_string": "epsilon is '1e-5'",
          "opt_state_not_json": "gtp_megatron_run_state", "opt_state_negative": "not {'iteration': N",
          "opt_state_huge_step": "not {'iteration': N", "opt_state_list": "not {'iteration': N",
          "opt_state_deep": "optimizer.safetensors opens", "opt_shape": "the model implies [64] float32"}
@@ -110,11 +117,14 @@ def _base(root: Path, kind: str = "llama") -> Path:
     sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=128, bos_token_id=None, eos_token_id=None)
     cls = {"llama": "Llama", "starcoder2": "Starcoder2", "arcee": "Arcee", "qwen2": "Qwen2", "mixtral": "Mixtral",
-           "qwen3moe": "Qwen3Moe", "qwen2moe": "Qwen2Moe"}[kind]
+           "qwen3moe": "Qwen3Moe", "qwen2moe": "Qwen2Moe", "persimmon": "Persimmon"}[kind]
     moe = {"mixtral": dict(num_local_experts=4, intermediate_size=32),
            "qwen3moe": dict(num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2),
            "qwen2moe": dict(num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2,
-                            shared_expert_intermediate_size=48)}.get(kind, {})
+                            shared_expert_intermediate_size=48),
+           "persimmon": dict(partial_rotary_factor=1.0, hidden_act="gelu")}.get(kind, {})
+    if kind == "persimmon":  # MHA only: no num_key_value_heads
+        sizes.pop("num_key_value_heads")
     model = getattr(transformers, f"{cls}ForCausalLM")(getattr(transformers, f"{cls}Config")(**{**sizes, **moe}))
     model.save_pretrained(root)
     return root
