@@ -30,6 +30,7 @@ from gtp_format.errors import FormatError
 
 PAGE_BYTES = 4 << 20  # one listing page's XML; a real page of 1000 keys is under 1.2 MB
 READ = 64 << 10  # body bytes read and parsed at a time
+MAX_DEPTH = 8  # ListBucketResult > Contents > Owner > ID is the deepest S3 nests
 MAX_SIZE_DIGITS = 20  # an object size is at most 5 TiB: 13 digits
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
@@ -114,10 +115,10 @@ def _local(tag: str) -> str:
 def _parse(where: str, c: Client, body: object) -> tuple[list[tuple[str, int]], str | None]:
     """The (key, size) entries and the continuation token (None: the last page) of a response ``body``,
     read :data:`READ` bytes at a time, at most :data:`PAGE_BYTES` in all."""
-    parser = XMLPullParser(events=("end",))
+    parser = XMLPullParser(events=("start", "end"))
     entries: list[tuple[str, int]] = []
     fields: dict[str, str] = {}
-    truncated, token, total, tail = False, None, 0, b""
+    truncated, token, total, tail, depth, root = False, None, 0, b"", 0, None
     while True:
         piece = body.read(READ)  # type: ignore[attr-defined]
         if not piece:
@@ -133,7 +134,16 @@ def _parse(where: str, c: Client, body: object) -> tuple[list[tuple[str, int]], 
             events = list(parser.read_events())
         except ParseError as e:
             raise _bad(where, c, f"XML: {e}") from None
-        for _, el in events:
+        for event, el in events:
+            if event == "start":
+                depth += 1
+                if depth > MAX_DEPTH:
+                    raise _bad(where, c, f"elements nested over {MAX_DEPTH} deep")
+                root = el if root is None else root
+                continue
+            depth -= 1
+            if depth == 1 and root is not None:
+                root.clear()  # a finished entry: nothing of it is kept in the tree
             name = _local(el.tag)
             if name in ("Key", "Size"):
                 fields[name] = el.text or ""
@@ -145,7 +155,6 @@ def _parse(where: str, c: Client, body: object) -> tuple[list[tuple[str, int]], 
                     raise _bad(where, c, f"size {size[:40]!r}")
                 entries.append((fields["Key"], int(size)))
                 fields.clear()
-                el.clear()
             elif name == "IsTruncated":
                 truncated = (el.text or "").strip() == "true"
             elif name == "NextContinuationToken":

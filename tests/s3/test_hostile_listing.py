@@ -131,13 +131,15 @@ HUGE = 60 << 20  # one page of 60 MB: obstore read and parsed it whole, 700 MB
 
 
 @contextlib.contextmanager
-def one_huge_page(declared: bool, head: bytes = b"", size: int = HUGE) -> Iterator[tuple[str, list[int]]]:
-    """An endpoint whose first listing page is ``size`` bytes of well-formed entries, streamed (``declared``:
-    with its ``Content-Length``; else ended by closing, as HTTP/1.0 allows); ``head`` goes before the root."""
+def one_huge_page(declared: bool, head: bytes = b"", size: int = HUGE, entry: bytes = b""
+                  ) -> Iterator[tuple[str, list[int]]]:
+    """An endpoint whose first listing page is ``size`` bytes of well-formed entries (or of ``entry``), streamed
+    (``declared``: with its ``Content-Length``; else ended by closing, as HTTP/1.0 allows); ``head`` goes before
+    the root."""
     pages: list[int] = []
-    entry = (b"<Contents><Key>run/iter_0000001/f%08d.distcp</Key><LastModified>2024-01-01T00:00:00.000Z"
+    entry = entry or (b"<Contents><Key>run/iter_0000001/f%08d.distcp</Key><LastModified>2024-01-01T00:00:00.000Z"
              b'</LastModified><ETag>"0"</ETag><Size>1</Size><StorageClass>STANDARD</StorageClass></Contents>')
-    block = b"".join(entry.replace(b"%08d", b"%08d" % i) for i in range(1000))
+    block = b"".join(entry.replace(b"%08d", b"%08d" % i) if b"%08d" in entry else entry for i in range(1000))
     start = (b'<?xml version="1.0" encoding="UTF-8"?>' + head + b"<ListBucketResult><Name>ckpt-test</Name>"
              b"<IsTruncated>false</IsTruncated>")
     end = b"</ListBucketResult>"
@@ -223,6 +225,20 @@ def test_one_huge_listing_page_is_one_line_in_bounded_memory(tmp_path, argv, dec
     assert f"over {listing.PAGE_BYTES >> 20} MiB" in lines[0] and endpoint in lines[0], lines[0]
     assert "AWS_ENDPOINT_URL" in lines[0] and f"s3://{BUCKET}/run/iter_0000001" in lines[0], lines[0]
     assert len(pages) == 1  # refused, not retried
+
+
+@pytest.mark.parametrize(("entry", "words"), [(b"<x/>", "no object below it"), (b"<a>", "nested over 8 deep")],
+                         ids=["a-million-elements", "deep"])
+def test_a_page_within_the_budget_keeps_no_tree(tmp_path, entry, words):
+    """4 MiB of empty elements (a million) are parsed and dropped as they end; nesting is refused."""
+    argv = ["inspect", f"s3://{BUCKET}/run/iter_0000001"]
+    with one_huge_page(False, size=1 << 10) as (endpoint, _):
+        good = _measured(endpoint, argv, tmp_path)
+    with one_huge_page(False, size=(4 << 20) - (8 << 10), entry=entry) as (endpoint, _):
+        bad = _measured(endpoint, argv, tmp_path)
+    lines = bad["stderr"].strip().splitlines()
+    assert bad["code"] == 2 and len(lines) == 1 and words in lines[0], bad
+    assert bad["rss_mb"] < good["rss_mb"] + 40 and bad["seconds"] < 30, (bad, good)
 
 
 def test_a_listing_page_with_a_document_type_is_refused(env, capsys):
