@@ -140,6 +140,8 @@ def _parse(where: str, c: Client, body: object) -> tuple[list[tuple[str, int]], 
                 if depth > MAX_DEPTH:
                     raise _bad(where, c, f"elements nested over {MAX_DEPTH} deep")
                 root = el if root is None else root
+                if _local(el.tag) == "Contents":
+                    fields.clear()  # an entry's fields are its own
                 continue
             depth -= 1
             if depth == 1 and root is not None:
