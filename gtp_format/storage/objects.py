@@ -37,7 +37,7 @@ from datetime import timedelta
 from typing import Any
 
 from gtp_format.errors import ChunkError, FormatError
-from gtp_format.storage import object_cache, profiles
+from gtp_format.storage import listing, object_cache, profiles
 from gtp_format.storage.location import ObjectURL
 from gtp_format.storage.paths import addressable, past_end_message, unsafe_reason
 from gtp_format.storage.ranges import pieces
@@ -319,23 +319,57 @@ def _listing_refused(where: str, why: str) -> FormatError:
                        "AWS_ENDPOINT_URL (a store that does not end its listing) and the URL")
 
 
+def listing_client() -> listing.Client | None:
+    """How :mod:`gtp_format.storage.listing` sends this configuration's listing requests, or None where obstore must
+    (credentials only obstore resolves: web identity, the container endpoint; virtual-hosted requests)."""
+    found = profiles.settings()
+    skip = os.environ.get("AWS_SKIP_SIGNATURE", "").lower() in ("1", "true", "yes")
+    hosted = os.environ.get("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "").lower() in ("1", "true", "yes")
+    if hosted or (not skip and (found.access_key_id is None or found.secret_access_key is None)):
+        return None
+    region = found.region or "us-east-1"  # obstore's default region too
+    endpoint = (found.endpoint or f"https://s3.{region}.amazonaws.com").rstrip("/")
+    key, secret = (None, None) if skip else (found.access_key_id, found.secret_access_key)
+    return listing.Client(endpoint, region, key, secret, None if skip else found.session_token, _timeout(), RETRIES,
+                          RETRY_TIMEOUT_S)
+
+
+def _batches(root: ObjectURL, want: str, offset: str | None) -> Iterator[list[tuple[str, int]]]:
+    """The keys (with sizes) below ``want`` after ``offset``, a page at a time: one page's cost is bounded by
+    :data:`listing.PAGE_BYTES`. Where only obstore can sign (:func:`listing_client`), its batches."""
+    import obstore
+
+    client = listing_client()
+    where = str(root)
+    if client is None:
+        for batch in obstore.list(store(root), want or None, offset=offset, chunk_size=LIST_BATCH):
+            yield [(str(m["path"]), int(m["size"])) for m in batch]
+        return
+    problem = credentials_problem(root.bucket)
+    if problem is not None:
+        raise FormatError(problem)
+    token: str | None = None
+    while True:
+        entries, token = listing.page(client, root.bucket, want, offset, token, where, TIMEOUT_ENV)
+        yield entries
+        if token is None:
+            return
+
+
 def _list_folder(root: ObjectURL, want: str, first: bool = False) -> dict[str, int | None]:
     """The direct entries of the prefix ``want`` (objects with sizes, sub-prefixes with None), bounded:
     at most :data:`MAX_LISTED` keys and :data:`LIST_SECONDS` in all, else one line naming the endpoint's
-    listing. ``first``: stop at the first entry (whether the prefix holds anything)."""
-    import obstore
-
+    listing; one page at most :data:`listing.PAGE_BYTES`. ``first``: stop at the first entry (whether the
+    prefix holds anything)."""
     where = str(root)
     out: dict[str, int | None] = {}
     seen, offset, deadline = 0, None, time.monotonic() + LIST_SECONDS
     while True:
         restart = None
         try:
-            stream = obstore.list(store(root), want or None, offset=offset, chunk_size=LIST_BATCH)
-            for batch in stream:
-                for meta in batch:
+            for batch in _batches(root, want, offset):
+                for path, size in batch:
                     seen += 1
-                    path = str(meta["path"])
                     name = path[len(want):] if path.startswith(want) else ""
                     head, slash, _ = name.partition("/")
                     if slash and head:
@@ -345,7 +379,7 @@ def _list_folder(root: ObjectURL, want: str, first: bool = False) -> dict[str, i
                         restart = want + head + "/\U0010ffff"  # after every key below head/
                         break
                     if name:
-                        out[name] = int(meta["size"])
+                        out[name] = size
                 if seen > MAX_LISTED:
                     raise _listing_refused(where, f"goes past {MAX_LISTED:,} keys")
                 if time.monotonic() > deadline:
