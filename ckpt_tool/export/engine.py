@@ -56,6 +56,7 @@ from ckpt_tool.copying.engine import (
     peak_rss,
     rss_after_imports,
     run_files,
+    share_files,
     written_sizes,
 )
 from ckpt_tool.copying.plan import FP32, OutChunk, dtype_of, row_blocks, split_files
@@ -66,19 +67,22 @@ from ckpt_tool.hf import folder as hf_folder
 from ckpt_tool.hf import mapping, megatron_arch, megatron_run_state
 from ckpt_tool.hf import run_state as hf_run_state
 from ckpt_tool.reshard.megatron_objects import extra_objects
+from gtp_format import ranks
 from gtp_format.check.st_names import refuse_unstorable
 from gtp_format.commit import write_durable
 from gtp_format.dtypes import DType
 from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.params import model_params
-from gtp_format.lineage import attestation, derived
+from gtp_format.lineage import attestation, attestation_beside, derived
 from gtp_format.megatron.args import describe_model, recorded_args
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.progress import Progress, ProgressOpener
+from gtp_format.storage import objects
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.views.records import ParamView
+from gtp_format.work import new_work, remove_entry
 from gtp_format.writer.checkpoint import CheckpointWriter, data_file_name, megatron_metadata
 from gtp_format.writer.sink import Sink, stage_bytes
 
@@ -229,6 +233,8 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
     # what import needs to resume the moments (megatron-core: its Adam step and iteration, from its pickles' opcodes)
     metas = {"optimizer": hf_run_state.metadata(source.manifest) if source.manifest is not None or not optimizer
              else megatron_run_state.read(source.ckpt)}
+    group = ranks.current()  # under torchrun: this rank writes its share of the weights files; rank 0 the rest
+    root = group is None or group.root
     for prefix, keys in sets:
         tensors = []
         for key, state, view, rows in keys:
@@ -238,14 +244,16 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
         refuse_unstorable(source.root, ((t[0], t[1]) for t in tensors))
         files = _hf_files(tensors, max_shard, prefix)
         total = sum(math.prod(t[2]) * t[1].itemsize for t in tensors)
-        side += hf_folder.write_index(folder, prefix, total, {t[0]: name for name, group in files for t in group})
-        jobs.extend((name, group, metas.get(prefix)) for name, group in files)
-    if names == "hf":
+        if root:
+            side += hf_folder.write_index(folder, prefix, total, {t[0]: name for name, ts in files for t in ts})
+        jobs.extend((name, ts, metas.get(prefix)) for name, ts in files)
+    if names == "hf" and root:
         side += _hf_side_files(source, folder, tokenizer, target)
     model_keys = list(dict.fromkeys(view.model_key for _, view, _ in table))  # in the order they are read
-    source.reader.prefetch_layouts(model_keys if not optimizer else [*model_keys, *source.ckpt.entries])
-    if not optimizer:  # the ledger reads the optimizer state (to check the file CRCs) beside the copy
-        source.reader.ledger.fill_except(model_keys, source.reader.planned_ranges())
+    if group is None:
+        source.reader.prefetch_layouts(model_keys if not optimizer else [*model_keys, *source.ckpt.entries])
+        if not optimizer:  # the ledger reads the optimizer state (to check the file CRCs) beside the copy
+            source.reader.ledger.fill_except(model_keys, source.reader.planned_ranges())
     bufs = Buffers()  # thread-local: each worker reads into its own reusable buffers
     # the next chunks of each file are read on other threads while it writes (ckpt_tool.copying.ahead); a bucket's
     # reads are fetched ahead by its own plan already
@@ -259,17 +267,39 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
             return lambda c: chunk_data(source, c, bufs)
         return ReadAhead(pool, lambda c, b: chunk_data(source, c, b), [c for t in jobs[i][1] for c in t[3]], depth)
 
+    def one(i: int, tick: Progress) -> None:
+        _write_hf_file(folder / jobs[i][0], jobs[i][1], fill(i), tick, stage_bytes(chunk_bytes), jobs[i][2])
+
     try:
-        run_files(lambda i, tick: _write_hf_file(folder / jobs[i][0], jobs[i][1], fill(i), tick,
-                                                 stage_bytes(chunk_bytes), jobs[i][2]), len(jobs), workers, advance)
+        if group is None:
+            run_files(one, len(jobs), workers, advance)
+        else:  # this rank's files (by bytes), the same names and bytes as one process writes, then the gather
+            parts = [[c for t in job[1] for c in t[3]] for job in jobs]
+            share_files(group, parts, lambda i, tick: (one(i, tick), None), [[] for _ in jobs], workers, advance,
+                        lambda order: prefetch_share(source, order, max_memory))
     finally:
         if pool is not None:  # no read runs once the copy stopped (the reader is closed next)
             pool.shutdown(wait=True, cancel_futures=True)
+    if not root:
+        return {}  # rank 0 finishes and commits what every rank wrote
     writer.finish(None, None)  # not a checkpoint: no manifest, no metadata.json
     writer.commit_object = commit_object(names, [name for name, _, _ in jobs])
     arch = target.architecture if target is not None else mapping.ARCHITECTURE
     return {"files": len(jobs) + side, "names": names, **({"architecture": arch} if names == "hf" else {}),
             **({"assumed": target.assumed} if target is not None else {})}
+
+
+def prefetch_share(source: Source, order: list[OutChunk], max_memory: int | None) -> None:
+    """Under torchrun: the read-ahead of this rank's chunks only (``order``: its files' chunks in the order its
+    workers read them), never the whole source's: each rank reads its share, and the source's file checksums
+    are checked from the pieces every rank read (``ReadLedger.finish``), so no rank reads the bytes no export
+    needs ahead (one process's ledger does, beside its copy)."""
+    pairs = [pair for c in order if c.param is not None and c.state is not None and c.box is not None
+             for pair in source.chunks_read(source.views[c.param], c.state, *c.box)]
+    if storage_for(source.root).remote:
+        source.reader.prefetch_chunks(pairs, max(objects.PART, (max_memory or DEFAULT_MAX_MEMORY) // 4))
+    else:
+        source.reader.prefetch_layouts(list(dict.fromkeys(k for k, _ in pairs)))
 
 
 def commit_object(names: str, files: list[str]) -> str:
@@ -302,15 +332,26 @@ def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_byt
         from ckpt_tool.reshard.megatron_dp import buffer_chunks
 
         chunks.extend(buffer_chunks(source, shapes))
-    objects = extra_objects(source.ckpt, chunk_bytes) if source.manifest is None else {}  # megatron-core's
+    group = ranks.current()  # under torchrun: this rank writes its share of the data files; rank 0 the rest
+    root = group is None or group.root
+    # megatron-core's byte objects (common_state, _extra_state), written by rank 0 alone into the last file
+    objects = extra_objects(source.ckpt, chunk_bytes) if source.manifest is None and root else {}
     parts = split_files(chunks, workers * 2)
     names = [data_file_name(i, 0, "torch_dist") for i in range(len(parts) + (1 if objects else 0))]
     bufs = Buffers()
     records: list[list[ChunkRecord]] = [[] for _ in range(len(parts) + 1)]  # one list per file (one thread each)
-    results = run_files(lambda i, tick: write_distcp(folder / names[i], parts[i],
-                                                     lambda c: chunk_data(source, c, bufs), tick,
-                                                     stage_bytes(chunk_bytes), records[i]), len(parts), workers,
-                        advance)
+
+    def one(i: int, tick: Progress) -> Any:
+        return write_distcp(folder / names[i], parts[i], lambda c: chunk_data(source, c, bufs), tick,
+                            stage_bytes(chunk_bytes), records[i])
+
+    if group is None:
+        results = run_files(one, len(parts), workers, advance)
+    else:  # the same files as one process writes, each by one rank (by bytes), then every file's placements
+        results = share_files(group, parts, one, records, workers, advance,
+                              lambda order: prefetch_share(source, order, None))
+        if not root:
+            return {}
     placed: list[tuple[str, Any, int, int]] = [(n, c, off, ln) for n, r in zip(names, results) for c, off, ln in r[1]]
     if objects:
         placed.extend(write_objects(folder / names[-1], objects, records[-1]))
@@ -322,6 +363,29 @@ def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_byt
         dropped = sorted(k for k, e in source.ckpt.entries.items() if e.kind == "bytes" and k.startswith("rng_state/"))
         info.update(objects=len(objects), rng_state_dropped=len(dropped))
     return info
+
+
+def attest_file(dst: Path | ObjectURL, beside: Path | ObjectURL, record: dict[str, Any]) -> None:
+    """The attestation of a one-file output (``--to torch``), created once the file is committed, only where
+    nothing is (:func:`gtp_format.commit.commit_file`; a bucket's conditional create). The file has no chunk
+    records, so its ``target`` names the file and carries no root hash; a failure here leaves the committed
+    file and says so."""
+    iteration = record["source"].get("iteration")
+    raw = json.dumps({**record, "target": {"path": str(dst), "root_hash": None, "iteration": iteration,
+                                           "run_id": None}}, indent=1).encode()
+    store = storage_for(beside)
+    local = store.work_target(store.work_parent())  # the file itself, or its name in the upload staging folder
+    work = new_work(local, "tmp")  # this writer's, so a killed export's leftover is removed by the next one there
+    tmp = work / local.name
+    try:
+        write_durable(tmp, raw)
+        store.put(tmp)  # created only where nothing is
+    except (OSError, FormatError) as e:
+        why = e.message if isinstance(e, FormatError) else (e.strerror or str(e))
+        raise FormatError(f"{dst} was written, but its attestation {beside} was not ({why}); the export is "
+                          "complete without it") from None
+    finally:
+        remove_entry(work)
 
 
 def output_bytes(dst: Path | ObjectURL, inner: str | None) -> int:
@@ -377,7 +441,16 @@ def export(src: Path | ObjectURL, dst: Path | ObjectURL, to: str, optimizer: boo
     nested: dict[str, str] = {}
     if to == "torch":
         check_destination(dst, source.names, COPIES)
+        beside = attestation_beside(dst)
+        record = attestation("ckpt export --to torch", derived(source.ckpt, "export")[1])
+        try:  # refused before the file is written, not after
+            check_destination(beside, source.names, COPIES)
+        except FormatError:
+            raise FormatError(f"{beside} already exists (the attestation of an earlier export to {dst.name}); "
+                              "nothing was written; remove it or pick a new DST") from None
         info = export_torch(source, dst, max_memory, progress)
+        attest_file(dst, beside, record)
+        info["attestation"] = str(beside)
     else:
         holder: dict[str, Any] = {}
 
