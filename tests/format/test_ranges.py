@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import example, given, settings
@@ -54,12 +56,16 @@ def test_the_plan_serves_every_range_once_within_the_object_and_the_cap(plan):
         assert r.start in wanted and r.stop - 1 in wanted
 
 
+POOL = ThreadPoolExecutor(4, thread_name_prefix="fake-fetch")
+
+
 class FakeObject:
     """An object of known bytes: ``fetch`` of it is checked against its size and counted."""
 
     def __init__(self, data: bytes) -> None:
         self.data, self.size, self.requests = data, len(data), []
         self.root, self.rel = self, "x"
+        self.state = SimpleNamespace(pool=lambda: POOL)  # the session's fetch threads (BucketState.pool)
 
     def __truediv__(self, other: str) -> str:
         return f"fake/{other}"
