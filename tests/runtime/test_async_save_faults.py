@@ -180,12 +180,19 @@ def _check_after(reference: Path, root: Path, things: dict[Path, str], tmp_path:
 
 # Every phase with every way to die at least once (one rank's SIGKILL where only that rank is there:
 # the commit runs on rank 0).
-HOOKED = [
+ALL_HOOKED = [
     "staging:1:sigkill", "staging:0:killpg", "staged:0:launcher", "staged:1:sigterm",
     "during_write:1:sigkill", "during_write:0:killpg", "during_write:1:launcher", "during_write:0:sigterm",
     "after_write:0:sigkill", "after_write:1:launcher",
     "before_rename:0:sigkill", "before_rename:0:killpg", "before_rename:0:sigterm",
     "before_latest:0:sigkill", "before_latest:0:launcher", "before_latest:0:killpg",
+]
+# Every phase and every kill mode at least once in the default suite (each case is about 15 s of two ranks
+# and a launcher on 2 cores); CKPT_FULL_FAULTS=1 runs the whole matrix and six random moments.
+FULL = os.environ.get("CKPT_FULL_FAULTS") == "1"
+HOOKED = ALL_HOOKED if FULL else [
+    "staging:1:sigkill", "staged:0:launcher", "staged:1:sigterm", "during_write:0:killpg",
+    "during_write:1:launcher", "after_write:0:sigkill", "before_rename:0:sigterm", "before_latest:0:killpg",
 ]
 
 
@@ -222,7 +229,7 @@ def test_a_kill_while_an_iteration_is_saved_again(reference: Path, tmp_path: Pat
     _check_after(reference, root, things, tmp_path, f"saved again, {fault}")
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(6) if FULL else range(2))
 def test_a_kill_at_a_random_moment_of_an_async_save(reference: Path, tmp_path: Path, seed: int) -> None:
     """From outside, as an operator or the OOM killer does: once iteration 3's save has started, after
     a random delay, SIGKILL of the process group, of the launcher or of one rank (seeded: rerun a
