@@ -169,7 +169,8 @@ def _check_after(reference: Path, root: Path, things: dict[Path, str], tmp_path:
                         "--log-json", str(log)], cwd=lc.REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (what, r.stderr[-3000:])
     assert f"iteration {latest}" in r.stdout, (what, r.stdout[-2000:])
-    assert _rows(log) == _rows(reference / "log.json")[latest:], what
+    # a kill after the last save committed leaves nothing to train: the resume logs no row (and may write no log)
+    assert (_rows(log) if log.exists() or latest < STEPS else []) == _rows(reference / "log.json")[latest:], what
     assert int((root / LATEST_FILE).read_text()) == STEPS
     last = f"iter_{STEPS:07d}"
     assert _manifest_files(root / last) == _manifest_files(reference / "run" / last), what
@@ -248,14 +249,17 @@ def test_a_kill_at_a_random_moment_of_an_async_save(reference: Path, tmp_path: P
             break
     time.sleep(delay)
     ranks = tree.ranks()
-    killed = proc.poll() is None
+    killed = proc.poll() is None and (how != "rank" or bool(ranks))  # ranks gone already: the run is ending
     if killed:
-        if how == "killpg":
-            os.killpg(proc.pid, signal.SIGKILL)
-        elif how == "launcher":
-            proc.send_signal(signal.SIGKILL)
-        elif ranks:
-            os.kill(rnd.choice(ranks), signal.SIGKILL)
+        try:
+            if how == "killpg":
+                os.killpg(proc.pid, signal.SIGKILL)
+            elif how == "launcher":
+                proc.send_signal(signal.SIGKILL)
+            else:
+                os.kill(rnd.choice(ranks), signal.SIGKILL)
+        except ProcessLookupError:  # it exited between the look and the kill
+            killed = False
     rc, _, err = _finish(proc, tree)
     what = f"seed {seed}: {how} after {delay:.2f} s"
     assert rc != 0 or not killed, (what, err[-2000:])
