@@ -8,7 +8,9 @@ parser, and a declared ``Content-Length`` over the budget is refused without rea
 
 The request is signed here (AWS Signature Version 4, the header form: the same canonical request
 botocore builds, checked against it in tests/s3/test_hostile_listing.py), with the credentials and
-the endpoint :mod:`gtp_format.storage.profiles` resolved, path-style as obstore sends it. A page is
+the endpoint :mod:`gtp_format.storage.credentials` and :mod:`gtp_format.storage.profiles` resolved,
+path-style (``ENDPOINT/BUCKET?...``) or virtual-hosted-style (``AWS_VIRTUAL_HOSTED_STYLE_REQUEST``:
+the endpoint names the bucket, ``ENDPOINT/?...``) as obstore sends it. A page is
 XML without a document type: a ``<!DOCTYPE`` (the only way to declare entities) is refused, so no
 entity is ever expanded.
 """
@@ -21,7 +23,7 @@ import http.client
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from urllib.parse import quote, urlsplit
 from xml.etree.ElementTree import ParseError, XMLPullParser
@@ -37,16 +39,18 @@ EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 @dataclass(frozen=True)
 class Client:
-    """Where and how a listing request is sent: ``key`` None sends it unsigned (a public bucket)."""
+    """Where and how a listing request is sent: ``key`` None sends it unsigned (a public bucket); ``hosted``:
+    virtual-hosted-style, ``endpoint`` is the bucket's own."""
 
     endpoint: str  # http(s)://host[:port][/path], no trailing slash
     region: str
     key: str | None
-    secret: str | None
-    token: str | None
+    secret: str | None = field(repr=False)
+    token: str | None = field(repr=False)
     timeout: float
     retries: int
     retry_seconds: float
+    hosted: bool = False
 
 
 def _enc(s: str) -> str:
@@ -81,7 +85,7 @@ def request(c: Client, bucket: str, query: list[tuple[str, str]], now: datetime 
             ) -> tuple[str, dict[str, str]]:
     """The URL and signed headers of a listing request of ``bucket`` with ``query``."""
     base = urlsplit(c.endpoint)
-    url = f"{c.endpoint}/{quote(bucket, safe='-_.~')}"
+    url = f"{c.endpoint}/" if c.hosted else f"{c.endpoint}/{quote(bucket, safe='-_.~')}"
     qs = "&".join(f"{_enc(k)}={_enc(v)}" for k, v in query)
     return f"{url}?{qs}", _sign(c, url, base.netloc, query, now or datetime.now(timezone.utc))
 
