@@ -44,6 +44,7 @@ Resolved keys are kept (:func:`_fetched`, keyed by the whole configuration) unti
 from __future__ import annotations
 
 import functools
+import http.client
 import ipaddress
 import json
 import os
@@ -160,7 +161,7 @@ def _fetch(source: str, fix: str, method: str, url: str, headers: dict[str, str]
             raise
         except ValueError as e:  # a header value with a line break, a URL that is none
             raise FormatError(f"{where}: cannot send the request ({str(e)[:120]}); {fix}") from None
-        except (urllib.error.URLError, OSError) as e:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             reason = getattr(e, "reason", e)
             why = " ".join(str(reason).split())[:160] or type(e).__name__
     raise FormatError(f"{where} did not answer with credentials within {seconds:.0f} s ({why or 'timed out'}); {fix}")
@@ -179,7 +180,7 @@ def _read(resp: object, where: str, fix: str, deadline: float, seconds: float) -
             raise FormatError(f"{where} was still sending its answer after {seconds:.0f} s; {fix}")
         try:
             piece = resp.read1(READ)  # type: ignore[attr-defined]
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, http.client.HTTPException) as e:
             raise FormatError(f"{where}: the answer was cut ({' '.join(str(e).split())[:120] or type(e).__name__}); "
                               f"{fix}") from None
         if not piece:

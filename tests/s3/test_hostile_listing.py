@@ -14,13 +14,11 @@ import os
 import resource
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, urlparse
 
+import fake_endpoint
 import pytest
 import s3_server
 
@@ -29,8 +27,6 @@ from gtp_format.storage import objects
 
 BUCKET = "ckpt-test"
 PAGE = 1000
-MISSING = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchKey</Code><Message>The specified key does '
-           b"not exist.</Message></Error>")
 
 
 def _page(prefix: str, token: int, subfolder: bool) -> bytes:
@@ -49,47 +45,20 @@ def endless(subfolder: bool = False) -> Iterator[tuple[str, list[int]]]:
     start-after); objects are missing. Yields the endpoint and a list counting the pages served."""
     pages: list[int] = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
+    def answer(req: fake_endpoint.Request) -> None:
+        if not fake_endpoint.is_listing(req):
+            req.reply(404, fake_endpoint.MISSING)
+            return
+        pages.append(1)
+        req.reply(200, _page(req.q("prefix"), int(req.q("continuation-token", "0")), subfolder))
 
-        def _send(self, code: int, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", "application/xml")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            q = parse_qs(urlparse(self.path).query)
-            if q.get("list-type") == ["2"]:
-                pages.append(1)
-                self._send(200, _page(q.get("prefix", [""])[0], int(q.get("continuation-token", ["0"])[0]), subfolder))
-            else:
-                self._send(404, MISSING)
-
-        do_HEAD = do_GET  # noqa: N815
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    t = threading.Thread(target=server.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", pages
-    finally:
-        server.shutdown()
-        server.server_close()
+    with fake_endpoint.serve(answer) as served:
+        yield served.url, pages
 
 
 @pytest.fixture
 def env(monkeypatch):
-    def point_at(endpoint: str) -> None:
-        for k in s3_server.UNSET:
-            monkeypatch.delenv(k, raising=False)
-        for k, v in s3_server.environment(endpoint).items():
-            monkeypatch.setenv(k, v)
-
-    return point_at
+    return lambda endpoint: s3_server.point_env(monkeypatch, endpoint)
 
 
 @pytest.mark.parametrize("argv", [["inspect", f"s3://{BUCKET}/run/iter_0000001"],
@@ -145,39 +114,21 @@ def one_huge_page(declared: bool, head: bytes = b"", size: int = HUGE, entry: by
     end = b"</ListBucketResult>"
     count = size // len(block) + 1
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
+    def answer(req: fake_endpoint.Request) -> None:
+        if not fake_endpoint.is_listing(req):
+            req.reply(404, fake_endpoint.MISSING)
+            return
+        pages.append(1)
+        length = {"Content-Length": str(len(start) + count * len(block) + len(end))} if declared else {}
+        out = req.start(200, {"Content-Type": "application/xml", **length})
+        with contextlib.suppress(OSError):  # the client hangs up once the page is over its budget
+            out.write(start)
+            for _ in range(count):
+                out.write(block)
+            out.write(end)
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            if parse_qs(urlparse(self.path).query).get("list-type") != ["2"]:
-                self.send_response(404)
-                self.send_header("Content-Length", str(len(MISSING)))
-                self.end_headers()
-                self.wfile.write(MISSING)
-                return
-            pages.append(1)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/xml")
-            if declared:
-                self.send_header("Content-Length", str(len(start) + count * len(block) + len(end)))
-            self.end_headers()
-            with contextlib.suppress(OSError):  # the client hangs up once the page is over its budget
-                self.wfile.write(start)
-                for _ in range(count):
-                    self.wfile.write(block)
-                self.wfile.write(end)
-
-        do_HEAD = do_GET  # noqa: N815
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    t = threading.Thread(target=server.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", pages
-    finally:
-        server.shutdown()
-        server.server_close()
+    with fake_endpoint.serve(answer) as served:
+        yield served.url, pages
 
 
 # The child reports its own peak (VmHWM, of the memory it has since exec): ru_maxrss would carry the
