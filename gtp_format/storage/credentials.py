@@ -138,7 +138,7 @@ def _fetch(source: str, fix: str, method: str, url: str, headers: dict[str, str]
            proxies: bool = False, body: bytes | None = None) -> tuple[int, bytes]:
     """(status, body) of one request, the body at most :data:`ANSWER_BYTES`, all of it within ``seconds``;
     transient failures tried :data:`ATTEMPTS` times; a redirect, a refusal or a silence is one line."""
-    where = f"{source}: {_shown(url)}"
+    where = f"{source} {_shown(url)}"
     deadline = time.monotonic() + seconds
     why = ""
     for _ in range(ATTEMPTS):
@@ -184,6 +184,9 @@ def _read(resp: object, where: str, fix: str, deadline: float, seconds: float) -
             raise FormatError(f"{where}: the answer was cut ({' '.join(str(e).split())[:120] or type(e).__name__}); "
                               f"{fix}") from None
         if not piece:
+            if declared is not None and declared.strip().isdigit() and len(out) != int(declared):
+                raise FormatError(f"{where}: the answer was cut ({len(out)} of its {int(declared)} bytes came); "
+                                  f"{fix}")
             return bytes(out)
         out += piece
         if len(out) > ANSWER_BYTES:
@@ -198,9 +201,10 @@ def _token_file(path: str, var: str, fix: str) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
         raise FormatError(f"{var}={path}: cannot be read ({e.strerror or e}); {fix}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FormatError(f"{var}={path} is not a regular file; {fix}")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise FormatError(f"{var}={path} is not a regular file; {fix}")
         raw = f.read(TOKEN_FILE_BYTES + 1)
     if len(raw) > TOKEN_FILE_BYTES:
         raise FormatError(f"{var}={path} is over {TOKEN_FILE_BYTES >> 10} KiB, not a token; {fix}")
