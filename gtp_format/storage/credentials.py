@@ -126,9 +126,21 @@ def _opener(proxies: bool) -> urllib.request.OpenerDirector:
     return urllib.request.build_opener(*handlers)
 
 
+def _split(url: str) -> urllib.parse.SplitResult | None:
+    """``url`` split, or None where it does not parse (a bracket left open, a port that is no number)."""
+    try:
+        u = urllib.parse.urlsplit(url)
+        u.port  # noqa: B018 - raises on a port that is not a number in range
+    except ValueError:
+        return None
+    return u
+
+
 def _shown(url: str) -> str:
     """``url`` without its query (where a token could be) and user part."""
-    u = urllib.parse.urlsplit(url)
+    u = _split(url)
+    if u is None:
+        return "(a URL that does not parse)"
     host = u.hostname or ""
     host = f"[{host}]" if ":" in host else host
     return f"{u.scheme}://{host}{':' + str(u.port) if u.port else ''}{u.path}"
@@ -159,8 +171,8 @@ def _fetch(source: str, fix: str, method: str, url: str, headers: dict[str, str]
             why = f"HTTP {e.code}"
         except FormatError:
             raise
-        except ValueError as e:  # a header value with a line break, a URL that is none
-            raise FormatError(f"{where}: cannot send the request ({str(e)[:120]}); {fix}") from None
+        except ValueError:  # a URL that is none (its text is not shown: a header's could be a token)
+            raise FormatError(f"{where}: cannot send the request (the URL or a header is malformed); {fix}") from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             reason = getattr(e, "reason", e)
             why = " ".join(str(reason).split())[:160] or type(e).__name__
@@ -285,8 +297,8 @@ def _web_identity(region: str, now: float) -> Credentials:
            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY instead")
     token = _token_file(env["AWS_WEB_IDENTITY_TOKEN_FILE"], "AWS_WEB_IDENTITY_TOKEN_FILE", fix)
     endpoint = env.get("AWS_ENDPOINT_URL_STS") or f"https://sts.{region}.amazonaws.com"
-    u = urllib.parse.urlsplit(endpoint)
-    if u.scheme != "https" and not (u.scheme == "http" and _loopback(u.hostname)):
+    u = _split(endpoint)
+    if u is None or u.scheme != "https" and not (u.scheme == "http" and _loopback(u.hostname)):
         raise FormatError(f"AWS_ENDPOINT_URL_STS={_shown(endpoint)!r} is not an https:// URL (the web identity "
                           "token is sent there; plain HTTP only to a loopback address); fix it")
     form = urllib.parse.urlencode([("Action", "AssumeRoleWithWebIdentity"), ("DurationSeconds", "3600"),
@@ -324,14 +336,15 @@ def _container(now: float) -> Credentials:
     if relative:
         var, url = "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", f"http://{CONTAINER_HOST}{relative}"
         fix = f"check {var} (the ECS task's credentials path)"
+        u = _split(url)
+        if not relative.startswith("/") or u is None or u.netloc != CONTAINER_HOST:
+            raise FormatError(f"{var} is not a path starting with '/' (it would send the request to another host "
+                              f"than {CONTAINER_HOST}); fix it")
     else:
         var, url = "AWS_CONTAINER_CREDENTIALS_FULL_URI", env["AWS_CONTAINER_CREDENTIALS_FULL_URI"]
         fix = f"check {var} and AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"
-        try:
-            u = urllib.parse.urlsplit(url)
-            host = u.hostname
-        except ValueError:
-            u, host = None, None
+        u = _split(url)
+        host = u.hostname if u is not None else None
         if u is None or not host or u.scheme not in ("http", "https") or (
                 u.scheme == "http" and not (_loopback(host) or host in _CONTAINER_HOSTS)):
             raise FormatError(f"{var} is not an https:// URL, nor http:// to a loopback address or the container "
@@ -358,7 +371,8 @@ def _instance(now: float) -> Credentials:
     endpoint = (os.environ.get("AWS_METADATA_ENDPOINT") or METADATA_ENDPOINT).rstrip("/")
     fix = "check AWS_METADATA_ENDPOINT, or give keys and set AWS_EC2_METADATA_DISABLED=true"
     where = "the instance metadata service at"
-    if urllib.parse.urlsplit(endpoint).scheme not in ("http", "https"):
+    u = _split(endpoint)
+    if u is None or u.scheme not in ("http", "https") or not u.hostname:
         raise FormatError(f"AWS_METADATA_ENDPOINT={_shown(endpoint)!r} is not an http:// URL; fix it")
     code, token = _fetch(where, fix, "PUT", f"{endpoint}/latest/api/token",
                          {"X-aws-ec2-metadata-token-ttl-seconds": "600"}, METADATA_SECONDS)
@@ -391,7 +405,7 @@ def _configuration() -> tuple[str, ...]:
              "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
              "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE", "AWS_CONTAINER_AUTHORIZATION_TOKEN", "AWS_METADATA_ENDPOINT",
              "AWS_EC2_METADATA_DISABLED", "AWS_IMDSV1_FALLBACK")
-    return tuple(os.environ.get(n) or "" for n in names) + (CONTAINER_HOST,)
+    return tuple(os.environ.get(n) or "" for n in names) + (CONTAINER_HOST, METADATA_ENDPOINT)
 
 
 @functools.lru_cache(maxsize=8)

@@ -42,6 +42,9 @@ def store(monkeypatch) -> Iterator[fake_endpoint.Endpoint]:
         point_env(monkeypatch, ep.url)
         for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_EC2_METADATA_DISABLED"):
             monkeypatch.delenv(k, raising=False)
+        # never the real link-local services of wherever the tests run: a closed loopback port instead
+        monkeypatch.setattr(credentials, "CONTAINER_HOST", "127.0.0.1:9")
+        monkeypatch.setattr(credentials, "METADATA_ENDPOINT", "http://127.0.0.1:9")
         credentials._fetched.cache_clear()
         STOP.clear()
         yield ep
@@ -244,6 +247,10 @@ def test_a_hostile_instance_metadata_service(store, capsys, monkeypatch, case):
     ("AWS_CONTAINER_CREDENTIALS_FULL_URI", "http://192.0.2.7/creds", "nor http:// to a loopback address"),
     ("AWS_CONTAINER_CREDENTIALS_FULL_URI", "file:///etc/passwd", "is not an https:// URL"),
     ("AWS_ENDPOINT_URL_STS", "http://192.0.2.7", "AWS_ENDPOINT_URL_STS='http://192.0.2.7' is not an https:// URL"),
+    ("AWS_ENDPOINT_URL_STS", "https://[::1", "is not an https:// URL"),
+    ("AWS_CONTAINER_CREDENTIALS_FULL_URI", "http://127.0.0.1:99999/c", "is not an https:// URL"),
+    ("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "@192.0.2.7/creds", "is not a path starting with '/'"),
+    ("AWS_METADATA_ENDPOINT", "http://[fd00:ec2::254", "AWS_METADATA_ENDPOINT"),
 ])
 def test_a_credential_url_the_token_must_not_go_to(store, capsys, monkeypatch, tmp_path: Path, var, value, words):
     """Plain HTTP elsewhere than loopback (or the container addresses) would carry the token in the clear: refused

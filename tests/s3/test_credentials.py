@@ -33,6 +33,9 @@ def temporary(s3, monkeypatch, tmp_path):
     url = upload(s3, FIXTURES["dcp"], "runs/t")
     for k in STATIC:
         monkeypatch.delenv(k, raising=False)
+    # never the real link-local services of wherever the tests run: a closed loopback port instead
+    monkeypatch.setattr(credentials, "CONTAINER_HOST", "127.0.0.1:9")
+    monkeypatch.setattr(credentials, "METADATA_ENDPOINT", "http://127.0.0.1:9")
     credentials._fetched.cache_clear()
     clients, stores = [], []
     real_client, real_store = objects.listing_client, objects._store_for
