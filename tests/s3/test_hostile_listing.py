@@ -14,6 +14,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -256,3 +257,29 @@ def test_the_bounded_listing_lists_what_obstore_lists(s3):
               **{p[len("run/iter_1/"):].rstrip("/"): None for p in listed["common_prefixes"]}}
     assert ours == theirs and len(ours) == 2102 and ours["sub"] is None and ours["a&b <c> é+%.txt"] == 2
     assert found and objects.is_prefix(root, "sub") and not objects.is_prefix(root, "none")
+
+
+def test_a_listing_page_that_trickles_is_cut_off_at_the_timeout(env, monkeypatch, capsys):
+    """A page sent a byte per receive (each receive within the socket's timeout, so the timeout alone never
+    fires): the page is refused once the request's timeout has passed, one line naming the endpoint."""
+    stop = threading.Event()
+
+    def answer(req: fake_endpoint.Request) -> None:
+        out = req.start(200, {"Content-Type": "application/xml"})
+        with contextlib.suppress(OSError):
+            out.write(b'<?xml version="1.0"?><ListBucketResult><IsTruncated>false</IsTruncated>')
+            out.flush()
+            while not stop.wait(0.2):
+                out.write(b" ")
+                out.flush()
+
+    with fake_endpoint.serve(answer) as ep:
+        env(ep.url)
+        monkeypatch.setenv("CKPT_S3_TIMEOUT_S", "1")
+        t = time.monotonic()
+        code = run(["inspect", f"s3://{BUCKET}/run/iter_0000001"])
+        took = time.monotonic() - t
+        stop.set()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "was still arriving after 1 s" in lines[0] and ep.url in lines[0], lines
+    assert took < 10 and len(ep.requests) == 1, (took, len(ep.requests))  # refused, not retried
