@@ -237,3 +237,18 @@ def test_the_virtual_hosted_signature_is_botocores():
     req.context["timestamp"] = headers["x-amz-date"]
     canonical = auth.canonical_request(req)
     assert headers["authorization"].endswith(f"Signature={auth.signature(auth.string_to_sign(req, canonical), req)}")
+
+
+def test_obstores_aliases_reach_the_listing_too(monkeypatch):
+    """obstore reads ``AWS_ENDPOINT`` and ``AWS_TOKEN`` from the environment; the listing it no longer sends must
+    use them too, or it would go to AWS (or unsigned by the token) while obstore's reads go elsewhere."""
+    for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_TOKEN", TOKEN)
+    c = objects.listing_client("b")
+    assert c.endpoint == "http://127.0.0.1:9" and c.token == TOKEN
