@@ -131,17 +131,21 @@ def commit_new_folder(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def swap_in_folder(tmp: Path, final: Path, backup: Path, between: Callable[[], None] | None = None) -> None:
+def swap_in_folder(tmp: Path, final: Path, backup: Path, between: Callable[[], None] | None = None,
+                   exchanged: Callable[[], None] | None = None) -> None:
     """Put the complete folder ``tmp`` at ``final``; the old ``final`` is kept at ``backup`` (must not exist).
 
     Where the kernel can exchange two paths atomically (Linux ``renameat2``), readers of ``final``
     see the old or the new folder, never none; elsewhere there is a moment between two renames,
     and a failed second rename puts the old folder back (a crash there leaves both complete copies
     hidden, which :func:`gtp_format.reader.locate.locate` recovers). ``between``: a fault-injection
-    hook called in that moment.
+    hook called in that moment; ``exchanged``: one called after the exchange, while ``tmp`` names the old
+    folder (the caller proves that folder its own under both names: :func:`gtp_format.work.own_before_removal`).
     """
     fsync_dir(tmp)
     if _renameat2(tmp, final, _RENAME_EXCHANGE):
+        if exchanged is not None:
+            exchanged()
         os.rename(tmp, backup)  # tmp now names the old folder
     else:
         os.rename(final, backup)

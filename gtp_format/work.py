@@ -123,19 +123,39 @@ def new_work(target: Path, tag: str) -> Path:
     return path
 
 
-def own_before_removal(folder: Path, tag: str) -> Path:
-    """Put a fresh ownership token into ``folder`` (a folder this writer is about to move aside and remove:
-    the iteration an exchange replaces) and return the hidden name that token proves. Without it a writer
+def own_before_removal(folder: Path, tag: str, token: str | None = None) -> Path:
+    """Put an ownership token into ``folder`` (a folder this writer is about to move aside and remove: the
+    iteration an exchange replaces) and return the hidden name that token proves. Without it a writer
     killed between the exchange and the end of the removal left the old copy, or what of it the removal had
     not reached, under a name nothing proved: kept by every later save (found by the async-save fault cases).
+
+    ``token``: the token of the work folder that replaces ``folder`` (:func:`token_of`), so that the old copy
+    is proven under the work folder's name too, where the exchange puts it until the rename to the returned
+    name: a kill between those two renames left it under the work name with another token (unproven, kept by
+    every later save). Default: a fresh one.
     """
-    token = uuid.uuid4().hex
+    token = token or uuid.uuid4().hex
     try:
         drop_token(folder)  # one a writer killed between its commit and dropping the token left there
         _write_token(folder, token)
     except OSError:  # a folder this process may not write into: moved aside unproven, as before
         return work_name(folder, tag)
     return work_name(folder, tag, token)
+
+
+def token_of(folder: Path) -> str | None:
+    """The ownership token in ``folder`` (a work folder this process made: :func:`new_work`), or None."""
+    try:
+        fd = os.open(folder / TOKEN_FILE, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        text = os.read(fd, 65).decode("ascii", errors="replace").strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return text if _TOKEN_RE.fullmatch(text) else None
 
 
 def remove_owned(path: Path) -> None:

@@ -8,20 +8,23 @@ parser, and a declared ``Content-Length`` over the budget is refused without rea
 
 The request is signed here (AWS Signature Version 4, the header form: the same canonical request
 botocore builds, checked against it in tests/s3/test_hostile_listing.py), with the credentials and
-the endpoint :mod:`gtp_format.storage.profiles` resolved, path-style as obstore sends it. A page is
+the endpoint :mod:`gtp_format.storage.credentials` and :mod:`gtp_format.storage.profiles` resolved,
+path-style (``ENDPOINT/BUCKET?...``) or virtual-hosted-style (``AWS_VIRTUAL_HOSTED_STYLE_REQUEST``:
+the endpoint names the bucket, ``ENDPOINT/?...``) as obstore sends it. A page is
 XML without a document type: a ``<!DOCTYPE`` (the only way to declare entities) is refused, so no
 entity is ever expanded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import http.client
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from urllib.parse import quote, urlsplit
 from xml.etree.ElementTree import ParseError, XMLPullParser
@@ -37,16 +40,18 @@ EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 @dataclass(frozen=True)
 class Client:
-    """Where and how a listing request is sent: ``key`` None sends it unsigned (a public bucket)."""
+    """Where and how a listing request is sent: ``key`` None sends it unsigned (a public bucket); ``hosted``:
+    virtual-hosted-style, ``endpoint`` is the bucket's own."""
 
     endpoint: str  # http(s)://host[:port][/path], no trailing slash
     region: str
     key: str | None
-    secret: str | None
-    token: str | None
+    secret: str | None = field(repr=False)
+    token: str | None = field(repr=False)
     timeout: float
     retries: int
     retry_seconds: float
+    hosted: bool = False
 
 
 def _enc(s: str) -> str:
@@ -81,7 +86,7 @@ def request(c: Client, bucket: str, query: list[tuple[str, str]], now: datetime 
             ) -> tuple[str, dict[str, str]]:
     """The URL and signed headers of a listing request of ``bucket`` with ``query``."""
     base = urlsplit(c.endpoint)
-    url = f"{c.endpoint}/{quote(bucket, safe='-_.~')}"
+    url = f"{c.endpoint}/" if c.hosted else f"{c.endpoint}/{quote(bucket, safe='-_.~')}"
     qs = "&".join(f"{_enc(k)}={_enc(v)}" for k, v in query)
     return f"{url}?{qs}", _sign(c, url, base.netloc, query, now or datetime.now(timezone.utc))
 
@@ -112,15 +117,25 @@ def _local(tag: str) -> str:
     return tag.rpartition("}")[2]
 
 
-def _parse(where: str, c: Client, body: object) -> tuple[list[tuple[str, int]], str | None]:
+def _late(where: str, c: Client) -> FormatError:
+    return FormatError(f"{where}: a listing page from {c.endpoint} was still arriving after {c.timeout:.0f} s (a real "
+                       "page is a few hundred KB); check AWS_ENDPOINT_URL and the network, or raise the timeout "
+                       "(CKPT_S3_TIMEOUT_S)")
+
+
+def _parse(where: str, c: Client, body: object, deadline: float) -> tuple[list[tuple[str, int]], str | None]:
     """The (key, size) entries and the continuation token (None: the last page) of a response ``body``,
-    read :data:`READ` bytes at a time, at most :data:`PAGE_BYTES` in all."""
+    read a receive at a time (``read1``, at most :data:`READ` bytes), at most :data:`PAGE_BYTES` in all and
+    until ``deadline``: a page an endpoint trickles a byte per receive is cut off there, where the socket's
+    timeout bounds only each receive."""
     parser = XMLPullParser(events=("start", "end"))
     entries: list[tuple[str, int]] = []
     fields: dict[str, str] = {}
     truncated, token, total, tail, depth, root = False, None, 0, b"", 0, None
     while True:
-        piece = body.read(READ)  # type: ignore[attr-defined]
+        if time.monotonic() > deadline:
+            raise _late(where, c)
+        piece = body.read1(READ)  # type: ignore[attr-defined]
         if not piece:
             break
         total += len(piece)
@@ -128,7 +143,7 @@ def _parse(where: str, c: Client, body: object) -> tuple[list[tuple[str, int]], 
             raise _too_big(where, c)
         if b"<!DOCTYPE" in tail + piece or b"<!ENTITY" in tail + piece:
             raise _bad(where, c, "it declares a document type")
-        tail = piece[-16:]
+        tail = (tail + piece)[-16:]  # a declaration cut over pieces of any size
         try:
             parser.feed(piece)
             events = list(parser.read_events())
@@ -170,6 +185,18 @@ def _parse(where: str, c: Client, body: object) -> tuple[list[tuple[str, int]], 
     return entries, token if truncated else None
 
 
+def _error_body(e: urllib.error.HTTPError, deadline: float) -> bytes:
+    """The first 4 KiB of an error answer (its ``<Code>`` is near the start), read until ``deadline``."""
+    out = b""
+    with contextlib.suppress(OSError, ValueError, AttributeError, http.client.HTTPException):
+        while len(out) < 4096 and time.monotonic() < deadline:
+            piece = e.fp.read1(4096 - len(out))  # type: ignore[union-attr]
+            if not piece:
+                break
+            out += piece
+    return out
+
+
 def _error(where: str, c: Client, code: int, body: bytes) -> FormatError:
     text = body.decode("utf-8", "replace")
     start = text.find("<Code>")
@@ -206,9 +233,9 @@ def page(c: Client, bucket: str, prefix: str, start_after: str | None, token: st
                 declared = resp.headers.get("Content-Length")
                 if declared is not None and declared.strip().isdigit() and int(declared) > PAGE_BYTES:
                     raise _too_big(where, c)
-                return _parse(where, c, resp)
+                return _parse(where, c, resp, time.monotonic() + c.timeout)
         except urllib.error.HTTPError as e:
-            body = e.read(READ) if e.fp is not None else b""
+            body = _error_body(e, time.monotonic() + c.timeout) if e.fp is not None else b""
             if e.code < 500:
                 raise _error(where, c, e.code, body) from None
             why = f"HTTP {e.code}"

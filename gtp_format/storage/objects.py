@@ -37,7 +37,7 @@ from datetime import timedelta
 from typing import Any
 
 from gtp_format.errors import ChunkError, FormatError
-from gtp_format.storage import listing, object_cache, profiles
+from gtp_format.storage import credentials, listing, object_cache, profiles
 from gtp_format.storage.location import ObjectURL
 from gtp_format.storage.paths import addressable, past_end_message, unsafe_reason
 from gtp_format.storage.ranges import pieces
@@ -74,30 +74,31 @@ def _timeout() -> float:
     return value
 
 
-# Where obstore may take credentials from besides the access-key pair: web identity (EKS, CI OIDC) and
-# the container credential endpoint (ECS). Anything else would make it ask the EC2 instance-metadata
-# address, which is not this machine's to ask and hangs where there is none.
+# Where the keys may come from besides the access-key pair, without sending anything yet: web identity (EKS,
+# CI OIDC), the container credential endpoints (ECS, EKS Pod Identity), the instance metadata service where
+# asked for (:mod:`gtp_format.storage.credentials`, which fetches them).
 _OTHER_CREDENTIALS = ("AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
                       "AWS_CONTAINER_CREDENTIALS_FULL_URI")
 
 
 def credentials_problem(bucket: str) -> str | None:
-    """Why no request may be sent for ``bucket`` (no credentials in the environment), or None."""
+    """Why no request may be sent for ``bucket`` (no credentials configured), or None; sends nothing."""
     env = os.environ
-    if env.get("AWS_SKIP_SIGNATURE", "").lower() in ("1", "true", "yes"):
+    if credentials.flag("AWS_SKIP_SIGNATURE"):
         return None  # a public bucket, read unsigned
     if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
         return None
-    if any(env.get(k) for k in _OTHER_CREDENTIALS):
+    if (env.get("AWS_WEB_IDENTITY_TOKEN_FILE") and env.get("AWS_ROLE_ARN")) or \
+            any(env.get(k) for k in _OTHER_CREDENTIALS[1:]) or credentials.metadata_asked():
         return None
     found = profiles.settings()  # a named profile that is absent, or a file that does not parse: one line
     if found.access_key_id is not None:
         return None
-    if found.no_keys_why is not None:
-        return f"s3://{bucket}: {found.no_keys_why}"
-    return (f"s3://{bucket}: no credentials in the environment or the AWS profile; set AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for a local or private store), or AWS_PROFILE naming a "
-            f"profile of {profiles.credentials_file()}, or AWS_SKIP_SIGNATURE=true for a public bucket")
+    try:
+        credentials.resolve(bucket)
+    except FormatError as e:
+        return e.message
+    return None
 
 
 @functools.lru_cache(maxsize=16)
@@ -107,9 +108,10 @@ def _store_for(bucket: str, endpoint: str | None, timeout: float, region: str | 
     connection pool keyed by its whole configuration and holds nothing of a command, and building one
     took 28 ms (obstore's ``S3Store``, on the shared 2-core test machine), which a session of its own
     added to every in-process command (``verify --data`` of a 51.8 MB checkpoint: 0.23 s -> 0.28 s in
-    ``benchmarks/bench_s3_ckpt.py``). ``region`` and ``credentials`` (key, secret, token) as
-    :func:`profiles.settings` resolved them (the environment first, then the AWS profile), passed
-    explicitly where set; obstore reads the rest of the environment itself."""
+    ``benchmarks/bench_s3_ckpt.py``). ``region`` as :func:`profiles.settings` resolved it and ``credentials``
+    (key, secret, token) as :func:`credentials.resolve` did (the environment, the AWS profile, then the
+    temporary sources, each answer bounded), passed explicitly where set, so that obstore never asks a
+    credential endpoint itself; it reads the rest of the environment itself."""
     try:
         from obstore.store import S3Store
     except ImportError:
@@ -140,10 +142,8 @@ def store(url: ObjectURL) -> Any:
     problem = credentials_problem(url.bucket)
     if problem is not None:
         raise FormatError(problem)
-    found = profiles.settings()
-    args = (url.bucket, found.endpoint, _timeout(), found.region, found.access_key_id, found.secret_access_key,
-            found.session_token)
-    return _store_for(*args)
+    found, keys = profiles.settings(), credentials.resolve(url.bucket)
+    return _store_for(url.bucket, found.endpoint, _timeout(), found.region, keys.key, keys.secret, keys.token)
 
 
 def _first_line(e: BaseException) -> str:
@@ -307,10 +307,9 @@ def object_size(root: ObjectURL, rel: str, what: str = "data file") -> int:
 
 # A listing is bounded by what one folder of a checkpoint (or a run: its iterations) can hold: one data
 # file per rank of the largest world this tool plans (2^20, layout.config.MAX_TARGET_WORLD) and its side
-# files. Keys are streamed in batches (obstore's list_with_delimiter gathered every page of a listing
-# that never ended, past 3 GB); a sub-folder is skipped by listing again after its last possible key.
+# files. Keys are streamed a page at a time (:mod:`listing`; obstore's list_with_delimiter gathered every page
+# of a listing that never ended, past 3 GB); a sub-folder is skipped by listing again after its last key.
 MAX_LISTED = (1 << 20) + 4096  # keys one listing may return, kept or skipped
-LIST_BATCH = 100  # keys per batch handed to Python (obstore fetches pages until a batch is full)
 LIST_SECONDS = 600.0  # one listing, all its pages
 
 
@@ -319,38 +318,28 @@ def _listing_refused(where: str, why: str) -> FormatError:
                        "AWS_ENDPOINT_URL (a store that does not end its listing) and the URL")
 
 
-def listing_client() -> listing.Client | None:
-    """How :mod:`gtp_format.storage.listing` sends this configuration's listing requests, or None where obstore must
-    (credentials only obstore resolves: web identity, the container endpoint; virtual-hosted requests)."""
-    found = profiles.settings()
-    skip = os.environ.get("AWS_SKIP_SIGNATURE", "").lower() in ("1", "true", "yes")
-    hosted = os.environ.get("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "").lower() in ("1", "true", "yes")
-    if hosted or (not skip and (found.access_key_id is None or found.secret_access_key is None)):
-        return None
+def listing_client(bucket: str) -> listing.Client:
+    """How :mod:`gtp_format.storage.listing` sends this configuration's listing requests of ``bucket``: the keys
+    :func:`credentials.resolve` found (every source obstore would use), path- or virtual-hosted-style as
+    obstore (``AWS_VIRTUAL_HOSTED_STYLE_REQUEST``: the endpoint names the bucket)."""
+    problem = credentials_problem(bucket)
+    if problem is not None:
+        raise FormatError(problem)
+    found, keys = profiles.settings(), credentials.resolve(bucket)
+    hosted = bool(credentials.flag("AWS_VIRTUAL_HOSTED_STYLE_REQUEST"))
     region = found.region or "us-east-1"  # obstore's default region too
-    endpoint = (found.endpoint or f"https://s3.{region}.amazonaws.com").rstrip("/")
-    key, secret = (None, None) if skip else (found.access_key_id, found.secret_access_key)
-    return listing.Client(endpoint, region, key, secret, None if skip else found.session_token, _timeout(), RETRIES,
-                          RETRY_TIMEOUT_S)
+    default = f"https://{bucket}.s3.{region}.amazonaws.com" if hosted else f"https://s3.{region}.amazonaws.com"
+    return listing.Client((found.endpoint or default).rstrip("/"), region, keys.key, keys.secret, keys.token,
+                          _timeout(), RETRIES, RETRY_TIMEOUT_S, hosted)
 
 
 def _batches(root: ObjectURL, want: str, offset: str | None) -> Iterator[list[tuple[str, int]]]:
     """The keys (with sizes) below ``want`` after ``offset``, a page at a time: one page's cost is bounded by
-    :data:`listing.PAGE_BYTES`. Where only obstore can sign (:func:`listing_client`), its batches."""
-    import obstore
-
-    client = listing_client()
-    where = str(root)
-    if client is None:
-        for batch in obstore.list(store(root), want or None, offset=offset, chunk_size=LIST_BATCH):
-            yield [(str(m["path"]), int(m["size"])) for m in batch]
-        return
-    problem = credentials_problem(root.bucket)
-    if problem is not None:
-        raise FormatError(problem)
+    :data:`listing.PAGE_BYTES`."""
+    client = listing_client(root.bucket)
     token: str | None = None
     while True:
-        entries, token = listing.page(client, root.bucket, want, offset, token, where, TIMEOUT_ENV)
+        entries, token = listing.page(client, root.bucket, want, offset, token, str(root), TIMEOUT_ENV)
         yield entries
         if token is None:
             return

@@ -5,11 +5,13 @@ Where a setting comes from, first source that has it (the AWS CLI's order, from 
 environment variables, then the credentials file, then the config file; checked for this module):
 
 * access key, secret and session token: ``AWS_ACCESS_KEY_ID`` + ``AWS_SECRET_ACCESS_KEY`` (+
-  ``AWS_SESSION_TOKEN``) as a pair, else the profile's ``aws_access_key_id`` +
+  ``AWS_SESSION_TOKEN``, or obstore's ``AWS_TOKEN``, or ``AWS_SECURITY_TOKEN``) as a pair, else the
+  profile's ``aws_access_key_id`` +
   ``aws_secret_access_key`` (+ ``aws_session_token``), the credentials file's section before the
   config file's; a pair is never mixed from two sources;
 * region: ``AWS_REGION``, ``AWS_DEFAULT_REGION``, then the profile's ``region``;
-* endpoint: ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, then the profile's ``endpoint_url``.
+* endpoint: ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, ``AWS_ENDPOINT`` (obstore reads it too), then
+  the profile's ``endpoint_url``.
 
 The profile is ``AWS_PROFILE`` (default ``default``). The credentials file
 (``AWS_SHARED_CREDENTIALS_FILE``, default ``~/.aws/credentials``) names it ``[NAME]``; the config
@@ -202,11 +204,12 @@ def settings() -> Settings:
                                *((f"{at} region", s.get("region")) for at, s in sections)])
     endpoint = _first("endpoint", [("AWS_ENDPOINT_URL_S3", env.get("AWS_ENDPOINT_URL_S3")),
                                    ("AWS_ENDPOINT_URL", env.get("AWS_ENDPOINT_URL")),
+                                   ("AWS_ENDPOINT", env.get("AWS_ENDPOINT")),  # obstore's alias
                                    *((f"{at} endpoint_url", s.get("endpoint_url")) for at, s in sections)])
     common = {"region": region, "endpoint": endpoint}
     if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
-        token = ("AWS_SESSION_TOKEN", env.get("AWS_SESSION_TOKEN")) if env.get("AWS_SESSION_TOKEN") else \
-            ("AWS_SECURITY_TOKEN", env.get("AWS_SECURITY_TOKEN"))
+        token = next(((k, env[k]) for k in ("AWS_SESSION_TOKEN", "AWS_TOKEN", "AWS_SECURITY_TOKEN") if env.get(k)),
+                     ("AWS_SESSION_TOKEN", None))  # AWS_TOKEN: obstore's alias
         return Settings(_checked("credential", env["AWS_ACCESS_KEY_ID"], "AWS_ACCESS_KEY_ID"),
                         _checked("credential", env["AWS_SECRET_ACCESS_KEY"], "AWS_SECRET_ACCESS_KEY"),
                         _first("credential", [token]), **common)

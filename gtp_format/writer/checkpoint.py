@@ -77,6 +77,7 @@ from gtp_format.work import (
     remove_entry,
     remove_owned,
     sigterm_raises,
+    token_of,
 )
 
 # Megatron's metadata.json: the torch_dist backend (its fields and values, as megatron-core writes
@@ -196,7 +197,8 @@ class CheckpointWriter:
     ``migrate-aliased``); None: the output is the checkpoint folder itself (the runtime, ``export --to
     hf``). ``replace``: an existing ``target`` is exchanged for the new one (the runtime only).
     ``backup``: with ``replace``, keep the old folder there instead of removing it. ``fault``: the
-    runtime's fault-injection hook, called at ``mid_replace``. ``tag``: the work folder's prefix.
+    runtime's fault-injection hook, called at ``mid_replace`` and ``mid_exchange``. ``tag``: the work folder's
+    prefix.
     ``aliased``: the output holds aliased keys on purpose (the pre-fix writer, for fixtures and
     benchmarks of ``migrate-aliased``); its read-back lets them through instead of refusing them.
     """
@@ -379,11 +381,13 @@ class CheckpointWriter:
             return
         except FileExistsError:
             pass
-        # the replaced iteration is proven this writer's before it is moved aside (work.own_before_removal)
-        old = self.backup or own_before_removal(self.target, "old")
+        # the replaced iteration is proven this writer's before it is moved aside (work.own_before_removal), by
+        # the work folder's own token: the exchange puts it under the work folder's name before the rename to old
+        old = self.backup or own_before_removal(self.target, "old", token_of(self.work))
         try:
             swap_in_folder(self.work, self.target, old,
-                           between=(lambda: self.fault("mid_replace")) if self.fault else None)
+                           between=(lambda: self.fault("mid_replace")) if self.fault else None,
+                           exchanged=(lambda: self.fault("mid_exchange")) if self.fault else None)
         except OSError:
             if self.backup is None and not old.exists():  # put back where it was: no token stays in it
                 drop_token(self.target)

@@ -366,6 +366,8 @@ MEMOS = {
     ("gtp_format/storage/objects.py", "_store_for"),
     # the fetch threads: leaf tasks holding nothing of a command, bounded for the whole process (its docstring)
     ("gtp_format/storage/objects.py", "_threads"),
+    # temporary AWS keys, keyed by every variable that chooses their source; fetched again before they expire
+    ("gtp_format/storage/credentials.py", "_fetched"),
 }
 
 

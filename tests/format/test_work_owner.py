@@ -75,3 +75,35 @@ def test_a_folder_it_may_not_write_into_is_moved_aside_unproven_as_before(tmp_pa
         assert old.name.startswith(".old.iter_0000003.w") and not (final / work.TOKEN_FILE).exists()
     finally:
         final.chmod(0o700)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_a_kill_between_the_exchange_and_the_rename_leaves_a_proven_copy(tmp_path: Path) -> None:
+    """Fault: a re-save killed right after ``RENAME_EXCHANGE``, before the old copy is renamed aside. The old
+    copy then sits under the work folder's name; it carries the work folder's token (written before the
+    exchange), so it is a proven dead writer's, and the next writer removes it. It carried a fresh token
+    before: unproven under that name, kept by every later save."""
+    from gtp_format.commit import swap_in_folder
+
+    final = tmp_path / "iter_0000003"
+    final.mkdir()
+    for name in ("a.distcp", "metadata.json"):
+        (final / name).write_text("old " + name)
+    pid = os.fork()
+    if pid == 0:  # the writer re-saving iteration 3, killed in the moment after the exchange
+        try:
+            new = work.new_work(final, "tmp")
+            (new / "a.distcp").write_text("new")
+            old = work.own_before_removal(final, "old", work.token_of(new))
+            swap_in_folder(new, final, old, exchanged=lambda: os.kill(os.getpid(), signal.SIGKILL))
+        finally:
+            os._exit(3)  # no exchange here (renameat2 missing): the moment does not exist
+    _, status = os.waitpid(pid, 0)
+    if os.WIFEXITED(status):
+        pytest.skip("this file system cannot exchange two paths (renameat2)")
+    assert os.WTERMSIG(status) == signal.SIGKILL
+    assert (final / "a.distcp").read_text() == "new"
+    (w,) = work.leftovers(tmp_path)
+    assert w.tag == "tmp" and w.state == "dead" and work.proven(w), w
+    assert (w.path / "a.distcp").read_text() == "old a.distcp"
+    assert work.clean_stale(tmp_path) == [w.path] and not w.path.exists()

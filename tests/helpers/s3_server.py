@@ -97,15 +97,20 @@ def environment(endpoint: str) -> dict[str, str]:
     return {**DUMMY_ENV, "AWS_ENDPOINT_URL": endpoint}
 
 
-def point_at(mp: Any, endpoint: str, bucket: str) -> Any:
+def point_env(mp: Any, endpoint: str) -> None:
     """Point the environment (``mp``: a pytest ``MonkeyPatch``, so ranks and subprocesses see it too) at
-    ``endpoint`` with dummy credentials, create ``bucket``; return a boto3 client of it (the tests' own view)."""
-    import boto3
-
+    ``endpoint`` with dummy credentials."""
     for k in UNSET:
         mp.delenv(k, raising=False)
     for k, v in environment(endpoint).items():
         mp.setenv(k, v)
+
+
+def point_at(mp: Any, endpoint: str, bucket: str) -> Any:
+    """:func:`point_env`, then create ``bucket``; return a boto3 client of it (the tests' own view)."""
+    import boto3
+
+    point_env(mp, endpoint)
     client = boto3.client("s3", endpoint_url=endpoint)
     client.create_bucket(Bucket=bucket)
     return client

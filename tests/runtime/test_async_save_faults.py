@@ -8,7 +8,8 @@ The phases are reached by the runtime's fault hook (``GTP_FAULT_INJECT=point:ran
 host memory; the work folder exists), ``during_write`` (inside DCP's write on the background
 thread), ``after_write`` (every file of that rank fsynced), ``before_rename`` and ``before_latest``
 (rank 0's commit: before the folder is renamed, and between that rename and the latest marker),
-and an iteration saved again (``after_exchange``: the old folder exchanged for the new one, not yet removed).
+and an iteration saved again (``mid_exchange``: the old folder just exchanged for the new one, still under the
+work folder's name; ``after_exchange``: moved aside, not yet removed).
 The random cases kill from outside after a seeded random delay once a save has started, so they
 land wherever the save is.
 
@@ -214,12 +215,14 @@ def test_a_kill_at_each_phase_of_an_async_save(reference: Path, tmp_path: Path, 
     _check_after(reference, root, things, tmp_path, fault)
 
 
-@pytest.mark.parametrize("fault", ["before_rename:0:sigkill", "after_exchange:0:sigkill", "before_latest:0:killpg"])
+@pytest.mark.parametrize("fault", ["before_rename:0:sigkill", "mid_exchange:0:sigkill", "after_exchange:0:sigkill",
+                                   "before_latest:0:killpg"])
 def test_a_kill_while_an_iteration_is_saved_again(reference: Path, tmp_path: Path, fault: str) -> None:
     """Iteration 3 is there (committed, latest still 2, as a kill at ``before_latest`` leaves it) and is
-    saved again: killed before the old folder is exchanged for the new one, between the exchange and the
-    removal of the old copy (``after_exchange``: the old copy, moved aside, is proven this writer's and
-    the next save removes it), and after."""
+    saved again: killed before the old folder is exchanged for the new one, right after the exchange
+    (``mid_exchange``: the old copy under the work folder's name, proven by the work folder's token), between
+    the exchange and the removal of the old copy (``after_exchange``: the old copy, moved aside, is proven
+    this writer's and the next save removes it), and after."""
     root = tmp_path / "run"
     root.mkdir()
     things = _user_things(root)

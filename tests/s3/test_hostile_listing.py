@@ -17,10 +17,9 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, urlparse
 
+import fake_endpoint
 import pytest
 import s3_server
 
@@ -29,8 +28,6 @@ from gtp_format.storage import objects
 
 BUCKET = "ckpt-test"
 PAGE = 1000
-MISSING = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchKey</Code><Message>The specified key does '
-           b"not exist.</Message></Error>")
 
 
 def _page(prefix: str, token: int, subfolder: bool) -> bytes:
@@ -49,47 +46,20 @@ def endless(subfolder: bool = False) -> Iterator[tuple[str, list[int]]]:
     start-after); objects are missing. Yields the endpoint and a list counting the pages served."""
     pages: list[int] = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
+    def answer(req: fake_endpoint.Request) -> None:
+        if not fake_endpoint.is_listing(req):
+            req.reply(404, fake_endpoint.MISSING)
+            return
+        pages.append(1)
+        req.reply(200, _page(req.q("prefix"), int(req.q("continuation-token", "0")), subfolder))
 
-        def _send(self, code: int, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", "application/xml")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            q = parse_qs(urlparse(self.path).query)
-            if q.get("list-type") == ["2"]:
-                pages.append(1)
-                self._send(200, _page(q.get("prefix", [""])[0], int(q.get("continuation-token", ["0"])[0]), subfolder))
-            else:
-                self._send(404, MISSING)
-
-        do_HEAD = do_GET  # noqa: N815
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    t = threading.Thread(target=server.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", pages
-    finally:
-        server.shutdown()
-        server.server_close()
+    with fake_endpoint.serve(answer) as served:
+        yield served.url, pages
 
 
 @pytest.fixture
 def env(monkeypatch):
-    def point_at(endpoint: str) -> None:
-        for k in s3_server.UNSET:
-            monkeypatch.delenv(k, raising=False)
-        for k, v in s3_server.environment(endpoint).items():
-            monkeypatch.setenv(k, v)
-
-    return point_at
+    return lambda endpoint: s3_server.point_env(monkeypatch, endpoint)
 
 
 @pytest.mark.parametrize("argv", [["inspect", f"s3://{BUCKET}/run/iter_0000001"],
@@ -118,7 +88,7 @@ def test_a_listing_that_repeats_a_subfolder_is_one_line(env, capsys):
         code = run(["inspect", f"s3://{BUCKET}/run/iter_0000001"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "returns sub/ again out of order" in lines[0], lines
-    assert len(pages) <= 2 * objects.LIST_BATCH + 2  # a batch fills from as many one-key pages as it takes
+    assert len(pages) == 2  # the page naming sub/, and the listing after it that names sub/ again
 
 
 def test_the_listing_bounds_fit_the_largest_checkpoint_the_tool_plans():
@@ -145,39 +115,21 @@ def one_huge_page(declared: bool, head: bytes = b"", size: int = HUGE, entry: by
     end = b"</ListBucketResult>"
     count = size // len(block) + 1
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
+    def answer(req: fake_endpoint.Request) -> None:
+        if not fake_endpoint.is_listing(req):
+            req.reply(404, fake_endpoint.MISSING)
+            return
+        pages.append(1)
+        length = {"Content-Length": str(len(start) + count * len(block) + len(end))} if declared else {}
+        out = req.start(200, {"Content-Type": "application/xml", **length})
+        with contextlib.suppress(OSError):  # the client hangs up once the page is over its budget
+            out.write(start)
+            for _ in range(count):
+                out.write(block)
+            out.write(end)
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            if parse_qs(urlparse(self.path).query).get("list-type") != ["2"]:
-                self.send_response(404)
-                self.send_header("Content-Length", str(len(MISSING)))
-                self.end_headers()
-                self.wfile.write(MISSING)
-                return
-            pages.append(1)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/xml")
-            if declared:
-                self.send_header("Content-Length", str(len(start) + count * len(block) + len(end)))
-            self.end_headers()
-            with contextlib.suppress(OSError):  # the client hangs up once the page is over its budget
-                self.wfile.write(start)
-                for _ in range(count):
-                    self.wfile.write(block)
-                self.wfile.write(end)
-
-        do_HEAD = do_GET  # noqa: N815
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    t = threading.Thread(target=server.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", pages
-    finally:
-        server.shutdown()
-        server.server_close()
+    with fake_endpoint.serve(answer) as served:
+        yield served.url, pages
 
 
 # The child reports its own peak (VmHWM, of the memory it has since exec): ru_maxrss would carry the
@@ -287,9 +239,11 @@ def test_the_listing_signature_is_botocores(token):
     assert headers["authorization"].endswith(f"Signature={signature}"), (canonical, headers)
 
 
-def test_the_bounded_listing_lists_what_obstore_lists(s3, monkeypatch):
-    """The same entries through the tool's own pages and through obstore (kept where only obstore has the
-    credentials): pages of 1000 (moto's), a sub-folder skipped, names that need escaping in XML and URLs."""
+def test_the_bounded_listing_lists_what_obstore_lists(s3):
+    """The same entries through the tool's own pages and through obstore's listing: pages of 1000 (moto's), a
+    sub-folder skipped, names that need escaping in XML and URLs."""
+    import obstore
+
     from gtp_format.storage.location import parse_location
 
     names = [f"run/iter_1/f{i:05d}.distcp" for i in range(2100)] + ["run/iter_1/sub/x", "run/iter_1/sub/y/z",
@@ -298,7 +252,34 @@ def test_the_bounded_listing_lists_what_obstore_lists(s3, monkeypatch):
         s3.client.put_object(Bucket=s3.bucket, Key=n, Body=b"xy")
     root = parse_location(s3.url("run/iter_1"))
     ours, found = objects.list_names(root), objects.is_prefix(root, "sub")
-    monkeypatch.setattr(objects, "listing_client", lambda: None)
-    theirs = objects.list_names(root)
+    listed = obstore.list_with_delimiter(objects.store(root), "run/iter_1/")
+    theirs = {**{str(m["path"])[len("run/iter_1/"):]: int(m["size"]) for m in listed["objects"]},
+              **{p[len("run/iter_1/"):].rstrip("/"): None for p in listed["common_prefixes"]}}
     assert ours == theirs and len(ours) == 2102 and ours["sub"] is None and ours["a&b <c> é+%.txt"] == 2
     assert found and objects.is_prefix(root, "sub") and not objects.is_prefix(root, "none")
+
+
+def test_a_listing_page_that_trickles_is_cut_off_at_the_timeout(env, monkeypatch, capsys):
+    """A page sent a byte per receive (each receive within the socket's timeout, so the timeout alone never
+    fires): the page is refused once the request's timeout has passed, one line naming the endpoint."""
+    stop = threading.Event()
+
+    def answer(req: fake_endpoint.Request) -> None:
+        out = req.start(200, {"Content-Type": "application/xml"})
+        with contextlib.suppress(OSError):
+            out.write(b'<?xml version="1.0"?><ListBucketResult><IsTruncated>false</IsTruncated>')
+            out.flush()
+            while not stop.wait(0.2):
+                out.write(b" ")
+                out.flush()
+
+    with fake_endpoint.serve(answer) as ep:
+        env(ep.url)
+        monkeypatch.setenv("CKPT_S3_TIMEOUT_S", "1")
+        t = time.monotonic()
+        code = run(["inspect", f"s3://{BUCKET}/run/iter_0000001"])
+        took = time.monotonic() - t
+        stop.set()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "was still arriving after 1 s" in lines[0] and ep.url in lines[0], lines
+    assert took < 10 and len(ep.requests) == 1, (took, len(ep.requests))  # refused, not retried
