@@ -452,3 +452,63 @@ def test_sigterm_mid_import_removes_the_work_folder(tmp_path: Path) -> None:
     assert rc == 143 and err.strip().splitlines() == [
         "ckpt: error: terminated (SIGTERM); nothing was written, the partial output was removed"], (rc, err)
     assert os.listdir(out) == []
+
+
+def test_import_with_and_without_read_ahead_writes_the_same_files(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next chunk of each file read on another thread (a 16-core host's default) changes who reads, not what
+    is written: the same bytes in every file as the file's own thread reading them."""
+    from ckpt_tool.copying import ahead as ahead_mod
+    from ckpt_tool.hf import megatron_import as import_mod
+    from gtp_format.writer import torch_blob
+
+    src = hf_model(tmp_path / "hf", "llama")
+    monkeypatch.setattr(torch_blob, "new_serialization_id", lambda: "0" * 32)
+    monkeypatch.setattr(import_mod.os, "cpu_count", lambda: 16)
+    asked: list[str] = []
+
+    class Counted(ahead_mod.ReadAhead):
+        def __call__(self, c: object) -> object:
+            asked.append(c.key)  # type: ignore[attr-defined]
+            return super().__call__(c)
+
+    monkeypatch.setattr(ahead_mod, "ReadAhead", Counted)
+    outs = []
+    for depth in (0, 1):
+        monkeypatch.setattr(ahead_mod, "MAX_AHEAD", depth)
+        dst = tmp_path / f"d{depth}"
+        import_mod.import_megatron(src, dst, tp=2, pp=1, dp=2, workers=2)
+        outs.append({p.name: p.read_bytes() for p in sorted((dst / "iter_0000000").iterdir())
+                     if p.suffix == ".distcp"})
+        assert bool(asked) == bool(depth)
+    assert outs[0] == outs[1] and len(outs[0]) >= 4
+
+
+def test_import_read_ahead_error_is_the_one_line_and_leaves_nothing(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault: a read that fails on a read-ahead thread fails the import where its chunk is asked for: one line,
+    no DST, no work folder left beside it."""
+    from ckpt_tool.copying import ahead as ahead_mod
+    from ckpt_tool.hf import megatron_import as import_mod
+
+    src = hf_model(tmp_path / "hf", "llama")
+    monkeypatch.setattr(import_mod.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(ahead_mod, "MAX_AHEAD", 1)
+    real = import_mod.chunk_filler
+
+    def failing(*a: object, **k: object) -> object:
+        one = real(*a, **k)
+        seen = []
+
+        def fill(c: object) -> object:
+            seen.append(c)
+            if len(seen) == 3:
+                raise FormatError(f"{src}: model.safetensors: short read (injected)")
+            return one(c)
+        return fill
+
+    monkeypatch.setattr(import_mod, "chunk_filler", failing)
+    dst = tmp_path / "out"
+    with pytest.raises(FormatError, match="injected"):
+        import_mod.import_megatron(src, dst, tp=2, pp=1, dp=2, workers=2)
+    assert not dst.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
