@@ -14,7 +14,6 @@ worker's share of ``--max-memory`` and reads nothing ahead where the share has n
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -77,12 +76,13 @@ class ReadAhead:
 
 
 @contextmanager
-def read_ahead(fill: Callable[[OutChunk, Any], Any], files: list[list[OutChunk]], depth: int, threads: int
-               ) -> Iterator[Callable[[int], Callable[[OutChunk], Any]]]:
+def read_ahead(fill: Callable[[OutChunk, Any], Any], files: list[list[OutChunk]], depth: int, threads: int,
+               cores: int) -> Iterator[Callable[[int], Callable[[OutChunk], Any]]]:
     """Yields ``fill_of(i)``: the fill that file ``i`` of ``files`` (its chunks, in the order it asks for them)
-    calls, reading ``depth`` chunks ahead on a pool shared by the ``threads`` files written at once (``depth``
-    0: ``fill(chunk, None)`` on the file's own thread). No read runs once the block is left."""
-    pool = ThreadPoolExecutor(max(1, min(threads * depth, os.cpu_count() or 1)), thread_name_prefix="read-ahead") \
+    calls, reading ``depth`` chunks ahead on a pool shared by the ``threads`` files written at once, at most one
+    thread per core of ``cores`` (``depth`` 0: ``fill(chunk, None)`` on the file's own thread). No read runs
+    once the block is left."""
+    pool = ThreadPoolExecutor(max(1, min(threads * depth, cores)), thread_name_prefix="read-ahead") \
         if depth else None
 
     def fill_of(i: int) -> Callable[[OutChunk], Any]:

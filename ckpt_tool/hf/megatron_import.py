@@ -33,7 +33,6 @@ hidden work folder that appears as DST whole or not at all; ``s3://`` DSTs as ev
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +45,7 @@ from ckpt_tool.copying.ahead import ahead_depth, read_ahead
 from ckpt_tool.copying.engine import (
     build_atomically,
     chunk_budget,
+    cores,
     default_workers,
     peak_rss,
     run_files,
@@ -190,8 +190,8 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
         # the next chunk of each file is read (cold, from the HF folder) on another thread while the file's own
         # thread hashes and stages the current one: a 3.97 GB import on the lent 16-core host kept its 4 sinks
         # idle 1.4 of 4.4 s each, waiting on their file's reads (benchmarks/cli_stages.py)
-        depth = 0 if storage_for(src).remote else ahead_depth(max_memory, workers, chunk_bytes, os.cpu_count() or 1)
-        with read_ahead(lambda c, _: fill(c), files, depth, workers) as fill_of:
+        depth = 0 if storage_for(src).remote else ahead_depth(max_memory, workers, chunk_bytes, cores())
+        with read_ahead(lambda c, _: fill(c), files, depth, workers, cores()) as fill_of:
             results = run_files(lambda i, tick: write_distcp(folder / names[i], files[i], fill_of(i), tick,
                                                              stage_bytes(chunk_bytes), records[i]),
                                 len(files), workers, advance)

@@ -464,7 +464,8 @@ def test_import_with_and_without_read_ahead_writes_the_same_files(tmp_path: Path
 
     src = hf_model(tmp_path / "hf", "llama")
     monkeypatch.setattr(torch_blob, "new_serialization_id", lambda: "0" * 32)
-    monkeypatch.setattr(import_mod.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     asked: list[str] = []
 
     class Counted(ahead_mod.ReadAhead):
@@ -492,7 +493,8 @@ def test_import_read_ahead_error_is_the_one_line_and_leaves_nothing(tmp_path: Pa
     from ckpt_tool.hf import megatron_import as import_mod
 
     src = hf_model(tmp_path / "hf", "llama")
-    monkeypatch.setattr(import_mod.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.setattr(ahead_mod, "MAX_AHEAD", 1)
     real = import_mod.chunk_filler
 
