@@ -15,9 +15,8 @@ worker's share of ``--max-memory`` and reads nothing ahead where the share has n
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
 from ckpt_tool.copying.plan import OutChunk
@@ -73,25 +72,3 @@ class ReadAhead:
             self.started += 1
         self.taken += 1
         return self.pending.popleft().result()
-
-
-@contextmanager
-def read_ahead(fill: Callable[[OutChunk, Any], Any], files: list[list[OutChunk]], depth: int, threads: int,
-               cores: int) -> Iterator[Callable[[int], Callable[[OutChunk], Any]]]:
-    """Yields ``fill_of(i)``: the fill that file ``i`` of ``files`` (its chunks, in the order it asks for them)
-    calls, reading ``depth`` chunks ahead on a pool shared by the ``threads`` files written at once, at most one
-    thread per core of ``cores`` (``depth`` 0: ``fill(chunk, None)`` on the file's own thread). No read runs
-    once the block is left."""
-    pool = ThreadPoolExecutor(max(1, min(threads * depth, cores)), thread_name_prefix="read-ahead") \
-        if depth else None
-
-    def fill_of(i: int) -> Callable[[OutChunk], Any]:
-        if pool is None:
-            return lambda c: fill(c, None)
-        return ReadAhead(pool, fill, files[i], depth)
-
-    try:
-        yield fill_of
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)

@@ -41,11 +41,9 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool.copying import DEFAULT_MAX_MEMORY, WEIGHT_STATE
-from ckpt_tool.copying.ahead import ahead_depth, read_ahead
 from ckpt_tool.copying.engine import (
     build_atomically,
     chunk_budget,
-    cores,
     default_workers,
     peak_rss,
     run_files,
@@ -67,7 +65,6 @@ from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.progress import ProgressOpener
-from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter, megatron_metadata
 from gtp_format.writer.sink import stage_bytes
@@ -187,14 +184,9 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
         folder = writer.folder
         advance = progress(total) if progress else (lambda n: None)
         records: list[list[ChunkRecord]] = [[] for _ in range(len(files) + 1)]  # one list per file (one thread each)
-        # the next chunk of each file is read (cold, from the HF folder) on another thread while the file's own
-        # thread hashes and stages the current one: a 3.97 GB import on the lent 16-core host kept its 4 sinks
-        # idle 1.4 of 4.4 s each, waiting on their file's reads (benchmarks/cli_stages.py)
-        depth = 0 if storage_for(src).remote else ahead_depth(max_memory, workers, chunk_bytes, cores())
-        with read_ahead(lambda c, _: fill(c), files, depth, workers, cores()) as fill_of:
-            results = run_files(lambda i, tick: write_distcp(folder / names[i], files[i], fill_of(i), tick,
-                                                             stage_bytes(chunk_bytes), records[i]),
-                                len(files), workers, advance)
+        results = run_files(lambda i, tick: write_distcp(folder / names[i], files[i], fill, tick,
+                                                         stage_bytes(chunk_bytes), records[i]),
+                            len(files), workers, advance)
         placed: list[tuple[str, Any, int, int]] = [(n, c, off, ln) for n, r in zip(names, results)
                                                    for c, off, ln in r[1]]
         obj_file = "__0_1.distcp"
