@@ -26,9 +26,10 @@ alone covered is read as a gap.
 A copy that knows it reads only some keys (a weights-only export reads the model keys, a quarter
 of an fp32 Adam checkpoint) starts :meth:`ReadLedger.fill_except` first: the bytes outside those
 keys' chunks are read and hashed on background threads while the copy runs, instead of one
-thread after it. Measured (4.67 GB checkpoint, page cache evicted, 2 shared cores): the
-sequential gap reads were 8 of the weights-only export's 10 s in a profile (py-spy); see
-``docs/performance.md``, "ckpt export --to hf at 4.67 GB".
+thread after it (in a file checked by its zip records: the payloads of the records outside those
+keys). Measured (4.67 GB checkpoint, page cache evicted, 2 shared cores): the sequential gap reads
+were 8 of the weights-only export's 10 s in a profile (py-spy); see ``docs/performance.md``,
+"ckpt export --to hf at 4.67 GB".
 """
 
 from __future__ import annotations
