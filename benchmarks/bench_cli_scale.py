@@ -92,8 +92,13 @@ def machine() -> dict[str, object]:
                      if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"nproc": os.cpu_count(), "cpu": model, "python": platform.python_version(),
-            "load_avg_1m": round(os.getloadavg()[0], 2)}
+    try:  # the CPUs this run may use (taskset, a cpuset): a 2-core run on a 16-core host is a 2-core row
+        nproc = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        nproc = os.cpu_count()
+    return {"nproc": nproc, "cpu": model, "python": platform.python_version(),
+            "load_avg_1m": round(os.getloadavg()[0], 2), **({"host_cpus": os.cpu_count()}
+                                                           if nproc != os.cpu_count() else {})}
 
 
 # -- one command, timed ---------------------------------------------------------------------------

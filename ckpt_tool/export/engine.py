@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 import time
 from collections.abc import Callable
@@ -52,6 +51,7 @@ from ckpt_tool.copying.engine import (
     check_destination,
     chunk_budget,
     chunk_data,
+    cores,
     default_workers,
     peak_rss,
     rss_after_imports,
@@ -258,8 +258,8 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
     # the next chunks of each file are read on other threads while it writes (ckpt_tool.copying.ahead); a bucket's
     # reads are fetched ahead by its own plan already
     depth = 0 if max_memory is None or storage_for(source.root).remote else \
-        ahead_depth(max_memory, workers, chunk_bytes, os.cpu_count() or 1)
-    pool = ThreadPoolExecutor(max(1, min(workers * depth, os.cpu_count() or 1)), thread_name_prefix="read-ahead") \
+        ahead_depth(max_memory, workers, chunk_bytes, cores())
+    pool = ThreadPoolExecutor(max(1, min(workers * depth, cores())), thread_name_prefix="read-ahead") \
         if depth else None
 
     def fill(i: int) -> Callable[[OutChunk], np.ndarray]:

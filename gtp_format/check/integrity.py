@@ -26,9 +26,10 @@ alone covered is read as a gap.
 A copy that knows it reads only some keys (a weights-only export reads the model keys, a quarter
 of an fp32 Adam checkpoint) starts :meth:`ReadLedger.fill_except` first: the bytes outside those
 keys' chunks are read and hashed on background threads while the copy runs, instead of one
-thread after it. Measured (4.67 GB checkpoint, page cache evicted, 2 shared cores): the
-sequential gap reads were 8 of the weights-only export's 10 s in a profile (py-spy); see
-``docs/performance.md``, "ckpt export --to hf at 4.67 GB".
+thread after it (in a file checked by its zip records: the payloads of the records outside those
+keys). Measured (4.67 GB checkpoint, page cache evicted, 2 shared cores): the sequential gap reads
+were 8 of the weights-only export's 10 s in a profile (py-spy); see ``docs/performance.md``,
+"ckpt export --to hf at 4.67 GB".
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from gtp_format import ranks
 from gtp_format.errors import EXIT_CHECK_FAILED, ChunkError, FormatError
 from gtp_format.hashing import CRCS, HASHERS, Crc, file_digests
-from gtp_format.model import BYTES, ENC_TORCH_SAVE, TENSOR, Checkpoint
+from gtp_format.model import BYTES, ENC_TORCH_SAVE, TENSOR, Checkpoint, Chunk, Entry
 from gtp_format.reader.blob import parse_blob
 from gtp_format.reader.chunks import check_byte_object, checked_ref
 from gtp_format.reader.storage import (
@@ -140,8 +141,9 @@ class ReadLedger:
         per file the copy's reader reads and records anyway: a bucket's prefetch reads through small holes), as
         pieces. A range of ``also`` that ends up not recorded is read as a gap by :meth:`finish`.
 
-        Only files with a manifest checksum over the whole file: a zip-record check (a genuine
-        Megatron file) joins per tensor payload, which these ranges do not follow.
+        A file without one (a genuine Megatron file, checked by the zip CRC-32 of each tensor record):
+        the payload of every tensor record outside those keys and ranges, found by its zip structure, so
+        that its pieces are what :meth:`finish` joins per record.
         """
         wanted = set(keys)
         taken: dict[str, list[tuple[int, int]]] = {}
@@ -153,6 +155,17 @@ class ReadLedger:
         for rel, ranges in (also or {}).items():
             taken.setdefault(rel, []).extend(ranges)
         tasks: list[tuple[str, int, int]] = []
+        records: list[tuple[Entry, Chunk]] = []
+        merged = {rel: _merged(ranges) for rel, ranges in taken.items()}
+        for entry in self.ckpt.entries.values():  # a zip-record file: the payloads of the records no copy reads
+            if entry.kind != TENSOR or entry.key in wanted:
+                continue
+            for c in entry.chunks:
+                st = c.storage
+                mode = self.modes.get(st.file) if st is not None else None
+                if st is not None and mode is not None and mode.kind == "records" \
+                        and not _meets(merged.get(st.file, ([], [])), st.offset, st.offset + st.length):
+                    records.append((entry, c))
         for rel, mode in self.modes.items():
             if mode.kind != "file" or mode.size is None:
                 continue  # no size to bound the ranges by: finish() reads and checks it
@@ -161,29 +174,58 @@ class ReadLedger:
                 for lo in range(at, min(a, mode.size), FILL_TASK):
                     tasks.append((rel, lo, min(lo + FILL_TASK, a, mode.size)))
                 at = max(at, b)
-        if not tasks:
+        if not tasks and not records:
             return
         threads = BUCKET_FILL_THREADS if storage_for(self.ckpt.root).remote else FILL_THREADS
         self._fill_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ledger-fill")
         self._fill = [self._fill_pool.submit(self._fill_range, *t) for t in tasks]
+        self._fill += [self._fill_pool.submit(self._fill_records, rel, run) for rel, run in record_tasks(records)]
+
+    def _fill_records(self, rel: str, run: list[tuple[Entry, Chunk]]) -> None:
+        """Read and record, as pieces, the payloads of zip records of ``rel`` no copy reads (their zip structure
+        read here too: each payload's place), so that :meth:`finish` joins them instead of reading them then.
+
+        Why: a weights-only export of a genuine megatron-core checkpoint reads a quarter of its bytes, and
+        ``finish`` read the other three quarters on the main thread after the copy: 2.6 of 3.95 s of a
+        3.97 GB export (HF folder 0.99 GB), page cache evicted, on the lent 16-core H100 host
+        (benchmarks/cli_stages.py). Anything wrong here (a record that is not an intact blob, a file that
+        shrank) is left to ``finish``, which reads it again and reports it in its own words."""
+        with open_regular(self.ckpt.root, rel) as f:
+            if not isinstance(f, ObjectFile) and is_sparse(os.fstat(f.fileno())):
+                return
+            src, size = source_of(f), size_of(f)
+            for entry, chunk in run:
+                if self._stop.is_set():
+                    return
+                try:
+                    ref = checked_ref(self.ckpt, entry, chunk)
+                    layout = parse_blob(RangeReader(src, ref.offset, ref.length))
+                except (BlobError, ChunkError, FormatError):
+                    continue
+                start = ref.offset + layout.payload_offset
+                end = start + layout.payload_bytes
+                if end <= ref.offset + ref.length:
+                    self._fill_range_of(src, rel, size, start, end)
 
     def _fill_range(self, rel: str, lo: int, hi: int) -> None:
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = self._local.buf = bytearray(BLOCK)
         with open_regular(self.ckpt.root, rel) as f:
             if not isinstance(f, ObjectFile) and is_sparse(os.fstat(f.fileno())):
                 return  # holes nobody wrote: finish() refuses the file without reading them
-            src, size = source_of(f), size_of(f)  # a descriptor, or a bucket's object (no fileno)
-            for pos in range(lo, min(hi, size), BLOCK):
-                if self._stop.is_set():
-                    return
-                view = memoryview(buf)[:min(BLOCK, hi - pos, size - pos)]
-                try:
-                    pread_into(src, rel, size, pos, view)
-                except ChunkError:
-                    return  # the file shrank: finish() reads the rest itself and says so
-                self.record(rel, pos, view, filled=True)
+            self._fill_range_of(source_of(f), rel, size_of(f), lo, hi)  # a descriptor, or a bucket's object
+
+    def _fill_range_of(self, src: Source, rel: str, size: int, lo: int, hi: int) -> None:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = bytearray(BLOCK)
+        for pos in range(lo, min(hi, size), BLOCK):
+            if self._stop.is_set():
+                return
+            view = memoryview(buf)[:min(BLOCK, hi - pos, size - pos)]
+            try:
+                pread_into(src, rel, size, pos, view)
+            except ChunkError:
+                return  # the file shrank: finish() reads the rest itself and says so
+            self.record(rel, pos, view, filled=True)
 
     def cancel(self) -> None:
         """Stop the background fill (a copy that failed or was interrupted); waits for its reads."""
@@ -309,6 +351,51 @@ class ReadLedger:
                                         f"CRC-32 (the record says {layout.payload_crc:08x}, its bytes give {got:08x}): "
                                         "the source's data is damaged, so nothing was written; run `ckpt verify "
                                         "--data` on it")
+
+
+def _merged(ranges: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Ranges ``[a, b)`` merged where they overlap or touch, as the sorted starts and their ends."""
+    starts: list[int] = []
+    ends: list[int] = []
+    for a, b in sorted(ranges):
+        if ends and a <= ends[-1]:
+            ends[-1] = max(ends[-1], b)
+        else:
+            starts.append(a)
+            ends.append(b)
+    return starts, ends
+
+
+def _meets(merged: tuple[list[int], list[int]], lo: int, hi: int) -> bool:
+    """Whether ``[lo, hi)`` meets any of the merged ranges."""
+    starts, ends = merged
+    i = bisect.bisect_right(starts, lo) - 1
+    if i >= 0 and ends[i] > lo:
+        return True
+    return i + 1 < len(starts) and starts[i + 1] < hi
+
+
+def record_tasks(records: list[tuple[Entry, Chunk]]) -> list[tuple[str, list[tuple[Entry, Chunk]]]]:
+    """Records grouped per file, in file order, in runs of about :data:`FILL_TASK` stored bytes: one background
+    task each (a million small records make a few tasks, not a million)."""
+    by_file: dict[str, list[tuple[Entry, Chunk]]] = {}
+    for entry, chunk in records:
+        assert chunk.storage is not None
+        by_file.setdefault(chunk.storage.file, []).append((entry, chunk))
+    out: list[tuple[str, list[tuple[Entry, Chunk]]]] = []
+    for rel, items in by_file.items():
+        items.sort(key=lambda r: r[1].storage.offset if r[1].storage is not None else 0)
+        run: list[tuple[Entry, Chunk]] = []
+        acc = 0
+        for item in items:
+            run.append(item)
+            acc += item[1].storage.length if item[1].storage is not None else 0
+            if acc >= FILL_TASK:
+                out.append((rel, run))
+                run, acc = [], 0
+        if run:
+            out.append((rel, run))
+    return out
 
 
 def readable_bytes(ckpt: Checkpoint) -> int:

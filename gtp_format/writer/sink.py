@@ -47,6 +47,11 @@ from gtp_format.manifest import HASH_ALGORITHM, FileEntry
 
 ALIGN = 4096
 STAGE = 16 << 20  # staging per file: 16 MiB direct writes run at the disk's speed
+# a copy's staging per buffer (reshard, export, import: :func:`stage_bytes`), where its chunks allow: the lent
+# 16-core host's disk (ext4 on one virtual disk) took 2.16 GB/s from 8 streams of 16 MiB O_DIRECT writes and
+# 2.35 from 8 of 64 MiB, 2.30 already from 2 of 64 MiB (benchmarks/disk_ceiling.py): the bytes in flight, not
+# the streams, set its rate, and a reshard's 8 sinks of 16 MiB wrote 2.11 GB/s, the 16 MiB figure
+COPY_STAGE = 32 << 20
 DIRECT_MIN = 4 << 20  # smaller stages (budgets under 64 MiB) write through the page cache: 1 MiB
 # direct writes, each waiting for the disk, made a 2.25 GB reshard at a 16 MiB budget 7.6-8.1 s
 # where buffered writes took 6.4-7.2 s
@@ -90,8 +95,9 @@ def _set_buffered(fd: int) -> None:
 def stage_bytes(chunk_bytes: int) -> int:
     """Staging per buffer for a writer whose chunks are ``chunk_bytes``: at most half a chunk, so
     a worker's two staging buffers add one chunk to the two it reads into, three of the four its
-    share of ``--max-memory`` allows (a full four measured 18 MiB of data at a 16 MiB budget)."""
-    return min(STAGE, chunk_bytes // 2)
+    share of ``--max-memory`` allows (a full four measured 18 MiB of data at a 16 MiB budget); at most
+    :data:`COPY_STAGE` (each buffer is one write in flight)."""
+    return min(COPY_STAGE, chunk_bytes // 2)
 
 
 def _aligned(size: int) -> np.ndarray:

@@ -58,6 +58,7 @@ SMOKE = {
     "bench_data_read.py": ["--dir", "{tmp}/data_read"],
     "convergence.py": ["--out", "{tmp}/convergence"],
     "bench_record_crc.py": ["--workdir", "{tmp}/record_crc"],
+    "disk_ceiling.py": ["--workdir", "{tmp}/disk_ceiling", "--out", "{tmp}/disk_ceiling.json"],
     "fuzz_readers.py": ["--out", "{tmp}/fuzz"],
     "bench_s3.py": [],
     "bench_s3_ckpt.py": ["--server-process"],  # the in-thread server is what tests/s3 use
@@ -367,6 +368,16 @@ def check_cli_scale(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert doc["rows"][-1]["verify_ok"] and not (tmp / "cli_scale").exists()
 
 
+def check_disk_ceiling(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    doc = json.loads((tmp / "disk_ceiling.json").read_text())
+    rows = doc["write_gbps"]
+    assert {"dd_direct_64M_x1", "dd_direct_64M_x16", "dd_buffered_fsync_64M_x8", "buffered_sync_file_range_x8"} \
+        <= rows.keys() and all(v is None or v > 0 for v in rows.values())
+    assert doc["copies"]["bytes"] == 16 << 20 and doc["copies"]["cp_r_gbps"] > 0
+    assert isinstance(doc["copies"]["ficlone"], str) and doc["fs"]  # "ok" or the errno the file system gave
+    assert not (tmp / "disk_ceiling" / "cp").exists() and not (tmp / "disk_ceiling" / "dd").exists()
+
+
 def check_cli_stages(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     doc = json.loads((tmp / "cli_stages.json").read_text())
     assert doc["rc"] == 0 and doc["argv"][0] == "inspect" and doc["wall_s"] > 0 and doc["ticks"] > 0
@@ -397,6 +408,7 @@ CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_sink.py": check_sink,
     "bench_cli_scale.py": check_cli_scale, "cli_stages.py": check_cli_stages, "meta_stages.py": check_meta_stages,
     "bench_dist_ckpt.py": check_dist_ckpt,
+    "disk_ceiling.py": check_disk_ceiling,
 }
 
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -137,12 +138,27 @@ def test_copied_crc_is_the_crc_of_what_was_copied(fixture: str) -> None:
     source.reader.close()
 
 
+def _cores(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """This process runs on ``n`` CPUs (``engine.cores``: the affinity, at most ``os.cpu_count``)."""
+    monkeypatch.setattr(os, "cpu_count", lambda: n)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(n)), raising=False)
+
+
+def test_cores_follow_the_affinity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``taskset -c 0,1`` on a 16-CPU host a copy sizes its threads for 2 cores, not 16."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert engine.cores() == 2 and engine.default_workers() == 2
+    assert write_threads(2, 1 << 20, 1 << 30) == 2
+    assert ahead_depth(2 << 30, engine.default_workers(), 64 << 20, engine.cores()) == 0
+
+
 def test_more_threads_than_workers_write_the_same_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         fixed_sid: None) -> None:
     src = FIXTURES / "fold_cp2_g2_dp2"
     outs = []
     for cores in (1, 16):
-        monkeypatch.setattr(engine.os, "cpu_count", lambda cores=cores: cores)
+        _cores(monkeypatch, cores)
         assert write_threads(2, 1 << 20, 1 << 30) == (2 if cores == 1 else 4)
         dst = tmp_path / f"c{cores}"
         reshard(src, dst, P(cp=2, gtp_remat=2, dp=2), "torch_dist", workers=2)
@@ -218,7 +234,7 @@ def test_export_hf_with_and_without_read_ahead_writes_the_same_files(tmp_path: P
             return super().__call__(c)
 
     monkeypatch.setattr(export_mod, "ReadAhead", Counted)
-    monkeypatch.setattr(export_mod.os, "cpu_count", lambda: 16)
+    _cores(monkeypatch, 16)
     for depth in (0, 1):
         monkeypatch.setattr(ahead_mod, "MAX_AHEAD", depth)
         dst = tmp_path / f"d{depth}"

@@ -167,4 +167,4 @@ def test_a_file_cut_short_after_its_fsync_fails_its_close(tmp_path: Path, monkey
 
 def test_two_stages_take_at_most_one_chunk() -> None:
     assert stage_bytes(1 << 20) == 1 << 19  # two buffers: one chunk of the worker's four
-    assert stage_bytes(1 << 30) == sink_mod.STAGE
+    assert stage_bytes(1 << 30) == sink_mod.COPY_STAGE

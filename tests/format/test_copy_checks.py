@@ -125,6 +125,67 @@ def test_ledger_checks_zip_crcs_without_a_manifest(tmp_path: Path) -> None:
     assert entry.key in e.value.message and e.value.exit_code == 1
 
 
+def _payload(ckpt: object, entry: object, chunk: object) -> tuple[int, int]:
+    from gtp_format.reader.blob import parse_blob
+    from gtp_format.reader.chunks import chunk_bytes
+    from gtp_format.reader.zip_blob import ViewReader
+
+    layout = parse_blob(ViewReader(memoryview(bytes(chunk_bytes(ckpt, entry, chunk)))))
+    return chunk.storage.offset + layout.payload_offset, layout.payload_bytes
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ledger_fills_unread_zip_records_beside_the_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         seed: int) -> None:
+    """A genuine Megatron checkpoint: the background fill reads the payload of every record outside the keys
+    the copy reads, so the join after the copy reads none of them again (only the wanted keys' payloads, which
+    no copy read here), and the check still passes on intact bytes."""
+    import random
+
+    import gtp_format.check.integrity as integrity
+    from gtp_format.model import TENSOR
+
+    it = tmp_path / "it"
+    shutil.copytree(MEGATRON, it)
+    ckpt = open_checkpoint(it)
+    keys = sorted(k for k, e in ckpt.entries.items() if e.kind == TENSOR)
+    wanted = random.Random(seed).sample(keys, random.Random(seed).randint(0, len(keys) // 2))
+    payloads = {k: sum(_payload(ckpt, ckpt.entries[k], c)[1] for c in ckpt.entries[k].chunks) for k in keys}
+    gap = []
+    real = integrity.pread
+    monkeypatch.setattr(integrity, "pread", lambda fd, n, pos: gap.append(n) or real(fd, n, pos))
+    ledger = ReadLedger(ckpt)
+    ledger.fill_except(wanted)
+    ledger.finish()
+    assert sum(gap) == sum(payloads[k] for k in wanted)  # the rest was read once, by the fill
+    assert ledger.bytes_filled == sum(payloads.values())
+
+
+@pytest.mark.parametrize("damage", ["payload bit", "blob structure"])
+def test_ledger_fill_refuses_a_damaged_unread_record(tmp_path: Path, damage: str) -> None:
+    """Fault: a record no copy reads, damaged in its payload (the fill's pieces fail its CRC-32) or in its zip
+    structure (the fill skips it; the join reads it and says what is wrong): refused, naming the key."""
+    from gtp_format.model import TENSOR
+
+    it = tmp_path / "it"
+    shutil.copytree(MEGATRON, it)
+    ckpt = open_checkpoint(it)
+    entry, chunk = next((e, c) for e in ckpt.entries.values() if e.kind == TENSOR for c in e.chunks)
+    start, _ = _payload(ckpt, entry, chunk)
+    path = it / chunk.storage.file
+    raw = bytearray(path.read_bytes())
+    if damage == "payload bit":
+        raw[start] ^= 0x80
+    else:
+        raw[chunk.storage.offset:chunk.storage.offset + 4] = b"XXXX"  # no zip local header
+    path.write_bytes(bytes(raw))
+    ledger = ReadLedger(open_checkpoint(it))
+    ledger.fill_except([])
+    with pytest.raises(DamagedSource, match="CRC-32" if damage == "payload bit" else "not an intact") as e:
+        ledger.finish()
+    assert entry.key in e.value.message and e.value.exit_code == 1
+
+
 # -- the bucket layout ------------------------------------------------------------------------------
 
 def _param(name: str, start: int, end: int) -> ParamLayout:

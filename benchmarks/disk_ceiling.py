@@ -1,0 +1,270 @@
+"""The disk's durable write ceiling on this machine, and what its file system offers a copy.
+
+    python benchmarks/disk_ceiling.py --workdir /tmp/disk --gib 8 --out disk.json
+
+Measures, each on a fresh set of files under ``--workdir`` (removed after), ``--gib`` GiB per row:
+
+* ``dd if=/dev/zero oflag=direct conv=fsync`` in 1, 2, 4, 8 and 16 parallel streams (64 MiB blocks), and 8
+  streams of 16 MiB blocks (the sink's write size): what more writes in flight buy; with ``--quick``, threads
+  writing ``O_DIRECT`` into new files or files ``fallocate``d first, by write size and streams;
+* ``dd conv=fsync`` through the page cache (1, 4, 8 streams): buffered writes and the final ``fsync``;
+* buffered ``pwrite`` with ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` after every 64 MiB, then ``fdatasync``
+  (8 threads): writeback started early, so the last flush is short;
+* ``cp -r`` of a folder of 8 files (then ``sync`` timed apart) and ``dd iflag=direct`` reads (1 and 8 streams)
+  of the same files, cold: the baselines the copies are held against;
+* the file system (``findmnt``, ``lsblk``), and whether ``FICLONE`` (reflink), ``copy_file_range`` and
+  ``cp --reflink=always`` work here, with ``copy_file_range``'s speed (page cache to page cache, then its
+  ``fsync``) against ``pread`` + ``pwrite``.
+
+No project code runs; every figure is GB/s (10^9 bytes) of wall time, ``fsync``/``sync`` included where named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+FICLONE = 0x40049409
+SYNC_FILE_RANGE_WRITE = 2
+
+
+def sh(cmd: str) -> str:
+    r = subprocess.run(cmd, shell=True, capture_output=True, text=True)
+    return (r.stdout + r.stderr).strip()
+
+
+def dd_streams(work: Path, streams: int, total: int, bs: int, direct: bool) -> float:
+    """GB/s of ``streams`` concurrent dd writers, ``total`` bytes in all, each ending with its fsync."""
+    work.mkdir(parents=True, exist_ok=True)
+    count = max(1, total // (streams * bs))
+    flags = ["oflag=direct"] if direct else []
+    os.sync()
+    t = time.perf_counter()
+    procs = [subprocess.Popen(["dd", "if=/dev/zero", f"of={work}/s{i}", f"bs={bs}", f"count={count}", *flags,
+                               "conv=fsync", "status=none"]) for i in range(streams)]
+    for p in procs:
+        p.wait()
+    dt = time.perf_counter() - t
+    shutil.rmtree(work)
+    return round(streams * count * bs / 1e9 / dt, 3)
+
+
+def sfr_streams(work: Path, streams: int, total: int, step: int = 64 << 20) -> float:
+    """GB/s of buffered pwrite with sync_file_range(WRITE) after each ``step``, then fdatasync, per thread."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    work.mkdir(parents=True, exist_ok=True)
+    per = total // streams // step * step
+    buf = os.urandom(step)
+    os.sync()
+
+    def one(i: int) -> None:
+        fd = os.open(work / f"s{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            for off in range(0, per, step):
+                os.pwrite(fd, buf, off)
+                libc.sync_file_range(fd, ctypes.c_longlong(off), ctypes.c_longlong(step), SYNC_FILE_RANGE_WRITE)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    dt = time.perf_counter() - t
+    shutil.rmtree(work)
+    return round(streams * per / 1e9 / dt, 3)
+
+
+def direct_threads(work: Path, streams: int, total: int, write: int, prealloc: bool) -> float | None:
+    """GB/s of ``streams`` threads, each writing its own new file with ``O_DIRECT`` ``pwrite`` of ``write`` bytes
+    from one aligned buffer (one write in flight per file, as a sink), then ``fsync``; ``prealloc``: the file's
+    size ``fallocate``d first, so no write extends it (ext4 serialises and journals extending direct writes)."""
+    import mmap
+
+    work.mkdir(parents=True, exist_ok=True)
+    per = total // streams // write * write
+    os.sync()
+
+    def one(i: int) -> None:
+        buf = mmap.mmap(-1, write)
+        buf.write(os.urandom(1 << 20) * (write >> 20))
+        fd = os.open(work / f"s{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT)
+        try:
+            if prealloc:
+                os.posix_fallocate(fd, 0, per)
+            for off in range(0, per, write):
+                os.pwrite(fd, buf, off)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    failed: list[OSError] = []
+
+    def guarded(i: int) -> None:
+        try:
+            one(i)
+        except OSError as e:  # a file system without O_DIRECT (tmpfs before Linux 6.6)
+            failed.append(e)
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(streams)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    dt = time.perf_counter() - t
+    shutil.rmtree(work)
+    return None if failed else round(streams * per / 1e9 / dt, 3)
+
+
+def copies(work: Path, total: int) -> dict:
+    """cp -r (+ sync), cold direct reads, FICLONE, copy_file_range, cp --reflink=always on 8 files."""
+    src = work / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    per = total // 8
+    procs = [subprocess.Popen(["dd", "if=/dev/urandom", f"of={src}/f{i}", "bs=1M", f"count={per >> 20}",
+                               "iflag=fullblock", "status=none"]) for i in range(8)]
+    for p in procs:
+        p.wait()
+    os.sync()
+    nbytes = sum(p.stat().st_size for p in src.iterdir())
+    out: dict = {"bytes": nbytes}
+    for streams in (1, 8):
+        files = sorted(src.iterdir())
+        t = time.perf_counter()
+        if streams == 1:
+            for p in files:
+                subprocess.run(["dd", f"if={p}", "of=/dev/null", "bs=64M", "iflag=direct", "status=none"])
+        else:
+            ps = [subprocess.Popen(["dd", f"if={p}", "of=/dev/null", "bs=64M", "iflag=direct", "status=none"])
+                  for p in files]
+            for p in ps:
+                p.wait()
+        out[f"read_direct_{streams}_gbps"] = round(nbytes / 1e9 / (time.perf_counter() - t), 3)
+    for p in src.iterdir():  # warm, as the reshard benchmark's source
+        subprocess.run(["cat", str(p)], stdout=subprocess.DEVNULL)
+    for rnd in range(2):
+        os.sync()
+        t = time.perf_counter()
+        subprocess.run(["cp", "-r", str(src), str(work / "copy")], check=True)
+        cp = time.perf_counter() - t
+        t = time.perf_counter()
+        os.sync()
+        out[f"cp_r_s_{rnd}"], out[f"cp_r_then_sync_s_{rnd}"] = round(cp, 3), round(time.perf_counter() - t, 3)
+        shutil.rmtree(work / "copy")
+    out["cp_r_gbps"] = round(nbytes / 1e9 / min(out["cp_r_s_0"], out["cp_r_s_1"]), 3)
+    one = src / "f0"
+    # FICLONE
+    fd_in = os.open(one, os.O_RDONLY)
+    fd_out = os.open(work / "clone", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        fcntl.ioctl(fd_out, FICLONE, fd_in)
+        out["ficlone"] = "ok"
+    except OSError as e:
+        out["ficlone"] = f"{errno.errorcode.get(e.errno or 0, e.errno)}: {e.strerror}"
+    finally:
+        os.close(fd_out)
+    os.unlink(work / "clone")
+    # copy_file_range, whole file, then fsync
+    fd_out = os.open(work / "cfr", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    size = one.stat().st_size
+    try:
+        t = time.perf_counter()
+        done = 0
+        while done < size:
+            n = os.copy_file_range(fd_in, fd_out, size - done, done, done)
+            if n == 0:
+                break
+            done += n
+        t1 = time.perf_counter()
+        os.fsync(fd_out)
+        t2 = time.perf_counter()
+        out["copy_file_range"] = {"bytes": done, "gbps": round(done / 1e9 / (t1 - t), 3),
+                                  "then_fsync_s": round(t2 - t1, 3),
+                                  "durable_gbps": round(done / 1e9 / (t2 - t), 3)}
+    except OSError as e:
+        out["copy_file_range"] = f"{errno.errorcode.get(e.errno or 0, e.errno)}: {e.strerror}"
+    finally:
+        os.close(fd_out)
+    os.unlink(work / "cfr")
+    # pread + pwrite (page cache), then fsync: what copy_file_range replaces
+    fd_out = os.open(work / "pp", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    t = time.perf_counter()
+    for off in range(0, size, 16 << 20):
+        os.pwrite(fd_out, os.pread(fd_in, 16 << 20, off), off)
+    t1 = time.perf_counter()
+    os.fsync(fd_out)
+    t2 = time.perf_counter()
+    os.close(fd_out)
+    os.close(fd_in)
+    out["pread_pwrite"] = {"gbps": round(size / 1e9 / (t1 - t), 3), "then_fsync_s": round(t2 - t1, 3),
+                           "durable_gbps": round(size / 1e9 / (t2 - t), 3)}
+    os.unlink(work / "pp")
+    out["cp_reflink_always"] = sh(f"cp --reflink=always {one} {work}/rl && echo ok; rm -f {work}/rl")
+    shutil.rmtree(work)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", default="/tmp/disk_ceiling")
+    ap.add_argument("--gib", type=float, default=8.0)
+    ap.add_argument("--out")
+    ap.add_argument("--smoke", action="store_true", help="16 MiB per row in 1 MiB writes (tests/benchmarks)")
+    ap.add_argument("--quick", action="store_true",
+                    help="direct writes only: threads writing O_DIRECT into new or fallocated files (8 streams of 16 "
+                         "and 32 MiB writes), and dd 32M x8")
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    total = 16 << 20 if args.smoke else int(args.gib * (1 << 30))
+    unit = (lambda mib: 1 << 20) if args.smoke else (lambda mib: mib << 20)  # noqa: E731 - a write's size
+    res: dict = {"fs": sh(f"findmnt -T {work} -o SOURCE,FSTYPE,OPTIONS"),
+                 "lsblk": sh("lsblk -o NAME,TYPE,SIZE,ROTA,MODEL,LOG-SEC,PHY-SEC,MIN-IO,OPT-IO"),
+                 "queue": sh("for q in /sys/block/*/queue; do echo $q $(cat $q/nr_requests $q/max_sectors_kb "
+                             "$q/scheduler 2>/dev/null); done"),
+                 "df": sh(f"df -h {work}"), "cp": sh("cp --version | head -1"), "kernel": os.uname().release,
+                 "nproc": os.cpu_count()}
+    print(json.dumps(res, indent=1), flush=True)
+    rows = {}
+    for streams in () if args.quick else (1, 2, 4, 8, 16):
+        rows[f"dd_direct_64M_x{streams}"] = dd_streams(work / "dd", streams, total, unit(64), True)
+        print(f"dd direct 64M x{streams}: {rows[f'dd_direct_64M_x{streams}']} GB/s", flush=True)
+    if args.quick:
+        sizes = [(8, 16), (8, 32)]
+        for streams, mib in sizes:
+            for pre in (False, True):
+                name = f"py_direct_{mib}M_x{streams}{'_fallocate' if pre else ''}"
+                rows[name] = direct_threads(work / "py", streams, total, unit(mib), pre)
+                print(f"{name}: {rows[name]} GB/s", flush=True)
+    for streams, mib in ((8, 32),) if args.quick else ((8, 16),):
+        rows[f"dd_direct_{mib}M_x{streams}"] = dd_streams(work / "dd", streams, total, unit(mib), True)
+        print(f"dd direct {mib}M x{streams}: {rows[f'dd_direct_{mib}M_x{streams}']} GB/s", flush=True)
+    if not args.quick:
+        for streams in (1, 4, 8):
+            rows[f"dd_buffered_fsync_64M_x{streams}"] = dd_streams(work / "dd", streams, total, unit(64), False)
+            print(f"dd buffered+fsync x{streams}: {rows[f'dd_buffered_fsync_64M_x{streams}']} GB/s", flush=True)
+        rows["buffered_sync_file_range_x8"] = sfr_streams(work / "sfr", 8, total, unit(64))
+        print(f"buffered + sync_file_range x8: {rows['buffered_sync_file_range_x8']} GB/s", flush=True)
+        res["copies"] = copies(work / "cp", total)
+        print(json.dumps(res["copies"], indent=1), flush=True)
+    res["write_gbps"] = rows
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
