@@ -329,7 +329,7 @@ def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_byt
             shapes[key] = (entry_shape or v.full_shape, part[0].dtype)
             chunks.extend(part)
     if source.manifest is None:  # megatron-core's model buffers (the router's expert bias): copied as stored
-        from ckpt_tool.reshard.megatron_dp import buffer_chunks
+        from ckpt_tool.copying.megatron_plan import buffer_chunks
 
         chunks.extend(buffer_chunks(source, shapes))
     group = ranks.current()  # under torchrun: this rank writes its share of the data files; rank 0 the rest

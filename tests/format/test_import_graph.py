@@ -212,10 +212,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 UPWARD_ALLOWED: set[tuple[str, str]] = set()
 PRIVATE_ALLOWED: set[tuple[str, str, str]] = set()
-HF_TO_RESHARD_ALLOWED = {  # the import to megatron-core plans its buckets with reshard's megatron-core planner
-    ("ckpt_tool.hf.megatron_dp_import", "ckpt_tool.reshard.megatron_dp"),
-    ("ckpt_tool.hf.megatron_dp_import", "ckpt_tool.reshard.megatron_dp_objects"),
-}
 COPY_PACKAGES = ("ckpt_tool.copying", "ckpt_tool.reshard", "ckpt_tool.export", "ckpt_tool.hf")
 
 
@@ -324,8 +320,7 @@ def test_copy_kernel_is_below_reshard_export_and_hf(graph: tuple[dict[str, set[s
                  for w in sorted(ws) if package(w) not in (None, "ckpt_tool.copying")]
     assert not kernel_up, "the copy kernel imports a command's package: " + "; ".join(kernel_up)
     across = [f"{m} imports {w}" for m, ws in sorted(edges.items())
-              for w in sorted(ws) if {package(m), package(w)} == {"ckpt_tool.reshard", "ckpt_tool.hf"}
-              and (m, w) not in HF_TO_RESHARD_ALLOWED]
+              for w in sorted(ws) if {package(m), package(w)} == {"ckpt_tool.reshard", "ckpt_tool.hf"}]
     assert not across, "reshard and hf import each other (share it through ckpt_tool.copying): " + "; ".join(across)
     pkgs = {p: {package(w) for m, ws in edges.items() if package(m) == p for w in ws} - {p, None}
             for p in COPY_PACKAGES}
