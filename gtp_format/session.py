@@ -1,11 +1,10 @@
 """One command's session: the state a ``ckpt`` command, or one save or load of the runtime, keeps while it runs.
 
 What it owns: what the command keeps of the buckets it reads (the sizes and listings, the warmed side
-files, the small-read blocks: :class:`BucketState`) and where an ``s3://`` output is staged before its
-upload. Nothing of it outlives the session: a later command reads the store as it is then. The S3
-clients and the fetch threads are the process's, shared by its sessions: they hold nothing of a command,
-and a session's own cost every in-process command their start (measured in
-:func:`gtp_format.storage.objects._threads` and :func:`gtp_format.storage.objects._store_for`).
+files, the small-read blocks, the S3 clients and the fetch threads: :class:`BucketState`) and where an
+``s3://`` output is staged before its upload. Nothing of it outlives the session: a later command reads
+the store as it is then, and its threads end when it closes. A ``ckpt`` process runs one command, so a
+client and threads of the session's own cost it nothing a process-wide cache would save.
 
 How it reaches the code that reads: explicitly. The command (``ckpt_tool``'s error decorator; the
 runtime's save and load) creates the session and binds its locations to it (:meth:`Session.bind`); a bound

@@ -100,16 +100,12 @@ def credentials_problem(bucket: str) -> str | None:
             f"profile of {profiles.credentials_file()}, or AWS_SKIP_SIGNATURE=true for a public bucket")
 
 
-@functools.lru_cache(maxsize=16)
 def _store_for(bucket: str, endpoint: str | None, timeout: float, region: str | None = None,
                *credentials: str | None) -> Any:
-    """One client per bucket and configuration, shared by every session of the process: a client is a
-    connection pool keyed by its whole configuration and holds nothing of a command, and building one
-    took 28 ms (obstore's ``S3Store``, on the shared 2-core test machine), which a session of its own
-    added to every in-process command (``verify --data`` of a 51.8 MB checkpoint: 0.23 s -> 0.28 s in
-    ``benchmarks/bench_s3_ckpt.py``). ``region`` and ``credentials`` (key, secret, token) as
-    :func:`profiles.settings` resolved them (the environment first, then the AWS profile), passed
-    explicitly where set; obstore reads the rest of the environment itself."""
+    """A new client of ``bucket`` in this configuration (kept by the session: :meth:`BucketState.client`).
+    ``region`` and ``credentials`` (key, secret, token) as :func:`profiles.settings` resolved them (the
+    environment first, then the AWS profile), passed explicitly where set; obstore reads the rest of the
+    environment itself."""
     try:
         from obstore.store import S3Store
     except ImportError:
@@ -136,14 +132,15 @@ def _store_for(bucket: str, endpoint: str | None, timeout: float, region: str | 
 
 
 def store(url: ObjectURL) -> Any:
-    """The obstore client of ``url``'s bucket (one per bucket, endpoint, credentials and timeout)."""
+    """The obstore client of ``url``'s bucket, kept by the session ``url`` is bound to (one per bucket, endpoint,
+    credentials and timeout)."""
     problem = credentials_problem(url.bucket)
     if problem is not None:
         raise FormatError(problem)
     found = profiles.settings()
     args = (url.bucket, found.endpoint, _timeout(), found.region, found.access_key_id, found.secret_access_key,
             found.session_token)
-    return _store_for(*args)
+    return state_of(url).client(args)
 
 
 def _first_line(e: BaseException) -> str:
@@ -190,8 +187,8 @@ def _key(root: ObjectURL, rel: str) -> str:
 
 class BucketState:
     """What one command (or one save or load of the runtime) keeps of the buckets it reads: the sizes its
-    listings returned, the listings themselves, the warmed side files and the small-read blocks (its threads
-    and clients are the process's: :func:`_threads`, :func:`_store_for`). Owned by
+    listings returned, the listings themselves, the warmed side files, the small-read blocks, its S3 clients
+    and its fetch threads. Owned by
     :class:`gtp_format.session.Session`; a location bound to a session
     (:meth:`gtp_format.storage.location.ObjectURL.bound`) carries it to every read below it.
 
@@ -213,17 +210,38 @@ class BucketState:
         self.side = object_cache.SideFiles()  # side files, fetched as a listing names them
         self.blocks = object_cache.Blocks(CACHE_BYTES)
         self.serial = itertools.count()
+        self.clients: dict[tuple[Any, ...], Any] = {}  # configuration -> obstore client
+        self.building = threading.Lock()  # held while a client is built (not self.lock: listings wait on it)
+        self.pools: dict[str, ThreadPoolExecutor] = {}  # name -> threads, started at their first task
+
+    def client(self, args: tuple[Any, ...]) -> Any:
+        """The client of configuration ``args`` (:func:`_store_for`'s), built once a session: a client is a
+        connection pool, and building one took 28 ms (obstore's ``S3Store``, on the shared 2-core test
+        machine). Once a session costs a ``ckpt`` command (one a process) nothing; the runtime's save pays it
+        once a save."""
+        with self.building:  # one build, however many fetch threads ask at once
+            got = self.clients.get(args)
+            if got is None:
+                got = self.clients[args] = _store_for(*args)  # a refused setting raises here
+        return got
+
+    def _threads(self, name: str) -> ThreadPoolExecutor:
+        with self.lock:
+            pool = self.pools.get(name)
+            if pool is None:
+                pool = self.pools[name] = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix=name)
+        return pool
 
     def warm_pool(self) -> ThreadPoolExecutor:
         """Threads of their own for a listing's whole objects (:class:`object_cache.SideFiles`): their tasks wait
-        on nothing, so a :meth:`pool` task may wait for a copy. The process's (:func:`_threads`)."""
-        return _threads("s3-warm")
+        on nothing, so a :meth:`pool` task may wait for a copy."""
+        return self._threads("s3-warm")
 
     def pool(self) -> ThreadPoolExecutor:
         """The threads that fetch parts and prefetched requests (:data:`IN_FLIGHT` of them, shared by every
-        reader, so the bytes in flight stay bounded however many threads read). Their tasks are leaves: a task
-        never waits on another, so the pool cannot deadlock. The process's (:func:`_threads`)."""
-        return _threads("s3-fetch")
+        reader of the session, so the bytes in flight stay bounded however many threads read). Their tasks are
+        leaves: a task never waits on another, so the pool cannot deadlock."""
+        return self._threads("s3-fetch")
 
     def reads_everything(self, budget: int) -> None:
         """The command reads every byte it opens (``reshard``, ``export``, ``verify --data``): its listings fetch
@@ -238,24 +256,19 @@ class BucketState:
             self.listings.clear()
 
     def close(self) -> None:
-        """The end of the command: the next one reads the store as it is then. Fetches still in flight finish
-        into nothing."""
+        """The end of the command: the next one reads the store as it is then. Its threads end once the
+        fetches still in flight have finished (into nothing); its clients are dropped."""
         with self.lock:
             if self.sizes is not None:
                 self.sizes = {}
             self.whole = 0
             self.listings.clear()
+            pools, self.pools = list(self.pools.values()), {}
+            self.clients.clear()
+        for pool in pools:
+            pool.shutdown(wait=False)
         self.blocks.drop()
         self.side.drop()
-
-
-@functools.lru_cache(maxsize=2)
-def _threads(prefix: str) -> ThreadPoolExecutor:
-    """The process's :data:`IN_FLIGHT` threads named ``prefix``, shared by every session: their tasks are leaves
-    that hold nothing of a command, the bytes in flight stay bounded however many sessions read at once, and
-    threads of a session's own cost each in-process command their start (``verify --data`` of a 51.8 MB
-    checkpoint on moto, best of 30 interleaved: 157-183 ms with these threads, 200-208 ms with its own)."""
-    return ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix=prefix)
 
 
 def state_of(root: ObjectURL) -> BucketState:

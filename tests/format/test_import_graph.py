@@ -356,11 +356,6 @@ STATEFUL_CALLS = frozenset({"dict", "list", "set", "defaultdict", "OrderedDict",
 MEMOS = {
     # the parsed AWS profile sections, keyed by each file's (path, size, mtime) stamp and the profile's name
     ("gtp_format/storage/profiles.py", "_profile"),
-    # the S3 clients, keyed by their whole configuration: connection pools that hold nothing of a command, and
-    # 28 ms each to build (the reason is in the function's docstring)
-    ("gtp_format/storage/objects.py", "_store_for"),
-    # the fetch threads: leaf tasks holding nothing of a command, bounded for the whole process (its docstring)
-    ("gtp_format/storage/objects.py", "_threads"),
 }
 
 
