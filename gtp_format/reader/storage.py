@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import BinaryIO
 
-from gtp_format.errors import ChunkError, FormatError
+from gtp_format.errors import FormatError
 from gtp_format.numbers import NumberError, parse_int
 from gtp_format.reader.preads import Into
 from gtp_format.storage import objects
@@ -28,9 +28,11 @@ from gtp_format.storage.local import (
     HOLE_FACTOR_ENV,
     MAX_LINKS,
     SPARSE_SLACK,
+    LocalFile,
     budget_of,
     hole_factor,
     is_sparse,
+    open_path,
     read_budget,
     readable_bytes,
     sparse_file_message,
@@ -43,7 +45,7 @@ from gtp_format.storage.paths import past_end_message, unsafe_reason
 Root = Path | ObjectURL | Storage  # where a checkpoint's files are: a location, or its storage already chosen
 
 __all__ = ["HOLE_FACTOR", "HOLE_FACTOR_ENV", "MAX_LINKS", "SPARSE_SLACK", "budget_of", "hole_factor", "is_sparse",
-           "past_end_message", "read_budget", "readable_bytes", "sparse_file_message", "sparse_message",
+           "open_path", "past_end_message", "read_budget", "readable_bytes", "sparse_file_message", "sparse_message",
            "stored_bytes", "unsafe_reason"]
 
 
@@ -57,8 +59,7 @@ def streamed(f: BinaryIO) -> BinaryIO:
     """``f`` (from :func:`open_regular`) marked as read by a streaming pass: a bucket's object then serves its
     small reads from a block cache (:meth:`gtp_format.storage.objects.ObjectFile.stream_small_reads`); a local
     file is left as it is (the page cache does that already)."""
-    if isinstance(f, objects.ObjectFile):
-        f.stream_small_reads()
+    f.stream_small_reads()  # type: ignore[attr-defined]
     return f
 
 
@@ -134,22 +135,24 @@ def read_range(root: Root, rel: str, offset: int, length: int,
     return storage_for(root).read_range(rel, offset, length, into)
 
 
-Source = int | objects.ObjectFile  # what a reader keeps open: a local descriptor or a bucket's object
+# what a reader keeps open: a file :func:`open_regular` opened, or a bare descriptor a reader keeps of its own
+Source = int | LocalFile | objects.ObjectFile
 
 
 def source_of(f: BinaryIO) -> Source:
-    """The descriptor of a file :func:`open_regular` opened, or the object itself when it is a bucket's."""
-    return f if isinstance(f, objects.ObjectFile) else f.fileno()
+    """What a reader keeps of a file :func:`open_regular` opened, for :func:`pread` and :func:`pread_into`."""
+    return f  # type: ignore[return-value]
 
 
 def size_of(f: BinaryIO) -> int:
     """Size of a file :func:`open_regular` opened: ``fstat``'s, or the store's for an object."""
-    return f.size if isinstance(f, objects.ObjectFile) else os.fstat(f.fileno()).st_size
+    return f.size  # type: ignore[attr-defined]
 
 
 def pread(src: Source, n: int, offset: int) -> bytes:
-    """``os.pread`` on a descriptor; one bounded ranged read on an object (fewer bytes only at its end)."""
-    return src.pread(n, offset) if isinstance(src, objects.ObjectFile) else os.pread(src, n, offset)
+    """``os.pread`` of a local file (or a bare descriptor); one bounded ranged read of an object (fewer bytes
+    only at its end)."""
+    return os.pread(src, n, offset) if type(src) is int else src.pread(n, offset)  # type: ignore[union-attr]
 
 
 def pread_into(fd: Source, rel: str, size: int, offset: int, out: memoryview) -> None:
@@ -159,18 +162,7 @@ def pread_into(fd: Source, rel: str, size: int, offset: int, out: memoryview) ->
     For readers that keep a file open across many reads (:class:`gtp_format.reader.boxes.BoxReader`):
     the bytes land straight in the caller's buffer, with no allocation and no re-open per read.
     """
-    if isinstance(fd, objects.ObjectFile):
-        objects.read_into(fd.root, fd.rel, size, offset, out)
-        return
-    length = out.nbytes
-    if type(offset) is not int or offset < 0 or offset + length > size:
-        raise ChunkError(past_end_message(rel, offset, length, size), file=rel)
-    done = 0
-    while done < length:
-        got = os.preadv(fd, [out[done:]], offset + done)
-        if got <= 0:
-            raise ChunkError(f"data file {rel} shrank while reading [{offset}, {offset + length})", file=rel)
-        done += got
+    fd.read_into(rel, size, offset, out)
 
 
 def read_small_file(path: Path | ObjectURL, limit: int, what: str, fix: str) -> bytes:

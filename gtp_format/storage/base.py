@@ -128,6 +128,12 @@ class Storage(ABC):
         appeared meanwhile; what this commit made is removed on a failure."""
 
     @abstractmethod
+    def committed(self, work: Path) -> None:
+        """After :meth:`commit`: what is left of the work (a folder: the ownership token in the committed folder,
+        which is no checkpoint file, :mod:`gtp_format.work`; a bucket: the uploaded local copy) removed, and
+        the commit made durable."""
+
+    @abstractmethod
     def put(self, local_file: Path) -> None:
         """The one complete file ``local_file`` (built in :meth:`work_parent`) as the location itself, created only
         where nothing is (``FileExistsError`` or :class:`gtp_format.storage.upload.Taken`); its put is its
@@ -201,6 +207,13 @@ class LocalStorage(Storage):
         from gtp_format.commit import commit_new_folder
 
         commit_new_folder(work, self.location)
+
+    def committed(self, work: Path) -> None:
+        from gtp_format.commit import fsync_dir
+        from gtp_format.work import drop_token
+
+        drop_token(self.location)
+        fsync_dir(self.location)
 
     def put(self, local_file: Path) -> None:
         from gtp_format.commit import commit_file
@@ -299,6 +312,11 @@ class BucketStorage(Storage):
         except BaseException:
             up.undo()
             raise
+
+    def committed(self, work: Path) -> None:
+        from gtp_format.work import remove_entry
+
+        remove_entry(work)
 
     def put(self, local_file: Path) -> None:
         upload.Upload(self.location).run_file(local_file)

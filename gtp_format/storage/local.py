@@ -31,6 +31,7 @@ files and byte ranges, and a checkpoint may come from anywhere. The rules, enfor
 from __future__ import annotations
 
 import errno
+import io
 import os
 import posixpath
 import stat
@@ -225,9 +226,66 @@ def regular_stat(root: Path, rel: str) -> os.stat_result | None:
     return st if stat.S_ISREG(st.st_mode) else None
 
 
+class LocalFile(io.BufferedReader):
+    """A regular file opened inside a folder (what ``os.fdopen(fd, "rb")`` gives), with the methods every
+    opened checkpoint file has (:class:`gtp_format.storage.objects.ObjectFile` has them too), so that no reader
+    asks which kind of store a file came from."""
+
+    remote = False  # a read is no round trip: nothing to plan or fetch ahead (the page cache reads ahead)
+
+    @property
+    def size(self) -> int:
+        """The size of the file as it is now (``fstat`` of the open descriptor)."""
+        return os.fstat(self.fileno()).st_size
+
+    def stream_small_reads(self) -> None:
+        """Nothing to do: the page cache serves small reads already."""
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """``os.pread`` of the open descriptor."""
+        return os.pread(self.fileno(), n, offset)
+
+    def read_into(self, rel: str, size: int, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from ``offset`` (``size``: the file's size when opened), the range checked first; a file
+        that shrank since is a :class:`ChunkError`, never a short read."""
+        length = out.nbytes
+        if type(offset) is not int or offset < 0 or offset + length > size:
+            raise ChunkError(past_end_message(rel, offset, length, size), file=rel)
+        fd, done = self.fileno(), 0
+        while done < length:
+            got = os.preadv(fd, [out[done:]], offset + done)
+            if got <= 0:
+                raise ChunkError(f"data file {rel} shrank while reading [{offset}, {offset + length})", file=rel)
+            done += got
+
+    def sparse_message(self, rel: str) -> str | None:
+        """Why going through this file is refused (:func:`is_sparse`: many more holes than data), or None."""
+        st = os.fstat(self.fileno())
+        return sparse_file_message(rel, st) if is_sparse(st) else None
+
+    def readable_bytes(self) -> int:
+        """The part of the file a reader may go through (:func:`readable_bytes`)."""
+        return readable_bytes(os.fstat(self.fileno()))
+
+
+def open_path(path: Path) -> BinaryIO:
+    """``open(path, "rb")`` (its errors too) as a :class:`LocalFile`: for a file a caller has checked itself."""
+    raw = open(path, "rb", buffering=0)  # noqa: SIM115 - the LocalFile owns it
+    return LocalFile(raw, _buffer_size(raw))  # type: ignore[return-value]
+
+
+def _buffer_size(raw: io.FileIO) -> int:
+    try:
+        block = os.fstat(raw.fileno()).st_blksize  # the buffer os.fdopen and open would give it
+    except OSError:
+        block = 0
+    return block if block > 1 else io.DEFAULT_BUFFER_SIZE
+
+
 def open_file(root: Path, rel: str, what: str = "data file") -> BinaryIO:
     """Open a regular file inside ``root`` for reading (see the module docstring for the rules)."""
-    return os.fdopen(_open_in(root, rel, what), "rb")
+    raw = os.fdopen(_open_in(root, rel, what), "rb", buffering=0)
+    return LocalFile(raw, _buffer_size(raw))  # type: ignore[return-value]
 
 
 def file_size(root: Path, rel: str, what: str = "data file") -> int:

@@ -527,6 +527,8 @@ class ObjectFile:
     (structure in 4 KiB windows).
     """
 
+    remote = True  # every read is a round trip: worth planning and fetching ahead (gtp_format.storage.prefetch)
+
     def __init__(self, root: ObjectURL, rel: str, what: str = "data file") -> None:
         self.state = state_of(root)
         self.root, self.rel = root.bound(self.state), rel  # every read of this open shares its state
@@ -565,6 +567,18 @@ class ObjectFile:
         buf = bytearray(n)
         read_into(self.root, self.rel, self.size, offset, memoryview(buf))
         return bytes(buf)
+
+    def read_into(self, rel: str, size: int, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from ``offset`` (:func:`read_into`; ``rel``, ``size``: this object's, as opened)."""
+        read_into(self.root, self.rel, size, offset, out)
+
+    def sparse_message(self, rel: str) -> str | None:
+        """None: an object stores every byte it reports (no holes)."""
+        return None
+
+    def readable_bytes(self) -> int:
+        """The whole object: it stores every byte the store reports."""
+        return self.size
 
     def read(self, n: int = -1) -> bytes:
         data = self.pread(self.size - self._pos if n < 0 else n, self._pos)

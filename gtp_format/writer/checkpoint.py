@@ -363,11 +363,7 @@ class CheckpointWriter:
                 self.storage.commit(self.work, self.fault, self.commit_object)
             except FileExistsError:
                 raise DestinationTaken(self.target) from None
-        if self.storage.in_place:
-            drop_token(self.target)  # the ownership token is no checkpoint file (gtp_format/work.py)
-            fsync_dir(self.target)
-        else:
-            remove_entry(self.work)  # the uploaded local copy
+        self.storage.committed(self.work)
         self.committed = True
         self._release()
         return self.target
