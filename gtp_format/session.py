@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gtp_format.storage import base
+from gtp_format.storage.limits import Limits
 from gtp_format.storage.objects import BucketState
 
 T = TypeVar("T")
@@ -36,8 +37,8 @@ class Session:
     """
 
     def __init__(self, scoped: bool = True) -> None:
-        self.buckets = BucketState(scoped=scoped)
-        self._staging: Path | None = None
+        self.limits = Limits()  # each read once, at its first use (gtp_format.storage.limits)
+        self.buckets = BucketState(scoped=scoped, limits=self.limits)
 
     def bind(self, value: T) -> T:
         """``value`` (a location, or a list or tuple of them; anything else as it is) read and written
@@ -53,17 +54,12 @@ class Session:
         return base.storage_for(location, self)
 
     def staging_dir(self) -> Path:
-        """Where an ``s3://`` output is built before its upload (:func:`gtp_format.storage.upload.staging_dir`),
+        """Where an ``s3://`` output is built before its upload (:func:`gtp_format.storage.limits.staging_dir`),
         resolved once a session."""
-        if self._staging is None:
-            from gtp_format.storage.upload import staging_dir
-
-            self._staging = staging_dir()
-        return self._staging
+        return self.limits.staging
 
     def close(self) -> None:
         self.buckets.close()
-        self._staging = None
 
     def __enter__(self) -> Session:
         return self

@@ -18,14 +18,18 @@ import os
 from pathlib import Path
 from typing import BinaryIO
 
-from gtp_format.errors import FormatError
-from gtp_format.numbers import NumberError, parse_int
 from gtp_format.reader.preads import Into
 from gtp_format.storage import objects
 from gtp_format.storage.base import Storage, storage_for
-from gtp_format.storage.local import (
+from gtp_format.storage.limits import (
     HOLE_FACTOR,
     HOLE_FACTOR_ENV,
+    METADATA_CEILING,
+    METADATA_FLOOR,
+    METADATA_LIMIT_ENV,
+    metadata_override,
+)
+from gtp_format.storage.local import (
     MAX_LINKS,
     SPARSE_SLACK,
     LocalFile,
@@ -44,9 +48,9 @@ from gtp_format.storage.paths import past_end_message, unsafe_reason
 
 Root = Path | ObjectURL | Storage  # where a checkpoint's files are: a location, or its storage already chosen
 
-__all__ = ["HOLE_FACTOR", "HOLE_FACTOR_ENV", "MAX_LINKS", "SPARSE_SLACK", "budget_of", "hole_factor", "is_sparse",
-           "open_path", "past_end_message", "read_budget", "readable_bytes", "sparse_file_message", "sparse_message",
-           "stored_bytes", "unsafe_reason"]
+__all__ = ["HOLE_FACTOR", "HOLE_FACTOR_ENV", "MAX_LINKS", "METADATA_LIMIT_ENV", "SPARSE_SLACK", "budget_of",
+           "hole_factor", "is_sparse", "open_path", "past_end_message", "read_budget", "readable_bytes",
+           "sparse_file_message", "sparse_message", "stored_bytes", "unsafe_reason"]
 
 
 def open_regular(root: Root, rel: str, what: str = "data file") -> BinaryIO:
@@ -71,16 +75,14 @@ def stored_size(root: Root, rel: str) -> int:
 
 def readable_size(root: Root, rel: str) -> int:
     """:func:`readable_bytes` of a regular file inside ``root`` (0 when it is not one: no error)."""
-    st = storage_for(root).stat(rel)
-    return 0 if st is None else min(st.size, budget_of(st.stored))
+    store = storage_for(root)
+    st = store.stat(rel)
+    return 0 if st is None else min(st.size, budget_of(st.stored, store.limits.hole_factor))
 
 
-METADATA_LIMIT_ENV = "CKPT_MAX_METADATA_BYTES"
-METADATA_FLOOR = 1 << 20  # genuine fixtures' .metadata are 13-106 KB; the env variable covers the rest
-METADATA_CEILING = 4 << 30
 
 
-def metadata_limit(data_bytes: int) -> int:
+def metadata_limit(data_bytes: int, root: Root | None = None) -> int:
     """Largest checkpoint metadata file (DCP ``.metadata``, a safetensors index) we agree to parse.
 
     A metadata entry is a few hundred bytes per chunk while every chunk's blob is at least about a
@@ -88,15 +90,11 @@ def metadata_limit(data_bytes: int) -> int:
     what the data files really store (:func:`gtp_format.reader.storage.stored_bytes`), not their
     sizes: one sparse 16 TiB data file made a 400 MB ``.metadata`` look plausible.
     The floor keeps partial copies (data files missing) readable; the environment variable is the
-    escape hatch the error message names.
+    escape hatch the error message names (read once by the session of ``root``'s storage).
     """
-    override = os.environ.get(METADATA_LIMIT_ENV)
+    override = metadata_override() if root is None else storage_for(root).limits.metadata_override
     if override is not None:
-        try:
-            return parse_int(override, METADATA_LIMIT_ENV, 0)
-        except NumberError:
-            raise FormatError(f"{METADATA_LIMIT_ENV}={override[:40]!r} is not a byte count; set it to an integer "
-                              "in ASCII digits") from None
+        return override
     return min(METADATA_CEILING, max(METADATA_FLOOR, data_bytes))
 
 

@@ -33,6 +33,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from gtp_format.errors import FormatError
 from gtp_format.storage import local, objects, upload
+from gtp_format.storage.limits import Limits
 from gtp_format.storage.location import Location, ObjectURL, parse_location
 from gtp_format.storage.paths import unsafe_reason
 
@@ -51,6 +52,7 @@ class Storage(ABC):
     """A checkpoint location's files (``rel``: a plain relative name below :attr:`location`)."""
 
     location: Location
+    limits: Limits  # the session's (gtp_format.storage.limits), read once; a storage without one has its own
     in_place: bool  # the work folder lies beside the target and its commit is a rename (else: staged, uploaded)
     has_holes: bool  # a file may store fewer bytes than its size (a sparse local file); an object never does
     # every request is a network round trip: reads are worth planning, coalescing and fetching ahead (a
@@ -151,11 +153,12 @@ class LocalStorage(Storage):
     has_holes = True
     remote = False
 
-    def __init__(self, location: Path) -> None:
+    def __init__(self, location: Path, limits: Limits | None = None) -> None:
         self.location = location
+        self.limits = limits or Limits()
 
     def open(self, rel: str, what: str = "data file") -> BinaryIO:
-        return local.open_file(self.location, rel, what)
+        return local.open_file(self.location, rel, what, self.limits)
 
     def stat(self, rel: str) -> Stat | None:
         if unsafe_reason(rel) is not None:
@@ -181,7 +184,7 @@ class LocalStorage(Storage):
 
     def read_range(self, rel: str, offset: int, length: int,
                    into: Callable[[int], memoryview] | None = None) -> bytearray | memoryview:
-        return local.read_range(self.location, rel, offset, length, into)
+        return local.read_range(self.location, rel, offset, length, into, self.limits)
 
     def read_small(self, limit: int, what: str, fix: str) -> bytes:
         return local.read_small(self.location, limit, what, fix)
@@ -240,6 +243,7 @@ class BucketStorage(Storage):
         # everything read or written through this storage and the locations it hands out shares one client
         state = state or (location.state if isinstance(location.state, objects.BucketState) else None)
         self.location = location.bound(state or objects.BucketState(scoped=False))
+        self.limits = objects.state_of(self.location).limits
 
     def open(self, rel: str, what: str = "data file") -> BinaryIO:
         return objects.ObjectFile(self.location, rel, what)  # type: ignore[return-value]
@@ -287,7 +291,7 @@ class BucketStorage(Storage):
         if problem is None:
             objects.store(self.location)  # the client as the ranks will build it: the timeout setting too
         if writing:
-            upload.staging_dir()  # where each rank builds its files before the upload
+            self.limits.staging  # noqa: B018 - where each rank builds its files before the upload: it must exist
         return problem
 
     def exists(self) -> bool:
@@ -299,7 +303,7 @@ class BucketStorage(Storage):
             raise upload.Taken(dst)
 
     def work_parent(self, session: Any = None) -> Path:
-        return session.staging_dir() if session is not None else upload.staging_dir()
+        return session.staging_dir() if session is not None else self.limits.staging
 
     def work_target(self, parent: Path) -> Path:
         # a bucket's top level (an empty prefix) has no name: the work folder is named after the bucket
@@ -334,7 +338,7 @@ def storage_for(location: Location | str | os.PathLike[str] | Storage, session: 
     loc = parse_location(location) if isinstance(location, str | ObjectURL) else Path(location)
     if isinstance(loc, ObjectURL):
         return BucketStorage(loc, session.buckets if session is not None else None)
-    return LocalStorage(loc)
+    return LocalStorage(loc, session.limits if session is not None else None)
 
 
 def bind(value: T, state: objects.BucketState) -> T:

@@ -38,6 +38,7 @@ from typing import Any
 
 from gtp_format.errors import ChunkError, FormatError
 from gtp_format.storage import listing, object_cache, profiles
+from gtp_format.storage.limits import TIMEOUT_ENV, Limits
 from gtp_format.storage.location import ObjectURL
 from gtp_format.storage.paths import addressable, past_end_message, unsafe_reason
 from gtp_format.storage.ranges import pieces
@@ -45,9 +46,6 @@ from gtp_format.storage.ranges import pieces
 PIECE = 64 << 20  # largest single ranged GET: bounds the memory one request holds in flight
 RETRIES = 3  # transient errors retried with exponential backoff, within RETRY_TIMEOUT_S
 CONNECT_TIMEOUT_S = 5.0
-TIMEOUT_ENV = "CKPT_S3_TIMEOUT_S"  # per-request timeout, seconds
-DEFAULT_TIMEOUT_S = 60.0
-MAX_TIMEOUT_S = 86400.0
 RETRY_TIMEOUT_S = 30.0
 # Streaming reads (verify --data, show, diff, export): why these sizes, measured by
 # benchmarks/bench_s3_ckpt.py --count-requests (docs/performance.md, "Checkpoints on a bucket"):
@@ -56,22 +54,6 @@ IN_FLIGHT = 8  # parts fetched at once, by all readers together: bounds the byte
 BLOCK = 64 << 10  # a small read of a streamed object is served from the aligned block around it
 SMALL = 64 << 10  # reads up to this size go through the block cache (zip headers, pickles: 4-33 per chunk)
 CACHE_BYTES = 32 << 20  # every streamed object's cached blocks together
-
-
-def _timeout() -> float:
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_TIMEOUT_S
-    from gtp_format.numbers import NumberError, parse_float
-
-    try:  # ASCII digits only: float() read "\u0666\u0660" (Arabic-Indic) as 60
-        value = parse_float(raw, TIMEOUT_ENV, 0.0, MAX_TIMEOUT_S)
-    except NumberError:
-        value = -1.0
-    if not 0 < value <= MAX_TIMEOUT_S:  # "inf" made timedelta() raise an unexpected OverflowError
-        raise FormatError(f"{TIMEOUT_ENV}={raw[:40]!r} is not a number of seconds in (0, {MAX_TIMEOUT_S:.0f}] written "
-                          "in ASCII digits; set it to e.g. 60")
-    return value
 
 
 # Where obstore may take credentials from besides the access-key pair: web identity (EKS, CI OIDC) and
@@ -138,9 +120,10 @@ def store(url: ObjectURL) -> Any:
     if problem is not None:
         raise FormatError(problem)
     found = profiles.settings()
-    args = (url.bucket, found.endpoint, _timeout(), found.region, found.access_key_id, found.secret_access_key,
-            found.session_token)
-    return state_of(url).client(args)
+    state = state_of(url)
+    args = (url.bucket, found.endpoint, state.limits.s3_timeout_s, found.region, found.access_key_id,
+            found.secret_access_key, found.session_token)
+    return state.client(args)
 
 
 def _first_line(e: BaseException) -> str:
@@ -201,8 +184,9 @@ class BucketState:
     session) asks the store each time.
     """
 
-    def __init__(self, scoped: bool = True) -> None:
+    def __init__(self, scoped: bool = True, limits: Limits | None = None) -> None:
         self.scoped = scoped
+        self.limits = limits or Limits()  # the session's (its request timeout)
         self.lock = threading.Lock()
         self.sizes: dict[tuple[str, str], int] | None = {} if scoped else None  # (bucket, key) -> size
         self.listings: dict[tuple[str, str], dict[str, int | None]] = {}  # (bucket, prefix) -> listing
@@ -332,7 +316,7 @@ def _listing_refused(where: str, why: str) -> FormatError:
                        "AWS_ENDPOINT_URL (a store that does not end its listing) and the URL")
 
 
-def listing_client() -> listing.Client | None:
+def listing_client(limits: Limits) -> listing.Client | None:
     """How :mod:`gtp_format.storage.listing` sends this configuration's listing requests, or None where obstore must
     (credentials only obstore resolves: web identity, the container endpoint; virtual-hosted requests)."""
     found = profiles.settings()
@@ -343,8 +327,8 @@ def listing_client() -> listing.Client | None:
     region = found.region or "us-east-1"  # obstore's default region too
     endpoint = (found.endpoint or f"https://s3.{region}.amazonaws.com").rstrip("/")
     key, secret = (None, None) if skip else (found.access_key_id, found.secret_access_key)
-    return listing.Client(endpoint, region, key, secret, None if skip else found.session_token, _timeout(), RETRIES,
-                          RETRY_TIMEOUT_S)
+    return listing.Client(endpoint, region, key, secret, None if skip else found.session_token, limits.s3_timeout_s,
+                          RETRIES, RETRY_TIMEOUT_S)
 
 
 def _batches(root: ObjectURL, want: str, offset: str | None) -> Iterator[list[tuple[str, int]]]:
@@ -352,7 +336,7 @@ def _batches(root: ObjectURL, want: str, offset: str | None) -> Iterator[list[tu
     :data:`listing.PAGE_BYTES`. Where only obstore can sign (:func:`listing_client`), its batches."""
     import obstore
 
-    client = listing_client()
+    client = listing_client(state_of(root).limits)
     where = str(root)
     if client is None:
         for batch in obstore.list(store(root), want or None, offset=offset, chunk_size=LIST_BATCH):
