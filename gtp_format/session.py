@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from gtp_format.storage import base
 from gtp_format.storage.limits import Limits
 from gtp_format.storage.objects import BucketState
+from gtp_format.work import WorkFolders
 
 T = TypeVar("T")
 
@@ -38,7 +39,8 @@ class Session:
 
     def __init__(self, scoped: bool = True) -> None:
         self.limits = Limits()  # each read once, at its first use (gtp_format.storage.limits)
-        self.buckets = BucketState(scoped=scoped, limits=self.limits)
+        self.work = WorkFolders()  # the work folders its writers created (gtp_format.work)
+        self.buckets = BucketState(scoped=scoped, limits=self.limits, made=self.work)
 
     def bind(self, value: T) -> T:
         """``value`` (a location, or a list or tuple of them; anything else as it is) read and written
@@ -64,5 +66,9 @@ class Session:
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        try:
+            if kind is not None:  # a failed command: what it made and left is removed (token-proven only)
+                self.work.remove_left()
+        finally:
+            self.close()

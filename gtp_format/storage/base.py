@@ -36,6 +36,7 @@ from gtp_format.storage import local, objects, upload
 from gtp_format.storage.limits import Limits
 from gtp_format.storage.location import Location, ObjectURL, parse_location
 from gtp_format.storage.paths import unsafe_reason
+from gtp_format.work import WorkFolders, new_work
 
 T = TypeVar("T")
 
@@ -53,6 +54,7 @@ class Storage(ABC):
 
     location: Location
     limits: Limits  # the session's (gtp_format.storage.limits), read once; a storage without one has its own
+    made: WorkFolders | None = None  # the session's record of the work folders it created (gtp_format.work)
     in_place: bool  # the work folder lies beside the target and its commit is a rename (else: staged, uploaded)
     has_holes: bool  # a file may store fewer bytes than its size (a sparse local file); an object never does
     # every request is a network round trip: reads are worth planning, coalescing and fetching ahead (a
@@ -123,6 +125,11 @@ class Storage(ABC):
     def work_target(self, parent: Path) -> Path:
         """The name the work folder in ``parent`` is derived from (:func:`gtp_format.work.new_work`)."""
 
+    def new_work(self, target: Path, tag: str) -> Path:
+        """A new work folder of this writer's for ``target`` (:func:`gtp_format.work.new_work`), recorded by the
+        session that chose this storage (:attr:`made`)."""
+        return new_work(target, tag, self.made)
+
     @abstractmethod
     def commit(self, work: Path, fault: Callable[[str], None] | None = None, commit_object: str | None = None) -> None:
         """Publish the finished local ``work`` folder at the location, atomically and never over anything:
@@ -153,9 +160,10 @@ class LocalStorage(Storage):
     has_holes = True
     remote = False
 
-    def __init__(self, location: Path, limits: Limits | None = None) -> None:
+    def __init__(self, location: Path, limits: Limits | None = None, made: WorkFolders | None = None) -> None:
         self.location = location
         self.limits = limits or Limits()
+        self.made = made
 
     def open(self, rel: str, what: str = "data file") -> BinaryIO:
         return local.open_file(self.location, rel, what, self.limits)
@@ -244,6 +252,7 @@ class BucketStorage(Storage):
         state = state or (location.state if isinstance(location.state, objects.BucketState) else None)
         self.location = location.bound(state or objects.BucketState(scoped=False))
         self.limits = objects.state_of(self.location).limits
+        self.made = objects.state_of(self.location).made
 
     def open(self, rel: str, what: str = "data file") -> BinaryIO:
         return objects.ObjectFile(self.location, rel, what)  # type: ignore[return-value]
@@ -338,7 +347,9 @@ def storage_for(location: Location | str | os.PathLike[str] | Storage, session: 
     loc = parse_location(location) if isinstance(location, str | ObjectURL) else Path(location)
     if isinstance(loc, ObjectURL):
         return BucketStorage(loc, session.buckets if session is not None else None)
-    return LocalStorage(loc, session.limits if session is not None else None)
+    if session is None:
+        return LocalStorage(loc)
+    return LocalStorage(loc, session.limits, session.work)
 
 
 def bind(value: T, state: objects.BucketState) -> T:

@@ -184,9 +184,10 @@ class BucketState:
     session) asks the store each time.
     """
 
-    def __init__(self, scoped: bool = True, limits: Limits | None = None) -> None:
+    def __init__(self, scoped: bool = True, limits: Limits | None = None, made: Any = None) -> None:
         self.scoped = scoped
         self.limits = limits or Limits()  # the session's (its request timeout)
+        self.made = made  # the session's work folders (gtp_format.work.WorkFolders): a bucket output's staging
         self.lock = threading.Lock()
         self.sizes: dict[tuple[str, str], int] | None = {} if scoped else None  # (bucket, key) -> size
         self.listings: dict[tuple[str, str], dict[str, int | None]] = {}  # (bucket, prefix) -> listing

@@ -72,7 +72,6 @@ from gtp_format.work import (
     WorkFolder,
     clean_stale,
     drop_token,
-    new_work,
     own_before_removal,
     remove_entry,
     remove_owned,
@@ -245,7 +244,7 @@ class CheckpointWriter:
         self._signals = sigterm_raises()
         self._signals.__enter__()
         try:
-            self.work = new_work(self.storage.work_target(parent), self.tag)
+            self.work = self.storage.new_work(self.storage.work_target(parent), self.tag)
             if self.inner:
                 (self.work / self.inner).mkdir()
         except BaseException:

@@ -1,4 +1,5 @@
-"""The command session: its limits read once, its bucket clients and threads its own and ended with it."""
+"""The command session: its limits read once, the work folders it made removed when it fails, its bucket
+clients and threads its own and ended with it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from gtp_format.errors import FormatError
 from gtp_format.session import Session
 from gtp_format.storage import limits
 from gtp_format.storage.objects import BucketState
+from gtp_format.work import TOKEN_FILE, parse_work, proven
 
 
 def test_each_limit_is_read_once_at_its_first_use(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -24,6 +26,27 @@ def test_each_limit_is_read_once_at_its_first_use(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(FormatError, match=limits.TIMEOUT_ENV) as e:
         _ = session.limits.s3_timeout_s
     assert "\n" not in str(e.value)
+
+
+def test_a_failed_session_removes_the_work_folders_it_made_and_proves(tmp_path: Path) -> None:
+    target = tmp_path / "out"
+    with pytest.raises(RuntimeError), Session() as session:
+        store = session.storage(target)
+        made = store.new_work(target, "tmp")
+        (made / "data").write_bytes(b"x")
+        forged = store.new_work(tmp_path / "other", "tmp")
+        (forged / TOKEN_FILE).write_text("0" * 32 + "\n")  # no longer the token its name records
+        assert session.work.made() == [made, forged]
+        raise RuntimeError("the command failed")
+    assert not made.exists()  # made here and proven: removed
+    w = parse_work(forged)
+    assert forged.exists() and w is not None and not proven(w)  # not provably ours: kept, as everywhere
+
+
+def test_a_session_that_ends_well_removes_nothing(tmp_path: Path) -> None:
+    with Session() as session:
+        made = session.storage(tmp_path / "out").new_work(tmp_path / "out", "tmp")
+    assert made.exists()
 
 
 def test_a_sessions_threads_and_clients_end_with_it() -> None:
