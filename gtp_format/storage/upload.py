@@ -41,6 +41,7 @@ from gtp_format.names import (
 )
 from gtp_format.names import MEGATRON_METADATA_FILE as COMMIT_OBJECT
 from gtp_format.storage import objects
+from gtp_format.storage.limits import STAGING_ENV as STAGING_ENV  # the setting its refusals name
 from gtp_format.storage.location import ObjectURL
 
 PART = 16 << 20  # multipart part size; obstore uploads parts of one object concurrently
