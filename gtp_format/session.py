@@ -1,11 +1,10 @@
 """One command's session: the state a ``ckpt`` command, or one save or load of the runtime, keeps while it runs.
 
 What it owns: what the command keeps of the buckets it reads (the sizes and listings, the warmed side
-files, the small-read blocks: :class:`BucketState`) and where an ``s3://`` output is staged before its
-upload. Nothing of it outlives the session: a later command reads the store as it is then. The S3
-clients and the fetch threads are the process's, shared by its sessions: they hold nothing of a command,
-and a session's own cost every in-process command their start (measured in
-:func:`gtp_format.storage.objects._threads` and :func:`gtp_format.storage.objects._store_for`).
+files, the small-read blocks, the S3 clients and the fetch threads: :class:`BucketState`) and where an
+``s3://`` output is staged before its upload. Nothing of it outlives the session: a later command reads
+the store as it is then, and its threads end when it closes. A ``ckpt`` process runs one command, so a
+client and threads of the session's own cost it nothing a process-wide cache would save.
 
 How it reaches the code that reads: explicitly. The command (``ckpt_tool``'s error decorator; the
 runtime's save and load) creates the session and binds its locations to it (:meth:`Session.bind`); a bound
@@ -24,7 +23,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gtp_format.storage import base
+from gtp_format.storage.limits import Limits
 from gtp_format.storage.objects import BucketState
+from gtp_format.work import WorkFolders
 
 T = TypeVar("T")
 
@@ -37,8 +38,9 @@ class Session:
     """
 
     def __init__(self, scoped: bool = True) -> None:
-        self.buckets = BucketState(scoped=scoped)
-        self._staging: Path | None = None
+        self.limits = Limits()  # each read once, at its first use (gtp_format.storage.limits)
+        self.work = WorkFolders()  # the work folders its writers created (gtp_format.work)
+        self.buckets = BucketState(scoped=scoped, limits=self.limits, made=self.work)
 
     def bind(self, value: T) -> T:
         """``value`` (a location, or a list or tuple of them; anything else as it is) read and written
@@ -54,20 +56,19 @@ class Session:
         return base.storage_for(location, self)
 
     def staging_dir(self) -> Path:
-        """Where an ``s3://`` output is built before its upload (:func:`gtp_format.storage.upload.staging_dir`),
+        """Where an ``s3://`` output is built before its upload (:func:`gtp_format.storage.limits.staging_dir`),
         resolved once a session."""
-        if self._staging is None:
-            from gtp_format.storage.upload import staging_dir
-
-            self._staging = staging_dir()
-        return self._staging
+        return self.limits.staging
 
     def close(self) -> None:
         self.buckets.close()
-        self._staging = None
 
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        try:
+            if kind is not None:  # a failed command: what it made and left is removed (token-proven only)
+                self.work.remove_left()
+        finally:
+            self.close()

@@ -112,15 +112,48 @@ def _write_token(folder: Path, token: str) -> None:
         os.close(fd)
 
 
-def new_work(target: Path, tag: str) -> Path:
+def new_work(target: Path, tag: str, made: WorkFolders | None = None) -> Path:
     """Create this process's work folder for ``target``, with its ownership token inside (see the module
     docstring); returns it. A crash between the ``mkdir`` and the token leaves an empty folder that is
-    never proven (listed, not removed)."""
+    never proven (listed, not removed). ``made``: the session's record of what it created."""
     token = uuid.uuid4().hex
     path = work_name(target, tag, token)
     path.mkdir()
+    if made is not None:
+        made.add(path)  # before the token: a failure writing it leaves a folder the session knows it made
     _write_token(path, token)
     return path
+
+
+class WorkFolders:
+    """The work folders one session (:class:`gtp_format.session.Session`) created (:func:`new_work`), so that it
+    knows what it made and, when it ends by a failure, removes what of it is left: each only if it still holds
+    the token its name records (:func:`proven`; never by its name), its token last (:func:`remove_owned`). A
+    committed folder was renamed away (or, staged for a bucket, removed after its upload), so nothing of it is
+    left to remove. Each writer removes its own on a failure too; this is the session's own account."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._made: list[Path] = []
+
+    def add(self, path: Path) -> None:
+        with self._lock:
+            self._made.append(path)
+
+    def made(self) -> list[Path]:
+        """Every work folder created in the session, in order."""
+        with self._lock:
+            return list(self._made)
+
+    def remove_left(self) -> list[Path]:
+        """Remove the work folders of this session still there and proven its; the ones removed."""
+        removed = []
+        for path in self.made():
+            w = parse_work(path)
+            if w is not None and proven(w):
+                remove_owned(path)
+                removed.append(path)
+        return removed
 
 
 def own_before_removal(folder: Path, tag: str, token: str | None = None) -> Path:

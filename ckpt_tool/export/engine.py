@@ -82,7 +82,7 @@ from gtp_format.storage import objects
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.views.records import ParamView
-from gtp_format.work import new_work, remove_entry
+from gtp_format.work import remove_entry
 from gtp_format.writer.checkpoint import CheckpointWriter, data_file_name, megatron_metadata
 from gtp_format.writer.sink import Sink, stage_bytes
 
@@ -329,7 +329,7 @@ def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_byt
             shapes[key] = (entry_shape or v.full_shape, part[0].dtype)
             chunks.extend(part)
     if source.manifest is None:  # megatron-core's model buffers (the router's expert bias): copied as stored
-        from ckpt_tool.reshard.megatron_dp import buffer_chunks
+        from ckpt_tool.copying.megatron_plan import buffer_chunks
 
         chunks.extend(buffer_chunks(source, shapes))
     group = ranks.current()  # under torchrun: this rank writes its share of the data files; rank 0 the rest
@@ -375,7 +375,7 @@ def attest_file(dst: Path | ObjectURL, beside: Path | ObjectURL, record: dict[st
                                            "run_id": None}}, indent=1).encode()
     store = storage_for(beside)
     local = store.work_target(store.work_parent())  # the file itself, or its name in the upload staging folder
-    work = new_work(local, "tmp")  # this writer's, so a killed export's leftover is removed by the next one there
+    work = store.new_work(local, "tmp")  # this writer's, so a killed export's leftover is removed by the next one there
     tmp = work / local.name
     try:
         write_durable(tmp, raw)

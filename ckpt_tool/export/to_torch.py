@@ -37,7 +37,7 @@ from gtp_format.errors import FormatError
 from gtp_format.reader.boxes import PREFETCH_BUDGET
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
-from gtp_format.work import clean_stale, new_work, remove_entry, sigterm_raises
+from gtp_format.work import clean_stale, remove_entry, sigterm_raises
 from gtp_format.writer.checkpoint import DestinationTaken
 from gtp_format.writer.sink import Sink, stage_bytes
 from gtp_format.writer.torch_file import TorchStateFile
@@ -101,7 +101,7 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
     clean_stale(local.parent)  # what killed exports left beside DST
     # the file is built inside a work folder of this writer's (its ownership token inside), so a killed
     # export's partial file is removed by the next writer there, and only one this tool provably made
-    work = new_work(local, "tmp")
+    work = store.new_work(local, "tmp")
     tmp = work / local.name
     index = {k: i for i, k in enumerate(keys)}
     spec = [(k, entries[k].dtype, tuple(entries[k].shape)) for k in keys]

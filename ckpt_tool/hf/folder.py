@@ -166,7 +166,7 @@ def _plain_file(folder: Folder, name: Any, where: str) -> Path | ObjectURL:
 
 def _header(path: Path | ObjectURL) -> tuple[dict[str, Tensor], dict[str, str]]:
     remote = storage_for(path).remote
-    with (storage.open_regular(path.parent, path.name, "safetensors file") if remote else open(path, "rb")) as f:
+    with (storage.open_regular(path.parent, path.name, "safetensors file") if remote else storage.open_path(path)) as f:
         size = storage.size_of(f)
         head = f.read(8)
         if len(head) < 8:

@@ -1,7 +1,7 @@
 """``--sharding dp_reshardable``: the imported model laid out in the distributed optimizer's buckets at the target.
 
 The layout is the one ``ckpt reshard`` writes for a megatron-core target
-(:func:`ckpt_tool.reshard.megatron_dp.plan_megatron`: megatron-core's bucket rules per stage, TP
+(:func:`ckpt_tool.copying.megatron_plan.plan_megatron`: megatron-core's bucket rules per stage, TP
 splits of the GPT local spec, each chunk in the file of the rank that would have written it), run
 over a per-parameter view of the HF folder instead of a source checkpoint: one
 :class:`~gtp_format.views.records.ParamView` per megatron-core parameter, in megatron-core's module
@@ -16,7 +16,7 @@ plan's model-weight chunks of such a parameter are cut into their gate and up ru
 ``[gate; up]`` rows megatron-core's checkpoint stores (in the same rank's file).
 
 The byte objects: ``per_bucket_numel[_unpadded]`` per model-parallel rank (the plan's numels,
-pickled by :func:`ckpt_tool.reshard.megatron_dp_objects.numel_blob`), the param groups per rank
+pickled by :func:`ckpt_tool.copying.megatron_blobs.numel_blob`), the param groups per rank
 (:func:`.megatron_fresh.optimizer_object`) and ``common_state`` (:func:`.megatron_fresh.common_state`).
 Layout without ``--overlap-grad-reduce`` (one bucket per buffer): a run with it splits large stage-0
 buffers into ``--ddp-bucket-size`` buckets and loads ``fully_reshardable`` instead.
@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool.copying import WEIGHT_STATE
+from ckpt_tool.copying.megatron_blobs import numel_blob
+from ckpt_tool.copying.megatron_plan import plan_megatron
 from ckpt_tool.copying.plan import OutChunk
 from ckpt_tool.hf.megatron_fresh import EXPERT_PREFIX, optimizer_object, torch_object
 from ckpt_tool.hf.megatron_model import EXPERT_KEY, HFMegatron, MegatronParam
-from ckpt_tool.reshard.megatron_dp import plan_megatron
-from ckpt_tool.reshard.megatron_dp_objects import numel_blob
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.megatron.keys import HEAD, LAYER, TAIL
 from gtp_format.names import OPT_PREFIX

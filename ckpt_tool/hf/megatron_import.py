@@ -13,7 +13,7 @@ model saves at iteration 0 with ``--ckpt-format torch_dist --use-distributed-opt
   and megatron-core's loader reads them at any TP x PP.
 * ``dp_reshardable`` (the default, megatron-core's own default): the same state laid out in the
   distributed optimizer's buckets of the target topology, by the writer of ``ckpt reshard``
-  (:func:`ckpt_tool.reshard.megatron_dp.plan_megatron` over this folder's per-parameter view,
+  (:func:`ckpt_tool.copying.megatron_plan.plan_megatron` over this folder's per-parameter view,
   :mod:`.megatron_fresh`).
 
 The optimizer state is a fresh one: fp32 master weights equal to the model weights (bf16 widens

@@ -28,17 +28,18 @@ Never unpickled; each is the source's blob, copied or edited on its pickle *opco
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
-from ckpt_tool.reshard.megatron_objects import COMMON, blob_records, pickle_ops, pickle_str
+from ckpt_tool.copying.megatron_blobs import INT_OPS as _INT
+from ckpt_tool.copying.megatron_blobs import PUT_OPS as _PUT
+from ckpt_tool.copying.megatron_blobs import blob_records, numel_blob, pickle_ops
+from ckpt_tool.copying.megatron_blobs import pickle_int as _int
+from ckpt_tool.reshard.megatron_objects import COMMON, pickle_str
 from gtp_format.errors import FormatError
 from gtp_format.reader.checkpoint import Checkpoint
 from gtp_format.reader.chunks import chunk_bytes
 from gtp_format.writer.torch_blob import object_blob
 
-_PUT = ("BINPUT", "LONG_BINPUT")
-_INT = ("BININT", "BININT1", "BININT2", "LONG1")
 _STR = ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE")
 ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
         "data_parallel_size", "world_size")
@@ -51,60 +52,11 @@ VIRTUAL = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipel
            "num_virtual_stages_per_pipeline_rank")
 
 
-def _int(v: int) -> bytes:
-    if 0 <= v < 256:
-        return b"K" + bytes((v,))
-    if 0 <= v < 65536:
-        return b"M" + struct.pack("<H", v)
-    if -(1 << 31) <= v < (1 << 31):
-        return b"J" + struct.pack("<i", v)
-    raw = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
-    return b"\x8a" + bytes((len(raw),)) + raw
-
-
 def _blob(ckpt: Checkpoint, key: str) -> bytes:
     e = ckpt.entries.get(key)
     if e is None or e.kind != "bytes" or not e.chunks:
         raise FormatError(f"{ckpt.root}: byte object {key} is missing; reshard of this checkpoint is not supported")
     return bytes(chunk_bytes(ckpt, e, e.chunks[0]))
-
-
-_DTYPES = ("bfloat16", "float16", "float32", "float64", "uint8")  # megatron-core's buffer dtypes (uint8: fp8 storage)
-
-
-def _dtype_global(root: str, key: str, name: str) -> bytes:
-    """The pickle GLOBAL of ``torch.<name>`` (``torch.bfloat16`` from a key tag), as torch.save writes a dtype."""
-    bare = name.removeprefix("torch.")
-    if bare not in _DTYPES:
-        raise FormatError(f"{root}: {key}: buffer dtype {name!r} is not one megatron-core keeps a buffer in")
-    return b"ctorch\n" + bare.encode() + b"\n"
-
-
-def numel_blob(root: str, key: str, blob: bytes, buffers: list[tuple[str, list[int]]]) -> bytes:
-    """``blob`` (a ``[[{dtypes: [n, ...]}, ...]]`` object) with its pickle written anew for ``buffers``.
-
-    ``buffers``: per gbuf, its key tag ``(torch.bfloat16, torch.float32)`` and bucket numels. Written
-    anew, not edited, because a target stage can hold the source's buffers in another order (a stage
-    that starts with an fp32 layernorm has its fp32 buffer first). The source must be such an object
-    (dtype GLOBALs, ints, lists, dicts: nothing else), so its other records are kept as they are.
-    """
-    prefix, records = blob_records(root, key, blob)
-    ops = pickle_ops(root, key, dict(records)["data.pkl"])
-    allowed = {"PROTO", "EMPTY_LIST", "EMPTY_DICT", "MARK", "TUPLE2", "APPEND", "APPENDS", "SETITEM", "SETITEMS",
-               "STOP", "GLOBAL", *_PUT, "BINGET", "LONG_BINGET", *_INT}
-    bad = next((n for n, a, _ in ops if n not in allowed or (n == "GLOBAL" and not str(a).startswith("torch "))), None)
-    if bad is not None or len(ops) < 3 or ops[1][0] != "EMPTY_LIST":
-        raise FormatError(f"{root}: byte object {key} is not a list of {{(param dtype, grad dtype): [numel, ...]}} "
-                          f"per gbuf ({bad or 'another structure'}); reshard of this optimizer state is not supported")
-    body = b""
-    for dtag, numels in buffers:
-        names = [d.strip() for d in dtag.strip("()").split(",")]
-        if len(names) != 2:
-            raise FormatError(f"{root}: {key}: buffer tag {dtag!r} is not (param dtype, grad dtype)")
-        body += (b"}" + _dtype_global(root, key, names[0]) + _dtype_global(root, key, names[1]) + b"\x86]("
-                 + b"".join(_int(n) for n in numels) + b"es")  # {(pd, gd): [n, ...]}
-    new = b"\x80\x02]](" + body + b"ea."  # [[buffer, ...]]
-    return object_blob(prefix, [(n, new if n == "data.pkl" else d) for n, d in records])
 
 
 def common_blob(root: str, blob: bytes, sizes: dict[str, int], layout: dict[str, int | None] | None = None) -> bytes:

@@ -30,14 +30,13 @@ persistent ids) is refused in one line.
 
 from __future__ import annotations
 
-import pickletools
 import struct
 from typing import Any
 
+from ckpt_tool.copying.megatron_blobs import blob_records, pickle_ops
 from gtp_format.errors import FormatError
 from gtp_format.reader.checkpoint import Checkpoint
 from gtp_format.reader.chunks import chunk_bytes
-from gtp_format.reader.zip_blob import BlobError, ViewReader, small_record, zip_records
 from gtp_format.writer.torch_blob import object_blob
 
 COMMON = "common_state/shard_0_1"
@@ -47,40 +46,6 @@ _PUT = ("BINPUT", "LONG_BINPUT")
 _GET = ("BINGET", "LONG_BINGET")
 _STR = ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE")
 _INT = ("BININT", "BININT1", "BININT2")
-_REFUSED = ("MEMOIZE", "FRAME", "PERSID", "BINPERSID", "PROTO")
-
-
-def blob_records(root: str, key: str, blob: bytes) -> tuple[str, list[tuple[str, bytes]]]:
-    """(prefix, [(name, bytes)]) of a torch.save blob's records, CRC-checked, in stored order."""
-    reader = ViewReader(memoryview(blob))
-    try:
-        recs = sorted(zip_records(reader).values(), key=lambda r: r.header_offset)
-        out = [(r.name, small_record(reader, r)) for r in recs]
-    except BlobError as e:
-        raise FormatError(f"{root}: byte object {key} is not an intact torch.save blob ({e}); run `ckpt verify "
-                          "--data` on it") from None
-    pkl = [n for n, _ in out if n.endswith("/data.pkl")]
-    if len(pkl) != 1:
-        raise FormatError(f"{root}: byte object {key} has no data.pkl record; it is not a torch.save blob")
-    prefix = pkl[0][: -len("data.pkl")]
-    return prefix, [(n[len(prefix):], data) for n, data in out]
-
-
-def pickle_ops(root: str, key: str, pkl: bytes) -> list[tuple[str, Any, bytes]]:
-    """(opcode name, argument, raw bytes) of every opcode, decoded without being run."""
-    try:
-        decoded = list(pickletools.genops(pkl))
-    except (ValueError, struct.error) as e:
-        raise FormatError(f"{root}: byte object {key}'s pickle does not decode ({e})") from None
-    ends = [pos for _, _, pos in decoded[1:]] + [len(pkl)]
-    out = [(op.name, arg, pkl[pos:end]) for (op, arg, pos), end in zip(decoded, ends)]
-    if not out or out[0][0] != "PROTO" or out[0][1] != 2:
-        raise FormatError(f"{root}: byte object {key} is not a protocol-2 pickle as torch.save writes it; "
-                          "export of this common state is not supported")
-    if any(name in _REFUSED for name, _, _ in out[1:]):
-        raise FormatError(f"{root}: byte object {key} holds opcodes torch.save's object pickles do not "
-                          "(memo frames or persistent ids); export of this common state is not supported")
-    return out
 
 
 def _memo_op(name: str, index: int) -> bytes:

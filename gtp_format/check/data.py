@@ -70,7 +70,7 @@ from gtp_format.reader.chunks import (
     check_layout,
     checked_ref,
 )
-from gtp_format.reader.storage import is_sparse, open_regular, past_end_message, sparse_file_message
+from gtp_format.reader.storage import open_regular, past_end_message
 from gtp_format.reader.storage import streamed as streamed_file
 from gtp_format.reader.zip_blob import BlobError, RangeReader
 from gtp_format.scan import can_hold_nonfinite
@@ -347,28 +347,27 @@ class _FilePass:
             self.failed = True
             self.remaining = 1
             return []
-        if isinstance(f, ObjectFile):  # a bucket's object: ranged reads, its size the store's (no holes)
+        if f.remote:  # type: ignore[attr-defined]  # a bucket's object: ranged reads, its size the store's (no holes)
             self.obj, self.size = streamed_file(f), f.size  # type: ignore[assignment]
             self.window, self.whole = PART, 2 * PART
             steps = self._plan()
             self.stream = ObjectStream(f, [(s.start, s.stop) for s in steps], aligned=True)
             self.remaining = max(1, len(steps))
             return steps
-        st = os.fstat(f.fileno())
-        if is_sparse(st):
+        message = f.sparse_message(self.rel)  # type: ignore[attr-defined]
+        if message is not None:
             # Holes: reading (and hashing) them costs time for bytes nobody wrote; a 16 TiB sparse
             # file under a matching manifest size would keep verify --data busy for hours.
             f.close()
-            message = sparse_file_message(self.rel, st)
             for it in self.items:
                 self.planned.error(ChunkError(f"{it.entry.key} chunk {it.chunk.index}: {message}", file=self.rel),
                                    it.entry, it.chunk)
             self.failed = True
             self.remaining = 1
             return []
+        self.size = f.size  # type: ignore[attr-defined]
         self.fd = os.dup(f.fileno())
         f.close()
-        self.size = st.st_size
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         steps = self._plan()

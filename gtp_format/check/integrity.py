@@ -35,7 +35,6 @@ were 8 of the weights-only export's 10 s in a profile (py-spy); see ``docs/perfo
 from __future__ import annotations
 
 import bisect
-import os
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,19 +48,15 @@ from gtp_format.reader.blob import parse_blob
 from gtp_format.reader.chunks import check_byte_object, checked_ref
 from gtp_format.reader.storage import (
     Source,
-    is_sparse,
     open_regular,
     pread,
     pread_into,
     size_of,
     source_of,
-    sparse_file_message,
     streamed,
 )
-from gtp_format.reader.storage import readable_bytes as file_readable_bytes
 from gtp_format.reader.zip_blob import BlobError, RangeReader
 from gtp_format.storage.base import storage_for
-from gtp_format.storage.objects import ObjectFile
 
 BLOCK = 8 << 20  # gap reads, bounded whatever the file
 FILL_TASK = 64 << 20  # background fill: ranges are cut into tasks of this size, read BLOCK at a time
@@ -191,7 +186,7 @@ class ReadLedger:
         (benchmarks/cli_stages.py). Anything wrong here (a record that is not an intact blob, a file that
         shrank) is left to ``finish``, which reads it again and reports it in its own words."""
         with open_regular(self.ckpt.root, rel) as f:
-            if not isinstance(f, ObjectFile) and is_sparse(os.fstat(f.fileno())):
+            if f.sparse_message(rel) is not None:  # type: ignore[attr-defined]
                 return
             src, size = source_of(f), size_of(f)
             for entry, chunk in run:
@@ -209,7 +204,7 @@ class ReadLedger:
 
     def _fill_range(self, rel: str, lo: int, hi: int) -> None:
         with open_regular(self.ckpt.root, rel) as f:
-            if not isinstance(f, ObjectFile) and is_sparse(os.fstat(f.fileno())):
+            if f.sparse_message(rel) is not None:  # type: ignore[attr-defined]
                 return  # holes nobody wrote: finish() refuses the file without reading them
             self._fill_range_of(source_of(f), rel, size_of(f), lo, hi)  # a descriptor, or a bucket's object
 
@@ -260,11 +255,11 @@ class ReadLedger:
                 self._pieces[rel] = sorted(self._pieces.get(rel, ()))
             try:
                 with streamed(open_regular(self.ckpt.root, rel)) as f:
-                    if not isinstance(f, ObjectFile) and is_sparse(st := os.fstat(f.fileno())):
+                    sparse = f.sparse_message(rel)  # type: ignore[attr-defined]
+                    if sparse is not None:
                         # reading (and hashing) the holes of a 16 TiB sparse file under a matching manifest
                         # kept export busy for hours (the hostile corpus run from a bucket found it)
-                        raise DamagedSource(f"{self.ckpt.root / rel}: {sparse_file_message(rel, st)}; nothing "
-                                            "was written")
+                        raise DamagedSource(f"{self.ckpt.root / rel}: {sparse}; nothing was written")
                     fd, size = source_of(f), size_of(f)
                     if mode.size is not None and size != mode.size:
                         raise DamagedSource(f"{self.ckpt.root / rel}: is {size} bytes but the manifest says "
@@ -406,5 +401,5 @@ def readable_bytes(ckpt: Checkpoint) -> int:
     total = 0
     for rel in ckpt.data_files:
         with open_regular(ckpt.root, rel) as f:  # an object in a bucket stores every byte of its size
-            total += size_of(f) if isinstance(f, ObjectFile) else file_readable_bytes(os.fstat(f.fileno()))
+            total += f.readable_bytes()  # type: ignore[attr-defined]
     return total

@@ -9,7 +9,6 @@ not hide the next one: a verify run reports everything it can see.
 from __future__ import annotations
 
 import math
-import os
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -44,8 +43,7 @@ from gtp_format.model import BYTES, ENC_RAW, ENC_TORCH_SAVE, TENSOR, Checkpoint,
 from gtp_format.names import OPT_PREFIX, OptimizerKey, dtype_tag, per_bucket_numel_key
 from gtp_format.progress import Progress
 from gtp_format.reader.chunks import declared_size_problem, load_elements, load_plain
-from gtp_format.reader.storage import file_size, is_sparse, open_regular, sparse_file_message, unsafe_reason
-from gtp_format.storage.objects import ObjectFile
+from gtp_format.reader.storage import file_size, open_regular, unsafe_reason
 
 CHEAP_OBJECT_BYTES = 1 << 20  # per_bucket_numel objects below this are decoded even without --data
 BUCKET_TABLE_READS = 8  # per_bucket_numel tables read at once (each at most CHEAP_OBJECT_BYTES without --data)
@@ -490,9 +488,9 @@ def check_manifest_files(ckpt: Checkpoint, data: bool, digests: dict[str, dict[s
         if not all(a in have for a in known):
             try:
                 with open_regular(ckpt.root, rel) as f:
-                    st = None if isinstance(f, ObjectFile) else os.fstat(f.fileno())  # an object has no holes
-                    if st is not None and is_sparse(st):  # hashing holes is time spent on bytes nobody wrote
-                        raise ChunkError(sparse_file_message(rel, st), file=rel)
+                    sparse = f.sparse_message(rel)  # type: ignore[attr-defined]  # an object has no holes
+                    if sparse is not None:  # hashing holes is time spent on bytes nobody wrote
+                        raise ChunkError(sparse, file=rel)
                     have = file_digests(f, known)
             except ChunkError as err:
                 out.append(Problem("error", "checksum", err.message, file=rel))

@@ -171,7 +171,7 @@ class BoxReader:
                 obj, _ = self._file(ref.file)
             except ChunkError:
                 continue  # the copy's own read reports it
-            if isinstance(obj, objects.ObjectFile):
+            if obj.remote:  # type: ignore[union-attr]
                 extents.append((obj, ref.offset, ref.offset + ref.length, (e.key, c.index)))
         self._plan = PlanPrefetch(extents, budget, self._served)
 

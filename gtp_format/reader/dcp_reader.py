@@ -188,7 +188,7 @@ def read_dcp_metadata(loc: Located, data_files: dict[str, int], keep_records: bo
     path = loc.folder / DCP_METADATA_FILE
     fix = f"restore {DCP_METADATA_FILE} from a good copy, or raise {METADATA_LIMIT_ENV} if it is genuine"
     stored = sum(stored_size(loc.folder, name) for name in data_files)  # not st_size: sparse files are free
-    raw = read_small_file(path, metadata_limit(stored), "DCP metadata", fix)
+    raw = read_small_file(path, metadata_limit(stored, loc.folder), "DCP metadata", fix)
     with gc_paused():  # millions of small objects, none of them garbage: see gc_paused
         md = load_metadata_pickle(raw, str(path))
         size = len(raw)

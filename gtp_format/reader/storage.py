@@ -18,19 +18,25 @@ import os
 from pathlib import Path
 from typing import BinaryIO
 
-from gtp_format.errors import ChunkError, FormatError
-from gtp_format.numbers import NumberError, parse_int
 from gtp_format.reader.preads import Into
 from gtp_format.storage import objects
 from gtp_format.storage.base import Storage, storage_for
-from gtp_format.storage.local import (
+from gtp_format.storage.limits import (
     HOLE_FACTOR,
     HOLE_FACTOR_ENV,
+    METADATA_CEILING,
+    METADATA_FLOOR,
+    METADATA_LIMIT_ENV,
+    metadata_override,
+)
+from gtp_format.storage.local import (
     MAX_LINKS,
     SPARSE_SLACK,
+    LocalFile,
     budget_of,
     hole_factor,
     is_sparse,
+    open_path,
     read_budget,
     readable_bytes,
     sparse_file_message,
@@ -42,9 +48,9 @@ from gtp_format.storage.paths import past_end_message, unsafe_reason
 
 Root = Path | ObjectURL | Storage  # where a checkpoint's files are: a location, or its storage already chosen
 
-__all__ = ["HOLE_FACTOR", "HOLE_FACTOR_ENV", "MAX_LINKS", "SPARSE_SLACK", "budget_of", "hole_factor", "is_sparse",
-           "past_end_message", "read_budget", "readable_bytes", "sparse_file_message", "sparse_message",
-           "stored_bytes", "unsafe_reason"]
+__all__ = ["HOLE_FACTOR", "HOLE_FACTOR_ENV", "MAX_LINKS", "METADATA_LIMIT_ENV", "SPARSE_SLACK", "budget_of",
+           "hole_factor", "is_sparse", "open_path", "past_end_message", "read_budget", "readable_bytes",
+           "sparse_file_message", "sparse_message", "stored_bytes", "unsafe_reason"]
 
 
 def open_regular(root: Root, rel: str, what: str = "data file") -> BinaryIO:
@@ -57,8 +63,7 @@ def streamed(f: BinaryIO) -> BinaryIO:
     """``f`` (from :func:`open_regular`) marked as read by a streaming pass: a bucket's object then serves its
     small reads from a block cache (:meth:`gtp_format.storage.objects.ObjectFile.stream_small_reads`); a local
     file is left as it is (the page cache does that already)."""
-    if isinstance(f, objects.ObjectFile):
-        f.stream_small_reads()
+    f.stream_small_reads()  # type: ignore[attr-defined]
     return f
 
 
@@ -70,16 +75,14 @@ def stored_size(root: Root, rel: str) -> int:
 
 def readable_size(root: Root, rel: str) -> int:
     """:func:`readable_bytes` of a regular file inside ``root`` (0 when it is not one: no error)."""
-    st = storage_for(root).stat(rel)
-    return 0 if st is None else min(st.size, budget_of(st.stored))
+    store = storage_for(root)
+    st = store.stat(rel)
+    return 0 if st is None else min(st.size, budget_of(st.stored, store.limits.hole_factor))
 
 
-METADATA_LIMIT_ENV = "CKPT_MAX_METADATA_BYTES"
-METADATA_FLOOR = 1 << 20  # genuine fixtures' .metadata are 13-106 KB; the env variable covers the rest
-METADATA_CEILING = 4 << 30
 
 
-def metadata_limit(data_bytes: int) -> int:
+def metadata_limit(data_bytes: int, root: Root | None = None) -> int:
     """Largest checkpoint metadata file (DCP ``.metadata``, a safetensors index) we agree to parse.
 
     A metadata entry is a few hundred bytes per chunk while every chunk's blob is at least about a
@@ -87,15 +90,11 @@ def metadata_limit(data_bytes: int) -> int:
     what the data files really store (:func:`gtp_format.reader.storage.stored_bytes`), not their
     sizes: one sparse 16 TiB data file made a 400 MB ``.metadata`` look plausible.
     The floor keeps partial copies (data files missing) readable; the environment variable is the
-    escape hatch the error message names.
+    escape hatch the error message names (read once by the session of ``root``'s storage).
     """
-    override = os.environ.get(METADATA_LIMIT_ENV)
+    override = metadata_override() if root is None else storage_for(root).limits.metadata_override
     if override is not None:
-        try:
-            return parse_int(override, METADATA_LIMIT_ENV, 0)
-        except NumberError:
-            raise FormatError(f"{METADATA_LIMIT_ENV}={override[:40]!r} is not a byte count; set it to an integer "
-                              "in ASCII digits") from None
+        return override
     return min(METADATA_CEILING, max(METADATA_FLOOR, data_bytes))
 
 
@@ -134,22 +133,24 @@ def read_range(root: Root, rel: str, offset: int, length: int,
     return storage_for(root).read_range(rel, offset, length, into)
 
 
-Source = int | objects.ObjectFile  # what a reader keeps open: a local descriptor or a bucket's object
+# what a reader keeps open: a file :func:`open_regular` opened, or a bare descriptor a reader keeps of its own
+Source = int | LocalFile | objects.ObjectFile
 
 
 def source_of(f: BinaryIO) -> Source:
-    """The descriptor of a file :func:`open_regular` opened, or the object itself when it is a bucket's."""
-    return f if isinstance(f, objects.ObjectFile) else f.fileno()
+    """What a reader keeps of a file :func:`open_regular` opened, for :func:`pread` and :func:`pread_into`."""
+    return f  # type: ignore[return-value]
 
 
 def size_of(f: BinaryIO) -> int:
     """Size of a file :func:`open_regular` opened: ``fstat``'s, or the store's for an object."""
-    return f.size if isinstance(f, objects.ObjectFile) else os.fstat(f.fileno()).st_size
+    return f.size  # type: ignore[attr-defined]
 
 
 def pread(src: Source, n: int, offset: int) -> bytes:
-    """``os.pread`` on a descriptor; one bounded ranged read on an object (fewer bytes only at its end)."""
-    return src.pread(n, offset) if isinstance(src, objects.ObjectFile) else os.pread(src, n, offset)
+    """``os.pread`` of a local file (or a bare descriptor); one bounded ranged read of an object (fewer bytes
+    only at its end)."""
+    return os.pread(src, n, offset) if type(src) is int else src.pread(n, offset)  # type: ignore[union-attr]
 
 
 def pread_into(fd: Source, rel: str, size: int, offset: int, out: memoryview) -> None:
@@ -159,18 +160,7 @@ def pread_into(fd: Source, rel: str, size: int, offset: int, out: memoryview) ->
     For readers that keep a file open across many reads (:class:`gtp_format.reader.boxes.BoxReader`):
     the bytes land straight in the caller's buffer, with no allocation and no re-open per read.
     """
-    if isinstance(fd, objects.ObjectFile):
-        objects.read_into(fd.root, fd.rel, size, offset, out)
-        return
-    length = out.nbytes
-    if type(offset) is not int or offset < 0 or offset + length > size:
-        raise ChunkError(past_end_message(rel, offset, length, size), file=rel)
-    done = 0
-    while done < length:
-        got = os.preadv(fd, [out[done:]], offset + done)
-        if got <= 0:
-            raise ChunkError(f"data file {rel} shrank while reading [{offset}, {offset + length})", file=rel)
-        done += got
+    fd.read_into(rel, size, offset, out)
 
 
 def read_small_file(path: Path | ObjectURL, limit: int, what: str, fix: str) -> bytes:

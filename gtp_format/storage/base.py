@@ -33,8 +33,10 @@ from typing import Any, BinaryIO, TypeVar
 
 from gtp_format.errors import FormatError
 from gtp_format.storage import local, objects, upload
+from gtp_format.storage.limits import Limits
 from gtp_format.storage.location import Location, ObjectURL, parse_location
 from gtp_format.storage.paths import unsafe_reason
+from gtp_format.work import WorkFolders, new_work
 
 T = TypeVar("T")
 
@@ -51,6 +53,8 @@ class Storage(ABC):
     """A checkpoint location's files (``rel``: a plain relative name below :attr:`location`)."""
 
     location: Location
+    limits: Limits  # the session's (gtp_format.storage.limits), read once; a storage without one has its own
+    made: WorkFolders | None = None  # the session's record of the work folders it created (gtp_format.work)
     in_place: bool  # the work folder lies beside the target and its commit is a rename (else: staged, uploaded)
     has_holes: bool  # a file may store fewer bytes than its size (a sparse local file); an object never does
     # every request is a network round trip: reads are worth planning, coalescing and fetching ahead (a
@@ -121,11 +125,22 @@ class Storage(ABC):
     def work_target(self, parent: Path) -> Path:
         """The name the work folder in ``parent`` is derived from (:func:`gtp_format.work.new_work`)."""
 
+    def new_work(self, target: Path, tag: str) -> Path:
+        """A new work folder of this writer's for ``target`` (:func:`gtp_format.work.new_work`), recorded by the
+        session that chose this storage (:attr:`made`)."""
+        return new_work(target, tag, self.made)
+
     @abstractmethod
     def commit(self, work: Path, fault: Callable[[str], None] | None = None, commit_object: str | None = None) -> None:
         """Publish the finished local ``work`` folder at the location, atomically and never over anything:
         ``FileExistsError`` (a folder) or :class:`gtp_format.storage.upload.Taken` (a bucket) when the target
         appeared meanwhile; what this commit made is removed on a failure."""
+
+    @abstractmethod
+    def committed(self, work: Path) -> None:
+        """After :meth:`commit`: what is left of the work (a folder: the ownership token in the committed folder,
+        which is no checkpoint file, :mod:`gtp_format.work`; a bucket: the uploaded local copy) removed, and
+        the commit made durable."""
 
     @abstractmethod
     def put(self, local_file: Path) -> None:
@@ -145,11 +160,13 @@ class LocalStorage(Storage):
     has_holes = True
     remote = False
 
-    def __init__(self, location: Path) -> None:
+    def __init__(self, location: Path, limits: Limits | None = None, made: WorkFolders | None = None) -> None:
         self.location = location
+        self.limits = limits or Limits()
+        self.made = made
 
     def open(self, rel: str, what: str = "data file") -> BinaryIO:
-        return local.open_file(self.location, rel, what)
+        return local.open_file(self.location, rel, what, self.limits)
 
     def stat(self, rel: str) -> Stat | None:
         if unsafe_reason(rel) is not None:
@@ -175,7 +192,7 @@ class LocalStorage(Storage):
 
     def read_range(self, rel: str, offset: int, length: int,
                    into: Callable[[int], memoryview] | None = None) -> bytearray | memoryview:
-        return local.read_range(self.location, rel, offset, length, into)
+        return local.read_range(self.location, rel, offset, length, into, self.limits)
 
     def read_small(self, limit: int, what: str, fix: str) -> bytes:
         return local.read_small(self.location, limit, what, fix)
@@ -202,6 +219,13 @@ class LocalStorage(Storage):
 
         commit_new_folder(work, self.location)
 
+    def committed(self, work: Path) -> None:
+        from gtp_format.commit import fsync_dir
+        from gtp_format.work import drop_token
+
+        drop_token(self.location)
+        fsync_dir(self.location)
+
     def put(self, local_file: Path) -> None:
         from gtp_format.commit import commit_file
 
@@ -227,6 +251,8 @@ class BucketStorage(Storage):
         # everything read or written through this storage and the locations it hands out shares one client
         state = state or (location.state if isinstance(location.state, objects.BucketState) else None)
         self.location = location.bound(state or objects.BucketState(scoped=False))
+        self.limits = objects.state_of(self.location).limits
+        self.made = objects.state_of(self.location).made
 
     def open(self, rel: str, what: str = "data file") -> BinaryIO:
         return objects.ObjectFile(self.location, rel, what)  # type: ignore[return-value]
@@ -274,7 +300,7 @@ class BucketStorage(Storage):
         if problem is None:
             objects.store(self.location)  # the client as the ranks will build it: the timeout setting too
         if writing:
-            upload.staging_dir()  # where each rank builds its files before the upload
+            self.limits.staging  # noqa: B018 - where each rank builds its files before the upload: it must exist
         return problem
 
     def exists(self) -> bool:
@@ -286,7 +312,7 @@ class BucketStorage(Storage):
             raise upload.Taken(dst)
 
     def work_parent(self, session: Any = None) -> Path:
-        return session.staging_dir() if session is not None else upload.staging_dir()
+        return session.staging_dir() if session is not None else self.limits.staging
 
     def work_target(self, parent: Path) -> Path:
         # a bucket's top level (an empty prefix) has no name: the work folder is named after the bucket
@@ -299,6 +325,11 @@ class BucketStorage(Storage):
         except BaseException:
             up.undo()
             raise
+
+    def committed(self, work: Path) -> None:
+        from gtp_format.work import remove_entry
+
+        remove_entry(work)
 
     def put(self, local_file: Path) -> None:
         upload.Upload(self.location).run_file(local_file)
@@ -316,7 +347,9 @@ def storage_for(location: Location | str | os.PathLike[str] | Storage, session: 
     loc = parse_location(location) if isinstance(location, str | ObjectURL) else Path(location)
     if isinstance(loc, ObjectURL):
         return BucketStorage(loc, session.buckets if session is not None else None)
-    return LocalStorage(loc)
+    if session is None:
+        return LocalStorage(loc)
+    return LocalStorage(loc, session.limits, session.work)
 
 
 def bind(value: T, state: objects.BucketState) -> T:

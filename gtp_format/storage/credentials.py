@@ -37,13 +37,12 @@ without spaces and of bounded length, an expiry is a timestamp with a zone; keys
 refused. Every failure is one line naming the source (the variable or the endpoint) and the fix; no key,
 secret, token or answer body is ever printed (an STS error shows its ``<Code>`` only).
 
-Resolved keys are kept (:func:`_fetched`, keyed by the whole configuration) until
-:data:`REFRESH_SECONDS` before they expire, obstore's own refresh margin; then fetched again.
+Resolved keys are kept by the caller's session (``kept`` of :func:`resolve`, keyed by the whole configuration)
+until :data:`REFRESH_SECONDS` before they expire, obstore's own refresh margin; then fetched again.
 """
 
 from __future__ import annotations
 
-import functools
 import http.client
 import ipaddress
 import json
@@ -56,6 +55,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 from xml.etree.ElementTree import ParseError, XMLPullParser
 
 from gtp_format.errors import FormatError
@@ -408,7 +408,6 @@ def _configuration() -> tuple[str, ...]:
     return tuple(os.environ.get(n) or "" for n in names) + (CONTAINER_HOST, METADATA_ENDPOINT)
 
 
-@functools.lru_cache(maxsize=8)
 def _fetched(configuration: tuple[str, ...], region: str) -> Credentials:
     """Keys from the first temporary source configured (the module docstring's sources 3-6), or an
     empty :class:`Credentials` where none is; kept until :meth:`Credentials.stale`."""
@@ -422,8 +421,10 @@ def _fetched(configuration: tuple[str, ...], region: str) -> Credentials:
     return Credentials()
 
 
-def resolve(bucket: str) -> Credentials:
-    """The keys of a request to ``bucket`` (the module docstring's order), or one line saying why none."""
+def resolve(bucket: str, kept: dict[tuple[Any, ...], Credentials] | None = None) -> Credentials:
+    """The keys of a request to ``bucket`` (the module docstring's order), or one line saying why none.
+    ``kept``: the session's keys from temporary sources (:class:`gtp_format.storage.objects.BucketState`), used
+    until they are stale and replaced then; None fetches them anew."""
     if flag("AWS_SKIP_SIGNATURE"):
         return Credentials(source="AWS_SKIP_SIGNATURE")
     found = profiles.settings()  # a named profile that is absent, or a file that does not parse: one line
@@ -431,10 +432,11 @@ def resolve(bucket: str) -> Credentials:
         source = f"profile {found.profile!r}" if found.profile else "AWS_ACCESS_KEY_ID"
         return Credentials(found.access_key_id, found.secret_access_key, found.session_token, source)
     key = (_configuration(), found.region or "us-east-1")
-    got = _fetched(*key)
-    if got.stale(time.time()):
-        _fetched.cache_clear()  # close to their expiry: fetched again, as obstore refreshes them
+    got = kept.get(key) if kept is not None else None
+    if got is None or got.stale(time.time()):  # close to their expiry: fetched again, as obstore refreshes them
         got = _fetched(*key)
+        if kept is not None:
+            kept[key] = got
     if got.key is not None:
         return got
     if found.no_keys_why is not None:

@@ -18,7 +18,8 @@ files and byte ranges, and a checkpoint may come from anywhere. The rules, enfor
 * What may be *allocated* or *read* is bounded by what a file really stores, not by its size: a
   sparse file (``truncate -s 16T``) has any size for free, and budgets taken from ``st_size`` let
   every memory class come back behind one. :func:`stored_bytes` is ``st_blocks * 512`` capped by
-  ``st_size``; :func:`read_budget` is :data:`HOLE_FACTOR` times that (plus :data:`SPARSE_SLACK`).
+  ``st_size``; :func:`read_budget` is the hole factor (:data:`gtp_format.storage.limits.HOLE_FACTOR`) times
+  that (plus :data:`SPARSE_SLACK`).
   A read, an allocation or a whole-file pass larger than the budget is refused.
 * Holes are *not* evidence of damage. Writers leave long zero runs as holes (``migrate-aliased``'s
   reset moments), ``cp`` keeps them, and compressing or deduplicating filesystems (ZFS, btrfs, some
@@ -31,6 +32,7 @@ files and byte ranges, and a checkpoint may come from anywhere. The rules, enfor
 from __future__ import annotations
 
 import errno
+import io
 import os
 import posixpath
 import stat
@@ -38,18 +40,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 from gtp_format.errors import ChunkError, FormatError
-from gtp_format.numbers import NumberError, parse_int
 from gtp_format.reader.preads import Into, read_direct, read_fully
+from gtp_format.storage.limits import HOLE_FACTOR_ENV, Limits, hole_factor
 from gtp_format.storage.paths import past_end_message, unsafe_reason
 
 MAX_LINKS = 8  # symlink hops one path may take inside the folder
 SPARSE_SLACK = 1 << 20  # reads this small are never refused as sparse (tiny files may store inline, in 0 blocks)
-# Bytes of a file's size a reader goes through per byte it stores. A migration's reset moments leave
-# two thirds of a data file as holes (it stores 34% of its size: the smallest seen from our writers);
-# 16x leaves a compressing filesystem five times that margin, while a reader still spends at most
-# 16 zeroed pages per page the file really holds.
-HOLE_FACTOR = 16
-HOLE_FACTOR_ENV = "CKPT_MAX_HOLE_RATIO"
 _O_FILE = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 _O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 
@@ -161,50 +157,44 @@ def stored_bytes(st: os.stat_result) -> int:
     return st.st_size if blocks is None else min(st.st_size, blocks * 512)
 
 
-def hole_factor() -> int:
-    """:data:`HOLE_FACTOR`, or the environment's override (ASCII digits, 1 to 2**20): the escape hatch
-    the refusal names, for a genuine checkpoint on a filesystem that compresses zeros to nothing."""
-    override = os.environ.get(HOLE_FACTOR_ENV)
-    if override is None:
-        return HOLE_FACTOR
-    try:
-        return parse_int(override, HOLE_FACTOR_ENV, 1, 1 << 20)
-    except NumberError as e:
-        raise FormatError(f"{e}; set it to an integer from 1 to {1 << 20}") from None
+# ``factor`` below: the session's hole factor (:attr:`gtp_format.storage.limits.Limits.hole_factor`); None reads
+# the environment's now (:func:`gtp_format.storage.limits.hole_factor`), for a caller without a session
 
 
-def budget_of(stored: int) -> int:
+def budget_of(stored: int, factor: int | None = None) -> int:
     """Bytes a reader may go through (read, hash or allocate) behind ``stored`` bytes on disk."""
-    return stored * hole_factor() + SPARSE_SLACK
+    return stored * (hole_factor() if factor is None else factor) + SPARSE_SLACK
 
 
-def read_budget(st: os.stat_result) -> int:
+def read_budget(st: os.stat_result, factor: int | None = None) -> int:
     """:func:`budget_of` a file's :func:`stored_bytes`."""
-    return budget_of(stored_bytes(st))
+    return budget_of(stored_bytes(st), factor)
 
 
-def readable_bytes(st: os.stat_result) -> int:
+def readable_bytes(st: os.stat_result, factor: int | None = None) -> int:
     """The part of a file a reader may go through: its size, capped by its :func:`read_budget`."""
-    return min(st.st_size, read_budget(st))
+    return min(st.st_size, read_budget(st, factor))
 
 
-def is_sparse(st: os.stat_result) -> bool:
+def is_sparse(st: os.stat_result, factor: int | None = None) -> bool:
     """A file whose size exceeds its :func:`read_budget`: going through it would spend time (and,
     sized by it, memory) on many times more holes than it stores. Fewer holes than that are read
     as the zeros they are, and the checksums judge them."""
-    return st.st_size > read_budget(st)
+    return st.st_size > read_budget(st, factor)
 
 
-def sparse_file_message(rel: str, st: os.stat_result) -> str:
-    return (f"{rel} stores only {stored_bytes(st)} of its {st.st_size} bytes (a sparse file: over {hole_factor()}x "
+def sparse_file_message(rel: str, st: os.stat_result, factor: int | None = None) -> str:
+    factor = hole_factor() if factor is None else factor
+    return (f"{rel} stores only {stored_bytes(st)} of its {st.st_size} bytes (a sparse file: over {factor}x "
             "more holes than data, a bound on the time spent reading them, not a verdict on the data); restore it "
             f"from a good copy, or, if it is genuine and its filesystem compresses, copy it with `cp --sparse=never` "
             f"to one that does not or raise {HOLE_FACTOR_ENV}")
 
 
-def sparse_message(rel: str, length: int, st: os.stat_result) -> str:
+def sparse_message(rel: str, length: int, st: os.stat_result, factor: int | None = None) -> str:
+    factor = hole_factor() if factor is None else factor
     return (f"{rel}: a {length}-byte read, but the file stores only {stored_bytes(st)} of its {st.st_size} bytes "
-            f"(a sparse file: a read over {hole_factor()}x what it stores is refused); the metadata declares more "
+            f"(a sparse file: a read over {factor}x what it stores is refused); the metadata declares more "
             "than was written: restore the file from a good copy (on a compressing filesystem, copy the checkpoint "
             f"to one that does not, or raise {HOLE_FACTOR_ENV})")
 
@@ -225,9 +215,74 @@ def regular_stat(root: Path, rel: str) -> os.stat_result | None:
     return st if stat.S_ISREG(st.st_mode) else None
 
 
-def open_file(root: Path, rel: str, what: str = "data file") -> BinaryIO:
-    """Open a regular file inside ``root`` for reading (see the module docstring for the rules)."""
-    return os.fdopen(_open_in(root, rel, what), "rb")
+class LocalFile(io.BufferedReader):
+    """A regular file opened inside a folder (what ``os.fdopen(fd, "rb")`` gives), with the methods every
+    opened checkpoint file has (:class:`gtp_format.storage.objects.ObjectFile` has them too), so that no reader
+    asks which kind of store a file came from."""
+
+    remote = False  # a read is no round trip: nothing to plan or fetch ahead (the page cache reads ahead)
+    limits: Limits | None = None  # its storage's (the session's): the hole factor; None: the environment's
+
+    @property
+    def size(self) -> int:
+        """The size of the file as it is now (``fstat`` of the open descriptor)."""
+        return os.fstat(self.fileno()).st_size
+
+    def stream_small_reads(self) -> None:
+        """Nothing to do: the page cache serves small reads already."""
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """``os.pread`` of the open descriptor."""
+        return os.pread(self.fileno(), n, offset)
+
+    def read_into(self, rel: str, size: int, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from ``offset`` (``size``: the file's size when opened), the range checked first; a file
+        that shrank since is a :class:`ChunkError`, never a short read."""
+        length = out.nbytes
+        if type(offset) is not int or offset < 0 or offset + length > size:
+            raise ChunkError(past_end_message(rel, offset, length, size), file=rel)
+        fd, done = self.fileno(), 0
+        while done < length:
+            got = os.preadv(fd, [out[done:]], offset + done)
+            if got <= 0:
+                raise ChunkError(f"data file {rel} shrank while reading [{offset}, {offset + length})", file=rel)
+            done += got
+
+    def sparse_message(self, rel: str) -> str | None:
+        """Why going through this file is refused (:func:`is_sparse`: many more holes than data), or None."""
+        st = os.fstat(self.fileno())
+        factor = self._factor()
+        return sparse_file_message(rel, st, factor) if is_sparse(st, factor) else None
+
+    def readable_bytes(self) -> int:
+        """The part of the file a reader may go through (:func:`readable_bytes`)."""
+        return readable_bytes(os.fstat(self.fileno()), self._factor())
+
+    def _factor(self) -> int | None:
+        return None if self.limits is None else self.limits.hole_factor
+
+
+def open_path(path: Path) -> BinaryIO:
+    """``open(path, "rb")`` (its errors too) as a :class:`LocalFile`: for a file a caller has checked itself."""
+    raw = open(path, "rb", buffering=0)  # noqa: SIM115 - the LocalFile owns it
+    return LocalFile(raw, _buffer_size(raw))  # type: ignore[return-value]
+
+
+def _buffer_size(raw: io.FileIO) -> int:
+    try:
+        block = os.fstat(raw.fileno()).st_blksize  # the buffer os.fdopen and open would give it
+    except OSError:
+        block = 0
+    return block if block > 1 else io.DEFAULT_BUFFER_SIZE
+
+
+def open_file(root: Path, rel: str, what: str = "data file", limits: Limits | None = None) -> BinaryIO:
+    """Open a regular file inside ``root`` for reading (see the module docstring for the rules); ``limits``: its
+    storage's."""
+    raw = os.fdopen(_open_in(root, rel, what), "rb", buffering=0)
+    f = LocalFile(raw, _buffer_size(raw))
+    f.limits = limits
+    return f  # type: ignore[return-value]
 
 
 def file_size(root: Path, rel: str, what: str = "data file") -> int:
@@ -248,16 +303,19 @@ def is_folder(root: Path, rel: str) -> bool:
     return True
 
 
-def read_range(root: Path, rel: str, offset: int, length: int, into: Into | None = None) -> bytearray | memoryview:
-    """:func:`gtp_format.reader.storage.read_range` of a file in a folder."""
+def read_range(root: Path, rel: str, offset: int, length: int, into: Into | None = None,
+               limits: Limits | None = None) -> bytearray | memoryview:
+    """:func:`gtp_format.reader.storage.read_range` of a file in a folder (``limits``: its storage's, for the hole
+    factor)."""
     if not (type(offset) is int and type(length) is int) or offset < 0 or length < 0:
         raise ChunkError(f"byte range offset={offset!r} length={length!r} in {rel} is invalid", file=rel)
     with open_file(root, rel) as f:
         st = os.fstat(f.fileno())
         if offset + length > st.st_size:
             raise ChunkError(past_end_message(rel, offset, length, st.st_size), file=rel)
-        if length > read_budget(st):  # the allocation is sized by metadata: back it by bytes that really exist
-            raise ChunkError(sparse_message(rel, length, st), file=rel)
+        factor = None if limits is None else limits.hole_factor
+        if length > read_budget(st, factor):  # the allocation is sized by metadata: back it by bytes that exist
+            raise ChunkError(sparse_message(rel, length, st, factor), file=rel)
         direct = read_direct(f.fileno(), offset, length, into) if into is not None else None
         if direct is not None:
             buf, got = direct

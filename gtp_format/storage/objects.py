@@ -38,6 +38,7 @@ from typing import Any
 
 from gtp_format.errors import ChunkError, FormatError
 from gtp_format.storage import credentials, listing, object_cache, profiles
+from gtp_format.storage.limits import TIMEOUT_ENV, Limits
 from gtp_format.storage.location import ObjectURL
 from gtp_format.storage.paths import addressable, past_end_message, unsafe_reason
 from gtp_format.storage.ranges import pieces
@@ -45,9 +46,6 @@ from gtp_format.storage.ranges import pieces
 PIECE = 64 << 20  # largest single ranged GET: bounds the memory one request holds in flight
 RETRIES = 3  # transient errors retried with exponential backoff, within RETRY_TIMEOUT_S
 CONNECT_TIMEOUT_S = 5.0
-TIMEOUT_ENV = "CKPT_S3_TIMEOUT_S"  # per-request timeout, seconds
-DEFAULT_TIMEOUT_S = 60.0
-MAX_TIMEOUT_S = 86400.0
 RETRY_TIMEOUT_S = 30.0
 # Streaming reads (verify --data, show, diff, export): why these sizes, measured by
 # benchmarks/bench_s3_ckpt.py --count-requests (docs/performance.md, "Checkpoints on a bucket"):
@@ -56,22 +54,6 @@ IN_FLIGHT = 8  # parts fetched at once, by all readers together: bounds the byte
 BLOCK = 64 << 10  # a small read of a streamed object is served from the aligned block around it
 SMALL = 64 << 10  # reads up to this size go through the block cache (zip headers, pickles: 4-33 per chunk)
 CACHE_BYTES = 32 << 20  # every streamed object's cached blocks together
-
-
-def _timeout() -> float:
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_TIMEOUT_S
-    from gtp_format.numbers import NumberError, parse_float
-
-    try:  # ASCII digits only: float() read "\u0666\u0660" (Arabic-Indic) as 60
-        value = parse_float(raw, TIMEOUT_ENV, 0.0, MAX_TIMEOUT_S)
-    except NumberError:
-        value = -1.0
-    if not 0 < value <= MAX_TIMEOUT_S:  # "inf" made timedelta() raise an unexpected OverflowError
-        raise FormatError(f"{TIMEOUT_ENV}={raw[:40]!r} is not a number of seconds in (0, {MAX_TIMEOUT_S:.0f}] written "
-                          "in ASCII digits; set it to e.g. 60")
-    return value
 
 
 # Where the keys may come from besides the access-key pair, without sending anything yet: web identity (EKS,
@@ -101,17 +83,13 @@ def credentials_problem(bucket: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=16)
 def _store_for(bucket: str, endpoint: str | None, timeout: float, region: str | None = None,
                *credentials: str | None) -> Any:
-    """One client per bucket and configuration, shared by every session of the process: a client is a
-    connection pool keyed by its whole configuration and holds nothing of a command, and building one
-    took 28 ms (obstore's ``S3Store``, on the shared 2-core test machine), which a session of its own
-    added to every in-process command (``verify --data`` of a 51.8 MB checkpoint: 0.23 s -> 0.28 s in
-    ``benchmarks/bench_s3_ckpt.py``). ``region`` as :func:`profiles.settings` resolved it and ``credentials``
-    (key, secret, token) as :func:`credentials.resolve` did (the environment, the AWS profile, then the
-    temporary sources, each answer bounded), passed explicitly where set, so that obstore never asks a
-    credential endpoint itself; it reads the rest of the environment itself."""
+    """A new client of ``bucket`` in this configuration (kept by the session: :meth:`BucketState.client`).
+    ``region`` as :func:`profiles.settings` resolved it and ``credentials`` (key, secret, token) as
+    :func:`credentials.resolve` did (the environment, the AWS profile, then the temporary sources, each answer
+    bounded), passed explicitly where set, so that obstore never asks a credential endpoint itself; it reads the
+    rest of the environment itself."""
     try:
         from obstore.store import S3Store
     except ImportError:
@@ -138,12 +116,15 @@ def _store_for(bucket: str, endpoint: str | None, timeout: float, region: str | 
 
 
 def store(url: ObjectURL) -> Any:
-    """The obstore client of ``url``'s bucket (one per bucket, endpoint, credentials and timeout)."""
+    """The obstore client of ``url``'s bucket, kept by the session ``url`` is bound to (one per bucket, endpoint,
+    credentials and timeout)."""
     problem = credentials_problem(url.bucket)
     if problem is not None:
         raise FormatError(problem)
-    found, keys = profiles.settings(), credentials.resolve(url.bucket)
-    return _store_for(url.bucket, found.endpoint, _timeout(), found.region, keys.key, keys.secret, keys.token)
+    state = state_of(url)
+    found, keys = profiles.settings(), credentials.resolve(url.bucket, state.keys)
+    args = (url.bucket, found.endpoint, state.limits.s3_timeout_s, found.region, keys.key, keys.secret, keys.token)
+    return state.client(args)
 
 
 def _first_line(e: BaseException) -> str:
@@ -190,8 +171,8 @@ def _key(root: ObjectURL, rel: str) -> str:
 
 class BucketState:
     """What one command (or one save or load of the runtime) keeps of the buckets it reads: the sizes its
-    listings returned, the listings themselves, the warmed side files and the small-read blocks (its threads
-    and clients are the process's: :func:`_threads`, :func:`_store_for`). Owned by
+    listings returned, the listings themselves, the warmed side files, the small-read blocks, its S3 clients
+    and its fetch threads. Owned by
     :class:`gtp_format.session.Session`; a location bound to a session
     (:meth:`gtp_format.storage.location.ObjectURL.bound`) carries it to every read below it.
 
@@ -204,8 +185,10 @@ class BucketState:
     session) asks the store each time.
     """
 
-    def __init__(self, scoped: bool = True) -> None:
+    def __init__(self, scoped: bool = True, limits: Limits | None = None, made: Any = None) -> None:
         self.scoped = scoped
+        self.limits = limits or Limits()  # the session's (its request timeout)
+        self.made = made  # the session's work folders (gtp_format.work.WorkFolders): a bucket output's staging
         self.lock = threading.Lock()
         self.sizes: dict[tuple[str, str], int] | None = {} if scoped else None  # (bucket, key) -> size
         self.listings: dict[tuple[str, str], dict[str, int | None]] = {}  # (bucket, prefix) -> listing
@@ -213,17 +196,39 @@ class BucketState:
         self.side = object_cache.SideFiles()  # side files, fetched as a listing names them
         self.blocks = object_cache.Blocks(CACHE_BYTES)
         self.serial = itertools.count()
+        self.clients: dict[tuple[Any, ...], Any] = {}  # configuration -> obstore client
+        self.building = threading.Lock()  # held while a client is built (not self.lock: listings wait on it)
+        self.pools: dict[str, ThreadPoolExecutor] = {}  # name -> threads, started at their first task
+        self.keys: dict[tuple[Any, ...], credentials.Credentials] = {}  # temporary keys (credentials.resolve)
+
+    def client(self, args: tuple[Any, ...]) -> Any:
+        """The client of configuration ``args`` (:func:`_store_for`'s), built once a session: a client is a
+        connection pool, and building one took 28 ms (obstore's ``S3Store``, on the shared 2-core test
+        machine). Once a session costs a ``ckpt`` command (one a process) nothing; the runtime's save pays it
+        once a save."""
+        with self.building:  # one build, however many fetch threads ask at once
+            got = self.clients.get(args)
+            if got is None:
+                got = self.clients[args] = _store_for(*args)  # a refused setting raises here
+        return got
+
+    def _threads(self, name: str) -> ThreadPoolExecutor:
+        with self.lock:
+            pool = self.pools.get(name)
+            if pool is None:
+                pool = self.pools[name] = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix=name)
+        return pool
 
     def warm_pool(self) -> ThreadPoolExecutor:
         """Threads of their own for a listing's whole objects (:class:`object_cache.SideFiles`): their tasks wait
-        on nothing, so a :meth:`pool` task may wait for a copy. The process's (:func:`_threads`)."""
-        return _threads("s3-warm")
+        on nothing, so a :meth:`pool` task may wait for a copy."""
+        return self._threads("s3-warm")
 
     def pool(self) -> ThreadPoolExecutor:
         """The threads that fetch parts and prefetched requests (:data:`IN_FLIGHT` of them, shared by every
-        reader, so the bytes in flight stay bounded however many threads read). Their tasks are leaves: a task
-        never waits on another, so the pool cannot deadlock. The process's (:func:`_threads`)."""
-        return _threads("s3-fetch")
+        reader of the session, so the bytes in flight stay bounded however many threads read). Their tasks are
+        leaves: a task never waits on another, so the pool cannot deadlock."""
+        return self._threads("s3-fetch")
 
     def reads_everything(self, budget: int) -> None:
         """The command reads every byte it opens (``reshard``, ``export``, ``verify --data``): its listings fetch
@@ -238,24 +243,19 @@ class BucketState:
             self.listings.clear()
 
     def close(self) -> None:
-        """The end of the command: the next one reads the store as it is then. Fetches still in flight finish
-        into nothing."""
+        """The end of the command: the next one reads the store as it is then. Its threads end once the
+        fetches still in flight have finished (into nothing); its clients are dropped."""
         with self.lock:
             if self.sizes is not None:
                 self.sizes = {}
             self.whole = 0
             self.listings.clear()
+            pools, self.pools = list(self.pools.values()), {}
+            self.clients.clear()
+        for pool in pools:
+            pool.shutdown(wait=False)
         self.blocks.drop()
         self.side.drop()
-
-
-@functools.lru_cache(maxsize=2)
-def _threads(prefix: str) -> ThreadPoolExecutor:
-    """The process's :data:`IN_FLIGHT` threads named ``prefix``, shared by every session: their tasks are leaves
-    that hold nothing of a command, the bytes in flight stay bounded however many sessions read at once, and
-    threads of a session's own cost each in-process command their start (``verify --data`` of a 51.8 MB
-    checkpoint on moto, best of 30 interleaved: 157-183 ms with these threads, 200-208 ms with its own)."""
-    return ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix=prefix)
 
 
 def state_of(root: ObjectURL) -> BucketState:
@@ -318,25 +318,26 @@ def _listing_refused(where: str, why: str) -> FormatError:
                        "AWS_ENDPOINT_URL (a store that does not end its listing) and the URL")
 
 
-def listing_client(bucket: str) -> listing.Client:
+def listing_client(bucket: str, state: BucketState | None = None) -> listing.Client:
     """How :mod:`gtp_format.storage.listing` sends this configuration's listing requests of ``bucket``: the keys
     :func:`credentials.resolve` found (every source obstore would use), path- or virtual-hosted-style as
     obstore (``AWS_VIRTUAL_HOSTED_STYLE_REQUEST``: the endpoint names the bucket)."""
     problem = credentials_problem(bucket)
     if problem is not None:
         raise FormatError(problem)
-    found, keys = profiles.settings(), credentials.resolve(bucket)
+    state = state or BucketState(scoped=False)
+    found, keys = profiles.settings(), credentials.resolve(bucket, state.keys)
     hosted = bool(credentials.flag("AWS_VIRTUAL_HOSTED_STYLE_REQUEST"))
     region = found.region or "us-east-1"  # obstore's default region too
     default = f"https://{bucket}.s3.{region}.amazonaws.com" if hosted else f"https://s3.{region}.amazonaws.com"
     return listing.Client((found.endpoint or default).rstrip("/"), region, keys.key, keys.secret, keys.token,
-                          _timeout(), RETRIES, RETRY_TIMEOUT_S, hosted)
+                          state.limits.s3_timeout_s, RETRIES, RETRY_TIMEOUT_S, hosted)
 
 
 def _batches(root: ObjectURL, want: str, offset: str | None) -> Iterator[list[tuple[str, int]]]:
     """The keys (with sizes) below ``want`` after ``offset``, a page at a time: one page's cost is bounded by
     :data:`listing.PAGE_BYTES`."""
-    client = listing_client(root.bucket)
+    client = listing_client(root.bucket, state_of(root))
     token: str | None = None
     while True:
         entries, token = listing.page(client, root.bucket, want, offset, token, str(root), TIMEOUT_ENV)
@@ -503,6 +504,8 @@ class ObjectFile:
     (structure in 4 KiB windows).
     """
 
+    remote = True  # every read is a round trip: worth planning and fetching ahead (gtp_format.storage.prefetch)
+
     def __init__(self, root: ObjectURL, rel: str, what: str = "data file") -> None:
         self.state = state_of(root)
         self.root, self.rel = root.bound(self.state), rel  # every read of this open shares its state
@@ -541,6 +544,18 @@ class ObjectFile:
         buf = bytearray(n)
         read_into(self.root, self.rel, self.size, offset, memoryview(buf))
         return bytes(buf)
+
+    def read_into(self, rel: str, size: int, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from ``offset`` (:func:`read_into`; ``rel``, ``size``: this object's, as opened)."""
+        read_into(self.root, self.rel, size, offset, out)
+
+    def sparse_message(self, rel: str) -> str | None:
+        """None: an object stores every byte it reports (no holes)."""
+        return None
+
+    def readable_bytes(self) -> int:
+        """The whole object: it stores every byte the store reports."""
+        return self.size
 
     def read(self, n: int = -1) -> bytes:
         data = self.pread(self.size - self._pos if n < 0 else n, self._pos)

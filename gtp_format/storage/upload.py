@@ -25,8 +25,6 @@ mid-way leaves data objects without a commit object, which no reader takes for a
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,9 +41,9 @@ from gtp_format.names import (
 )
 from gtp_format.names import MEGATRON_METADATA_FILE as COMMIT_OBJECT
 from gtp_format.storage import objects
+from gtp_format.storage.limits import STAGING_ENV as STAGING_ENV  # the setting its refusals name
 from gtp_format.storage.location import ObjectURL
 
-STAGING_ENV = "CKPT_S3_STAGING"
 PART = 16 << 20  # multipart part size; obstore uploads parts of one object concurrently
 CONCURRENCY = 8
 # data objects uploaded at once, each with CONCURRENCY parts of PART in flight (256 MiB of buffers at most):
@@ -53,23 +51,6 @@ CONCURRENCY = 8
 # time 0.92x / 0.88x at 304.8 MB / 1.2 GB, two 1.51x / 1.22x, four 1.47x / 0.79x
 FILES_AT_ONCE = 2
 _SIDE = (DCP_METADATA_FILE, GTP_INDEX_FILE, CHUNK_RECORDS_FILE, MANIFEST_FILE, ATTESTATION_FILE)  # after the data
-
-
-def staging_dir() -> Path:
-    """Where an ``s3://`` output is built before its upload: an existing folder, else one line naming
-    :data:`STAGING_ENV` (a missing one, a file or a path below a file was "cannot write (Not a
-    directory)" about the bucket URL, which named neither the folder nor the setting)."""
-    raw = os.environ.get(STAGING_ENV)
-    path = Path(raw or tempfile.gettempdir())
-    try:
-        if path.is_dir():
-            return path
-        why = "is not a folder" if path.exists() else "does not exist"
-    except OSError as e:  # a symlink loop, a name too long
-        why = f"cannot be used ({e.strerror or e})"
-    where = f"{STAGING_ENV}={raw!r}" if raw else f"the temp folder {str(path)!r}"
-    raise FormatError(f"{where} {why}: an s3:// output is built there before its upload; point {STAGING_ENV} at an "
-                      "existing folder with room for the output")
 
 
 DATA, SIDE, COMMIT, LATEST = range(4)  # the upload's steps 2-5, in order (module docstring)

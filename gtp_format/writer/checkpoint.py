@@ -72,7 +72,6 @@ from gtp_format.work import (
     WorkFolder,
     clean_stale,
     drop_token,
-    new_work,
     own_before_removal,
     remove_entry,
     remove_owned,
@@ -247,7 +246,7 @@ class CheckpointWriter:
         self._signals = sigterm_raises()
         self._signals.__enter__()
         try:
-            self.work = new_work(self.storage.work_target(parent), self.tag)
+            self.work = self.storage.new_work(self.storage.work_target(parent), self.tag)
             if self.inner:
                 (self.work / self.inner).mkdir()
         except BaseException:
@@ -365,11 +364,7 @@ class CheckpointWriter:
                 self.storage.commit(self.work, self.fault, self.commit_object)
             except FileExistsError:
                 raise DestinationTaken(self.target) from None
-        if self.storage.in_place:
-            drop_token(self.target)  # the ownership token is no checkpoint file (gtp_format/work.py)
-            fsync_dir(self.target)
-        else:
-            remove_entry(self.work)  # the uploaded local copy
+        self.storage.committed(self.work)
         self.committed = True
         self._release()
         return self.target

@@ -45,11 +45,9 @@ def store(monkeypatch) -> Iterator[fake_endpoint.Endpoint]:
         # never the real link-local services of wherever the tests run: a closed loopback port instead
         monkeypatch.setattr(credentials, "CONTAINER_HOST", "127.0.0.1:9")
         monkeypatch.setattr(credentials, "METADATA_ENDPOINT", "http://127.0.0.1:9")
-        credentials._fetched.cache_clear()
         STOP.clear()
         yield ep
         STOP.set()
-        credentials._fetched.cache_clear()
 
 
 def refused(capsys, store: fake_endpoint.Endpoint, *words: str, seconds: float = 15.0) -> str:

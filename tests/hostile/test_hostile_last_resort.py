@@ -117,7 +117,7 @@ def test_a_tuning_variable_in_other_digits_is_refused_before_any_rank(var: str):
 def test_timeouts_and_limits_from_the_environment_take_ascii_digits_only(monkeypatch):
     from gtp_format.errors import FormatError
     from gtp_format.reader.storage import METADATA_LIMIT_ENV, metadata_limit
-    from gtp_format.storage import objects
+    from gtp_format.storage import limits, objects
     from gtp_runtime import launch
 
     for value in ("\u0666\u0660", "\uff16\uff10", "nan", "inf", "1e999"):
@@ -126,7 +126,7 @@ def test_timeouts_and_limits_from_the_environment_take_ascii_digits_only(monkeyp
             launch.timeout_s()
         monkeypatch.setenv(objects.TIMEOUT_ENV, value)
         with pytest.raises(FormatError, match=objects.TIMEOUT_ENV):
-            objects._timeout()
+            limits.s3_timeout()
         monkeypatch.setenv(METADATA_LIMIT_ENV, value)
         with pytest.raises(FormatError, match=METADATA_LIMIT_ENV):
             metadata_limit(0)

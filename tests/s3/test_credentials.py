@@ -36,12 +36,11 @@ def temporary(s3, monkeypatch, tmp_path):
     # never the real link-local services of wherever the tests run: a closed loopback port instead
     monkeypatch.setattr(credentials, "CONTAINER_HOST", "127.0.0.1:9")
     monkeypatch.setattr(credentials, "METADATA_ENDPOINT", "http://127.0.0.1:9")
-    credentials._fetched.cache_clear()
     clients, stores = [], []
     real_client, real_store = objects.listing_client, objects._store_for
 
-    def client(bucket):
-        clients.append(c := real_client(bucket))
+    def client(bucket, state=None):
+        clients.append(c := real_client(bucket, state))
         return c
 
     def store(*args):
@@ -51,7 +50,6 @@ def temporary(s3, monkeypatch, tmp_path):
     monkeypatch.setattr(objects, "listing_client", client)
     monkeypatch.setattr(objects, "_store_for", store)
     yield url, clients, stores
-    credentials._fetched.cache_clear()
 
 
 def signed_with_the_answer(capsys, url: str, clients: list, stores: list) -> None:
@@ -179,20 +177,19 @@ def test_keys_are_fetched_again_before_they_expire(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("AWS_CONFIG_FILE", "/dev/null")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")
-    credentials._fetched.cache_clear()
+    kept: dict = {}  # a session's
     with service(container) as ep:
         monkeypatch.setenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", ep.url + "/c")
-        first = credentials.resolve("b")
+        first = credentials.resolve("b", kept)
         assert first.key == KEY and ep.count() == 1
-        credentials.resolve("b")
+        credentials.resolve("b", kept)
         assert ep.count() == 1, "2 minutes left of 2: kept until half of that is spent"
         monkeypatch.setattr(credentials.time, "time", lambda: first.expires - 30)
         left[0] = 3600.0
-        again = credentials.resolve("b")
+        again = credentials.resolve("b", kept)
         assert ep.count() == 2 and again.expires > first.expires
-        credentials.resolve("b")
+        credentials.resolve("b", kept)
         assert ep.count() == 2
-    credentials._fetched.cache_clear()
 
 
 def test_a_virtual_hosted_listing_is_signed_and_bounded(monkeypatch, capsys):
