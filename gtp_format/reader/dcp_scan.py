@@ -36,18 +36,22 @@ T_NONE, T_BOOL, T_INT, T_STR, T_GLOBAL, T_TINT, T_TSTR, T_T1TINT, T_SIZE, T_LAYO
     T_OBJ, T_DICT, T_LIST, T_PATH, T_TATOM = range(17)
 
 # globals (codes >= G_DTYPE: a dtype, code - G_DTYPE its index in DTYPE_NAMES)
-C_METADATA, C_TSM, C_BSM, C_CHUNK, C_PROPS, C_MDINDEX, C_SINFO, C_SMETA, G_SIZE, G_LAYOUT, G_MEMFMT, G_POSIX = \
-    range(1, 13)
+C_METADATA, C_TSM, C_BSM, C_CHUNK, C_PROPS, C_MDINDEX, C_SINFO, C_SMETA, C_PLAN, G_SIZE, G_LAYOUT, G_MEMFMT, \
+    G_POSIX = range(1, 14)
 G_DTYPE = 100
 DTYPE_NAMES = tuple(DTYPES)
 _CLASSES = {"Metadata": C_METADATA, "TensorStorageMetadata": C_TSM, "BytesStorageMetadata": C_BSM,
             "ChunkStorageMetadata": C_CHUNK, "TensorProperties": C_PROPS, "MetadataIndex": C_MDINDEX,
             "StorageMeta": C_SMETA}
 
+# Megatron's ``all_local_plans`` (every rank's SavePlan, kept for loading): records the model never reads,
+# taken with any fields of the values below; their chunks and properties are memo copies of the key's own
+_PLAN_CLASSES = frozenset({"SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData", "_StoragePrefix"})
+
 # fields: (class, name) -> code
 F_OFFSETS, F_SIZES, F_FQN, F_MOFFSET, F_INDEX, F_RELPATH, F_SOFFSET, F_LENGTH, F_TRANSFORMS, F_PROPERTIES, \
-    F_SIZE, F_CHUNKS, F_SDM, F_PLANNER, F_SD, F_SMETA, F_VERSION, F_CKPTID, F_SAVEID, F_LOADID, F_MODULES = \
-    range(1, 22)
+    F_SIZE, F_CHUNKS, F_SDM, F_PLANNER, F_SD, F_SMETA, F_VERSION, F_PLANS, F_CKPTID, F_SAVEID, F_LOADID, \
+    F_MODULES = range(1, 23)
 _FIELDS = {
     (C_CHUNK, "offsets"): F_OFFSETS, (C_CHUNK, "sizes"): F_SIZES,
     (C_MDINDEX, "fqn"): F_FQN, (C_MDINDEX, "offset"): F_MOFFSET, (C_MDINDEX, "index"): F_INDEX,
@@ -56,6 +60,7 @@ _FIELDS = {
     (C_TSM, "properties"): F_PROPERTIES, (C_TSM, "size"): F_SIZE, (C_TSM, "chunks"): F_CHUNKS,
     (C_METADATA, "state_dict_metadata"): F_SDM, (C_METADATA, "planner_data"): F_PLANNER,
     (C_METADATA, "storage_data"): F_SD, (C_METADATA, "storage_meta"): F_SMETA, (C_METADATA, "version"): F_VERSION,
+    (C_METADATA, "all_local_plans"): F_PLANS,
     (C_SMETA, "checkpoint_id"): F_CKPTID, (C_SMETA, "save_id"): F_SAVEID, (C_SMETA, "load_id"): F_LOADID,
     (C_SMETA, "modules"): F_MODULES,
 }
@@ -79,7 +84,9 @@ def _global_table() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             code = _CLASSES[entry.name]
         elif entry.kind is Kind.CLASS and (entry.module, entry.name) == (DCP_FS, "_StorageInfo"):
             code = C_SINFO
-        elif entry.kind is Kind.ENUM and entry.name == "_MEM_FORMAT_ENCODING":
+        elif entry.kind is Kind.CLASS and entry.name in _PLAN_CLASSES:
+            code = C_PLAN
+        elif entry.kind is Kind.ENUM:  # _MEM_FORMAT_ENCODING, WriteItemType: called with their value
             code = G_MEMFMT
         elif entry.kind is Kind.SIZE:
             code = G_SIZE
@@ -187,6 +194,7 @@ def run(data: np.ndarray, gtab: np.ndarray,
     mbuilt = np.empty(obj_cap, np.int8)
     sbuilt = np.empty(obj_cap, np.int8)
     tbuilt = np.empty(obj_cap, np.int8)
+    pbuilt = np.empty(obj_cap, np.int8)
     lists = np.empty((list_cap, 3), np.int64)
     dicts = np.empty((dict_cap, 4), np.int64)  # role, owner class, owner row, -
     sdm = np.empty((obj_cap, 5), np.int64)
@@ -244,8 +252,9 @@ def run(data: np.ndarray, gtab: np.ndarray,
                 status = at + 1
                 break
             tag = mt[idx]
-            if tag == T_OBJ and ma[idx] == C_PROPS and props[mb[idx]] >= 0:
-                pass  # one TensorProperties for many keys (DCP shares it): built, it never changes again
+            if tag == T_OBJ and ((ma[idx] == C_PROPS and props[mb[idx]] >= 0)
+                                 or (ma[idx] == C_CHUNK and cbuilt[mb[idx]] == 1)):
+                pass  # TensorProperties shared by keys, a chunk named again in a plan: built, they never change
             elif tag == T_OBJ or tag == T_DICT or tag == T_LIST or tag == T_TSTR or tag == T_TATOM \
                     or tag == T_PROPSTATE:
                 status = at + 1  # a shared mutable object, or one whose handle the memo does not keep
@@ -484,7 +493,7 @@ def run(data: np.ndarray, gtab: np.ndarray,
                 status = at + 1
                 break
             code = sa[sp - 2]
-            if code < C_METADATA or code > C_SMETA:
+            if code < C_METADATA or code > C_PLAN:
                 status = at + 1
                 break
             row = rows[code]
@@ -510,6 +519,8 @@ def run(data: np.ndarray, gtab: np.ndarray,
                 tbuilt[row] = 0
             elif code == C_PROPS:
                 props[row] = -1
+            elif code == C_PLAN:
+                pbuilt[row] = 0
             elif code == C_METADATA:
                 md_made += 1
                 if md_made > 1:
@@ -595,6 +606,9 @@ def run(data: np.ndarray, gtab: np.ndarray,
                 elif code == C_SMETA:
                     done = smeta_built
                     smeta_built = 1
+                elif code == C_PLAN:
+                    done = pbuilt[row]
+                    pbuilt[row] = 1
                 else:
                     done = 1  # BytesStorageMetadata has no fields: pickle never BUILDs it
                 if done:
@@ -639,7 +653,8 @@ def run(data: np.ndarray, gtab: np.ndarray,
                             break
                         lists[li, 2] += 1
                         chunk[row, 5] = li
-                    elif t == T_STR and lists[li, 0] != L_CHUNKS:
+                    elif lists[li, 0] != L_CHUNKS and (t == T_STR or t == T_INT or t == T_NONE or (
+                            t == T_OBJ and sa[j] == C_PLAN and pbuilt[sb[j]] == 1)):
                         lists[li, 0] = L_OPAQUE
                         lists[li, 2] += 1
                     else:
@@ -658,7 +673,8 @@ def run(data: np.ndarray, gtab: np.ndarray,
                     code, row = sa[target - 1], sb[target - 1]
                     unbuilt = (code == C_CHUNK and cbuilt[row] == 0) or (code == C_MDINDEX and mbuilt[row] == 0) \
                         or (code == C_SINFO and sbuilt[row] == 0) or (code == C_TSM and tbuilt[row] == 0) \
-                        or (code == C_METADATA and md_built == 0) or (code == C_SMETA and smeta_built == 0)
+                        or (code == C_METADATA and md_built == 0) or (code == C_SMETA and smeta_built == 0) \
+                        or (code == C_PLAN and pbuilt[row] == 0)
                     if unbuilt:
                         dicts[d, 0] = D_STATE
                         dicts[d, 1] = code
@@ -714,6 +730,21 @@ def run(data: np.ndarray, gtab: np.ndarray,
                     if kt != T_STR:
                         status = at + 1
                         break
+                    if code == C_PLAN:  # any field, of a value the scan knows (the model never reads it)
+                        a, b = sa[j + 1], sb[j + 1]
+                        if vt == T_OBJ:
+                            ok = (a == C_CHUNK and cbuilt[b] == 1) or (a == C_MDINDEX and mbuilt[b] == 1) \
+                                or (a == C_PROPS and props[b] >= 0) or (a == C_PLAN and pbuilt[b] == 1) or a == C_BSM
+                        elif vt == T_DICT:
+                            ok = dicts[a, 0] == D_OPAQUE or dicts[a, 0] == D_EMPTY
+                        elif vt == T_LIST:
+                            ok = lists[a, 0] != L_CHUNKS
+                        else:
+                            ok = vt != T_PROPSTATE and vt != T_GLOBAL and vt != T_T1TINT
+                        if not ok:
+                            status = at + 1
+                            break
+                        continue
                     f = 0
                     for g in range(fcode.size):
                         if fclass[g] != code or foff[g + 1] - foff[g] != sb[j]:
@@ -775,7 +806,7 @@ def run(data: np.ndarray, gtab: np.ndarray,
                         else:
                             ok = False
                         tsm[row, 4] |= bit
-                    elif f >= F_SDM and f <= F_VERSION:
+                    elif f >= F_SDM and f <= F_PLANS:
                         bit = 1 << (f - F_SDM)
                         if meta[0] & bit:
                             ok = False
@@ -788,6 +819,8 @@ def run(data: np.ndarray, gtab: np.ndarray,
                                                                                      or dicts[a, 0] == D_EMPTY))):
                             pass
                         elif f == F_SMETA and (vt == T_NONE or (vt == T_OBJ and a == C_SMETA and smeta_built)):
+                            pass
+                        elif f == F_PLANS and (vt == T_NONE or (vt == T_LIST and lists[a, 0] != L_CHUNKS)):
                             pass
                         elif f == F_VERSION and (vt == T_STR or vt == T_NONE):
                             meta[3] = a if vt == T_STR else -1

@@ -128,12 +128,19 @@ def test_fixtures(path):
     _same_or_gives_up(raw)
 
 
-def test_mutations_never_accept_what_the_old_way_refuses():
+def _smallest_megatron() -> bytes:
+    """The smallest megatron-core fixture: its Metadata carries ``all_local_plans`` (SavePlans of WriteItems)."""
+    return min(((ROOT / "fixtures" / "megatron").rglob(".metadata")), key=lambda p: p.stat().st_size).read_bytes()
+
+
+@pytest.mark.parametrize("which", ["torch", "megatron"])
+def test_mutations_never_accept_what_the_old_way_refuses(which):
     """Byte flips, cuts, insertions and deletions: each mutated pickle is equal or given up, never different."""
     rng = random.Random(41)
-    base = _genuine(n_keys=4, per_key=4, orphans=1)
+    base = _genuine(n_keys=4, per_key=4, orphans=1) if which == "torch" else _smallest_megatron()
+    assert _same_or_gives_up(base)
     accepted = 0
-    for _ in range(1500):
+    for _ in range(1500 if which == "torch" else 400):
         raw = bytearray(base)
         for _ in range(rng.choice((1, 1, 2, 3))):
             at = rng.randrange(len(raw))
@@ -147,7 +154,7 @@ def test_mutations_never_accept_what_the_old_way_refuses():
             else:
                 del raw[at:]
         accepted += _same_or_gives_up(bytes(raw))
-    assert accepted > 50, "too few mutations kept a model: the test checks little"
+    assert accepted > (50 if which == "torch" else 10), "too few mutations kept a model: the test checks little"
 
 
 def test_hostile_pickles_are_left_to_the_old_way():
