@@ -948,6 +948,9 @@ def intern(data: np.ndarray, pos: np.ndarray, lens: np.ndarray) -> tuple[np.ndar
     nid = 0
     for r in range(n):
         a, b = pos[r], lens[r]
+        if r > 0 and a == pos[r - 1] and b == lens[r - 1]:
+            ids[r] = ids[r - 1]  # a memo copy of the row before's string (DCP's index names a key per chunk)
+            continue
         h = np.uint64(0xCBF29CE484222325) ^ np.uint64(b)
         for k in range(a, a + b):
             h = (h ^ np.uint64(data[k])) * np.uint64(0x100000001B3)
