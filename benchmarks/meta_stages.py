@@ -4,9 +4,11 @@
     python benchmarks/meta_stages.py --smoke --workdir W   # a 2,000-chunk one made in W (seconds)
 
 Stages, each timed in CPU seconds (``time.process_time``) with the process's resident memory after it:
-reading the file; the two Python pre-walks (``check_pickle``, ``check_shape``) and the compiled one that
-stands in for them on large files (``pickle_walk.passes``: numba's import and cached code first, then the
-pass); the C unpickle into inert records; the model (``_entries``); and ``verify``'s checks on the model.
+reading the file; the columns scan and the model built from it (what ``ckpt`` runs on large files, with the
+peak memory after it); then the old way, for comparison: the two Python pre-walks (``check_pickle``,
+``check_shape``) and the compiled one that stands in for them on large files (``pickle_walk.passes``:
+numba's import and cached code first, then the pass); the C unpickle into inert records; the model
+(``_entries``); and ``verify``'s checks on the model.
 Printed as JSON.
 """
 
@@ -56,6 +58,18 @@ def main() -> int:
     stage("imports")
     raw = (folder / ".metadata").read_bytes()
     stage("read")
+    from gtp_format.reader import dcp_columns, dcp_scan
+
+    dcp_scan.scan(b"")  # numba's import and the cached loop (compiled here where no cache is found)
+    stage("numba import, cached scan code")
+    cols = dcp_scan.scan(raw)
+    out["columns scan gave up at"] = cols if isinstance(cols, int) else None
+    stage("columns scan (compiled)")
+    del cols
+    got = dcp_columns.columns_model(folder / ".metadata", raw)
+    stage("columns model (scan again, names, join, entries)")
+    out["peak_rss_mib_after_columns"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    del got
     check_pickle(raw)
     stage("check_pickle (Python)")
     check_shape(raw)

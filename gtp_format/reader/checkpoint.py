@@ -7,10 +7,13 @@ refuses the same bad input with the same words.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
+
 from gtp_format.errors import ChunkError, FormatError
-from gtp_format.model import ENC_RAW, ENC_TORCH_SAVE, Checkpoint, Problem
+from gtp_format.model import ENC_RAW, ENC_TORCH_SAVE, Checkpoint, ChunkColumns, ChunkTable, Entry, Problem
 from gtp_format.names import DCP_METADATA_FILE, iteration_from_name
 from gtp_format.reader.dcp_reader import data_file_sizes, read_dcp_metadata
 from gtp_format.reader.declared import check_declared_counts
@@ -56,7 +59,7 @@ def open_checkpoint(path: str | os.PathLike[str], keep_raw_metadata: bool = Fals
                                  f"metadata.json names sharded_backend {megatron.get('sharded_backend')!r}, "
                                  "not 'torch_dist', yet the folder holds DCP files"))
         # Referenced files with other names (older writers, renamed copies) are data files too.
-        referenced = {c.storage.file for e in entries.values() for c in e.chunks if c.storage}
+        referenced = referenced_files(entries.values())
         files.update(_referenced_sizes(loc.folder, referenced - files.keys()))
     iteration = iteration_from_name(loc.folder)
     if loc.recovered is not None:
@@ -76,6 +79,21 @@ def open_checkpoint(path: str | os.PathLike[str], keep_raw_metadata: bool = Fals
         megatron_metadata=megatron, manifest=manifest, iteration=iteration, notes=notes, raw_metadata=raw_metadata,
     )
 
+
+
+def referenced_files(entries: Iterable[Entry]) -> set[str]:
+    """The files the chunks' storage names (a chunk table's once, not per chunk)."""
+    out: set[str] = set()
+    tables: dict[int, ChunkTable] = {}
+    for e in entries:
+        if isinstance(e.chunks, ChunkColumns):
+            tables[id(e.chunks.table)] = e.chunks.table
+        else:
+            out.update(c.storage.file for c in e.chunks if c.storage)
+    for t in tables.values():
+        used = np.unique(t.file[t.file >= 0])
+        out.update(t.files[i] for i in used.tolist())
+    return out
 
 
 def _referenced_sizes(folder: Path, rels: set[str]) -> dict[str, int]:

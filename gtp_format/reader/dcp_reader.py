@@ -22,6 +22,8 @@ from gtp_format.dtypes import DType
 from gtp_format.errors import FormatError
 from gtp_format.model import BYTES, TENSOR, Chunk, Entry, Problem, StorageRef
 from gtp_format.names import DCP_METADATA_FILE, DISTCP_RE
+from gtp_format.reader.dcp_columns import columns_model, orphan_notes
+from gtp_format.reader.dcp_columns import wanted as columns_wanted
 from gtp_format.reader.locate import Located
 from gtp_format.reader.safe_pickle import (
     BytesStorageRecord,
@@ -189,6 +191,10 @@ def read_dcp_metadata(loc: Located, data_files: dict[str, int], keep_records: bo
     fix = f"restore {DCP_METADATA_FILE} from a good copy, or raise {METADATA_LIMIT_ENV} if it is genuine"
     stored = sum(stored_size(loc.folder, name) for name in data_files)  # not st_size: sparse files are free
     raw = read_small_file(path, metadata_limit(stored, loc.folder), "DCP metadata", fix)
+    if not keep_records and columns_wanted(len(raw)):  # a large file: scanned into columns (dcp_scan)
+        got = columns_model(path, raw)
+        if got is not None:
+            return DcpMetadata(*got, None)
     with gc_paused():  # millions of small objects, none of them garbage: see gc_paused
         md = load_metadata_pickle(raw, str(path))
         size = len(raw)
@@ -231,18 +237,6 @@ def metadata_entries(path: Path, size: int, md: Any) -> tuple[dict[str, Entry], 
     except _Malformed as e:
         where = f"key {brief(key)}: " if key is not None else ""
         raise FormatError(f"malformed {path}: {where}{e}; restore it from a good copy") from None
-    notes = _orphan_notes(unclaimed, duplicates)
+    notes = orphan_notes(unclaimed, duplicates)
     version = md.get("version")
     return entries, notes, version if isinstance(version, str) else None
-
-
-def _orphan_notes(unclaimed: dict[tuple[str, tuple[int, ...] | None], StorageRef], duplicates: int) -> list[Problem]:
-    notes = [Problem("warning", "orphan_storage",
-                     f"storage_data names {fqn!r} at offsets {offsets} but no such chunk exists", key=fqn,
-                     file=ref.file)
-             for (fqn, offsets), ref in unclaimed.items()]
-    notes.sort(key=lambda p: (p.key or "", p.message))
-    if duplicates:
-        notes.append(Problem("error", "duplicate_storage",
-                             f"{duplicates} storage_data entries repeat a (key, offset) index"))
-    return notes

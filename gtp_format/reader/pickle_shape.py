@@ -35,6 +35,7 @@ costs against main: docs/performance.md.
 from __future__ import annotations
 
 import re
+import threading
 
 from gtp_format.reader.pickle_scan import MANY, PickleScanError
 
@@ -298,8 +299,6 @@ _INT_OPS = {ord(c) for c in "KMJ"}
 _LEN1_ATOMS = {ord(c) for c in "\x8a\x8cC"}  # LONG1, SHORT_BINUNICODE, SHORT_BINBYTES
 _INT = b"(?:K.|M..|J....)"  # BININT1, BININT2, BININT: any value, any of the three widths
 _GET_GROUP = b"(h.|j....)"
-_SHAPES: dict[bytes, tuple[re.Pattern[bytes], re.Pattern[bytes]]] = {}
-_SEEN: dict[bytes, int] = {}
 _COMPILE_AFTER = 8
 
 
@@ -405,29 +404,24 @@ def _fast_run(data: bytes | bytearray, start: int, end: int, stack: list[int], m
 # depends only on its opcodes and on the depths of the memo entries it copies, so a run whose units
 # match the shape and copy entries of the same depths has the same effect per unit, with the same
 # checks passed (depths within ``max_depth``: each remembered effect is kept per ``max_depth``).
-_KNOWN: dict[int, list[tuple[tuple[re.Pattern[bytes], re.Pattern[bytes]], tuple[int, ...], list[int], list[int],
-                             int]]] = {}
+_Known = tuple[tuple[re.Pattern[bytes], re.Pattern[bytes]], tuple[int, ...], list[int], list[int], int]
 _KNOWN_MAX = 8
 
 
 def _remember(max_depth: int, pats: tuple[re.Pattern[bytes], re.Pattern[bytes]], copies: tuple[int, ...],
               pushed: list[int], made: list[int], counted: int) -> None:
-    known = _KNOWN.setdefault(max_depth, [])
-    if any(k[0] is pats and k[1] == copies for k in tuple(known)):
-        return
-    known.insert(0, (pats, copies, list(pushed), list(made), counted))  # newest first; each step atomic
-    del known[_KNOWN_MAX:]
+    _COMPILED.remember(max_depth, (pats, copies, list(pushed), list(made), counted))
 
 
 def _known_run(data: bytes | bytearray, start: int, end: int, stack: list[int], memo: list[int], built: int,
                limit: int, max_depth: int) -> tuple[int, int, bool] | None:
     """The run at ``start`` replayed by a remembered unit's effect (see above), or ``None``: nothing changed."""
-    known = _KNOWN.get(max_depth)
+    known = _COMPILED.known(max_depth)
     if not known:
         return None
     below = len(memo)
-    for pats, copies, pushed, made, counted in tuple(known):  # a snapshot: threads share the list (byte objects'
-        run = pats[0].match(data, start, end)                 # pickles are walked on a pool)
+    for pats, copies, pushed, made, counted in known:
+        run = pats[0].match(data, start, end)
         if run is None:
             continue
         rows = pats[1].findall(data, start, run.end())
@@ -464,6 +458,56 @@ def _record_at(data: bytes | bytearray, pos: int) -> bool:
     return (op == 0x68 or op == 0x6A) and data.startswith(_RECORD_HEAD, pos + (2 if op == 0x68 else 5))
 
 
+class _Compiled:
+    """The compiled expressions by shape, how often each shape not yet compiled was seen, and the remembered
+    effects of runs (above).
+
+    Shared by every thread that walks a pickle (byte objects' pickles are walked on a pool), so each
+    read-and-update runs under one lock: the count of a shape was read, then deleted, by two threads at
+    once, and the second ``del`` raised ``KeyError``, which the replay reported as a malformed pickle.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._shapes: dict[bytes, tuple[re.Pattern[bytes], re.Pattern[bytes]]] = {}
+        self._seen: dict[bytes, int] = {}
+        self._known: dict[int, tuple[_Known, ...]] = {}  # remembered unit effects by max_depth, newest first
+
+    def known(self, max_depth: int) -> tuple[_Known, ...]:
+        return self._known.get(max_depth, ())  # a tuple, replaced whole under the lock: a consistent snapshot
+
+    def forget_runs(self) -> None:
+        with self._lock:
+            self._known.clear()
+
+    def remember(self, max_depth: int, entry: _Known) -> None:
+        with self._lock:
+            known = self._known.get(max_depth, ())
+            if not any(k[0] is entry[0] and k[1] == entry[1] for k in known):
+                self._known[max_depth] = (entry, *known)[:_KNOWN_MAX]
+
+    def get(self, shape: bytes) -> tuple[re.Pattern[bytes], re.Pattern[bytes]] | None:
+        with self._lock:
+            pats = self._shapes.get(shape)
+            if pats is not None:
+                return pats
+            seen = self._seen.get(shape, 0) + 1
+            if seen < _COMPILE_AFTER:
+                if len(self._seen) > 4096:
+                    self._seen.clear()
+                self._seen[shape] = seen
+                return None
+            self._seen.pop(shape, None)
+        pats = (re.compile(b"(?:" + shape + b")" + MANY, re.DOTALL), re.compile(shape, re.DOTALL))  # outside the lock
+        with self._lock:
+            if len(self._shapes) > 256:
+                self._shapes.clear()
+            return self._shapes.setdefault(shape, pats)
+
+
+_COMPILED = _Compiled()
+
+
 def _patterns(shape: bytes) -> tuple[re.Pattern[bytes], re.Pattern[bytes]] | None:
     """The compiled run of ``shape`` (one or more, possessive) and ``shape`` alone (to count the run).
 
@@ -471,19 +515,7 @@ def _patterns(shape: bytes) -> tuple[re.Pattern[bytes], re.Pattern[bytes]] | Non
     milliseconds, as much as replaying a hundred records, and in small checkpoints most shapes (a
     record with a key name of a new length) come back once or twice at most.
     """
-    pats = _SHAPES.get(shape)
-    if pats is None:
-        seen = _SEEN.get(shape, 0) + 1
-        if seen < _COMPILE_AFTER:
-            if len(_SEEN) > 4096:
-                _SEEN.clear()
-            _SEEN[shape] = seen
-            return None
-        del _SEEN[shape]
-        if len(_SHAPES) > 256:
-            _SHAPES.clear()
-        pats = _SHAPES[shape] = (re.compile(b"(?:" + shape + b")" + MANY, re.DOTALL), re.compile(shape, re.DOTALL))
-    return pats
+    return _COMPILED.get(shape)
 
 
 def _refuse_global_change(act: int, pos: int) -> None:

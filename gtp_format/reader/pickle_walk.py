@@ -20,8 +20,9 @@ hostile pickles.
 Only for pickles of at least :data:`MIN_BYTES`, and only where numba imports: numba's import and its
 cached code cost about 0.6 s and 110 MB of RSS per process (measured on the 16-core H100 host), where
 the two Python walks take about 25 ns a byte (3.5 CPU s for a 139 MB, 1M-chunk file) and the loop 2: it
-pays from about 26 MB. The loop is cached on disk (``cache=True``); the first process on a machine
-compiles it (1.6 s there), as does every process where no cache can be written.
+pays from about 26 MB. The loop is cached on disk (:func:`gtp_format.reader.jit.njit_cached`, which finds a
+writable folder where numba's own choices are read-only); the first process on a machine compiles it (1.6 s
+there).
 """
 
 from __future__ import annotations
@@ -280,15 +281,15 @@ def walk(data: np.ndarray, arg_of: np.ndarray, act_of: np.ndarray, max_depth: in
 
 @cache
 def _compiled() -> Any:
-    """The loop compiled by numba (cached on disk where it can be), or ``None`` where numba is missing."""
+    """The loop compiled by numba (cached on disk where it can be: :func:`gtp_format.reader.jit.njit_cached`), or
+    ``None`` where numba is missing."""
     try:
-        from numba import njit
+        import numba  # noqa: F401
     except ImportError:
         return None
-    try:
-        return njit(cache=True, nogil=True)(walk)
-    except RuntimeError:  # no writable cache: compiled anew by each process
-        return njit(cache=False, nogil=True)(walk)
+    from gtp_format.reader.jit import njit_cached
+
+    return njit_cached(walk, nogil=True)
 
 
 def passes(data: bytes | bytearray, max_depth: int = shape.MAX_DEPTH) -> bool:

@@ -190,10 +190,11 @@ def test_remembered_runs_agree_with_the_replay():
     notes = [shallow, deep] * 9 + [_nested(MAX_DEPTH + 1)] + [deep, shallow] * 5 + [shallow]
     state = {k: [_Chunk((i * 64,), (64,), note) for i in range(20)] for k, note in zip(keys, notes)}
     for proto in (2, 4, 5):
-        pickle_shape._KNOWN.clear()
+        pickle_shape._COMPILED.forget_runs()
         data = pickle.dumps({"warm": _dcp_like(40), "state": state}, protocol=proto)
         first = _same_verdict(data)
-        assert bool(pickle_shape._KNOWN) == (proto >= 4), "no run was remembered"  # 2: BINPUT, no fast path
+        remembered = bool(pickle_shape._COMPILED.known(MAX_DEPTH))
+        assert remembered == (proto >= 4), "no run was remembered"  # 2: BINPUT, no fast path
         assert _same_verdict(data) == first  # now with every shape remembered
         assert isinstance(first, str) and "deep" in first
         ok = pickle.dumps({"warm": _dcp_like(40), "state": {k: v for k, v in state.items() if k != "k18"}},
@@ -208,3 +209,46 @@ def test_remembered_runs_agree_with_the_replay():
                 except PickleScanError as e:
                     out.append(str(e))
             assert out[0] == out[1]
+
+
+def test_shape_counts_are_race_free(monkeypatch):
+    """Threads that see a shape for its compiling time at once: the count was read, then deleted, by two
+    threads, and the second ``del`` raised KeyError, reported as a malformed pickle. The count's dict here
+    yields to the other threads after each read (8 threads then read the same count: the old code raised
+    KeyError in 7 of them)."""
+    import threading
+    import time
+
+    from gtp_format.reader import pickle_shape
+
+    class Yielding(dict):
+        def get(self, key, default=None):
+            value = super().get(key, default)
+            time.sleep(0.0005)
+            return value
+
+    cache = pickle_shape._Compiled()
+    cache._seen = Yielding()
+    monkeypatch.setattr(pickle_shape, "_COMPILED", cache)
+    errors: list[BaseException] = []
+    shapes = [b"K.%d" % i for i in range(20)]
+    start = threading.Barrier(8)
+
+    def work() -> None:
+        start.wait()
+        try:
+            for _ in range(pickle_shape._COMPILE_AFTER + 2):
+                for s in shapes:
+                    pickle_shape._patterns(s)
+        except BaseException as e:  # noqa: BLE001  # the failure this test looks for
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    compiled = [pickle_shape._patterns(s) for s in shapes]
+    assert all(p is not None for p in compiled)
+    assert [p[1].pattern for p in compiled] == shapes  # type: ignore[index]

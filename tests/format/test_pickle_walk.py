@@ -100,3 +100,55 @@ def test_small_pickles_are_left_to_the_walks(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(pickle_walk, "MIN_BYTES", 0)
     assert pickle_walk.passes(data)
     assert not pickle_walk.passes(data, max_depth=200)
+
+
+def test_private_numba_cache_dir_is_this_users_alone(tmp_path, monkeypatch):
+    """Where numba can write no cache of its own, the loop is cached in a folder only this user may write:
+    numba's cache files are pickles, so a folder another user could write is never used."""
+    import os
+    import tempfile
+
+    from gtp_format.reader import jit
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    folder = jit.private_cache_dir()
+    assert folder == tmp_path / f"gtp-ckpt-numba-{os.getuid()}" and folder.is_dir()
+    assert folder.stat().st_mode & 0o777 == 0o700
+    folder.chmod(0o777)
+    assert jit.private_cache_dir() is None
+    folder.rmdir()
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    folder.symlink_to(tmp_path / "elsewhere")
+    assert jit.private_cache_dir() is None
+
+
+def test_compiled_loop_cached_where_numba_finds_no_folder(tmp_path, monkeypatch):
+    """``njit(cache=True)`` raising (no writable folder beside the source or in the home) falls back to the
+    private folder, and the loop is cached there."""
+    pytest.importorskip("numba")
+    import tempfile
+
+    import numba
+
+    from gtp_format.reader import jit
+
+    calls = []
+    real = numba.njit
+
+    def njit(**options):
+        calls.append(dict(options))
+        if options.get("cache") and not numba.config.CACHE_DIR:
+            raise RuntimeError("cannot cache function: no locator available")
+        return real(**options)
+
+    monkeypatch.setattr(numba, "njit", njit)
+    monkeypatch.setattr(numba.config, "CACHE_DIR", "")
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+
+    def add(a, b):
+        return a + b
+
+    fn = jit.njit_cached(add, nogil=True)
+    assert fn(2, 3) == 5
+    assert [c["cache"] for c in calls] == [True, True]
+    assert any(p.suffix == ".nbi" for p in tmp_path.rglob("*")), "nothing was cached in the private folder"
