@@ -53,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "4 cores' against one process on the same 4")
     ap.add_argument("--repeats", type=int, default=1, help="rounds per row (best kept)")
     ap.add_argument("--pycache", help="PYTHONPYCACHEPREFIX for every command (warmed by an untimed run first)")
+    ap.add_argument("--keep", action="store_true", help="leave the source in --workdir (for a profile after)")
     ap.add_argument("--only", choices=("reshard", "verify_data"), help="one command only")
     ap.add_argument("--out", help="folder for bench_dist_ckpt.json")
     ap.add_argument("--smoke", action="store_true", help="tiny source, 2 ranks (tests/benchmarks)")
@@ -158,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                          "ranks_own_s": json.loads(outn).get("seconds"),
                          "command": " ".join(many), "baseline_command": " ".join(single)})
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        for gone in ([work / "one", work / "many"] if args.keep else [work]):
+            shutil.rmtree(gone, ignore_errors=True)
     doc = {"machine": {"nproc": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
                        "python": platform.python_version()},
            "workdir": args.workdir, "pycache_prefix": os.environ.get("PYTHONPYCACHEPREFIX"),
