@@ -66,6 +66,7 @@ def env() -> dict[str, str]:
     e["OMP_NUM_THREADS"] = "1"
     if PYCACHE:
         e["PYTHONPYCACHEPREFIX"] = PYCACHE
+        e.pop("PYTHONDONTWRITEBYTECODE", None)  # else nothing is ever written there (the lent host's image sets it)
     # PYTHONPYCACHEPREFIX (where set) reaches every command: a torch installed without its bytecode compiles
     # ~900 modules at each import (1.7 s of the ranks' start-up on the lent host)
     return e
