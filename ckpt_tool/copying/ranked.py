@@ -57,6 +57,7 @@ def build_ranked(group: Group, dst: Path | ObjectURL, body: Callable[[Checkpoint
         with TermGuard() as guard, CheckpointWriter(dst, inner=inner, latest=latest) as writer:
             guard.writer = writer
             try:
+                fault("created")
                 group.exchange(lambda: writer.work, "while creating the work folder")
                 _steps(group, writer, body, guard)
             except BaseException:

@@ -232,8 +232,9 @@ def _check_after_kill(tmp_path: Path, dst: Path, res: subprocess.CompletedProces
 
 
 # 1:commit: every rank's files were confirmed durable by the exchange before it, so rank 0 commits alone
-@pytest.mark.parametrize(("fault", "committed"), [("1:copy", False), ("0:commit", False), ("1:commit", True),
-                                                   ("0:renamed", True)])
+# 0:created: rank 0 killed between making its work folder and telling rank 1 where: rank 1 finds it by rank 0's pid
+@pytest.mark.parametrize(("fault", "committed"), [("0:created", False), ("1:copy", False), ("0:commit", False),
+                                                   ("1:commit", True), ("0:renamed", True)])
 def test_rank_killed_means_no_commit(tmp_path: Path, fault: str, committed: bool) -> None:
     before = _tree_digest(SRC)
     dst = tmp_path / "out" / "dst"
