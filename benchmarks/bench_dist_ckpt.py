@@ -9,6 +9,14 @@ that a multi-GB job pays once). The source is bench_reshard.py's synthetic check
 fold, fp32, Adam), resharded to tp2 cp1; the ranked output is checked to hold the same files, of the
 same sizes, as the one-process output.
 
+Throughput is the source's bytes over the wall time of the whole command as a user runs it (torchrun's start,
+every rank's imports and rendezvous, the work, the exit: what ``time torchrun ...`` reports), so *ratio* is
+one process's wall time over the ranks'. *CPU s* is the user + system time of the command's whole process
+tree (torchrun and its ranks; ``getrusage(RUSAGE_CHILDREN)`` around it): where one process already keeps its
+cores busy (CPU s near cores x wall s), the ranks can only add what it leaves idle. ``--pycache DIR`` sets
+``PYTHONPYCACHEPREFIX`` for every command (both sides): an image whose torch ships no bytecode compiles ~900
+modules at each ``import torch`` (1.7 s on the lent host), which an installed torch does once.
+
   python benchmarks/bench_dist_ckpt.py --layers 4 --ranks 4 --cores 4 --out /tmp/bench_dist  # 4 ranks on 4 cores
   python benchmarks/bench_dist_ckpt.py --layers 4 --ranks 4 --out /tmp/bench_dist            # all the host's cores
   python benchmarks/bench_dist_ckpt.py --smoke                                  # tests/benchmarks, seconds
@@ -20,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -30,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 CKPT = [sys.executable, "-m", "ckpt_tool.cli"]
+PYCACHE: str | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cores", type=int, help="run both sides on cores 0..N-1 only (taskset): the issue's '4 ranks on "
                     "4 cores' against one process on the same 4")
     ap.add_argument("--repeats", type=int, default=1, help="rounds per row (best kept)")
+    ap.add_argument("--pycache", help="PYTHONPYCACHEPREFIX for every command (warmed by an untimed run first)")
+    ap.add_argument("--keep", action="store_true", help="leave the source in --workdir (for a profile after)")
+    ap.add_argument("--only", choices=("reshard", "verify_data"), help="one command only")
     ap.add_argument("--out", help="folder for bench_dist_ckpt.json")
     ap.add_argument("--smoke", action="store_true", help="tiny source, 2 ranks (tests/benchmarks)")
     return ap.parse_args(argv)
@@ -51,18 +64,25 @@ def env() -> dict[str, str]:
     e = dict(os.environ)
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
     e["OMP_NUM_THREADS"] = "1"
+    if PYCACHE:
+        e["PYTHONPYCACHEPREFIX"] = PYCACHE
+        e.pop("PYTHONDONTWRITEBYTECODE", None)  # else nothing is ever written there (the lent host's image sets it)
     # PYTHONPYCACHEPREFIX (where set) reaches every command: a torch installed without its bytecode compiles
     # ~900 modules at each import (1.7 s of the ranks' start-up on the lent host)
     return e
 
 
-def timed(cmd: list[str], ok: tuple[int, ...] = (0,)) -> tuple[float, str]:
+def timed(cmd: list[str], ok: tuple[int, ...] = (0,)) -> tuple[float, str, float]:
+    """Wall seconds, stdout, and the CPU seconds (user + system) of the command's process tree."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=3600)
     dt = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if r.returncode not in ok:
         raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-2000:]}")
-    return dt, r.stdout
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return dt, r.stdout, cpu
 
 
 def files_of(folder: Path) -> dict[str, int]:
@@ -71,6 +91,8 @@ def files_of(folder: Path) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    global PYCACHE
+    PYCACHE = args.pycache
     from types import SimpleNamespace
 
     from bench_reshard import make_source
@@ -99,21 +121,29 @@ def main(argv: list[str] | None = None) -> int:
         # what the ranks pay before any byte moves (torchrun, N x ``import torch``, the gloo rendezvous): the same
         # ranked command on a checkpoint of under 1 MB
         tiny = str(REPO / "fixtures" / "gtp" / "fold_cp2_g2_dp2")
-        timed([*ranked, "verify", "--data", tiny, "--format", "json"])  # untimed: torch's files into the page cache
-        startup = min(timed([*ranked, "verify", "--data", tiny, "--format", "json"])[0] for _ in range(args.repeats))
+        # untimed: torch's files into the page cache (and, with --pycache, its bytecode into that folder)
+        timed([*ranked, "verify", "--data", tiny, "--format", "json"])
+        timed([*CKPT, "verify", "--data", tiny, "--format", "json"])
+        starts = [timed([*ranked, "verify", "--data", tiny, "--format", "json"]) for _ in range(args.repeats)]
+        startup = min(s[0] for s in starts)
+        startup_one = min(timed([*CKPT, "verify", "--data", tiny, "--format", "json"])[0] for _ in range(args.repeats))
         rows = []
         for name, (single, many) in cmds.items():
-            t1, tn = [], []
+            if args.only and name != args.only:
+                continue
+            t1, tn, c1, cn = [], [], [], []
             for _ in range(args.repeats):
                 for dst in (work / "one", work / "many"):
                     shutil.rmtree(dst, ignore_errors=True)
-                d, out1 = timed(single)
+                d, out1, cpu = timed(single)
                 t1.append(d)
+                c1.append(cpu)
                 # the one-process output's files and sizes, then it goes: /dev/shm holds the source and one output
                 one = files_of(work / "one") if name != "verify_data" else {}
                 shutil.rmtree(work / "one", ignore_errors=True)
-                d, outn = timed(many)
+                d, outn, cpu = timed(many)
                 tn.append(d)
+                cn.append(cpu)
                 if name == "verify_data":
                     assert json.loads(out1) == json.loads(outn), "the ranks' report differs from one process's"
                 else:
@@ -122,20 +152,27 @@ def main(argv: list[str] | None = None) -> int:
                          "ranks_s": round(min(tn), 3), "ratio": round(min(t1) / min(tn), 3),
                          "gb_per_s_one": round(nbytes / 1e9 / min(t1), 3),
                          "gb_per_s_ranks": round(nbytes / 1e9 / min(tn), 3), "ranks_startup_s": round(startup, 3),
-                         "ratio_after_startup": round(min(t1) / max(1e-3, min(tn) - startup), 3),
+                         "ratio_after_startup": round((min(t1) - startup_one) / max(1e-3, min(tn) - startup), 3),
+                         "one_process_cpu_s": round(min(c1), 2), "ranks_cpu_s": round(min(cn), 2),
+                         "one_process_startup_s": round(startup_one, 3), "ranks_startup_cpu_s": round(starts[0][2], 2),
+                         # the command's own timer, where its report has one (reshard: after the imports and the join)
+                         "one_process_own_s": json.loads(out1).get("seconds"),
+                         "ranks_own_s": json.loads(outn).get("seconds"),
                          "command": " ".join(many), "baseline_command": " ".join(single)})
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        for gone in ([work / "one", work / "many"] if args.keep else [work]):
+            shutil.rmtree(gone, ignore_errors=True)
     doc = {"machine": {"nproc": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
                        "python": platform.python_version()},
            "workdir": args.workdir, "pycache_prefix": os.environ.get("PYTHONPYCACHEPREFIX"),
            "source_bytes": nbytes, "ranks": ranks, "workers": args.workers, "cores": args.cores, "smoke": args.smoke,
            "rows": rows}
     print(f"{'row':<28} {'1 process s':>12} {f'{ranks} ranks s':>12} {'ratio':>7} {'startup s':>10} "
-          f"{'ratio less startup':>19}")
+          f"{'ratio less startup':>19} {'1 proc CPU s':>13} {'ranks CPU s':>12}")
     for r in rows:
         print(f"{r['row']:<28} {r['one_process_s']:>12.2f} {r['ranks_s']:>12.2f} {r['ratio']:>7.2f} "
-              f"{r['ranks_startup_s']:>10.2f} {r['ratio_after_startup']:>19.2f}")
+              f"{r['ranks_startup_s']:>10.2f} {r['ratio_after_startup']:>19.2f} {r['one_process_cpu_s']:>13.2f} "
+              f"{r['ranks_cpu_s']:>12.2f}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench_dist_ckpt.json").write_text(json.dumps(doc, indent=1))

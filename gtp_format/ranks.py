@@ -269,8 +269,9 @@ FAULT_ENV = "CKPT_RANK_FAULT"
 
 def fault(point: str) -> None:
     """Fault injection for the tests (as the runtime's ``GTP_FAULT_INJECT``): ``CKPT_RANK_FAULT=RANK:POINT``
-    kills that rank with SIGKILL when it reaches ``point`` (``copy``: its files written, before the gather;
-    ``commit``: before the commit's exchange; ``renamed``: rank 0, just after its commit)."""
+    kills that rank with SIGKILL when it reaches ``point`` (``created``: rank 0, its work folder made, before
+    it tells the others where; ``copy``: its files written, before the gather; ``commit``: before the commit's
+    exchange; ``renamed``: rank 0, just after its commit)."""
     want = os.environ.get(FAULT_ENV)
     if want and _current is not None and want == f"{_current.rank}:{point}":
         os.kill(os.getpid(), signal.SIGKILL)

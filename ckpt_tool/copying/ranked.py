@@ -14,10 +14,15 @@ The ranks' sequence (:func:`build_ranked`; the engines' part is
 4. rank 0 commits (one rename that never replaces anything), and tells every rank how it went.
 
 Any rank's error, at any step, is every rank's one line naming that rank, and no commit: rank 0's writer
-removes the work folder. A rank killed meanwhile is found by its peers' broken connection (or torchrun's
-SIGTERM, which makes rank 0's writer remove the work folder as on an error); a killed rank 0 leaves its work
-folder to the surviving ranks of its host, which remove it once rank 0's process is gone (a dead owner's
-work only, as :func:`gtp_format.work.clean_stale`; a zombie not yet reaped by torchrun counts as gone).
+removes the work folder. A rank killed meanwhile is found by its peers' broken connection, and torchrun's
+agent then sends every other rank SIGTERM (SIGKILL 30 s later). Rank 0 removes its work folder on that
+SIGTERM from a thread of its own (:class:`TermGuard`), at once: the signal's Python handler runs only in the
+main thread, between bytecodes, so it waited while the main thread was inside a gloo collective, and the
+exception it raised could cut short the writer's own removal (a work folder was left in 1 of 3 runs of the
+random-kill test). A killed rank 0 leaves its work folder to the surviving ranks of its host, which remove it
+once rank 0's process is gone: every work folder beside DST whose name records rank 0's process and whose
+token proves it (:func:`gtp_format.work.proven`; a zombie not yet reaped by torchrun counts as gone), so
+also one rank 0 made before it could tell the others its path.
 
 A bucket DST: the work folder is rank 0's local staging, so every rank must share rank 0's host; a job over
 several hosts is refused before anything is written.
@@ -25,15 +30,20 @@ several hosts is refused before anything is written.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import TracebackType
 
 from gtp_format.errors import FormatError
 from gtp_format.ranks import COMMITTING, Group, RankFailed, fault
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
-from gtp_format.work import remove_entry
+from gtp_format.work import TOKEN_FILE, leftovers, proven, remove_entry
 from gtp_format.writer.checkpoint import CheckpointWriter
 
 
@@ -44,28 +54,151 @@ def build_ranked(group: Group, dst: Path | ObjectURL, body: Callable[[Checkpoint
         raise FormatError(f"{dst}: a bucket output is staged on rank 0's host, and this job spans "
                           f"{len({p.host for p in group.peers})} hosts; run it on one node (--nnodes 1)")
     if group.root:
-        with CheckpointWriter(dst, inner=inner, latest=latest) as writer:
-            group.exchange(lambda: writer.work, "while creating the work folder")
-            _steps(group, writer, body)
+        with TermGuard() as guard, CheckpointWriter(dst, inner=inner, latest=latest) as writer:
+            guard.writer = writer
+            try:
+                fault("created")
+                group.exchange(lambda: writer.work, "while creating the work folder")
+                _steps(group, writer, body, guard)
+            except BaseException:
+                with sigterm_held():
+                    writer.abort()
+                raise
         return
-    work = group.exchange(lambda: None, "while creating the work folder")[0]
     writer = CheckpointWriter(dst, inner=inner, latest=latest)
-    writer.adopt(work)
     try:
-        _steps(group, writer, body)
+        writer.adopt(group.exchange(lambda: None, "while creating the work folder")[0])
+        _steps(group, writer, body, TermGuard())  # not entered: only rank 0 removes on SIGTERM
     except BaseException:
-        # torchrun's SIGTERM (it follows a rank's death) must not cut the clean-up short: it is held meanwhile
-        # (we are on our way out anyway)
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
-        try:
+        with sigterm_held():
             if 0 in group.dead(wait=2.0):  # rank 0 can no longer remove its work folder (nor commit it): we do
-                remove_entry(Path(work))
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+                remove_dead_owners(writer, group.peers[0].pid)
         raise
 
 
-def _steps(group: Group, writer: CheckpointWriter, body: Callable[[CheckpointWriter], None]) -> None:
+@contextlib.contextmanager
+def sigterm_held() -> Iterator[None]:
+    """torchrun's SIGTERM (it follows a rank's death) must not cut a clean-up short: it does nothing meanwhile
+    (the rank is on its way out anyway). Main thread only (``signal``'s rule)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def remove_dead_owners(writer: CheckpointWriter, pid: int) -> None:
+    """Remove the work folders beside the output that the dead process ``pid`` (rank 0) made: those whose name
+    records that process, of this host, gone, and whose token proves the name (:mod:`gtp_format.work`)."""
+    try:
+        parent = writer.storage.work_parent(writer.session)
+    except FormatError:  # a bucket's staging setting this rank cannot use: it wrote nothing there either
+        return
+    for w in leftovers(parent):
+        if w.pid == pid and w.stale and proven(w):
+            remove_entry(w.path)
+
+
+class TermGuard:
+    """Rank 0's removal of its work folder on SIGTERM, from a thread, before the main thread can react.
+
+    ``signal.set_wakeup_fd`` makes the interpreter's C-level handler write the signal's number to a pipe the
+    moment it arrives; a thread waiting on the pipe removes the work folder (unless the commit happened: the
+    commit runs under :attr:`lock`). The removal repeats while the other ranks of this host, stopped by the
+    same SIGTERM, may still be finishing a chunk into it, and takes the ownership token last; if new entries
+    still appear, the token goes back, so what stays is a proven dead writer's, removed by the next writer
+    there. Only in the main thread (``set_wakeup_fd``'s rule); elsewhere it does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.writer: CheckpointWriter | None = None  # set once the writer made its work folder
+        self.lock = threading.Lock()
+        self.committing = False  # every rank's files are confirmed: rank 0 commits, even on SIGTERM
+        self._pipe: tuple[int, int] | None = None
+        self._previous = -1
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> TermGuard:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            self._previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            os.close(r)
+            os.close(w)
+            return self
+        self._pipe = (r, w)
+        self._thread = threading.Thread(target=self._watch, args=(r,), name="ckpt-sigterm", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._pipe is None:
+            return
+        r, w = self._pipe
+        self._pipe = None
+        signal.set_wakeup_fd(self._previous)
+        os.close(w)  # the watcher reads end-of-file and returns
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        os.close(r)
+
+    def _watch(self, r: int) -> None:
+        while True:
+            try:
+                got = os.read(r, 64)
+            except OSError:
+                return
+            if not got:
+                return
+            if signal.SIGTERM in got:
+                with self.lock:
+                    writer = self.writer
+                    if writer is not None and writer.work is not None and not (writer.committed or self.committing):
+                        remove_owned_work(writer.work)
+                return
+
+
+def remove_owned_work(work: Path, tries: int = 20) -> None:
+    """Remove this process's work folder while other processes may still be adding to it (see
+    :class:`TermGuard`): its entries until none is left, the token last; where one still appears after
+    ``tries`` rounds, the token goes back (the folder stays proven)."""
+    try:
+        token: bytes | None = (work / TOKEN_FILE).read_bytes()
+    except FileNotFoundError:  # the main thread's removal already took it: the folder is still this writer's
+        token = None
+    except OSError:
+        return
+    for _ in range(tries):
+        with contextlib.suppress(OSError):
+            with os.scandir(work) as it:
+                others = [Path(e.path) for e in it if e.name != TOKEN_FILE]
+            if not others:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(work / TOKEN_FILE)
+                try:
+                    os.rmdir(work)
+                    return
+                except FileNotFoundError:
+                    return
+                except OSError:  # an entry appeared between the listing and the rmdir: the token back
+                    if token is not None:
+                        with contextlib.suppress(OSError):
+                            (work / TOKEN_FILE).write_bytes(token)
+                    continue
+            for p in others:
+                remove_entry(p)
+        time.sleep(0.05)
+
+
+def _steps(group: Group, writer: CheckpointWriter, body: Callable[[CheckpointWriter], None],
+           guard: TermGuard) -> None:
     try:
         body(writer)  # its one collective is the gather of the files (engine.share_files)
         failed: BaseException | None = None
@@ -79,11 +212,16 @@ def _steps(group: Group, writer: CheckpointWriter, body: Callable[[CheckpointWri
             raise failed
 
     group.exchange(ready, "before the commit")
+    # Every rank's files are durable and recorded: rank 0 commits now even if torchrun's SIGTERM comes (a rank
+    # that died after this point cannot change the output; its peers say DST is whole or absent). Without
+    # this, a SIGTERM a few milliseconds early removed the work folder of a finished output.
+    guard.committing = True
     fault("commit")
 
     def commit() -> None:
         if group.root:
-            writer.commit()
+            with guard.lock, sigterm_held():  # not while the SIGTERM guard removes the work folder
+                writer.commit()
             fault("renamed")
 
     group.exchange(commit, COMMITTING)

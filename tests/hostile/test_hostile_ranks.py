@@ -56,3 +56,43 @@ def test_split_balances_bytes_largest_first() -> None:
     assert assign(sizes, 2) == owner  # deterministic: every rank computes the same
     assert assign([5, 5, 5], 4) == [0, 1, 2] and assign([], 3) == []
     assert sorted(set(assign([1] * 12, 3))) == [0, 1, 2] and all(assign([1] * 12, 3).count(r) == 4 for r in range(3))
+
+
+def test_sigterm_removal_with_entries_still_appearing(tmp_path: Path) -> None:
+    """Rank 0's removal on SIGTERM (copying/ranked.py) while other ranks may still add files to its work folder:
+    the folder goes, or, while entries keep appearing, stays with its token (a proven dead writer's, which the
+    next writer removes), never as an unproven half-removed folder."""
+    import threading
+    import time
+
+    from ckpt_tool.copying.ranked import remove_owned_work
+    from gtp_format import work
+
+    quiet = work.new_work(tmp_path / "dst", "tmp")
+    (quiet / "a.distcp").write_bytes(b"x" * 100)
+    remove_owned_work(quiet)
+    assert not quiet.exists()
+
+    busy = work.new_work(tmp_path / "dst2", "tmp")
+    stop = threading.Event()
+
+    def keep_writing() -> None:
+        n = 0
+        while not stop.is_set():
+            try:
+                (busy / f"late{n}.distcp").write_bytes(b"y")
+            except OSError:
+                pass
+            n += 1
+            time.sleep(0.001)
+
+    t = threading.Thread(target=keep_writing)
+    t.start()
+    try:
+        remove_owned_work(busy, tries=3)
+    finally:
+        stop.set()
+        t.join()
+    if busy.exists():
+        found = {w.path: w for w in work.leftovers(tmp_path)}
+        assert busy in found and work.proven(found[busy])
