@@ -246,7 +246,7 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
 
     ``experts``: also MoE checkpoints (:mod:`gtp_format.megatron.moe`): ``inspect --params``, the
     padding map and ``export --to fully_reshardable`` ask (expert keys are indexed by (layer, expert),
-    :attr:`gtp_format.views.records.ParamView.lead`) and ``ckpt reshard``; the Hugging Face export does not.
+    :attr:`gtp_format.views.records.ParamView.lead`), ``ckpt reshard`` and ``export --to hf --optimizer``.
 
     A gated ``linear_fc1`` (``--swiglu``: the dense MLP's, the shared experts', each expert's at any
     expert TP) gives each TP rank two holders, its gate and its up half
@@ -261,8 +261,7 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
     moe = bool(expert_keys(ckpt))
     if moe and prefixes == [f"chained_{i}.{OPT_PREFIX}" for i in range(2)]:
         if not experts:
-            raise refusal(ckpt, "it is MoE (chained_ optimizers): 'ckpt inspect --params', 'export --to "
-                          "fully_reshardable' and 'reshard' read it, but the Hugging Face export has no experts")
+            raise refusal(ckpt, "it is MoE (chained_ optimizers), and this reader was asked for a dense model's view")
         expert_opts = {k: o for k, o in opts.items() if o.prefix == prefixes[1]}
         opts = {k: o for k, o in opts.items() if o.prefix == prefixes[0]}
     elif prefixes != [OPT_PREFIX] or moe:

@@ -286,15 +286,20 @@ def _carried(ranks: list[dict[str, np.ndarray]], hf: Path, sharding: str, step: 
         assert i == 0 or np.abs(mine).max() > 0  # genuine moments, not zeros
 
 
-# MoE is not here: `export --to hf --optimizer` reads no expert optimizer state (the view refuses chained_ optimizers)
-@pytest.mark.parametrize("fixture", ["pair_llama_tp2_dp2_dp_reshardable", "pair_qk_layernorm_tp2_dp_reshardable"])
+MOE_PAIRS = ["pair_mixtral_ep2_dp_reshardable", "pair_qwen2moe_ep2_dp_reshardable"]
+
+
+@pytest.mark.parametrize("fixture", ["pair_llama_tp2_dp2_dp_reshardable", "pair_qk_layernorm_tp2_dp_reshardable",
+                                     *MOE_PAIRS])
 def test_optimizer_state_megatron_hf_megatron_core_is_bit_identical(fixture: str, tmp_path: Path) -> None:
     """A genuine megatron-core save (bf16, iteration 2, Adam step 2) -> ``export --to hf --optimizer`` ->
     import at another topology carries the fp32 masters and both moments and the step -> export again:
-    the same model and optimizer files, byte for byte; megatron-core's loader loads the carried state."""
+    the same model and optimizer files, byte for byte; megatron-core's loader loads the carried state.
+    MoE (Mixtral- and Qwen2-MoE-style, EP 2): megatron-core's chained dense + expert optimizer, each
+    expert's state under the expert's HF names, back into the chained pair at EP 2 x DP 4 and TP 2 x EP 2."""
     r = cli("export", MEGATRON / fixture, tmp_path / "hf1", "--to", "hf", "--optimizer")
     assert r.exit_code == 0, r.stderr
-    moe = "mixtral" in fixture
+    moe = fixture in MOE_PAIRS
     topos = [("--dp", "4", *(("--ep", "2") if moe else ()), "--sharding", "dp_reshardable"),
              ("--tp", "2", *(("--ep", "2") if moe else ("--pp", "1")), "--sharding", "fully_reshardable")]
     for i, topo in enumerate(topos):
@@ -311,15 +316,53 @@ def test_optimizer_state_megatron_hf_megatron_core_is_bit_identical(fixture: str
     r = cli("import", tmp_path / "hf1", tmp_path / "fresh", "--from", "hf", "--to", "megatron-core", "--tp", "2",
             *(("--ep", "2") if moe else ()), "--no-optimizer", "--format", "json")
     assert r.exit_code == 0 and json.loads(r.stdout)["iteration"] == 0, r.stderr
-    if MEGATRON_PY.exists() and not moe:  # megatron-core loads the carried state (TP 1: each element once)
+    if MEGATRON_PY.exists():  # megatron-core loads the carried state (TP 1: each element once)
         np.save(tmp_path / "tokens.npy", np.zeros((1, 4), dtype=np.int64))
         r = cli("import", tmp_path / "hf1", tmp_path / "mc2", "--from", "hf", "--to", "megatron-core", "--dp", "2",
-                "--sharding", "fully_reshardable")
+                *(("--ep", "2") if moe else ()), "--sharding", "fully_reshardable")
         assert r.exit_code == 0, r.stderr
         for ckpt, dp, sharding in ((tmp_path / "mc2", 2, "fully_reshardable"),
                                    (tmp_path / "mc0", 4, "dp_reshardable")):
             ranks = _megatron_at(ckpt, tmp_path / f"out_{sharding}", (1, 1, dp), tmp_path / "tokens.npy", 2)
             _carried(ranks, tmp_path / "hf1", sharding, 2.0)
+
+
+@pytest.mark.parametrize("pair", MOE_PAIRS)
+def test_moe_optimizer_export_equals_megatrons_own_fully_reshardable_save(pair: str, tmp_path: Path) -> None:
+    """``export --to hf --optimizer`` of megatron-core's dp_reshardable MoE save (the chained dense + expert
+    optimizer) holds, under each HF name, the rows of megatron-core's own fully_reshardable save of the same
+    state (``optimizer.state.<state>.<key>`` at the parameter's layer, and expert), bit for bit: the
+    router, each expert's gate (w1 / gate_proj), up and down rows, the shared expert and its gate."""
+    from gtp_format.megatron.keys import LAYER
+    from gtp_format.reader.boxes import BoxReader
+    from gtp_format.reader.checkpoint import open_checkpoint
+
+    r = cli("export", MEGATRON / pair, tmp_path / "hf", "--to", "hf", "--optimizer", "--names", "megatron")
+    assert r.exit_code == 0, r.stderr
+    opt = load_file(tmp_path / "hf" / "optimizer.safetensors")
+    theirs = open_checkpoint(MEGATRON / f"{pair}_fully_reshardable")
+    reader = BoxReader(theirs)
+    experts, used = 0, set()
+    for name, got in opt.items():
+        state, param = name[len("optimizer.state."):].split(".", 1)
+        parts = param.split(".")
+        lead: tuple[int, ...] = ()
+        if parts[:2] == ["decoder", "layers"]:
+            lead, rest = (int(parts[2]),), parts[3:]
+            if rest[:2] == ["mlp", "experts"]:
+                lead, rest = (*lead, int(rest[2])), ["mlp", "experts", "experts", *rest[3:]]
+                experts += 1
+            module = ".".join(rest)
+            key = f"optimizer.state.{state}.decoder.layers.{dict(LAYER).get(module, module)}"
+        else:
+            key = f"optimizer.state.{state}.{param}"
+        shape = theirs.entries[key].shape
+        assert shape is not None and tuple(shape[len(lead):]) == tuple(got.shape), name
+        want = reader.read_box(key, (*lead, *(0,) * (len(shape) - len(lead))), (*(1,) * len(lead), *got.shape))
+        assert want.reshape(got.shape).tobytes() == got.numpy().tobytes(), name
+        used.add(key)
+    assert experts == 3 * 4 * 2  # 3 states x 4 experts x (linear_fc1, linear_fc2), one layer
+    assert used == {k for k in theirs.entries if k.startswith("optimizer.state.")}  # every key of theirs
 
 
 def test_optimizer_files_without_a_run_state_are_refused(tmp_path: Path) -> None:
