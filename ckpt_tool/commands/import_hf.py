@@ -45,7 +45,8 @@ else is refused in one line naming the config field or tensor.
 
 --to megatron-core: a LlamaForCausalLM (GQA/MQA, tied or untied), Qwen2ForCausalLM, Qwen3ForCausalLM,
 ArceeForCausalLM, Starcoder2ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM (--ep E,
---etp 1) or GPTBigCodeForCausalLM folder as a megatron-core torch_dist checkpoint at --tp --pp [--vpp] --dp
+--etp 1; or --ep 1 --etp = --tp: the experts in the dense optimizer) or GPTBigCodeForCausalLM folder as a
+megatron-core torch_dist checkpoint at --tp --pp [--vpp] --dp
 (iter_0000000, latest_checkpointed_iteration.txt): weights as stored, fp32 masters equal to them, zero Adam
 moments, step 0, the args a Megatron-LM run of the model records, --sharding dp_reshardable (default) or
 fully_reshardable. A run that loads the optimizer passes the same --lr/--min-lr (megatron-core matches param
@@ -78,7 +79,8 @@ def import_command(
                                             "pipeline rank.")] = None,
     ep: Annotated[int | None, typer.Option("--ep", min=1, help="megatron-core MoE: expert-parallel size.")] = None,
     etp: Annotated[int | None, typer.Option("--etp", min=1, help="megatron-core MoE: expert tensor-parallel size "
-                                            "(1: gated experts are laid out at expert TP 1).")] = None,
+                                            "(1; or = --tp with --ep 1, the experts then in megatron-core's dense "
+                                            "optimizer).")] = None,
     sharding: Annotated[str | None, typer.Option("--sharding", metavar="dp_reshardable|fully_reshardable",
                                                  help="megatron-core: the distributed optimizer's sharding type.")
                         ] = None,

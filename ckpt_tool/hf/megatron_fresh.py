@@ -78,6 +78,13 @@ def optimizer_object(lr: float, min_lr: float, expert: bool = False, step: float
     return torch_object([{"param_groups": param_groups(lr, min_lr, expert, step)}])
 
 
+def experts_in_dense(num_experts: int, tp: int, ep: int, etp: int) -> bool:
+    """Whether megatron-core keeps the experts in the dense DDP buffers and the dense optimizer: EP 1 with expert
+    TP = TP builds them with the dense process groups (``use_expert_pgs`` false, so ``allreduce`` stays true: no
+    expert buffer, no ``chained_`` pair; checked on ``fixtures/megatron/pair_mixtral_tp2_ep1_dp_reshardable``)."""
+    return bool(num_experts) and ep == 1 and etp == tp
+
+
 def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int, ep: int = 1, etp: int = 1) -> None:
     """Refuse, naming the flag, a TP / PP / VPP / EP / expert TP megatron-core could not build this model at."""
     a = hf.args
@@ -85,15 +92,21 @@ def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int, ep: int 
     if not experts and (ep, etp) != (1, 1):
         raise FormatError(f"--ep {ep} / --etp {etp}: the model has no experts; drop them")
     if experts:
-        if ep == 1 and etp == tp:
-            raise FormatError(f"--ep 1 with expert TP = TP ({tp}): megatron-core keeps the experts in the dense "
-                              "optimizer there, a layout this import does not write; pass --ep > 1 (or --tp > 1 with "
-                              "--etp 1)")
+        dense = experts_in_dense(experts, tp, ep, etp)
+        if dense and a.get("moe_shared_expert_intermediate_size"):
+            raise FormatError(f"--ep 1 with expert TP = TP ({tp}) and a shared expert: megatron-core keeps the experts "
+                              "in the dense buffers there, and their order beside a shared expert has not been checked "
+                              "against a megatron-core save; pass --ep > 1 (or --tp > 1 with --etp 1)")
         if experts % ep:
             raise FormatError(f"--ep {ep} does not divide the model's {experts} experts; pick an EP that divides them")
-        if etp != 1:
+        if etp != 1 and not dense:
             raise FormatError(f"--etp {etp}: the experts are gated (SwiGLU), and this import lays gated experts out at "
-                              "expert TP 1 only; pass --etp 1 (and --expert-tensor-parallel-size 1 to the run)")
+                              "expert TP 1, or at expert TP = TP with --ep 1 (in the dense buffers), only; pass "
+                              "--etp 1 (and --expert-tensor-parallel-size 1 to the run)")
+        if dense and a["moe_ffn_hidden_size"] % tp:
+            raise FormatError(f"--tp {tp} (= expert TP, --ep 1) does not divide the model's moe_ffn_hidden_size "
+                              f"{a['moe_ffn_hidden_size']} (megatron-core splits each expert over it); pick a TP that "
+                              "divides it")
         if (tp * dp) % (ep * etp):
             raise FormatError(f"--ep {ep} x --etp {etp} does not divide the {tp * dp} ranks of a pipeline stage "
                               f"(--tp {tp} x --dp {dp}); pick sizes whose product divides them")
@@ -136,7 +149,8 @@ def run_args(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | N
 def common_state(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | None, dp: int, sharding: str,
                  lr: float, min_lr: float, iteration: int, ep: int = 1, etp: int = 1, step: float = 0.0) -> bytes:
     """``common_state/shard_0_1``'s blob (see the module docstring; MoE: the optimizer part per chained
-    optimizer, ``{0: dense, 1: experts}``, as megatron-core's ChainedOptimizer saves it)."""
+    optimizer, ``{0: dense, 1: experts}``, as megatron-core's ChainedOptimizer saves it; one optimizer where the
+    experts sit in the dense one, :func:`experts_in_dense`)."""
 
     def one(expert: bool) -> dict[str, Any]:
         if sharding == "fully_reshardable":
@@ -144,7 +158,8 @@ def common_state(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int
                     "param_state_sharding_type": sharding}
         return {"param_state_sharding_type": sharding}
 
-    optimizer: dict[Any, Any] = {0: one(False), 1: one(True)} if model.get("num_experts") else one(False)
+    chained = bool(model.get("num_experts")) and not experts_in_dense(model.get("num_experts") or 0, tp, ep, etp)
+    optimizer: dict[Any, Any] = {0: one(False), 1: one(True)} if chained else one(False)
     content: dict[str, Any] = {"distrib_optim_sharding_type": sharding}
     if sharding == "fully_reshardable":
         content["distrib_optim_fully_reshardable_mem_efficient"] = False

@@ -165,6 +165,69 @@ def test_moe_hf_megatron_hf_round_trip_is_bit_identical(kind: str, topo: tuple[s
     assert back.get("norm_topk_prob", True) == cfg.get("norm_topk_prob", True)
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("topo", [("--tp", "2", "--ep", "1", "--etp", "2", "--pp", "2"), ("--tp", "1", "--ep", "1",
+                                                                                       "--dp", "2")])
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_moe_at_ep1_with_expert_tp_equal_tp_round_trips(kind: str, topo: tuple[str, ...], sharding: str,
+                                                          tmp_path: Path) -> None:
+    """EP 1 with expert TP = TP: the experts in the dense buffers and the dense optimizer (no chained_ pair),
+    each expert split over TP as the dense MLP; import -> export is bit-identical and verify --data passes."""
+    src = hf_model(tmp_path / "hf", kind)
+    import_mc(src, tmp_path / "mc", *topo, "--sharding", sharding)
+    keys = json.loads(cli("inspect", tmp_path / "mc", "--format", "json").stdout or "{}")
+    assert "chained_" not in json.dumps(keys)
+    r = cli("verify", tmp_path / "mc", "--data")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    r = cli("export", tmp_path / "mc", tmp_path / "back", "--to", "hf")
+    assert r.exit_code == 0, r.stderr
+    assert_same_tensors(src, tmp_path / "back")
+
+
+def test_ep1_import_is_megatron_cores_own_layout(tmp_path: Path) -> None:
+    """megatron-core's own save at TP 2, EP 1, expert TP 2 (``pair_mixtral_tp2_ep1``: the experts in the dense
+    buffer after the router, no expert optimizer) -> HF -> import at the same topology: the same keys and global
+    shapes as megatron-core's dp_reshardable and fully_reshardable saves, the same model tensors and expert chunk
+    boxes (each TP rank's gate and up halves), and every parameter's fp32 master where megatron-core's buffers
+    hold it (``params_in_bucket``; rounded to the bf16 weight, which is what a fresh import's master is). The
+    alignment gaps are left out: megatron-core's hold uninitialised memory (63 nonzero bf16 values in one gap)."""
+    import torch as _torch
+
+    from gtp_format.reader.boxes import BoxReader
+    from gtp_format.reader.checkpoint import open_checkpoint
+
+    pair = MEGATRON / "pair_mixtral_tp2_ep1_dp_reshardable"
+    r = cli("export", pair, tmp_path / "hf", "--to", "hf")
+    assert r.exit_code == 0, r.stderr
+    for sharding, theirs_dir in (("dp_reshardable", pair), ("fully_reshardable", Path(f"{pair}_fully_reshardable"))):
+        import_mc(tmp_path / "hf", tmp_path / sharding, "--tp", "2", "--ep", "1", "--etp", "2", "--sharding", sharding)
+        ours, theirs = open_checkpoint(tmp_path / sharding), open_checkpoint(theirs_dir)
+        want = {k: e.shape for k, e in theirs.entries.items() if not k.startswith("rng_state")}
+        assert {k: e.shape for k, e in ours.entries.items()} == want
+        ra, rb = BoxReader(ours), BoxReader(theirs)
+        for k, e in theirs.entries.items():
+            if e.kind != "tensor" or k.startswith("optimizer") or e.shape is None:
+                continue
+            if sharding == "dp_reshardable":  # (fully_reshardable's chunks are row blocks: no topology)
+                assert sorted((c.offsets, c.sizes) for c in ours.entries[k].chunks) == \
+                    sorted((c.offsets, c.sizes) for c in e.chunks), k
+            box = ((0,) * len(e.shape), e.shape)
+            assert ra.read_box(k, *box).tobytes() == rb.read_box(k, *box).tobytes(), k
+    expected = json.loads((pair / "expected.json").read_text())
+    ours, theirs = open_checkpoint(tmp_path / "dp_reshardable"), open_checkpoint(pair)
+    ra, rb = BoxReader(ours), BoxReader(theirs)
+    checked = 0
+    for rec in expected["keys"]:
+        if not rec.get("params_in_bucket") or not rec["key"].endswith(".param"):
+            continue
+        shape = theirs.entries[rec["key"]].shape
+        a, b = (_torch.from_numpy(rd.read_box(rec["key"], (0,), shape).copy()).to(_torch.bfloat16) for rd in (ra, rb))
+        for p in rec["params_in_bucket"]:
+            assert _torch.equal(a[p["start"]:p["end"]], b[p["start"]:p["end"]]), (rec["key"], p["param"])
+            checked += ".local_experts." in p["param"]
+    assert checked == 2 * 4 * 2  # 2 TP ranks x 4 experts x (linear_fc1, linear_fc2)
+
+
 def _megatron(ckpt: Path, out: Path, topo: tuple[int, int, int], tokens: Path) -> list[dict[str, np.ndarray]]:
     return _megatron_at(ckpt, out, topo, tokens, 0)
 
@@ -198,7 +261,9 @@ def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, shard
                 np.testing.assert_array_equal(r[k], 0)
         for k, v in r.items():
             # dense weights of the DP-rank-0 ranks; experts (expert TP 1) of each EP rank's expert-DP rank 0
-            if ".local_experts." in k and (rank % (tp * dp)) // ep or ".local_experts." not in k and (rank // tp) % dp:
+            # (at EP 1 with expert TP = TP the experts are dense parameters: TP-split, replicated over DP)
+            expert = ".local_experts." in k and ep > 1
+            if expert and (rank % (tp * dp)) // ep or not expert and (rank // tp) % dp:
                 continue
             if k.startswith("model."):
                 weights.append((v.astype(np.int32) << 16).view(np.float32).ravel() if v.dtype == np.int16
@@ -217,13 +282,19 @@ def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, shard
     ("arcee", (2, 1, 1), "fully_reshardable"), ("arcee_gelu_bias", (2, 1, 2), "dp_reshardable"),
     ("starcoder2", (2, 1, 2), "dp_reshardable"), ("mixtral", (1, 1, 2), "dp_reshardable"),
     ("qwen3_moe", (2, 1, 1), "fully_reshardable"), ("qwen3_moe_presoftmax", (1, 1, 2), "dp_reshardable"),
-    ("qwen2_moe", (2, 1, 1), "dp_reshardable"), ("persimmon", (2, 1, 2), "dp_reshardable")])
+    ("qwen2_moe", (2, 1, 1), "dp_reshardable"), ("persimmon", (2, 1, 2), "dp_reshardable"),
+    ("mixtral_ep1", (2, 1, 1), "dp_reshardable"), ("qwen3_moe_ep1", (2, 1, 1), "fully_reshardable"),
+    ("mixtral_ep1", (1, 1, 2), "dp_reshardable")])
 def test_megatron_core_loads_the_import_and_computes_transformers_logits(kind: str, topo: tuple[int, int, int],
                                                                          sharding: str, tmp_path: Path) -> None:
+    """``*_ep1``: EP 1 with expert TP = TP, the experts in megatron-core's dense buffers and optimizer."""
+    ep1 = kind.endswith("_ep1")
+    kind = kind.removesuffix("_ep1")
     src = hf_model(tmp_path / "hf", kind)
-    ep = 2 if "moe" in kind or kind == "mixtral" else 1  # EP 2 within the TP x DP ranks
+    ep = 1 if ep1 else 2 if "moe" in kind or kind == "mixtral" else 1  # EP 2 within the TP x DP ranks
     import_mc(src, tmp_path / "mc", "--tp", str(topo[0]), "--pp", str(topo[1]), "--dp", str(topo[2]),
-              "--sharding", sharding, *(("--ep", str(ep)) if ep > 1 else ()))
+              "--sharding", sharding, *(("--ep", str(ep)) if ep > 1 else ()),
+              *(("--ep", "1", "--etp", str(topo[0])) if ep1 else ()))
     ids = np.random.default_rng(0).integers(0, 128, (2, 12))
     np.save(tmp_path / "tokens.npy", ids)
     ranks = _megatron(tmp_path / "mc", tmp_path / "out", topo, tmp_path / "tokens.npy")
@@ -487,6 +558,39 @@ def test_sigterm_mid_import_removes_the_work_folder(tmp_path: Path) -> None:
     p = subprocess.Popen([sys.executable, "-c", SLOW_CKPT, "import", str(src), str(out / "dst"), "--from", "hf",
                           "--to", "megatron-core", "--tp", "2", "--dp", "2", "--workers", "1"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert p.stdout is not None and p.stdout.readline().strip() == "writing"
+    assert len(os.listdir(out)) == 1  # the hidden work folder
+    p.send_signal(signal.SIGTERM)
+    rc = p.wait(timeout=120)
+    err = p.stderr.read() if p.stderr else ""
+    assert rc == 143 and err.strip().splitlines() == [
+        "ckpt: error: terminated (SIGTERM); nothing was written, the partial output was removed"], (rc, err)
+    assert os.listdir(out) == []
+
+
+@pytest.mark.parametrize("case", ["export_moe_optimizer", "import_ep1_dense_experts"])
+def test_sigterm_mid_moe_write_removes_the_work_folder(case: str, tmp_path: Path) -> None:
+    """The two MoE write paths: ``export --to hf --optimizer`` of megatron-core's chained optimizer, and the
+    import at EP 1 with expert TP = TP (experts in the dense buffers): SIGTERM mid-write leaves nothing."""
+    import signal
+    import sys
+
+    from test_writer_faults import SLOW_CKPT
+
+    out = tmp_path / "out"
+    out.mkdir()
+    if case == "export_moe_optimizer":
+        argv = ["export", str(MEGATRON / "pair_mixtral_ep2_dp_reshardable"), str(out / "dst"), "--to", "hf",
+                "--optimizer", "--workers", "1"]
+        at = "ckpt_tool.copying.engine:chunk_data"
+    else:
+        src = hf_model(tmp_path / "hf", "mixtral")
+        argv = ["import", str(src), str(out / "dst"), "--from", "hf", "--to", "megatron-core", "--tp", "2", "--ep",
+                "1", "--etp", "2", "--workers", "1"]
+        at = "ckpt_tool.hf.megatron_import:view_rows"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GTP_TEST_SLOW": "1.0", "GTP_TEST_SLOW_AT": at}
+    p = subprocess.Popen([sys.executable, "-c", SLOW_CKPT, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
     assert p.stdout is not None and p.stdout.readline().strip() == "writing"
     assert len(os.listdir(out)) == 1  # the hidden work folder
     p.send_signal(signal.SIGTERM)
