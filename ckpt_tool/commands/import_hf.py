@@ -52,8 +52,8 @@ moments, step 0, the args a Megatron-LM run of the model records, --sharding dp_
 fully_reshardable. A run that loads the optimizer passes the same --lr/--min-lr (megatron-core matches param
 groups by them) and --override-opt_param-scheduler; --finetune or --no-load-optim takes the weights alone. If
 SRC has the optimizer files of `ckpt export --to hf --optimizer` of a megatron-core checkpoint, the masters,
-moments, iteration and Adam step are carried (--no-optimizer: fresh). A config that disagrees with the
-tensors, or a setting megatron-core's GPT cannot compute, is refused in one line.
+moments, iteration, Adam step, lr schedule and consumed samples are carried (--no-optimizer: fresh). A config
+that disagrees with the tensors, or a setting megatron-core's GPT cannot compute, is refused in one line.
 
 Exit codes: 0 written, 2 unreadable or unsupported SRC, impossible topology, DST exists, or a
 write failed."""
@@ -123,7 +123,7 @@ def import_command(
         with contextlib.ExitStack() as stack:
             bar = progress_opener(stack, "importing", fmt)
             info = import_megatron(src, dst, tp, pp or 1, dp, vpp, sharding or "dp_reshardable", seq_length,
-                                   1e-4 if lr is None else lr, 0.0 if min_lr is None else min_lr, max_memory,
+                                   lr, min_lr, max_memory,
                                    workers, bar, ep or 1, etp or 1, optimizer)
         print_written(fmt, info, f"imported {info['src']} ({info['architecture']}) as {info['dst']} (megatron-core "
                       f"{info['sharding']}, {info['topology']}, iteration {info['iteration']}, optimizer "

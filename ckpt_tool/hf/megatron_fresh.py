@@ -132,7 +132,7 @@ def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int, ep: int 
 
 def run_args(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | None, dp: int,
              sharding: str, lr: float, min_lr: float, ep: int = 1, etp: int = 1,
-             iteration: int = 0) -> argparse.Namespace:
+             iteration: int = 0, consumed: int = 0) -> argparse.Namespace:
     moe = {"expert_tensor_parallel_size": etp, "sequence_parallel": tp > 1} if model.get("num_experts") else {}
     return argparse.Namespace(**model, **moe, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
@@ -142,15 +142,17 @@ def run_args(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | N
                               bf16=dtype.name == "bfloat16", fp16=False, lr=lr, min_lr=min_lr,
                               weight_decay=ADAM["weight_decay"], adam_beta1=ADAM["betas"][0],
                               adam_beta2=ADAM["betas"][1], adam_eps=ADAM["eps"], no_save_rng=True,
-                              no_save_optim=None, iteration=iteration, consumed_train_samples=0,
+                              no_save_optim=None, iteration=iteration, consumed_train_samples=consumed,
                               consumed_valid_samples=0)
 
 
 def common_state(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | None, dp: int, sharding: str,
-                 lr: float, min_lr: float, iteration: int, ep: int = 1, etp: int = 1, step: float = 0.0) -> bytes:
+                 lr: float, min_lr: float, iteration: int, ep: int = 1, etp: int = 1, step: float = 0.0,
+                 carried: dict[str, Any] | None = None, consumed: int = 0) -> bytes:
     """``common_state/shard_0_1``'s blob (see the module docstring; MoE: the optimizer part per chained
     optimizer, ``{0: dense, 1: experts}``, as megatron-core's ChainedOptimizer saves it; one optimizer where the
-    experts sit in the dense one, :func:`experts_in_dense`)."""
+    experts sit in the dense one, :func:`experts_in_dense`). ``carried``: the scheduler state of the run the
+    folder was exported from (:mod:`.megatron_run_state`), written as it was; ``consumed`` its data position."""
 
     def one(expert: bool) -> dict[str, Any]:
         if sharding == "fully_reshardable":
@@ -167,7 +169,9 @@ def common_state(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int
     scheduler = {"max_lr": lr, "lr_warmup_steps": 0, "num_steps": 0, "lr_decay_style": "constant",
                  "lr_decay_steps": 1, "min_lr": min_lr, "start_wd": ADAM["weight_decay"],
                  "end_wd": ADAM["weight_decay"], "wd_incr_style": "constant", "wd_incr_steps": 1}
-    state = {"args": run_args(model, dtype, tp, pp, vpp, dp, sharding, lr, min_lr, ep, etp, iteration),
+    if carried is not None:
+        scheduler = dict(carried)
+    state = {"args": run_args(model, dtype, tp, pp, vpp, dp, sharding, lr, min_lr, ep, etp, iteration, consumed),
              "checkpoint_version": 3.0,
              "iteration": iteration, "optimizer": optimizer, "opt_param_scheduler": scheduler,
              "num_floating_point_operations_so_far": 0, "content_metadata": content}

@@ -360,6 +360,24 @@ def _carried(ranks: list[dict[str, np.ndarray]], hf: Path, sharding: str, step: 
 MOE_PAIRS = ["pair_mixtral_ep2_dp_reshardable", "pair_qwen2moe_ep2_dp_reshardable"]
 
 
+def _same_schedule(genuine: Path, imported: Path) -> None:
+    """The import's ``common_state`` carries megatron-core's own scheduler state (its 10 fields, the values of
+    the genuine save: cosine decay at num_steps 16), the data position (16 samples at iteration 2) and param
+    groups whose ``max_lr`` / ``min_lr`` are the schedule's (what megatron-core pairs saved and live groups by)."""
+    from gtp_format.megatron.topology import common_state
+    from gtp_format.reader.checkpoint import open_checkpoint
+    from gtp_format.reader.inert_object import InertObject
+
+    theirs, ours = (common_state(open_checkpoint(d)) for d in (genuine, imported))
+    assert theirs is not None and ours is not None
+    want = theirs["opt_param_scheduler"]
+    assert ours["opt_param_scheduler"] == want and want["num_steps"] == 16 and want["lr_decay_style"] == "cosine"
+    args = ours["args"]
+    fields = args.fields() if isinstance(args, InertObject) else args
+    assert fields["consumed_train_samples"] == 16 and fields["lr"] == want["max_lr"] and \
+        fields["min_lr"] == want["min_lr"]
+
+
 @pytest.mark.parametrize("fixture", ["pair_llama_tp2_dp2_dp_reshardable", "pair_qk_layernorm_tp2_dp_reshardable",
                                      *MOE_PAIRS])
 def test_optimizer_state_megatron_hf_megatron_core_is_bit_identical(fixture: str, tmp_path: Path) -> None:
@@ -378,8 +396,9 @@ def test_optimizer_state_megatron_hf_megatron_core_is_bit_identical(fixture: str
                 "--format", "json")
         assert r.exit_code == 0, r.stderr
         info = json.loads(r.stdout)
-        assert info["iteration"] == 2 and info["optimizer"] == "carried (step 2)", info
+        assert info["iteration"] == 2 and info["optimizer"] == "carried (step 2, lr schedule)", info
         assert (tmp_path / f"mc{i}" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+        _same_schedule(MEGATRON / fixture, tmp_path / f"mc{i}")
     r = cli("export", tmp_path / "mc0", tmp_path / "hf2", "--to", "hf", "--optimizer")
     assert r.exit_code == 0, r.stderr
     for f in sorted(p.name for p in (tmp_path / "hf1").glob("*.safetensors")):
@@ -451,7 +470,22 @@ def test_optimizer_files_without_a_run_state_are_refused(tmp_path: Path) -> None
     assert_error_line(cli(*base), 2, "'optimizer.state.exp_avg.model.norm.weight' is [31] float32",
                       "the model implies [32] float32")
     assert not (tmp_path / "out").exists()
-    r = cli(*base, "--no-optimizer")
+    save_file(load_file(opt), opt, metadata={"gtp_megatron_run_state": '{"iteration":2,"step":2.0,"scheduler":'
+                                             '{"max_lr":0.001,"min_lr":0.0,"lr_warmup_steps":0,"num_steps":16,'
+                                             '"lr_decay_style":"cosine","lr_decay_steps":800,"start_wd":0.01,'
+                                             '"end_wd":0.01,"wd_incr_style":"constant","wd_incr_steps":800}}'})
+    t = load_file(opt)
+    t["optimizer.state.exp_avg.model.norm.weight"] = torch.zeros(32)
+    save_file(t, opt, metadata={"gtp_megatron_run_state": '{"iteration":2,"step":2.0,"scheduler":{"max_lr":0.001,'
+                                '"min_lr":0.0,"lr_warmup_steps":0,"num_steps":16,"lr_decay_style":"cosine",'
+                                '"lr_decay_steps":800,"start_wd":0.01,"end_wd":0.01,"wd_incr_style":"constant",'
+                                '"wd_incr_steps":800}}'})
+    assert_error_line(cli(*base, "--lr", "3e-4"), 2, "--lr 0.0003 contradicts the carried lr schedule's max_lr 0.001")
+    assert_error_line(cli(*base, "--min-lr", "1e-5"), 2, "--min-lr 1e-05 contradicts", "min_lr 0")
+    assert not (tmp_path / "out").exists()
+    r = cli(*base, "--lr", "1e-3", "--format", "json")  # the schedule's own max_lr agrees
+    assert r.exit_code == 0 and json.loads(r.stdout)["optimizer"] == "carried (step 2, lr schedule)", r.stderr
+    r = cli(*base[:2], tmp_path / "fresh", *base[3:], "--no-optimizer")
     assert r.exit_code == 0, r.stderr
 
 
