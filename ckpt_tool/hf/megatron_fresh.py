@@ -85,9 +85,16 @@ def experts_in_dense(num_experts: int, tp: int, ep: int, etp: int) -> bool:
     return bool(num_experts) and ep == 1 and etp == tp
 
 
-def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int, ep: int = 1, etp: int = 1) -> None:
-    """Refuse, naming the flag, a TP / PP / VPP / EP / expert TP megatron-core could not build this model at."""
+def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int, ep: int = 1, etp: int = 1,
+                   sharding: str = "fully_reshardable") -> None:
+    """Refuse, naming the flag, a TP / PP / VPP / EP / expert TP megatron-core could not build this model at, or
+    a layout this import does not write (``dp_reshardable`` buckets of interleaved virtual-pipeline chunks)."""
     a = hf.args
+    if vpp is not None and vpp > 1 and sharding == "dp_reshardable":
+        raise FormatError(f"--vpp {vpp} with --sharding dp_reshardable: this import lays the distributed optimizer's "
+                          "buckets out with one model chunk per pipeline stage (reshard's plan), not megatron-core's "
+                          "interleaved virtual-pipeline chunks; pass --sharding fully_reshardable (it loads at any "
+                          "TP x PP x VPP)")
     experts = a.get("num_experts") or 0
     if not experts and (ep, etp) != (1, 1):
         raise FormatError(f"--ep {ep} / --etp {etp}: the model has no experts; drop them")

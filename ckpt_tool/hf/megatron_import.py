@@ -176,7 +176,7 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
     scheduler = hf.run_state.scheduler if hf.run_state is not None else None
     lr, min_lr = carried_rates(scheduler, lr, min_lr, str(src))
     consumed = (hf.run_state.consumed or 0) if hf.run_state is not None else 0
-    check_topology(hf, tp, pp, vpp, dp, ep, etp)
+    check_topology(hf, tp, pp, vpp, dp, ep, etp, sharding)
     workers = workers or default_workers()
     chunk_bytes = chunk_budget(max_memory, workers)
     args = {**hf.args, "seq_length": seq_length or hf.args["max_position_embeddings"]}

@@ -14,7 +14,8 @@
   layers, a string expert count; Qwen2-MoE with a shared expert size the tensors disagree with (or 0)
   and ``qkv_bias`` false against bias tensors; ``--ep`` that does not divide the experts, ``--etp 2``
   (gated experts; ``--ep 1 --etp 2`` at TP 1: expert TP = TP only), ``--ep 1`` with a shared expert (the dense
-  layout's order beside it unchecked) and ``--ep`` on a dense model;
+  layout's order beside it unchecked), ``--ep`` on a dense model and ``--vpp`` with ``dp_reshardable`` (the
+  buckets it would write are not megatron-core's interleaved chunks);
 * optimizer files (``ckpt export --to hf --optimizer``) whose ``gtp_megatron_run_state`` is no JSON, a
   negative iteration, a step of 1e300, a list, 100,000 arrays deep, or a state at another shape; whose carried
   lr schedule is a list, names a decay style megatron-core has not, a negative step count or a NaN rate, or whose
@@ -89,7 +90,7 @@ OPT_STATE = {"opt_state_not_json": "{'iteration': 2", "opt_state_negative": '{"i
 # cases refused by a topology option, not the config
 OPTIONS = {"mixtral_ep3": ["--ep", "3"], "mixtral_etp2": ["--ep", "2", "--etp", "2", "--dp", "2"],
            "qwen2moe_ep1": ["--ep", "1"], "mixtral_etp_tp": ["--ep", "1", "--etp", "2", "--dp", "2"],
-           "dense_ep2": ["--ep", "2", "--dp", "2"]}
+           "dense_ep2": ["--ep", "2", "--dp", "2"], "vpp_dp_reshardable": ["--pp", "2", "--vpp", "2"]}
 WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json implies", "vocab_huge": "config.json "
          "implies", "head_dim_zero": "head_dim is 0", "hidden_string": "hidden_size is '64'",
          "eps_negative": "epsilon is -1.0", "layers_bool": "num_hidden_layers is True",
@@ -109,7 +110,7 @@ WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json imp
          "qwen3moe_experts_string": "num_local_experts is '4'", "mixtral_ep3": "--ep 3 does not divide the model's 4",
          "mixtral_etp2": "pass --etp 1", "qwen2moe_ep1": "--ep 1 with expert TP = TP (1) and a shared expert",
          "mixtral_etp_tp": "--etp 2: the experts are gated",
-         "dense_ep2": "the model has no experts",
+         "dense_ep2": "the model has no experts", "vpp_dp_reshardable": "--vpp 2 with --sharding dp_reshardable",
          "qwen2moe_shared": "'model.layers.0.mlp.shared_expert.gate_proj.weight' is [48, 64], config.json implies [64",
          "qwen2moe_qkv_bias": "the weights do not belong to this config",
          "qwen2moe_shared_zero": "shared_expert_intermediate_size is 0",
