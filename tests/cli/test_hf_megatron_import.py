@@ -13,7 +13,9 @@ false), Qwen2MoeForCausalLM (gated shared expert). Must hold:
   without it) loads the import at TP 2 (or 1 for MQA) into a model built from the checkpoint's own
   args, and its forward equals transformers' logits within 1e-5 (fp32); at PP 2 it loads the same
   values (masters equal to the weights, zero moments, step 0);
-* megatron-core (a genuine fixture) -> HF -> megatron-core at another topology -> HF is bit-identical;
+* megatron-core (a genuine fixture) -> HF -> megatron-core at another topology -> HF is bit-identical, with
+  the optimizer state (MoE's chained pair and EP 1's dense experts included) and the lr schedule carried;
+* EP 1 with expert TP = TP: the experts in the dense buffers, as megatron-core's own ``pair_mixtral_tp2_ep1``;
 * a class with no mapping, a config that disagrees with the tensors, a forward setting megatron-core
   cannot compute, an impossible topology: one line, exit 2, nothing written; a DST that appears
   mid-run is refused and left alone.
@@ -364,8 +366,8 @@ MOE_PAIRS = ["pair_mixtral_ep2_dp_reshardable", "pair_qwen2moe_ep2_dp_reshardabl
 def _same_schedule(genuine: Path, imported: Path) -> None:
     """The import's ``common_state`` carries megatron-core's own scheduler state (its 10 fields, the values of
     the genuine save: cosine decay at num_steps 16 or 8, the global batch times 2 iterations), the data position
-    (as many samples) and param
-    groups whose ``max_lr`` / ``min_lr`` are the schedule's (what megatron-core pairs saved and live groups by)."""
+    (as many samples) and param groups whose ``max_lr`` / ``min_lr`` are the schedule's (what megatron-core pairs
+    saved and live groups by)."""
     from gtp_format.megatron.topology import common_state
     from gtp_format.reader.checkpoint import open_checkpoint
     from gtp_format.reader.inert_object import InertObject
