@@ -45,14 +45,15 @@ else is refused in one line naming the config field or tensor.
 
 --to megatron-core: a LlamaForCausalLM (GQA/MQA, tied or untied), Qwen2ForCausalLM, Qwen3ForCausalLM,
 ArceeForCausalLM, Starcoder2ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM (--ep E,
---etp 1) or GPTBigCodeForCausalLM folder as a megatron-core torch_dist checkpoint at --tp --pp [--vpp] --dp
+--etp 1; or --ep 1 --etp = --tp: the experts in the dense optimizer) or GPTBigCodeForCausalLM folder as a
+megatron-core torch_dist checkpoint at --tp --pp [--vpp] --dp
 (iter_0000000, latest_checkpointed_iteration.txt): weights as stored, fp32 masters equal to them, zero Adam
 moments, step 0, the args a Megatron-LM run of the model records, --sharding dp_reshardable (default) or
 fully_reshardable. A run that loads the optimizer passes the same --lr/--min-lr (megatron-core matches param
 groups by them) and --override-opt_param-scheduler; --finetune or --no-load-optim takes the weights alone. If
 SRC has the optimizer files of `ckpt export --to hf --optimizer` of a megatron-core checkpoint, the masters,
-moments, iteration and Adam step are carried (--no-optimizer: fresh). A config that disagrees with the
-tensors, or a setting megatron-core's GPT cannot compute, is refused in one line.
+moments, iteration, Adam step, lr schedule and consumed samples are carried (--no-optimizer: fresh). A config
+that disagrees with the tensors, or a setting megatron-core's GPT cannot compute, is refused in one line.
 
 Exit codes: 0 written, 2 unreadable or unsupported SRC, impossible topology, DST exists, or a
 write failed."""
@@ -78,7 +79,8 @@ def import_command(
                                             "pipeline rank.")] = None,
     ep: Annotated[int | None, typer.Option("--ep", min=1, help="megatron-core MoE: expert-parallel size.")] = None,
     etp: Annotated[int | None, typer.Option("--etp", min=1, help="megatron-core MoE: expert tensor-parallel size "
-                                            "(1: gated experts are laid out at expert TP 1).")] = None,
+                                            "(1; or = --tp with --ep 1, the experts then in megatron-core's dense "
+                                            "optimizer).")] = None,
     sharding: Annotated[str | None, typer.Option("--sharding", metavar="dp_reshardable|fully_reshardable",
                                                  help="megatron-core: the distributed optimizer's sharding type.")
                         ] = None,
@@ -121,7 +123,7 @@ def import_command(
         with contextlib.ExitStack() as stack:
             bar = progress_opener(stack, "importing", fmt)
             info = import_megatron(src, dst, tp, pp or 1, dp, vpp, sharding or "dp_reshardable", seq_length,
-                                   1e-4 if lr is None else lr, 0.0 if min_lr is None else min_lr, max_memory,
+                                   lr, min_lr, max_memory,
                                    workers, bar, ep or 1, etp or 1, optimizer)
         print_written(fmt, info, f"imported {info['src']} ({info['architecture']}) as {info['dst']} (megatron-core "
                       f"{info['sharding']}, {info['topology']}, iteration {info['iteration']}, optimizer "

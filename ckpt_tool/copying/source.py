@@ -190,31 +190,33 @@ COPY_SUFFIX = "; reshard and export copy only what verify passes"
 
 
 def open_source(path: Path | ObjectURL, megatron: bool = False, weights_only: bool = False, views: bool = True,
-                experts: bool = False, max_memory: int | None = None) -> Source:
+                experts: bool = False, max_memory: int | None = None, dense_experts: bool = False) -> Source:
     """Open SRC through the one gate and refuse what cannot be resharded (see the module docstring).
 
     ``megatron=True`` (export) also takes a checkpoint without a manifest, through megatron-core's
     layout rules (:mod:`gtp_format.megatron.view`, which refuses what they do not cover).
     ``weights_only=True`` (an export of the model weights alone): a megatron-core checkpoint, whatever
     its optimizer sharding, is read through its model keys alone (:mod:`.weights`); ``experts=True``
-    (``export --to fully_reshardable``): a megatron-core MoE checkpoint too; ``views=False``
+    (``export --to fully_reshardable``): a megatron-core MoE checkpoint too (``dense_experts``: also one at EP 1
+    with expert TP = TP, its experts in the dense buffers: the Hugging Face export); ``views=False``
     (``--to torch``, which copies keys, not parameters): no per-parameter view is built at all.
     ``max_memory`` (a copy that will read every byte): a bucket's small data objects may be fetched whole
     from its listing on, within a quarter of it (:meth:`gtp_format.storage.base.Storage.reads_everything`).
     """
     if max_memory is not None:
         storage_for(path).reads_everything(min(WHOLE_OBJECTS, max_memory // 4))
-    source = _open_source(path, megatron, weights_only, views, experts)
+    source = _open_source(path, megatron, weights_only, views, experts, dense_experts)
     source.given = parse_location(path) if isinstance(path, str) else path
     return source
 
 
-def _open_source(path: Path | ObjectURL, megatron: bool, weights_only: bool, views: bool, experts: bool) -> Source:
+def _open_source(path: Path | ObjectURL, megatron: bool, weights_only: bool, views: bool, experts: bool,
+                 dense_experts: bool = False) -> Source:
     gated = open_gated(path, needs_manifest=None if megatron else RESHARD_NEEDS, aliased=REFUSE,
                        copy=True, refusal_suffix=COPY_SUFFIX)
     ckpt, manifest = gated.ckpt, gated.manifest
     if manifest is None:
-        return _open_megatron(ckpt, weights_only, views, experts)
+        return _open_megatron(ckpt, weights_only, views, experts, dense_experts)
     if manifest.optimizer_sharding != OPTIMIZER_SHARDINGS[0]:
         raise FormatError(f"{ckpt.root}: optimizer sharding is {manifest.optimizer_sharding!r}; reshard reads "
                           "dp_reshardable checkpoints")
@@ -228,8 +230,8 @@ def _open_source(path: Path | ObjectURL, megatron: bool, weights_only: bool, vie
     return Source(ckpt, manifest, params, CheckedReader(ckpt))
 
 
-def _open_megatron(ckpt: Checkpoint, weights_only: bool = False, views: bool = True, experts: bool = False
-                   ) -> Source:
+def _open_megatron(ckpt: Checkpoint, weights_only: bool = False, views: bool = True, experts: bool = False,
+                   dense_experts: bool = False) -> Source:
     """A checkpoint without a manifest, already through the gate: megatron-core's layout rules."""
     from gtp_format.megatron.view import megatron_views
 
@@ -237,4 +239,4 @@ def _open_megatron(ckpt: Checkpoint, weights_only: bool = False, views: bool = T
         from ckpt_tool.copying.weights import weight_views
 
         return Source(ckpt, None, weight_views(ckpt) if views else {}, CheckedReader(ckpt))
-    return Source(ckpt, None, megatron_views(ckpt, experts=experts), CheckedReader(ckpt))
+    return Source(ckpt, None, megatron_views(ckpt, experts=experts, dense_experts=dense_experts), CheckedReader(ckpt))

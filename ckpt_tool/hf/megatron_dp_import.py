@@ -15,6 +15,11 @@ contiguous TP split gives each rank's optimizer slice its own rows in megatron-c
 plan's model-weight chunks of such a parameter are cut into their gate and up runs at the global
 ``[gate; up]`` rows megatron-core's checkpoint stores (in the same rank's file).
 
+MoE at EP 1 with expert TP = TP (:func:`.megatron_fresh.experts_in_dense`): the experts are dense parameters
+of the one optimizer, after each layer's router, expert by expert, split over TP as the dense MLP (a gated
+expert ``linear_fc1`` viewed as ``[gate_t; up_t]`` per rank, like the dense one); elsewhere they are the
+chained expert optimizer's (``chained_1.``), laid out by the planner's expert rules.
+
 The byte objects: ``per_bucket_numel[_unpadded]`` per model-parallel rank (the plan's numels,
 pickled by :func:`ckpt_tool.copying.megatron_blobs.numel_blob`), the param groups per rank
 (:func:`.megatron_fresh.optimizer_object`) and ``common_state`` (:func:`.megatron_fresh.common_state`).
@@ -33,10 +38,10 @@ from ckpt_tool.copying import WEIGHT_STATE
 from ckpt_tool.copying.megatron_blobs import numel_blob
 from ckpt_tool.copying.megatron_plan import plan_megatron
 from ckpt_tool.copying.plan import OutChunk
-from ckpt_tool.hf.megatron_fresh import EXPERT_PREFIX, optimizer_object, torch_object
+from ckpt_tool.hf.megatron_fresh import EXPERT_PREFIX, experts_in_dense, optimizer_object, torch_object
 from ckpt_tool.hf.megatron_model import EXPERT_KEY, HFMegatron, MegatronParam
 from gtp_format.layout.shard import ShardSpec
-from gtp_format.megatron.keys import HEAD, LAYER, TAIL
+from gtp_format.megatron.keys import EXPERT, HEAD, LAYER, TAIL
 from gtp_format.names import OPT_PREFIX
 from gtp_format.views.records import Holder, KeyRef, ParamView
 
@@ -76,9 +81,11 @@ def module_name(p: MegatronParam) -> str:
     return f"decoder.layers.{p.layer}.{MODULE_OF[key]}"
 
 
-def gated_rows(p: MegatronParam, tp: int, gated: bool) -> int | None:
-    """The TP block of a gated ``linear_fc1`` parameter (its rows are permuted per TP rank), else None."""
-    fc1 = p.key.startswith(("decoder.layers.mlp.linear_fc1.", "decoder.layers.mlp.shared_experts.linear_fc1."))
+def gated_rows(p: MegatronParam, tp: int, gated: bool, dense_experts: bool = False) -> int | None:
+    """The TP block of a gated ``linear_fc1`` parameter (its rows are permuted per TP rank), else None;
+    ``dense_experts``: an expert's too (split over TP as the dense MLP's)."""
+    fc1 = p.key.startswith(("decoder.layers.mlp.linear_fc1.", "decoder.layers.mlp.shared_experts.linear_fc1.")) or \
+        (dense_experts and p.key.startswith(EXPERT_KEY + "linear_fc1."))
     if gated and tp > 1 and fc1 and "layer_norm" not in p.key:
         return p.shape[0] // 2 // tp
     return None
@@ -134,28 +141,32 @@ def plan_dp_reshardable(hf: HFMegatron, tp: int, pp: int, dp: int, max_bytes: in
     rank = {m: i for i, (m, _) in enumerate(LAYER)}
     tail = {k: i for i, k in enumerate(TAIL)}
 
-    moe = hf.num_experts > 0
-    dense_prefix = ("chained_0." if moe else "") + OPT_PREFIX
+    dense_experts = experts_in_dense(hf.num_experts, tp, ep, etp)
+    chained = hf.num_experts > 0 and not dense_experts
+    dense_prefix = ("chained_0." if chained else "") + OPT_PREFIX
     expert_prefix = EXPERT_PREFIX + OPT_PREFIX
+    router = rank["mlp.router.weight"]
 
-    def order(p: MegatronParam) -> tuple[int, int, int]:  # megatron-core's module order: the buckets follow it
+    def order(p: MegatronParam) -> tuple[int, int, int, int]:  # megatron-core's module order: the buckets follow it
+        if p.expert is not None and dense_experts:  # after the router, expert by expert (pair_mixtral_tp2_ep1)
+            return 1, p.layer or 0, router, 1 + p.expert * len(EXPERT) + EXPERT.index(p.key[len(EXPERT_KEY):])
         if p.expert is not None:  # the expert optimizer's own buffers: the planner orders them
-            return 3, p.layer or 0, p.expert
+            return 3, p.layer or 0, p.expert, 0
         if p.layer is not None:
-            return 1, p.layer, rank[module_name(p).split(".", 3)[3]]
-        return (2, tail[p.key], 0) if p.key in tail else (0, HEAD.index(p.key), 0)
+            return 1, p.layer, rank[module_name(p).split(".", 3)[3]], 0
+        return (2, tail[p.key], 0, 0) if p.key in tail else (0, HEAD.index(p.key), 0, 0)
 
     for p in sorted(hf.params, key=order):
         name = module_name(p)
         spec = ShardSpec(p.shape, None, 1, 0, None, 1, 0, 1)
-        expert = p.expert is not None
+        expert = p.expert is not None and not dense_experts
         holder = Holder(KeyRef(0, 0, dtag, 0, None, 0, expert_prefix if expert else dense_prefix), 0, spec, (), True)
         views[name] = ParamView(name, p.shape, p.shape, None, None, expert, 0, 0, 0, f"torch.{hf.dtype.name}",
                                 (holder,), weight_key=p.key if p.layer is not None else None, layer=p.layer,
                                 expert=p.expert)
-        entries[p.key] = _Entry((layers, *((hf.num_experts,) if expert else ()), *p.shape) if p.layer is not None
-                                else p.shape)
-        by_view[name] = (p, gated_rows(p, tp, gated))
+        entries[p.key] = _Entry((layers, *((hf.num_experts,) if p.expert is not None else ()), *p.shape)
+                                if p.layer is not None else p.shape)
+        by_view[name] = (p, gated_rows(p, tp, gated, dense_experts))
     files, shapes, numels = plan_megatron(HFSource(str(hf.root), views, _Ckpt(entries)), tp, pp, dp, None,
                                           max_bytes, ep, etp)
     for rank, chunks in files.items():  # a gated fc1's model key: its global [gate; up] rows, not the view's

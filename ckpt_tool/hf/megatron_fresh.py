@@ -78,22 +78,42 @@ def optimizer_object(lr: float, min_lr: float, expert: bool = False, step: float
     return torch_object([{"param_groups": param_groups(lr, min_lr, expert, step)}])
 
 
-def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int, ep: int = 1, etp: int = 1) -> None:
-    """Refuse, naming the flag, a TP / PP / VPP / EP / expert TP megatron-core could not build this model at."""
+def experts_in_dense(num_experts: int, tp: int, ep: int, etp: int) -> bool:
+    """Whether megatron-core keeps the experts in the dense DDP buffers and the dense optimizer: EP 1 with expert
+    TP = TP builds them with the dense process groups (``use_expert_pgs`` false, so ``allreduce`` stays true: no
+    expert buffer, no ``chained_`` pair; checked on ``fixtures/megatron/pair_mixtral_tp2_ep1_dp_reshardable``)."""
+    return bool(num_experts) and ep == 1 and etp == tp
+
+
+def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int, ep: int = 1, etp: int = 1,
+                   sharding: str = "fully_reshardable") -> None:
+    """Refuse, naming the flag, a TP / PP / VPP / EP / expert TP megatron-core could not build this model at, or
+    a layout this import does not write (``dp_reshardable`` buckets of interleaved virtual-pipeline chunks)."""
     a = hf.args
+    if vpp is not None and vpp > 1 and sharding == "dp_reshardable":
+        raise FormatError(f"--vpp {vpp} with --sharding dp_reshardable: this import lays the distributed optimizer's "
+                          "buckets out with one model chunk per pipeline stage (reshard's plan), not megatron-core's "
+                          "interleaved virtual-pipeline chunks; pass --sharding fully_reshardable (it loads at any "
+                          "TP x PP x VPP)")
     experts = a.get("num_experts") or 0
     if not experts and (ep, etp) != (1, 1):
         raise FormatError(f"--ep {ep} / --etp {etp}: the model has no experts; drop them")
     if experts:
-        if ep == 1 and etp == tp:
-            raise FormatError(f"--ep 1 with expert TP = TP ({tp}): megatron-core keeps the experts in the dense "
-                              "optimizer there, a layout this import does not write; pass --ep > 1 (or --tp > 1 with "
-                              "--etp 1)")
+        dense = experts_in_dense(experts, tp, ep, etp)
+        if dense and a.get("moe_shared_expert_intermediate_size"):
+            raise FormatError(f"--ep 1 with expert TP = TP ({tp}) and a shared expert: megatron-core keeps the experts "
+                              "in the dense buffers there, and their order beside a shared expert has not been checked "
+                              "against a megatron-core save; pass --ep > 1 (or --tp > 1 with --etp 1)")
         if experts % ep:
             raise FormatError(f"--ep {ep} does not divide the model's {experts} experts; pick an EP that divides them")
-        if etp != 1:
+        if etp != 1 and not dense:
             raise FormatError(f"--etp {etp}: the experts are gated (SwiGLU), and this import lays gated experts out at "
-                              "expert TP 1 only; pass --etp 1 (and --expert-tensor-parallel-size 1 to the run)")
+                              "expert TP 1, or at expert TP = TP with --ep 1 (in the dense buffers), only; pass "
+                              "--etp 1 (and --expert-tensor-parallel-size 1 to the run)")
+        if dense and a["moe_ffn_hidden_size"] % tp:
+            raise FormatError(f"--tp {tp} (= expert TP, --ep 1) does not divide the model's moe_ffn_hidden_size "
+                              f"{a['moe_ffn_hidden_size']} (megatron-core splits each expert over it); pick a TP that "
+                              "divides it")
         if (tp * dp) % (ep * etp):
             raise FormatError(f"--ep {ep} x --etp {etp} does not divide the {tp * dp} ranks of a pipeline stage "
                               f"(--tp {tp} x --dp {dp}); pick sizes whose product divides them")
@@ -119,7 +139,7 @@ def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int, ep: int 
 
 def run_args(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | None, dp: int,
              sharding: str, lr: float, min_lr: float, ep: int = 1, etp: int = 1,
-             iteration: int = 0) -> argparse.Namespace:
+             iteration: int = 0, consumed: int = 0) -> argparse.Namespace:
     moe = {"expert_tensor_parallel_size": etp, "sequence_parallel": tp > 1} if model.get("num_experts") else {}
     return argparse.Namespace(**model, **moe, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
@@ -129,14 +149,17 @@ def run_args(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | N
                               bf16=dtype.name == "bfloat16", fp16=False, lr=lr, min_lr=min_lr,
                               weight_decay=ADAM["weight_decay"], adam_beta1=ADAM["betas"][0],
                               adam_beta2=ADAM["betas"][1], adam_eps=ADAM["eps"], no_save_rng=True,
-                              no_save_optim=None, iteration=iteration, consumed_train_samples=0,
+                              no_save_optim=None, iteration=iteration, consumed_train_samples=consumed,
                               consumed_valid_samples=0)
 
 
 def common_state(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | None, dp: int, sharding: str,
-                 lr: float, min_lr: float, iteration: int, ep: int = 1, etp: int = 1, step: float = 0.0) -> bytes:
+                 lr: float, min_lr: float, iteration: int, ep: int = 1, etp: int = 1, step: float = 0.0,
+                 carried: dict[str, Any] | None = None, consumed: int = 0) -> bytes:
     """``common_state/shard_0_1``'s blob (see the module docstring; MoE: the optimizer part per chained
-    optimizer, ``{0: dense, 1: experts}``, as megatron-core's ChainedOptimizer saves it)."""
+    optimizer, ``{0: dense, 1: experts}``, as megatron-core's ChainedOptimizer saves it; one optimizer where the
+    experts sit in the dense one, :func:`experts_in_dense`). ``carried``: the scheduler state of the run the
+    folder was exported from (:mod:`.megatron_run_state`), written as it was; ``consumed`` its data position."""
 
     def one(expert: bool) -> dict[str, Any]:
         if sharding == "fully_reshardable":
@@ -144,7 +167,8 @@ def common_state(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int
                     "param_state_sharding_type": sharding}
         return {"param_state_sharding_type": sharding}
 
-    optimizer: dict[Any, Any] = {0: one(False), 1: one(True)} if model.get("num_experts") else one(False)
+    chained = bool(model.get("num_experts")) and not experts_in_dense(model.get("num_experts") or 0, tp, ep, etp)
+    optimizer: dict[Any, Any] = {0: one(False), 1: one(True)} if chained else one(False)
     content: dict[str, Any] = {"distrib_optim_sharding_type": sharding}
     if sharding == "fully_reshardable":
         content["distrib_optim_fully_reshardable_mem_efficient"] = False
@@ -152,7 +176,9 @@ def common_state(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int
     scheduler = {"max_lr": lr, "lr_warmup_steps": 0, "num_steps": 0, "lr_decay_style": "constant",
                  "lr_decay_steps": 1, "min_lr": min_lr, "start_wd": ADAM["weight_decay"],
                  "end_wd": ADAM["weight_decay"], "wd_incr_style": "constant", "wd_incr_steps": 1}
-    state = {"args": run_args(model, dtype, tp, pp, vpp, dp, sharding, lr, min_lr, ep, etp, iteration),
+    if carried is not None:
+        scheduler = dict(carried)
+    state = {"args": run_args(model, dtype, tp, pp, vpp, dp, sharding, lr, min_lr, ep, etp, iteration, consumed),
              "checkpoint_version": 3.0,
              "iteration": iteration, "optimizer": optimizer, "opt_param_scheduler": scheduler,
              "num_floating_point_operations_so_far": 0, "content_metadata": content}

@@ -146,19 +146,37 @@ def extra_objects(hf: HFMegatron) -> dict[str, bytes]:
     return out
 
 
+def carried_rates(scheduler: dict[str, Any] | None, lr: float | None, min_lr: float | None, where: str
+                  ) -> tuple[float, float]:
+    """The param groups' ``max_lr`` / ``min_lr``: the carried scheduler's (megatron-core pairs saved and live
+    groups by them), refusing a given ``--lr`` / ``--min-lr`` that contradicts it; else the given or defaults."""
+    if scheduler is None:
+        return 1e-4 if lr is None else lr, 0.0 if min_lr is None else min_lr
+    for flag, given, key in (("--lr", lr, "max_lr"), ("--min-lr", min_lr, "min_lr")):
+        if given is not None and given != scheduler[key]:
+            raise FormatError(f"{where}: {flag} {given:g} contradicts the carried lr schedule's {key} "
+                              f"{scheduler[key]:g} (megatron-core pairs param groups by it); drop {flag}, or pass "
+                              "--no-optimizer to start a fresh schedule")
+    return scheduler["max_lr"], scheduler["min_lr"]
+
+
 def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: int, dp: int, vpp: int | None = None,
-                    sharding: str = "dp_reshardable", seq_length: int | None = None, lr: float = 1e-4,
-                    min_lr: float = 0.0, max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
+                    sharding: str = "dp_reshardable", seq_length: int | None = None, lr: float | None = None,
+                    min_lr: float | None = None, max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
                     progress: ProgressOpener | None = None, ep: int = 1, etp: int = 1,
                     optimizer: bool = True) -> dict[str, Any]:
     """Write the HF folder SRC as a megatron-core checkpoint at TP x PP (x VPP) x DP (x EP, expert TP) into
-    the new DST."""
+    the new DST. ``lr`` / ``min_lr``: the run's (1e-4 / 0 unless given); a carried scheduler's own where SRC
+    has one, which a different value given contradicts."""
     if sharding not in SHARDINGS:
         raise FormatError(f"--sharding {sharding!r}: use one of {', '.join(SHARDINGS)}")
     t0 = time.perf_counter()
     hf = open_hf_megatron(src, optimizer)
     it, step = (hf.run_state.iteration, hf.run_state.step) if hf.run_state is not None else (ITERATION, 0.0)
-    check_topology(hf, tp, pp, vpp, dp, ep, etp)
+    scheduler = hf.run_state.scheduler if hf.run_state is not None else None
+    lr, min_lr = carried_rates(scheduler, lr, min_lr, str(src))
+    consumed = (hf.run_state.consumed or 0) if hf.run_state is not None else 0
+    check_topology(hf, tp, pp, vpp, dp, ep, etp, sharding)
     workers = workers or default_workers()
     chunk_bytes = chunk_budget(max_memory, workers)
     args = {**hf.args, "seq_length": seq_length or hf.args["max_position_embeddings"]}
@@ -177,7 +195,7 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
         objects.update(numel_objects)
         fill = chunk_filler(hf, by_view)
     objects["common_state/shard_0_1"] = common_state(args, hf.dtype, tp, pp, vpp, dp, sharding, lr, min_lr,
-                                                     it, ep, etp, step)
+                                                     it, ep, etp, step, scheduler, consumed)
     total = sum(c.nbytes for cs in files for c in cs)
 
     def body(writer: CheckpointWriter) -> None:
@@ -203,5 +221,6 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
             "topology": topo, "sharding": sharding, "params": len(hf.params), "param_dtype": hf.dtype.name,
             "args": {k: v for k, v in args.items()}, "files": len(out), "bytes_written": sum(out),
             "seconds": time.perf_counter() - t0, "iteration": it,
-            "optimizer": f"carried (step {step:g})" if hf.run_state is not None else "fresh (moments at zero)",
+            "optimizer": (f"carried (step {step:g}{', lr schedule' if scheduler else ''})" if hf.run_state is not None
+                          else "fresh (moments at zero)"),
             "max_memory": max_memory, "chunk_bytes": chunk_bytes, "workers": workers, "peak_rss_bytes": peak_rss()}

@@ -9,6 +9,14 @@ right after the key ``step``) and writes, in the ``__metadata__`` of every ``opt
 one field :data:`FIELD` holding ``{"iteration": N, "step": S}`` (every param group must hold the same
 step, as megatron-core's loader asserts). ``ckpt import --to megatron-core`` reads it back
 (:func:`parse`) and writes the carried masters and moments at that iteration and step.
+
+The learning-rate schedule resumes with them: ``common_state``'s ``opt_param_scheduler`` (megatron-core's
+``OptimizerParamScheduler.state_dict``: :data:`SCHEDULER` fields, decoded as inert records, nothing the pickle
+names is run) goes into the same field as ``"scheduler"``, and the data position as
+``"consumed_train_samples"`` (``args.consumed_train_samples``, else the scheduler's ``num_steps``, which
+megatron-core advances by the global batch size each iteration: samples too). The import writes both back
+(``common_state``'s scheduler and ``args.consumed_train_samples``) and takes the param groups' ``max_lr`` /
+``min_lr`` from the carried scheduler (megatron-core pairs saved and live groups by them).
 """
 
 from __future__ import annotations
@@ -33,10 +41,21 @@ _PUT = ("BINPUT", "LONG_BINPUT", "PUT")
 _GET = ("BINGET", "LONG_BINGET", "GET")
 
 
+# megatron-core's OptimizerParamScheduler.state_dict(): field -> its type (0.19.2's ten fields, the fixtures')
+SCHEDULER: dict[str, type] = {"max_lr": float, "lr_warmup_steps": int, "num_steps": int, "lr_decay_style": str,
+                              "lr_decay_steps": int, "min_lr": float, "start_wd": float, "end_wd": float,
+                              "wd_incr_style": str, "wd_incr_steps": int}
+STYLES = {"lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+          "wd_incr_style": ("constant", "linear", "cosine")}
+MAX_COUNT = 10**15
+
+
 @dataclass(frozen=True)
 class MegatronRunState:
     iteration: int
     step: float
+    scheduler: dict[str, Any] | None = None  # opt_param_scheduler's state, where the source recorded one
+    consumed: int | None = None  # args.consumed_train_samples (samples), where known
 
 
 def _steps(root: str, key: str, blob: bytes) -> set[float]:
@@ -71,8 +90,57 @@ def read(ckpt: Checkpoint) -> dict[str, str]:
             steps |= _steps(str(ckpt.root), k, bytes(chunk_bytes(ckpt, e, e.chunks[0])))
     if len(steps) != 1 or ckpt.iteration is None:
         return {}
-    doc = {"iteration": ckpt.iteration, "step": steps.pop()}
+    doc: dict[str, Any] = {"iteration": ckpt.iteration, "step": steps.pop()}
+    doc.update(_schedule(ckpt))
     return {FIELD: json.dumps(doc, sort_keys=True, separators=(",", ":"))}
+
+
+def _plain(obj: Any) -> dict[str, Any]:
+    from gtp_format.reader.inert_object import InertObject
+
+    return obj.fields() if isinstance(obj, InertObject) else obj if isinstance(obj, dict) else {}
+
+
+def _schedule(ckpt: Checkpoint) -> dict[str, Any]:
+    """``{"scheduler": ..., "consumed_train_samples": N}`` of ``common_state``, each where it checks out (a
+    scheduler of other fields or types is left out, and the import then writes a fresh one)."""
+    from gtp_format.megatron.topology import common_state
+
+    state = common_state(ckpt) or {}
+    out: dict[str, Any] = {}
+    sched = _plain(state.get("opt_param_scheduler"))
+    try:
+        out["scheduler"] = check_scheduler(sched, "")
+    except FormatError:
+        pass
+    consumed = _plain(state.get("args")).get("consumed_train_samples")
+    if consumed is None and "scheduler" in out:
+        consumed = out["scheduler"]["num_steps"]
+    if type(consumed) is int and 0 <= consumed < MAX_COUNT:
+        out["consumed_train_samples"] = consumed
+    return out
+
+
+def check_scheduler(doc: Any, where: str) -> dict[str, Any]:
+    """megatron-core's scheduler state: exactly the :data:`SCHEDULER` fields, each of its type (an int where a
+    float is due is taken), counts within ``[0, 10**15)``, rates finite and non-negative, the styles megatron-core
+    names; else refused naming the field."""
+    fix = "export the megatron-core checkpoint again, or pass --no-optimizer"
+    if not isinstance(doc, dict) or set(doc) != set(SCHEDULER):
+        got = sorted(doc)[:12] if isinstance(doc, dict) else type(doc).__name__
+        raise FormatError(f"{where}: {FIELD} scheduler is {got!r}, not megatron-core's {sorted(SCHEDULER)}; {fix}")
+    out: dict[str, Any] = {}
+    for key, kind in SCHEDULER.items():
+        v = doc[key]
+        ok = (kind is str and isinstance(v, str) and v in STYLES[key]) or \
+            (kind is int and type(v) is int and 0 <= v < MAX_COUNT) or \
+            (kind is float and type(v) in (int, float) and 0 <= v < 1e6)  # a NaN fails both comparisons
+        if not ok:
+            want = "one of " + ", ".join(STYLES[key]) if kind is str else "a count" if kind is int else "a rate"
+            raise FormatError(f"{where}: {FIELD} scheduler {key} is {str(v)[:80]!r}, not {want} megatron-core "
+                              f"writes; {fix}")
+        out[key] = float(v) if kind is float else v
+    return out
 
 
 def parse(metas: list[dict[str, str]], where: str) -> MegatronRunState:
@@ -93,4 +161,9 @@ def parse(metas: list[dict[str, str]], where: str) -> MegatronRunState:
             not isinstance(step, (int, float)) or not 0 <= step < 1e15 or float(step) != int(step):
         raise FormatError(f"{where}: {FIELD} is {text[:200]!r}, not {{'iteration': N, 'step': S}} with whole "
                           f"numbers >= 0; {fix}")
-    return MegatronRunState(it, float(step))
+    assert isinstance(doc, dict)
+    sched = check_scheduler(doc["scheduler"], where) if "scheduler" in doc else None
+    consumed = doc.get("consumed_train_samples")
+    if consumed is not None and (type(consumed) is not int or not 0 <= consumed < MAX_COUNT):
+        raise FormatError(f"{where}: {FIELD} consumed_train_samples is {str(consumed)[:80]!r}, not a count; {fix}")
+    return MegatronRunState(it, float(step), sched, consumed)

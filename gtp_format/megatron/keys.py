@@ -31,12 +31,14 @@ LAYER = (
     ("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"),
     ("mlp.router.weight", "mlp.router.weight"),  # MoE layers: the router is a dense parameter
     ("mlp.router.bias", "mlp.router.bias"),
-    # --moe-shared-expert-intermediate-size: dense parameters after the router (the experts have their own buffer)
+    # --moe-shared-expert-intermediate-size: dense parameters after the router (the experts have their own buffer);
+    # --moe-shared-expert-gate's gate_weight before the shared linears (megatron-core 0.19.2's buffer order in
+    # pair_qwen2moe_ep2_dp_reshardable's params_in_bucket)
+    ("mlp.shared_experts.gate_weight", "mlp.shared_experts.gate_weight"),
     ("mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"),
     ("mlp.shared_experts.linear_fc1.bias", "mlp.shared_experts.linear_fc1.bias"),
     ("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.linear_fc2.weight"),
     ("mlp.shared_experts.linear_fc2.bias", "mlp.shared_experts.linear_fc2.bias"),
-    ("mlp.shared_experts.gate_weight", "mlp.shared_experts.gate_weight"),
     ("mlp.linear_fc1.weight", "mlp.linear_fc1.weight"),
     ("mlp.linear_fc1.bias", "mlp.linear_fc1.bias"),
     ("mlp.linear_fc2.weight", "mlp.linear_fc2.weight"),

@@ -51,8 +51,18 @@ TP_MODES = (
 )
 
 
+# an expert's linears (``decoder.layers.<l>.mlp.experts.<e>.<param>``) split over expert TP as the dense MLP's over TP
+EXPERT_TP_MODES = {"linear_fc1.weight": "column", "linear_fc1.bias": "column", "linear_fc2.weight": "row"}
+
+
 def tp_mode_of(name: str) -> str | None:
-    """The TP split of a dense GPT parameter, by its module name."""
+    """The TP split of a dense GPT parameter, by its module name; an expert's (``mlp.experts.<e>.*``), where it
+    sits in the dense buffers (EP 1 with expert TP = TP: megatron-core builds it with the dense groups), splits
+    over TP as the dense MLP does."""
+    layer, sep, rest = name.partition(".mlp.experts.")
+    expert, _, param = rest.partition(".")
+    if sep and layer.startswith("decoder.layers.") and expert.isdigit():
+        return EXPERT_TP_MODES.get(param)
     return next((mode for suffix, mode in TP_MODES if name.endswith(suffix)), None)
 
 

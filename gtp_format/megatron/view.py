@@ -48,6 +48,7 @@ from gtp_format.megatron.buckets import check_chunks, param_dtype, place_buffer,
 from gtp_format.megatron.glu import glu_holders
 from gtp_format.megatron.keys import (
     BUFFERS,
+    EXPERT,
     EXPERT_PREFIX,
     GATED,
     HEAD,
@@ -154,13 +155,16 @@ def _module_params(ckpt: Checkpoint, layer_chunks: dict[str, dict[int, list[Chun
     return out
 
 
-def _tp_boxes(ckpt: Checkpoint, entry: Entry, layer: int | None, chunks: list[Chunk] | tuple[Chunk, ...]
-              ) -> tuple[str | None, tuple[int, ...], list[tuple[int, ...]]]:
-    """(tp_mode, full shape, per-TP-rank offsets in the full tensor) from a model key's chunks (of one layer)."""
+def _tp_boxes(ckpt: Checkpoint, entry: Entry, layer: int | None, chunks: list[Chunk] | tuple[Chunk, ...],
+              lead: int | None = None) -> tuple[str | None, tuple[int, ...], list[tuple[int, ...]]]:
+    """(tp_mode, full shape, per-TP-rank offsets in the full tensor) from a model key's chunks (of one layer;
+    ``lead`` 2: of one (layer, expert) of a stacked expert key)."""
     assert entry.shape is not None
-    lead = 0 if layer is None else 1
-    if lead and any(c.sizes[0] != 1 for c in chunks):  # megatron-core writes one chunk per layer
-        raise refusal(ckpt, f"{entry.key} stores several layers in one chunk")
+    lead = (0 if layer is None else 1) if lead is None else lead
+    if lead == 2 and (not chunks or len(entry.shape) < lead):
+        raise refusal(ckpt, f"{entry.key} stores no chunk for an expert it declares")
+    if lead and any(len(c.sizes) < lead or any(n != 1 for n in c.sizes[:lead]) for c in chunks):
+        raise refusal(ckpt, f"{entry.key} stores several layers in one chunk")  # megatron-core: one per layer
     full = entry.shape[lead:]
     boxes = sorted((c.offsets[lead:], c.sizes[lead:]) for c in chunks)
     if len(boxes) == 1:
@@ -241,17 +245,23 @@ def _check_recorded_split(ckpt: Checkpoint, layer_stage: dict[int, int], pp: int
                       f"{counts} layers per pipeline stage")
 
 
-def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamView]:
+def megatron_views(ckpt: Checkpoint, experts: bool = False, dense_experts: bool = False) -> dict[str, ParamView]:
     """Every parameter of a megatron-core GPT ``dp_reshardable`` checkpoint, TP x PP (see the module docstring).
 
     ``experts``: also MoE checkpoints (:mod:`gtp_format.megatron.moe`): ``inspect --params``, the
     padding map and ``export --to fully_reshardable`` ask (expert keys are indexed by (layer, expert),
-    :attr:`gtp_format.views.records.ParamView.lead`) and ``ckpt reshard``; the Hugging Face export does not.
+    :attr:`gtp_format.views.records.ParamView.lead`), ``ckpt reshard`` and ``export --to hf --optimizer``.
 
     A gated ``linear_fc1`` (``--swiglu``: the dense MLP's, the shared experts', each expert's at any
     expert TP) gives each TP rank two holders, its gate and its up half
     (:func:`gtp_format.megatron.glu.glu_holders`); q/k layernorm and shared experts are laid out as any
     parameter; every range is checked against the chunks megatron-core wrote (:func:`check_chunks`).
+
+    ``dense_experts`` (the Hugging Face export asks): also MoE at EP 1 with expert TP = TP, one optimizer with no
+    ``chained_`` prefix, whose experts megatron-core keeps in the dense buffers after each layer's router, expert
+    by expert (``linear_fc1`` then ``linear_fc2``), TP-split as the dense MLP (:func:`_with_dense_experts`;
+    ``fixtures/megatron/pair_mixtral_tp2_ep1_dp_reshardable``). Reshard does not ask: its planner lays experts
+    out by the expert rules.
     """
     opts = {k: parse_optimizer_key(k) for k, e in ckpt.entries.items() if e.kind == TENSOR}
     opts = {k: o for k, o in opts.items() if o is not None}
@@ -261,10 +271,11 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
     moe = bool(expert_keys(ckpt))
     if moe and prefixes == [f"chained_{i}.{OPT_PREFIX}" for i in range(2)]:
         if not experts:
-            raise refusal(ckpt, "it is MoE (chained_ optimizers): 'ckpt inspect --params', 'export --to "
-                          "fully_reshardable' and 'reshard' read it, but the Hugging Face export has no experts")
+            raise refusal(ckpt, "it is MoE (chained_ optimizers), and this reader was asked for a dense model's view")
         expert_opts = {k: o for k, o in opts.items() if o.prefix == prefixes[1]}
         opts = {k: o for k, o in opts.items() if o.prefix == prefixes[0]}
+    elif moe and dense_experts and prefixes == [OPT_PREFIX]:
+        moe = False  # the experts are dense parameters here (EP 1, expert TP = TP): no expert optimizer
     elif prefixes != [OPT_PREFIX] or moe:
         raise refusal(ckpt, f"its optimizer keys start with {prefixes[:3]}" + (" and it has expert keys" if moe else "")
                       + ": not one optimizer, nor MoE's chained dense + expert pair")
@@ -281,6 +292,9 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
     stacked = [k for k, e in ckpt.entries.items() if e.kind == TENSOR and k.startswith("decoder.layers.")]
     layer_chunks = _layer_index(ckpt, stacked)
     params = _module_params(ckpt, layer_chunks)
+    expert_of: dict[str, int] = {}
+    if dense_experts and expert_keys(ckpt) and not moe:
+        params, expert_of = _with_dense_experts(ckpt, params)
     emb = ckpt.entries[HEAD[0]]
     tp_size = len(_tp_boxes(ckpt, emb, None, emb.chunks)[2])
     n_idx = len({o.dp_group_idx for o in opts.values()})
@@ -303,8 +317,11 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
     info = {}
     for name, key, layer in params:
         entry = ckpt.entries[key]
-        mode, full, offsets = _tp_boxes(ckpt, entry, layer, entry.chunks if layer is None else layer_chunks[key][layer])
-        if gated and name.endswith(GATED) and mode == "column" and len(offsets) == 2 * tp_size:
+        chunks = entry.chunks if layer is None else layer_chunks[key][layer]
+        if name in expert_of:  # this expert's chunks of the (layer, expert) stacked key
+            chunks = [c for c in chunks if len(c.offsets) > 1 and c.offsets[1] == expert_of[name]]
+        mode, full, offsets = _tp_boxes(ckpt, entry, layer, chunks, 2 if name in expert_of else None)
+        if gated and _gated_name(name, expert_of) and mode == "column" and len(offsets) == 2 * tp_size:
             offsets = offsets[:tp_size]  # a TP rank's gate and up chunks: its part is their two halves (glu_holders)
         if mode is not None and len(offsets) != tp_size:
             raise refusal(ckpt, f"{key} has {len(offsets)} TP parts but the embedding has {tp_size}")
@@ -327,7 +344,7 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
         for t in range(tp_size):
             spec = ShardSpec(full, mode, tp_size, t if mode else 0, None, 1, 0, 1)
             ref = KeyRef(stage * tp_size + t, gbuf, dtag, bucket, None, numel[(stage * tp_size, gbuf, bucket)], prefix)
-            if gated and name.endswith(GATED) and mode == "column":
+            if gated and _gated_name(name, expert_of) and mode == "column":
                 holders += glu_holders(full, tp_size, t, ref, start)
                 continue
             holders.append(Holder(ref, start, spec, (), not replica and (mode is not None or t == 0)))
@@ -335,11 +352,14 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
             replicas += tuple(holders)
             continue
         views[name] = replace(ParamView(name, full, full, mode, None, False, gbuf, bucket, start, param_dtype(dtag),
-                                        tuple(holders)), weight_key=key, layer=layer)
+                                        tuple(holders)), weight_key=key, layer=layer, expert=expert_of.get(name))
     if replicas:
         views[HEAD[0]] = replace(views[HEAD[0]], holders=views[HEAD[0]].holders + replicas)
-    order = [name for name, _, _ in params if name in views]
-    out = {name: views[name] for name in order}  # module order
+    # module order; experts after the dense parameters, as the chained layout's expert views come, so that what
+    # reads the views in order (the Hugging Face export's files) does not depend on EP
+    order = [name for name, _, _ in params if name in views and name not in expert_of]
+    order += [name for name, _, _ in params if name in views and name in expert_of]
+    out = {name: views[name] for name in order}
     if moe:
         layers = max((ln for _, _, ln in params if ln is not None), default=-1) + 1
         layer_stage = {ln: stage_of[name] for name, _, ln in params if ln is not None}
@@ -349,6 +369,43 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False) -> dict[str, ParamVi
         check_chunks(ckpt, expert_opts, [(n, r, egbuf, b, a, z) for n, r, b, a, z in eplaced], 1)
         out.update(ev)
     return out
+
+
+def _gated_name(name: str, expert_of: dict[str, int]) -> bool:
+    """A gated linear's parameter: the dense MLP's or shared experts' ``linear_fc1``, or an expert's in the dense
+    buffers (each TP rank stores its gate and its up half)."""
+    return name.endswith(GATED) or (name in expert_of and name.endswith(("linear_fc1.weight", "linear_fc1.bias")))
+
+
+def _with_dense_experts(ckpt: Checkpoint, params: list[tuple[str, str, int | None]]
+                        ) -> tuple[list[tuple[str, str, int | None]], dict[str, int]]:
+    """``params`` with each layer's experts after its router (megatron-core's module order at EP 1 with expert TP
+    = TP: ``mlp.router``, then ``mlp.experts.local_experts.<e>.linear_fc1``, ``.linear_fc2``), and each expert
+    parameter's global expert index. The (layer, expert) pairs are bounded by what the data files store."""
+    keys = [(s, EXPERT_PREFIX + s) for s in EXPERT if EXPERT_PREFIX + s in ckpt.entries]
+    unknown = sorted(set(expert_keys(ckpt)) - {k for _, k in keys})
+    if unknown:
+        raise refusal(ckpt, f"expert key {unknown[0]!r} is not a SequentialMLP expert parameter")
+    shapes = {ckpt.entries[k].shape[:2] if ckpt.entries[k].shape else () for _, k in keys}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise refusal(ckpt, "expert keys disagree on (layers, experts)")
+    layers, n_exp = next(iter(shapes))
+    check_stored(ckpt, layers * n_exp, "(layer, expert) pairs of its expert keys")
+    routers = {ln: i for i, (name, _, ln) in enumerate(params) if ln is not None and ".mlp.router." in name}
+    if set(routers) != set(range(layers)):
+        raise refusal(ckpt, f"its expert keys declare {layers} layers, but {len(routers)} layers have a router")
+    out: list[tuple[str, str, int | None]] = []
+    expert_of: dict[str, int] = {}
+    for i, p in enumerate(params):
+        out.append(p)
+        layer = p[2]
+        if layer is not None and routers.get(layer) == i:
+            for e in range(n_exp):
+                for s, k in keys:
+                    name = f"decoder.layers.{layer}.mlp.experts.{e}.{s}"
+                    out.append((name, k, layer))
+                    expert_of[name] = e
+    return out, expert_of
 
 
 def _gated(ckpt: Checkpoint) -> bool:

@@ -29,6 +29,7 @@ EXPECTED = {
     "pair_llama_tp2_dp2_dp_reshardable": "LlamaForCausalLM",
     "pair_qwen3_tp2_dp_reshardable": "Qwen3ForCausalLM",
     "pair_mixtral_ep2_dp_reshardable": "MixtralForCausalLM",
+    "pair_mixtral_tp2_ep1_dp_reshardable": "MixtralForCausalLM",  # EP 1, expert TP = TP: experts in the dense optimizer
     "pair_starcoder2_tp2_dp_reshardable": "Starcoder2ForCausalLM",
     "pair_mqa_tp2_dp_reshardable": "GPTBigCodeForCausalLM",  # multi_query: one group at TP2
     "pair_qwen2moe_ep2_dp_reshardable": "Qwen2MoeForCausalLM",

@@ -13,7 +13,9 @@ false), Qwen2MoeForCausalLM (gated shared expert). Must hold:
   without it) loads the import at TP 2 (or 1 for MQA) into a model built from the checkpoint's own
   args, and its forward equals transformers' logits within 1e-5 (fp32); at PP 2 it loads the same
   values (masters equal to the weights, zero moments, step 0);
-* megatron-core (a genuine fixture) -> HF -> megatron-core at another topology -> HF is bit-identical;
+* megatron-core (a genuine fixture) -> HF -> megatron-core at another topology -> HF is bit-identical, with
+  the optimizer state (MoE's chained pair and EP 1's dense experts included) and the lr schedule carried;
+* EP 1 with expert TP = TP: the experts in the dense buffers, as megatron-core's own ``pair_mixtral_tp2_ep1``;
 * a class with no mapping, a config that disagrees with the tensors, a forward setting megatron-core
   cannot compute, an impossible topology: one line, exit 2, nothing written; a DST that appears
   mid-run is refused and left alone.
@@ -165,6 +167,69 @@ def test_moe_hf_megatron_hf_round_trip_is_bit_identical(kind: str, topo: tuple[s
     assert back.get("norm_topk_prob", True) == cfg.get("norm_topk_prob", True)
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("topo", [("--tp", "2", "--ep", "1", "--etp", "2", "--pp", "2"), ("--tp", "1", "--ep", "1",
+                                                                                       "--dp", "2")])
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_moe_at_ep1_with_expert_tp_equal_tp_round_trips(kind: str, topo: tuple[str, ...], sharding: str,
+                                                          tmp_path: Path) -> None:
+    """EP 1 with expert TP = TP: the experts in the dense buffers and the dense optimizer (no chained_ pair),
+    each expert split over TP as the dense MLP; import -> export is bit-identical and verify --data passes."""
+    src = hf_model(tmp_path / "hf", kind)
+    import_mc(src, tmp_path / "mc", *topo, "--sharding", sharding)
+    keys = json.loads(cli("inspect", tmp_path / "mc", "--format", "json").stdout or "{}")
+    assert "chained_" not in json.dumps(keys)
+    r = cli("verify", tmp_path / "mc", "--data")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    r = cli("export", tmp_path / "mc", tmp_path / "back", "--to", "hf")
+    assert r.exit_code == 0, r.stderr
+    assert_same_tensors(src, tmp_path / "back")
+
+
+def test_ep1_import_is_megatron_cores_own_layout(tmp_path: Path) -> None:
+    """megatron-core's own save at TP 2, EP 1, expert TP 2 (``pair_mixtral_tp2_ep1``: the experts in the dense
+    buffer after the router, no expert optimizer) -> HF -> import at the same topology: the same keys and global
+    shapes as megatron-core's dp_reshardable and fully_reshardable saves, the same model tensors and expert chunk
+    boxes (each TP rank's gate and up halves), and every parameter's fp32 master where megatron-core's buffers
+    hold it (``params_in_bucket``; rounded to the bf16 weight, which is what a fresh import's master is). The
+    alignment gaps are left out: megatron-core's hold uninitialised memory (63 nonzero bf16 values in one gap)."""
+    import torch as _torch
+
+    from gtp_format.reader.boxes import BoxReader
+    from gtp_format.reader.checkpoint import open_checkpoint
+
+    pair = MEGATRON / "pair_mixtral_tp2_ep1_dp_reshardable"
+    r = cli("export", pair, tmp_path / "hf", "--to", "hf")
+    assert r.exit_code == 0, r.stderr
+    for sharding, theirs_dir in (("dp_reshardable", pair), ("fully_reshardable", Path(f"{pair}_fully_reshardable"))):
+        import_mc(tmp_path / "hf", tmp_path / sharding, "--tp", "2", "--ep", "1", "--etp", "2", "--sharding", sharding)
+        ours, theirs = open_checkpoint(tmp_path / sharding), open_checkpoint(theirs_dir)
+        want = {k: e.shape for k, e in theirs.entries.items() if not k.startswith("rng_state")}
+        assert {k: e.shape for k, e in ours.entries.items()} == want
+        ra, rb = BoxReader(ours), BoxReader(theirs)
+        for k, e in theirs.entries.items():
+            if e.kind != "tensor" or k.startswith("optimizer") or e.shape is None:
+                continue
+            if sharding == "dp_reshardable":  # (fully_reshardable's chunks are row blocks: no topology)
+                assert sorted((c.offsets, c.sizes) for c in ours.entries[k].chunks) == \
+                    sorted((c.offsets, c.sizes) for c in e.chunks), k
+            box = ((0,) * len(e.shape), e.shape)
+            assert ra.read_box(k, *box).tobytes() == rb.read_box(k, *box).tobytes(), k
+    expected = json.loads((pair / "expected.json").read_text())
+    ours, theirs = open_checkpoint(tmp_path / "dp_reshardable"), open_checkpoint(pair)
+    ra, rb = BoxReader(ours), BoxReader(theirs)
+    checked = 0
+    for rec in expected["keys"]:
+        if not rec.get("params_in_bucket") or not rec["key"].endswith(".param"):
+            continue
+        shape = theirs.entries[rec["key"]].shape
+        a, b = (_torch.from_numpy(rd.read_box(rec["key"], (0,), shape).copy()).to(_torch.bfloat16) for rd in (ra, rb))
+        for p in rec["params_in_bucket"]:
+            assert _torch.equal(a[p["start"]:p["end"]], b[p["start"]:p["end"]]), (rec["key"], p["param"])
+            checked += ".local_experts." in p["param"]
+    assert checked == 2 * 4 * 2  # 2 TP ranks x 4 experts x (linear_fc1, linear_fc2)
+
+
 def _megatron(ckpt: Path, out: Path, topo: tuple[int, int, int], tokens: Path) -> list[dict[str, np.ndarray]]:
     return _megatron_at(ckpt, out, topo, tokens, 0)
 
@@ -198,7 +263,9 @@ def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, shard
                 np.testing.assert_array_equal(r[k], 0)
         for k, v in r.items():
             # dense weights of the DP-rank-0 ranks; experts (expert TP 1) of each EP rank's expert-DP rank 0
-            if ".local_experts." in k and (rank % (tp * dp)) // ep or ".local_experts." not in k and (rank // tp) % dp:
+            # (at EP 1 with expert TP = TP the experts are dense parameters: TP-split, replicated over DP)
+            expert = ".local_experts." in k and ep > 1
+            if expert and (rank % (tp * dp)) // ep or not expert and (rank // tp) % dp:
                 continue
             if k.startswith("model."):
                 weights.append((v.astype(np.int32) << 16).view(np.float32).ravel() if v.dtype == np.int16
@@ -217,13 +284,19 @@ def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, shard
     ("arcee", (2, 1, 1), "fully_reshardable"), ("arcee_gelu_bias", (2, 1, 2), "dp_reshardable"),
     ("starcoder2", (2, 1, 2), "dp_reshardable"), ("mixtral", (1, 1, 2), "dp_reshardable"),
     ("qwen3_moe", (2, 1, 1), "fully_reshardable"), ("qwen3_moe_presoftmax", (1, 1, 2), "dp_reshardable"),
-    ("qwen2_moe", (2, 1, 1), "dp_reshardable"), ("persimmon", (2, 1, 2), "dp_reshardable")])
+    ("qwen2_moe", (2, 1, 1), "dp_reshardable"), ("persimmon", (2, 1, 2), "dp_reshardable"),
+    ("mixtral_ep1", (2, 1, 1), "dp_reshardable"), ("qwen3_moe_ep1", (2, 1, 1), "fully_reshardable"),
+    ("mixtral_ep1", (1, 1, 2), "dp_reshardable")])
 def test_megatron_core_loads_the_import_and_computes_transformers_logits(kind: str, topo: tuple[int, int, int],
                                                                          sharding: str, tmp_path: Path) -> None:
+    """``*_ep1``: EP 1 with expert TP = TP, the experts in megatron-core's dense buffers and optimizer."""
+    ep1 = kind.endswith("_ep1")
+    kind = kind.removesuffix("_ep1")
     src = hf_model(tmp_path / "hf", kind)
-    ep = 2 if "moe" in kind or kind == "mixtral" else 1  # EP 2 within the TP x DP ranks
+    ep = 1 if ep1 else 2 if "moe" in kind or kind == "mixtral" else 1  # EP 2 within the TP x DP ranks
     import_mc(src, tmp_path / "mc", "--tp", str(topo[0]), "--pp", str(topo[1]), "--dp", str(topo[2]),
-              "--sharding", sharding, *(("--ep", str(ep)) if ep > 1 else ()))
+              "--sharding", sharding, *(("--ep", str(ep)) if ep > 1 else ()),
+              *(("--ep", "1", "--etp", str(topo[0])) if ep1 else ()))
     ids = np.random.default_rng(0).integers(0, 128, (2, 12))
     np.save(tmp_path / "tokens.npy", ids)
     ranks = _megatron(tmp_path / "mc", tmp_path / "out", topo, tmp_path / "tokens.npy")
@@ -286,15 +359,40 @@ def _carried(ranks: list[dict[str, np.ndarray]], hf: Path, sharding: str, step: 
         assert i == 0 or np.abs(mine).max() > 0  # genuine moments, not zeros
 
 
-# MoE is not here: `export --to hf --optimizer` reads no expert optimizer state (the view refuses chained_ optimizers)
-@pytest.mark.parametrize("fixture", ["pair_llama_tp2_dp2_dp_reshardable", "pair_qk_layernorm_tp2_dp_reshardable"])
+MOE_PAIRS = ["pair_mixtral_ep2_dp_reshardable", "pair_qwen2moe_ep2_dp_reshardable",
+             "pair_mixtral_tp2_ep1_dp_reshardable"]  # EP 1, expert TP = TP: the experts in the dense optimizer
+
+
+def _same_schedule(genuine: Path, imported: Path) -> None:
+    """The import's ``common_state`` carries megatron-core's own scheduler state (its 10 fields, the values of
+    the genuine save: cosine decay at num_steps 16 or 8, the global batch times 2 iterations), the data position
+    (as many samples) and param groups whose ``max_lr`` / ``min_lr`` are the schedule's (what megatron-core pairs
+    saved and live groups by)."""
+    from gtp_format.megatron.topology import common_state
+    from gtp_format.reader.checkpoint import open_checkpoint
+    from gtp_format.reader.inert_object import InertObject
+
+    theirs, ours = (common_state(open_checkpoint(d)) for d in (genuine, imported))
+    assert theirs is not None and ours is not None
+    want = theirs["opt_param_scheduler"]
+    assert ours["opt_param_scheduler"] == want and want["num_steps"] > 0 and want["lr_decay_style"] == "cosine"
+    args = ours["args"]
+    fields = args.fields() if isinstance(args, InertObject) else args
+    assert fields["consumed_train_samples"] == want["num_steps"] and fields["lr"] == want["max_lr"] and \
+        fields["min_lr"] == want["min_lr"]
+
+
+@pytest.mark.parametrize("fixture", ["pair_llama_tp2_dp2_dp_reshardable", "pair_qk_layernorm_tp2_dp_reshardable",
+                                     *MOE_PAIRS])
 def test_optimizer_state_megatron_hf_megatron_core_is_bit_identical(fixture: str, tmp_path: Path) -> None:
     """A genuine megatron-core save (bf16, iteration 2, Adam step 2) -> ``export --to hf --optimizer`` ->
     import at another topology carries the fp32 masters and both moments and the step -> export again:
-    the same model and optimizer files, byte for byte; megatron-core's loader loads the carried state."""
+    the same model and optimizer files, byte for byte; megatron-core's loader loads the carried state.
+    MoE (Mixtral- and Qwen2-MoE-style, EP 2): megatron-core's chained dense + expert optimizer, each
+    expert's state under the expert's HF names, back into the chained pair at EP 2 x DP 4 and TP 2 x EP 2."""
     r = cli("export", MEGATRON / fixture, tmp_path / "hf1", "--to", "hf", "--optimizer")
     assert r.exit_code == 0, r.stderr
-    moe = "mixtral" in fixture
+    moe = fixture in MOE_PAIRS
     topos = [("--dp", "4", *(("--ep", "2") if moe else ()), "--sharding", "dp_reshardable"),
              ("--tp", "2", *(("--ep", "2") if moe else ("--pp", "1")), "--sharding", "fully_reshardable")]
     for i, topo in enumerate(topos):
@@ -302,8 +400,9 @@ def test_optimizer_state_megatron_hf_megatron_core_is_bit_identical(fixture: str
                 "--format", "json")
         assert r.exit_code == 0, r.stderr
         info = json.loads(r.stdout)
-        assert info["iteration"] == 2 and info["optimizer"] == "carried (step 2)", info
+        assert info["iteration"] == 2 and info["optimizer"] == "carried (step 2, lr schedule)", info
         assert (tmp_path / f"mc{i}" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+        _same_schedule(MEGATRON / fixture, tmp_path / f"mc{i}")
     r = cli("export", tmp_path / "mc0", tmp_path / "hf2", "--to", "hf", "--optimizer")
     assert r.exit_code == 0, r.stderr
     for f in sorted(p.name for p in (tmp_path / "hf1").glob("*.safetensors")):
@@ -311,15 +410,63 @@ def test_optimizer_state_megatron_hf_megatron_core_is_bit_identical(fixture: str
     r = cli("import", tmp_path / "hf1", tmp_path / "fresh", "--from", "hf", "--to", "megatron-core", "--tp", "2",
             *(("--ep", "2") if moe else ()), "--no-optimizer", "--format", "json")
     assert r.exit_code == 0 and json.loads(r.stdout)["iteration"] == 0, r.stderr
-    if MEGATRON_PY.exists() and not moe:  # megatron-core loads the carried state (TP 1: each element once)
+    if MEGATRON_PY.exists():  # megatron-core loads the carried state (TP 1: each element once)
         np.save(tmp_path / "tokens.npy", np.zeros((1, 4), dtype=np.int64))
         r = cli("import", tmp_path / "hf1", tmp_path / "mc2", "--from", "hf", "--to", "megatron-core", "--dp", "2",
-                "--sharding", "fully_reshardable")
+                *(("--ep", "2") if moe else ()), "--sharding", "fully_reshardable")
         assert r.exit_code == 0, r.stderr
         for ckpt, dp, sharding in ((tmp_path / "mc2", 2, "fully_reshardable"),
                                    (tmp_path / "mc0", 4, "dp_reshardable")):
             ranks = _megatron_at(ckpt, tmp_path / f"out_{sharding}", (1, 1, dp), tmp_path / "tokens.npy", 2)
             _carried(ranks, tmp_path / "hf1", sharding, 2.0)
+
+
+@pytest.mark.parametrize("pair", MOE_PAIRS)
+def test_moe_optimizer_export_equals_megatrons_own_fully_reshardable_save(pair: str, tmp_path: Path) -> None:
+    """``export --to hf --optimizer`` of megatron-core's dp_reshardable MoE save (the chained dense + expert
+    optimizer) holds, under each HF name, the rows of megatron-core's own fully_reshardable save of the same
+    state (``optimizer.state.<state>.<key>`` at the parameter's layer, and expert), bit for bit: the
+    router, each expert's gate (w1 / gate_proj), up and down rows, the shared expert and its gate."""
+    from gtp_format.megatron.keys import LAYER
+    from gtp_format.reader.boxes import BoxReader
+    from gtp_format.reader.checkpoint import open_checkpoint
+
+    r = cli("export", MEGATRON / pair, tmp_path / "hf", "--to", "hf", "--optimizer", "--names", "megatron")
+    assert r.exit_code == 0, r.stderr
+    opt = load_file(tmp_path / "hf" / "optimizer.safetensors")
+    theirs = open_checkpoint(MEGATRON / f"{pair}_fully_reshardable")
+    reader = BoxReader(theirs)
+    experts, used = 0, set()
+    for name, got in opt.items():
+        state, param = name[len("optimizer.state."):].split(".", 1)
+        parts = param.split(".")
+        lead: tuple[int, ...] = ()
+        if parts[:2] == ["decoder", "layers"]:
+            lead, rest = (int(parts[2]),), parts[3:]
+            if rest[:2] == ["mlp", "experts"]:
+                lead, rest = (*lead, int(rest[2])), ["mlp", "experts", "experts", *rest[3:]]
+                experts += 1
+            module = ".".join(rest)
+            key = f"optimizer.state.{state}.decoder.layers.{dict(LAYER).get(module, module)}"
+        else:
+            key = f"optimizer.state.{state}.{param}"
+        shape = theirs.entries[key].shape
+        assert shape is not None and tuple(shape[len(lead):]) == tuple(got.shape), name
+        want = reader.read_box(key, (*lead, *(0,) * (len(shape) - len(lead))), (*(1,) * len(lead), *got.shape))
+        assert want.reshape(got.shape).tobytes() == got.numpy().tobytes(), name
+        used.add(key)
+    assert experts == 3 * 4 * 2  # 3 states x 4 experts x (linear_fc1, linear_fc2), one layer
+    if "ep1" in pair:  # and back at EP 1 with expert TP = TP (the dense layout) and again: the same files
+        r = cli("export", MEGATRON / pair, tmp_path / "hf1", "--to", "hf", "--optimizer")
+        assert r.exit_code == 0, r.stderr
+        r = cli("import", tmp_path / "hf1", tmp_path / "mc", "--from", "hf", "--to", "megatron-core", "--tp", "2",
+                "--ep", "1", "--etp", "2", "--format", "json")
+        assert r.exit_code == 0 and json.loads(r.stdout)["optimizer"] == "carried (step 2, lr schedule)", r.stderr
+        r = cli("export", tmp_path / "mc", tmp_path / "hf2", "--to", "hf", "--optimizer")
+        assert r.exit_code == 0, r.stderr
+        for f in ("model.safetensors", "optimizer.safetensors"):
+            assert (tmp_path / "hf1" / f).read_bytes() == (tmp_path / "hf2" / f).read_bytes(), f
+    assert used == {k for k in theirs.entries if k.startswith("optimizer.state.")}  # every key of theirs
 
 
 def test_optimizer_files_without_a_run_state_are_refused(tmp_path: Path) -> None:
@@ -337,7 +484,22 @@ def test_optimizer_files_without_a_run_state_are_refused(tmp_path: Path) -> None
     assert_error_line(cli(*base), 2, "'optimizer.state.exp_avg.model.norm.weight' is [31] float32",
                       "the model implies [32] float32")
     assert not (tmp_path / "out").exists()
-    r = cli(*base, "--no-optimizer")
+    save_file(load_file(opt), opt, metadata={"gtp_megatron_run_state": '{"iteration":2,"step":2.0,"scheduler":'
+                                             '{"max_lr":0.001,"min_lr":0.0,"lr_warmup_steps":0,"num_steps":16,'
+                                             '"lr_decay_style":"cosine","lr_decay_steps":800,"start_wd":0.01,'
+                                             '"end_wd":0.01,"wd_incr_style":"constant","wd_incr_steps":800}}'})
+    t = load_file(opt)
+    t["optimizer.state.exp_avg.model.norm.weight"] = torch.zeros(32)
+    save_file(t, opt, metadata={"gtp_megatron_run_state": '{"iteration":2,"step":2.0,"scheduler":{"max_lr":0.001,'
+                                '"min_lr":0.0,"lr_warmup_steps":0,"num_steps":16,"lr_decay_style":"cosine",'
+                                '"lr_decay_steps":800,"start_wd":0.01,"end_wd":0.01,"wd_incr_style":"constant",'
+                                '"wd_incr_steps":800}}'})
+    assert_error_line(cli(*base, "--lr", "3e-4"), 2, "--lr 0.0003 contradicts the carried lr schedule's max_lr 0.001")
+    assert_error_line(cli(*base, "--min-lr", "1e-5"), 2, "--min-lr 1e-05 contradicts", "min_lr 0")
+    assert not (tmp_path / "out").exists()
+    r = cli(*base, "--lr", "1e-3", "--format", "json")  # the schedule's own max_lr agrees
+    assert r.exit_code == 0 and json.loads(r.stdout)["optimizer"] == "carried (step 2, lr schedule)", r.stderr
+    r = cli(*base[:2], tmp_path / "fresh", *base[3:], "--no-optimizer")
     assert r.exit_code == 0, r.stderr
 
 
@@ -357,6 +519,7 @@ def _edit_config(folder: Path, **change: object) -> None:
     ("extra", ["21 tensors", "holds 22"]),
     ("tp", ["--tp 3 does not divide the model's num_attention_heads 4"]),
     ("pp", ["--pp 3", "do not divide the 2 layers"]),
+    ("vpp", ["--vpp 2 with --sharding dp_reshardable", "pass --sharding fully_reshardable"]),
     ("dtype", ["float16", "float32 or bfloat16"]),
 ])
 def test_import_to_megatron_core_refusals(case: str, needles: list[str], tmp_path: Path) -> None:
@@ -377,7 +540,7 @@ def test_import_to_megatron_core_refusals(case: str, needles: list[str], tmp_pat
         t = load_file(src / "model.safetensors")
         t["model.extra.weight"] = torch.zeros(2)
         save_file(t, src / "model.safetensors")
-    topo = {"tp": ["--tp", "3"], "pp": ["--pp", "3"]}.get(case, [])
+    topo = {"tp": ["--tp", "3"], "pp": ["--pp", "3"], "vpp": ["--pp", "2", "--vpp", "2"]}.get(case, [])
     before = sorted(p.name for p in tmp_path.iterdir())
     assert_error_line(cli("import", src, tmp_path / "out", "--from", "hf", "--to", "megatron-core", *topo), 2,
                       *needles)
@@ -444,6 +607,39 @@ def test_sigterm_mid_import_removes_the_work_folder(tmp_path: Path) -> None:
     p = subprocess.Popen([sys.executable, "-c", SLOW_CKPT, "import", str(src), str(out / "dst"), "--from", "hf",
                           "--to", "megatron-core", "--tp", "2", "--dp", "2", "--workers", "1"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert p.stdout is not None and p.stdout.readline().strip() == "writing"
+    assert len(os.listdir(out)) == 1  # the hidden work folder
+    p.send_signal(signal.SIGTERM)
+    rc = p.wait(timeout=120)
+    err = p.stderr.read() if p.stderr else ""
+    assert rc == 143 and err.strip().splitlines() == [
+        "ckpt: error: terminated (SIGTERM); nothing was written, the partial output was removed"], (rc, err)
+    assert os.listdir(out) == []
+
+
+@pytest.mark.parametrize("case", ["export_moe_optimizer", "import_ep1_dense_experts"])
+def test_sigterm_mid_moe_write_removes_the_work_folder(case: str, tmp_path: Path) -> None:
+    """The two MoE write paths: ``export --to hf --optimizer`` of megatron-core's chained optimizer, and the
+    import at EP 1 with expert TP = TP (experts in the dense buffers): SIGTERM mid-write leaves nothing."""
+    import signal
+    import sys
+
+    from test_writer_faults import SLOW_CKPT
+
+    out = tmp_path / "out"
+    out.mkdir()
+    if case == "export_moe_optimizer":
+        argv = ["export", str(MEGATRON / "pair_mixtral_ep2_dp_reshardable"), str(out / "dst"), "--to", "hf",
+                "--optimizer", "--workers", "1"]
+        at = "ckpt_tool.copying.engine:chunk_data"
+    else:
+        src = hf_model(tmp_path / "hf", "mixtral")
+        argv = ["import", str(src), str(out / "dst"), "--from", "hf", "--to", "megatron-core", "--tp", "2", "--ep",
+                "1", "--etp", "2", "--workers", "1"]
+        at = "ckpt_tool.hf.megatron_import:view_rows"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GTP_TEST_SLOW": "1.0", "GTP_TEST_SLOW_AT": at}
+    p = subprocess.Popen([sys.executable, "-c", SLOW_CKPT, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
     assert p.stdout is not None and p.stdout.readline().strip() == "writing"
     assert len(os.listdir(out)) == 1  # the hidden work folder
     p.send_signal(signal.SIGTERM)

@@ -120,6 +120,9 @@ MOE_CASES: dict[str, tuple[str, list[tuple[str, Callable[[Box], list[Box]]]], st
                              "linear_fc1 cut along its input columns, linear_fc2 along its output rows"),
     "etp_split_unequal": ("pair_moe_ep2_dp_reshardable", [(FC1, only(expert(0), split(2, (8, 24))))],
                           "one (layer, expert) in parts of 8 and 24 rows"),
+    # EP 1 with expert TP = TP (the experts in the dense buffers: export --to hf --optimizer reads them there)
+    "dense_expert_fc2_four_parts": ("pair_mixtral_tp2_ep1_dp_reshardable", [(FC2, only(expert(1), split(3, 2)))],
+                                    "expert 1's linear_fc2 in 4 column parts at TP 2, the others in 2"),
 }
 
 

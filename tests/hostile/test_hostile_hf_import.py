@@ -13,10 +13,13 @@
   experts, an expert FFN size the tensors disagree with, a sliding window, dense layers between MoE
   layers, a string expert count; Qwen2-MoE with a shared expert size the tensors disagree with (or 0)
   and ``qkv_bias`` false against bias tensors; ``--ep`` that does not divide the experts, ``--etp 2``
-  (gated experts), ``--ep 1`` at TP 1 (megatron-core's dense-optimizer layout) and ``--ep`` on a dense
-  model;
+  (gated experts; ``--ep 1 --etp 2`` at TP 1: expert TP = TP only), ``--ep 1`` with a shared expert (the dense
+  layout's order beside it unchecked), ``--ep`` on a dense model and ``--vpp`` with ``dp_reshardable`` (the
+  buckets it would write are not megatron-core's interleaved chunks);
 * optimizer files (``ckpt export --to hf --optimizer``) whose ``gtp_megatron_run_state`` is no JSON, a
-  negative iteration, a step of 1e300, a list, 100,000 arrays deep, or a state at another shape;
+  negative iteration, a step of 1e300, a list, 100,000 arrays deep, or a state at another shape; whose carried
+  lr schedule is a list, names a decay style megatron-core has not, a negative step count or a NaN rate, or whose
+  data position is 1e30;
 * per RoPE class, the keys its import reads: Starcoder2 with a sliding window, without biases
   (``use_bias`` false against bias tensors) or a wrong ``intermediate_size``; Arcee with an activation
   megatron-core has no non-gated form of (``silu``) or key/value heads the tensors do not have; Qwen2
@@ -69,14 +72,25 @@ CONFIG = {"layers_huge": {"num_hidden_layers": 10**9}, "heads_huge": {"num_atten
 # the class each case starts from (else Llama)
 BASE = {n: n.split("_")[0] for n in CONFIG if n.split("_")[0] in ("starcoder2", "arcee", "qwen2", "mixtral",
                                                                    "qwen3moe", "qwen2moe", "persimmon")}
-BASE.update(mixtral_ep3="mixtral", mixtral_etp2="mixtral", mixtral_ep1="mixtral")
+BASE.update(mixtral_ep3="mixtral", mixtral_etp2="mixtral", qwen2moe_ep1="qwen2moe", mixtral_etp_tp="mixtral")
 # optimizer files (`export --to hf --optimizer`) whose run state field is hostile, or a state at another shape
+SCHED = {"max_lr": 0.001, "min_lr": 0.0, "lr_warmup_steps": 0, "num_steps": 16, "lr_decay_style": "cosine",
+         "lr_decay_steps": 800, "start_wd": 0.01, "end_wd": 0.01, "wd_incr_style": "constant", "wd_incr_steps": 800}
 OPT_STATE = {"opt_state_not_json": "{'iteration': 2", "opt_state_negative": '{"iteration": -1, "step": 2.0}',
              "opt_state_huge_step": '{"iteration": 2, "step": 1e300}', "opt_state_list": "[1, 2]",
-             "opt_state_deep": "[" * 100000 + "]" * 100000, "opt_shape": '{"iteration": 2, "step": 2.0}'}
+             "opt_state_deep": "[" * 100000 + "]" * 100000, "opt_shape": '{"iteration": 2, "step": 2.0}',
+             "opt_sched_list": '{"iteration": 2, "step": 2.0, "scheduler": [1]}',
+             "opt_sched_style": '{"iteration": 2, "step": 2.0, "scheduler": ' + json.dumps(dict(
+                 SCHED, lr_decay_style="exp")) + '}',
+             "opt_sched_negative": '{"iteration": 2, "step": 2.0, "scheduler": ' + json.dumps(dict(
+                 SCHED, num_steps=-1)) + '}',
+             "opt_sched_nan": '{"iteration": 2, "step": 2.0, "scheduler": ' + json.dumps(dict(
+                 SCHED, max_lr=float("nan"))) + '}',
+             "opt_consumed_huge": '{"iteration": 2, "step": 2.0, "consumed_train_samples": 1e30}'}
 # cases refused by a topology option, not the config
 OPTIONS = {"mixtral_ep3": ["--ep", "3"], "mixtral_etp2": ["--ep", "2", "--etp", "2", "--dp", "2"],
-           "mixtral_ep1": ["--ep", "1"], "dense_ep2": ["--ep", "2", "--dp", "2"]}
+           "qwen2moe_ep1": ["--ep", "1"], "mixtral_etp_tp": ["--ep", "1", "--etp", "2", "--dp", "2"],
+           "dense_ep2": ["--ep", "2", "--dp", "2"], "vpp_dp_reshardable": ["--pp", "2", "--vpp", "2"]}
 WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json implies", "vocab_huge": "config.json "
          "implies", "head_dim_zero": "head_dim is 0", "hidden_string": "hidden_size is '64'",
          "eps_negative": "epsilon is -1.0", "layers_bool": "num_hidden_layers is True",
@@ -94,8 +108,9 @@ WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json imp
          "mixtral_window": "sliding-window attention", "mixtral_experts_huge": "the folder holds 41",
          "qwen3moe_dense": "dense layers between MoE layers", "qwen3moe_step": "dense layers between MoE layers",
          "qwen3moe_experts_string": "num_local_experts is '4'", "mixtral_ep3": "--ep 3 does not divide the model's 4",
-         "mixtral_etp2": "pass --etp 1", "mixtral_ep1": "--ep 1 with expert TP = TP (1)",
-         "dense_ep2": "the model has no experts",
+         "mixtral_etp2": "pass --etp 1", "qwen2moe_ep1": "--ep 1 with expert TP = TP (1) and a shared expert",
+         "mixtral_etp_tp": "--etp 2: the experts are gated",
+         "dense_ep2": "the model has no experts", "vpp_dp_reshardable": "--vpp 2 with --sharding dp_reshardable",
          "qwen2moe_shared": "'model.layers.0.mlp.shared_expert.gate_proj.weight' is [48, 64], config.json implies [64",
          "qwen2moe_qkv_bias": "the weights do not belong to this config",
          "qwen2moe_shared_zero": "shared_expert_intermediate_size is 0",
@@ -104,7 +119,12 @@ WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json imp
          "persimmon_eps_string": "epsilon is '1e-5'",
          "opt_state_not_json": "gtp_megatron_run_state", "opt_state_negative": "not {'iteration': N",
          "opt_state_huge_step": "not {'iteration': N", "opt_state_list": "not {'iteration': N",
-         "opt_state_deep": "optimizer.safetensors opens", "opt_shape": "the model implies [64] float32"}
+         "opt_state_deep": "optimizer.safetensors opens", "opt_shape": "the model implies [64] float32",
+         "opt_sched_list": "scheduler is 'list', not megatron-core's",
+         "opt_sched_style": "scheduler lr_decay_style is 'exp', not one of constant",
+         "opt_sched_negative": "scheduler num_steps is '-1', not a count",
+         "opt_sched_nan": "optimizer*.safetensors (gtp_megatron_run_state)",  # NaN is no JSON: refused there
+         "opt_consumed_huge": "consumed_train_samples is '1e+30', not a count"}
 
 
 def _st(path: Path, header: dict, data: bytes) -> None:

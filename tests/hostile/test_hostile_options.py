@@ -106,7 +106,8 @@ PLAN_IMPOSSIBLE = [
 ]
 MOE_REFUSING = [["inspect", "--params", "{src}"], ["plan", "{src}", "--ep", "1", "--dp", "4", "--read-gbps", "1"],
                 ["reshard", "{src}", "{dst}/reshard-etp", "--ep", "1", "--etp", "2", "--dp", "1"],
-                ["export", "{src}", "{dst}/fr", "--to", "fully_reshardable"]]
+                ["export", "{src}", "{dst}/fr", "--to", "fully_reshardable"],
+                ["export", "{src}", "{dst}/hf", "--to", "hf", "--optimizer"]]  # the MoE optimizer's HF export
 STAGING = ["0", "-1", "5XB", "1e400", "99999999PB", "99999999TB", "9" * 5000, "\u0665GB"]
 
 
