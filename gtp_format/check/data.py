@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gtp_format import ranks
+from gtp_format.check.data_read import Buffers, WindowReads
 from gtp_format.check.data_steps import (
     Action,
     Found,
@@ -145,8 +146,9 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
                 direct.append((e, c, refused))
                 continue
             by_file[ref.file].append(Item(e, c, ref.offset, ref.offset + ref.length, records.get((e.key, c.index))))
+    buffers = Buffers(WINDOW)  # shared by the files' passes: a file's buffers serve the next one
     passes = [_FilePass(ckpt, rel, sorted(by_file.get(rel, []), key=lambda i: (i.start, i.stop)),
-                        hash_files.get(rel, [])) for rel in sorted(by_file.keys() | hash_files.keys())]
+                        hash_files.get(rel, []), buffers) for rel in sorted(by_file.keys() | hash_files.keys())]
     n = workers or ranks.cores_per_rank(default_workers())  # under torchrun: the host's cores shared by its ranks
 
     def read(direct: list[tuple[Entry, Chunk, Found | None]], passes: list[_FilePass]) -> list[Found]:
@@ -241,6 +243,9 @@ def _run(passes: list[_FilePass], pool: ThreadPoolExecutor, in_flight: int, repo
             else:
                 found = got
             planned = fp.absorb(step, found)
+            if found.buffer is not None:  # nothing views it any more: the next read may fill it
+                fp.buffers.give(found.buffer)
+                found.buffer = None
             for part in ([planned] if planned else []) + [found]:
                 fp.found.merge(part)  # each file's own, merged in file order after: the order does not change
             report.bytes_read += found.nbytes
@@ -311,8 +316,11 @@ class _FilePass:
     only :meth:`absorb` (main thread, file order) carries state from one window to the next.
     """
 
-    def __init__(self, ckpt: Checkpoint, rel: str, items: list[Item], algorithms: list[str]) -> None:
+    def __init__(self, ckpt: Checkpoint, rel: str, items: list[Item], algorithms: list[str],
+                 buffers: Buffers | None = None) -> None:
         self.ckpt, self.rel, self.items = ckpt, rel, items
+        self.buffers = buffers or Buffers(WINDOW)
+        self.reads: WindowReads | None = None  # a local file's reads (reused buffers, O_DIRECT when cold)
         self.found = Found()  # what this file's steps found, merged in file order
         # one CRC alone is hashed per window on the workers and combined in order; anything else
         # (SHA-256, or several algorithms) is fed window by window on the main thread
@@ -371,6 +379,7 @@ class _FilePass:
         self.size = st.st_size
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        self.reads = WindowReads(self.fd, self.size, self.rel)
         steps = self._plan()
         self.remaining = max(1, len(steps))
         return steps
@@ -398,6 +407,9 @@ class _FilePass:
 
     def close(self, report: DataReport | None) -> None:
         """Release the file; with ``report``, record its digest (unless reading it failed)."""
+        if self.reads is not None:
+            self.reads.close()
+            self.reads = None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -430,18 +442,31 @@ class _FilePass:
         found = Found()
         view = memoryview(b"")
         if step.stop > step.start:
-            data = self._pread(step.start, step.stop)
-            found.nbytes = len(data)
+            view = self._read(step.start, step.stop, found)
+            found.nbytes = len(view)
             if self.crc is not None:
-                found.crc = self.crc.update(data, 0)
+                found.crc = self.crc.update(view, 0)
             elif self.hashers:
-                found.data = data
-            view = memoryview(data)
+                found.data = view
         step.action(view, found)
+        if found.buffer is not None and not self.keeps_windows():  # nothing holds a view of it past the step
+            self.buffers.give(found.buffer)
+            found.buffer = None
         return found
 
+    def _read(self, start: int, stop: int, found: Found) -> memoryview:
+        """The bytes ``[start, stop)``: a local file's into a reused buffer (``found.buffer``, given back once
+        nothing views it), a bucket's as the ``bytes`` of its ranged request."""
+        reads = self.reads
+        if reads is None:
+            return memoryview(self._pread(start, stop))
+        buf = self.buffers.take(stop - start)
+        view = reads.read(buf, start, stop)
+        found.buffer = buf
+        return view
+
     def _pread(self, start: int, stop: int) -> bytes:
-        """The bytes ``[start, stop)`` as one immutable ``bytes`` (what google-crc32c hashes without the GIL)."""
+        """The bytes ``[start, stop)`` of a bucket's object as one immutable ``bytes``."""
         if self.stream is not None:
             return self.stream.read(start, stop)  # exactly those bytes, or an error naming the object
         read = self.obj.pread if self.obj is not None else functools.partial(os.pread, self.fd)
