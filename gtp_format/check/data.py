@@ -88,8 +88,14 @@ BATCH = 4  # windows a worker takes at once when it keeps none of them (8 MiB)
 
 
 def default_workers() -> int:
-    """One worker per core, at most ``MAX_WORKERS`` (past that the disk or the memory bus is the limit)."""
-    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+    """One worker per core this process may run on, at most ``MAX_WORKERS`` (past that the disk or the
+    memory bus is the limit). The cores of its affinity, not of the machine: under ``taskset -c 0,1`` on
+    a 16-core host, 16 workers would take turns on 2 cores, each turn a hand-over of the GIL."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cores))
 
 
 @dataclass
