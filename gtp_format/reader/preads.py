@@ -130,12 +130,11 @@ class PageCache:
         a tenth of reading it from the cache), and a wrong guess only picks the slower of two correct reads."""
         if self.addr is None or stop > self.size or stop <= start:
             return True
-        vec = bytearray(1)
-        out = (ctypes.c_char * 1).from_buffer(vec)
+        page = ctypes.c_ubyte()
         for at in (start, (start + stop) // 2, stop - 1):
-            if self._mincore(self.addr + at - at % self.page, 1, out) != 0:
+            if self._mincore(self.addr + at - at % self.page, 1, ctypes.byref(page)) != 0:
                 return True
-            if not vec[0] & 1:
+            if not page.value & 1:  # bit 0: resident (the others are reserved)
                 return False
         return True
 
