@@ -74,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=2, help="rounds per row (best kept)")
     ap.add_argument("--workers", type=int, help="verify --workers (default: the CLI's own)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold row (a machine shared with others)")
+    ap.add_argument("--no-warm", action="store_true", help="skip the warm row (its results written before a cold run)")
     ap.add_argument("--host", help="words for the machine, recorded with the rows (\"lent H100 host\", say)")
     ap.add_argument("--write-docs", action="store_true", help="merge the rows into docs/cli_scale_results.json")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (tests/benchmarks); never drops caches")
@@ -189,6 +190,8 @@ def bench_verify(args: argparse.Namespace, work: Path) -> tuple[list[dict], list
               *(["--workers", str(args.workers)] if args.workers else [])]
     rows, notes = [], []
     for cold in (False, True):
+        if not cold and args.no_warm:
+            continue
         if cold and (args.smoke or args.no_cold or not drop_caches()):
             why = "--smoke never drops the page cache" if args.smoke else "--no-cold" if args.no_cold \
                 else "/proc/sys/vm/drop_caches is not writable here (needs root)"
