@@ -541,7 +541,13 @@ class _FilePass:
             layout = None
         lo_payload = it.start + (layout.payload_offset if layout else 0)
         hi_payload = lo_payload + (layout.payload_bytes if layout else 0)
-        cuts = sorted({it.start, it.stop, lo_payload, hi_payload, *range(lo_payload, hi_payload, self.window)})
+        # a local file's payload pieces end on the file's window boundaries (where they keep whole elements): a
+        # cold piece is then one aligned O_DIRECT request, not a window plus a page read again by the next one
+        first = lo_payload
+        if layout is not None and self.obj is None:
+            edge = lo_payload + (-lo_payload) % self.window
+            first = edge if (edge - lo_payload) % max(1, layout.dtype.itemsize) == 0 else lo_payload
+        cuts = sorted({it.start, it.stop, lo_payload, hi_payload, *range(first, hi_payload, self.window)})
         acc = PayloadCrc(layout.payload_crc, it.entry, it.chunk, layout.payload_bytes) \
             if layout is not None and self.record_crc else None
         streamed = StreamedHash(it.entry, it.chunk, it.record) if it.record is not None and not steps else None
