@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gtp_format import ranks
-from gtp_format.check.data_read import Buffers, WindowReads
+from gtp_format.check.data_read import Buffers, WindowReads, direct_reads
 from gtp_format.check.data_steps import (
     Action,
     Found,
@@ -153,8 +153,10 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
                 continue
             by_file[ref.file].append(Item(e, c, ref.offset, ref.offset + ref.length, records.get((e.key, c.index))))
     buffers = Buffers(WINDOW)  # shared by the files' passes: a file's buffers serve the next one
+    cold_direct = direct_reads()  # read here: a bad CKPT_VERIFY_DIRECT is one line before any file is opened
     passes = [_FilePass(ckpt, rel, sorted(by_file.get(rel, []), key=lambda i: (i.start, i.stop)),
-                        hash_files.get(rel, []), buffers) for rel in sorted(by_file.keys() | hash_files.keys())]
+                        hash_files.get(rel, []), buffers, cold_direct)
+              for rel in sorted(by_file.keys() | hash_files.keys())]
     n = workers or ranks.cores_per_rank(default_workers())  # under torchrun: the host's cores shared by its ranks
 
     def read(direct: list[tuple[Entry, Chunk, Found | None]], passes: list[_FilePass]) -> list[Found]:
@@ -323,9 +325,10 @@ class _FilePass:
     """
 
     def __init__(self, ckpt: Checkpoint, rel: str, items: list[Item], algorithms: list[str],
-                 buffers: Buffers | None = None) -> None:
+                 buffers: Buffers | None = None, direct: bool = True) -> None:
         self.ckpt, self.rel, self.items = ckpt, rel, items
         self.buffers = buffers or Buffers(WINDOW)
+        self.direct = direct  # cold windows with O_DIRECT (gtp_format.check.data_read)
         self.reads: WindowReads | None = None  # a local file's reads (reused buffers, O_DIRECT when cold)
         self.found = Found()  # what this file's steps found, merged in file order
         # one CRC alone is hashed per window on the workers and combined in order; anything else
@@ -385,7 +388,7 @@ class _FilePass:
         self.size = st.st_size
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        self.reads = WindowReads(self.fd, self.size, self.rel)
+        self.reads = WindowReads(self.fd, self.size, self.rel, self.direct)
         steps = self._plan()
         self.remaining = max(1, len(steps))
         return steps

@@ -16,6 +16,9 @@ or straight from the disk.
   The direct read covers the window's aligned pages (at most a page more on each side, read twice at
   the edge of two windows), and the bytes used are exactly ``[start, stop)``.
 
+``CKPT_VERIFY_DIRECT=0`` turns the direct reads off (every window through the cache, as before): the
+escape hatch for a disk that serves them slower than its readahead, and the switch of an A/B on one host.
+
 Both reads end in the same check: fewer bytes than asked is a file that shrank under the pass, one
 :class:`~gtp_format.errors.ChunkError` naming it (never a short window, never a ``SIGBUS``: nothing is
 read through a mapping).
@@ -27,10 +30,23 @@ import ctypes
 import errno
 import os
 
-from gtp_format.errors import ChunkError
+from gtp_format.errors import ChunkError, FormatError
+from gtp_format.numbers import NumberError, parse_int
 from gtp_format.reader.preads import ALIGN, PageCache, read_fully, reopen_direct
 
 DIRECT_MIN = 256 << 10  # windows from this size are read from the disk when the cache lacks them
+DIRECT_ENV = "CKPT_VERIFY_DIRECT"
+
+
+def direct_reads() -> bool:
+    """Whether cold windows are read with ``O_DIRECT``: yes, unless ``CKPT_VERIFY_DIRECT`` is 0."""
+    value = os.environ.get(DIRECT_ENV)
+    if value is None:
+        return True
+    try:
+        return parse_int(value, DIRECT_ENV, 0, 1) == 1
+    except NumberError as e:
+        raise FormatError(f"{e}; set it to 1 (cold windows read from the disk) or 0 (through the cache)") from None
 
 
 class Buffers:
@@ -62,9 +78,9 @@ class Buffers:
 class WindowReads:
     """The reads of one open local data file (``fd``, ``size`` bytes when opened) by the pass's workers."""
 
-    def __init__(self, fd: int, size: int, rel: str) -> None:
+    def __init__(self, fd: int, size: int, rel: str, direct: bool = True) -> None:
         self.fd, self.size, self.rel = fd, size, rel
-        self.direct = reopen_direct(fd)
+        self.direct = reopen_direct(fd) if direct else None
         self.cache = PageCache(fd, size) if self.direct is not None else None
         self.use_direct = self.cache is not None
 

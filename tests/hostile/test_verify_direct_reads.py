@@ -198,3 +198,27 @@ def test_page_cache_residency_never_reads_the_mapping(tmp_path: Path):
         os.close(fd)
     if not dropped:
         pytest.skip("the kernel kept the dropped pages (nothing else to check)")
+
+
+def test_the_switch_turns_direct_reads_off(tmp_path: Path, cold: list[int], monkeypatch: pytest.MonkeyPatch):
+    """``CKPT_VERIFY_DIRECT=0``: every window through the cache, the same report."""
+    run = _copy(tmp_path)
+    want = _report(run)
+    assert cold
+    cold.clear()
+    monkeypatch.setenv(data_read.DIRECT_ENV, "0")
+    assert _report(run) == want and not cold
+
+
+@pytest.mark.parametrize("value", ["2", "-1", "yes", "", " 1", "1" * 400, "\x1b[31m1"])
+def test_a_bad_switch_is_one_line_and_exit_2(tmp_path: Path, value: str, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]):
+    from ckpt_tool.cli import run as cli
+
+    monkeypatch.setenv(data_read.DIRECT_ENV, value)
+    assert cli(["verify", "--data", str(_copy(tmp_path))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert data_read.DIRECT_ENV in err and "set it to 1" in err and "Traceback" not in err
+    assert "\n" not in err and "\x1b" not in err and len(err) < 400, err
+    monkeypatch.setenv(data_read.DIRECT_ENV, "1")
+    assert cli(["verify", "--data", str(_copy(tmp_path / "again"))]) == 0
