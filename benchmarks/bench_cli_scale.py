@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--verify-gb", type=float, default=12.9, help="size of the dcp.save checkpoint")
     ap.add_argument("--dcp-files", type=int, default=1, help="dcp.save's FileSystemWriter thread_count (files)")
     ap.add_argument("--tensor-mib", type=int, default=64, help="size of each tensor of the dcp.save checkpoint")
+    ap.add_argument("--dcp-dir", help="the verify rows' dcp.save checkpoint: made here when absent and kept, so "
+                                      "that a second run (under taskset, say) reads the same files without writing "
+                                      "12.9 GB again")
     ap.add_argument("--layers", type=int, default=16, help="reshard source (bench_reshard.py): layers")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=8192)
@@ -71,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=2, help="rounds per row (best kept)")
     ap.add_argument("--workers", type=int, help="verify --workers (default: the CLI's own)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold row (a machine shared with others)")
+    ap.add_argument("--no-warm", action="store_true", help="skip the warm row (its results written before a cold run)")
+    ap.add_argument("--host", help="words for the machine, recorded with the rows (\"lent H100 host\", say)")
     ap.add_argument("--write-docs", action="store_true", help="merge the rows into docs/cli_scale_results.json")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (tests/benchmarks); never drops caches")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
@@ -85,20 +90,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def machine() -> dict[str, object]:
+def cpus() -> int:
+    """The cores this process may run on (``taskset`` narrows them; ``host_cpus`` is the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def machine(host: str | None = None) -> dict[str, object]:
     model = platform.processor() or platform.machine()
     try:
         model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                      if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    try:  # the CPUs this run may use (taskset, a cpuset): a 2-core run on a 16-core host is a 2-core row
-        nproc = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        nproc = os.cpu_count()
-    return {"nproc": nproc, "cpu": model, "python": platform.python_version(),
-            "load_avg_1m": round(os.getloadavg()[0], 2), **({"host_cpus": os.cpu_count()}
-                                                           if nproc != os.cpu_count() else {})}
+    nproc = cpus()  # the CPUs this run may use (taskset, a cpuset): a 2-core run on a 16-core host is a 2-core row
+    return {"nproc": nproc, "cpus": nproc, "cpu": model, "python": platform.python_version(),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
+            **({"host_cpus": os.cpu_count()} if nproc != os.cpu_count() else {}), **({"host": host} if host else {})}
 
 
 # -- one command, timed ---------------------------------------------------------------------------
@@ -118,8 +128,8 @@ def timed(cmd: list[str], env: dict[str, str] | None = None, ok: tuple[int, ...]
     wall = time.perf_counter() - t
     if p.returncode not in ok:
         raise SystemExit(f"{shlex.join(cmd)} failed ({p.returncode}): {err.decode()[-2000:]}")
-    return {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "rss": usage.ru_maxrss * 1024,
-            "rc": p.returncode, "out": out.decode()}
+    return {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "user": usage.ru_utime, "sys": usage.ru_stime,
+            "rss": usage.ru_maxrss * 1024, "rc": p.returncode, "out": out.decode()}
 
 
 def best(runs: list[dict]) -> dict:
@@ -140,6 +150,7 @@ def row(name: str, ours: dict, base: dict, ratio: float, what: str, size: dict, 
     return {"row": name, "ratio": round(ratio, 3), "what": what,
             "ours_s": round(ours["wall"], 3), "baseline_s": round(base["wall"], 3),
             "ours_cpu_s": round(ours["cpu"], 3), "baseline_cpu_s": round(base["cpu"], 3),
+            "ours_user_s": round(ours.get("user", 0.0), 3), "ours_sys_s": round(ours.get("sys", 0.0), 3),
             "ours_peak_rss_mib": round(ours["rss"] / 2**20, 1), "baseline_peak_rss_mib": round(base["rss"] / 2**20, 1),
             **size, **extra}
 
@@ -170,14 +181,19 @@ def make_dcp(folder: Path, gb: float, tensor_mib: int, files: int) -> int:
 
 
 def bench_verify(args: argparse.Namespace, work: Path) -> tuple[list[dict], list[str]]:
-    folder = work / "dcp"
-    nbytes = make(args, "dcp", folder)["bytes"]
+    folder = Path(args.dcp_dir) if args.dcp_dir else work / "dcp"
+    if args.dcp_dir and (folder / ".metadata").is_file():
+        nbytes = sum(p.stat().st_size for p in folder.iterdir() if p.name.endswith(".distcp"))
+    else:
+        nbytes = make(args, "dcp", folder)["bytes"]
     files = sorted(str(p) for p in folder.iterdir() if p.is_file())
     size = {"ckpt_gb": round(nbytes / 1e9, 3), "data_files": sum(f.endswith(".distcp") for f in files)}
     verify = [*CKPT, "verify", str(folder), "--data", "--format", "json",
               *(["--workers", str(args.workers)] if args.workers else [])]
     rows, notes = [], []
     for cold in (False, True):
+        if not cold and args.no_warm:
+            continue
         if cold and (args.smoke or args.no_cold or not drop_caches()):
             why = "--smoke never drops the page cache" if args.smoke else "--no-cold" if args.no_cold \
                 else "/proc/sys/vm/drop_caches is not writable here (needs root)"
@@ -204,8 +220,10 @@ def bench_verify(args: argparse.Namespace, work: Path) -> tuple[list[dict], list
         rows.append(row(name, o, c, c["wall"] / o["wall"], "throughput: cat s / verify --data s (higher is better)",
                         size, ours_gbps=round(gb / o["wall"], 2), baseline_gbps=round(gb / c["wall"], 2),
                         command=shlex.join(verify), baseline_command="cat FILES > /dev/null",
-                        within_128_mib=o["rss"] <= 128 << 20))
-    shutil.rmtree(folder, ignore_errors=True)
+                        within_128_mib=o["rss"] <= 128 << 20, ours_all_s=[round(r["wall"], 3) for r in ours],
+                        baseline_all_s=[round(r["wall"], 3) for r in cats]))
+    if not args.dcp_dir:
+        shutil.rmtree(folder, ignore_errors=True)
     return rows, notes
 
 
@@ -330,9 +348,11 @@ def make_child(args: argparse.Namespace) -> None:
 
 
 def merge_docs(rows: list[dict], path: Path = DOCS_JSON) -> None:
-    """Rows replace those of the same name on the same machine (nproc and CPU model); others stay."""
+    """Rows replace those of the same name on the same machine (nproc, the cores it ran on, CPU model); others
+    stay. A row from before the cores were recorded ran on all of them."""
     old = json.loads(path.read_text()) if path.exists() else {"rows": []}
-    key = lambda r: (r["row"], r["machine"]["nproc"], r["machine"]["cpu"], r.get("smoke", False))  # noqa: E731
+    key = lambda r: (r["row"], r["machine"]["nproc"], r["machine"].get("cpus", r["machine"]["nproc"]),  # noqa: E731
+                     r["machine"]["cpu"], r.get("smoke", False))
     new = {key(r) for r in rows}
     old["rows"] = [r for r in old["rows"] if key(r) not in new] + rows
     path.write_text(json.dumps(old, indent=1) + "\n")
@@ -355,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True)
     out = Path(args.out) if args.out else work.parent / "bench_cli_scale_out"
     command = shlex.join(["python", "benchmarks/bench_cli_scale.py", *(argv if argv is not None else sys.argv[1:])])
-    where = machine()
+    where = machine(args.host)
     rows: list[dict] = []
     notes: list[str] = []
     t0 = time.perf_counter()

@@ -15,10 +15,15 @@ one pass:
 
 Only when the fast test fails are exact counts taken, with torch's meaning: a complex element
 counts once as NaN if either part is NaN, and once as Inf if either part is infinite.
-numpy releases the GIL in these loops, so worker threads scan in parallel.
+numpy releases the GIL in these loops, so worker threads scan in parallel. The fast test's result
+array (a bool per float32, the magnitudes of 16-bit floats) is a buffer of the thread's own, reused
+up to :data:`SCRATCH` bytes: a new one per 2 MiB window was an allocation of 0.5-2 MiB on every
+worker for every window, which the kernel must zero and fault in when the allocator returns it.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -43,6 +48,19 @@ def _fp8_tables() -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
 
 _FP8 = _fp8_tables()
+SCRATCH = 4 << 20  # the largest result array reused per thread; larger ones are allocated
+_LOCAL = threading.local()
+
+
+def _scratch(like: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
+    """This thread's reused array of ``like``'s shape in ``dtype``, or None above :data:`SCRATCH` bytes."""
+    n = like.size * np.dtype(dtype).itemsize
+    if n > SCRATCH:
+        return None
+    buf = getattr(_LOCAL, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _LOCAL.buf = np.empty(max(n, 1 << 20), np.uint8)
+    return buf[:n].view(dtype).reshape(like.shape)
 
 
 def carrier(dtype: DType) -> np.dtype:
@@ -68,14 +86,14 @@ def count_nonfinite(elements: np.ndarray, dtype: DType) -> tuple[int, int]:
         return 0, 0
     name = dtype.name
     if name in _NATIVE:
-        if np.isfinite(elements).all():
+        if np.isfinite(elements, out=_scratch(elements, np.bool_)).all():
             return 0, 0
         return int(np.count_nonzero(np.isnan(elements))), int(np.count_nonzero(np.isinf(elements)))
     exp = _HALF_EXP.get(name)
     if exp is not None:
         if name == "complex32":  # two float16 halves per element
             elements = np.ascontiguousarray(elements).reshape(-1).view(np.uint16)
-        magnitude = np.bitwise_and(elements, 0x7FFF)
+        magnitude = np.bitwise_and(elements, 0x7FFF, out=_scratch(elements, elements.dtype))
         if magnitude.max() < exp:
             return 0, 0
         nan, inf = magnitude > exp, magnitude == exp

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gtp_format import ranks
+from gtp_format.check.data_read import Buffers, WindowReads, direct_reads
 from gtp_format.check.data_steps import (
     Action,
     Found,
@@ -87,8 +88,14 @@ BATCH = 4  # windows a worker takes at once when it keeps none of them (8 MiB)
 
 
 def default_workers() -> int:
-    """One worker per core, at most ``MAX_WORKERS`` (past that the disk or the memory bus is the limit)."""
-    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+    """One worker per core this process may run on, at most ``MAX_WORKERS`` (past that the disk or the
+    memory bus is the limit). The cores of its affinity, not of the machine: under ``taskset -c 0,1`` on
+    a 16-core host, 16 workers would take turns on 2 cores, each turn a hand-over of the GIL."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cores))
 
 
 @dataclass
@@ -145,8 +152,11 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
                 direct.append((e, c, refused))
                 continue
             by_file[ref.file].append(Item(e, c, ref.offset, ref.offset + ref.length, records.get((e.key, c.index))))
+    buffers = Buffers(WINDOW)  # shared by the files' passes: a file's buffers serve the next one
+    cold_direct = direct_reads()  # read here: a bad CKPT_VERIFY_DIRECT is one line before any file is opened
     passes = [_FilePass(ckpt, rel, sorted(by_file.get(rel, []), key=lambda i: (i.start, i.stop)),
-                        hash_files.get(rel, [])) for rel in sorted(by_file.keys() | hash_files.keys())]
+                        hash_files.get(rel, []), buffers, cold_direct)
+              for rel in sorted(by_file.keys() | hash_files.keys())]
     n = workers or ranks.cores_per_rank(default_workers())  # under torchrun: the host's cores shared by its ranks
 
     def read(direct: list[tuple[Entry, Chunk, Found | None]], passes: list[_FilePass]) -> list[Found]:
@@ -241,6 +251,9 @@ def _run(passes: list[_FilePass], pool: ThreadPoolExecutor, in_flight: int, repo
             else:
                 found = got
             planned = fp.absorb(step, found)
+            if found.buffer is not None:  # nothing views it any more: the next read may fill it
+                fp.buffers.give(found.buffer)
+                found.buffer = None
             for part in ([planned] if planned else []) + [found]:
                 fp.found.merge(part)  # each file's own, merged in file order after: the order does not change
             report.bytes_read += found.nbytes
@@ -311,8 +324,12 @@ class _FilePass:
     only :meth:`absorb` (main thread, file order) carries state from one window to the next.
     """
 
-    def __init__(self, ckpt: Checkpoint, rel: str, items: list[Item], algorithms: list[str]) -> None:
+    def __init__(self, ckpt: Checkpoint, rel: str, items: list[Item], algorithms: list[str],
+                 buffers: Buffers | None = None, direct: bool = True) -> None:
         self.ckpt, self.rel, self.items = ckpt, rel, items
+        self.buffers = buffers or Buffers(WINDOW)
+        self.direct = direct  # cold windows with O_DIRECT (gtp_format.check.data_read)
+        self.reads: WindowReads | None = None  # a local file's reads (reused buffers, O_DIRECT when cold)
         self.found = Found()  # what this file's steps found, merged in file order
         # one CRC alone is hashed per window on the workers and combined in order; anything else
         # (SHA-256, or several algorithms) is fed window by window on the main thread
@@ -370,6 +387,7 @@ class _FilePass:
         f.close()
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        self.reads = WindowReads(self.fd, self.size, self.rel, self.direct)
         steps = self._plan()
         self.remaining = max(1, len(steps))
         return steps
@@ -397,6 +415,9 @@ class _FilePass:
 
     def close(self, report: DataReport | None) -> None:
         """Release the file; with ``report``, record its digest (unless reading it failed)."""
+        if self.reads is not None:
+            self.reads.close()
+            self.reads = None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -429,18 +450,31 @@ class _FilePass:
         found = Found()
         view = memoryview(b"")
         if step.stop > step.start:
-            data = self._pread(step.start, step.stop)
-            found.nbytes = len(data)
+            view = self._read(step.start, step.stop, found)
+            found.nbytes = len(view)
             if self.crc is not None:
-                found.crc = self.crc.update(data, 0)
+                found.crc = self.crc.update(view, 0)
             elif self.hashers:
-                found.data = data
-            view = memoryview(data)
+                found.data = view
         step.action(view, found)
+        if found.buffer is not None and not self.keeps_windows():  # nothing holds a view of it past the step
+            self.buffers.give(found.buffer)
+            found.buffer = None
         return found
 
+    def _read(self, start: int, stop: int, found: Found) -> memoryview:
+        """The bytes ``[start, stop)``: a local file's into a reused buffer (``found.buffer``, given back once
+        nothing views it), a bucket's as the ``bytes`` of its ranged request."""
+        reads = self.reads
+        if reads is None:
+            return memoryview(self._pread(start, stop))
+        buf = self.buffers.take(stop - start)
+        view = reads.read(buf, start, stop)
+        found.buffer = buf
+        return view
+
     def _pread(self, start: int, stop: int) -> bytes:
-        """The bytes ``[start, stop)`` as one immutable ``bytes`` (what google-crc32c hashes without the GIL)."""
+        """The bytes ``[start, stop)`` of a bucket's object as one immutable ``bytes``."""
         if self.stream is not None:
             return self.stream.read(start, stop)  # exactly those bytes, or an error naming the object
         read = self.obj.pread if self.obj is not None else functools.partial(os.pread, self.fd)
@@ -509,7 +543,13 @@ class _FilePass:
             layout = None
         lo_payload = it.start + (layout.payload_offset if layout else 0)
         hi_payload = lo_payload + (layout.payload_bytes if layout else 0)
-        cuts = sorted({it.start, it.stop, lo_payload, hi_payload, *range(lo_payload, hi_payload, self.window)})
+        # a local file's payload pieces end on the file's window boundaries (where they keep whole elements): a
+        # cold piece is then one aligned O_DIRECT request, not a window plus a page read again by the next one
+        first = lo_payload
+        if layout is not None and self.obj is None:
+            edge = lo_payload + (-lo_payload) % self.window
+            first = edge if (edge - lo_payload) % max(1, layout.dtype.itemsize) == 0 else lo_payload
+        cuts = sorted({it.start, it.stop, lo_payload, hi_payload, *range(first, hi_payload, self.window)})
         acc = PayloadCrc(layout.payload_crc, it.entry, it.chunk, layout.payload_bytes) \
             if layout is not None and self.record_crc else None
         streamed = StreamedHash(it.entry, it.chunk, it.record) if it.record is not None and not steps else None

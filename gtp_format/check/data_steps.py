@@ -48,7 +48,8 @@ class Found:
         self.problems: list[Problem] = []
         self.nbytes = 0
         self.crc = 0
-        self.data: bytes = b""  # kept only for order-dependent digests
+        self.data: bytes | memoryview = b""  # kept only for order-dependent digests
+        self.buffer: bytearray | None = None  # the read buffer the views above lie in, given back after the merge
         self.payload_parts: list[tuple[PayloadCrc, int, int]] = []  # (chunk, CRC-32 of a piece, its length)
         self.hash_parts: list[tuple[StreamedHash, memoryview]] = []  # pieces of large chunks, for their hashes
 

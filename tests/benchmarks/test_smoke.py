@@ -68,6 +68,7 @@ SMOKE = {
     "bench_dist_ckpt.py": ["--workdir", "{tmp}/dist_ckpt", "--out", "{tmp}/dist_ckpt_out"],
     "cli_stages.py": ["--workdir", "{tmp}/cli_stages", "--out", "{tmp}/cli_stages.json"],
     "meta_stages.py": ["--workdir", "{tmp}/meta_stages"],
+    "verify_data_stages.py": ["--out", "{tmp}/verify_data_stages.json"],
 }
 # Not run with --smoke by the test above; each has its own test below.
 # save_stages.py is bench_save_integrity.py's timers: its stage table is checked in check_save_integrity.
@@ -389,6 +390,13 @@ def check_meta_stages(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert all(doc[k]["cpu_s"] >= 0 for k in ("read", "check_shape (Python)", "model (_entries)"))
 
 
+def check_verify_data_stages(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    doc = json.loads((tmp / "verify_data_stages.json").read_text())
+    assert {"pread into a new bytes", "preadv into a reused buffer", "zlib CRC-32 (zip record)",
+            "pass now: preadv + CRC-32 + scan"} <= doc["stages"].keys()
+    assert all(r["gbps"] > 0 and r["cpu_s_per_gb"] >= 0 for by in doc["stages"].values() for r in by.values())
+
+
 CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_ckpt_cpu.py": check_ckpt_cpu, "bench_ckpt_async.py": check_ckpt_async,
     "bench_fold_cpu.py": check_fold_cpu, "bench_hash.py": check_hash,
@@ -407,7 +415,7 @@ CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "ckpt_io_stages.py": check_io_stages,
     "bench_sink.py": check_sink,
     "bench_cli_scale.py": check_cli_scale, "cli_stages.py": check_cli_stages, "meta_stages.py": check_meta_stages,
-    "bench_dist_ckpt.py": check_dist_ckpt,
+    "bench_dist_ckpt.py": check_dist_ckpt, "verify_data_stages.py": check_verify_data_stages,
     "disk_ceiling.py": check_disk_ceiling,
 }
 

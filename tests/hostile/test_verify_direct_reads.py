@@ -1,0 +1,224 @@
+"""``verify --data`` reading cold windows with ``O_DIRECT`` (``gtp_format/check/data_read.py``).
+
+A window the page cache lacks is read from the disk on a second descriptor of the file; a warm one is
+copied from the cache. The fixtures are small and warm, so here the windows are made small, the
+threshold lowered and the cache made to answer "not resident": every window then takes the direct
+path. What must hold there: the same report as through the cache (every check, every digest), damage
+found the same way, a file that shrinks under the pass one ``data_file`` error, a file system that
+refuses the read falling back to the cache, and any other read error raised after every read ended.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import gtp_format.check.data_read as data_read
+from gtp_format.check import data as data_check
+from gtp_format.check.verify import verify
+from gtp_format.reader.checkpoint import open_checkpoint
+from gtp_format.reader.preads import PageCache, reopen_direct
+
+FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "gtp" / "fold_cp2_g2_dp2" / "iter_0000002"
+
+
+def _takes_direct(folder: Path) -> bool:
+    probe = folder / "direct_probe"
+    probe.write_bytes(b"x" * 8192)
+    try:
+        fd = os.open(probe, os.O_RDONLY)
+        direct = reopen_direct(fd)
+        os.close(fd)
+        if direct is None:
+            return False
+        try:
+            os.preadv(direct, [mmap.mmap(-1, 4096)], 0)  # a page-aligned buffer
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(direct)
+    finally:
+        probe.unlink()
+
+
+@pytest.fixture
+def cold(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[int]:
+    """Every window of 64 KiB or less read with O_DIRECT; the lengths of the direct reads taken."""
+    if not _takes_direct(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT: verify reads through the cache")
+    monkeypatch.setattr(data_check, "WINDOW", 64 << 10)
+    monkeypatch.setattr(data_read, "DIRECT_MIN", 4096)
+    monkeypatch.setattr(PageCache, "resident", lambda self, start, stop: False)
+    taken: list[int] = []
+    real = data_read.WindowReads._direct
+
+    def spy(self, view, start, stop):  # noqa: ANN001, ANN202
+        out = real(self, view, start, stop)
+        if out is not None:
+            taken.append(len(out))
+        return out
+
+    monkeypatch.setattr(data_read.WindowReads, "_direct", spy)
+    return taken
+
+
+def _copy(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE, run)
+    return run
+
+
+def _report(run: Path, workers: int = 3) -> tuple[list[dict], dict, bool]:
+    res = verify(open_checkpoint(run), data=True, workers=workers)
+    return [p.to_dict() for p in res.problems], res.stats, res.ok
+
+
+def test_direct_windows_give_the_report_of_the_cache(tmp_path: Path, cold: list[int],
+                                                      monkeypatch: pytest.MonkeyPatch):
+    run = _copy(tmp_path)
+    direct = _report(run)
+    assert cold and sum(cold) == direct[1]["bytes_read"], "every window was read from the disk"
+    monkeypatch.setattr(data_read, "DIRECT_MIN", 1 << 62)
+    assert _report(run) == direct and direct[2]
+
+
+def test_damage_is_found_the_same_on_the_direct_path(tmp_path: Path, cold: list[int],
+                                                      monkeypatch: pytest.MonkeyPatch):
+    run = _copy(tmp_path)
+    victim = run / "__1_0.distcp"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    victim.write_bytes(bytes(data))
+    direct = _report(run)
+    assert cold and not direct[2]
+    assert any(p.get("file") == "__1_0.distcp" for p in direct[0] if p["severity"] == "error")
+    monkeypatch.setattr(data_read, "DIRECT_MIN", 1 << 62)
+    assert _report(run) == direct
+
+
+def test_a_file_that_shrinks_under_direct_reads_is_one_error(tmp_path: Path, cold: list[int],
+                                                              monkeypatch: pytest.MonkeyPatch):
+    run = _copy(tmp_path)
+    victim = "__3_0.distcp"
+    plan = data_check._FilePass.open_and_plan
+
+    def plan_then_truncate(self: data_check._FilePass) -> list:
+        steps = plan(self)
+        if self.rel == victim:
+            os.truncate(run / victim, (run / victim).stat().st_size // 2)
+        return steps
+
+    monkeypatch.setattr(data_check._FilePass, "open_and_plan", plan_then_truncate)
+    problems, _, ok = _report(run, workers=2)
+    cut = [p for p in problems if p["check"] == "data_file"]
+    assert len(cut) == 1 and cut[0]["file"] == victim and "shrank while reading" in cut[0]["message"]
+    assert cold and not ok
+
+
+def test_a_refused_direct_read_falls_back_to_the_cache(tmp_path: Path, cold: list[int],
+                                                      monkeypatch: pytest.MonkeyPatch):
+    """A file system that opens with O_DIRECT but refuses the read (EINVAL): the same report, from the cache."""
+    run = _copy(tmp_path)
+    want = _report(run)
+    real = data_read.read_fully
+    refused: list[int] = []
+
+    def refuse_direct(fd, buf, offset):  # noqa: ANN001, ANN202
+        if fd in direct_fds:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buf, offset)
+
+    direct_fds: set[int] = set()
+    real_reopen = data_read.reopen_direct
+
+    def reopen(fd):  # noqa: ANN001, ANN202
+        out = real_reopen(fd)
+        if out is not None:
+            direct_fds.add(out)
+        return out
+
+    monkeypatch.setattr(data_read, "reopen_direct", reopen)
+    monkeypatch.setattr(data_read, "read_fully", refuse_direct)
+    cold.clear()
+    assert _report(run) == want
+    assert refused and not cold, "the direct reads were refused, and the windows read through the cache"
+
+
+def test_another_read_error_on_the_direct_path_is_raised(tmp_path: Path, cold: list[int],
+                                                         monkeypatch: pytest.MonkeyPatch):
+    """EIO from the disk is not a refusal: verify raises it (no silent cache fallback), with every file closed."""
+    run = _copy(tmp_path)
+    real = data_read.read_fully
+    direct_fds: set[int] = set()
+    real_reopen = data_read.reopen_direct
+
+    def reopen(fd):  # noqa: ANN001, ANN202
+        out = real_reopen(fd)
+        if out is not None:
+            direct_fds.add(out)
+        return out
+
+    def fail(fd, buf, offset):  # noqa: ANN001, ANN202
+        if fd in direct_fds:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(data_read, "reopen_direct", reopen)
+    monkeypatch.setattr(data_read, "read_fully", fail)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="Input/output error"):
+        _report(run)
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_page_cache_residency_never_reads_the_mapping(tmp_path: Path):
+    """``mincore`` answers for pages read and pages dropped, and a file cut short under the mapping is no SIGBUS."""
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(1 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        cache = PageCache(fd, 1 << 20)
+        os.pread(fd, 1 << 20, 0)
+        assert cache.resident(0, 1 << 20) in (True, False)  # answers; resident unless the machine evicted it
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        dropped = not cache.resident(0, 1 << 20)
+        os.truncate(path, 4096)
+        assert cache.resident(0, 1 << 20) in (True, False)  # pages past the new end: looked up, never touched
+        cache.close()
+        assert cache.resident(0, 1 << 20), "closed: it cannot tell, so the caller reads through the cache"
+    finally:
+        os.close(fd)
+    if not dropped:
+        pytest.skip("the kernel kept the dropped pages (nothing else to check)")
+
+
+def test_the_switch_turns_direct_reads_off(tmp_path: Path, cold: list[int], monkeypatch: pytest.MonkeyPatch):
+    """``CKPT_VERIFY_DIRECT=0``: every window through the cache, the same report."""
+    run = _copy(tmp_path)
+    want = _report(run)
+    assert cold
+    cold.clear()
+    monkeypatch.setenv(data_read.DIRECT_ENV, "0")
+    assert _report(run) == want and not cold
+
+
+@pytest.mark.parametrize("value", ["2", "-1", "yes", "", " 1", "1" * 400, "\x1b[31m1"])
+def test_a_bad_switch_is_one_line_and_exit_2(tmp_path: Path, value: str, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]):
+    from ckpt_tool.cli import run as cli
+
+    monkeypatch.setenv(data_read.DIRECT_ENV, value)
+    assert cli(["verify", "--data", str(_copy(tmp_path))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert data_read.DIRECT_ENV in err and "set it to 1" in err and "Traceback" not in err
+    assert "\n" not in err and "\x1b" not in err and len(err) < 400, err
+    monkeypatch.setenv(data_read.DIRECT_ENV, "1")
+    assert cli(["verify", "--data", str(_copy(tmp_path / "again"))]) == 0
