@@ -359,12 +359,7 @@ def _container(now: float) -> Credentials:
             headers["Authorization"] = token
     where = f"the container credentials ({var}) at"
     code, data = _fetch(where, fix, "GET", url, headers, METADATA_SECONDS)
-    where = f"{where} {_shown(url)}"
-    if code != 200:
-        raise FormatError(f"{where} refused (HTTP {code}); {fix}")
-    got = _json_fields(where, fix, data)
-    return _checked(where, fix, got.get("AccessKeyId"), got.get("SecretAccessKey"), got.get("Token"),
-                    got.get("Expiration"), now)
+    return _keys_answer(f"{where} {_shown(url)}", "refused", fix, code, data, now)
 
 
 def _instance(now: float) -> Credentials:
@@ -391,9 +386,14 @@ def _instance(now: float) -> Credentials:
         raise FormatError(f"{where} {endpoint} names no IAM role (HTTP {code}); attach a role to the instance or "
                           f"{fix}")
     code, data = _fetch(where, fix, "GET", path + name, headers, METADATA_SECONDS)
-    where = f"{where} {endpoint} (role {name})"
+    return _keys_answer(f"{where} {endpoint} (role {name})", "refused the role's keys", fix, code, data, now)
+
+
+def _keys_answer(where: str, refused: str, fix: str, code: int, data: bytes, now: float) -> Credentials:
+    """The keys of a credential service's JSON answer (the container endpoints' and IMDS's share one form),
+    checked; or one line: ``{where} {refused} (HTTP code)`` where it did not answer 200."""
     if code != 200:
-        raise FormatError(f"{where} refused the role's keys (HTTP {code}); {fix}")
+        raise FormatError(f"{where} {refused} (HTTP {code}); {fix}")
     got = _json_fields(where, fix, data)
     return _checked(where, fix, got.get("AccessKeyId"), got.get("SecretAccessKey"), got.get("Token"),
                     got.get("Expiration"), now)
