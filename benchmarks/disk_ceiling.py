@@ -29,9 +29,10 @@ import json
 import os
 import shutil
 import subprocess
-import threading
 import time
 from pathlib import Path
+
+from bench_hash import on_threads  # threads started together, timed to the last join
 
 FICLONE = 0x40049409
 SYNC_FILE_RANGE_WRITE = 2
@@ -76,13 +77,7 @@ def sfr_streams(work: Path, streams: int, total: int, step: int = 64 << 20) -> f
         finally:
             os.close(fd)
 
-    t = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    dt = time.perf_counter() - t
+    dt = on_threads(streams, one)
     shutil.rmtree(work)
     return round(streams * per / 1e9 / dt, 3)
 
@@ -118,13 +113,7 @@ def direct_threads(work: Path, streams: int, total: int, write: int, prealloc: b
         except OSError as e:  # a file system without O_DIRECT (tmpfs before Linux 6.6)
             failed.append(e)
 
-    t = time.perf_counter()
-    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(streams)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    dt = time.perf_counter() - t
+    dt = on_threads(streams, guarded)
     shutil.rmtree(work)
     return None if failed else round(streams * per / 1e9 / dt, 3)
 

@@ -235,19 +235,14 @@ def run(data: np.ndarray, gtab: np.ndarray,
             ml += 1
             continue
         if op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
-            if op == 0x68:
-                if pos + 1 > n:
-                    status = at + 1
-                    break
-                idx = np.int64(data[pos])
-                pos += 1
-            else:
-                if pos + 4 > n:
-                    status = at + 1
-                    break
-                idx = np.int64(data[pos]) | np.int64(data[pos + 1]) << 8 | np.int64(data[pos + 2]) << 16 \
-                    | np.int64(data[pos + 3]) << 24
-                pos += 4
+            w = 1 if op == 0x68 else 4  # the memo index: 1 or 4 bytes, little-endian
+            if pos + w > n:
+                status = at + 1
+                break
+            idx = np.int64(0)
+            for k in range(w):
+                idx |= np.int64(data[pos + k]) << (8 * k)
+            pos += w
             if idx >= ml:
                 status = at + 1
                 break
@@ -301,19 +296,14 @@ def run(data: np.ndarray, gtab: np.ndarray,
             sp += 1
             continue
         if op == 0x8C or op == 0x58:  # SHORT_BINUNICODE, BINUNICODE
-            if op == 0x8C:
-                if pos + 1 > n:
-                    status = at + 1
-                    break
-                ln = np.int64(data[pos])
-                pos += 1
-            else:
-                if pos + 4 > n:
-                    status = at + 1
-                    break
-                ln = np.int64(data[pos]) | np.int64(data[pos + 1]) << 8 | np.int64(data[pos + 2]) << 16 \
-                    | np.int64(data[pos + 3]) << 24
-                pos += 4
+            w = 1 if op == 0x8C else 4  # the length: 1 or 4 bytes, little-endian
+            if pos + w > n:
+                status = at + 1
+                break
+            ln = np.int64(0)
+            for k in range(w):
+                ln |= np.int64(data[pos + k]) << (8 * k)
+            pos += w
             if pos + ln > n:
                 status = at + 1
                 break

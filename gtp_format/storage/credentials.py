@@ -60,6 +60,7 @@ from xml.etree.ElementTree import ParseError, XMLPullParser
 
 from gtp_format.errors import FormatError
 from gtp_format.storage import profiles
+from gtp_format.storage.deadline import Deadline, watched_opener
 
 ANSWER_BYTES = 64 << 10  # one credential answer; STS's is ~1.5 KB with a 1 KB session token
 TOKEN_FILE_BYTES = 64 << 10  # a web identity or container token file: a JWT of ~1 KB
@@ -123,7 +124,7 @@ def _opener(proxies: bool) -> urllib.request.OpenerDirector:
     handlers: list[urllib.request.BaseHandler] = [_NoRedirect()]
     if not proxies:
         handlers.append(urllib.request.ProxyHandler({}))
-    return urllib.request.build_opener(*handlers)
+    return watched_opener(*handlers)
 
 
 def _split(url: str) -> urllib.parse.SplitResult | None:
@@ -158,8 +159,15 @@ def _fetch(source: str, fix: str, method: str, url: str, headers: dict[str, str]
         if left <= 0:
             break
         req = urllib.request.Request(url, data=body, headers=headers, method=method)
+        watch = req.deadline = Deadline(left)  # type: ignore[attr-defined]  # its status line and headers
         try:
-            with _opener(proxies).open(req, timeout=left) as resp:
+            with watch:
+                resp = _opener(proxies).open(req, timeout=left)
+            if watch.passed:  # headers cut short by the deadline can read as ended: the answer is not trusted
+                resp.close()
+                why = "still sending its status line and headers"
+                break
+            with resp:  # the body: read against the deadline by _read
                 return resp.status, _read(resp, where, fix, deadline, seconds)
         except urllib.error.HTTPError as e:
             if 300 <= e.code < 400:
@@ -174,6 +182,9 @@ def _fetch(source: str, fix: str, method: str, url: str, headers: dict[str, str]
         except ValueError:  # a URL that is none (its text is not shown: a header's could be a token)
             raise FormatError(f"{where}: cannot send the request (the URL or a header is malformed); {fix}") from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            if watch.passed:
+                why = "still sending its status line and headers"
+                break
             reason = getattr(e, "reason", e)
             why = " ".join(str(reason).split())[:160] or type(e).__name__
     raise FormatError(f"{where} did not answer with credentials within {seconds:.0f} s ({why or 'timed out'}); {fix}")
@@ -359,12 +370,7 @@ def _container(now: float) -> Credentials:
             headers["Authorization"] = token
     where = f"the container credentials ({var}) at"
     code, data = _fetch(where, fix, "GET", url, headers, METADATA_SECONDS)
-    where = f"{where} {_shown(url)}"
-    if code != 200:
-        raise FormatError(f"{where} refused (HTTP {code}); {fix}")
-    got = _json_fields(where, fix, data)
-    return _checked(where, fix, got.get("AccessKeyId"), got.get("SecretAccessKey"), got.get("Token"),
-                    got.get("Expiration"), now)
+    return _keys_answer(f"{where} {_shown(url)}", "refused", fix, code, data, now)
 
 
 def _instance(now: float) -> Credentials:
@@ -391,9 +397,14 @@ def _instance(now: float) -> Credentials:
         raise FormatError(f"{where} {endpoint} names no IAM role (HTTP {code}); attach a role to the instance or "
                           f"{fix}")
     code, data = _fetch(where, fix, "GET", path + name, headers, METADATA_SECONDS)
-    where = f"{where} {endpoint} (role {name})"
+    return _keys_answer(f"{where} {endpoint} (role {name})", "refused the role's keys", fix, code, data, now)
+
+
+def _keys_answer(where: str, refused: str, fix: str, code: int, data: bytes, now: float) -> Credentials:
+    """The keys of a credential service's JSON answer (the container endpoints' and IMDS's share one form),
+    checked; or one line: ``{where} {refused} (HTTP code)`` where it did not answer 200."""
     if code != 200:
-        raise FormatError(f"{where} refused the role's keys (HTTP {code}); {fix}")
+        raise FormatError(f"{where} {refused} (HTTP {code}); {fix}")
     got = _json_fields(where, fix, data)
     return _checked(where, fix, got.get("AccessKeyId"), got.get("SecretAccessKey"), got.get("Token"),
                     got.get("Expiration"), now)

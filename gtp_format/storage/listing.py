@@ -30,6 +30,7 @@ from urllib.parse import quote, urlsplit
 from xml.etree.ElementTree import ParseError, XMLPullParser
 
 from gtp_format.errors import FormatError
+from gtp_format.storage.deadline import Deadline, watched_opener
 
 PAGE_BYTES = 4 << 20  # one listing page's XML; a real page of 1000 keys is under 1.2 MB
 READ = 64 << 10  # body bytes read and parsed at a time
@@ -110,15 +111,15 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
-_OPENER = urllib.request.build_opener(_NoRedirect)  # the environment's proxies, as obstore's client honours them
+_OPENER = watched_opener(_NoRedirect)  # the environment's proxies, as obstore's client honours them
 
 
 def _local(tag: str) -> str:
     return tag.rpartition("}")[2]
 
 
-def _late(where: str, c: Client) -> FormatError:
-    return FormatError(f"{where}: a listing page from {c.endpoint} was still arriving after {c.timeout:.0f} s (a real "
+def _late(where: str, c: Client, what: str = "a listing page") -> FormatError:
+    return FormatError(f"{where}: {what} from {c.endpoint} was still arriving after {c.timeout:.0f} s (a real "
                        "page is a few hundred KB); check AWS_ENDPOINT_URL and the network, or raise the timeout "
                        "(CKPT_S3_TIMEOUT_S)")
 
@@ -228,8 +229,14 @@ def page(c: Client, bucket: str, prefix: str, start_after: str | None, token: st
         req = urllib.request.Request(url, headers={k: v for k, v in headers.items() if k != "host"}, method="GET")
         req.add_header("Host", headers["host"])
         why = ""
+        watch = req.deadline = Deadline(c.timeout)  # type: ignore[attr-defined]  # its status line and headers
         try:
-            with _OPENER.open(req, timeout=c.timeout) as resp:
+            with watch:
+                resp = _OPENER.open(req, timeout=c.timeout)
+            if watch.passed:  # headers cut short by the deadline can read as ended: the answer is not trusted
+                resp.close()
+                raise _late(where, c, "the status line and headers of a listing page")
+            with resp:  # the page: read against its own deadline by _parse
                 declared = resp.headers.get("Content-Length")
                 if declared is not None and declared.strip().isdigit() and int(declared) > PAGE_BYTES:
                     raise _too_big(where, c)
@@ -240,6 +247,8 @@ def page(c: Client, bucket: str, prefix: str, start_after: str | None, token: st
                 raise _error(where, c, e.code, body) from None
             why = f"HTTP {e.code}"
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            if watch.passed:
+                raise _late(where, c, "the status line and headers of a listing page") from None
             reason = getattr(e, "reason", e)
             why = " ".join(str(reason).split())[:200] or type(e).__name__
         if attempt == c.retries or time.monotonic() > deadline:

@@ -593,50 +593,14 @@ def test_a_dst_created_mid_import_is_refused_and_left_alone(tmp_path: Path) -> N
     assert os.listdir(out) == ["dst"] and os.listdir(dst) == ["theirs"]  # nothing deleted, no work folder left
 
 
-def test_sigterm_mid_import_removes_the_work_folder(tmp_path: Path) -> None:
+def sigterm_mid_write_leaves_nothing(out: Path, argv: list[str], at: str) -> None:
+    """``ckpt argv`` slowed at ``at`` (a function the write passes through), SIGTERMed once it writes: exit 143,
+    one line, and nothing left in ``out`` (the hidden work folder removed)."""
     import signal
     import sys
 
     from test_writer_faults import SLOW_CKPT
 
-    src = hf_model(tmp_path / "hf", "llama")
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "GTP_TEST_SLOW": "1.0",
-           "GTP_TEST_SLOW_AT": "ckpt_tool.hf.megatron_import:view_rows"}
-    p = subprocess.Popen([sys.executable, "-c", SLOW_CKPT, "import", str(src), str(out / "dst"), "--from", "hf",
-                          "--to", "megatron-core", "--tp", "2", "--dp", "2", "--workers", "1"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    assert p.stdout is not None and p.stdout.readline().strip() == "writing"
-    assert len(os.listdir(out)) == 1  # the hidden work folder
-    p.send_signal(signal.SIGTERM)
-    rc = p.wait(timeout=120)
-    err = p.stderr.read() if p.stderr else ""
-    assert rc == 143 and err.strip().splitlines() == [
-        "ckpt: error: terminated (SIGTERM); nothing was written, the partial output was removed"], (rc, err)
-    assert os.listdir(out) == []
-
-
-@pytest.mark.parametrize("case", ["export_moe_optimizer", "import_ep1_dense_experts"])
-def test_sigterm_mid_moe_write_removes_the_work_folder(case: str, tmp_path: Path) -> None:
-    """The two MoE write paths: ``export --to hf --optimizer`` of megatron-core's chained optimizer, and the
-    import at EP 1 with expert TP = TP (experts in the dense buffers): SIGTERM mid-write leaves nothing."""
-    import signal
-    import sys
-
-    from test_writer_faults import SLOW_CKPT
-
-    out = tmp_path / "out"
-    out.mkdir()
-    if case == "export_moe_optimizer":
-        argv = ["export", str(MEGATRON / "pair_mixtral_ep2_dp_reshardable"), str(out / "dst"), "--to", "hf",
-                "--optimizer", "--workers", "1"]
-        at = "ckpt_tool.copying.engine:chunk_data"
-    else:
-        src = hf_model(tmp_path / "hf", "mixtral")
-        argv = ["import", str(src), str(out / "dst"), "--from", "hf", "--to", "megatron-core", "--tp", "2", "--ep",
-                "1", "--etp", "2", "--workers", "1"]
-        at = "ckpt_tool.hf.megatron_import:view_rows"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GTP_TEST_SLOW": "1.0", "GTP_TEST_SLOW_AT": at}
     p = subprocess.Popen([sys.executable, "-c", SLOW_CKPT, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=env)
@@ -648,3 +612,30 @@ def test_sigterm_mid_moe_write_removes_the_work_folder(case: str, tmp_path: Path
     assert rc == 143 and err.strip().splitlines() == [
         "ckpt: error: terminated (SIGTERM); nothing was written, the partial output was removed"], (rc, err)
     assert os.listdir(out) == []
+
+
+def test_sigterm_mid_import_removes_the_work_folder(tmp_path: Path) -> None:
+    src = hf_model(tmp_path / "hf", "llama")
+    out = tmp_path / "out"
+    out.mkdir()
+    sigterm_mid_write_leaves_nothing(out, ["import", str(src), str(out / "dst"), "--from", "hf", "--to",
+                                           "megatron-core", "--tp", "2", "--dp", "2", "--workers", "1"],
+                                     "ckpt_tool.hf.megatron_import:view_rows")
+
+
+@pytest.mark.parametrize("case", ["export_moe_optimizer", "import_ep1_dense_experts"])
+def test_sigterm_mid_moe_write_removes_the_work_folder(case: str, tmp_path: Path) -> None:
+    """The two MoE write paths: ``export --to hf --optimizer`` of megatron-core's chained optimizer, and the
+    import at EP 1 with expert TP = TP (experts in the dense buffers): SIGTERM mid-write leaves nothing."""
+    out = tmp_path / "out"
+    out.mkdir()
+    if case == "export_moe_optimizer":
+        argv = ["export", str(MEGATRON / "pair_mixtral_ep2_dp_reshardable"), str(out / "dst"), "--to", "hf",
+                "--optimizer", "--workers", "1"]
+        at = "ckpt_tool.copying.engine:chunk_data"
+    else:
+        src = hf_model(tmp_path / "hf", "mixtral")
+        argv = ["import", str(src), str(out / "dst"), "--from", "hf", "--to", "megatron-core", "--tp", "2", "--ep",
+                "1", "--etp", "2", "--workers", "1"]
+        at = "ckpt_tool.hf.megatron_import:view_rows"
+    sigterm_mid_write_leaves_nothing(out, argv, at)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from damage import truncate_once_planned
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -333,15 +334,7 @@ def test_a_file_that_shrinks_during_the_pass_is_one_error(tmp_path: Path, monkey
     shutil.copytree(src, run)
     victim = "__3_0.distcp"
     monkeypatch.setattr(data_check, "WINDOW", 4096)
-    plan = data_check._FilePass.open_and_plan
-
-    def plan_then_truncate(self: data_check._FilePass) -> list:
-        steps = plan(self)
-        if self.rel == victim:
-            os.truncate(run / victim, (run / victim).stat().st_size // 2)
-        return steps
-
-    monkeypatch.setattr(data_check._FilePass, "open_and_plan", plan_then_truncate)
+    truncate_once_planned(monkeypatch, run, victim)
     res = verify(open_checkpoint(run), data=True, workers=2)
     cut = [p for p in res.problems if p.check == "data_file"]
     assert len(cut) == 1 and cut[0].file == victim and "shrank while reading" in cut[0].message

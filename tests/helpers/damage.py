@@ -6,8 +6,10 @@ so flipping in place there would damage the source (and the fixture it was copie
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def flip(path: Path, pos: int, mask: int = 0x01) -> None:
@@ -31,3 +33,20 @@ def flip_inside_a_chunk(folder: Path, in_file: Callable[[str], bool] = lambda na
     s = c.storage
     flip(folder / s.file, s.offset + s.length // 2, 0x10)
     return e.key, c.index, s.file, s.offset, s.offset + s.length
+
+
+def truncate_once_planned(monkeypatch: Any, run: Path, victim: str) -> None:
+    """``verify --data`` of ``run``: ``victim`` (a data file's name) cut to half its size right after its read
+    plan is made, so that the reads find it shorter than when it was opened (a file that shrinks under a
+    running verify)."""
+    from gtp_format.check import data as data_check
+
+    plan = data_check._FilePass.open_and_plan
+
+    def plan_then_truncate(self: Any) -> list:
+        steps = plan(self)
+        if self.rel == victim:
+            os.truncate(run / victim, (run / victim).stat().st_size // 2)
+        return steps
+
+    monkeypatch.setattr(data_check._FilePass, "open_and_plan", plan_then_truncate)

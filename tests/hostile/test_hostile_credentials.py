@@ -97,6 +97,19 @@ def trickle(req: Request) -> None:
             out.flush()
 
 
+def trickled_headers(req: Request) -> None:
+    """The status line, then one header a byte per receive (each within the socket's timeout): no body ever."""
+    out = req.handler.wfile
+    with contextlib.suppress(OSError):
+        out.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+        out.flush()
+        for _ in range(200):
+            if STOP.wait(0.3):
+                return
+            out.write(b"a")
+            out.flush()
+
+
 def cut(body: bytes) -> Callable[[Request], None]:
     """The service dies mid-answer: its length declared, a third of it sent, the connection closed."""
     def answer(req: Request) -> None:
@@ -169,6 +182,7 @@ CONTAINER_CASES = {
     "refused": (whole(b"{}", 401), "refused (HTTP 401)"),
     "silent": (silent, "did not answer with credentials within 2 s"),
     "trickle": (trickle, "still sending its answer after 2 s"),
+    "trickled-headers": (trickled_headers, "within 2 s (still sending its status line and headers)"),
     "cut": (cut(box()), "the answer was cut"),
 }
 

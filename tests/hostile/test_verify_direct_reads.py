@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from damage import truncate_once_planned
 
 import gtp_format.check.data_read as data_read
 from gtp_format.check import data as data_check
@@ -79,6 +80,21 @@ def _report(run: Path, workers: int = 3) -> tuple[list[dict], dict, bool]:
     return [p.to_dict() for p in res.problems], res.stats, res.ok
 
 
+def direct_descriptors(monkeypatch: pytest.MonkeyPatch) -> set[int]:
+    """The descriptors the data check reopens with ``O_DIRECT`` from now on (filled as it opens them)."""
+    fds: set[int] = set()
+    real_reopen = data_read.reopen_direct
+
+    def reopen(fd):  # noqa: ANN001, ANN202
+        out = real_reopen(fd)
+        if out is not None:
+            fds.add(out)
+        return out
+
+    monkeypatch.setattr(data_read, "reopen_direct", reopen)
+    return fds
+
+
 def test_direct_windows_give_the_report_of_the_cache(tmp_path: Path, cold: list[int],
                                                       monkeypatch: pytest.MonkeyPatch):
     run = _copy(tmp_path)
@@ -106,15 +122,7 @@ def test_a_file_that_shrinks_under_direct_reads_is_one_error(tmp_path: Path, col
                                                               monkeypatch: pytest.MonkeyPatch):
     run = _copy(tmp_path)
     victim = "__3_0.distcp"
-    plan = data_check._FilePass.open_and_plan
-
-    def plan_then_truncate(self: data_check._FilePass) -> list:
-        steps = plan(self)
-        if self.rel == victim:
-            os.truncate(run / victim, (run / victim).stat().st_size // 2)
-        return steps
-
-    monkeypatch.setattr(data_check._FilePass, "open_and_plan", plan_then_truncate)
+    truncate_once_planned(monkeypatch, run, victim)
     problems, _, ok = _report(run, workers=2)
     cut = [p for p in problems if p["check"] == "data_file"]
     assert len(cut) == 1 and cut[0]["file"] == victim and "shrank while reading" in cut[0]["message"]
@@ -135,16 +143,7 @@ def test_a_refused_direct_read_falls_back_to_the_cache(tmp_path: Path, cold: lis
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, buf, offset)
 
-    direct_fds: set[int] = set()
-    real_reopen = data_read.reopen_direct
-
-    def reopen(fd):  # noqa: ANN001, ANN202
-        out = real_reopen(fd)
-        if out is not None:
-            direct_fds.add(out)
-        return out
-
-    monkeypatch.setattr(data_read, "reopen_direct", reopen)
+    direct_fds = direct_descriptors(monkeypatch)
     monkeypatch.setattr(data_read, "read_fully", refuse_direct)
     cold.clear()
     assert _report(run) == want
@@ -156,21 +155,12 @@ def test_another_read_error_on_the_direct_path_is_raised(tmp_path: Path, cold: l
     """EIO from the disk is not a refusal: verify raises it (no silent cache fallback), with every file closed."""
     run = _copy(tmp_path)
     real = data_read.read_fully
-    direct_fds: set[int] = set()
-    real_reopen = data_read.reopen_direct
-
-    def reopen(fd):  # noqa: ANN001, ANN202
-        out = real_reopen(fd)
-        if out is not None:
-            direct_fds.add(out)
-        return out
-
+    direct_fds = direct_descriptors(monkeypatch)
     def fail(fd, buf, offset):  # noqa: ANN001, ANN202
         if fd in direct_fds:
             raise OSError(errno.EIO, "Input/output error")
         return real(fd, buf, offset)
 
-    monkeypatch.setattr(data_read, "reopen_direct", reopen)
     monkeypatch.setattr(data_read, "read_fully", fail)
     fds = len(os.listdir("/proc/self/fd"))
     with pytest.raises(OSError, match="Input/output error"):

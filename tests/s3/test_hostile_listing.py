@@ -283,3 +283,29 @@ def test_a_listing_page_that_trickles_is_cut_off_at_the_timeout(env, monkeypatch
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "was still arriving after 1 s" in lines[0] and ep.url in lines[0], lines
     assert took < 10 and len(ep.requests) == 1, (took, len(ep.requests))  # refused, not retried
+
+
+def test_a_listing_page_whose_headers_trickle_is_cut_off_at_the_timeout(env, monkeypatch, capsys):
+    """The status line, then a header a byte per receive: the socket's timeout never fires (each receive is
+    within it), ``http.client`` would read 100 such lines of 64 KiB; the request's deadline cuts it off."""
+    stop = threading.Event()
+
+    def answer(req: fake_endpoint.Request) -> None:
+        out = req.handler.wfile
+        with contextlib.suppress(OSError):
+            out.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+            out.flush()
+            while not stop.wait(0.2):
+                out.write(b"a")
+                out.flush()
+
+    with fake_endpoint.serve(answer) as ep:
+        env(ep.url)
+        monkeypatch.setenv("CKPT_S3_TIMEOUT_S", "1")
+        t = time.monotonic()
+        code = run(["inspect", f"s3://{BUCKET}/run/iter_0000001"])
+        took = time.monotonic() - t
+        stop.set()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "status line and headers" in lines[0] and ep.url in lines[0], lines
+    assert took < 10 and len(ep.requests) == 1, (took, len(ep.requests))  # refused, not retried
