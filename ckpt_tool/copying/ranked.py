@@ -24,8 +24,9 @@ once rank 0's process is gone: every work folder beside DST whose name records r
 token proves it (:func:`gtp_format.work.proven`; a zombie not yet reaped by torchrun counts as gone), so
 also one rank 0 made before it could tell the others its path.
 
-A bucket DST: the work folder is rank 0's local staging, so every rank must share rank 0's host; a job over
-several hosts is refused before anything is written.
+A bucket DST: the work folder is rank 0's local staging, so every rank must run on rank 0's node; a job over
+several nodes (torchrun's ``GROUP_RANK``, :func:`gtp_format.ranks.node_of`) is refused before anything is
+written, on every rank with the same line.
 """
 
 from __future__ import annotations
@@ -50,9 +51,11 @@ from gtp_format.writer.checkpoint import CheckpointWriter
 def build_ranked(group: Group, dst: Path | ObjectURL, body: Callable[[CheckpointWriter], None],
                  inner: str | None, latest: str | None) -> None:
     """:func:`ckpt_tool.copying.engine.build_atomically` for the ranks of ``group`` (see the module docstring)."""
-    if not storage_for(dst).in_place and len({p.host for p in group.peers}) > 1:
-        raise FormatError(f"{dst}: a bucket output is staged on rank 0's host, and this job spans "
-                          f"{len({p.host for p in group.peers})} hosts; run it on one node (--nnodes 1)")
+    nodes = group.nodes
+    if not storage_for(dst).in_place and len(nodes) > 1:
+        raise FormatError(f"{dst}: a bucket output is staged in rank 0's local folder, which the ranks of "
+                          f"{', '.join(nodes[1:])} cannot write; run the job on one node (--nnodes 1), or write "
+                          "to a folder every node shares and upload that")
     if group.root:
         with TermGuard() as guard, CheckpointWriter(dst, inner=inner, latest=latest) as writer:
             guard.writer = writer
