@@ -298,9 +298,15 @@ def fault(point: str) -> None:
     kills that rank with SIGKILL when it reaches ``point`` (``created``: rank 0, its work folder made, before
     it tells the others where; ``copy``: its files written, before the gather; ``commit``: before the commit's
     exchange; ``renamed``: rank 0, just after its commit)."""
-    want = os.environ.get(FAULT_ENV)
-    if want and _current is not None and want == f"{_current.rank}:{point}":
+    if faulted(point):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def faulted(point: str) -> bool:
+    """Whether ``CKPT_RANK_FAULT`` names this rank and ``point`` (a hook that does more than kill: ``damage``,
+    a bucket output's rank flipping a byte of a staged file it is about to check)."""
+    want = os.environ.get(FAULT_ENV)
+    return bool(want) and _current is not None and want == f"{_current.rank}:{point}"
 
 
 def cores_per_rank(cores: int) -> int:

@@ -109,3 +109,31 @@ def test_sigterm_removal_with_entries_still_appearing(tmp_path: Path) -> None:
     if busy.exists():
         found = {w.path: w for w in work.leftovers(tmp_path)}
         assert busy in found and work.proven(found[busy])
+
+
+def test_a_staged_file_is_read_in_full_against_its_entry(tmp_path: Path) -> None:
+    """``check_written``, the ranks' check of a bucket output's staged files: a byte changed, a file cut short,
+    a sparse file of its size, a file gone and a link out of the folder are each one line naming the file."""
+    from gtp_format.check.gate import check_written
+    from gtp_format.writer.checkpoint import file_entry
+
+    body = os.urandom(1 << 20)
+    (tmp_path / "out").mkdir()
+    f = tmp_path / "out" / "__0_0.safetensors"
+    f.write_bytes(body)
+    entries = {f.name: file_entry(f)}
+    assert check_written(tmp_path / "out", entries) is None
+    f.write_bytes(body[:100] + bytes([body[100] ^ 1]) + body[101:])
+    assert check_written(tmp_path / "out", entries).startswith(f"{f.name}: crc32c is ")
+    f.write_bytes(body[:-1])
+    short = check_written(tmp_path / "out", entries)
+    assert short == f"{f.name} is {len(body) - 1} bytes but was written as {len(body)}"
+    f.unlink()
+    with open(f, "wb") as w:
+        w.truncate(len(body) * 64)  # holes: nothing to read in full
+    assert f.name in check_written(tmp_path / "out", {f.name: file_entry(f)})
+    f.unlink()
+    assert f.name in check_written(tmp_path / "out", entries)
+    (tmp_path / "outside").write_bytes(body)
+    f.symlink_to(tmp_path / "outside")
+    assert f.name in check_written(tmp_path / "out", entries)
