@@ -88,6 +88,26 @@ class Peer:
     rank: int
     host: str
     pid: int
+    node: str = ""  # the node this rank runs on (:func:`node_of`): what shares a staging folder
+
+
+NODE_ENV = "GROUP_RANK"
+
+
+def node_of(env: dict[str, str] | os._Environ[str] | None = None, host: str | None = None) -> str:
+    """This rank's node: torchrun's ``GROUP_RANK`` (the agent's index, one agent per node), else the host name.
+
+    Why not the host name alone: two torchrun agents on one machine (the tests' simulated nodes, or a user's
+    ``--nnodes 2`` on one host) share it, and a node-local resource (a bucket output's staging folder) must
+    then still be counted per agent, as on a real cluster, so what passes there passes across machines.
+    """
+    env = os.environ if env is None else env
+    raw = env.get(NODE_ENV)
+    if raw is None:
+        return f"host {host if host is not None else socket.gethostname()}"
+    if not raw.isdigit() or len(raw) > 9:
+        raise FormatError(f"{NODE_ENV}={raw[:40]!r}: not a node index (a whole number); start ckpt with torchrun")
+    return f"node {int(raw)}"
 
 
 def _set_parent_death_signal(sig: int) -> None:
@@ -121,6 +141,11 @@ class Group:
     @property
     def root(self) -> bool:
         return self.rank == 0
+
+    @property
+    def nodes(self) -> list[str]:
+        """The job's nodes (:func:`node_of`), in the order of their lowest rank."""
+        return list(dict.fromkeys(p.node for p in self.peers))
 
     def mine(self, sizes: Sequence[int]) -> list[int]:
         """The items (indices, in order) this rank handles, of items of these sizes (:func:`assign`)."""
@@ -223,6 +248,7 @@ def join() -> Group | None:
         raise FormatError("RANK/WORLD_SIZE: not whole numbers; start ckpt with torchrun") from None
     if world <= 1:
         return None
+    node = node_of()
     timeout = timeout_s()
     _set_parent_death_signal(signal.SIGTERM)  # torchrun's agent gone: end as if it had terminated us
     dist = _dist()
@@ -234,7 +260,7 @@ def join() -> Group | None:
             raise FormatError(f"rank {rank}: cannot join the torchrun job ({str(e).splitlines()[0][:200]}); "
                               "check --rdzv-endpoint/MASTER_ADDR and that every node started") from None
     group = Group(rank, world, [])
-    me = Peer(rank, socket.gethostname(), os.getpid())
+    me = Peer(rank, socket.gethostname(), os.getpid(), node)
     group.peers = group.all_gather(me, "while joining")
     _current = group
     return group
@@ -272,9 +298,15 @@ def fault(point: str) -> None:
     kills that rank with SIGKILL when it reaches ``point`` (``created``: rank 0, its work folder made, before
     it tells the others where; ``copy``: its files written, before the gather; ``commit``: before the commit's
     exchange; ``renamed``: rank 0, just after its commit)."""
-    want = os.environ.get(FAULT_ENV)
-    if want and _current is not None and want == f"{_current.rank}:{point}":
+    if faulted(point):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def faulted(point: str) -> bool:
+    """Whether ``CKPT_RANK_FAULT`` names this rank and ``point`` (a hook that does more than kill: ``damage``,
+    a bucket output's rank flipping a byte of a staged file it is about to check)."""
+    want = os.environ.get(FAULT_ENV)
+    return bool(want) and _current is not None and want == f"{_current.rank}:{point}"
 
 
 def cores_per_rank(cores: int) -> int:

@@ -24,8 +24,9 @@ once rank 0's process is gone: every work folder beside DST whose name records r
 token proves it (:func:`gtp_format.work.proven`; a zombie not yet reaped by torchrun counts as gone), so
 also one rank 0 made before it could tell the others its path.
 
-A bucket DST: the work folder is rank 0's local staging, so every rank must share rank 0's host; a job over
-several hosts is refused before anything is written.
+A bucket DST: the work folder is rank 0's local staging, so every rank must run on rank 0's node; a job over
+several nodes (torchrun's ``GROUP_RANK``, :func:`gtp_format.ranks.node_of`) is refused before anything is
+written, on every rank with the same line.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
+from gtp_format.check.gate import check_written
 from gtp_format.errors import FormatError
-from gtp_format.ranks import COMMITTING, Group, RankFailed, fault
+from gtp_format.manifest import FileEntry
+from gtp_format.ranks import COMMITTING, Group, RankFailed, assign, fault, faulted
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.work import TOKEN_FILE, leftovers, proven, remove_entry
@@ -50,9 +53,11 @@ from gtp_format.writer.checkpoint import CheckpointWriter
 def build_ranked(group: Group, dst: Path | ObjectURL, body: Callable[[CheckpointWriter], None],
                  inner: str | None, latest: str | None) -> None:
     """:func:`ckpt_tool.copying.engine.build_atomically` for the ranks of ``group`` (see the module docstring)."""
-    if not storage_for(dst).in_place and len({p.host for p in group.peers}) > 1:
-        raise FormatError(f"{dst}: a bucket output is staged on rank 0's host, and this job spans "
-                          f"{len({p.host for p in group.peers})} hosts; run it on one node (--nnodes 1)")
+    nodes = group.nodes
+    if not storage_for(dst).in_place and len(nodes) > 1:
+        raise FormatError(f"{dst}: a bucket output is staged in rank 0's local folder, which the ranks of "
+                          f"{', '.join(nodes[1:])} cannot write; run the job on one node (--nnodes 1), or write "
+                          "to a folder every node shares and upload that")
     if group.root:
         with TermGuard() as guard, CheckpointWriter(dst, inner=inner, latest=latest) as writer:
             guard.writer = writer
@@ -207,9 +212,14 @@ def _steps(group: Group, writer: CheckpointWriter, body: Callable[[CheckpointWri
     except Exception as e:  # noqa: BLE001 - this rank's error after the gather: the next exchange names it
         failed = e
 
+    staged = None if writer.storage.in_place else group.broadcast(
+        dict(writer.files) if group.root and failed is None else None, "while sharing the staged files' entries")
+
     def ready() -> None:
         if failed is not None:
             raise failed
+        if staged is not None:
+            check_staged(group, writer, staged)
 
     group.exchange(ready, "before the commit")
     # Every rank's files are durable and recorded: rank 0 commits now even if torchrun's SIGTERM comes (a rank
@@ -225,3 +235,25 @@ def _steps(group: Group, writer: CheckpointWriter, body: Callable[[CheckpointWri
             fault("renamed")
 
     group.exchange(commit, COMMITTING)
+
+
+def check_staged(group: Group, writer: CheckpointWriter, entries: dict[str, FileEntry]) -> None:
+    """This rank's share (by bytes, :func:`gtp_format.ranks.assign`) of a bucket output's staged files, each read
+    in full against the entry it was written with (:func:`gtp_format.check.gate.check_written`), just before
+    rank 0 uploads them: the upload sends the staged bytes as they are, and the writer's gate reads only their
+    sizes and headers. The verdicts meet in the exchange before the commit; a refusal names the file and this
+    rank. (Every rank shares rank 0's node here: a bucket output across nodes is refused up front.)"""
+    names = sorted(entries)
+    owners = assign([entries[n].size for n in names], group.world)
+    mine = {n: entries[n] for n, r in zip(names, owners) if r == group.rank}
+    if mine and faulted("damage"):  # the tests' hook: this node's disk changed a staged file after its write
+        first = writer.folder / min(mine)
+        with open(first, "r+b") as f:
+            f.seek(mine[min(mine)].size // 2)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0xFF]))
+    line = check_written(writer.folder, mine)
+    if line is not None:
+        raise FormatError(f"{writer.target}: staged file {line} (changed on this node's disk after it was "
+                          "written); nothing was committed: run the command again", 1)

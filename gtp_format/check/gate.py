@@ -24,12 +24,13 @@ The order is fixed, so a checkpoint with several faults gets the same first line
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from gtp_format.check.verify import VerifyResult, verify
-from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
-from gtp_format.manifest import Manifest, ManifestError
+from gtp_format.errors import EXIT_CHECK_FAILED, ChunkError, FormatError
+from gtp_format.manifest import FileEntry, Manifest, ManifestError
 from gtp_format.model import Checkpoint
 from gtp_format.names import MANIFEST_FILE
 
@@ -136,3 +137,37 @@ def run_checks(ckpt: Checkpoint, cp_size: int | None = None, allow_aliased: bool
     if line is not None:
         raise FormatError(line + refusal_suffix, EXIT_CHECK_FAILED)
     return result
+
+
+def check_written(folder: Path, entries: Mapping[str, FileEntry]) -> str | None:
+    """The gate's part that reads every byte of some of an output's files: each of ``entries`` (relative to
+    ``folder``) a regular file inside it, not sparse, of its entry's size and checksums, read in full. The
+    first failure's line, naming the file, or None.
+
+    Why: :func:`open_gated` takes from a data file only its size, a safetensors header and the few chunks of
+    the bucket-numel vectors (a torch_dist file replaced by a sparse file of its size passes it); the rest is
+    vouched for by the entries the writer computed from the bytes as it wrote them. Where the files are kept
+    somewhere before they are published (a bucket output's local staging, uploaded only at the commit), this
+    proves the bytes about to go out are still those bytes; it is split over the ranks of a torchrun job
+    (``ckpt_tool/copying/ranked.py``), each checking files of its own node's staging.
+    """
+    from gtp_format.hashing import file_digests
+    from gtp_format.reader.storage import open_regular
+
+    for rel, entry in sorted(entries.items()):
+        try:
+            with open_regular(folder, rel) as f:
+                sparse = f.sparse_message(rel)  # type: ignore[attr-defined]
+                if sparse is not None:
+                    return sparse
+                size = f.size  # type: ignore[attr-defined]
+                if size != entry.size:
+                    return f"{rel} is {size} bytes but was written as {entry.size}"
+                algos = sorted(entry.checksums)
+                have = file_digests(f, algos)
+        except ChunkError as e:
+            return e.message
+        for a in algos:
+            if have[a] != entry.checksums[a].lower():
+                return f"{rel}: {a} is {have[a]} but it was written as {entry.checksums[a].lower()}"
+    return None

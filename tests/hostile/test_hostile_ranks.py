@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gtp_format.ranks import assign, under_torchrun
+from gtp_format.errors import FormatError
+from gtp_format.ranks import assign, node_of, under_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "fixtures" / "gtp" / "fold_cp2_g2_dp2"
@@ -27,6 +28,8 @@ def _ckpt(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(("env", "words"), [
     ({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "RANK/WORLD_SIZE: not whole numbers"),
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "CKPT_DIST_TIMEOUT": "soon"}, "CKPT_DIST_TIMEOUT='soon'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "GROUP_RANK": "-1"}, "GROUP_RANK='-1': not a node index"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "GROUP_RANK": "9" * 40}, "not a node index"),
 ])
 def test_bad_torchrun_environment_is_one_line(tmp_path: Path, env: dict[str, str], words: str) -> None:
     p = _ckpt(env, "reshard", str(SRC), str(tmp_path / "dst"), "--dp", "1")
@@ -45,6 +48,16 @@ def test_torchrun_is_told_by_its_environment() -> None:
     assert not under_torchrun({"RANK": "0", "WORLD_SIZE": "2"})  # a user's variables, not a launcher's
     assert under_torchrun({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
     assert under_torchrun({"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"})
+
+
+def test_a_node_is_torchruns_agent_not_the_host_name() -> None:
+    # two agents on one machine (simulated nodes) are two nodes: a node-local staging folder is not shared
+    assert node_of({"GROUP_RANK": "0"}, host="a") != node_of({"GROUP_RANK": "1"}, host="a")
+    assert node_of({"GROUP_RANK": "007"}, host="a") == "node 7"
+    assert node_of({}, host="a") == "host a" != node_of({}, host="b")  # no GROUP_RANK: the host name decides
+    for bad in ("", " 1", "1.0", "x", "1" * 10):
+        with pytest.raises(FormatError, match="GROUP_RANK"):
+            node_of({"GROUP_RANK": bad})
 
 
 def test_split_balances_bytes_largest_first() -> None:
@@ -96,3 +109,31 @@ def test_sigterm_removal_with_entries_still_appearing(tmp_path: Path) -> None:
     if busy.exists():
         found = {w.path: w for w in work.leftovers(tmp_path)}
         assert busy in found and work.proven(found[busy])
+
+
+def test_a_staged_file_is_read_in_full_against_its_entry(tmp_path: Path) -> None:
+    """``check_written``, the ranks' check of a bucket output's staged files: a byte changed, a file cut short,
+    a sparse file of its size, a file gone and a link out of the folder are each one line naming the file."""
+    from gtp_format.check.gate import check_written
+    from gtp_format.writer.checkpoint import file_entry
+
+    body = os.urandom(1 << 20)
+    (tmp_path / "out").mkdir()
+    f = tmp_path / "out" / "__0_0.safetensors"
+    f.write_bytes(body)
+    entries = {f.name: file_entry(f)}
+    assert check_written(tmp_path / "out", entries) is None
+    f.write_bytes(body[:100] + bytes([body[100] ^ 1]) + body[101:])
+    assert check_written(tmp_path / "out", entries).startswith(f"{f.name}: crc32c is ")
+    f.write_bytes(body[:-1])
+    short = check_written(tmp_path / "out", entries)
+    assert short == f"{f.name} is {len(body) - 1} bytes but was written as {len(body)}"
+    f.unlink()
+    with open(f, "wb") as w:
+        w.truncate(len(body) * 64)  # holes: nothing to read in full
+    assert f.name in check_written(tmp_path / "out", {f.name: file_entry(f)})
+    f.unlink()
+    assert f.name in check_written(tmp_path / "out", entries)
+    (tmp_path / "outside").write_bytes(body)
+    f.symlink_to(tmp_path / "outside")
+    assert f.name in check_written(tmp_path / "out", entries)

@@ -3,8 +3,10 @@ local S3 server): each rank opens the bucket with its own client; the output is 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +22,8 @@ TARGET = ["--cp", "1", "--dp", "2", "--gtp-remat", "1", "--no-fold-cp", "--worke
 pytestmark = pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun is not installed")
 
 
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CKPT_DIST_TIMEOUT": "60"}
+def _run(cmd: list[str], **extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CKPT_DIST_TIMEOUT": "60", **extra}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -29,8 +31,41 @@ def one(*args: str) -> subprocess.CompletedProcess:
     return _run([sys.executable, "-m", "ckpt_tool.cli", *args])
 
 
-def ranked(*args: str) -> subprocess.CompletedProcess:
-    return _run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "ckpt_tool.cli", *args])
+def ranked(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return _run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "ckpt_tool.cli", *args], **env)
+
+
+def two_nodes(*args: str) -> list[subprocess.CompletedProcess]:
+    """2 simulated nodes x 2 ranks: two torchrun agents meeting through c10d rendezvous on 127.0.0.1 (each agent
+    is a node: torchrun gives its ranks ``GROUP_RANK`` 0 or 1, though both share this host's name)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"ckpt{port}", "--max-restarts", "0",
+           "-m", "ckpt_tool.cli", *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CKPT_DIST_TIMEOUT": "60"}
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    return [subprocess.CompletedProcess(cmd, p.returncode, *p.communicate(timeout=300)) for p in procs]
+
+
+def _digests(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _ranks_left(marker: str) -> list[int]:
+    """Processes still running whose command line holds ``marker`` (this test's DST)."""
+    left = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if marker in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    left.append(int(d.name))
+            except OSError:
+                pass
+    return left
 
 
 def _without_run_ids(doc: object) -> object:
@@ -85,3 +120,51 @@ def test_export_split_over_two_ranks_from_and_to_a_bucket(s3, tmp_path: Path) ->
             assert {k: v for k, v in a.items() if k != "source"} == {k: v for k, v in b.items() if k != "source"}
         else:
             assert body == (tmp_path / "one" / f).read_bytes(), f
+
+
+def test_bucket_destination_across_two_nodes_is_refused_in_one_line(s3, tmp_path: Path) -> None:
+    """2 simulated nodes x 2 ranks (c10d rendezvous), bucket DST: rank 0's staging folder is local to its node, so
+    the job is refused before anything is written, in one line naming the other node; the bucket holds nothing
+    under DST, SRC is untouched, no rank is left running."""
+    src = tmp_path / "src"
+    import shutil
+
+    shutil.copytree(SRC, src)
+    before = _digests(src)
+    dst = s3.url("across")
+    runs = two_nodes("reshard", str(src), dst, *TARGET)
+    assert all(r.returncode != 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    lines = [x for r in runs for x in r.stderr.splitlines() if x.startswith("ckpt: error:")]
+    refusal = [x for x in lines if "staged in rank 0's local folder" in x and "node 1" in x]
+    assert refusal and 1 <= len(lines) <= 4, "\n".join(r.stderr[-2000:] for r in runs)  # at most one per rank
+    # every rank refuses before any collective; one that torchrun's agent stopped first (the other node's agent
+    # ended the rendezvous) says so instead, in its one line
+    assert all(x in refusal or "nothing was committed" in x for x in lines), lines
+    assert s3.keys("across") == []
+    assert _digests(src) == before
+    assert _ranks_left(dst) == []
+
+
+def test_a_staged_file_damaged_before_its_check_is_refused_naming_file_and_rank(s3, tmp_path: Path) -> None:
+    """A bucket DST on 2 ranks: each rank reads its share of the staged files in full against the entries they
+    were written with, before rank 0 uploads them (the writer's gate reads only sizes and headers). Rank 1 flips
+    a byte of one of its staged files first (``CKPT_RANK_FAULT=1:damage``): every rank's one line names that
+    file and rank 1; nothing is uploaded, the staging folder is left empty, SRC untouched, no rank left."""
+    import shutil
+
+    src, staging = tmp_path / "src", tmp_path / "staging"
+    shutil.copytree(SRC, src)
+    staging.mkdir()
+    before = _digests(src)
+    dst = s3.url("damaged")
+    got = ranked("reshard", str(src), dst, *TARGET, CKPT_RANK_FAULT="1:damage", CKPT_S3_STAGING=str(staging))
+    assert got.returncode != 0, got.stderr[-3000:]
+    lines = [x for x in got.stderr.splitlines() if x.startswith("ckpt: error:")]
+    named = [x for x in lines if "rank 1" in x and "staged file __" in x and "crc32c is" in x]
+    assert named and len(lines) <= 2, got.stderr[-3000:]
+    assert all(x in named or "nothing was committed" in x for x in lines), lines  # see the test above
+    assert "Traceback" not in got.stderr.split("ckpt: error:")[-1].split("\n")[0]
+    assert s3.keys("damaged") == []
+    assert list(staging.iterdir()) == []
+    assert _digests(src) == before
+    assert _ranks_left(dst) == []
