@@ -7,11 +7,14 @@
   segments: the file, its CRC-32C and every segment hash are those of ``write([bytes(n)])``;
 * ``zero_stats`` is what :class:`StatsStream` computes from all-zero elements, for every dtype with
   statistics, empty included;
-* ``write_distcp`` given :class:`Zeros` writes the same file and the same records as given the zeros' array.
+* ``write_distcp`` given :class:`Zeros` writes the same file and the same records as given the zeros' array;
+* a full disk while zeros are written propagates and closes the file, as for other bytes.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -133,3 +136,24 @@ def test_a_known_zeros_of_the_wrong_size_is_refused(tmp_path: Path) -> None:
     c = OutChunk("m", (0,), (4,), by_name("float32"))
     with pytest.raises(AssertionError, match="produced 12 bytes for 16"):
         write_distcp(tmp_path / "x.distcp", [c], lambda c: Zeros(12), lambda n: None)
+
+
+def test_a_full_disk_while_writing_zeros_propagates_and_closes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """The fault case: zeros hit a full disk as written bytes do (the error, the file closed)."""
+    def full(fd: int, data: memoryview, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sink_mod.os, "pwrite", full)
+    monkeypatch.setattr(sink_mod.os, "writev", lambda fd, views: full(fd, views[0], 0))
+    for direct in (True, False):
+        out = Sink(tmp_path / f"f{direct}", ALIGN, direct=direct, segments=True)
+        fd = out.fd
+        with pytest.raises(OSError) as info:
+            with out:
+                out.write_zeros(3 * ALIGN + 5)
+                out.close()
+        assert info.value.errno == errno.ENOSPC
+        assert out.fd == -1
+        with pytest.raises(OSError):
+            os.fstat(fd)
