@@ -181,10 +181,6 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
     lr, min_lr = carried_rates(scheduler, lr, min_lr, str(src))
     consumed = (hf.run_state.consumed or 0) if hf.run_state is not None else 0
     check_topology(hf, tp, pp, vpp, dp, ep, etp, sharding)
-    # the chunk statistics' loop (numba's import and its cached code: over a second under load on 2 cores) is
-    # loaded while the plan is made and the first chunks are read, not by every file thread at its first chunk
-    warm = threading.Thread(target=warm_up, args=([hf.dtype, FP32],), name="stats-warm-up", daemon=True)
-    warm.start()
     workers = workers or default_workers()
     chunk_bytes = chunk_budget(max_memory, workers)
     args = {**hf.args, "seq_length": seq_length or hf.args["max_position_embeddings"]}
@@ -221,10 +217,15 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
         writer.add_records([r for rs in records for r in rs])  # hashed as written: verify --data checks them
         writer.finish(None, megatron_metadata("torch_dist"))  # megatron-core's layout: no manifest
 
+    # the chunk statistics' loop (numba's import and its cached code: over a second under load on 2 cores) is
+    # loaded once while the work folder is made and the first chunks are read and hashed, not by every file
+    # thread at its first chunk; joined, so no import still runs at the interpreter's exit
+    warm = threading.Thread(target=warm_up, args=([hf.dtype, FP32],), name="stats-warm-up", daemon=True)
+    warm.start()
     try:
         build_atomically(dst, (src,), body, inner=iter_dir_name(it), latest=str(it))
     finally:
-        warm.join()  # no import still running at the interpreter's exit
+        warm.join()
     out = written_sizes(dst / iter_dir_name(it))
     topo = f"tp{tp} pp{pp}{f' vpp{vpp}' if vpp and vpp > 1 else ''} dp{dp}"
     topo += f" ep{ep} etp{etp}" if hf.num_experts else ""
