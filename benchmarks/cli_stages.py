@@ -101,7 +101,8 @@ def _line(filename: str, lineno: int) -> str:
         except (OSError, UnicodeDecodeError):
             lines = []
         _LINES[filename] = lines
-    return lines[lineno - 1] if 0 < lineno <= len(lines) else ""
+    # a frame sampled as its thread starts (or ends) may have no line yet
+    return lines[lineno - 1] if lineno is not None and 0 < lineno <= len(lines) else ""
 
 
 def role_of(thread: threading.Thread | None, main_id: int) -> str:

@@ -30,16 +30,32 @@ import numpy as np
 
 from ckpt_tool.copying.plan import OutChunk
 from gtp_format.dtypes import DType
+from gtp_format.hashing import CRCS
 from gtp_format.integrity.hash import chunk_digest
 from gtp_format.integrity.records import ChunkRecord
-from gtp_format.integrity.stats import ChunkStats, StatsStream, has_stats
+from gtp_format.integrity.stats import ChunkStats, StatsStream, has_stats, zero_stats
 from gtp_format.manifest import FileEntry
 from gtp_format.names import GTP_INDEX_VERSION, chunk_tensor_name
 from gtp_format.writer.dcp_metadata import metadata_bytes
 from gtp_format.writer.sink import STAGE, Sink
 from gtp_format.writer.torch_blob import TensorBlob
 
+
+class Zeros:
+    """What a :data:`ZeroableFn` returns for a chunk it knows to be all zero bits (a fresh optimizer's Adam
+    moments): :func:`write_distcp` writes its ``nbytes`` zeros without building or reading them and takes its
+    checks' values from constants (the zip CRC-32 from the zero-byte operator,
+    :func:`~gtp_format.integrity.stats.zero_stats`, :meth:`~gtp_format.writer.sink.Sink.write_zeros`): the same
+    bytes and records as an array of the zeros gives."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
 DataFn = Callable[[OutChunk], np.ndarray]
+ZeroableFn = Callable[[OutChunk], "np.ndarray | Zeros"]
 
 
 def _chunk_stats(arr: np.ndarray, dtype: DType) -> StatsStream | None:
@@ -72,7 +88,7 @@ class _Body:
         return None if self.stats is None else self.stats.result()
 
 
-def write_distcp(path: Path, chunks: list[OutChunk], data: DataFn, advance: Callable[[int], None],
+def write_distcp(path: Path, chunks: list[OutChunk], data: ZeroableFn, advance: Callable[[int], None],
                  stage: int = STAGE, records: list[ChunkRecord] | None = None,
                  known_crc: Callable[[OutChunk], int | None] | None = None
                  ) -> tuple[FileEntry, list[tuple[OutChunk, int, int]]]:
@@ -95,7 +111,24 @@ def write_distcp(path: Path, chunks: list[OutChunk], data: DataFn, advance: Call
     placed = []
     with Sink(path, stage, segments=records is not None) as out:
         for c in chunks:
-            arr = np.ascontiguousarray(data(c))
+            got = data(c)
+            if isinstance(got, Zeros):
+                if got.nbytes != c.nbytes:
+                    raise AssertionError(f"{c.key}: produced {got.nbytes} bytes for {c.nbytes}")
+                blob = TensorBlob(c.dtype, c.sizes)
+                start = out.cut()
+                out.write([blob.head])
+                out.write_zeros(c.nbytes)
+                out.write([blob.tail(CRCS["crc32"].zeros(0, c.nbytes))])
+                end = out.cut()
+                if records is not None:
+                    numel = c.nbytes // c.dtype.itemsize
+                    records.append(ChunkRecord(c.key, tuple(c.offsets), path.name, start, end - start,
+                                               _segment(out, start, end), zero_stats(c.dtype, numel)))
+                placed.append((c, start, end - start))
+                advance(c.nbytes)
+                continue
+            arr = np.ascontiguousarray(got)
             if arr.nbytes != c.nbytes:
                 raise AssertionError(f"{c.key}: produced {arr.nbytes} bytes for {c.nbytes}")
             body = memoryview(arr.reshape(-1).view(np.uint8))

@@ -33,6 +33,7 @@ hidden work folder that appears as DST whole or not at all; ``s3://`` DSTs as ev
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,7 +51,7 @@ from ckpt_tool.copying.engine import (
     written_sizes,
 )
 from ckpt_tool.copying.plan import FP32, OutChunk, row_blocks, split_files
-from ckpt_tool.copying.writers import write_distcp, write_distcp_metadata, write_objects
+from ckpt_tool.copying.writers import Zeros, write_distcp, write_distcp_metadata, write_objects
 from ckpt_tool.hf.megatron_dp_import import plan_dp_reshardable, view_rows
 from ckpt_tool.hf.megatron_fresh import (
     EXPERT_LINEARS,
@@ -63,6 +64,7 @@ from ckpt_tool.hf.megatron_fresh import (
 from ckpt_tool.hf.megatron_model import EXPERT_KEY, HFMegatron, MegatronParam, open_hf_megatron
 from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
+from gtp_format.integrity.stats import warm_up
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.progress import ProgressOpener
 from gtp_format.storage.location import ObjectURL
@@ -103,18 +105,19 @@ def fully_reshardable_chunks(hf: HFMegatron, max_bytes: int) -> tuple[list[OutCh
 
 
 def chunk_filler(hf: HFMegatron, views: dict[str, tuple[MegatronParam, int | None]] | None = None
-                 ) -> Callable[[OutChunk], np.ndarray]:
-    """A chunk's elements: the weight's stored bits, its fp32 master (bf16 widened exactly), zero moments.
+                 ) -> Callable[[OutChunk], np.ndarray | Zeros]:
+    """A chunk's elements: the weight's stored bits, its fp32 master (bf16 widened exactly), zero moments
+    (:class:`~ckpt_tool.copying.writers.Zeros`: written without an array, their checks' values known).
 
     ``views`` (dp_reshardable): the chunks name per-parameter views (:mod:`.megatron_dp_import`; a name
     ``model:<view>`` reads the parameter's own rows); else the chunks name parameters (:func:`param_name`).
     """
     by_name = {param_name(p): (p, None) for p in hf.params} if views is None else views
 
-    def one(c: OutChunk) -> np.ndarray:
+    def one(c: OutChunk) -> np.ndarray | Zeros:
         carried = hf.run_state is not None and c.state in STATES
         if c.param is None or (c.state in STATES[1:] and not carried):
-            return np.zeros(c.sizes, dtype=np.float32 if c.dtype == FP32 else np.uint16)
+            return Zeros(c.nbytes)
         assert c.box is not None
         (a, *cols), (n, *widths) = c.box
         state = STATES.index(c.state) if carried else None
@@ -126,7 +129,8 @@ def chunk_filler(hf: HFMegatron, views: dict[str, tuple[MegatronParam, int | Non
         if cols and (cols[0], widths[0]) != (0, bits.shape[1]):  # a row-parallel TP part: its columns
             bits = np.ascontiguousarray(bits[:, cols[0]:cols[0] + widths[0]])
         if c.state != WEIGHT_STATE and hf.dtype != FP32 and not carried:
-            bits = (bits.astype(np.uint32) << 16).view(np.float32)
+            # widened and shifted in one buffered ufunc pass into the one new array (not a copy, then a shift)
+            bits = np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
         return bits.reshape(c.sizes)
 
     return one
@@ -213,7 +217,15 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
         writer.add_records([r for rs in records for r in rs])  # hashed as written: verify --data checks them
         writer.finish(None, megatron_metadata("torch_dist"))  # megatron-core's layout: no manifest
 
-    build_atomically(dst, (src,), body, inner=iter_dir_name(it), latest=str(it))
+    # the chunk statistics' loop (numba's import and its cached code: over a second under load on 2 cores) is
+    # loaded once while the work folder is made and the first chunks are read and hashed, not by every file
+    # thread at its first chunk; joined, so no import still runs at the interpreter's exit
+    warm = threading.Thread(target=warm_up, args=([hf.dtype, FP32],), name="stats-warm-up", daemon=True)
+    warm.start()
+    try:
+        build_atomically(dst, (src,), body, inner=iter_dir_name(it), latest=str(it))
+    finally:
+        warm.join()
     out = written_sizes(dst / iter_dir_name(it))
     topo = f"tp{tp} pp{pp}{f' vpp{vpp}' if vpp and vpp > 1 else ''} dp{dp}"
     topo += f" ep{ep} etp{etp}" if hf.num_experts else ""

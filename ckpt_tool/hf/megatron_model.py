@@ -129,6 +129,12 @@ class MegatronParam:
         """Rows ``[a, b)`` of the parameter, stored bits, assembled from its HF tensors (``state``: of its
         carried optimizer state ``STATES[state]`` instead)."""
         segments = self.segments if state is None else self.states[state]
+        pos = 0
+        for s in segments:  # rows of one HF tensor: its read as it is (read-only), not copied into a new array
+            if pos <= a and b <= pos + s.rows:
+                rows = s.tensor.read_rows(s.first + a - pos, s.first + b - pos)
+                return rows.reshape((b - a, *self.shape[1:]))
+            pos += s.rows
         out = np.empty((b - a, *self.shape[1:]), dtype=carrier(segments[0].tensor.dtype))
         pos = 0
         for s in segments:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -91,8 +92,18 @@ def has_stats(dtype: DType) -> bool:
     return dtype.name in ("float32", "float64", "float16", "bfloat16") or dtype.kind in (SIGNED, UNSIGNED, BOOL)
 
 
-@cache
+_KERNEL_LOCK = threading.Lock()
+
+
 def _kernel() -> Any:
+    """The compiled loop, made once per process even when several threads ask at once (a copy's file threads
+    and :func:`warm_up`'s: the later ones wait for it rather than each importing numba and loading the loop)."""
+    with _KERNEL_LOCK:
+        return _compiled()
+
+
+@cache
+def _compiled() -> Any:
     """The compiled loop (numba imported here, on the first statistics of a process: the read-only commands
     never pay its import)."""
     from numba import njit
@@ -290,9 +301,18 @@ class StatsStream:
 def warm_up(dtypes: list[DType]) -> None:
     """Load (or compile) the loops ``dtypes`` need now: a writer calls this on a thread of its own before its
     first chunk, so the first save of a process does not wait for it (0.3 s with numba's disk cache, 1 s
-    without, on the 2-core machine)."""
+    without, on the 2-core machine; numba's import before it another 1.1-1.4 s there under load)."""
     for dtype in {d.name: d for d in dtypes if has_stats(d)}.values():
         element_stats(np.zeros(1, carrier(dtype)), dtype)
+
+
+def zero_stats(dtype: DType, numel: int) -> ChunkStats | None:
+    """The statistics :class:`StatsStream` gives ``numel`` elements whose stored bits are all zero (``+0.0``
+    for a float), without reading them: every element a zero, the range ``0.0`` (none if empty), a sum of
+    squares ``0.0``. None for a dtype without statistics."""
+    if not has_stats(dtype):
+        return None
+    return ChunkStats(numel, 0, 0, 0, numel, 0.0 if numel else None, 0.0 if numel else None, 0.0)
 
 
 def element_stats(elements: np.ndarray, dtype: DType) -> ChunkStats | None:

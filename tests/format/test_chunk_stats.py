@@ -202,8 +202,8 @@ def test_without_a_writable_cache_the_loop_is_compiled_and_gives_the_same_figure
         return real(*a, **k)
 
     monkeypatch.setattr(numba, "njit", no_cache)
-    stats_mod._kernel.cache_clear()
+    stats_mod._compiled.cache_clear()
     try:
         assert element_stats(stored, by_name("float32")) == want
     finally:
-        stats_mod._kernel.cache_clear()
+        stats_mod._compiled.cache_clear()
