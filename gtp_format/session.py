@@ -19,7 +19,6 @@ so a save or a load of the runtime ran outside any scope and library callers sha
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, TypeVar
 
 from gtp_format.storage import base
@@ -54,11 +53,6 @@ class Session:
     def storage(self, location: Any) -> base.Storage:
         """:func:`gtp_format.storage.base.storage_for` the location, in this session."""
         return base.storage_for(location, self)
-
-    def staging_dir(self) -> Path:
-        """Where an ``s3://`` output is built before its upload (:func:`gtp_format.storage.limits.staging_dir`),
-        resolved once a session."""
-        return self.limits.staging
 
     def close(self) -> None:
         self.buckets.close()

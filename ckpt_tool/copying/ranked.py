@@ -94,7 +94,7 @@ def remove_dead_owners(writer: CheckpointWriter, pid: int) -> None:
     """Remove the work folders beside the output that the dead process ``pid`` (rank 0) made: those whose name
     records that process, of this host, gone, and whose token proves the name (:mod:`gtp_format.work`)."""
     try:
-        parent = writer.storage.work_parent(writer.session)
+        parent = writer.storage.work_parent()
     except FormatError:  # a bucket's staging setting this rank cannot use: it wrote nothing there either
         return
     for w in leftovers(parent):

@@ -240,7 +240,7 @@ class CheckpointWriter:
 
     def begin(self, clean: bool = True) -> Path:
         """Create the hidden work folder (``clean``: first remove dead writers' stale ones); return it."""
-        parent = self.storage.work_parent(self.session)
+        parent = self.storage.work_parent()
         if clean:  # a staging folder holds no hidden copies a recovery needs (a bucket's writer commits last)
             clean_stale(parent, keep=needed_for_recovery(parent) if self.storage.in_place else None)
         self._signals = sigterm_raises()
