@@ -57,12 +57,18 @@ class Session:
     def close(self) -> None:
         self.buckets.close()
 
+    def end(self, failed: bool) -> None:
+        """The session's end, knowing its outcome: after a failure, the work folders it made and left are
+        removed (token-proven only: :meth:`gtp_format.work.WorkFolders.remove_left`); then it is closed. A
+        success keeps them (each was committed, or handed on)."""
+        try:
+            if failed:
+                self.work.remove_left()
+        finally:
+            self.close()
+
     def __enter__(self) -> Session:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
-        try:
-            if kind is not None:  # a failed command: what it made and left is removed (token-proven only)
-                self.work.remove_left()
-        finally:
-            self.close()
+        self.end(kind is not None)

@@ -41,6 +41,7 @@ from types import TracebackType
 
 from gtp_format.errors import FormatError
 from gtp_format.ranks import COMMITTING, Group, RankFailed, fault
+from gtp_format.session import Session
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.work import TOKEN_FILE, leftovers, proven, remove_entry
@@ -48,13 +49,13 @@ from gtp_format.writer.checkpoint import CheckpointWriter
 
 
 def build_ranked(group: Group, dst: Path | ObjectURL, body: Callable[[CheckpointWriter], None],
-                 inner: str | None, latest: str | None) -> None:
+                 inner: str | None, latest: str | None, session: Session | None = None) -> None:
     """:func:`ckpt_tool.copying.engine.build_atomically` for the ranks of ``group`` (see the module docstring)."""
     if not storage_for(dst).in_place and len({p.host for p in group.peers}) > 1:
         raise FormatError(f"{dst}: a bucket output is staged on rank 0's host, and this job spans "
                           f"{len({p.host for p in group.peers})} hosts; run it on one node (--nnodes 1)")
     if group.root:
-        with TermGuard() as guard, CheckpointWriter(dst, inner=inner, latest=latest) as writer:
+        with TermGuard() as guard, CheckpointWriter(dst, inner=inner, latest=latest, session=session) as writer:
             guard.writer = writer
             try:
                 fault("created")
@@ -65,7 +66,7 @@ def build_ranked(group: Group, dst: Path | ObjectURL, body: Callable[[Checkpoint
                     writer.abort()
                 raise
         return
-    writer = CheckpointWriter(dst, inner=inner, latest=latest)
+    writer = CheckpointWriter(dst, inner=inner, latest=latest, session=session)
     try:
         writer.adopt(group.exchange(lambda: None, "while creating the work folder")[0])
         _steps(group, writer, body, TermGuard())  # not entered: only rank 0 removes on SIGTERM
