@@ -76,7 +76,7 @@ def migrate_aliased(src: Path | ObjectURL, dst: Path | ObjectURL | None, *, cp_s
         raise FormatError(f"{src}: --in-place cannot replace a checkpoint in a bucket: an object store has no atomic "
                           "rename, so readers would see a mix of the old and the new objects; pass a new DST instead "
                           "(a folder or s3://BUCKET/NEW_PREFIX) and point the run at it")
-    plan = plan_migration(src, cp_size, reset_lost_moments)
+    plan = plan_migration(src, cp_size, reset_lost_moments, session)
     doc = plan_doc(plan)
     doc.update(mode="dry_run" if dry_run else ("in_place" if in_place else "copy"), written=False,
                destination=None if dst is None else str(dst), backup=None, files=None, notes=[])
@@ -104,7 +104,7 @@ def _write(plan: Plan, dst: Path | ObjectURL | None, in_place: bool, progress: P
            session: Session | None = None) -> Outcome:
     from ckpt_tool.migrate.commit import migrate_in_place, migrate_to  # torch: a real run only
 
-    carried = [n for n in list_dir(plan.ckpt.root) if n not in (DCP_METADATA_FILE, MANIFEST_FILE)]
+    carried = [n for n in list_dir(plan.ckpt.store) if n not in (DCP_METADATA_FILE, MANIFEST_FILE)]
     steps = len(carried) + sum(c.action in (REBUILD, RESET) for c in plan.lost)
     with progress(steps) as advance:
         try:

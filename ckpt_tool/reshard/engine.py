@@ -120,7 +120,7 @@ def reshard(src: Path | Source, dst: Path, par: ParallelConfig, layout: str | No
     folder DST (``DST/iter_N`` + latest marker), written in ``session`` (:class:`gtp_format.session.Session`)."""
     t0 = time.perf_counter()
     baseline = rss_after_imports(layout)
-    source = src if isinstance(src, Source) else open_source(src)
+    source = src if isinstance(src, Source) else open_source(src, session=session)
     assert source.manifest is not None and source.manifest.topology is not None
     target = target_manifest(source.manifest, par, layout or source.manifest.layout)
     target_views = param_views(target)
@@ -166,7 +166,7 @@ def reshard_checkpoint(src: Path | ObjectURL, dst: Path, *, tp: int | None = Non
     this runtime's checkpoint (it has a manifest) goes to :func:`reshard`, megatron-core's
     ``dp_reshardable`` one to :func:`ckpt_tool.reshard.megatron_dp.reshard_megatron`. A size only the
     other kind takes is refused in one line (``None``: keep SRC's)."""
-    source = open_source(src, megatron=True, experts=True, max_memory=max_memory)
+    source = open_source(src, megatron=True, experts=True, max_memory=max_memory, session=session)
     try:
         if source.manifest is None:
             ours = {"--gtp-remat": gtp_remat, "--fold-cp": fold_cp, "--expert-gtp-remat": expert_gtp_remat,

@@ -95,7 +95,8 @@ def reshard_megatron(src: Path | Source, dst: Path, tp: int | None, pp: int | No
 
     t0 = time.perf_counter()
     baseline = rss_after_imports("torch_dist")
-    source = src if isinstance(src, Source) else open_source(src, megatron=True, experts=True, max_memory=max_memory)
+    source = src if isinstance(src, Source) else open_source(src, megatron=True, experts=True, max_memory=max_memory,
+                                                             session=session)
     try:
         meg = derive(source.ckpt)
         if meg.format != "dp_reshardable":

@@ -347,7 +347,7 @@ class CheckpointWriter:
         assert self.work is not None
         try:  # aliased keys are judged as --load judges them, unless the caller writes them on purpose
             self.checked = open_gated(self.folder, checks=True, aliased=REPAIR if self.aliased else JUDGE,
-                                      judge_values=False).ckpt
+                                      judge_values=False, session=self.session).ckpt
         except FormatError as e:
             shown = self.target / self.inner if self.inner and self.storage.in_place else self.target
             line = e.message.replace(str(self.folder), str(shown))

@@ -131,3 +131,30 @@ def test_a_failing_local_reshard_keeps_a_forged_work_folder(monkeypatch: pytest.
     assert len(made) == 1
     w = parse_work(made[0])
     assert made[0].exists() and w is not None and not proven(w)  # not provably ours: kept
+
+
+@pytest.mark.parametrize("command", [("verify", "--data"), ("reshard", "DST", "--cp", "1", "--dp", "4"),
+                                     ("export", "DST", "--to", "fully_reshardable")])
+def test_a_local_commands_reads_and_writes_take_its_one_limits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                               command: tuple[str, ...]) -> None:
+    """Every storage a local command opens, its source's and its output's (and the writer's read-back), reads
+    the hole factor from the command's session: parsed once, however many files it reads."""
+    from cli_helpers import cli
+
+    import gtp_format.storage.local as local
+
+    reads: list[int] = []
+    parse = limits.hole_factor
+
+    def counted() -> int:
+        reads.append(1)
+        return parse()
+
+    monkeypatch.setattr(limits, "hole_factor", counted)
+    monkeypatch.setattr(local, "hole_factor", counted)  # a read without a session's limits would count here
+    monkeypatch.setenv(limits.HOLE_FACTOR_ENV, "16")
+    fold = Path(__file__).resolve().parents[2] / "fixtures" / "gtp" / "fold_cp2_g2_dp2"
+    args = [tmp_path / "dst" if a == "DST" else a for a in command]
+    r = cli(args[0], fold, *args[1:])
+    assert r.exit_code == 0, r.stderr
+    assert len(reads) == 1
