@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import inspect
 import json
 import math
 import os
@@ -97,7 +98,13 @@ def os_error_message(e: OSError) -> str:
 
 
 def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
-    """Turn :class:`FormatError` and OS errors into the one-line message and the right exit code."""
+    """Turn :class:`FormatError` and OS errors into the one-line message and the right exit code.
+
+    The command runs in a session of its own (:class:`gtp_format.session.Session`): its bucket locations are
+    bound to it, and a command that declares a ``session`` parameter is handed it (hidden from the CLI's
+    options), so that the folders it reads and writes use the session's one set of limits and its work
+    folders are the session's to remove on a failure."""
+    wants = "session" in inspect.signature(func).parameters
 
     @functools.wraps(func)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -106,7 +113,10 @@ def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
 
         try:
             with Session() as session:  # one command: its locations read and written through its session
-                return func(*(session.bind(a) for a in args), **session.bind_all(kwargs))
+                bound = session.bind_all(kwargs)
+                if wants:
+                    bound["session"] = session
+                return func(*(session.bind(a) for a in args), **bound)
         except Terminated:  # SIGTERM during a write: the writer already removed its work folder
             from gtp_format import ranks
 
@@ -118,6 +128,10 @@ def handle_errors(func: Callable[P, R]) -> Callable[P, R]:
         except OSError as e:
             fail(os_error_message(e), EXIT_BAD_INPUT)
 
+    if wants:  # Typer reads the options from the signature (its annotations evaluated): the session is no option
+        signature = inspect.signature(func, eval_str=True)
+        wrapper.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[p for p in signature.parameters.values() if p.name != "session"])
     return wrapper
 
 

@@ -251,6 +251,15 @@ class Checkpoint:
     # (key, chunk index) of chunks that hold only alignment padding (megatron-core's torch.empty
     # gaps, gtp_format.megatron.padding.padding_chunks): verify --data counts their NaN/Inf apart.
     padding_chunks: frozenset[tuple[str, int]] = field(default=frozenset(), repr=False, compare=False)
+    # the storage its files are read through (gtp_format.storage.base.Storage), chosen once by the session
+    # that opened it (open_checkpoint(..., session=)): its reads obey that command's one set of limits
+    storage: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def store(self) -> Any:
+        """Where the readers reach its files (a :data:`gtp_format.reader.storage.Root`): its session's storage,
+        else its root (a storage of its own per request)."""
+        return self.root if self.storage is None else self.storage
 
     def chunk_count(self) -> int:
         return sum(len(e.chunks) for e in self.entries.values())

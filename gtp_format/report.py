@@ -25,19 +25,21 @@ if TYPE_CHECKING:
 
 
 def inspect_report(path: Path, select: KeyFilter, *, chunks: bool = False, cp_size: int | None = None,
-                   folded: bool = False, params: bool = False, stats: bool = False) -> dict[str, Any]:
+                   folded: bool = False, params: bool = False, stats: bool = False,
+                   session: Any = None) -> dict[str, Any]:
     """The report of the checkpoint at ``path`` (metadata only): the document ``--format json`` prints.
 
     ``select``: the keys listed (the counts cover them all); ``chunks``, ``params``, ``stats``: the
     optional sections of ``--chunks``, ``--params`` and ``--stats``; ``cp_size`` and ``folded``
-    declare a CP size (and folding) that no manifest states.
+    declare a CP size (and folding) that no manifest states. ``session``: the command's
+    (:func:`gtp_format.reader.checkpoint.open_checkpoint`).
     """
     from gtp_format.check.analysis import aliasing, classify_all, topology_view
     from gtp_format.names import DATA_POSITION_KEY, SCHEDULER_KEY
     from gtp_format.reader.checkpoint import open_checkpoint
     from gtp_format.storage.base import storage_for
 
-    ckpt = open_checkpoint(path)
+    ckpt = open_checkpoint(path, session=session)
     classes = classify_all(ckpt)
     topo = topology_view(ckpt.manifest, cp_size, ckpt=ckpt, folded=folded)
     run_extra = ckpt.manifest.extra if ckpt.manifest is not None else {}  # run state: extra manifest fields
@@ -67,7 +69,7 @@ def inspect_report(path: Path, select: KeyFilter, *, chunks: bool = False, cp_si
         "notes": [p.to_dict() for p in ckpt.notes + topo.notes],
     }
     # a bucket has no work folders: its writer's commit is the object written last (docs/object-stores.md)
-    doc["leftovers"] = _leftovers(Path(path), ckpt.root) if storage_for(ckpt.root).in_place else []
+    doc["leftovers"] = _leftovers(Path(path), ckpt.root) if storage_for(ckpt.store).in_place else []
     _integrity(doc, ckpt, set(selected), stats)
     _identity(doc, ckpt)
     if chunks:

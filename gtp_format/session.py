@@ -19,7 +19,6 @@ so a save or a load of the runtime ran outside any scope and library callers sha
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, TypeVar
 
 from gtp_format.storage import base
@@ -55,20 +54,21 @@ class Session:
         """:func:`gtp_format.storage.base.storage_for` the location, in this session."""
         return base.storage_for(location, self)
 
-    def staging_dir(self) -> Path:
-        """Where an ``s3://`` output is built before its upload (:func:`gtp_format.storage.limits.staging_dir`),
-        resolved once a session."""
-        return self.limits.staging
-
     def close(self) -> None:
         self.buckets.close()
+
+    def end(self, failed: bool) -> None:
+        """The session's end, knowing its outcome: after a failure, the work folders it made and left are
+        removed (token-proven only: :meth:`gtp_format.work.WorkFolders.remove_left`); then it is closed. A
+        success keeps them (each was committed, or handed on)."""
+        try:
+            if failed:
+                self.work.remove_left()
+        finally:
+            self.close()
 
     def __enter__(self) -> Session:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
-        try:
-            if kind is not None:  # a failed command: what it made and left is removed (token-proven only)
-                self.work.remove_left()
-        finally:
-            self.close()
+        self.end(kind is not None)

@@ -110,6 +110,7 @@ def diff_command(
         "--read-all", "--read-data",
         help="Read every chunk even where both chunk records give equal hashes.")] = False,
     fmt: FormatOption = OutputFormat.table,
+    session: Any = None,  # the command's (handle_errors): no option
 ) -> None:
     """Compare key sets, shapes, dtypes and values of two checkpoints; exit 1 when they differ."""
     from gtp_format.compare import CheckpointSource, KeyFilter, Rule, compare, selected_keys, work
@@ -121,7 +122,7 @@ def diff_command(
         fail("--bitwise compares bits and takes no tolerance; drop --rtol/--atol or --bitwise")
     rule = Rule.bits() if bitwise else Rule.tolerance(rtol, atol)
     select = KeyFilter.of(keys, ignore)
-    ca, cb = open_checkpoint(a), open_checkpoint(b)
+    ca, cb = open_checkpoint(a, session=session), open_checkpoint(b, session=session)
     sa, sb = (CheckpointSource(c, records=None if read_all else _usable(read_records(c))) for c in (ca, cb))
     select.require_match(ca.entries, cb.entries, where=f"{ca.root} or {cb.root}")
     names = selected_keys(sa, sb, select)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -86,6 +86,7 @@ def export_command(
     workers: Annotated[int | None, typer.Option("--workers", min=1, max=64, show_default="one per core, at most 4",
                                                 help="Files written in parallel.")] = None,
     fmt: FormatOption = OutputFormat.table,
+    session: Any = None,  # the command's (handle_errors): no option
 ) -> None:
     """Export SRC's weights (and optimizer state) as a Hugging Face model folder, Megatron
     fully_reshardable, or one torch.save file."""
@@ -95,7 +96,7 @@ def export_command(
     with contextlib.ExitStack() as stack:
         bar = progress_opener(stack, f"exporting to {to}", fmt)
         run = lambda: export(src, dst, to, optimizer, max_memory, workers, max_shard_size, bar,  # noqa: E731
-                             names, tokenizer, num_heads)
+                             names, tokenizer, num_heads, session)
         # under torchrun: hf and fully_reshardable split their files over the ranks (rank 0 commits); torch's one
         # file is written by rank 0 alone
         info = ranks.on_root(run) if to == "torch" else run()

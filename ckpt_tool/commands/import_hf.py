@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -101,6 +101,7 @@ def import_command(
     workers: Annotated[int | None, typer.Option("--workers", min=1, max=64, show_default="one per core, at most 4",
                                                 help="Data files written in parallel.")] = None,
     fmt: FormatOption = OutputFormat.table,
+    session: Any = None,  # the command's (handle_errors): no option
 ) -> None:
     """Write a Hugging Face model as a gtp_runtime checkpoint at the given topology (step 0, or the run
     `export --optimizer` came from, with its optimizer state)."""
@@ -124,7 +125,7 @@ def import_command(
             bar = progress_opener(stack, "importing", fmt)
             info = import_megatron(src, dst, tp, pp or 1, dp, vpp, sharding or "dp_reshardable", seq_length,
                                    lr, min_lr, max_memory,
-                                   workers, bar, ep or 1, etp or 1, optimizer)
+                                   workers, bar, ep or 1, etp or 1, optimizer, session)
         print_written(fmt, info, f"imported {info['src']} ({info['architecture']}) as {info['dst']} (megatron-core "
                       f"{info['sharding']}, {info['topology']}, iteration {info['iteration']}, optimizer "
                       f"{info['optimizer']}): "
@@ -139,7 +140,7 @@ def import_command(
     par = ParallelConfig(tp=tp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp)
     with contextlib.ExitStack() as stack:
         bar = progress_opener(stack, "importing", fmt)
-        info = import_hf(src, dst, par, layout, bucket_size, seq_length, max_memory, workers, bar, optimizer)
+        info = import_hf(src, dst, par, layout, bucket_size, seq_length, max_memory, workers, bar, optimizer, session)
     print_written(fmt, info, f"imported {info['src']} ({info['architecture']}) as {info['dst']} ({info['topology']}, "
                   f"{info['layout']}, iteration {info['iteration']}, optimizer {info['optimizer']}): "
                   f"{count(info['params'], 'param')}, {count(info['files'], 'file')}, "

@@ -9,7 +9,7 @@ parallel sizes and optimizer format megatron recorded there (:mod:`gtp_format.me
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -58,6 +58,7 @@ def inspect_command(
     stats: Annotated[bool, typer.Option("--stats", help="Value statistics per key recorded at save (no data read); "
                                         "per chunk with --format json.")] = False,
     fmt: FormatOption = OutputFormat.table,
+    session: Any = None,  # the command's (handle_errors): no option
 ) -> None:
     """Show format, topology, keys and aliasing status of a checkpoint (metadata only)."""
     from ckpt_tool.report_tables import inspect_tables
@@ -65,7 +66,7 @@ def inspect_command(
     from gtp_format.report import inspect_report
 
     doc = inspect_report(path, KeyFilter.of(keys, ignore), chunks=chunks, cp_size=cp_size, folded=folded,
-                         params=params, stats=stats)
+                         params=params, stats=stats, session=session)
     if fmt == OutputFormat.json:
         print_json(doc)
         return

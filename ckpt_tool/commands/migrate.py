@@ -114,13 +114,15 @@ def migrate_command(
         bool, typer.Option("--reset-lost-moments", help="Write lost Adam moments as zeros (recorded in the manifest).")
     ] = False,
     fmt: FormatOption = OutputFormat.table,
+    session: Any = None,  # the command's (handle_errors): no option
 ) -> None:
     """Rename aliased folded optimizer keys to .cp_rank_{i}, rebuild what CP peers lost; SRC is never modified."""
     from ckpt_tool.migrate.run import migrate_aliased
 
     report = migrate_aliased(src, dst, cp_size=cp_size, in_place=in_place, dry_run=dry_run,
                              reset_lost_moments=reset_lost_moments,
-                             progress=lambda steps: progress(steps, "migrating", progress_enabled(fmt), "steps"))
+                             progress=lambda steps: progress(steps, "migrating", progress_enabled(fmt), "steps"),
+                             session=session)
     _finish(report.doc, fmt, report.verdict)
     if report.error is not None:
         fail(report.error.message, report.error.exit_code)

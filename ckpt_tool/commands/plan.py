@@ -53,7 +53,7 @@ def _probe_gbps(ckpt: Any) -> float | None:
         return None
     name = max(ckpt.data_files, key=lambda n: ckpt.data_files[n])
     t, n = time.perf_counter(), 0
-    with open_regular(ckpt.root, name) as f:
+    with open_regular(ckpt.store, name) as f:
         while n < PROBE_BYTES:
             got = f.read(min(8 << 20, PROBE_BYTES - n))
             if not got:
@@ -88,12 +88,13 @@ def plan_command(
     read_gbps: Annotated[float | None, typer.Option("--read-gbps", min=1e-6,
                                                     help="Read GB/s per node (default: measured).")] = None,
     fmt: FormatOption = OutputFormat.table,
+    session: Any = None,  # the command's (handle_errors): no option
 ) -> None:
     """Say whether a load at a topology works as is, needs a reshard, or cannot work; what each rank reads."""
     from gtp_format.load_plan import IMPOSSIBLE, plan_megatron, plan_ours
     from gtp_format.reader.checkpoint import open_checkpoint
 
-    ckpt = open_checkpoint(path)
+    ckpt = open_checkpoint(path, session=session)
     if ckpt.manifest is not None:
         if first_layers is not None or last_layers is not None:
             raise FormatError(f"--decoder-first/last-pipeline-num-layers: are for megatron-core sources; {path} is "

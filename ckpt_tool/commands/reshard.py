@@ -78,6 +78,7 @@ def reshard_command(
     workers: Annotated[int | None, typer.Option("--workers", min=1, max=64, show_default="one per core, at most 4",
                                                 help="Data files written in parallel.")] = None,
     fmt: FormatOption = OutputFormat.table,
+    session: Any = None,  # the command's (handle_errors): no option
 ) -> None:
     """Write SRC's model and optimizer state for another topology into DST."""
     from ckpt_tool.reshard.engine import reshard_checkpoint
@@ -87,7 +88,7 @@ def reshard_command(
         result = reshard_checkpoint(src, dst, tp=tp, pp=pp, cp=cp, gtp_remat=gtp_remat, dp=dp, fold_cp=fold_cp,
                                     expert_gtp_remat=expert_gtp_remat, layout=layout, ep=ep, etp=etp,
                                     bucket_size=bucket_size, max_memory=max_memory, workers=workers, progress=bar,
-                                    first_layers=first_layers, last_layers=last_layers)
+                                    first_layers=first_layers, last_layers=last_layers, session=session)
     _report(result, fmt)
 
 

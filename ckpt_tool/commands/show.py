@@ -110,12 +110,13 @@ def show_command(
     values: Annotated[bool, typer.Option("--values", help=f"Print the values too (at most {MAX_VALUES}).")] = False,
     max_bytes: MaxBytesOption = DEFAULT_MAX_BYTES,
     fmt: FormatOption = OutputFormat.table,
+    session: Any = None,  # the command's (handle_errors): no option
 ) -> None:
     """Assemble one tensor from its chunks and print shape, dtype and statistics."""
     from gtp_format.model import BYTES
     from gtp_format.reader.checkpoint import open_checkpoint
 
-    ckpt = open_checkpoint(path)
+    ckpt = open_checkpoint(path, session=session)
     stacked = _stacked(ckpt, key) if key not in ckpt.entries and cp_rank is None else None
     if stacked is not None and slice_ is not None:
         which = f"layer {stacked[1]}" + (f", expert {stacked[2]}" if stacked[2] is not None else "")

@@ -6,7 +6,7 @@ summary on stderr so a script sees why without parsing the report.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -67,6 +67,7 @@ def verify_command(
                      help="Threads that read, hash and scan with --data."),
     ] = None,
     fmt: FormatOption = OutputFormat.table,
+    session: Any = None,  # the command's (handle_errors): no option
 ) -> None:
     """Check a checkpoint's structure (and with --data its contents); exit 1 on errors."""
     from gtp_format.check.data import data_bytes
@@ -77,8 +78,9 @@ def verify_command(
         from gtp_format.storage import objects
         from gtp_format.storage.base import storage_for
 
-        storage_for(path).reads_everything(objects.PART * objects.IN_FLIGHT)  # what its reads hold in flight anyway
-    ckpt = open_checkpoint(path)
+        # what its reads hold in flight anyway
+        storage_for(path, session).reads_everything(objects.PART * objects.IN_FLIGHT)
+    ckpt = open_checkpoint(path, session=session)
     # in bytes, like every engine that moves data: someone watching a 500 GB verify wants GB/s and an ETA
     with progress(data_bytes(ckpt) if data else 0, "reading", progress_enabled(fmt)) as advance:
         result = verify(ckpt, data=data, cp_size=cp_size, progress=advance, workers=workers,

@@ -49,6 +49,7 @@ from gtp_format.names import (
 )
 from gtp_format.progress import Progress
 from gtp_format.scan import carrier
+from gtp_format.session import Session
 from gtp_format.storage import objects
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
@@ -300,18 +301,20 @@ def write_failure(dst: Path, e: OSError) -> FormatError:
 
 
 def build_atomically(dst: Path, sources: tuple[Path, ...], body: Callable[[CheckpointWriter], None],
-                     inner: str | None = None, latest: str | None = None) -> None:
+                     inner: str | None = None, latest: str | None = None, session: Session | None = None) -> None:
     """Run ``body(writer)`` (which writes and finishes) on a new :class:`CheckpointWriter` for ``dst`` and
-    commit it; the work folder is removed on any failure, and a DST that appeared meanwhile is refused."""
+    commit it; the work folder is removed on any failure, and a DST that appeared meanwhile is refused.
+    ``session``: the command's (:class:`gtp_format.session.Session`): the writer's storage uses its limits
+    and its work folder is recorded there."""
     check_destination(dst, sources, COPIES)  # sources: every name of SRC (Source.names), for the nesting rule
     group = ranks.current()
     if group is not None:  # under torchrun: every rank writes its share into rank 0's work folder
         from ckpt_tool.copying.ranked import build_ranked
 
-        build_ranked(group, dst, body, inner, latest)
+        build_ranked(group, dst, body, inner, latest, session)
         return
     try:
-        with CheckpointWriter(dst, inner=inner, latest=latest) as writer:
+        with CheckpointWriter(dst, inner=inner, latest=latest, session=session) as writer:
             body(writer)
             writer.commit()
     except BaseException as e:

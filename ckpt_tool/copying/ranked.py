@@ -44,6 +44,7 @@ from gtp_format.check.gate import check_written
 from gtp_format.errors import FormatError
 from gtp_format.manifest import FileEntry
 from gtp_format.ranks import COMMITTING, Group, RankFailed, assign, fault, faulted
+from gtp_format.session import Session
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.work import TOKEN_FILE, leftovers, proven, remove_entry
@@ -51,7 +52,7 @@ from gtp_format.writer.checkpoint import CheckpointWriter
 
 
 def build_ranked(group: Group, dst: Path | ObjectURL, body: Callable[[CheckpointWriter], None],
-                 inner: str | None, latest: str | None) -> None:
+                 inner: str | None, latest: str | None, session: Session | None = None) -> None:
     """:func:`ckpt_tool.copying.engine.build_atomically` for the ranks of ``group`` (see the module docstring)."""
     nodes = group.nodes
     if not storage_for(dst).in_place and len(nodes) > 1:
@@ -59,7 +60,7 @@ def build_ranked(group: Group, dst: Path | ObjectURL, body: Callable[[Checkpoint
                           f"{', '.join(nodes[1:])} cannot write; run the job on one node (--nnodes 1), or write "
                           "to a folder every node shares and upload that")
     if group.root:
-        with TermGuard() as guard, CheckpointWriter(dst, inner=inner, latest=latest) as writer:
+        with TermGuard() as guard, CheckpointWriter(dst, inner=inner, latest=latest, session=session) as writer:
             guard.writer = writer
             try:
                 fault("created")
@@ -70,7 +71,7 @@ def build_ranked(group: Group, dst: Path | ObjectURL, body: Callable[[Checkpoint
                     writer.abort()
                 raise
         return
-    writer = CheckpointWriter(dst, inner=inner, latest=latest)
+    writer = CheckpointWriter(dst, inner=inner, latest=latest, session=session)
     try:
         writer.adopt(group.exchange(lambda: None, "while creating the work folder")[0])
         _steps(group, writer, body, TermGuard())  # not entered: only rank 0 removes on SIGTERM
@@ -99,7 +100,7 @@ def remove_dead_owners(writer: CheckpointWriter, pid: int) -> None:
     """Remove the work folders beside the output that the dead process ``pid`` (rank 0) made: those whose name
     records that process, of this host, gone, and whose token proves the name (:mod:`gtp_format.work`)."""
     try:
-        parent = writer.storage.work_parent(writer.session)
+        parent = writer.storage.work_parent()
     except FormatError:  # a bucket's staging setting this rank cannot use: it wrote nothing there either
         return
     for w in leftovers(parent):

@@ -33,6 +33,7 @@ from gtp_format.manifest import Manifest
 from gtp_format.model import Checkpoint, Chunk
 from gtp_format.names import OPTIMIZER_SHARDINGS
 from gtp_format.reader.boxes import BoxReader, Buffer
+from gtp_format.session import Session
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL, parse_location
 from gtp_format.views.ours import param_views
@@ -190,7 +191,8 @@ COPY_SUFFIX = "; reshard and export copy only what verify passes"
 
 
 def open_source(path: Path | ObjectURL, megatron: bool = False, weights_only: bool = False, views: bool = True,
-                experts: bool = False, max_memory: int | None = None, dense_experts: bool = False) -> Source:
+                experts: bool = False, max_memory: int | None = None, dense_experts: bool = False,
+                session: Session | None = None) -> Source:
     """Open SRC through the one gate and refuse what cannot be resharded (see the module docstring).
 
     ``megatron=True`` (export) also takes a checkpoint without a manifest, through megatron-core's
@@ -202,18 +204,19 @@ def open_source(path: Path | ObjectURL, megatron: bool = False, weights_only: bo
     (``--to torch``, which copies keys, not parameters): no per-parameter view is built at all.
     ``max_memory`` (a copy that will read every byte): a bucket's small data objects may be fetched whole
     from its listing on, within a quarter of it (:meth:`gtp_format.storage.base.Storage.reads_everything`).
+    ``session``: the command's (:class:`gtp_format.session.Session`), whose storages read it.
     """
     if max_memory is not None:
-        storage_for(path).reads_everything(min(WHOLE_OBJECTS, max_memory // 4))
-    source = _open_source(path, megatron, weights_only, views, experts, dense_experts)
+        storage_for(path, session).reads_everything(min(WHOLE_OBJECTS, max_memory // 4))
+    source = _open_source(path, megatron, weights_only, views, experts, dense_experts, session)
     source.given = parse_location(path) if isinstance(path, str) else path
     return source
 
 
 def _open_source(path: Path | ObjectURL, megatron: bool, weights_only: bool, views: bool, experts: bool,
-                 dense_experts: bool = False) -> Source:
+                 dense_experts: bool = False, session: Session | None = None) -> Source:
     gated = open_gated(path, needs_manifest=None if megatron else RESHARD_NEEDS, aliased=REFUSE,
-                       copy=True, refusal_suffix=COPY_SUFFIX)
+                       copy=True, refusal_suffix=COPY_SUFFIX, session=session)
     ckpt, manifest = gated.ckpt, gated.manifest
     if manifest is None:
         return _open_megatron(ckpt, weights_only, views, experts, dense_experts)

@@ -78,6 +78,7 @@ from gtp_format.lineage import attestation, attestation_beside, derived
 from gtp_format.megatron.args import describe_model, recorded_args
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.progress import Progress, ProgressOpener
+from gtp_format.session import Session
 from gtp_format.storage import objects
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
@@ -401,13 +402,15 @@ def output_bytes(dst: Path | ObjectURL, inner: str | None) -> int:
 def export(src: Path | ObjectURL, dst: Path | ObjectURL, to: str, optimizer: bool = False,
            max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None, max_shard: int = DEFAULT_SHARD,
            progress: ProgressOpener | None = None, names: str | None = None,
-           tokenizer: Path | None = None, num_heads: int | None = None) -> dict[str, Any]:
+           tokenizer: Path | None = None, num_heads: int | None = None,
+           session: Session | None = None) -> dict[str, Any]:
     """Export SRC to DST (a new folder; a new file for ``torch``) and return a summary.
 
     ``names`` (hf): ``hf`` (transformers' names, config.json: the default for this runtime's
     checkpoints, and for a megatron-core one given ``num_heads``, which its tensors do not record)
     or ``megatron`` (the checkpoint's own names). ``tokenizer``: a ``tokenizers`` JSON file copied
-    into the folder.
+    into the folder. ``session``: the command's (:class:`gtp_format.session.Session`): DST's storage uses its
+    limits and the work folder is recorded there.
     """
     if to not in TARGETS:
         raise FormatError(f"--to {to!r}: use one of {', '.join(TARGETS)}")
@@ -415,13 +418,13 @@ def export(src: Path | ObjectURL, dst: Path | ObjectURL, to: str, optimizer: boo
         raise FormatError(f"--names {names!r}: use one of {', '.join(NAMES)}")
     if to != "hf" and (names is not None or tokenizer is not None or num_heads is not None):
         raise FormatError(f"--names, --tokenizer and --num-heads shape a Hugging Face folder; drop them for --to {to}")
-    if to == "torch" and not storage_for(dst).in_place and not dst.name:  # a bucket's top level
+    if to == "torch" and not storage_for(dst, session).in_place and not dst.name:  # a bucket's top level
         raise FormatError(f"{dst}: --to torch writes one object; name it, e.g. {dst}/model.pt")
     t0 = time.perf_counter()
     baseline = rss_after_imports("safetensors" if to == "hf" else None)
     weights_only = to == "torch" or (to == "hf" and not optimizer)
     source = open_source(src, megatron=True, weights_only=weights_only, views=to != "torch",
-                         experts=True, max_memory=max_memory, dense_experts=to == "hf")
+                         experts=True, max_memory=max_memory, dense_experts=to == "hf", session=session)
     names = names or "hf"
     if tokenizer is not None and names != "hf":
         raise FormatError("--tokenizer goes with --names hf (a folder transformers loads); drop one of them")
@@ -448,7 +451,7 @@ def export(src: Path | ObjectURL, dst: Path | ObjectURL, to: str, optimizer: boo
         except FormatError:
             raise FormatError(f"{beside} already exists (the attestation of an earlier export to {dst.name}); "
                               "nothing was written; remove it or pick a new DST") from None
-        info = export_torch(source, dst, max_memory, progress)
+        info = export_torch(source, dst, max_memory, progress, session)
         attest_file(dst, beside, record)
         info["attestation"] = str(beside)
     else:
@@ -469,7 +472,7 @@ def export(src: Path | ObjectURL, dst: Path | ObjectURL, to: str, optimizer: boo
         if to == "fully_reshardable":
             nested = {"inner": iter_dir_name(iteration), "latest": str(iteration)}
         try:
-            build_atomically(dst, source.names, body, **nested)
+            build_atomically(dst, source.names, body, **nested, session=session)
         finally:
             source.reader.close()
         info = holder

@@ -35,6 +35,7 @@ from ckpt_tool.export.torch_objects import decode_objects
 from gtp_format.check.integrity import readable_bytes
 from gtp_format.errors import FormatError
 from gtp_format.reader.boxes import PREFETCH_BUDGET
+from gtp_format.session import Session
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.work import clean_stale, remove_entry, sigterm_raises
@@ -62,7 +63,8 @@ def _pieces(key: str, shape: tuple[int, ...], itemsize: int, slice_bytes: int) -
 
 
 def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
-                 advance_of: Callable[[int], Callable[[int], None]] | None = None) -> dict[str, Any]:
+                 advance_of: Callable[[int], Callable[[int], None]] | None = None,
+                 session: Session | None = None) -> dict[str, Any]:
     entries = {k: e for k, e in source.ckpt.entries.items() if e.shape is not None and e.dtype is not None}
     objects = sorted(k for k in source.ckpt.entries if k not in entries)  # byte objects: see the module docstring
     total = sum(e.numel * e.itemsize for e in entries.values())
@@ -96,7 +98,7 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
         arr = np.ascontiguousarray(source.reader.read_box(key, offsets, sizes))
         return arr, zlib.crc32(arr.reshape(-1).view(np.uint8))
 
-    store = storage_for(dst)  # a bucket's: built in local staging, then uploaded as one object
+    store = storage_for(dst, session)  # a bucket's: built in local staging, then uploaded as one object
     local = store.work_target(store.work_parent())
     clean_stale(local.parent)  # what killed exports left beside DST
     # the file is built inside a work folder of this writer's (its ownership token inside), so a killed

@@ -57,6 +57,7 @@ from gtp_format.manifest import HASH_ALGORITHM, Manifest, OptimizerInfo, format_
 from gtp_format.names import FORMAT_NAME, LAYOUTS, STATES, iter_dir_name
 from gtp_format.progress import ProgressOpener
 from gtp_format.scan import carrier
+from gtp_format.session import Session
 from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter
 from gtp_format.writer.sink import stage_bytes
@@ -212,7 +213,8 @@ def target(hf: HFModel, par: ParallelConfig, layout: str, bucket_size: int) -> M
 def import_hf(src: Path | ObjectURL, dst: Path | ObjectURL, par: ParallelConfig, layout: str = "torch_dist",
               bucket_size: int = DEFAULT_BUCKET_SIZE, seq_length: int | None = None,
               max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
-              progress: ProgressOpener | None = None, optimizer: bool = True) -> dict[str, Any]:
+              progress: ProgressOpener | None = None, optimizer: bool = True,
+              session: Session | None = None) -> dict[str, Any]:
     """Write the HF folder SRC as a checkpoint at ``par`` into the new folder DST: step 0, or the
     exported run's step with its optimizer state (``optimizer`` and optimizer files present)."""
     if layout not in LAYOUTS:
@@ -231,7 +233,8 @@ def import_hf(src: Path | ObjectURL, dst: Path | ObjectURL, par: ParallelConfig,
         advance = progress(plan.nbytes) if progress else (lambda n: None)
         write_checkpoint(fill(hf), manifest, plan, writer, workers, advance, stage_bytes(chunk_bytes))
 
-    build_atomically(dst, (src,), body, inner=iter_dir_name(manifest.iteration), latest=str(manifest.iteration))
+    build_atomically(dst, (src,), body, inner=iter_dir_name(manifest.iteration), latest=str(manifest.iteration),
+                     session=session)
     out = written_sizes(dst / iter_dir_name(manifest.iteration))
     return {"src": str(src), "dst": str(dst), "from": "hf", "architecture": mapping.ARCHITECTURE,
             "topology": par.describe(), "layout": layout, "params": len(hf.parts), "param_dtype": hf.param_dtype,

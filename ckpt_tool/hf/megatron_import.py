@@ -67,6 +67,7 @@ from gtp_format.integrity.records import ChunkRecord
 from gtp_format.integrity.stats import warm_up
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.progress import ProgressOpener
+from gtp_format.session import Session
 from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter, megatron_metadata
 from gtp_format.writer.sink import stage_bytes
@@ -168,7 +169,7 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
                     sharding: str = "dp_reshardable", seq_length: int | None = None, lr: float | None = None,
                     min_lr: float | None = None, max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
                     progress: ProgressOpener | None = None, ep: int = 1, etp: int = 1,
-                    optimizer: bool = True) -> dict[str, Any]:
+                    optimizer: bool = True, session: Session | None = None) -> dict[str, Any]:
     """Write the HF folder SRC as a megatron-core checkpoint at TP x PP (x VPP) x DP (x EP, expert TP) into
     the new DST. ``lr`` / ``min_lr``: the run's (1e-4 / 0 unless given); a carried scheduler's own where SRC
     has one, which a different value given contradicts."""
@@ -223,7 +224,7 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
     warm = threading.Thread(target=warm_up, args=([hf.dtype, FP32],), name="stats-warm-up", daemon=True)
     warm.start()
     try:
-        build_atomically(dst, (src,), body, inner=iter_dir_name(it), latest=str(it))
+        build_atomically(dst, (src,), body, inner=iter_dir_name(it), latest=str(it), session=session)
     finally:
         warm.join()
     out = written_sizes(dst / iter_dir_name(it))

@@ -22,6 +22,7 @@ from ckpt_tool.migrate.write import Outcome, build_migrated
 from gtp_format.errors import EXIT_CHECK_FAILED, FormatError
 from gtp_format.progress import Progress
 from gtp_format.reader.checkpoint import open_checkpoint
+from gtp_format.session import Session
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter
@@ -55,7 +56,7 @@ def _build_and_check(plan: Plan, writer: CheckpointWriter, final: Path | ObjectU
     return outcome
 
 
-def migrate_to(plan: Plan, dst: Path | ObjectURL, progress: Progress) -> Outcome:
+def migrate_to(plan: Plan, dst: Path | ObjectURL, progress: Progress, session: Session | None = None) -> Outcome:
     """Build the migrated checkpoint in a hidden sibling of ``dst`` and rename it to ``dst`` (a bucket:
     built and self-checked in local staging, then the writer's ordered upload).
 
@@ -68,14 +69,14 @@ def migrate_to(plan: Plan, dst: Path | ObjectURL, progress: Progress) -> Outcome
     nested = src.parent is not None
     final_iter = dst / src.folder.name if nested else dst
     with CheckpointWriter(dst, inner=src.folder.name if nested else None,
-                          latest=src.latest_text if nested else None, tag=TAG) as writer:
+                          latest=src.latest_text if nested else None, tag=TAG, session=session) as writer:
         outcome = _build_and_check(plan, writer, final_iter, progress)
         writer.commit()
     outcome.destination = final_iter
     return outcome
 
 
-def migrate_in_place(plan: Plan, progress: Progress) -> Outcome:
+def migrate_in_place(plan: Plan, progress: Progress, session: Session | None = None) -> Outcome:
     """Build the migrated iteration next to SRC's, then swap; SRC's old folder is kept as a backup.
 
     Where the kernel can exchange two paths atomically (Linux ``renameat2``), readers of SRC see
@@ -86,7 +87,7 @@ def migrate_in_place(plan: Plan, progress: Progress) -> Outcome:
     backup = folder.parent / f"{folder.name}.pre-migrate-{stamp}"
     while os.path.lexists(backup):
         backup = folder.parent / f"{folder.name}.pre-migrate-{stamp}-{uuid.uuid4().hex[:4]}"
-    with CheckpointWriter(folder, replace=True, backup=backup, tag=TAG) as writer:
+    with CheckpointWriter(folder, replace=True, backup=backup, tag=TAG, session=session) as writer:
         outcome = _build_and_check(plan, writer, folder, progress)
         writer.commit()
     outcome.destination, outcome.backup = folder, backup

@@ -29,6 +29,7 @@ from gtp_format.model import TENSOR, Checkpoint
 from gtp_format.names import LATEST_FILE, MANIFEST_FILE, STATES, OptimizerKey, distcp_writer_rank
 from gtp_format.reader.locate import LAYOUT_TORCH_DIST, locate
 from gtp_format.reader.storage import read_small_file
+from gtp_format.session import Session
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import check_destination
@@ -160,17 +161,18 @@ class Plan:
 REPAIR_REST = "; migrate-aliased repairs only the aliasing: repair the rest first"
 
 
-def plan_migration(src: Path | ObjectURL, cp_size: int | None, reset_lost_moments: bool) -> Plan:
+def plan_migration(src: Path | ObjectURL, cp_size: int | None, reset_lost_moments: bool,
+                   session: Session | None = None) -> Plan:
     """Work out every rename and every lost chunk from metadata and the manifest.
 
     Reads no tensor data except the tiny ``per_bucket_numel`` ones that verify's structural checks
     decode; every refusal happens here, before anything is written: exit 2 for unusable input, exit 1
     with verify's own line (:func:`gtp_format.check.gate.run_checks`) for a source that fails
-    verify apart from the aliasing it repairs.
+    verify apart from the aliasing it repairs. ``session``: the command's, whose storage reads SRC.
     """
     source = locate_source(src)
     # .metadata is read here, and only here; verify runs below, only where keys are aliased
-    gated = open_gated(source.folder, aliased=REPAIR, checks=False, keep_raw_metadata=True)
+    gated = open_gated(source.folder, aliased=REPAIR, checks=False, keep_raw_metadata=True, session=session)
     ckpt, manifest = gated.ckpt, gated.manifest
     folder = ckpt.root
     classes = classify_all(ckpt)

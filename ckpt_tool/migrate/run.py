@@ -25,6 +25,7 @@ from ckpt_tool.migrate.plan import (
 from gtp_format.errors import EXIT_BAD_INPUT, FormatError
 from gtp_format.names import DCP_METADATA_FILE, MANIFEST_FILE
 from gtp_format.reader.storage import list_dir
+from gtp_format.session import Session
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 
@@ -63,8 +64,10 @@ def plan_doc(plan: Plan) -> dict[str, Any]:
 
 
 def migrate_aliased(src: Path | ObjectURL, dst: Path | ObjectURL | None, *, cp_size: int | None, in_place: bool,
-                    dry_run: bool, reset_lost_moments: bool, progress: ProgressFactory) -> Report:
-    """Migrate SRC to DST (or in place); raises :class:`FormatError` for bad input (exit 2)."""
+                    dry_run: bool, reset_lost_moments: bool, progress: ProgressFactory,
+                    session: Session | None = None) -> Report:
+    """Migrate SRC to DST (or in place); raises :class:`FormatError` for bad input (exit 2). ``session``: the
+    command's (:class:`gtp_format.session.Session`), which the writer's storage and work folder belong to."""
     if in_place and dst is not None:
         raise FormatError(f"--in-place replaces SRC and takes no DST (got {dst}); drop one of them")
     if not in_place and dst is None:
@@ -73,7 +76,7 @@ def migrate_aliased(src: Path | ObjectURL, dst: Path | ObjectURL | None, *, cp_s
         raise FormatError(f"{src}: --in-place cannot replace a checkpoint in a bucket: an object store has no atomic "
                           "rename, so readers would see a mix of the old and the new objects; pass a new DST instead "
                           "(a folder or s3://BUCKET/NEW_PREFIX) and point the run at it")
-    plan = plan_migration(src, cp_size, reset_lost_moments)
+    plan = plan_migration(src, cp_size, reset_lost_moments, session)
     doc = plan_doc(plan)
     doc.update(mode="dry_run" if dry_run else ("in_place" if in_place else "copy"), written=False,
                destination=None if dst is None else str(dst), backup=None, files=None, notes=[])
@@ -88,7 +91,7 @@ def migrate_aliased(src: Path | ObjectURL, dst: Path | ObjectURL | None, *, cp_s
         return Report(doc, "REFUSED: Adam moments were lost; nothing written", error)
     if dry_run:
         return Report(doc, "dry run: nothing written")
-    outcome = _write(plan, dst, in_place, progress)
+    outcome = _write(plan, dst, in_place, progress, session)
     doc.update(written=True, destination=str(outcome.destination),
                backup=None if outcome.backup is None else str(outcome.backup), notes=outcome.notes,
                files={"linked": outcome.linked, "copied": outcome.copied, "new_data_file": outcome.new_data_file,
@@ -97,17 +100,18 @@ def migrate_aliased(src: Path | ObjectURL, dst: Path | ObjectURL | None, *, cp_s
     return Report(doc, f"MIGRATED: {outcome.destination}{where}")
 
 
-def _write(plan: Plan, dst: Path | ObjectURL | None, in_place: bool, progress: ProgressFactory) -> Outcome:
+def _write(plan: Plan, dst: Path | ObjectURL | None, in_place: bool, progress: ProgressFactory,
+           session: Session | None = None) -> Outcome:
     from ckpt_tool.migrate.commit import migrate_in_place, migrate_to  # torch: a real run only
 
-    carried = [n for n in list_dir(plan.ckpt.root) if n not in (DCP_METADATA_FILE, MANIFEST_FILE)]
+    carried = [n for n in list_dir(plan.ckpt.store) if n not in (DCP_METADATA_FILE, MANIFEST_FILE)]
     steps = len(carried) + sum(c.action in (REBUILD, RESET) for c in plan.lost)
     with progress(steps) as advance:
         try:
             if in_place:
-                return migrate_in_place(plan, advance)
+                return migrate_in_place(plan, advance, session)
             assert dst is not None
-            return migrate_to(plan, dst, advance)
+            return migrate_to(plan, dst, advance, session)
         except OSError as e:
             where = f" {e.filename}" if e.filename else ""
             raise FormatError(f"cannot write{where}: {e.strerror or e}; nothing was committed, SRC is untouched",

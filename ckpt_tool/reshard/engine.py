@@ -49,6 +49,7 @@ from gtp_format.lineage import LINEAGE_KEY, attestation, derived
 from gtp_format.manifest import HASH_ALGORITHM, Manifest, format_version_for
 from gtp_format.names import FORMAT_NAME, iter_dir_name
 from gtp_format.progress import ProgressOpener
+from gtp_format.session import Session
 from gtp_format.storage.location import ObjectURL
 from gtp_format.views.ours import param_views
 from gtp_format.views.records import ParamView
@@ -114,12 +115,12 @@ def target_topology(src: Path | Source, layout: str | None, **asked: int | bool 
 
 def reshard(src: Path | Source, dst: Path, par: ParallelConfig, layout: str | None = None,
             max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
-            progress: ProgressOpener | None = None) -> Result:
+            progress: ProgressOpener | None = None, session: Session | None = None) -> Result:
     """Reshard SRC (a path, or the :class:`Source` already opened) to topology ``par`` into the new
-    folder DST (``DST/iter_N`` + latest marker)."""
+    folder DST (``DST/iter_N`` + latest marker), written in ``session`` (:class:`gtp_format.session.Session`)."""
     t0 = time.perf_counter()
     baseline = rss_after_imports(layout)
-    source = src if isinstance(src, Source) else open_source(src)
+    source = src if isinstance(src, Source) else open_source(src, session=session)
     assert source.manifest is not None and source.manifest.topology is not None
     target = target_manifest(source.manifest, par, layout or source.manifest.layout)
     target_views = param_views(target)
@@ -145,7 +146,8 @@ def reshard(src: Path | Source, dst: Path, par: ParallelConfig, layout: str | No
         finally:
             source.reader.close()
 
-    build_atomically(dst, source.names, body, inner=iter_dir_name(target.iteration), latest=str(target.iteration))
+    build_atomically(dst, source.names, body, inner=iter_dir_name(target.iteration), latest=str(target.iteration),
+                     session=session)
     out = written_sizes(dst / iter_dir_name(target.iteration))
     return Result(str(source.root), str(dst), source.manifest.topology.describe(), par.describe(), target.layout,
                   len(out), len(plan.chunks), sum(out), source.reader.bytes_read,
@@ -159,12 +161,12 @@ def reshard_checkpoint(src: Path | ObjectURL, dst: Path, *, tp: int | None = Non
                        ep: int | None = None, etp: int | None = None, bucket_size: int | None = None,
                        max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
                        progress: ProgressOpener | None = None, first_layers: int | None = None,
-                       last_layers: int | None = None) -> Result:
+                       last_layers: int | None = None, session: Session | None = None) -> Result:
     """``ckpt reshard``: SRC located, parsed, gated and viewed once, and its kind chooses the engine:
     this runtime's checkpoint (it has a manifest) goes to :func:`reshard`, megatron-core's
     ``dp_reshardable`` one to :func:`ckpt_tool.reshard.megatron_dp.reshard_megatron`. A size only the
     other kind takes is refused in one line (``None``: keep SRC's)."""
-    source = open_source(src, megatron=True, experts=True, max_memory=max_memory)
+    source = open_source(src, megatron=True, experts=True, max_memory=max_memory, session=session)
     try:
         if source.manifest is None:
             ours = {"--gtp-remat": gtp_remat, "--fold-cp": fold_cp, "--expert-gtp-remat": expert_gtp_remat,
@@ -176,7 +178,7 @@ def reshard_checkpoint(src: Path | ObjectURL, dst: Path, *, tp: int | None = Non
             from ckpt_tool.reshard.megatron_dp import reshard_megatron
 
             return reshard_megatron(source, dst, tp, pp, cp, dp, ep, bucket_size, max_memory, workers, progress, etp,
-                                    (first_layers, last_layers))
+                                    (first_layers, last_layers), session)
         for flag, value in (("--pp", pp), ("--ep", ep), ("--etp", etp), ("--bucket-size", bucket_size),
                             ("--decoder-first-pipeline-num-layers", first_layers),
                             ("--decoder-last-pipeline-num-layers", last_layers)):
@@ -188,4 +190,4 @@ def reshard_checkpoint(src: Path | ObjectURL, dst: Path, *, tp: int | None = Non
     except BaseException:
         source.reader.close()
         raise
-    return reshard(source, dst, par, layout, max_memory, workers, progress)
+    return reshard(source, dst, par, layout, max_memory, workers, progress, session)

@@ -58,6 +58,7 @@ from gtp_format.errors import FormatError
 from gtp_format.layout.config import target_world_problem
 from gtp_format.names import DCP_METADATA_FILE, iter_dir_name
 from gtp_format.ranks import current as current_group
+from gtp_format.session import Session
 from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter, megatron_metadata
 from gtp_format.writer.sink import stage_bytes
@@ -88,13 +89,14 @@ def target_refusal(src: Path | ObjectURL, tp: int, pp: int, cp: int, dp: int, ep
 def reshard_megatron(src: Path | Source, dst: Path, tp: int | None, pp: int | None, cp: int | None, dp: int | None,
                      ep: int | None = None, bucket_size: int | None = None, max_memory: int = DEFAULT_MAX_MEMORY,
                      workers: int | None = None, progress: Callable[[int], Progress] | None = None,
-                     etp: int | None = None, split: Split | None = None) -> Result:
+                     etp: int | None = None, split: Split | None = None, session: Session | None = None) -> Result:
     """Reshard a megatron-core ``dp_reshardable`` SRC to TP x PP x CP x DP into the new folder DST."""
     from gtp_format.megatron.topology import derive
 
     t0 = time.perf_counter()
     baseline = rss_after_imports("torch_dist")
-    source = src if isinstance(src, Source) else open_source(src, megatron=True, experts=True, max_memory=max_memory)
+    source = src if isinstance(src, Source) else open_source(src, megatron=True, experts=True, max_memory=max_memory,
+                                                             session=session)
     try:
         meg = derive(source.ckpt)
         if meg.format != "dp_reshardable":
@@ -156,7 +158,8 @@ def reshard_megatron(src: Path | Source, dst: Path, tp: int | None, pp: int | No
             source.verify_reads()  # a damaged SRC is refused here, before anything is committed
             writer.finish(None, megatron_metadata("torch_dist"))  # megatron-core's layout: no manifest
 
-        build_atomically(dst, source.names, body, inner=iter_dir_name(iteration), latest=str(iteration))
+        build_atomically(dst, source.names, body, inner=iter_dir_name(iteration), latest=str(iteration),
+                         session=session)
     finally:
         source.reader.close()
     out = list((dst / iter_dir_name(iteration)).iterdir())

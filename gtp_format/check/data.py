@@ -171,7 +171,7 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
             out.append(found)
             tick(c.storage.length if c.storage is not None else 0)
         # a bucket's windows are PART bytes, not WINDOW: as many bytes pending as IN_FLIGHT windows of 8 workers
-        bucket = storage_for(ckpt.root).remote
+        bucket = storage_for(ckpt.store).remote
         in_flight = max(2, HELD * WINDOW // PART) if bucket else min(HELD, IN_FLIGHT * n)
         with ThreadPoolExecutor(n, "ckpt-data") as pool:
             # a bucket's step holds a whole request (PART) while it runs: there every task counts as held
@@ -356,7 +356,7 @@ class _FilePass:
 
     def open_and_plan(self) -> list[_Step]:
         try:
-            f = open_regular(self.ckpt.root, self.rel)
+            f = open_regular(self.ckpt.store, self.rel)
         except ChunkError as err:
             for it in self.items:
                 self.planned.error(ChunkError(f"{it.entry.key} chunk {it.chunk.index}: {err.message}",

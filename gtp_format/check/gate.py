@@ -27,6 +27,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gtp_format.check.verify import VerifyResult, verify
 from gtp_format.errors import EXIT_CHECK_FAILED, ChunkError, FormatError
@@ -74,7 +75,8 @@ def strict_manifest(ckpt: Checkpoint) -> Manifest | None:
 
 def open_gated(path: os.PathLike[str] | str, *, needs_manifest: str | None = None, aliased: str = JUDGE,
                checks: bool = True, copy: bool = False, cp_size: int | None = None,
-               keep_raw_metadata: bool = False, refusal_suffix: str = "", judge_values: bool = True) -> Gated:
+               keep_raw_metadata: bool = False, refusal_suffix: str = "", judge_values: bool = True,
+               session: Any = None) -> Gated:
     """Open ``path`` and pass it through the gate (see the module docstring for the order).
 
     ``needs_manifest``: the caller cannot work without the manifest, and this says why (the
@@ -87,11 +89,12 @@ def open_gated(path: os.PathLike[str] | str, *, needs_manifest: str | None = Non
     (reshard, export), so missing ones are refused as an incomplete checkpoint.
     ``refusal_suffix`` ends verify's line with what the caller would have done. ``judge_values=False``
     leaves NaN/Inf in the state to verify (a writer's read-back: a diverged run's state is saved as it
-    is, and ``--load`` and ``verify`` judge it).
+    is, and ``--load`` and ``verify`` judge it). ``session``: the command's
+    (:func:`gtp_format.reader.checkpoint.open_checkpoint`).
     """
     from gtp_format.reader.checkpoint import open_checkpoint
 
-    ckpt = open_checkpoint(path, keep_raw_metadata=keep_raw_metadata)
+    ckpt = open_checkpoint(path, keep_raw_metadata=keep_raw_metadata, session=session)
     manifest = strict_manifest(ckpt)
     if manifest is None and needs_manifest is not None:
         raise FormatError(no_manifest_line(ckpt.root, needs_manifest))

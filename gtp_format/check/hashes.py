@@ -77,7 +77,7 @@ def check_range(ckpt: Checkpoint, entry: Entry, chunk: Chunk, rec: ChunkRecord, 
     """Read the record's byte range on its own, in blocks (bounded memory), and compare its digest."""
     h = chunk_hasher()
     try:
-        with open_regular(ckpt.root, rec.file) as f:
+        with open_regular(ckpt.store, rec.file) as f:
             fd = source_of(f)
             for pos in range(rec.offset, rec.offset + rec.length, BLOCK):
                 want = min(BLOCK, rec.offset + rec.length - pos)

@@ -171,7 +171,7 @@ class ReadLedger:
                 at = max(at, b)
         if not tasks and not records:
             return
-        threads = BUCKET_FILL_THREADS if storage_for(self.ckpt.root).remote else FILL_THREADS
+        threads = BUCKET_FILL_THREADS if storage_for(self.ckpt.store).remote else FILL_THREADS
         self._fill_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ledger-fill")
         self._fill = [self._fill_pool.submit(self._fill_range, *t) for t in tasks]
         self._fill += [self._fill_pool.submit(self._fill_records, rel, run) for rel, run in record_tasks(records)]
@@ -185,7 +185,7 @@ class ReadLedger:
         3.97 GB export (HF folder 0.99 GB), page cache evicted, on the lent 16-core H100 host
         (benchmarks/cli_stages.py). Anything wrong here (a record that is not an intact blob, a file that
         shrank) is left to ``finish``, which reads it again and reports it in its own words."""
-        with open_regular(self.ckpt.root, rel) as f:
+        with open_regular(self.ckpt.store, rel) as f:
             if f.sparse_message(rel) is not None:  # type: ignore[attr-defined]
                 return
             src, size = source_of(f), size_of(f)
@@ -203,7 +203,7 @@ class ReadLedger:
                     self._fill_range_of(src, rel, size, start, end)
 
     def _fill_range(self, rel: str, lo: int, hi: int) -> None:
-        with open_regular(self.ckpt.root, rel) as f:
+        with open_regular(self.ckpt.store, rel) as f:
             if f.sparse_message(rel) is not None:  # type: ignore[attr-defined]
                 return  # holes nobody wrote: finish() refuses the file without reading them
             self._fill_range_of(source_of(f), rel, size_of(f), lo, hi)  # a descriptor, or a bucket's object
@@ -254,7 +254,7 @@ class ReadLedger:
             with self._lock:
                 self._pieces[rel] = sorted(self._pieces.get(rel, ()))
             try:
-                with streamed(open_regular(self.ckpt.root, rel)) as f:
+                with streamed(open_regular(self.ckpt.store, rel)) as f:
                     sparse = f.sparse_message(rel)  # type: ignore[attr-defined]
                     if sparse is not None:
                         # reading (and hashing) the holes of a 16 TiB sparse file under a matching manifest
@@ -400,6 +400,6 @@ def readable_bytes(ckpt: Checkpoint) -> int:
     writer left for zero runs are read as the zeros they are."""
     total = 0
     for rel in ckpt.data_files:
-        with open_regular(ckpt.root, rel) as f:  # an object in a bucket stores every byte of its size
+        with open_regular(ckpt.store, rel) as f:  # an object in a bucket stores every byte of its size
             total += f.readable_bytes()  # type: ignore[attr-defined]
     return total

@@ -138,7 +138,7 @@ def read_entry(run: Path | ObjectURL, named: int, folder: str, opened: Checkpoin
     from gtp_format.names import MEGATRON_METADATA_FILE
     from gtp_format.reader.storage import is_regular_inside
 
-    if is_regular_inside(ckpt.root, MEGATRON_METADATA_FILE) is None:  # every writer's last file
+    if is_regular_inside(ckpt.store, MEGATRON_METADATA_FILE) is None:  # every writer's last file
         e.notes.append(f"not a complete checkpoint, skipped: no {MEGATRON_METADATA_FILE}, the file a save writes last")
         return e
     e.complete = True

@@ -28,7 +28,7 @@ _HEX = set("0123456789abcdef")
 
 def read_integrity(ckpt: Checkpoint) -> tuple[dict[str, str] | None, list[Problem]]:
     """The listing ``name -> sha256`` when the folder has ``integrity.json``; problems when it is unusable."""
-    if is_regular_inside(ckpt.root, FILE) is None:
+    if is_regular_inside(ckpt.store, FILE) is None:
         return None, []
     from gtp_format.safe_json import Budget, load_json_object
 
@@ -78,7 +78,7 @@ def check_integrity(ckpt: Checkpoint, listing: dict[str, str], data: bool,
     out = ProblemCap("megatron_integrity")
     for name, want in sorted(listing.items()):
         try:
-            file_size(ckpt.root, name, "file")
+            file_size(ckpt.store, name, "file")
         except ChunkError as err:
             out.add(Problem("error", "megatron_integrity", f"{FILE} lists it, but {err.message}", file=name))
             continue
@@ -87,7 +87,7 @@ def check_integrity(ckpt: Checkpoint, listing: dict[str, str], data: bool,
         got = (digests or {}).get(name, {}).get(ALGORITHM)
         if got is None:
             try:
-                with open_regular(ckpt.root, name, "file") as f:
+                with open_regular(ckpt.store, name, "file") as f:
                     got = file_digests(f, [ALGORITHM])[ALGORITHM]
             except ChunkError as err:
                 out.add(Problem("error", "megatron_integrity", err.message, file=name))
@@ -96,7 +96,7 @@ def check_integrity(ckpt: Checkpoint, listing: dict[str, str], data: bool,
             out.add(Problem("error", "megatron_integrity", f"sha256 is {got} but {FILE} says {want}: the file "
                                "changed after the save; restore it from a good copy", file=name))
     try:
-        present = {n for n in list_dir(ckpt.root) if n != FILE and is_regular_inside(ckpt.root, n) is not None}
+        present = {n for n in list_dir(ckpt.store) if n != FILE and is_regular_inside(ckpt.store, n) is not None}
     except (ChunkError, FormatError, OSError):
         present = set()
     for name in sorted(present - listing.keys()):

@@ -136,7 +136,7 @@ def check_storage(ckpt: Checkpoint) -> list[Problem]:
                 continue
             if ref.file not in sizes:
                 try:
-                    sizes[ref.file] = file_size(ckpt.root, ref.file)
+                    sizes[ref.file] = file_size(ckpt.store, ref.file)
                 except ChunkError as err:
                     sizes[ref.file] = err
             size = sizes[ref.file]
@@ -186,7 +186,7 @@ def _storage_in_order(ckpt: Checkpoint) -> list[Problem] | None:
         if type(name) is not str or unsafe_reason(name) is not None:
             return None
         try:
-            sizes[name] = file_size(ckpt.root, name)
+            sizes[name] = file_size(ckpt.store, name)
         except ChunkError:
             return None
     if not all(map(le, ends, map(sizes.__getitem__, files))):
@@ -495,7 +495,7 @@ def check_manifest_files(ckpt: Checkpoint, data: bool, digests: dict[str, dict[s
             out.append(Problem("error", "manifest", reason, file=str(rel)))
             continue
         try:
-            size = file_size(ckpt.root, rel)
+            size = file_size(ckpt.store, rel)
         except ChunkError as err:
             out.append(Problem("error", "manifest", err.message, file=rel))
             continue
@@ -518,7 +518,7 @@ def check_manifest_files(ckpt: Checkpoint, data: bool, digests: dict[str, dict[s
         have = (digests or {}).get(rel, {})
         if not all(a in have for a in known):
             try:
-                with open_regular(ckpt.root, rel) as f:
+                with open_regular(ckpt.store, rel) as f:
                     sparse = f.sparse_message(rel)  # type: ignore[attr-defined]  # an object has no holes
                     if sparse is not None:  # hashing holes is time spent on bytes nobody wrote
                         raise ChunkError(sparse, file=rel)

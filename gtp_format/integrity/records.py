@@ -91,7 +91,7 @@ def _unannounced(ckpt: Checkpoint) -> dict[str, Any] | None:
     """The section a manifest-less folder's side file stands for (Megatron's layout), or None."""
     from gtp_format.reader.storage import is_regular_inside
 
-    if ckpt.manifest is not None or is_regular_inside(ckpt.root, CHUNK_RECORDS_FILE) is None:
+    if ckpt.manifest is not None or is_regular_inside(ckpt.store, CHUNK_RECORDS_FILE) is None:
         return None
     return {"version": RECORDS_VERSION, "hash": CHUNK_HASH, "count": None}
 

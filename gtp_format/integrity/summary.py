@@ -24,7 +24,7 @@ def integrity_line(ckpt: Checkpoint, records: Records | None) -> str:
     if head is None and ckpt.manifest is None and records is None:
         from gtp_format.reader.storage import is_regular_inside
 
-        if is_regular_inside(ckpt.root, CHUNK_RECORDS_FILE) is not None:  # Megatron's layout, written by ckpt export
+        if is_regular_inside(ckpt.store, CHUNK_RECORDS_FILE) is not None:  # Megatron's layout, written by ckpt export
             return f"{CHUNK_HASH} per chunk ({CHUNK_RECORDS_FILE}, no manifest)"
     if head is None and records is None:
         return NO_RECORDS if ckpt.manifest is not None and ckpt.manifest.files else "no manifest checksums"

@@ -109,7 +109,7 @@ def check_stored(ckpt: Checkpoint, count: int, what: str) -> None:
         return
     from gtp_format.reader.storage import stored_size
 
-    stored = sum(stored_size(ckpt.root, rel) for rel in ckpt.data_files)
+    stored = sum(stored_size(ckpt.store, rel) for rel in ckpt.data_files)
     if count > stored:
         raise refusal(ckpt, f"its keys declare {count} {what}, more than the {stored} bytes its data files store "
                       "(each needs at least one)")

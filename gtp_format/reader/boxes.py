@@ -94,7 +94,7 @@ class BoxReader:
         with self._lock:
             got = self._files.get(rel)
             if got is None:
-                f = streamed(open_regular(self.ckpt.root, rel))
+                f = streamed(open_regular(self.ckpt.store, rel))
                 got = self._files[rel] = (f, size_of(f))
         return source_of(got[0]), got[1]
 
@@ -128,7 +128,7 @@ class BoxReader:
         entries = [self.ckpt.entries[k] for k in keys if k in self.ckpt.entries]
         ordered = [(e, c) for e in entries if e.kind == TENSOR
                    for c in sorted(e.chunks, key=lambda c: c.offsets[0] if c.offsets else 0) if c.storage is not None]
-        if storage_for(self.ckpt.root).remote:
+        if storage_for(self.ckpt.store).remote:
             self.prefetch_chunks([(e.key, c) for e, c in ordered], budget)
             return
         if self.ckpt.encoding == ENC_RAW or self._prefetch is not None:
@@ -152,7 +152,7 @@ class BoxReader:
         :meth:`box_chunks`). One item per :meth:`chunk_rows` call to come: a chunk named twice is fetched
         where it first comes and held until its last read. Nothing on a disk, and nothing once a plan was
         made (one plan per reader)."""
-        if self._plan is not None or not storage_for(self.ckpt.root).remote:
+        if self._plan is not None or not storage_for(self.ckpt.store).remote:
             return
         ordered: list[tuple[Entry, Chunk]] = []
         for key, c in order:

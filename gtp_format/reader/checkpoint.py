@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,17 +22,23 @@ from gtp_format.reader.locate import LAYOUT_SAFETENSORS, load_side_files, locate
 from gtp_format.reader.safetensors_reader import read_gtp_index, read_safetensors_metadata, safetensors_files
 from gtp_format.reader.storage import file_size
 
+if TYPE_CHECKING:
+    from gtp_format.session import Session
+
 TORCH_DIST_BACKEND = "torch_dist"
 GTP_SAFETENSORS_BACKEND = "gtp_safetensors"  # metadata.json of gtp_runtime's safetensors layout
 
 
-def open_checkpoint(path: str | os.PathLike[str], keep_raw_metadata: bool = False) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike[str], keep_raw_metadata: bool = False,
+                    session: Session | None = None) -> Checkpoint:
     """Read a checkpoint's metadata; never reads a data file except safetensors headers.
 
     ``keep_raw_metadata`` keeps the allow-listed ``.metadata`` records on the model
-    (:attr:`Checkpoint.raw_metadata`, torch_dist only) for a caller that rewrites them.
+    (:attr:`Checkpoint.raw_metadata`, torch_dist only) for a caller that rewrites them. ``session``: the
+    command's (:class:`gtp_format.session.Session`): the checkpoint's files are read through its storage
+    (:attr:`Checkpoint.store`), under its limits.
     """
-    loc = locate(path)
+    loc = locate(path, session)
     megatron, manifest, manifest_notes = load_side_files(loc)
     notes: list[Problem] = []
     if loc.layout == LAYOUT_SAFETENSORS:
@@ -77,6 +84,7 @@ def open_checkpoint(path: str | os.PathLike[str], keep_raw_metadata: bool = Fals
         root=loc.folder, layout=loc.layout, backend=backend, encoding=encoding, entries=entries,
         data_files=dict(sorted(files.items())), metadata_file=metadata_file, dcp_version=version,
         megatron_metadata=megatron, manifest=manifest, iteration=iteration, notes=notes, raw_metadata=raw_metadata,
+        storage=loc.storage,
     )
 
 

@@ -117,7 +117,7 @@ def chunk_bytes(ckpt: Checkpoint, entry: Entry, chunk: Chunk, into: Into | None 
     see :func:`gtp_format.reader.storage.read_range`)."""
     ref = checked_ref(ckpt, entry, chunk)
     try:
-        return read_range(ckpt.root, ref.file, ref.offset, ref.length, into)
+        return read_range(ckpt.store, ref.file, ref.offset, ref.length, into)
     except ChunkError as e:
         raise ChunkError(f"{entry.key} chunk {chunk.index}: {e.message}", key=entry.key, chunk=chunk.index,
                          file=ref.file) from None
@@ -137,7 +137,7 @@ def check_byte_object(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> None:
     if ckpt.encoding == ENC_RAW:
         chunk_bytes(ckpt, entry, chunk)
         return
-    with streamed(open_regular(ckpt.root, ref.file)) as f:
+    with streamed(open_regular(ckpt.store, ref.file)) as f:
         fd, size = source_of(f), size_of(f)
         if ref.offset + ref.length > size:
             raise ChunkError(f"{entry.key}: {past_end_message(ref.file, ref.offset, ref.length, size)}", key=entry.key,

@@ -190,7 +190,7 @@ def read_dcp_metadata(loc: Located, data_files: dict[str, int], keep_records: bo
     path = loc.folder / DCP_METADATA_FILE
     fix = f"restore {DCP_METADATA_FILE} from a good copy, or raise {METADATA_LIMIT_ENV} if it is genuine"
     stored = sum(stored_size(loc.folder, name) for name in data_files)  # not st_size: sparse files are free
-    raw = read_small_file(path, metadata_limit(stored, loc.folder), "DCP metadata", fix)
+    raw = read_small_file(path, metadata_limit(stored, loc.store), "DCP metadata", fix)
     if not keep_records and columns_wanted(len(raw)):  # a large file: scanned into columns (dcp_scan)
         got = columns_model(path, raw)
         if got is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gtp_format.errors import FormatError
 from gtp_format.manifest import Manifest, ManifestError, parse_manifest
@@ -35,9 +35,12 @@ from gtp_format.names import (
 )
 from gtp_format.reader.storage import is_folder_inside, is_regular_inside, list_dir, read_small_file, stored_size
 from gtp_format.safe_json import JSON_LIMIT, Budget, load_json_object
-from gtp_format.storage.base import storage_for
+from gtp_format.storage.base import Storage, storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.work import leftovers, parse_work, proven
+
+if TYPE_CHECKING:
+    from gtp_format.session import Session
 
 LAYOUT_TORCH_DIST, LAYOUT_SAFETENSORS = LAYOUTS
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -54,6 +57,12 @@ class Located:
     layout: str
     names: tuple[str, ...]  # entries of the folder, sorted
     recovered: str | None = None  # the iteration folder the marker names, when a hidden copy stands in for it
+    storage: Storage | None = None  # the folder's storage in the opening session (None: none was given)
+
+    @property
+    def store(self) -> Path | ObjectURL | Storage:
+        """Where its files are read: the session's storage of the folder, else the folder."""
+        return self.folder if self.storage is None else self.storage
 
 
 # Which hidden copies may stand in for a missing iteration: a writer's finished new copy. An ``old``
@@ -161,10 +170,11 @@ def _layout_of(names: list[str]) -> str | None:
     return None
 
 
-def locate(path: str | os.PathLike[str] | ObjectURL) -> Located:
+def locate(path: str | os.PathLike[str] | ObjectURL, session: Session | None = None) -> Located:
     """Resolve PATH (a folder, or an ``s3://`` URL: :func:`parse_location`) to a checkpoint folder,
-    following ``latest_checkpointed_iteration.txt``."""
-    store = storage_for(path)
+    following ``latest_checkpointed_iteration.txt``; ``session``: the command's
+    (:class:`gtp_format.session.Session`), whose storage of the folder the readers then use."""
+    store = storage_for(path, session)
     p = store.location
     if not store.exists():
         raise FormatError(f"{p} does not exist; pass a checkpoint folder (iter_XXXXXXX) or its parent")
@@ -197,7 +207,8 @@ def locate(path: str | os.PathLike[str] | ObjectURL) -> Located:
                               f"e.g. {p / iters[-1]}")
         what = "is empty" if not names else "has no .metadata, *.safetensors or " + LATEST_FILE
         raise FormatError(f"{p} {what}: not a checkpoint folder; pass an iter_XXXXXXX folder or its parent")
-    return Located(folder=p, layout=layout, names=tuple(names), recovered=recovered)
+    return Located(folder=p, layout=layout, names=tuple(names), recovered=recovered,
+                   storage=None if session is None else storage_for(p, session))
 
 
 SIDE_PER_DATA = 16  # a manifest spends ~200 bytes per parameter; a parameter stores thousands of bytes

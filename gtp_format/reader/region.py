@@ -96,10 +96,10 @@ def _check_stored(ckpt: Checkpoint, entry: Entry, start: int, stop: int, nbytes:
     for r in refs:
         per_file[r.file] = per_file.get(r.file, 0) + r.length
     for f in per_file:
-        file_size(ckpt.root, f)  # a path outside the folder or a missing file fails here, by name
+        file_size(ckpt.store, f)  # a path outside the folder or a missing file fails here, by name
     # Per file, capped by what the file may be read for (a bounded multiple of its blocks, not its
     # size): chunks that all name one range, or ranges in the holes of a sparse file, cannot back more.
-    stored = sum(min(n, readable_size(ckpt.root, f)) for f, n in per_file.items())
+    stored = sum(min(n, readable_size(ckpt.store, f)) for f, n in per_file.items())
     if nbytes > stored:  # the allocation is sized by metadata: back it by bytes that really exist
         raise FormatError(f"{entry.key}: the requested region is {nbytes} bytes but the chunks that hold it store only "
                           f"{stored} bytes in real files; the metadata declares more than was written: run "

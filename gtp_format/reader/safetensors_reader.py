@@ -120,7 +120,7 @@ def read_gtp_index(loc: Located, files: dict[str, int], index_file: str,
     """Entries and notes of this project's safetensors layout: ``index.json`` plus chunk headers."""
     path = loc.folder / index_file
     stored = sum(stored_size(loc.folder, name) for name in files)  # not st_size: sparse files are free
-    index = load_json_object(path, "the safetensors index", metadata_limit(stored, loc.folder))
+    index = load_json_object(path, "the safetensors index", metadata_limit(stored, loc.store))
     fix = f"restore {index_file} from a good copy"
     if type(index.get("version")) is not int or index["version"] > GTP_INDEX_VERSION:
         raise FormatError(f"{path} has version {index.get('version')!r}; this ckpt reads version "

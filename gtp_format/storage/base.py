@@ -118,8 +118,9 @@ class Storage(ABC):
         """Refuse, in one line, a target that exists already (or has no parent folder to be created in)."""
 
     @abstractmethod
-    def work_parent(self, session: Any = None) -> Path:
-        """The local folder a writer builds its hidden work folder in."""
+    def work_parent(self) -> Path:
+        """The local folder a writer builds its hidden work folder in (a bucket's: its session's staging folder,
+        :attr:`gtp_format.storage.limits.Limits.staging`)."""
 
     @abstractmethod
     def work_target(self, parent: Path) -> Path:
@@ -208,7 +209,7 @@ class LocalStorage(Storage):
             raise FormatError(f"{dst.parent} (the parent of DST) does not exist: no such folder to create "
                               f"{dst.name} in; create it first")
 
-    def work_parent(self, session: Any = None) -> Path:
+    def work_parent(self) -> Path:
         return self.location.parent
 
     def work_target(self, parent: Path) -> Path:
@@ -311,8 +312,8 @@ class BucketStorage(Storage):
         if objects.is_prefix(dst) or (dst.prefix and objects.head_size(dst.parent, dst.name) is not None):
             raise upload.Taken(dst)
 
-    def work_parent(self, session: Any = None) -> Path:
-        return session.staging_dir() if session is not None else self.limits.staging
+    def work_parent(self) -> Path:
+        return self.limits.staging
 
     def work_target(self, parent: Path) -> Path:
         # a bucket's top level (an empty prefix) has no name: the work folder is named after the bucket

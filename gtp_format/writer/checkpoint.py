@@ -240,7 +240,7 @@ class CheckpointWriter:
 
     def begin(self, clean: bool = True) -> Path:
         """Create the hidden work folder (``clean``: first remove dead writers' stale ones); return it."""
-        parent = self.storage.work_parent(self.session)
+        parent = self.storage.work_parent()
         if clean:  # a staging folder holds no hidden copies a recovery needs (a bucket's writer commits last)
             clean_stale(parent, keep=needed_for_recovery(parent) if self.storage.in_place else None)
         self._signals = sigterm_raises()
@@ -347,7 +347,7 @@ class CheckpointWriter:
         assert self.work is not None
         try:  # aliased keys are judged as --load judges them, unless the caller writes them on purpose
             self.checked = open_gated(self.folder, checks=True, aliased=REPAIR if self.aliased else JUDGE,
-                                      judge_values=False).ckpt
+                                      judge_values=False, session=self.session).ckpt
         except FormatError as e:
             shown = self.target / self.inner if self.inner and self.storage.in_place else self.target
             line = e.message.replace(str(self.folder), str(shown))

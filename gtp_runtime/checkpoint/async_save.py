@@ -128,8 +128,11 @@ class AsyncCheckpointer:
             stats_of = _known(stats()) if stats is not None else None
             manifest = manifest_now(trainer, layout, sharding, False) if dist.get_rank() == 0 else None
         except BaseException:
-            if dist.get_rank() == 0:
-                writer.abort()
+            try:
+                if dist.get_rank() == 0:
+                    writer.abort()
+            finally:
+                session.end(failed=True)
             raise
         future = self._pool.submit(try_write_rank_files, staged, writer.folder, layout, self.writer_threads,
                                    self._group, True, stats_of)
@@ -169,19 +172,25 @@ class AsyncCheckpointer:
         try:
             if p.uploading:
                 self._pending = None
-                return self._uploaded(p)
-            result = p.future.result()
-            if p.writer.storage.in_place:
+                out = self._uploaded(p)
+            else:
+                result = p.future.result()
+                if not p.writer.storage.in_place:
+                    p.uploading = True
+                    finish_save(p.writer, p.manifest, result, publish=lambda w, m: self._start_upload(p, w, m))
+                    return None  # the session goes on with the upload
                 self._pending = None
-                return finish_save(p.writer, p.manifest, result)
-            p.uploading = True
-            finish_save(p.writer, p.manifest, result, publish=lambda w, m: self._start_upload(p, w, m))
-            return None
+                out = finish_save(p.writer, p.manifest, result)
         except BaseException:
             self._pending = None
-            if dist.get_rank() == 0:
-                p.writer.abort()
+            try:
+                if dist.get_rank() == 0:
+                    p.writer.abort()
+            finally:
+                p.writer.session.end(failed=True)  # the save's session ends knowing it failed
             raise
+        p.writer.session.end(failed=False)
+        return out
 
     def _start_upload(self, p: _InFlight, writer: CheckpointWriter, manifest: Manifest) -> None:
         writer.hand_off()

@@ -398,21 +398,20 @@ def save_checkpoint(trainer: Trainer, root: str | os.PathLike | ObjectURL, layou
     ``benchmarks/bench_save_integrity.py`` uses it, to measure what they cost against the same run's
     save without them.
     """
-    session = Session(scoped=False)  # this save's clients and threads; it asks the store afresh, as always
-    where = session.bind(storage_for(root).location)
-    writer = prepare_folder(trainer, where, layout, sharding, aliased, session)
-    try:
-        sd = rank_state(trainer, aliased, integrity)
-        manifest = manifest_now(trainer, layout, sharding, aliased) if dist.get_rank() == 0 else None
-        _fault("before_write")
-        return finish_save(writer, manifest, try_write_rank_files(sd, writer.folder, layout, writer_threads,
-                                                                  integrity=integrity))
-    except BaseException:
-        if dist.get_rank() == 0:
-            writer.abort()
-        raise
-    finally:
-        session.close()
+    # this save's clients and threads (it asks the store afresh, as always); its end sees the outcome
+    with Session(scoped=False) as session:
+        where = session.bind(storage_for(root).location)
+        writer = prepare_folder(trainer, where, layout, sharding, aliased, session)
+        try:
+            sd = rank_state(trainer, aliased, integrity)
+            manifest = manifest_now(trainer, layout, sharding, aliased) if dist.get_rank() == 0 else None
+            _fault("before_write")
+            return finish_save(writer, manifest, try_write_rank_files(sd, writer.folder, layout, writer_threads,
+                                                                      integrity=integrity))
+        except BaseException:
+            if dist.get_rank() == 0:
+                writer.abort()
+            raise
 
 
 def _check_keys(sd: dict[str, Any], stored: dict[str, Any], folder: Path) -> None:
@@ -440,12 +439,16 @@ def load_checkpoint(trainer: Trainer, path: str | os.PathLike, sharding: str = f
     allocated or read from the data files before the checkpoint passed ``ckpt verify``'s checks.
     """
     check_sharding(trainer, sharding, "load")
-    session = Session(scoped=False)  # this load's clients and threads (a bucket's); ends with the load
+    with Session(scoped=False) as session:  # this load's clients and threads (a bucket's): they end with it
+        return _load(trainer, session, path)
+
+
+def _load(trainer: Trainer, session: Session, path: str | os.PathLike) -> Path:
     try:
         where = session.bind(storage_for(path).location)
     except FormatError as e:  # an unsupported URL: the gate's words, as open_verified would give them
         raise CheckpointError(e.message) from None
-    ckpt, manifest = open_verified(where)
+    ckpt, manifest = open_verified(where, session)
     folder = ckpt.root
     check_compatible(trainer.cfg, manifest, folder)
     reader = VerifiedReader(ckpt)

@@ -45,6 +45,7 @@ from gtp_format.errors import FormatError
 from gtp_format.manifest import Manifest
 from gtp_format.model import TENSOR, Checkpoint, Chunk, Entry
 from gtp_format.reader.chunks import load_chunk
+from gtp_format.session import Session
 from gtp_runtime.checkpoint.errors import CheckpointError, sharding_refusal
 from gtp_runtime.checkpoint.pinned import POOL
 from gtp_runtime.training import TrainConfig
@@ -54,10 +55,11 @@ LOAD_NEEDS = ("--load resumes from the manifest's topology and bucket layout (a 
               "does not carry over), or pass a folder that gtp_runtime saved")
 
 
-def open_verified(path: str | os.PathLike) -> tuple[Checkpoint, Manifest]:
-    """The checkpoint at ``path`` (or its latest iteration) and its strict manifest, through the one gate."""
+def open_verified(path: str | os.PathLike, session: Session | None = None) -> tuple[Checkpoint, Manifest]:
+    """The checkpoint at ``path`` (or its latest iteration) and its strict manifest, through the one gate;
+    read in ``session`` (the load's), whose storage the checkpoint keeps."""
     try:
-        gated = open_gated(path, needs_manifest=LOAD_NEEDS)
+        gated = open_gated(path, needs_manifest=LOAD_NEEDS, session=session)
     except FormatError as e:
         raise CheckpointError(e.message) from None
     ckpt, manifest = gated.ckpt, gated.manifest
