@@ -81,6 +81,7 @@ def log_command(
     run: Annotated[object, typer.Argument(parser=checkpoint_arg("RUN"), show_default=False,
                                           help="Run folder holding iter_XXXXXXX folders, or s3://BUCKET/PREFIX.")],
     fmt: FormatOption = OutputFormat.table,
+    session: Any = None,  # the command's (handle_errors): no option
 ) -> None:
     """Every iteration of a run in order: run id, parent, root hash, what changed, and stale or foreign ones."""
     from gtp_format.check.lineage import read_run
@@ -88,7 +89,7 @@ def log_command(
     with ExitStack() as stack:
         bar = lambda n: stack.enter_context(  # noqa: E731 - the bar opens once the folder is listed
             progress(n, "reading iterations", progress_enabled(fmt), unit="iterations"))
-        log = read_run(run, total=bar)  # type: ignore[arg-type]
+        log = read_run(run, total=bar, session=session)  # type: ignore[arg-type]
     doc = log.to_json()
     if fmt == OutputFormat.json:
         print_json(doc)

@@ -152,6 +152,7 @@ def verify_roundtrip_command(
     keys: KeysOption = None,
     ignore: IgnoreOption = None,
     fmt: FormatOption = OutputFormat.table,
+    session: Any = None,  # the command's (handle_errors): no option
 ) -> None:
     """Save, load in fresh processes and compare bit for bit; exit 1 on any difference."""
     from ckpt_tool.roundtrip import resaved, training
@@ -171,7 +172,7 @@ def verify_roundtrip_command(
         if given:
             fail(f"{', '.join(given)} cannot be used with PATH: the topology, model and buckets come from the "
                  "checkpoint's manifest (only --dp, --layout, --keys, --ignore and --format apply); drop them")
-        _report(resaved.run(path, dp, lay, KeyFilter.of(keys, ignore), bar), fmt)  # type: ignore[arg-type]
+        _report(resaved.run(path, dp, lay, KeyFilter.of(keys, ignore), bar, session), fmt)  # type: ignore[arg-type]
         return
     if keys or ignore:
         fail("--keys and --ignore select checkpoint keys and need PATH; without PATH every rank's whole state is "

@@ -58,8 +58,8 @@ class Source:
         check_destination(dst, (self.given, self.folder), "migrate-aliased", "pass a new DST, or --in-place")
 
 
-def locate_source(path: Path | ObjectURL) -> Source:
-    loc = locate(path)
+def locate_source(path: Path | ObjectURL, session: Session | None = None) -> Source:
+    loc = locate(path, session)
     if loc.layout != LAYOUT_TORCH_DIST:
         raise FormatError(f"{loc.folder} uses the {loc.layout} layout; migrate-aliased rewrites DCP .metadata and "
                         "only applies to torch_dist checkpoints (gtp_runtime never wrote aliased safetensors ones)")
@@ -170,7 +170,7 @@ def plan_migration(src: Path | ObjectURL, cp_size: int | None, reset_lost_moment
     with verify's own line (:func:`gtp_format.check.gate.run_checks`) for a source that fails
     verify apart from the aliasing it repairs. ``session``: the command's, whose storage reads SRC.
     """
-    source = locate_source(src)
+    source = locate_source(src, session)
     # .metadata is read here, and only here; verify runs below, only where keys are aliased
     gated = open_gated(source.folder, aliased=REPAIR, checks=False, keep_raw_metadata=True, session=session)
     ckpt, manifest = gated.ckpt, gated.manifest

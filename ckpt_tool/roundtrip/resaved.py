@@ -53,7 +53,7 @@ MAX_BYTES = 2 << 30  # one key assembled whole when the two sides cut it differe
 
 
 def run(path: str | os.PathLike[str] | ObjectURL, dp: int | None = None, layout: str | None = None,
-        select: KeyFilter = EVERYTHING, progress: ProgressBars = no_progress) -> Outcome:
+        select: KeyFilter = EVERYTHING, progress: ProgressBars = no_progress, session: Any = None) -> Outcome:
     """Round-trip the checkpoint at ``path`` (a folder, or a bucket's prefix: the ranks load it from the
     bucket through the same verified reader, ``--load s3://``'s); raises :class:`FormatError` (exit 2 unusable
     input, 1 refused by verify or a rank failed) before or instead of a report."""
@@ -65,7 +65,7 @@ def run(path: str | os.PathLike[str] | ObjectURL, dp: int | None = None, layout:
     from gtp_runtime.roundtrip import config_from_manifest
 
     t_start = time.perf_counter()
-    gated = open_gated(path, needs_manifest=ROUNDTRIP_NEEDS)
+    gated = open_gated(path, needs_manifest=ROUNDTRIP_NEEDS, session=session)
     src, manifest = gated.ckpt, gated.manifest
     assert manifest is not None  # needs_manifest
     try:
@@ -96,7 +96,8 @@ def run(path: str | os.PathLike[str] | ObjectURL, dp: int | None = None, layout:
         seconds["load+save"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         with progress(len(src.entries), "comparing", "keys") as advance:
-            checks = compare_resaved(src, open_checkpoint(folder), cfg.par.dp != saved_dp, select, advance)
+            new = open_checkpoint(folder, session=session)
+            checks = compare_resaved(src, new, cfg.par.dp != saved_dp, select, advance)
         seconds["compare"] = time.perf_counter() - t0
     seconds["total"] = time.perf_counter() - t_start
     doc = {

@@ -121,7 +121,8 @@ def _latest(run: Path | ObjectURL, notes: list[str], problems: list[str]) -> int
     return n
 
 
-def read_entry(run: Path | ObjectURL, named: int, folder: str, opened: Checkpoint | None = None) -> Entry:
+def read_entry(run: Path | ObjectURL, named: int, folder: str, opened: Checkpoint | None = None,
+               session: Any = None) -> Entry:
     """One iteration's identity from its metadata, manifest and chunk records (no data file is read).
     ``opened``: the iteration already opened by the caller (``--load``), not parsed again."""
     from gtp_format.integrity.records import read_records
@@ -131,7 +132,7 @@ def read_entry(run: Path | ObjectURL, named: int, folder: str, opened: Checkpoin
 
     e = Entry(folder=folder, named=named)
     try:
-        ckpt = opened if opened is not None else open_checkpoint(run / folder)
+        ckpt = opened if opened is not None else open_checkpoint(run / folder, session=session)
     except FormatError as err:
         e.notes.append(f"not a complete checkpoint, skipped: {err.message}")
         return e
@@ -311,7 +312,7 @@ def check_latest(log: RunLog) -> None:
 
 
 def read_run(run: Path | ObjectURL, progress: Progress | None = None, total: Any = None,
-             opened: Checkpoint | None = None) -> RunLog:
+             opened: Checkpoint | None = None, session: Any = None) -> RunLog:
     """The log of the run folder ``run`` (local or ``s3://``): every iteration, checked. ``total(n)`` is
     told the number of iterations before ``progress(1)`` is called once per iteration read. ``opened``:
     one of its iterations the caller has open already (read from it, not parsed again)."""
@@ -328,7 +329,7 @@ def read_run(run: Path | ObjectURL, progress: Progress | None = None, total: Any
     entries = []
     for named, folder in folders:
         mine = opened if opened is not None and opened.root.name == folder else None
-        entries.append(read_entry(run, named, folder, mine))
+        entries.append(read_entry(run, named, folder, mine, session))
         if progress is not None:
             progress(1)
     log = RunLog(run=str(run), latest=latest, entries=entries, problems=problems, notes=notes)
