@@ -61,9 +61,8 @@ def test_a_sessions_threads_and_clients_end_with_it() -> None:
     assert BucketState().pool() is not pool  # another session's are its own
 
 
-def test_a_local_commands_storages_share_its_limits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A folder's storages (the source's, the output's) take the command's one Limits: the setting is parsed
-    once, however many storages the command opens."""
+def count_hole_factor_parses(monkeypatch: pytest.MonkeyPatch, *also: object) -> list[int]:
+    """One entry per parse of the hole-factor setting from now on (in ``limits`` and the modules ``also``)."""
     reads: list[int] = []
     parse = limits.hole_factor
 
@@ -71,7 +70,15 @@ def test_a_local_commands_storages_share_its_limits(monkeypatch: pytest.MonkeyPa
         reads.append(1)
         return parse()
 
-    monkeypatch.setattr(limits, "hole_factor", counted)
+    for module in (limits, *also):
+        monkeypatch.setattr(module, "hole_factor", counted)
+    return reads
+
+
+def test_a_local_commands_storages_share_its_limits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A folder's storages (the source's, the output's) take the command's one Limits: the setting is parsed
+    once, however many storages the command opens."""
+    reads = count_hole_factor_parses(monkeypatch)
     monkeypatch.setenv(limits.HOLE_FACTOR_ENV, "32")
     session = Session()
     stores = [session.storage(tmp_path / "a"), session.storage(tmp_path / "b"), session.storage(str(tmp_path))]
@@ -143,15 +150,7 @@ def test_a_local_commands_reads_and_writes_take_its_one_limits(monkeypatch: pyte
 
     import gtp_format.storage.local as local
 
-    reads: list[int] = []
-    parse = limits.hole_factor
-
-    def counted() -> int:
-        reads.append(1)
-        return parse()
-
-    monkeypatch.setattr(limits, "hole_factor", counted)
-    monkeypatch.setattr(local, "hole_factor", counted)  # a read without a session's limits would count here
+    reads = count_hole_factor_parses(monkeypatch, local)  # a read without a session's limits counts there too
     monkeypatch.setenv(limits.HOLE_FACTOR_ENV, "16")
     fold = Path(__file__).resolve().parents[2] / "fixtures" / "gtp" / "fold_cp2_g2_dp2"
     args = [tmp_path / "dst" if a == "DST" else a for a in command]
