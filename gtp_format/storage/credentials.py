@@ -165,7 +165,7 @@ def _fetch(source: str, fix: str, method: str, url: str, headers: dict[str, str]
                 resp = _opener(proxies).open(req, timeout=left)
             if watch.passed:  # headers cut short by the deadline can read as ended: the answer is not trusted
                 resp.close()
-                why = "still sending its status line and headers"
+                why = "timed out"
                 break
             with resp:  # the body: read against the deadline by _read
                 return resp.status, _read(resp, where, fix, deadline, seconds)
@@ -183,7 +183,7 @@ def _fetch(source: str, fix: str, method: str, url: str, headers: dict[str, str]
             raise FormatError(f"{where}: cannot send the request (the URL or a header is malformed); {fix}") from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             if watch.passed:
-                why = "still sending its status line and headers"
+                why = "timed out"
                 break
             reason = getattr(e, "reason", e)
             why = " ".join(str(reason).split())[:160] or type(e).__name__

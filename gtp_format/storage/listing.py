@@ -235,7 +235,7 @@ def page(c: Client, bucket: str, prefix: str, start_after: str | None, token: st
                 resp = _OPENER.open(req, timeout=c.timeout)
             if watch.passed:  # headers cut short by the deadline can read as ended: the answer is not trusted
                 resp.close()
-                raise _late(where, c, "the status line and headers of a listing page")
+                raise TimeoutError("timed out")
             with resp:  # the page: read against its own deadline by _parse
                 declared = resp.headers.get("Content-Length")
                 if declared is not None and declared.strip().isdigit() and int(declared) > PAGE_BYTES:
@@ -247,10 +247,8 @@ def page(c: Client, bucket: str, prefix: str, start_after: str | None, token: st
                 raise _error(where, c, e.code, body) from None
             why = f"HTTP {e.code}"
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-            if watch.passed:
-                raise _late(where, c, "the status line and headers of a listing page") from None
             reason = getattr(e, "reason", e)
-            why = " ".join(str(reason).split())[:200] or type(e).__name__
+            why = "timed out" if watch.passed else " ".join(str(reason).split())[:200] or type(e).__name__
         if attempt == c.retries or time.monotonic() > deadline:
             break
         time.sleep(min(0.1 * 2 ** attempt, 4.0))

@@ -182,7 +182,7 @@ CONTAINER_CASES = {
     "refused": (whole(b"{}", 401), "refused (HTTP 401)"),
     "silent": (silent, "did not answer with credentials within 2 s"),
     "trickle": (trickle, "still sending its answer after 2 s"),
-    "trickled-headers": (trickled_headers, "within 2 s (still sending its status line and headers)"),
+    "trickled-headers": (trickled_headers, "did not answer with credentials within 2 s (timed out)"),
     "cut": (cut(box()), "the answer was cut"),
 }
 

@@ -279,9 +279,10 @@ def trickled_headers(out: Any, stop: threading.Event) -> None:
         out.flush()
 
 
-@pytest.mark.parametrize(("send", "words"), [(trickled_page, "a listing page from"),
-                                             (trickled_headers, "the status line and headers of a listing page")])
-def test_a_listing_page_that_trickles_is_cut_off_at_the_timeout(env, monkeypatch, capsys, send, words):
+@pytest.mark.parametrize(("send", "words", "most"), [
+    (trickled_page, "was still arriving after 1 s", 1),  # a page that comes, too slowly: refused, not retried
+    (trickled_headers, "did not answer the listing (timed out)", 4)])  # as a silent store: retried, then one line
+def test_a_listing_page_that_trickles_is_cut_off_at_the_timeout(env, monkeypatch, capsys, send, words, most):
     """A page (or its headers) sent a byte per receive, each receive within the socket's timeout, so that timeout
     alone never fires: refused once the request's timeout has passed, one line naming the endpoint."""
     stop = threading.Event()
@@ -298,5 +299,5 @@ def test_a_listing_page_that_trickles_is_cut_off_at_the_timeout(env, monkeypatch
         took = time.monotonic() - t
         stop.set()
     lines = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and words in lines[0] and "still arriving after 1 s" in lines[0], lines
-    assert ep.url in lines[0] and took < 10 and len(ep.requests) == 1, (took, len(ep.requests))  # not retried
+    assert code == 2 and len(lines) == 1 and words in lines[0], lines
+    assert took < 20 and 1 <= len(ep.requests) <= most, (took, len(ep.requests))
