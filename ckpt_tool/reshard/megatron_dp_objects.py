@@ -30,10 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpt_tool.copying.megatron_blobs import INT_OPS as _INT
-from ckpt_tool.copying.megatron_blobs import PUT_OPS as _PUT
-from ckpt_tool.copying.megatron_blobs import blob_records, numel_blob, pickle_ops
-from ckpt_tool.copying.megatron_blobs import pickle_int as _int
+from ckpt_tool.copying.megatron_blobs import INT_OPS, PUT_OPS, blob_records, numel_blob, pickle_int, pickle_ops
 from ckpt_tool.reshard.megatron_objects import COMMON, pickle_str
 from gtp_format.errors import FormatError
 from gtp_format.reader.checkpoint import Checkpoint
@@ -71,30 +68,30 @@ def common_blob(root: str, blob: bytes, sizes: dict[str, int], layout: dict[str,
     found: dict[str, int] = {}
     for i, (name, arg, _) in enumerate(ops):
         if name in _STR and arg in sizes and arg not in found:
-            k = i + (2 if i + 1 < len(ops) and ops[i + 1][0] in _PUT else 1)
-            if k >= len(ops) or ops[k][0] not in _INT:
+            k = i + (2 if i + 1 < len(ops) and ops[i + 1][0] in PUT_OPS else 1)
+            if k >= len(ops) or ops[k][0] not in INT_OPS:
                 raise FormatError(f"{root}: {COMMON}'s args.{arg} is not an int; reshard of this common state is "
                                   "not supported")
-            out[k] = _int(sizes[arg])
+            out[k] = pickle_int(sizes[arg])
             found[arg] = k
         elif name in _STR and arg == NO_SAVE_RNG:
-            k = i + (2 if i + 1 < len(ops) and ops[i + 1][0] in _PUT else 1)
+            k = i + (2 if i + 1 < len(ops) and ops[i + 1][0] in PUT_OPS else 1)
             if k >= len(ops) or ops[k][0] not in ("NEWTRUE", "NEWFALSE"):
                 raise FormatError(f"{root}: {COMMON}'s args.{NO_SAVE_RNG} is not a bool; reshard of this common "
                                   "state is not supported")
             out[k] = b"\x88"  # NEWTRUE
             found[NO_SAVE_RNG] = k
         elif name in _STR and arg in layout and arg not in found:
-            k = i + (2 if i + 1 < len(ops) and ops[i + 1][0] in _PUT else 1)
-            if k >= len(ops) or ops[k][0] not in (*_INT, "NONE"):
+            k = i + (2 if i + 1 < len(ops) and ops[i + 1][0] in PUT_OPS else 1)
+            if k >= len(ops) or ops[k][0] not in (*INT_OPS, "NONE"):
                 raise FormatError(f"{root}: {COMMON}'s args.{arg} is not an int or None; reshard of this common "
                                   "state is not supported")
             value = layout[arg]
-            out[k] = b"N" if value is None else _int(value)
+            out[k] = b"N" if value is None else pickle_int(value)
             found[arg] = k
         elif name in _STR and arg in VIRTUAL:
-            k = i + (2 if i + 1 < len(ops) and ops[i + 1][0] in _PUT else 1)
-            if k >= len(ops) or ops[k][0] not in (*_INT, "NONE"):
+            k = i + (2 if i + 1 < len(ops) and ops[i + 1][0] in PUT_OPS else 1)
+            if k >= len(ops) or ops[k][0] not in (*INT_OPS, "NONE"):
                 raise FormatError(f"{root}: {COMMON}'s args.{arg} is not an int or None; reshard of this common "
                                   "state is not supported")
             out[k] = b"N"  # NONE
@@ -112,7 +109,7 @@ def common_blob(root: str, blob: bytes, sizes: dict[str, int], layout: dict[str,
             if first + 1 < len(ops) and ops[first + 1][0] == "SETITEM":
                 raise FormatError(f"{root}: {COMMON}'s args are not stored as a batch of items; reshard of this "
                                   "common state is not supported")
-            out[first] += pickle_str(arg) + _int(value)  # the target's uneven split, which the source's args lack
+            out[first] += pickle_str(arg) + pickle_int(value)  # the target's uneven split, which the source's args lack
     return object_blob(prefix, [(n, b"".join(out) if n == "data.pkl" else d) for n, d in records])
 
 
