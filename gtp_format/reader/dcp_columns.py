@@ -11,21 +11,48 @@ which names the problem in its own words: this module never reports an error of 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from gtp_format.dtypes import DTYPES
+from gtp_format.errors import FormatError
 from gtp_format.model import BYTES, TENSOR, Chunk, ChunkColumns, ChunkTable, Entry, Problem, StorageRef
+from gtp_format.numbers import NumberError, parse_int
 from gtp_format.reader import dcp_scan as sc
 
 MIN_BYTES = 32 << 20
 """Files below this are read the old way: numba's import (0.1-0.6 s) is then more than the scan saves."""
 
+COMPILE_BYTES = 1 << 30
+"""Where the scan is not compiled yet (a fresh machine, a CI container), only a file at least this large is
+scanned: compiling takes 14-18 s, and the scan saves about 3 s per 139 MB (1M chunks: 7.4 s the old way,
+4.7 s scanned, on the 16-core host), so the compile pays for itself in one file from about 0.8 GB."""
+
+COMPILE_ENV = "CKPT_COMPILE_SCAN"
+"""``1``: compile the scan now whatever the file's size (warm a machine or an image once); ``0``: never scan."""
+
+
+def asked() -> int | None:
+    """``CKPT_COMPILE_SCAN`` as 0 or 1, ``None`` where unset or empty; anything else is one line naming it."""
+    value = os.environ.get(COMPILE_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        return parse_int(value, COMPILE_ENV, 0, 1)
+    except NumberError as e:
+        raise FormatError(f"{e}; set it to 1 (compile the metadata scan now) or 0 (never scan)") from None
+
 
 def wanted(size: int) -> bool:
-    return size >= MIN_BYTES and sc.available()
+    """Whether to scan a ``size``-byte metadata pickle: large enough, numba present, and the scan either
+    compiled already, worth compiling for this one file, or asked for."""
+    choice = asked()
+    if size < MIN_BYTES or choice == 0 or not sc.available():
+        return False
+    return choice == 1 or size >= COMPILE_BYTES or sc.compiled()
 
 
 def columns_model(path: Path, raw: bytes | bytearray | memoryview,

@@ -8,8 +8,10 @@ the old way accepts the file.
 
 from __future__ import annotations
 
+import os
 import pickle
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +21,7 @@ pytest.importorskip("numba")
 
 from gtp_format.errors import FormatError  # noqa: E402
 from gtp_format.model import ChunkColumns  # noqa: E402
-from gtp_format.reader import dcp_columns, dcp_reader  # noqa: E402
+from gtp_format.reader import dcp_columns, dcp_reader, dcp_scan  # noqa: E402
 from gtp_format.reader.safe_pickle import load_metadata_pickle  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hostile"))
@@ -174,6 +176,7 @@ def test_read_dcp_metadata_takes_the_columns_path(tmp_path, monkeypatch):
             f.truncate(100_000)
     old = open_checkpoint(folder)
     monkeypatch.setattr(dcp_columns, "MIN_BYTES", 0)
+    monkeypatch.setenv(dcp_columns.COMPILE_ENV, "1")  # whether or not numba's cache holds the scan yet
     new = open_checkpoint(folder)
     assert any(isinstance(e.chunks, ChunkColumns) for e in new.entries.values())
     assert not any(isinstance(e.chunks, ChunkColumns) for e in old.entries.values())
@@ -182,3 +185,45 @@ def test_read_dcp_metadata_takes_the_columns_path(tmp_path, monkeypatch):
 
     a, b = verify(old), verify(new)
     assert [p.to_dict() for p in a.problems] == [p.to_dict() for p in b.problems] and a.checks == b.checks
+
+
+def test_scan_taken_only_where_compiled_or_worth_compiling(monkeypatch):
+    """Not compiled: a file is scanned only from COMPILE_BYTES (the compile pays for itself in it) or when asked."""
+    big, small = dcp_columns.COMPILE_BYTES, dcp_columns.MIN_BYTES
+    monkeypatch.delenv(dcp_columns.COMPILE_ENV, raising=False)
+    monkeypatch.setattr(dcp_scan, "compiled", lambda: False)
+    assert not dcp_columns.wanted(small - 1) and not dcp_columns.wanted(small) and dcp_columns.wanted(big)
+    monkeypatch.setenv(dcp_columns.COMPILE_ENV, "1")
+    assert dcp_columns.wanted(small) and not dcp_columns.wanted(small - 1)
+    monkeypatch.setenv(dcp_columns.COMPILE_ENV, "0")
+    assert not dcp_columns.wanted(big)
+    monkeypatch.delenv(dcp_columns.COMPILE_ENV)
+    monkeypatch.setattr(dcp_scan, "compiled", lambda: True)
+    assert dcp_columns.wanted(small)
+    for bad in ("2", "yes", "-1", "1e3"):
+        monkeypatch.setenv(dcp_columns.COMPILE_ENV, bad)
+        with pytest.raises(FormatError, match=dcp_columns.COMPILE_ENV):
+            dcp_columns.wanted(small)
+
+
+def test_compiled_on_disk_reads_numbas_own_cache(tmp_path):
+    """A fresh cache folder: not compiled; after one process scans, the next finds all three loops compiled.
+    Anything that is not a cached numba dispatcher answers False rather than raising."""
+    from gtp_format.reader.jit import compiled_on_disk
+
+    assert not compiled_on_disk(object()) and not compiled_on_disk(None)
+    probe = ("from gtp_format.reader import dcp_scan, dcp_columns\n"
+             "import sys\n"
+             "print(dcp_scan.compiled())\n"
+             "if sys.argv[1] == 'scan':\n"
+             "    assert dcp_columns.columns_model(dcp_columns.Path('x'), sys.stdin.buffer.read()) is not None\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "CKPT_COMPILE_SCAN": ""}
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+
+    def run(mode: str) -> str:
+        return subprocess.run([sys.executable, "-c", probe, mode], input=_genuine(orphans=1), env=env, cwd=root,
+                              capture_output=True, check=True).stdout.decode().strip()
+
+    assert run("scan") == "False"
+    assert run("look") == "True"
