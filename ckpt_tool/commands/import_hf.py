@@ -103,8 +103,9 @@ def import_command(
     fmt: FormatOption = OutputFormat.table,
     session: Any = None,  # the command's (handle_errors): no option
 ) -> None:
-    """Write a Hugging Face model as a gtp_runtime checkpoint at the given topology (step 0, or the run
-    `export --optimizer` came from, with its optimizer state)."""
+    """Write a Hugging Face model as a gtp_runtime checkpoint, or with --to megatron-core a megatron-core
+    torch_dist one, at the given topology (step 0, or the run `export --optimizer` came from, with its
+    optimizer state)."""
     from ckpt_tool.hf.importer import import_hf
     from gtp_format.errors import FormatError
     from gtp_format.layout.config import ParallelConfig
