@@ -9,7 +9,9 @@ change what the stored tensors mean are read from it under Megatron-LM's argumen
 ``rotary_base``, ``rotary_percent``, ``qk_layernorm``, ``add_bias_linear``, ``add_qkv_bias``,
 ``untie_embeddings_and_output_weights``, ``num_experts``, ``moe_ffn_hidden_size``,
 ``moe_shared_expert_intermediate_size``, ``moe_router_enable_expert_bias``,
-``decoder_first_pipeline_num_layers`` / ``decoder_last_pipeline_num_layers``.
+``decoder_first_pipeline_num_layers`` / ``decoder_last_pipeline_num_layers``; and, for the order of the
+parameters in the optimizer's buffers (no tensor shape shows it), ``transformer_impl`` and
+``moe_grouped_gemm``.
 
 Every recorded field is checked against the stored tensors' **global** shapes (megatron-core's
 keys are global, whatever the TP/PP): ``linear_qkv`` holds ``(heads + 2 x groups) x kv_channels``
@@ -66,9 +68,9 @@ _INTS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", 
          "moe_shared_expert_intermediate_size", "decoder_first_pipeline_num_layers",
          "decoder_last_pipeline_num_layers", "rotary_base")
 _BOOLS = ("group_query_attention", "qk_layernorm", "add_bias_linear", "add_qkv_bias",
-          "untie_embeddings_and_output_weights", "moe_router_enable_expert_bias", *ACTIVATIONS)
+          "untie_embeddings_and_output_weights", "moe_router_enable_expert_bias", "moe_grouped_gemm", *ACTIVATIONS)
 _FLOATS = ("rotary_percent", "norm_epsilon")
-_STRS = ("normalization", "position_embedding_type")
+_STRS = ("normalization", "position_embedding_type", "transformer_impl")
 # the Megatron-LM flag that sets each description field (refusals name the flag, not an internal count)
 FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
          "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
@@ -80,6 +82,7 @@ FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidd
          "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
          "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
          "moe_router_enable_expert_bias": "--moe-router-enable-expert-bias",
+         "moe_grouped_gemm": "--moe-grouped-gemm", "transformer_impl": "--transformer-impl",
          "first_stage_layers": "--decoder-first-pipeline-num-layers",
          "last_stage_layers": "--decoder-last-pipeline-num-layers"}
 
@@ -116,11 +119,25 @@ class ModelDescription:
     moe_router_enable_expert_bias: bool | None = None
     first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers (uneven pipeline stages)
     last_stage_layers: int | None = None
+    transformer_impl: str | None = None  # local, transformer_engine, inference_optimized (recorded only)
+    moe_grouped_gemm: bool | None = None
     sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def inferred(self) -> list[str]:
         return [k for k, v in self.sources.items() if v == "shapes"]
+
+    @property
+    def grouped_experts(self) -> bool:
+        """Whether the experts are Transformer Engine's ``TEGroupedMLP``: megatron-core's TE layer spec builds it
+        for ``--moe-grouped-gemm``, its inference spec always; the local spec builds ``SequentialMLP`` whatever
+        ``--moe-grouped-gemm`` says (megatron-core 0.19.2 ``moe_module_specs.py``). Its sharded keys are
+        SequentialMLP's, but its parameters (``linear_fc1.weight<i>`` for every expert, then ``linear_fc2``)
+        sit in the optimizer's buffers in another order."""
+        if not self.num_experts:
+            return False
+        return self.transformer_impl == "inference_optimized" or bool(
+            self.moe_grouped_gemm and self.transformer_impl != "local")  # not recorded: Megatron-LM's default, TE
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -173,6 +190,8 @@ class ModelDescription:
                                f"shared experts {self.moe_shared_expert_intermediate_size}"))
             if self.moe_router_enable_expert_bias:
                 parts.append(v("moe_router_enable_expert_bias", "router expert bias"))
+            if self.grouped_experts:
+                parts.append("grouped-GEMM experts (Transformer Engine)")
         if self.first_stage_layers is not None or self.last_stage_layers is not None:
             parts.append(f"pipeline first/last stage layers {self.first_stage_layers}/{self.last_stage_layers}")
         text = ", ".join(parts) or "unknown"
@@ -246,7 +265,7 @@ def describe_model(ckpt: Checkpoint) -> ModelDescription:
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
                  "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "rotary_base",
                  "rotary_percent", "norm_epsilon", "qk_layernorm", "add_bias_linear", "add_qkv_bias",
-                 "moe_router_enable_expert_bias"):
+                 "moe_router_enable_expert_bias", "transformer_impl", "moe_grouped_gemm"):
         put(name, a.get(name), "args")
     put("vocab_size", a.get("padded_vocab_size"), "args")
     put("untied", a.get("untie_embeddings_and_output_weights"), "args")

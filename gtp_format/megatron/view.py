@@ -279,6 +279,8 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False, dense_experts: bool 
     elif prefixes != [OPT_PREFIX] or moe:
         raise refusal(ckpt, f"its optimizer keys start with {prefixes[:3]}" + (" and it has expert keys" if moe else "")
                       + ": not one optimizer, nor MoE's chained dense + expert pair")
+    if expert_keys(ckpt):
+        _check_experts_sequential(ckpt)
     prefix = next(iter(opts.values())).prefix
     dtags: dict[tuple[int, int], str] = {}
     for o in opts.values():
@@ -406,6 +408,22 @@ def _with_dense_experts(ckpt: Checkpoint, params: list[tuple[str, str, int | Non
                     out.append((name, k, layer))
                     expert_of[name] = e
     return out, expert_of
+
+
+def _check_experts_sequential(ckpt: Checkpoint) -> None:
+    """Refuse experts that are Transformer Engine's ``TEGroupedMLP`` (:attr:`ModelDescription.grouped_experts`,
+    from the recorded args: its sharded keys are SequentialMLP's, so no shape or key tells). Where
+    ``linear_fc1`` and ``linear_fc2`` hold as many elements (no gated unit), its order would pass every chunk
+    check and give each expert another's optimizer state."""
+    from gtp_format.megatron.args import describe_model
+
+    model = describe_model(ckpt)
+    if model.grouped_experts:
+        raise refusal(ckpt, "its experts are Transformer Engine's TEGroupedMLP (args moe_grouped_gemm, "
+                      f"transformer_impl {model.transformer_impl!r}), whose buffers hold every expert's "
+                      "linear_fc1, then every expert's linear_fc2, not SequentialMLP's expert-by-expert order "
+                      "these rules were checked on; save with --dist-ckpt-optim-fully-reshardable (one optimizer "
+                      "key per parameter), or train without --moe-grouped-gemm")
 
 
 def _gated(ckpt: Checkpoint) -> bool:

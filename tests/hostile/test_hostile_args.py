@@ -73,3 +73,23 @@ def test_the_fixtures_args_agree() -> None:
         "LayerNorm", "learned_absolute", False, False)
     untied = describe_model(open_checkpoint(MEGATRON / "pair_untied_pp2_dp_reshardable"))
     assert untied.untied is True and "untied" in untied.inferred
+
+
+@pytest.mark.parametrize("impl", ["local", None])
+def test_grouped_gemm_on_the_local_spec_is_sequential(tmp_path: Path, impl: str | None) -> None:
+    """The local spec builds SequentialMLP whatever --moe-grouped-gemm says: its view is the fixture's own.
+    Without a recorded transformer_impl (Megatron-LM's default is Transformer Engine) it is refused."""
+    from gtp_format.errors import FormatError
+    from gtp_format.megatron.view import megatron_views
+    from gtp_format.reader.checkpoint import open_checkpoint
+
+    it = tmp_path / "iter_0000002"
+    shutil.copytree(MEGATRON / "pair_moe_ep2_dp_reshardable" / "iter_0000002", it)
+    set_args(it, {"moe_grouped_gemm": True, **({"transformer_impl": impl} if impl else {})})
+    if impl is None:
+        with pytest.raises(FormatError, match="TEGroupedMLP"):
+            megatron_views(open_checkpoint(it), experts=True)
+        return
+    ours = megatron_views(open_checkpoint(it), experts=True)
+    theirs = megatron_views(open_checkpoint(MEGATRON / "pair_moe_ep2_dp_reshardable" / "iter_0000002"), experts=True)
+    assert ours.keys() == theirs.keys() and all(ours[k] == theirs[k] for k in ours)
