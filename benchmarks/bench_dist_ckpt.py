@@ -19,6 +19,7 @@ modules at each ``import torch`` (1.7 s on the lent host), which an installed to
 
   python benchmarks/bench_dist_ckpt.py --layers 4 --ranks 4 --cores 4 --out /tmp/bench_dist  # 4 ranks on 4 cores
   python benchmarks/bench_dist_ckpt.py --layers 4 --ranks 4 --out /tmp/bench_dist            # all the host's cores
+  python benchmarks/bench_dist_ckpt.py --layers 4 --ranks 4 --cores 4 --one-core  # also one process on 1 core
   python benchmarks/bench_dist_ckpt.py --smoke                                  # tests/benchmarks, seconds
 """
 
@@ -51,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workers", type=int, help="--workers of every process (default: the CLI's own)")
     ap.add_argument("--cores", type=int, help="run both sides on cores 0..N-1 only (taskset): the issue's '4 ranks on "
                     "4 cores' against one process on the same 4")
+    ap.add_argument("--one-core", action="store_true", help="also time the one process on core 0 alone: the ranks' "
+                    "scaling per core (4 ranks on 4 cores against one process on one), beside the issue's same-cores "
+                    "ratio")
     ap.add_argument("--repeats", type=int, default=1, help="rounds per row (best kept)")
     ap.add_argument("--pycache", help="PYTHONPYCACHEPREFIX for every command (warmed by an untimed run first)")
     ap.add_argument("--keep", action="store_true", help="leave the source in --workdir (for a profile after)")
@@ -148,7 +152,14 @@ def main(argv: list[str] | None = None) -> int:
                     assert json.loads(out1) == json.loads(outn), "the ranks' report differs from one process's"
                 else:
                     assert one == files_of(work / "many"), "the ranks wrote other files"
-            rows.append({"row": f"{name}_{ranks}_ranks_vs_1", "one_process_s": round(min(t1), 3),
+            extra = {}
+            if args.one_core:  # the same command on one core: what one rank's share of the cores does alone
+                shutil.rmtree(work / "one", ignore_errors=True)
+                d, _, cpu = timed(["taskset", "-c", "0", *single[len(pin):]])
+                shutil.rmtree(work / "one", ignore_errors=True)
+                extra = {"one_core_s": round(d, 3), "one_core_cpu_s": round(cpu, 2),
+                         "ratio_vs_one_core": round(d / min(tn), 3)}
+            rows.append({"row": f"{name}_{ranks}_ranks_vs_1", "one_process_s": round(min(t1), 3), **extra,
                          "ranks_s": round(min(tn), 3), "ratio": round(min(t1) / min(tn), 3),
                          "gb_per_s_one": round(nbytes / 1e9 / min(t1), 3),
                          "gb_per_s_ranks": round(nbytes / 1e9 / min(tn), 3), "ranks_startup_s": round(startup, 3),
