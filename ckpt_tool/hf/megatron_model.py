@@ -1,12 +1,15 @@
 """A transformers folder read as megatron-core's GPT: the inverse of :mod:`.megatron_arch`.
 
-``config.json`` of ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``ArceeForCausalLM``,
-``Starcoder2ForCausalLM``, ``PersimmonForCausalLM`` or ``GPTBigCodeForCausalLM`` is read into the Megatron-LM
+``config.json`` of ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``ArceeForCausalLM``, ``Starcoder2ForCausalLM``, ``PersimmonForCausalLM`` or ``GPTBigCodeForCausalLM`` (and the
+MoE classes) is read into the Megatron-LM
 arguments a run of that model records (:func:`megatron_args`), and those into the one model description
 (:class:`gtp_format.megatron.args.ModelDescription`). The description then goes through the export's own
 choice (:func:`.megatron_arch.choose`): the class it picks and every forward-changing key of the
 ``config.json`` it would write must be the folder's own, else the folder is refused naming the key, so what is
-imported exports back to the same model. The
+imported exports back to the same model (``MistralForCausalLM`` without a sliding window computes what
+``LlamaForCausalLM`` computes, with the same tensor names: it exports back as Llama, tensors bit-identical,
+:data:`EXPORTS_AS`). The
 export's name table (``Target.names``: megatron-core parameter -> HF tensors and the rows they
 fill) is then walked the other way: each megatron-core parameter is the concatenation of its HF
 tensors' rows (``linear_qkv``: per query group the group's query heads, one key head, one value
@@ -37,9 +40,9 @@ from gtp_format.names import STATES
 from gtp_format.scan import carrier
 from gtp_format.storage.location import ObjectURL
 
-CLASSES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM", "Starcoder2ForCausalLM",
-           "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "PersimmonForCausalLM",
-           "GPTBigCodeForCausalLM")
+CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM",
+           "Starcoder2ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
+           "PersimmonForCausalLM", "GPTBigCodeForCausalLM")
 # what each RoPE class's forward fixes (everything else is read from its config.json)
 NON_GATED = ("ArceeForCausalLM", "Starcoder2ForCausalLM", "PersimmonForCausalLM")  # up/down, no gate
 LAYERNORM = ("Starcoder2ForCausalLM", "PersimmonForCausalLM")
@@ -47,7 +50,7 @@ LAYERNORM = ("Starcoder2ForCausalLM", "PersimmonForCausalLM")
 # per-head [q; k; v] query_key_value (MHA only: it has no num_key_value_heads)
 FUSED_QKV = ("GPTBigCodeForCausalLM", "PersimmonForCausalLM")
 QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-HEAD_DIM = ("LlamaForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM", "MixtralForCausalLM",
+HEAD_DIM = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM", "MixtralForCausalLM",
             "Qwen3MoeForCausalLM")  # a head_dim key (else hidden / heads)
 # MoE classes: every layer's MLP is SwiGLU experts behind a softmax top-k router (megatron-core's
 # SequentialMLP); config key of (experts, the expert FFN size)
@@ -57,10 +60,15 @@ MOE = {"MixtralForCausalLM": ("num_local_experts", "intermediate_size"),
 # stacked megatron-core key of each expert parameter (axes: layer, expert, then the parameter's own)
 EXPERT_KEY = "decoder.layers.mlp.experts.experts."
 PARAM_DTYPES = ("float32", "bfloat16")
+# a class whose megatron-core form exports as another class with the same forward and tensor names
+EXPORTS_AS = {"MistralForCausalLM": "LlamaForCausalLM"}
 # per class: config key -> transformers' default (configs written by older transformers omit defaults)
 DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                          "tie_word_embeddings": False, "max_position_embeddings": 2048},
+    # Mistral's attention and MLP have no biases whatever a config says (no attention_bias key of its own)
+    "MistralForCausalLM": {"rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                           "tie_word_embeddings": False, "max_position_embeddings": 131072, "sliding_window": 4096},
     "Qwen2ForCausalLM": {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
                          "max_position_embeddings": 32768, "use_sliding_window": False},
     "Qwen3ForCausalLM": {"rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False, "head_dim": 128,
@@ -260,8 +268,9 @@ def _rope_args(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
     if not gated and act not in ACT_FLAGS:
         raise FormatError(f"{where}: hidden_act {act!r} has no megatron-core form for a non-gated MLP here "
                           f"({', '.join(ACT_FLAGS)})")
-    window = bool(_get(cfg, arch, "use_sliding_window")) or (arch in ("Starcoder2ForCausalLM", "MixtralForCausalLM")
-                                                             and cfg.get("sliding_window") is not None)
+    window = bool(_get(cfg, arch, "use_sliding_window")) or (
+        arch in ("Starcoder2ForCausalLM", "MixtralForCausalLM", "MistralForCausalLM")
+        and _get(cfg, arch, "sliding_window") is not None)  # Mistral's default is a 4096-token window
     if window or any(t != "full_attention" for t in _list(cfg, "layer_types", where)):
         raise FormatError(f"{where}: sliding-window attention (use_sliding_window, sliding_window, layer_types) has "
                           "no megatron-core GPT form here")
@@ -273,6 +282,8 @@ def _rope_args(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
         bias, qkv_bias = False, True
     elif arch == "Qwen2MoeForCausalLM":  # q/k/v biases as qkv_bias says, none elsewhere
         bias, qkv_bias = False, bool(_get(cfg, arch, "qkv_bias"))
+    elif arch == "MistralForCausalLM":  # no biases, whatever the config says
+        bias = qkv_bias = False
     else:
         bias = bool(_get(cfg, arch, "attention_bias"))
         mlp_bias = bool(_get(cfg, arch, "mlp_bias")) if "mlp_bias" in DEFAULTS[arch] else False
@@ -426,7 +437,7 @@ def global_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 def _check_config(arch: str, cfg: dict[str, Any], target: megatron_arch.Target, where: str) -> None:
     """Every forward-changing key the export would write must be the folder's own (defaults filled)."""
-    if target.architecture != arch:
+    if target.architecture != EXPORTS_AS.get(arch, arch):
         raise FormatError(f"{where}: this {arch} maps onto megatron-core settings that export as "
                           f"{target.architecture}; no round trip, so it is refused")
     for key, want in target.config.items():

@@ -54,6 +54,9 @@ def hf_model(root: Path, kind: str, dtype: torch.dtype = torch.float32) -> Path:
     elif kind == "llama_mqa_tied":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_key_value_heads=1,
                                                                        tie_word_embeddings=True, **SIZES))
+    elif kind == "mistral":  # no sliding window, its own head_dim: Llama's forward under another class
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(
+            num_key_value_heads=2, sliding_window=None, head_dim=24, rope_theta=40000.0, **SIZES))
     elif kind == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(num_key_value_heads=2, head_dim=16,
                                                                        rope_theta=50000.0, **SIZES))
@@ -144,6 +147,38 @@ def test_hf_megatron_hf_round_trip_is_bit_identical(kind: str, dtype: torch.dtyp
     assert_same_tensors(src, tmp_path / "back")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=dtype)
     assert back.config.architectures == json.loads((src / "config.json").read_text())["architectures"]
+
+
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_mistral_imports_and_exports_back_as_llama(sharding: str, tmp_path: Path) -> None:
+    """MistralForCausalLM without a sliding window is Llama's forward with Llama's tensor names: imported, it
+    exports as LlamaForCausalLM with the same tensors, bit for bit, and the same logits."""
+    src = hf_model(tmp_path / "hf", "mistral")
+    import_mc(src, tmp_path / "mc", "--tp", "2", "--dp", "2", "--sharding", sharding)
+    r = cli("export", tmp_path / "mc", tmp_path / "back", "--to", "hf", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["architecture"] == "LlamaForCausalLM"
+    assert_same_tensors(src, tmp_path / "back")
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 128, (2, 12)))
+    with torch.no_grad():
+        want = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(ids).logits
+        got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()(ids)
+    assert torch.equal(got.logits, want)
+
+
+@pytest.mark.parametrize("window", [4096, "absent"])
+def test_mistral_with_a_sliding_window_is_refused(window: object, tmp_path: Path) -> None:
+    """A 4096-token window (Mistral's default when the key is absent) has no megatron-core GPT form here."""
+    src = hf_model(tmp_path / "hf", "mistral")
+    cfg = json.loads((src / "config.json").read_text())
+    if window == "absent":
+        cfg.pop("sliding_window")
+    else:
+        cfg["sliding_window"] = window
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_error_line(cli("import", src, tmp_path / "out", "--from", "hf", "--to", "megatron-core", "--tp", "1"), 2,
+                      "sliding-window attention")
+    assert not (tmp_path / "out").exists()
 
 
 MOE_KINDS = ["mixtral", "qwen3_moe", "qwen3_moe_presoftmax", "qwen2_moe"]
@@ -285,6 +320,7 @@ def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, shard
     ("starcoder2", (2, 1, 2), "dp_reshardable"), ("mixtral", (1, 1, 2), "dp_reshardable"),
     ("qwen3_moe", (2, 1, 1), "fully_reshardable"), ("qwen3_moe_presoftmax", (1, 1, 2), "dp_reshardable"),
     ("qwen2_moe", (2, 1, 1), "dp_reshardable"), ("persimmon", (2, 1, 2), "dp_reshardable"),
+    ("mistral", (2, 1, 2), "dp_reshardable"),
     ("mixtral_ep1", (2, 1, 1), "dp_reshardable"), ("qwen3_moe_ep1", (2, 1, 1), "fully_reshardable"),
     ("mixtral_ep1", (1, 1, 2), "dp_reshardable")])
 def test_megatron_core_loads_the_import_and_computes_transformers_logits(kind: str, topo: tuple[int, int, int],
@@ -510,7 +546,7 @@ def _edit_config(folder: Path, **change: object) -> None:
 
 
 @pytest.mark.parametrize("case,needles", [
-    ("class", ["architectures ['MistralForCausalLM']", "no megatron-core mapping"]),
+    ("class", ["architectures ['GemmaForCausalLM']", "no megatron-core mapping"]),
     ("ffn", ["'model.layers.0.mlp.gate_proj.weight' is [128, 64]", "config.json implies [96, 64]"]),
     ("heads", ["'model.layers.0.self_attn.k_proj.weight' is [32, 64]", "[64, 64]"]),
     ("layers", ["says 1000000000 layers", "holds 21"]),
@@ -525,7 +561,7 @@ def _edit_config(folder: Path, **change: object) -> None:
 def test_import_to_megatron_core_refusals(case: str, needles: list[str], tmp_path: Path) -> None:
     src = hf_model(tmp_path / "hf", "llama", torch.float16 if case == "dtype" else torch.float32)
     if case == "class":
-        _edit_config(src, architectures=["MistralForCausalLM"])
+        _edit_config(src, architectures=["GemmaForCausalLM"])
     elif case == "ffn":
         _edit_config(src, intermediate_size=96)
     elif case == "heads":
