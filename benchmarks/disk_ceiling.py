@@ -126,14 +126,16 @@ def direct_threads(work: Path, streams: int, total: int, write: int, prealloc: b
     return None if failed else round(streams * per / 1e9 / dt, 3)
 
 
-def evict(path: Path) -> None:
-    """Empty the page cache of ``path`` (and of everything, where ``/proc/sys/vm/drop_caches`` is writable)."""
+def evict(path: Path, everything: bool = True) -> None:
+    """Empty the page cache of ``path`` (and, with ``everything``, the whole page cache where
+    ``/proc/sys/vm/drop_caches`` is writable: never under ``--smoke``, which may run beside other work)."""
     os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        pass
+    if everything:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+        except OSError:
+            pass
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -142,7 +144,7 @@ def evict(path: Path) -> None:
 
 
 def cold_read(path: Path, base: int, nbytes: int, threads: int, unit: int, piece: int, direct: bool,
-              willneed: bool = False) -> float | None:
+              willneed: bool = False, everything: bool = True) -> float | None:
     """GB/s of ``threads`` threads reading ``[base, base + nbytes)`` of ``path`` cold: each takes the next ``unit``
     bytes in file order (a shared counter) and reads them in ``piece``-byte ``preadv`` calls into its own page-aligned
     buffer, with ``O_DIRECT`` or through the cache (``POSIX_FADV_SEQUENTIAL``; ``willneed``: the unit asked for
@@ -150,7 +152,7 @@ def cold_read(path: Path, base: int, nbytes: int, threads: int, unit: int, piece
     import mmap
     import threading
 
-    evict(path)
+    evict(path, everything)
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
     if not direct:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -203,7 +205,8 @@ def read_sweep(path: Path, per_row: int, small: bool = False) -> dict[str, float
     out: dict[str, float | None] = {}
     for k, (name, threads, unit, piece, direct, willneed) in enumerate(rows):
         base = (k % regions) * step
-        out[name] = cold_read(path, base, min(per_row, size - base), threads, unit, piece, direct, willneed)
+        nbytes = min(per_row, size - base) // ALIGN_REGION * ALIGN_REGION or min(per_row, size - base) >> 12 << 12
+        out[name] = cold_read(path, base, nbytes, threads, unit, piece, direct, willneed, not small)
         print(f"{name}: {out[name]} GB/s", flush=True)
     return out
 

@@ -52,7 +52,7 @@ DIRECT_ENV = "CKPT_VERIFY_DIRECT"
 SPAN = 8 << 20  # a worker's task of windows in a row, read cold as one O_DIRECT request
 SPAN_ENV = "CKPT_VERIFY_SPAN_MIB"
 ADVISE_PIECE = 1 << 20  # WILLNEED per call: under the kernel's cap (readahead or max request size, >= 1 MiB here)
-SPAN_BUDGET = 48 << 20  # span buffers in all: with the pass's own ~60 MiB, under 128 MB at any worker count
+SPAN_BUDGET = 40 << 20  # span buffers in all: with the pass's own ~60 MiB, under 128 MB at any worker count
 
 
 def direct_reads() -> bool:
