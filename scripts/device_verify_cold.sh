@@ -34,5 +34,5 @@ timeout 50 $PY benchmarks/disk_ceiling.py --reads "$DATA" --read-gib 0.5 --workd
 stage "cold"
 timeout 220 $PY benchmarks/bench_cli_scale.py --only verify --repeats 3 --no-warm --dcp-dir /tmp/vdcp \
     --workdir /tmp/w16 --out "$OUT/cold" --against "$AGAINST" --variant cache=CKPT_VERIFY_DIRECT=0 \
-    --variant span16=CKPT_VERIFY_SPAN_MIB=16 --host "$HOST"
+    --variant span16=CKPT_VERIFY_SPAN_MIB=16 --variant span0=CKPT_VERIFY_SPAN_MIB=0 --host "$HOST"
 stage "done"
