@@ -46,7 +46,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gtp_format import ranks
-from gtp_format.check.data_read import Buffers, Span, Spans, WindowReads, direct_reads, span_bytes, span_depth
+from gtp_format.check.data_read import (
+    HEAD,
+    Buffers,
+    Span,
+    Spans,
+    WindowReads,
+    direct_reads,
+    span_bytes,
+    span_depth,
+)
 from gtp_format.check.data_steps import (
     Action,
     Found,
@@ -329,11 +338,11 @@ class _FilePass:
     """
 
     def __init__(self, ckpt: Checkpoint, rel: str, items: list[Item], algorithms: list[str],
-                 buffers: Buffers | None = None, direct: bool = True, spans: Spans | None = None) -> None:
+                 buffers: Buffers | None = None, direct: bool = False, spans: Spans | None = None) -> None:
         self.ckpt, self.rel, self.items = ckpt, rel, items
         self.buffers = buffers or Buffers(WINDOW)
         self.spans = spans  # a task's windows in one cold read (gtp_format.check.data_read)
-        self.direct = direct  # cold windows with O_DIRECT (gtp_format.check.data_read)
+        self.direct = direct  # cold windows with O_DIRECT, else through the cache (gtp_format.check.data_read)
         self.reads: WindowReads | None = None  # a local file's reads (reused buffers, O_DIRECT when cold)
         self.found = Found()  # what this file's steps found, merged in file order
         # one CRC alone is hashed per window on the workers and combined in order; anything else
@@ -393,6 +402,7 @@ class _FilePass:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self.reads = WindowReads(self.fd, self.size, self.rel, self.direct)
+        self.reads.ask(0, min(self.size, HEAD))  # the disk reads the file's start while the plan is made
         self._ask_for_ends()
         steps = self._plan()
         self.remaining = max(1, len(steps))
@@ -479,13 +489,13 @@ class _FilePass:
     def _span(self, steps: list[_Step]) -> Span | None:
         """The bytes of ``steps`` in one read, where they follow each other and their windows are not kept."""
         reads = self.reads
-        if reads is None or len(steps) < 2 or self.keeps_windows():
-            return None
         runs = [(s.start, s.stop) for s in steps if s.stop > s.start]
-        if not runs or any(b != c for (_, b), (c, _) in zip(runs, runs[1:])):
+        if reads is None or not runs or any(b != c for (_, b), (c, _) in zip(runs, runs[1:])):
             return None
         start, stop = runs[0][0], runs[-1][1]
-        reads.advise(start, stop)  # through the cache: the whole span asked for at once
+        reads.advise(start, stop)  # through the cache: the task's windows asked for at once
+        if len(runs) < 2 or self.keeps_windows():
+            return None
         return reads.span(self.spans, start, stop)
 
     def work(self, step: _Step, span: Span | None = None) -> Found:

@@ -7,29 +7,27 @@ or straight from the disk.
   into one reused buffer on 2 cores, and the pass as a whole 0.43 against 0.36). Here each window is
   read with ``preadv`` into a buffer of :class:`Buffers`, given back once nothing needs its bytes
   (after the worker's step, or after the in-order merge for the steps that keep theirs).
-* Cold pages from the disk, warm ones from the cache. A window whose sampled pages are not all in the
-  cache (:class:`gtp_format.reader.preads.PageCache`, ``mincore``) is read with ``O_DIRECT`` on a
-  second descriptor: the disk gets the whole window as one request, nothing is copied out of the
-  page cache, and nothing is added to it (on the lent H200 a read through the cache reached 0.66x of
-  ``dd iflag=direct`` with 8 threads and ``O_DIRECT`` 1.21x: docs/performance.md, loads). A warm
-  window stays a copy from the cache: reading it from the disk again would be the slow way.
-  The direct read covers the window's aligned pages (at most a page more on each side, read twice at
-  the edge of two windows), and the bytes used are exactly ``[start, stop)``.
+* Cold windows through the cache, asked for ahead. A worker's task is several windows in a row
+  (8 MiB); before reading the first, it asks the kernel for all of them (``posix_fadvise(WILLNEED)``,
+  in 1 MiB calls: the kernel caps one call near its readahead size), so the disk gets the whole task at
+  once from every worker, and the bytes in flight sit in the page cache, not in this process (which
+  stays under 128 MB). Warm tasks (``mincore``, :class:`gtp_format.reader.preads.PageCache`: their
+  first, middle and last pages resident) are not asked for. Planning asks for each file's first
+  :data:`HEAD` bytes, so the disk works while the plan is made.
+* Cold windows with ``O_DIRECT`` (``CKPT_VERIFY_DIRECT=1``): a window the cache lacks is read on a
+  second descriptor, one request per window, straight into the buffer; optionally a task's windows as
+  one span request (``CKPT_VERIFY_SPAN_MIB``, :class:`Spans`: at most :func:`span_depth` span buffers,
+  :data:`SPAN_BUDGET` bytes, a worker waiting for one). The direct read covers the aligned pages
+  around the range, and the bytes used are exactly ``[start, stop)``.
 
-* Cold spans in one request, a bounded number in flight. A worker's task is several windows in a row
-  (:data:`SPAN` bytes); when that span is cold it is read with one ``O_DIRECT`` request into a span
-  buffer and the windows are views of it. At most :func:`span_depth` span buffers exist (a budget of
-  :data:`SPAN_BUDGET` bytes, never more than the workers): a worker that finds none free waits for one,
-  so the disk sees that many large requests in roughly file order, not one 2 MiB request per worker at
-  16 offsets. Measured on the lent 16-core host's virtual disk (docs/performance.md, issue 41): see
-  there for the depth and size sweep (``benchmarks/disk_ceiling.py --reads``) this default comes from.
-* Through the cache, the span is asked for ahead (``posix_fadvise(WILLNEED)`` of each window of the
-  task before the first is read): the kernel reads the whole span at once instead of a readahead
-  window at a time behind the copying thread.
-
-``CKPT_VERIFY_DIRECT=0`` turns the direct reads off (every window through the cache, as before): the
-escape hatch for a disk that serves them slower than its readahead, and the switch of an A/B on one host.
-``CKPT_VERIFY_SPAN_MIB`` sets the span (0: each window its own direct request, as before; default 8).
+Why the cache is the default: on the lent 16-core host (ext4 on one virtual disk, ``read_ahead_kb``
+8192), 12.9 GB written by ``dcp.save``, best of 3 cold rounds in one run against ``cat`` 7.29 s: through
+the cache with the tasks asked for 7.30 s; ``O_DIRECT`` per 2 MiB window 7.74 s (and 8.77 s before the
+chunks' ends were asked for); 8 MiB spans, 5 in flight, 8.54 s; 16 MiB spans, 2 in flight, 8.93 s
+(docs/performance.md, issue 41). That disk serves more bytes in flight faster than larger requests, and
+direct reads can hold in flight only what the process's memory budget holds. The cost is CPU: the
+kernel's copy out of the cache and its page handling, 33 CPU s against 11-12 for the direct reads.
+``CKPT_VERIFY_DIRECT=1`` is the switch for a disk where that trade goes the other way, and of an A/B.
 
 Both reads end in the same check: fewer bytes than asked is a file that shrank under the pass, one
 :class:`~gtp_format.errors.ChunkError` naming it (never a short window, never a ``SIGBUS``: nothing is
@@ -47,34 +45,36 @@ from gtp_format.errors import ChunkError, FormatError
 from gtp_format.numbers import NumberError, parse_int
 from gtp_format.reader.preads import ALIGN, PageCache, read_fully, reopen_direct
 
-DIRECT_MIN = 256 << 10  # windows from this size are read from the disk when the cache lacks them
+DIRECT_MIN = 256 << 10  # with CKPT_VERIFY_DIRECT=1, windows from this size are read from the disk when cold
 DIRECT_ENV = "CKPT_VERIFY_DIRECT"
-SPAN = 8 << 20  # a worker's task of windows in a row, read cold as one O_DIRECT request
+HEAD = 64 << 20  # the bytes of a file asked for when its plan starts (the disk reads while planning parses)
+SPAN = 0  # with CKPT_VERIFY_DIRECT=1: a task of windows in a row read cold as one request of up to this (0: none)
 SPAN_ENV = "CKPT_VERIFY_SPAN_MIB"
 ADVISE_PIECE = 1 << 20  # WILLNEED per call: under the kernel's cap (readahead or max request size, >= 1 MiB here)
 SPAN_BUDGET = 40 << 20  # span buffers in all: with the pass's own ~60 MiB, under 128 MB at any worker count
 
 
 def direct_reads() -> bool:
-    """Whether cold windows are read with ``O_DIRECT``: yes, unless ``CKPT_VERIFY_DIRECT`` is 0."""
+    """Whether cold windows are read with ``O_DIRECT``: only where ``CKPT_VERIFY_DIRECT`` is 1."""
     value = os.environ.get(DIRECT_ENV)
     if value is None:
-        return True
+        return False
     try:
         return parse_int(value, DIRECT_ENV, 0, 1) == 1
     except NumberError as e:
-        raise FormatError(f"{e}; set it to 1 (cold windows read from the disk) or 0 (through the cache)") from None
+        raise FormatError(f"{e}; set it to 1 (cold windows read with O_DIRECT) or 0 (through the cache, the "
+                          "default)") from None
 
 
 def span_bytes() -> int:
-    """The bytes of a cold span (``CKPT_VERIFY_SPAN_MIB``, default :data:`SPAN`); 0: no spans."""
+    """The bytes of a cold direct span (``CKPT_VERIFY_SPAN_MIB``, default :data:`SPAN`); 0: no spans."""
     value = os.environ.get(SPAN_ENV)
     if value is None:
         return SPAN
     try:
         return parse_int(value, SPAN_ENV, 0, 64) << 20
     except NumberError as e:
-        raise FormatError(f"{e}; set it to the MiB of one cold read (8 by default, 0 for one read per window)") \
+        raise FormatError(f"{e}; set it to the MiB of one cold direct read (0, the default: one read per window)") \
             from None
 
 
@@ -153,11 +153,11 @@ class Buffers:
 class WindowReads:
     """The reads of one open local data file (``fd``, ``size`` bytes when opened) by the pass's workers."""
 
-    def __init__(self, fd: int, size: int, rel: str, direct: bool = True) -> None:
+    def __init__(self, fd: int, size: int, rel: str, direct: bool = False) -> None:
         self.fd, self.size, self.rel = fd, size, rel
         self.direct = reopen_direct(fd) if direct else None
-        self.cache = PageCache(fd, size) if self.direct is not None else None
-        self.use_direct = self.cache is not None
+        self.cache: PageCache | None = PageCache(fd, size)
+        self.use_direct = self.direct is not None
 
     def read(self, buf: bytearray, start: int, stop: int) -> memoryview:
         """The bytes ``[start, stop)`` of the file, as a view into ``buf``."""
@@ -196,9 +196,18 @@ class WindowReads:
         return Span(buf, got, start, stop)
 
     def advise(self, start: int, stop: int) -> None:
-        """Ask the kernel for ``[start, stop)`` now (``WILLNEED``): through the cache, a span's windows are
-        read at once, not a readahead window at a time behind the thread that copies them out."""
-        if self.use_direct or stop <= start or not hasattr(os, "posix_fadvise"):
+        """Through the cache, ask the kernel for ``[start, stop)`` now (:meth:`ask`): a task's windows are read at
+        once, not a readahead window at a time behind the thread that copies them out."""
+        if not self.use_direct:
+            self.ask(start, stop)
+
+    def ask(self, start: int, stop: int) -> None:
+        """``WILLNEED`` of ``[start, stop)`` unless the cache holds it (advice: the kernel reads it in the
+        background; a read of those pages then waits for them, or finds them)."""
+        cache = self.cache
+        if stop <= start or not hasattr(os, "posix_fadvise"):
+            return
+        if cache is not None and cache.addr is not None and cache.resident(start, stop):  # unknown: asked
             return
         try:  # in pieces: the kernel reads at most its readahead or largest request size per call
             for lo in range(start, stop, ADVISE_PIECE):

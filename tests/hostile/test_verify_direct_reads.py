@@ -1,7 +1,8 @@
-"""``verify --data`` reading cold windows with ``O_DIRECT`` (``gtp_format/check/data_read.py``).
+"""``verify --data`` reading cold windows (``gtp_format/check/data_read.py``): through the cache, asked for ahead
+(the default), or with ``O_DIRECT`` (``CKPT_VERIFY_DIRECT=1``).
 
-A window the page cache lacks is read from the disk on a second descriptor of the file; a warm one is
-copied from the cache. The fixtures are small and warm, so here the windows are made small, the
+With ``O_DIRECT``, a window the page cache lacks is read from the disk on a second descriptor of the file; a
+warm one is copied from the cache. The fixtures are small and warm, so here the windows are made small, the
 threshold lowered and the cache made to answer "not resident": every window then takes the direct
 path. What must hold there: the same report as through the cache (every check, every digest), damage
 found the same way, a file that shrinks under the pass one ``data_file`` error, a file system that
@@ -53,6 +54,7 @@ def cold(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[int]:
     """Every window of 64 KiB or less read with O_DIRECT; the lengths of the direct reads taken."""
     if not _takes_direct(tmp_path):
         pytest.skip("this file system refuses O_DIRECT: verify reads through the cache")
+    monkeypatch.setenv(data_read.DIRECT_ENV, "1")
     monkeypatch.setattr(data_check, "WINDOW", 64 << 10)
     monkeypatch.setattr(data_read, "DIRECT_MIN", 4096)
     monkeypatch.setattr(PageCache, "resident", lambda self, start, stop: False)
@@ -219,6 +221,7 @@ def test_a_bad_switch_is_one_line_and_exit_2(tmp_path: Path, value: str, monkeyp
 @pytest.fixture
 def spans(cold: list[int], monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """The spans read in one request (start, stop), every window cold as in ``cold``."""
+    monkeypatch.setenv(data_read.SPAN_ENV, "8")
     taken: list[tuple[int, int]] = []
     real = data_read.WindowReads.span
 
@@ -240,9 +243,9 @@ def test_cold_spans_give_the_report_of_the_cache(tmp_path: Path, spans: list[tup
     assert spans and sum(cold) == got[1]["bytes_read"]
     assert sum(b - a for a, b in spans) <= got[1]["bytes_read"]
     spans.clear()
-    monkeypatch.setenv(data_read.SPAN_ENV, "0")  # one direct read per window, as before spans
+    monkeypatch.setenv(data_read.SPAN_ENV, "0")  # one direct read per window (the default)
     assert _report(run) == got and not spans
-    monkeypatch.delenv(data_read.SPAN_ENV)
+    monkeypatch.setenv(data_read.SPAN_ENV, "8")
     monkeypatch.setattr(data_read, "DIRECT_MIN", 1 << 62)  # through the cache
     assert _report(run) == got and got[2]
 
@@ -381,6 +384,7 @@ def test_through_the_cache_each_span_is_asked_for_first(tmp_path: Path, monkeypa
     run = _copy(tmp_path)
     want = _report(run)
     monkeypatch.setattr(data_check, "WINDOW", 16 << 10)
+    monkeypatch.setattr(PageCache, "resident", lambda self, start, stop: False)  # cold: a warm task is not asked for
     asked: list[tuple[int, int]] = []
     real = os.posix_fadvise
 
@@ -406,3 +410,30 @@ def test_a_bad_span_is_one_line_and_exit_2(tmp_path: Path, value: str, monkeypat
     err = capsys.readouterr().err.strip()
     assert data_read.SPAN_ENV in err and "MiB" in err and "Traceback" not in err
     assert "\n" not in err and "\x1b" not in err and len(err) < 400, err
+
+
+def test_by_default_cold_windows_come_through_the_cache_asked_for_first(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch):
+    """No ``CKPT_VERIFY_DIRECT``: no ``O_DIRECT`` descriptor is opened; each file's start and each cold task are
+    asked for (``WILLNEED``) before they are read; a warm task is not; the report is the same either way."""
+    run = _copy(tmp_path)
+    monkeypatch.delenv(data_read.DIRECT_ENV, raising=False)
+    monkeypatch.setattr(data_check, "WINDOW", 16 << 10)
+    fds = direct_descriptors(monkeypatch)
+    asked: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+
+    def spy(fd, offset, length, advice):  # noqa: ANN001, ANN202
+        if advice == os.POSIX_FADV_WILLNEED:
+            asked.append((offset, length))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    monkeypatch.setattr(PageCache, "resident", lambda self, start, stop: True)
+    warm = _report(run)
+    assert not fds and all(n == data_check.END_BYTES for _, n in asked), "warm: only the chunks' ends"
+    monkeypatch.setattr(PageCache, "resident", lambda self, start, stop: False)
+    asked.clear()
+    assert _report(run) == warm and not fds and warm[2]
+    heads = [a for a in asked if a[0] == 0]
+    assert heads and len(asked) > len(heads) + 1
