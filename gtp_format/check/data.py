@@ -163,9 +163,9 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
                 continue
             by_file[ref.file].append(Item(e, c, ref.offset, ref.offset + ref.length, records.get((e.key, c.index))))
     buffers = Buffers(WINDOW)  # shared by the files' passes: a file's buffers serve the next one
-    cold_direct = direct_reads()  # read here: a bad CKPT_VERIFY_DIRECT is one line before any file is opened
-    span = span_bytes()  # likewise CKPT_VERIFY_SPAN_MIB
     n = workers or ranks.cores_per_rank(default_workers())  # under torchrun: the host's cores shared by its ranks
+    cold_direct = direct_reads(n)  # read here: a bad CKPT_VERIFY_DIRECT is one line before any file is opened
+    span = span_bytes()  # likewise CKPT_VERIFY_SPAN_MIB
     spans = Spans(span, span_depth(span, n)) if span >= 2 * WINDOW else None
     passes = [_FilePass(ckpt, rel, sorted(by_file.get(rel, []), key=lambda i: (i.start, i.stop)),
                         hash_files.get(rel, []), buffers, cold_direct, spans)

@@ -14,20 +14,25 @@ or straight from the disk.
   stays under 128 MB). Warm tasks (``mincore``, :class:`gtp_format.reader.preads.PageCache`: their
   first, middle and last pages resident) are not asked for. Planning asks for each file's first
   :data:`HEAD` bytes, so the disk works while the plan is made.
-* Cold windows with ``O_DIRECT`` (``CKPT_VERIFY_DIRECT=1``): a window the cache lacks is read on a
+* Cold windows with ``O_DIRECT`` (``CKPT_VERIFY_DIRECT=1``, and the default under
+  :data:`CACHE_FROM_WORKERS` workers): a window the cache lacks is read on a
   second descriptor, one request per window, straight into the buffer; optionally a task's windows as
   one span request (``CKPT_VERIFY_SPAN_MIB``, :class:`Spans`: at most :func:`span_depth` span buffers,
   :data:`SPAN_BUDGET` bytes, a worker waiting for one). The direct read covers the aligned pages
   around the range, and the bytes used are exactly ``[start, stop)``.
 
-Why the cache is the default: on the lent 16-core host (ext4 on one virtual disk, ``read_ahead_kb``
+Why the cache is the default from 8 workers: on the lent 16-core host (ext4 on one virtual disk, ``read_ahead_kb``
 8192), 12.9 GB written by ``dcp.save``, best of 3 cold rounds in one run against ``cat`` 7.29 s: through
 the cache with the tasks asked for 7.30 s; ``O_DIRECT`` per 2 MiB window 7.74 s (and 8.77 s before the
 chunks' ends were asked for); 8 MiB spans, 5 in flight, 8.54 s; 16 MiB spans, 2 in flight, 8.93 s
 (docs/performance.md, issue 41). That disk serves more bytes in flight faster than larger requests, and
 direct reads can hold in flight only what the process's memory budget holds. The cost is CPU: the
-kernel's copy out of the cache and its page handling, 33 CPU s against 11-12 for the direct reads.
-``CKPT_VERIFY_DIRECT=1`` is the switch for a disk where that trade goes the other way, and of an A/B.
+kernel's copy out of the cache and its page handling, 33 CPU s against 11-12 for the direct reads. On
+the 2-core VM (1.0 GB, the file evicted before each run, 2 workers) the cache path took 1.6-1.75 CPU s
+against 1.05-1.2 direct, and twice the wall time in both rounds (a loaded machine: ``cat`` itself
+varied 2.8-18 s), so with few workers, where that CPU competes with the checks, the direct reads stay
+the default. 8 is between the two measured points (2 and 16), not a measured knee.
+``CKPT_VERIFY_DIRECT`` (1 or 0) sets the path whatever the workers: the switch of an A/B on one host.
 
 Both reads end in the same check: fewer bytes than asked is a file that shrank under the pass, one
 :class:`~gtp_format.errors.ChunkError` naming it (never a short window, never a ``SIGBUS``: nothing is
@@ -48,22 +53,24 @@ from gtp_format.reader.preads import ALIGN, PageCache, read_fully, reopen_direct
 DIRECT_MIN = 256 << 10  # with CKPT_VERIFY_DIRECT=1, windows from this size are read from the disk when cold
 DIRECT_ENV = "CKPT_VERIFY_DIRECT"
 HEAD = 64 << 20  # the bytes of a file asked for when its plan starts (the disk reads while planning parses)
+CACHE_FROM_WORKERS = 8  # from this many workers, cold windows come through the cache (unless CKPT_VERIFY_DIRECT)
 SPAN = 0  # with CKPT_VERIFY_DIRECT=1: a task of windows in a row read cold as one request of up to this (0: none)
 SPAN_ENV = "CKPT_VERIFY_SPAN_MIB"
 ADVISE_PIECE = 1 << 20  # WILLNEED per call: under the kernel's cap (readahead or max request size, >= 1 MiB here)
 SPAN_BUDGET = 40 << 20  # span buffers in all: with the pass's own ~60 MiB, under 128 MB at any worker count
 
 
-def direct_reads() -> bool:
-    """Whether cold windows are read with ``O_DIRECT``: only where ``CKPT_VERIFY_DIRECT`` is 1."""
+def direct_reads(workers: int) -> bool:
+    """Whether cold windows are read with ``O_DIRECT``: ``CKPT_VERIFY_DIRECT`` (1 or 0), else below
+    :data:`CACHE_FROM_WORKERS` workers (where the cache's CPU cost competes with the checks)."""
     value = os.environ.get(DIRECT_ENV)
     if value is None:
-        return False
+        return workers < CACHE_FROM_WORKERS
     try:
         return parse_int(value, DIRECT_ENV, 0, 1) == 1
     except NumberError as e:
-        raise FormatError(f"{e}; set it to 1 (cold windows read with O_DIRECT) or 0 (through the cache, the "
-                          "default)") from None
+        raise FormatError(f"{e}; set it to 1 (cold windows read with O_DIRECT) or 0 (through the cache), or unset "
+                          "it (the cache from 8 workers)") from None
 
 
 def span_bytes() -> int:

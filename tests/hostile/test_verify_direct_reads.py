@@ -414,8 +414,9 @@ def test_a_bad_span_is_one_line_and_exit_2(tmp_path: Path, value: str, monkeypat
 
 def test_by_default_cold_windows_come_through_the_cache_asked_for_first(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch):
-    """No ``CKPT_VERIFY_DIRECT``: no ``O_DIRECT`` descriptor is opened; each file's start and each cold task are
-    asked for (``WILLNEED``) before they are read; a warm task is not; the report is the same either way."""
+    """No ``CKPT_VERIFY_DIRECT``, 8 workers: no ``O_DIRECT`` descriptor is opened; each file's start and each cold
+    task are asked for (``WILLNEED``) before they are read; a warm task is not; the report is the same either way.
+    With 2 workers the direct reads are the default."""
     run = _copy(tmp_path)
     monkeypatch.delenv(data_read.DIRECT_ENV, raising=False)
     monkeypatch.setattr(data_check, "WINDOW", 16 << 10)
@@ -430,10 +431,12 @@ def test_by_default_cold_windows_come_through_the_cache_asked_for_first(tmp_path
 
     monkeypatch.setattr(os, "posix_fadvise", spy)
     monkeypatch.setattr(PageCache, "resident", lambda self, start, stop: True)
-    warm = _report(run)
+    warm = _report(run, workers=8)
     assert not fds and all(n == data_check.END_BYTES for _, n in asked), "warm: only the chunks' ends"
     monkeypatch.setattr(PageCache, "resident", lambda self, start, stop: False)
     asked.clear()
-    assert _report(run) == warm and not fds and warm[2]
+    assert _report(run, workers=8) == warm and not fds and warm[2]
     heads = [a for a in asked if a[0] == 0]
     assert heads and len(asked) > len(heads) + 1
+    if _takes_direct(tmp_path):
+        assert _report(run, workers=2) == warm and fds, "2 workers: O_DIRECT by default"
