@@ -76,9 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--against", metavar="DIR",
                     help="another checkout of this repository (main's tree, say): its verify --data is timed in the "
                          "same rounds as ours, right after it, and recorded in the verify rows (against_s)")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME=VAR=VALUE",
-                    help="also time our verify --data with the environment variable VAR set to VALUE, in the same "
-                         "rounds (recorded in the verify rows under variants.NAME); repeatable")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=VAR=VALUE[,VAR=VALUE...]",
+                    help="also time our verify --data with these environment variables set, in the same rounds "
+                         "(recorded in the verify rows under variants.NAME); repeatable")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold row (a machine shared with others)")
     ap.add_argument("--no-warm", action="store_true", help="skip the warm row (its results written before a cold run)")
     ap.add_argument("--host", help="words for the machine, recorded with the rows (\"lent H100 host\", say)")
@@ -90,8 +90,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--make", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for v in args.variant:
-        if v.count("=") < 2 or not v.split("=", 2)[0] or not v.split("=", 2)[1]:
-            ap.error(f"--variant {v!r}: write NAME=VAR=VALUE (CKPT_VERIFY_DIRECT=0, say: cache=CKPT_VERIFY_DIRECT=0)")
+        name, _, pairs = v.partition("=")
+        settings = [x.partition("=") for x in pairs.split(",")]
+        if not name or not pairs or any(not var or not sep for var, sep, _ in settings):
+            ap.error(f"--variant {v!r}: write NAME=VAR=VALUE[,VAR=VALUE...] "
+                     "(direct=CKPT_VERIFY_DIRECT=1, say, or span8=CKPT_VERIFY_DIRECT=1,CKPT_VERIFY_SPAN_MIB=8)")
     if args.smoke:
         args.verify_gb, args.tensor_mib, args.dcp_files = 0.02, 2, 2
         args.layers, args.hidden, args.ffn, args.vocab = 1, 64, 256, 512
@@ -215,8 +218,8 @@ def bench_verify(args: argparse.Namespace, work: Path) -> tuple[list[dict], list
         if args.against:
             whos["against"] = (Path(args.against).resolve(), {})
         for v in args.variant:
-            name, var, value = v.split("=", 2)
-            whos[f"variant:{name}"] = (REPO, {var: value})
+            name, _, pairs = v.partition("=")
+            whos[f"variant:{name}"] = (REPO, dict(x.split("=", 1) for x in pairs.split(",")))  # type: ignore[misc]
         got: dict[str, list[dict]] = {w: [] for w in whos}
         for rnd in range(args.repeats):
             for who, (tree, env) in whos.items():
