@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# verify --data cold against cat on one lent machine, in one call (docs/performance.md, issue 41, ran its earlier
+# verify --data cold against cat on one lent machine, in one call (docs/performance.md ran its earlier
 # form: variants then named cache=CKPT_VERIFY_DIRECT=0, span16/span0=CKPT_VERIFY_SPAN_MIB=16/0 when direct was the
 # default): the checkpoint (12.9 GB, torch's dcp.save),
 # the warm row, the disk's cold read sweep, then the cold row with another tree and the read variants timed in the
