@@ -25,8 +25,8 @@ Why the cache is the default from 8 workers: on the lent 16-core host (ext4 on o
 8192), 12.9 GB written by ``dcp.save``, best of 3 cold rounds in one run against ``cat`` 7.29 s: through
 the cache with the tasks asked for 7.30 s; ``O_DIRECT`` per 2 MiB window 7.74 s (and 8.77 s before the
 chunks' ends were asked for); 8 MiB spans, 5 in flight, 8.54 s; 16 MiB spans, 2 in flight, 8.93 s
-(docs/performance.md, cold reads on the lent host). That disk serves more bytes in flight faster than larger requests, and
-direct reads can hold in flight only what the process's memory budget holds. The cost is CPU: the
+(docs/performance.md, cold reads on the lent host). That disk serves more bytes in flight faster than
+larger requests, and direct reads can hold in flight only what the process's memory budget holds. The cost is CPU: the
 kernel's copy out of the cache and its page handling, 33 CPU s against 11-12 for the direct reads. On
 the 2-core VM (1.0 GB, the file evicted before each run, 2 workers) the cache path took 1.6-1.75 CPU s
 against 1.05-1.2 direct, and twice the wall time in both rounds (a loaded machine: ``cat`` itself
