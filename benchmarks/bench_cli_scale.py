@@ -77,6 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--meta-chunks", type=int, default=1_000_000, help="chunks of the synthetic .metadata")
     ap.add_argument("--repeats", type=int, default=2, help="rounds per row (best kept)")
     ap.add_argument("--workers", type=int, help="verify --workers (default: the CLI's own)")
+    ap.add_argument("--against", metavar="DIR",
+                    help="another checkout of this repository (main's tree, say): its verify --data is timed in the "
+                         "same rounds as ours, right after it, and recorded in the verify rows (against_s)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=VAR=VALUE[,VAR=VALUE...]",
+                    help="also time our verify --data with these environment variables set, in the same rounds "
+                         "(recorded in the verify rows under variants.NAME); repeatable")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold row (a machine shared with others)")
     ap.add_argument("--no-warm", action="store_true", help="skip the warm row (its results written before a cold run)")
     ap.add_argument("--host", help="words for the machine, recorded with the rows (\"lent H100 host\", say)")
@@ -87,6 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "machine) into docs/cli_scale_results.json")
     ap.add_argument("--make", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    for v in args.variant:
+        name, _, pairs = v.partition("=")
+        settings = [x.partition("=") for x in pairs.split(",")]
+        if not name or not pairs or any(not var or not sep for var, sep, _ in settings):
+            ap.error(f"--variant {v!r}: write NAME=VAR=VALUE[,VAR=VALUE...] "
+                     "(direct=CKPT_VERIFY_DIRECT=1, say, or span8=CKPT_VERIFY_DIRECT=1,CKPT_VERIFY_SPAN_MIB=8)")
     if args.smoke:
         args.verify_gb, args.tensor_mib, args.dcp_files = 0.02, 2, 2
         args.layers, args.hidden, args.ffn, args.vocab = 1, 64, 256, 512
@@ -117,12 +129,14 @@ def machine(host: str | None = None) -> dict[str, object]:
 
 # -- one command, timed ---------------------------------------------------------------------------
 
-def timed(cmd: list[str], env: dict[str, str] | None = None, ok: tuple[int, ...] = (0,)) -> dict[str, float]:
-    """One fresh process: wall seconds, CPU seconds (user + system) and peak RSS bytes (``os.wait4``), stdout."""
-    full = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+def timed(cmd: list[str], env: dict[str, str] | None = None, ok: tuple[int, ...] = (0,),
+          tree: Path = REPO) -> dict[str, float]:
+    """One fresh process: wall seconds, CPU seconds (user + system) and peak RSS bytes (``os.wait4``), stdout.
+    ``tree``: the checkout it runs from (its folder and ``PYTHONPATH``)."""
+    full = {**os.environ, "PYTHONPATH": str(tree), **(env or {})}
     t = time.perf_counter()
     with open(os.devnull, "wb") as devnull, tempfile.TemporaryFile() as errors:  # a file: no pipe to fill
-        p = subprocess.Popen(cmd, cwd=REPO, env=full, stdin=subprocess.DEVNULL,
+        p = subprocess.Popen(cmd, cwd=tree, env=full, stdin=subprocess.DEVNULL,
                              stdout=devnull if cmd[0] in ("cat", "cp", "dd") else subprocess.PIPE, stderr=errors)
         out = p.stdout.read() if p.stdout else b""
         _, status, usage = os.wait4(p.pid, 0)
@@ -203,29 +217,53 @@ def bench_verify(args: argparse.Namespace, work: Path) -> tuple[list[dict], list
                 else "/proc/sys/vm/drop_caches is not writable here (needs root)"
             notes.append(f"verify_data_cold_vs_cat skipped: {why}")
             continue
-        cats, ours = [], []
-        for _ in range(args.repeats):
-            for who in ("cat", "ours"):
+        # who -> (tree, extra environment); each round runs them in this order, the cache emptied (or warmed) first
+        whos: dict[str, tuple[Path, dict[str, str]]] = {"cat": (REPO, {}), "ours": (REPO, {})}
+        if args.against:
+            whos["against"] = (Path(args.against).resolve(), {})
+        for v in args.variant:
+            name, _, pairs = v.partition("=")
+            whos[f"variant:{name}"] = (REPO, dict(x.split("=", 1) for x in pairs.split(",")))  # type: ignore[misc]
+        got: dict[str, list[dict]] = {w: [] for w in whos}
+        for rnd in range(args.repeats):
+            for who, (tree, env) in whos.items():
                 if cold:
                     drop_caches()
                 else:
                     subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)  # untimed warm-up
                 if who == "cat":
-                    cats.append(timed(["cat", *files]))
+                    got[who].append(timed(["cat", *files]))
                 else:
-                    r = timed(verify)
+                    r = timed(verify, env, tree=tree)
                     doc = json.loads(r["out"])
                     if not doc["ok"] or "data" not in doc["checks"]:
-                        raise SystemExit(f"verify --data did not pass on {folder}: {r['out'][-2000:]}")
-                    ours.append(r)
+                        raise SystemExit(f"verify --data ({who}) did not pass on {folder}: {r['out'][-2000:]}")
+                    got[who].append(r)
+                r = got[who][-1]
+                print(f"{'cold' if cold else 'warm'} round {rnd} {who}: {r['wall']:.3f} s, {r['cpu']:.2f} CPU s, "
+                      f"{r['rss'] / 2**20:.0f} MiB", flush=True)
+        cats, ours = got["cat"], got["ours"]
         c, o = best(cats), best(ours)
         name = "verify_data_cold_vs_cat" if cold else "verify_data_warm_vs_cat"
         gb = nbytes / 1e9
+        extra: dict[str, object] = {}
+        if args.against:
+            a = best(got["against"])
+            extra.update(against_tree=args.against, against_s=round(a["wall"], 3),
+                         against_ratio=round(c["wall"] / a["wall"], 3),
+                         against_all_s=[round(r["wall"], 3) for r in got["against"]],
+                         against_peak_rss_mib=round(a["rss"] / 2**20, 1), against_cpu_s=round(a["cpu"], 3))
+        if args.variant:
+            extra["variants"] = {w.split(":", 1)[1]: {
+                "env": whos[w][1], "best_s": round(best(got[w])["wall"], 3),
+                "ratio": round(c["wall"] / best(got[w])["wall"], 3), "all_s": [round(r["wall"], 3) for r in got[w]],
+                "peak_rss_mib": round(best(got[w])["rss"] / 2**20, 1), "cpu_s": round(best(got[w])["cpu"], 3)}
+                for w in whos if w.startswith("variant:")}
         rows.append(row(name, o, c, c["wall"] / o["wall"], "throughput: cat s / verify --data s (higher is better)",
                         size, ours_gbps=round(gb / o["wall"], 2), baseline_gbps=round(gb / c["wall"], 2),
                         command=shlex.join(verify), baseline_command="cat FILES > /dev/null",
                         within_128_mib=o["rss"] <= 128 << 20, ours_all_s=[round(r["wall"], 3) for r in ours],
-                        baseline_all_s=[round(r["wall"], 3) for r in cats]))
+                        baseline_all_s=[round(r["wall"], 3) for r in cats], **extra))
     if not args.dcp_dir:
         shutil.rmtree(folder, ignore_errors=True)
     return rows, notes

@@ -16,6 +16,14 @@ Measures, each on a fresh set of files under ``--workdir`` (removed after), ``--
   ``cp --reflink=always`` work here, with ``copy_file_range``'s speed (page cache to page cache, then its
   ``fsync``) against ``pread`` + ``pwrite``.
 
+With ``--reads FILE`` (an existing large file, e.g. the data file of a ``dcp.save`` checkpoint), only cold reads
+of it instead (:func:`read_sweep`, ``--read-gib`` GiB a row from its own region of the file, the page cache emptied
+before each row): what limits ``verify --data`` cold. Rows: ``O_DIRECT`` reads issued in file order by ``depth``
+threads of ``size`` bytes each (1..16 in flight, 2..32 MiB); the pattern of the pass before spans (16 threads, each
+8 MiB task read as four 2 MiB direct requests); buffered reads: one thread of 128 KiB (``cat``), 16 threads of 2 MiB
+windows with ``POSIX_FADV_SEQUENTIAL`` (``CKPT_VERIFY_DIRECT=0`` before), and the same with each 8 MiB task asked
+for first with ``POSIX_FADV_WILLNEED``. ``--smoke`` runs the sweep too, on a 16 MiB file.
+
 No project code runs; every figure is GB/s (10^9 bytes) of wall time, ``fsync``/``sync`` included where named.
 """
 
@@ -118,6 +126,94 @@ def direct_threads(work: Path, streams: int, total: int, write: int, prealloc: b
     return None if failed else round(streams * per / 1e9 / dt, 3)
 
 
+def evict(path: Path, everything: bool = True) -> None:
+    """Empty the page cache of ``path`` (and, with ``everything``, the whole page cache where
+    ``/proc/sys/vm/drop_caches`` is writable: never under ``--smoke``, which may run beside other work)."""
+    os.sync()
+    if everything:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+        except OSError:
+            pass
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def cold_read(path: Path, base: int, nbytes: int, threads: int, unit: int, piece: int, direct: bool,
+              willneed: bool = False, everything: bool = True) -> float | None:
+    """GB/s of ``threads`` threads reading ``[base, base + nbytes)`` of ``path`` cold: each takes the next ``unit``
+    bytes in file order (a shared counter) and reads them in ``piece``-byte ``preadv`` calls into its own page-aligned
+    buffer, with ``O_DIRECT`` or through the cache (``POSIX_FADV_SEQUENTIAL``; ``willneed``: the unit asked for
+    first). None where the file system refuses ``O_DIRECT``."""
+    import mmap
+    import threading
+
+    evict(path, everything)
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    if not direct:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    lock = threading.Lock()
+    nxt = [base]
+    failed: list[OSError] = []
+
+    def one(_: int) -> None:
+        buf = mmap.mmap(-1, piece)
+        view = memoryview(buf)
+        while True:
+            with lock:
+                at = nxt[0]
+                nxt[0] += unit
+            if at >= base + nbytes:
+                return
+            end = min(base + nbytes, at + unit)
+            try:
+                if willneed:
+                    for lo in range(at, end, 1 << 20):
+                        os.posix_fadvise(fd, lo, min(end, lo + (1 << 20)) - lo, os.POSIX_FADV_WILLNEED)
+                for lo in range(at, end, piece):
+                    os.preadv(fd, [view[:min(piece, end - lo)]], lo)
+            except OSError as e:
+                failed.append(e)
+                return
+
+    try:
+        dt = on_threads(threads, one)
+    finally:
+        os.close(fd)
+    return None if failed else round(nbytes / 1e9 / dt, 3)
+
+
+def read_sweep(path: Path, per_row: int, small: bool = False) -> dict[str, float | None]:
+    """Cold read GB/s of ``path`` by pattern (see the module's docstring); each row reads ``per_row`` bytes of its
+    own region of the file (rows revisit regions only once the file is used up)."""
+    mib = (lambda n: 64 << 10) if small else (lambda n: n << 20)  # noqa: E731 - a read's size
+    rows: list[tuple[str, int, int, int, bool, bool]] = []  # name, threads, unit, piece, direct, willneed
+    for size, depths in ((2, (1, 4, 16)), (8, (1, 2, 4, 6, 8, 16)), (16, (2, 3, 4)), (32, (1, 2, 4))):
+        rows += [(f"direct_{size}M_depth{d}", d, mib(size), mib(size), True, False) for d in depths]
+    rows += [("direct_verify_before_16x_8M_in_2M", 16, mib(8), mib(2), True, False),
+             ("buffered_cat_1x128K", 1, 128 << 10, 128 << 10, False, False),
+             ("buffered_16x_8M_in_2M", 16, mib(8), mib(2), False, False),
+             ("buffered_willneed_16x_8M_in_2M", 16, mib(8), mib(2), False, True),
+             ("buffered_willneed_4x_8M_in_2M", 4, mib(8), mib(2), False, True)]
+    size = path.stat().st_size
+    step = max(ALIGN_REGION, -(-per_row // ALIGN_REGION) * ALIGN_REGION)
+    regions = max(1, size // step)
+    out: dict[str, float | None] = {}
+    for k, (name, threads, unit, piece, direct, willneed) in enumerate(rows):
+        base = (k % regions) * step
+        nbytes = min(per_row, size - base) // ALIGN_REGION * ALIGN_REGION or min(per_row, size - base) >> 12 << 12
+        out[name] = cold_read(path, base, nbytes, threads, unit, piece, direct, willneed, not small)
+        print(f"{name}: {out[name]} GB/s", flush=True)
+    return out
+
+
+ALIGN_REGION = 64 << 20
+
+
 def copies(work: Path, total: int) -> dict:
     """cp -r (+ sync), cold direct reads, FICLONE, copy_file_range, cp --reflink=always on 8 files."""
     src = work / "src"
@@ -212,6 +308,9 @@ def main() -> int:
     ap.add_argument("--gib", type=float, default=8.0)
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true", help="16 MiB per row in 1 MiB writes (tests/benchmarks)")
+    ap.add_argument("--reads", metavar="FILE", help="only cold reads of FILE (an existing large file), by depth, "
+                                                    "size and O_DIRECT against buffered")
+    ap.add_argument("--read-gib", type=float, default=1.0, help="GiB each --reads row reads")
     ap.add_argument("--quick", action="store_true",
                     help="direct writes only: threads writing O_DIRECT into new or fallocated files (8 streams of 16 "
                          "and 32 MiB writes), and dd 32M x8")
@@ -223,10 +322,15 @@ def main() -> int:
     res: dict = {"fs": sh(f"findmnt -T {work} -o SOURCE,FSTYPE,OPTIONS"),
                  "lsblk": sh("lsblk -o NAME,TYPE,SIZE,ROTA,MODEL,LOG-SEC,PHY-SEC,MIN-IO,OPT-IO"),
                  "queue": sh("for q in /sys/block/*/queue; do echo $q $(cat $q/nr_requests $q/max_sectors_kb "
-                             "$q/scheduler 2>/dev/null); done"),
+                             "$q/read_ahead_kb $q/scheduler 2>/dev/null); done"),
                  "df": sh(f"df -h {work}"), "cp": sh("cp --version | head -1"), "kernel": os.uname().release,
                  "nproc": os.cpu_count()}
     print(json.dumps(res, indent=1), flush=True)
+    if args.reads:
+        res["cold_read_gbps"] = read_sweep(Path(args.reads), int(args.read_gib * (1 << 30)))
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1))
+        return 0
     rows = {}
     for streams in () if args.quick else (1, 2, 4, 8, 16):
         rows[f"dd_direct_64M_x{streams}"] = dd_streams(work / "dd", streams, total, unit(64), True)
@@ -249,6 +353,11 @@ def main() -> int:
         print(f"buffered + sync_file_range x8: {rows['buffered_sync_file_range_x8']} GB/s", flush=True)
         res["copies"] = copies(work / "cp", total)
         print(json.dumps(res["copies"], indent=1), flush=True)
+    if args.smoke:  # the read sweep's code, on a small file of its own
+        probe = work / "reads.bin"
+        probe.write_bytes(os.urandom(total))
+        res["cold_read_gbps"] = read_sweep(probe, total // 4, small=True)
+        probe.unlink()
     res["write_gbps"] = rows
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))

@@ -375,6 +375,9 @@ def check_disk_ceiling(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert {"dd_direct_64M_x1", "dd_direct_64M_x16", "dd_buffered_fsync_64M_x8", "buffered_sync_file_range_x8"} \
         <= rows.keys() and all(v is None or v > 0 for v in rows.values())
     assert doc["copies"]["bytes"] == 16 << 20 and doc["copies"]["cp_r_gbps"] > 0
+    reads = doc["cold_read_gbps"]  # None: a file system that refuses O_DIRECT (tmpfs)
+    assert {"direct_8M_depth4", "buffered_cat_1x128K", "buffered_willneed_16x_8M_in_2M"} <= reads.keys()
+    assert reads["buffered_cat_1x128K"] > 0 and all(v is None or v > 0 for v in reads.values())
     assert isinstance(doc["copies"]["ficlone"], str) and doc["fs"]  # "ok" or the errno the file system gave
     assert not (tmp / "disk_ceiling" / "cp").exists() and not (tmp / "disk_ceiling" / "dd").exists()
 
