@@ -55,6 +55,8 @@ UNREPRESENTABLE = {
     "qk_l2_norm": ("--qk-l2-norm", None),
     "attention_output_gate": ("--attention-output-gate", None),
     "softmax_scale": ("--softmax-scale (transformers scales by head_dim ** -0.5)", None),
+    "window_size": ("--window-size (sliding-window attention; the classes here attend to every earlier token)", None),
+    "no_rope_freq": ("--no-rope-freq (layers without RoPE)", None),
 }
 ACT_BIGCODE = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "squared_relu": "relu2"}
 ACT_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "squared_relu": "relu2", "silu": "silu"}

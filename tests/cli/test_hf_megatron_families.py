@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -169,3 +171,20 @@ def test_layernorm_qk_norms_map_onto_persimmon_only_for_mha(groups: int, over: d
     else:
         with pytest.raises(FormatError, match=want.replace("-", "\\-")):
             choose(d, {}, shapes, None, "float32", "ckpt")
+
+
+@pytest.mark.parametrize("arg,value,flag", [
+    ("rotary_interleaved", True, "--rotary-interleaved"), ("apply_layernorm_1p", True, "--apply-layernorm-1p"),
+    ("window_size", (4096, 0), "--window-size"), ("no_rope_freq", 4, "--no-rope-freq"),
+    ("glu_linear_offset", 1.0, "--glu-linear-offset"), ("softmax_scale", 0.1, "--softmax-scale")])
+def test_forward_changing_args_with_no_class_are_refused(arg: str, value: object, flag: str) -> None:
+    """A recorded setting no transformers class computes is refused naming its flag; its default is not."""
+    from ckpt_tool.hf.megatron_arch import choose
+    from gtp_format.errors import FormatError
+
+    d, _, shapes = _moe_description()
+    d = replace(d, num_experts=None, moe_ffn_hidden_size=None)
+    shapes = {k: v for k, v in shapes.items() if "expert" not in k}
+    assert choose(d, {arg: None}, shapes, None, "float32", "x").architecture == "LlamaForCausalLM"
+    with pytest.raises(FormatError, match=re.escape(flag)):
+        choose(d, {arg: value}, shapes, None, "float32", "x")
