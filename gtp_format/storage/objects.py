@@ -34,14 +34,17 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gtp_format.errors import ChunkError, FormatError
-from gtp_format.storage import credentials, listing, object_cache, profiles
+from gtp_format.storage import object_cache
 from gtp_format.storage.limits import TIMEOUT_ENV, Limits
 from gtp_format.storage.location import ObjectURL
 from gtp_format.storage.paths import addressable, past_end_message, unsafe_reason
 from gtp_format.storage.ranges import pieces
+
+if TYPE_CHECKING:  # imported where a bucket is used: the stack (http.client, ssl, email) costs a local command 0.1 s
+    from gtp_format.storage import credentials
 
 PIECE = 64 << 20  # largest single ranged GET: bounds the memory one request holds in flight
 RETRIES = 3  # transient errors retried with exponential backoff, within RETRY_TIMEOUT_S
@@ -65,6 +68,8 @@ _OTHER_CREDENTIALS = ("AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_
 
 def credentials_problem(bucket: str) -> str | None:
     """Why no request may be sent for ``bucket`` (no credentials configured), or None; sends nothing."""
+    from gtp_format.storage import credentials, profiles  # the object-store stack only where a bucket is used
+
     env = os.environ
     if credentials.flag("AWS_SKIP_SIGNATURE"):
         return None  # a public bucket, read unsigned
@@ -118,6 +123,8 @@ def _store_for(bucket: str, endpoint: str | None, timeout: float, region: str | 
 def store(url: ObjectURL) -> Any:
     """The obstore client of ``url``'s bucket, kept by the session ``url`` is bound to (one per bucket, endpoint,
     credentials and timeout)."""
+    from gtp_format.storage import credentials, profiles  # the object-store stack only where a bucket is used
+
     problem = credentials_problem(url.bucket)
     if problem is not None:
         raise FormatError(problem)
@@ -318,10 +325,12 @@ def _listing_refused(where: str, why: str) -> FormatError:
                        "AWS_ENDPOINT_URL (a store that does not end its listing) and the URL")
 
 
-def listing_client(bucket: str, state: BucketState | None = None) -> listing.Client:
+def listing_client(bucket: str, state: BucketState | None = None) -> Any:
     """How :mod:`gtp_format.storage.listing` sends this configuration's listing requests of ``bucket``: the keys
     :func:`credentials.resolve` found (every source obstore would use), path- or virtual-hosted-style as
     obstore (``AWS_VIRTUAL_HOSTED_STYLE_REQUEST``: the endpoint names the bucket)."""
+    from gtp_format.storage import credentials, listing, profiles  # the object-store stack only where a bucket is used
+
     problem = credentials_problem(bucket)
     if problem is not None:
         raise FormatError(problem)
@@ -337,6 +346,8 @@ def listing_client(bucket: str, state: BucketState | None = None) -> listing.Cli
 def _batches(root: ObjectURL, want: str, offset: str | None) -> Iterator[list[tuple[str, int]]]:
     """The keys (with sizes) below ``want`` after ``offset``, a page at a time: one page's cost is bounded by
     :data:`listing.PAGE_BYTES`."""
+    from gtp_format.storage import listing  # the object-store stack only where a bucket is used
+
     client = listing_client(root.bucket, state_of(root))
     token: str | None = None
     while True:
