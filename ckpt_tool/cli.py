@@ -116,9 +116,44 @@ _PLAIN = (
 )
 
 
+# click's words (typer without pydantic): "99 is not in the range 1<=x<=64.", "'x' is not a valid int range."
+_CLICK_RANGE = re.compile(r"(\S+) is not in the range (\S*)x(\S*?)\.?(?=\s|$)")
+_CLICK_PLAIN = (
+    (re.compile(r"\S+ is not a valid (int|integer)( range)?\.?"), "must be a whole number"),
+    (re.compile(r"\S+ is not a valid float( range)?\.?"), "must be a number"),
+    (re.compile(r"\S+ is not a valid boolean\.?"), "must be true or false"),
+)
+
+
+def _bound(m: re.Match[str]) -> str:
+    """The one bound a value breaks, from click's range (``1<=x<=64``, ``x>=1``, ``0<x``, ``x<1``)."""
+    value, left, right = m.group(1), m.group(2), m.group(3)
+    bounds = []  # (kind, limit): kind 'min' / 'min_open' / 'max' / 'max_open'
+    if left:
+        bounds.append(("min_open" if not left.endswith("<=") else "min", left.rstrip("<=")))
+    if right.startswith(("<", ">")):
+        op = right[:2] if right[1:2] == "=" else right[:1]
+        limit = right[len(op):]
+        bounds.append({"<=": ("max", limit), "<": ("max_open", limit), ">=": ("min", limit),
+                       ">": ("min_open", limit)}[op])
+    try:
+        number = float(value.strip("'"))
+        broken = [b for b in bounds if (b[0].startswith("min") and number <= float(b[1]) and
+                                        (number < float(b[1]) or b[0] == "min_open")) or
+                  (b[0].startswith("max") and number >= float(b[1]) and (number > float(b[1]) or b[0] == "max_open"))]
+    except ValueError:
+        broken = []
+    words = {"min": "must be at least", "min_open": "must be more than", "max": "must be at most",
+             "max_open": "must be less than"}
+    return " and ".join(f"{words[k]} {v}" for k, v in (broken or bounds))
+
+
 def plain_words(message: str) -> str:
-    """A usage error's message without pydantic's phrasing."""
+    """A usage error's message without pydantic's or click's phrasing."""
     for pattern, repl in _PLAIN:
+        message = pattern.sub(repl, message)
+    message = _CLICK_RANGE.sub(_bound, message)
+    for pattern, repl in _CLICK_PLAIN:
         message = pattern.sub(repl, message)
     return " ".join(message.split())
 

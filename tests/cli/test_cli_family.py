@@ -104,3 +104,26 @@ def test_option_errors_in_plain_words(capsys: pytest.CaptureFixture, argv: list[
     code, _, err = _run(capsys, *argv)
     assert code == 2 and words in err, err
     assert "Input should" not in err and "Value error" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("value", [-5, 0, 0.5, 1, 3, 64, 65, 99])
+@pytest.mark.parametrize("lo,hi,open_lo,open_hi", [(1, 64, False, False), (1, None, False, False),
+                                                    (None, 64, False, False), (0, None, True, False),
+                                                    (None, 1, False, True), (0, 5, True, False)])
+def test_click_ranges_in_plain_words(value: float, lo: float | None, hi: float | None, open_lo: bool,
+                                     open_hi: bool) -> None:
+    """click's range messages (typer without pydantic) name the bound the value breaks, as brute force says."""
+    from ckpt_tool.cli import plain_words
+
+    left = "" if lo is None else f"{lo}{'<' if open_lo else '<='}"
+    right = "" if hi is None else f"{'<' if open_hi else '<='}{hi}"
+    if lo is not None and hi is None:  # click writes a lone lower bound after x: x>=1, x>0
+        left, right = "", f"{'>' if open_lo else '>='}{lo}"
+    below = lo is not None and (value < lo or (open_lo and value == lo))
+    above = hi is not None and (value > hi or (open_hi and value == hi))
+    if not (below or above):
+        return  # click would not complain
+    got = plain_words(f"Invalid value for '--n': {value} is not in the range {left}x{right}.")
+    want = (f"must be more than {lo}" if open_lo else f"must be at least {lo}") if below else \
+        (f"must be less than {hi}" if open_hi else f"must be at most {hi}")
+    assert got == f"Invalid value for '--n': {want}", got
