@@ -21,7 +21,8 @@ is written: megatron's loader then asks for none).
 
 The param groups are megatron-core's two default groups (weights with weight decay; biases and
 norms without: ``wd_mult`` 1 and 0), with Megatron-LM's default Adam settings (betas 0.9 / 0.999,
-eps 1e-8, weight decay 0.01) and ``step`` 0. megatron-core pairs saved and live groups by
+eps 1e-8, weight decay 0.01) and ``step`` 0 (a carried run: its step, and the ``lr`` / ``weight_decay`` its
+schedule gives there, :mod:`.megatron_schedule`). megatron-core pairs saved and live groups by
 ``max_lr``, ``min_lr``, ``wd_mult``, ``lr_mult``, ... (``param_group_identifier_keys``), so a run
 that loads the optimizer state passes the same ``--lr`` and ``--min-lr`` as the import; its
 scheduler state records them with no warm-up or decay (load with ``--override-opt_param-scheduler``
@@ -63,19 +64,23 @@ def extra_state() -> bytes:
     return torch_object([None])
 
 
-def param_groups(lr: float, min_lr: float, expert: bool = False, step: float = 0.0) -> list[dict[str, Any]]:
+def param_groups(lr: float, min_lr: float, expert: bool = False, step: float = 0.0,
+                 now: tuple[float, float] | None = None) -> list[dict[str, Any]]:
     """megatron-core's default param groups: weights (weight decay) and biases / norms (none); the expert
-    optimizer's experts have weights only (SwiGLU experts without biases): one group."""
+    optimizer's experts have weights only (SwiGLU experts without biases): one group. ``now``: the (lr, weight
+    decay) a carried schedule gives at its step (:mod:`.megatron_schedule`), else ``lr`` and Adam's default."""
+    rate, decay = now if now is not None else (lr, ADAM["weight_decay"])
     return [{"is_expert_parallel": expert, "default_config": True, "wd_mult": wd, "lr_mult": 1.0,
-             "is_decoupled_lr": False, "max_lr": lr, "min_lr": min_lr, "lr": lr, "betas": ADAM["betas"],
-             "eps": ADAM["eps"], "weight_decay": ADAM["weight_decay"] * wd, "amsgrad": False, "maximize": False,
+             "is_decoupled_lr": False, "max_lr": lr, "min_lr": min_lr, "lr": rate, "betas": ADAM["betas"],
+             "eps": ADAM["eps"], "weight_decay": decay * wd, "amsgrad": False, "maximize": False,
              "foreach": None, "capturable": False, "differentiable": False, "fused": None,
              "decoupled_weight_decay": True, "step": step} for wd in ((1.0,) if expert else (1.0, 0.0))]
 
 
-def optimizer_object(lr: float, min_lr: float, expert: bool = False, step: float = 0.0) -> bytes:
+def optimizer_object(lr: float, min_lr: float, expert: bool = False, step: float = 0.0,
+                     now: tuple[float, float] | None = None) -> bytes:
     """``optimizer.distributed.dp_group_idx_N.optimizer`` of a ``dp_reshardable`` save: the param groups."""
-    return torch_object([{"param_groups": param_groups(lr, min_lr, expert, step)}])
+    return torch_object([{"param_groups": param_groups(lr, min_lr, expert, step, now)}])
 
 
 def experts_in_dense(num_experts: int, tp: int, ep: int, etp: int) -> bool:
@@ -139,9 +144,15 @@ def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int, ep: int 
 
 def run_args(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | None, dp: int,
              sharding: str, lr: float, min_lr: float, ep: int = 1, etp: int = 1,
-             iteration: int = 0, consumed: int = 0) -> argparse.Namespace:
+             iteration: int = 0, consumed: int = 0, extra: dict[str, Any] | None = None) -> argparse.Namespace:
+    """``extra``: a carried schedule's rule inputs (:mod:`.megatron_schedule`), under Megatron-LM's arg names
+    (its WSD decay steps as ``lr_wsd_decay_samples``: the scheduler counts samples), so an export reads them back."""
     moe = {"expert_tensor_parallel_size": etp, "sequence_parallel": tp > 1} if model.get("num_experts") else {}
-    return argparse.Namespace(**model, **moe, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+    names = {"lr_warmup_init": "lr_warmup_init", "wsd_decay_steps": "lr_wsd_decay_samples",
+             "lr_wsd_decay_style": "lr_wsd_decay_style"}
+    schedule = {names[k]: v for k, v in (extra or {}).items()}
+    return argparse.Namespace(**model, **moe, **schedule, tensor_model_parallel_size=tp,
+                              pipeline_model_parallel_size=pp,
                               virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
                               context_parallel_size=1, expert_model_parallel_size=ep, data_parallel_size=dp,
                               world_size=tp * pp * dp, use_distributed_optimizer=True, ckpt_format="torch_dist",
@@ -155,15 +166,17 @@ def run_args(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | N
 
 def common_state(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | None, dp: int, sharding: str,
                  lr: float, min_lr: float, iteration: int, ep: int = 1, etp: int = 1, step: float = 0.0,
-                 carried: dict[str, Any] | None = None, consumed: int = 0) -> bytes:
+                 carried: dict[str, Any] | None = None, consumed: int = 0,
+                 now: tuple[float, float] | None = None, extra: dict[str, Any] | None = None) -> bytes:
     """``common_state/shard_0_1``'s blob (see the module docstring; MoE: the optimizer part per chained
     optimizer, ``{0: dense, 1: experts}``, as megatron-core's ChainedOptimizer saves it; one optimizer where the
     experts sit in the dense one, :func:`experts_in_dense`). ``carried``: the scheduler state of the run the
-    folder was exported from (:mod:`.megatron_run_state`), written as it was; ``consumed`` its data position."""
+    folder was exported from (:mod:`.megatron_run_state`), written as it was; ``consumed`` its data position;
+    ``now`` the param groups' (lr, weight decay) at its step; ``extra`` its rule inputs, written into ``args``."""
 
     def one(expert: bool) -> dict[str, Any]:
         if sharding == "fully_reshardable":
-            return {"optimizer": {"param_groups": param_groups(lr, min_lr, expert, step)},
+            return {"optimizer": {"param_groups": param_groups(lr, min_lr, expert, step, now)},
                     "param_state_sharding_type": sharding}
         return {"param_state_sharding_type": sharding}
 
@@ -178,7 +191,8 @@ def common_state(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int
                  "end_wd": ADAM["weight_decay"], "wd_incr_style": "constant", "wd_incr_steps": 1}
     if carried is not None:
         scheduler = dict(carried)
-    state = {"args": run_args(model, dtype, tp, pp, vpp, dp, sharding, lr, min_lr, ep, etp, iteration, consumed),
+    state = {"args": run_args(model, dtype, tp, pp, vpp, dp, sharding, lr, min_lr, ep, etp, iteration, consumed,
+                              extra),
              "checkpoint_version": 3.0,
              "iteration": iteration, "optimizer": optimizer, "opt_param_scheduler": scheduler,
              "num_floating_point_operations_so_far": 0, "content_metadata": content}

@@ -16,7 +16,10 @@ names is run) goes into the same field as ``"scheduler"``, and the data position
 ``"consumed_train_samples"`` (``args.consumed_train_samples``, else the scheduler's ``num_steps``, which
 megatron-core advances by the global batch size each iteration: samples too). The import writes both back
 (``common_state``'s scheduler and ``args.consumed_train_samples``) and takes the param groups' ``max_lr`` /
-``min_lr`` from the carried scheduler (megatron-core pairs saved and live groups by them).
+``min_lr`` from the carried scheduler (megatron-core pairs saved and live groups by them), and their ``lr`` /
+``weight_decay`` from the rates the scheduler gives at its ``num_steps`` (:mod:`.megatron_schedule`; the three
+rule inputs the scheduler's state leaves out go along as ``"lr_schedule_args"``, from the source's ``args``).
+``lr_warmup_steps`` may be a float (Megatron-LM's ``--lr-warmup-fraction`` times the decay steps) and stays one.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_tool.hf.megatron_schedule import check_schedule_args, schedule_args
 from gtp_format.errors import FormatError
 from gtp_format.reader.checkpoint import Checkpoint
 from gtp_format.reader.chunks import chunk_bytes
@@ -56,6 +60,7 @@ class MegatronRunState:
     step: float
     scheduler: dict[str, Any] | None = None  # opt_param_scheduler's state, where the source recorded one
     consumed: int | None = None  # args.consumed_train_samples (samples), where known
+    schedule_args: dict[str, Any] | None = None  # the rule inputs the scheduler's state leaves out, where recorded
 
 
 def _steps(root: str, key: str, blob: bytes) -> set[float]:
@@ -113,7 +118,11 @@ def _schedule(ckpt: Checkpoint) -> dict[str, Any]:
         out["scheduler"] = check_scheduler(sched, "")
     except FormatError:
         pass
-    consumed = _plain(state.get("args")).get("consumed_train_samples")
+    args = _plain(state.get("args"))
+    consumed = args.get("consumed_train_samples")
+    extra = schedule_args(args) if "scheduler" in out else {}
+    if extra:
+        out["lr_schedule_args"] = extra
     if consumed is None and "scheduler" in out:
         consumed = out["scheduler"]["num_steps"]
     if type(consumed) is int and 0 <= consumed < MAX_COUNT:
@@ -132,6 +141,9 @@ def check_scheduler(doc: Any, where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, kind in SCHEDULER.items():
         v = doc[key]
+        if key == "lr_warmup_steps" and type(v) is float and 0 <= v < MAX_COUNT:  # --lr-warmup-fraction's
+            out[key] = v
+            continue
         ok = (kind is str and isinstance(v, str) and v in STYLES[key]) or \
             (kind is int and type(v) is int and 0 <= v < MAX_COUNT) or \
             (kind is float and type(v) in (int, float) and 0 <= v < 1e6)  # a NaN fails both comparisons
@@ -166,4 +178,5 @@ def parse(metas: list[dict[str, str]], where: str) -> MegatronRunState:
     consumed = doc.get("consumed_train_samples")
     if consumed is not None and (type(consumed) is not int or not 0 <= consumed < MAX_COUNT):
         raise FormatError(f"{where}: {FIELD} consumed_train_samples is {str(consumed)[:80]!r}, not a count; {fix}")
-    return MegatronRunState(it, float(step), sched, consumed)
+    extra = check_schedule_args(doc["lr_schedule_args"], where, fix) if "lr_schedule_args" in doc else None
+    return MegatronRunState(it, float(step), sched, consumed, extra)
