@@ -24,9 +24,10 @@ norms without: ``wd_mult`` 1 and 0), with Megatron-LM's default Adam settings (b
 eps 1e-8, weight decay 0.01) and ``step`` 0 (a carried run: its step, and the ``lr`` / ``weight_decay`` its
 schedule gives there, :mod:`.megatron_schedule`). megatron-core pairs saved and live groups by
 ``max_lr``, ``min_lr``, ``wd_mult``, ``lr_mult``, ... (``param_group_identifier_keys``), so a run
-that loads the optimizer state passes the same ``--lr`` and ``--min-lr`` as the import; its
+that loads the optimizer state passes the same ``--lr`` and ``--min-lr`` as the import; a fresh import's
 scheduler state records them with no warm-up or decay (load with ``--override-opt_param-scheduler``
-to take the run's own schedule, or ``--finetune`` / ``--no-load-optim`` to take the weights alone).
+to take the run's own schedule, or ``--finetune`` / ``--no-load-optim`` to take the weights alone); a carried
+one is the run's, verbatim (Megatron-LM's loader then steps it to its ``num_steps``, setting the same rates).
 """
 
 from __future__ import annotations
