@@ -143,6 +143,10 @@ def test_malformed_schedule_args_are_refused(extra: Any, needle: str) -> None:
     with pytest.raises(FormatError, match="lr_schedule_args") as e:
         parse([{FIELD: json.dumps(doc)}], "hf/optimizer*.safetensors")
     assert needle in str(e.value) and "\n" not in str(e.value)
+    for adam in ({"betas": [0.9, 1.5], "eps": 1e-8}, {"betas": [0.9], "eps": 1e-8}, {"betas": [0.9, 0.95]}):
+        doc = {"iteration": 2, "step": 2.0, "adam": adam}
+        with pytest.raises(FormatError, match="gtp_megatron_run_state adam is"):
+            parse([{FIELD: json.dumps(doc)}], "x")
     # a float warm-up count (--lr-warmup-fraction) is taken and stays a float
     doc = {"iteration": 2, "step": 2.0, "scheduler": dict(SCHED, lr_warmup_steps=8.0)}
     state = parse([{FIELD: json.dumps(doc)}], "x").scheduler
@@ -170,10 +174,17 @@ def _groups(ckpt: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _rates(g: dict[str, Any]) -> tuple[Any, ...]:
+    return g["wd_mult"], g["is_expert_parallel"], g["lr"], g["weight_decay"], tuple(g["betas"]), g["eps"], g["step"]
+
+
 @pytest.mark.parametrize("fixture", ["pair_tp2_dp2_dp_reshardable", "pair_mixtral_ep2_dp_reshardable"])
 def test_imported_param_groups_hold_the_genuine_rates(fixture: str, tmp_path: Path) -> None:
-    genuine = [(g["wd_mult"], g["is_expert_parallel"], g["lr"], g["weight_decay"]) for g in _groups(MEGATRON / fixture)]
+    """The imported groups' ``lr``, ``weight_decay``, Adam ``betas`` / ``eps`` and ``step`` are the genuine save's
+    (megatron-core's loader hands them to the optimizer as saved: betas 0.9 / 0.95, not the defaults' 0.999)."""
+    genuine = [_rates(g) for g in _groups(MEGATRON / fixture)]
     assert {g[2] for g in genuine} == {0.0009990232305719944}  # cosine at 16 of 800: below max_lr 0.001
+    assert {g[4] for g in genuine} == {(0.9, 0.95)}
     r = cli("export", MEGATRON / fixture, tmp_path / "hf", "--to", "hf", "--optimizer")
     assert r.exit_code == 0, r.stderr
     moe = ("--ep", "2") if "mixtral" in fixture else ()
@@ -181,8 +192,7 @@ def test_imported_param_groups_hold_the_genuine_rates(fixture: str, tmp_path: Pa
         r = cli("import", tmp_path / "hf", tmp_path / sharding, "--from", "hf", "--to", "megatron-core", "--dp", "2",
                 *moe, "--sharding", sharding)
         assert r.exit_code == 0, r.stderr
-        ours = [(g["wd_mult"], g["is_expert_parallel"], g["lr"], g["weight_decay"])
-                for g in _groups(tmp_path / sharding)]
+        ours = [_rates(g) for g in _groups(tmp_path / sharding)]
         assert sorted(set(ours)) == sorted(set(genuine)), (sharding, ours, genuine)
 
 

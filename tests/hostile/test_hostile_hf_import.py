@@ -98,6 +98,7 @@ OPT_STATE = {"opt_state_not_json": "{'iteration': 2", "opt_state_negative": '{"i
                  SCHED, lr_decay_style="WSD")) + '}',
              "opt_sched_warmup_huge": '{"iteration": 2, "step": 2.0, "scheduler": ' + json.dumps(dict(
                  SCHED, lr_warmup_steps=1e300)) + '}',
+             "opt_adam_betas": '{"iteration": 2, "step": 2.0, "adam": {"betas": [0.9, 2.0], "eps": 1e-8}}',
              "opt_sched_wd_zero_steps": '{"iteration": 2, "step": 2.0, "scheduler": ' + json.dumps(dict(
                  SCHED, num_steps=0, wd_incr_style="linear", end_wd=0.1, wd_incr_steps=0)) + '}'}
 # cases refused by a topology option, not the config
@@ -143,7 +144,8 @@ WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json imp
          "opt_sched_args_steps": "lr_schedule_args wsd_decay_steps is '1e+300'",
          "opt_sched_wsd_unknown": "a WSD schedule at step 16, and the source's args record no",
          "opt_sched_warmup_huge": "scheduler lr_warmup_steps is '1e+300', not a count",
-         "opt_sched_wd_zero_steps": "linear weight decay over wd_incr_steps 0"}
+         "opt_sched_wd_zero_steps": "linear weight decay over wd_incr_steps 0",
+         "opt_adam_betas": "gtp_megatron_run_state adam is"}
 
 
 def _st(path: Path, header: dict, data: bytes) -> None:
