@@ -10,9 +10,9 @@
   padding removed), the stored dtype, HF's file naming (``model.safetensors``, or
   ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``). ``optimizer=True``
   adds ``optimizer*.safetensors`` holding ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``
-  (fp32 master weights and Adam moments). Without ``--optimizer`` only model keys are read, so
-  any megatron-core checkpoint that holds model weights exports, whatever its optimizer sharding
-  (:mod:`ckpt_tool.copying.weights`).
+  (fp32 master weights and Adam moments), from a ``dp_reshardable`` save's buckets or a ``fully_reshardable``
+  one's per-parameter keys. Without ``--optimizer`` only model keys are read, so any megatron-core checkpoint
+  that holds model weights exports, whatever its optimizer sharding (:mod:`ckpt_tool.copying.weights`).
 * ``fully_reshardable``: Megatron's per-parameter optimizer layout as a torch_dist (DCP)
   checkpoint: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>`` next to the model weights
   ``<name>``, every tensor at its global shape, chunked in row blocks.
