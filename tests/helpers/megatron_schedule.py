@@ -4,8 +4,10 @@ Usage: ``megatron_schedule.py CASES.json OUT.json``. Each case names the constru
 ``max_lr``, ..., ``wsd_decay_steps``, ``lr_wsd_decay_style``) and ``steps``, an ascending list of sample counts;
 the scheduler is built over an optimizer stand-in with megatron-core's two default groups (``wd_mult`` 1 and 0,
 ``max_lr`` / ``min_lr`` the schedule's) and stepped to each count, recording its ``state_dict()`` and the
-groups' ``lr`` and ``weight_decay``. Then a second scheduler of the same arguments loads that state
-(``load_state_dict``: what Megatron-LM's loader calls) and its groups' rates are recorded too. A case megatron-core
+groups' ``lr`` and ``weight_decay``. Then a second scheduler of the same arguments, with Megatron-LM's default
+flags (neither ``--use-checkpoint-opt_param-scheduler`` nor ``--override-opt_param-scheduler``: every saved value
+must equal the run's), loads that state (``load_state_dict``: what Megatron-LM's loader calls) and its groups'
+rates are recorded too. A case megatron-core
 refuses (an assertion or an exception) records the error's type instead.
 """
 
@@ -27,9 +29,9 @@ class Groups:
 def run(case: dict[str, Any]) -> list[dict[str, Any]]:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    def build() -> tuple[Any, Groups]:
+    def build(**flags: bool) -> tuple[Any, Groups]:
         opt = Groups(case["max_lr"], case["min_lr"])
-        return OptimizerParamScheduler(opt, **{k: case[k] for k in ARGS}), opt
+        return OptimizerParamScheduler(opt, **{k: case[k] for k in ARGS}, **flags), opt
 
     out: list[dict[str, Any]] = []
     try:
@@ -49,7 +51,9 @@ def run(case: dict[str, Any]) -> list[dict[str, Any]]:
         state = sched.state_dict()
         rec = {"n": n, "state": state, "lr": [g["lr"] for g in opt.param_groups],
                "wd": [g["weight_decay"] for g in opt.param_groups]}
-        again, opt2 = build()
+        # Megatron-LM's default load: neither --use-checkpoint- nor --override-opt_param-scheduler, so every saved
+        # value must equal the run's (asserted), then the scheduler steps to num_steps
+        again, opt2 = build(use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=False)
         again.load_state_dict(dict(state))
         rec["loaded_lr"] = [g["lr"] for g in opt2.param_groups]
         rec["loaded_wd"] = [g["weight_decay"] for g in opt2.param_groups]
