@@ -227,3 +227,25 @@ def _meta(path: Path) -> dict[str, str]:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     return json.loads(raw[8:8 + n])["__metadata__"]
+
+
+def test_every_genuine_save_holds_the_rates_of_its_schedule() -> None:
+    """Every megatron-core fixture that records a scheduler: each of its param groups (dp_reshardable's per-rank
+    objects, fully_reshardable's common_state; dense and expert optimizers) holds the lr and weight decay the
+    torch-free rules give for that scheduler's state and the run's args, bit for bit."""
+    from gtp_format.megatron.topology import common_state
+    from gtp_format.reader.checkpoint import open_checkpoint
+    from gtp_format.reader.inert_object import InertObject
+
+    checked = 0
+    for root in sorted(p for p in MEGATRON.iterdir() if p.is_dir() and any(p.glob("iter_*"))):
+        state = common_state(open_checkpoint(root))
+        if state is None or "opt_param_scheduler" not in state:
+            continue
+        sched, args = state["opt_param_scheduler"], state["args"]
+        extra = schedule_args(args.fields() if isinstance(args, InertObject) else args)
+        lr, wd = lr_at(sched, extra), wd_at(sched)
+        groups = _groups(root)
+        assert groups and all(g["lr"] == lr and g["weight_decay"] == wd * g["wd_mult"] for g in groups), root.name
+        checked += 1
+    assert checked >= 40, checked
