@@ -8,9 +8,10 @@ Must hold:
   torch-free rates equal megatron-core's own ``OptimizerParamScheduler``'s bit for bit, both after its steps
   and after a ``load_state_dict`` of its state (what Megatron-LM's loader calls; megatron venv, skipped
   without it);
-* ``export --to hf --optimizer`` of a genuine save -> ``import --to megatron-core`` writes param groups whose
-  ``lr`` and ``weight_decay`` are the genuine groups' (cosine at ``num_steps`` 16: not ``max_lr``), in both
-  shardings;
+* every genuine fixture's param groups hold the rates its recorded schedule gives; ``export --to hf --optimizer``
+  of a genuine save -> ``import --to megatron-core`` writes param groups whose ``lr``, ``weight_decay``, Adam
+  ``betas`` / ``eps`` and ``step`` are the genuine groups' (cosine at ``num_steps`` 16: not ``max_lr``; beta2
+  0.95: not the default 0.999), in both shardings;
 * a WSD schedule whose rule inputs the source did not record, or a malformed ``lr_schedule_args``, is refused
   in one line naming it, nothing written.
 """
