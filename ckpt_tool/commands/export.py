@@ -47,8 +47,9 @@ forward-changing config key from the checkpoint; a model no class computes exact
 naming the Megatron flag. --num-heads only fills a head count the args lack (and must agree).
 --names megatron keeps the checkpoint's names (no config.json).
 --optimizer adds optimizer*.safetensors with optimizer.state.{param,exp_avg,exp_avg_sq}.<name>
-(fp32). Without --optimizer any checkpoint that holds model weights exports (megatron-core
-dp_reshardable, fully_reshardable, dp_zero_gather_scatter, model-only). fully_reshardable: a
+(fp32), from megatron-core dp_reshardable or fully_reshardable saves. Without --optimizer any
+checkpoint that holds model weights exports (megatron-core dp_reshardable, fully_reshardable,
+dp_zero_gather_scatter, model-only). fully_reshardable: a
 torch_dist checkpoint of Megatron's per-parameter optimizer layout. torch: {key: global tensor}
 for every tensor key of SRC in one torch.save file, the tensors PyTorch's dcp_to_torch_save writes;
 its non-tensor objects (common_state, rng_state, optimizer param groups) are left out and named,

@@ -73,6 +73,9 @@ class Source:
     views: dict[str, ParamView]
     reader: CheckedReader
     given: Path | ObjectURL | None = None  # SRC as the user named it (a run folder or prefix, or the root itself)
+    # megatron-core fully_reshardable: each optimizer state is read from its own per-parameter key at the weight's
+    # box (:func:`.weights.full_state_views`), not from a bucket
+    full_states: bool = False
 
     @property
     def root(self) -> Path:
@@ -152,17 +155,17 @@ class Source:
             if not any(a >= b for a, b in zip(lo, hi)):
                 yield h, lo, hi, fo, fs
 
-    @staticmethod
-    def _holder_box(view: ParamView, h: Holder, state: str, r0: int, r1: int
+    def _holder_box(self, view: ParamView, h: Holder, state: str, r0: int, r1: int
                     ) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
         """The stored key and box that hold rows ``[r0, r1)`` of a holder's valid rows, full width of its shard."""
         tail = h.spec.local_shape[1:]
-        if state == WEIGHT_STATE:
+        if state == WEIGHT_STATE or self.full_states:
+            key = view.model_key if state == WEIGHT_STATE else f"optimizer.state.{state}.{view.model_key}"
             g = h.spec.global_offset
             if view.layer is None:
-                return view.model_key, (g[0] + r0, *g[1:]), (r1 - r0, *tail)
+                return key, (g[0] + r0, *g[1:]), (r1 - r0, *tail)
             lead = view.lead
-            return view.model_key, (*lead, g[0] + r0, *g[1:]), (*(1,) * len(lead), r1 - r0, *tail)
+            return key, (*lead, g[0] + r0, *g[1:]), (*(1,) * len(lead), r1 - r0, *tail)
         row = math.prod(tail)
         return h.ref.key(state), (h.start + r0 * row,), ((r1 - r0) * row,)
 
@@ -192,7 +195,7 @@ COPY_SUFFIX = "; reshard and export copy only what verify passes"
 
 def open_source(path: Path | ObjectURL, megatron: bool = False, weights_only: bool = False, views: bool = True,
                 experts: bool = False, max_memory: int | None = None, dense_experts: bool = False,
-                session: Session | None = None) -> Source:
+                session: Session | None = None, full_states: bool = False) -> Source:
     """Open SRC through the one gate and refuse what cannot be resharded (see the module docstring).
 
     ``megatron=True`` (export) also takes a checkpoint without a manifest, through megatron-core's
@@ -205,21 +208,24 @@ def open_source(path: Path | ObjectURL, megatron: bool = False, weights_only: bo
     ``max_memory`` (a copy that will read every byte): a bucket's small data objects may be fetched whole
     from its listing on, within a quarter of it (:meth:`gtp_format.storage.base.Storage.reads_everything`).
     ``session``: the command's (:class:`gtp_format.session.Session`), whose storages read it.
+    ``full_states`` (``export --to hf --optimizer``): a megatron-core ``fully_reshardable`` save is read through
+    its per-parameter optimizer keys (:func:`.weights.full_state_views`) instead of being refused for want of
+    ``dp_reshardable`` buckets.
     """
     if max_memory is not None:
         storage_for(path, session).reads_everything(min(WHOLE_OBJECTS, max_memory // 4))
-    source = _open_source(path, megatron, weights_only, views, experts, dense_experts, session)
+    source = _open_source(path, megatron, weights_only, views, experts, dense_experts, session, full_states)
     source.given = parse_location(path) if isinstance(path, str) else path
     return source
 
 
 def _open_source(path: Path | ObjectURL, megatron: bool, weights_only: bool, views: bool, experts: bool,
-                 dense_experts: bool = False, session: Session | None = None) -> Source:
+                 dense_experts: bool = False, session: Session | None = None, full_states: bool = False) -> Source:
     gated = open_gated(path, needs_manifest=None if megatron else RESHARD_NEEDS, aliased=REFUSE,
                        copy=True, refusal_suffix=COPY_SUFFIX, session=session)
     ckpt, manifest = gated.ckpt, gated.manifest
     if manifest is None:
-        return _open_megatron(ckpt, weights_only, views, experts, dense_experts)
+        return _open_megatron(ckpt, weights_only, views, experts, dense_experts, full_states)
     if manifest.optimizer_sharding != OPTIMIZER_SHARDINGS[0]:
         raise FormatError(f"{ckpt.root}: optimizer sharding is {manifest.optimizer_sharding!r}; reshard reads "
                           "dp_reshardable checkpoints")
@@ -234,12 +240,22 @@ def _open_source(path: Path | ObjectURL, megatron: bool, weights_only: bool, vie
 
 
 def _open_megatron(ckpt: Checkpoint, weights_only: bool = False, views: bool = True, experts: bool = False,
-                   dense_experts: bool = False) -> Source:
+                   dense_experts: bool = False, full_states: bool = False) -> Source:
     """A checkpoint without a manifest, already through the gate: megatron-core's layout rules."""
+    from ckpt_tool.copying.weights import check_tied_masters, full_state_views, weight_views
     from gtp_format.megatron.view import megatron_views
 
     if weights_only:
-        from ckpt_tool.copying.weights import weight_views
-
         return Source(ckpt, None, weight_views(ckpt) if views else {}, CheckedReader(ckpt))
+    if full_states:
+        from gtp_format.megatron.topology import key_format
+
+        if key_format(ckpt) == "fully_reshardable":
+            source = Source(ckpt, None, full_state_views(ckpt), CheckedReader(ckpt), full_states=True)
+            try:
+                check_tied_masters(source)
+            except BaseException:
+                source.reader.close()
+                raise
+            return source
     return Source(ckpt, None, megatron_views(ckpt, experts=experts, dense_experts=dense_experts), CheckedReader(ckpt))

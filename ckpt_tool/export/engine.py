@@ -10,9 +10,9 @@
   padding removed), the stored dtype, HF's file naming (``model.safetensors``, or
   ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``). ``optimizer=True``
   adds ``optimizer*.safetensors`` holding ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``
-  (fp32 master weights and Adam moments). Without ``--optimizer`` only model keys are read, so
-  any megatron-core checkpoint that holds model weights exports, whatever its optimizer sharding
-  (:mod:`ckpt_tool.copying.weights`).
+  (fp32 master weights and Adam moments), from a ``dp_reshardable`` save's buckets or a ``fully_reshardable``
+  one's per-parameter keys. Without ``--optimizer`` only model keys are read, so any megatron-core checkpoint
+  that holds model weights exports, whatever its optimizer sharding (:mod:`ckpt_tool.copying.weights`).
 * ``fully_reshardable``: Megatron's per-parameter optimizer layout as a torch_dist (DCP)
   checkpoint: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>`` next to the model weights
   ``<name>``, every tensor at its global shape, chunked in row blocks.
@@ -424,7 +424,8 @@ def export(src: Path | ObjectURL, dst: Path | ObjectURL, to: str, optimizer: boo
     baseline = rss_after_imports("safetensors" if to == "hf" else None)
     weights_only = to == "torch" or (to == "hf" and not optimizer)
     source = open_source(src, megatron=True, weights_only=weights_only, views=to != "torch",
-                         experts=True, max_memory=max_memory, dense_experts=to == "hf", session=session)
+                         experts=True, max_memory=max_memory, dense_experts=to == "hf", session=session,
+                         full_states=to == "hf")
     names = names or "hf"
     if tokenizer is not None and names != "hf":
         raise FormatError("--tokenizer goes with --names hf (a folder transformers loads); drop one of them")

@@ -128,7 +128,7 @@ def _global_rows(c: OutChunk, pb: tuple[MegatronParam, int | None]) -> list[OutC
 
 
 def plan_dp_reshardable(hf: HFMegatron, tp: int, pp: int, dp: int, max_bytes: int, lr: float, min_lr: float,
-                        ep: int = 1, etp: int = 1, step: float = 0.0
+                        ep: int = 1, etp: int = 1, step: float = 0.0, carried: dict[str, Any] | None = None
                         ) -> tuple[dict[int, list[OutChunk]], dict[str, Any], dict[str, bytes],
                                    dict[str, tuple[MegatronParam, int | None]]]:
     """(chunks per rank, key shapes, the per-rank byte objects, view name -> (parameter, TP block))."""
@@ -175,7 +175,7 @@ def plan_dp_reshardable(hf: HFMegatron, tp: int, pp: int, dp: int, max_bytes: in
     objects: dict[str, bytes] = {}
     template = torch_object([[]])
     for prefix, ranks in numels.items():
-        groups = optimizer_object(lr, min_lr, prefix == expert_prefix, step)
+        groups = optimizer_object(lr, min_lr, prefix == expert_prefix, step, carried)
         for n, bufs in sorted(ranks.items()):
             base = f"{prefix}.dp_group_idx_{n}"
             for i, what in enumerate(("per_bucket_numel", "per_bucket_numel_unpadded")):

@@ -21,11 +21,14 @@ is written: megatron's loader then asks for none).
 
 The param groups are megatron-core's two default groups (weights with weight decay; biases and
 norms without: ``wd_mult`` 1 and 0), with Megatron-LM's default Adam settings (betas 0.9 / 0.999,
-eps 1e-8, weight decay 0.01) and ``step`` 0. megatron-core pairs saved and live groups by
+eps 1e-8, weight decay 0.01) and ``step`` 0 (a carried run: its step, the ``lr`` / ``weight_decay`` its
+schedule gives there, :mod:`.megatron_schedule`, and its Adam ``betas`` / ``eps``, which megatron-core's loader
+hands to the optimizer as saved). megatron-core pairs saved and live groups by
 ``max_lr``, ``min_lr``, ``wd_mult``, ``lr_mult``, ... (``param_group_identifier_keys``), so a run
-that loads the optimizer state passes the same ``--lr`` and ``--min-lr`` as the import; its
+that loads the optimizer state passes the same ``--lr`` and ``--min-lr`` as the import; a fresh import's
 scheduler state records them with no warm-up or decay (load with ``--override-opt_param-scheduler``
-to take the run's own schedule, or ``--finetune`` / ``--no-load-optim`` to take the weights alone).
+to take the run's own schedule, or ``--finetune`` / ``--no-load-optim`` to take the weights alone); a carried
+one is the run's, verbatim (Megatron-LM's loader then steps it to its ``num_steps``, setting the same rates).
 """
 
 from __future__ import annotations
@@ -63,19 +66,26 @@ def extra_state() -> bytes:
     return torch_object([None])
 
 
-def param_groups(lr: float, min_lr: float, expert: bool = False, step: float = 0.0) -> list[dict[str, Any]]:
+def param_groups(lr: float, min_lr: float, expert: bool = False, step: float = 0.0,
+                 carried: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """megatron-core's default param groups: weights (weight decay) and biases / norms (none); the expert
-    optimizer's experts have weights only (SwiGLU experts without biases): one group."""
+    optimizer's experts have weights only (SwiGLU experts without biases): one group. ``carried``: what a carried
+    run's groups hold, each where known: ``lr`` and ``weight_decay`` (before ``wd_mult``) as its schedule gives them
+    at its step (:mod:`.megatron_schedule`), Adam's ``betas`` and ``eps``; else ``lr`` and Adam's defaults."""
+    c = carried or {}
+    rate, decay = c.get("lr", lr), c.get("weight_decay", ADAM["weight_decay"])
+    betas, eps = tuple(c.get("betas", ADAM["betas"])), c.get("eps", ADAM["eps"])
     return [{"is_expert_parallel": expert, "default_config": True, "wd_mult": wd, "lr_mult": 1.0,
-             "is_decoupled_lr": False, "max_lr": lr, "min_lr": min_lr, "lr": lr, "betas": ADAM["betas"],
-             "eps": ADAM["eps"], "weight_decay": ADAM["weight_decay"] * wd, "amsgrad": False, "maximize": False,
+             "is_decoupled_lr": False, "max_lr": lr, "min_lr": min_lr, "lr": rate, "betas": betas,
+             "eps": eps, "weight_decay": decay * wd, "amsgrad": False, "maximize": False,
              "foreach": None, "capturable": False, "differentiable": False, "fused": None,
              "decoupled_weight_decay": True, "step": step} for wd in ((1.0,) if expert else (1.0, 0.0))]
 
 
-def optimizer_object(lr: float, min_lr: float, expert: bool = False, step: float = 0.0) -> bytes:
+def optimizer_object(lr: float, min_lr: float, expert: bool = False, step: float = 0.0,
+                     carried: dict[str, Any] | None = None) -> bytes:
     """``optimizer.distributed.dp_group_idx_N.optimizer`` of a ``dp_reshardable`` save: the param groups."""
-    return torch_object([{"param_groups": param_groups(lr, min_lr, expert, step)}])
+    return torch_object([{"param_groups": param_groups(lr, min_lr, expert, step, carried)}])
 
 
 def experts_in_dense(num_experts: int, tp: int, ep: int, etp: int) -> bool:
@@ -139,31 +149,44 @@ def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int, ep: int 
 
 def run_args(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | None, dp: int,
              sharding: str, lr: float, min_lr: float, ep: int = 1, etp: int = 1,
-             iteration: int = 0, consumed: int = 0) -> argparse.Namespace:
+             iteration: int = 0, consumed: int = 0, extra: dict[str, Any] | None = None,
+             carried: dict[str, Any] | None = None) -> argparse.Namespace:
+    """``extra``: a carried schedule's rule inputs (:mod:`.megatron_schedule`), under Megatron-LM's arg names
+    (its WSD decay steps as ``lr_wsd_decay_samples``: the scheduler counts samples), so an export reads them back;
+    ``carried``: the groups' carried values (:func:`param_groups`), whose Adam settings the args record too."""
+    c = carried or {}
+    betas, eps = tuple(c.get("betas", ADAM["betas"])), c.get("eps", ADAM["eps"])
     moe = {"expert_tensor_parallel_size": etp, "sequence_parallel": tp > 1} if model.get("num_experts") else {}
-    return argparse.Namespace(**model, **moe, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+    names = {"lr_warmup_init": "lr_warmup_init", "wsd_decay_steps": "lr_wsd_decay_samples",
+             "lr_wsd_decay_style": "lr_wsd_decay_style"}
+    schedule = {names[k]: v for k, v in (extra or {}).items()}
+    return argparse.Namespace(**model, **moe, **schedule, tensor_model_parallel_size=tp,
+                              pipeline_model_parallel_size=pp,
                               virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
                               context_parallel_size=1, expert_model_parallel_size=ep, data_parallel_size=dp,
                               world_size=tp * pp * dp, use_distributed_optimizer=True, ckpt_format="torch_dist",
                               dist_ckpt_optim_fully_reshardable=sharding == "fully_reshardable",
                               bf16=dtype.name == "bfloat16", fp16=False, lr=lr, min_lr=min_lr,
-                              weight_decay=ADAM["weight_decay"], adam_beta1=ADAM["betas"][0],
-                              adam_beta2=ADAM["betas"][1], adam_eps=ADAM["eps"], no_save_rng=True,
+                              weight_decay=ADAM["weight_decay"], adam_beta1=betas[0],
+                              adam_beta2=betas[1], adam_eps=eps, no_save_rng=True,
                               no_save_optim=None, iteration=iteration, consumed_train_samples=consumed,
                               consumed_valid_samples=0)
 
 
 def common_state(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | None, dp: int, sharding: str,
                  lr: float, min_lr: float, iteration: int, ep: int = 1, etp: int = 1, step: float = 0.0,
-                 carried: dict[str, Any] | None = None, consumed: int = 0) -> bytes:
+                 carried: dict[str, Any] | None = None, consumed: int = 0,
+                 carried_groups: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> bytes:
     """``common_state/shard_0_1``'s blob (see the module docstring; MoE: the optimizer part per chained
     optimizer, ``{0: dense, 1: experts}``, as megatron-core's ChainedOptimizer saves it; one optimizer where the
     experts sit in the dense one, :func:`experts_in_dense`). ``carried``: the scheduler state of the run the
-    folder was exported from (:mod:`.megatron_run_state`), written as it was; ``consumed`` its data position."""
+    folder was exported from (:mod:`.megatron_run_state`), written as it was; ``consumed`` its data position;
+    ``carried_groups`` the values its param groups carry (:func:`param_groups`); ``extra`` its rule inputs,
+    written into ``args``."""
 
     def one(expert: bool) -> dict[str, Any]:
         if sharding == "fully_reshardable":
-            return {"optimizer": {"param_groups": param_groups(lr, min_lr, expert, step)},
+            return {"optimizer": {"param_groups": param_groups(lr, min_lr, expert, step, carried_groups)},
                     "param_state_sharding_type": sharding}
         return {"param_state_sharding_type": sharding}
 
@@ -178,7 +201,8 @@ def common_state(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int
                  "end_wd": ADAM["weight_decay"], "wd_incr_style": "constant", "wd_incr_steps": 1}
     if carried is not None:
         scheduler = dict(carried)
-    state = {"args": run_args(model, dtype, tp, pp, vpp, dp, sharding, lr, min_lr, ep, etp, iteration, consumed),
+    state = {"args": run_args(model, dtype, tp, pp, vpp, dp, sharding, lr, min_lr, ep, etp, iteration, consumed,
+                              extra, carried_groups),
              "checkpoint_version": 3.0,
              "iteration": iteration, "optimizer": optimizer, "opt_param_scheduler": scheduler,
              "num_floating_point_operations_so_far": 0, "content_metadata": content}

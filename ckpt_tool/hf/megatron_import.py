@@ -21,7 +21,8 @@ exactly), both Adam moments zero, ``step`` 0 in each param group, as megatron-co
 before its first step; or, where the folder has the optimizer files of ``ckpt export --to hf
 --optimizer`` of a megatron-core checkpoint, the carried one: their masters and moments (cut by the same
 name table as the weights), at the iteration and with the Adam ``step`` their run state records
-(:mod:`.megatron_run_state`). The byte objects are written anew (never copied or unpickled):
+(:mod:`.megatron_run_state`), its lr schedule with param groups at the rates it gives there
+(:mod:`.megatron_schedule`). The byte objects are written anew (never copied or unpickled):
 ``common_state`` (:func:`.megatron_fresh.common_state`) and one ``_extra_state`` per linear layer
 (``[None]``, what the local spec saves). No ``rng_state``: ``args.no_save_rng`` is set, so megatron's
 loader asks for none and the run starts fresh RNG streams.
@@ -62,6 +63,8 @@ from ckpt_tool.hf.megatron_fresh import (
     extra_state,
 )
 from ckpt_tool.hf.megatron_model import EXPERT_KEY, HFMegatron, MegatronParam, open_hf_megatron
+from ckpt_tool.hf.megatron_run_state import MegatronRunState
+from ckpt_tool.hf.megatron_schedule import lr_at, wd_at
 from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.integrity.stats import warm_up
@@ -165,6 +168,19 @@ def carried_rates(scheduler: dict[str, Any] | None, lr: float | None, min_lr: fl
     return scheduler["max_lr"], scheduler["min_lr"]
 
 
+def carried_groups(run: MegatronRunState | None, where: str) -> dict[str, Any] | None:
+    """What the param groups of a carried run hold (:func:`.megatron_fresh.param_groups`): the lr and weight decay
+    megatron-core's scheduler sets at the carried schedule's step (``weight_decay`` before ``wd_mult``), and the
+    run's Adam ``betas`` / ``eps``, each where the run state records it; ``None`` for a fresh state."""
+    if run is None:
+        return None
+    out: dict[str, Any] = dict(run.adam or {})
+    if run.scheduler is not None:
+        at = f"{where}: the carried lr schedule"
+        out.update(lr=lr_at(run.scheduler, run.schedule_args or {}, at), weight_decay=wd_at(run.scheduler, at))
+    return out
+
+
 def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: int, dp: int, vpp: int | None = None,
                     sharding: str = "dp_reshardable", seq_length: int | None = None, lr: float | None = None,
                     min_lr: float | None = None, max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
@@ -180,6 +196,8 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
     it, step = (hf.run_state.iteration, hf.run_state.step) if hf.run_state is not None else (ITERATION, 0.0)
     scheduler = hf.run_state.scheduler if hf.run_state is not None else None
     lr, min_lr = carried_rates(scheduler, lr, min_lr, str(src))
+    extra = hf.run_state.schedule_args if hf.run_state is not None else None
+    carried = carried_groups(hf.run_state, str(src))
     consumed = (hf.run_state.consumed or 0) if hf.run_state is not None else 0
     check_topology(hf, tp, pp, vpp, dp, ep, etp, sharding)
     workers = workers or default_workers()
@@ -193,14 +211,14 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
         fill = chunk_filler(hf)
     else:
         per_rank, shapes, numel_objects, by_view = plan_dp_reshardable(hf, tp, pp, dp, chunk_bytes, lr, min_lr, ep,
-                                                                       etp, step)
+                                                                       etp, step, carried)
         ranks = sorted(per_rank)
         files = [per_rank[r] for r in ranks]
         names = [f"__{r}_0.distcp" for r in ranks]
         objects.update(numel_objects)
         fill = chunk_filler(hf, by_view)
     objects["common_state/shard_0_1"] = common_state(args, hf.dtype, tp, pp, vpp, dp, sharding, lr, min_lr,
-                                                     it, ep, etp, step, scheduler, consumed)
+                                                     it, ep, etp, step, scheduler, consumed, carried, extra)
     total = sum(c.nbytes for cs in files for c in cs)
 
     def body(writer: CheckpointWriter) -> None:

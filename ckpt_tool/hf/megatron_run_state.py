@@ -16,7 +16,15 @@ names is run) goes into the same field as ``"scheduler"``, and the data position
 ``"consumed_train_samples"`` (``args.consumed_train_samples``, else the scheduler's ``num_steps``, which
 megatron-core advances by the global batch size each iteration: samples too). The import writes both back
 (``common_state``'s scheduler and ``args.consumed_train_samples``) and takes the param groups' ``max_lr`` /
-``min_lr`` from the carried scheduler (megatron-core pairs saved and live groups by them).
+``min_lr`` from the carried scheduler (megatron-core pairs saved and live groups by them), and their ``lr`` /
+``weight_decay`` from the rates the scheduler gives at its ``num_steps`` (:mod:`.megatron_schedule`; the three
+rule inputs the scheduler's state leaves out go along as ``"lr_schedule_args"``, from the source's ``args``).
+``lr_warmup_steps`` may be a float (Megatron-LM's ``--lr-warmup-fraction`` times the decay steps) and stays one.
+
+Adam's ``betas`` and ``eps`` go along as ``"adam"`` (read from the same opcodes: the floats after those keys),
+where every param group holds the same: megatron-core's loader hands the saved groups' values to the optimizer,
+so an import that wrote its defaults (0.9 / 0.999) would resume a run saved with ``--adam-beta2 0.95`` (the
+genuine fixtures') at 0.999.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_tool.hf.megatron_schedule import check_schedule_args, schedule_args
 from gtp_format.errors import FormatError
 from gtp_format.reader.checkpoint import Checkpoint
 from gtp_format.reader.chunks import chunk_bytes
@@ -56,10 +65,13 @@ class MegatronRunState:
     step: float
     scheduler: dict[str, Any] | None = None  # opt_param_scheduler's state, where the source recorded one
     consumed: int | None = None  # args.consumed_train_samples (samples), where known
+    schedule_args: dict[str, Any] | None = None  # the rule inputs the scheduler's state leaves out, where recorded
+    adam: dict[str, Any] | None = None  # the param groups' Adam ``betas`` and ``eps``, where every group agrees
 
 
-def _steps(root: str, key: str, blob: bytes) -> set[float]:
-    """Every ``step`` value of a torch.save blob's pickle, read from its opcodes."""
+def _group_values(root: str, key: str, blob: bytes) -> dict[str, set[Any]]:
+    """Every ``step``, ``eps`` and ``betas`` value of a torch.save blob's pickle (its param groups), read from its
+    opcodes: the float pushed right after the key (``betas``: the two floats of the tuple after it)."""
     try:
         reader = ViewReader(memoryview(blob))
         pkl = next((small_record(reader, r) for r in zip_records(reader).values() if r.name.endswith("data.pkl")),
@@ -68,13 +80,18 @@ def _steps(root: str, key: str, blob: bytes) -> set[float]:
     except (BlobError, ValueError, struct.error) as e:
         raise FormatError(f"{root}: byte object {key} does not decode ({e}); export without --optimizer") from None
     memo: dict[Any, Any] = {}
-    out: set[float] = set()
+    out: dict[str, set[Any]] = {"step": set(), "eps": set(), "betas": set()}
     for i, (op, arg, _) in enumerate(ops[:-1]):
         if op.name in _STR and ops[i + 1][0].name in _PUT:
             memo[ops[i + 1][1]] = arg
-        is_step = (op.name in _STR and arg == "step") or (op.name in _GET and memo.get(arg) == "step")
-        if is_step and ops[i + 1][0].name == "BINFLOAT":
-            out.add(float(ops[i + 1][1]))
+        name = arg if op.name in _STR else memo.get(arg) if op.name in _GET else None
+        if name not in out:
+            continue
+        after = [o for o in ops[i + 1:i + 8] if o[0].name not in _PUT]  # a value may be memoized as it is pushed
+        if name != "betas" and after and after[0][0].name == "BINFLOAT":
+            out[name].add(float(after[0][1]))
+        elif name == "betas" and [o[0].name for o in after[:3]] == ["BINFLOAT", "BINFLOAT", "TUPLE2"]:
+            out[name].add((float(after[0][1]), float(after[1][1])))
     return out
 
 
@@ -83,14 +100,20 @@ def read(ckpt: Checkpoint) -> dict[str, str]:
     it records no single step or no iteration: the import then refuses to carry the moments)."""
     keys = [k for k in ckpt.entries if k == GROUPS or (k.startswith("chained_") and k.split(".", 1)[1] == GROUPS)]
     keys = keys or ([COMMON] if COMMON in ckpt.entries else [])
-    steps: set[float] = set()
+    found: dict[str, set[Any]] = {"step": set(), "eps": set(), "betas": set()}
     for k in keys:
         e = ckpt.entries[k]
         if e.chunks:
-            steps |= _steps(str(ckpt.root), k, bytes(chunk_bytes(ckpt, e, e.chunks[0])))
+            for name, values in _group_values(str(ckpt.root), k, bytes(chunk_bytes(ckpt, e, e.chunks[0]))).items():
+                found[name] |= values
+    steps = found["step"]
     if len(steps) != 1 or ckpt.iteration is None:
         return {}
     doc: dict[str, Any] = {"iteration": ckpt.iteration, "step": steps.pop()}
+    if len(found["betas"]) == 1 and len(found["eps"]) == 1:  # one Adam setting for every group: carried
+        adam = {"betas": list(found["betas"].pop()), "eps": found["eps"].pop()}
+        if _adam_ok(adam):
+            doc["adam"] = adam
     doc.update(_schedule(ckpt))
     return {FIELD: json.dumps(doc, sort_keys=True, separators=(",", ":"))}
 
@@ -113,7 +136,11 @@ def _schedule(ckpt: Checkpoint) -> dict[str, Any]:
         out["scheduler"] = check_scheduler(sched, "")
     except FormatError:
         pass
-    consumed = _plain(state.get("args")).get("consumed_train_samples")
+    args = _plain(state.get("args"))
+    consumed = args.get("consumed_train_samples")
+    extra = schedule_args(args) if "scheduler" in out else {}
+    if extra:
+        out["lr_schedule_args"] = extra
     if consumed is None and "scheduler" in out:
         consumed = out["scheduler"]["num_steps"]
     if type(consumed) is int and 0 <= consumed < MAX_COUNT:
@@ -132,6 +159,9 @@ def check_scheduler(doc: Any, where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, kind in SCHEDULER.items():
         v = doc[key]
+        if key == "lr_warmup_steps" and type(v) is float and 0 <= v < MAX_COUNT:  # --lr-warmup-fraction's
+            out[key] = v
+            continue
         ok = (kind is str and isinstance(v, str) and v in STYLES[key]) or \
             (kind is int and type(v) is int and 0 <= v < MAX_COUNT) or \
             (kind is float and type(v) in (int, float) and 0 <= v < 1e6)  # a NaN fails both comparisons
@@ -141,6 +171,13 @@ def check_scheduler(doc: Any, where: str) -> dict[str, Any]:
                               f"writes; {fix}")
         out[key] = float(v) if kind is float else v
     return out
+
+
+def _adam_ok(doc: Any) -> bool:
+    betas, eps = (doc.get("betas"), doc.get("eps")) if isinstance(doc, dict) and set(doc) == {"betas", "eps"} \
+        else (None, None)
+    return isinstance(betas, list) and len(betas) == 2 and all(type(b) is float and 0 <= b < 1 for b in betas) and \
+        type(eps) in (int, float) and 0 <= eps < 1
 
 
 def parse(metas: list[dict[str, str]], where: str) -> MegatronRunState:
@@ -166,4 +203,10 @@ def parse(metas: list[dict[str, str]], where: str) -> MegatronRunState:
     consumed = doc.get("consumed_train_samples")
     if consumed is not None and (type(consumed) is not int or not 0 <= consumed < MAX_COUNT):
         raise FormatError(f"{where}: {FIELD} consumed_train_samples is {str(consumed)[:80]!r}, not a count; {fix}")
-    return MegatronRunState(it, float(step), sched, consumed)
+    extra = check_schedule_args(doc["lr_schedule_args"], where, fix) if "lr_schedule_args" in doc else None
+    adam = doc.get("adam")
+    if adam is not None and not _adam_ok(adam):
+        raise FormatError(f"{where}: {FIELD} adam is {str(adam)[:120]!r}, not {{'betas': [b1, b2], 'eps': e}} with "
+                          f"values in [0, 1); {fix}")
+    return MegatronRunState(it, float(step), sched, consumed, extra,
+                            {"betas": tuple(adam["betas"]), "eps": float(adam["eps"])} if adam else None)

@@ -157,8 +157,8 @@ def test_megatron_hf_head_count_comes_from_the_args_and_optimizer_its_keys(tmp_p
     assert r.exit_code == 0, r.stderr
     assert json.loads((tmp_path / "y" / "config.json").read_text())["n_head"] == 4
     r = cli("export", MEGATRON / "dp2_fully_reshardable", tmp_path / "x", "--to", "hf", "--optimizer")
-    assert_error_line(r, 2, "no dp_reshardable optimizer keys")
-    assert not (tmp_path / "x").exists()
+    assert r.exit_code == 0, r.stderr  # its per-parameter optimizer keys (tests/cli/test_megatron_fr_optimizer.py)
+    assert (tmp_path / "x" / "optimizer.safetensors").exists()
 
 
 def test_megatron_moe_is_refused_saying_why(tmp_path: Path) -> None:

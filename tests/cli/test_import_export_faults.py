@@ -83,6 +83,35 @@ def test_sigterm_mid_write_removes_the_partial_output(tmp_path: Path, kind: str)
     assert os.listdir(out) == []
 
 
+def test_sigterm_mid_write_of_a_fully_reshardable_saves_optimizer_files(tmp_path: Path) -> None:
+    """``export --to hf --optimizer`` of megatron-core's fully_reshardable save (its states read from per-parameter
+    keys), terminated while its optimizer file is being written: one line, exit 143, nothing left, the source
+    unchanged; the next run writes what the dp_reshardable save of the same state exports."""
+    import time
+
+    src = REPO / "fixtures" / "megatron" / "pair_llama_tp2_dp2_dp_reshardable_fully_reshardable"
+    before = snapshot(src)
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = ["export", src, out / "dst", "--to", "hf", "--optimizer", "--workers", "1"]
+    p = _slow(*argv, slow=0.5, at=EXPORT_HF_AT)
+    _writing(p)
+    deadline = time.monotonic() + 120
+    while not any(f.name.startswith("optimizer") and f.suffix == ".safetensors" for f in out.rglob("*")):
+        assert p.poll() is None and time.monotonic() < deadline, "the export ended before its optimizer file"
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    rc = p.wait(timeout=120)
+    err = (p.stderr.read() if p.stderr else "").strip().splitlines()
+    assert rc == 143 and len(err) == 1 and "terminated (SIGTERM)" in err[0], (rc, err)
+    assert os.listdir(out) == [] and snapshot(src) == before
+    assert cli(*argv[:2], out / "dst", *argv[3:]).exit_code == 0
+    assert cli("export", src.with_name(src.name.removesuffix("_fully_reshardable")), tmp_path / "dp", "--to", "hf",
+               "--optimizer").exit_code == 0
+    for f in ("model.safetensors", "optimizer.safetensors"):
+        assert (out / "dst" / f).read_bytes() == (tmp_path / "dp" / f).read_bytes(), f
+
+
 def test_an_import_dst_that_appears_mid_run_is_refused_and_left_alone(tmp_path: Path) -> None:
     src, out, at = _setup(tmp_path, "import")
     dst = out / "dst"

@@ -86,7 +86,21 @@ OPT_STATE = {"opt_state_not_json": "{'iteration': 2", "opt_state_negative": '{"i
                  SCHED, num_steps=-1)) + '}',
              "opt_sched_nan": '{"iteration": 2, "step": 2.0, "scheduler": ' + json.dumps(dict(
                  SCHED, max_lr=float("nan"))) + '}',
-             "opt_consumed_huge": '{"iteration": 2, "step": 2.0, "consumed_train_samples": 1e30}'}
+             "opt_consumed_huge": '{"iteration": 2, "step": 2.0, "consumed_train_samples": 1e30}',
+             # the rule inputs the scheduler's state leaves out, and the rates computed from them
+             "opt_sched_args_list": '{"iteration": 2, "step": 2.0, "scheduler": ' + json.dumps(SCHED) +
+             ', "lr_schedule_args": [1]}',
+             "opt_sched_args_style": '{"iteration": 2, "step": 2.0, "scheduler": ' + json.dumps(SCHED) +
+             ', "lr_schedule_args": {"lr_wsd_decay_style": "exp"}}',
+             "opt_sched_args_steps": '{"iteration": 2, "step": 2.0, "scheduler": ' + json.dumps(SCHED) +
+             ', "lr_schedule_args": {"wsd_decay_steps": 1e300}}',
+             "opt_sched_wsd_unknown": '{"iteration": 2, "step": 2.0, "scheduler": ' + json.dumps(dict(
+                 SCHED, lr_decay_style="WSD")) + '}',
+             "opt_sched_warmup_huge": '{"iteration": 2, "step": 2.0, "scheduler": ' + json.dumps(dict(
+                 SCHED, lr_warmup_steps=1e300)) + '}',
+             "opt_adam_betas": '{"iteration": 2, "step": 2.0, "adam": {"betas": [0.9, 2.0], "eps": 1e-8}}',
+             "opt_sched_wd_zero_steps": '{"iteration": 2, "step": 2.0, "scheduler": ' + json.dumps(dict(
+                 SCHED, num_steps=0, wd_incr_style="linear", end_wd=0.1, wd_incr_steps=0)) + '}'}
 # cases refused by a topology option, not the config
 OPTIONS = {"mixtral_ep3": ["--ep", "3"], "mixtral_etp2": ["--ep", "2", "--etp", "2", "--dp", "2"],
            "qwen2moe_ep1": ["--ep", "1"], "mixtral_etp_tp": ["--ep", "1", "--etp", "2", "--dp", "2"],
@@ -124,7 +138,14 @@ WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json imp
          "opt_sched_style": "scheduler lr_decay_style is 'exp', not one of constant",
          "opt_sched_negative": "scheduler num_steps is '-1', not a count",
          "opt_sched_nan": "optimizer*.safetensors (gtp_megatron_run_state)",  # NaN is no JSON: refused there
-         "opt_consumed_huge": "consumed_train_samples is '1e+30', not a count"}
+         "opt_consumed_huge": "consumed_train_samples is '1e+30', not a count",
+         "opt_sched_args_list": "lr_schedule_args is '[1]', not a map of",
+         "opt_sched_args_style": "lr_schedule_args lr_wsd_decay_style is 'exp'",
+         "opt_sched_args_steps": "lr_schedule_args wsd_decay_steps is '1e+300'",
+         "opt_sched_wsd_unknown": "a WSD schedule at step 16, and the source's args record no",
+         "opt_sched_warmup_huge": "scheduler lr_warmup_steps is '1e+300', not a count",
+         "opt_sched_wd_zero_steps": "linear weight decay over wd_incr_steps 0",
+         "opt_adam_betas": "gtp_megatron_run_state adam is"}
 
 
 def _st(path: Path, header: dict, data: bytes) -> None:
