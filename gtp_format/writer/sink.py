@@ -87,6 +87,40 @@ def _try_direct(fd: int) -> bool:
     return True
 
 
+# file systems whose files live in memory (``statfs`` magic numbers): tmpfs (``/dev/shm``) and ramfs
+_MEMORY_FS = frozenset({0x01021994, 0x858458F6})
+
+
+@cache
+def _fstatfs() -> Any:
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).fstatfs
+    except (OSError, AttributeError):
+        return None
+
+
+def memory_backed(fd: int) -> bool:
+    """Whether ``fd``'s file lives in memory (tmpfs, ramfs), where ``O_DIRECT`` gains nothing: no disk to reach,
+    no dirty pages to write back, while the staging copy it needs is a pass over every byte.
+
+    Why: tmpfs takes ``O_DIRECT`` (Linux 6.6 on) and does a buffered write under it, so a reshard into
+    ``/dev/shm`` staged every byte for nothing: the staging copy was 0.16 of its 2.8 CPU s/GB, the writes
+    themselves no cheaper (2-core machine, 3.05 GB, ``benchmarks/copy_cpu_stages.py``). False where it cannot
+    tell (no ``fstatfs``): the default, ``O_DIRECT``, is then kept."""
+    import ctypes
+    import struct
+
+    fstatfs = _fstatfs()
+    if fstatfs is None:
+        return False
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
+    if fstatfs(fd, buf) != 0:
+        return False
+    return struct.unpack_from("l", buf.raw)[0] in _MEMORY_FS
+
+
 def _set_buffered(fd: int) -> None:
     import fcntl
 
@@ -120,10 +154,11 @@ class Sink:
     written by this file's writer thread while the caller fills the other (the disk never waits
     for the CPU work between two writes); the caller counts ``2 * stage`` in its memory budget.
     ``direct``: ``O_DIRECT`` if the file system takes it (default: for stages of at least
-    :data:`DIRECT_MIN`), else through the page cache from the start; ``checksum=False`` skips the
-    CRC-32C (a file no manifest lists: the entry's checksums are then empty). ``segments``: also hash
-    each run of bytes between two :meth:`cut` calls into :attr:`segments` (``(start, stop) -> xxh3-128
-    hex``, the chunk hash of :mod:`gtp_format.integrity.hash`).
+    :data:`DIRECT_MIN` on a file system that is not in memory, :func:`memory_backed`), else through the page
+    cache from the start, with no staging copy: the caller's bytes are written as they are handed in;
+    ``checksum=False`` skips the CRC-32C (a file no manifest lists: the entry's checksums are then empty).
+    ``segments``: also hash each run of bytes between two :meth:`cut` calls into :attr:`segments`
+    (``(start, stop) -> xxh3-128 hex``, the chunk hash of :mod:`gtp_format.integrity.hash`).
     """
 
     def __init__(self, path: Path, stage: int, direct: bool | None = None, checksum: bool = True,
@@ -135,7 +170,7 @@ class Sink:
         self.segments: dict[tuple[int, int], str] = {}
         self._seg, self._seg_start = (chunk_hasher() if segments else None), 0
         if direct is None:
-            direct = stage >= DIRECT_MIN
+            direct = stage >= DIRECT_MIN and not memory_backed(self.fd)
         self.direct = direct and _try_direct(self.fd)
         self._staged = self.direct  # False: plain writev, no staging copy
         self._pending: Future[None] | None = None

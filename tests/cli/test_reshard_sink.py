@@ -168,3 +168,34 @@ def test_a_file_cut_short_after_its_fsync_fails_its_close(tmp_path: Path, monkey
 def test_two_stages_take_at_most_one_chunk() -> None:
     assert stage_bytes(1 << 20) == 1 << 19  # two buffers: one chunk of the worker's four
     assert stage_bytes(1 << 30) == sink_mod.COPY_STAGE
+
+
+def test_a_file_in_memory_is_written_without_staging_with_the_same_bytes(tmp_path: Path) -> None:
+    """On tmpfs (``/dev/shm``) a default sink writes the caller's bytes as they come (no ``O_DIRECT``, no staging
+    copy): the file, its CRC-32C and its segment hashes are those of a staged direct sink on disk."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm here")
+    parts = _payload([5, PIECE + 3, 2 * ALIGN, 0, 3 * PIECE + 11], 7)
+    mem = shm / f"ckpt-sink-test-{os.getpid()}"
+    try:
+        entries = []
+        for path, direct in ((mem, None), (tmp_path / "disk", True)):
+            with Sink(path, sink_mod.DIRECT_MIN, direct=direct, segments=True) as out:
+                if path == mem:
+                    if not sink_mod.memory_backed(out.fd):
+                        pytest.skip("/dev/shm is not tmpfs here")
+                    assert not out.direct and not out._staged
+                for p in parts:
+                    out.write([p])
+                    out.cut()
+                entries.append((out.close(), out.segments))
+            _check(path, parts, entries[-1][0])
+        assert entries[0][1] == entries[1][1]
+    finally:
+        mem.unlink(missing_ok=True)
+    fd = os.open(tmp_path / "disk", os.O_RDONLY)
+    try:
+        assert not sink_mod.memory_backed(fd) or Path(tmp_path).resolve().is_relative_to(shm)
+    finally:
+        os.close(fd)
