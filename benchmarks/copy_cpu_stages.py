@@ -128,7 +128,9 @@ def install() -> None:
     patch_method(sink.Sink, "_put", "sink pwrite")
     patch_method(sink.Sink, "write_zeros", "sink zeros")
     patch_method(sink.Sink, "close", "sink close (fsync)")
-    sink._write_all = timed("sink write (buffered: in-memory file systems, small stages)", sink._write_all)
+    sink._write_all = timed("sink write (buffered: small stages)", sink._write_all)
+    if hasattr(sink, "_pwrite_all"):
+        sink._pwrite_all = timed("sink write (in-memory file system, no staging)", sink._pwrite_all)
     writers.zlib = _Proxy(zlib, {"crc32": "zip CRC-32 of a written blob"})  # type: ignore[assignment]
     init = sink.Sink.__init__
 

@@ -41,6 +41,7 @@ from ckpt_tool.copying.writers import (
 from gtp_format import ranks
 from gtp_format.commit import write_durable
 from gtp_format.errors import FormatError
+from gtp_format.hashing import forget
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.manifest import Manifest
 from gtp_format.names import (
@@ -118,7 +119,12 @@ def write_threads(workers: int, chunk_bytes: int, max_memory: int) -> int:
 
 def chunk_data(source: Source, c: OutChunk, bufs: Buffers | None = None) -> np.ndarray:
     """The stored bits of one target chunk (in ``bufs``, this thread's reusable buffers, if given:
-    valid until the thread's next call)."""
+    valid until the thread's next call).
+
+    The source CRC the read ledger noted last on this thread is dropped first (:func:`gtp_format.hashing.forget`):
+    the writer may take a noted CRC for the bytes returned here (:func:`gtp_format.hashing.recall`) only when this
+    call read them."""
+    forget()
     if c.values is not None:
         return np.asarray(c.values, dtype=np.int64)
     if c.copy:

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from gtp_format.hashing import CRCS
+from gtp_format.hashing import CRCS, KNOWN_MIN, Crc, recall
 from gtp_format.integrity.hash import chunk_hasher
 from gtp_format.integrity.stats import BLOCK_BYTES
 from gtp_format.manifest import HASH_ALGORITHM, FileEntry
@@ -211,24 +211,32 @@ class Sink:
         try:
             for p in parts:
                 v = memoryview(p).cast("B")
+                known = recall(self._crc.name, v) if self._crc is not None and v.nbytes >= KNOWN_MIN else None
                 if self._seg is None and on_piece is None:
-                    if self._crc is not None:
+                    if self._crc is not None and known is None:
                         self._value = self._crc.update(v, self._value)
                     self._put_bytes(v)
-                    continue
-                for at in range(0, v.nbytes, PIECE):
-                    piece = v[at:at + PIECE]
-                    if self._crc is not None:
-                        self._value = self._crc.update(piece, self._value)
-                    if self._seg is not None:
-                        self._seg.update(piece)
-                    if on_piece is not None:
-                        on_piece(piece)
-                    self._put_bytes(piece)
+                else:
+                    self._pieces(v, on_piece, self._crc if known is None else None)
+                if known is not None and self._crc is not None:  # hashed as it was read: combined, not hashed again
+                    self._value = self._crc.combine(self._value, known, v.nbytes)
         except BaseException:
             self._drain(raise_errors=False)  # the caller's error is the one to report
             raise
         self._drain()
+
+    def _pieces(self, v: memoryview, on_piece: Callable[[memoryview], None] | None, crc: Crc | None) -> None:
+        """One part, :data:`PIECE` bytes at a time: each piece's CRC-32C (``crc``; None where the part's is
+        known), segment hash, ``on_piece`` and copy, one piece after another (see :meth:`write`)."""
+        for at in range(0, v.nbytes, PIECE):
+            piece = v[at:at + PIECE]
+            if crc is not None:
+                self._value = crc.update(piece, self._value)
+            if self._seg is not None:
+                self._seg.update(piece)
+            if on_piece is not None:
+                on_piece(piece)
+            self._put_bytes(piece)
 
     def write_zeros(self, nbytes: int) -> None:
         """Append ``nbytes`` zero bytes, the same file and hashes as ``write([bytes(nbytes)])`` for less work: the
