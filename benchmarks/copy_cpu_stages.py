@@ -147,6 +147,15 @@ def install() -> None:
         for cls in (getattr(vdata, "_FilePass", None),):
             if cls is not None and hasattr(cls, name):
                 patch_method(cls, name, stage)
+    from gtp_format.storage import local
+
+    local.read_range = timed("source read (read_range, a new buffer per range)", local.read_range)
+    try:
+        from ckpt_tool.hf.importer import HFModel
+
+        patch_method(HFModel, "read_box", "import: box assembly from HF rows")
+    except ImportError:
+        pass
     from gtp_format import scan
 
     patch_function(scan.count_nonfinite, "NaN/Inf scan")
