@@ -132,8 +132,9 @@ class Source:
         dtype: the box (``out``, made here for the first part). ``None``: read and copied as before.
 
         Why: a box split by rows across shards (a GTP or CP shard of a parameter) was read into a scratch buffer
-        and copied into the result, a memory-to-memory pass over its bytes: the box assembly's 0.11-0.15 CPU
-        s/GB of a reshard and an ``export --to hf --optimizer`` (2-core machine, ``benchmarks/copy_cpu_stages.py``).
+        and copied into the result, a memory-to-memory pass over its bytes: the box assembly of an ``export --to
+        hf --optimizer`` went from 0.13 CPU s/GB to nothing on the lent 16-core host (0.15 on 2 cores,
+        ``benchmarks/copy_cpu_stages.py``); a box split by columns is still assembled by a copy.
         """
         if tuple(fs[1:]) != tuple(sizes[1:]) or tuple(fo[1:]) != tuple(offsets[1:]) or not sizes:
             return None
