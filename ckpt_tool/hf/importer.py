@@ -84,9 +84,10 @@ class HFModel:
         state from the optimizer files), assembled from its HF tensors (stored bits).
 
         ``buf``: the box is assembled in this reusable buffer (valid until its next use). Whole rows of the box
-        (no column range, or every column) are read straight into it. Why: each range was read into a new zeroed buffer and
-        copied into a new box, two fresh allocations page-faulted in per chunk: the HF reads and the assembly
-        were 1.1 and 0.3 CPU s per GB read of a 2.66 GB import (2-core machine, ``benchmarks/copy_cpu_stages.py``).
+        (no column range, or every column) are read straight into it. Why: each range was read into a new zeroed
+        buffer and copied into a new box, two fresh allocations page-faulted in per chunk: the HF reads and the
+        assembly were 1.1 and 0.3 CPU s per GB read of a 2.66 GB import (2-core machine,
+        ``benchmarks/copy_cpu_stages.py``).
         """
         a, n = offsets[0], sizes[0]
         cols = (offsets[1], offsets[1] + sizes[1]) if len(sizes) == 2 else None
