@@ -47,7 +47,7 @@ def profiled(tree: Path, argv: list[str], out: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--before", type=Path, required=True, help="the other checkout (its repository root)")
+    ap.add_argument("--before", type=Path, help="the other checkout (its repository root)")
     ap.add_argument("--workdir", type=Path, default=Path("/dev/shm/copy_cpu_ab"))
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
@@ -57,7 +57,13 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=200.0, help="no new round once the run is past this")
     ap.add_argument("--only", default="reshard,export,import,verify", help="comma list of commands")
     ap.add_argument("--out", type=Path, help="results as JSON")
+    ap.add_argument("--smoke", action="store_true", help="a tiny checkpoint, one round, this checkout as both sides")
     args = ap.parse_args()
+    if args.smoke:
+        args.before = args.before or REPO
+        args.layers, args.hidden, args.ffn, args.vocab, args.rounds = 1, 64, 256, 512, 1
+    if args.before is None:
+        ap.error("--before: the checkout to compare with")
     t0 = time.perf_counter()
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
