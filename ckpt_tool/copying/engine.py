@@ -33,6 +33,7 @@ import numpy as np
 from ckpt_tool.copying.plan import OutChunk, Plan, read_order, split_files
 from ckpt_tool.copying.source import Buffers, Source
 from ckpt_tool.copying.writers import (
+    Zeros,
     safetensors_index,
     write_distcp,
     write_distcp_metadata,
@@ -41,6 +42,7 @@ from ckpt_tool.copying.writers import (
 from gtp_format import ranks
 from gtp_format.commit import write_durable
 from gtp_format.errors import FormatError
+from gtp_format.hashing import forget
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.manifest import Manifest
 from gtp_format.names import (
@@ -118,7 +120,12 @@ def write_threads(workers: int, chunk_bytes: int, max_memory: int) -> int:
 
 def chunk_data(source: Source, c: OutChunk, bufs: Buffers | None = None) -> np.ndarray:
     """The stored bits of one target chunk (in ``bufs``, this thread's reusable buffers, if given:
-    valid until the thread's next call)."""
+    valid until the thread's next call).
+
+    The source CRC the read ledger noted last on this thread is dropped first (:func:`gtp_format.hashing.forget`):
+    the writer may take a noted CRC for the bytes returned here (:func:`gtp_format.hashing.recall`) only when this
+    call read them."""
+    forget()
     if c.values is not None:
         return np.asarray(c.values, dtype=np.int64)
     if c.copy:
@@ -164,14 +171,15 @@ def prefetch_reads(source: Source, order: list[OutChunk], max_memory: int) -> No
     source.reader.ledger.fill_except((), source.reader.planned_ranges())
 
 
-def write_checkpoint(fill: Callable[[OutChunk], np.ndarray], target: Manifest, plan: Plan,
+def write_checkpoint(fill: Callable[[OutChunk], np.ndarray | Zeros], target: Manifest, plan: Plan,
                      writer: CheckpointWriter, workers: int, advance: Progress, stage: int = STAGE,
                      plan_reads: Callable[[list[OutChunk]], None] | None = None,
                      known_crc: Callable[[OutChunk], int | None] | None = None, threads: int | None = None) -> None:
     """Write every data file, the metadata and the manifest of ``target`` into ``writer.folder`` and
     finish it (the caller commits).
 
-    ``fill(chunk)`` gives each chunk's stored bits (:func:`chunk_data` for a reshard; the benchmark
+    ``fill(chunk)`` gives each chunk's stored bits, or for torch_dist a :class:`.writers.Zeros` of a chunk known to be
+    zeros (:func:`chunk_data` for a reshard; the benchmark
     passes a generator to build synthetic checkpoints of any size); ``stage``: each file's staging
     buffers (:class:`gtp_format.writer.sink.Sink`); ``plan_reads(chunks)``: told every chunk in the order
     the workers will fill them (:func:`.plan.read_order`) before they start (a bucket's read-ahead);

@@ -147,6 +147,16 @@ class Tensor:
         rows = np.frombuffer(raw, dtype=carrier(self.dtype)).reshape((b - a, *self.shape[1:]))
         return rows if cols is None else np.array(rows[:, cols[0]:cols[1]])
 
+    def read_rows_into(self, a: int, b: int, out: np.ndarray) -> None:
+        """Rows ``[a, b)``, stored bits, read into ``out`` (C-contiguous, exactly their bytes: rows of the caller's
+        own result), through the page cache, with :meth:`read_rows`'s checks; no buffer of their own."""
+        row = math.prod(self.shape[1:]) * self.dtype.itemsize
+        if not out.flags.c_contiguous or out.nbytes != (b - a) * row:
+            raise ValueError(f"{self.name}: a {out.nbytes}-byte destination for {b - a} rows of {row} bytes")
+        dest = memoryview(out.reshape(-1).view(np.uint8))
+        storage.read_range(self.file.parent, self.file.name, self.offset + a * row, (b - a) * row,
+                           into=lambda n: dest, cached=True)
+
 
 def _plain_file(folder: Folder, name: Any, where: str) -> Path | ObjectURL:
     if not isinstance(name, str) or not name or os.sep in name or "/" in name or name in (".", "..") \

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from gtp_format import ranks
 from gtp_format.errors import EXIT_CHECK_FAILED, ChunkError, FormatError
-from gtp_format.hashing import CRCS, HASHERS, Crc, file_digests
+from gtp_format.hashing import CRCS, HASHERS, Crc, file_digests, remember
 from gtp_format.model import BYTES, ENC_TORCH_SAVE, TENSOR, Checkpoint, Chunk, Entry
 from gtp_format.reader.blob import parse_blob
 from gtp_format.reader.chunks import check_byte_object, checked_ref
@@ -123,6 +123,8 @@ class ReadLedger:
             return
         value = crc.update(data, 0)  # outside the lock: the CRCs release the GIL
         n = memoryview(data).nbytes  # type: ignore[arg-type]
+        if not filled:  # the copy's writer may be handed these very bytes next (gtp_format.hashing.recall)
+            remember(crc.name, data, value)
         with self._lock:
             self._pieces.setdefault(rel, []).append((offset, n, value))
             if filled:

@@ -365,10 +365,11 @@ class BoxReader:
         return [c for c in near if intersection((offsets, sizes), (c.offsets, c.sizes)) is not None]
 
     def read_box(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
-                 buf: Buffer | None = None) -> np.ndarray:
+                 buf: Buffer | None = None, into: np.ndarray | None = None) -> np.ndarray:
         """The box ``offsets``/``sizes`` of tensor ``key``; every element must be in some chunk.
 
-        ``buf``: the result is read or assembled in this reusable buffer (see :meth:`chunk_rows`).
+        ``buf``: the result is read or assembled in this reusable buffer (see :meth:`chunk_rows`); ``into``: in
+        this C-contiguous array of exactly the box's bytes instead (rows of the caller's own result).
         Chunks that hold whole rows of the box are read straight into the result's rows.
         """
         entry = self.ckpt.entries.get(key)
@@ -379,10 +380,16 @@ class BoxReader:
         near, whole = self._near_and_whole(entry, offsets, sizes)
         if whole is not None:  # one chunk holds the box as whole rows: its bytes are the answer, no copy
             c = whole
-            return self.chunk_rows(entry, c, offsets[0] - c.offsets[0], offsets[0] + sizes[0] - c.offsets[0], buf)
+            return self.chunk_rows(entry, c, offsets[0] - c.offsets[0], offsets[0] + sizes[0] - c.offsets[0], buf,
+                                   into)
         dt = carrier(entry.dtype)
-        out = np.empty(sizes, dtype=dt) if buf is None else \
-            buf.get(math.prod(sizes) * dt.itemsize).view(dt).reshape(sizes)
+        if into is not None:
+            if into.nbytes != math.prod(sizes) * dt.itemsize:
+                raise ValueError(f"{key}: a {into.nbytes}-byte destination for box {list(sizes)} of {dt}")
+            out = into.reshape(-1).view(np.uint8).view(dt).reshape(sizes)
+        else:
+            out = np.empty(sizes, dtype=dt) if buf is None else \
+                buf.get(math.prod(sizes) * dt.itemsize).view(dt).reshape(sizes)
         covered = 0
         for c in near:
             cut = intersection((offsets, sizes), (c.offsets, c.sizes))

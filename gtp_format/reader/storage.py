@@ -119,7 +119,7 @@ def is_folder_inside(root: Root, rel: str) -> bool:
 
 
 def read_range(root: Root, rel: str, offset: int, length: int,
-               into: Into | None = None) -> bytearray | memoryview:
+               into: Into | None = None, cached: bool = False) -> bytearray | memoryview:
     """Exactly ``length`` bytes at ``offset`` of a data file, after checking the range fits.
 
     A ``bytearray``: writable, so tensors can be viewed over it without a copy. With ``into``, the
@@ -128,9 +128,10 @@ def read_range(root: Root, rel: str, offset: int, length: int,
     ``length`` bytes are returned: the runtime's loads read into pinned buffers they reuse, so that
     nothing is allocated (and page-faulted) per chunk and the copy to the GPU is a DMA
     (:mod:`gtp_runtime.checkpoint.pinned`); a range from 1 MiB is then read with ``O_DIRECT``
-    (:func:`gtp_format.reader.preads.read_direct`: why) and the view returned lies inside that buffer.
+    (:func:`gtp_format.reader.preads.read_direct`: why) and the view returned lies inside that buffer, unless
+    ``cached`` (a copy's reusable buffer, its source read through the page cache like every other copy's).
     """
-    return storage_for(root).read_range(rel, offset, length, into)
+    return storage_for(root).read_range(rel, offset, length, into, cached)
 
 
 # what a reader keeps open: a file :func:`open_regular` opened, or a bare descriptor a reader keeps of its own

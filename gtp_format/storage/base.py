@@ -90,7 +90,7 @@ class Storage(ABC):
 
     @abstractmethod
     def read_range(self, rel: str, offset: int, length: int,
-                   into: Callable[[int], memoryview] | None = None) -> bytearray | memoryview:
+                   into: Callable[[int], memoryview] | None = None, cached: bool = False) -> bytearray | memoryview:
         """Exactly ``length`` bytes at ``offset`` of ``rel`` (see :func:`gtp_format.reader.storage.read_range`)."""
 
     @abstractmethod
@@ -192,8 +192,8 @@ class LocalStorage(Storage):
         return out
 
     def read_range(self, rel: str, offset: int, length: int,
-                   into: Callable[[int], memoryview] | None = None) -> bytearray | memoryview:
-        return local.read_range(self.location, rel, offset, length, into, self.limits)
+                   into: Callable[[int], memoryview] | None = None, cached: bool = False) -> bytearray | memoryview:
+        return local.read_range(self.location, rel, offset, length, into, self.limits, cached)
 
     def read_small(self, limit: int, what: str, fix: str) -> bytes:
         return local.read_small(self.location, limit, what, fix)
@@ -282,7 +282,7 @@ class BucketStorage(Storage):
         return objects.list_names(self.location)
 
     def read_range(self, rel: str, offset: int, length: int,
-                   into: Callable[[int], memoryview] | None = None) -> bytearray | memoryview:
+                   into: Callable[[int], memoryview] | None = None, cached: bool = False) -> bytearray | memoryview:
         got = objects.read_range(self.location, rel, offset, length)
         if into is None:
             return got

@@ -304,9 +304,9 @@ def is_folder(root: Path, rel: str) -> bool:
 
 
 def read_range(root: Path, rel: str, offset: int, length: int, into: Into | None = None,
-               limits: Limits | None = None) -> bytearray | memoryview:
+               limits: Limits | None = None, cached: bool = False) -> bytearray | memoryview:
     """:func:`gtp_format.reader.storage.read_range` of a file in a folder (``limits``: its storage's, for the hole
-    factor)."""
+    factor; ``cached``: into ``into``'s buffer through the page cache, never ``O_DIRECT``)."""
     if not (type(offset) is int and type(length) is int) or offset < 0 or length < 0:
         raise ChunkError(f"byte range offset={offset!r} length={length!r} in {rel} is invalid", file=rel)
     with open_file(root, rel) as f:
@@ -316,7 +316,7 @@ def read_range(root: Path, rel: str, offset: int, length: int, into: Into | None
         factor = None if limits is None else limits.hole_factor
         if length > read_budget(st, factor):  # the allocation is sized by metadata: back it by bytes that exist
             raise ChunkError(sparse_message(rel, length, st, factor), file=rel)
-        direct = read_direct(f.fileno(), offset, length, into) if into is not None else None
+        direct = read_direct(f.fileno(), offset, length, into) if into is not None and not cached else None
         if direct is not None:
             buf, got = direct
         else:

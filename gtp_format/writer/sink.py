@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from gtp_format.hashing import CRCS
+from gtp_format.hashing import CRCS, KNOWN_MIN, Crc, recall
 from gtp_format.integrity.hash import chunk_hasher
 from gtp_format.integrity.stats import BLOCK_BYTES
 from gtp_format.manifest import HASH_ALGORITHM, FileEntry
@@ -74,6 +74,13 @@ def _write_all(fd: int, parts: list[Any]) -> None:
             views[0] = views[0][n:]
 
 
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """``pwrite`` every byte of ``view`` at ``offset`` (a regular file may take fewer at a time)."""
+    done = 0
+    while done < view.nbytes:
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
 def _try_direct(fd: int) -> bool:
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
@@ -85,6 +92,40 @@ def _try_direct(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+# file systems whose files live in memory (``statfs`` magic numbers): tmpfs (``/dev/shm``) and ramfs
+_MEMORY_FS = frozenset({0x01021994, 0x858458F6})
+
+
+@cache
+def _fstatfs() -> Any:
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).fstatfs
+    except (OSError, AttributeError):
+        return None
+
+
+def memory_backed(fd: int) -> bool:
+    """Whether ``fd``'s file lives in memory (tmpfs, ramfs), where ``O_DIRECT`` gains nothing: no disk to reach,
+    no dirty pages to write back, while the staging copy it needs is a pass over every byte.
+
+    Why: tmpfs takes ``O_DIRECT`` (Linux 6.6 on) and does a buffered write under it, so a reshard into
+    ``/dev/shm`` staged every byte for nothing: the staging copy was 0.16 of its 2.8 CPU s/GB, the writes
+    themselves no cheaper (2-core machine, 3.05 GB, ``benchmarks/copy_cpu_stages.py``). False where it cannot
+    tell (no ``fstatfs``): the default, ``O_DIRECT``, is then kept."""
+    import ctypes
+    import struct
+
+    fstatfs = _fstatfs()
+    if fstatfs is None:
+        return False
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
+    if fstatfs(fd, buf) != 0:
+        return False
+    return struct.unpack_from("l", buf.raw)[0] in _MEMORY_FS
 
 
 def _set_buffered(fd: int) -> None:
@@ -120,10 +161,11 @@ class Sink:
     written by this file's writer thread while the caller fills the other (the disk never waits
     for the CPU work between two writes); the caller counts ``2 * stage`` in its memory budget.
     ``direct``: ``O_DIRECT`` if the file system takes it (default: for stages of at least
-    :data:`DIRECT_MIN`), else through the page cache from the start; ``checksum=False`` skips the
-    CRC-32C (a file no manifest lists: the entry's checksums are then empty). ``segments``: also hash
-    each run of bytes between two :meth:`cut` calls into :attr:`segments` (``(start, stop) -> xxh3-128
-    hex``, the chunk hash of :mod:`gtp_format.integrity.hash`).
+    :data:`DIRECT_MIN` on a file system that is not in memory, :func:`memory_backed`), else through the page
+    cache from the start, with no staging copy: the caller's bytes are written as they are handed in;
+    ``checksum=False`` skips the CRC-32C (a file no manifest lists: the entry's checksums are then empty).
+    ``segments``: also hash each run of bytes between two :meth:`cut` calls into :attr:`segments`
+    (``(start, stop) -> xxh3-128 hex``, the chunk hash of :mod:`gtp_format.integrity.hash`).
     """
 
     def __init__(self, path: Path, stage: int, direct: bool | None = None, checksum: bool = True,
@@ -134,17 +176,22 @@ class Sink:
         self._crc, self._value = (CRCS[HASH_ALGORITHM] if checksum else None), 0
         self.segments: dict[tuple[int, int], str] = {}
         self._seg, self._seg_start = (chunk_hasher() if segments else None), 0
+        in_memory = direct is None and stage >= DIRECT_MIN and memory_backed(self.fd)
         if direct is None:
-            direct = stage >= DIRECT_MIN
+            direct = stage >= DIRECT_MIN and not in_memory
         self.direct = direct and _try_direct(self.fd)
-        self._staged = self.direct  # False: plain writev, no staging copy
+        self._staged = self.direct  # False: plain writes, no staging copy
         self._pending: Future[None] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._fill = 0  # bytes in the current buffer, which starts at file offset ``_base``
         self._base = 0
+        # in memory: each piece is written from the caller's bytes by the writer thread, at its offset, while the
+        # caller hashes the next one; :meth:`write` returns once all are written (the caller may then reuse them)
+        self._behind: list[Future[None]] | None = [] if in_memory else None
         if self._staged:
             size = max(ALIGN, stage - stage % ALIGN)
             self._bufs, self._cur = [_aligned(size), _aligned(size)], 0
+        if self._staged or self._behind is not None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sink")
 
     def write(self, parts: list[Any], on_piece: Callable[[memoryview], None] | None = None) -> None:
@@ -161,22 +208,35 @@ class Sink:
         Why 1 MiB pieces (a core's L2 on this 2-core machine): 256 KiB pieces cost 0.02 CPU s more per
         512 MB in Python calls (the same benchmark, ``--direct``, here, 9 rounds twice), about a fifth
         of what the records added to a CPU save."""
-        for p in parts:
-            v = memoryview(p).cast("B")
-            if self._seg is None and on_piece is None:
-                if self._crc is not None:
-                    self._value = self._crc.update(v, self._value)
-                self._put_bytes(v)
-                continue
-            for at in range(0, v.nbytes, PIECE):
-                piece = v[at:at + PIECE]
-                if self._crc is not None:
-                    self._value = self._crc.update(piece, self._value)
-                if self._seg is not None:
-                    self._seg.update(piece)
-                if on_piece is not None:
-                    on_piece(piece)
-                self._put_bytes(piece)
+        try:
+            for p in parts:
+                v = memoryview(p).cast("B")
+                known = recall(self._crc.name, v) if self._crc is not None and v.nbytes >= KNOWN_MIN else None
+                if self._seg is None and on_piece is None:
+                    if self._crc is not None and known is None:
+                        self._value = self._crc.update(v, self._value)
+                    self._put_bytes(v)
+                else:
+                    self._pieces(v, on_piece, self._crc if known is None else None)
+                if known is not None and self._crc is not None:  # hashed as it was read: combined, not hashed again
+                    self._value = self._crc.combine(self._value, known, v.nbytes)
+        except BaseException:
+            self._drain(raise_errors=False)  # the caller's error is the one to report
+            raise
+        self._drain()
+
+    def _pieces(self, v: memoryview, on_piece: Callable[[memoryview], None] | None, crc: Crc | None) -> None:
+        """One part, :data:`PIECE` bytes at a time: each piece's CRC-32C (``crc``; None where the part's is
+        known), segment hash, ``on_piece`` and copy, one piece after another (see :meth:`write`)."""
+        for at in range(0, v.nbytes, PIECE):
+            piece = v[at:at + PIECE]
+            if crc is not None:
+                self._value = crc.update(piece, self._value)
+            if self._seg is not None:
+                self._seg.update(piece)
+            if on_piece is not None:
+                on_piece(piece)
+            self._put_bytes(piece)
 
     def write_zeros(self, nbytes: int) -> None:
         """Append ``nbytes`` zero bytes, the same file and hashes as ``write([bytes(nbytes)])`` for less work: the
@@ -193,7 +253,11 @@ class Sink:
         if not self._staged:
             zero = _zero_piece()
             for at in range(0, nbytes, PIECE):
-                _write_all(self.fd, [zero[:min(PIECE, nbytes - at)]])
+                piece = zero[:min(PIECE, nbytes - at)]
+                if self._behind is None:
+                    _write_all(self.fd, [piece])
+                else:
+                    _pwrite_all(self.fd, piece, self.pos - nbytes + at)
             return
         while nbytes:
             buf = self._bufs[self._cur]
@@ -205,11 +269,23 @@ class Sink:
                 self._flip(final=False)
 
     def _put_bytes(self, v: memoryview) -> None:
+        at = self.pos
         self.pos += v.nbytes
         if self._staged:
             self._stage(v)
+        elif self._behind is not None and self._pool is not None:
+            self._behind.append(self._pool.submit(_pwrite_all, self.fd, v, at))
         else:
             _write_all(self.fd, [v])
+
+    def _drain(self, raise_errors: bool = True) -> None:
+        """Wait for the pieces handed to the writer thread (in memory); the first error is raised."""
+        if not self._behind:
+            return
+        behind, self._behind = self._behind, []
+        errors = [e for e in (fut.exception() for fut in behind) if e is not None]
+        if errors and raise_errors:
+            raise errors[0]
 
     def _stage(self, v: memoryview) -> None:
         src = np.frombuffer(v, dtype=np.uint8)

@@ -69,6 +69,8 @@ SMOKE = {
     "cli_stages.py": ["--workdir", "{tmp}/cli_stages", "--out", "{tmp}/cli_stages.json"],
     "meta_stages.py": ["--workdir", "{tmp}/meta_stages"],
     "verify_data_stages.py": ["--out", "{tmp}/verify_data_stages.json"],
+    "copy_cpu_stages.py": ["--workdir", "{tmp}/copy_cpu_stages", "--out", "{tmp}/copy_cpu_stages.json"],
+    "copy_cpu_ab.py": ["--workdir", "{tmp}/copy_cpu_ab", "--out", "{tmp}/copy_cpu_ab.json"],
 }
 # Not run with --smoke by the test above; each has its own test below.
 # save_stages.py is bench_save_integrity.py's timers: its stage table is checked in check_save_integrity.
@@ -387,6 +389,24 @@ def check_cli_stages(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert doc["rc"] == 0 and doc["argv"][0] == "inspect" and doc["wall_s"] > 0 and doc["ticks"] > 0
 
 
+def check_copy_cpu_stages(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    doc = json.loads((tmp / "copy_cpu_stages.json").read_text())
+    assert doc["rc"] == 0 and doc["argv"][0] == "reshard" and doc["gb"] > 0 and doc["cpu_s"] > 0
+    stages = doc["stages_cpu_s"]
+    assert stages["read ledger CRC-32C of the bytes read"] >= 0 and stages["chunk statistics (numba)"] > 0
+    assert abs(sum(stages.values()) - doc["cpu_s"]) < 0.01  # the stages and the rest add up to the process's CPU
+    assert not (tmp / "copy_cpu_stages").exists()
+
+
+def check_copy_cpu_ab(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    doc = json.loads((tmp / "copy_cpu_ab.json").read_text())
+    got = {(r["tree"], r["cmd"]) for r in doc["results"] if "error" not in r}
+    assert got == {("cp -r", "cp")} | {(t, c) for t in ("before", "after")
+                                       for c in ("reshard", "export", "import", "verify")}, doc["results"]
+    assert all(r["rc"] == 0 and r["cpu_s_per_gb"] > 0 for r in doc["results"] if r["cmd"] != "cp")
+    assert not (tmp / "copy_cpu_ab").exists()
+
+
 def check_meta_stages(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     doc = json.loads(p.stdout[p.stdout.index("{"):])
     assert doc["chunks"] == 2000 and doc["compiled walk passes"] is False  # under its size threshold
@@ -419,6 +439,7 @@ CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_sink.py": check_sink,
     "bench_cli_scale.py": check_cli_scale, "cli_stages.py": check_cli_stages, "meta_stages.py": check_meta_stages,
     "bench_dist_ckpt.py": check_dist_ckpt, "verify_data_stages.py": check_verify_data_stages,
+    "copy_cpu_stages.py": check_copy_cpu_stages, "copy_cpu_ab.py": check_copy_cpu_ab,
     "disk_ceiling.py": check_disk_ceiling,
 }
 

@@ -168,3 +168,66 @@ def test_a_file_cut_short_after_its_fsync_fails_its_close(tmp_path: Path, monkey
 def test_two_stages_take_at_most_one_chunk() -> None:
     assert stage_bytes(1 << 20) == 1 << 19  # two buffers: one chunk of the worker's four
     assert stage_bytes(1 << 30) == sink_mod.COPY_STAGE
+
+
+def _shm_sink() -> Path:
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm here")
+    return shm / f"ckpt-sink-test-{os.getpid()}"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(0, 2 * PIECE + 17), max_size=6), zeros=st.lists(st.integers(0, PIECE + 9),
+       max_size=3), seed=st.integers(0, 250))
+def test_a_file_in_memory_is_written_without_staging_with_the_same_bytes(tmp_path: Path, sizes: list[int],
+                                                                         zeros: list[int], seed: int) -> None:
+    """On tmpfs (``/dev/shm``) a default sink writes the caller's pieces from the caller's bytes, at their offsets,
+    on its writer thread (no ``O_DIRECT``, no staging copy): the file, its CRC-32C and its segment hashes are those
+    of a staged direct sink on disk, zeros included."""
+    mem = _shm_sink()
+    parts = _payload(sizes, seed)
+    try:
+        got = []
+        for path, direct in ((mem, None), (tmp_path / "disk", True)):
+            path.unlink(missing_ok=True)
+            with Sink(path, sink_mod.DIRECT_MIN, direct=direct, segments=True) as out:
+                if path == mem:
+                    if not sink_mod.memory_backed(out.fd):
+                        pytest.skip("/dev/shm is not tmpfs here")
+                    assert not out.direct
+                for k, p in enumerate(parts):
+                    out.write([p])
+                    out.cut()
+                    if k < len(zeros):
+                        out.write_zeros(zeros[k])
+                        out.cut()
+                entry = out.close()
+            got.append((path.read_bytes(), entry, out.segments))
+        assert got[0] == got[1]
+        want = b"".join(p + bytes(zeros[k]) if k < len(zeros) else p for k, p in enumerate(parts))
+        assert got[0][0] == want and got[0][1].checksums == {"crc32c": f"{google_crc32c.value(want):08x}"}
+    finally:
+        mem.unlink(missing_ok=True)
+
+
+def test_a_full_file_system_in_memory_propagates_and_closes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write the writer thread fails (ENOSPC: a full /dev/shm) is raised by the write that handed it over, and
+    the file is closed."""
+    mem = _shm_sink()
+
+    def full(fd: int, data: memoryview, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sink_mod.os, "pwrite", full)
+    try:
+        out = Sink(mem, sink_mod.DIRECT_MIN, segments=True)
+        if not sink_mod.memory_backed(out.fd):
+            out.abort()
+            pytest.skip("/dev/shm is not tmpfs here")
+        with pytest.raises(OSError) as info:
+            with out:
+                out.write([b"y" * (3 * PIECE)])
+        assert info.value.errno == errno.ENOSPC and out.fd == -1
+    finally:
+        mem.unlink(missing_ok=True)
