@@ -51,9 +51,9 @@ from ckpt_tool.copying.engine import (
     check_destination,
     chunk_budget,
     chunk_data,
-    cores,
     default_workers,
     peak_rss,
+    rank_cores,
     rss_after_imports,
     run_files,
     share_files,
@@ -259,8 +259,8 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
     # the next chunks of each file are read on other threads while it writes (ckpt_tool.copying.ahead); a bucket's
     # reads are fetched ahead by its own plan already
     depth = 0 if max_memory is None or storage_for(source.root).remote else \
-        ahead_depth(max_memory, workers, chunk_bytes, cores())
-    pool = ThreadPoolExecutor(max(1, min(workers * depth, cores())), thread_name_prefix="read-ahead") \
+        ahead_depth(max_memory, workers, chunk_bytes, rank_cores())
+    pool = ThreadPoolExecutor(max(1, min(workers * depth, rank_cores())), thread_name_prefix="read-ahead") \
         if depth else None
 
     def fill(i: int) -> Callable[[OutChunk], np.ndarray]:
