@@ -297,15 +297,17 @@ FAULT_ENV = "CKPT_RANK_FAULT"
 def fault(point: str) -> None:
     """Fault injection for the tests (as the runtime's ``GTP_FAULT_INJECT``): ``CKPT_RANK_FAULT=RANK:POINT``
     kills that rank with SIGKILL when it reaches ``point`` (``created``: rank 0, its work folder made, before
-    it tells the others where; ``copy``: its files written, before the gather; ``commit``: before the commit's
-    exchange; ``renamed``: rank 0, just after its commit)."""
+    it tells the others where; ``copy``: its files written, before the gather; ``upload``: a bucket output on
+    several nodes, its first object created; ``commit``: before the commit's exchange; ``renamed``: rank 0, just
+    after its commit)."""
     if faulted(point):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def faulted(point: str) -> bool:
     """Whether ``CKPT_RANK_FAULT`` names this rank and ``point`` (a hook that does more than kill: ``damage``,
-    a bucket output's rank flipping a byte of a staged file it is about to check)."""
+    a bucket output's rank flipping a byte of a staged file it is about to check; ``claim``, its verdict
+    naming a file of its node that is another rank's to check)."""
     want = os.environ.get(FAULT_ENV)
     return bool(want) and _current is not None and want == f"{_current.rank}:{point}"
 

@@ -110,6 +110,8 @@ def verdict(group: Group, writer: CheckpointWriter, entries: Mapping[str, FileEn
     if line is not None:
         raise FormatError(f"{writer.target}: staged file {line} (changed on {node}'s disk after it was written); "
                           "nothing was uploaded or committed: run the command again", 1)
+    if faulted("claim"):  # the tests' hook: a rank that says it checked a file that is not its own
+        mine += [n for n in sorted(listing) if n not in mine][:1]
     heads = {n: header(writer.folder, n) for n in mine if n.endswith(".safetensors")}
     return {"node": node, "listing": listing, "checked": {n: listing[n] for n in mine}, "heads": heads}
 
@@ -147,7 +149,8 @@ def check_verdicts(peers: list[Peer], entries: Mapping[str, FileEntry], verdicts
             raise FormatError(f"rank {r}'s verdict names {v['node'][:40]!r}, but rank {r} runs on {peers[r].node}")
         first, listing = listings.setdefault(v["node"], (r, v["listing"]))
         if v["listing"] != listing:
-            raise FormatError(f"rank {r} lists other staged files on {v['node']} than rank {first}")
+            raise FormatError(f"ranks {first} and {r} list different staged files on {v['node']}; nothing was "
+                              "uploaded")
     held: dict[str, str] = {}
     for node, (_, listing) in listings.items():
         for n, size in sorted(listing.items()):

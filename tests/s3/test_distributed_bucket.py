@@ -187,6 +187,24 @@ def test_a_damaged_staged_file_on_another_node_is_refused_naming_file_and_rank(s
     assert _ranks_left(str(src)) == []
 
 
+def test_a_rank_claiming_a_file_that_is_not_its_own_is_not_trusted(s3, tmp_path: Path) -> None:
+    """2 nodes x 2 ranks, bucket DST: rank 3's verdict also names a staged file of its node that is rank 2's to
+    check (``CKPT_RANK_FAULT=3:claim``). Rank 0 refuses the verdicts, in one line naming rank 3 and the file,
+    before anything is uploaded: the bucket holds nothing, no staging folder is left, no rank is left."""
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    dst = s3.url("claim")
+    runs = two_nodes("reshard", str(SRC), dst, *TARGET, CKPT_RANK_FAULT="3:claim", CKPT_S3_STAGING=str(staging))
+    assert all(r.returncode != 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    lines = _errors(runs)
+    named = [x for x in lines if "rank 3 reported a verdict for __" in x and "which is not its to check" in x]
+    assert named and len(lines) <= 4, "\n".join(r.stderr[-2000:] for r in runs)
+    assert all(x in named or "nothing was committed" in x for x in lines), lines
+    assert s3.keys("claim") == []
+    assert list(staging.iterdir()) == []
+    assert _ranks_left(dst) == []
+
+
 def test_a_rank_killed_mid_upload_leaves_no_checkpoint(s3, tmp_path: Path) -> None:
     """2 nodes x 2 ranks, bucket DST: rank 2 (node 1's staging maker) is killed with its first object created
     (``CKPT_RANK_FAULT=2:upload``). No commit object: the prefix is no checkpoint (``ckpt verify`` refuses it);

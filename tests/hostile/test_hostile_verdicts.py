@@ -1,0 +1,159 @@
+"""The verdicts of a bucket output built on several nodes (``ckpt_tool/copying/nodes.py``) as input to rank 0:
+what another rank says it checked is refused, in one line naming the rank or the file, unless the verdicts
+cover exactly the planned data files, each checked by the rank whose share it is; the gate's answers likewise.
+No process group is needed: rank 0's checks are plain functions of what the ranks sent."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from ckpt_tool.copying.nodes import check_answers, check_verdicts, share
+from gtp_format.errors import FormatError
+from gtp_format.manifest import FileEntry
+from gtp_format.ranks import Peer
+
+PEERS = [Peer(r, "h", 100 + r, f"node {r // 2}") for r in range(4)]  # 2 nodes x 2 ranks
+HEAD = (14).to_bytes(8, "little") + b'{"__meta": {}}'
+SIZES = {"__0_0.safetensors": 4000, "__1_0.safetensors": 3000, "__2_0.safetensors": 2000, "__3_0.safetensors": 1000,
+         "__4_0.safetensors": 900, "__5_0.safetensors": 800}
+NODE = {"node 0": ["__0_0.safetensors", "__3_0.safetensors", "__4_0.safetensors"],
+        "node 1": ["__1_0.safetensors", "__2_0.safetensors", "__5_0.safetensors"]}
+ENTRIES = {**{n: FileEntry(s, {"crc32c": "00000000"}) for n, s in SIZES.items()},
+           "index.json": FileEntry(10, {}), "gtp_manifest.json": FileEntry(10, {})}  # side files: rank 0's
+
+
+def verdicts() -> list[dict[str, Any]]:
+    out = []
+    for p in PEERS:
+        listing = {n: SIZES[n] for n in NODE[p.node]}
+        mine = share(listing, [q.rank for q in PEERS if q.node == p.node], p.rank)
+        out.append({"node": p.node, "listing": listing, "checked": {n: listing[n] for n in mine},
+                    "heads": {n: HEAD for n in mine}})
+    return out
+
+
+def refused(vs: list[Any], words: str) -> None:
+    with pytest.raises(FormatError) as e:
+        check_verdicts(PEERS, ENTRIES, vs)
+    assert words in e.value.message and "\n" not in e.value.message, e.value.message
+
+
+def test_the_honest_verdicts_pass() -> None:
+    vs = verdicts()
+    check_verdicts(PEERS, ENTRIES, vs)
+    assert sorted(n for v in vs for n in v["checked"]) == sorted(SIZES)  # every planned file, once
+
+
+@pytest.mark.parametrize("bad", [None, [], "ok", {"node": "node 1"}, {**verdicts()[3], "extra": 1}])
+def test_a_malformed_verdict_is_refused_naming_its_rank(bad: Any) -> None:
+    vs = verdicts()
+    vs[3] = bad
+    refused(vs, "rank 3's verdict on its staged files is malformed")
+
+
+@pytest.mark.parametrize(("part", "value"), [
+    ("listing", {"__1_0.safetensors": -1}), ("listing", {"__1_0.safetensors": True}), ("listing", [1, 2]),
+    ("checked", {"__1_0.safetensors": "3000"}), ("heads", {"__1_0.safetensors": "not bytes"}), ("node", 1),
+])
+def test_a_verdict_of_the_wrong_types_is_refused(part: str, value: Any) -> None:
+    vs = verdicts()
+    vs[2][part] = value
+    refused(vs, "rank 2's verdict on its staged files is malformed")
+
+
+def test_a_verdict_for_a_file_it_does_not_own_is_refused() -> None:
+    vs = verdicts()
+    other = next(iter(vs[3]["checked"]))  # its node peer's file
+    vs[2]["checked"][other] = SIZES[other]
+    vs[2]["heads"][other] = HEAD
+    refused(vs, f"rank 2 reported a verdict for {other}, which is not its to check")
+    vs = verdicts()
+    far = NODE["node 0"][0]  # another node's file: its listing no longer matches its node's
+    vs[2]["checked"][far] = SIZES[far]
+    vs[2]["listing"][far] = SIZES[far]
+    refused(vs, "ranks 2 and 3 list different staged files on node 1")
+
+
+def test_a_file_its_share_left_unchecked_is_refused() -> None:
+    vs = verdicts()
+    gone = sorted(vs[1]["checked"])[0]
+    del vs[1]["checked"][gone]
+    vs[1]["heads"].pop(gone)
+    refused(vs, f"rank 1 did not check {gone}")
+
+
+def test_a_node_claiming_a_file_no_rank_wrote_is_refused() -> None:
+    vs = verdicts()
+    for r in (2, 3):
+        vs[r]["listing"]["../../outside.safetensors"] = 1
+    refused(vs, "node 1 lists '../../outside.safetensors' as staged, which is no data file of this output")
+
+
+def test_a_file_on_two_nodes_or_on_none_or_of_another_size_is_refused() -> None:
+    vs = verdicts()
+    twice = NODE["node 0"][0]
+    for r in (2, 3):
+        vs[r]["listing"][twice] = SIZES[twice]
+    refused(vs, f"{twice} is staged on both node 0 and node 1")
+    vs = verdicts()
+    gone = NODE["node 1"][-1]
+    for r in (2, 3):
+        vs[r]["listing"].pop(gone)
+        vs[r]["checked"].pop(gone, None)
+        vs[r]["heads"].pop(gone, None)
+    refused(vs, f"{gone} is staged on no node")
+    vs = verdicts()
+    for r in (2, 3):
+        vs[r]["listing"][gone] = 7
+    refused(vs, f"{gone} is 7 bytes on node 1 but was written as {SIZES[gone]}")
+
+
+def test_a_verdict_naming_another_node_is_refused() -> None:
+    vs = verdicts()
+    vs[1] = copy.deepcopy(vs[2])
+    refused(vs, "rank 1's verdict names 'node 1', but rank 1 runs on node 0")
+
+
+@pytest.mark.parametrize("head", [b"", b"\x00" * 7, (99).to_bytes(8, "little") + b"{}",
+                                  (1 << 40).to_bytes(8, "little")])
+def test_a_header_that_is_no_header_of_its_file_is_refused(head: bytes) -> None:
+    vs = verdicts()
+    name = sorted(vs[2]["heads"])[0]
+    vs[2]["heads"][name] = head
+    refused(vs, f"rank 2 sent a header for {name} that is no safetensors header of its file")
+
+
+def test_a_header_for_a_file_it_did_not_check_is_refused() -> None:
+    vs = verdicts()
+    vs[0]["heads"][NODE["node 1"][0]] = HEAD
+    refused(vs, "rank 0 sent a header for")
+
+
+def test_verdicts_of_fewer_ranks_than_the_job_are_refused() -> None:
+    refused(verdicts()[:3], "3 verdicts for 4 ranks")
+
+
+READS = {"__1_0.safetensors": [(100, 4), (200, 2)]}
+OWNERS = {"__1_0.safetensors": 2}
+
+
+def test_the_gate_takes_only_the_ranges_it_asked_of_their_owner() -> None:
+    good: list[Any] = [None, {}, {"__1_0.safetensors": [(100, b"abcd"), (200, b"ef")]}, {}]
+    assert check_answers(READS, OWNERS, good) == {"__1_0.safetensors": {100: b"abcd", 200: b"ef"}}
+    cases: list[tuple[list[Any], str]] = [
+        ([None, {}, {}, {"__1_0.safetensors": [(100, b"abcd"), (200, b"ef")]}], "rank 3 answered for"),
+        ([None, {}, {"__1_0.safetensors": [(100, b"abc"), (200, b"ef")]}, {}], "rank 2's answer for __1_0"),
+        ([None, {}, {"__1_0.safetensors": [(101, b"abcd"), (200, b"ef")]}, {}], "rank 2's answer for __1_0"),
+        ([None, {}, {"__1_0.safetensors": [(100, b"abcd")]}, {}], "rank 2's answer for __1_0"),
+        ([None, {}, {"__1_0.safetensors": [(100, "abcd"), (200, b"ef")]}, {}], "rank 2's answer for __1_0"),
+        ([None, {}, {"__2_0.safetensors": []}, {}], "rank 2 answered for '__2_0.safetensors'"),
+        ([None, {}, {}, {}], "no answer for __1_0.safetensors (asked of rank 2)"),
+        ([None, {}, "bytes", {}], "rank 2's answer to the gate is malformed"),
+    ]
+    for answers, words in cases:
+        with pytest.raises(FormatError) as e:
+            check_answers(READS, OWNERS, answers)
+        assert words in e.value.message, (answers, e.value.message)
