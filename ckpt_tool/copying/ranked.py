@@ -242,10 +242,12 @@ def _steps(group: Group, writer: CheckpointWriter, body: Callable[[CheckpointWri
             with guard.lock, sigterm_held():  # not while the SIGTERM guard removes the work folder
                 try:
                     writer.commit()
-                except FormatError as e:
+                except Exception as e:  # noqa: BLE001 - below: one line on every rank
                     if up is None:
                         raise
-                    return e.message, e.exit_code  # refused, and rank 0's own objects removed: the ranks' too
+                    # refused, and rank 0's own objects removed (the upload's undo): the ranks remove theirs
+                    return (e.message, e.exit_code) if isinstance(e, FormatError) else (
+                        f"{writer.target}: {type(e).__name__}: {str(e)[:300]}", 2)
             fault("renamed")
         return None
 

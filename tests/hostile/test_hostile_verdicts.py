@@ -157,3 +157,25 @@ def test_the_gate_takes_only_the_ranges_it_asked_of_their_owner() -> None:
         with pytest.raises(FormatError) as e:
             check_answers(READS, OWNERS, answers)
         assert words in e.value.message, (answers, e.value.message)
+
+
+def test_a_refused_commit_makes_every_rank_remove_its_own_objects() -> None:
+    """Rank 0's commit refused (e.g. an object of the prefix appeared meanwhile): it removed what it uploaded, and
+    every rank removes the objects its own create-only puts made, then stops with rank 0's line."""
+    from ckpt_tool.copying.nodes import refused_commit
+    from gtp_format.ranks import Group, RankFailed
+
+    class Up:
+        undone = 0
+
+        def undo(self) -> None:
+            self.undone += 1
+
+    for rank in (0, 2):
+        up = Up()
+        refused_commit(Group(rank, 4, PEERS), None, up)  # type: ignore[arg-type]
+        assert up.undone == 0  # committed: nothing is removed
+        with pytest.raises(RankFailed) as e:
+            refused_commit(Group(rank, 4, PEERS), ("s3://b/dst: objects already exist", 2), up)  # type: ignore[arg-type]
+        assert up.undone == 1 and "objects already exist" in e.value.message and e.value.exit_code == 2
+        assert e.value.message.startswith("rank 0")
