@@ -41,6 +41,7 @@ from typing import Any
 from gtp_format.check.gate import check_written, gate_reads, stand_in
 from gtp_format.errors import FormatError
 from gtp_format.manifest import FileEntry
+from gtp_format.names import WORK_TOKEN_FILE
 from gtp_format.ranks import Group, Peer, RankFailed, assign, fault, faulted
 from gtp_format.reader.safetensors_reader import HEADER_LIMIT
 from gtp_format.reader.storage import open_regular
@@ -100,10 +101,19 @@ def header(folder: Path, rel: str) -> bytes:
 def verdict(group: Group, writer: CheckpointWriter, entries: Mapping[str, FileEntry]) -> dict[str, Any]:
     """This rank's verdict on its share of its node's staged files (step 1 of the module docstring)."""
     planned = data_sizes(entries, writer.commit_object)
+    if not planned:  # the same line on every rank, before anything is read or uploaded
+        raise FormatError(f"{writer.target}: this output records no entries (size, CRC-32C) of its data files to check "
+                          "the staged files against on their nodes; run the job on one node (--nnodes 1), or write "
+                          "to a folder every node shares and upload that")
     node = group.peers[group.rank].node
-    with os.scandir(writer.folder) as it:
-        listing = {e.name: e.stat(follow_symlinks=False).st_size for e in it
-                   if e.name in planned and e.is_file(follow_symlinks=False)}
+    here = node == group.peers[0].node  # rank 0's folder also holds its side files, which its commit uploads
+    with os.scandir(writer.folder) as it:  # another node's: every file it holds (an unplanned one is refused)
+        listing = {e.name: e.stat(follow_symlinks=False).st_size for e in it if e.is_file(follow_symlinks=False)
+                   and e.name != WORK_TOKEN_FILE and (e.name in planned or not here)}
+    odd = sorted(set(listing) - planned.keys())
+    if odd:
+        raise FormatError(f"{writer.target}: {odd[0]} lies in {node}'s staging folder but is no data file this output "
+                          "recorded; nothing was uploaded or committed")
     mine = share(listing, node_ranks(group.peers, node), group.rank)
     damage(writer.folder, {n: entries[n] for n in mine})
     line = check_written(writer.folder, {n: entries[n] for n in mine})

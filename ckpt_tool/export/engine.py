@@ -353,6 +353,9 @@ def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_byt
                               lambda order: prefetch_share(source, order, None))
         if not root:
             return {}
+    # entries (size, CRC-32C) of the files as written: no manifest lists them here, but a bucket output staged on
+    # several nodes is checked against them on each node before its upload (ckpt_tool/copying/nodes.py)
+    writer.add_files({n: r[0] for n, r in zip(names, results)})
     placed: list[tuple[str, Any, int, int]] = [(n, c, off, ln) for n, r in zip(names, results) for c, off, ln in r[1]]
     if objects:
         placed.extend(write_objects(folder / names[-1], objects, records[-1]))

@@ -179,3 +179,55 @@ def test_a_refused_commit_makes_every_rank_remove_its_own_objects() -> None:
             refused_commit(Group(rank, 4, PEERS), ("s3://b/dst: objects already exist", 2), up)  # type: ignore[arg-type]
         assert up.undone == 1 and "objects already exist" in e.value.message and e.value.exit_code == 2
         assert e.value.message.startswith("rank 0")
+
+
+def _staged(folder: Any) -> tuple[Any, dict[str, FileEntry]]:
+    """A node's staging folder of two safetensors files and their entries, and a writer that adopted it."""
+    from gtp_format.writer.checkpoint import CheckpointWriter, file_entry
+
+    folder.mkdir()
+    for name, n in (("__1_0.safetensors", 300), ("__2_0.safetensors", 200)):
+        (folder / name).write_bytes(HEAD + bytes(range(256)) * (n // 256 + 1))
+    entries = {p.name: file_entry(p) for p in sorted(folder.iterdir())}
+    writer = CheckpointWriter(folder.parent / "dst")
+    writer.adopt(folder)
+    return writer, entries
+
+
+def test_a_rank_checks_its_share_of_its_node_and_sends_their_headers(tmp_path: Any) -> None:
+    from ckpt_tool.copying.nodes import verdict
+    from gtp_format.ranks import Group
+
+    writer, entries = _staged(tmp_path / "node1")
+    got = [verdict(Group(r, 4, PEERS), writer, entries) for r in (2, 3)]
+    assert got[0]["listing"] == got[1]["listing"] == {n: e.size for n, e in entries.items()}
+    assert sorted([*got[0]["checked"], *got[1]["checked"]]) == sorted(entries)  # each file by one rank
+    assert all(h == HEAD for v in got for h in v["heads"].values())
+
+
+def test_a_rank_refuses_an_unrecorded_staged_file_and_an_output_without_entries(tmp_path: Any) -> None:
+    from ckpt_tool.copying.nodes import verdict
+    from gtp_format.ranks import Group
+
+    writer, entries = _staged(tmp_path / "node1")
+    (tmp_path / "node1" / "__9_0.safetensors").write_bytes(b"x")  # on another node than rank 0's: no stray file
+    with pytest.raises(FormatError, match="__9_0.safetensors lies in node 1's staging folder but is no data file"):
+        verdict(Group(2, 4, PEERS), writer, entries)
+    with pytest.raises(FormatError, match="records no entries"):  # export --to hf: nothing to check against
+        verdict(Group(2, 4, PEERS), writer, {})
+
+
+def test_a_staged_file_changed_after_its_write_is_its_checkers_one_line(tmp_path: Any) -> None:
+    from ckpt_tool.copying.nodes import verdict
+    from gtp_format.ranks import Group
+
+    writer, entries = _staged(tmp_path / "node1")
+    for name in entries:
+        raw = bytearray((tmp_path / "node1" / name).read_bytes())
+        raw[-1] ^= 0xFF
+        (tmp_path / "node1" / name).write_bytes(bytes(raw))
+    for r in (2, 3):
+        with pytest.raises(FormatError) as e:
+            verdict(Group(r, 4, PEERS), writer, entries)
+        assert "staged file __" in e.value.message and "crc32c is" in e.value.message
+        assert "changed on node 1's disk" in e.value.message and e.value.exit_code == 1
