@@ -164,6 +164,32 @@ def test_bucket_destination_across_two_nodes_equals_one_process(s3, tmp_path: Pa
     assert _ranks_left(str(src)) == []
 
 
+def test_exports_to_a_bucket_across_two_nodes(s3, tmp_path: Path) -> None:
+    """2 nodes x 2 ranks: ``export --to fully_reshardable`` to a bucket is one process's output (its files'
+    entries are what each node checks its staged files against); ``export --to hf`` records no entries of its
+    files, so across nodes it is refused in one line on every rank before anything is uploaded (one node, or a
+    shared folder, runs it). No staging folder or rank is left."""
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    args = ("--to", "fully_reshardable", "--workers", "2")
+    want = one("export", str(SRC), str(tmp_path / "one"), *args)
+    assert want.returncode == 0, want.stderr
+    runs = two_nodes("export", str(SRC), s3.url("fr"), *args, CKPT_S3_STAGING=str(staging))
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-3000:] for r in runs]
+    d = one("diff", "--bitwise", str(tmp_path / "one"), s3.url("fr"))
+    assert d.returncode == 0 and "0 differ" in d.stdout, d.stdout + d.stderr
+    names = sorted(str(p.relative_to(tmp_path / "one")) for p in (tmp_path / "one").rglob("*") if p.is_file())
+    assert s3.keys("fr/") == [f"fr/{n}" for n in names]
+    runs = two_nodes("export", str(SRC), s3.url("hf"), "--to", "hf", CKPT_S3_STAGING=str(staging))
+    assert all(r.returncode != 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    lines = _errors(runs)
+    named = [x for x in lines if "records no entries" in x]
+    assert named and len(lines) <= 4 and all(x in named or "nothing was committed" in x for x in lines), lines
+    assert s3.keys("hf") == []
+    assert list(staging.iterdir()) == []
+    assert _ranks_left(s3.url("hf")) == []
+
+
 def test_a_damaged_staged_file_on_another_node_is_refused_naming_file_and_rank(s3, tmp_path: Path) -> None:
     """2 nodes x 2 ranks, bucket DST: rank 3 (node 1) flips a byte of one of its staged files before its check
     (``CKPT_RANK_FAULT=3:damage``): its verdict is that file's one line naming rank 3, every rank exits non-zero,
