@@ -231,12 +231,13 @@ def test_a_rank_claiming_a_file_that_is_not_its_own_is_not_trusted(s3, tmp_path:
     assert _ranks_left(dst) == []
 
 
-def test_a_rank_killed_mid_upload_leaves_no_checkpoint(s3, tmp_path: Path) -> None:
-    """2 nodes x 2 ranks, bucket DST: rank 2 (node 1's staging maker) is killed with its first object created
-    (``CKPT_RANK_FAULT=2:upload``). No commit object: the prefix is no checkpoint (``ckpt verify`` refuses it);
-    the surviving ranks removed every object they created, so what is left is at most the killed rank's own
-    share (which nothing can prove ours); node 1's staging folder is removed by its surviving rank; SRC
-    untouched; no rank left."""
+@pytest.mark.parametrize("fault", ["2:upload", "0:upload"])
+def test_a_rank_killed_mid_upload_leaves_no_checkpoint(s3, tmp_path: Path, fault: str) -> None:
+    """2 nodes x 2 ranks, bucket DST: rank 2 (node 1's staging maker), or rank 0, is killed with its first object
+    created (``CKPT_RANK_FAULT=R:upload``). No commit object: the prefix is no checkpoint (``ckpt verify``
+    refuses it); the surviving ranks removed every object they created, so what is left is at most the killed
+    rank's own (which nothing can prove ours); the killed rank's staging folder is removed by the surviving rank
+    of its node; SRC untouched; no rank left."""
     import shutil
 
     src, staging = tmp_path / "src", tmp_path / "staging"
@@ -244,7 +245,7 @@ def test_a_rank_killed_mid_upload_leaves_no_checkpoint(s3, tmp_path: Path) -> No
     staging.mkdir()
     before = _digests(src)
     dst = s3.url("killed")
-    runs = two_nodes("reshard", str(src), dst, *TARGET, CKPT_RANK_FAULT="2:upload", CKPT_S3_STAGING=str(staging))
+    runs = two_nodes("reshard", str(src), dst, *TARGET, CKPT_RANK_FAULT=fault, CKPT_S3_STAGING=str(staging))
     assert all(r.returncode != 0 for r in runs), [r.stderr[-2000:] for r in runs]
     keys = s3.keys("killed")
     assert not any(k.endswith("metadata.json") for k in keys), keys
