@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workdir", default="/dev/shm/bench_dist_ckpt", help="RAM-backed folder (removed after)")
     ap.add_argument("--layers", type=int, default=2, help="source layers (hidden 2048, ffn 8192, vocab 32000: "
                     "3.7 GB at 1 layer, +0.8 GB a layer)")
+    ap.add_argument("--hidden", type=int, default=2048, help="hidden size (ffn 4x; 1024: about a quarter the "
+                    "bytes, for a 2-core host)")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--workers", type=int, help="--workers of every process (default: the CLI's own)")
     ap.add_argument("--cores", type=int, help="run both sides on cores 0..N-1 only (taskset): the issue's '4 ranks on "
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ranks = 2 if args.smoke else args.ranks
     shape = (SimpleNamespace(hidden=64, ffn=256, vocab=512), 2) if args.smoke else \
-        (SimpleNamespace(hidden=2048, ffn=8192, vocab=32000), args.layers)
+        (SimpleNamespace(hidden=args.hidden, ffn=4 * args.hidden, vocab=32000), args.layers)
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -176,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"machine": {"nproc": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
                        "python": platform.python_version()},
            "workdir": args.workdir, "pycache_prefix": os.environ.get("PYTHONPYCACHEPREFIX"),
-           "source_bytes": nbytes, "ranks": ranks, "workers": args.workers, "cores": args.cores, "smoke": args.smoke,
+           "source_bytes": nbytes, "ranks": ranks, "workers": args.workers, "cores": args.cores,
+           "hidden": args.hidden, "smoke": args.smoke,
            "rows": rows}
     print(f"{'row':<28} {'1 process s':>12} {f'{ranks} ranks s':>12} {'ratio':>7} {'startup s':>10} "
           f"{'ratio less startup':>19} {'1 proc CPU s':>13} {'ranks CPU s':>12}")

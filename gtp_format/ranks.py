@@ -89,6 +89,7 @@ class Peer:
     host: str
     pid: int
     node: str = ""  # the node this rank runs on (:func:`node_of`): what shares a staging folder
+    cpus: tuple[int, ...] = ()  # the CPUs it may run on (its affinity; empty: unknown): what shares the cores
 
 
 NODE_ENV = "GROUP_RANK"
@@ -260,7 +261,7 @@ def join() -> Group | None:
             raise FormatError(f"rank {rank}: cannot join the torchrun job ({str(e).splitlines()[0][:200]}); "
                               "check --rdzv-endpoint/MASTER_ADDR and that every node started") from None
     group = Group(rank, world, [])
-    me = Peer(rank, socket.gethostname(), os.getpid(), node)
+    me = Peer(rank, socket.gethostname(), os.getpid(), node, affinity())
     group.peers = group.all_gather(me, "while joining")
     _current = group
     return group
@@ -296,24 +297,45 @@ FAULT_ENV = "CKPT_RANK_FAULT"
 def fault(point: str) -> None:
     """Fault injection for the tests (as the runtime's ``GTP_FAULT_INJECT``): ``CKPT_RANK_FAULT=RANK:POINT``
     kills that rank with SIGKILL when it reaches ``point`` (``created``: rank 0, its work folder made, before
-    it tells the others where; ``copy``: its files written, before the gather; ``commit``: before the commit's
-    exchange; ``renamed``: rank 0, just after its commit)."""
+    it tells the others where; ``copy``: its files written, before the gather; ``upload``: a bucket output on
+    several nodes, its first object created; ``commit``: before the commit's exchange; ``renamed``: rank 0, just
+    after its commit)."""
     if faulted(point):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def faulted(point: str) -> bool:
     """Whether ``CKPT_RANK_FAULT`` names this rank and ``point`` (a hook that does more than kill: ``damage``,
-    a bucket output's rank flipping a byte of a staged file it is about to check)."""
+    a bucket output's rank flipping a byte of a staged file it is about to check; ``claim``, its verdict
+    naming a file of its node that is another rank's to check)."""
     want = os.environ.get(FAULT_ENV)
     return bool(want) and _current is not None and want == f"{_current.rank}:{point}"
 
 
-def cores_per_rank(cores: int) -> int:
-    """This rank's share of a per-machine thread count (``LOCAL_WORLD_SIZE`` ranks share the host's cores):
-    a verify's default of one reader per core, on each of 4 ranks of a 16-core host, would run 64 threads."""
+def affinity() -> tuple[int, ...]:
+    """The CPUs this process may run on (``sched_getaffinity``), sorted; empty where the OS cannot say."""
     try:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    except ValueError:
-        local = 1
-    return max(1, cores // max(1, local)) if _current is not None else cores
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return ()
+
+
+def sharing(group: Group) -> int:
+    """How many ranks of ``group`` (this one included) run on this rank's host with exactly its affinity: the
+    ranks whose threads take turns on the same cores. The host, not the node (:func:`node_of`): two torchrun
+    agents on one machine are two nodes but one set of cores. Ranks bound to cores of their own (``numactl`` or
+    ``taskset`` per rank, a scheduler's cpuset per rank) count one each: their affinity is already their share."""
+    me = group.peers[group.rank] if 0 <= group.rank < len(group.peers) else None
+    if me is None:
+        return 1
+    return max(1, sum(1 for p in group.peers if p.host == me.host and p.cpus == me.cpus))
+
+
+def cores_per_rank(cores: int) -> int:
+    """This rank's share of a per-machine thread count: ``cores`` divided by the ranks that share this rank's
+    cores (:func:`sharing`), at least 1; ``cores`` itself with no group. Why: every pool sized from the
+    affinity's cores ran that many threads in each rank, 4 ranks on 4 cores 16 busy threads (4 ranks against
+    one process on the same 4 cores: reshard 0.90x, ``verify --data`` 0.54x), and a verify's default of one
+    reader per core, on each of 4 ranks of a 16-core host, 64 threads."""
+    group = _current
+    return cores if group is None else max(1, cores // sharing(group))

@@ -103,7 +103,15 @@ def cores() -> int:
 
 
 def default_workers() -> int:
+    """The default ``--workers``: it sets how many files a reshard writes (so the output), from the cores of
+    this process's affinity, under torchrun too (every rank's plan is one process's)."""
     return max(1, min(4, cores()))
+
+
+def rank_cores() -> int:
+    """The cores this process's threads may keep busy: :func:`cores`, under torchrun divided by the ranks that
+    share them (:func:`gtp_format.ranks.cores_per_rank`). Thread pools are sized from this, never the output."""
+    return ranks.cores_per_rank(cores())
 
 
 def write_threads(workers: int, chunk_bytes: int, max_memory: int) -> int:
@@ -115,7 +123,7 @@ def write_threads(workers: int, chunk_bytes: int, max_memory: int) -> int:
     at a time, each thread hashing its file's bytes (the CPU bound of a reshard whose source is in the
     page cache). On 2 cores nothing changes (2 threads, 4 files).
     """
-    return max(workers, min(2 * workers, cores(), max_memory // (4 * chunk_bytes)))
+    return max(workers, min(2 * workers, rank_cores(), max_memory // (4 * chunk_bytes)))
 
 
 def chunk_data(source: Source, c: OutChunk, bufs: Buffers | None = None) -> np.ndarray:
@@ -230,7 +238,9 @@ def share_files(group: ranks.Group, parts: list[list[OutChunk]], one: Callable[[
     def local() -> list[tuple[int, Any, list[ChunkRecord]]]:
         if plan_reads is not None:
             plan_reads(read_order([parts[i] for i in mine], workers))
-        got = run_files(lambda k, tick: one(mine[k], tick), len(mine), max(1, min(workers, len(mine))), advance)
+        # threads: this rank's share of the cores (ranks sharing an affinity each sized theirs from all of them)
+        threads = max(1, min(workers, len(mine), rank_cores()))
+        got = run_files(lambda k, tick: one(mine[k], tick), len(mine), threads, advance)
         ranks.fault("copy")
         # a chunk goes back as its index in the file (every rank holds the same plan), not as itself
         return [(i, (entry, None if placed is None else [(off, ln) for _, off, ln in placed]), records[i])

@@ -24,9 +24,11 @@ once rank 0's process is gone: every work folder beside DST whose name records r
 token proves it (:func:`gtp_format.work.proven`; a zombie not yet reaped by torchrun counts as gone), so
 also one rank 0 made before it could tell the others its path.
 
-A bucket DST: the work folder is rank 0's local staging, so every rank must run on rank 0's node; a job over
-several nodes (torchrun's ``GROUP_RANK``, :func:`gtp_format.ranks.node_of`) is refused before anything is
-written, on every rank with the same line.
+A bucket DST: the work folder is local staging. On one node every rank writes into rank 0's, reads its share
+of the staged files in full against their entries (:func:`check_staged`), and rank 0 uploads and commits. On
+several nodes (torchrun's ``GROUP_RANK``, :func:`gtp_format.ranks.node_of`) each node's lowest rank makes its
+node's staging folder, with a writer of its own that never commits (it removes that folder at the end, or
+on SIGTERM as rank 0 does), and every node checks and uploads its own files: :mod:`ckpt_tool.copying.nodes`.
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
+from ckpt_tool.copying.nodes import across_nodes, damage, leader, refused_commit
 from gtp_format.check.gate import check_written
 from gtp_format.errors import FormatError
 from gtp_format.manifest import FileEntry
-from gtp_format.ranks import COMMITTING, Group, RankFailed, assign, fault, faulted
+from gtp_format.ranks import COMMITTING, Group, RankFailed, assign, fault
 from gtp_format.session import Session
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
@@ -54,12 +57,10 @@ from gtp_format.writer.checkpoint import CheckpointWriter
 def build_ranked(group: Group, dst: Path | ObjectURL, body: Callable[[CheckpointWriter], None],
                  inner: str | None, latest: str | None, session: Session | None = None) -> None:
     """:func:`ckpt_tool.copying.engine.build_atomically` for the ranks of ``group`` (see the module docstring)."""
-    nodes = group.nodes
-    if not storage_for(dst).in_place and len(nodes) > 1:
-        raise FormatError(f"{dst}: a bucket output is staged in rank 0's local folder, which the ranks of "
-                          f"{', '.join(nodes[1:])} cannot write; run the job on one node (--nnodes 1), or write "
-                          "to a folder every node shares and upload that")
-    if group.root:
+    # a bucket output across nodes: each node's lowest rank stages its node's files (ckpt_tool/copying/nodes.py)
+    staged_per_node = not storage_for(dst).in_place and len(group.nodes) > 1
+    owner = leader(group.peers, group.rank) if staged_per_node else 0
+    if owner == group.rank:  # rank 0, or the lowest rank of another node
         with TermGuard() as guard, CheckpointWriter(dst, inner=inner, latest=latest, session=session) as writer:
             guard.writer = writer
             try:
@@ -73,12 +74,12 @@ def build_ranked(group: Group, dst: Path | ObjectURL, body: Callable[[Checkpoint
         return
     writer = CheckpointWriter(dst, inner=inner, latest=latest, session=session)
     try:
-        writer.adopt(group.exchange(lambda: None, "while creating the work folder")[0])
-        _steps(group, writer, body, TermGuard())  # not entered: only rank 0 removes on SIGTERM
+        writer.adopt(group.exchange(lambda: None, "while creating the work folder")[owner])
+        _steps(group, writer, body, TermGuard())  # not entered: only the folder's maker removes on SIGTERM
     except BaseException:
         with sigterm_held():
-            if 0 in group.dead(wait=2.0):  # rank 0 can no longer remove its work folder (nor commit it): we do
-                remove_dead_owners(writer, group.peers[0].pid)
+            if owner in group.dead(wait=2.0):  # its maker can no longer remove the work folder (nor commit it)
+                remove_dead_owners(writer, group.peers[owner].pid)
         raise
 
 
@@ -205,6 +206,8 @@ def remove_owned_work(work: Path, tries: int = 20) -> None:
 
 def _steps(group: Group, writer: CheckpointWriter, body: Callable[[CheckpointWriter], None],
            guard: TermGuard) -> None:
+    per_node = not writer.storage.in_place and len(group.nodes) > 1
+    writer.defer_gate = per_node  # rank 0's gate waits for the other nodes' verdicts (nodes.across_nodes)
     try:
         body(writer)  # its one collective is the gather of the files (engine.share_files)
         failed: BaseException | None = None
@@ -213,8 +216,10 @@ def _steps(group: Group, writer: CheckpointWriter, body: Callable[[CheckpointWri
     except Exception as e:  # noqa: BLE001 - this rank's error after the gather: the next exchange names it
         failed = e
 
-    staged = None if writer.storage.in_place else group.broadcast(
-        dict(writer.files) if group.root and failed is None else None, "while sharing the staged files' entries")
+    shared = None if writer.storage.in_place else group.broadcast(
+        (dict(writer.files), writer.commit_object) if group.root and failed is None else None,
+        "while sharing the staged files' entries")
+    staged, writer.commit_object = shared if shared is not None else (None, writer.commit_object)
 
     def ready() -> None:
         if failed is not None:
@@ -222,20 +227,33 @@ def _steps(group: Group, writer: CheckpointWriter, body: Callable[[CheckpointWri
         if staged is not None:
             check_staged(group, writer, staged)
 
-    group.exchange(ready, "before the commit")
+    up = across_nodes(group, writer, staged, failed) if per_node else None
+    if up is None:
+        group.exchange(ready, "before the commit")
     # Every rank's files are durable and recorded: rank 0 commits now even if torchrun's SIGTERM comes (a rank
     # that died after this point cannot change the output; its peers say DST is whole or absent). Without
-    # this, a SIGTERM a few milliseconds early removed the work folder of a finished output.
-    guard.committing = True
+    # this, a SIGTERM a few milliseconds early removed the work folder of a finished output. (Another node's
+    # staging folder is uploaded by now: its maker still removes it on SIGTERM.)
+    guard.committing = group.root
     fault("commit")
 
-    def commit() -> None:
+    def commit() -> tuple[str, int] | None:
         if group.root:
             with guard.lock, sigterm_held():  # not while the SIGTERM guard removes the work folder
-                writer.commit()
+                try:
+                    writer.commit()
+                except Exception as e:  # noqa: BLE001 - below: one line on every rank
+                    if up is None:
+                        raise
+                    # refused, and rank 0's own objects removed (the upload's undo): the ranks remove theirs
+                    return (e.message, e.exit_code) if isinstance(e, FormatError) else (
+                        f"{writer.target}: {type(e).__name__}: {str(e)[:300]}", 2)
             fault("renamed")
+        return None
 
-    group.exchange(commit, COMMITTING)
+    got = group.exchange(commit, COMMITTING)[0]
+    if up is not None:
+        refused_commit(group, got, up)
 
 
 def check_staged(group: Group, writer: CheckpointWriter, entries: dict[str, FileEntry]) -> None:
@@ -243,17 +261,11 @@ def check_staged(group: Group, writer: CheckpointWriter, entries: dict[str, File
     in full against the entry it was written with (:func:`gtp_format.check.gate.check_written`), just before
     rank 0 uploads them: the upload sends the staged bytes as they are, and the writer's gate reads only their
     sizes and headers. The verdicts meet in the exchange before the commit; a refusal names the file and this
-    rank. (Every rank shares rank 0's node here: a bucket output across nodes is refused up front.)"""
+    rank. (Every rank shares rank 0's node here: across nodes, :func:`ckpt_tool.copying.nodes.verdict`.)"""
     names = sorted(entries)
     owners = assign([entries[n].size for n in names], group.world)
     mine = {n: entries[n] for n, r in zip(names, owners) if r == group.rank}
-    if mine and faulted("damage"):  # the tests' hook: this node's disk changed a staged file after its write
-        first = writer.folder / min(mine)
-        with open(first, "r+b") as f:
-            f.seek(mine[min(mine)].size // 2)
-            b = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([b[0] ^ 0xFF]))
+    damage(writer.folder, mine)  # the tests' hook: this node's disk changed a staged file after its write
     line = check_written(writer.folder, mine)
     if line is not None:
         raise FormatError(f"{writer.target}: staged file {line} (changed on this node's disk after it was "

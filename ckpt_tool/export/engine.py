@@ -51,9 +51,9 @@ from ckpt_tool.copying.engine import (
     check_destination,
     chunk_budget,
     chunk_data,
-    cores,
     default_workers,
     peak_rss,
+    rank_cores,
     rss_after_imports,
     run_files,
     share_files,
@@ -259,8 +259,8 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
     # the next chunks of each file are read on other threads while it writes (ckpt_tool.copying.ahead); a bucket's
     # reads are fetched ahead by its own plan already
     depth = 0 if max_memory is None or storage_for(source.root).remote else \
-        ahead_depth(max_memory, workers, chunk_bytes, cores())
-    pool = ThreadPoolExecutor(max(1, min(workers * depth, cores())), thread_name_prefix="read-ahead") \
+        ahead_depth(max_memory, workers, chunk_bytes, rank_cores())
+    pool = ThreadPoolExecutor(max(1, min(workers * depth, rank_cores())), thread_name_prefix="read-ahead") \
         if depth else None
 
     def fill(i: int) -> Callable[[OutChunk], np.ndarray]:
@@ -353,6 +353,9 @@ def export_fully_reshardable(source: Source, writer: CheckpointWriter, chunk_byt
                               lambda order: prefetch_share(source, order, None))
         if not root:
             return {}
+    # entries (size, CRC-32C) of the files as written: no manifest lists them here, but a bucket output staged on
+    # several nodes is checked against them on each node before its upload (ckpt_tool/copying/nodes.py)
+    writer.add_files({n: r[0] for n, r in zip(names, results)})
     placed: list[tuple[str, Any, int, int]] = [(n, c, off, ln) for n, r in zip(names, results) for c, off, ln in r[1]]
     if objects:
         placed.extend(write_objects(folder / names[-1], objects, records[-1]))

@@ -24,7 +24,7 @@ The order is fixed, so a checkpoint with several faults gets the same first line
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,3 +174,43 @@ def check_written(folder: Path, entries: Mapping[str, FileEntry]) -> str | None:
             if have[a] != entry.checksums[a].lower():
                 return f"{rel}: {a} is {have[a]} but it was written as {entry.checksums[a].lower()}"
     return None
+
+
+def stand_in(folder: Path, rel: str, size: int, parts: Mapping[int, bytes]) -> None:
+    """Make ``rel`` in ``folder`` a file of ``size`` bytes holding ``parts`` (offset -> bytes) and a hole
+    everywhere else: a data file that lives on another node, for :func:`open_gated` on this one.
+
+    Why that suffices: what the gate takes from a data file is its size, a safetensors file's header and the
+    chunks of the bucket-numel vectors (:func:`gate_reads`); a hole where it would read anything else reads as
+    zeros, which no torch.save blob or safetensors header decodes as, so a range left out is a refusal, never a
+    pass. The bytes come from the node that holds the file and read it in full against its entry
+    (:func:`check_written`)."""
+    path = folder / rel
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        for offset, raw in sorted(parts.items()):
+            if offset < 0 or offset + len(raw) > size:
+                raise FormatError(f"{rel}: bytes {offset}-{offset + len(raw)} lie outside its {size} bytes")
+            os.pwrite(fd, raw, offset)
+    finally:
+        os.close(fd)
+
+
+def gate_reads(folder: Path, files: Collection[str], session: Any = None) -> dict[str, list[tuple[int, int]]]:
+    """The byte ranges (offset, length) of ``files`` that :func:`open_gated` decodes beyond their sizes and
+    safetensors headers: the chunks of the optimizer's bucket-numel vectors (``ckpt verify``'s bucket check
+    decodes them: 3,154 bytes from 2 of the 8 files of a fixture's torch_dist copy). ``folder`` must already
+    hold every file, those of ``files`` as stand-ins with their headers (:func:`stand_in`)."""
+    from gtp_format.check.analysis import BUCKET_NUMEL, classify_all
+
+    ckpt = open_gated(folder, checks=False, session=session).ckpt
+    want = set(files)
+    out: dict[str, list[tuple[int, int]]] = {}
+    for key, cls in classify_all(ckpt).items():
+        if cls.category != BUCKET_NUMEL:
+            continue
+        for c in ckpt.entries[key].chunks:
+            if c.storage is not None and c.storage.file in want:
+                out.setdefault(c.storage.file, []).append((int(c.storage.offset), int(c.storage.length)))
+    return {f: sorted(set(r)) for f, r in sorted(out.items())}

@@ -132,10 +132,13 @@ class Storage(ABC):
         return new_work(target, tag, self.made)
 
     @abstractmethod
-    def commit(self, work: Path, fault: Callable[[str], None] | None = None, commit_object: str | None = None) -> None:
+    def commit(self, work: Path, fault: Callable[[str], None] | None = None, commit_object: str | None = None,
+               uploaded: frozenset[str] = frozenset()) -> None:
         """Publish the finished local ``work`` folder at the location, atomically and never over anything:
         ``FileExistsError`` (a folder) or :class:`gtp_format.storage.upload.Taken` (a bucket) when the target
-        appeared meanwhile; what this commit made is removed on a failure."""
+        appeared meanwhile; what this commit made is removed on a failure. ``uploaded``: relative names of
+        ``work`` already created at a bucket location by other uploads of this output (each node of a torchrun
+        job uploads its own files); never sent again (a folder has none)."""
 
     @abstractmethod
     def committed(self, work: Path) -> None:
@@ -215,7 +218,8 @@ class LocalStorage(Storage):
     def work_target(self, parent: Path) -> Path:
         return self.location
 
-    def commit(self, work: Path, fault: Callable[[str], None] | None = None, commit_object: str | None = None) -> None:
+    def commit(self, work: Path, fault: Callable[[str], None] | None = None, commit_object: str | None = None,
+               uploaded: frozenset[str] = frozenset()) -> None:
         from gtp_format.commit import commit_new_folder
 
         commit_new_folder(work, self.location)
@@ -319,10 +323,11 @@ class BucketStorage(Storage):
         # a bucket's top level (an empty prefix) has no name: the work folder is named after the bucket
         return parent / (self.location.name or self.location.bucket)
 
-    def commit(self, work: Path, fault: Callable[[str], None] | None = None, commit_object: str | None = None) -> None:
+    def commit(self, work: Path, fault: Callable[[str], None] | None = None, commit_object: str | None = None,
+               uploaded: frozenset[str] = frozenset()) -> None:
         up = upload.Upload(self.location, fault, commit_object)
         try:
-            up.run(work)
+            up.run(work, uploaded)
         except BaseException:
             up.undo()
             raise

@@ -105,10 +105,13 @@ class Upload:
             objects.forget_listings(self.target)  # the prefix holds another object now (or may: a failed part)
         self.created.append(key)
 
-    def run(self, work: Path) -> None:
-        if objects.is_prefix(self.target):
+    def run(self, work: Path, uploaded: frozenset[str] = frozenset()) -> None:
+        """Steps 1-5 for ``work``'s files but ``uploaded`` (relative names other uploads of this output created
+        already, create-only: a torchrun job's ranks on several nodes, :meth:`put_files`); with such names,
+        step 1 was the caller's, before any of them (the prefix now holds them)."""
+        if not uploaded and objects.is_prefix(self.target):
             raise Taken(self.target)
-        names = commit_order(work, self.commit)
+        names = [n for n in commit_order(work, self.commit) if n not in uploaded]
         steps = [step_of(n, self.commit) for n in names]
         self._put_all(work, [n for n, st in zip(names, steps) if st == DATA])  # FILES_AT_ONCE at a time
         for rel, st in zip(names, steps):
@@ -117,6 +120,14 @@ class Upload:
             if st == COMMIT and self.fault is not None:
                 self.fault("before_commit_object")
             self._put(work / rel, rel, create=st == COMMIT)
+
+    def put_files(self, work: Path, rels: list[str]) -> None:
+        """Create the data objects ``rels`` (relative to ``work``) now, ahead of the commit (step 2 for some of
+        the files: a node's share of a torchrun job's output, uploaded from that node); :meth:`undo` removes
+        them. Never the commit object, nor a side file."""
+        if any(step_of(r, self.commit) != DATA for r in rels):
+            raise ValueError(f"not data files: {[r for r in rels if step_of(r, self.commit) != DATA][:3]}")
+        self._put_all(work, rels)
 
     def _put_all(self, work: Path, rels: list[str]) -> None:
         """Upload ``rels`` (data objects: none is a commit point) :data:`FILES_AT_ONCE` at a time. After a

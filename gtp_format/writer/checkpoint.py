@@ -224,6 +224,12 @@ class CheckpointWriter:
         # config.json): uploaded last, as a conditional create (storage/upload.py); None: metadata.json
         self.commit_object: str | None = None
         self.committed = False
+        # the gate's read-back (check_output) is left to the caller: a bucket output built on several nodes,
+        # whose other data files are not in this folder until their stand-ins are (ckpt_tool/copying/nodes.py)
+        self.defer_gate = False
+        self.gate_pending = False  # finish() would have run the gate: the caller must, before the commit
+        # relative names (in the work folder) already uploaded by other processes: the commit leaves them
+        self.uploaded: frozenset[str] = frozenset()
         self._signals: Any = None
         # a conversion's attestation (reshard, export, import): written by finish() beside the output,
         # with the target's root hash filled in there (gtp_format.lineage)
@@ -330,7 +336,10 @@ class CheckpointWriter:
                 write_durable(self.work / LATEST_FILE, f"{self.latest}\n")
             fsync_dir(self.work)
         if metadata is not None:  # a checkpoint (an export that is none, e.g. --to hf, has no metadata.json)
-            self.check_output()
+            if self.defer_gate:
+                self.gate_pending = True
+            else:
+                self.check_output()
 
     def check_output(self) -> None:
         """Read the finished work folder as every reader will, and refuse to commit what it refuses.
@@ -353,15 +362,18 @@ class CheckpointWriter:
             line = e.message.replace(str(self.folder), str(shown))
             raise FormatError(f"{shown}: nothing was committed: the checkpoint built from the source and flags "
                               f"would be refused by its own reader, which says: {line}", e.exit_code) from None
+        self.gate_pending = False
 
     def commit(self) -> Path:
         """Rename the work folder to ``target``; refuse (:class:`DestinationTaken`) if it appeared meanwhile."""
         assert self.work is not None and not self.committed
+        if self.gate_pending:
+            raise RuntimeError("CheckpointWriter.check_output() was deferred and not run")
         if self.replace:
             self._replace()
         else:
             try:
-                self.storage.commit(self.work, self.fault, self.commit_object)
+                self.storage.commit(self.work, self.fault, self.commit_object, self.uploaded)
             except FileExistsError:
                 raise DestinationTaken(self.target) from None
         self.storage.committed(self.work)

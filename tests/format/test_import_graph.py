@@ -469,8 +469,9 @@ STORE_BRANCHES: dict[str, tuple[int, str]] = {
                                         "latest marker of a folder is read through its own open"),
     "ckpt_tool/copying/engine.py": (2, "remote: a bucket source's reads are prefetched by plan; the sizes shown "
                                        "are the listing's"),
-    "ckpt_tool/copying/ranked.py": (2, "in_place: a bucket output is staged on rank 0's node only, and its "
-                                       "staged files are read in full by the ranks before the upload"),
+    "ckpt_tool/copying/ranked.py": (3, "in_place: a bucket output is staged on each node (rank 0's folder is "
+                                       "no other node's), its staged files read in full by the ranks before the "
+                                       "upload, and its gate waits for the other nodes' verdicts"),
     "ckpt_tool/export/engine.py": (4, "remote: planned prefetch instead of read-ahead threads; sizes from the "
                                       "listing; a bucket's top level has no name for one object"),
     "ckpt_tool/hf/folder.py": (4, "a local folder refuses symlinks by name, in its own words; a store has none"),

@@ -137,3 +137,26 @@ def test_a_staged_file_is_read_in_full_against_its_entry(tmp_path: Path) -> None
     (tmp_path / "outside").write_bytes(body)
     f.symlink_to(tmp_path / "outside")
     assert f.name in check_written(tmp_path / "out", entries)
+
+
+def test_each_rank_sizes_its_threads_from_its_share_of_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks of one host with the same affinity share its cores (4 ranks on 4 cores: 1 thread each, not 4); ranks
+    bound to cores of their own, or on another host (even of the same node index), keep theirs; never 0."""
+    from gtp_format import ranks
+
+    def group(rank: int, peers: list[ranks.Peer]) -> ranks.Group:
+        return ranks.Group(rank, len(peers), peers)
+
+    four = (0, 1, 2, 3)
+    shared = [ranks.Peer(r, "h", 100 + r, "node 0" if r < 2 else "node 1", four) for r in range(4)]
+    monkeypatch.setattr(ranks, "_current", group(2, shared))
+    assert ranks.sharing(ranks._current) == 4 and ranks.cores_per_rank(4) == 1 and ranks.cores_per_rank(16) == 4
+    assert ranks.cores_per_rank(2) == 1  # at least one
+    bound = [ranks.Peer(r, "h", 100 + r, "node 0", (r,)) for r in range(4)]
+    monkeypatch.setattr(ranks, "_current", group(1, bound))
+    assert ranks.cores_per_rank(1) == 1 and ranks.sharing(ranks._current) == 1
+    hosts = [ranks.Peer(r, f"h{r % 2}", 100 + r, "node 0", four) for r in range(4)]
+    monkeypatch.setattr(ranks, "_current", group(0, hosts))
+    assert ranks.cores_per_rank(4) == 2
+    monkeypatch.setattr(ranks, "_current", None)
+    assert ranks.cores_per_rank(4) == 4  # one process: all of them
