@@ -38,10 +38,10 @@ elif [ "$WHAT" = more ]; then
     timeout 150 $PY benchmarks/bench_cli_scale.py --only meta --repeats 2 --workdir /tmp/w16m \
         --out "$OUT/meta" --host "$HOST"
     stage "HF <-> megatron-core vs cp -r"
-    timeout 180 $PY benchmarks/bench_hf_megatron.py --gb 4 --repeats 3 --workdir /tmp/hfmc > "$OUT/hf_megatron.txt" 2>&1
+    timeout 180 $PY benchmarks/bench_hf_megatron.py --gb 4 --repeats 2 --workdir /tmp/hfmc > "$OUT/hf_megatron.txt" 2>&1
     tail -3 "$OUT/hf_megatron.txt"
     stage "torchrun ranks vs one process, RAM-backed"
-    timeout 220 $PY benchmarks/bench_dist_ckpt.py --layers 12 --ranks 4 --cores 4 --one-core --pycache /tmp/pyc \
+    timeout 220 $PY benchmarks/bench_dist_ckpt.py --layers 8 --ranks 4 --cores 4 --one-core --pycache /tmp/pyc \
         --out "$OUT/dist"
 fi
 stage "done"
