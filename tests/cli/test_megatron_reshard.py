@@ -130,7 +130,7 @@ def test_resharded_output_reshards_back_to_the_source(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("src,flags,needle", [
     ("moe_ep2_dp4_dp_reshardable", ("--tp", "2"), "only at expert TP 1"),
-    ("pair_moe_tp2_etp2_dp_reshardable", ("--ep", "1"), "keeps the experts in the dense optimizer"),
+    ("moe_ep2_dp4_dp_reshardable", ("--tp", "2", "--ep", "1"), "only at expert TP 1"),  # EP 1: dense, TP 2
     ("pair_moe_tp2_etp2_dp_reshardable", ("--ep", "2", "--etp", "3"), "does not divide"),
     ("tp2_dp2_dp_reshardable", ("--etp", "2"), "has no experts"),
     ("moe_ep2_dp4_dp_reshardable", ("--ep", "3"), "--ep 3 does not divide"),
