@@ -260,8 +260,8 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False, dense_experts: bool 
     ``dense_experts`` (the Hugging Face export asks): also MoE at EP 1 with expert TP = TP, one optimizer with no
     ``chained_`` prefix, whose experts megatron-core keeps in the dense buffers after each layer's router, expert
     by expert (``linear_fc1`` then ``linear_fc2``), TP-split as the dense MLP (:func:`_with_dense_experts`;
-    ``fixtures/megatron/pair_mixtral_tp2_ep1_dp_reshardable``). Reshard does not ask: its planner lays experts
-    out by the expert rules.
+    ``fixtures/megatron/pair_mixtral_tp2_ep1_dp_reshardable``; a shared expert follows them). Reshard, ``inspect
+    --params`` and the padding map ask too; the planner lays the experts out by the target's rules.
     """
     opts = {k: parse_optimizer_key(k) for k, e in ckpt.entries.items() if e.kind == TENSOR}
     opts = {k: o for k, o in opts.items() if o is not None}
