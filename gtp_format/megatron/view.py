@@ -309,11 +309,13 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False, dense_experts: bool 
     if moe and vpp > 1:
         raise refusal(ckpt, f"it is MoE with {vpp} virtual pipeline stages (model chunks per stage), whose expert "
                       "buffers this version has not been checked against")
+    bucket_keys: dict[tuple[int, int, int], str] = {}  # a bucket's .param key, for the refusals
     numel: dict[tuple[int, int, int], int] = {}
     for k, o in opts.items():  # one pass, not one per bucket over all keys (issue 22 class 5)
         shape = ckpt.entries[k].shape
         if o.state == "param" and shape:
             numel.setdefault((o.dp_group_idx, o.gbuf_idx, o.bucket_idx), shape[0])
+            bucket_keys.setdefault((o.dp_group_idx, o.gbuf_idx, o.bucket_idx), k)
     info = {}
     for name, key, layer in params:
         entry = ckpt.entries[key]
@@ -332,7 +334,7 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False, dense_experts: bool 
     for stage in range(pp):
         names = [name for name, _, _ in params if stage_of[name] == stage]
         for gbuf, _dtag, members in stage_buffers(ckpt, names, info, dtags, stage, tp_size, chunk_of):
-            place_buffer(ckpt, members, info, numel, shared, stage, gbuf, tp_size, placed)
+            place_buffer(ckpt, members, info, numel, shared, stage, gbuf, tp_size, placed, bucket_keys)
     check_chunks(ckpt, opts, placed, tp_size)
     views: dict[str, ParamView] = {}
     replicas: tuple[Holder, ...] = ()
