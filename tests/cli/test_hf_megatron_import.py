@@ -630,15 +630,20 @@ def test_sigterm_mid_import_removes_the_work_folder(tmp_path: Path) -> None:
                                      "ckpt_tool.hf.megatron_import:view_rows")
 
 
-@pytest.mark.parametrize("case", ["export_moe_optimizer", "import_ep1_dense_experts"])
+@pytest.mark.parametrize("case", ["export_moe_optimizer", "import_ep1_dense_experts", "reshard_ep1_to_chained"])
 def test_sigterm_mid_moe_write_removes_the_work_folder(case: str, tmp_path: Path) -> None:
-    """The two MoE write paths: ``export --to hf --optimizer`` of megatron-core's chained optimizer, and the
-    import at EP 1 with expert TP = TP (experts in the dense buffers): SIGTERM mid-write leaves nothing."""
+    """The MoE write paths: ``export --to hf --optimizer`` of megatron-core's chained optimizer, the import at
+    EP 1 with expert TP = TP (experts in the dense buffers), and ``ckpt reshard`` from that layout to the chained
+    pair: SIGTERM mid-write leaves nothing."""
     out = tmp_path / "out"
     out.mkdir()
     if case == "export_moe_optimizer":
         argv = ["export", str(MEGATRON / "pair_mixtral_ep2_dp_reshardable"), str(out / "dst"), "--to", "hf",
                 "--optimizer", "--workers", "1"]
+        at = "ckpt_tool.copying.engine:chunk_data"
+    elif case == "reshard_ep1_to_chained":
+        argv = ["reshard", str(MEGATRON / "pair_qwen2moe_tp2_ep1_dp_reshardable"), str(out / "dst"), "--tp", "1",
+                "--dp", "2", "--ep", "2", "--etp", "1", "--workers", "1"]
         at = "ckpt_tool.copying.engine:chunk_data"
     else:
         src = hf_model(tmp_path / "hf", "mixtral")
