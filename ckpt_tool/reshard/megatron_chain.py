@@ -69,6 +69,8 @@ def _optimizer_part(root: str, ops: list[tuple[str, Any, bytes]]) -> tuple[int, 
     if k is None:
         raise _refuse(root, f"records no {PST}")
     j = k - 1 - (ops[k - 1][0] in PUT_OPS)
+    if j >= 0 and ops[j][0] == "MARK":  # a batch of items: more than one field
+        raise _refuse(root, f"holds more than {PST}")
     if j < 0 or ops[j][0] != "EMPTY_DICT":
         raise _refuse(root, "is not a dict")
     m = _skip_put(ops, k + 1)

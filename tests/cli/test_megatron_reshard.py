@@ -177,6 +177,43 @@ def test_one_optimizer_to_the_chained_pair_and_back_is_the_source(pair: str, tmp
     assert common_state(ours)["optimizer"] == common_state(theirs)["optimizer"]  # type: ignore[index]
 
 
+def test_the_optimizer_part_edits_are_exact_and_refuse_what_is_not_megatrons() -> None:
+    """``common_state``'s optimizer part between one optimizer and the chained pair, on the pickle's opcodes: the
+    two edits undo each other (and the rest of the object stays), and a part that is not megatron-core's (no
+    ``param_state_sharding_type``, a second field) or param groups with no bool ``is_expert_parallel`` are refused
+    in one line, never guessed."""
+    from ckpt_tool.hf.megatron_fresh import torch_object
+    from ckpt_tool.reshard.megatron_chain import chain_common, expert_groups
+    from gtp_format.errors import FormatError
+    from gtp_format.reader.object_blob import load_plain_object
+    from gtp_format.reader.zip_blob import ViewReader
+
+    def decode(blob: bytes) -> object:
+        return load_plain_object(ViewReader(memoryview(blob)))
+
+    one = {"param_state_sharding_type": "dp_reshardable"}
+    state = {"iteration": 2, "optimizer": one, "opt_param_scheduler": {"num_steps": 16},
+             "content_metadata": {"distrib_optim_sharding_type": "dp_reshardable"}}
+    blob = torch_object([state])
+    chained = chain_common("x", blob, True)
+    assert decode(chained) == [dict(state, optimizer={0: one, 1: one})]
+    assert chain_common("x", chained, True) == chained and chain_common("x", blob, False) == blob
+    assert decode(chain_common("x", chained, False)) == [state]
+    groups = [{"is_expert_parallel": False, "wd_mult": w, "step": 2.0} for w in (1.0, 0.0)]
+    assert decode(expert_groups("x", "k", torch_object([{"param_groups": groups}]))) == [
+        {"param_groups": [dict(g, is_expert_parallel=True) for g in groups]}]
+    for bad, needle in (({"iteration": 2, "optimizer": {"x": 1}}, "records no param_state_sharding_type"),
+                        ({"optimizer": dict(one, more=1)}, "holds more than param_state_sharding_type"),
+                        ({"optimizer": {"param_state_sharding_type": 3}}, "not a string")):
+        with pytest.raises(FormatError, match=needle) as err:
+            chain_common("x", torch_object([bad]), True)
+        assert "\n" not in str(err.value)
+    for bad_groups, needle in (([{"wd_mult": 1.0}], "record no is_expert_parallel"),
+                               ([{"is_expert_parallel": 1}], "is not a bool")):
+        with pytest.raises(FormatError, match=needle):
+            expert_groups("x", "k", torch_object([{"param_groups": bad_groups}]))
+
+
 @pytest.mark.parametrize("src,flags,needle", [
     ("moe_ep2_dp4_dp_reshardable", ("--tp", "2"), "only at expert TP 1"),
     ("moe_ep2_dp4_dp_reshardable", ("--tp", "2", "--ep", "1"), "only at expert TP 1"),  # EP 1: dense, TP 2
