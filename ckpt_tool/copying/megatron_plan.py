@@ -341,9 +341,9 @@ def _expert_chunks(source: Source, experts: list[ParamView], stages: list[list[T
     n_exp = 1 + max(v.expert or 0 for v in experts)
     edp, per = dp_cp * tp // (ep * etp), n_exp // ep
     layer_stage = {p_.name: p_.stage for params in stages for p_ in params}
-    ref0 = experts[0].holders[0].ref
-    if ref0.prefix != CHAINED[1]:  # a source at EP 1 with expert TP = TP: its experts sat in the dense buffers
-        ref0 = replace(ref0, prefix=CHAINED[1], gbuf_idx=0)
+    # the target's expert buffer: one per stage (no virtual pipeline), whichever buffer the source held them in (the
+    # dense one at EP 1 with expert TP = TP, one per model chunk with virtual pipeline stages)
+    ref0 = replace(experts[0].holders[0].ref, prefix=CHAINED[1], gbuf_idx=0)
     numels: Numels = {}
     by_name = {v.name: v for v in experts}
     for stage in range(pp):

@@ -306,9 +306,6 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False, dense_experts: bool 
     if tied:  # the last stage's output layer: a replica of the word embeddings with its own buffer slot
         params.append(("output_layer.weight", HEAD[0], None))
     stage_of, chunk_of, vpp = _stages(ckpt, params, pp, layer_chunks)
-    if moe and vpp > 1:
-        raise refusal(ckpt, f"it is MoE with {vpp} virtual pipeline stages (model chunks per stage), whose expert "
-                      "buffers this version has not been checked against")
     bucket_keys: dict[tuple[int, int, int], str] = {}  # a bucket's .param key, for the refusals
     numel: dict[tuple[int, int, int], int] = {}
     for k, o in opts.items():  # one pass, not one per bucket over all keys (issue 22 class 5)
@@ -365,10 +362,10 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False, dense_experts: bool 
     if moe:
         layers = max((ln for _, _, ln in params if ln is not None), default=-1) + 1
         layer_stage = {ln: stage_of[name] for name, _, ln in params if ln is not None}
+        layer_chunk = {ln: chunk_of[name] for name, _, ln in params if ln is not None}  # VPP: one buffer each
         ev, eplaced = expert_views(ckpt, expert_opts, prefixes[1], layers, lambda why: refusal(ckpt, why),
-                                   layer_stage, pp, gated)
-        egbuf = next(iter(expert_opts.values())).gbuf_idx
-        check_chunks(ckpt, expert_opts, [(n, r, egbuf, b, a, z) for n, r, b, a, z in eplaced], 1)
+                                   layer_stage, pp, gated, layer_chunk)
+        check_chunks(ckpt, expert_opts, eplaced, 1)
         out.update(ev)
     return out
 
