@@ -290,15 +290,24 @@ def plan_megatron(ckpt: Checkpoint, tp: int, pp: int, cp: int, dp: int, ep: int 
                         "any topology", source, target, [export])
     biases = any(k.startswith("decoder.layers.mlp.experts.") and k.endswith(".bias") for k in ckpt.entries)
     why_not = ("its experts have biases, which megatron-core allows only at expert TP 1 (pass --etp 1)"
-               if moe and etp > 1 and biases else
-               "at EP 1 with expert TP = TP megatron-core keeps the experts in the dense buffers, which ckpt reshard "
-               "does not write" if moe and (ep or 1) == 1 and etp == tp else None)
+               if moe and etp > 1 and biases else None)
     if why_not:  # the export loads at any topology
         return LoadPlan(RESHARD, "megatron-core's dp_reshardable load refuses another TP/PP/EP/DP x CP ('Global shape "
                         f"mismatch'), and {why_not}; its fully_reshardable export loads at any topology", source,
                         target, [export])
     reshard = _reshard_command(src_arg, tp, pp, cp, dp, (ep or 1, etp) if moe else None, split)
     why = (f"dp x cp {meg.dp_cp} -> {dp * cp}" if same else "another TP/PP/EP/expert TP or pipeline split")
+    # EP 1 with expert TP = TP: one optimizer, the experts in the dense buffers; elsewhere the chained dense + expert
+    # pair. megatron-core's fully_reshardable save keeps the source's structure, which its loader refuses on the
+    # other side ("Expected 2 entries in state dict, but got 4"): across the two, the reshard alone
+    one = not any(k.startswith("chained_") for k in ckpt.entries)
+    if moe and one != ((ep or 1) == 1 and etp == tp):
+        turn = "one optimizer -> the chained dense + expert pair" if one else "the chained pair -> one optimizer"
+        return LoadPlan(RESHARD, f"{why}, and {turn} "
+                        "(experts in the dense buffers at EP 1 with expert TP = TP): ckpt reshard writes the "
+                        "dp_reshardable checkpoint megatron-core saves at the target; a fully_reshardable export keeps "
+                        "the source's optimizer structure, which megatron-core's loader refuses there", source, target,
+                        [reshard])
     return LoadPlan(RESHARD, f"{why}: megatron-core's dp_reshardable load refuses another layout of its buckets "
                     "('Global shape mismatch'); ckpt reshard writes the dp_reshardable checkpoint megatron-core saves "
                     "at the target (its loader takes it with no other flag), or export to fully_reshardable",

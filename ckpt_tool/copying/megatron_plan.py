@@ -22,7 +22,7 @@ from ckpt_tool.copying.source import Source
 from gtp_format.errors import FormatError
 from gtp_format.layout.shard import ShardSpec
 from gtp_format.megatron.glu import glu_holders
-from gtp_format.megatron.keys import BUFFERS, GATED, HEAD
+from gtp_format.megatron.keys import BUFFERS, EXPERT, GATED, HEAD
 from gtp_format.megatron.layout import (
     Bucket,
     Slot,
@@ -34,10 +34,33 @@ from gtp_format.megatron.layout import (
     tp_mode_of,
     uneven_split,
 )
-from gtp_format.names import STATES
+from gtp_format.names import OPT_PREFIX, STATES
 from gtp_format.views.records import Holder, KeyRef, ParamView, full_box
 
 OUTPUT = "output_layer.weight"
+CHAINED = ("chained_0." + OPT_PREFIX, "chained_1." + OPT_PREFIX)  # MoE: the dense and the expert optimizer
+
+
+def experts_dense(tp: int, ep: int, etp: int) -> bool:
+    """Whether megatron-core keeps a MoE model's experts in the dense buffers and the one dense optimizer at the
+    target: EP 1 with expert TP = TP builds them with the dense process groups (``use_expert_pgs`` false, so
+    ``allreduce`` stays true; ``pair_mixtral_tp2_ep1``, ``pair_qwen2moe_tp2_ep1``); elsewhere they have the chained
+    expert optimizer's buffers."""
+    return ep == 1 and etp == tp
+
+
+def _expert_view(v: ParamView) -> bool:
+    """One of a MoE layer's experts, wherever the source keeps it (the expert optimizer's buffers, or the dense
+    ones at EP 1 with expert TP = TP)."""
+    return v.expert is not None
+
+
+def for_target(source: Source, dense: bool) -> Source:
+    """``source`` with its experts' views marked as the target lays them out: dense parameters (``dense``:
+    :func:`experts_dense`) or the expert optimizer's. Where they are read from stays the source's (their holders)."""
+    views = {n: replace(v, is_expert=not dense) if _expert_view(v) and v.is_expert == dense else v
+             for n, v in source.views.items()}
+    return replace(source, views=views) if views != source.views else source
 SPLIT_FLAGS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers")
 
 
@@ -49,8 +72,8 @@ def _parts(view: ParamView, mode: str | None, tp: int, t: int, gated: bool) -> l
     """(offset in TP rank ``t``'s slice, place in the full tensor) of each piece of a parameter's slice: one
     piece, or a gated ``linear_fc1``'s gate and up halves (:func:`gtp_format.megatron.glu.glu_holders`): the
     dense MLP's and the shared experts' over TP, an expert's over expert TP (``tp`` is then the expert TP)."""
-    fc1 = view.name.endswith(GATED) or (view.is_expert and view.name.endswith((".linear_fc1.weight",
-                                                                                 ".linear_fc1.bias")))
+    fc1 = view.name.endswith(GATED) or (_expert_view(view) and view.name.endswith((".linear_fc1.weight",
+                                                                                     ".linear_fc1.bias")))
     if gated and mode == "column" and fc1:
         return [(h.start, h.spec) for h in glu_holders(view.full_shape, tp, t, None, 0)]  # type: ignore[arg-type]
     return [(0, _spec(view, mode, tp, t))]
@@ -60,20 +83,22 @@ def _modes(source: Source, tp: int) -> dict[str, str | None]:
     """Each parameter's TP split: megatron's GPT table, checked against the source where its TP shows it."""
     out: dict[str, str | None] = {}
     src_tp = max(h.spec.tp_size for v in source.views.values() for h in v.holders
-                 if not v.name.endswith(GATED))  # a gated linear_fc1's holders are half parts: 2 x TP of them
+                 if not v.name.endswith(GATED) and not _expert_view(v))  # gated halves: 2 x TP holders
+    gated = _gated(source)
     for v in source.views.values():
         if v.is_expert:
             out[v.name] = None  # expert TP 1 (the view refuses split expert keys)
             continue
-        mode = tp_mode_of(v.name)
-        seen = v.tp_mode if src_tp > 1 else mode
+        mode = tp_mode_of(v.name)  # an expert in the target's dense buffers: split as the dense MLP
+        seen = v.tp_mode if src_tp > 1 and not _expert_view(v) else mode  # (the source's expert TP may differ)
         if (seen is None) != (mode is None):
             raise FormatError(f"{source.root}: {v.name} is {'split' if seen else 'not split'} over TP {src_tp} in "
                               "the checkpoint, unlike megatron-core's GPT (local spec); reshard of this model is not "
                               "supported")
         if mode is not None:
             axis = 1 if mode == "row" else 0
-            parts = 2 * tp if v.name.endswith(GATED) and _gated(source) else tp  # gate and up halves split alike
+            fc1 = v.name.endswith(GATED) or (_expert_view(v) and ".linear_fc1." in v.name)
+            parts = 2 * tp if fc1 and gated else tp  # gate and up halves split alike
             if len(v.full_shape) <= axis or v.full_shape[axis] % parts:
                 raise FormatError(f"{source.root}: {v.name} {list(v.full_shape)} does not split over TP {tp} "
                                   f"(dimension {axis}); pick a TP that divides it")
@@ -86,7 +111,7 @@ def source_stage_counts(source: Source) -> list[int]:
     (``dp_group_idx = stage x TP + tp_rank``; every layer parameter has one holder per TP rank)."""
     stage: dict[int, int] = {}
     for v in source.views.values():
-        if v.layer is not None and not v.is_expert and v.holders:
+        if v.layer is not None and not _expert_view(v) and v.holders:
             stage.setdefault(v.layer, v.holders[0].ref.dp_group_idx // len(v.holders))
     stages = max(stage.values(), default=-1) + 1
     return [sum(1 for s in stage.values() if s == i) for i in range(stages)]
@@ -127,7 +152,7 @@ def target_split(source: Source, pp: int, split: Split | None = None) -> tuple[l
 def target_params(source: Source, tp: int, pp: int, split: Split | None = None) -> list[list[TargetParam]]:
     """Each target stage's parameters in module order (the tied output layer last on the last stage);
     ``split``: :func:`target_split`'s."""
-    views = [v for v in source.views.values() if not v.is_expert]
+    views = _module_order([v for v in source.views.values() if not v.is_expert])
     layers = {v.layer for v in views if v.layer is not None}
     n = max(layers) + 1 if layers else 0
     counts = target_split(source, pp, split)[0] if n else None
@@ -143,6 +168,33 @@ def target_params(source: Source, tp: int, pp: int, split: Split | None = None) 
         emb = stages[0][[p.name for p in stages[0]].index(HEAD[0])]
         stages[-1].append(TargetParam(OUTPUT, HEAD[0], pp - 1, emb.numel, True, emb.dtype))
     return stages
+
+
+def _module_order(views: list[ParamView]) -> list[ParamView]:
+    """``views`` (dense parameters in module order, then any experts the target keeps in the dense buffers) with
+    each layer's experts right after its router, expert by expert, ``linear_fc1`` then ``linear_fc2``: megatron-core's
+    module order (router, experts, shared experts), which its buffers follow (``pair_qwen2moe_tp2_ep1``)."""
+    experts = [v for v in views if _expert_view(v)]
+    if not experts:
+        return views
+    rank = {s: i for i, s in enumerate(EXPERT)}
+    by_layer: dict[int, list[ParamView]] = {}
+    def key(v: ParamView) -> tuple[int, int, int]:
+        return v.layer or 0, v.expert or 0, rank.get(v.name.split(".mlp.experts.", 1)[-1].split(".", 1)[-1], 0)
+
+    for v in sorted(experts, key=key):
+        by_layer.setdefault(v.layer or 0, []).append(v)
+    dense = [v for v in views if not _expert_view(v)]
+    last = {v.layer: i for i, v in enumerate(dense) if v.layer is not None and ".mlp.router." in v.name}
+    if set(last) != set(by_layer):
+        raise FormatError(f"the layers {sorted(set(by_layer) ^ set(last))[:4]} have experts but no router, or a "
+                          "router but no experts; this layout is not megatron-core's MoE")
+    out: list[ParamView] = []
+    for i, v in enumerate(dense):
+        out.append(v)
+        if v.layer is not None and last.get(v.layer) == i:
+            out += by_layer[v.layer]
+    return out
 
 
 def _source_bucket_size(source: Source) -> None:
@@ -170,7 +222,14 @@ def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int
     """(chunks per target rank, key -> (global shape, dtype), numels per prefix and dp_group_idx) of the target."""
     if bucket_size is None:
         _source_bucket_size(source)
-    first = next(iter(source.views.values())).holders[0].ref
+    moe = any(_expert_view(v) for v in source.views.values())
+    dense = experts_dense(tp, ep, etp)
+    source = for_target(source, dense or not moe)
+    if moe and dense:  # the expert checks (biases at expert TP > 1, ...) hold in the dense buffers too
+        check_experts(source, [v for v in source.views.values() if _expert_view(v)], tp, dp_cp, ep, etp)
+    # the target's optimizer prefixes: one optimizer, or MoE's chained dense + expert pair (whatever the source's)
+    prefix = CHAINED[0] if moe and not dense else OPT_PREFIX
+    first = replace(next(iter(source.views.values())).holders[0].ref, prefix=prefix)
     modes = _modes(source, tp)
     files: dict[int, list[OutChunk]] = {r: [] for r in range(tp * dp_cp * pp)}
     shapes: dict[str, Any] = {}
@@ -203,7 +262,7 @@ def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int
     out = {first.prefix: numels}
     experts = [v for v in source.views.values() if v.is_expert]
     if experts:
-        out[experts[0].holders[0].ref.prefix] = _expert_chunks(source, experts, stages, tp, pp, dp_cp, ep, etp,
+        out[CHAINED[1]] = _expert_chunks(source, experts, stages, tp, pp, dp_cp, ep, etp,
                                                                bucket_size, max_bytes, files, shapes)
     return files, shapes, out
 
@@ -265,11 +324,7 @@ def check_experts(source: Source, experts: list[ParamView], tp: int, dp_cp: int,
         raise FormatError(f"{source.root}: --ep {ep} x expert TP (--etp) {etp} = {ep * etp} does not divide the "
                           f"{dp_cp * tp} ranks of a pipeline stage (tp {tp} x dp x cp {dp_cp}); pick an --etp "
                           "(and --ep) whose product divides them")
-    if ep == 1 and etp == tp:
-        raise FormatError(f"{source.root}: at EP 1 with expert TP = TP ({tp}) megatron-core keeps the experts in the "
-                          "dense optimizer's buffers (they all-reduce like dense params, tensor_parallel/layers.py), "
-                          "a layout reshard does not write; pick --ep > 1 or an --etp other than --tp")
-    return _expert_modes(source, experts, etp)
+    return _expert_modes(source, experts, etp)  # at EP 1 with expert TP = TP: its checks of the TP split
 
 
 def _expert_chunks(source: Source, experts: list[ParamView], stages: list[list[TargetParam]], tp: int, pp: int,
@@ -286,7 +341,9 @@ def _expert_chunks(source: Source, experts: list[ParamView], stages: list[list[T
     n_exp = 1 + max(v.expert or 0 for v in experts)
     edp, per = dp_cp * tp // (ep * etp), n_exp // ep
     layer_stage = {p_.name: p_.stage for params in stages for p_ in params}
-    ref0 = experts[0].holders[0].ref
+    # the target's expert buffer: one per stage (no virtual pipeline), whichever buffer the source held them in (the
+    # dense one at EP 1 with expert TP = TP, one per model chunk with virtual pipeline stages)
+    ref0 = replace(experts[0].holders[0].ref, prefix=CHAINED[1], gbuf_idx=0)
     numels: Numels = {}
     by_name = {v.name: v for v in experts}
     for stage in range(pp):

@@ -16,9 +16,9 @@ plan's model-weight chunks of such a parameter are cut into their gate and up ru
 ``[gate; up]`` rows megatron-core's checkpoint stores (in the same rank's file).
 
 MoE at EP 1 with expert TP = TP (:func:`.megatron_fresh.experts_in_dense`): the experts are dense parameters
-of the one optimizer, after each layer's router, expert by expert, split over TP as the dense MLP (a gated
-expert ``linear_fc1`` viewed as ``[gate_t; up_t]`` per rank, like the dense one); elsewhere they are the
-chained expert optimizer's (``chained_1.``), laid out by the planner's expert rules.
+of the one optimizer, after each layer's router (and before its shared expert), expert by expert, split over
+TP as the dense MLP (a gated expert ``linear_fc1`` viewed as ``[gate_t; up_t]`` per rank, like the dense one);
+elsewhere they are the chained expert optimizer's (``chained_1.``), laid out by the planner's expert rules.
 
 The byte objects: ``per_bucket_numel[_unpadded]`` per model-parallel rank (the plan's numels,
 pickled by :func:`ckpt_tool.copying.megatron_blobs.numel_blob`), the param groups per rank
@@ -145,10 +145,11 @@ def plan_dp_reshardable(hf: HFMegatron, tp: int, pp: int, dp: int, max_bytes: in
     chained = hf.num_experts > 0 and not dense_experts
     dense_prefix = ("chained_0." if chained else "") + OPT_PREFIX
     expert_prefix = EXPERT_PREFIX + OPT_PREFIX
-    router = rank["mlp.router.weight"]
+    router = rank["mlp.router.bias"]  # the router's last parameter: the dense experts follow it
 
     def order(p: MegatronParam) -> tuple[int, int, int, int]:  # megatron-core's module order: the buckets follow it
-        if p.expert is not None and dense_experts:  # after the router, expert by expert (pair_mixtral_tp2_ep1)
+        # after the router, expert by expert, before a shared expert (pair_mixtral_tp2_ep1, pair_qwen2moe_tp2_ep1)
+        if p.expert is not None and dense_experts:
             return 1, p.layer or 0, router, 1 + p.expert * len(EXPERT) + EXPERT.index(p.key[len(EXPERT_KEY):])
         if p.expert is not None:  # the expert optimizer's own buffers: the planner orders them
             return 3, p.layer or 0, p.expert, 0

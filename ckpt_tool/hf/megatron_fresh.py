@@ -91,7 +91,9 @@ def optimizer_object(lr: float, min_lr: float, expert: bool = False, step: float
 def experts_in_dense(num_experts: int, tp: int, ep: int, etp: int) -> bool:
     """Whether megatron-core keeps the experts in the dense DDP buffers and the dense optimizer: EP 1 with expert
     TP = TP builds them with the dense process groups (``use_expert_pgs`` false, so ``allreduce`` stays true: no
-    expert buffer, no ``chained_`` pair; checked on ``fixtures/megatron/pair_mixtral_tp2_ep1_dp_reshardable``)."""
+    expert buffer, no ``chained_`` pair; checked on ``fixtures/megatron/pair_mixtral_tp2_ep1_dp_reshardable``).
+    A shared expert is a dense parameter at any EP; in megatron-core's module order it follows the experts
+    (router, experts, then the shared expert's gate and linears: ``pair_qwen2moe_tp2_ep1_dp_reshardable``)."""
     return bool(num_experts) and ep == 1 and etp == tp
 
 
@@ -110,10 +112,6 @@ def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int, ep: int 
         raise FormatError(f"--ep {ep} / --etp {etp}: the model has no experts; drop them")
     if experts:
         dense = experts_in_dense(experts, tp, ep, etp)
-        if dense and a.get("moe_shared_expert_intermediate_size"):
-            raise FormatError(f"--ep 1 with expert TP = TP ({tp}) and a shared expert: megatron-core keeps the experts "
-                              "in the dense buffers there, and their order beside a shared expert has not been checked "
-                              "against a megatron-core save; pass --ep > 1 (or --tp > 1 with --etp 1)")
         if experts % ep:
             raise FormatError(f"--ep {ep} does not divide the model's {experts} experts; pick an EP that divides them")
         if etp != 1 and not dense:

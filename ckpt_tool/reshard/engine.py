@@ -166,7 +166,8 @@ def reshard_checkpoint(src: Path | ObjectURL, dst: Path, *, tp: int | None = Non
     this runtime's checkpoint (it has a manifest) goes to :func:`reshard`, megatron-core's
     ``dp_reshardable`` one to :func:`ckpt_tool.reshard.megatron_dp.reshard_megatron`. A size only the
     other kind takes is refused in one line (``None``: keep SRC's)."""
-    source = open_source(src, megatron=True, experts=True, max_memory=max_memory, session=session)
+    source = open_source(src, megatron=True, experts=True, max_memory=max_memory, dense_experts=True,
+                         session=session)
     try:
         if source.manifest is None:
             ours = {"--gtp-remat": gtp_remat, "--fold-cp": fold_cp, "--expert-gtp-remat": expert_gtp_remat,

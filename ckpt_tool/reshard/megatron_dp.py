@@ -71,11 +71,11 @@ def target_refusal(src: Path | ObjectURL, tp: int, pp: int, cp: int, dp: int, ep
     this target with (its own checks of the TP, PP, EP and expert-TP splits; nothing planned or written),
     or None. Why: plan said "needs_reshard" and printed ``--etp 3`` for experts that do not split over 3,
     and printed an export command for a checkpoint whose expert chunks no command could lay out."""
-    source = open_source(src, megatron=True, experts=True)
+    source = open_source(src, megatron=True, experts=True, dense_experts=True)
     try:
         if not reshard:
             return None
-        experts = [v for v in source.views.values() if v.is_expert]
+        experts = [v for v in source.views.values() if v.expert is not None]
         target_params(source, tp, pp, split)
         if experts:
             check_experts(source, experts, tp, dp * cp, ep or 1, etp or tp)
@@ -96,13 +96,13 @@ def reshard_megatron(src: Path | Source, dst: Path, tp: int | None, pp: int | No
     t0 = time.perf_counter()
     baseline = rss_after_imports("torch_dist")
     source = src if isinstance(src, Source) else open_source(src, megatron=True, experts=True, max_memory=max_memory,
-                                                             session=session)
+                                                             dense_experts=True, session=session)
     try:
         meg = derive(source.ckpt)
         if meg.format != "dp_reshardable":
             raise FormatError(f"{source.root}: its optimizer format is {meg.format}; reshard reads dp_reshardable "
                               "(a fully_reshardable checkpoint loads at any topology as it is)")
-        moe = any(v.is_expert for v in source.views.values())
+        moe = any(v.expert is not None for v in source.views.values())  # in the expert or (EP 1) dense buffers
         if ep not in (None, 1) and not moe:
             raise FormatError(f"--ep {ep}: {source.root} has no experts; drop --ep")
         if etp not in (None, 1) and not moe:

@@ -21,6 +21,8 @@ Never unpickled; each is the source's blob, copied or edited on its pickle *opco
   the output has one model chunk per stage; the pipeline layout fields
   (``decoder_first_pipeline_num_layers``, ``decoder_last_pipeline_num_layers``) the target's: the
   source's uneven split where PP stays, None (an even split) where it changes.
+* MoE between one optimizer (EP 1 with expert TP = TP: the experts in the dense buffers) and the chained
+  dense + expert pair: ``common_state``'s optimizer part and the param groups as :mod:`.megatron_chain` edits them.
 * ``rng_state``: dropped. It is per (pp, tp) rank of the *source*; copied onto other ranks it
   would give two TP ranks one dropout stream. With ``args.no_save_rng`` megatron's loader does
   not ask for it (as after a save with ``--no-save-rng``), so no ``--no-load-rng`` is needed.
@@ -31,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckpt_tool.copying.megatron_blobs import INT_OPS, PUT_OPS, blob_records, numel_blob, pickle_int, pickle_ops
+from ckpt_tool.reshard.megatron_chain import chain_common, expert_groups, source_prefix
 from ckpt_tool.reshard.megatron_objects import COMMON, pickle_str
 from gtp_format.errors import FormatError
 from gtp_format.reader.checkpoint import Checkpoint
@@ -129,23 +132,28 @@ def target_objects(ckpt: Checkpoint, numels: dict[str, dict[int, list[tuple[str,
                           "budget; raise --max-memory")
     out: dict[str, bytes] = {}
     dropped: list[str] = []
-    known = [f"{p}.dp_group_idx_{{}}.{s}/shard_0_1" for p in numels for s in
-             ("per_bucket_numel", "per_bucket_numel_unpadded", "optimizer")]
+    sources = {p: source_prefix(ckpt, p) for p in numels}  # MoE: one optimizer <-> the chained pair
+    known = [f"{p}.dp_group_idx_{{}}.{s}/shard_0_1" for p in {*numels, *(sp for sp, _ in sources.values())}
+             for s in ("per_bucket_numel", "per_bucket_numel_unpadded", "optimizer")]
     for key, _ in objects:
         if "._extra_state/" in key:
             blob = _blob(ckpt, key)
             blob_records(root, key, blob)  # CRC-checked: a damaged source is refused, not copied
             out[key] = blob
         elif key == COMMON:
-            out[key] = common_blob(root, _blob(ckpt, key), sizes, layout)
+            chained = any(p.startswith("chained_") for p in numels)
+            out[key] = chain_common(root, common_blob(root, _blob(ckpt, key), sizes, layout), chained)
         elif not any(_matches(key, k) for k in known):
             dropped.append(key)
     if COMMON not in out:
         raise FormatError(f"{root}: it has no {COMMON}; megatron-core's loader needs one; reshard is not supported")
     for prefix, ranks in numels.items():
-        src = {s: _blob(ckpt, f"{prefix}.dp_group_idx_0.{s}/shard_0_1")
+        sp, expert = sources[prefix]
+        src = {s: _blob(ckpt, f"{sp}.dp_group_idx_0.{s}/shard_0_1")
                for s in ("per_bucket_numel", "per_bucket_numel_unpadded", "optimizer")}
-        blob_records(root, f"{prefix}.dp_group_idx_0.optimizer", src["optimizer"])  # CRC-checked before it is copied
+        blob_records(root, f"{sp}.dp_group_idx_0.optimizer", src["optimizer"])  # CRC-checked before it is copied
+        if expert:
+            src["optimizer"] = expert_groups(root, f"{sp}.dp_group_idx_0.optimizer", src["optimizer"])
         for n, bufs in sorted(ranks.items()):
             base = f"{prefix}.dp_group_idx_{n}"
             for i, name in enumerate(("per_bucket_numel", "per_bucket_numel_unpadded")):

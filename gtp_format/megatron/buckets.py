@@ -73,8 +73,13 @@ def stage_buffers(ckpt: Checkpoint, names: list[str], info: dict, dtags: dict[tu
 
 def place_buffer(ckpt: Checkpoint, names: list[str], info: dict, numel: dict[tuple[int, int, int], int],
                   shared: set[str], stage: int, gbuf: int, tp_size: int,
-                  placed: list[tuple[str, int, int, int, int, int]]) -> None:
-    """Lay out one buffer's params (module order) in its buckets, by the rules of the module docstring."""
+                  placed: list[tuple[str, int, int, int, int, int]],
+                  keys: dict[tuple[int, int, int], str] | None = None) -> None:
+    """Lay out one buffer's params (module order) in its buckets, by the rules of the module docstring;
+    ``keys``: each (dp_group_idx, gbuf, bucket)'s key, named where the params and the bucket disagree."""
+    def key(b: int) -> str:
+        return (keys or {}).get((n0, gbuf, b), f"bucket {b}")
+
     n0 = stage * tp_size
     buckets = sorted(b for (n, g, b) in numel if n == n0 and g == gbuf)
     for t in range(1, tp_size):
@@ -96,14 +101,17 @@ def place_buffer(ckpt: Checkpoint, names: list[str], info: dict, numel: dict[tup
         start = -(-pos // PARAM_ALIGN) * PARAM_ALIGN
         have = numel.get((n0, gbuf, b))
         if have is None or start + n > have:
-            raise refusal(ckpt, f"{name} does not fit bucket {b} {where} ({have} elements unpadded)")
+            raise refusal(ckpt, f"{name} does not fit bucket {b} {where}: {key(b)} holds {have} elements")
         placed.append((name, stage, gbuf, b, start, start + n))
         pos = start + n
         if pos == have:
             b, pos = b + 1, 0
         elif name in shared:
             raise refusal(ckpt, f"{name} does not fill bucket {b} {where} alone")
-    if b != len(buckets) or pos:
+    if pos:  # the last params end inside a bucket: it is larger than they need
+        raise refusal(ckpt, f"the parameters {where} end at element {pos} of bucket {b}, but {key(b)} holds "
+                      f"{numel[(n0, gbuf, b)]} elements")
+    if b != len(buckets):
         raise refusal(ckpt, f"the parameters {where} fill {b} buckets, the checkpoint has {len(buckets)}")
 
 

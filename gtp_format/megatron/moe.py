@@ -41,8 +41,13 @@ ALIGN = 64
 
 def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse: Callable[[str], FormatError],
                  layer_stage: dict[int, int] | None = None, pp: int = 1, gated: bool = False,
-                 ) -> tuple[dict[str, Any], list[tuple[str, int, int, int, int]]]:
-    """Views of every expert parameter and the placed slices (name, dp_group_idx, bucket, start, end).
+                 layer_chunk: dict[int, int] | None = None,
+                 ) -> tuple[dict[str, Any], list[tuple[str, int, int, int, int, int]]]:
+    """Views of every expert parameter and the placed slices (name, dp_group_idx, gbuf, bucket, start, end).
+
+    ``layer_chunk`` (virtual pipeline stages): each layer's model chunk within its stage. Every chunk has its own
+    DDP and so its own expert buffer, and the expert optimizer numbers them chunk after chunk as the dense one does:
+    ``gbuf_idx`` = the chunk (``fixtures/megatron/pair_moe_vpp_pp2_dp_reshardable``: PP2 x VPP2 x EP2).
 
     With PP > 1 the expert optimizer's ``dp_group_idx`` is ``pp_rank * EP + ep_rank`` (its rank in
     the expert model-parallel group, rank order tp-cp-ep-dp-pp), and a stage's buffer holds the
@@ -79,20 +84,22 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
     ep = len(ranks) // (pp * etp)
     if n_exp % ep:
         raise refuse(f"EP {ep} does not divide {n_exp} experts")
-    dtags = {(o.gbuf_idx, o.dtype) for o in opts.values()}
-    if len(dtags) != 1:
-        raise refuse("the expert optimizer has several gradient buffers")
-    gbuf, dtag = dtags.pop()
-    numel = {(o.dp_group_idx, o.bucket_idx): (ckpt.entries[k].shape or (0,))[0]
+    chunk_of = layer_chunk or {layer: 0 for layer in range(layers)}
+    chunks = max(chunk_of.values(), default=0) + 1
+    dtags = {o.dtype for o in opts.values()}
+    if len(dtags) != 1 or {o.gbuf_idx for o in opts.values()} != set(range(chunks)):
+        raise refuse(f"the expert optimizer's gradient buffers are not one per model chunk ({chunks}) of one dtype")
+    dtag = dtags.pop()
+    numel = {(o.dp_group_idx, o.gbuf_idx, o.bucket_idx): (ckpt.entries[k].shape or (0,))[0]
              for k, o in opts.items() if o.state == "param"}
     per = n_exp // ep
-    placed: list[tuple[str, int, int, int, int]] = []
+    placed: list[tuple[str, int, int, int, int, int]] = []
     info: dict[str, tuple[str, int, tuple[int, ...], int, str]] = {}
-    for r in ranks:
+    for r, g in ((r, g) for r in ranks for g in range(chunks)):
         names = []
         stage, rest = divmod(r, ep * etp)
         ep_rank = rest // etp  # expert model-parallel rank: etp fastest, then ep, then pp (rank order tp-ep-dp-pp)
-        for layer in (ln for ln in range(layers) if stage_of.get(ln) == stage):
+        for layer in (ln for ln in range(layers) if stage_of.get(ln) == stage and chunk_of.get(ln, 0) == g):
             for j in range(per):
                 for s in EXPERT:
                     if s in keys:
@@ -105,23 +112,24 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
             for d in ShardSpec(info[name][2], modes[info[name][4]][0], etp, 0, None, 1, 0, 1).local_shape:
                 n *= d
             start = -(-pos // ALIGN) * ALIGN
-            have = numel.get((r, b))
+            have = numel.get((r, g, b))
             if have is None or start + n > have:
-                raise refuse(f"{name} does not fit bucket {b} of EP rank {r} ({have} elements unpadded)")
-            placed.append((name, r, b, start, start + n))
+                raise refuse(f"{name} does not fit bucket {b} of gbuf_idx_{g} of EP rank {r} ({have} elements "
+                             "unpadded)")
+            placed.append((name, r, g, b, start, start + n))
             pos = start + n
             if pos == have:
                 b, pos = b + 1, 0
-        if pos or b != len({bb for (rr, bb) in numel if rr == r}):
-            raise refuse(f"the experts of EP rank {r} do not fill its buckets")
+        if pos or b != len({bb for (rr, gg, bb) in numel if (rr, gg) == (r, g)}):
+            raise refuse(f"the experts of EP rank {r} do not fill the buckets of its gbuf_idx_{g}")
     pdt = dtag.strip("()").split(",")[0].strip()
     views: dict[str, Any] = {}
     holders: dict[str, list[Holder]] = {}
-    for name, r, bucket, start, _ in reversed(placed):
+    for name, r, gbuf, bucket, start, _ in reversed(placed):
         key, layer, full, expert, s = info[name]
         mode = modes[s][0]
         spec = ShardSpec(full, mode, etp, r % etp if mode else 0, None, 1, 0, 1)
-        ref = KeyRef(r, gbuf, dtag, bucket, None, numel[(r, bucket)], prefix)
+        ref = KeyRef(r, gbuf, dtag, bucket, None, numel[(r, gbuf, bucket)], prefix)
         if gated and mode == "column" and s.startswith("linear_fc1."):  # its gate and up halves, two chunks
             holders.setdefault(name, []).extend(glu_holders(full, etp, r % etp, ref, start))
         else:

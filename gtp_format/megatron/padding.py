@@ -30,7 +30,7 @@ def padding_ranges(ckpt: Checkpoint) -> dict[str, list[tuple[int, int]]]:
 def padding_layout(ckpt: Checkpoint) -> tuple[dict[str, list[tuple[int, int]]], str | None]:
     """(:func:`padding_ranges`, ``None``), or ``({}, why)`` where the parameter layout cannot be established."""
     try:
-        views = megatron_views(ckpt, experts=True)
+        views = megatron_views(ckpt, experts=True, dense_experts=True)  # MoE at EP 1 too
     except FormatError as e:
         return {}, str(e).removeprefix(f"{ckpt.root}: ")
     used: dict[str, list[tuple[int, int]]] = {}

@@ -260,8 +260,8 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False, dense_experts: bool 
     ``dense_experts`` (the Hugging Face export asks): also MoE at EP 1 with expert TP = TP, one optimizer with no
     ``chained_`` prefix, whose experts megatron-core keeps in the dense buffers after each layer's router, expert
     by expert (``linear_fc1`` then ``linear_fc2``), TP-split as the dense MLP (:func:`_with_dense_experts`;
-    ``fixtures/megatron/pair_mixtral_tp2_ep1_dp_reshardable``). Reshard does not ask: its planner lays experts
-    out by the expert rules.
+    ``fixtures/megatron/pair_mixtral_tp2_ep1_dp_reshardable``; a shared expert follows them). Reshard, ``inspect
+    --params`` and the padding map ask too; the planner lays the experts out by the target's rules.
     """
     opts = {k: parse_optimizer_key(k) for k, e in ckpt.entries.items() if e.kind == TENSOR}
     opts = {k: o for k, o in opts.items() if o is not None}
@@ -308,14 +308,13 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False, dense_experts: bool 
     if tied:  # the last stage's output layer: a replica of the word embeddings with its own buffer slot
         params.append(("output_layer.weight", HEAD[0], None))
     stage_of, chunk_of, vpp = _stages(ckpt, params, pp, layer_chunks)
-    if moe and vpp > 1:
-        raise refusal(ckpt, f"it is MoE with {vpp} virtual pipeline stages (model chunks per stage), whose expert "
-                      "buffers this version has not been checked against")
+    bucket_keys: dict[tuple[int, int, int], str] = {}  # a bucket's .param key, for the refusals
     numel: dict[tuple[int, int, int], int] = {}
     for k, o in opts.items():  # one pass, not one per bucket over all keys (issue 22 class 5)
         shape = ckpt.entries[k].shape
         if o.state == "param" and shape:
             numel.setdefault((o.dp_group_idx, o.gbuf_idx, o.bucket_idx), shape[0])
+            bucket_keys.setdefault((o.dp_group_idx, o.gbuf_idx, o.bucket_idx), k)
     info = {}
     for name, key, layer in params:
         entry = ckpt.entries[key]
@@ -334,7 +333,7 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False, dense_experts: bool 
     for stage in range(pp):
         names = [name for name, _, _ in params if stage_of[name] == stage]
         for gbuf, _dtag, members in stage_buffers(ckpt, names, info, dtags, stage, tp_size, chunk_of):
-            place_buffer(ckpt, members, info, numel, shared, stage, gbuf, tp_size, placed)
+            place_buffer(ckpt, members, info, numel, shared, stage, gbuf, tp_size, placed, bucket_keys)
     check_chunks(ckpt, opts, placed, tp_size)
     views: dict[str, ParamView] = {}
     replicas: tuple[Holder, ...] = ()
@@ -365,10 +364,10 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False, dense_experts: bool 
     if moe:
         layers = max((ln for _, _, ln in params if ln is not None), default=-1) + 1
         layer_stage = {ln: stage_of[name] for name, _, ln in params if ln is not None}
+        layer_chunk = {ln: chunk_of[name] for name, _, ln in params if ln is not None}  # VPP: one buffer each
         ev, eplaced = expert_views(ckpt, expert_opts, prefixes[1], layers, lambda why: refusal(ckpt, why),
-                                   layer_stage, pp, gated)
-        egbuf = next(iter(expert_opts.values())).gbuf_idx
-        check_chunks(ckpt, expert_opts, [(n, r, egbuf, b, a, z) for n, r, b, a, z in eplaced], 1)
+                                   layer_stage, pp, gated, layer_chunk)
+        check_chunks(ckpt, expert_opts, eplaced, 1)
         out.update(ev)
     return out
 

@@ -18,4 +18,4 @@ def param_views_of(ckpt: Checkpoint) -> dict[str, ParamView]:
     from megatron-core's bucketing rules (:mod:`gtp_format.megatron.view`)."""
     if ckpt.manifest is not None:
         return param_views(ckpt.manifest)
-    return megatron_views(ckpt, experts=True)
+    return megatron_views(ckpt, experts=True, dense_experts=True)  # MoE at EP 1 too (experts in the dense buffers)

@@ -35,6 +35,7 @@ EXPECTED = {
     "pair_starcoder2_tp2_dp_reshardable": "Starcoder2ForCausalLM",
     "pair_mqa_tp2_dp_reshardable": "GPTBigCodeForCausalLM",  # multi_query: one group at TP2
     "pair_qwen2moe_ep2_dp_reshardable": "Qwen2MoeForCausalLM",
+    "pair_qwen2moe_tp2_ep1_dp_reshardable": "Qwen2MoeForCausalLM",  # EP 1: experts and shared expert dense
     # RoPE + LayerNorm q/k layernorm (with biases) + linear biases + GELU, MHA, tied
     "pair_qk_layernorm_tp2_dp_reshardable": "PersimmonForCausalLM",
 }

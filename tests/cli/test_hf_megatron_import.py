@@ -202,14 +202,15 @@ def test_moe_hf_megatron_hf_round_trip_is_bit_identical(kind: str, topo: tuple[s
     assert back.get("norm_topk_prob", True) == cfg.get("norm_topk_prob", True)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("topo", [("--tp", "2", "--ep", "1", "--etp", "2", "--pp", "2"), ("--tp", "1", "--ep", "1",
                                                                                        "--dp", "2")])
 @pytest.mark.parametrize("sharding", SHARDINGS)
 def test_moe_at_ep1_with_expert_tp_equal_tp_round_trips(kind: str, topo: tuple[str, ...], sharding: str,
                                                           tmp_path: Path) -> None:
     """EP 1 with expert TP = TP: the experts in the dense buffers and the dense optimizer (no chained_ pair),
-    each expert split over TP as the dense MLP; import -> export is bit-identical and verify --data passes."""
+    each expert split over TP as the dense MLP (Qwen2-MoE: its shared expert after them); import -> export is
+    bit-identical and verify --data passes."""
     src = hf_model(tmp_path / "hf", kind)
     import_mc(src, tmp_path / "mc", *topo, "--sharding", sharding)
     keys = json.loads(cli("inspect", tmp_path / "mc", "--format", "json").stdout or "{}")
@@ -221,9 +222,11 @@ def test_moe_at_ep1_with_expert_tp_equal_tp_round_trips(kind: str, topo: tuple[s
     assert_same_tensors(src, tmp_path / "back")
 
 
-def test_ep1_import_is_megatron_cores_own_layout(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fixture", ["pair_mixtral_tp2_ep1_dp_reshardable", "pair_qwen2moe_tp2_ep1_dp_reshardable"])
+def test_ep1_import_is_megatron_cores_own_layout(fixture: str, tmp_path: Path) -> None:
     """megatron-core's own save at TP 2, EP 1, expert TP 2 (``pair_mixtral_tp2_ep1``: the experts in the dense
-    buffer after the router, no expert optimizer) -> HF -> import at the same topology: the same keys and global
+    buffer after the router, no expert optimizer; ``pair_qwen2moe_tp2_ep1``: and the gated shared expert after
+    them) -> HF -> import at the same topology: the same keys and global
     shapes as megatron-core's dp_reshardable and fully_reshardable saves, the same model tensors and expert chunk
     boxes (each TP rank's gate and up halves), and every parameter's fp32 master where megatron-core's buffers
     hold it (``params_in_bucket``; rounded to the bf16 weight, which is what a fresh import's master is). The
@@ -233,7 +236,7 @@ def test_ep1_import_is_megatron_cores_own_layout(tmp_path: Path) -> None:
     from gtp_format.reader.boxes import BoxReader
     from gtp_format.reader.checkpoint import open_checkpoint
 
-    pair = MEGATRON / "pair_mixtral_tp2_ep1_dp_reshardable"
+    pair = MEGATRON / fixture
     r = cli("export", pair, tmp_path / "hf", "--to", "hf")
     assert r.exit_code == 0, r.stderr
     for sharding, theirs_dir in (("dp_reshardable", pair), ("fully_reshardable", Path(f"{pair}_fully_reshardable"))):
@@ -253,7 +256,7 @@ def test_ep1_import_is_megatron_cores_own_layout(tmp_path: Path) -> None:
     expected = json.loads((pair / "expected.json").read_text())
     ours, theirs = open_checkpoint(tmp_path / "dp_reshardable"), open_checkpoint(pair)
     ra, rb = BoxReader(ours), BoxReader(theirs)
-    checked = 0
+    checked = shared = 0
     for rec in expected["keys"]:
         if not rec.get("params_in_bucket") or not rec["key"].endswith(".param"):
             continue
@@ -262,7 +265,9 @@ def test_ep1_import_is_megatron_cores_own_layout(tmp_path: Path) -> None:
         for p in rec["params_in_bucket"]:
             assert _torch.equal(a[p["start"]:p["end"]], b[p["start"]:p["end"]]), (rec["key"], p["param"])
             checked += ".local_experts." in p["param"]
+            shared += ".shared_experts." in p["param"]
     assert checked == 2 * 4 * 2  # 2 TP ranks x 4 experts x (linear_fc1, linear_fc2)
+    assert shared == (2 * 3 if "qwen2moe" in fixture else 0)  # 2 TP ranks x (gate_weight, linear_fc1, linear_fc2)
 
 
 def _megatron(ckpt: Path, out: Path, topo: tuple[int, int, int], tokens: Path) -> list[dict[str, np.ndarray]]:
@@ -322,7 +327,8 @@ def _fresh_optimizer(ranks: list[dict[str, np.ndarray]], tp: int, dp: int, shard
     ("qwen2_moe", (2, 1, 1), "dp_reshardable"), ("persimmon", (2, 1, 2), "dp_reshardable"),
     ("mistral", (2, 1, 2), "dp_reshardable"),
     ("mixtral_ep1", (2, 1, 1), "dp_reshardable"), ("qwen3_moe_ep1", (2, 1, 1), "fully_reshardable"),
-    ("mixtral_ep1", (1, 1, 2), "dp_reshardable")])
+    ("mixtral_ep1", (1, 1, 2), "dp_reshardable"), ("qwen2_moe_ep1", (2, 1, 1), "dp_reshardable"),
+    ("qwen2_moe_ep1", (2, 1, 1), "fully_reshardable")])
 def test_megatron_core_loads_the_import_and_computes_transformers_logits(kind: str, topo: tuple[int, int, int],
                                                                          sharding: str, tmp_path: Path) -> None:
     """``*_ep1``: EP 1 with expert TP = TP, the experts in megatron-core's dense buffers and optimizer."""
@@ -396,7 +402,8 @@ def _carried(ranks: list[dict[str, np.ndarray]], hf: Path, sharding: str, step: 
 
 
 MOE_PAIRS = ["pair_mixtral_ep2_dp_reshardable", "pair_qwen2moe_ep2_dp_reshardable",
-             "pair_mixtral_tp2_ep1_dp_reshardable"]  # EP 1, expert TP = TP: the experts in the dense optimizer
+             "pair_mixtral_tp2_ep1_dp_reshardable",  # EP 1, expert TP = TP: the experts in the dense optimizer
+             "pair_qwen2moe_tp2_ep1_dp_reshardable"]  # and the shared expert after them
 
 
 def _same_schedule(genuine: Path, imported: Path) -> None:
@@ -659,15 +666,20 @@ def test_sigterm_mid_import_removes_the_work_folder(tmp_path: Path) -> None:
                                      "ckpt_tool.hf.megatron_import:view_rows")
 
 
-@pytest.mark.parametrize("case", ["export_moe_optimizer", "import_ep1_dense_experts"])
+@pytest.mark.parametrize("case", ["export_moe_optimizer", "import_ep1_dense_experts", "reshard_ep1_to_chained"])
 def test_sigterm_mid_moe_write_removes_the_work_folder(case: str, tmp_path: Path) -> None:
-    """The two MoE write paths: ``export --to hf --optimizer`` of megatron-core's chained optimizer, and the
-    import at EP 1 with expert TP = TP (experts in the dense buffers): SIGTERM mid-write leaves nothing."""
+    """The MoE write paths: ``export --to hf --optimizer`` of megatron-core's chained optimizer, the import at
+    EP 1 with expert TP = TP (experts in the dense buffers), and ``ckpt reshard`` from that layout to the chained
+    pair: SIGTERM mid-write leaves nothing."""
     out = tmp_path / "out"
     out.mkdir()
     if case == "export_moe_optimizer":
         argv = ["export", str(MEGATRON / "pair_mixtral_ep2_dp_reshardable"), str(out / "dst"), "--to", "hf",
                 "--optimizer", "--workers", "1"]
+        at = "ckpt_tool.copying.engine:chunk_data"
+    elif case == "reshard_ep1_to_chained":
+        argv = ["reshard", str(MEGATRON / "pair_qwen2moe_tp2_ep1_dp_reshardable"), str(out / "dst"), "--tp", "1",
+                "--dp", "2", "--ep", "2", "--etp", "1", "--workers", "1"]
         at = "ckpt_tool.copying.engine:chunk_data"
     else:
         src = hf_model(tmp_path / "hf", "mixtral")

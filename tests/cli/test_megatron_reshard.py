@@ -49,6 +49,19 @@ CASES = [
     ("pair_moe_tp2_etp2_dp_reshardable", ("--tp", "1", "--dp", "4", "--ep", "2"), None, (1, 1, 1, 4)),
     ("pair_moe_tp2_etp2_dp_reshardable", ("--tp", "2", "--dp", "2", "--ep", "2", "--etp", "1"), None, (2, 1, 1, 2)),
     ("pair_moe_ep2_dp_reshardable", ("--tp", "2", "--dp", "1", "--ep", "2", "--etp", "1"), None, (2, 1, 1, 1)),
+    # EP 1 with expert TP = TP (the experts, and Qwen2-MoE's shared expert after them, in the dense buffers and one
+    # optimizer) <-> EP 2 (the chained pair): megatron-core's own saves of each model at the other layout
+    ("pair_qwen2moe_tp2_ep1_dp_reshardable", ("--tp", "1", "--dp", "2", "--ep", "2", "--etp", "1"),
+     "pair_qwen2moe_ep2_dp_reshardable", (1, 1, 1, 2)),
+    ("pair_qwen2moe_ep2_dp_reshardable", ("--tp", "2", "--dp", "1", "--ep", "1", "--etp", "2"),
+     "pair_qwen2moe_tp2_ep1_dp_reshardable", (2, 1, 1, 1)),
+    ("pair_mixtral_tp2_ep1_dp_reshardable", ("--tp", "1", "--dp", "2", "--ep", "2", "--etp", "1"),
+     "pair_mixtral_ep2_dp_reshardable", (1, 1, 1, 2)),
+    ("pair_mixtral_ep2_dp_reshardable", ("--tp", "2", "--dp", "1", "--ep", "1", "--etp", "2"),
+     "pair_mixtral_tp2_ep1_dp_reshardable", (2, 1, 1, 1)),
+    ("pair_qwen2moe_tp2_ep1_dp_reshardable", ("--tp", "2", "--dp", "1", "--ep", "1", "--etp", "2"),
+     "pair_qwen2moe_tp2_ep1_dp_reshardable", (2, 1, 1, 1)),
+    ("pair_qwen2moe_tp2_ep1_dp_reshardable", ("--tp", "1", "--dp", "2", "--ep", "1", "--etp", "1"), None, (1, 1, 1, 2)),
 ]
 
 
@@ -81,7 +94,7 @@ def test_reshard_gives_megatrons_own_layout_and_the_same_state(src: str, flags: 
     args = common_state(ours)["args"].fields()  # type: ignore[index]
     assert args["tensor_model_parallel_size"] == tp and args["pipeline_model_parallel_size"] == pp
     assert args["context_parallel_size"] == cp and args["data_parallel_size"] == dp and args["no_save_rng"] is True
-    a, b = open_source(MEGATRON / src, megatron=True, experts=True), open_source(out, megatron=True, experts=True)
+    a, b = (open_source(p, megatron=True, experts=True, dense_experts=True) for p in (MEGATRON / src, out))
     assert sorted(a.views) == sorted(b.views)
     for name, v in a.views.items():
         zeros = (0,) * len(v.full_shape)
@@ -128,9 +141,82 @@ def test_resharded_output_reshards_back_to_the_source(tmp_path: Path) -> None:
         assert x.tobytes() == y.tobytes(), k
 
 
+@pytest.mark.parametrize("pair", ["pair_qwen2moe_tp2_ep1_dp_reshardable", "pair_mixtral_tp2_ep1_dp_reshardable"])
+def test_one_optimizer_to_the_chained_pair_and_back_is_the_source(pair: str, tmp_path: Path) -> None:
+    """EP 1 with expert TP = TP (one optimizer, the experts in the dense buffers) -> EP 2 x DP 2 at TP 1 (the chained
+    dense + expert pair) -> back: every tensor equals the source's but the alignment gaps megatron-core left
+    uninitialised (written as zeros); the param groups are the source's bytes; common_state's optimizer part is
+    chained at EP 2 and one optimizer's again after."""
+    from gtp_format.megatron.padding import padding_ranges
+    from gtp_format.reader.boxes import BoxReader
+    from gtp_format.reader.chunks import chunk_bytes
+
+    src = MEGATRON / pair
+    assert cli("reshard", src, tmp_path / "a", "--tp", "1", "--dp", "2", "--ep", "2", "--etp", "1").exit_code == 0
+    mid = common_state(open_checkpoint(tmp_path / "a"))["optimizer"]  # type: ignore[index]
+    assert sorted(mid) == [0, 1] and mid[1] == {"param_state_sharding_type": "dp_reshardable"}, mid
+    r = cli("reshard", tmp_path / "a", tmp_path / "b", "--tp", "2", "--dp", "1", "--ep", "1", "--etp", "2")
+    assert r.exit_code == 0, r.stderr
+    ours, theirs = open_checkpoint(tmp_path / "b"), open_checkpoint(src)
+    gaps = padding_ranges(theirs)
+    assert gaps and all(not k.startswith("chained_") for k in ours.entries)
+    ra, rb = BoxReader(ours), BoxReader(theirs)
+    for k, e in theirs.entries.items():
+        if e.kind != "tensor":
+            if k.endswith(".optimizer/shard_0_1"):  # the param groups: the source's bytes
+                assert bytes(chunk_bytes(ours, ours.entries[k], ours.entries[k].chunks[0])) == \
+                    bytes(chunk_bytes(theirs, e, e.chunks[0])), k
+            continue
+        assert ours.entries[k].shape == e.shape, k
+        x, y = ra.read_box(k, (0,) * len(e.shape), e.shape), rb.read_box(k, (0,) * len(e.shape), e.shape)
+        for lo, hi in gaps.get(k, []):
+            assert not x[lo:hi].any(), k
+            y = y.copy()
+            y[lo:hi] = 0
+        assert x.tobytes() == y.tobytes(), k
+    assert common_state(ours)["optimizer"] == common_state(theirs)["optimizer"]  # type: ignore[index]
+
+
+def test_the_optimizer_part_edits_are_exact_and_refuse_what_is_not_megatrons() -> None:
+    """``common_state``'s optimizer part between one optimizer and the chained pair, on the pickle's opcodes: the
+    two edits undo each other (and the rest of the object stays), and a part that is not megatron-core's (no
+    ``param_state_sharding_type``, a second field) or param groups with no bool ``is_expert_parallel`` are refused
+    in one line, never guessed."""
+    from ckpt_tool.hf.megatron_fresh import torch_object
+    from ckpt_tool.reshard.megatron_chain import chain_common, expert_groups
+    from gtp_format.errors import FormatError
+    from gtp_format.reader.object_blob import load_plain_object
+    from gtp_format.reader.zip_blob import ViewReader
+
+    def decode(blob: bytes) -> object:
+        return load_plain_object(ViewReader(memoryview(blob)))
+
+    one = {"param_state_sharding_type": "dp_reshardable"}
+    state = {"iteration": 2, "optimizer": one, "opt_param_scheduler": {"num_steps": 16},
+             "content_metadata": {"distrib_optim_sharding_type": "dp_reshardable"}}
+    blob = torch_object([state])
+    chained = chain_common("x", blob, True)
+    assert decode(chained) == [dict(state, optimizer={0: one, 1: one})]
+    assert chain_common("x", chained, True) == chained and chain_common("x", blob, False) == blob
+    assert decode(chain_common("x", chained, False)) == [state]
+    groups = [{"is_expert_parallel": False, "wd_mult": w, "step": 2.0} for w in (1.0, 0.0)]
+    assert decode(expert_groups("x", "k", torch_object([{"param_groups": groups}]))) == [
+        {"param_groups": [dict(g, is_expert_parallel=True) for g in groups]}]
+    for bad, needle in (({"iteration": 2, "optimizer": {"x": 1}}, "records no param_state_sharding_type"),
+                        ({"optimizer": dict(one, more=1)}, "holds more than param_state_sharding_type"),
+                        ({"optimizer": {"param_state_sharding_type": 3}}, "not a string")):
+        with pytest.raises(FormatError, match=needle) as err:
+            chain_common("x", torch_object([bad]), True)
+        assert "\n" not in str(err.value)
+    for bad_groups, needle in (([{"wd_mult": 1.0}], "record no is_expert_parallel"),
+                               ([{"is_expert_parallel": 1}], "is not a bool")):
+        with pytest.raises(FormatError, match=needle):
+            expert_groups("x", "k", torch_object([{"param_groups": bad_groups}]))
+
+
 @pytest.mark.parametrize("src,flags,needle", [
     ("moe_ep2_dp4_dp_reshardable", ("--tp", "2"), "only at expert TP 1"),
-    ("pair_moe_tp2_etp2_dp_reshardable", ("--ep", "1"), "keeps the experts in the dense optimizer"),
+    ("moe_ep2_dp4_dp_reshardable", ("--tp", "2", "--ep", "1"), "only at expert TP 1"),  # EP 1: dense, TP 2
     ("pair_moe_tp2_etp2_dp_reshardable", ("--ep", "2", "--etp", "3"), "does not divide"),
     ("tp2_dp2_dp_reshardable", ("--etp", "2"), "has no experts"),
     ("moe_ep2_dp4_dp_reshardable", ("--ep", "3"), "--ep 3 does not divide"),

@@ -14,7 +14,8 @@ from gtp_format.reader.checkpoint import open_checkpoint
 
 MEGATRON = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
 BUCKETED = ["tp2_dp2_dp_reshardable", "cp2_dp2_dp_reshardable", "pp2_dp2_dp_reshardable",
-            "moe_ep2_dp4_dp_reshardable", "pair_pp2_tp2_dp_reshardable", "pair_pp4_dp_reshardable"]
+            "moe_ep2_dp4_dp_reshardable", "pair_pp2_tp2_dp_reshardable", "pair_pp4_dp_reshardable",
+            "pair_qwen2moe_tp2_ep1_dp_reshardable"]  # EP 1: the experts in the dense buffer
 
 
 @pytest.mark.parametrize("name", BUCKETED)

@@ -136,7 +136,9 @@ def test_hf_export_of_megatron_loads(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["moe_ep2_dp4_dp_reshardable", "pair_moe_ep2_dp_reshardable",
                                   "moe_pp2_ep2_dp_reshardable", "pair_moe_tp2_etp2_dp_reshardable",
-                                  "pair_mixtral_ep2_dp_reshardable", "pair_qwen2moe_ep2_dp_reshardable"])
+                                  "pair_mixtral_ep2_dp_reshardable", "pair_qwen2moe_ep2_dp_reshardable",
+                                  # EP 1 with expert TP = TP: the experts (and the shared expert) in the dense buffer
+                                  "pair_mixtral_tp2_ep1_dp_reshardable", "pair_qwen2moe_tp2_ep1_dp_reshardable"])
 def test_moe_layout_equals_megatron_buffers(name: str) -> None:
     """MoE EP2 (x DP4, x DP2, x PP2, and TP2 x expert TP2): the dense (chained_0) and expert
     (chained_1, one buffer per (stage, EP rank, expert-TP rank)) buffers are where megatron's own
@@ -169,7 +171,7 @@ def test_moe_layout_equals_megatron_buffers(name: str) -> None:
         assert sum(h.numel for h in held) == p["end"] - p["start"], p["param"]
         checked += len(held)
     assert checked == sum(len(v.holders) for v in views.values())
-    src = open_source(MEGATRON / name, megatron=True, experts=True)
+    src = open_source(MEGATRON / name, megatron=True, experts=True, dense_experts=True)
     for v in src.views.values():
         full = (0,) * len(v.full_shape), v.full_shape
         master = torch.from_numpy(src.read_full_box(v, "param", *full).copy())

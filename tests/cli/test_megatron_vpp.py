@@ -247,17 +247,50 @@ def test_plan_of_a_plain_pp_checkpoint_at_a_virtual_size_is_not_as_is() -> None:
     assert json.loads(r.stdout)["verdict"] == "works_as_is"  # fully_reshardable: keys per parameter
 
 
-def test_moe_with_virtual_pipeline_stages_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No MoE VPP fixture exists: its expert buffers (one per chunk) are unchecked, so a MoE
-    checkpoint whose layers read as interleaved is refused, not laid out by the dense rules."""
-    import gtp_format.megatron.view as view
-
-    ckpt = open_checkpoint(MEGATRON / "moe_pp2_ep2_dp_reshardable")
-    stages = view._stages
-    monkeypatch.setattr(view, "_stages", lambda *a: (*stages(*a)[:2], 2))
-    with pytest.raises(FormatError, match="MoE with 2 virtual pipeline stages") as err:
-        view.megatron_views(ckpt, experts=True)
-    assert "\n" not in str(err.value)
+def test_moe_with_virtual_pipeline_stages_is_megatrons_layout(tmp_path: Path) -> None:
+    """``pair_moe_vpp_pp2_dp`` (PP2 x VPP2 x DP2, EP 2, 4 layers, megatron-core 0.19.2): each model chunk has its own
+    dense and expert buffer (``gbuf_idx`` = the chunk, in the chained_0 and the chained_1 optimizer); the view puts
+    every parameter, the experts included, where megatron-core's buffers had it (``params_in_bucket``), every fp32
+    master rounds to its bf16 weight, and the fully_reshardable export holds every tensor of megatron-core's own
+    fully_reshardable save of that state, bit for bit."""
+    name = "pair_moe_vpp_pp2_dp_reshardable"
+    expected = json.loads((MEGATRON / name / "expected.json").read_text())
+    topo = expected["topology"]
+    pp, ep, per = topo["pp"], topo["ep"], topo["num_moe_experts"] // topo["ep"]
+    per_chunk = expected["model"]["num_layers"] // (pp * topo["vpp"])
+    src = open_source(MEGATRON / name, megatron=True, experts=True)
+    checked, gbufs = 0, set()
+    for k in expected["keys"]:
+        opt = parse_optimizer_key(k["key"])
+        if opt is None or opt.state != "param":
+            continue
+        gbufs.add((opt.prefix, opt.dp_group_idx, opt.gbuf_idx))
+        for p in k["params_in_bucket"]:
+            m = re.match(r"^(model\d+\.decoder\.layers\.\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.*)$", p["param"])
+            if m:  # the expert optimizer: dp_group_idx = pp_rank * EP + ep_rank
+                stage, ep_rank = divmod(opt.dp_group_idx, ep)
+                layer = _global_name(m.group(1) + ".x", stage, pp, per_chunk, True).rsplit(".", 1)[0]
+                global_name = f"{layer}.mlp.experts.{ep_rank * per + int(m.group(2))}.{m.group(3)}"
+            else:
+                global_name = _global_name(p["param"], opt.dp_group_idx, pp, per_chunk, True)
+            view = src.views[global_name]
+            holder = next(h for h in view.holders if h.ref.key("param") == k["key"])
+            assert (holder.ref.bucket_idx, holder.start, holder.start + holder.numel) == (
+                opt.bucket_idx, p["start"], p["end"]), p["param"]
+            checked += 1
+    assert checked == sum(len(v.holders) for v in src.views.values())
+    assert {(n, g) for prefix, n, g in gbufs if prefix.startswith("chained_1.")} == {(n, g) for n in range(4)
+                                                                                     for g in range(2)}
+    for v in src.views.values():
+        full = (0,) * len(v.full_shape), v.full_shape
+        master = torch.from_numpy(src.read_full_box(v, "param", *full).copy())
+        weight = torch.from_numpy(src.read_full_box(v, WEIGHT_STATE, *full).copy()).view(torch.bfloat16)
+        assert torch.equal(master.to(torch.bfloat16), weight), v.name
+    out = tmp_path / "fr"
+    assert cli("export", MEGATRON / name, out, "--to", "fully_reshardable").exit_code == 0
+    doc = json.loads(cli("diff", out, MEGATRON / f"{name}_fully_reshardable", "--bitwise", "--format", "json").stdout)
+    assert doc["compared"] > 100 and not doc["only_in_a"]
+    assert [d["key"] for d in doc["differences"]] == ["common_state/shard_0_1"]  # its args, content_metadata
 
 
 def test_hf_export_with_optimizer_holds_the_views_state_under_global_layers(tmp_path: Path) -> None:

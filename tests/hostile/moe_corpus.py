@@ -126,6 +126,75 @@ MOE_CASES: dict[str, tuple[str, list[tuple[str, Callable[[Box], list[Box]]]], st
 }
 
 
+# EP 1 with expert TP = TP, the experts and Qwen2-MoE's shared expert in the dense buffer
+# (pair_qwen2moe_tp2_ep1): buffers that disagree with that layout. name -> (fixture, words of the refusal)
+EP1 = "pair_qwen2moe_tp2_ep1_dp_reshardable"
+BUCKET = "optimizer.distributed.dp_group_idx_{}.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32).bucket_idx_0.{}"
+SHARED_FC1, SHARED_GATE = (2880, 1536), (4416, 32)  # the shared expert's linear_fc1 and gate_weight in that buffer
+EP1_CASES: dict[str, tuple[str, str]] = {
+    # the bucket keys and per_bucket_numel[_unpadded] of both TP ranks 128 elements longer than the params need
+    "ep1_buffer_longer": (EP1, "bucket_idx_0.param holds 14656 elements"),
+    # the shared expert's linear_fc1 and gate_weight stored as one chunk of the bucket (megatron-core: one each)
+    "ep1_shared_chunk_straddles": (EP1, "straddles a derived parameter edge"),
+}
+
+
+def grow_buckets(it: Path, delta: int) -> None:
+    """Every ``gbuf_idx_0`` bucket key ``delta`` elements longer, the tail stored as a chunk of zeros in its rank's
+    file, and ``per_bucket_numel[_unpadded]`` saying so (written anew by
+    :func:`ckpt_tool.copying.megatron_blobs.numel_blob`): a complete, consistent DCP checkpoint whose buffers are
+    larger than the layout of its parameters."""
+    import numpy as np
+
+    from ckpt_tool.copying.megatron_blobs import numel_blob
+    from gtp_format.reader.chunks import chunk_bytes
+
+    ckpt = open_checkpoint(it)
+    grown = {k for k, e in ckpt.entries.items() if e.kind == TENSOR and ".gbuf_idx_0." in k}
+    shapes = {k: ((e.shape[0] + delta, *e.shape[1:]) if k in grown else tuple(e.shape), e.dtype)
+              for k, e in ckpt.entries.items() if e.kind == TENSOR}
+    tails: dict[str, list[tuple[str, bytes, tuple[int, ...] | None, tuple[int, ...] | None]]] = {}
+    for k in sorted(grown):
+        e = ckpt.entries[k]
+        last = max(e.chunks, key=lambda c: c.offsets[0])
+        blob = tensor_blob(e.dtype, (delta,), np.zeros(delta, np.float32))
+        tails.setdefault(last.storage.file, []).append((k, blob, (e.shape[0],), (delta,)))
+    new: dict[str, bytes] = {}
+    for k, e in ckpt.entries.items():
+        if e.kind != TENSOR and ".per_bucket_numel" in k:
+            n = shapes[BUCKET.format(k.split("dp_group_idx_")[1].split(".")[0], "param")][0][0]
+            new[k] = numel_blob(str(it), k, bytes(chunk_bytes(ckpt, e, e.chunks[0])),
+                                [("(torch.bfloat16, torch.float32)", [n])])
+    placed = []
+    for k, e in ckpt.entries.items():
+        for c in e.chunks:
+            offsets, sizes = (c.offsets, c.sizes) if e.kind == TENSOR else (None, None)
+            if k in new:
+                tails.setdefault(c.storage.file, []).append((k, new[k], offsets, sizes))
+            else:
+                placed.append((c.storage.file, k, offsets, sizes, c.storage.offset, c.storage.length))
+    for file, items in tails.items():
+        at = (it / file).stat().st_size
+        with open(it / file, "ab") as f:
+            for k, blob, offsets, sizes in items:
+                f.write(blob)
+                placed.append((file, k, offsets, sizes, at, len(blob)))
+                at += len(blob)
+    objects = [k for k, e in ckpt.entries.items() if e.kind != TENSOR]
+    (it / ".metadata").write_bytes(metadata_bytes(shapes, placed, objects))
+
+
+def build_ep1(name: str, it: Path) -> None:
+    """Rewrite the copy ``it`` (an ``iter_*`` folder of :data:`EP1`) as case ``name`` of :data:`EP1_CASES`."""
+    if name == "ep1_buffer_longer":
+        grow_buckets(it, 128)
+        return
+    joined = ((SHARED_FC1[0],), (SHARED_FC1[1] + SHARED_GATE[1],))
+    for state in ("param", "exp_avg", "exp_avg_sq"):
+        rechunk(it, BUCKET.format(0, state), lambda box: [joined] if box[0][0] in (SHARED_FC1[0], SHARED_GATE[0])
+                else [box])
+
+
 def build_moe(name: str, it: Path) -> None:
     """Rewrite the copy ``it`` (an ``iter_*`` folder of the case's fixture) as case ``name``."""
     for key, cut in MOE_CASES[name][1]:

@@ -66,13 +66,14 @@ CONFIG = {"layers_huge": {"num_hidden_layers": 10**9}, "heads_huge": {"num_atten
           "qwen3moe_experts_string": {"num_local_experts": "4"},
           "qwen2moe_shared": {"shared_expert_intermediate_size": 64}, "qwen2moe_qkv_bias": {"qkv_bias": False},
           "qwen2moe_shared_zero": {"shared_expert_intermediate_size": 0},
+          "qwen2moe_ep1_shared": {"shared_expert_intermediate_size": 64},  # at EP 1: the shared expert in the dense
           "persimmon_partial": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
           "persimmon_heads": {"num_attention_heads": 2}, "persimmon_noqk": {"qk_layernorm": False},
           "persimmon_eps_string": {"layer_norm_eps": "1e-5"}}
 # the class each case starts from (else Llama)
 BASE = {n: n.split("_")[0] for n in CONFIG if n.split("_")[0] in ("starcoder2", "arcee", "qwen2", "mixtral",
                                                                    "qwen3moe", "qwen2moe", "persimmon")}
-BASE.update(mixtral_ep3="mixtral", mixtral_etp2="mixtral", qwen2moe_ep1="qwen2moe", mixtral_etp_tp="mixtral")
+BASE.update(mixtral_ep3="mixtral", mixtral_etp2="mixtral", mixtral_etp_tp="mixtral")
 # optimizer files (`export --to hf --optimizer`) whose run state field is hostile, or a state at another shape
 SCHED = {"max_lr": 0.001, "min_lr": 0.0, "lr_warmup_steps": 0, "num_steps": 16, "lr_decay_style": "cosine",
          "lr_decay_steps": 800, "start_wd": 0.01, "end_wd": 0.01, "wd_incr_style": "constant", "wd_incr_steps": 800}
@@ -103,7 +104,8 @@ OPT_STATE = {"opt_state_not_json": "{'iteration': 2", "opt_state_negative": '{"i
                  SCHED, num_steps=0, wd_incr_style="linear", end_wd=0.1, wd_incr_steps=0)) + '}'}
 # cases refused by a topology option, not the config
 OPTIONS = {"mixtral_ep3": ["--ep", "3"], "mixtral_etp2": ["--ep", "2", "--etp", "2", "--dp", "2"],
-           "qwen2moe_ep1": ["--ep", "1"], "mixtral_etp_tp": ["--ep", "1", "--etp", "2", "--dp", "2"],
+           "qwen2moe_ep1_shared": ["--tp", "2", "--ep", "1", "--etp", "2"],
+           "mixtral_etp_tp": ["--ep", "1", "--etp", "2", "--dp", "2"],
            "dense_ep2": ["--ep", "2", "--dp", "2"], "vpp_dp_reshardable": ["--pp", "2", "--vpp", "2"]}
 WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json implies", "vocab_huge": "config.json "
          "implies", "head_dim_zero": "head_dim is 0", "hidden_string": "hidden_size is '64'",
@@ -122,7 +124,9 @@ WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json imp
          "mixtral_window": "sliding-window attention", "mixtral_experts_huge": "the folder holds 41",
          "qwen3moe_dense": "dense layers between MoE layers", "qwen3moe_step": "dense layers between MoE layers",
          "qwen3moe_experts_string": "num_local_experts is '4'", "mixtral_ep3": "--ep 3 does not divide the model's 4",
-         "mixtral_etp2": "pass --etp 1", "qwen2moe_ep1": "--ep 1 with expert TP = TP (1) and a shared expert",
+         "mixtral_etp2": "pass --etp 1",
+         "qwen2moe_ep1_shared": "'model.layers.0.mlp.shared_expert.gate_proj.weight' is [48, 64], config.json "
+                                "implies [64",
          "mixtral_etp_tp": "--etp 2: the experts are gated",
          "dense_ep2": "the model has no experts", "vpp_dp_reshardable": "--vpp 2 with --sharding dp_reshardable",
          "qwen2moe_shared": "'model.layers.0.mlp.shared_expert.gate_proj.weight' is [48, 64], config.json implies [64",

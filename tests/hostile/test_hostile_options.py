@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from make_corpus import Case  # noqa: E402
-from moe_corpus import MEGATRON, MOE_CASES, build_moe  # noqa: E402
+from moe_corpus import EP1_CASES, MEGATRON, MOE_CASES, build_ep1, build_moe  # noqa: E402
 from test_hostile import CKPT_TIMEOUT_S, LOAD_TIMEOUT_S, _check, _run_batch  # noqa: E402
 
 REPO = HERE.parents[1]
@@ -108,6 +108,11 @@ MOE_REFUSING = [["inspect", "--params", "{src}"], ["plan", "{src}", "--ep", "1",
                 ["reshard", "{src}", "{dst}/reshard-etp", "--ep", "1", "--etp", "2", "--dp", "1"],
                 ["export", "{src}", "{dst}/fr", "--to", "fully_reshardable"],
                 ["export", "{src}", "{dst}/hf", "--to", "hf", "--optimizer"]]  # the MoE optimizer's HF export
+# the commands that lay out an EP 1 checkpoint's dense buffer (reshard to the chained pair and at EP 1)
+EP1_REFUSING = [["inspect", "--params", "{src}"],
+                ["reshard", "{src}", "{dst}/reshard-ep2", "--tp", "1", "--dp", "2", "--ep", "2", "--etp", "1"],
+                ["reshard", "{src}", "{dst}/reshard-ep1", "--tp", "1", "--dp", "2", "--ep", "1", "--etp", "1"],
+                ["export", "{src}", "{dst}/hf", "--to", "hf", "--optimizer"]]
 STAGING = ["0", "-1", "5XB", "1e400", "99999999PB", "99999999TB", "9" * 5000, "\u0665GB"]
 
 
@@ -130,6 +135,10 @@ def _build(root: Path, dst_root: Path) -> list[Case]:
     for name, (fixture, _, _) in MOE_CASES.items():
         case = _case(root, dst_root, name, MEGATRON / fixture, MOE_REFUSING, "cannot establish the parameter layout")
         build_moe(name, Path(case.dir) / "run" / "iter_0000002")
+        cases.append(case)
+    for name, (fixture, words) in EP1_CASES.items():
+        case = _case(root, dst_root, name, MEGATRON / fixture, EP1_REFUSING, words)
+        build_ep1(name, Path(case.dir) / "run" / "iter_0000002")
         cases.append(case)
     return cases
 
@@ -158,6 +167,15 @@ def test_a_hostile_option_value_is_refused(options: tuple[dict, dict], job: str)
 
 @pytest.mark.parametrize("job", [f"{n}-{i}" for n in MOE_CASES for i in range(len(MOE_REFUSING))])
 def test_expert_chunks_that_disagree_on_expert_tp_are_refused(options: tuple[dict, dict], job: str) -> None:
+    _refused(options, job)
+
+
+@pytest.mark.parametrize("job", [f"{n}-{i}" for n in EP1_CASES for i in range(len(EP1_REFUSING))])
+def test_an_ep1_buffer_that_disagrees_with_the_shared_expert_layout_is_refused(options: tuple[dict, dict],
+                                                                                job: str) -> None:
+    """EP 1 with expert TP = TP (experts and the shared expert in the dense buffer): a bucket longer than the
+    parameters' layout, or one chunk across the shared expert's linear_fc1 and gate_weight, is refused by every
+    command that lays the buffer out, naming the key."""
     _refused(options, job)
 
 
