@@ -415,6 +415,30 @@ def test_megatron_core_loads_the_import_and_computes_transformers_logits(kind: s
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not MEGATRON_PY.exists(), reason="needs the megatron venv (fixtures/megatron/setup_venv.sh)")
+def test_megatron_core_computes_llama3_rope_scaling_as_transformers(tmp_path: Path) -> None:
+    """The import of a Llama 3.x model, loaded by megatron-core's own loader into a GPTModel built from the
+    checkpoint's args (``rope_scaling=args.use_rope_scaling``, ``rope_scaling_factor=args.rope_scaling_factor``),
+    computes transformers' logits within 1e-5, over a sequence long enough that plain RoPE would not."""
+    src = hf_model(tmp_path / "hf", "llama3")
+    import_mc(src, tmp_path / "mc", "--tp", "2", "--dp", "1", "--sharding", "dp_reshardable")
+    ids = np.random.default_rng(0).integers(0, 128, (2, 256))
+    np.save(tmp_path / "tokens.npy", ids)
+    _megatron(tmp_path / "mc", tmp_path / "out", (2, 1, 1), tmp_path / "tokens.npy")
+    got = np.load(tmp_path / "out" / "logits.npy")
+    with torch.no_grad():
+        want = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(
+            torch.from_numpy(ids)).logits.numpy()
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+        (src / "config.json").write_text(json.dumps(cfg))
+        plain = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(
+            torch.from_numpy(ids)).logits.numpy()
+    err, unscaled = np.abs(got - want).max(), np.abs(plain - want).max()
+    assert got.shape == want.shape and err < TOL and unscaled > 10 * TOL, (err, unscaled)  # 2e-7 and 2e-4
+
+
+@pytest.mark.slow
 def test_megatron_core_hf_megatron_core_at_another_topology(tmp_path: Path) -> None:
     """A genuine megatron-core save (tp2 dp2, GELU, LayerNorm, biases, learned positions: GPTBigCode) ->
     HF -> megatron-core at tp1 pp2 dp2 -> HF: the two HF folders hold the same bits."""
