@@ -35,6 +35,8 @@ EXPECTED = {
     "pair_qwen2moe_ep2_dp_reshardable": "Qwen2MoeForCausalLM",
     # RoPE + LayerNorm q/k layernorm (with biases) + linear biases + GELU, MHA, tied
     "pair_qk_layernorm_tp2_dp_reshardable": "PersimmonForCausalLM",
+    # Llama-style with --use-rope-scaling --rope-scaling-factor 32 --rotary-base 500000 (Llama 3.2's RoPE)
+    "pair_llama3_rope_tp2_dp_reshardable": "LlamaForCausalLM",
 }
 # fixture -> the flag its refusal names (no transformers class computes that model exactly)
 REFUSED = {
@@ -70,6 +72,29 @@ def test_export_matches_megatrons_forward(name: str, half: str, tmp_path: Path) 
     assert got.shape == want.shape
     err = (got - want).abs().max().item()
     assert err <= 1e-5 and want.abs().max().item() > 0.05, err
+
+
+def test_llama3_rope_scaling_fixture_exports_its_recorded_scaling(tmp_path: Path) -> None:
+    """The run's --use-rope-scaling --rope-scaling-factor 32 is written as transformers' llama3 RoPE with
+    megatron-core's fixed constants; the same weights with plain RoPE are off megatron's forward by 5e-5
+    (the export's own error is 1e-7), so the comparison above tells the two apart."""
+    name = "pair_llama3_rope_tp2_dp_reshardable"
+    if not (MEGATRON / name / "reference_logits.npz").exists():
+        pytest.skip(f"fixture {name} not generated")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    transformers = pytest.importorskip("transformers")
+    assert cli("export", MEGATRON / name, tmp_path / "hf", "--to", "hf").exit_code == 0
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["rope_parameters"] == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with np.load(MEGATRON / name / "reference_logits.npz") as z:
+        tokens, want = torch.from_numpy(z["tokens"]), torch.from_numpy(z["logits"])
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (plain(tokens).logits - want).abs().max().item() > 2e-5
 
 
 @pytest.mark.parametrize("name", _present(REFUSED))

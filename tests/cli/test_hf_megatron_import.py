@@ -512,7 +512,7 @@ def _same_schedule(genuine: Path, imported: Path) -> None:
 
 
 @pytest.mark.parametrize("fixture", ["pair_llama_tp2_dp2_dp_reshardable", "pair_qk_layernorm_tp2_dp_reshardable",
-                                     *MOE_PAIRS])
+                                     "pair_llama3_rope_tp2_dp_reshardable", *MOE_PAIRS])
 def test_optimizer_state_megatron_hf_megatron_core_is_bit_identical(fixture: str, tmp_path: Path) -> None:
     """A genuine megatron-core save (bf16, iteration 2, Adam step 2) -> ``export --to hf --optimizer`` ->
     import at another topology carries the fp32 masters and both moments and the step -> export again:
