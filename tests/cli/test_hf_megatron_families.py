@@ -97,6 +97,35 @@ def test_llama3_rope_scaling_fixture_exports_its_recorded_scaling(tmp_path: Path
         assert (plain(tokens).logits - want).abs().max().item() > 2e-5
 
 
+@pytest.mark.parametrize("name,scaling", [
+    ("pair_qwen3_tp2_dp_reshardable", True), ("pair_mixtral_ep2_dp_reshardable", True),
+    ("pair_starcoder2_tp2_dp_reshardable", True), ("pair_tp2_dp2_dp_reshardable", True),
+    ("pair_llama_tp2_dp2_dp_reshardable", None)])
+def test_rope_scaling_outside_llama_is_refused_by_flag(name: str, scaling: bool | None) -> None:
+    """--use-rope-scaling maps only onto LlamaForCausalLM (the class whose logits were compared with megatron's):
+    with q/k norms, experts, LayerNorm or learned positions it is refused naming the flag. Without
+    --rope-scaling-factor recorded, megatron-core's default 8 is used and the export says it assumed it."""
+    from dataclasses import replace
+
+    from ckpt_tool.hf import megatron_arch
+    from gtp_format.errors import FormatError
+    from gtp_format.megatron.args import describe_model, recorded_args
+    from gtp_format.megatron.view import megatron_views
+    from gtp_format.reader.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(MEGATRON / name)
+    d = replace(describe_model(ckpt), use_rope_scaling=True, rope_scaling_factor=None)
+    shapes = {v.name: v.full_shape for v in megatron_views(ckpt, experts=True).values()}
+    if scaling:
+        with pytest.raises(FormatError, match="--use-rope-scaling"):
+            megatron_arch.choose(d, recorded_args(ckpt), shapes, None, "float32", name)
+        return
+    target = megatron_arch.choose(d, recorded_args(ckpt), shapes, None, "float32", name)
+    assert target.architecture == "LlamaForCausalLM"
+    assert target.config["rope_parameters"]["factor"] == 8.0
+    assert any("RoPE scaling factor 8.0" in a for a in target.assumed), target.assumed
+
+
 @pytest.mark.parametrize("name", _present(REFUSED))
 def test_models_with_no_exact_class_are_refused_by_flag(name: str, tmp_path: Path) -> None:
     r = cli("export", MEGATRON / name, tmp_path / "hf", "--to", "hf")
