@@ -24,8 +24,12 @@ goes through the activation). megatron's RoPE rotates halves (``rotary_interleav
 transformers' ``rotate_half`` does, with ``inv_freq = base ** -(2i / head_dim)``; attention is scaled
 by ``kv_channels ** -0.5``, as every class here scales by ``head_dim ** -0.5``.
 
+``--use-rope-scaling`` (Llama 3.x's frequency scaling) maps onto ``LlamaForCausalLM`` with ``rope_parameters``
+``{rope_type: llama3, factor: --rope-scaling-factor}`` and megatron-core's fixed ``low_freq_factor`` 1,
+``high_freq_factor`` 4, ``original_max_position_embeddings`` 8192; with any other family it is refused.
+
 What no class represents exactly is refused in one line naming the Megatron setting (MoE, interleaved
-or partial rotary, RoPE scaling, zero-centred gamma, GLU offsets and clamps, multi-latent attention,
+or partial rotary, RoPE scaling outside Llama, zero-centred gamma, GLU offsets and clamps, multi-latent attention,
 ...): a folder that loads and computes another function is worse than a refusal.
 """
 
@@ -42,12 +46,20 @@ from gtp_format.megatron.args import ModelDescription
 Rows = tuple[tuple[int, int], ...]
 MEGATRON_EPS = 1e-5  # TransformerConfig.layernorm_epsilon's default (--norm-epsilon)
 MEGATRON_ROPE_BASE = 10000  # --rotary-base's default
+# --use-rope-scaling: megatron-core 0.19.2's RotaryEmbedding._apply_scaling takes only the factor
+# (--rope-scaling-factor, default 8) and fixes the other three constants of Llama 3's scaling to these
+# values, which transformers' "llama3" rope type reads from rope_parameters (the same piecewise formula:
+# wavelengths under original / high_freq_factor kept, over original / low_freq_factor divided by the
+# factor, the band between interpolated)
+MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+MEGATRON_ROPE_SCALING_FACTOR = 8.0
+# the classes checked to compute megatron-core's --use-rope-scaling exactly (same logits within 1e-5)
+ROPE_SCALING_CLASSES = ("LlamaForCausalLM",)
 # args whose non-default value changes the forward in a way no class here represents
 # (the flag, the numeric value that is the default where there is one; off, None or False, is always default)
 UNREPRESENTABLE = {
     "rotary_interleaved": ("--rotary-interleaved (transformers' classes rotate halves)", None),
     "apply_layernorm_1p": ("--apply-layernorm-1p (zero-centred gamma)", None),
-    "use_rope_scaling": ("--use-rope-scaling (Llama 3.1 frequency scaling)", None),
     "rotary_seq_len_interpolation_factor": ("--rotary-seq-len-interpolation-factor", None),
     "glu_linear_offset": ("--glu-linear-offset", 0.0),
     "activation_func_clamp_value": ("--activation-func-clamp-value", None),
@@ -164,7 +176,8 @@ def choose(d: ModelDescription, args: dict[str, Any], shapes: dict[str, tuple[in
     ffn = d.ffn_hidden_size
 
     if d.position_embedding_type == "learned_absolute":
-        why = [w for w, bad in (("RMSNorm (--normalization RMSNorm)", norm != "LayerNorm"),
+        why = [w for w, bad in (("--use-rope-scaling (Llama 3.1 frequency scaling)", bool(d.use_rope_scaling)),
+                                ("RMSNorm (--normalization RMSNorm)", norm != "LayerNorm"),
                                 ("a model without linear biases (--disable-bias-linear)", not bias),
                                 (f"a gated MLP ({'--swiglu' if act == 'silu' else '--quick-geglu'})", gated),
                                 ("q/k layernorm (--qk-layernorm)", bool(d.qk_layernorm)),
@@ -189,11 +202,23 @@ def choose(d: ModelDescription, args: dict[str, Any], shapes: dict[str, tuple[in
         base = MEGATRON_ROPE_BASE
         assumed.append(f"rotary base {MEGATRON_ROPE_BASE}, megatron-core's default: the args do not record "
                        "--rotary-base")
-    rope = {"rope_type": "default", "rope_theta": float(base)}
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(base)}
+    if d.use_rope_scaling:
+        factor = d.rope_scaling_factor
+        if factor is None:
+            factor = MEGATRON_ROPE_SCALING_FACTOR
+            assumed.append(f"RoPE scaling factor {factor}, megatron-core's default: the args record "
+                           "--use-rope-scaling without --rope-scaling-factor")
+        rope = {"rope_type": "llama3", "rope_theta": float(base), "factor": float(factor), **MEGATRON_LLAMA3}
     seq = args.get("max_position_embeddings") or args.get("seq_length") or 4096
     attn = {"hidden_size": hidden, "intermediate_size": ffn, "num_attention_heads": heads,
             "num_key_value_heads": groups, "max_position_embeddings": seq, "rope_parameters": rope,
             "attention_dropout": 0.0, "hidden_act": ACT_HF.get(act, act)}
+    llama = norm == "RMSNorm" and gated and act == "silu" and not d.qk_layernorm and not (qkv_bias and not bias)
+    if d.use_rope_scaling and (d.num_experts or not llama):
+        raise _refuse(where, "--use-rope-scaling (Llama 3.1 frequency scaling) maps only onto "
+                      f"{', '.join(ROPE_SCALING_CLASSES)} (RMSNorm, --swiglu, no q/k layernorm, no MoE), the class "
+                      "checked to compute it exactly; this model is another family")
     if d.num_experts:
         arch, mtype, config = _moe(d, args, attn, dim, eps, bias, qkv_bias, gated and act == "silu" and
                                    norm == "RMSNorm", _any(shapes, "shared_experts.gate_weight"), heads, hidden, where)

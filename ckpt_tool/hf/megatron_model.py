@@ -182,30 +182,63 @@ def _get(cfg: dict[str, Any], arch: str, key: str) -> Any:
     return cfg.get(key, DEFAULTS[arch].get(key))
 
 
-def _rope_theta(cfg: dict[str, Any], where: str, factor_default: float = 1.0) -> float:
-    """RoPE's base, from transformers 5's ``rope_parameters`` or the older ``rope_theta``/``rope_scaling``;
-    anything but plain RoPE is refused (megatron-core's GPT rotates with the plain frequencies)."""
-    params = cfg.get("rope_parameters")
-    scaling = cfg.get("rope_scaling")
+ROPE_SCALING_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM")  # read with llama3 RoPE: both export as Llama
+
+
+def _number(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and v == v and abs(v) != float("inf")
+
+
+def rope_parameters(cfg: dict[str, Any], arch: str, where: str, factor_default: float = 1.0) -> dict[str, Any]:
+    """The RoPE the folder's class computes, read as transformers 5 reads it: ``rope_scaling`` (older configs)
+    over ``rope_parameters``, ``rope_theta`` there or at the top, and for ``llama3`` the top-level
+    ``original_max_position_embeddings`` over the one in the parameters (else ``max_position_embeddings``).
+
+    Plain RoPE (``{rope_type: default, rope_theta}``), or, on a Llama-family class, Llama 3's scaling with the
+    constants megatron-core fixes (:data:`.megatron_arch.MEGATRON_LLAMA3`): ``--use-rope-scaling`` with
+    ``--rope-scaling-factor`` = ``factor``. Any other type (yarn, linear, dynamic, longrope, ...) or a llama3
+    constant megatron-core does not compute is refused naming the field and its value."""
+    params, scaling = cfg.get("rope_parameters"), cfg.get("rope_scaling")
     for what, p in (("rope_parameters", params), ("rope_scaling", scaling)):
-        if p is None:
-            continue
-        if not isinstance(p, dict):
+        if p is not None and not isinstance(p, dict):
             raise FormatError(f"{where}: {what} is {p!r}, not an object; fix config.json")
-        kind = p.get("rope_type", p.get("type", "default"))
-        if kind != "default":
-            raise FormatError(f"{where}: {what}.rope_type {kind!r}: RoPE scaling has no megatron-core GPT form here "
-                              "(plain RoPE only)")
-    theta = (params or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+    what, p = ("rope_scaling", scaling) if scaling else ("rope_parameters", params or {})
+    kind = p.get("rope_type", p.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise FormatError(f"{where}: {what}.rope_type {kind!r}: this RoPE scaling has no megatron-core GPT form "
+                          "(plain RoPE, or Llama 3's 'llama3' as --use-rope-scaling, only)")
+    if kind == "llama3" and arch not in ROPE_SCALING_CLASSES:
+        raise FormatError(f"{where}: {what}.rope_type 'llama3' on {arch}: megatron-core's --use-rope-scaling maps "
+                          f"onto {', '.join(ROPE_SCALING_CLASSES)} only here")
+    theta = p.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if not _number(theta) or not theta > 0:
         raise FormatError(f"{where}: rope_theta is {theta!r}, not a positive number; fix config.json")
     if float(theta) != int(theta):
         raise FormatError(f"{where}: rope_theta {theta} is not a whole number, as Megatron's --rotary-base is")
-    factor = (params or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", factor_default))
+    factor = p.get("partial_rotary_factor", cfg.get("partial_rotary_factor", factor_default))
     if factor != 1.0:
         raise FormatError(f"{where}: partial_rotary_factor {factor!r}: partial rotary has no exact megatron-core "
                           "form here")
-    return float(theta)
+    out: dict[str, Any] = {"rope_type": kind, "rope_theta": float(theta)}
+    if kind == "default":
+        return out
+    scale = p.get("factor")
+    if not _number(scale) or not scale > 0:
+        raise FormatError(f"{where}: {what}.factor is {scale!r}, not a positive number (--rope-scaling-factor); "
+                          "fix config.json")
+    out["factor"] = float(scale)
+    for key, want in megatron_arch.MEGATRON_LLAMA3.items():
+        name, got = f"{what}.{key}", p.get(key)
+        if key == "original_max_position_embeddings":
+            if key in cfg:  # transformers gives the top-level key priority
+                name, got = key, cfg[key]
+            elif got is None:
+                name, got = f"{what}.{key} (absent: max_position_embeddings)", cfg.get("max_position_embeddings")
+        if not _number(got) or got != want:
+            raise FormatError(f"{where}: {name} is {got!r}; megatron-core's --use-rope-scaling fixes it to {want} "
+                              "(only the factor is a setting), so no megatron-core form computes this RoPE")
+        out[key] = want
+    return out
 
 
 def megatron_args(cfg: dict[str, Any], where: str) -> tuple[str, dict[str, Any]]:
@@ -299,7 +332,9 @@ def _rope_args(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
         if not _get(cfg, arch, "qk_layernorm"):
             raise FormatError(f"{where}: qk_layernorm false: megatron-core's form of this model exports as "
                               "Starcoder2ForCausalLM, not Persimmon; no round trip, so it is refused")
-    factor = DEFAULTS[arch].get("partial_rotary_factor", 1.0)
+    rope = rope_parameters(cfg, arch, where, DEFAULTS[arch].get("partial_rotary_factor", 1.0))
+    # megatron-core's GPTModel(rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor)
+    scaled = {"use_rope_scaling": True, "rope_scaling_factor": rope["factor"]} if rope["rope_type"] == "llama3" else {}
     flags = {f: False for f in ("openai_gelu", "squared_relu")}
     if not gated and ACT_FLAGS[act]:
         flags[ACT_FLAGS[act]] = True
@@ -307,7 +342,7 @@ def _rope_args(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
             "num_query_groups": groups, "group_query_attention": groups != heads, "kv_channels": dim,
             "swiglu": gated, **flags, "normalization": "LayerNorm" if arch in LAYERNORM else "RMSNorm",
             "norm_epsilon": _get(cfg, arch, eps_key), "position_embedding_type": "rope",
-            "add_position_embedding": False, "rotary_base": int(_rope_theta(cfg, where, factor)),
+            "add_position_embedding": False, "rotary_base": int(rope["rope_theta"]), **scaled,
             "rotary_percent": 1.0, "rotary_interleaved": False, "qk_layernorm": qk_norm, "add_bias_linear": bias,
             "add_qkv_bias": qkv_bias, "untie_embeddings_and_output_weights": not _get(cfg, arch, "tie_word_embeddings"),
             "max_position_embeddings": _int(cfg, "max_position_embeddings", where,
@@ -366,7 +401,8 @@ def description(args: dict[str, Any]) -> ModelDescription:
         kv_channels=args["kv_channels"], vocab_size=args["padded_vocab_size"], gated_linear_unit=args["swiglu"],
         activation=act, normalization=args["normalization"], norm_epsilon=args["norm_epsilon"],
         position_embedding_type=args["position_embedding_type"], rotary_base=args.get("rotary_base"),
-        rotary_percent=args.get("rotary_percent"), qk_layernorm=args["qk_layernorm"],
+        rotary_percent=args.get("rotary_percent"), use_rope_scaling=args.get("use_rope_scaling"),
+        rope_scaling_factor=args.get("rope_scaling_factor"), qk_layernorm=args["qk_layernorm"],
         add_bias_linear=args["add_bias_linear"], add_qkv_bias=args["add_qkv_bias"],
         untied=args["untie_embeddings_and_output_weights"], num_experts=args.get("num_experts"),
         moe_ffn_hidden_size=args.get("moe_ffn_hidden_size"), moe_router_enable_expert_bias=args.get(
@@ -445,11 +481,14 @@ def _check_config(arch: str, cfg: dict[str, Any], target: megatron_arch.Target, 
                                                                           "Qwen2MoeForCausalLM")):
             continue  # Qwen-MoE's dense FFN size: no dense layer (mlp_only_layers empty) uses it
         if key == "partial_rotary_factor":
-            continue  # _rope_theta refuses anything but 1.0 (read where transformers reads it)
-        if key == "rope_parameters":
-            got = float(_rope_theta(cfg, where, DEFAULTS[arch].get("partial_rotary_factor", 1.0)))
-            if got != want["rope_theta"]:
-                raise FormatError(f"{where}: rope_theta {got} is not {want['rope_theta']}")
+            continue  # rope_parameters() refuses anything but 1.0 (read where transformers reads it)
+        if key == "rope_parameters":  # the whole RoPE, as transformers reads it (partial rotary checked there)
+            got = rope_parameters(cfg, arch, where, DEFAULTS[arch].get("partial_rotary_factor", 1.0))
+            want = {k: v for k, v in want.items() if k != "partial_rotary_factor"}
+            for k in sorted(set(got) | set(want)):
+                if got.get(k) != want.get(k):
+                    raise FormatError(f"{where}: rope_parameters {k} is {got.get(k)!r}; megatron-core's form of this "
+                                      f"model computes {want.get(k)!r} (no exact megatron-core mapping)")
             continue
         got = cfg.get(key, DEFAULTS[arch].get(key, want))
         if arch in MOE and key == MOE[arch][0]:

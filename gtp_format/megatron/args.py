@@ -6,7 +6,8 @@ change what the stored tensors mean are read from it under Megatron-LM's argumen
 (megatron-core 0.19.2 ``megatron/training/arguments.py``): ``num_attention_heads``,
 ``num_query_groups`` (with ``group_query_attention``), ``kv_channels``, ``swiglu`` /
 ``squared_relu`` / ``openai_gelu`` / ``quick_geglu``, ``normalization``, ``position_embedding_type``,
-``rotary_base``, ``rotary_percent``, ``qk_layernorm``, ``add_bias_linear``, ``add_qkv_bias``,
+``rotary_base``, ``rotary_percent``, ``use_rope_scaling`` / ``rope_scaling_factor`` (Llama 3's frequency
+scaling), ``qk_layernorm``, ``add_bias_linear``, ``add_qkv_bias``,
 ``untie_embeddings_and_output_weights``, ``num_experts``, ``moe_ffn_hidden_size``,
 ``moe_shared_expert_intermediate_size``, ``moe_router_enable_expert_bias``,
 ``decoder_first_pipeline_num_layers`` / ``decoder_last_pipeline_num_layers``; and, for the order of the
@@ -67,9 +68,10 @@ _INTS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", 
          "padded_vocab_size", "max_position_embeddings", "num_experts", "moe_ffn_hidden_size",
          "moe_shared_expert_intermediate_size", "decoder_first_pipeline_num_layers",
          "decoder_last_pipeline_num_layers", "rotary_base")
-_BOOLS = ("group_query_attention", "qk_layernorm", "add_bias_linear", "add_qkv_bias",
+_BOOLS = ("group_query_attention", "qk_layernorm", "use_rope_scaling", "add_bias_linear", "add_qkv_bias",
           "untie_embeddings_and_output_weights", "moe_router_enable_expert_bias", "moe_grouped_gemm", *ACTIVATIONS)
 _FLOATS = ("rotary_percent", "norm_epsilon")
+_POSITIVE = ("rope_scaling_factor",)  # numbers that must be > 0 (a factor of 0 divides by zero)
 _STRS = ("normalization", "position_embedding_type", "transformer_impl")
 # the Megatron-LM flag that sets each description field (refusals name the flag, not an internal count)
 FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
@@ -77,6 +79,7 @@ FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidd
          "kv_channels": "--kv-channels", "vocab_size": "--padded-vocab-size", "gated_linear_unit": "--swiglu",
          "activation": "--swiglu/--squared-relu/--openai-gelu/--quick-geglu", "normalization": "--normalization",
          "position_embedding_type": "--position-embedding-type", "qk_layernorm": "--qk-layernorm",
+         "use_rope_scaling": "--use-rope-scaling", "rope_scaling_factor": "--rope-scaling-factor",
          "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias",
          "untied": "--untie-embeddings-and-output-weights", "num_experts": "--num-experts",
          "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
@@ -109,6 +112,8 @@ class ModelDescription:
     position_embedding_type: str | None = None
     rotary_base: int | None = None
     rotary_percent: float | None = None
+    use_rope_scaling: bool | None = None  # Llama 3's RoPE frequency scaling (megatron-core fixes its other constants)
+    rope_scaling_factor: float | None = None
     qk_layernorm: bool | None = None
     add_bias_linear: bool | None = None
     add_qkv_bias: bool | None = None
@@ -175,6 +180,8 @@ class ModelDescription:
             pos = {"learned_absolute": "learned positions", "rope": "RoPE", "none": "no positions"}.get(
                 self.position_embedding_type, self.position_embedding_type)
             parts.append(v("position_embedding_type", pos))
+        if self.use_rope_scaling and self.position_embedding_type == "rope":
+            parts.append(f"Llama 3 RoPE scaling x{self.rope_scaling_factor if self.rope_scaling_factor else 8.0:g}")
         if self.qk_layernorm:
             parts.append(v("qk_layernorm", "q/k layernorm"))
         if self.add_bias_linear is False:
@@ -229,6 +236,9 @@ def _typed(ckpt: Checkpoint, raw: dict[str, Any]) -> dict[str, Any]:
         elif name in _FLOATS:
             if type(value) not in (int, float) or not 0 <= value <= MAX_SIZE:
                 raise _lie(ckpt, f"args {name}={value!r} is not a non-negative number")
+        elif name in _POSITIVE:
+            if type(value) not in (int, float) or not 0 < value <= MAX_SIZE:
+                raise _lie(ckpt, f"args {name}={value!r} is not a positive number")
         elif name in _STRS:
             if type(value) is not str:
                 raise _lie(ckpt, f"args {name}={value!r} is not a string")
@@ -264,7 +274,8 @@ def describe_model(ckpt: Checkpoint) -> ModelDescription:
 
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
                  "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "rotary_base",
-                 "rotary_percent", "norm_epsilon", "qk_layernorm", "add_bias_linear", "add_qkv_bias",
+                 "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "norm_epsilon", "qk_layernorm",
+                 "add_bias_linear", "add_qkv_bias",
                  "moe_router_enable_expert_bias", "transformer_impl", "moe_grouped_gemm"):
         put(name, a.get(name), "args")
     put("vocab_size", a.get("padded_vocab_size"), "args")

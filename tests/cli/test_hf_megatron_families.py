@@ -38,6 +38,8 @@ EXPECTED = {
     "pair_qwen2moe_tp2_ep1_dp_reshardable": "Qwen2MoeForCausalLM",  # EP 1: experts and shared expert dense
     # RoPE + LayerNorm q/k layernorm (with biases) + linear biases + GELU, MHA, tied
     "pair_qk_layernorm_tp2_dp_reshardable": "PersimmonForCausalLM",
+    # Llama-style with --use-rope-scaling --rope-scaling-factor 32 --rotary-base 500000 (Llama 3.2's RoPE)
+    "pair_llama3_rope_tp2_dp_reshardable": "LlamaForCausalLM",
 }
 # fixture -> the flag its refusal names (no transformers class computes that model exactly)
 REFUSED = {
@@ -73,6 +75,58 @@ def test_export_matches_megatrons_forward(name: str, half: str, tmp_path: Path) 
     assert got.shape == want.shape
     err = (got - want).abs().max().item()
     assert err <= 1e-5 and want.abs().max().item() > 0.05, err
+
+
+def test_llama3_rope_scaling_fixture_exports_its_recorded_scaling(tmp_path: Path) -> None:
+    """The run's --use-rope-scaling --rope-scaling-factor 32 is written as transformers' llama3 RoPE with
+    megatron-core's fixed constants; the same weights with plain RoPE are off megatron's forward by 5e-5
+    (the export's own error is 1e-7), so the comparison above tells the two apart."""
+    name = "pair_llama3_rope_tp2_dp_reshardable"
+    if not (MEGATRON / name / "reference_logits.npz").exists():
+        pytest.skip(f"fixture {name} not generated")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    transformers = pytest.importorskip("transformers")
+    assert cli("export", MEGATRON / name, tmp_path / "hf", "--to", "hf").exit_code == 0
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["rope_parameters"] == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with np.load(MEGATRON / name / "reference_logits.npz") as z:
+        tokens, want = torch.from_numpy(z["tokens"]), torch.from_numpy(z["logits"])
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (plain(tokens).logits - want).abs().max().item() > 2e-5
+
+
+@pytest.mark.parametrize("name,scaling", [
+    ("pair_qwen3_tp2_dp_reshardable", True), ("pair_mixtral_ep2_dp_reshardable", True),
+    ("pair_starcoder2_tp2_dp_reshardable", True), ("pair_tp2_dp2_dp_reshardable", True),
+    ("pair_llama_tp2_dp2_dp_reshardable", None)])
+def test_rope_scaling_outside_llama_is_refused_by_flag(name: str, scaling: bool | None) -> None:
+    """--use-rope-scaling maps only onto LlamaForCausalLM (the class whose logits were compared with megatron's):
+    with q/k norms, experts, LayerNorm or learned positions it is refused naming the flag. Without
+    --rope-scaling-factor recorded, megatron-core's default 8 is used and the export says it assumed it."""
+    from dataclasses import replace
+
+    from ckpt_tool.hf import megatron_arch
+    from gtp_format.errors import FormatError
+    from gtp_format.megatron.args import describe_model, recorded_args
+    from gtp_format.megatron.view import megatron_views
+    from gtp_format.reader.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(MEGATRON / name)
+    d = replace(describe_model(ckpt), use_rope_scaling=True, rope_scaling_factor=None)
+    shapes = {v.name: v.full_shape for v in megatron_views(ckpt, experts=True).values()}
+    if scaling:
+        with pytest.raises(FormatError, match="--use-rope-scaling"):
+            megatron_arch.choose(d, recorded_args(ckpt), shapes, None, "float32", name)
+        return
+    target = megatron_arch.choose(d, recorded_args(ckpt), shapes, None, "float32", name)
+    assert target.architecture == "LlamaForCausalLM"
+    assert target.config["rope_parameters"]["factor"] == 8.0
+    assert any("RoPE scaling factor 8.0" in a for a in target.assumed), target.assumed
 
 
 @pytest.mark.parametrize("name", _present(REFUSED))

@@ -45,6 +45,12 @@ MEGATRON_PY = MEGATRON / "_venv" / "bin" / "python"
 FORWARD = ROOT / "tests" / "helpers" / "megatron_forward.py"
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
 TOL = 1e-5
+# Llama 3.2's RoPE (factor 32, megatron-core's low/high factors and 8192 original positions): with theta 500000
+# and head dim 16 the 8 frequencies have wavelengths 2 pi 500000^(i/8): i <= 3 under 8192/4 (kept), i = 4 in
+# between (interpolated), i >= 5 over 8192 (divided by the factor), so every band of the formula is used
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+LLAMA3 = dict(SIZES, num_key_value_heads=2, rope_parameters=LLAMA3_ROPE, max_position_embeddings=131072)
 
 
 def hf_model(root: Path, kind: str, dtype: torch.dtype = torch.float32) -> Path:
@@ -54,6 +60,9 @@ def hf_model(root: Path, kind: str, dtype: torch.dtype = torch.float32) -> Path:
     elif kind == "llama_mqa_tied":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_key_value_heads=1,
                                                                        tie_word_embeddings=True, **SIZES))
+    elif kind in ("llama3", "mistral_llama3"):  # Llama 3.x RoPE scaling with megatron-core's fixed constants
+        model = (transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=None, **LLAMA3))
+                 if kind == "mistral_llama3" else transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA3)))
     elif kind == "mistral":  # no sliding window, its own head_dim: Llama's forward under another class
         model = transformers.MistralForCausalLM(transformers.MistralConfig(
             num_key_value_heads=2, sliding_window=None, head_dim=24, rope_theta=40000.0, **SIZES))
@@ -164,6 +173,66 @@ def test_mistral_imports_and_exports_back_as_llama(sharding: str, tmp_path: Path
         want = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(ids).logits
         got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()(ids)
     assert torch.equal(got.logits, want)
+
+
+@pytest.mark.parametrize("kind,sharding", [("llama3", "dp_reshardable"), ("llama3", "fully_reshardable"),
+                                           ("mistral_llama3", "dp_reshardable")])
+def test_llama3_rope_scaling_round_trips_bit_identical(kind: str, sharding: str, tmp_path: Path) -> None:
+    """Llama 3.x's RoPE scaling is megatron-core's --use-rope-scaling with --rope-scaling-factor: imported, the
+    args record both, and the export gives back every tensor bit for bit and the same rope_parameters."""
+    src = hf_model(tmp_path / "hf", kind)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    inv = model.model.rotary_emb.inv_freq
+    plain = 1.0 / (500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    assert torch.equal(inv[:4], plain[:4]) and torch.allclose(inv[5:], plain[5:] / 32)  # kept, divided
+    assert plain[4] / 32 < inv[4] < plain[4]  # interpolated: the scaling changes the frequencies in each band
+    import_mc(src, tmp_path / "mc", "--tp", "2", "--dp", "2", "--sharding", sharding)
+    r = cli("inspect", tmp_path / "mc", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    model = json.loads(r.stdout)["megatron_model"]  # the one model description, read back from common_state args
+    assert model["use_rope_scaling"] is True and model["rope_scaling_factor"] == 32.0 and model["rotary_base"] == \
+        500000 and "Llama 3 RoPE scaling x32" in model["text"], model
+    r = cli("export", tmp_path / "mc", tmp_path / "back", "--to", "hf", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["architecture"] == "LlamaForCausalLM"
+    assert_same_tensors(src, tmp_path / "back")
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back["rope_parameters"] == LLAMA3_ROPE == json.loads((src / "config.json").read_text())["rope_parameters"]
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 128, (2, 12)))
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        want = model.eval()(ids).logits
+        got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()(ids)
+    assert torch.equal(got.logits, want)
+
+
+@pytest.mark.parametrize("change,needles", [
+    ({"low_freq_factor": 2.0}, ["rope_parameters.low_freq_factor is 2.0", "fixes it to 1.0"]),
+    ({"high_freq_factor": 8.0}, ["rope_parameters.high_freq_factor is 8.0", "fixes it to 4.0"]),
+    ({"original_max_position_embeddings": 4096}, ["rope_parameters.original_max_position_embeddings is 4096",
+                                                  "fixes it to 8192"]),
+    ({"original_max_position_embeddings": None}, ["original_max_position_embeddings (absent: "
+                                                  "max_position_embeddings) is 131072"]),
+    ({"factor": -1.0}, ["rope_parameters.factor is -1.0", "not a positive number"]),
+    ({"factor": "x"}, ["rope_parameters.factor is 'x'"]),
+    ({"rope_type": "yarn"}, ["rope_parameters.rope_type 'yarn'", "no megatron-core GPT form"]),
+    ({"rope_type": "linear"}, ["rope_parameters.rope_type 'linear'"]),
+    ({"rope_type": "dynamic"}, ["rope_parameters.rope_type 'dynamic'"]),
+    ({"top": {"original_max_position_embeddings": 4096}}, ["original_max_position_embeddings is 4096"]),
+    ({"top": {"rope_scaling": dict(LLAMA3_ROPE, low_freq_factor=2.0)}}, ["rope_scaling.low_freq_factor is 2.0"]),
+    ({"top": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}},
+     ["rope_type 'llama3' on Qwen2ForCausalLM", "LlamaForCausalLM"]),
+])
+def test_llama3_rope_that_megatron_core_does_not_compute_is_refused(change: dict, needles: list[str],
+                                                                    tmp_path: Path) -> None:
+    """megatron-core fixes low_freq_factor 1, high_freq_factor 4 and 8192 original positions; any other value
+    (or a key transformers reads in their place) computes other frequencies: refused naming the key."""
+    src = hf_model(tmp_path / "hf", "llama3")
+    top = change.pop("top", {})
+    rope = {k: v for k, v in {**LLAMA3_ROPE, **change}.items() if v is not None}
+    _edit_config(src, rope_parameters=rope, **top)
+    assert_error_line(cli("import", src, tmp_path / "out", "--from", "hf", "--to", "megatron-core"), 2, *needles)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("window", [4096, "absent"])
@@ -352,6 +421,30 @@ def test_megatron_core_loads_the_import_and_computes_transformers_logits(kind: s
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not MEGATRON_PY.exists(), reason="needs the megatron venv (fixtures/megatron/setup_venv.sh)")
+def test_megatron_core_computes_llama3_rope_scaling_as_transformers(tmp_path: Path) -> None:
+    """The import of a Llama 3.x model, loaded by megatron-core's own loader into a GPTModel built from the
+    checkpoint's args (``rope_scaling=args.use_rope_scaling``, ``rope_scaling_factor=args.rope_scaling_factor``),
+    computes transformers' logits within 1e-5, over a sequence long enough that plain RoPE would not."""
+    src = hf_model(tmp_path / "hf", "llama3")
+    import_mc(src, tmp_path / "mc", "--tp", "2", "--dp", "1", "--sharding", "dp_reshardable")
+    ids = np.random.default_rng(0).integers(0, 128, (2, 256))
+    np.save(tmp_path / "tokens.npy", ids)
+    _megatron(tmp_path / "mc", tmp_path / "out", (2, 1, 1), tmp_path / "tokens.npy")
+    got = np.load(tmp_path / "out" / "logits.npy")
+    with torch.no_grad():
+        want = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(
+            torch.from_numpy(ids)).logits.numpy()
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+        (src / "config.json").write_text(json.dumps(cfg))
+        plain = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(
+            torch.from_numpy(ids)).logits.numpy()
+    err, unscaled = np.abs(got - want).max(), np.abs(plain - want).max()
+    assert got.shape == want.shape and err < TOL and unscaled > 10 * TOL, (err, unscaled)  # 2e-7 and 2e-4
+
+
+@pytest.mark.slow
 def test_megatron_core_hf_megatron_core_at_another_topology(tmp_path: Path) -> None:
     """A genuine megatron-core save (tp2 dp2, GELU, LayerNorm, biases, learned positions: GPTBigCode) ->
     HF -> megatron-core at tp1 pp2 dp2 -> HF: the two HF folders hold the same bits."""
@@ -426,7 +519,7 @@ def _same_schedule(genuine: Path, imported: Path) -> None:
 
 
 @pytest.mark.parametrize("fixture", ["pair_llama_tp2_dp2_dp_reshardable", "pair_qk_layernorm_tp2_dp_reshardable",
-                                     *MOE_PAIRS])
+                                     "pair_llama3_rope_tp2_dp_reshardable", *MOE_PAIRS])
 def test_optimizer_state_megatron_hf_megatron_core_is_bit_identical(fixture: str, tmp_path: Path) -> None:
     """A genuine megatron-core save (bf16, iteration 2, Adam step 2) -> ``export --to hf --optimizer`` ->
     import at another topology carries the fp32 masters and both moments and the step -> export again:
@@ -557,7 +650,7 @@ def _edit_config(folder: Path, **change: object) -> None:
     ("ffn", ["'model.layers.0.mlp.gate_proj.weight' is [128, 64]", "config.json implies [96, 64]"]),
     ("heads", ["'model.layers.0.self_attn.k_proj.weight' is [32, 64]", "[64, 64]"]),
     ("layers", ["says 1000000000 layers", "holds 21"]),
-    ("scaling", ["rope_type 'llama3'", "RoPE scaling"]),
+    ("scaling", ["rope_parameters.low_freq_factor is None", "fixes it to 1.0"]),
     ("act", ["hidden_act 'gelu'", "--swiglu"]),
     ("extra", ["21 tensors", "holds 22"]),
     ("tp", ["--tp 3 does not divide the model's num_attention_heads 4"]),

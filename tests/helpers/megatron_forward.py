@@ -3,7 +3,8 @@
 ``python megatron_forward.py CKPT_ITER_DIR OUT_DIR TP PP DP TOKENS.npy`` spawns TP x PP x DP gloo CPU ranks.
 Each builds megatron-core's ``GPTModel`` (local spec) from the checkpoint's own ``common_state`` args as
 Megatron-LM's ``core_transformer_config_from_args`` would (``--swiglu``: gated SiLU; ``--openai-gelu``;
-``--squared-relu``; ``--normalization``; ``--qk-layernorm``; GQA; RoPE base; tied or untied output; MoE:
+``--squared-relu``; ``--normalization``; ``--qk-layernorm``; GQA; RoPE base; ``--use-rope-scaling`` with
+``--rope-scaling-factor`` (as Megatron-LM's ``gpt_builders`` passes them to ``GPTModel``); tied or untied output; MoE:
 ``--num-experts``, ``--moe-ffn-hidden-size``, ``--moe-router-topk``, ``--moe-router-pre-softmax``,
 SequentialMLP experts at the args' EP and expert TP, the allgather dispatcher, sequence parallelism at TP > 1
 as megatron-core requires for MoE), wrapped as training does (``Float16Module`` for bf16, megatron DDP with
@@ -73,7 +74,9 @@ def _build(args: Any, tp: int, pp: int) -> tuple[Any, Any]:
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                      position_embedding_type=args.position_embedding_type,
                      rotary_base=getattr(args, "rotary_base", 10000),
-                     rotary_percent=getattr(args, "rotary_percent", 1.0), parallel_output=False)
+                     rotary_percent=getattr(args, "rotary_percent", 1.0),
+                     rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
+                     rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0), parallel_output=False)
     if bf16:
         model = Float16Module(config, model)
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,

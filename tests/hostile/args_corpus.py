@@ -70,6 +70,15 @@ ARGS_CASES: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
                            ("TEGroupedMLP", "--moe-grouped-gemm", "--dist-ckpt-optim-fully-reshardable")),
     "heads_a_string": ("pair_tp2_dp2_dp_reshardable", {"num_attention_heads": "four"},
                        ("num_attention_heads='four'",)),
+    # --rope-scaling-factor divides the low frequencies: a string, a negative or a zero factor is no model
+    "rope_scaling_factor_a_string": ("pair_llama3_rope_tp2_dp_reshardable", {"rope_scaling_factor": "x"},
+                                     ("rope_scaling_factor='x'", "not a positive number")),
+    "rope_scaling_factor_negative": ("pair_llama3_rope_tp2_dp_reshardable", {"rope_scaling_factor": -1.0},
+                                     ("rope_scaling_factor=-1.0", "not a positive number")),
+    "rope_scaling_factor_zero": ("pair_llama3_rope_tp2_dp_reshardable", {"rope_scaling_factor": 0.0},
+                                 ("rope_scaling_factor=0.0",)),
+    "use_rope_scaling_a_string": ("pair_llama3_rope_tp2_dp_reshardable", {"use_rope_scaling": "yes"},
+                                  ("use_rope_scaling='yes'", "not a bool")),
 }
 
 

@@ -73,6 +73,9 @@ def test_the_fixtures_args_agree() -> None:
         "LayerNorm", "learned_absolute", False, False)
     untied = describe_model(open_checkpoint(MEGATRON / "pair_untied_pp2_dp_reshardable"))
     assert untied.untied is True and "untied" in untied.inferred
+    llama3 = describe_model(open_checkpoint(MEGATRON / "pair_llama3_rope_tp2_dp_reshardable"))
+    assert (llama3.use_rope_scaling, llama3.rope_scaling_factor, llama3.rotary_base) == (True, 32.0, 500000)
+    assert "Llama 3 RoPE scaling x32" in llama3.describe()
 
 
 @pytest.mark.parametrize("impl", ["local", None])

@@ -48,6 +48,8 @@ from test_hostile import CKPT_TIMEOUT_S, _check, _run_batch  # noqa: E402
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 CONFIG = {"layers_huge": {"num_hidden_layers": 10**9}, "heads_huge": {"num_attention_heads": 2**40,
                                                                       "num_key_value_heads": 2**40},
           "vocab_huge": {"vocab_size": 2**62}, "head_dim_zero": {"head_dim": 0},
@@ -69,7 +71,14 @@ CONFIG = {"layers_huge": {"num_hidden_layers": 10**9}, "heads_huge": {"num_atten
           "qwen2moe_ep1_shared": {"shared_expert_intermediate_size": 64},  # at EP 1: the shared expert in the dense
           "persimmon_partial": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
           "persimmon_heads": {"num_attention_heads": 2}, "persimmon_noqk": {"qk_layernorm": False},
-          "persimmon_eps_string": {"layer_norm_eps": "1e-5"}}
+          "persimmon_eps_string": {"layer_norm_eps": "1e-5"},
+          # Llama 3's RoPE scaling: megatron-core fixes low/high factors 1/4 and 8192 original positions
+          "llama3_low": {"rope_parameters": dict(LLAMA3, low_freq_factor=2.0)},
+          "llama3_original_bool": {"rope_parameters": dict(LLAMA3, original_max_position_embeddings=True)},
+          "llama3_factor_string": {"rope_parameters": dict(LLAMA3, factor="8")},
+          "llama3_factor_zero": {"rope_parameters": dict(LLAMA3, factor=0)},
+          "rope_yarn": {"rope_parameters": dict(LLAMA3, rope_type="yarn")},
+          "rope_scaling_list": {"rope_scaling": [1]}}
 # the class each case starts from (else Llama)
 BASE = {n: n.split("_")[0] for n in CONFIG if n.split("_")[0] in ("starcoder2", "arcee", "qwen2", "mixtral",
                                                                    "qwen3moe", "qwen2moe", "persimmon")}
@@ -134,7 +143,10 @@ WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json imp
          "qwen2moe_shared_zero": "shared_expert_intermediate_size is 0",
          "persimmon_partial": "partial_rotary_factor 0.5", "persimmon_noqk": "qk_layernorm false",
          "persimmon_heads": "'model.layers.0.self_attn.q_layernorm.weight' is [16], config.json implies [32]",
-         "persimmon_eps_string": "epsilon is '1e-5'",
+         "persimmon_eps_string": "epsilon is '1e-5'", "llama3_low": "rope_parameters.low_freq_factor is 2.0",
+         "llama3_original_bool": "rope_parameters.original_max_position_embeddings is True",
+         "llama3_factor_string": "rope_parameters.factor is '8'", "llama3_factor_zero": "rope_parameters.factor is 0",
+         "rope_yarn": "rope_parameters.rope_type 'yarn'", "rope_scaling_list": "rope_scaling is [1]",
          "opt_state_not_json": "gtp_megatron_run_state", "opt_state_negative": "not {'iteration': N",
          "opt_state_huge_step": "not {'iteration': N", "opt_state_list": "not {'iteration': N",
          "opt_state_deep": "optimizer.safetensors opens", "opt_shape": "the model implies [64] float32",
