@@ -21,46 +21,40 @@ stage() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 mkdir -p "$OUT"
 echo "$HOST" > "$OUT/host.txt"
 df -h /tmp /dev/shm >> "$OUT/host.txt" 2>&1
-if [ "$WHAT" = disk ]; then
+# each stage: its time limit (s), then its rounds
+make_dcp() {
     stage "checkpoint (12.9 GB, torch's dcp.save)"
-    timeout 150 $PY benchmarks/bench_cli_scale.py --only verify --no-warm --no-cold --dcp-dir /tmp/vdcp \
+    timeout "$1" $PY benchmarks/bench_cli_scale.py --only verify --no-warm --no-cold --dcp-dir /tmp/vdcp \
         --workdir /tmp/w16 --out "$OUT/make" || exit 1
-    stage "verify --data warm"
-    timeout 60 $PY benchmarks/bench_cli_scale.py --only verify --repeats 3 --no-cold --dcp-dir /tmp/vdcp \
-        --workdir /tmp/w16 --out "$OUT/warm" --host "$HOST"
-    stage "verify --data cold"
-    timeout 120 $PY benchmarks/bench_cli_scale.py --only verify --repeats 3 --no-warm --dcp-dir /tmp/vdcp \
-        --workdir /tmp/w16 --out "$OUT/cold" --host "$HOST"
-    rm -rf /tmp/vdcp
+}
+verify_rows() {  # cold|warm limit rounds
+    stage "verify --data $1"
+    local skip=--no-warm
+    [ "$1" = warm ] && skip=--no-cold
+    timeout "$2" $PY benchmarks/bench_cli_scale.py --only verify --repeats "$3" $skip --dcp-dir /tmp/vdcp \
+        --workdir /tmp/w16 --out "$OUT/$1" --host "$HOST"
+}
+reshard_rows() {
     stage "reshard and export --to hf --optimizer vs cp -r"
-    timeout 200 $PY benchmarks/bench_cli_scale.py --only reshard --repeats 2 --workdir /tmp/w16r \
+    timeout "$1" $PY benchmarks/bench_cli_scale.py --only reshard --repeats 2 --workdir /tmp/w16r \
         --out "$OUT/reshard" --host "$HOST"
-elif [ "$WHAT" = one ]; then
-    stage "checkpoint (12.9 GB, torch's dcp.save)"
-    timeout 130 $PY benchmarks/bench_cli_scale.py --only verify --no-warm --no-cold --dcp-dir /tmp/vdcp \
-        --workdir /tmp/w16 --out "$OUT/make" || exit 1
-    stage "verify --data cold"
-    timeout 80 $PY benchmarks/bench_cli_scale.py --only verify --repeats 2 --no-warm --dcp-dir /tmp/vdcp \
-        --workdir /tmp/w16 --out "$OUT/cold" --host "$HOST"
-    stage "verify --data warm"
-    timeout 40 $PY benchmarks/bench_cli_scale.py --only verify --repeats 2 --no-cold --dcp-dir /tmp/vdcp \
-        --workdir /tmp/w16 --out "$OUT/warm" --host "$HOST"
-    rm -rf /tmp/vdcp
-    stage "reshard and export --to hf --optimizer vs cp -r"
-    timeout 130 $PY benchmarks/bench_cli_scale.py --only reshard --repeats 2 --workdir /tmp/w16r \
-        --out "$OUT/reshard" --host "$HOST"
+}
+hf_rows() {
     stage "HF <-> megatron-core vs cp -r"
-    timeout 90 $PY benchmarks/bench_hf_megatron.py --gb 4 --repeats 2 --workdir /tmp/hfmc > "$OUT/hf_megatron.txt" 2>&1
+    timeout "$1" $PY benchmarks/bench_hf_megatron.py --gb 4 --repeats 2 --workdir /tmp/hfmc > "$OUT/hf_megatron.txt" 2>&1
     tail -3 "$OUT/hf_megatron.txt"
-elif [ "$WHAT" = more ]; then
-    stage "inspect and verify of 1M chunks vs torch"
-    timeout 150 $PY benchmarks/bench_cli_scale.py --only meta --repeats 2 --workdir /tmp/w16m \
-        --out "$OUT/meta" --host "$HOST"
-    stage "HF <-> megatron-core vs cp -r"
-    timeout 180 $PY benchmarks/bench_hf_megatron.py --gb 4 --repeats 2 --workdir /tmp/hfmc > "$OUT/hf_megatron.txt" 2>&1
-    tail -3 "$OUT/hf_megatron.txt"
-    stage "torchrun ranks vs one process, RAM-backed"
-    timeout 220 $PY benchmarks/bench_dist_ckpt.py --layers 8 --ranks 4 --cores 4 --one-core --pycache /tmp/pyc \
-        --out "$OUT/dist"
-fi
+}
+case "$WHAT" in
+    disk) make_dcp 150; verify_rows warm 60 3; verify_rows cold 120 3; rm -rf /tmp/vdcp; reshard_rows 200 ;;
+    one) make_dcp 130; verify_rows cold 80 2; verify_rows warm 40 2; rm -rf /tmp/vdcp; reshard_rows 130; hf_rows 90 ;;
+    more)
+        stage "inspect and verify of 1M chunks vs torch"
+        timeout 150 $PY benchmarks/bench_cli_scale.py --only meta --repeats 2 --workdir /tmp/w16m \
+            --out "$OUT/meta" --host "$HOST"
+        hf_rows 180
+        stage "torchrun ranks vs one process, RAM-backed"
+        timeout 220 $PY benchmarks/bench_dist_ckpt.py --layers 8 --ranks 4 --cores 4 --one-core --pycache /tmp/pyc \
+            --out "$OUT/dist" ;;
+    *) echo "disk, one or more" >&2; exit 2 ;;
+esac
 stage "done"
