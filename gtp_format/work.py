@@ -36,7 +36,6 @@ import re
 import shutil
 import signal
 import socket
-import stat
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -116,8 +115,7 @@ def _write_token(folder: Path, token: str) -> None:
 def new_work(target: Path, tag: str, made: WorkFolders | None = None) -> Path:
     """Create this process's work folder for ``target``, with its ownership token inside (see the module
     docstring); returns it. A crash between the ``mkdir`` and the token leaves an empty folder that is
-    never proven: :func:`clean_stale` removes it with ``rmdir`` (which takes only an empty folder) once its
-    owner is dead. ``made``: the session's record of what it created."""
+    never proven (listed, not removed). ``made``: the session's record of what it created."""
     token = uuid.uuid4().hex
     path = work_name(target, tag, token)
     path.mkdir()
@@ -319,37 +317,17 @@ def clean_stale(parent: Path, keep: Callable[[WorkFolder], bool] | None = None) 
     what was removed.
 
     Only folders whose name records an owner of this host that is dead *and* whose token matches
-    their name (:func:`proven`) are removed, and a dead owner's *empty* folder (``rmdir``: the kernel refuses a
-    folder with anything in it, so nothing stored there is lost); a live owner's, another host's, one without a recorded
+    their name (:func:`proven`) are removed; a live owner's, another host's, one without a recorded
     owner and one without a matching token stay (``ckpt inspect`` lists them). ``keep``: stale copies
     that must stay (the reader may still recover a checkpoint from them, see
     :func:`gtp_format.reader.locate.recover_hidden`).
     """
     removed = []
     for w in leftovers(parent):
-        if keep is not None and keep(w) or not w.stale:
-            continue
-        if proven(w):
+        if w.stale and proven(w) and not (keep is not None and keep(w)):
             remove_entry(w.path)
             removed.append(w.path)
-        elif _empty_folder(w.path):
-            # a dead writer killed between its mkdir and its token (new_work), or between dropping the token and
-            # the rmdir (remove_owned): rmdir takes only an empty folder, so nothing anyone stored goes with it
-            with contextlib.suppress(OSError):
-                os.rmdir(w.path)
-                removed.append(w.path)
     return removed
-
-
-def _empty_folder(path: Path) -> bool:
-    """A real folder (not a link) with no entry in it."""
-    try:
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            return False
-        with os.scandir(path) as it:
-            return next(it, None) is None
-    except OSError:
-        return False
 
 
 class Terminated(KeyboardInterrupt):

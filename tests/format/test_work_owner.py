@@ -107,32 +107,3 @@ def test_a_kill_between_the_exchange_and_the_rename_leaves_a_proven_copy(tmp_pat
     assert w.tag == "tmp" and w.state == "dead" and work.proven(w), w
     assert (w.path / "a.distcp").read_text() == "old a.distcp"
     assert work.clean_stale(tmp_path) == [w.path] and not w.path.exists()
-
-
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
-@pytest.mark.parametrize("content", ["empty", "a file", "a folder"])
-def test_a_dead_writers_folder_without_its_token_goes_only_when_empty(tmp_path: Path, content: str) -> None:
-    """A kill between the mkdir and the token, or between dropping the token and the rmdir, leaves an empty
-    unproven folder: rmdir takes it. One with anything in it is not proven ours and stays."""
-    pid = os.fork()
-    if pid == 0:
-        path = work.new_work(tmp_path / "out", "tmp")
-        os.unlink(path / work.TOKEN_FILE)
-        if content == "a file":
-            (path / "theirs").write_text("keep")
-        elif content == "a folder":
-            (path / "sub").mkdir()
-        os._exit(0)
-    os.waitpid(pid, 0)
-    (w,) = work.leftovers(tmp_path)
-    assert w.state == "dead" and not work.proven(w)
-    if content == "empty":
-        assert work.clean_stale(tmp_path) == [w.path] and not w.path.exists()
-    else:
-        assert work.clean_stale(tmp_path) == [] and w.path.exists()
-
-
-def test_a_live_writers_empty_folder_stays(tmp_path: Path) -> None:
-    path = work.new_work(tmp_path / "out", "tmp")
-    os.unlink(path / work.TOKEN_FILE)
-    assert work.clean_stale(tmp_path) == [] and path.exists()
