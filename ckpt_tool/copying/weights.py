@@ -122,8 +122,8 @@ def check_tied_masters(source: Any) -> None:
     Why: megatron-core 0.19.2's ``fully_reshardable`` save of tied embeddings at PP > 1 (the last stage holds the
     output layer as a replica) writes their ``optimizer.state.*`` values one alignment (64 elements) late, ending
     in zeros (``fixtures/megatron/pair_pp2_dp2_dp_reshardable_fully_reshardable``, ``pair_pp4``,
-    ``pair_uneven_pp2``; the ``dp_reshardable`` save of the same state is right). Exported as stored, a resumed run would copy that master over its embeddings
-    at its first step."""
+    ``pair_uneven_pp2``; the ``dp_reshardable`` save of the same state is right). Exported as stored, a resumed
+    run would copy that master over its embeddings at its first step."""
     view = source.views.get(HEAD[0])
     if view is None or "output_layer.weight" in source.ckpt.entries or not view.full_shape:
         return
