@@ -63,6 +63,9 @@ class _SinkStream(io.RawIOBase):
         super().__init__()
         self.sink = sink
         self.watch = watch
+        # the first write error: torch.save's zip writer, closing after it, raises its own "unexpected pos"
+        # error over it (a full disk), which :meth:`DirectFileSystem.create_stream` replaces with this one
+        self.error: OSError | None = None
 
     def writable(self) -> bool:
         return True
@@ -72,7 +75,11 @@ class _SinkStream(io.RawIOBase):
         n = v.nbytes
         if n:
             handle = self.watch.start(v) if self.watch is not None else None
-            self.sink.write([b], on_piece=None if handle is None else handle.update)
+            try:
+                self.sink.write([b], on_piece=None if handle is None else handle.update)
+            except OSError as e:
+                self.error = self.error or e
+                raise
             if handle is not None:
                 self.watch.finish(handle)  # type: ignore[union-attr]
         return n
@@ -106,10 +113,13 @@ class DirectFileSystem(FileSystem):
                 yield stream
             return
         sink = Sink(path, self.stage, segments=self.hash_segments)
+        stream = _SinkStream(sink, self.watch)
         try:
-            yield _SinkStream(sink, self.watch)
-        except BaseException:
+            yield stream
+        except BaseException as e:
             sink.abort()
+            if stream.error is not None and e is not stream.error and not isinstance(e, KeyboardInterrupt):
+                raise stream.error from e  # the disk's own error, not the zip writer's after it
             raise
         entry = sink.close()  # writes the tail, cuts the padding, fsyncs
         with self._lock:
