@@ -48,7 +48,6 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 JSON = {"cpu": DOCS / "ckpt_async_cpu.json", "cuda": DOCS / "gpu_ckpt_results.json"}  # the GPU file holds all GPU rows
 
 
-
 def rate(x: float) -> float:
     """4 significant figures: a smoke run's tiny rates are not rounded to 0.0 (its test checks them > 0)."""
     return float(f"{x:.4g}")
