@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import re
 import sys
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -125,27 +126,29 @@ _CLICK_PLAIN = (
 )
 
 
+# a bound's kind -> (whether a value breaks it, the words that name it)
+_BOUNDS: dict[str, tuple[Callable[[float, float], bool], str]] = {
+    ">=": (lambda v, lim: v < lim, "must be at least"), ">": (lambda v, lim: v <= lim, "must be more than"),
+    "<=": (lambda v, lim: v > lim, "must be at most"), "<": (lambda v, lim: v >= lim, "must be less than"),
+}
+
+
 def _bound(m: re.Match[str]) -> str:
-    """The one bound a value breaks, from click's range (``1<=x<=64``, ``x>=1``, ``0<x``, ``x<1``)."""
+    """The bound a value breaks, from click's range (``1<=x<=64``, ``x>=1``, ``0<x``, ``x<1``); every bound
+    where the value is not a number."""
     value, left, right = m.group(1), m.group(2), m.group(3)
-    bounds = []  # (kind, limit): kind 'min' / 'min_open' / 'max' / 'max_open'
-    if left:
-        bounds.append(("min_open" if not left.endswith("<=") else "min", left.rstrip("<=")))
-    if right.startswith(("<", ">")):
+    bounds = []  # (kind as seen from x, limit)
+    if left:  # "1<=" before x is x >= 1
+        bounds.append((">=" if left.endswith("<=") else ">", left.rstrip("<=")))
+    if right[:1] in ("<", ">"):
         op = right[:2] if right[1:2] == "=" else right[:1]
-        limit = right[len(op):]
-        bounds.append({"<=": ("max", limit), "<": ("max_open", limit), ">=": ("min", limit),
-                       ">": ("min_open", limit)}[op])
+        bounds.append((op, right[len(op):]))
     try:
         number = float(value.strip("'"))
-        broken = [b for b in bounds if (b[0].startswith("min") and number <= float(b[1]) and
-                                        (number < float(b[1]) or b[0] == "min_open")) or
-                  (b[0].startswith("max") and number >= float(b[1]) and (number > float(b[1]) or b[0] == "max_open"))]
+        broken = [(k, lim) for k, lim in bounds if _BOUNDS[k][0](number, float(lim))]
     except ValueError:
         broken = []
-    words = {"min": "must be at least", "min_open": "must be more than", "max": "must be at most",
-             "max_open": "must be less than"}
-    return " and ".join(f"{words[k]} {v}" for k, v in (broken or bounds))
+    return " and ".join(f"{_BOUNDS[k][1]} {lim}" for k, lim in (broken or bounds))
 
 
 def plain_words(message: str) -> str:

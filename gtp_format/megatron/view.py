@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from gtp_format.errors import FormatError
 from gtp_format.layout.shard import ShardSpec
@@ -61,6 +62,9 @@ from gtp_format.megatron.moe import expert_views
 from gtp_format.model import TENSOR, Checkpoint, Chunk, Entry
 from gtp_format.names import OPT_PREFIX, parse_optimizer_key
 from gtp_format.views.records import Holder, KeyRef, ParamView
+
+if TYPE_CHECKING:
+    from gtp_format.megatron.args import ModelDescription
 
 
 def _layer_index(ckpt: Checkpoint, keys: list[str]) -> dict[str, dict[int, list[Chunk]]]:
@@ -279,8 +283,11 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False, dense_experts: bool 
     elif prefixes != [OPT_PREFIX] or moe:
         raise refusal(ckpt, f"its optimizer keys start with {prefixes[:3]}" + (" and it has expert keys" if moe else "")
                       + ": not one optimizer, nor MoE's chained dense + expert pair")
+    from gtp_format.megatron.args import describe_model
+
+    model = describe_model(ckpt)  # once: the experts' implementation and the gated unit both come from it
     if expert_keys(ckpt):
-        _check_experts_sequential(ckpt)
+        _check_experts_sequential(ckpt, model)
     prefix = next(iter(opts.values())).prefix
     dtags: dict[tuple[int, int], str] = {}
     for o in opts.values():
@@ -290,7 +297,7 @@ def megatron_views(ckpt: Checkpoint, experts: bool = False, dense_experts: bool 
         raise refusal(ckpt, "optimizer keys carry cp_rank")
     if HEAD[0] not in ckpt.entries:
         raise refusal(ckpt, f"it has no {HEAD[0]}")
-    gated = _gated(ckpt)
+    gated = _gated(model)
     stacked = [k for k, e in ckpt.entries.items() if e.kind == TENSOR and k.startswith("decoder.layers.")]
     layer_chunks = _layer_index(ckpt, stacked)
     params = _module_params(ckpt, layer_chunks)
@@ -409,14 +416,11 @@ def _with_dense_experts(ckpt: Checkpoint, params: list[tuple[str, str, int | Non
     return out, expert_of
 
 
-def _check_experts_sequential(ckpt: Checkpoint) -> None:
+def _check_experts_sequential(ckpt: Checkpoint, model: ModelDescription) -> None:
     """Refuse experts that are Transformer Engine's ``TEGroupedMLP`` (:attr:`ModelDescription.grouped_experts`,
     from the recorded args: its sharded keys are SequentialMLP's, so no shape or key tells). Where
     ``linear_fc1`` and ``linear_fc2`` hold as many elements (no gated unit), its order would pass every chunk
     check and give each expert another's optimizer state."""
-    from gtp_format.megatron.args import describe_model
-
-    model = describe_model(ckpt)
     if model.grouped_experts:
         raise refusal(ckpt, "its experts are Transformer Engine's TEGroupedMLP (args moe_grouped_gemm, "
                       f"transformer_impl {model.transformer_impl!r}), whose buffers hold every expert's "
@@ -425,14 +429,12 @@ def _check_experts_sequential(ckpt: Checkpoint) -> None:
                       "key per parameter), or train without --moe-grouped-gemm")
 
 
-def _gated(ckpt: Checkpoint) -> bool:
+def _gated(model: ModelDescription) -> bool:
     """Whether the MLPs are gated (``--swiglu``), from :func:`gtp_format.megatron.args.describe_model`
     (args checked against the shapes; a disagreement is refused there). A gated MLP stores each TP
     rank's ``linear_fc1`` as two chunks (its gate and up halves), and so does each expert at expert
     TP > 1 per expert-TP rank; at expert TP 1 an expert's ``[gate; up]`` is whole (one part: the
     global order)."""
-    from gtp_format.megatron.args import describe_model
-
-    return bool(describe_model(ckpt).gated_linear_unit)
+    return bool(model.gated_linear_unit)
 
 
