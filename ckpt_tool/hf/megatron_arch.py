@@ -24,12 +24,13 @@ goes through the activation). megatron's RoPE rotates halves (``rotary_interleav
 transformers' ``rotate_half`` does, with ``inv_freq = base ** -(2i / head_dim)``; attention is scaled
 by ``kv_channels ** -0.5``, as every class here scales by ``head_dim ** -0.5``.
 
-``--use-rope-scaling`` (Llama 3.x's frequency scaling) maps onto ``LlamaForCausalLM`` with ``rope_parameters``
+``--use-rope-scaling`` (Llama 3.x's frequency scaling) maps onto every RoPE class here with ``rope_parameters``
 ``{rope_type: llama3, factor: --rope-scaling-factor}`` and megatron-core's fixed ``low_freq_factor`` 1,
-``high_freq_factor`` 4, ``original_max_position_embeddings`` 8192; with any other family it is refused.
+``high_freq_factor`` 4, ``original_max_position_embeddings`` 8192 (:data:`ROPE_SCALING_CLASSES`); with learned
+positions (GPT-BigCode) it is refused.
 
 What no class represents exactly is refused in one line naming the Megatron setting (MoE, interleaved
-or partial rotary, RoPE scaling outside Llama, zero-centred gamma, GLU offsets and clamps, multi-latent attention,
+or partial rotary, zero-centred gamma, GLU offsets and clamps, multi-latent attention,
 ...): a folder that loads and computes another function is worse than a refusal.
 """
 
@@ -53,8 +54,13 @@ MEGATRON_ROPE_BASE = 10000  # --rotary-base's default
 # factor, the band between interpolated)
 MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 MEGATRON_ROPE_SCALING_FACTOR = 8.0
-# the classes checked to compute megatron-core's --use-rope-scaling exactly (same logits within 1e-5)
-ROPE_SCALING_CLASSES = ("LlamaForCausalLM",)
+# every RoPE class the export writes and the import reads: each builds its rotary table through
+# transformers' shared ROPE_INIT_FUNCTIONS["llama3"] (the scaled inverse frequencies, then cos/sin as with plain
+# RoPE), and each, imported with Llama 3's scaling, computes transformers' logits in megatron-core's own forward
+# within 1e-5 over 256 positions, where plain RoPE is 1e-4 off (tests/cli/test_hf_megatron_import.py)
+ROPE_SCALING_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                        "ArceeForCausalLM", "Starcoder2ForCausalLM", "PersimmonForCausalLM", "MixtralForCausalLM",
+                        "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 # args whose non-default value changes the forward in a way no class here represents
 # (the flag, the numeric value that is the default where there is one; off, None or False, is always default)
 UNREPRESENTABLE = {
@@ -214,11 +220,6 @@ def choose(d: ModelDescription, args: dict[str, Any], shapes: dict[str, tuple[in
     attn = {"hidden_size": hidden, "intermediate_size": ffn, "num_attention_heads": heads,
             "num_key_value_heads": groups, "max_position_embeddings": seq, "rope_parameters": rope,
             "attention_dropout": 0.0, "hidden_act": ACT_HF.get(act, act)}
-    llama = norm == "RMSNorm" and gated and act == "silu" and not d.qk_layernorm and not (qkv_bias and not bias)
-    if d.use_rope_scaling and (d.num_experts or not llama):
-        raise _refuse(where, "--use-rope-scaling (Llama 3.1 frequency scaling) maps only onto "
-                      f"{', '.join(ROPE_SCALING_CLASSES)} (RMSNorm, --swiglu, no q/k layernorm, no MoE), the class "
-                      "checked to compute it exactly; this model is another family")
     if d.num_experts:
         arch, mtype, config = _moe(d, args, attn, dim, eps, bias, qkv_bias, gated and act == "silu" and
                                    norm == "RMSNorm", _any(shapes, "shared_experts.gate_weight"), heads, hidden, where)

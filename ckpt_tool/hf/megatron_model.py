@@ -182,7 +182,6 @@ def _get(cfg: dict[str, Any], arch: str, key: str) -> Any:
     return cfg.get(key, DEFAULTS[arch].get(key))
 
 
-ROPE_SCALING_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM")  # read with llama3 RoPE: both export as Llama
 
 
 def _number(v: Any) -> bool:
@@ -194,10 +193,11 @@ def rope_parameters(cfg: dict[str, Any], arch: str, where: str, factor_default: 
     over ``rope_parameters``, ``rope_theta`` there or at the top, and for ``llama3`` the top-level
     ``original_max_position_embeddings`` over the one in the parameters (else ``max_position_embeddings``).
 
-    Plain RoPE (``{rope_type: default, rope_theta}``), or, on a Llama-family class, Llama 3's scaling with the
-    constants megatron-core fixes (:data:`.megatron_arch.MEGATRON_LLAMA3`): ``--use-rope-scaling`` with
-    ``--rope-scaling-factor`` = ``factor``. Any other type (yarn, linear, dynamic, longrope, ...) or a llama3
-    constant megatron-core does not compute is refused naming the field and its value."""
+    Plain RoPE (``{rope_type: default, rope_theta}``), or, on a RoPE class
+    (:data:`.megatron_arch.ROPE_SCALING_CLASSES`), Llama 3's scaling with the constants megatron-core fixes
+    (:data:`.megatron_arch.MEGATRON_LLAMA3`): ``--use-rope-scaling`` with ``--rope-scaling-factor`` = ``factor``.
+    Any other type (yarn, linear, dynamic, longrope, ...) or a llama3 constant megatron-core does not compute is
+    refused naming the field and its value."""
     params, scaling = cfg.get("rope_parameters"), cfg.get("rope_scaling")
     for what, p in (("rope_parameters", params), ("rope_scaling", scaling)):
         if p is not None and not isinstance(p, dict):
@@ -207,9 +207,9 @@ def rope_parameters(cfg: dict[str, Any], arch: str, where: str, factor_default: 
     if kind not in ("default", "llama3"):
         raise FormatError(f"{where}: {what}.rope_type {kind!r}: this RoPE scaling has no megatron-core GPT form "
                           "(plain RoPE, or Llama 3's 'llama3' as --use-rope-scaling, only)")
-    if kind == "llama3" and arch not in ROPE_SCALING_CLASSES:
+    if kind == "llama3" and arch not in megatron_arch.ROPE_SCALING_CLASSES:
         raise FormatError(f"{where}: {what}.rope_type 'llama3' on {arch}: megatron-core's --use-rope-scaling maps "
-                          f"onto {', '.join(ROPE_SCALING_CLASSES)} only here")
+                          f"onto {', '.join(megatron_arch.ROPE_SCALING_CLASSES)} only here")
     theta = p.get("rope_theta", cfg.get("rope_theta", 10000.0))
     if not _number(theta) or not theta > 0:
         raise FormatError(f"{where}: rope_theta is {theta!r}, not a positive number; fix config.json")

@@ -100,13 +100,13 @@ def test_llama3_rope_scaling_fixture_exports_its_recorded_scaling(tmp_path: Path
         assert (plain(tokens).logits - want).abs().max().item() > 2e-5
 
 
-@pytest.mark.parametrize("name,scaling", [
-    ("pair_qwen3_tp2_dp_reshardable", True), ("pair_mixtral_ep2_dp_reshardable", True),
-    ("pair_starcoder2_tp2_dp_reshardable", True), ("pair_tp2_dp2_dp_reshardable", True),
-    ("pair_llama_tp2_dp2_dp_reshardable", None)])
-def test_rope_scaling_outside_llama_is_refused_by_flag(name: str, scaling: bool | None) -> None:
-    """--use-rope-scaling maps only onto LlamaForCausalLM (the class whose logits were compared with megatron's):
-    with q/k norms, experts, LayerNorm or learned positions it is refused naming the flag. Without
+@pytest.mark.parametrize("name,arch", [
+    ("pair_qwen3_tp2_dp_reshardable", "Qwen3ForCausalLM"), ("pair_mixtral_ep2_dp_reshardable", "MixtralForCausalLM"),
+    ("pair_starcoder2_tp2_dp_reshardable", "Starcoder2ForCausalLM"), ("pair_tp2_dp2_dp_reshardable", None),
+    ("pair_llama_tp2_dp2_dp_reshardable", "LlamaForCausalLM")])
+def test_rope_scaling_maps_onto_every_rope_class(name: str, arch: str | None) -> None:
+    """--use-rope-scaling maps onto every RoPE class (each checked against megatron-core's forward by the
+    import's loader test); with learned positions (GPT-BigCode) it is refused naming the flag. Without
     --rope-scaling-factor recorded, megatron-core's default 8 is used and the export says it assumed it."""
     from dataclasses import replace
 
@@ -119,12 +119,13 @@ def test_rope_scaling_outside_llama_is_refused_by_flag(name: str, scaling: bool 
     ckpt = open_checkpoint(MEGATRON / name)
     d = replace(describe_model(ckpt), use_rope_scaling=True, rope_scaling_factor=None)
     shapes = {v.name: v.full_shape for v in megatron_views(ckpt, experts=True).values()}
-    if scaling:
+    if arch is None:
         with pytest.raises(FormatError, match="--use-rope-scaling"):
             megatron_arch.choose(d, recorded_args(ckpt), shapes, None, "float32", name)
         return
     target = megatron_arch.choose(d, recorded_args(ckpt), shapes, None, "float32", name)
-    assert target.architecture == "LlamaForCausalLM"
+    assert target.architecture == arch
+    assert target.config["rope_parameters"]["rope_type"] == "llama3"
     assert target.config["rope_parameters"]["factor"] == 8.0
     assert any("RoPE scaling factor 8.0" in a for a in target.assumed), target.assumed
 

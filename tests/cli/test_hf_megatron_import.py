@@ -54,6 +54,13 @@ LLAMA3 = dict(SIZES, num_key_value_heads=2, rope_parameters=LLAMA3_ROPE, max_pos
 
 
 def hf_model(root: Path, kind: str, dtype: torch.dtype = torch.float32) -> Path:
+    """A tiny random model of ``kind``; ``KIND+llama3``: the same with Llama 3.x's RoPE scaling in its config."""
+    if kind.endswith("+llama3"):
+        hf_model(root, kind.removesuffix("+llama3"), dtype)
+        cfg = json.loads((root / "config.json").read_text())
+        part = {"partial_rotary_factor": 1.0} if cfg["model_type"] == "persimmon" else {}
+        _edit_config(root, rope_parameters={**LLAMA3_ROPE, **part}, max_position_embeddings=131072)
+        return root
     torch.manual_seed(0)
     if kind == "llama":  # GQA, untied (Llama's default)
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_key_value_heads=2, **SIZES))
@@ -176,17 +183,22 @@ def test_mistral_imports_and_exports_back_as_llama(sharding: str, tmp_path: Path
 
 
 @pytest.mark.parametrize("kind,sharding", [("llama3", "dp_reshardable"), ("llama3", "fully_reshardable"),
-                                           ("mistral_llama3", "dp_reshardable")])
+                                           ("mistral_llama3", "dp_reshardable"), ("qwen3+llama3", "dp_reshardable"),
+                                           ("mixtral+llama3", "dp_reshardable"),
+                                           ("persimmon+llama3", "fully_reshardable")])
 def test_llama3_rope_scaling_round_trips_bit_identical(kind: str, sharding: str, tmp_path: Path) -> None:
-    """Llama 3.x's RoPE scaling is megatron-core's --use-rope-scaling with --rope-scaling-factor: imported, the
-    args record both, and the export gives back every tensor bit for bit and the same rope_parameters."""
+    """Llama 3.x's RoPE scaling is megatron-core's --use-rope-scaling with --rope-scaling-factor, in every RoPE
+    family: imported, the args record both, and the export gives back every tensor bit for bit and the same
+    rope_parameters."""
     src = hf_model(tmp_path / "hf", kind)
+    arch = json.loads((src / "config.json").read_text())["architectures"][0]
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     inv = model.model.rotary_emb.inv_freq
     plain = 1.0 / (500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
     assert torch.equal(inv[:4], plain[:4]) and torch.allclose(inv[5:], plain[5:] / 32)  # kept, divided
     assert plain[4] / 32 < inv[4] < plain[4]  # interpolated: the scaling changes the frequencies in each band
-    import_mc(src, tmp_path / "mc", "--tp", "2", "--dp", "2", "--sharding", sharding)
+    import_mc(src, tmp_path / "mc", "--tp", "2", "--dp", "2", "--sharding", sharding,
+              *(("--ep", "2") if "moe" in arch.lower() or "mixtral" in kind else ()))
     r = cli("inspect", tmp_path / "mc", "--format", "json")
     assert r.exit_code == 0, r.stderr
     model = json.loads(r.stdout)["megatron_model"]  # the one model description, read back from common_state args
@@ -194,10 +206,11 @@ def test_llama3_rope_scaling_round_trips_bit_identical(kind: str, sharding: str,
         500000 and "Llama 3 RoPE scaling x32" in model["text"], model
     r = cli("export", tmp_path / "mc", tmp_path / "back", "--to", "hf", "--format", "json")
     assert r.exit_code == 0, r.stderr
-    assert json.loads(r.stdout)["architecture"] == "LlamaForCausalLM"
+    assert json.loads(r.stdout)["architecture"] == ("LlamaForCausalLM" if arch == "MistralForCausalLM" else arch)
     assert_same_tensors(src, tmp_path / "back")
     back = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert back["rope_parameters"] == LLAMA3_ROPE == json.loads((src / "config.json").read_text())["rope_parameters"]
+    assert back["rope_parameters"] == json.loads((src / "config.json").read_text())["rope_parameters"]
+    assert {k: back["rope_parameters"][k] for k in LLAMA3_ROPE} == LLAMA3_ROPE
     ids = torch.from_numpy(np.random.default_rng(0).integers(0, 128, (2, 12)))
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     with torch.no_grad():
@@ -220,8 +233,6 @@ def test_llama3_rope_scaling_round_trips_bit_identical(kind: str, sharding: str,
     ({"rope_type": "dynamic"}, ["rope_parameters.rope_type 'dynamic'"]),
     ({"top": {"original_max_position_embeddings": 4096}}, ["original_max_position_embeddings is 4096"]),
     ({"top": {"rope_scaling": dict(LLAMA3_ROPE, low_freq_factor=2.0)}}, ["rope_scaling.low_freq_factor is 2.0"]),
-    ({"top": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}},
-     ["rope_type 'llama3' on Qwen2ForCausalLM", "LlamaForCausalLM"]),
 ])
 def test_llama3_rope_that_megatron_core_does_not_compute_is_refused(change: dict, needles: list[str],
                                                                     tmp_path: Path) -> None:
@@ -422,12 +433,17 @@ def test_megatron_core_loads_the_import_and_computes_transformers_logits(kind: s
 
 @pytest.mark.slow
 @pytest.mark.skipif(not MEGATRON_PY.exists(), reason="needs the megatron venv (fixtures/megatron/setup_venv.sh)")
-def test_megatron_core_computes_llama3_rope_scaling_as_transformers(tmp_path: Path) -> None:
-    """The import of a Llama 3.x model, loaded by megatron-core's own loader into a GPTModel built from the
-    checkpoint's args (``rope_scaling=args.use_rope_scaling``, ``rope_scaling_factor=args.rope_scaling_factor``),
-    computes transformers' logits within 1e-5, over a sequence long enough that plain RoPE would not."""
-    src = hf_model(tmp_path / "hf", "llama3")
-    import_mc(src, tmp_path / "mc", "--tp", "2", "--dp", "1", "--sharding", "dp_reshardable")
+@pytest.mark.parametrize("kind", ["llama3", "qwen3+llama3", "qwen2+llama3", "arcee+llama3", "starcoder2+llama3",
+                                  "persimmon+llama3", "mixtral+llama3", "qwen3_moe+llama3", "qwen2_moe+llama3"])
+def test_megatron_core_computes_llama3_rope_scaling_as_transformers(kind: str, tmp_path: Path) -> None:
+    """The import of a model with Llama 3.x's scaling, of each RoPE family, loaded by megatron-core's own loader
+    into a GPTModel built from the checkpoint's args (``rope_scaling=args.use_rope_scaling``,
+    ``rope_scaling_factor=args.rope_scaling_factor``), computes transformers' logits within 1e-5, over a sequence
+    long enough that plain RoPE would not."""
+    src = hf_model(tmp_path / "hf", kind)
+    moe = "moe" in kind or "mixtral" in kind
+    import_mc(src, tmp_path / "mc", "--tp", "2", "--dp", "1", "--sharding", "dp_reshardable",
+              *(("--ep", "2") if moe else ()))
     ids = np.random.default_rng(0).integers(0, 128, (2, 256))
     np.save(tmp_path / "tokens.npy", ids)
     _megatron(tmp_path / "mc", tmp_path / "out", (2, 1, 1), tmp_path / "tokens.npy")
