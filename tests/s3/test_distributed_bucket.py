@@ -6,9 +6,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
+import random
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -280,3 +285,166 @@ def test_a_staged_file_damaged_before_its_check_is_refused_naming_file_and_rank(
     assert list(staging.iterdir()) == []
     assert _digests(src) == before
     assert _ranks_left(dst) == []
+
+
+# A rank of the job as torchrun starts it, announcing every point the random kill may follow: each data file a
+# rank starts writing into its node's staging ("copy R I"), each object a rank starts uploading ("put R REL":
+# the data files, then rank 0's side files and last the commit object), each first sleeping GTP_TEST_SLOW s.
+# Each line is one write(2) of under PIPE_BUF bytes, so lines of ranks sharing the agent's pipe never mix.
+RANK_WRAPPER = """
+import os, sys, time
+rank, slow = os.environ.get("RANK", "?"), float(os.environ.get("GTP_TEST_SLOW", "0"))
+def say(line):  # one write: the agents' ranks share a pipe (a print may write its newline apart)
+    os.write(1, (line + "\\n").encode())
+say(f"pid {rank} {os.getpid()}")
+from gtp_format.storage import upload as up
+from ckpt_tool.copying import engine
+real_put, real_files = up.Upload._put, engine.run_files
+def put(self, local, rel, create=False):
+    say(f"put {rank} {rel}")
+    time.sleep(slow)
+    real_put(self, local, rel, create)
+def run_files(one, n, workers, advance):
+    def announced(i, tick):
+        say(f"copy {rank} {i}")
+        time.sleep(slow)
+        return one(i, tick)
+    return real_files(announced, n, workers, advance)
+up.Upload._put, engine.run_files = put, run_files
+from ckpt_tool.cli import run
+sys.exit(run(sys.argv[1:]))
+"""
+
+
+def _two_nodes_killed(script: Path, args: list[str], events: int, rank: int, delay: float,
+                      **extra: str) -> tuple[list[subprocess.CompletedProcess], str]:
+    """:func:`two_nodes` running ``script``, with ``rank`` killed (SIGKILL) ``delay`` s after the ``events``-th
+    announced point of the whole job (counted over both agents' ranks); what the kill followed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"ckpt{port}", "--max-restarts", "0",
+           str(script), *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CKPT_DIST_TIMEOUT": "60", **extra}
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    lines: queue.Queue[str | None] = queue.Queue()
+    outs: list[list[str]] = [[], [], [], []]
+
+    def drain(stream, out: list[str], announce: bool) -> None:
+        for line in stream:
+            out.append(line)
+            if announce:
+                lines.put(line)
+        if announce:
+            lines.put(None)
+
+    readers = [threading.Thread(target=drain, args=(s, outs[2 * i + j], j == 0), daemon=True)
+               for i, p in enumerate(procs) for j, s in enumerate((p.stdout, p.stderr))]
+    for t in readers:
+        t.start()
+    pids: dict[int, int] = {}
+    seen, ended, what = 0, 0, "the job ended first"
+    deadline = time.monotonic() + 240
+    while ended < 2 and time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        if line is None:
+            ended += 1
+            continue
+        word, r, rest = (line.split(maxsplit=2) + ["", "", ""])[:3]
+        if word == "pid":
+            pids[int(r)] = int(rest)
+        elif word in ("copy", "put"):
+            seen += 1
+            if seen == events:
+                time.sleep(delay)
+                what = f"rank {rank} killed {delay:.2f} s after event {seen} ({line.strip()})"
+                if rank in pids:
+                    try:
+                        os.kill(pids[rank], signal.SIGKILL)
+                    except ProcessLookupError:
+                        what += ", already gone"
+    for p in procs:
+        p.wait(timeout=300)
+    for t in readers:
+        t.join(timeout=30)
+    runs = [subprocess.CompletedProcess(cmd, p.returncode, "".join(outs[2 * i]), "".join(outs[2 * i + 1]))
+            for i, p in enumerate(procs)]
+    return runs, what
+
+
+@pytest.fixture(scope="module")
+def one_process_output(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One process's output of the killed runs' reshard: what a complete bucket output holds."""
+    out = tmp_path_factory.mktemp("one") / "dst"
+    want = one("reshard", str(SRC), str(out), *TARGET)
+    assert want.returncode == 0, want.stderr
+    return out
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("CKPT_KILL_SEEDS", "6"))))
+def test_a_rank_killed_at_a_random_point_across_two_nodes(s3, tmp_path: Path, one_process_output: Path,
+                                                          seed: int) -> None:
+    """2 nodes x 2 ranks, bucket DST: a rank drawn from ``seed`` killed (SIGKILL) a drawn delay after the k-th
+    point of the job (k drawn over every data file's write into staging and every object's upload, the commit's
+    side files and commit object last), as the one-process upload test draws its points; seeds 1 and 4 fall in
+    the commit (rank 0's side files and commit object; seed 1 kills rank 0 there). DST is absent (no commit
+    object: ``ckpt verify`` refuses the prefix; what is left is data objects, and side objects only where rank 0
+    died in its commit) or complete (one process's objects, ``verify --data`` passes); SRC untouched; no rank
+    left; the staging holds at most proven dead writers' folders, and the next writer there removes them and
+    succeeds. ``CKPT_KILL_SEEDS=N`` runs N seeds (12 passed)."""
+    import shutil
+
+    from gtp_format import work
+
+    rnd = random.Random(seed)
+    src, staging = tmp_path / "src", tmp_path / "staging"
+    shutil.copytree(SRC, src)
+    staging.mkdir()
+    before = _digests(src)
+    names = sorted(str(p.relative_to(one_process_output)) for p in one_process_output.rglob("*") if p.is_file())
+    copies = sum(1 for n in names if n.endswith(".safetensors"))
+    # the commit's objects are rank 0's puts after the data files: the last len(names) - copies events
+    commit_from = 2 * copies + 1
+    total = copies + len(names)
+    in_commit = seed % 3 == 1  # seeds 1 and 4 (of the default 6) fall in the commit, 1 on rank 0
+    events = rnd.randint(commit_from, total) if in_commit else rnd.randint(1, commit_from - 1)
+    victim = 0 if in_commit and seed % 2 == 1 else rnd.randrange(4)
+    delay = rnd.uniform(0.0, 0.4)
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_WRAPPER)
+    dst = s3.url("killed")
+    runs, what = _two_nodes_killed(script, ["reshard", str(src), dst, *TARGET], events, victim, delay,
+                                   CKPT_S3_STAGING=str(staging), GTP_TEST_SLOW="0.2")
+    what = f"seed {seed}: {what} (of {total})"
+    assert " killed " in what, (what, [r.stderr[-2000:] for r in runs])
+    keys = s3.keys("killed/")
+    if any(k.endswith("/metadata.json") for k in keys):  # complete: every object, and its data verified
+        assert keys == [f"killed/{n}" for n in names], (what, keys)
+        v = one("verify", "--data", dst)
+        assert v.returncode == 0, (what, v.stdout + v.stderr)
+        d = one("diff", "--bitwise", str(one_process_output), dst)
+        assert d.returncode == 0 and "0 differ" in d.stdout, (what, d.stdout + d.stderr)
+    else:  # absent: without its commit object no reader takes the prefix for a checkpoint
+        assert any(r.returncode != 0 for r in runs), what
+        if victim != 0 or events < commit_from:  # only rank 0 puts side files, during its commit
+            assert all(k.rsplit("/", 1)[-1].startswith("__") for k in keys), (what, keys)
+        if keys:
+            v = one("verify", s3.url("killed/iter_0000002"))
+            assert v.returncode == 2 and ("unfinished upload" in v.stderr or "not a checkpoint" in v.stderr), \
+                (what, v.stdout + v.stderr)
+    lines = _errors(runs)
+    assert all("Traceback" not in x for x in lines), (what, lines)
+    assert _digests(src) == before, what
+    assert _ranks_left(str(src)) == [], what
+    left = work.leftovers(staging)
+    assert all(w.state == "dead" and work.proven(w) for w in left), (what, left)
+    again = _run([sys.executable, "-m", "ckpt_tool.cli", "reshard", str(src), s3.url("again"), *TARGET],
+                 CKPT_S3_STAGING=str(staging))
+    assert again.returncode == 0, (what, again.stderr)
+    assert list(staging.iterdir()) == [], (what, list(staging.iterdir()))
+    assert _digests(src) == before, what
