@@ -171,9 +171,7 @@ def test_bucket_destination_across_two_nodes_equals_one_process(s3, tmp_path: Pa
 
 def test_exports_to_a_bucket_across_two_nodes(s3, tmp_path: Path) -> None:
     """2 nodes x 2 ranks: ``export --to fully_reshardable`` to a bucket is one process's output (its files'
-    entries are what each node checks its staged files against); ``export --to hf`` records no entries of its
-    files, so across nodes it is refused in one line on every rank before anything is uploaded (one node, or a
-    shared folder, runs it). No staging folder or rank is left."""
+    entries are what each node checks its staged files against). No staging folder or rank is left."""
     staging = tmp_path / "staging"
     staging.mkdir()
     args = ("--to", "fully_reshardable", "--workers", "2")
@@ -185,14 +183,74 @@ def test_exports_to_a_bucket_across_two_nodes(s3, tmp_path: Path) -> None:
     assert d.returncode == 0 and "0 differ" in d.stdout, d.stdout + d.stderr
     names = sorted(str(p.relative_to(tmp_path / "one")) for p in (tmp_path / "one").rglob("*") if p.is_file())
     assert s3.keys("fr/") == [f"fr/{n}" for n in names]
-    runs = two_nodes("export", str(SRC), s3.url("hf"), "--to", "hf", CKPT_S3_STAGING=str(staging))
+    assert list(staging.iterdir()) == []
+    assert _ranks_left(s3.url("fr")) == []
+
+
+HF_ARGS = ("--to", "hf", "--optimizer", "--max-shard-size", "100KB")
+
+
+def _attestation_less_run(raw: bytes) -> object:
+    return _without_run_ids({k: v for k, v in json.loads(raw).items() if k != "source"})
+
+
+def test_export_to_hf_across_two_nodes_is_one_process_output(s3, tmp_path: Path) -> None:
+    """2 nodes x 2 ranks, ``export --to hf --optimizer``, to a folder every node shares and to a bucket: each
+    rank writes its share of the weights files (their entries, size and CRC-32C, computed as they are written);
+    to a bucket each node stages its own, each rank reads its share of its node's staged files in full against
+    their entries and rank 0 checks that the verdicts cover exactly the planned weights files, then every node
+    uploads its own and rank 0 commits (config.json last). Every file and object is one process's, byte for
+    byte (the attestation less its run id and source); no staging folder, no rank left; SRC untouched."""
+    import shutil
+
+    src, staging = tmp_path / "src", tmp_path / "staging"
+    shutil.copytree(SRC, src)
+    staging.mkdir()
+    before = _digests(src)
+    want = one("export", str(src), str(tmp_path / "one"), *HF_ARGS)
+    assert want.returncode == 0, want.stderr
+    files = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert len([f for f in files if f.endswith(".safetensors")]) >= 4  # a share for every rank
+
+    def same(name: str, body: bytes) -> None:
+        theirs = (tmp_path / "one" / name).read_bytes()
+        if name == "gtp_attestation.json":
+            assert _attestation_less_run(body) == _attestation_less_run(theirs), name
+        else:
+            assert body == theirs, name
+
+    runs = two_nodes("export", str(src), str(tmp_path / "many"), *HF_ARGS)  # a folder every node shares
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-3000:] for r in runs]
+    assert sorted(p.name for p in (tmp_path / "many").iterdir()) == files
+    for f in files:
+        same(f, (tmp_path / "many" / f).read_bytes())
+    runs = two_nodes("export", str(src), s3.url("hf"), *HF_ARGS, CKPT_S3_STAGING=str(staging))
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-3000:] for r in runs]
+    assert sum(r.stdout.count("wrote ") for r in runs) == 1, [r.stdout for r in runs]
+    assert s3.keys("hf/") == [f"hf/{f}" for f in files]
+    for f in files:
+        same(f, s3.client.get_object(Bucket=s3.bucket, Key=f"hf/{f}")["Body"].read())
+    assert list(staging.iterdir()) == []
+    assert _digests(src) == before
+    assert _ranks_left(str(src)) == []
+
+
+def test_a_damaged_staged_hf_file_on_another_node_is_refused_naming_file_and_rank(s3, tmp_path: Path) -> None:
+    """2 nodes x 2 ranks, ``export --to hf`` to a bucket: rank 3 flips a byte of one of its node's staged weights
+    files before its check (``CKPT_RANK_FAULT=3:damage``): one line naming the file and rank 3, nothing
+    uploaded, no staging folder or rank left."""
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    runs = two_nodes("export", str(SRC), s3.url("hfbad"), *HF_ARGS, CKPT_RANK_FAULT="3:damage",
+                     CKPT_S3_STAGING=str(staging))
     assert all(r.returncode != 0 for r in runs), [r.stderr[-2000:] for r in runs]
     lines = _errors(runs)
-    named = [x for x in lines if "records no entries" in x]
-    assert named and len(lines) <= 4 and all(x in named or "nothing was committed" in x for x in lines), lines
-    assert s3.keys("hf") == []
+    named = [x for x in lines if "rank 3" in x and "staged file " in x and ".safetensors" in x and "crc32c is" in x]
+    assert named and len(lines) <= 4, "\n".join(r.stderr[-2000:] for r in runs)
+    assert all(x in named or "nothing was committed" in x for x in lines), lines
+    assert s3.keys("hfbad") == []
     assert list(staging.iterdir()) == []
-    assert _ranks_left(s3.url("hf")) == []
+    assert _ranks_left(s3.url("hfbad")) == []
 
 
 def test_a_damaged_staged_file_on_another_node_is_refused_naming_file_and_rank(s3, tmp_path: Path) -> None:
