@@ -230,6 +230,16 @@ def test_export_to_hf_across_two_nodes_is_one_process_output(s3, tmp_path: Path)
     assert s3.keys("hf/") == [f"hf/{f}" for f in files]
     for f in files:
         same(f, s3.client.get_object(Bucket=s3.bucket, Key=f"hf/{f}")["Body"].read())
+    # --names megatron: one weights file, which is then the commit object (rank 0 writes, checks and uploads it last)
+    want = one("export", str(src), str(tmp_path / "one_megatron"), "--to", "hf", "--names", "megatron")
+    assert want.returncode == 0, want.stderr
+    runs = two_nodes("export", str(src), s3.url("hfm"), "--to", "hf", "--names", "megatron",
+                     CKPT_S3_STAGING=str(staging))
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-3000:] for r in runs]
+    mine = sorted(p.name for p in (tmp_path / "one_megatron").iterdir())
+    assert s3.keys("hfm/") == [f"hfm/{f}" for f in mine] and "model.safetensors" in mine, s3.keys("hfm/")
+    body = s3.client.get_object(Bucket=s3.bucket, Key="hfm/model.safetensors")["Body"].read()
+    assert body == (tmp_path / "one_megatron" / "model.safetensors").read_bytes()
     assert list(staging.iterdir()) == []
     assert _digests(src) == before
     assert _ranks_left(str(src)) == []
