@@ -14,23 +14,23 @@ token (:data:`TOKEN_FILE`, 32 hex digits) inside, and the name's ``nonce`` is th
 prefix, the writer's record of it (:func:`new_work`). Cleanup removes a folder only when its token
 matches its name (:func:`proven`); a folder without one, or whose token does not match, is never
 removed, only listed (``ckpt inspect``). The token leaves the folder right after the commit rename
-(:func:`drop_token`), so a committed checkpoint keeps exactly the files the format defines.
+(:func:`drop_token`), so a committed checkpoint keeps exactly the files the format defines. The
+proof is against accidents (a user's folder, a copy, a folder of another tool), not against someone
+who writes a matching token on purpose: such a folder is theirs to delete anyway. Entries made
+without a token (the temporary files of :func:`gtp_format.commit.write_atomic`, the ``old`` copy a
+replace moves aside) are never proven: a dead writer's are listed, not removed.
 
 A folder is empty, and has no token in it, at two moments: just after its ``mkdir`` and just before its
 ``rmdir``. A kill at either left an empty folder named like a work folder that nothing proved ours, for good:
-cleanup may not remove it by its name (seen once in 8 runs of the upload kill test; an ``rmdir``-if-empty rule
+cleanup may not remove it by its name (seen in the upload kill test, seed 6, now and then; an ``rmdir``-if-empty rule
 was tried and reverted, since it takes any empty folder so named, one a user or a test made too). So at both
 moments the token lies *beside* the folder, in its proof file (the folder's name + :data:`PROOF_SUFFIX`):
 :func:`new_work` writes the proof file first, makes the folder, then renames the proof into it as its token;
 :func:`remove_owned` empties the folder with the token inside, renames the token out to the proof file, removes
 the folder, then the proof file. Every state a kill can leave is proven: the folder with its token, the
 (empty) folder with its proof beside it, or the proof file alone (proven by its own content); cleanup removes
-each, a proof file only once its folder is gone. Renames within one folder are atomic, so there is no moment
-with the folder present and neither token nor proof. The
-proof is against accidents (a user's folder, a copy, a folder of another tool), not against someone
-who writes a matching token on purpose: such a folder is theirs to delete anyway. Entries made
-without a token (the temporary files of :func:`gtp_format.commit.write_atomic`, the ``old`` copy a
-replace moves aside) are never proven: a dead writer's are listed, not removed.
+each, a proof file only once its folder is gone. ``rename(2)`` is atomic (the proof file and the folder share a
+file system), so there is no moment with the folder present and neither token nor proof.
 
 A work folder is *stale* when its owner is on this host and is dead: another boot, no such pid, or
 a pid whose start time differs (the pid was reused). A folder of another host (a shared file
