@@ -516,3 +516,57 @@ def test_a_rank_killed_at_a_random_point_across_two_nodes(s3, tmp_path: Path, on
     assert again.returncode == 0, (what, again.stderr)
     assert list(staging.iterdir()) == [], (what, list(staging.iterdir()))
     assert _digests(src) == before, what
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_rank_killed_at_a_random_point_of_an_hf_export_across_two_nodes(s3, tmp_path: Path, seed: int) -> None:
+    """As :func:`test_a_rank_killed_at_a_random_point_across_two_nodes`, for ``export --to hf --optimizer`` to a
+    bucket from 2 nodes x 2 ranks (seed 1 kills rank 0 in its commit: the side files, ``config.json`` last).
+    The prefix holds one process's every object (``config.json`` there) or no ``config.json``, with what is left
+    data objects only unless rank 0 died in its commit; SRC untouched; no rank left; the staging's leftovers are
+    proven dead writers' folders, which the next writer there removes."""
+    import shutil
+
+    from gtp_format import work
+
+    rnd = random.Random(seed)
+    src, staging = tmp_path / "src", tmp_path / "staging"
+    shutil.copytree(SRC, src)
+    staging.mkdir()
+    before = _digests(src)
+    want = one("export", str(src), str(tmp_path / "one"), *HF_ARGS)
+    assert want.returncode == 0, want.stderr
+    files = sorted(p.name for p in (tmp_path / "one").iterdir())
+    copies = sum(1 for f in files if f.endswith(".safetensors"))
+    commit_from, total = 2 * copies + 1, copies + len(files)
+    in_commit = seed == 1
+    events = rnd.randint(commit_from, total) if in_commit else rnd.randint(1, commit_from - 1)
+    victim = 0 if in_commit else rnd.randrange(4)
+    delay = rnd.uniform(0.0, 0.4)
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_WRAPPER)
+    runs, what = _two_nodes_killed(script, ["export", str(src), s3.url("hfk"), *HF_ARGS], events, victim, delay,
+                                   CKPT_S3_STAGING=str(staging), GTP_TEST_SLOW="0.2")
+    what = f"seed {seed}: {what} (of {total})"
+    assert " killed " in what, (what, [r.stderr[-2000:] for r in runs])
+    keys = s3.keys("hfk/")
+    if "hfk/config.json" in keys:  # complete: one process's every object
+        assert keys == [f"hfk/{f}" for f in files], (what, keys)
+        for f in files:
+            body = s3.client.get_object(Bucket=s3.bucket, Key=f"hfk/{f}")["Body"].read()
+            if f == "gtp_attestation.json":
+                assert _attestation_less_run(body) == _attestation_less_run((tmp_path / "one" / f).read_bytes())
+            else:
+                assert body == (tmp_path / "one" / f).read_bytes(), (what, f)
+    else:
+        assert any(r.returncode != 0 for r in runs), what
+        if victim != 0 or events < commit_from:
+            assert all(k.endswith(".safetensors") for k in keys), (what, keys)
+    assert all("Traceback" not in x for x in _errors(runs)), what
+    assert _digests(src) == before, what
+    assert _ranks_left(str(src)) == [], what
+    assert all(w.state == "dead" and work.proven(w) for w in work.leftovers(staging)), what
+    again = _run([sys.executable, "-m", "ckpt_tool.cli", "export", str(src), s3.url("again"), *HF_ARGS],
+                 CKPT_S3_STAGING=str(staging))
+    assert again.returncode == 0, (what, again.stderr)
+    assert list(staging.iterdir()) == [], (what, list(staging.iterdir()))
