@@ -20,6 +20,18 @@ who writes a matching token on purpose: such a folder is theirs to delete anyway
 without a token (the temporary files of :func:`gtp_format.commit.write_atomic`, the ``old`` copy a
 replace moves aside) are never proven: a dead writer's are listed, not removed.
 
+A folder is empty, and has no token in it, at two moments: just after its ``mkdir`` and just before its
+``rmdir``. A kill at either left an empty folder named like a work folder that nothing proved ours, for good:
+cleanup may not remove it by its name (seen in the upload kill test, seed 6, now and then; an ``rmdir``-if-empty rule
+was tried and reverted, since it takes any empty folder so named, one a user or a test made too). So at both
+moments the token lies *beside* the folder, in its proof file (the folder's name + :data:`PROOF_SUFFIX`):
+:func:`new_work` writes the proof file first, makes the folder, then renames the proof into it as its token;
+:func:`remove_owned` empties the folder with the token inside, renames the token out to the proof file, removes
+the folder, then the proof file. Every state a kill can leave is proven: the folder with its token, the
+(empty) folder with its proof beside it, or the proof file alone (proven by its own content); cleanup removes
+each, a proof file only once its folder is gone. ``rename(2)`` is atomic (the proof file and the folder share a
+file system), so there is no moment with the folder present and neither token nor proof.
+
 A work folder is *stale* when its owner is on this host and is dead: another boot, no such pid, or
 a pid whose start time differs (the pid was reused). A folder of another host (a shared file
 system) or without an owner tag (written before owners were recorded) is never touched: nobody can
@@ -37,6 +49,7 @@ import shutil
 import signal
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -47,8 +60,9 @@ from gtp_format.names import WORK_TOKEN_FILE
 WORK_TAGS = ("tmp", "old", "migrate")
 TOKEN_FILE = WORK_TOKEN_FILE
 _TOKEN_RE = re.compile(r"[0-9a-f]{32}")
+PROOF_SUFFIX = ".token"  # a work folder's proof file beside it: its token while the folder is made or removed
 _WORK_RE = re.compile(r"^\.(?P<tag>[a-z]+)\.(?P<name>.+)\.w(?P<host>[0-9a-f]{8})(?P<boot>[0-9a-f]{8})"
-                      r"-(?P<pid>\d{1,10})-(?P<start>\d{1,20})-(?P<nonce>[0-9a-f]{6})$")
+                      r"-(?P<pid>\d{1,10})-(?P<start>\d{1,20})-(?P<nonce>[0-9a-f]{6})(?P<proof>\.token)?$")
 _LEGACY_RE = re.compile(r"^\.(?P<tag>tmp|old|migrate)\.(?P<name>.+)\.(?P<nonce>[0-9a-f]{8})$")
 
 
@@ -103,8 +117,8 @@ def work_name(target: Path, tag: str, token: str | None = None) -> Path:
     return target.with_name(f".{tag}.{target.name}.{owner_tag(token)}")
 
 
-def _write_token(folder: Path, token: str) -> None:
-    fd = os.open(folder / TOKEN_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+def _write_token(folder: Path, token: str, name: str = TOKEN_FILE) -> None:
+    fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
         os.write(fd, token.encode() + b"\n")
         os.fsync(fd)
@@ -112,16 +126,30 @@ def _write_token(folder: Path, token: str) -> None:
         os.close(fd)
 
 
+def proof_of(folder: Path) -> Path:
+    """The proof file beside the work folder ``folder``: where its token lies while the folder is made or removed
+    (see the module docstring)."""
+    return folder.with_name(folder.name + PROOF_SUFFIX)
+
+
 def new_work(target: Path, tag: str, made: WorkFolders | None = None) -> Path:
     """Create this process's work folder for ``target``, with its ownership token inside (see the module
-    docstring); returns it. A crash between the ``mkdir`` and the token leaves an empty folder that is
-    never proven (listed, not removed). ``made``: the session's record of what it created."""
+    docstring); returns it. The token is written first, into the proof file beside the folder, and renamed
+    into the folder once it exists, so a crash at any point leaves only proven entries (the proof alone, or
+    the empty folder with its proof beside it). ``made``: the session's record of what it created."""
     token = uuid.uuid4().hex
     path = work_name(target, tag, token)
-    path.mkdir()
+    proof = proof_of(path)
+    _write_token(proof.parent, token, proof.name)
+    try:
+        path.mkdir()
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(proof)
+        raise
     if made is not None:
-        made.add(path)  # before the token: a failure writing it leaves a folder the session knows it made
-    _write_token(path, token)
+        made.add(path)  # before the token moves in: a failure then leaves a folder the session knows it made
+    os.rename(proof, path / TOKEN_FILE)
     return path
 
 
@@ -149,10 +177,9 @@ class WorkFolders:
         """Remove the work folders of this session still there and proven its; the ones removed."""
         removed = []
         for path in self.made():
-            w = parse_work(path)
-            if w is not None and proven(w):
-                remove_owned(path)
-                removed.append(path)
+            for w in (parse_work(path), parse_work(proof_of(path))):
+                if w is not None and proven(w) and remove_proven(w):
+                    removed.append(w.path)
         return removed
 
 
@@ -191,19 +218,56 @@ def token_of(folder: Path) -> str | None:
     return text if _TOKEN_RE.fullmatch(text) else None
 
 
-def remove_owned(path: Path) -> None:
-    """Remove a work folder with its ownership token last, so that a removal cut short leaves it proven."""
+def remove_owned(path: Path, tries: int = 1) -> bool:
+    """Remove a work folder of this writer's (or a proven dead writer's) so that every state a kill leaves is
+    proven (module docstring): its entries with the token still inside, then the token out to the proof file
+    beside it, the ``rmdir``, and the proof file last. ``tries``: rounds while other processes may still be
+    adding entries (torchrun ranks of this host stopping): an ``rmdir`` refused for an entry that appeared
+    starts another round; after the last, the token goes back in and the folder stays, proven (False)."""
     if not path.is_dir() or path.is_symlink():
         remove_entry(path)
-        return
-    with os.scandir(path) as it:
-        for entry in it:
-            if entry.name != TOKEN_FILE:
-                remove_entry(Path(entry.path))
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path / TOKEN_FILE)
-    with contextlib.suppress(OSError):
-        os.rmdir(path)
+        return True
+    proof = proof_of(path)
+    for round_ in range(tries):
+        if round_:
+            time.sleep(0.05)
+        with contextlib.suppress(OSError), os.scandir(path) as it:
+            for entry in it:
+                if entry.name != TOKEN_FILE:
+                    remove_entry(Path(entry.path))
+        with contextlib.suppress(FileNotFoundError):  # absent: already beside it, or a folder that never had one
+            os.rename(path / TOKEN_FILE, proof)
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:  # another thread of this writer removed it
+            pass
+        except OSError:  # an entry appeared meanwhile: another round, the folder proven by its proof
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(proof)
+        return True
+    try:
+        os.rename(proof, path / TOKEN_FILE)
+    except FileNotFoundError:  # no proof, or the folder went meanwhile (its proof with it, or left alone)
+        if not os.path.lexists(path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(proof)
+            return True
+    except OSError:
+        pass
+    return False
+
+
+def remove_proven(w: WorkFolder) -> bool:
+    """Remove the leftover ``w`` (its caller found it :func:`proven`): a folder by :func:`remove_owned`, a proof
+    file only once its folder is gone (while the folder is there, the proof is its, and goes with it)."""
+    if w.proof:
+        if os.path.lexists(w.folder):
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(w.path)
+        return True
+    return remove_owned(w.path)
 
 
 def drop_token(folder: Path) -> None:
@@ -214,12 +278,22 @@ def drop_token(folder: Path) -> None:
 
 def proven(w: WorkFolder) -> bool:
     """Whether ``w`` holds the token its name records: a real folder (not a link) with a regular
-    :data:`TOKEN_FILE` of 32 hex digits whose hash is the name's nonce. Read with ``O_NOFOLLOW``,
-    at most 64 bytes."""
-    if not w.nonce or w.path.is_symlink() or not w.path.is_dir():
+    :data:`TOKEN_FILE` of 32 hex digits whose hash is the name's nonce, or, while it is made or removed, such a
+    proof file beside it (:func:`proof_of`); a proof file by its own content. Read with ``O_NOFOLLOW``, at most
+    64 bytes."""
+    if not w.nonce:
         return False
+    if w.proof:
+        return _holds_token(w.path, w.nonce)
+    if w.path.is_symlink() or not w.path.is_dir():
+        return False
+    return _holds_token(w.path / TOKEN_FILE, w.nonce) or _holds_token(proof_of(w.path), w.nonce)
+
+
+def _holds_token(path: Path, nonce: str) -> bool:
+    """Whether ``path`` is a regular file (not a link) holding a token whose hash is ``nonce``."""
     try:
-        fd = os.open(w.path / TOKEN_FILE, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         return False
     try:
@@ -232,7 +306,7 @@ def proven(w: WorkFolder) -> bool:
         return False
     finally:
         os.close(fd)
-    return _TOKEN_RE.fullmatch(text) is not None and _token_nonce(text) == w.nonce
+    return _TOKEN_RE.fullmatch(text) is not None and _token_nonce(text) == nonce
 
 
 @dataclass(frozen=True)
@@ -245,10 +319,16 @@ class WorkFolder:
     pid: int | None
     state: str  # "live", "dead" (its owner is gone), "unknown" (other host or no owner recorded)
     nonce: str = ""  # the token's record (see :func:`proven`); "" for names written before owners were
+    proof: bool = False  # the proof file beside a work folder (:func:`proof_of`), not the folder
 
     @property
     def stale(self) -> bool:
         return self.state == "dead"
+
+    @property
+    def folder(self) -> Path:
+        """The work folder this entry is or stands for (a proof file's, beside it)."""
+        return self.path.with_name(self.path.name.removesuffix(PROOF_SUFFIX)) if self.proof else self.path
 
 
 def _pid_alive(pid: int, start: int) -> bool:
@@ -283,7 +363,7 @@ def parse_work(path: Path) -> WorkFolder | None:
         state = "dead"
     else:
         state = "live" if _pid_alive(pid, start) else "dead"
-    return WorkFolder(path, m["tag"], m["name"], pid, state, m["nonce"])
+    return WorkFolder(path, m["tag"], m["name"], pid, state, m["nonce"], bool(m["proof"]))
 
 
 def leftovers(parent: Path, limit: int = 10_000) -> list[WorkFolder]:
@@ -323,9 +403,8 @@ def clean_stale(parent: Path, keep: Callable[[WorkFolder], bool] | None = None) 
     :func:`gtp_format.reader.locate.recover_hidden`).
     """
     removed = []
-    for w in leftovers(parent):
-        if w.stale and proven(w) and not (keep is not None and keep(w)):
-            remove_entry(w.path)
+    for w in leftovers(parent):  # sorted: a folder before its proof file, which goes with it
+        if w.stale and proven(w) and not (keep is not None and not w.proof and keep(w)) and remove_proven(w):
             removed.append(w.path)
     return removed
 

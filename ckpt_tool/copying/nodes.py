@@ -24,6 +24,11 @@ files' entries (size, CRC-32C) were gathered and rank 0 wrote the side files:
 5. rank 0 commits: the side files, then the commit object (``metadata.json``) last, skipping the uploaded
    names (:attr:`CheckpointWriter.uploaded`).
 
+The entries come from the writers: a checkpoint's data files are hashed as they are written; an
+``export --to hf``'s weights files, which no manifest lists, get entries so computed only for this check
+(:func:`ckpt_tool.export.engine.export_hf`). A data file that is the commit object (an hf export's one weights
+file) is planned on rank 0's node and read by rank 0 itself before the upload.
+
 Nothing is uploaded before every verdict passed and the gate opened the output. After step 4, a failure
 before the commit makes every rank delete the objects it created (only those: its own create-only puts that
 succeeded), and rank 0's refused commit makes every rank do the same. A rank killed during step 4 cannot
@@ -101,7 +106,7 @@ def header(folder: Path, rel: str) -> bytes:
 def verdict(group: Group, writer: CheckpointWriter, entries: Mapping[str, FileEntry]) -> dict[str, Any]:
     """This rank's verdict on its share of its node's staged files (step 1 of the module docstring)."""
     planned = data_sizes(entries, writer.commit_object)
-    if not planned:  # the same line on every rank, before anything is read or uploaded
+    if not planned and writer.commit_object not in entries:  # the same line on every rank, before any read
         raise FormatError(f"{writer.target}: this output records no entries (size, CRC-32C) of its data files to check "
                           "the staged files against on their nodes; run the job on one node (--nnodes 1), or write "
                           "to a folder every node shares and upload that")
@@ -270,7 +275,16 @@ def across_nodes(group: Group, writer: CheckpointWriter, entries: dict[str, File
                              "while answering the gate")
 
     def gate() -> None:
-        if not group.root or not writer.gate_pending:
+        if not group.root:
+            return
+        commit = writer.commit_object
+        if commit is not None and commit in entries:  # a data file that is the commit object (an hf export's one
+            # weights file): on rank 0's node (ckpt_tool/export/engine.py), outside the verdicts: rank 0 reads it
+            line = check_written(writer.folder, {commit: entries[commit]})
+            if line is not None:
+                raise FormatError(f"{writer.target}: staged file {line} (changed on {group.peers[0].node}'s disk after "
+                                  "it was written); nothing was uploaded or committed: run the command again", 1)
+        if not writer.gate_pending:
             return
         owners = {n: r for r, v in enumerate(verdicts) for n in v["checked"]}
         parts = check_answers(reads, owners, answers)

@@ -37,7 +37,6 @@ import contextlib
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
@@ -50,7 +49,7 @@ from gtp_format.ranks import COMMITTING, Group, RankFailed, assign, fault
 from gtp_format.session import Session
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
-from gtp_format.work import TOKEN_FILE, leftovers, proven, remove_entry
+from gtp_format.work import leftovers, proven, remove_owned, remove_proven
 from gtp_format.writer.checkpoint import CheckpointWriter
 
 
@@ -104,9 +103,9 @@ def remove_dead_owners(writer: CheckpointWriter, pid: int) -> None:
         parent = writer.storage.work_parent()
     except FormatError:  # a bucket's staging setting this rank cannot use: it wrote nothing there either
         return
-    for w in leftovers(parent):
+    for w in leftovers(parent):  # sorted: a folder before its proof file, which goes with it
         if w.pid == pid and w.stale and proven(w):
-            remove_entry(w.path)
+            remove_proven(w)
 
 
 class TermGuard:
@@ -174,34 +173,9 @@ class TermGuard:
 
 def remove_owned_work(work: Path, tries: int = 20) -> None:
     """Remove this process's work folder while other processes may still be adding to it (see
-    :class:`TermGuard`): its entries until none is left, the token last; where one still appears after
-    ``tries`` rounds, the token goes back (the folder stays proven)."""
-    try:
-        token: bytes | None = (work / TOKEN_FILE).read_bytes()
-    except FileNotFoundError:  # the main thread's removal already took it: the folder is still this writer's
-        token = None
-    except OSError:
-        return
-    for _ in range(tries):
-        with contextlib.suppress(OSError):
-            with os.scandir(work) as it:
-                others = [Path(e.path) for e in it if e.name != TOKEN_FILE]
-            if not others:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(work / TOKEN_FILE)
-                try:
-                    os.rmdir(work)
-                    return
-                except FileNotFoundError:
-                    return
-                except OSError:  # an entry appeared between the listing and the rmdir: the token back
-                    if token is not None:
-                        with contextlib.suppress(OSError):
-                            (work / TOKEN_FILE).write_bytes(token)
-                    continue
-            for p in others:
-                remove_entry(p)
-        time.sleep(0.05)
+    :class:`TermGuard`): :func:`gtp_format.work.remove_owned` over ``tries`` rounds; where an entry still
+    appears after the last, the folder stays with its token (proven)."""
+    remove_owned(work, tries)
 
 
 def _steps(group: Group, writer: CheckpointWriter, body: Callable[[CheckpointWriter], None],

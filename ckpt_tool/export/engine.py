@@ -75,6 +75,7 @@ from gtp_format.errors import FormatError
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.layout.params import model_params
 from gtp_format.lineage import attestation, attestation_beside, derived
+from gtp_format.manifest import FileEntry
 from gtp_format.megatron.args import describe_model, recorded_args
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.progress import Progress, ProgressOpener
@@ -83,7 +84,7 @@ from gtp_format.storage import objects
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.views.records import ParamView
-from gtp_format.work import remove_entry
+from gtp_format.work import remove_owned
 from gtp_format.writer.checkpoint import CheckpointWriter, data_file_name, megatron_metadata
 from gtp_format.writer.sink import Sink, stage_bytes
 
@@ -151,7 +152,10 @@ def _hf_files(tensors: list[tuple[str, DType, tuple[int, ...], list[OutChunk]]],
 
 
 def _write_hf_file(path: Path, tensors: list[Any], data: Callable[[OutChunk], np.ndarray], tick: Progress,
-                   stage: int, meta: dict[str, str] | None = None) -> None:
+                   stage: int, meta: dict[str, str] | None = None, checksum: bool = False) -> FileEntry:
+    """One weights file; ``checksum``: its entry's CRC-32C computed from the bytes as they are written (a bucket
+    output under torchrun, whose ranks read their share of the staged files in full against it before the
+    upload); else the entry has none (no manifest lists an hf file)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt", **(meta or {})}}
     pos = 0
     for name, dt, shape, _ in tensors:
@@ -160,13 +164,13 @@ def _write_hf_file(path: Path, tensors: list[Any], data: Callable[[OutChunk], np
         pos += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with Sink(path, stage, checksum=False) as out:  # no manifest here: nothing to hash
+    with Sink(path, stage, checksum=checksum) as out:
         out.write([struct.pack("<Q", len(raw)) + raw])
         for _, _, _, chunks in tensors:
             for c in chunks:
                 out.write([np.ascontiguousarray(data(c)).reshape(-1).view(np.uint8)])
                 tick(c.nbytes)
-        out.close()
+        return out.close()
 
 
 def megatron_target(source: Source, num_heads: int | None) -> megatron_arch.Target:
@@ -268,16 +272,26 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
             return lambda c: chunk_data(source, c, bufs)
         return ReadAhead(pool, lambda c, b: chunk_data(source, c, b), [c for t in jobs[i][1] for c in t[3]], depth)
 
-    def one(i: int, tick: Progress) -> None:
-        _write_hf_file(folder / jobs[i][0], jobs[i][1], fill(i), tick, stage_bytes(chunk_bytes), jobs[i][2])
+    # a bucket output under torchrun: every rank reads its share of the staged files in full against their
+    # entries (size, CRC-32C) before the upload (ckpt_tool/copying/ranked.py, nodes.py)
+    staged = group is not None and not writer.storage.in_place
+
+    def one(i: int, tick: Progress) -> FileEntry:
+        return _write_hf_file(folder / jobs[i][0], jobs[i][1], fill(i), tick, stage_bytes(chunk_bytes), jobs[i][2],
+                              checksum=staged)
 
     try:
         if group is None:
             run_files(one, len(jobs), workers, advance)
         else:  # this rank's files (by bytes), the same names and bytes as one process writes, then the gather
             parts = [[c for t in job[1] for c in t[3]] for job in jobs]
-            share_files(group, parts, lambda i, tick: (one(i, tick), None), [[] for _ in jobs], workers, advance,
-                        lambda order: prefetch_share(source, order, max_memory))
+            if staged and len(group.nodes) > 1:
+                commit_on_root_node(group, parts, [name for name, _, _ in jobs], commit_object(names, [
+                    name for name, _, _ in jobs]), str(writer.target))
+            results = share_files(group, parts, lambda i, tick: (one(i, tick), None), [[] for _ in jobs], workers,
+                                  advance, lambda order: prefetch_share(source, order, max_memory))
+            if staged and root:
+                writer.add_files({name: r[0] for (name, _, _), r in zip(jobs, results)})
     finally:
         if pool is not None:  # no read runs once the copy stopped (the reader is closed next)
             pool.shutdown(wait=True, cancel_futures=True)
@@ -288,6 +302,23 @@ def export_hf(source: Source, writer: CheckpointWriter, optimizer: bool, max_sha
     arch = target.architecture if target is not None else mapping.ARCHITECTURE
     return {"files": len(jobs) + side, "names": names, **({"architecture": arch} if names == "hf" else {}),
             **({"assumed": target.assumed} if target is not None else {})}
+
+
+def commit_on_root_node(group: ranks.Group, parts: list[list[OutChunk]], files: list[str], commit: str,
+                        target: str) -> None:
+    """Across nodes to a bucket, rank 0 uploads the commit object last from its own node's staging folder; an
+    export whose commit object is one of its weights files (``--names megatron`` with one model file) must then
+    have that file written on rank 0's node. The split is known before any byte is written: refused here, the
+    same line on every rank, where it would fall on another node."""
+    if commit not in files:
+        return
+    owners = ranks.assign([sum(c.nbytes for c in p) for p in parts], group.world)
+    owner = owners[files.index(commit)]
+    if group.peers[owner].node != group.peers[0].node:
+        raise FormatError(f"{target}: {commit}, this export's commit object (rank 0 uploads it last), would be "
+                          f"written by rank {owner} on {group.peers[owner].node}, not on rank 0's node; cut the "
+                          "weights into several files (--max-shard-size) so that their index is the commit "
+                          "object, or run on one node")
 
 
 def prefetch_share(source: Source, order: list[OutChunk], max_memory: int | None) -> None:
@@ -389,7 +420,7 @@ def attest_file(dst: Path | ObjectURL, beside: Path | ObjectURL, record: dict[st
         raise FormatError(f"{dst} was written, but its attestation {beside} was not ({why}); the export is "
                           "complete without it") from None
     finally:
-        remove_entry(work)
+        remove_owned(work)
 
 
 def output_bytes(dst: Path | ObjectURL, inner: str | None) -> int:

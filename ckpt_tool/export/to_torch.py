@@ -38,7 +38,7 @@ from gtp_format.reader.boxes import PREFETCH_BUDGET
 from gtp_format.session import Session
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
-from gtp_format.work import clean_stale, remove_entry, sigterm_raises
+from gtp_format.work import clean_stale, remove_owned, sigterm_raises
 from gtp_format.writer.checkpoint import DestinationTaken
 from gtp_format.writer.sink import Sink, stage_bytes
 from gtp_format.writer.torch_file import TorchStateFile
@@ -135,7 +135,7 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
     except OSError as e:
         raise write_failure(local, e) from None
     finally:
-        remove_entry(work)  # the partial file on a failure; the token (and nothing else) after the commit
+        remove_owned(work)  # the partial file on a failure; the token (and nothing else) after the commit
     return {"files": 1, "keys": len(keys) + len(fragments), "bytes": total, "byte_objects": len(fragments),
             "left_out": sorted(left_out), "left_out_why": left_out, "equals_dcp_to_torch_save": not left_out}
 

@@ -73,7 +73,6 @@ from gtp_format.work import (
     clean_stale,
     drop_token,
     own_before_removal,
-    remove_entry,
     remove_owned,
     sigterm_raises,
     token_of,
@@ -414,7 +413,7 @@ class CheckpointWriter:
     def abort(self) -> None:
         """Remove the work folder unless it was committed; never anything else."""
         if self.work is not None and not self.committed and os.path.lexists(self.work):
-            remove_entry(self.work)
+            remove_owned(self.work)
         self._release()
 
     def hand_off(self) -> None:

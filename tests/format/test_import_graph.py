@@ -472,8 +472,10 @@ STORE_BRANCHES: dict[str, tuple[int, str]] = {
     "ckpt_tool/copying/ranked.py": (3, "in_place: a bucket output is staged on each node (rank 0's folder is "
                                        "no other node's), its staged files read in full by the ranks before the "
                                        "upload, and its gate waits for the other nodes' verdicts"),
-    "ckpt_tool/export/engine.py": (4, "remote: planned prefetch instead of read-ahead threads; sizes from the "
-                                      "listing; a bucket's top level has no name for one object"),
+    "ckpt_tool/export/engine.py": (5, "remote: planned prefetch instead of read-ahead threads; sizes from the "
+                                      "listing; a bucket's top level has no name for one object; in_place: an hf "
+                                      "export staged for a bucket under torchrun hashes its weights files as "
+                                      "written, for the ranks' read-back before the upload"),
     "ckpt_tool/hf/folder.py": (4, "a local folder refuses symlinks by name, in its own words; a store has none"),
     "ckpt_tool/migrate/commit.py": (1, "DCP records a bucket output's URL as text, a folder's absolute path"),
     "ckpt_tool/migrate/plan.py": (1, "a local path is compared absolute; a URL as written"),

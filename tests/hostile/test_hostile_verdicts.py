@@ -213,7 +213,7 @@ def test_a_rank_refuses_an_unrecorded_staged_file_and_an_output_without_entries(
     (tmp_path / "node1" / "__9_0.safetensors").write_bytes(b"x")  # on another node than rank 0's: no stray file
     with pytest.raises(FormatError, match="__9_0.safetensors lies in node 1's staging folder but is no data file"):
         verdict(Group(2, 4, PEERS), writer, entries)
-    with pytest.raises(FormatError, match="records no entries"):  # export --to hf: nothing to check against
+    with pytest.raises(FormatError, match="records no entries"):  # an output with no entries: nothing to check against
         verdict(Group(2, 4, PEERS), writer, {})
 
 
@@ -231,3 +231,90 @@ def test_a_staged_file_changed_after_its_write_is_its_checkers_one_line(tmp_path
             verdict(Group(r, 4, PEERS), writer, entries)
         assert "staged file __" in e.value.message and "crc32c is" in e.value.message
         assert "changed on node 1's disk" in e.value.message and e.value.exit_code == 1
+
+
+# export --to hf across nodes: the weights files have entries (size, CRC-32C as written); config.json is the commit
+# object and the indexes, config and attestation are rank 0's side files
+HF = {"model-00001-of-00003.safetensors": 4000, "model-00002-of-00003.safetensors": 3000,
+      "model-00003-of-00003.safetensors": 500, "optimizer-00001-of-00002.safetensors": 2500,
+      "optimizer-00002-of-00002.safetensors": 2400}
+HF_NODE = {"node 0": ["model-00001-of-00003.safetensors", "optimizer-00002-of-00002.safetensors"],
+           "node 1": ["model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
+                      "optimizer-00001-of-00002.safetensors"]}
+HF_ENTRIES = {n: FileEntry(s, {"crc32c": "00000000"}) for n, s in HF.items()}
+
+
+def hf_verdicts() -> list[dict[str, Any]]:
+    out = []
+    for p in PEERS:
+        listing = {n: HF[n] for n in HF_NODE[p.node]}
+        mine = share(listing, [q.rank for q in PEERS if q.node == p.node], p.rank)
+        out.append({"node": p.node, "listing": listing, "checked": {n: listing[n] for n in mine},
+                    "heads": {n: HEAD for n in mine}})
+    return out
+
+
+def test_hf_weights_files_across_nodes_pass_only_as_planned() -> None:
+    """``export --to hf`` to a bucket from 2 nodes: the honest verdicts pass; a side file listed by a node, a
+    weights file missing or staged twice, one of another size, a header for the commit object, a file checked by
+    the wrong rank: each refused in one line naming the rank or the file."""
+    check_verdicts(PEERS, HF_ENTRIES, hf_verdicts(), "config.json")
+    cases: list[tuple[Any, str]] = []
+    vs = hf_verdicts()
+    for r in (2, 3):
+        vs[r]["listing"]["model.safetensors.index.json"] = 900  # rank 0's side file, staged on node 1
+    cases.append((vs, "node 1 lists 'model.safetensors.index.json' as staged, which is no data file"))
+    vs = hf_verdicts()
+    for r in (2, 3):
+        vs[r]["listing"]["config.json"] = 700  # the commit object is rank 0's to upload last
+    cases.append((vs, "node 1 lists 'config.json' as staged, which is no data file"))
+    vs = hf_verdicts()
+    gone = "model-00003-of-00003.safetensors"
+    for r in (2, 3):
+        vs[r]["listing"].pop(gone)
+        vs[r]["checked"].pop(gone, None)
+        vs[r]["heads"].pop(gone, None)
+    cases.append((vs, f"{gone} is staged on no node"))
+    vs = hf_verdicts()
+    twice = "model-00001-of-00003.safetensors"
+    for r in (2, 3):
+        vs[r]["listing"][twice] = HF[twice]
+    cases.append((vs, f"{twice} is staged on both node 0 and node 1"))
+    vs = hf_verdicts()
+    for r in (2, 3):
+        vs[r]["listing"]["model-00002-of-00003.safetensors"] = 2999
+    cases.append((vs, "model-00002-of-00003.safetensors is 2999 bytes on node 1 but was written as 3000"))
+    vs = hf_verdicts()
+    vs[3]["heads"]["config.json"] = HEAD
+    cases.append((vs, "rank 3 sent a header for config.json where none was due"))
+    vs = hf_verdicts()
+    theirs = next(iter(vs[2]["checked"]))
+    vs[3]["checked"][theirs] = HF[theirs]
+    vs[3]["heads"][theirs] = HEAD
+    cases.append((vs, f"rank 3 reported a verdict for {theirs}, which is not its to check"))
+    for vs, words in cases:
+        with pytest.raises(FormatError) as e:
+            check_verdicts(PEERS, HF_ENTRIES, vs, "config.json")
+        assert words in e.value.message and "\n" not in e.value.message, (words, e.value.message)
+
+
+def test_an_hf_export_whose_commit_object_is_a_weights_file_must_write_it_on_rank_0s_node() -> None:
+    """``--names megatron`` with one model file: that file is the commit object, which rank 0 uploads last from
+    its own staging; where the split by bytes gives it to a rank of another node, every rank refuses before a
+    byte is written (one line naming the file, the rank and the fix)."""
+    from ckpt_tool.export.engine import commit_on_root_node
+    from gtp_format.ranks import Group
+
+    def part(n: int) -> list[Any]:
+        return [type("Chunk", (), {"nbytes": n})()]  # what the split reads of a chunk: its bytes
+
+    files = ["model.safetensors", "optimizer-00001-of-00002.safetensors", "optimizer-00002-of-00002.safetensors"]
+    # by bytes, largest first: the optimizer files go to ranks 0 and 1 (node 0), the model file to rank 2 (node 1)
+    parts = [part(100), part(300), part(200)]
+    with pytest.raises(FormatError) as e:
+        commit_on_root_node(Group(2, 4, PEERS), parts, files, "model.safetensors", "s3://b/hf")
+    assert "model.safetensors, this export's commit object" in e.value.message and "rank 2 on node 1" in \
+        e.value.message and "--max-shard-size" in e.value.message
+    commit_on_root_node(Group(2, 4, PEERS), [part(300), part(100), part(200)], files, "model.safetensors",
+                        "s3://b/hf")  # on rank 0 itself
+    commit_on_root_node(Group(2, 4, PEERS), parts, files, "config.json", "s3://b/hf")  # not a weights file
