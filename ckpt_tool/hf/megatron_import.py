@@ -211,7 +211,7 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
         fill = chunk_filler(hf)
     else:
         per_rank, shapes, numel_objects, by_view = plan_dp_reshardable(hf, tp, pp, dp, chunk_bytes, lr, min_lr, ep,
-                                                                       etp, step, carried)
+                                                                       etp, step, carried, vpp or 1)
         ranks = sorted(per_rank)
         files = [per_rank[r] for r in ranks]
         names = [f"__{r}_0.distcp" for r in ranks]
