@@ -197,9 +197,9 @@ def test_the_planned_vpp_layout_is_megatron_cores_own(fixture: str) -> None:
 
 
 def _carried_folder(tmp_path: Path) -> Path:
-    """A 4-layer Mixtral with an optimizer state to carry: imported, exported with ``--optimizer``, its masters
-    and moments replaced by random values (positive second moments) at step 3, and once more through an import
-    (no VPP) and export, so that the folder is the exporter's own bytes."""
+    """A 4-layer Mixtral with an optimizer state to carry: imported, exported with ``--optimizer``, its moments
+    replaced by random values (positive second moments) at step 3, and once more through an import (no VPP) and
+    export, so that the folder is the exporter's own bytes."""
     src = moe_model(tmp_path / "hf0", "mixtral")
     import_mc(src, tmp_path / "mc0", "--ep", "2", "--dp", "2")
     assert cli("export", tmp_path / "mc0", tmp_path / "hfo", "--to", "hf", "--optimizer").exit_code == 0
@@ -211,7 +211,11 @@ def _carried_folder(tmp_path: Path) -> Path:
     state = json.loads(meta["gtp_megatron_run_state"])
     state.update(step=3.0)
     gen = torch.Generator().manual_seed(1)
-    opt = {k: (torch.rand(v.shape, generator=gen) if ".exp_avg_sq." in k else torch.randn(v.shape, generator=gen))
+    weights = load_file(tmp_path / "hfo" / "model.safetensors")
+    # an fp32 model's master is its weight in megatron-core (the main param is the model param): only the moments
+    # are the run's own
+    opt = {k: weights[k[len("optimizer.state.param."):]] if ".param." in k else
+           torch.rand(v.shape, generator=gen) if ".exp_avg_sq." in k else torch.randn(v.shape, generator=gen)
            for k, v in load_file(f).items()}
     save_file(opt, f, metadata={**meta, "gtp_megatron_run_state": json.dumps(state)})
     r = cli("import", tmp_path / "hfo", tmp_path / "mc1", "--from", "hf", "--to", "megatron-core", "--ep", "2",
