@@ -15,7 +15,8 @@ MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM (a gated shared exp
 * a carried optimizer state (masters and moments) goes through the VPP layouts and back byte for byte;
 * megatron-core's own loader (megatron venv; skipped without it) builds the model chunks from the checkpoint's
   own args (its ``virtual_pipeline_model_parallel_size``), loads the import with no other flag, and its forward
-  over the pipeline equals transformers' logits within 1e-5; the optimizer holds the fresh or carried state;
+  over the pipeline equals transformers' logits within 1e-5; the optimizer holds the fresh or carried state (a
+  dense tied Llama too: ``--vpp`` with ``dp_reshardable`` was refused for every model before);
 * SIGTERM mid-write leaves nothing at DST.
 """
 
@@ -51,7 +52,8 @@ SIZES = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key
 
 
 def moe_model(root: Path, kind: str) -> Path:
-    """A 4-layer MoE model (4 experts, top 2): 2 x 2 model chunks of one layer at PP 2 x VPP 2."""
+    """A 4-layer MoE model (4 experts, top 2), or a dense tied Llama: 2 x 2 model chunks of one layer at PP 2 x
+    VPP 2."""
     torch.manual_seed(0)
     if kind == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
@@ -60,6 +62,9 @@ def moe_model(root: Path, kind: str) -> Path:
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
             intermediate_size=128, **SIZES))
+    elif kind == "llama_tied":  # dense, tied: the shared embedding's own bucket in the first and the last chunk
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=128,
+                                                                       tie_word_embeddings=True, **SIZES))
     else:  # qwen2_moe: a shared expert behind a sigmoid gate, q/k/v biases
         model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
@@ -253,6 +258,7 @@ def test_a_carried_optimizer_state_round_trips_through_the_vpp_layouts(tmp_path:
     ("mixtral", (1, 2, 2), 2, "dp_reshardable"),
     ("qwen3_moe", (2, 2, 1), 2, "fully_reshardable"),
     ("qwen2_moe", (1, 2, 2), 1, "dp_reshardable"),  # EP 1, expert TP = TP: experts and shared expert dense
+    ("llama_tied", (1, 2, 2), 0, "dp_reshardable"),  # dense: --vpp with dp_reshardable, tied embeddings
 ])
 def test_megatron_core_loads_the_vpp_import_and_computes_transformers_logits(
         kind: str, topo: tuple[int, int, int], ep: int, sharding: str, tmp_path: Path) -> None:
@@ -260,12 +266,13 @@ def test_megatron_core_loads_the_vpp_import_and_computes_transformers_logits(
     own loader, and its forward, chunk after chunk over the stages, is transformers' logits."""
     src = moe_model(tmp_path / "hf", kind)
     import_mc(src, tmp_path / "mc", "--tp", str(topo[0]), "--pp", str(topo[1]), "--vpp", "2", "--dp", str(topo[2]),
-              "--ep", str(ep), *(("--etp", str(topo[0])) if ep == 1 else ()), "--sharding", sharding)
+              *(("--ep", str(ep)) if ep else ()), *(("--etp", str(topo[0])) if ep == 1 else ()), "--sharding",
+              sharding)
     ids = np.random.default_rng(0).integers(0, 128, (2, 12))
     np.save(tmp_path / "tokens.npy", ids)
     ranks = _megatron(tmp_path / "mc", tmp_path / "out", topo, tmp_path / "tokens.npy")
     assert all(any(k.startswith("model.chunk1.") for k in r) for r in ranks)  # two model chunks on every rank
-    _fresh_optimizer(ranks, topo[0], topo[2], sharding, ep)
+    _fresh_optimizer(ranks, topo[0], topo[2], sharding, ep or 1)
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():
         want = model(torch.from_numpy(ids)).logits.numpy()
