@@ -28,6 +28,7 @@ from gtp_format.megatron.layout import (
     Slot,
     TargetParam,
     buffers_of,
+    chunk_of_layer,
     lay_out_stage,
     stage_counts,
     stage_of_layer,
@@ -149,24 +150,40 @@ def target_split(source: Source, pp: int, split: Split | None = None) -> tuple[l
     return [n // pp] * pp, None, None
 
 
-def target_params(source: Source, tp: int, pp: int, split: Split | None = None) -> list[list[TargetParam]]:
-    """Each target stage's parameters in module order (the tied output layer last on the last stage);
-    ``split``: :func:`target_split`'s."""
-    views = _module_order([v for v in source.views.values() if not v.is_expert])
-    layers = {v.layer for v in views if v.layer is not None}
+def layer_places(source: Source, pp: int, split: Split | None = None, vpp: int = 1) -> dict[int, tuple[int, int]]:
+    """Each layer's (target stage, model chunk on it): :func:`target_split`'s stages, or with ``vpp`` virtual
+    pipeline stages megatron-core's interleaved even split (:func:`gtp_format.megatron.layout.chunk_of_layer`)."""
+    layers = {v.layer for v in source.views.values() if v.layer is not None}
     n = max(layers) + 1 if layers else 0
-    counts = target_split(source, pp, split)[0] if n else None
+    if not n:
+        return {}
+    if vpp > 1:
+        if n % (pp * vpp) or split not in (None, (None, None)):
+            raise FormatError(f"{source.root}: {n} layers do not split evenly into --pp {pp} x --vpp {vpp} model "
+                              "chunks (megatron-core's virtual pipeline split); pick sizes whose product divides them")
+        return {layer: chunk_of_layer(layer, n, pp, vpp) for layer in range(n)}
+    counts = target_split(source, pp, split)[0]
+    return {layer: (stage_of_layer(layer, n, pp, counts), 0) for layer in range(n)}
+
+
+def target_params(source: Source, tp: int, pp: int, split: Split | None = None, vpp: int = 1
+                  ) -> list[list[TargetParam]]:
+    """Each target stage's parameters in module order (the tied output layer last on the last stage), each with
+    its model chunk (``vpp`` virtual pipeline stages: embeddings in the first stage's first chunk, the final norm
+    and output layer in the last stage's last); ``split``: :func:`target_split`'s."""
+    views = _module_order([v for v in source.views.values() if not v.is_expert])
+    places = layer_places(source, pp, split, vpp)
     tied = OUTPUT not in source.views
     modes = _modes(source, tp)
     stages: list[list[TargetParam]] = [[] for _ in range(pp)]
     for v in views:
-        stage = stage_of_layer(v.layer, n, pp, counts) if v.layer is not None else 0 if v.name in HEAD else pp - 1
+        stage, chunk = places[v.layer] if v.layer is not None else (0, 0) if v.name in HEAD else (pp - 1, vpp - 1)
         local = math.prod(_spec(v, modes[v.name], tp, 0).local_shape)
         stages[stage].append(TargetParam(v.name, v.name, stage, local, tied and pp > 1 and v.name == HEAD[0],
-                                         v.holders[0].ref.dtype))
+                                         v.holders[0].ref.dtype, chunk))
     if tied and pp > 1:  # the last stage's copy of the word embeddings: its own slot, the same state
         emb = stages[0][[p.name for p in stages[0]].index(HEAD[0])]
-        stages[-1].append(TargetParam(OUTPUT, HEAD[0], pp - 1, emb.numel, True, emb.dtype))
+        stages[-1].append(TargetParam(OUTPUT, HEAD[0], pp - 1, emb.numel, True, emb.dtype, vpp - 1))
     return stages
 
 
@@ -217,9 +234,15 @@ Numels = dict[int, list[tuple[str, list[int], list[int]]]]  # dp_group_idx -> pe
 
 
 def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int | None, max_bytes: int,
-                  ep: int = 1, etp: int = 1, split: Split | None = None
+                  ep: int = 1, etp: int = 1, split: Split | None = None, vpp: int = 1
                   ) -> tuple[dict[int, list[OutChunk]], dict[str, Any], dict[str, Numels]]:
-    """(chunks per target rank, key -> (global shape, dtype), numels per prefix and dp_group_idx) of the target."""
+    """(chunks per target rank, key -> (global shape, dtype), numels per prefix and dp_group_idx) of the target.
+
+    ``vpp`` > 1 (virtual pipeline stages, the import's ``--vpp``): one set of buffers per model chunk, dense and
+    expert, numbered chunk after chunk (``gbuf_idx``), as megatron-core's ``pair_vpp_pp2_dp2`` and
+    ``pair_moe_vpp_pp2`` saves hold them; one bucket per buffer (no ``--overlap-grad-reduce``)."""
+    if vpp > 1 and bucket_size is not None:
+        raise FormatError(f"--vpp {vpp} with --bucket-size: only one bucket per model chunk's buffer is laid out")
     if bucket_size is None:
         _source_bucket_size(source)
     moe = any(_expert_view(v) for v in source.views.values())
@@ -238,7 +261,7 @@ def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int
     def rank(t: int, dc: int, stage: int) -> int:
         return t + tp * (dc + dp_cp * stage)
 
-    stages = target_params(source, tp, pp, split)
+    stages = target_params(source, tp, pp, split, vpp)
     gated = _gated(source)
     for stage, params in enumerate(stages):
         for t in range(tp):
@@ -262,8 +285,8 @@ def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int
     out = {first.prefix: numels}
     experts = [v for v in source.views.values() if v.is_expert]
     if experts:
-        out[CHAINED[1]] = _expert_chunks(source, experts, stages, tp, pp, dp_cp, ep, etp,
-                                                               bucket_size, max_bytes, files, shapes)
+        out[CHAINED[1]] = _expert_chunks(source, experts, layer_places(source, pp, split, vpp), tp, pp, dp_cp, ep,
+                                         etp, bucket_size, max_bytes, files, shapes)
     return files, shapes, out
 
 
@@ -327,7 +350,7 @@ def check_experts(source: Source, experts: list[ParamView], tp: int, dp_cp: int,
     return _expert_modes(source, experts, etp)  # at EP 1 with expert TP = TP: its checks of the TP split
 
 
-def _expert_chunks(source: Source, experts: list[ParamView], stages: list[list[TargetParam]], tp: int, pp: int,
+def _expert_chunks(source: Source, experts: list[ParamView], places: dict[int, tuple[int, int]], tp: int, pp: int,
                    dp_cp: int, ep: int, etp: int, bucket_size: int | None, max_bytes: int,
                    files: dict[int, list[OutChunk]], shapes: dict[str, Any]) -> Numels:
     """The expert optimizer's buffers (megatron-core MoE): one per (stage, EP rank, expert-TP rank) under
@@ -335,48 +358,50 @@ def _expert_chunks(source: Source, experts: list[ParamView], stages: list[list[T
     tensor-model-pipeline group; checked on ``pair_moe_tp2_etp2_dp_reshardable``), sharded over the
     expert DP group of ``tp x dp x cp / (EP x ETP)`` ranks (rank order within a stage: etp fastest,
     then ep, then expert DP), each holding its stage's layers' experts ``ep_rank * E/EP + j`` in
-    module order (per layer, per local expert), each in its expert-TP part."""
+    module order (per layer, per local expert), each in its expert-TP part. ``places``: each layer's (stage,
+    model chunk) (:func:`layer_places`); with virtual pipeline stages each model chunk has its own expert buffer,
+    ``gbuf_idx`` = the chunk (``pair_moe_vpp_pp2_dp_reshardable``, the rule the view reads in
+    :func:`gtp_format.megatron.moe.expert_views`)."""
     modes = check_experts(source, experts, tp, dp_cp, ep, etp)
     gated = _gated(source)
     n_exp = 1 + max(v.expert or 0 for v in experts)
     edp, per = dp_cp * tp // (ep * etp), n_exp // ep
-    layer_stage = {p_.name: p_.stage for params in stages for p_ in params}
-    # the target's expert buffer: one per stage (no virtual pipeline), whichever buffer the source held them in (the
-    # dense one at EP 1 with expert TP = TP, one per model chunk with virtual pipeline stages)
-    ref0 = replace(experts[0].holders[0].ref, prefix=CHAINED[1], gbuf_idx=0)
+    # the target's expert buffers, whichever buffer the source held them in (the dense one at EP 1 with expert TP =
+    # TP, one per model chunk with virtual pipeline stages)
+    ref0 = replace(experts[0].holders[0].ref, prefix=CHAINED[1])
     numels: Numels = {}
     by_name = {v.name: v for v in experts}
-    for stage in range(pp):
-        for e in range(ep):
-            names = [v.name for v in experts
-                     if layer_stage.get(f"{v.name.split('.mlp.')[0]}.input_layernorm.weight", -1) == stage
-                     and (v.expert or 0) // per == e]
-            names.sort(key=lambda n_: (by_name[n_].layer or 0, by_name[n_].expert or 0))
-            params = [TargetParam(n_, n_, stage, math.prod(_spec(by_name[n_], modes[n_], etp, 0).local_shape))
-                      for n_ in names]
-            slots, buckets = lay_out_stage(params, stage, edp, bucket_size)
-            for t in range(etp):
-                n = (stage * ep + e) * etp + t
-                numels[n] = [(ref0.dtype, [b.numel for b in buckets], [b.numel_unpadded for b in buckets])]
-                refs = [KeyRef(n, ref0.gbuf_idx, ref0.dtype, b.index, None, b.numel_unpadded, ref0.prefix)
-                        for b in buckets]
-                used: dict[int, list[tuple[int, int]]] = {}
+    chunks = sorted({c for _, c in places.values()})
+    for stage, e, chunk in ((s, e, c) for s in range(pp) for e in range(ep) for c in chunks):
+        names = [v.name for v in experts if v.layer is not None and places.get(v.layer) == (stage, chunk)
+                 and (v.expert or 0) // per == e]
+        names.sort(key=lambda n_: (by_name[n_].layer or 0, by_name[n_].expert or 0))
+        params = [TargetParam(n_, n_, stage, math.prod(_spec(by_name[n_], modes[n_], etp, 0).local_shape))
+                  for n_ in names]
+        slots, buckets = lay_out_stage(params, stage, edp, bucket_size)
+        for t in range(etp):
+            n = (stage * ep + e) * etp + t
+            numels.setdefault(n, []).append((ref0.dtype, [b.numel for b in buckets],
+                                             [b.numel_unpadded for b in buckets]))
+            refs = [KeyRef(n, chunk, ref0.dtype, b.index, None, b.numel_unpadded, ref0.prefix)
+                    for b in buckets]
+            used: dict[int, list[tuple[int, int]]] = {}
 
-                def owner(off: int, b: Bucket, e: int = e, stage: int = stage, t: int = t) -> int:
-                    return stage * dp_cp * tp + t + etp * (e + ep * (off // (b.numel // edp)))
+            def owner(off: int, b: Bucket, e: int = e, stage: int = stage, t: int = t) -> int:
+                return stage * dp_cp * tp + t + etp * (e + ep * (off // (b.numel // edp)))
 
-                for s in slots:
-                    v = by_name[s.param.name]
-                    for off, spec in _parts(v, modes[v.name], etp, t, gated):
-                        h = Holder(refs[s.bucket], s.start + off, spec, (), True)
-                        used.setdefault(s.bucket, []).append((h.start, h.start + h.numel))
-                        for state in STATES:
-                            for c in holder_chunks(v, h, state, max_bytes, math.prod(v.full_shape[1:])):
-                                files[owner(c.offsets[0], buckets[s.bucket])].append(c)
-                        shapes[v.model_key] = (source.ckpt.entries[v.model_key].shape, dtype_of(v.param_dtype))
-                        if modes[v.name] or t == 0:
-                            files[owner(0, buckets[s.bucket])].extend(_weight_chunks(v, spec, max_bytes))
-                _gap_chunks(buckets, refs, used, max_bytes, shapes, lambda off, b: files[owner(off, b)].append)
+            for s in slots:
+                v = by_name[s.param.name]
+                for off, spec in _parts(v, modes[v.name], etp, t, gated):
+                    h = Holder(refs[s.bucket], s.start + off, spec, (), True)
+                    used.setdefault(s.bucket, []).append((h.start, h.start + h.numel))
+                    for state in STATES:
+                        for c in holder_chunks(v, h, state, max_bytes, math.prod(v.full_shape[1:])):
+                            files[owner(c.offsets[0], buckets[s.bucket])].append(c)
+                    shapes[v.model_key] = (source.ckpt.entries[v.model_key].shape, dtype_of(v.param_dtype))
+                    if modes[v.name] or t == 0:
+                        files[owner(0, buckets[s.bucket])].extend(_weight_chunks(v, spec, max_bytes))
+            _gap_chunks(buckets, refs, used, max_bytes, shapes, lambda off, b: files[owner(off, b)].append)
     return numels
 
 

@@ -128,10 +128,11 @@ def _global_rows(c: OutChunk, pb: tuple[MegatronParam, int | None]) -> list[OutC
 
 
 def plan_dp_reshardable(hf: HFMegatron, tp: int, pp: int, dp: int, max_bytes: int, lr: float, min_lr: float,
-                        ep: int = 1, etp: int = 1, step: float = 0.0, carried: dict[str, Any] | None = None
-                        ) -> tuple[dict[int, list[OutChunk]], dict[str, Any], dict[str, bytes],
-                                   dict[str, tuple[MegatronParam, int | None]]]:
-    """(chunks per rank, key shapes, the per-rank byte objects, view name -> (parameter, TP block))."""
+                        ep: int = 1, etp: int = 1, step: float = 0.0, carried: dict[str, Any] | None = None,
+                        vpp: int = 1) -> tuple[dict[int, list[OutChunk]], dict[str, Any], dict[str, bytes],
+                                               dict[str, tuple[MegatronParam, int | None]]]:
+    """(chunks per rank, key shapes, the per-rank byte objects, view name -> (parameter, TP block)); ``vpp``:
+    virtual pipeline stages, one set of buffers per model chunk (:func:`plan_megatron`)."""
     dtag = f"(torch.{hf.dtype.name}, torch.float32)"  # megatron-core's key tag (param dtype, grad dtype)
     gated = bool(hf.args["swiglu"])
     views: dict[str, ParamView] = {}
@@ -169,7 +170,7 @@ def plan_dp_reshardable(hf: HFMegatron, tp: int, pp: int, dp: int, max_bytes: in
                                 if p.layer is not None else p.shape)
         by_view[name] = (p, gated_rows(p, tp, gated, dense_experts))
     files, shapes, numels = plan_megatron(HFSource(str(hf.root), views, _Ckpt(entries)), tp, pp, dp, None,
-                                          max_bytes, ep, etp)
+                                          max_bytes, ep, etp, vpp=vpp)
     for rank, chunks in files.items():  # a gated fc1's model key: its global [gate; up] rows, not the view's
         files[rank] = [g for c in chunks for g in (_global_rows(c, by_view[c.param]) if c.param is not None
                                                      and c.state == WEIGHT_STATE else [c])]

@@ -100,13 +100,9 @@ def experts_in_dense(num_experts: int, tp: int, ep: int, etp: int) -> bool:
 def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int, ep: int = 1, etp: int = 1,
                    sharding: str = "fully_reshardable") -> None:
     """Refuse, naming the flag, a TP / PP / VPP / EP / expert TP megatron-core could not build this model at, or
-    a layout this import does not write (``dp_reshardable`` buckets of interleaved virtual-pipeline chunks)."""
+    a layout this import does not write. ``sharding`` is not one of them: both are written at any of these sizes
+    (``dp_reshardable`` with one set of buffers per virtual-pipeline model chunk, dense and expert)."""
     a = hf.args
-    if vpp is not None and vpp > 1 and sharding == "dp_reshardable":
-        raise FormatError(f"--vpp {vpp} with --sharding dp_reshardable: this import lays the distributed optimizer's "
-                          "buckets out with one model chunk per pipeline stage (reshard's plan), not megatron-core's "
-                          "interleaved virtual-pipeline chunks; pass --sharding fully_reshardable (it loads at any "
-                          "TP x PP x VPP)")
     experts = a.get("num_experts") or 0
     if not experts and (ep, etp) != (1, 1):
         raise FormatError(f"--ep {ep} / --etp {etp}: the model has no experts; drop them")
@@ -125,8 +121,6 @@ def check_topology(hf: Any, tp: int, pp: int, vpp: int | None, dp: int, ep: int 
         if (tp * dp) % (ep * etp):
             raise FormatError(f"--ep {ep} x --etp {etp} does not divide the {tp * dp} ranks of a pipeline stage "
                               f"(--tp {tp} x --dp {dp}); pick sizes whose product divides them")
-        if vpp is not None and vpp > 1:
-            raise FormatError(f"--vpp {vpp} with experts: this import lays MoE out without a virtual pipeline")
     chunks = pp * (vpp or 1)
     if a["num_layers"] % chunks:
         raise FormatError(f"--pp {pp}{f' x --vpp {vpp}' if vpp else ''} = {chunks} model chunks do not divide the "
@@ -161,6 +155,8 @@ def run_args(model: dict[str, Any], dtype: DType, tp: int, pp: int, vpp: int | N
     return argparse.Namespace(**model, **moe, **schedule, tensor_model_parallel_size=tp,
                               pipeline_model_parallel_size=pp,
                               virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+                              **({"num_layers_per_virtual_pipeline_stage": model["num_layers"] // (pp * vpp)}
+                                 if vpp and vpp > 1 else {}),
                               context_parallel_size=1, expert_model_parallel_size=ep, data_parallel_size=dp,
                               world_size=tp * pp * dp, use_distributed_optimizer=True, ckpt_format="torch_dist",
                               dist_ckpt_optim_fully_reshardable=sharding == "fully_reshardable",

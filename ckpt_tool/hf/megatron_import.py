@@ -14,7 +14,8 @@ model saves at iteration 0 with ``--ckpt-format torch_dist --use-distributed-opt
 * ``dp_reshardable`` (the default, megatron-core's own default): the same state laid out in the
   distributed optimizer's buckets of the target topology, by the writer of ``ckpt reshard``
   (:func:`ckpt_tool.copying.megatron_plan.plan_megatron` over this folder's per-parameter view,
-  :mod:`.megatron_fresh`).
+  :mod:`.megatron_fresh`); with ``--vpp`` one set of buffers per model chunk, dense and expert, as megatron-core's
+  own VPP saves hold them (``fixtures/megatron/pair_moe_vpp_pp2_dp_reshardable``).
 
 The optimizer state is a fresh one: fp32 master weights equal to the model weights (bf16 widens
 exactly), both Adam moments zero, ``step`` 0 in each param group, as megatron-core's optimizer holds
@@ -211,7 +212,7 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
         fill = chunk_filler(hf)
     else:
         per_rank, shapes, numel_objects, by_view = plan_dp_reshardable(hf, tp, pp, dp, chunk_bytes, lr, min_lr, ep,
-                                                                       etp, step, carried)
+                                                                       etp, step, carried, vpp or 1)
         ranks = sorted(per_rank)
         files = [per_rank[r] for r in ranks]
         names = [f"__{r}_0.distcp" for r in ranks]

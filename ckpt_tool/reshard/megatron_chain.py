@@ -12,10 +12,12 @@ pickle *opcodes* (never unpickled, as :mod:`.megatron_dp_objects` does):
   the same bytes in both layouts (``chained_0.`` of ``pair_qwen2moe_ep2`` equals the one optimizer's of
   ``pair_qwen2moe_tp2_ep1``, opcode for opcode), so the one optimizer's serve as ``chained_0.``'s and
   ``chained_0.``'s as the one optimizer's. The expert optimizer's are the dense ones with
-  ``is_expert_parallel`` true: megatron-core pairs saved and live groups by identity
-  (``param_group_identifier_keys``, ``is_expert_parallel`` among them) and ignores a saved group no live group
-  asks for, so the dense no-decay group carried along is unused where the experts have no biases (megatron-core's
-  own expert optimizer then saves the decay group alone).
+  ``is_expert_parallel`` true, and only the groups megatron-core makes for the experts: it makes a group per
+  (``wd_mult``, ``lr_mult``, ...) that some parameter has, and an expert's weights decay (``wd_mult`` 1) while only
+  biases and 1-D parameters do not (``wd_mult`` 0), so where the experts have no biases (SwiGLU experts) the
+  dense no-decay group is left out, as megatron-core's own expert optimizer saves it (``pair_qwen2moe_ep2``'s
+  ``chained_1.`` pickle, opcode for opcode; its loader would ignore the extra group, pairing saved and live groups
+  by ``param_group_identifier_keys``).
 """
 
 from __future__ import annotations
@@ -118,11 +120,14 @@ def chain_common(root: str, blob: bytes, chained: bool) -> bytes:
     return object_blob(prefix, [(n, pkl if n == "data.pkl" else d) for n, d in records])
 
 
-def expert_groups(root: str, key: str, blob: bytes) -> bytes:
+def expert_groups(root: str, key: str, blob: bytes, no_decay: bool = True) -> bytes:
     """A dense optimizer's ``param_groups`` object with every group's ``is_expert_parallel`` set true: the
-    expert optimizer's (see the module docstring)."""
+    expert optimizer's (see the module docstring); ``no_decay`` false (the experts have no bias): without the
+    groups of ``wd_mult`` 0."""
     prefix, records = blob_records(root, key, blob)
     ops = pickle_ops(root, key, dict(records)["data.pkl"])
+    if not no_decay:
+        ops = _without_no_decay_groups(root, key, ops)
     raw = [r for _, _, r in ops]
     memo: set[Any] = set()
     flipped = 0
@@ -141,3 +146,58 @@ def expert_groups(root: str, key: str, blob: bytes) -> bytes:
         raise FormatError(f"{root}: byte object {key}'s param groups record no {EXPERT_FLAG}; megatron-core pairs "
                           "its groups by it; reshard of these param groups is not supported")
     return object_blob(prefix, [(n, b"".join(raw) if n == "data.pkl" else d) for n, d in records])
+
+
+def _without_no_decay_groups(root: str, key: str, ops: list[tuple[str, Any, bytes]]) -> list[tuple[str, Any, bytes]]:
+    """``ops`` without the param groups (dicts in the ``param_groups`` list) whose ``wd_mult`` is 0.0. Each group is
+    one ``EMPTY_DICT [PUT] MARK ... SETITEMS`` run of the list's ``MARK ... APPENDS`` batch (one group left: ``...
+    APPEND``, as the pickler writes it); a group whose memo entries a kept op refers to, or a list of another form,
+    is refused, never guessed."""
+    def refuse(why: str) -> FormatError:
+        return FormatError(f"{root}: byte object {key}'s param_groups {why}; reshard of these param groups is not "
+                           "supported")
+
+    k = next((i for i, (n, a, _) in enumerate(ops) if n in _STR and a == "param_groups"), None)
+    if k is None:
+        raise refuse("are missing")
+    i = _skip_put(ops, k + 1)
+    if i >= len(ops) or ops[i][0] != "EMPTY_LIST":
+        raise refuse("are not a list")
+    i = _skip_put(ops, i + 1)
+    if i >= len(ops) or ops[i][0] != "MARK":
+        return ops  # one group (APPEND) or none: nothing to leave out
+    groups: list[tuple[int, int]] = []
+    j = i + 1
+    while j < len(ops) and ops[j][0] != "APPENDS":
+        start = j
+        m = _skip_put(ops, j + 1)
+        if ops[j][0] != "EMPTY_DICT" or m >= len(ops) or ops[m][0] != "MARK":
+            raise refuse("hold something other than dicts of several items")
+        depth, j = 1, m + 1
+        while j < len(ops) and depth:
+            depth += ops[j][0] == "MARK"
+            depth -= ops[j][0] in _MARKED
+            j += 1
+        if depth or ops[j - 1][0] != "SETITEMS":
+            raise refuse("hold a group that never ends")
+        groups.append((start, j))
+    if j >= len(ops):
+        raise refuse("never end")
+    memo = {ops[q + 1][1]: arg for q, (n, arg, _) in enumerate(ops[:-1]) if n in _STR and ops[q + 1][0] in PUT_OPS}
+    drop: list[tuple[int, int]] = []
+    for a, z in groups:
+        wd = next((ops[_skip_put(ops, q + 1)] for q in range(a, z) if (ops[q][0] in _STR and ops[q][1] == "wd_mult")
+                   or (ops[q][0] in _GET and memo.get(ops[q][1]) == "wd_mult")), None)
+        if wd is None or wd[0] != "BINFLOAT":
+            raise refuse("record no float wd_mult")
+        if wd[1] == 0.0:
+            drop.append((a, z))
+    if not drop or len(drop) == len(groups):
+        return ops
+    gone = {ops[q][1] for a, z in drop for q in range(a, z) if ops[q][0] in PUT_OPS}
+    one = len(groups) - len(drop) == 1  # pickle writes a one-item list as ``item APPEND``, not a marked batch
+    kept = [("APPEND", None, b"a") if one and q == j else op for q, op in enumerate(ops)
+            if not any(a <= q < z for a, z in drop) and not (one and q == i)]
+    if any(n in _GET and arg in gone for n, arg, _ in kept):
+        raise refuse("share memo entries between groups")
+    return kept

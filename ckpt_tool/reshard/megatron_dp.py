@@ -124,8 +124,11 @@ def reshard_megatron(src: Path | Source, dst: Path, tp: int | None, pp: int | No
                  "data_parallel_size": dp, "world_size": tp * pp * cp * dp, "expert_model_parallel_size": ep,
                  "expert_tensor_parallel_size": etp}
         _, first, last = target_split(source, pp, split)
+        # megatron-core's no-weight-decay rule: biases and 1-D parameters (its expert optimizer's groups follow it)
+        no_decay = any(v.expert is not None and (v.name.endswith(".bias") or len(v.full_shape) == 1)
+                       for v in source.views.values())
         objects, dropped = target_objects(source.ckpt, numels, sizes, chunk_bytes,
-                                          {PP_FIRST: first, PP_LAST: last})
+                                          {PP_FIRST: first, PP_LAST: last}, no_decay)
         iteration = source.ckpt.iteration or 0
         ranks = sorted(files)
         names = [f"__{r}_0.distcp" for r in ranks]

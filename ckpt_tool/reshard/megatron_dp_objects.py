@@ -117,9 +117,11 @@ def common_blob(root: str, blob: bytes, sizes: dict[str, int], layout: dict[str,
 
 
 def target_objects(ckpt: Checkpoint, numels: dict[str, dict[int, list[tuple[str, list[int], list[int]]]]],
-                   sizes: dict[str, int], max_bytes: int, layout: dict[str, int | None] | None = None
-                   ) -> tuple[dict[str, bytes], list[str]]:
-    """Every byte object of the resharded checkpoint, by key, and the source keys left out.
+                   sizes: dict[str, int], max_bytes: int, layout: dict[str, int | None] | None = None,
+                   expert_no_decay: bool = True) -> tuple[dict[str, bytes], list[str]]:
+    """Every byte object of the resharded checkpoint, by key, and the source keys left out. ``expert_no_decay``:
+    whether the experts have parameters without weight decay (biases), so an expert optimizer made from the dense
+    one keeps its no-decay group (:func:`.megatron_chain.expert_groups`).
 
     ``numels``: optimizer prefix -> target ``dp_group_idx`` -> per gbuf (dtype tag, padded, unpadded) bucket numels.
     More than ``max_bytes`` of source objects (megatron-core's are a few KiB each) is refused.
@@ -153,7 +155,8 @@ def target_objects(ckpt: Checkpoint, numels: dict[str, dict[int, list[tuple[str,
                for s in ("per_bucket_numel", "per_bucket_numel_unpadded", "optimizer")}
         blob_records(root, f"{sp}.dp_group_idx_0.optimizer", src["optimizer"])  # CRC-checked before it is copied
         if expert:
-            src["optimizer"] = expert_groups(root, f"{sp}.dp_group_idx_0.optimizer", src["optimizer"])
+            src["optimizer"] = expert_groups(root, f"{sp}.dp_group_idx_0.optimizer", src["optimizer"],
+                                             expert_no_decay)
         for n, bufs in sorted(ranks.items()):
             base = f"{prefix}.dp_group_idx_{n}"
             for i, name in enumerate(("per_bucket_numel", "per_bucket_numel_unpadded")):

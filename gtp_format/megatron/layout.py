@@ -76,6 +76,7 @@ class TargetParam:
     numel: int  # elements per TP rank
     shared: bool = False  # megatron's ``shared_embedding``: a bucket of its own
     dtype: str = ""  # the buffer's key tag ``(param dtype, grad dtype)``: one buffer per tag
+    chunk: int = 0  # its model chunk on its stage (virtual pipeline stages): one set of buffers per chunk
 
 
 @dataclass(frozen=True)
@@ -99,12 +100,24 @@ def buffers_of(params: list[TargetParam]) -> list[tuple[str, list[TargetParam]]]
     megatron-core's ``group_params_for_buffers`` keys a buffer by (param dtype, grad dtype) in the
     order each first appears in ``named_parameters()``: a stage that starts with an fp32 layernorm
     has its fp32 buffer first (checked on ``fixtures/megatron/pair_fp32norm_dp2_dp_reshardable``
-    resharded to PP 2 and loaded by megatron-core).
+    resharded to PP 2 and loaded by megatron-core). With virtual pipeline stages each model chunk has
+    its own DDP and buffers, and the one optimizer numbers them chunk after chunk, the same tag once per
+    chunk: the rule the view reads (:func:`gtp_format.megatron.buckets.stage_buffers`), here at the target.
     """
-    out: dict[str, list[TargetParam]] = {}
-    for p in params:
-        out.setdefault(p.dtype, []).append(p)
-    return list(out.items())
+    out: dict[tuple[int, str], list[TargetParam]] = {}
+    for c in sorted({p.chunk for p in params}):
+        for p in params:
+            if p.chunk == c:
+                out.setdefault((c, p.dtype), []).append(p)
+    return [(dtag, members) for (_, dtag), members in out.items()]
+
+
+def chunk_of_layer(layer: int, num_layers: int, pp: int, vpp: int) -> tuple[int, int]:
+    """(pipeline stage, model chunk on it) of a global layer with ``vpp`` virtual pipeline stages, evenly split
+    (megatron-core's ``get_transformer_layer_offset``): the ``pp * vpp`` chunks of ``num_layers / (pp * vpp)``
+    layers each run over the stages ``vpp`` times, chunk ``v`` of stage ``p`` the ``(v * pp + p)``-th."""
+    g = layer // (num_layers // (pp * vpp))
+    return g % pp, g // pp
 
 
 def stage_of_layer(layer: int, num_layers: int, pp: int, counts: list[int] | None = None) -> int:

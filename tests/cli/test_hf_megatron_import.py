@@ -671,7 +671,7 @@ def _edit_config(folder: Path, **change: object) -> None:
     ("extra", ["21 tensors", "holds 22"]),
     ("tp", ["--tp 3 does not divide the model's num_attention_heads 4"]),
     ("pp", ["--pp 3", "do not divide the 2 layers"]),
-    ("vpp", ["--vpp 2 with --sharding dp_reshardable", "pass --sharding fully_reshardable"]),
+    ("vpp", ["--pp 2 x --vpp 2 = 4 model chunks do not divide the 2 layers"]),
     ("dtype", ["float16", "float32 or bfloat16"]),
 ])
 def test_import_to_megatron_core_refusals(case: str, needles: list[str], tmp_path: Path) -> None:

@@ -177,6 +177,58 @@ def test_one_optimizer_to_the_chained_pair_and_back_is_the_source(pair: str, tmp
     assert common_state(ours)["optimizer"] == common_state(theirs)["optimizer"]  # type: ignore[index]
 
 
+@pytest.mark.parametrize("pair", ["qwen2moe", "mixtral"])
+def test_the_chained_pair_from_ep1_holds_megatron_cores_own_param_groups(pair: str, tmp_path: Path) -> None:
+    """EP 1 with expert TP = TP (``pair_<x>_tp2_ep1``, one optimizer) -> TP 1 x DP 2 x EP 2: every optimizer object's
+    pickle (the dense groups under ``chained_0.``, the expert optimizer's under ``chained_1.``: the decay group alone,
+    the SwiGLU experts having no bias) is megatron-core's own save of the same state at that topology
+    (``pair_<x>_ep2``), opcode for opcode; every record of the blob but torch's per-save serialization id."""
+    from ckpt_tool.copying.megatron_blobs import blob_records
+    from gtp_format.reader.chunks import chunk_bytes
+
+    r = cli("reshard", MEGATRON / f"pair_{pair}_tp2_ep1_dp_reshardable", tmp_path / "a", "--tp", "1", "--dp", "2",
+            "--ep", "2", "--etp", "1")
+    assert r.exit_code == 0, r.stderr
+    ours, theirs = open_checkpoint(tmp_path / "a"), open_checkpoint(MEGATRON / f"pair_{pair}_ep2_dp_reshardable")
+    keys = sorted(k for k in theirs.entries if k.endswith(".optimizer/shard_0_1"))
+    assert sorted(k for k in ours.entries if k.endswith(".optimizer/shard_0_1")) == keys
+    assert any(k.startswith("chained_1.") for k in keys)
+    for k in keys:
+        a, b = (dict(blob_records(str(c.root), k, bytes(chunk_bytes(c, c.entries[k], c.entries[k].chunks[0])))[1])
+                for c in (ours, theirs))
+        assert sorted(a) == sorted(b), k
+        for name in a:
+            assert name == ".data/serialization_id" or a[name] == b[name], (k, name)
+        assert len(load_record(ours, ours.entries[k])[0]["param_groups"]) == (1 if k.startswith("chained_1.") else 2)
+
+
+def test_the_expert_groups_leave_out_the_no_decay_group_exactly() -> None:
+    """Without expert biases the expert optimizer keeps only its ``wd_mult`` 1 group (the pickler's one-item list
+    form); a no-decay group whose memo entries the kept group refers to, or groups that are not dicts, are refused
+    in one line."""
+    from ckpt_tool.copying.megatron_blobs import blob_records
+    from ckpt_tool.hf.megatron_fresh import param_groups, torch_object
+    from ckpt_tool.reshard.megatron_chain import expert_groups
+    from gtp_format.errors import FormatError
+    from gtp_format.reader.object_blob import load_plain_object
+    from gtp_format.reader.zip_blob import ViewReader
+
+    def decode(blob: bytes) -> object:
+        return load_plain_object(ViewReader(memoryview(blob)))
+
+    dense = param_groups(1e-3, 1e-5, False, 2.0)
+    got = expert_groups("x", "k", torch_object([{"param_groups": dense}]), no_decay=False)
+    assert decode(got) == [{"param_groups": [dict(dense[0], is_expert_parallel=True)]}]
+    want = torch_object([{"param_groups": param_groups(1e-3, 1e-5, True, 2.0)}])  # the pickler's own bytes of it
+    assert dict(blob_records("x", "k", got)[1])["data.pkl"] == dict(blob_records("x", "k", want)[1])["data.pkl"]
+    both = expert_groups("x", "k", torch_object([{"param_groups": dense}]))
+    assert [g["wd_mult"] for g in decode(both)[0]["param_groups"]] == [1.0, 0.0]  # type: ignore[index]
+    for bad, needle in (([dense[1], dense[0]], "share memo entries"), ([dense[0], 3], "other than dicts")):
+        with pytest.raises(FormatError, match=needle) as err:
+            expert_groups("x", "k", torch_object([{"param_groups": bad}]), no_decay=False)
+        assert "\n" not in str(err.value)
+
+
 def test_the_optimizer_part_edits_are_exact_and_refuse_what_is_not_megatrons() -> None:
     """``common_state``'s optimizer part between one optimizer and the chained pair, on the pickle's opcodes: the
     two edits undo each other (and the rest of the object stays), and a part that is not megatron-core's (no

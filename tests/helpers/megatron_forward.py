@@ -28,7 +28,7 @@ FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
 HELPERS = Path(__file__).resolve().parent
 
 
-def _build(args: Any, tp: int, pp: int) -> tuple[Any, Any]:
+def _build(args: Any, tp: int, pp: int, vpp: int | None = None) -> tuple[Any, Any]:
     import torch
     import torch.nn.functional as F
     from megatron.core import parallel_state as mpu
@@ -65,27 +65,35 @@ def _build(args: Any, tp: int, pp: int) -> tuple[Any, Any]:
         gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         bias_activation_fusion=False, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
         gated_linear_unit=args.swiglu, activation_func=act, normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon, qk_layernorm=args.qk_layernorm, **moe)
+        layernorm_epsilon=args.norm_epsilon, qk_layernorm=args.qk_layernorm,
+        virtual_pipeline_model_parallel_size=vpp, **moe)
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=args.qk_layernorm,
                                     normalization=args.normalization)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-                     max_sequence_length=args.max_position_embeddings,
-                     pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                     position_embedding_type=args.position_embedding_type,
-                     rotary_base=getattr(args, "rotary_base", 10000),
-                     rotary_percent=getattr(args, "rotary_percent", 1.0),
-                     rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
-                     rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0), parallel_output=False)
-    if bf16:
-        model = Float16Module(config, model)
-    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                        use_distributed_optimizer=True, check_for_nan_in_grad=False)
-    model = DistributedDataParallel(config=config, ddp_config=ddp, module=model)
+    chunks = []
+    for vp_stage in range(vpp or 1):  # training.get_model: one GPTModel per model chunk with virtual pipeline stages
+        stage = vp_stage if vpp else None
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                         max_sequence_length=args.max_position_embeddings,
+                         pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                         post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                         position_embedding_type=args.position_embedding_type,
+                         rotary_base=getattr(args, "rotary_base", 10000),
+                         rotary_percent=getattr(args, "rotary_percent", 1.0),
+                         rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
+                         rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0), parallel_output=False,
+                         **({"vp_stage": stage} if vpp else {}))
+        if bf16:
+            model = Float16Module(config, model)
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=True, check_for_nan_in_grad=False)
+        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp, module=model,
+                                              disable_bucketing=vp_stage > 0))
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, bf16=bf16,
-        params_dtype=dtype, use_distributed_optimizer=True, clip_grad=1.0), [model])
+        params_dtype=dtype, use_distributed_optimizer=True, clip_grad=1.0), chunks)
+    model = chunks if vpp else chunks[0]
     return model, optimizer
 
 
@@ -118,25 +126,64 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: i
     sharding = common["content_metadata"]["distrib_optim_sharding_type"]
     if getattr(args, "num_experts", None) and tp > 1:
         allow_torch_norm_with_sequence_parallel()
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)  # the checkpoint's own, as Megatron-LM's args
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  virtual_pipeline_model_parallel_size=vpp,
                                   expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
                                   expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None))
-    model, optimizer = _build(args, tp, pp)
+    model, optimizer = _build(args, tp, pp, vpp)
     module, arrays = load_zeroed(model, optimizer, ckpt, sharding)
     np.savez(os.path.join(out, f"rank{rank}.npz"), **arrays)
+    ids = torch.from_numpy(np.load(tokens)).long()
+    b, s = ids.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)  # True: masked out
     if pp == 1:
-        ids = torch.from_numpy(np.load(tokens)).long()
-        b, s = ids.shape
-        pos = torch.arange(s).unsqueeze(0).expand(b, s)
-        mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)  # True: masked out
         gpt = module.module if hasattr(module, "module") and not hasattr(module, "decoder") else module
         gpt.eval()
         with torch.no_grad():
             logits = gpt(ids, pos, mask)
         if rank == 0:
             np.save(os.path.join(out, "logits.npy"), logits.float().numpy())
+    else:
+        logits = _pipeline_forward(module if isinstance(module, list) else [module], ids, pos, mask)
+        if logits is not None and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
+            np.save(os.path.join(out, "logits.npy"), logits.float().numpy())
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _pipeline_forward(chunks: list[Any], ids: Any, pos: Any, mask: Any) -> Any:
+    """The forward over the pipeline stages, model chunk after model chunk in megatron-core's order (chunk ``v``
+    of stage ``p`` is the ``(v * PP + p)``-th), each handing its output to the next as the schedules do
+    (``set_input_tensor``), sent to the same TP x DP coordinates of the next stage; the logits on the last stage's
+    last chunk, else ``None``."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    pp, stage = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
+    nxt, prev = mpu.get_pipeline_model_parallel_next_rank(), mpu.get_pipeline_model_parallel_prev_rank()
+    out = None
+    for g in range(pp * len(chunks)):
+        v, p = divmod(g, pp)
+        if p != stage:
+            continue
+        gpt = chunks[v]
+        gpt.eval()
+        if g > 0:
+            shape = torch.zeros(3, dtype=torch.long)
+            dist.recv(shape, prev)
+            hidden = torch.empty(*shape.tolist(), dtype=next(gpt.parameters()).dtype)
+            dist.recv(hidden, prev)
+            gpt.set_input_tensor(hidden)
+        with torch.no_grad():
+            out = gpt(ids, pos, mask)
+        if g + 1 < pp * len(chunks):
+            dist.send(torch.tensor(out.shape, dtype=torch.long), nxt)
+            dist.send(out.contiguous(), nxt)
+            out = None
+    return out
 
 
 def main(ckpt: str, out: str, tp: int, pp: int, dp: int, tokens: str) -> None:

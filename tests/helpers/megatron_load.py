@@ -111,8 +111,9 @@ def pass_step_through() -> None:
 def load_zeroed(model: Any, optimizer: Any, ckpt: str, sharding: str) -> tuple[Any, dict[str, Any]]:
     """Wipe the fresh model and optimizer to zeros and load CKPT into them as ``load_checkpoint`` does for
     ``torch_dist`` (SHARDING's metadata, the two CPU workarounds of the module docstring); returns the
-    unwrapped model and every value a test compares: each parameter (bf16 as raw int16), each optimizer
-    shard in the optimizer's order, and ``step``."""
+    unwrapped model (a list of them for a list of model chunks) and every value a test compares: each parameter
+    (bf16 as raw int16; ``model.chunk<i>.`` per model chunk), each optimizer shard in the optimizer's order, and
+    ``step``."""
     import numpy as np
     import torch
     from make_megatron_fixtures import _optimizer_tensors, sharded_sd_metadata_for
@@ -123,28 +124,33 @@ def load_zeroed(model: Any, optimizer: Any, ckpt: str, sharding: str) -> tuple[A
     for opt in opts:
         opt._init_optimizer_states_with_dummy_values()
     pass_step_through()
-    module = unwrap_model(model)
+    # virtual pipeline stages: a list of model chunks, each under model0, model1, ... as load_checkpoint names them
+    modules = [unwrap_model(m) for m in model] if isinstance(model, list) else [unwrap_model(model)]
+    names = ["model"] if len(modules) == 1 else [f"model{i}" for i in range(len(modules))]
     with torch.no_grad():  # nothing of the fresh model survives: every value compared comes from CKPT
-        for p in module.parameters():
+        for p in (p for module in modules for p in module.parameters()):
             p.zero_()
         for t in _optimizer_tensors(optimizer):
             t.zero_()
     metadata = sharded_sd_metadata_for(sharding)
-    sharded = {"model": module.sharded_state_dict(metadata=metadata)}
+    sharded = {n: module.sharded_state_dict(metadata=metadata) for n, module in zip(names, modules)}
     sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True, metadata=metadata)
     state = dist_checkpointing.load(sharded, ckpt)
-    module.load_state_dict(state["model"], strict=True)
+    for n, module in zip(names, modules):
+        module.load_state_dict(state[n], strict=True)
     optimizer.load_state_dict(state["optimizer"])
 
     arrays: dict[str, Any] = {}
-    for name, p in module.named_parameters():
-        w = p.detach()
-        arrays[f"model.{name}"] = w.view(torch.int16).numpy() if p.dtype == torch.bfloat16 else w.numpy()
+    for i, module in enumerate(modules):
+        for name, p in module.named_parameters():
+            w = p.detach()
+            key = f"model.{name}" if len(modules) == 1 else f"model.chunk{i}.{name}"
+            arrays[key] = w.view(torch.int16).numpy() if p.dtype == torch.bfloat16 else w.numpy()
     for i, t in enumerate(_optimizer_tensors(optimizer)):
         arrays[f"opt.{i}"] = t.detach().numpy()
     arrays["step"] = np.array([float(o.optimizer.state[p]["step"]) for o in opts
                                for g in o.optimizer.param_groups for p in g["params"]])
-    return module, arrays
+    return (modules if isinstance(model, list) else modules[0]), arrays
 
 
 def worker(rank: int, world: int, port: int, ckpt: str, out: str, tp: int, pp: int, num_layers: int,

@@ -9,7 +9,9 @@ unequal parts). The copy is rewritten through the format package's own writers
 (:func:`gtp_format.writer.torch_blob.tensor_blob` for the new chunks, whose elements are the
 fixture's own, read with :class:`gtp_format.reader.boxes.BoxReader`;
 :func:`gtp_format.writer.dcp_metadata.metadata_bytes` for ``.metadata``), never pickled by hand:
-every byte of it is a well-formed DCP checkpoint, only its layout is one megatron-core never saves.
+every byte of it is a well-formed DCP checkpoint, only its layout is one megatron-core never saves. The EP 1
+param-group cases rewrite the optimizer objects through torch's pickler
+(:func:`ckpt_tool.hf.megatron_fresh.torch_object`) and the same ``.metadata`` writer.
 """
 
 from __future__ import annotations
@@ -137,6 +139,39 @@ EP1_CASES: dict[str, tuple[str, str]] = {
     # the shared expert's linear_fc1 and gate_weight stored as one chunk of the bucket (megatron-core: one each)
     "ep1_shared_chunk_straddles": (EP1, "straddles a derived parameter edge"),
 }
+# EP 1 param groups that the expert optimizer of the chained pair is made from (reshard to EP 2: the SwiGLU experts
+# have no bias, so the no-decay group is left out), written anew by torch's pickler (megatron_fresh.torch_object):
+# name -> (the groups' edit, words of the refusal)
+EP1_GROUP_CASES: dict[str, str] = {
+    "ep1_groups_wd_string": "record no float wd_mult",  # wd_mult '0.0', a string
+    "ep1_groups_no_decay_first": "share memo entries between groups",  # the no-decay group first: its keys' memo
+}
+
+
+def rewrite(it: Path, shapes: dict[str, tuple], tails: dict[str, list[tuple[str, bytes, tuple[int, ...] | None,
+                                                                             tuple[int, ...] | None]]],
+            new: dict[str, bytes]) -> None:
+    """``.metadata`` of ``it`` anew: the byte objects ``new`` and the chunks ``tails`` appended to their files
+    (``tails``: per file, (key, blob, offsets, sizes)), every other chunk where it is; ``shapes``: each tensor key's
+    (global shape, dtype)."""
+    ckpt = open_checkpoint(it)
+    placed = []
+    for k, e in ckpt.entries.items():
+        for c in e.chunks:
+            offsets, sizes = (c.offsets, c.sizes) if e.kind == TENSOR else (None, None)
+            if k in new:
+                tails.setdefault(c.storage.file, []).append((k, new[k], offsets, sizes))
+            else:
+                placed.append((c.storage.file, k, offsets, sizes, c.storage.offset, c.storage.length))
+    for file, items in tails.items():
+        at = (it / file).stat().st_size
+        with open(it / file, "ab") as f:
+            for k, blob, offsets, sizes in items:
+                f.write(blob)
+                placed.append((file, k, offsets, sizes, at, len(blob)))
+                at += len(blob)
+    objects = [k for k, e in ckpt.entries.items() if e.kind != TENSOR]
+    (it / ".metadata").write_bytes(metadata_bytes(shapes, placed, objects))
 
 
 def grow_buckets(it: Path, delta: int) -> None:
@@ -165,23 +200,28 @@ def grow_buckets(it: Path, delta: int) -> None:
             n = shapes[BUCKET.format(k.split("dp_group_idx_")[1].split(".")[0], "param")][0][0]
             new[k] = numel_blob(str(it), k, bytes(chunk_bytes(ckpt, e, e.chunks[0])),
                                 [("(torch.bfloat16, torch.float32)", [n])])
-    placed = []
+    rewrite(it, shapes, tails, new)
+
+
+def build_ep1_groups(name: str, it: Path) -> None:
+    """Rewrite the copy ``it`` (an ``iter_*`` folder of :data:`EP1`) as case ``name`` of :data:`EP1_GROUP_CASES`:
+    every ``optimizer.distributed.dp_group_idx_N.optimizer`` object's param groups (megatron-core's two, the decay
+    group then the no-decay one) edited and pickled anew."""
+    from ckpt_tool.hf.megatron_fresh import torch_object
+    from gtp_format.reader.inert_object import load_record
+
+    ckpt = open_checkpoint(it)
+    new: dict[str, bytes] = {}
     for k, e in ckpt.entries.items():
-        for c in e.chunks:
-            offsets, sizes = (c.offsets, c.sizes) if e.kind == TENSOR else (None, None)
-            if k in new:
-                tails.setdefault(c.storage.file, []).append((k, new[k], offsets, sizes))
+        if e.kind != TENSOR and k.startswith("optimizer.distributed.") and k.endswith(".optimizer/shard_0_1"):
+            groups = [dict(g) for g in load_record(ckpt, e)[0]["param_groups"]]
+            if name == "ep1_groups_wd_string":
+                groups[1]["wd_mult"] = "0.0"
             else:
-                placed.append((c.storage.file, k, offsets, sizes, c.storage.offset, c.storage.length))
-    for file, items in tails.items():
-        at = (it / file).stat().st_size
-        with open(it / file, "ab") as f:
-            for k, blob, offsets, sizes in items:
-                f.write(blob)
-                placed.append((file, k, offsets, sizes, at, len(blob)))
-                at += len(blob)
-    objects = [k for k, e in ckpt.entries.items() if e.kind != TENSOR]
-    (it / ".metadata").write_bytes(metadata_bytes(shapes, placed, objects))
+                groups.reverse()
+            new[k] = torch_object([{"param_groups": groups}])
+    shapes = {k: (tuple(e.shape), e.dtype) for k, e in ckpt.entries.items() if e.kind == TENSOR}
+    rewrite(it, shapes, {}, new)
 
 
 def build_ep1(name: str, it: Path) -> None:

@@ -14,8 +14,8 @@
   layers, a string expert count; Qwen2-MoE with a shared expert size the tensors disagree with (or 0)
   and ``qkv_bias`` false against bias tensors; ``--ep`` that does not divide the experts, ``--etp 2``
   (gated experts; ``--ep 1 --etp 2`` at TP 1: expert TP = TP only), ``--ep 1`` with a shared expert (the dense
-  layout's order beside it unchecked), ``--ep`` on a dense model and ``--vpp`` with ``dp_reshardable`` (the
-  buckets it would write are not megatron-core's interleaved chunks);
+  layout's order beside it unchecked), ``--ep`` on a dense model; ``--vpp`` whose model chunks do not divide the
+  layers (dense and MoE), with an ``--ep`` that does not divide the experts, or at ``--pp 1``;
 * optimizer files (``ckpt export --to hf --optimizer``) whose ``gtp_megatron_run_state`` is no JSON, a
   negative iteration, a step of 1e300, a list, 100,000 arrays deep, or a state at another shape; whose carried
   lr schedule is a list, names a decay style megatron-core has not, a negative step count or a NaN rate, or whose
@@ -82,7 +82,8 @@ CONFIG = {"layers_huge": {"num_hidden_layers": 10**9}, "heads_huge": {"num_atten
 # the class each case starts from (else Llama)
 BASE = {n: n.split("_")[0] for n in CONFIG if n.split("_")[0] in ("starcoder2", "arcee", "qwen2", "mixtral",
                                                                    "qwen3moe", "qwen2moe", "persimmon")}
-BASE.update(mixtral_ep3="mixtral", mixtral_etp2="mixtral", mixtral_etp_tp="mixtral")
+BASE.update(mixtral_ep3="mixtral", mixtral_etp2="mixtral", mixtral_etp_tp="mixtral", mixtral_vpp_layers="mixtral",
+            mixtral_vpp_ep3="mixtral", mixtral_vpp_pp1="mixtral")
 # optimizer files (`export --to hf --optimizer`) whose run state field is hostile, or a state at another shape
 SCHED = {"max_lr": 0.001, "min_lr": 0.0, "lr_warmup_steps": 0, "num_steps": 16, "lr_decay_style": "cosine",
          "lr_decay_steps": 800, "start_wd": 0.01, "end_wd": 0.01, "wd_incr_style": "constant", "wd_incr_steps": 800}
@@ -115,7 +116,12 @@ OPT_STATE = {"opt_state_not_json": "{'iteration': 2", "opt_state_negative": '{"i
 OPTIONS = {"mixtral_ep3": ["--ep", "3"], "mixtral_etp2": ["--ep", "2", "--etp", "2", "--dp", "2"],
            "qwen2moe_ep1_shared": ["--tp", "2", "--ep", "1", "--etp", "2"],
            "mixtral_etp_tp": ["--ep", "1", "--etp", "2", "--dp", "2"],
-           "dense_ep2": ["--ep", "2", "--dp", "2"], "vpp_dp_reshardable": ["--pp", "2", "--vpp", "2"]}
+           "dense_ep2": ["--ep", "2", "--dp", "2"], "vpp_layers": ["--pp", "2", "--vpp", "2"],
+           # virtual pipeline stages with experts: 2 layers in 4 model chunks, experts EP 3 does not divide, no
+           # pipeline to interleave over
+           "mixtral_vpp_layers": ["--pp", "2", "--vpp", "2", "--ep", "2", "--dp", "2"],
+           "mixtral_vpp_ep3": ["--pp", "2", "--vpp", "2", "--ep", "3", "--dp", "3"],
+           "mixtral_vpp_pp1": ["--vpp", "2", "--ep", "2", "--dp", "2"]}
 WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json implies", "vocab_huge": "config.json "
          "implies", "head_dim_zero": "head_dim is 0", "hidden_string": "hidden_size is '64'",
          "eps_negative": "epsilon is -1.0", "layers_bool": "num_hidden_layers is True",
@@ -137,7 +143,9 @@ WORDS = {"layers_huge": "says 1000000000 layers", "heads_huge": "config.json imp
          "qwen2moe_ep1_shared": "'model.layers.0.mlp.shared_expert.gate_proj.weight' is [48, 64], config.json "
                                 "implies [64",
          "mixtral_etp_tp": "--etp 2: the experts are gated",
-         "dense_ep2": "the model has no experts", "vpp_dp_reshardable": "--vpp 2 with --sharding dp_reshardable",
+         "dense_ep2": "the model has no experts", "vpp_layers": "--pp 2 x --vpp 2 = 4 model chunks do not divide",
+         "mixtral_vpp_layers": "--pp 2 x --vpp 2 = 4 model chunks do not divide the 2 layers",
+         "mixtral_vpp_ep3": "--ep 3 does not divide the model's 4 experts", "mixtral_vpp_pp1": "--vpp 2 needs --pp > 1",
          "qwen2moe_shared": "'model.layers.0.mlp.shared_expert.gate_proj.weight' is [48, 64], config.json implies [64",
          "qwen2moe_qkv_bias": "the weights do not belong to this config",
          "qwen2moe_shared_zero": "shared_expert_intermediate_size is 0",

@@ -31,7 +31,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from make_corpus import Case  # noqa: E402
-from moe_corpus import EP1_CASES, MEGATRON, MOE_CASES, build_ep1, build_moe  # noqa: E402
+from moe_corpus import (  # noqa: E402
+    EP1_CASES,
+    EP1_GROUP_CASES,
+    MEGATRON,
+    MOE_CASES,
+    build_ep1,
+    build_ep1_groups,
+    build_moe,
+)
 from test_hostile import CKPT_TIMEOUT_S, LOAD_TIMEOUT_S, _check, _run_batch  # noqa: E402
 
 REPO = HERE.parents[1]
@@ -140,6 +148,10 @@ def _build(root: Path, dst_root: Path) -> list[Case]:
         case = _case(root, dst_root, name, MEGATRON / fixture, EP1_REFUSING, words)
         build_ep1(name, Path(case.dir) / "run" / "iter_0000002")
         cases.append(case)
+    for name, words in EP1_GROUP_CASES.items():  # reshard to the chained pair makes the expert groups from them
+        case = _case(root, dst_root, name, MEGATRON / "pair_qwen2moe_tp2_ep1_dp_reshardable", [EP1_REFUSING[1]], words)
+        build_ep1_groups(name, Path(case.dir) / "run" / "iter_0000002")
+        cases.append(case)
     return cases
 
 
@@ -176,6 +188,15 @@ def test_an_ep1_buffer_that_disagrees_with_the_shared_expert_layout_is_refused(o
     """EP 1 with expert TP = TP (experts and the shared expert in the dense buffer): a bucket longer than the
     parameters' layout, or one chunk across the shared expert's linear_fc1 and gate_weight, is refused by every
     command that lays the buffer out, naming the key."""
+    _refused(options, job)
+
+
+@pytest.mark.parametrize("job", [f"{n}-0" for n in EP1_GROUP_CASES])
+def test_ep1_param_groups_the_expert_groups_cannot_be_made_from_are_refused(options: tuple[dict, dict],
+                                                                           job: str) -> None:
+    """Reshard from EP 1 to the chained pair leaves the no-decay group out of the expert optimizer's groups on the
+    pickle's opcodes: a ``wd_mult`` that is no float, or a no-decay group first (the kept group's keys then refer to
+    its memo entries), is refused in one line, nothing written."""
     _refused(options, job)
 
 
