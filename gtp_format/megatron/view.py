@@ -9,8 +9,8 @@ buffers.
 Virtual pipeline stages (``--num-layers-per-virtual-pipeline-stage``): a stage holds several model
 chunks of interleaved layers, each with its own buffers, numbered chunk after chunk
 (:func:`_stages`, :func:`gtp_format.megatron.buckets.stage_buffers`); the bucket rules hold per
-buffer as before. MoE with
-virtual pipeline stages is refused (not checked against a save).
+buffer as before; with experts, each chunk also has its own expert buffer (checked against
+megatron-core's own PP2 x VPP2 x EP2 MoE save).
 
 Pipeline stages: each stage has its own buffer, keyed ``dp_group_idx = pp_rank * TP + tp_rank``
 (the rank in the tp x pp model-parallel group). Embeddings sit on the first stage; the final
