@@ -458,7 +458,7 @@ def export(src: Path | ObjectURL, dst: Path | ObjectURL, to: str, optimizer: boo
     baseline = rss_after_imports("safetensors" if to == "hf" else None)
     weights_only = to == "torch" or (to == "hf" and not optimizer)
     source = open_source(src, megatron=True, weights_only=weights_only, views=to != "torch",
-                         experts=True, max_memory=max_memory, dense_experts=to == "hf", session=session,
+                         experts=True, max_memory=max_memory, dense_experts=True, session=session,
                          full_states=to == "hf")
     names = names or "hf"
     if tokenizer is not None and names != "hf":

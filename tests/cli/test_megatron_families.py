@@ -156,7 +156,11 @@ def test_the_per_parameter_view_is_megatrons_buffers(pair: str) -> None:
     assert {t[3] for t in theirs} == {o[3] for o in named}
 
 
-@pytest.mark.parametrize("pair", LAID_OUT)
+# MoE at EP 1 (expert TP = TP): the experts in the dense buffers, one optimizer
+EP1_PAIRS = ["pair_mixtral_tp2_ep1_dp_reshardable", "pair_qwen2moe_tp2_ep1_dp_reshardable"]
+
+
+@pytest.mark.parametrize("pair", LAID_OUT + EP1_PAIRS)
 def test_export_equals_megatrons_own_fully_reshardable_save(pair: str, tmp_path: Path) -> None:
     """Tensor for tensor, bit for bit, but ``common_state`` (args, content metadata) and, with tied
     embeddings at PP > 1, the word embeddings' fp32 state, which megatron-core's save writes one
