@@ -9,7 +9,6 @@ the :class:`Found` each worker fills and the main thread merges in file order.
 
 from __future__ import annotations
 
-import zlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from gtp_format.check.hashes import StreamedHash, check_bytes, check_range
 from gtp_format.check.padding import tally_key
 from gtp_format.dtypes import DType
 from gtp_format.errors import ChunkError
-from gtp_format.hashing import CRCS
+from gtp_format.hashing import CRCS, crc32
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.model import BYTES, Checkpoint, Chunk, Entry, Problem
 from gtp_format.reader.chunks import check_byte_object, chunk_bytes, decode_elements, load_elements
@@ -154,9 +153,9 @@ class PayloadAction:
             parts = found.payload_parts
             if parts and parts[-1][0] is acc:  # the window's previous piece: continue its CRC
                 _, crc, n = parts[-1]
-                parts[-1] = (acc, zlib.crc32(view, crc), n + len(view))
+                parts[-1] = (acc, crc32(view, crc), n + len(view))
             else:
-                parts.append((acc, zlib.crc32(view), len(view)))
+                parts.append((acc, crc32(view), len(view)))
         if self.scan:
             found.add(self.key, np.frombuffer(view, dtype=self.kind), self.dtype)
 
