@@ -7,6 +7,7 @@ reports names it does not know instead of failing. Streaming keeps memory flat o
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import threading
@@ -146,7 +147,6 @@ def _native_extend() -> Callable[[int, int, int], int] | None:
     the training thread needs the interpreter. ``dlsym`` on the extension's handle also searches the
     libraries it links, so this finds the function wherever the wheel or the system put it.
     """
-    import ctypes
 
     try:
         lib = ctypes.CDLL(google_crc32c._crc32c.__file__)  # type: ignore[attr-defined]
@@ -193,8 +193,6 @@ def _libdeflate_crc32() -> Callable[[int, int, int], int] | None:
     """
     if os.environ.get(CRC32_ZLIB_ENV) == "1":
         return None
-    import ctypes
-
     for name in ("libdeflate.so.0", "libdeflate.so"):
         try:
             fn = ctypes.CDLL(name).libdeflate_crc32
@@ -213,16 +211,25 @@ _DEFLATE = _libdeflate_crc32()
 
 def crc32(data: Any, value: int = 0) -> int:
     """``zlib.crc32(data, value)``, the same value, through libdeflate where the system has it
-    (:func:`_libdeflate_crc32`) for a contiguous buffer of :data:`DEFLATE_MIN` bytes or more."""
+    (:func:`_libdeflate_crc32`) for a contiguous buffer of :data:`DEFLATE_MIN` bytes or more.
+
+    A writable buffer's address comes from ``ctypes`` (0.5 us); a read-only one's (``bytes``) from numpy (3.6 us:
+    the data pass calls this once per 512 KiB piece, on every worker, with the GIL held for that part)."""
     fn = _DEFLATE
-    if fn is not None:
-        try:
-            arr = np.frombuffer(data, dtype=np.uint8)
-        except (TypeError, ValueError):  # not a flat contiguous buffer: zlib says what is wrong with it
-            arr = None
-        if arr is not None and arr.size >= DEFLATE_MIN:
-            return int(fn(value & 0xFFFFFFFF, arr.ctypes.data, arr.size))
-    return zlib.crc32(data, value)
+    if fn is None:
+        return zlib.crc32(data, value)
+    try:
+        view = memoryview(data)
+    except TypeError:
+        return zlib.crc32(data, value)  # zlib's own error for what is no buffer
+    n = view.nbytes
+    if n < DEFLATE_MIN or n == 0 or not view.c_contiguous:
+        return zlib.crc32(data, value)  # small, or zlib's own error for a strided view
+    try:
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except TypeError:  # read-only
+        addr = np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data
+    return int(fn(value & 0xFFFFFFFF, addr, n))
 
 
 def crc32_backend() -> str:

@@ -205,7 +205,9 @@ class WindowReads:
         """``len(view)`` bytes of the file from ``at`` into ``view`` through the page cache: a piece of the window
         ``[start, stop)`` that :meth:`cached` said is there. Fewer is the file shrinking, named by its window as
         in :meth:`read`."""
-        if read_fully(self.fd, view, at) < len(view):
+        n = len(view)
+        got = os.preadv(self.fd, [view], at)  # one call for all of it, but for a file that shrank
+        if got < n and (got <= 0 or got + read_fully(self.fd, view[got:], at + got) < n):
             raise self._shrank(start, stop)
         return view
 

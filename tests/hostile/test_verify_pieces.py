@@ -138,23 +138,43 @@ def test_a_read_error_in_a_piece_is_raised_with_everything_closed(tmp_path: Path
     """EIO on the third piece of a window: raised, every file closed, every buffer back (a second pass runs)."""
     run = _copy(tmp_path)
     want = _report(run)
-    real = data_read.read_fully
+    real = os.preadv
     seen: list[int] = []
 
-    def fail(fd, buf, offset):  # noqa: ANN001, ANN202
-        if len(buf) <= 1024:
+    def fail(fd, buffers, offset):  # noqa: ANN001, ANN202
+        if memoryview(buffers[0]).nbytes <= 1024:
             seen.append(offset)
             if len(seen) == 3:
                 raise OSError(errno.EIO, "Input/output error")
-        return real(fd, buf, offset)
+        return real(fd, buffers, offset)
 
-    monkeypatch.setattr(data_read, "read_fully", fail)
+    monkeypatch.setattr(os, "preadv", fail)
     fds = len(os.listdir("/proc/self/fd"))
     with pytest.raises(OSError, match="Input/output error"):
         _report(run)
-    assert len(os.listdir("/proc/self/fd")) == fds
-    monkeypatch.setattr(data_read, "read_fully", real)
+    assert len(os.listdir("/proc/self/fd")) == fds and len(seen) >= 3
+    monkeypatch.setattr(os, "preadv", real)
     assert _report(run) == want
+
+
+def test_a_short_read_inside_a_piece_is_read_on(tmp_path: Path, pieces: list[tuple[int, int]],
+                                                monkeypatch: pytest.MonkeyPatch):
+    """A piece's read that returns part of it (as a signal or a network file system may): the rest is read, the same
+    report."""
+    run = _copy(tmp_path)
+    want = _report(run)
+    real = os.preadv
+    short: list[int] = []
+
+    def half(fd, buffers, offset):  # noqa: ANN001, ANN202
+        view = memoryview(buffers[0])
+        if view.nbytes == 1024 and len(buffers) == 1:
+            short.append(offset)
+            return real(fd, [view[:512]], offset)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", half)
+    assert _report(run) == want and short
 
 
 def test_windows_whose_bytes_a_digest_keeps_are_not_read_in_pieces(tmp_path: Path, pieces: list[tuple[int, int]],
