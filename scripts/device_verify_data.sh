@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # verify --data warm and cold against cat on one lent machine, in one call of under 5 minutes: the machine's
 # cores and CRC-32 library, the checkpoint (12.9 GB, torch's dcp.save), the warm row with another tree and the
-# switches of this round (CKPT_CRC32_ZLIB=1: zlib's CRC-32; CKPT_VERIFY_PIECE_KIB=0: whole windows) timed in
-# the same rounds, the cold row with the other tree, then the pass's stages on 1, 8 and 16 threads.
+# switches of this round timed in the same rounds (CKPT_CRC32_ZLIB=1: zlib's CRC-32; CKPT_VERIFY_PIECE_KIB=0 or
+# 1024: whole windows, 1 MiB pieces), the cold row with the other tree, then the pass's stages on 1, 8 and 16
+# threads.
 # Each stage has its own time limit, so a slow host still returns what finished (all output under OUT).
 #
 #   scripts/device_verify_data.sh OUT AGAINST_TREE
@@ -32,7 +33,7 @@ DATA=$(ls /tmp/vdcp/*.distcp | head -1)
 stage "warm"
 timeout 60 $PY benchmarks/bench_cli_scale.py --only verify --repeats 3 --no-cold --dcp-dir /tmp/vdcp \
     --workdir /tmp/w16 --out "$OUT/warm" --against "$AGAINST" --variant zlib=CKPT_CRC32_ZLIB=1 \
-    --variant whole=CKPT_VERIFY_PIECE_KIB=0 --host "$HOST"
+    --variant whole=CKPT_VERIFY_PIECE_KIB=0 --variant piece1m=CKPT_VERIFY_PIECE_KIB=1024 --host "$HOST"
 stage "cold"
 timeout 80 $PY benchmarks/bench_cli_scale.py --only verify --repeats 2 --no-warm --dcp-dir /tmp/vdcp \
     --workdir /tmp/w16 --out "$OUT/cold" --against "$AGAINST" --host "$HOST"
