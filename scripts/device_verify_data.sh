@@ -27,18 +27,18 @@ stage "machine"
     echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
 } 2>&1 | tee "$OUT/machine.txt"
 stage "checkpoint"
-timeout 120 $PY benchmarks/bench_cli_scale.py --only verify --no-warm --no-cold --dcp-dir /tmp/vdcp \
+timeout 110 $PY benchmarks/bench_cli_scale.py --only verify --no-warm --no-cold --dcp-dir /tmp/vdcp \
     --verify-gb "$GB" --workdir /tmp/w16 --out "$OUT/make" || exit 1
 DATA=$(ls /tmp/vdcp/*.distcp | head -1)
 stage "warm"
-timeout 60 $PY benchmarks/bench_cli_scale.py --only verify --repeats 3 --no-cold --dcp-dir /tmp/vdcp \
+timeout 55 $PY benchmarks/bench_cli_scale.py --only verify --repeats 3 --no-cold --dcp-dir /tmp/vdcp \
     --workdir /tmp/w16 --out "$OUT/warm" --against "$AGAINST" --variant zlib=CKPT_CRC32_ZLIB=1 \
     --variant whole=CKPT_VERIFY_PIECE_KIB=0 --variant piece1m=CKPT_VERIFY_PIECE_KIB=1024 --host "$HOST"
 stage "cold"
-timeout 80 $PY benchmarks/bench_cli_scale.py --only verify --repeats 2 --no-warm --dcp-dir /tmp/vdcp \
+timeout 70 $PY benchmarks/bench_cli_scale.py --only verify --repeats 2 --no-warm --dcp-dir /tmp/vdcp \
     --workdir /tmp/w16 --out "$OUT/cold" --against "$AGAINST" --host "$HOST"
 stage "stages of the pass"
 cat "$DATA" > /dev/null
-timeout 30 $PY benchmarks/verify_data_stages.py "$DATA" --mib 2048 --threads 1,8,16 --seconds 0.3 \
+timeout 25 $PY benchmarks/verify_data_stages.py "$DATA" --mib 2048 --threads 1,8,16 --seconds 0.3 \
     --only "zlib,hashing.crc32" --out "$OUT/stages.json"
 stage "done"
