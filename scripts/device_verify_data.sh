@@ -31,7 +31,7 @@ timeout 110 $PY benchmarks/bench_cli_scale.py --only verify --no-warm --no-cold 
     --verify-gb "$GB" --workdir /tmp/w16 --out "$OUT/make" || exit 1
 DATA=$(ls /tmp/vdcp/*.distcp | head -1)
 stage "warm"
-timeout 55 $PY benchmarks/bench_cli_scale.py --only verify --repeats 3 --no-cold --dcp-dir /tmp/vdcp \
+timeout 55 $PY benchmarks/bench_cli_scale.py --only verify --repeats 2 --no-cold --dcp-dir /tmp/vdcp \
     --workdir /tmp/w16 --out "$OUT/warm" --against "$AGAINST" --variant zlib=CKPT_CRC32_ZLIB=1 \
     --variant whole=CKPT_VERIFY_PIECE_KIB=0 --variant piece1m=CKPT_VERIFY_PIECE_KIB=1024 --host "$HOST"
 stage "cold"
