@@ -21,7 +21,9 @@ byte once, in order, and spreading the CPU work over the cores without leaving t
   59 MiB at 2 workers, 100 MiB at 16, 4 GB checkpoint), and at most ``HELD`` windows (64 MiB) wait
   for the in-order merge when a digest keeps them;
 * a chunk larger than a window is parsed from its first and last bytes at planning time, then
-  its elements are scanned window by window as they stream past;
+  its elements are scanned window by window as they stream past; a warm window of its payload is read,
+  CRC'd and scanned in 512 KiB pieces of one buffer (:meth:`_FilePass._pieces`), each still in the core's
+  cache when checked;
 * from a bucket a window is one ranged request (:data:`gtp_format.storage.objects.PART`, 8 MiB), so
   a chunk up to that size is parsed from the bytes its window already holds: with 2 MiB windows every
   larger chunk cost two more requests for its structure (190 of the 226 ``GET`` s of a 304.8 MB
