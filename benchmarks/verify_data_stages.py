@@ -14,9 +14,11 @@ Stages: ``os.pread`` into a new ``bytes`` per window (what the pass did), ``os.p
 reused buffer (what it does now), zlib's CRC-32 (a zip record's own checksum: the only one a
 checkpoint written by ``dcp.save`` carries), CRC-32C (google-crc32c, the manifest's file checksum),
 xxh3-128 (the chunk records), and the NaN/Inf scan of float32 elements (``isfinite(x).all()``, with a
-new result array per window and with one reused). Why a micro-benchmark beside the stage profile
-(``benchmarks/cli_stages.py``): the profile charges a C call to its Python line, so it cannot say
-whether a window's cost is the copy, the page faults of a fresh buffer, or the hash.
+new result array per window and with one reused); then the pass as it runs now: the CRC-32 through
+libdeflate where the system has it (``gtp_format.hashing.crc32``), and each window read, CRC'd and scanned in
+pieces of one reused buffer (2 MiB = the whole window, 1 MiB, 512 KiB, 256 KiB). Why a micro-benchmark
+beside the stage profile (``benchmarks/cli_stages.py``): the profile charges a C call to its Python line, so it
+cannot say whether a window's cost is the copy, the page faults of a fresh buffer, or the hash.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gtp_format.dtypes import by_name  # noqa: E402
-from gtp_format.hashing import CRCS  # noqa: E402
+from gtp_format.hashing import CRCS, crc32, crc32_backend  # noqa: E402
 from gtp_format.scan import count_nonfinite  # noqa: E402
 
 _FLOAT32 = by_name("float32")
@@ -94,16 +96,37 @@ def stages(fd: int, window: int) -> dict[str, Callable[[], Callable[[int], None]
             np.isfinite(elements, out=out).all()
         return job
 
+    def pieces(piece: int) -> Callable[[], Callable[[int], None]]:
+        """The pass in pieces: each ``piece`` bytes read, CRC'd and scanned before the next is read, into one
+        reused buffer of that size (what a worker does now for a large chunk's payload)."""
+        def make() -> Callable[[int], None]:
+            buf = bytearray(piece)
+            view, elements, out = memoryview(buf), np.frombuffer(buf, f32), np.empty(piece // 4, bool)
+
+            def job(off: int) -> None:
+                crc = 0
+                for lo in range(off, off + window, piece):
+                    os.preadv(fd, [view], lo)
+                    crc = crc32(view, crc)
+                    np.isfinite(elements, out=out).all()
+            return job
+        return make
+
     return {
         "pread into a new bytes": fresh_read,
         "preadv into a reused buffer": reused_read,
         "zlib CRC-32 (zip record)": held(lambda v, _: zlib.crc32(v)),
+        "CRC-32 as the pass runs it (hashing.crc32)": held(lambda v, _: crc32(v)),
         "CRC-32C (google-crc32c)": held(lambda v, _: crc32c(v, 0)),
         "xxh3-128 (chunk record)": held(lambda v, _: xxhash.xxh3_128_hexdigest(v)),
         "NaN/Inf scan, new result": held(lambda _, e: count_nonfinite(e, _FLOAT32)),
         "NaN/Inf scan, reused result": scan_reused,
         "pass before: pread + CRC-32 + scan": before,
-        "pass now: preadv + CRC-32 + scan": now,
+        "pass before pieces: preadv + zlib + scan": now,
+        "pass, hashing.crc32, whole window": pieces(window),
+        "pass, hashing.crc32, 1 MiB pieces": pieces(1 << 20),
+        "pass now: hashing.crc32, 512 KiB pieces": pieces(512 << 10),
+        "pass, hashing.crc32, 256 KiB pieces": pieces(256 << 10),
     }
 
 
@@ -142,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=2 << 20, help="bytes per read (verify --data's window)")
     ap.add_argument("--threads", default="1,2", help="comma list of thread counts")
     ap.add_argument("--seconds", type=float, default=1.0, help="per measurement")
+    ap.add_argument("--only", help="run only the stages whose name contains one of these comma-separated words")
     ap.add_argument("--out", help="write the results here as JSON")
     ap.add_argument("--smoke", action="store_true", help="a 16 MiB file of float32 made here, 0.05 s per measurement")
     args = ap.parse_args(argv)
@@ -162,16 +186,20 @@ def main(argv: list[str] | None = None) -> int:
             os.preadv(fd, [buf], off)
         threads = [int(t) for t in args.threads.split(",") if t]
         results: dict[str, dict[str, dict[str, float]]] = {}
+        words = [w for w in (args.only or "").split(",") if w]
         for name, make in stages(fd, args.window).items():
+            if words and not any(w in name for w in words):
+                continue
             results[name] = {str(t): measure(make, t, offsets, args.seconds, args.window) for t in threads}
             cells = "  ".join(f"{t} thr {r['gbps']:6.2f} GB/s {r['cpu_s_per_gb']:.3f} CPU s/GB"
                               for t, r in results[name].items())
-            print(f"{name:38s} {cells}")
+            print(f"{name:42s} {cells}")
+        print(f"hashing.crc32: {crc32_backend()}")
     finally:
         os.close(fd)
         if tmp is not None:
             tmp.close()
-    doc = {"file": args.file, "window": args.window, "mib": args.mib, "nproc": os.cpu_count(),
+    doc = {"file": args.file, "window": args.window, "mib": args.mib, "nproc": os.cpu_count(), "crc32": crc32_backend(),
            "load_avg_1m": round(os.getloadavg()[0], 2), "stages": results}
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")

@@ -54,13 +54,18 @@ _LOCAL = threading.local()
 
 def _scratch(like: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
     """This thread's reused array of ``like``'s shape in ``dtype``, or None above :data:`SCRATCH` bytes."""
-    n = like.size * np.dtype(dtype).itemsize
+    n = like.size * dtype.itemsize
     if n > SCRATCH:
         return None
     buf = getattr(_LOCAL, "buf", None)
     if buf is None or buf.size < n:
         buf = _LOCAL.buf = np.empty(max(n, 1 << 20), np.uint8)
-    return buf[:n].view(dtype).reshape(like.shape)
+    out = buf[:n].view(dtype)
+    return out if like.ndim == 1 else out.reshape(like.shape)
+
+
+_BOOL = np.dtype(np.bool_)
+_ALL = np.logical_and.reduce  # ndarray.all() without its Python wrapper: called per 512 KiB piece on every worker
 
 
 def carrier(dtype: DType) -> np.dtype:
@@ -86,7 +91,7 @@ def count_nonfinite(elements: np.ndarray, dtype: DType) -> tuple[int, int]:
         return 0, 0
     name = dtype.name
     if name in _NATIVE:
-        if np.isfinite(elements, out=_scratch(elements, np.bool_)).all():
+        if _ALL(np.isfinite(elements, out=_scratch(elements, _BOOL)), axis=None):
             return 0, 0
         return int(np.count_nonzero(np.isnan(elements))), int(np.count_nonzero(np.isinf(elements)))
     exp = _HALF_EXP.get(name)

@@ -58,6 +58,8 @@ SPAN = 0  # with CKPT_VERIFY_DIRECT=1: a task of windows in a row read cold as o
 SPAN_ENV = "CKPT_VERIFY_SPAN_MIB"
 ADVISE_PIECE = 1 << 20  # WILLNEED per call: under the kernel's cap (readahead or max request size, >= 1 MiB here)
 SPAN_BUDGET = 40 << 20  # span buffers in all: with the pass's own ~60 MiB, under 128 MB at any worker count
+PIECE = 512 << 10  # a warm payload window is read and checked in pieces of this many bytes (0: whole windows)
+PIECE_ENV = "CKPT_VERIFY_PIECE_KIB"
 
 
 def direct_reads(workers: int) -> bool:
@@ -83,6 +85,19 @@ def span_bytes() -> int:
     except NumberError as e:
         raise FormatError(f"{e}; set it to the MiB of one cold direct read (0, the default: one read per window)") \
             from None
+
+
+def piece_bytes() -> int:
+    """The bytes of one piece of a warm window (``CKPT_VERIFY_PIECE_KIB``, default :data:`PIECE`); 0: whole
+    windows. A multiple of 1 KiB, so a piece of a payload window holds whole elements of any dtype."""
+    value = os.environ.get(PIECE_ENV)
+    if value is None:
+        return PIECE
+    try:
+        return parse_int(value, PIECE_ENV, 0, 2048) << 10
+    except NumberError as e:
+        raise FormatError(f"{e}; set it to the KiB a warm window is read and checked in (0: whole windows), or "
+                          f"unset it ({PIECE >> 10})") from None
 
 
 def span_depth(span: int, workers: int, budget: int | None = None) -> int:
@@ -179,6 +194,22 @@ class WindowReads:
         if read_fully(self.fd, out, start) < n:
             raise self._shrank(start, stop)
         return out
+
+    def cached(self, start: int, stop: int) -> bool:
+        """Whether :meth:`read` would take ``[start, stop)`` from the page cache (not with ``O_DIRECT``)."""
+        cache = self.cache
+        return not (self.use_direct and cache is not None and stop - start >= DIRECT_MIN
+                    and not cache.resident(start, stop))
+
+    def read_cached(self, view: memoryview, at: int, start: int, stop: int) -> memoryview:
+        """``len(view)`` bytes of the file from ``at`` into ``view`` through the page cache: a piece of the window
+        ``[start, stop)`` that :meth:`cached` said is there. Fewer is the file shrinking, named by its window as
+        in :meth:`read`."""
+        n = len(view)
+        got = os.preadv(self.fd, [view], at)  # one call for all of it, but for a file that shrank
+        if got < n and (got <= 0 or got + read_fully(self.fd, view[got:], at + got) < n):
+            raise self._shrank(start, stop)
+        return view
 
     def span(self, spans: Spans | None, start: int, stop: int) -> Span | None:
         """``[start, stop)`` in one ``O_DIRECT`` request into a buffer of ``spans`` when the cache lacks it (None:

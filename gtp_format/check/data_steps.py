@@ -9,7 +9,6 @@ the :class:`Found` each worker fills and the main thread merges in file order.
 
 from __future__ import annotations
 
-import zlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from gtp_format.check.hashes import StreamedHash, check_bytes, check_range
 from gtp_format.check.padding import tally_key
 from gtp_format.dtypes import DType
 from gtp_format.errors import ChunkError
-from gtp_format.hashing import CRCS
+from gtp_format.hashing import CRCS, crc32
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.model import BYTES, Checkpoint, Chunk, Entry, Problem
 from gtp_format.reader.chunks import check_byte_object, chunk_bytes, decode_elements, load_elements
@@ -134,17 +133,44 @@ class PayloadCrc:
                 chunk=self.chunk.index, file=self.chunk.storage.file if self.chunk.storage else None))
 
 
-def payload_action(key: str, dtype: DType, scan: bool, acc: PayloadCrc | None) -> Action:
-    kind = carrier(dtype)
+class PayloadAction:
+    """One window of a large chunk's payload: its piece of the zip CRC-32, and the NaN/Inf scan.
 
-    def action(view: memoryview, found: Found) -> None:  # windows of a payload hold whole elements
+    ``pieces``: the action may be called on consecutive pieces of its window in file order, each holding
+    whole elements, with the same :class:`Found` (:meth:`gtp_format.check.data._FilePass.work` reads a warm
+    window that way, each piece checked while it is still in the core's cache); the CRC-32 then continues
+    from the previous piece's, so the window still gives one part to join.
+    """
+
+    pieces = True
+
+    def __init__(self, key: str, dtype: DType, scan: bool, acc: PayloadCrc | None) -> None:
+        self.key, self.dtype, self.scan, self.acc, self.kind = key, dtype, scan, acc, carrier(dtype)
+
+    def __call__(self, view: memoryview, found: Found) -> None:  # windows of a payload hold whole elements
+        acc = self.acc
         if acc is not None:
-            found.payload_parts.append((acc, zlib.crc32(view), len(view)))
-        if scan:
-            found.add(key, np.frombuffer(view, dtype=kind), dtype)
+            parts = found.payload_parts
+            if parts and parts[-1][0] is acc:  # the window's previous piece: continue its CRC
+                _, crc, n = parts[-1]
+                parts[-1] = (acc, crc32(view, crc), n + len(view))
+            else:
+                parts.append((acc, crc32(view), len(view)))
+        if self.scan:
+            found.add(self.key, np.frombuffer(view, dtype=self.kind), self.dtype)
 
-    return action
+
+def payload_action(key: str, dtype: DType, scan: bool, acc: PayloadCrc | None) -> Action:
+    return PayloadAction(key, dtype, scan, acc)
 
 
-def ignore_bytes(_: memoryview, __: Found) -> None:
-    pass
+class _Ignore:
+    """Bytes that only the file's own digest reads (a large chunk's zip header and tail); in any pieces."""
+
+    pieces = True
+
+    def __call__(self, _: memoryview, __: Found) -> None:
+        pass
+
+
+ignore_bytes: Action = _Ignore()

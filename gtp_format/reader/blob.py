@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import functools
 import math
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from gtp_format.dtypes import BY_STORAGE, DTYPES, DType
+from gtp_format.hashing import crc32
 from gtp_format.reader.safe_pickle import brief
 from gtp_format.reader.unpickler import ScannedUnpickler
 from gtp_format.reader.zip_blob import BlobError, BlobReader, ZipRecord, record_bytes, small_record, zip_records
@@ -220,11 +220,11 @@ def parse_blob(reader: BlobReader) -> BlobLayout:
 def check_payload_crc(layout: BlobLayout, payload: memoryview | bytes) -> None:
     """The storage record's bytes match the CRC-32 the zip directory records for them.
 
-    ``zlib.crc32`` runs over bytes the caller already holds (the data pass's window), without the
-    GIL; it is what makes one flipped bit in a genuine Megatron checkpoint, which has no manifest
-    checksums, an error rather than a pass.
+    :func:`gtp_format.hashing.crc32` (zlib's CRC-32, through libdeflate where the system has it) runs over bytes
+    the caller already holds (the data pass's window), without the GIL; it is what makes one flipped bit in a
+    genuine Megatron checkpoint, which has no manifest checksums, an error rather than a pass.
     """
-    if zlib.crc32(payload) != layout.payload_crc:
+    if crc32(payload) != layout.payload_crc:
         raise BlobError(f"the storage record fails its CRC-32 check (the zip directory says {layout.payload_crc:08x}): "
                         "its bytes are damaged")
 
