@@ -91,21 +91,25 @@ def gated_rows(p: MegatronParam, tp: int, gated: bool, dense_experts: bool = Fal
     return None
 
 
-def view_rows(p: MegatronParam, block: int | None, a: int, b: int, state: int | None = None) -> np.ndarray:
+def view_rows(p: MegatronParam, block: int | None, a: int, b: int, state: int | None = None,
+              out: np.ndarray | None = None) -> np.ndarray:
     """Rows ``[a, b)`` of the view's full tensor (``state``: of its carried optimizer state): the parameter's,
-    or for a gated fc1 at TP > 1 the ``[gate_0; up_0; gate_1; up_1; ...]`` order."""
+    or for a gated fc1 at TP > 1 the ``[gate_0; up_0; gate_1; up_1; ...]`` order; read into ``out`` if given
+    (C-contiguous, their shape and :meth:`.megatron_model.MegatronParam.rows_dtype`), which is returned."""
+    if out is None:
+        out = np.empty((b - a, *p.shape[1:]), dtype=p.rows_dtype(state))
     if block is None:
-        return p.read_rows(a, b, state)
+        p.read_rows_into(a, b, out, state)
+        return out
     ffn = p.shape[0] // 2
-    parts = []
     r = a
     while r < b:
         t, q = divmod(r, 2 * block)
         start = t * block + q if q < block else ffn + t * block + (q - block)
         n = min(b - r, block - q % block)
-        parts.append(p.read_rows(start, start + n, state))
+        p.read_rows_into(start, start + n, out[r - a:r - a + n], state)
         r += n
-    return np.concatenate(parts)
+    return out
 
 
 def _global_rows(c: OutChunk, pb: tuple[MegatronParam, int | None]) -> list[OutChunk]:

@@ -48,11 +48,12 @@ from ckpt_tool.copying.engine import (
     chunk_budget,
     default_workers,
     peak_rss,
-    run_files,
+    write_distcp_files,
+    write_threads,
     written_sizes,
 )
 from ckpt_tool.copying.plan import FP32, OutChunk, row_blocks, split_files
-from ckpt_tool.copying.writers import Zeros, write_distcp, write_distcp_metadata, write_objects
+from ckpt_tool.copying.writers import Zeros, write_distcp_metadata, write_objects
 from ckpt_tool.hf.megatron_dp_import import plan_dp_reshardable, view_rows
 from ckpt_tool.hf.megatron_fresh import (
     EXPERT_LINEARS,
@@ -70,6 +71,7 @@ from gtp_format.integrity.records import ChunkRecord
 from gtp_format.integrity.stats import warm_up
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.progress import ProgressOpener
+from gtp_format.reader.boxes import Buffer
 from gtp_format.session import Session
 from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter, megatron_metadata
@@ -117,6 +119,15 @@ def chunk_filler(hf: HFMegatron, views: dict[str, tuple[MegatronParam, int | Non
     ``model:<view>`` reads the parameter's own rows); else the chunks name parameters (:func:`param_name`).
     """
     by_name = {param_name(p): (p, None) for p in hf.params} if views is None else views
+    # each writing thread's buffers (the rows read, a TP part's columns, a widened master), reused chunk after chunk:
+    # its chunk is written before it asks for the next. Why: a new array per read is page-faulted in per chunk
+    local = threading.local()
+
+    def buffer(slot: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        bufs = getattr(local, "bufs", None)
+        if bufs is None:
+            bufs = local.bufs = (Buffer(), Buffer(), Buffer())
+        return bufs[slot].get(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize).view(dtype).reshape(shape)
 
     def one(c: OutChunk) -> np.ndarray | Zeros:
         carried = hf.run_state is not None and c.state in STATES
@@ -125,16 +136,20 @@ def chunk_filler(hf: HFMegatron, views: dict[str, tuple[MegatronParam, int | Non
         assert c.box is not None
         (a, *cols), (n, *widths) = c.box
         state = STATES.index(c.state) if carried else None
-        if c.param.startswith("model:"):
-            bits = by_name[c.param[len("model:"):]][0].read_rows(a, a + n, state)
+        if c.param.startswith("model:"):  # a model weight's own rows (a gated fc1's cut at its global rows)
+            p, block = by_name[c.param[len("model:"):]][0], None
         else:
             p, block = by_name[c.param]
-            bits = view_rows(p, block, a, a + n, state)
+        dt = p.rows_dtype(state)
+        bits = view_rows(p, block, a, a + n, state, buffer(0, (n, *p.shape[1:]), dt))
         if cols and (cols[0], widths[0]) != (0, bits.shape[1]):  # a row-parallel TP part: its columns
-            bits = np.ascontiguousarray(bits[:, cols[0]:cols[0] + widths[0]])
+            part = buffer(1, (n, widths[0], *bits.shape[2:]), dt)
+            np.copyto(part, bits[:, cols[0]:cols[0] + widths[0]])
+            bits = part
         if c.state != WEIGHT_STATE and hf.dtype != FP32 and not carried:
-            # widened and shifted in one buffered ufunc pass into the one new array (not a copy, then a shift)
-            bits = np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
+            # widened and shifted in one buffered ufunc pass into the thread's buffer (not a copy, then a shift)
+            bits = np.left_shift(bits, 16, dtype=np.uint32, out=buffer(2, bits.shape, np.dtype(np.uint32)))
+            bits = bits.view(np.float32)
         return bits.reshape(c.sizes)
 
     return one
@@ -185,10 +200,12 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
                     sharding: str = "dp_reshardable", seq_length: int | None = None, lr: float | None = None,
                     min_lr: float | None = None, max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
                     progress: ProgressOpener | None = None, ep: int = 1, etp: int = 1,
-                    optimizer: bool = True, session: Session | None = None) -> dict[str, Any]:
+                    optimizer: bool = True, session: Session | None = None, run_bytes: int | None = None
+                    ) -> dict[str, Any]:
     """Write the HF folder SRC as a megatron-core checkpoint at TP x PP (x VPP) x DP (x EP, expert TP) into
     the new DST. ``lr`` / ``min_lr``: the run's (1e-4 / 0 unless given); a carried scheduler's own where SRC
-    has one, which a different value given contradicts."""
+    has one, which a different value given contradicts. ``run_bytes``: the size of the runs each file is
+    written as (:func:`ckpt_tool.copying.engine.write_distcp_files`; tests set it small)."""
     if sharding not in SHARDINGS:
         raise FormatError(f"--sharding {sharding!r}: use one of {', '.join(SHARDINGS)}")
     t0 = time.perf_counter()
@@ -220,14 +237,16 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
     objects["common_state/shard_0_1"] = common_state(args, hf.dtype, tp, pp, vpp, dp, sharding, lr, min_lr,
                                                      it, ep, etp, step, scheduler, consumed, carried, extra)
     total = sum(c.nbytes for cs in files for c in cs)
+    threads = write_threads(workers, chunk_bytes, max_memory)
 
     def body(writer: CheckpointWriter) -> None:
         folder = writer.folder
         advance = progress(total) if progress else (lambda n: None)
-        records: list[list[ChunkRecord]] = [[] for _ in range(len(files) + 1)]  # one list per file (one thread each)
-        results = run_files(lambda i, tick: write_distcp(folder / names[i], files[i], fill, tick,
-                                                         stage_bytes(chunk_bytes), records[i]),
-                            len(files), workers, advance)
+        records: list[list[ChunkRecord]] = [[] for _ in range(len(files) + 1)]  # one list per file
+        # the files are one per rank and unequal (DP rank 0's hold the model weights too): written as runs of
+        # about a (2 x threads)-th of the bytes each, so every thread has work until the end
+        results = write_distcp_files(folder, names, files, fill, threads, advance, stage_bytes(chunk_bytes), records,
+                                     run_bytes or max(chunk_bytes, total // (2 * threads)))
         placed: list[tuple[str, Any, int, int]] = [(n, c, off, ln) for n, r in zip(names, results)
                                                    for c, off, ln in r[1]]
         obj_file = "__0_1.distcp"
@@ -254,4 +273,5 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
             "seconds": time.perf_counter() - t0, "iteration": it,
             "optimizer": (f"carried (step {step:g}{', lr schedule' if scheduler else ''})" if hf.run_state is not None
                           else "fresh (moments at zero)"),
-            "max_memory": max_memory, "chunk_bytes": chunk_bytes, "workers": workers, "peak_rss_bytes": peak_rss()}
+            "max_memory": max_memory, "chunk_bytes": chunk_bytes, "workers": workers, "threads": threads,
+            "peak_rss_bytes": peak_rss()}
