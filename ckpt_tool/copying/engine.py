@@ -291,7 +291,8 @@ def run_files(one: Callable[[int, Progress], Any], n: int, workers: int, advance
 
 
 def write_distcp_files(folder: Path, names: list[str], files: list[list[OutChunk]], fill: ZeroableFn, threads: int,
-                       advance: Progress, stage: int, records: list[list[ChunkRecord]], run_bytes: int
+                       advance: Progress, stage: int, records: list[list[ChunkRecord]], run_bytes: int,
+                       ahead: Callable[[OutChunk], None] | None = None
                        ) -> list[tuple[FileEntry, list[tuple[OutChunk, int, int]]]]:
     """The ``.distcp`` files ``names`` (chunks ``files``) in ``folder``, each cut into runs of about ``run_bytes``
     (:func:`.writers.plan_runs`) written by ``threads`` threads at once, each run at its place in its file
@@ -301,6 +302,7 @@ def write_distcp_files(folder: Path, names: list[str], files: list[list[OutChunk
     Why: a file per thread waits on the largest file, and megatron-core's files are one per rank, whatever their
     sizes (an import's DP rank 0 holds the model weights besides its optimizer shard); runs share the work by
     bytes. Memory: each thread holds what a worker of :func:`write_checkpoint` holds (its run's chunk and staging).
+    ``ahead(chunk)``: told of each run's next chunk before its current one is filled (a source's read-ahead).
     """
     blobs, sizes, runs = plan_runs(files, run_bytes)
     shared: list[SharedFile] = []
@@ -309,7 +311,8 @@ def write_distcp_files(folder: Path, names: list[str], files: list[list[OutChunk
             shared.append(SharedFile(folder / name, stage, size))
         got: list[list[ChunkRecord]] = [[] for _ in runs]
         results = run_files(lambda k, tick: write_distcp_run(shared[runs[k].file], runs[k], files[runs[k].file],
-                                                             blobs[runs[k].file], fill, tick, stage, got[k]),
+                                                             blobs[runs[k].file], fill, tick, stage, got[k],
+                                                             ahead),
                             len(runs), threads, advance)
         out = []
         for i, f in enumerate(shared):

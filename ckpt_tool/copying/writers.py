@@ -116,13 +116,19 @@ def write_distcp(path: Path, chunks: list[OutChunk], data: ZeroableFn, advance: 
 
 def write_blobs(out: Sink, chunks: list[OutChunk], blobs: list[TensorBlob] | None, data: ZeroableFn,
                 advance: Callable[[int], None], records: list[ChunkRecord] | None = None,
-                known_crc: Callable[[OutChunk], int | None] | None = None) -> list[tuple[OutChunk, int, int]]:
+                known_crc: Callable[[OutChunk], int | None] | None = None,
+                ahead: Callable[[OutChunk], None] | None = None) -> list[tuple[OutChunk, int, int]]:
     """The blobs of ``chunks`` in order into ``out`` (at its position), as :func:`write_distcp` writes them;
     ``blobs``: each chunk's :class:`~gtp_format.writer.torch_blob.TensorBlob` made beforehand (a file written as
-    runs places them by their sizes first), else made here. ``(chunk, offset, length)`` per blob."""
+    runs places them by their sizes first), else made here; ``ahead(chunk)``: told of the first chunk, then of
+    each next one before ``data`` is asked for the current (a read-ahead). ``(chunk, offset, length)`` per blob."""
     placed = []
     name = out.path.name
+    if ahead is not None and chunks:
+        ahead(chunks[0])
     for k, c in enumerate(chunks):
+        if ahead is not None and k + 1 < len(chunks):
+            ahead(chunks[k + 1])
         got = data(c)
         blob = TensorBlob(c.dtype, c.sizes) if blobs is None else blobs[k]
         if isinstance(got, Zeros):
@@ -195,13 +201,14 @@ def plan_runs(files: list[list[OutChunk]], run_bytes: int) -> tuple[list[list[Te
 
 def write_distcp_run(shared: SharedFile, run: Run, chunks: list[OutChunk], blobs: list[TensorBlob],
                      data: ZeroableFn, advance: Callable[[int], None], stage: int,
-                     records: list[ChunkRecord] | None = None
+                     records: list[ChunkRecord] | None = None, ahead: Callable[[OutChunk], None] | None = None
                      ) -> tuple[tuple[int, FileEntry, list[tuple[int, bytes]]], list[tuple[OutChunk, int, int]]]:
     """One run of a ``.distcp`` file written as runs (:class:`gtp_format.writer.sink.SharedFile`): its blobs at
     their places; ``((start, run entry, edges), placed)`` for :meth:`SharedFile.finish`."""
     out = shared.run(run.start, stage, segments=records is not None)
     with out:
-        placed = write_blobs(out, chunks[run.first:run.last], blobs[run.first:run.last], data, advance, records)
+        placed = write_blobs(out, chunks[run.first:run.last], blobs[run.first:run.last], data, advance, records,
+                             ahead=ahead)
         entry = out.close()
     if entry.size != run.nbytes:
         raise AssertionError(f"{shared.path}: a run of {entry.size} bytes where its blobs' sizes say {run.nbytes}")

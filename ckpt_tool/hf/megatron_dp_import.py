@@ -98,16 +98,22 @@ def view_rows(p: MegatronParam, block: int | None, a: int, b: int, state: int | 
     (C-contiguous, their shape and :meth:`.megatron_model.MegatronParam.rows_dtype`), which is returned."""
     if out is None:
         out = np.empty((b - a, *p.shape[1:]), dtype=p.rows_dtype(state))
+    for at, start, n in view_pieces(p, block, a, b):
+        p.read_rows_into(start, start + n, out[at:at + n], state)
+    return out
+
+
+def view_pieces(p: MegatronParam, block: int | None, a: int, b: int) -> list[tuple[int, int, int]]:
+    """Rows ``[a, b)`` of the view as runs of the parameter's own rows: ``(row in the result, first row, rows)``."""
     if block is None:
-        p.read_rows_into(a, b, out, state)
-        return out
+        return [(0, a, b - a)]
     ffn = p.shape[0] // 2
-    r = a
+    out, r = [], a
     while r < b:
         t, q = divmod(r, 2 * block)
         start = t * block + q if q < block else ffn + t * block + (q - block)
         n = min(b - r, block - q % block)
-        p.read_rows_into(start, start + n, out[r - a:r - a + n], state)
+        out.append((r - a, start, n))
         r += n
     return out
 

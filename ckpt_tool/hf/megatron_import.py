@@ -37,6 +37,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ from ckpt_tool.copying.engine import (
 )
 from ckpt_tool.copying.plan import FP32, OutChunk, row_blocks, split_files
 from ckpt_tool.copying.writers import Zeros, write_distcp_metadata, write_objects
-from ckpt_tool.hf.megatron_dp_import import plan_dp_reshardable, view_rows
+from ckpt_tool.hf.megatron_dp_import import plan_dp_reshardable, view_pieces, view_rows
 from ckpt_tool.hf.megatron_fresh import (
     EXPERT_LINEARS,
     LINEARS,
@@ -155,6 +156,34 @@ def chunk_filler(hf: HFMegatron, views: dict[str, tuple[MegatronParam, int | Non
     return one
 
 
+def chunk_ahead(hf: HFMegatron, pool: ThreadPoolExecutor,
+                views: dict[str, tuple[MegatronParam, int | None]] | None = None) -> Callable[[OutChunk], None]:
+    """``ahead(chunk)``: the HF rows :func:`chunk_filler` will read for ``chunk`` asked of the kernel now, on
+    ``pool`` (:meth:`.megatron_model.MegatronParam.will_need`). Each file thread asks for its next chunk before
+    it fills the current one (:func:`ckpt_tool.copying.writers.write_blobs`), so a cold folder is read while the
+    thread hashes and the disk writes; at most one chunk per thread ahead, in the page cache, not this process.
+
+    Why: each thread read its chunk's rows only when it came to it, one readahead window at a time, while its
+    sink waited (the lent 16-core host's profile: the sinks idle about 1.4 s each behind cold HF reads)."""
+    by_name = {param_name(p): (p, None) for p in hf.params} if views is None else views
+
+    def ask(c: OutChunk) -> None:
+        carried = hf.run_state is not None and c.state in STATES
+        if c.param is None or c.box is None or (c.state in STATES[1:] and not carried):
+            return
+        (a, *_), (n, *_) = c.box
+        state = STATES.index(c.state) if carried else None
+        p, block = (by_name[c.param[len("model:"):]][0], None) if c.param.startswith("model:") else by_name[c.param]
+        for _, start, k in view_pieces(p, block, a, a + n):
+            p.will_need(start, start + k, state)
+
+    def ahead(c: OutChunk) -> None:
+        if c.param is not None:
+            pool.submit(ask, c)
+
+    return ahead
+
+
 def extra_objects(hf: HFMegatron) -> dict[str, bytes]:
     """One ``_extra_state`` per linear layer, under megatron-core's stacked key and ``shard_<layer>_<layers>``;
     an expert's under ``shard_<layer>.<expert>_<layers>.<experts>``."""
@@ -226,6 +255,7 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
         files = split_files(chunks, workers * 2)
         names = [f"__{i}_0.distcp" for i in range(len(files))]
         fill = chunk_filler(hf)
+        by_view = None
     else:
         per_rank, shapes, numel_objects, by_view = plan_dp_reshardable(hf, tp, pp, dp, chunk_bytes, lr, min_lr, ep,
                                                                        etp, step, carried)
@@ -246,7 +276,8 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
         # the files are one per rank and unequal (DP rank 0's hold the model weights too): written as runs of
         # about a (2 x threads)-th of the bytes each, so every thread has work until the end
         results = write_distcp_files(folder, names, files, fill, threads, advance, stage_bytes(chunk_bytes), records,
-                                     run_bytes or max(chunk_bytes, total // (2 * threads)))
+                                     run_bytes or max(chunk_bytes, total // (2 * threads)),
+                                     chunk_ahead(hf, hints, by_view))
         placed: list[tuple[str, Any, int, int]] = [(n, c, off, ln) for n, r in zip(names, results)
                                                    for c, off, ln in r[1]]
         obj_file = "__0_1.distcp"
@@ -260,9 +291,11 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
     # thread at its first chunk; joined, so no import still runs at the interpreter's exit
     warm = threading.Thread(target=warm_up, args=([hf.dtype, FP32],), name="stats-warm-up", daemon=True)
     warm.start()
+    hints = ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead")
     try:
         build_atomically(dst, (src,), body, inner=iter_dir_name(it), latest=str(it), session=session)
     finally:
+        hints.shutdown(wait=True, cancel_futures=True)
         warm.join()
     out = written_sizes(dst / iter_dir_name(it))
     topo = f"tp{tp} pp{pp}{f' vpp{vpp}' if vpp and vpp > 1 else ''} dp{dp}"

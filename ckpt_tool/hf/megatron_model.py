@@ -151,6 +151,15 @@ class MegatronParam:
         """The carrier dtype of what :meth:`read_rows` gives for ``state``."""
         return carrier((self.segments if state is None else self.states[state])[0].tensor.dtype)
 
+    def will_need(self, a: int, b: int, state: int | None = None) -> None:
+        """Rows ``[a, b)`` asked of the kernel ahead of :meth:`read_rows` (:meth:`.folder.Tensor.will_need`)."""
+        pos = 0
+        for s in self.segments if state is None else self.states[state]:
+            lo, hi = max(a, pos), min(b, pos + s.rows)
+            if lo < hi:
+                s.tensor.will_need(s.first + lo - pos, s.first + hi - pos)
+            pos += s.rows
+
     def read_rows_into(self, a: int, b: int, out: np.ndarray, state: int | None = None) -> None:
         """:meth:`read_rows` into ``out`` (C-contiguous, ``(b - a, *shape[1:])`` of :meth:`rows_dtype`): each HF
         tensor's rows read straight into their place (:meth:`.folder.Tensor.read_rows_into`), no buffer of their

@@ -205,3 +205,33 @@ def test_files_written_as_runs_equal_one_thread_per_file(tmp_path: Path, monkeyp
         assert sum(r.file == 0 for r in runs) >= 6 and sum(r.file == 1 for r in runs) == 3
         assert [r for r in runs if r.file == 2] == [writers.Run(2, 0, 0, 0, 0)]
 
+
+
+def test_each_runs_next_chunk_is_asked_for_before_the_current_is_filled(tmp_path: Path) -> None:
+    """``ahead``: every chunk once, the first of a run before anything is filled, each next one before the
+    current one's fill (a read-ahead one chunk deep per thread)."""
+    files = [[_chunk("w", i, 1 << 20) for i in range(7)], [_chunk("opt", i, 1 << 20) for i in range(2)]]
+    events: list[tuple[str, str, tuple[int, ...]]] = []
+    lock = threading.Lock()
+
+    def ahead(c: OutChunk) -> None:
+        with lock:
+            events.append(("ahead", c.key, c.offsets))
+
+    def fill(c: OutChunk) -> np.ndarray | Zeros:
+        with lock:
+            events.append(("fill", c.key, c.offsets))
+        return _fill(c)
+
+    write_distcp_files(tmp_path, ["a", "b"], files, fill, 1, lambda n: None, 4 << 20, [[], []], 3 << 20, ahead)
+    asked = [e[1:] for e in events if e[0] == "ahead"]
+    assert sorted(asked) == sorted((c.key, c.offsets) for f in files for c in f)
+    for k, e in enumerate(events):
+        if e[0] == "fill":
+            assert ("ahead", *e[1:]) in events[:k]
+    runs = plan_runs(files, 3 << 20)[2]
+    for r in runs:  # the run's second chunk is asked for before its first is filled
+        if r.last - r.first > 1:
+            first, second = files[r.file][r.first], files[r.file][r.first + 1]
+            assert events.index(("ahead", second.key, second.offsets)) < \
+                events.index(("fill", first.key, first.offsets))
