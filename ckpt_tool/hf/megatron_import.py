@@ -121,7 +121,9 @@ def chunk_filler(hf: HFMegatron, views: dict[str, tuple[MegatronParam, int | Non
     """
     by_name = {param_name(p): (p, None) for p in hf.params} if views is None else views
     # each writing thread's buffers (the rows read, a TP part's columns, a widened master), reused chunk after chunk:
-    # its chunk is written before it asks for the next. Why: a new array per read is page-faulted in per chunk
+    # its chunk is written before it asks for the next. Why: a new array per read is page-faulted in per chunk.
+    # Each is at most one chunk (a TP part's rows are read in blocks), so a thread holds these three and its
+    # sink's two staging halves: four chunks, its share of --max-memory (ckpt_tool.copying.engine.write_threads)
     local = threading.local()
 
     def buffer(slot: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -142,11 +144,18 @@ def chunk_filler(hf: HFMegatron, views: dict[str, tuple[MegatronParam, int | Non
         else:
             p, block = by_name[c.param]
         dt = p.rows_dtype(state)
-        bits = view_rows(p, block, a, a + n, state, buffer(0, (n, *p.shape[1:]), dt))
-        if cols and (cols[0], widths[0]) != (0, bits.shape[1]):  # a row-parallel TP part: its columns
-            part = buffer(1, (n, widths[0], *bits.shape[2:]), dt)
-            np.copyto(part, bits[:, cols[0]:cols[0] + widths[0]])
+        if cols and (cols[0], widths[0]) != (0, p.shape[1]):  # a row-parallel TP part: its columns
+            # read in blocks of whole rows about the part's own size, so no buffer is larger than the chunk
+            # (the whole rows of a TP 4 part are four chunks)
+            part = buffer(1, (n, widths[0], *p.shape[2:]), dt)
+            k = max(1, n * widths[0] // p.shape[1])
+            for r in range(0, n, k):
+                m = min(k, n - r)
+                rows = view_rows(p, block, a + r, a + r + m, state, buffer(0, (m, *p.shape[1:]), dt))
+                np.copyto(part[r:r + m], rows[:, cols[0]:cols[0] + widths[0]])
             bits = part
+        else:
+            bits = view_rows(p, block, a, a + n, state, buffer(0, (n, *p.shape[1:]), dt))
         if c.state != WEIGHT_STATE and hf.dtype != FP32 and not carried:
             # widened and shifted in one buffered ufunc pass into the thread's buffer (not a copy, then a shift)
             bits = np.left_shift(bits, 16, dtype=np.uint32, out=buffer(2, bits.shape, np.dtype(np.uint32)))

@@ -1,5 +1,6 @@
 """The last commands to take a bucket as SRC: ``verify-roundtrip PATH``, ``import --from hf`` (``--to
-megatron-core`` too) and ``migrate-aliased``, each against the same command on the local folder (moto's S3 server on 127.0.0.1).
+megatron-core`` too) and ``migrate-aliased``, each against the same command on the local folder (moto's S3
+server on 127.0.0.1).
 
 They read through the one entry point the other commands use (``open_checkpoint`` / ``open_gated``, the
 storage functions of :mod:`gtp_format.reader.storage`), so what each reads from the bucket is recorded
