@@ -33,10 +33,13 @@ import numpy as np
 from ckpt_tool.copying.plan import OutChunk, Plan, read_order, split_files
 from ckpt_tool.copying.source import Buffers, Source
 from ckpt_tool.copying.writers import (
+    ZeroableFn,
     Zeros,
+    plan_runs,
     safetensors_index,
     write_distcp,
     write_distcp_metadata,
+    write_distcp_run,
     write_safetensors,
 )
 from gtp_format import ranks
@@ -44,7 +47,7 @@ from gtp_format.commit import write_durable
 from gtp_format.errors import FormatError
 from gtp_format.hashing import forget
 from gtp_format.integrity.records import ChunkRecord
-from gtp_format.manifest import Manifest
+from gtp_format.manifest import FileEntry, Manifest
 from gtp_format.names import (
     DCP_METADATA_FILE,
     GTP_INDEX_FILE,
@@ -56,7 +59,7 @@ from gtp_format.storage import objects
 from gtp_format.storage.base import storage_for
 from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter, check_destination, data_file_name, megatron_metadata
-from gtp_format.writer.sink import STAGE
+from gtp_format.writer.sink import STAGE, SharedFile
 
 MAX_CHUNK = 64 << 20
 MIN_CHUNK = 1 << 20
@@ -285,6 +288,42 @@ def run_files(one: Callable[[int, Progress], Any], n: int, workers: int, advance
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def write_distcp_files(folder: Path, names: list[str], files: list[list[OutChunk]], fill: ZeroableFn, threads: int,
+                       advance: Progress, stage: int, records: list[list[ChunkRecord]], run_bytes: int,
+                       ahead: Callable[[OutChunk], None] | None = None
+                       ) -> list[tuple[FileEntry, list[tuple[OutChunk, int, int]]]]:
+    """The ``.distcp`` files ``names`` (chunks ``files``) in ``folder``, each cut into runs of about ``run_bytes``
+    (:func:`.writers.plan_runs`) written by ``threads`` threads at once, each run at its place in its file
+    (:class:`gtp_format.writer.sink.SharedFile`): the same bytes, records and entries as :func:`.writers.write_distcp`
+    of each file on a thread of its own, as :func:`run_files` returns them (``records[i]``: file ``i``'s, in order).
+
+    Why: a file per thread waits on the largest file, and megatron-core's files are one per rank, whatever their
+    sizes (an import's DP rank 0 holds the model weights besides its optimizer shard); runs share the work by
+    bytes. Memory: each thread holds what a worker of :func:`write_checkpoint` holds (its run's chunk and staging).
+    ``ahead(chunk)``: told of each run's next chunk before its current one is filled (a source's read-ahead).
+    """
+    blobs, sizes, runs = plan_runs(files, run_bytes)
+    shared: list[SharedFile] = []
+    try:
+        for name, size in zip(names, sizes):
+            shared.append(SharedFile(folder / name, stage, size))
+        got: list[list[ChunkRecord]] = [[] for _ in runs]
+        results = run_files(lambda k, tick: write_distcp_run(shared[runs[k].file], runs[k], files[runs[k].file],
+                                                             blobs[runs[k].file], fill, tick, stage, got[k],
+                                                             ahead),
+                            len(runs), threads, advance)
+        out = []
+        for i, f in enumerate(shared):
+            mine = [k for k, r in enumerate(runs) if r.file == i]  # in file order (plan_runs made them so)
+            entry = f.finish([results[k][0] for k in mine])
+            records[i].extend(r for k in mine for r in got[k])
+            out.append((entry, [p for k in mine for p in results[k][1]]))
+        return out
+    finally:
+        for f in shared:
+            f.abort()
 
 
 def os_cause(e: BaseException) -> OSError | None:

@@ -23,6 +23,7 @@ import os
 import struct
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from gtp_format.integrity.stats import ChunkStats, StatsStream, has_stats, zero_
 from gtp_format.manifest import FileEntry
 from gtp_format.names import GTP_INDEX_VERSION, chunk_tensor_name
 from gtp_format.writer.dcp_metadata import metadata_bytes
-from gtp_format.writer.sink import STAGE, Sink
+from gtp_format.writer.sink import STAGE, SharedFile, Sink
 from gtp_format.writer.torch_blob import TensorBlob
 
 
@@ -108,44 +109,110 @@ def write_distcp(path: Path, chunks: list[OutChunk], data: ZeroableFn, advance: 
     the caller already has it (a reshard copying a source chunk unchanged: ``Source.copied_crc``), else
     ``None``. ``records``: each chunk's record (hash of its blob, statistics of its elements) is appended.
     """
-    placed = []
     with Sink(path, stage, segments=records is not None) as out:
-        for c in chunks:
-            got = data(c)
-            if isinstance(got, Zeros):
-                if got.nbytes != c.nbytes:
-                    raise AssertionError(f"{c.key}: produced {got.nbytes} bytes for {c.nbytes}")
-                blob = TensorBlob(c.dtype, c.sizes)
-                start = out.cut()
-                out.write([blob.head])
-                out.write_zeros(c.nbytes)
-                out.write([blob.tail(CRCS["crc32"].zeros(0, c.nbytes))])
-                end = out.cut()
-                if records is not None:
-                    numel = c.nbytes // c.dtype.itemsize
-                    records.append(ChunkRecord(c.key, tuple(c.offsets), path.name, start, end - start,
-                                               _segment(out, start, end), zero_stats(c.dtype, numel)))
-                placed.append((c, start, end - start))
-                advance(c.nbytes)
-                continue
-            arr = np.ascontiguousarray(got)
-            if arr.nbytes != c.nbytes:
-                raise AssertionError(f"{c.key}: produced {arr.nbytes} bytes for {c.nbytes}")
-            body = memoryview(arr.reshape(-1).view(np.uint8))
-            blob = TensorBlob(c.dtype, c.sizes)
-            body_checks = _Body(known_crc(c) if known_crc is not None else None,
-                                _chunk_stats(arr, c.dtype) if records is not None else None)
+        placed = write_blobs(out, chunks, None, data, advance, records, known_crc)
+        return out.close(), placed
+
+
+def write_blobs(out: Sink, chunks: list[OutChunk], blobs: list[TensorBlob] | None, data: ZeroableFn,
+                advance: Callable[[int], None], records: list[ChunkRecord] | None = None,
+                known_crc: Callable[[OutChunk], int | None] | None = None,
+                ahead: Callable[[OutChunk], None] | None = None) -> list[tuple[OutChunk, int, int]]:
+    """The blobs of ``chunks`` in order into ``out`` (at its position), as :func:`write_distcp` writes them;
+    ``blobs``: each chunk's :class:`~gtp_format.writer.torch_blob.TensorBlob` made beforehand (a file written as
+    runs places them by their sizes first), else made here; ``ahead(chunk)``: told of the first chunk, then of
+    each next one before ``data`` is asked for the current (a read-ahead). ``(chunk, offset, length)`` per blob."""
+    placed = []
+    name = out.path.name
+    if ahead is not None and chunks:
+        ahead(chunks[0])
+    for k, c in enumerate(chunks):
+        if ahead is not None and k + 1 < len(chunks):
+            ahead(chunks[k + 1])
+        got = data(c)
+        blob = TensorBlob(c.dtype, c.sizes) if blobs is None else blobs[k]
+        if isinstance(got, Zeros):
+            if got.nbytes != c.nbytes:
+                raise AssertionError(f"{c.key}: produced {got.nbytes} bytes for {c.nbytes}")
             start = out.cut()
             out.write([blob.head])
-            out.write([body], body_checks if body_checks.reads else None)
-            out.write([blob.tail(body_checks.crc)])
+            out.write_zeros(c.nbytes)
+            out.write([blob.tail(CRCS["crc32"].zeros(0, c.nbytes))])
             end = out.cut()
             if records is not None:
-                records.append(ChunkRecord(c.key, tuple(c.offsets), path.name, start, end - start,
-                                           _segment(out, start, end), body_checks.result()))
+                numel = c.nbytes // c.dtype.itemsize
+                records.append(ChunkRecord(c.key, tuple(c.offsets), name, start, end - start,
+                                           _segment(out, start, end), zero_stats(c.dtype, numel)))
             placed.append((c, start, end - start))
             advance(c.nbytes)
-        return out.close(), placed
+            continue
+        arr = np.ascontiguousarray(got)
+        if arr.nbytes != c.nbytes:
+            raise AssertionError(f"{c.key}: produced {arr.nbytes} bytes for {c.nbytes}")
+        body = memoryview(arr.reshape(-1).view(np.uint8))
+        body_checks = _Body(known_crc(c) if known_crc is not None else None,
+                            _chunk_stats(arr, c.dtype) if records is not None else None)
+        start = out.cut()
+        out.write([blob.head])
+        out.write([body], body_checks if body_checks.reads else None)
+        out.write([blob.tail(body_checks.crc)])
+        end = out.cut()
+        if records is not None:
+            records.append(ChunkRecord(c.key, tuple(c.offsets), name, start, end - start,
+                                       _segment(out, start, end), body_checks.result()))
+        placed.append((c, start, end - start))
+        advance(c.nbytes)
+    return placed
+
+
+@dataclass
+class Run:
+    """Chunks ``[first, last)`` of one ``.distcp`` file, whose blobs begin at byte ``start`` of it."""
+
+    file: int
+    first: int
+    last: int
+    start: int
+    nbytes: int
+
+
+def plan_runs(files: list[list[OutChunk]], run_bytes: int) -> tuple[list[list[TensorBlob]], list[int], list[Run]]:
+    """Each file's blobs (made here: their sizes place every blob before any is written), sizes, and runs of
+    about ``run_bytes`` bytes each (at least one chunk, cut at blob boundaries), for :func:`write_distcp_run`."""
+    blobs: list[list[TensorBlob]] = []
+    sizes: list[int] = []
+    runs: list[Run] = []
+    for i, chunks in enumerate(files):
+        made = [TensorBlob(c.dtype, c.sizes) for c in chunks]
+        blobs.append(made)
+        lengths = [b.size() for b in made]
+        total = sum(lengths)
+        sizes.append(total)
+        k = max(1, min(len(chunks), round(total / max(1, run_bytes))))
+        pos, first, cuts = 0, 0, 0
+        for j, n in enumerate(lengths):  # cut after the blob that takes the bytes so far past the next k-th
+            pos += n
+            if j + 1 < len(chunks) and pos * k >= total * (cuts + 1):
+                runs.append(Run(i, first, j + 1, sum(lengths[:first]), sum(lengths[first:j + 1])))
+                first, cuts = j + 1, cuts + 1
+        runs.append(Run(i, first, len(chunks), sum(lengths[:first]), sum(lengths[first:])))
+    return blobs, sizes, runs
+
+
+def write_distcp_run(shared: SharedFile, run: Run, chunks: list[OutChunk], blobs: list[TensorBlob],
+                     data: ZeroableFn, advance: Callable[[int], None], stage: int,
+                     records: list[ChunkRecord] | None = None, ahead: Callable[[OutChunk], None] | None = None
+                     ) -> tuple[tuple[int, FileEntry, list[tuple[int, bytes]]], list[tuple[OutChunk, int, int]]]:
+    """One run of a ``.distcp`` file written as runs (:class:`gtp_format.writer.sink.SharedFile`): its blobs at
+    their places; ``((start, run entry, edges), placed)`` for :meth:`SharedFile.finish`."""
+    out = shared.run(run.start, stage, segments=records is not None)
+    with out:
+        placed = write_blobs(out, chunks[run.first:run.last], blobs[run.first:run.last], data, advance, records,
+                             ahead=ahead)
+        entry = out.close()
+    if entry.size != run.nbytes:
+        raise AssertionError(f"{shared.path}: a run of {entry.size} bytes where its blobs' sizes say {run.nbytes}")
+    return (run.start, entry, out.edges), placed
 
 
 def write_objects(path: Path, objects: dict[str, bytes], records: list[ChunkRecord] | None = None

@@ -127,6 +127,8 @@ def tokenizer_config(eos: int | None, eos_text: str | None) -> dict[str, Any]:
     return out
 
 
+ADVISE_PIECE = 1 << 20  # WILLNEED per call (gtp_format.check.data_read: the kernel caps one call)
+
 # -- reading ------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -146,6 +148,21 @@ class Tensor:
         raw = storage.read_range(self.file.parent, self.file.name, self.offset + a * row, (b - a) * row)
         rows = np.frombuffer(raw, dtype=carrier(self.dtype)).reshape((b - a, *self.shape[1:]))
         return rows if cols is None else np.array(rows[:, cols[0]:cols[1]])
+
+    def will_need(self, a: int, b: int) -> None:
+        """Ask the kernel to read rows ``[a, b)`` of a local file into the page cache now (``WILLNEED``, in
+        :data:`ADVISE_PIECE` calls: one call reads about its readahead size), so a later read finds them; advice
+        only: nothing is read into this process, an error is ignored, a bucket's object is left alone."""
+        if storage_for(self.file.parent).remote or not hasattr(os, "posix_fadvise"):
+            return
+        row = math.prod(self.shape[1:]) * self.dtype.itemsize
+        start, stop = self.offset + a * row, self.offset + b * row
+        try:
+            with storage.open_regular(self.file.parent, self.file.name) as f:
+                for lo in range(start, stop, ADVISE_PIECE):
+                    os.posix_fadvise(f.fileno(), lo, min(stop, lo + ADVISE_PIECE) - lo, os.POSIX_FADV_WILLNEED)
+        except (OSError, FormatError):
+            pass
 
     def read_rows_into(self, a: int, b: int, out: np.ndarray) -> None:
         """Rows ``[a, b)``, stored bits, read into ``out`` (C-contiguous, exactly their bytes: rows of the caller's

@@ -91,21 +91,31 @@ def gated_rows(p: MegatronParam, tp: int, gated: bool, dense_experts: bool = Fal
     return None
 
 
-def view_rows(p: MegatronParam, block: int | None, a: int, b: int, state: int | None = None) -> np.ndarray:
+def view_rows(p: MegatronParam, block: int | None, a: int, b: int, state: int | None = None,
+              out: np.ndarray | None = None) -> np.ndarray:
     """Rows ``[a, b)`` of the view's full tensor (``state``: of its carried optimizer state): the parameter's,
-    or for a gated fc1 at TP > 1 the ``[gate_0; up_0; gate_1; up_1; ...]`` order."""
+    or for a gated fc1 at TP > 1 the ``[gate_0; up_0; gate_1; up_1; ...]`` order; read into ``out`` if given
+    (C-contiguous, their shape and :meth:`.megatron_model.MegatronParam.rows_dtype`), which is returned."""
+    if out is None:
+        out = np.empty((b - a, *p.shape[1:]), dtype=p.rows_dtype(state))
+    for at, start, n in view_pieces(p, block, a, b):
+        p.read_rows_into(start, start + n, out[at:at + n], state)
+    return out
+
+
+def view_pieces(p: MegatronParam, block: int | None, a: int, b: int) -> list[tuple[int, int, int]]:
+    """Rows ``[a, b)`` of the view as runs of the parameter's own rows: ``(row in the result, first row, rows)``."""
     if block is None:
-        return p.read_rows(a, b, state)
+        return [(0, a, b - a)]
     ffn = p.shape[0] // 2
-    parts = []
-    r = a
+    out, r = [], a
     while r < b:
         t, q = divmod(r, 2 * block)
         start = t * block + q if q < block else ffn + t * block + (q - block)
         n = min(b - r, block - q % block)
-        parts.append(p.read_rows(start, start + n, state))
+        out.append((r - a, start, n))
         r += n
-    return np.concatenate(parts)
+    return out
 
 
 def _global_rows(c: OutChunk, pb: tuple[MegatronParam, int | None]) -> list[OutChunk]:

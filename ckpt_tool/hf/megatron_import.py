@@ -38,6 +38,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +50,13 @@ from ckpt_tool.copying.engine import (
     chunk_budget,
     default_workers,
     peak_rss,
-    run_files,
+    write_distcp_files,
+    write_threads,
     written_sizes,
 )
 from ckpt_tool.copying.plan import FP32, OutChunk, row_blocks, split_files
-from ckpt_tool.copying.writers import Zeros, write_distcp, write_distcp_metadata, write_objects
-from ckpt_tool.hf.megatron_dp_import import plan_dp_reshardable, view_rows
+from ckpt_tool.copying.writers import Zeros, write_distcp_metadata, write_objects
+from ckpt_tool.hf.megatron_dp_import import plan_dp_reshardable, view_pieces, view_rows
 from ckpt_tool.hf.megatron_fresh import (
     EXPERT_LINEARS,
     LINEARS,
@@ -71,6 +73,7 @@ from gtp_format.integrity.records import ChunkRecord
 from gtp_format.integrity.stats import warm_up
 from gtp_format.names import DCP_METADATA_FILE, STATES, iter_dir_name
 from gtp_format.progress import ProgressOpener
+from gtp_format.reader.boxes import Buffer
 from gtp_format.session import Session
 from gtp_format.storage.location import ObjectURL
 from gtp_format.writer.checkpoint import CheckpointWriter, megatron_metadata
@@ -118,6 +121,17 @@ def chunk_filler(hf: HFMegatron, views: dict[str, tuple[MegatronParam, int | Non
     ``model:<view>`` reads the parameter's own rows); else the chunks name parameters (:func:`param_name`).
     """
     by_name = {param_name(p): (p, None) for p in hf.params} if views is None else views
+    # each writing thread's buffers (the rows read, a TP part's columns, a widened master), reused chunk after chunk:
+    # its chunk is written before it asks for the next. Why: a new array per read is page-faulted in per chunk.
+    # Each is at most one chunk (a TP part's rows are read in blocks), so a thread holds these three and its
+    # sink's two staging halves: four chunks, its share of --max-memory (ckpt_tool.copying.engine.write_threads)
+    local = threading.local()
+
+    def buffer(slot: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        bufs = getattr(local, "bufs", None)
+        if bufs is None:
+            bufs = local.bufs = (Buffer(), Buffer(), Buffer())
+        return bufs[slot].get(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize).view(dtype).reshape(shape)
 
     def one(c: OutChunk) -> np.ndarray | Zeros:
         carried = hf.run_state is not None and c.state in STATES
@@ -126,19 +140,58 @@ def chunk_filler(hf: HFMegatron, views: dict[str, tuple[MegatronParam, int | Non
         assert c.box is not None
         (a, *cols), (n, *widths) = c.box
         state = STATES.index(c.state) if carried else None
-        if c.param.startswith("model:"):
-            bits = by_name[c.param[len("model:"):]][0].read_rows(a, a + n, state)
+        if c.param.startswith("model:"):  # a model weight's own rows (a gated fc1's cut at its global rows)
+            p, block = by_name[c.param[len("model:"):]][0], None
         else:
             p, block = by_name[c.param]
-            bits = view_rows(p, block, a, a + n, state)
-        if cols and (cols[0], widths[0]) != (0, bits.shape[1]):  # a row-parallel TP part: its columns
-            bits = np.ascontiguousarray(bits[:, cols[0]:cols[0] + widths[0]])
+        dt = p.rows_dtype(state)
+        if cols and (cols[0], widths[0]) != (0, p.shape[1]):  # a row-parallel TP part: its columns
+            # read in blocks of whole rows about the part's own size, so no buffer is larger than the chunk
+            # (the whole rows of a TP 4 part are four chunks)
+            part = buffer(1, (n, widths[0], *p.shape[2:]), dt)
+            k = max(1, n * widths[0] // p.shape[1])
+            for r in range(0, n, k):
+                m = min(k, n - r)
+                rows = view_rows(p, block, a + r, a + r + m, state, buffer(0, (m, *p.shape[1:]), dt))
+                np.copyto(part[r:r + m], rows[:, cols[0]:cols[0] + widths[0]])
+            bits = part
+        else:
+            bits = view_rows(p, block, a, a + n, state, buffer(0, (n, *p.shape[1:]), dt))
         if c.state != WEIGHT_STATE and hf.dtype != FP32 and not carried:
-            # widened and shifted in one buffered ufunc pass into the one new array (not a copy, then a shift)
-            bits = np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
+            # widened and shifted in one buffered ufunc pass into the thread's buffer (not a copy, then a shift)
+            bits = np.left_shift(bits, 16, dtype=np.uint32, out=buffer(2, bits.shape, np.dtype(np.uint32)))
+            bits = bits.view(np.float32)
         return bits.reshape(c.sizes)
 
     return one
+
+
+def chunk_ahead(hf: HFMegatron, pool: ThreadPoolExecutor,
+                views: dict[str, tuple[MegatronParam, int | None]] | None = None) -> Callable[[OutChunk], None]:
+    """``ahead(chunk)``: the HF rows :func:`chunk_filler` will read for ``chunk`` asked of the kernel now, on
+    ``pool`` (:meth:`.megatron_model.MegatronParam.will_need`). Each file thread asks for its next chunk before
+    it fills the current one (:func:`ckpt_tool.copying.writers.write_blobs`), so a cold folder is read while the
+    thread hashes and the disk writes; at most one chunk per thread ahead, in the page cache, not this process.
+
+    Why: each thread read its chunk's rows only when it came to it, one readahead window at a time, while its
+    sink waited (the lent 16-core host's profile: the sinks idle about 1.4 s each behind cold HF reads)."""
+    by_name = {param_name(p): (p, None) for p in hf.params} if views is None else views
+
+    def ask(c: OutChunk) -> None:
+        carried = hf.run_state is not None and c.state in STATES
+        if c.param is None or c.box is None or (c.state in STATES[1:] and not carried):
+            return
+        (a, *_), (n, *_) = c.box
+        state = STATES.index(c.state) if carried else None
+        p, block = (by_name[c.param[len("model:"):]][0], None) if c.param.startswith("model:") else by_name[c.param]
+        for _, start, k in view_pieces(p, block, a, a + n):
+            p.will_need(start, start + k, state)
+
+    def ahead(c: OutChunk) -> None:
+        if c.param is not None:
+            pool.submit(ask, c)
+
+    return ahead
 
 
 def extra_objects(hf: HFMegatron) -> dict[str, bytes]:
@@ -186,10 +239,12 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
                     sharding: str = "dp_reshardable", seq_length: int | None = None, lr: float | None = None,
                     min_lr: float | None = None, max_memory: int = DEFAULT_MAX_MEMORY, workers: int | None = None,
                     progress: ProgressOpener | None = None, ep: int = 1, etp: int = 1,
-                    optimizer: bool = True, session: Session | None = None) -> dict[str, Any]:
+                    optimizer: bool = True, session: Session | None = None, run_bytes: int | None = None
+                    ) -> dict[str, Any]:
     """Write the HF folder SRC as a megatron-core checkpoint at TP x PP (x VPP) x DP (x EP, expert TP) into
     the new DST. ``lr`` / ``min_lr``: the run's (1e-4 / 0 unless given); a carried scheduler's own where SRC
-    has one, which a different value given contradicts."""
+    has one, which a different value given contradicts. ``run_bytes``: the size of the runs each file is
+    written as (:func:`ckpt_tool.copying.engine.write_distcp_files`; tests set it small)."""
     if sharding not in SHARDINGS:
         raise FormatError(f"--sharding {sharding!r}: use one of {', '.join(SHARDINGS)}")
     t0 = time.perf_counter()
@@ -210,6 +265,7 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
         files = split_files(chunks, workers * 2)
         names = [f"__{i}_0.distcp" for i in range(len(files))]
         fill = chunk_filler(hf)
+        by_view = None
     else:
         per_rank, shapes, numel_objects, by_view = plan_dp_reshardable(hf, tp, pp, dp, chunk_bytes, lr, min_lr, ep,
                                                                        etp, step, carried, vpp or 1)
@@ -221,14 +277,17 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
     objects["common_state/shard_0_1"] = common_state(args, hf.dtype, tp, pp, vpp, dp, sharding, lr, min_lr,
                                                      it, ep, etp, step, scheduler, consumed, carried, extra)
     total = sum(c.nbytes for cs in files for c in cs)
+    threads = write_threads(workers, chunk_bytes, max_memory)
 
     def body(writer: CheckpointWriter) -> None:
         folder = writer.folder
         advance = progress(total) if progress else (lambda n: None)
-        records: list[list[ChunkRecord]] = [[] for _ in range(len(files) + 1)]  # one list per file (one thread each)
-        results = run_files(lambda i, tick: write_distcp(folder / names[i], files[i], fill, tick,
-                                                         stage_bytes(chunk_bytes), records[i]),
-                            len(files), workers, advance)
+        records: list[list[ChunkRecord]] = [[] for _ in range(len(files) + 1)]  # one list per file
+        # the files are one per rank and unequal (DP rank 0's hold the model weights too): written as runs of
+        # about a (2 x threads)-th of the bytes each, so every thread has work until the end
+        results = write_distcp_files(folder, names, files, fill, threads, advance, stage_bytes(chunk_bytes), records,
+                                     run_bytes or max(chunk_bytes, total // (2 * threads)),
+                                     chunk_ahead(hf, hints, by_view))
         placed: list[tuple[str, Any, int, int]] = [(n, c, off, ln) for n, r in zip(names, results)
                                                    for c, off, ln in r[1]]
         obj_file = "__0_1.distcp"
@@ -242,9 +301,11 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
     # thread at its first chunk; joined, so no import still runs at the interpreter's exit
     warm = threading.Thread(target=warm_up, args=([hf.dtype, FP32],), name="stats-warm-up", daemon=True)
     warm.start()
+    hints = ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead")
     try:
         build_atomically(dst, (src,), body, inner=iter_dir_name(it), latest=str(it), session=session)
     finally:
+        hints.shutdown(wait=True, cancel_futures=True)
         warm.join()
     out = written_sizes(dst / iter_dir_name(it))
     topo = f"tp{tp} pp{pp}{f' vpp{vpp}' if vpp and vpp > 1 else ''} dp{dp}"
@@ -255,4 +316,5 @@ def import_megatron(src: Path | ObjectURL, dst: Path | ObjectURL, tp: int, pp: i
             "seconds": time.perf_counter() - t0, "iteration": it,
             "optimizer": (f"carried (step {step:g}{', lr schedule' if scheduler else ''})" if hf.run_state is not None
                           else "fresh (moments at zero)"),
-            "max_memory": max_memory, "chunk_bytes": chunk_bytes, "workers": workers, "peak_rss_bytes": peak_rss()}
+            "max_memory": max_memory, "chunk_bytes": chunk_bytes, "workers": workers, "threads": threads,
+            "peak_rss_bytes": peak_rss()}

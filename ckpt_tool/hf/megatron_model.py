@@ -144,13 +144,32 @@ class MegatronParam:
                 return rows.reshape((b - a, *self.shape[1:]))
             pos += s.rows
         out = np.empty((b - a, *self.shape[1:]), dtype=carrier(segments[0].tensor.dtype))
+        self.read_rows_into(a, b, out, state)
+        return out
+
+    def rows_dtype(self, state: int | None = None) -> np.dtype:
+        """The carrier dtype of what :meth:`read_rows` gives for ``state``."""
+        return carrier((self.segments if state is None else self.states[state])[0].tensor.dtype)
+
+    def will_need(self, a: int, b: int, state: int | None = None) -> None:
+        """Rows ``[a, b)`` asked of the kernel ahead of :meth:`read_rows` (:meth:`.folder.Tensor.will_need`)."""
         pos = 0
-        for s in segments:
+        for s in self.segments if state is None else self.states[state]:
             lo, hi = max(a, pos), min(b, pos + s.rows)
             if lo < hi:
-                out[lo - a:hi - a] = s.tensor.read_rows(s.first + lo - pos, s.first + hi - pos)
+                s.tensor.will_need(s.first + lo - pos, s.first + hi - pos)
             pos += s.rows
-        return out
+
+    def read_rows_into(self, a: int, b: int, out: np.ndarray, state: int | None = None) -> None:
+        """:meth:`read_rows` into ``out`` (C-contiguous, ``(b - a, *shape[1:])`` of :meth:`rows_dtype`): each HF
+        tensor's rows read straight into their place (:meth:`.folder.Tensor.read_rows_into`), no buffer of their
+        own."""
+        pos = 0
+        for s in self.segments if state is None else self.states[state]:
+            lo, hi = max(a, pos), min(b, pos + s.rows)
+            if lo < hi:
+                s.tensor.read_rows_into(s.first + lo - pos, s.first + hi - pos, out[lo - a:hi - a])
+            pos += s.rows
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,11 @@ _IOV_MAX = 1024
 PIECE = BLOCK_BYTES
 
 
+def new_file(path: Path) -> int:
+    """A new file for writing (``O_EXCL``: never an existing one)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+
+
 def _write_all(fd: int, parts: list[Any]) -> None:
     """``writev`` until every byte of ``parts`` is written (a regular file may take fewer)."""
     views = [memoryview(b).cast("B") for b in parts]
@@ -148,6 +153,16 @@ def _zero_piece() -> memoryview:
     return memoryview(bytes(PIECE))
 
 
+@cache
+def _zero_stage(size: int) -> np.ndarray:
+    """``size`` aligned zero bytes, made once per size and never written to: a staged sink's whole buffers of
+    zeros are written from it (:meth:`Sink.write_zeros`), not set in its own staging buffer first (a pass over
+    each byte of an import's fresh Adam moments, half of what it writes)."""
+    raw = np.zeros(size + ALIGN, dtype=np.uint8)
+    skip = -raw.ctypes.data % ALIGN
+    return raw[skip:skip + size]
+
+
 def _aligned(size: int) -> np.ndarray:
     raw = np.empty(size + ALIGN, dtype=np.uint8)
     skip = -raw.ctypes.data % ALIGN
@@ -169,13 +184,15 @@ class Sink:
     """
 
     def __init__(self, path: Path, stage: int, direct: bool | None = None, checksum: bool = True,
-                 segments: bool = False) -> None:
+                 segments: bool = False, fd: int | None = None, start: int = 0) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-        self.pos = 0  # bytes handed in
+        self._owns_fd = fd is None  # ``fd``, ``start``: a run of a shared file (:class:`RunSink`)
+        self.fd = new_file(path) if fd is None else fd
+        self.start = start
+        self.pos = start  # file offset of the next byte handed in
         self._crc, self._value = (CRCS[HASH_ALGORITHM] if checksum else None), 0
         self.segments: dict[tuple[int, int], str] = {}
-        self._seg, self._seg_start = (chunk_hasher() if segments else None), 0
+        self._seg, self._seg_start = (chunk_hasher() if segments else None), start
         in_memory = direct is None and stage >= DIRECT_MIN and memory_backed(self.fd)
         if direct is None:
             direct = stage >= DIRECT_MIN and not in_memory
@@ -183,8 +200,8 @@ class Sink:
         self._staged = self.direct  # False: plain writes, no staging copy
         self._pending: Future[None] | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._fill = 0  # bytes in the current buffer, which starts at file offset ``_base``
-        self._base = 0
+        self._fill = start % ALIGN  # bytes in the current buffer, which starts at file offset ``_base`` (aligned)
+        self._base = start - self._fill
         # in memory: each piece is written from the caller's bytes by the writer thread, at its offset, while the
         # caller hashes the next one; :meth:`write` returns once all are written (the caller may then reuse them)
         self._behind: list[Future[None]] | None = [] if in_memory else None
@@ -241,7 +258,8 @@ class Sink:
     def write_zeros(self, nbytes: int) -> None:
         """Append ``nbytes`` zero bytes, the same file and hashes as ``write([bytes(nbytes)])`` for less work: the
         CRC-32C is combined from its zero-byte operator (no pass over the bytes), the segment hash takes them
-        from one cached zero piece, and the staging buffer is set, not copied into. What an import's fresh Adam
+        from one cached zero piece, and the staging buffer is set, not copied into; whole staging buffers of them
+        are written from one shared zero buffer (:func:`_zero_stage`), not set. What an import's fresh Adam
         moments are (half of a 4 GB import's bytes): measured in docs/performance.md."""
         if self._crc is not None:
             self._value = self._crc.zeros(self._value, nbytes)
@@ -261,6 +279,14 @@ class Sink:
             return
         while nbytes:
             buf = self._bufs[self._cur]
+            if self._fill == 0 and nbytes >= buf.size:  # a whole buffer of zeros: written from the shared one
+                zeros = _zero_stage(buf.size)
+                self._wait()
+                assert self._pool is not None
+                self._pending = self._pool.submit(self._put, zeros, buf.size, self._base)
+                self._base += buf.size
+                nbytes -= buf.size
+                continue
             n = min(nbytes, buf.size - self._fill)
             buf[self._fill:self._fill + n] = 0
             self._fill += n
@@ -375,10 +401,153 @@ class Sink:
                 pool.shutdown(wait=True)
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
-            os.close(fd)
+            if self._owns_fd:
+                os.close(fd)
 
     def __enter__(self) -> Sink:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.abort()
+
+
+class RunSink(Sink):
+    """Bytes ``[start, ...)`` of a file that other runs write beside it on their own threads (:class:`SharedFile`):
+    a large file written by several threads at once, each with its own staging buffers and writer thread.
+
+    What :class:`Sink` writes from ``start`` on, with these differences: the file is the shared one's (opened
+    there, ``O_DIRECT`` decided there); nothing is cut back or fsynced here (:meth:`SharedFile.finish` does it
+    once); the CRC-32C is this run's bytes' alone (``close().checksums``, combined in file order by ``finish``);
+    and a block this run shares with a neighbour (the one ``start`` falls in, unless aligned, and the one its last
+    byte falls in, unless it ends on a block boundary) is not written but kept in :attr:`edges` as ``(file offset,
+    bytes)``: ``finish`` writes each such block whole once every run is done, so no two threads write one block
+    (``O_DIRECT`` writes whole blocks). Without ``O_DIRECT`` (a file system in memory, small stages) every byte is
+    written at its own offset (``pwrite``), and there are no edges.
+
+    Why: megatron-core's ``torch_dist`` layout has one file per rank and those files are unequal (a
+    ``dp_reshardable`` checkpoint's DP rank 0 holds the model weights besides its optimizer shard: twice the bytes
+    of the others), so one thread per file left a 16-core machine's disk waiting on the two largest files' threads.
+    """
+
+    def __init__(self, shared: SharedFile, start: int, stage: int, checksum: bool = True,
+                 segments: bool = False) -> None:
+        super().__init__(shared.path, stage, direct=shared.direct, checksum=checksum, segments=segments,
+                         fd=shared.fd, start=start)
+        self.edges: list[tuple[int, bytes]] = []
+        self._head = start % ALIGN if self._staged else 0  # bytes of the first block that belong to earlier runs
+        if not self._staged and self._behind is None:  # plain writes go to their offsets, never the file position
+            self._behind = []
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sink")
+
+    def _flip(self, final: bool) -> None:
+        """As :meth:`Sink._flip`, whole blocks only: a first block that begins before ``start`` and a last one
+        left partial at the end are kept in :attr:`edges`."""
+        buf, fill, base = self._bufs[self._cur], self._fill, self._base
+        n = fill - fill % ALIGN
+        self._wait()
+        skip = 0
+        if self._head:
+            skip = min(ALIGN, fill)
+            if skip > self._head:
+                self.edges.append((base + self._head, bytes(buf[self._head:skip])))
+            self._head = 0
+        if final and fill > max(n, skip):
+            self.edges.append((base + max(n, skip), bytes(buf[max(n, skip):fill])))
+        rest = fill - n
+        if not final:
+            self._bufs[1 - self._cur][:rest] = buf[n:fill]
+        if n > skip:
+            assert self._pool is not None
+            self._pending = self._pool.submit(self._put, buf[skip:], n - skip, base + skip)
+        self._cur, self._base, self._fill = 1 - self._cur, base + n, rest
+
+    def close(self) -> FileEntry:
+        """Everything of this run written (but its :attr:`edges`); its length and CRC-32C."""
+        try:
+            if self._staged:
+                if self._fill > self._head:
+                    self._flip(final=True)
+                self._wait()
+            else:
+                self._drain()
+            self.cut()
+        finally:
+            self.abort()
+        sums = {HASH_ALGORITHM: f"{self._value:08x}"} if self._crc is not None else {}
+        return FileEntry(size=self.pos - self.start, checksums=sums)
+
+
+class SharedFile:
+    """A new file of ``size`` bytes written as runs (:class:`RunSink`) by several threads at once, then
+    :meth:`finish` ed once: the same file, size and CRC-32C as one :class:`Sink` writing every byte in order."""
+
+    def __init__(self, path: Path, stage: int, size: int, direct: bool | None = None) -> None:
+        self.path, self.size = path, size
+        self.fd = new_file(path)
+        try:
+            if direct is None:  # as a Sink of this stage decides
+                direct = stage >= DIRECT_MIN and not memory_backed(self.fd)
+            self.direct = direct and _try_direct(self.fd)
+        except BaseException:
+            self.abort()
+            raise
+
+    def run(self, start: int, stage: int, checksum: bool = True, segments: bool = False) -> RunSink:
+        return RunSink(self, start, stage, checksum, segments)
+
+    def finish(self, runs: list[tuple[int, FileEntry, list[tuple[int, bytes]]]]) -> FileEntry:
+        """The file from its runs (``(start, run's entry, run's edges)``, every run closed): the shared blocks
+        written, the padding cut, ``fsync``; its size and CRC-32C (the runs' combined in order). Runs that do not
+        tile ``[0, size)`` exactly, or edges that do not fill their blocks, are an ``AssertionError`` (a planning
+        bug: nothing is written then)."""
+        try:
+            pos, value, checksum = 0, 0, bool(runs) and all(r[1].checksums for r in runs)
+            crc = CRCS[HASH_ALGORITHM]
+            blocks: dict[int, bytearray] = {}
+            filled: dict[int, int] = {}
+            for start, entry, edges in sorted(runs, key=lambda r: r[0]):
+                if start != pos:
+                    raise AssertionError(f"{self.path}: a run starts at {start}, the one before ended at {pos}")
+                pos += entry.size
+                if checksum:
+                    value = crc.combine(value, int(entry.checksums[HASH_ALGORITHM], 16), entry.size)
+                for at, data in edges:
+                    block = at - at % ALIGN
+                    if at % ALIGN + len(data) > ALIGN:
+                        raise AssertionError(f"{self.path}: an edge of {len(data)} bytes at {at} crosses a block")
+                    blocks.setdefault(block, bytearray(ALIGN))[at - block:at - block + len(data)] = data
+                    filled[block] = filled.get(block, 0) + len(data)
+            if pos != self.size:
+                raise AssertionError(f"{self.path}: runs of {pos} bytes for a {self.size}-byte file")
+            for block, got in filled.items():
+                if got != min(ALIGN, self.size - block):
+                    raise AssertionError(f"{self.path}: {got} bytes of edges for the block at {block}")
+            buf = _aligned(ALIGN)
+            for block, data in sorted(blocks.items()):
+                n = min(ALIGN, self.size - block)
+                buf[:] = np.frombuffer(data, dtype=np.uint8)
+                if self.direct:
+                    try:
+                        _pwrite_all(self.fd, memoryview(buf), block)  # a whole block: past the end, cut below
+                        continue
+                    except OSError as e:
+                        if e.errno != errno.EINVAL:
+                            raise
+                        self.direct = False
+                        _set_buffered(self.fd)
+                _pwrite_all(self.fd, memoryview(buf[:n]), block)
+            if os.fstat(self.fd).st_size != self.size:
+                os.ftruncate(self.fd, self.size)
+            os.fsync(self.fd)
+            size = os.fstat(self.fd).st_size
+            if size != self.size:
+                raise OSError(errno.EIO, f"{size} bytes on disk after fsync, {self.size} written", str(self.path))
+        finally:
+            self.abort()
+        return FileEntry(size=self.size, checksums={HASH_ALGORITHM: f"{value:08x}"} if checksum else {})
+
+    def abort(self) -> None:
+        """Close the file (each run's writes are done once its sink is closed or aborted)."""
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)

@@ -23,6 +23,7 @@ them differently, and the plan makes none).
 
 from __future__ import annotations
 
+import copy
 import os
 import struct
 import zlib
@@ -213,6 +214,11 @@ class TensorBlob(ZipBuilder):
         if self._pos + self.nbytes > _LIMIT:
             raise ValueError(f"a {self.nbytes}-byte tensor needs zip64 sizes; cut it into smaller chunks")
         self._sid = (serialization_id or new_serialization_id()).encode()
+
+    def size(self) -> int:
+        """The whole blob's length, known before its elements: the tail's length does not depend on their CRC-32
+        (a copy's tail is built to count it; this one is left as it was)."""
+        return len(self.head) + self.nbytes + len(copy.deepcopy(self).tail(0))
 
     def tail(self, crc: int) -> bytes:
         """Everything after the elements, given their CRC-32; call once."""

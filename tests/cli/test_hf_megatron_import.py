@@ -796,3 +796,56 @@ def test_sigterm_mid_moe_write_removes_the_work_folder(case: str, tmp_path: Path
                 "1", "--etp", "2", "--workers", "1"]
         at = "ckpt_tool.hf.megatron_import:view_rows"
     sigterm_mid_write_leaves_nothing(out, argv, at)
+
+
+def test_import_written_as_many_runs_equals_the_import_in_one_run_per_file(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files cut into as many runs as their chunks allow (two threads, each run at its place, the HF rows asked
+    for ahead) hold the bytes the one-run-per-file import writes (the serialization ids drawn in the same order);
+    ``verify --data`` passes."""
+    from ckpt_tool.hf.megatron_import import import_megatron
+    from gtp_format.writer import torch_blob
+
+    src = hf_model(tmp_path / "hf", "llama")
+    out = {}
+    for tag, run_bytes in (("one", 1 << 40), ("runs", 1)):
+        ids = iter(range(10**6))
+        monkeypatch.setattr(torch_blob, "new_serialization_id", lambda ids=ids: f"{next(ids):040d}")
+        got = import_megatron(src, tmp_path / tag, 2, 1, 2, workers=2, max_memory=8 << 20, run_bytes=run_bytes)
+        assert got["threads"] >= 2
+        out[tag] = tmp_path / tag / "iter_0000000"
+    names = sorted(p.name for p in out["one"].iterdir())
+    assert names == sorted(p.name for p in out["runs"].iterdir())
+    for n in names:
+        assert (out["runs"] / n).read_bytes() == (out["one"] / n).read_bytes(), n
+    cli("verify", str(tmp_path / "runs"), "--data")
+
+
+@pytest.mark.parametrize("sharding", ["dp_reshardable", "fully_reshardable"])
+def test_no_thread_buffer_of_the_import_is_larger_than_a_chunk(sharding: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each writing thread's reused buffers (rows read, a row-parallel TP part's columns) are at most one chunk:
+    the whole rows of a TP part are read in blocks, so a thread holds its four chunks of ``--max-memory``
+    (hidden 1024 at a 2 MiB chunk: a TP 2 part of ``linear_proj`` is a whole chunk, its whole rows two)."""
+    import sys
+
+    from ckpt_tool.hf import megatron_import
+    from gtp_format.reader.boxes import Buffer
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_hf_megatron import make_hf, parse_args
+
+    make_hf(tmp_path / "hf", parse_args(["--gb", "0.2", "--vocab", "512"]))
+    asked: list[int] = []
+
+    class Counted(Buffer):
+        def get(self, n: int) -> np.ndarray:
+            asked.append(n)
+            return super().get(n)
+
+    monkeypatch.setattr(megatron_import, "Buffer", Counted)
+    got = megatron_import.import_megatron(tmp_path / "hf", tmp_path / "mc", 2, 1, 2, sharding=sharding, workers=2,
+                                          max_memory=16 << 20)
+    assert got["chunk_bytes"] == 2 << 20 and asked
+    assert max(asked) <= got["chunk_bytes"], max(asked)
+    cli("verify", str(tmp_path / "mc"), "--data")

@@ -476,7 +476,8 @@ STORE_BRANCHES: dict[str, tuple[int, str]] = {
                                       "listing; a bucket's top level has no name for one object; in_place: an hf "
                                       "export staged for a bucket under torchrun hashes its weights files as "
                                       "written, for the ranks' read-back before the upload"),
-    "ckpt_tool/hf/folder.py": (4, "a local folder refuses symlinks by name, in its own words; a store has none"),
+    "ckpt_tool/hf/folder.py": (5, "a local folder refuses symlinks by name, in its own words; a store has none; "
+                                  "the read-ahead hint is page-cache advice, which a store has none of"),
     "ckpt_tool/migrate/commit.py": (1, "DCP records a bucket output's URL as text, a folder's absolute path"),
     "ckpt_tool/migrate/plan.py": (1, "a local path is compared absolute; a URL as written"),
     "ckpt_tool/migrate/run.py": (1, "in_place: --in-place needs an atomic rename, which a bucket lacks"),

@@ -24,7 +24,9 @@
   (``use_bias`` false against bias tensors) or a wrong ``intermediate_size``; Arcee with an activation
   megatron-core has no non-gated form of (``silu``) or key/value heads the tensors do not have; Qwen2
   with sliding-window ``layer_types`` or ``layer_types`` that is no list; Persimmon with its default partial
-  rotary (0.5), no q/k layernorm, heads the q/k norms disagree with, or a string epsilon.
+  rotary (0.5), no q/k layernorm, heads the q/k norms disagree with, or a string epsilon;
+* the read-ahead hint of a weights file swapped after the folder was read (a symlink to a file outside, cut
+  short, gone): no advice outside the folder, no error from the hint, the read refuses it (in-process).
 
 Each: exit 2, one line ``ckpt: error: ...`` naming the file or key, no traceback, peak RSS under
 512 MB, within the time limit, no open outside the folder, the folder unchanged and nothing at DST.
@@ -269,3 +271,36 @@ def test_a_hostile_hf_folder_is_refused(results: tuple[dict, dict], name: str) -
     assert case.notes["words"] in r["stderr"], (r["argv"], r["stderr"])
     dst = Path(case.notes["dst"])
     assert list(dst.iterdir()) == [], f"{r['argv']}: left {sorted(p.name for p in dst.iterdir())} at DST"
+
+
+@pytest.mark.parametrize("swap", ["symlink_out", "truncated", "removed"])
+def test_the_read_ahead_hint_of_a_swapped_weights_file_reads_nothing_outside(tmp_path: Path, swap: str,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The import's read-ahead (``Tensor.will_need``) opens the weights file again by name: a file swapped after
+    the folder was read (a symlink to a file outside, cut short, gone) gets no advice outside the folder and no
+    error from the hint; the read that follows is what refuses it."""
+    import os
+
+    from ckpt_tool.hf.folder import read_folder
+    from gtp_format.errors import FormatError
+
+    src = _base(tmp_path / "hf")
+    _, tensors = read_folder(src)
+    t = tensors["model.embed_tokens.weight"]
+    advised: list[int] = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: advised.append(fd) or real(fd, off, n, advice))
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"\0" * 4096)
+    if swap == "symlink_out":
+        t.file.unlink()
+        t.file.symlink_to(outside)
+    elif swap == "truncated":
+        os.truncate(t.file, 8)
+    else:
+        t.file.unlink()
+    t.will_need(0, t.shape[0])
+    if swap != "truncated":
+        assert advised == []
+    with pytest.raises(FormatError):
+        t.read_rows(0, t.shape[0])
