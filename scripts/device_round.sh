@@ -6,6 +6,7 @@
 #   scripts/device_round.sh OUT more   # inspect/verify of 1M chunks vs torch, HF <-> megatron-core vs cp -r,
 #                                      # torchrun ranks vs one process (RAM-backed)
 #   scripts/device_round.sh OUT small  # reshard and export vs cp -r, HF <-> megatron-core (about 4 minutes)
+#   scripts/device_round.sh OUT verify_hf  # verify --data cold and warm, HF <-> megatron-core (about 6 minutes)
 #   scripts/device_round.sh OUT one    # what one call of under 8 minutes holds: verify --data cold and warm,
 #                                      # reshard and export, HF <-> megatron-core (2 rounds each)
 #
@@ -48,6 +49,7 @@ hf_rows() {
 case "$WHAT" in
     disk) make_dcp 150; verify_rows warm 60 3; verify_rows cold 120 3; rm -rf /tmp/vdcp; reshard_rows 200 ;;
     small) reshard_rows 140; hf_rows 100 ;;
+    verify_hf) make_dcp 120; verify_rows cold 70 2; verify_rows warm 40 2; rm -rf /tmp/vdcp; hf_rows 100 ;;
     one) make_dcp 130; verify_rows cold 80 2; verify_rows warm 40 2; rm -rf /tmp/vdcp; reshard_rows 130; hf_rows 90 ;;
     more)
         stage "inspect and verify of 1M chunks vs torch"
@@ -57,6 +59,6 @@ case "$WHAT" in
         stage "torchrun ranks vs one process, RAM-backed"
         timeout 220 $PY benchmarks/bench_dist_ckpt.py --layers 8 --ranks 4 --cores 4 --one-core --pycache /tmp/pyc \
             --out "$OUT/dist" ;;
-    *) echo "disk, one, small or more" >&2; exit 2 ;;
+    *) echo "disk, one, small, verify_hf or more" >&2; exit 2 ;;
 esac
 stage "done"
