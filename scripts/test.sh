@@ -7,7 +7,5 @@ ruff check .
 # (856 s for 1031 tests; 16 min for 1044 passed and 16 skipped in issue 27's run); its slowest tests
 # alone take over 25 minutes of CPU, so one worker would be far slower. The suite grows: count with
 # `pytest --collect-only -q | tail -1` rather than trusting a figure here.
-# --no-loadscope-reorder: files go out in tests/conftest.py's order (most slow tests first), not xdist's
-# (most tests first), which left the files of a few multi-process tests to the end, run by one worker.
 WORKERS=${PYTEST_WORKERS:-$(python -c "import os; print(max(2, min(4, os.cpu_count() or 2)))")}
-python -m pytest -q -n "$WORKERS" --dist loadfile --no-loadscope-reorder "$@"
+python -m pytest -q -n "$WORKERS" --dist loadfile "$@"

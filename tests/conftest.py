@@ -46,22 +46,3 @@ def copy_ckpt(ckpts: Path, tmp_path: Path) -> Callable[[str], Path]:
         return dst
 
     return copy
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files with the most ``slow`` tests (not skipped here) first, then the others by test count (pytest-xdist's
-    own order).
-
-    scripts/test.sh runs ``--dist loadfile --no-loadscope-reorder``: the workers take whole files in this
-    order. xdist's default order (most tests first) put the files of a few multi-process tests (the
-    async-save faults, the resumes, the convergence runs) last, so one worker ran them alone at the end
-    while the other had nothing left. Only the order changes; every test still runs, in its file's order.
-    """
-    slow: dict[str, int] = {}
-    count: dict[str, int] = {}
-    for item in items:
-        f = item.nodeid.split("::", 1)[0]
-        count[f] = count.get(f, 0) + 1
-        skipped = any(m.args and m.args[0] is True for m in item.iter_markers("skipif"))
-        slow[f] = slow.get(f, 0) + (item.get_closest_marker("slow") is not None and not skipped)
-    items.sort(key=lambda item: (-slow[f := item.nodeid.split("::", 1)[0]], -count[f]))
