@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import launcher_cases as lc
@@ -165,12 +167,29 @@ def test_parse_size() -> None:
         parse_size("lots")
 
 
+@pytest.fixture(scope="module")
+def first_save(tmp_path_factory: pytest.TempPathFactory) -> Callable[[list[str], Path], None]:
+    """Iteration 1, saved once per save mode (sync, ``--async-save``) and copied into each fault test's
+    folder: the six fault tests below all began with this same one-step run of four ranks, into an empty
+    folder, and a copy of its result is what each of them had (no path is stored in a checkpoint)."""
+    made: dict[tuple[str, ...], Path] = {}
+
+    def into(flags: list[str], dst: Path) -> None:
+        if tuple(flags) not in made:
+            out = tmp_path_factory.mktemp("first_save") / "run"
+            r = _train([*TOPO, "--steps", "1", "--save", str(out), *flags])
+            assert r.returncode == 0, r.stderr[-2000:]
+            made[tuple(flags)] = out
+        shutil.copytree(made[tuple(flags)], dst, dirs_exist_ok=True)
+
+    return into
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["--async-save", None])
-def test_rank_killed_during_write_keeps_previous(tmp_path: Path, mode: str | None) -> None:
+def test_rank_killed_during_write_keeps_previous(tmp_path: Path, mode: str | None, first_save) -> None:
     flags = [mode] if mode else []
-    r = _train([*TOPO, "--steps", "1", "--save", str(tmp_path), *flags])
-    assert r.returncode == 0, r.stderr[-2000:]
+    first_save(flags, tmp_path)
     r = _train([*TOPO, "--steps", "3", "--load", str(tmp_path), "--save", str(tmp_path), *flags],
                env={"GTP_FAULT_INJECT": "during_write:1"})
     assert r.returncode != 0
@@ -191,10 +210,10 @@ def test_rank_killed_during_write_keeps_previous(tmp_path: Path, mode: str | Non
 @pytest.mark.parametrize("fault,cause", [("during_write:1:enospc", "No space left on device"),
                                          ("during_write:0:rmtree", "No such file or directory")])
 @pytest.mark.parametrize("mode", ["--async-save", None])
-def test_save_failure_is_one_line_naming_the_folder(tmp_path: Path, fault: str, cause: str, mode: str | None) -> None:
+def test_save_failure_is_one_line_naming_the_folder(tmp_path: Path, fault: str, cause: str, mode: str | None,
+                                                   first_save) -> None:
     flags = [mode] if mode else []
-    r = _train([*TOPO, "--steps", "1", "--save", str(tmp_path), *flags])
-    assert r.returncode == 0, r.stderr[-2000:]
+    first_save(flags, tmp_path)
     r = _train([*TOPO, "--steps", "2", "--load", str(tmp_path), "--save", str(tmp_path), *flags],
                env={"GTP_FAULT_INJECT": fault})
     assert r.returncode == 1, r.stderr[-2000:]

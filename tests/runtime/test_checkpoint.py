@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -203,12 +204,25 @@ def test_resume_is_bit_exact_and_pytorch_reads_it(tmp_path: Path) -> None:
     assert (b / LATEST_FILE).read_text().strip() == "4"
 
 
+CRASH_ARGS = ["--nproc-per-node", "4", "--cp", "2", "--dp", "2", "--fold-cp", *SMALL]
+
+
+@pytest.fixture(scope="module")
+def first_save(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Iteration 1 of the crash tests' run, saved once: each crash test copies it into its own folder (they
+    both began with this same one-step run into an empty folder; no path is stored in a checkpoint)."""
+    out = tmp_path_factory.mktemp("first_save") / "run"
+    r = _train([*CRASH_ARGS, "--steps", "1", "--save", str(out)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("point,rank,expect_new_dir", [("after_write", 3, False), ("before_latest", 0, True)])
-def test_crash_during_save_keeps_previous(tmp_path: Path, point: str, rank: int, expect_new_dir: bool) -> None:
-    args = ["--nproc-per-node", "4", "--cp", "2", "--dp", "2", "--fold-cp", *SMALL]
-    r = _train([*args, "--steps", "1", "--save", str(tmp_path)])
-    assert r.returncode == 0, r.stderr[-2000:]
+def test_crash_during_save_keeps_previous(tmp_path: Path, point: str, rank: int, expect_new_dir: bool,
+                                          first_save: Path) -> None:
+    args = CRASH_ARGS
+    shutil.copytree(first_save, tmp_path, dirs_exist_ok=True)
     r = _train([*args, "--steps", "2", "--load", str(tmp_path), "--save", str(tmp_path)],
                env={"GTP_FAULT_INJECT": f"{point}:{rank}"})
     assert r.returncode != 0
