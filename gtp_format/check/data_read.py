@@ -62,42 +62,39 @@ PIECE = 512 << 10  # a warm payload window is read and checked in pieces of this
 PIECE_ENV = "CKPT_VERIFY_PIECE_KIB"
 
 
+def _setting(name: str, low: int, high: int, fix: str) -> int | None:
+    """``$name`` as :func:`parse_int` reads it within [low, high]; None when unset. An empty value is refused as
+    any other that is no number: one :class:`FormatError` line, ending with ``fix``."""
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return parse_int(value, name, low, high)
+    except NumberError as e:
+        raise FormatError(f"{e}; {fix}") from None
+
+
 def direct_reads(workers: int) -> bool:
     """Whether cold windows are read with ``O_DIRECT``: ``CKPT_VERIFY_DIRECT`` (1 or 0), else below
     :data:`CACHE_FROM_WORKERS` workers (where the cache's CPU cost competes with the checks)."""
-    value = os.environ.get(DIRECT_ENV)
-    if value is None:
-        return workers < CACHE_FROM_WORKERS
-    try:
-        return parse_int(value, DIRECT_ENV, 0, 1) == 1
-    except NumberError as e:
-        raise FormatError(f"{e}; set it to 1 (cold windows read with O_DIRECT) or 0 (through the cache), or unset "
-                          "it (the cache from 8 workers)") from None
+    value = _setting(DIRECT_ENV, 0, 1, "set it to 1 (cold windows read with O_DIRECT) or 0 (through the cache), "
+                     "or unset it (the cache from 8 workers)")
+    return workers < CACHE_FROM_WORKERS if value is None else value == 1
 
 
 def span_bytes() -> int:
     """The bytes of a cold direct span (``CKPT_VERIFY_SPAN_MIB``, default :data:`SPAN`); 0: no spans."""
-    value = os.environ.get(SPAN_ENV)
-    if value is None:
-        return SPAN
-    try:
-        return parse_int(value, SPAN_ENV, 0, 64) << 20
-    except NumberError as e:
-        raise FormatError(f"{e}; set it to the MiB of one cold direct read (0, the default: one read per window)") \
-            from None
+    value = _setting(SPAN_ENV, 0, 64, "set it to the MiB of one cold direct read (0, the default: one read per "
+                     "window)")
+    return SPAN if value is None else value << 20
 
 
 def piece_bytes() -> int:
     """The bytes of one piece of a warm window (``CKPT_VERIFY_PIECE_KIB``, default :data:`PIECE`); 0: whole
     windows. A multiple of 1 KiB, so a piece of a payload window holds whole elements of any dtype."""
-    value = os.environ.get(PIECE_ENV)
-    if value is None:
-        return PIECE
-    try:
-        return parse_int(value, PIECE_ENV, 0, 2048) << 10
-    except NumberError as e:
-        raise FormatError(f"{e}; set it to the KiB a warm window is read and checked in (0: whole windows), or "
-                          f"unset it ({PIECE >> 10})") from None
+    value = _setting(PIECE_ENV, 0, 2048, f"set it to the KiB a warm window is read and checked in (0: whole "
+                     f"windows), or unset it ({PIECE >> 10})")
+    return PIECE if value is None else value << 10
 
 
 def span_depth(span: int, workers: int, budget: int | None = None) -> int:
