@@ -5,10 +5,11 @@ fixture scripts (before this module there were six copies, each failing differen
 forever, some printed every rank's traceback, one lost the failing rank's name).
 
 Each call starts fresh processes with a new process group (gloo, or NCCL with one GPU per rank) on a
-new port. The rendezvous store is served by this process (:func:`rendezvous_store`), which binds a
-port and retries with a fresh one when it is taken (``EADDRINUSE``: another launch on the machine won
-the race for the port ``free_port`` found; about one launch in 20 failed so on a busy machine). The
-ranks only connect to it. The failure modes are the point of this module:
+new port. The rendezvous store is served by this process (:func:`rendezvous_store`) on a socket this
+process bound and listens on before any rank starts (:func:`rendezvous_socket`), so no other launch
+can take the port between finding it and serving it (probing a free port and binding it later failed
+about one launch in 20 on a busy machine). The ranks only connect to it. The failure modes are the
+point of this module:
 
 * a rank that raises reports ``type: message`` and the parent names that rank in one line; its full
   traceback goes to that rank's log file, never to the console;
@@ -45,24 +46,44 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy  # noqa: F401 - its BLAS thread pool starts at import: counted in the baseline below
+
 from gtp_format.work import sigterm_raises
 from gtp_runtime.lifeline import watch_lifeline
+
+
+def _native_threads() -> int | None:
+    """This process's threads as the kernel counts them (Linux), Python's or not; None where unknown."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+# The threads every process importing this module has anyway (numpy's BLAS pool, which resets
+# itself in a forked child). A thread started later, by a library this process has used since
+# (an object store client's runtime, torch's intra-op pool), makes forking unsafe: a forked rank
+# that loaded a checkpoint from a bucket hung in the store client, whose threads it did not have.
+THREADS_AT_IMPORT = _native_threads()
 
 TIMEOUT_ENV = "GTP_ROUNDTRIP_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
 GRACE_S = 10.0  # how long peers of a failed rank may take to report before they are terminated
-# Ranks are forked from a fork server that imported torch once (a clean, single-threaded process
-# started like a spawn child, with no process group and no CUDA context): every rank is still a
-# fresh process, but starting 8 of them takes about a second instead of a minute of 8 parallel
-# ``import torch`` on a small machine. Where there is no fork server (Windows), ranks are spawned.
+# How ranks start (:func:`start_method`). Where the caller is a launcher with one thread, on gloo,
+# ranks are forked from it, after it imported what they need: a one-step, 4-rank CPU run took 3.6 s
+# of CPU instead of 6.8 s, most of the difference being ``import torch`` done again by a fork server.
+# Elsewhere (a caller with threads of its own, CUDA ranks) they are forked from a fork server that
+# imported torch once (a clean, single-threaded process started like a spawn child, with no process
+# group and no CUDA context): starting 8 of them takes about a second instead of a minute of 8
+# parallel ``import torch`` on a small machine. Where there is neither (Windows), ranks are spawned.
 START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 # Errors a rank sees because a peer went away (gloo transport, store or collective timeouts).
 _PEER_ERROR = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Socket Timeout|Timed out|timed out|"
                          r"gloo/transport|ProcessGroupGloo|recvBytes|Connection refused|NCCL", re.IGNORECASE)
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "gtp_runtime.training",
-           "gtp_runtime.checkpoint.io", "gtp_runtime.roundtrip")
+           "gtp_runtime.checkpoint.io", "gtp_runtime.roundtrip",
+           "torch.nn.attention.bias")  # CP attention on CPU; it imports torch._dynamo (0.9 s), once here, not per rank
 AUTO = "auto"
-PORT_ATTEMPTS = 20  # fresh ports tried when the one found free is taken before the store binds it
 
 
 class LaunchError(Exception):
@@ -141,28 +162,48 @@ def max_local_ranks() -> int:
     return max(1, min(MAX_LOCAL_RANKS, (soft - 64) // FDS_PER_RANK))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
+def rendezvous_socket() -> socket.socket:
+    """A socket listening on a local port the kernel chose, bound here and held until the store serves it."""
+    s = socket.socket()
+    try:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        s.listen(socket.SOMAXCONN)
+    except OSError:
+        s.close()
+        raise
+    return s
 
 
-def rendezvous_store(timeout: float) -> Any:
-    """A ``TCPStore`` served by this process on a free local port, retried on a fresh port while taken.
+def rendezvous_store(sock: socket.socket, timeout: float) -> Any:
+    """A ``TCPStore`` served by this process on ``sock`` (:func:`rendezvous_socket`), which it takes over.
 
-    A port found free can be taken by another process before it is bound (``free_port`` closes its
-    probe socket); the store binds it here, in one process, so a race costs a retry, not a launch.
+    Made after the ranks start: a forked rank must not inherit the store's server thread.
     """
     import torch.distributed as dist
 
-    for attempt in range(PORT_ATTEMPTS):
-        port = free_port()
-        try:
-            return dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=timeout), wait_for_workers=False)
-        except RuntimeError as e:  # DistNetworkError
-            if "EADDRINUSE" not in str(e) or attempt == PORT_ATTEMPTS - 1:
-                raise
-    raise AssertionError("unreachable")
+    port = sock.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=timeout), wait_for_workers=False,
+                         master_listen_fd=sock.detach())  # the store closes it
+
+
+def start_method(backend: str) -> str:
+    """``fork`` where forking this process is safe and cheaper, else :data:`START_METHOD`.
+
+    Safe: gloo ranks (CUDA cannot be used in a child forked after its parent touched it), no
+    Python thread but this one (a lock another thread held at the fork would stay held in the
+    child), and no native thread but those of :data:`THREADS_AT_IMPORT` (a library's runtime
+    threads do not exist in a forked child, which then waits for them forever).
+    """
+    import threading
+
+    if backend != "gloo" or "fork" not in multiprocessing.get_all_start_methods() or threading.active_count() != 1:
+        return START_METHOD
+    if THREADS_AT_IMPORT is None or _native_threads() != THREADS_AT_IMPORT:
+        return START_METHOD
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return START_METHOD
+    return "fork"
 
 
 # User-facing errors (bad flags, a bad checkpoint): reported as their message, not as a crash.
@@ -180,8 +221,21 @@ def log_path(workdir: str | os.PathLike, tag: str, rank: int) -> Path:
 
 
 def _entry(rank: int, world: int, port: int, workdir: str, tag: str, timeout: float, env: dict[str, str],
-           backend: str, stdout: str, conn: Any, lifeline: Any, fn: Callable[..., Any], args: tuple) -> None:
-    """Body of one rank: tie it to the launcher, redirect output, join the group, run ``fn``, report, leave."""
+           backend: str, stdout: str, conn: Any, lifeline: Any, fn: Callable[..., Any], args: tuple,
+           inherited: tuple = ()) -> None:
+    """Body of one rank: tie it to the launcher, redirect output, join the group, run ``fn``, report, leave.
+
+    ``inherited``: what a forked rank holds of the launcher's and must let go, the lifeline's write
+    end first (while a rank held it, the launcher's death would never reach the ranks) and the other
+    ranks' pipe ends (a peer's death is seen as the end of its pipe).
+    """
+    if inherited:  # forked from the launcher: its SIGTERM handler and descriptors are not this rank's
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for c in inherited:
+            c.close()
     watch_lifeline(lifeline)
     # A forkserver child starts with the server's environment, not the caller's current one.
     os.environ.clear()
@@ -190,6 +244,9 @@ def _entry(rank: int, world: int, port: int, workdir: str, tag: str, timeout: fl
     if stdout != "inherit":
         os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
+    if inherited:  # the launcher's sys.stdout may be anything (a capture, a notebook's): write to the fds
+        sys.stdout = open(1, "w", closefd=False, errors="backslashreplace")  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115
     import torch
     import torch.distributed as dist
 
@@ -364,23 +421,39 @@ def run_local_ranks(world: int, fn: Callable[..., Any], args: Sequence[Any] = ()
     work = Path(tempfile.mkdtemp(prefix=f"gtp-{tag}-")) if own else Path(workdir)  # type: ignore[arg-type]
     timeout = timeout_s() if timeout is None else timeout
     limit = 4 * timeout + 60 if deadline == AUTO else deadline
-    ctx = mp.get_context(START_METHOD)
-    if START_METHOD == "forkserver":
+    method = start_method(backend)
+    ctx = mp.get_context(method)
+    if method == "forkserver":
         ctx.set_forkserver_preload(list(preload))
-    store = rendezvous_store(timeout)
+    elif method == "fork":  # what the ranks need, imported once here for all of them
+        import importlib
+
+        for name in preload:
+            importlib.import_module(name)
+    sock = rendezvous_socket()
+    port = sock.getsockname()[1]
     child_env = {**os.environ, **(env or {})}
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
     # The lifeline: this process keeps the only write end (the ranks get the read end), so however
     # it dies, every rank sees EOF and ends (gtp_runtime.lifeline).
     life_recv, life_send = ctx.Pipe(duplex=False)
-    procs = [ctx.Process(target=_entry, args=(r, world, store.port, str(work), tag, timeout, child_env, backend,
-                                              stdout, pipes[r][1], life_recv, fn, tuple(args)), daemon=True)
+
+    def inherited(r: int) -> tuple:
+        if method != "fork":
+            return ()
+        return (life_send, sock, *(c for recv, send in pipes for c in (recv, send) if c is not pipes[r][1]))
+
+    procs = [ctx.Process(target=_entry, args=(r, world, port, str(work), tag, timeout, child_env, backend,
+                                              stdout, pipes[r][1], life_recv, fn, tuple(args), inherited(r)),
+                         daemon=True)
              for r in range(world)]
     ranks = _Ranks(procs, [recv for recv, _ in pipes])
     timed_out = False
+    store = None
     try:
         with sigterm_raises(replace=True):  # SIGTERM as SIGINT: the finally below stops every rank
             _start(procs)
+            store = rendezvous_store(sock, timeout)  # a rank that connects earlier waits in the listen queue
             life_recv.close()
             for _, send in pipes:
                 send.close()  # the children hold theirs: a rank that dies closes its pipe
@@ -396,6 +469,7 @@ def run_local_ranks(world: int, fn: Callable[..., Any], args: Sequence[Any] = ()
         for recv, _ in pipes:
             recv.close()
         life_send.close()
+        sock.close()  # where the store never took it over
         del store
     keep = not own
     try:

@@ -48,6 +48,9 @@ from gtp_runtime.training import TrainConfig, Trainer
 
 # Imported once by the fork server the ranks are forked from (see gtp_runtime.launch).
 PRELOAD = ("torch", "torch.distributed", "gtp_runtime.training", "gtp_runtime.parity", "gtp_runtime.checkpoint.io")
+# CP > 1 on CPU attends through torch.nn.attention.bias, whose import pulls in torch._dynamo (0.9 s of
+# CPU each time): imported once by the fork server that the ranks fork from, never by this launcher.
+CP_PRELOAD = ("torch.nn.attention.bias",)
 DEFAULT_VOCAB = 256  # the byte tokenizer
 COLLECTIVE_TIMEOUT_S = 1800.0  # torch's default process-group timeout; a dead peer is noticed sooner
 
@@ -435,7 +438,7 @@ def check_data(cfg: TrainConfig, eval_interval: int) -> None:
                         "leaves it no documents")
 
 
-def spawn(args: argparse.Namespace, world: int) -> int:
+def spawn(args: argparse.Namespace, world: int, cfg: TrainConfig) -> int:
     """Run ``world`` local ranks of this launcher and return the worst exit code.
 
     Ranks come from :mod:`gtp_runtime.launch`: rank 0's step lines reach this process's stdout;
@@ -443,10 +446,11 @@ def spawn(args: argparse.Namespace, world: int) -> int:
     Training has no deadline; a failed rank's peers are stopped a few seconds after it.
     """
     use_cuda = uses_cuda(args)
+    preload = PRELOAD + (CP_PRELOAD if cfg.par.cp > 1 and not use_cuda else ())
     try:
         codes = run_local_ranks(world, _spawned_rank, (args,), tag="train", timeout=COLLECTIVE_TIMEOUT_S,
                                 deadline=None, backend="nccl" if use_cuda else "gloo", stdout="inherit",
-                                preload=PRELOAD)
+                                preload=preload)
     except RankFailure as e:
         print(f"error: {safe_text(e.line())}", file=sys.stderr, flush=True)
         return 2 if e.clean else 1
@@ -492,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unexpected {type(root_cause(e)).__name__} before any rank started: {describe(e)}",
               file=sys.stderr)
         return 2
-    return spawn(args, world)
+    return spawn(args, world, cfg)
 
 
 def cli() -> None:
