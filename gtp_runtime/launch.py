@@ -399,7 +399,7 @@ def run_local_ranks(world: int, fn: Callable[..., Any], args: Sequence[Any] = ()
                     workdir: str | os.PathLike | None = None, tag: str = "rank", timeout: float | None = None, *,
                     deadline: float | None | Literal["auto"] = AUTO, env: dict[str, str] | None = None,
                     backend: str = "gloo", stdout: Literal["log", "inherit"] = "log",
-                    preload: Sequence[str] = PRELOAD) -> list[Any]:
+                    preload: Sequence[str] = PRELOAD, warm: Callable[[], Any] | None = None) -> list[Any]:
     """``fn(*args)`` on ``world`` fresh local ranks; the returned values, in rank order.
 
     ``fn`` must be a module-level function and ``args`` and the results picklable. ``timeout`` is
@@ -408,6 +408,10 @@ def run_local_ranks(world: int, fn: Callable[..., Any], args: Sequence[Any] = ()
     training). ``env`` is added to this process's environment in the ranks. ``backend="nccl"``
     gives rank ``r`` GPU ``r``. Logs go to ``workdir`` (by default a temporary folder, removed
     when every rank succeeded and kept otherwise, so that :attr:`RankFailure.log` can be read).
+
+    ``preload``: modules every rank needs, imported once where the ranks are forked from. ``warm``:
+    work every rank would do first (loading a compiled loop), done once here when the ranks are
+    forked from this process (:func:`start_method`), and left to each rank otherwise.
 
     Raises :class:`RankFailure` for the rank whose failure looks like the root cause.
     """
@@ -430,6 +434,13 @@ def run_local_ranks(world: int, fn: Callable[..., Any], args: Sequence[Any] = ()
 
         for name in preload:
             importlib.import_module(name)
+        if warm is not None:
+            warm()
+        if _native_threads() != THREADS_AT_IMPORT:  # what it imported or warmed started a thread: not forked
+            method = START_METHOD
+            ctx = mp.get_context(method)
+            if method == "forkserver":
+                ctx.set_forkserver_preload(list(preload))
     sock = rendezvous_socket()
     port = sock.getsockname()[1]
     child_env = {**os.environ, **(env or {})}

@@ -10,9 +10,9 @@ default action, so the ranks must notice by themselves:
   gets; the kernel closes it however the launcher dies, and a thread in each rank that waits on the
   read end sees end-of-file and ends the rank at once (``os._exit``: a rank stuck in a collective
   or in the middle of a save must not finish it). Portable (it needs no Linux call).
-* **``PR_SET_PDEATHSIG``** (Linux): the kernel sends SIGKILL to a rank when its parent, the fork
-  server, exits, which the fork server does as soon as the launcher is gone (it watches a pipe of
-  its own). A second path that needs no thread to be scheduled.
+* **``PR_SET_PDEATHSIG``** (Linux): the kernel sends SIGKILL to a rank when its parent exits: the
+  launcher itself where it forked the rank, else the fork server, which exits as soon as the
+  launcher is gone (it watches a pipe of its own). A second path that needs no thread to be scheduled.
 * **SIGTERM handled like SIGINT** in the launcher:
   :func:`gtp_format.work.sigterm_raises` (``replace=True``; the writer's own context
   manager) turns it into :class:`gtp_format.work.Terminated` (a ``KeyboardInterrupt``), so

@@ -18,6 +18,7 @@ command line (upstream, NVIDIA/Megatron-LM#6886 as reviewed, read a flag that wa
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -447,10 +448,17 @@ def spawn(args: argparse.Namespace, world: int, cfg: TrainConfig) -> int:
     """
     use_cuda = uses_cuda(args)
     preload = PRELOAD + (CP_PRELOAD if cfg.par.cp > 1 and not use_cuda else ())
+    warm = None
+    if args.save:  # every rank's first save loads the statistics loop of its dtypes (numba: 0.3-1.4 s a process)
+        from gtp_format.dtypes import by_name
+        from gtp_format.integrity.stats import warm_up
+
+        dtypes = [by_name(str(cfg.param_dtype).removeprefix("torch.")), by_name("float32")]
+        warm = functools.partial(warm_up, dtypes)
     try:
         codes = run_local_ranks(world, _spawned_rank, (args,), tag="train", timeout=COLLECTIVE_TIMEOUT_S,
                                 deadline=None, backend="nccl" if use_cuda else "gloo", stdout="inherit",
-                                preload=preload)
+                                preload=preload, warm=warm)
     except RankFailure as e:
         print(f"error: {safe_text(e.line())}", file=sys.stderr, flush=True)
         return 2 if e.clean else 1
