@@ -14,7 +14,8 @@ from typing import Any
 from gtp_runtime.launch import RankFailure, log_path, run_local_ranks
 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "gtp_runtime.training",
-           "gtp_runtime.checkpoint.io", "torch.nn.attention.bias")  # the last: CP attention on CPU (torch._dynamo)
+           "gtp_runtime.checkpoint.io", "torch.nn.attention.bias",  # CP attention on CPU (torch._dynamo)
+           "warm_stats")  # the save's statistics loop (numba)
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
