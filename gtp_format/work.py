@@ -409,6 +409,34 @@ def clean_stale(parent: Path, keep: Callable[[WorkFolder], bool] | None = None) 
     return removed
 
 
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """While inside, SIGTERM and SIGINT are held in the main thread and delivered again on the way out, to
+    whatever handler is then in place; elsewhere (another thread, a handler Python did not install) nothing
+    changes. For a step whose effect and its record must not be split by a handler that raises: a bucket
+    object created and noted as this upload's (a survivor that torchrun's SIGTERM reached between the two
+    left an object its clean-up did not know of). Holds for one such step, not for a whole command."""
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.getsignal(s) for s in sigs}
+    if threading.current_thread() is not threading.main_thread() or any(h is None for h in previous.values()):
+        yield
+        return
+    got: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        got.append(signum)
+
+    for s in sigs:
+        signal.signal(s, hold)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        for s in dict.fromkeys(got):
+            signal.raise_signal(s)
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread so that the writer's clean-up runs as it does on an error."""
 

@@ -59,7 +59,10 @@ def build_ranked(group: Group, dst: Path | ObjectURL, body: Callable[[Checkpoint
     # a bucket output across nodes: each node's lowest rank stages its node's files (ckpt_tool/copying/nodes.py)
     staged_per_node = not storage_for(dst).in_place and len(group.nodes) > 1
     owner = leader(group.peers, group.rank) if staged_per_node else 0
+    # Every rank is inside its clean-up's reach (its ``try`` below) before a work folder exists: a rank still
+    # planning when the folder's maker died was stopped by torchrun's SIGTERM before it could remove that folder.
     if owner == group.rank:  # rank 0, or the lowest rank of another node
+        group.barrier("before the work folder")
         with TermGuard() as guard, CheckpointWriter(dst, inner=inner, latest=latest, session=session) as writer:
             guard.writer = writer
             try:
@@ -71,8 +74,9 @@ def build_ranked(group: Group, dst: Path | ObjectURL, body: Callable[[Checkpoint
                     writer.abort()
                 raise
         return
-    writer = CheckpointWriter(dst, inner=inner, latest=latest, session=session)
+    writer = CheckpointWriter(dst, inner=inner, latest=latest, session=session)  # not entered: no folder of its own
     try:
+        group.barrier("before the work folder")
         writer.adopt(group.exchange(lambda: None, "while creating the work folder")[owner])
         _steps(group, writer, body, TermGuard())  # not entered: only the folder's maker removes on SIGTERM
     except BaseException:

@@ -43,6 +43,7 @@ from gtp_format.names import MEGATRON_METADATA_FILE as COMMIT_OBJECT
 from gtp_format.storage import objects
 from gtp_format.storage.limits import STAGING_ENV as STAGING_ENV  # the setting its refusals name
 from gtp_format.storage.location import ObjectURL
+from gtp_format.work import signals_deferred
 
 PART = 16 << 20  # multipart part size; obstore uploads parts of one object concurrently
 CONCURRENCY = 8
@@ -92,18 +93,21 @@ class Upload:
         import obstore
 
         key = self.target.key(rel)
-        try:
-            obstore.put(objects.store(self.target), key, local, mode="create", chunk_size=PART,
-                        max_concurrency=CONCURRENCY)
-        except Exception as e:  # noqa: BLE001 - one line naming the object
-            from obstore import exceptions as ox
+        # the object created and noted as created with no signal handler between: :meth:`undo` must know of
+        # every object this upload made (a SIGTERM handled right after the put once left one behind)
+        with signals_deferred():
+            try:
+                obstore.put(objects.store(self.target), key, local, mode="create", chunk_size=PART,
+                            max_concurrency=CONCURRENCY)
+            except Exception as e:  # noqa: BLE001 - one line naming the object
+                from obstore import exceptions as ox
 
-            if isinstance(e, ox.AlreadyExistsError):
-                raise Taken(self.target) from None
-            raise objects.describe_error(e, str(self.target / rel)) from None
-        finally:
-            objects.forget_listings(self.target)  # the prefix holds another object now (or may: a failed part)
-        self.created.append(key)
+                if isinstance(e, ox.AlreadyExistsError):
+                    raise Taken(self.target) from None
+                raise objects.describe_error(e, str(self.target / rel)) from None
+            finally:
+                objects.forget_listings(self.target)  # the prefix holds another object now (or may: a failed part)
+            self.created.append(key)
 
     def run(self, work: Path, uploaded: frozenset[str] = frozenset()) -> None:
         """Steps 1-5 for ``work``'s files but ``uploaded`` (relative names other uploads of this output created

@@ -71,6 +71,7 @@ SMOKE = {
     "verify_data_stages.py": ["--out", "{tmp}/verify_data_stages.json"],
     "copy_cpu_stages.py": ["--workdir", "{tmp}/copy_cpu_stages", "--out", "{tmp}/copy_cpu_stages.json"],
     "copy_cpu_ab.py": ["--workdir", "{tmp}/copy_cpu_ab", "--out", "{tmp}/copy_cpu_ab.json"],
+    "bench_launch.py": [],
 }
 # Not run with --smoke by the test above; each has its own test below.
 # save_stages.py is bench_save_integrity.py's timers: its stage table is checked in check_save_integrity.
@@ -281,6 +282,12 @@ def check_fuzz(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
         assert stats["findings"] == 0, (name, [f.read_text()[:500] for f in (tmp / "fuzz").glob(f"{name}-*.txt")])
 
 
+def check_launch(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    head, *rows = _table(p.stdout)
+    assert head[0] == "run" and [r[0] for r in rows] == ["no save", "save"], rows
+    assert all(float(c) > 0 for r in rows for c in r[1:5]) and all(_ratio(r[5]) > 0 for r in rows), rows
+
+
 def check_copy_checks(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     doc = json.loads(p.stdout.splitlines()[0])
     assert [r["command"] for r in doc["rows"]] == ["reshard tp2-cp1", "export hf --optimizer",
@@ -442,7 +449,7 @@ CHECKS: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     "bench_cli_scale.py": check_cli_scale, "cli_stages.py": check_cli_stages, "meta_stages.py": check_meta_stages,
     "bench_dist_ckpt.py": check_dist_ckpt, "verify_data_stages.py": check_verify_data_stages,
     "copy_cpu_stages.py": check_copy_cpu_stages, "copy_cpu_ab.py": check_copy_cpu_ab,
-    "disk_ceiling.py": check_disk_ceiling,
+    "disk_ceiling.py": check_disk_ceiling, "bench_launch.py": check_launch,
 }
 
 

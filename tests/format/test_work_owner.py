@@ -169,3 +169,26 @@ def test_a_writer_killed_at_any_step_of_making_or_removing_its_folder_leaves_onl
     named.mkdir()
     (w,) = work.leftovers(tmp_path)
     assert not work.proven(w) and work.clean_stale(tmp_path) == [] and named.is_dir()
+
+
+def test_signals_deferred_holds_sigterm_and_sigint_until_the_step_is_done() -> None:
+    """Inside, a SIGTERM (and a SIGINT) reaches no handler; on the way out each is delivered once to the
+    handler then in place, so a step's effect and its record are never split by a raising handler."""
+    import signal
+
+    from gtp_format.work import Terminated, signals_deferred, sigterm_raises
+
+    done = []
+    with sigterm_raises(replace=True), pytest.raises(Terminated):
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler would have run here
+            done.append("step")
+    assert done == ["step"]
+    with pytest.raises(KeyboardInterrupt):
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            done.append("again")
+    assert done == ["step", "again"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -33,7 +33,9 @@ from test_read import FIXTURES, ckpt
 from test_server_process import _server_pids
 
 from gtp_format import work
+from gtp_format.names import LATEST_FILE
 from gtp_format.storage import objects
+from gtp_format.storage import upload as up
 
 REPO = Path(__file__).resolve().parents[2]
 SRC = FIXTURES["dcp"]
@@ -94,8 +96,10 @@ def _staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return staging
 
 
-def _absent_or_complete(s3, capsys, kind: str, prefix: str, local: Path | None = None) -> bool:
-    """Whether the destination is complete (True) or absent to every reader (False); never a mix."""
+def _absent_or_complete(s3, capsys, kind: str, prefix: str, local: Path | None = None, killed: bool = False) -> bool:
+    """Whether the destination is complete (True) or absent to every reader (False); never a mix. ``killed``:
+    the writer may have died after the commit object and before the run's latest marker, which the upload puts
+    after it (step 5): the iteration is then complete and the run folder names no latest iteration."""
     keys = s3.keys(prefix + "/")
     if kind == "torch":
         if not keys:
@@ -112,11 +116,16 @@ def _absent_or_complete(s3, capsys, kind: str, prefix: str, local: Path | None =
                                                                    if "/" in COMMIT[kind] else "")))
             assert code == 2 and ("unfinished upload" in err or "not a checkpoint" in err or "no " in err), err
         return False
+    marker = f"{prefix}/{LATEST_FILE}"
+    unmarked = killed and "/" in COMMIT[kind] and marker not in keys
     if kind != "hf":
-        code, out, err = ckpt(capsys, "verify", s3.url(prefix), "--data")
+        where = commit.rsplit("/", 1)[0] if unmarked else prefix
+        code, out, err = ckpt(capsys, "verify", s3.url(where), "--data")
         assert code == 0, (out, err)
     if local is not None:  # every object of the complete output is there
         want = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
+        if unmarked:
+            want.remove(LATEST_FILE)
         assert sorted(k[len(prefix) + 1:] for k in keys) == want
     return True
 
@@ -158,8 +167,9 @@ def test_a_writer_killed_at_a_random_point_of_its_upload(s3, capsys, tmp_path, h
     assert p.stdout is not None
     started = seen + sum(1 for line in p.stdout.read().splitlines() if line.startswith("put "))
     what = f"seed {seed}: {kind}, killed {delay:.2f} s after put {seen} started, {started} of {n_objects} started"
-    complete = _absent_or_complete(s3, capsys, kind, "run/out", local_outputs[kind])
-    assert not complete or p.returncode == 0 or started >= n_objects, what
+    complete = _absent_or_complete(s3, capsys, kind, "run/out", local_outputs[kind], killed=True)
+    # complete: the commit object's put had started (the last put, or the one before a nested output's marker)
+    assert not complete or p.returncode == 0 or started >= n_objects - ("/" in COMMIT[kind]), what
     assert snapshot(src) == before, what
     left = work.leftovers(staging)
     assert all(w.state == "dead" and work.proven(w) for w in left), (what, left)
@@ -300,3 +310,30 @@ def test_a_server_that_dies_mid_upload(tmp_path, hf_src, monkeypatch, kind: str)
     assert code == 2 and "s3://ckpt-test/dead/out" in line, line
     assert snapshot(src) == before
     assert work.leftovers(staging) == [] and sorted(os.listdir(staging)) == ["theirs.txt"]
+
+
+def test_a_sigterm_just_after_an_object_is_created_still_lets_undo_remove_it(s3, tmp_path, monkeypatch) -> None:
+    """SIGTERM handled (as ``Terminated``) the moment an object's put returns, before the upload notes it as
+    created: the object is noted first, so the writer's clean-up (``undo``) removes it. A survivor that
+    torchrun's SIGTERM reached in that moment left its object in the bucket."""
+    from gtp_format.storage.location import parse_location
+    from gtp_format.work import Terminated, sigterm_raises
+
+    local = tmp_path / "__0_0.distcp"
+    local.write_bytes(b"x" * 1000)
+    u = up.Upload(parse_location(s3.url("term/iter_0000001")))
+    real = objects.forget_listings
+
+    def then_sigterm(target: object) -> None:  # runs right after the put returns
+        real(target)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    with sigterm_raises(replace=True), pytest.raises(Terminated):
+        monkeypatch.setattr(objects, "forget_listings", then_sigterm)
+        try:
+            u.put_files(tmp_path, [local.name])
+        finally:
+            monkeypatch.setattr(objects, "forget_listings", real)
+    assert s3.keys("term/") == ["term/iter_0000001/__0_0.distcp"] and u.created, "created and noted"
+    u.undo()
+    assert s3.keys("term/") == []
