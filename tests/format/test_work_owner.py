@@ -186,9 +186,13 @@ def test_signals_deferred_holds_sigterm_and_sigint_until_the_step_is_done() -> N
             time.sleep(0.05)  # the handler would have run here
             done.append("step")
     assert done == ["step"]
-    with pytest.raises(KeyboardInterrupt):
-        with signals_deferred():
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.05)
-            done.append("again")
-    assert done == ["step", "again"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # an xdist worker ignores SIGINT
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with signals_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+                done.append("again")
+        assert done == ["step", "again"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outer)
