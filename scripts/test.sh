@@ -9,5 +9,7 @@ ruff check .
 # `pytest --collect-only -q | tail -1` rather than trusting a figure here. A fresh clone without the megatron
 # venv, on the 2 cores shared with other suites (load 10 to 18): 4453 tests in 5373 s, test durations summing
 # to 10619 s, so both workers were busy to the end (xdist's file order leaves no idle tail to win back).
+# Unshared, the same command took 1380 s (CI: 1688 s of tests); with the launcher forking its ranks itself
+# (docs/performance.md, "Launcher start-up") 1108 s.
 WORKERS=${PYTEST_WORKERS:-$(python -c "import os; print(max(2, min(4, os.cpu_count() or 2)))")}
 python -m pytest -q -n "$WORKERS" --dist loadfile "$@"
