@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -126,8 +127,11 @@ def test_a_launcher_with_one_thread_forks_its_gloo_ranks_and_one_with_threads_do
     import threading
 
     assert launch.start_method("nccl") == launch.START_METHOD
-    here = threading.active_count() == 1  # an xdist worker may run threads of its own
-    assert launch.start_method("gloo") == ("fork" if here else launch.START_METHOD)
+    # a fresh launcher (this test's process may run threads of its own: xdist's, a store client's)
+    probe = "import gtp_runtime.launch as launch; print(launch.start_method('gloo'))"
+    fresh = subprocess.run([sys.executable, "-c", probe], cwd=lc.REPO, env={**os.environ, "PYTHONPATH": str(lc.REPO)},
+                           capture_output=True, text=True, timeout=120)
+    assert fresh.stdout.strip() == "fork", fresh.stderr[-2000:]
     stop = threading.Event()
     t = threading.Thread(target=stop.wait)
     t.start()
