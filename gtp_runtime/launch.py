@@ -38,6 +38,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -194,8 +195,6 @@ def start_method(backend: str) -> str:
     child), and no native thread but those of :data:`THREADS_AT_IMPORT` (a library's runtime
     threads do not exist in a forked child, which then waits for them forever).
     """
-    import threading
-
     if backend != "gloo" or "fork" not in multiprocessing.get_all_start_methods() or threading.active_count() != 1:
         return START_METHOD
     if THREADS_AT_IMPORT is None or _native_threads() != THREADS_AT_IMPORT:
@@ -426,21 +425,17 @@ def run_local_ranks(world: int, fn: Callable[..., Any], args: Sequence[Any] = ()
     timeout = timeout_s() if timeout is None else timeout
     limit = 4 * timeout + 60 if deadline == AUTO else deadline
     method = start_method(backend)
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(list(preload))
-    elif method == "fork":  # what the ranks need, imported once here for all of them
+    if method == "fork":  # what the ranks need, imported (and warmed) once here for all of them
         import importlib
 
         for name in preload:
             importlib.import_module(name)
         if warm is not None:
             warm()
-        if _native_threads() != THREADS_AT_IMPORT:  # what it imported or warmed started a thread: not forked
-            method = START_METHOD
-            ctx = mp.get_context(method)
-            if method == "forkserver":
-                ctx.set_forkserver_preload(list(preload))
+        method = start_method(backend)  # what it imported or warmed may have started a thread
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(preload))
     sock = rendezvous_socket()
     port = sock.getsockname()[1]
     child_env = {**os.environ, **(env or {})}

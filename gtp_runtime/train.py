@@ -50,7 +50,7 @@ from gtp_runtime.training import TrainConfig, Trainer
 # Imported once by the fork server the ranks are forked from (see gtp_runtime.launch).
 PRELOAD = ("torch", "torch.distributed", "gtp_runtime.training", "gtp_runtime.parity", "gtp_runtime.checkpoint.io")
 # CP > 1 on CPU attends through torch.nn.attention.bias, whose import pulls in torch._dynamo (0.9 s of
-# CPU each time): imported once by the fork server that the ranks fork from, never by this launcher.
+# CPU each time): imported once where the ranks are forked from (this launcher or a fork server), not per rank.
 CP_PRELOAD = ("torch.nn.attention.bias",)
 DEFAULT_VOCAB = 256  # the byte tokenizer
 COLLECTIVE_TIMEOUT_S = 1800.0  # torch's default process-group timeout; a dead peer is noticed sooner
@@ -450,10 +450,10 @@ def spawn(args: argparse.Namespace, world: int, cfg: TrainConfig) -> int:
     preload = PRELOAD + (CP_PRELOAD if cfg.par.cp > 1 and not use_cuda else ())
     warm = None
     if args.save:  # every rank's first save loads the statistics loop of its dtypes (numba: 0.3-1.4 s a process)
-        from gtp_format.dtypes import by_name
+        from gtp_format.dtypes import by_name, from_torch
         from gtp_format.integrity.stats import warm_up
 
-        dtypes = [by_name(str(cfg.param_dtype).removeprefix("torch.")), by_name("float32")]
+        dtypes = [from_torch(cfg.param_dtype), by_name("float32")]
         warm = functools.partial(warm_up, dtypes)
     try:
         codes = run_local_ranks(world, _spawned_rank, (args,), tag="train", timeout=COLLECTIVE_TIMEOUT_S,
