@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ import numpy as np
 
 from ckpt_tool.copying.plan import OutChunk
 from gtp_format.dtypes import DType
-from gtp_format.hashing import CRCS
+from gtp_format.hashing import CRCS, crc32
 from gtp_format.integrity.hash import chunk_digest
 from gtp_format.integrity.records import ChunkRecord
 from gtp_format.integrity.stats import ChunkStats, StatsStream, has_stats, zero_stats
@@ -81,7 +80,7 @@ class _Body:
 
     def __call__(self, piece: memoryview) -> None:
         if self.hash:
-            self.crc = zlib.crc32(piece, self.crc)
+            self.crc = crc32(piece, self.crc)
         if self.stats is not None:
             self.stats.update(piece)
 

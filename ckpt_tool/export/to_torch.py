@@ -20,7 +20,6 @@ is left out and named (``left_out``), and a blob that is not data stops the expo
 from __future__ import annotations
 
 import math
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +33,7 @@ from ckpt_tool.copying.source import Source
 from ckpt_tool.export.torch_objects import decode_objects
 from gtp_format.check.integrity import readable_bytes
 from gtp_format.errors import FormatError
+from gtp_format.hashing import crc32
 from gtp_format.reader.boxes import PREFETCH_BUDGET
 from gtp_format.session import Session
 from gtp_format.storage.base import storage_for
@@ -96,7 +96,7 @@ def export_torch(source: Source, dst: Path | ObjectURL, max_memory: int,
         if 0 in sizes:
             return np.empty(0, np.uint8), 0
         arr = np.ascontiguousarray(source.reader.read_box(key, offsets, sizes))
-        return arr, zlib.crc32(arr.reshape(-1).view(np.uint8))
+        return arr, crc32(arr.reshape(-1).view(np.uint8))
 
     store = storage_for(dst, session)  # a bucket's: built in local staging, then uploaded as one object
     local = store.work_target(store.work_parent())

@@ -17,12 +17,12 @@ torch (``inspect`` and ``verify`` run without it: importing torch costs seconds 
 from __future__ import annotations
 
 import io
-import zlib
 from typing import Any
 
 import numpy as np
 
 from gtp_format.errors import ChunkError
+from gtp_format.hashing import crc32
 from gtp_format.model import BYTES, ENC_RAW, Checkpoint, Chunk, Entry, StorageRef
 from gtp_format.reader.blob import BlobLayout, as_tensor, check_payload_crc, element_view, parse_blob
 from gtp_format.reader.object_blob import MAX_OBJECT_PICKLE, load_plain_object
@@ -148,7 +148,7 @@ def check_byte_object(ckpt: Checkpoint, entry: Entry, chunk: Chunk) -> None:
                 start, stop = record_bytes(reader, rec)
                 crc = 0
                 for pos in range(start, stop, _CRC_BLOCK):
-                    crc = zlib.crc32(pread(fd, min(_CRC_BLOCK, stop - pos), ref.offset + pos), crc)
+                    crc = crc32(pread(fd, min(_CRC_BLOCK, stop - pos), ref.offset + pos), crc)
                 if crc != rec.crc:
                     raise BlobError(f"record {rec.name} fails its CRC-32 check (damaged)")
         except BlobError as e:

@@ -15,9 +15,9 @@ against every other worker. Parsing the few fixed-size records directly is about
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
 
+from gtp_format.hashing import crc32
 from gtp_format.reader.storage import Source, pread
 
 MAX_STRUCTURE = 1 << 20  # the largest structural read from a file range (data.pkl of one tensor is ~150 bytes)
@@ -232,6 +232,6 @@ def small_record(r: BlobReader, rec: ZipRecord) -> bytes:
     """A structural record's bytes (data.pkl, byteorder), CRC-checked as zip readers do."""
     start, stop = record_bytes(r, rec)
     data = bytes(r.get(start, stop))
-    if zlib.crc32(data) != rec.crc:
+    if crc32(data) != rec.crc:
         raise BlobError(f"record {rec.name!r} fails its CRC-32 check (damaged)")
     return data

@@ -26,12 +26,12 @@ from __future__ import annotations
 import copy
 import os
 import struct
-import zlib
 from typing import Any
 
 import numpy as np
 
 from gtp_format.dtypes import DType
+from gtp_format.hashing import crc32
 
 ALIGN = 64
 FLAGS = 0x0808
@@ -175,7 +175,7 @@ class ZipBuilder:
 
     def _whole(self, name: str, data: bytes) -> bytes:
         head = self._local(name)
-        return head + data + self._descriptor(zlib.crc32(data), len(data))
+        return head + data + self._descriptor(crc32(data), len(data))
 
     def _directory(self) -> bytes:
         cd = bytearray()
@@ -246,4 +246,4 @@ def tensor_blob(dtype: DType, sizes: tuple[int, ...], data: Any, serialization_i
     mv = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
     if mv.nbytes != blob.nbytes:
         raise ValueError(f"{mv.nbytes} bytes of data for a {blob.nbytes}-byte tensor")
-    return blob.head + bytes(mv) + blob.tail(zlib.crc32(mv))
+    return blob.head + bytes(mv) + blob.tail(crc32(mv))

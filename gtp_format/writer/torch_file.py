@@ -21,12 +21,11 @@ every CRC-32).
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Callable
 from typing import Any
 
 from gtp_format.dtypes import DType
-from gtp_format.hashing import CRCS
+from gtp_format.hashing import CRCS, crc32
 from gtp_format.writer.torch_blob import Pickle2, ZipBuilder, tensor_reduce
 
 _BATCH = 1000  # items per SETITEMS, as pickle batches them
@@ -114,7 +113,7 @@ class TorchStateFile(ZipBuilder):
             self._crc = CRCS["crc32"].combine(self._crc, crc, n)
         else:
             for v in views:
-                self._crc = zlib.crc32(v, self._crc)
+                self._crc = crc32(v, self._crc)
         self._left -= n
         self._write(views)
 
