@@ -48,6 +48,7 @@ from ckpt_tool.copying.engine import (
     rss_after_imports,
     run_files,
     share_files,
+    written_sizes,
 )
 from ckpt_tool.copying.megatron_plan import Split, check_experts, plan_megatron, target_params, target_split
 from ckpt_tool.copying.plan import read_order
@@ -154,6 +155,9 @@ def reshard_megatron(src: Path | Source, dst: Path, tp: int | None, pp: int | No
                 if not group.root:
                     source.verify_reads()  # its share of the source's checks; rank 0 writes the rest and commits
                     return
+            # each rank file's entry (size, CRC-32C, from the bytes as written): no manifest lists them, but a bucket
+            # output's ranks check their share of the staged files against them before the upload (copying/nodes.py)
+            writer.add_files({n: r[0] for n, r in zip(names, results)})
             placed: list[tuple[str, Any, int, int]] = [(n, c, off, ln) for n, r in zip(names, results)
                                                        for c, off, ln in r[1]]
             placed.extend(write_objects(folder / "__0_1.distcp", objects))
@@ -165,11 +169,11 @@ def reshard_megatron(src: Path | Source, dst: Path, tp: int | None, pp: int | No
                          session=session)
     finally:
         source.reader.close()
-    out = list((dst / iter_dir_name(iteration)).iterdir())
+    out = written_sizes(dst / iter_dir_name(iteration))  # a bucket's as its store lists them
     vpp = f" vpp{meg.vpp}" if meg.vpp and meg.vpp > 1 else ""
     before = f"tp{src_tp} pp{src_pp}{vpp} cp{src_cp} dp{src_dp} (megatron-core dp_reshardable)"
     result = Result(str(source.root), str(dst), before, f"tp{tp} pp{pp} cp{cp} dp{dp} (megatron-core dp_reshardable)",
-                    "torch_dist", len(out), sum(len(c) for c in files.values()), sum(p.stat().st_size for p in out),
+                    "torch_dist", len(out), sum(len(c) for c in files.values()), sum(out),
                     source.reader.bytes_read, time.perf_counter() - t0, max_memory, chunk_bytes, workers, peak_rss(),
                     baseline)
     notes = [f"rng_state dropped ({len([k for k in dropped if k.startswith('rng_state/')])} objects; "

@@ -245,6 +245,50 @@ def test_export_to_hf_across_two_nodes_is_one_process_output(s3, tmp_path: Path)
     assert _ranks_left(str(src)) == []
 
 
+MEGATRON = REPO / "fixtures" / "megatron" / "cp2_dp2_dp_reshardable"
+MEGATRON_TARGET = ("--tp", "1", "--cp", "1", "--dp", "4", "--workers", "2")  # 4 rank files: some on each node
+
+
+def test_megatron_core_reshard_to_a_bucket_across_two_nodes(s3, tmp_path: Path) -> None:
+    """2 nodes x 2 ranks, a genuine megatron-core ``dp_reshardable`` checkpoint resharded into a bucket: no
+    manifest lists its rank files, so each is given its entry (size, CRC-32C) from the bytes as they are written,
+    and each node checks its staged files against those entries before the upload. The bucket holds one process's
+    output (`diff --bitwise`: every tensor's bits) and passes `verify --data`; then a rank file damaged on node 1 before its check (``CKPT_RANK_FAULT=3:damage``) is one
+    line naming it and rank 3, nothing uploaded. No staging folder or rank left; SRC untouched."""
+    import shutil
+
+    src, staging = tmp_path / "src", tmp_path / "staging"
+    shutil.copytree(MEGATRON, src)
+    staging.mkdir()
+    before = _digests(src)
+    want = one("reshard", str(src), str(tmp_path / "one"), *MEGATRON_TARGET)
+    assert want.returncode == 0, want.stderr
+    runs = two_nodes("reshard", str(src), s3.url("mc"), *MEGATRON_TARGET, CKPT_S3_STAGING=str(staging))
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-3000:] for r in runs]
+    assert sum(r.stdout.count("wrote ") for r in runs) == 1, [r.stdout for r in runs]
+    d = one("diff", "--bitwise", str(tmp_path / "one"), s3.url("mc"))
+    assert d.returncode == 0 and "0 differ" in d.stdout, d.stdout + d.stderr
+    names = sorted(str(p.relative_to(tmp_path / "one")) for p in (tmp_path / "one").rglob("*") if p.is_file())
+    assert s3.keys("mc/") == [f"mc/{n}" for n in names]
+    ranks_files = [n for n in names if n.rsplit("/", 1)[-1].startswith("__") and not n.endswith("__0_1.distcp")]
+    assert len(ranks_files) == 4
+    for n in ranks_files:  # each as long as one process's (its zip records' serialization id is random)
+        head = s3.client.head_object(Bucket=s3.bucket, Key=f"mc/{n}")
+        assert head["ContentLength"] == (tmp_path / "one" / n).stat().st_size, n
+    v = one("verify", "--data", s3.url("mc"))
+    assert v.returncode == 0, v.stdout + v.stderr
+    runs = two_nodes("reshard", str(src), s3.url("mcbad"), *MEGATRON_TARGET, CKPT_RANK_FAULT="3:damage",
+                     CKPT_S3_STAGING=str(staging))
+    assert all(r.returncode != 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    lines = _errors(runs)
+    named = [x for x in lines if "rank 3" in x and "staged file __" in x and "crc32c is" in x]
+    assert named and len(lines) <= 4, "\n".join(r.stderr[-2000:] for r in runs)
+    assert s3.keys("mcbad") == []
+    assert list(staging.iterdir()) == []
+    assert _digests(src) == before
+    assert _ranks_left(str(src)) == []
+
+
 def test_a_damaged_staged_hf_file_on_another_node_is_refused_naming_file_and_rank(s3, tmp_path: Path) -> None:
     """2 nodes x 2 ranks, ``export --to hf`` to a bucket: rank 3 flips a byte of one of its node's staged weights
     files before its check (``CKPT_RANK_FAULT=3:damage``): one line naming the file and rank 3, nothing

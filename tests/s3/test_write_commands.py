@@ -1,5 +1,6 @@
 """Every ``ckpt`` command that writes takes an ``s3://`` DST (on moto's S3 server): ``export`` (hf,
-fully_reshardable, torch), ``import --from hf`` (``--to megatron-core`` too) and ``migrate-aliased``,
+fully_reshardable, torch), ``import --from hf`` (``--to megatron-core`` too), ``migrate-aliased`` and
+``reshard`` of a megatron-core checkpoint (this runtime's: tests/s3/test_write.py),
 all through the one writer's ordered upload. The output equals the same command into a local folder,
 object for file and byte for byte; an upload that fails or is killed leaves nothing a reader takes;
 an existing prefix is refused. ``plan`` reads a bucket SRC.
@@ -23,7 +24,7 @@ SRC = FIXTURES["dcp"]
 COMMIT = {"export-hf": "config.json", "export-megatron-names": "model.safetensors",
           "export-fully_reshardable": "iter_0000002/metadata.json", "import": "iter_0000000/metadata.json",
           "import-megatron-core": "iter_0000000/metadata.json",
-          "migrate": "iter_0000002/metadata.json"}
+          "migrate": "iter_0000002/metadata.json", "reshard-megatron-core": "iter_0000002/metadata.json"}
 CASES = sorted([*COMMIT, "export-torch"])
 
 
@@ -45,6 +46,9 @@ def argv(case: str, dst: str, hf_src: Path) -> list[str]:
                 "--dp", "2"]
     if case == "import":
         return ["import", str(hf_src), dst, "--from", "hf", "--dp", "2"]
+    if case == "reshard-megatron-core":
+        return ["reshard", str(REPO / "fixtures" / "megatron" / "pair_tp2_dp2_dp_reshardable"), dst, "--tp", "1",
+                "--dp", "4"]
     if case == "migrate":
         return ["migrate-aliased", str(ALIASED), dst, "--reset-lost-moments"]
     if case == "export-megatron-names":
