@@ -240,7 +240,7 @@ def plan_megatron(source: Source, tp: int, pp: int, dp_cp: int, bucket_size: int
 
     ``vpp`` > 1 (virtual pipeline stages, the import's ``--vpp``): one set of buffers per model chunk, dense and
     expert, numbered chunk after chunk (``gbuf_idx``), as megatron-core's ``pair_vpp_pp2_dp2`` and
-    ``pair_moe_vpp_pp2`` saves hold them; one bucket per buffer (no ``--overlap-grad-reduce``)."""
+    ``pair_mixtral_vpp_pp2`` saves hold them; one bucket per buffer (no ``--overlap-grad-reduce``)."""
     if vpp > 1 and bucket_size is not None:
         raise FormatError(f"--vpp {vpp} with --bucket-size: only one bucket per model chunk's buffer is laid out")
     if bucket_size is None:
@@ -360,7 +360,7 @@ def _expert_chunks(source: Source, experts: list[ParamView], places: dict[int, t
     then ep, then expert DP), each holding its stage's layers' experts ``ep_rank * E/EP + j`` in
     module order (per layer, per local expert), each in its expert-TP part. ``places``: each layer's (stage,
     model chunk) (:func:`layer_places`); with virtual pipeline stages each model chunk has its own expert buffer,
-    ``gbuf_idx`` = the chunk (``pair_moe_vpp_pp2_dp_reshardable``, the rule the view reads in
+    ``gbuf_idx`` = the chunk (``pair_mixtral_vpp_pp2_dp_reshardable``, the rule the view reads in
     :func:`gtp_format.megatron.moe.expert_views`)."""
     modes = check_experts(source, experts, tp, dp_cp, ep, etp)
     gated = _gated(source)

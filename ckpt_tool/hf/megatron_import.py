@@ -15,7 +15,7 @@ model saves at iteration 0 with ``--ckpt-format torch_dist --use-distributed-opt
   distributed optimizer's buckets of the target topology, by the writer of ``ckpt reshard``
   (:func:`ckpt_tool.copying.megatron_plan.plan_megatron` over this folder's per-parameter view,
   :mod:`.megatron_fresh`); with ``--vpp`` one set of buffers per model chunk, dense and expert, as megatron-core's
-  own VPP saves hold them (``fixtures/megatron/pair_moe_vpp_pp2_dp_reshardable``).
+  own VPP saves hold them (``fixtures/megatron/pair_mixtral_vpp_pp2_dp_reshardable``).
 
 The optimizer state is a fresh one: fp32 master weights equal to the model weights (bf16 widens
 exactly), both Adam moments zero, ``step`` 0 in each param group, as megatron-core's optimizer holds

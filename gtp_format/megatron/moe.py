@@ -47,7 +47,7 @@ def expert_views(ckpt: Checkpoint, opts: dict, prefix: str, layers: int, refuse:
 
     ``layer_chunk`` (virtual pipeline stages): each layer's model chunk within its stage. Every chunk has its own
     DDP and so its own expert buffer, and the expert optimizer numbers them chunk after chunk as the dense one does:
-    ``gbuf_idx`` = the chunk (``fixtures/megatron/pair_moe_vpp_pp2_dp_reshardable``: PP2 x VPP2 x EP2).
+    ``gbuf_idx`` = the chunk (``fixtures/megatron/pair_mixtral_vpp_pp2_dp_reshardable``: PP2 x VPP2 x EP2).
 
     With PP > 1 the expert optimizer's ``dp_group_idx`` is ``pp_rank * EP + ep_rank`` (its rank in
     the expert model-parallel group, rank order tp-cp-ep-dp-pp), and a stage's buffer holds the

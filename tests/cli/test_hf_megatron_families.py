@@ -40,6 +40,10 @@ EXPECTED = {
     "pair_qk_layernorm_tp2_dp_reshardable": "PersimmonForCausalLM",
     # Llama-style with --use-rope-scaling --rope-scaling-factor 32 --rotary-base 500000 (Llama 3.2's RoPE)
     "pair_llama3_rope_tp2_dp_reshardable": "LlamaForCausalLM",
+    # PP2 x VPP2 (EP 2): each model chunk's layers, experts and optimizer buffers where megatron-core put them
+    "pair_mixtral_vpp_pp2_dp_reshardable": "MixtralForCausalLM",
+    # 6 layers over PP2 x VPP2 with --decoder-first-pipeline-num-layers 2 (GELU, learned positions: GPT-BigCode)
+    "pair_uneven_vpp_pp2_dp_reshardable": "GPTBigCodeForCausalLM",
 }
 # fixture -> the flag its refusal names (no transformers class computes that model exactly)
 REFUSED = {

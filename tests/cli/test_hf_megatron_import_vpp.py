@@ -4,7 +4,7 @@ Tiny transformers models of 4 layers (built from a config, random init, nothing 
 MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM (a gated shared expert). Must hold:
 
 * the layout is megatron-core's: the planner the import runs (:func:`ckpt_tool.copying.megatron_plan.plan_megatron`
-  with ``vpp``), over the genuine ``pair_moe_vpp_pp2_dp_reshardable`` (PP2 x VPP2 x DP2 x EP2, megatron-core
+  with ``vpp``), over the genuine ``pair_mixtral_vpp_pp2_dp_reshardable`` (PP2 x VPP2 x DP2 x EP2, megatron-core
   0.19.2) and the dense VPP pairs at their own topology, puts every parameter where megatron-core's own buffers
   had it (``expected.json``'s ``params_in_bucket``), with its ``per_bucket_numel`` objects and key shapes;
 * import -> ``export --to hf`` is bit-identical, ``verify --data`` passes, the topology read back is the one
@@ -169,7 +169,7 @@ def _global(name: str, key: str, pp: int, ep: int, per_expert: int, per_chunk: i
     return f"decoder.layers.{layer}.{m.group(2)}"
 
 
-@pytest.mark.parametrize("fixture", ["pair_moe_vpp_pp2_dp_reshardable", "pair_vpp_pp2_dp2_dp_reshardable",
+@pytest.mark.parametrize("fixture", ["pair_mixtral_vpp_pp2_dp_reshardable", "pair_vpp_pp2_dp2_dp_reshardable",
                                      "pair_vpp_fp32norm_untied_pp2_dp_reshardable"])
 def test_the_planned_vpp_layout_is_megatron_cores_own(fixture: str) -> None:
     """The planner the dp_reshardable import runs, over megatron-core's own save at its own topology with its

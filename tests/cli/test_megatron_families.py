@@ -15,6 +15,7 @@ the state of megatron's own save, and ``plan`` at those targets says ``needs_res
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -43,6 +44,11 @@ FAMILIES = {
                                        "gated_linear_unit": True},
     "pair_moe_expert_bias_dp_reshardable": {"num_experts": 4, "moe_router_enable_expert_bias": True},
     "pair_uneven_pp2_dp_reshardable": {"num_layers": 3, "first_stage_layers": 1},
+    # uneven with virtual pipeline stages: PP2 x VPP2, the first stage 2 layers (one per chunk), the last 4
+    "pair_uneven_vpp_pp2_dp_reshardable": {"num_layers": 6, "first_stage_layers": 2},
+    # Mixtral-style (4 SwiGLU experts, RMSNorm, RoPE, GQA) at PP2 x VPP2 x DP2 x EP2
+    "pair_mixtral_vpp_pp2_dp_reshardable": {"num_experts": 4, "gated_linear_unit": True, "normalization": "RMSNorm",
+                                            "num_query_groups": 2, "num_layers": 4},
     # MQA at TP2: one key/value group for 4 heads, fewer groups than TP ranks
     "pair_mqa_tp2_dp_reshardable": {"num_query_groups": 1, "gated_linear_unit": False},
     # gated experts at expert TP 2 (TP2 x EP2 x DP2): each expert-TP rank's gate and up chunks
@@ -124,6 +130,23 @@ def test_padding_is_megatrons_own_buffer_gaps(pair: str) -> None:
     assert seen
 
 
+def _global_name(name: str, stage: int, expected: dict, first: int | None) -> str:
+    """megatron's name of a parameter of its stage ``stage`` (``model<chunk>.`` first with virtual pipeline
+    stages; layers numbered within the chunk) -> the global name: the chunk's first layer is
+    get_transformer_layer_offset's, written out here for an optional first-stage size ``first``: every model
+    chunk round holds each stage's layers / vpp, stage after stage."""
+    topo, layers = expected["topology"], expected["model"]["num_layers"]
+    pp, vpp = topo["pp"], topo.get("vpp") or 1
+    counts = [first, *[(layers - first) // (pp - 1)] * (pp - 1)] if first else [layers // pp] * pp
+    m = re.match(r"^model(\d+)\.(.*)$", name)
+    chunk, name = (int(m.group(1)), m.group(2)) if m else (0, name)
+    m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
+    if m is None:
+        return name
+    offset = chunk * sum(c // vpp for c in counts) + sum(c // vpp for c in counts[:stage])
+    return f"decoder.layers.{offset + int(m.group(1))}.{m.group(2)}"
+
+
 @pytest.mark.parametrize("pair", LAID_OUT)
 def test_the_per_parameter_view_is_megatrons_buffers(pair: str) -> None:
     """Every dense parameter's (bucket key, range) in the view is where megatron's buffer held it
@@ -143,10 +166,7 @@ def test_the_per_parameter_view_is_megatrons_buffers(pair: str) -> None:
             continue
         stage = int(k["key"].split("dp_group_idx_")[1].split(".")[0]) // expected["topology"]["tp"]
         for p in k["params_in_bucket"]:
-            name = p["param"]
-            if stage and first and name.startswith("decoder.layers."):
-                layer = int(name.split(".")[2]) + first
-                name = ".".join(["decoder", "layers", str(layer), *name.split(".")[3:]])
+            name = _global_name(p["param"], stage, expected, first)
             if name == "output_layer.weight" and name not in views:  # tied: a replica of the word embeddings
                 name = "embedding.word_embeddings.weight"
             theirs.add((k["key"], p["start"], p["end"], name))
@@ -300,6 +320,13 @@ LOADS = [("pair_swiglu_tp2_dp_reshardable", (1, 1, 2), (1, 0), "-"),
          ("pair_uneven_pp2_dp_reshardable", (1, 2, 2), (1, 0), "1"),
          ("pair_uneven_pp2_dp_reshardable", (1, 3, 1), (1, 0), "-"),
          ("pair_uneven_pp2_dp_reshardable", (1, 2, 1), (1, 0), "2"),  # --decoder-first-pipeline-num-layers 2
+         # from PP2 x VPP2 with 2 + 4 layers: the uneven split kept at VPP 1, then even at PP 3, then PP 1
+         ("pair_uneven_vpp_pp2_dp_reshardable", (1, 2, 1), (1, 0), "2"),
+         ("pair_uneven_vpp_pp2_dp_reshardable", (1, 3, 1), (1, 0), "-"),
+         ("pair_uneven_vpp_pp2_dp_reshardable", (1, 1, 2), (1, 0), "-"),
+         # Mixtral-style from PP2 x VPP2 x EP2 to PP2 x DP2 x EP2 (one model chunk per stage) and to PP1
+         ("pair_mixtral_vpp_pp2_dp_reshardable", (1, 2, 2), (2, 4, 1), "-"),
+         ("pair_mixtral_vpp_pp2_dp_reshardable", (1, 1, 4), (2, 4, 1), "-"),
          ("pair_mqa_tp2_dp_reshardable", (1, 1, 2), (1, 0), "-"),
          ("pair_mqa_tp2_dp_reshardable", (4, 1, 1), (1, 0), "-"),  # 1 group < TP 4: each rank all-gathers qkv
          ("pair_moe_swiglu_etp2_dp_reshardable", (2, 1, 2), (2, 4, 1), "-"),  # gated experts, expert TP 2 -> 1

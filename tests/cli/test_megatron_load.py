@@ -126,23 +126,3 @@ def test_megatron_loads_the_reshard_of_a_virtual_pipeline_checkpoint(tmp_path: P
         moments = [a[k] for k in a if k.startswith("opt.")]
         assert all(np.any(m != 0) for m in moments[2::3]), rank
         assert len(set(a["step"].tolist())) == 1 and np.all(b["step"] == 2.0), (rank, a["step"])
-
-
-@pytest.mark.skipif(not MEGATRON_PY.exists(), reason="needs the megatron venv (fixtures/megatron/setup_venv.sh)")
-def test_megatron_loads_the_reshard_of_a_moe_virtual_pipeline_checkpoint(tmp_path: Path) -> None:
-    """``pair_moe_vpp_pp2_dp``: PP2 x VPP2 x DP2 x EP2 (4 MoE layers; a dense and an expert buffer per model chunk)
-    resharded to PP2 x DP2 x EP2 without virtual pipeline stages, loaded by megatron-core as dp_reshardable there,
-    holds on every rank the bits megatron-core loads from its own fully_reshardable save at the same topology."""
-    pair, topo, moe = "pair_moe_vpp_pp2_dp_reshardable", (1, 2, 2), (2, 4)
-    out = tmp_path / "rs"
-    r = cli("reshard", MEGATRON / pair, out, "--pp", "2", "--dp", "2", "--ep", "2")
-    assert r.exit_code == 0, r.stderr
-    ours = _load(out, tmp_path / "ours", topo, 4, "dp_reshardable", moe)
-    theirs = _load(MEGATRON / f"{pair}_fully_reshardable", tmp_path / "theirs", topo, 4, "fully_reshardable", moe)
-    for rank, (a, b) in enumerate(zip(ours, theirs)):
-        assert sorted(a) == sorted(b) and any(".local_experts." in k for k in a), rank
-        for k in a:
-            if k != "step":
-                assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), (rank, k)
-        moments = [a[k] for k in a if k.startswith("opt.")]
-        assert moments and all(np.any(m != 0) for m in moments[2::3]), rank

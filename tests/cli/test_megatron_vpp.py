@@ -248,14 +248,15 @@ def test_plan_of_a_plain_pp_checkpoint_at_a_virtual_size_is_not_as_is() -> None:
 
 
 def test_moe_with_virtual_pipeline_stages_is_megatrons_layout(tmp_path: Path) -> None:
-    """``pair_moe_vpp_pp2_dp`` (PP2 x VPP2 x DP2, EP 2, 4 layers, megatron-core 0.19.2): each model chunk has its own
+    """``pair_mixtral_vpp_pp2_dp`` (Mixtral-style: 4 SwiGLU experts, RMSNorm, RoPE, GQA, untied; PP2 x VPP2 x DP2,
+    EP 2, 4 layers, megatron-core 0.19.2): each model chunk has its own
     dense and expert buffer (``gbuf_idx`` = the chunk, in the chained_0 and the chained_1 optimizer); the view puts
     every parameter, the experts included, where megatron-core's buffers had it (``params_in_bucket``), every fp32
     master rounds to its bf16 weight, and the fully_reshardable export holds every tensor of megatron-core's own
     fully_reshardable save of that state, bit for bit."""
-    name = "pair_moe_vpp_pp2_dp_reshardable"
+    name = "pair_mixtral_vpp_pp2_dp_reshardable"
     expected = json.loads((MEGATRON / name / "expected.json").read_text())
-    topo = expected["topology"]
+    topo, tied = expected["topology"], expected["model"]["share_embeddings_and_output_weights"]
     pp, ep, per = topo["pp"], topo["ep"], topo["num_moe_experts"] // topo["ep"]
     per_chunk = expected["model"]["num_layers"] // (pp * topo["vpp"])
     src = open_source(MEGATRON / name, megatron=True, experts=True)
@@ -269,10 +270,10 @@ def test_moe_with_virtual_pipeline_stages_is_megatrons_layout(tmp_path: Path) ->
             m = re.match(r"^(model\d+\.decoder\.layers\.\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.*)$", p["param"])
             if m:  # the expert optimizer: dp_group_idx = pp_rank * EP + ep_rank
                 stage, ep_rank = divmod(opt.dp_group_idx, ep)
-                layer = _global_name(m.group(1) + ".x", stage, pp, per_chunk, True).rsplit(".", 1)[0]
+                layer = _global_name(m.group(1) + ".x", stage, pp, per_chunk, tied).rsplit(".", 1)[0]
                 global_name = f"{layer}.mlp.experts.{ep_rank * per + int(m.group(2))}.{m.group(3)}"
             else:
-                global_name = _global_name(p["param"], opt.dp_group_idx, pp, per_chunk, True)
+                global_name = _global_name(p["param"], opt.dp_group_idx, pp, per_chunk, tied)
             view = src.views[global_name]
             holder = next(h for h in view.holders if h.ref.key("param") == k["key"])
             assert (holder.ref.bucket_idx, holder.start, holder.start + holder.numel) == (
@@ -289,7 +290,7 @@ def test_moe_with_virtual_pipeline_stages_is_megatrons_layout(tmp_path: Path) ->
     out = tmp_path / "fr"
     assert cli("export", MEGATRON / name, out, "--to", "fully_reshardable").exit_code == 0
     doc = json.loads(cli("diff", out, MEGATRON / f"{name}_fully_reshardable", "--bitwise", "--format", "json").stdout)
-    assert doc["compared"] > 100 and not doc["only_in_a"]
+    assert doc["compared"] > 60 and not doc["only_in_a"]
     assert [d["key"] for d in doc["differences"]] == ["common_state/shard_0_1"]  # its args, content_metadata
 
 
