@@ -253,8 +253,9 @@ def test_megatron_core_reshard_to_a_bucket_across_two_nodes(s3, tmp_path: Path) 
     """2 nodes x 2 ranks, a genuine megatron-core ``dp_reshardable`` checkpoint resharded into a bucket: no
     manifest lists its rank files, so each is given its entry (size, CRC-32C) from the bytes as they are written,
     and each node checks its staged files against those entries before the upload. The bucket holds one process's
-    output (`diff --bitwise`: every tensor's bits) and passes `verify --data`; then a rank file damaged on node 1 before its check (``CKPT_RANK_FAULT=3:damage``) is one
-    line naming it and rank 3, nothing uploaded. No staging folder or rank left; SRC untouched."""
+    output (``diff --bitwise``: every tensor's bits) and passes ``verify --data``; then a rank file damaged on node 1
+    before its check (``CKPT_RANK_FAULT=3:damage``) is one line naming it and rank 3, nothing uploaded. No staging
+    folder or rank left; SRC untouched."""
     import shutil
 
     src, staging = tmp_path / "src", tmp_path / "staging"
