@@ -15,7 +15,7 @@ reused buffer (what it does now), zlib's CRC-32 (a zip record's own checksum: th
 checkpoint written by ``dcp.save`` carries), CRC-32C (google-crc32c, the manifest's file checksum),
 xxh3-128 (the chunk records), and the NaN/Inf scan of float32 elements (``isfinite(x).all()``, with a
 new result array per window and with one reused); then the pass as it runs now: the CRC-32 through
-libdeflate where the system has it (``gtp_format.hashing.crc32``), and each window read, CRC'd and scanned in
+zlib-ng (``gtp_format.hashing.crc32``), and each window read, CRC'd and scanned in
 pieces of one reused buffer (2 MiB = the whole window, 1 MiB, 512 KiB, 256 KiB). Why a micro-benchmark
 beside the stage profile (``benchmarks/cli_stages.py``): the profile charges a C call to its Python line, so it
 cannot say whether a window's cost is the copy, the page faults of a fresh buffer, or the hash.

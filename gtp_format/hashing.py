@@ -205,36 +205,57 @@ def _libdeflate_crc32() -> Callable[[int, int, int], int] | None:
 
 
 CRC32_ZLIB_ENV = "CKPT_CRC32_ZLIB"
-DEFLATE_MIN = 16 << 10  # smaller buffers go to zlib: the ctypes call and the address cost about what they do
-_DEFLATE = _libdeflate_crc32()
+DEFLATE_MIN = 16 << 10  # smaller buffers go to zlib: the library call and the address cost about what they do
+
+
+def _zlib_ng_crc32() -> Callable[[Any, int], int] | None:
+    """zlib-ng's ``crc32(data, value)`` (the ``zlib-ng`` package: a wheel with the library built in, so every machine
+    has it; it releases the GIL as zlib does), or None with ``CKPT_CRC32_ZLIB=1`` or where it is not installed.
+
+    Why it comes first: the lent 16-core hosts have no libdeflate, so the zip records' CRC-32 there ran on the
+    system zlib (table-driven). One core, 256 MiB in 512 KiB pieces (the data pass's), the same values: zlib-ng
+    11.8 GB/s, libdeflate through ``ctypes`` 9.7, zlib 3.6 (2-core VM)."""
+    if os.environ.get(CRC32_ZLIB_ENV) == "1":
+        return None
+    try:
+        from zlib_ng import zlib_ng
+    except ImportError:
+        return None
+    return zlib_ng.crc32
+
+
+_ZLIB_NG = _zlib_ng_crc32()
+_DEFLATE = None if _ZLIB_NG is not None else _libdeflate_crc32()
 
 
 def crc32(data: Any, value: int = 0) -> int:
-    """``zlib.crc32(data, value)``, the same value, through libdeflate where the system has it
-    (:func:`_libdeflate_crc32`) for a contiguous buffer of :data:`DEFLATE_MIN` bytes or more.
+    """``zlib.crc32(data, value)``, the same value, through zlib-ng (:func:`_zlib_ng_crc32`), else libdeflate where the
+    system has it (:func:`_libdeflate_crc32`), for a contiguous buffer of :data:`DEFLATE_MIN` bytes or more.
 
-    A writable buffer's address comes from ``ctypes`` (0.5 us); a read-only one's (``bytes``) from numpy (3.6 us:
-    the data pass calls this once per 512 KiB piece, on every worker, with the GIL held for that part)."""
-    fn = _DEFLATE
-    if fn is None:
+    A writable buffer's address for libdeflate comes from ``ctypes`` (0.5 us); a read-only one's (``bytes``) from
+    numpy (3.6 us: the data pass calls this once per 512 KiB piece, on every worker, with the GIL held for that
+    part)."""
+    if _ZLIB_NG is None and _DEFLATE is None:
         return zlib.crc32(data, value)
     try:
         view = memoryview(data)
     except TypeError:
         return zlib.crc32(data, value)  # zlib's own error for what is no buffer
     n = view.nbytes
-    if n < DEFLATE_MIN or n == 0 or not view.c_contiguous:
+    if n < DEFLATE_MIN or not view.c_contiguous:
         return zlib.crc32(data, value)  # small, or zlib's own error for a strided view
+    if _ZLIB_NG is not None:
+        return _ZLIB_NG(view, value & 0xFFFFFFFF)
     try:
         addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
     except TypeError:  # read-only
         addr = np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data
-    return int(fn(value & 0xFFFFFFFF, addr, n))
+    return int(_DEFLATE(value & 0xFFFFFFFF, addr, n))
 
 
 def crc32_backend() -> str:
-    """Which library computes :func:`crc32` for large buffers: ``libdeflate`` or ``zlib``."""
-    return "libdeflate" if _DEFLATE is not None else "zlib"
+    """Which library computes :func:`crc32` for large buffers: ``zlib-ng``, ``libdeflate`` or ``zlib``."""
+    return "zlib-ng" if _ZLIB_NG is not None else "libdeflate" if _DEFLATE is not None else "zlib"
 
 
 CRCS: dict[str, Crc] = {

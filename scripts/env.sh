@@ -6,7 +6,7 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import gtp_runtime, ckpt_tool, torch, numba, typer, pytest, xdist, hypothesis, tokenizers, transformers, xxhash, blake3, moto, boto3, obstore, s3fs" 2>/dev/null; then
+if ! .venv/bin/python -c "import gtp_runtime, ckpt_tool, torch, numba, typer, pytest, xdist, hypothesis, tokenizers, transformers, xxhash, zlib_ng, blake3, moto, boto3, obstore, s3fs" 2>/dev/null; then
   # torch first, alone: then pip takes the CPU build from local disk. Resolved together with the test
   # extras (moto, s3fs, ...), pip once chose PyPI's CUDA build of the same version (GBs, and a torch
   # import that runs ldconfig and takes 515 MB: the hostile tests' bounds failed on a fresh clone).

@@ -220,7 +220,7 @@ def parse_blob(reader: BlobReader) -> BlobLayout:
 def check_payload_crc(layout: BlobLayout, payload: memoryview | bytes) -> None:
     """The storage record's bytes match the CRC-32 the zip directory records for them.
 
-    :func:`gtp_format.hashing.crc32` (zlib's CRC-32, through libdeflate where the system has it) runs over bytes
+    :func:`gtp_format.hashing.crc32` (zlib's CRC-32, through zlib-ng) runs over bytes
     the caller already holds (the data pass's window), without the GIL; it is what makes one flipped bit in a
     genuine Megatron checkpoint, which has no manifest checksums, an error rather than a pass.
     """

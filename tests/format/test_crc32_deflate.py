@@ -1,5 +1,6 @@
-"""``hashing.crc32``: zlib's CRC-32 through libdeflate where the system has it, the same value as ``zlib.crc32`` for
-every buffer kind, start value, alignment and length, and zlib's own answer (or error) for everything else."""
+"""``hashing.crc32``: zlib's CRC-32 through zlib-ng (or libdeflate where the system has it and zlib-ng is not
+installed), the same value as ``zlib.crc32`` for every buffer kind, start value, alignment and length, with either
+library, and zlib's own answer (or error) for everything else."""
 
 from __future__ import annotations
 
@@ -20,17 +21,28 @@ from gtp_format.hashing import CRCS, crc32
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def always_deflate(monkeypatch: pytest.MonkeyPatch) -> None:
-    if hashing._DEFLATE is None:
-        pytest.skip("libdeflate is not on this system: crc32 is zlib's (checked below)")
+BACKENDS = {"zlib-ng": hashing._zlib_ng_crc32(), "libdeflate": hashing._libdeflate_crc32()}
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def always_deflate(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each fast library that is here, alone, for every length."""
+    fn = BACKENDS[request.param]
+    if fn is None:
+        pytest.skip(f"{request.param} is not on this system")
+    monkeypatch.setattr(hashing, "_ZLIB_NG", fn if request.param == "zlib-ng" else None)
+    monkeypatch.setattr(hashing, "_DEFLATE", fn if request.param == "libdeflate" else None)
     monkeypatch.setattr(hashing, "DEFLATE_MIN", 0)
+
+
+def test_zlib_ng_is_installed_and_chosen() -> None:
+    assert BACKENDS["zlib-ng"] is not None and hashing.crc32_backend() == "zlib-ng"  # a declared dependency
 
 
 @given(st.binary(max_size=1 << 13), st.integers(0, 2**32 - 1), st.integers(0, 15))
 def test_every_buffer_kind_gives_zlibs_value(data: bytes, start: int, skip: int) -> None:
     old = hashing.DEFLATE_MIN
-    hashing.DEFLATE_MIN = 0  # every length through libdeflate where it is there (hypothesis: no fixtures)
+    hashing.DEFLATE_MIN = 0  # every length through zlib-ng where it is there (hypothesis: no fixtures)
     try:
         want = zlib.crc32(data[skip:], start)
         arr = np.frombuffer(data, dtype=np.uint8)[skip:]  # unaligned starts too
@@ -42,6 +54,7 @@ def test_every_buffer_kind_gives_zlibs_value(data: bytes, start: int, skip: int)
 
 
 def test_large_buffers_and_chained_pieces_give_zlibs_value(always_deflate: None) -> None:
+    assert crc32(b"x" * 100, 7) == zlib.crc32(b"x" * 100, 7) and crc32(b"") == 0
     data = np.random.default_rng(1).bytes((3 << 20) + 5)
     assert crc32(data) == zlib.crc32(data)
     value = 0
