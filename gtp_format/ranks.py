@@ -42,6 +42,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from gtp_format.errors import FormatError
+from gtp_format.work import signals_deferred
 
 T = TypeVar("T")
 TIMEOUT_ENV = "CKPT_DIST_TIMEOUT"
@@ -138,6 +139,7 @@ class Group:
 
     def __init__(self, rank: int, world: int, peers: list[Peer]) -> None:
         self.rank, self.world, self.peers = rank, world, peers
+        self.passed: set[str] = set()  # the exchanges every rank passed (:meth:`exchange`)
 
     @property
     def root(self) -> bool:
@@ -203,12 +205,18 @@ class Group:
             mine = (False, f"{e.filename or ''}: {e.strerror or e}".lstrip(": "), 2)
         except Exception as e:  # noqa: BLE001 - a rank's bug still ends every rank with one line
             mine = (False, f"unexpected {type(e).__name__}: {str(e)[:300]}", 2)
-        got = self.all_gather(mine, what)
-        for r, (ok, value, code) in enumerate(got):
-            if not ok:
-                if r == self.rank:
-                    raise RankFailed(f"rank {r}: {value}", code)
-                raise RankFailed(f"rank {r} failed {what}: {value}; rank {self.rank} stopped: {outcome(what)}", code)
+        # the gather and its record in :attr:`passed` with no signal handler between: a rank that torchrun's SIGTERM
+        # reaches just as an exchange every rank passed returns must know it passed (after the upload's exchange
+        # rank 0 may be committing, and this rank's objects must then stay)
+        with signals_deferred():
+            got = self.all_gather(mine, what)
+            for r, (ok, value, code) in enumerate(got):
+                if not ok:
+                    if r == self.rank:
+                        raise RankFailed(f"rank {r}: {value}", code)
+                    raise RankFailed(f"rank {r} failed {what}: {value}; rank {self.rank} stopped: {outcome(what)}",
+                                     code)
+            self.passed.add(what)
         return [value for _, value, _ in got]
 
     def barrier(self, what: str) -> None:

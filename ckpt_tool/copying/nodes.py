@@ -50,11 +50,13 @@ from gtp_format.names import WORK_TOKEN_FILE
 from gtp_format.ranks import Group, Peer, RankFailed, assign, fault, faulted
 from gtp_format.reader.safetensors_reader import HEADER_LIMIT
 from gtp_format.reader.storage import open_regular
-from gtp_format.storage.upload import DATA, Upload, step_of
+from gtp_format.storage.upload import DATA, Upload, new_owner, step_of, sweep
 from gtp_format.writer.checkpoint import CheckpointWriter
 
 ANSWER_LIMIT = 64 << 20  # the bytes the gate may ask of other nodes in all (a fixture's: 3,154)
 VERDICT_KEYS = frozenset({"node", "listing", "checked", "heads"})
+
+UPLOADING = "while uploading its files"
 
 
 def leader(peers: list[Peer], rank: int) -> int:
@@ -296,7 +298,9 @@ def across_nodes(group: Group, writer: CheckpointWriter, entries: dict[str, File
     group.exchange(gate, "before the commit")
     inner = f"{writer.inner}/" if writer.inner else ""
     rels = [inner + n for n in sorted(verdicts[group.rank]["checked"])]
-    up = Upload(writer.target, commit=writer.commit_object)
+    # one token for every rank's objects: a survivor can then prove a killed rank's objects the job's (upload.sweep)
+    up = Upload(writer.target, commit=writer.commit_object,
+                owner=group.broadcast(new_owner() if group.root else None, "while sharing the upload's token"))
     if group.root:
         writer.uploaded = frozenset(inner + n for n in data_sizes(entries, writer.commit_object))
 
@@ -307,9 +311,12 @@ def across_nodes(group: Group, writer: CheckpointWriter, entries: dict[str, File
         up.put_files(writer.work, rels[1:])
 
     try:
-        group.exchange(put, "while uploading its files")
+        group.exchange(put, UPLOADING)
     except BaseException:
-        up.undo()
+        if UPLOADING not in group.passed:  # passed: every rank's objects are up, and rank 0 may be committing
+            up.undo()
+            if leader(group.peers, group.rank) == group.rank:  # no rank committed, nor can: a killed rank's too
+                sweep(writer.target, up.owner)
         raise
     return up
 

@@ -21,11 +21,17 @@ upload, in an order that makes every interrupted state invisible:
 
 On a failure the objects this upload created are deleted (never others); a writer killed
 mid-way leaves data objects without a commit object, which no reader takes for a checkpoint.
+
+Every object carries its writer's random token as user metadata (:data:`OWNER_ATTRIBUTE`: S3's
+``x-amz-meta-ckpt-writer``). The ranks of a torchrun job that upload one output share one token, so a survivor can
+prove which objects a killed rank had created (no other writer knows the token) and remove them (:func:`sweep`).
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -80,11 +86,12 @@ class Upload:
     ``commit``: see :func:`commit_order`; ``fault``: the runtime's fault hook (``before_commit_object``)."""
 
     def __init__(self, target: ObjectURL, fault: Callable[[str], None] | None = None,
-                 commit: str | None = None) -> None:
+                 commit: str | None = None, owner: str | None = None) -> None:
         # every put of one upload through one client: a target bound to no session gets a state of its own
         bound = isinstance(target.state, objects.BucketState)
         self.target = target if bound else target.bound(objects.BucketState(scoped=False))
         self.fault, self.commit = fault, commit
+        self.owner = owner or new_owner()  # the token every object of this upload carries (module docstring)
         self.created: list[str] = []
 
     def _put(self, local: Path, rel: str, create: bool = False) -> None:
@@ -98,7 +105,7 @@ class Upload:
         with signals_deferred():
             try:
                 obstore.put(objects.store(self.target), key, local, mode="create", chunk_size=PART,
-                            max_concurrency=CONCURRENCY)
+                            max_concurrency=CONCURRENCY, attributes={OWNER_ATTRIBUTE: self.owner})
             except Exception as e:  # noqa: BLE001 - one line naming the object
                 from obstore import exceptions as ox
 
@@ -186,6 +193,52 @@ class Upload:
         except Exception:  # noqa: BLE001, S110 - best effort, see the docstring
             pass
         objects.forget_listings(self.target)
+
+
+OWNER_ATTRIBUTE = "ckpt-writer"  # user metadata: the writer's token
+SWEEP_DEPTH = 2  # an output's objects lie at most one folder down (a nested output's iteration folder)
+SWEEP_AT_ONCE = 8  # metadata requests in flight
+
+
+def new_owner() -> str:
+    """A writer's token: 128 random bits, which no other writer can guess."""
+    return secrets.token_hex(16)
+
+
+def sweep(target: ObjectURL, owner: str) -> list[str]:
+    """Delete every object below ``target`` (at most :data:`SWEEP_DEPTH` levels) that carries ``owner`` as its
+    :data:`OWNER_ATTRIBUTE`: the objects a writer that holds the token created, a killed one's too; an object without
+    the token (another writer's) is never touched. Only for a point where no commit of ``target`` can happen: the
+    caller knows no rank committed or will. Best effort as :meth:`Upload.undo`: returns the keys deleted."""
+    import obstore
+
+    store = objects.store(target)
+    keys: list[str] = []
+    folders = [(target, 1)]
+    while folders:
+        root, depth = folders.pop()
+        for name, size in objects.list_names(root).items():
+            if size is not None:
+                keys.append(root.key(name))
+            elif depth < SWEEP_DEPTH:
+                folders.append((root / name, depth + 1))
+
+    def carries(key: str) -> bool:
+        try:
+            got = obstore.get(store, key, options={"head": True})
+        except Exception:  # noqa: BLE001 - gone, or unreadable: not proven this writer's
+            return False
+        return got.attributes.get(OWNER_ATTRIBUTE) == owner
+
+    with ThreadPoolExecutor(SWEEP_AT_ONCE, thread_name_prefix="s3-sweep") as pool:
+        mine = [k for k, ok in zip(keys, pool.map(carries, keys)) if ok]
+    if mine:
+        try:
+            obstore.delete(store, mine)
+        except Exception:  # noqa: BLE001 - best effort, as undo
+            pass
+    objects.forget_listings(target)
+    return mine
 
 
 class Taken(FormatError):

@@ -352,10 +352,10 @@ def test_a_rank_claiming_a_file_that_is_not_its_own_is_not_trusted(s3, tmp_path:
 @pytest.mark.parametrize("fault", ["2:upload", "0:upload"])
 def test_a_rank_killed_mid_upload_leaves_no_checkpoint(s3, tmp_path: Path, fault: str) -> None:
     """2 nodes x 2 ranks, bucket DST: rank 2 (node 1's staging maker), or rank 0, is killed with its first object
-    created (``CKPT_RANK_FAULT=R:upload``). No commit object: the prefix is no checkpoint (``ckpt verify``
-    refuses it); the surviving ranks removed every object they created, so what is left is at most the killed
-    rank's own (which nothing can prove ours); the killed rank's staging folder is removed by the surviving rank
-    of its node; SRC untouched; no rank left."""
+    created (``CKPT_RANK_FAULT=R:upload``). Nothing is left in the bucket: the surviving ranks removed every object
+    they created, and a surviving node's first rank the killed rank's own (each object carries the job's token, which
+    proves it the job's); the killed rank's staging folder is removed by the surviving rank of its node; SRC
+    untouched; no rank left (another writer's objects stay: tests/s3/test_sweep.py)."""
     import shutil
 
     src, staging = tmp_path / "src", tmp_path / "staging"
@@ -366,8 +366,7 @@ def test_a_rank_killed_mid_upload_leaves_no_checkpoint(s3, tmp_path: Path, fault
     runs = two_nodes("reshard", str(src), dst, *TARGET, CKPT_RANK_FAULT=fault, CKPT_S3_STAGING=str(staging))
     assert all(r.returncode != 0 for r in runs), [r.stderr[-2000:] for r in runs]
     keys = s3.keys("killed")
-    assert not any(k.endswith("metadata.json") for k in keys), keys
-    assert len(keys) <= 1 and all(k.rsplit("/", 1)[-1].startswith("__") for k in keys), keys
+    assert keys == [], keys
     v = one("verify", dst)
     assert v.returncode != 0, v.stdout
     assert list(staging.iterdir()) == []
@@ -506,8 +505,9 @@ def test_a_rank_killed_at_a_random_point_across_two_nodes(s3, tmp_path: Path, on
     point of the job (k drawn over every data file's write into staging and every object's upload, the commit's
     side files and commit object last), as the one-process upload test draws its points; seeds 1 and 4 fall in
     the commit (rank 0's side files and commit object; seed 1 kills rank 0 there). DST is absent (no commit
-    object: ``ckpt verify`` refuses the prefix; what is left is data objects, and side objects only where rank 0
-    died in its commit) or complete (one process's objects, ``verify --data`` passes); SRC untouched; no rank
+    object: ``ckpt verify`` refuses the prefix; what is left is data objects, only where the kill came after every
+    rank's upload (a kill during it leaves nothing: upload.sweep), and side objects only where rank 0 died in its
+    commit) or complete (one process's objects, ``verify --data`` passes); SRC untouched; no rank
     left; the staging holds at most proven dead writers' folders, and the next writer there removes them and
     succeeds. ``CKPT_KILL_SEEDS=N`` runs N seeds (12 passed)."""
     import shutil
