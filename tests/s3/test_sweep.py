@@ -53,3 +53,17 @@ def test_every_object_of_an_upload_carries_its_token(s3, tmp_path: Path) -> None
     keys = s3.keys("run/")
     assert len(keys) == 4 and {_metadata_owner(s3, k) for k in keys} == {up.owner}
     assert up.owner != upload.Upload(parse_location(s3.url("other"))).owner  # a fresh token per writer
+
+
+def test_only_the_exact_token_proves_an_object_ours(s3) -> None:
+    """Hostile metadata (another tool may set the same key): an empty value, the token's prefix, the token with
+    more after it, in capitals: every such object stays. (Spaces around the token are HTTP's to trim: such a
+    value is the token, and whoever wrote it knew the token.)"""
+    target = parse_location(s3.url("h"))
+    token = upload.new_owner()
+    values = ["", token[:-1], token + "0", token.upper(), "x" * 2000]
+    for i, v in enumerate(values):
+        s3.client.put_object(Bucket=s3.bucket, Key=f"h/__{i}_0.distcp", Body=b"z", Metadata={upload.OWNER_ATTRIBUTE: v})
+    s3.client.put_object(Bucket=s3.bucket, Key="h/mine", Body=b"z", Metadata={upload.OWNER_ATTRIBUTE: token})
+    assert upload.sweep(target, token) == ["h/mine"]
+    assert len(s3.keys("h/")) == len(values)
