@@ -24,12 +24,15 @@ from collections.abc import Callable
 
 import google_crc32c
 from tabulate import tabulate
+from zlib_ng import zlib_ng
 
 TITLE = "File checksums"
 BUFFER = 2 << 20
 
 ALGORITHMS: dict[str, Callable[[bytes], object]] = {
     "crc32 (zlib)": zlib.crc32,
+    # the zip records' CRC-32 as gtp_format.hashing.crc32 computes it: the same function, other libraries
+    "crc32 (zlib-ng)": zlib_ng.crc32,
     "crc32c (google-crc32c)": google_crc32c.value,
     "adler32 (zlib)": zlib.adler32,
     "sha256 (hashlib)": lambda b: hashlib.sha256(b).digest(),
