@@ -155,7 +155,7 @@ def check_muon(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
 
 def check_hash(p: subprocess.CompletedProcess[str], tmp: Path) -> None:
     head, *rows = _table(p.stdout)
-    assert head[0] == "algorithm" and len(rows) == 4
+    assert head[0] == "algorithm" and len(rows) == 5
     assert rows[0][0] == "crc32 (zlib)" and rows[0][2] == "1.00x"  # the baseline against itself
     assert all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows)
 
