@@ -11,6 +11,9 @@
 #                                      # reshard and export, HF <-> megatron-core (2 rounds each)
 #
 # Each stage has its own time limit, so a slow host still returns what finished (all output under OUT).
+# The lent image lacks some dependencies: carry their cp312 wheels (.whl, see .library/device/README.md) and install
+# them into the image's own python (pip install --no-index --no-deps --upgrade .whl/*.whl), not with --target:
+# the benchmarks start their commands with PYTHONPATH set to the repository alone.
 set -u
 OUT=${1:?OUT folder}
 WHAT=${2:?disk or more}
