@@ -63,7 +63,7 @@ def verify_command(
     ] = False,
     workers: Annotated[
         int | None,
-        typer.Option("--workers", min=1, max=64, show_default="one per core, at most 16",
+        typer.Option("--workers", min=1, max=64, show_default="one per core, at most 8 (16 for a bucket)",
                      help="Threads that read, hash and scan with --data."),
     ] = None,
     fmt: FormatOption = OutputFormat.table,

@@ -21,9 +21,10 @@ byte once, in order, and spreading the CPU work over the cores without leaving t
   59 MiB at 2 workers, 100 MiB at 16, 4 GB checkpoint), and at most ``HELD`` windows (64 MiB) wait
   for the in-order merge when a digest keeps them;
 * a chunk larger than a window is parsed from its first and last bytes at planning time, then
-  its elements are scanned window by window as they stream past; a warm window of its payload is read,
-  CRC'd and scanned in 512 KiB pieces of one buffer (:meth:`_FilePass._pieces`), each still in the core's
-  cache when checked;
+  its elements are scanned window by window as they stream past; with up to
+  :data:`gtp_format.check.data_read.PIECE_WORKERS` workers a warm window of its payload is read, CRC'd and
+  scanned in 512 KiB pieces of one buffer (:meth:`_FilePass._pieces`), each still in the core's cache when
+  checked; with more, in whole windows (each piece's calls hand the GIL over: the workers wait on each other);
 * from a bucket a window is one ranged request (:data:`gtp_format.storage.objects.PART`, 8 MiB), so
   a chunk up to that size is parsed from the bytes its window already holds: with 2 MiB windows every
   larger chunk cost two more requests for its structure (190 of the 226 ``GET`` s of a 304.8 MB
@@ -92,7 +93,12 @@ from gtp_format.storage.objects import PART, ObjectFile
 from gtp_format.storage.prefetch import ObjectStream
 
 WINDOW = 2 << 20
-MAX_WORKERS = 16
+MAX_WORKERS = 16  # a bucket's: each worker waits on its requests' round trips
+# A local file's: past this the workers wait on each other, not on the cores. Lent 16-core H100 host, 12.9 GB
+# dcp.save file warm, whole windows, one call, 2 rounds: 4 workers 1.37-1.48 s, 6 1.21-1.30, 8 1.09-1.12, 12
+# 1.37-1.49, 16 1.32-1.43 (cat 1.56-1.59), the CPU seconds the same (6.0-6.8) at every count; cold, 8 and 16
+# workers 7.13-7.41 and 6.92-7.48 s (cat 7.42-7.61).
+MAX_LOCAL_WORKERS = 8
 IN_FLIGHT = 4  # windows kept until their merge, per worker: enough that one slow window stalls nobody
 HELD = 32  # at most this many such windows in all (64 MiB), whatever the worker count
 BATCH = 4  # windows a worker takes at once when it keeps none of them (8 MiB), without spans
@@ -100,15 +106,16 @@ END_BYTES = 8 << 10  # what planning reads of each end of a chunk larger than a 
 
 
 
-def default_workers() -> int:
-    """One worker per core this process may run on, at most ``MAX_WORKERS`` (past that the disk or the
-    memory bus is the limit). The cores of its affinity, not of the machine: under ``taskset -c 0,1`` on
-    a 16-core host, 16 workers would take turns on 2 cores, each turn a hand-over of the GIL."""
+def default_workers(remote: bool = True) -> int:
+    """One worker per core this process may run on, at most ``MAX_WORKERS`` for a bucket and
+    ``MAX_LOCAL_WORKERS`` for local files (``remote`` False). The cores of its affinity, not of the machine:
+    under ``taskset -c 0,1`` on a 16-core host, 16 workers would take turns on 2 cores, each turn a hand-over
+    of the GIL."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(1, min(MAX_WORKERS, cores))
+    return max(1, min(MAX_WORKERS if remote else MAX_LOCAL_WORKERS, cores))
 
 
 @dataclass
@@ -166,11 +173,13 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
                 continue
             by_file[ref.file].append(Item(e, c, ref.offset, ref.offset + ref.length, records.get((e.key, c.index))))
     buffers = Buffers(WINDOW)  # shared by the files' passes: a file's buffers serve the next one
-    n = workers or ranks.cores_per_rank(default_workers())  # under torchrun: the host's cores shared by its ranks
+    remote = storage_for(ckpt.store).remote
+    # under torchrun: the host's cores shared by its ranks
+    n = workers or ranks.cores_per_rank(default_workers(remote))
     cold_direct = direct_reads(n)  # read here: a bad CKPT_VERIFY_DIRECT is one line before any file is opened
     span = span_bytes()  # likewise CKPT_VERIFY_SPAN_MIB
     spans = Spans(span, span_depth(span, n)) if span >= 2 * WINDOW else None
-    piece = piece_bytes()  # likewise CKPT_VERIFY_PIECE_KIB
+    piece = piece_bytes(n)  # likewise CKPT_VERIFY_PIECE_KIB
     passes = [_FilePass(ckpt, rel, sorted(by_file.get(rel, []), key=lambda i: (i.start, i.stop)),
                         hash_files.get(rel, []), buffers, cold_direct, spans, piece)
               for rel in sorted(by_file.keys() | hash_files.keys())]
@@ -188,7 +197,7 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
             out.append(found)
             tick(c.storage.length if c.storage is not None else 0)
         # a bucket's windows are PART bytes, not WINDOW: as many bytes pending as IN_FLIGHT windows of 8 workers
-        bucket = storage_for(ckpt.store).remote
+        bucket = remote
         in_flight = max(2, HELD * WINDOW // PART) if bucket else min(HELD, IN_FLIGHT * n)
         with ThreadPoolExecutor(n, "ckpt-data") as pool:
             # a bucket's step holds a whole request (PART) while it runs: there every task counts as held

@@ -200,3 +200,17 @@ def test_a_bad_piece_is_one_line_and_exit_2(tmp_path: Path, value: str, monkeypa
     err = capsys.readouterr().err.strip()
     assert data_read.PIECE_ENV in err and "KiB" in err and "Traceback" not in err
     assert "\n" not in err and "\x1b" not in err and len(err) < 400, err
+
+
+def test_the_default_piece_follows_the_workers(monkeypatch) -> None:
+    """Unset, pieces of PIECE up to PIECE_WORKERS workers and whole windows above (each piece hands the GIL back and
+    takes it again four times: many workers wait on each other); a value set is taken at any worker count. A local
+    file's default workers stop at MAX_LOCAL_WORKERS, a bucket's at MAX_WORKERS."""
+    monkeypatch.delenv(data_read.PIECE_ENV, raising=False)
+    assert [data_read.piece_bytes(w) for w in (1, data_read.PIECE_WORKERS)] == [data_read.PIECE] * 2
+    assert [data_read.piece_bytes(w) for w in (data_read.PIECE_WORKERS + 1, 16, 64)] == [0, 0, 0]
+    monkeypatch.setenv(data_read.PIECE_ENV, "256")
+    assert data_read.piece_bytes(16) == data_read.piece_bytes(1) == 256 << 10
+    monkeypatch.setattr(data_check.os, "sched_getaffinity", lambda _: set(range(32)))
+    assert data_check.default_workers(remote=False) == data_check.MAX_LOCAL_WORKERS
+    assert data_check.default_workers(remote=True) == data_check.MAX_WORKERS
