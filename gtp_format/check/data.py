@@ -197,12 +197,11 @@ def check_data(ckpt: Checkpoint, hash_files: dict[str, list[str]], progress: Pro
             out.append(found)
             tick(c.storage.length if c.storage is not None else 0)
         # a bucket's windows are PART bytes, not WINDOW: as many bytes pending as IN_FLIGHT windows of 8 workers
-        bucket = remote
-        in_flight = max(2, HELD * WINDOW // PART) if bucket else min(HELD, IN_FLIGHT * n)
+        in_flight = max(2, HELD * WINDOW // PART) if remote else min(HELD, IN_FLIGHT * n)
         with ThreadPoolExecutor(n, "ckpt-data") as pool:
             # a bucket's step holds a whole request (PART) while it runs: there every task counts as held
-            _run(passes, pool, in_flight, report, tick, in_flight if bucket else max(2, 2 * n),
-                 1 if bucket else batch)
+            _run(passes, pool, in_flight, report, tick, in_flight if remote else max(2, 2 * n),
+                 1 if remote else batch)
         return out + [fp.found for fp in passes]
 
     if group is None:
